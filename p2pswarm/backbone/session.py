@@ -1,0 +1,138 @@
+"""Stand up a backbone with N expert workers on this host: slice shards, start workers, connect.
+
+``open_backbone(model, workers=N, transport=...)`` is what `p2pswarm logits`, `generate` and `demo`
+use. With ``workers=0`` it is the monolithic run (M0): every expert computed by the backbone's own
+replica. With N > 0 the experts of every layer are split into N contiguous ranges (sizes differing
+by at most one), each cut into a shard mini-GGUF and served by one worker, either in this process
+(``inproc``) or as a separate OS process on a local socket (``socket``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner, Owner
+from p2pswarm.backbone.runner import Backbone
+from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.errors import UserError
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.model.slicer import slice_experts, split_ranges
+from p2pswarm.worker.expert_worker import ExpertWorker
+
+log = logging.getLogger("p2pswarm.backbone")
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("P2PSWARM_CACHE") or Path.home() / ".cache" / "p2pswarm")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def ensure_shards(layout: ModelLayout, fingerprint: str, n_workers: int, shard_dir: Path | None = None) -> list[Path]:
+    """Shard files for N workers (all layers, experts split evenly); reused when already cut."""
+    shard_dir = Path(shard_dir or cache_dir() / "shards" / fingerprint[:16])
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    layers = layout.expert_layers
+    paths = []
+    for e0, e1 in split_ranges(layout.n_expert, n_workers):
+        path = shard_dir / f"layers{layers[0]}-{layers[-1]}_experts{e0}-{e1 - 1}.gguf"
+        if not path.exists():
+            slice_experts(layout.path, path, (layers[0], layers[-1] + 1), (e0, e1), layout=layout,
+                          fingerprint=fingerprint)
+            log.info("cut shard %s", path.name)
+        paths.append(path)
+    return paths
+
+
+@dataclass
+class WorkerProcess:
+    """A `p2pswarm worker` OS process serving one shard on 127.0.0.1."""
+
+    proc: subprocess.Popen
+    host: str
+    port: int
+    shard: Path
+
+    @classmethod
+    def start(cls, shard: Path, timeout_s: float = 60.0, extra_args: list[str] | None = None) -> "WorkerProcess":
+        cmd = [sys.executable, "-m", "p2pswarm.cli", "worker", "--shard", str(shard), "--listen", "127.0.0.1:0",
+               *(extra_args or [])]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        line: list[str] = []
+        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+        if not line or not line[0].startswith("READY "):
+            proc.kill()
+            proc.wait()
+            raise UserError(f"worker for {shard.name} did not start (exit code {proc.returncode})")
+        host, port = line[0].split()[1].rsplit(":", 1)
+        return cls(proc, host, int(port), shard)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class LocalSwarm:
+    backbone: Backbone
+    fingerprint: str
+    workers: list[WorkerProcess]
+    owners: list[Owner]
+
+
+@asynccontextmanager
+async def open_backbone(model_path, *, workers: int = 0, transport: str = "socket", shard_dir=None,
+                        fallback: bool = True, timeout_s: float = 30.0):
+    """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers."""
+    layout = ModelLayout.open(model_path)
+    if layout.shard_kind is not None:
+        raise UserError(f"{layout.path}: is a {layout.shard_kind} shard; give the full model")
+    model = load_dense(layout)
+    bank = ExpertBank(layout)
+    fingerprint = model_fingerprint(layout)
+    procs: list[WorkerProcess] = []
+    owners: list[Owner] = []
+    try:
+        if workers > 0:
+            shards = await trio.to_thread.run_sync(ensure_shards, layout, fingerprint, workers, shard_dir)
+            for i, shard in enumerate(shards):
+                worker_name = f"worker{i}"
+                if transport == "inproc":
+                    owners.append(InProcessOwner(ExpertWorker(shard), worker_name))
+                elif transport == "socket":
+                    wp = await trio.to_thread.run_sync(WorkerProcess.start, shard)
+                    procs.append(wp)
+                    info = ExpertWorker.describe_shard(shard)
+                    owners.append(SocketOwner(
+                        worker_name, wp.host, wp.port, model_fingerprint=fingerprint, kernel=bank.kernel,
+                        layers=(info.layer_begin, info.layer_end), experts=(info.expert_begin, info.expert_end),
+                        timeout_s=timeout_s,
+                    ))
+                else:
+                    raise UserError(f"unknown transport {transport!r} (use socket or inproc)")
+        dispatcher = Dispatcher(bank, owners, fallback=fallback)
+        yield LocalSwarm(Backbone(model, dispatcher), fingerprint, procs, owners)
+    finally:
+        for o in owners:
+            with trio.CancelScope(shield=True):
+                await o.aclose()
+        for wp in procs:
+            wp.stop()

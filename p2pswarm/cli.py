@@ -1,0 +1,75 @@
+"""The one entry point: ``p2pswarm <command> ...``.
+
+Each command lives in its own module under ``p2pswarm/commands/`` and exports
+``add_parser(subparsers)`` and ``run(args) -> int``. This file only wires them up and turns the
+project's expected failures (:class:`p2pswarm.errors.UserError`) into one clear line on stderr and a
+non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from p2pswarm.errors import UserError
+
+# Order is the order `p2pswarm --help` lists them in.
+COMMANDS = [
+    "demo",
+    "make_model",
+    "slice",
+    "tokenize",
+    "logits",
+    "generate",
+    "worker",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2pswarm",
+        description="Serve a Mixture-of-Experts model from a swarm, cut at the grain of one expert.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMANDS:
+        module = importlib.import_module(f"p2pswarm.commands.{name}")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"p2pswarm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:  # trio nurseries wrap errors; show the first one plainly
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        if isinstance(leaf, UserError):
+            print(f"p2pswarm {args.command}: error: {leaf}", file=sys.stderr)
+            return 2
+        if isinstance(leaf, KeyboardInterrupt):
+            print(f"p2pswarm {args.command}: interrupted", file=sys.stderr)
+            return 130
+        raise
+    except KeyboardInterrupt:
+        print(f"p2pswarm {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

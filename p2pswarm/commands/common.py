@@ -1,0 +1,29 @@
+"""Argument helpers shared by the commands that run a model (logits, generate, demo)."""
+from __future__ import annotations
+
+from p2pswarm.errors import UserError
+
+
+def add_swarm_args(p) -> None:
+    p.add_argument("--workers", type=int, default=0,
+                   help="expert workers to split the experts among (0 = monolithic, the default)")
+    p.add_argument("--transport", choices=("socket", "inproc"), default="socket",
+                   help="workers as separate OS processes on local sockets (default) or in this process")
+    p.add_argument("--no-fallback", action="store_true",
+                   help="fail instead of recomputing a failed worker's experts on the local replica")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a worker's reply")
+
+
+def parse_ids(text: str, what: str = "--tokens") -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise UserError(f"bad {what} {text[:40]!r}: expected comma-separated integers like 1,2,3") from None
+    if not ids:
+        raise UserError(f"{what} is empty")
+    return ids
+
+
+def check_workers(n: int) -> None:
+    if n < 0:
+        raise UserError("--workers must be >= 0")

@@ -1,0 +1,117 @@
+"""`p2pswarm demo`: the whole M0+M1 story in one command, no arguments needed.
+
+1. makes the tiny model if missing (with the real Qwen3.5 vocabulary when it can be had),
+2. slices it into one shard per worker (each holds only its own experts),
+3. starts the workers as separate OS processes on local sockets,
+4. generates text through them, printing per-step dispatch stats,
+5. checks the logits against the monolithic run (prefill and token-by-token decode) and prints
+   the verdict; the exit code is non-zero if they differ.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from p2pswarm.backbone.generate import generate
+from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.backbone.session import cache_dir, open_backbone
+from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.errors import UserError
+
+log = logging.getLogger("p2pswarm.demo")
+DEFAULT_PROMPT = "A swarm of phones serves one large model:"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="make a tiny model, split it across worker processes, generate, check exactness")
+    p.add_argument("--model", help="use this MoE GGUF instead of the built-in tiny model")
+    p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--transport", choices=("socket", "inproc"), default="socket")
+    p.set_defaults(func=run)
+
+
+def default_model() -> Path:
+    """The demo's tiny model, made once and kept in the cache directory."""
+    from p2pswarm.model.synth import make_model
+
+    d = cache_dir() / "demo"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "tiny-qwen3moe-qwen35vocab.gguf"
+    if path.exists():
+        return path
+    vocab = None
+    try:
+        from p2pswarm.model.vocab import qwen35_vocab_path
+
+        print("fetching the Qwen3.5 vocabulary (llama.cpp's test vocab, from the llama-cpp-python sdist)...")
+        vocab = qwen35_vocab_path()
+    except UserError as exc:
+        print(f"  could not get it ({exc}); using the built-in small vocabulary instead")
+        path = d / "tiny-qwen3moe.gguf"
+        if path.exists():
+            return path
+    print(f"making the tiny model -> {path}")
+    make_model(path, preset="tiny", qtype="f32", vocab=vocab, seed=0)
+    return path
+
+
+async def _demo(args) -> int:
+    model = Path(args.model) if args.model else await trio.to_thread.run_sync(default_model)
+    tok = Tokenizer.from_gguf(model)
+    prompt_ids = tok.encode(args.prompt)
+    print(f"model: {model}")
+    print(f"prompt: {args.prompt!r} -> {len(prompt_ids)} tokens")
+
+    async with open_backbone(model, workers=args.workers, transport=args.transport) as swarm:
+        m = swarm.backbone.model
+        print(f"backbone: {m.arch}, {m.n_layer} layers, {m.n_expert} experts/layer (top-{m.n_expert_used}), "
+              f"n_embd {m.n_embd}, vocab {m.n_vocab}; model fingerprint {swarm.fingerprint[:12]}")
+        for wp, owner in zip(swarm.workers, swarm.owners):
+            size = wp.shard.stat().st_size
+            print(f"  {owner.name}: pid {wp.proc.pid} on {wp.host}:{wp.port}, experts "
+                  f"{owner.experts[0]}-{owner.experts[1] - 1} of layers {owner.layers[0]}-{owner.layers[1] - 1}, "
+                  f"shard {size / 1e6:.1f} MB")
+        print()
+        print(f"{'step':>4} {'token':>7}  {'text':<16} {'requests':>8} {'rows':>5} {'dispatch ms':>11} {'step ms':>8}")
+        generated: list[int] = []
+        t0 = time.perf_counter()
+        async for step in generate(swarm.backbone, tok, prompt_ids, max_tokens=args.max_tokens,
+                                   sampler=Sampler(0.0)):
+            generated.append(step.token)
+            d = step.dispatch
+            print(f"{step.index:>4} {step.token:>7}  {step.text!r:<16.16} {d.requests:>8} {d.remote_rows:>5} "
+                  f"{d.seconds * 1000:>11.1f} {step.seconds * 1000:>8.1f}")
+        elapsed = time.perf_counter() - t0
+        print(f"\ntext: {args.prompt}{tok.decode(generated)}")
+        print(f"{len(generated)} tokens in {elapsed:.2f} s through {args.workers} workers "
+              f"({swarm.backbone.dispatcher.stats.fallbacks} fallbacks)")
+        seq = prompt_ids + generated[:-1] if len(generated) > 1 else prompt_ids
+        split_prefill = await swarm.backbone.logits(seq)
+        split_decode = await swarm.backbone.logits(seq, decode=True)
+
+    async with open_backbone(model, workers=0) as mono:
+        mono_prefill = await mono.backbone.logits(seq)
+        mono_decode = await mono.backbone.logits(seq, decode=True)
+
+    ok = True
+    for what, a, b in (("prefill", split_prefill, mono_prefill), ("decode", split_decode, mono_decode)):
+        same = np.array_equal(a, b)
+        ok &= same
+        print(f"exactness, {what:7}: split ({args.workers} workers) vs monolithic over {len(seq)} positions: "
+              f"{'bit-identical' if same else 'DIFFERENT'} (max |diff| {float(np.max(np.abs(a - b))):.3g})")
+    print("OK: the split run's logits equal the monolithic run's." if ok else "FAIL: logits differ.")
+    return 0 if ok else 1
+
+
+def run(args) -> int:
+    if args.workers < 1:
+        raise UserError("--workers must be >= 1 for the demo")
+    sys.stdout.reconfigure(line_buffering=True)
+    return trio.run(_demo, args)

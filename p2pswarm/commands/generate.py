@@ -1,0 +1,62 @@
+"""`p2pswarm generate MODEL.gguf --prompt "..." [--workers N]`: stream generated text."""
+from __future__ import annotations
+
+import sys
+
+import trio
+
+from p2pswarm.backbone.generate import generate
+from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.backbone.session import open_backbone
+from p2pswarm.commands.common import add_swarm_args, check_workers
+from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text, greedy or sampled, monolithic or through workers")
+    p.add_argument("model")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stats", action="store_true", help="print per-step dispatch stats to stderr")
+    add_swarm_args(p)
+    p.set_defaults(func=run)
+
+
+async def _run(args) -> None:
+    tok = Tokenizer.from_gguf(args.model)
+    ids = tok.encode(args.prompt)
+    if not ids:
+        raise UserError("the prompt tokenizes to nothing")
+    sampler = Sampler(args.temperature, args.top_p, args.seed)
+    async with open_backbone(args.model, workers=args.workers, transport=args.transport,
+                             fallback=not args.no_fallback, timeout_s=args.timeout) as swarm:
+        sys.stdout.write(args.prompt)
+        sys.stdout.flush()
+        n, secs = 0, 0.0
+        async for step in generate(swarm.backbone, tok, ids, max_tokens=args.max_tokens, sampler=sampler):
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+            n += 1
+            secs += step.seconds
+            if args.stats:
+                d = step.dispatch
+                print(f"\n[step {step.index}: token {step.token}, {step.seconds * 1000:.1f} ms, "
+                      f"{d.requests} requests, {d.remote_rows} remote rows, {d.fallbacks} fallbacks]",
+                      file=sys.stderr)
+        sys.stdout.write("\n")
+        print(f"{n} tokens in {secs:.2f} s ({n / max(secs, 1e-9):.1f} tokens/s), {args.workers} workers",
+              file=sys.stderr)
+
+
+def run(args) -> int:
+    check_workers(args.workers)
+    if args.max_tokens < 1:
+        raise UserError("--max-tokens must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UserError("--temperature must be >= 0 and --top-p in (0, 1]")
+    trio.run(_run, args)
+    return 0

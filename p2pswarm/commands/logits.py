@@ -1,0 +1,54 @@
+"""`p2pswarm logits MODEL.gguf --tokens 1,2,3 --out L.npy [--workers N] [--decode]`.
+
+All-position logits as float32 [n_tokens, n_vocab]. ``--workers 0`` is the monolithic run; N > 0
+splits the experts among N workers. ``--decode`` feeds the tokens one at a time through the KV
+cache instead of one prefill. This is the command anyone uses to check exactness: run it twice and
+compare the files.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from p2pswarm.backbone.session import open_backbone
+from p2pswarm.commands.common import add_swarm_args, check_workers, parse_ids
+from p2pswarm.errors import UserError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("logits", help="all-position logits of a token sequence, saved as .npy")
+    p.add_argument("model")
+    p.add_argument("--tokens", required=True, help="comma-separated token ids")
+    p.add_argument("--out", required=True, help="output .npy file (float32 [n_tokens, n_vocab])")
+    p.add_argument("--decode", action="store_true", help="token by token through the KV cache")
+    add_swarm_args(p)
+    p.set_defaults(func=run)
+
+
+async def compute_logits(model, tokens, *, workers=0, transport="socket", decode=False, fallback=True,
+                         timeout_s=30.0):
+    async with open_backbone(model, workers=workers, transport=transport, fallback=fallback,
+                             timeout_s=timeout_s) as swarm:
+        logits = await swarm.backbone.logits(tokens, decode=decode)
+        return logits, swarm.backbone.dispatcher.stats
+
+
+def run(args) -> int:
+    check_workers(args.workers)
+    tokens = parse_ids(args.tokens)
+    out = Path(args.out)
+    if not out.parent.exists():
+        raise UserError(f"{out.parent}: output directory does not exist")
+    logits, stats = trio.run(lambda: compute_logits(
+        args.model, tokens, workers=args.workers, transport=args.transport, decode=args.decode,
+        fallback=not args.no_fallback, timeout_s=args.timeout))
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}.npy")
+    np.save(tmp, logits.astype(np.float32, copy=False))
+    os.replace(tmp, out)
+    print(f"wrote {out}: logits {logits.shape[0]} x {logits.shape[1]} float32 "
+          f"({'decode' if args.decode else 'prefill'}, {args.workers} workers, {stats.requests} expert requests, "
+          f"{stats.fallbacks} fallbacks)")
+    return 0

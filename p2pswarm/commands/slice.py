@@ -1,0 +1,33 @@
+"""`p2pswarm slice MODEL.gguf --layers A-B --experts C-D -o shard.gguf` / `--backbone -o backbone.gguf`."""
+from __future__ import annotations
+
+from p2pswarm.errors import UserError
+from p2pswarm.model.slicer import parse_range, slice_backbone, slice_experts
+from p2pswarm.progress import ProgressBar
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("slice", help="cut an expert shard (or the backbone) out of a MoE GGUF by byte-range copy")
+    p.add_argument("model", help="source MoE GGUF")
+    p.add_argument("--layers", help="layer range A-B, inclusive (default: all)")
+    p.add_argument("--experts", help="expert range C-D, inclusive")
+    p.add_argument("--backbone", action="store_true", help="write everything except the routed experts")
+    p.add_argument("-o", "--output", required=True, help="output GGUF")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    bar = ProgressBar("slice", unit="B")
+    if args.backbone:
+        if args.experts or args.layers:
+            raise UserError("--backbone takes no --layers/--experts: it keeps every layer's dense part")
+        res = slice_backbone(args.model, args.output, progress=bar.update)
+    else:
+        if not args.experts:
+            raise UserError("give --experts C-D (or --backbone)")
+        layers = parse_range(args.layers, "layer") if args.layers else None
+        res = slice_experts(args.model, args.output, layers, parse_range(args.experts, "expert"), progress=bar.update)
+    bar.close()
+    print(f"wrote {res.path}: {len(res.tensors)} tensors, {res.nbytes / 1e6:.1f} MB of tensor data "
+          f"(model {res.source_fingerprint[:12]})")
+    return 0

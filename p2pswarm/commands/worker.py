@@ -1,0 +1,60 @@
+"""`p2pswarm worker --shard S --listen HOST:PORT`: serve one expert shard on a local socket.
+
+Prints ``READY host:port`` on stdout once listening (port 0 picks a free one), so a parent process
+knows where to connect; logs go to stderr. Stops cleanly on SIGINT/SIGTERM.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import trio
+
+from p2pswarm.errors import UserError
+from p2pswarm.net.framing import DEFAULT_MAX_FRAME
+from p2pswarm.worker.expert_worker import ExpertWorker
+from p2pswarm.worker.server import serve_tcp
+
+log = logging.getLogger("p2pswarm.worker")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("worker", help="serve an expert shard to a backbone over a local socket")
+    p.add_argument("--shard", required=True, help="expert shard GGUF cut by `p2pswarm slice`")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1:0)")
+    p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
+                   help=f"largest frame accepted, in bytes (default {DEFAULT_MAX_FRAME})")
+    p.set_defaults(func=run)
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise UserError(f"bad --listen {text!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+async def _main(worker: ExpertWorker, host: str, port: int, max_frame: int) -> None:
+    def ready(h, p):
+        log.info("serving %s on %s:%d", worker.info.describe(), h, p)
+        print(f"READY {h}:{p}", flush=True)
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: serve_tcp(worker, host, port, ready=ready, max_frame=max_frame))
+            async for sig in signals:
+                log.info("signal %s: shutting down", signal.Signals(sig).name)
+                nursery.cancel_scope.cancel()
+                break
+
+
+def run(args) -> int:
+    host, port = parse_hostport(args.listen)
+    worker = ExpertWorker(args.shard)
+    try:
+        trio.run(_main, worker, host, port, args.max_frame)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
+    sys.stdout.flush()
+    return 0

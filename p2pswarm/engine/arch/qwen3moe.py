@@ -1,0 +1,127 @@
+"""The dense path of ``qwen3moe``: everything of a layer except the routed experts.
+
+The backbone's layer loop (``p2pswarm.backbone.runner``) calls, per layer::
+
+    h   = model.pre_moe(il, h, state, pos0)   # x + attention(attn_norm(x)), KV cache updated
+    cur = model.ffn_input(il, h)              # ffn_norm(h): the rows sent to the experts
+    ids, w = model.route(il, cur)             # softmax -> top-k -> renormalise (authoritative)
+    ... experts computed wherever they live, combined in top-k order ...
+    h   = model.post_moe(il, h, cur, moe)     # residual (+ shared expert in other archs)
+
+Any other architecture provides the same methods (``qwen35moe`` beside this file).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from p2pswarm.engine import ops
+from p2pswarm.engine.state import KVCache, SequenceState
+from p2pswarm.engine.weights import to_float32
+from p2pswarm.errors import ModelFormatError, UserError
+from p2pswarm.model.layout import ModelLayout
+
+F32 = np.float32
+
+
+class DenseWeights:
+    """Dense tensors of a model as float32, dequantised once and kept (the dense path is hot)."""
+
+    def __init__(self, layout: ModelLayout):
+        self.layout = layout
+        self._by_name = {t.name: t for t in layout.reader.tensors}
+        self._cache: dict[str, np.ndarray] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        arr = self._cache.get(name)
+        if arr is None:
+            t = self._by_name.get(name)
+            if t is None:
+                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            arr = to_float32(t.data.reshape(-1) if t.data.ndim else t.data, t.tensor_type, shape, name)
+            self._cache[name] = arr
+        return arr
+
+
+class Qwen3MoE:
+    """qwen3moe: GQA attention with per-head q/k RMSNorm and NEOX RoPE; routed experts, no shared one."""
+
+    arch = "qwen3moe"
+
+    def __init__(self, layout: ModelLayout):
+        self.layout = layout
+        hp = lambda k, d=None: layout.hparam(k, d, required=d is None)  # noqa: E731
+        self.n_layer = int(hp("block_count"))
+        self.n_embd = int(hp("embedding_length"))
+        self.n_head = int(hp("attention.head_count"))
+        self.n_head_kv = int(hp("attention.head_count_kv", self.n_head))
+        self.head_dim = int(hp("attention.key_length", self.n_embd // self.n_head))
+        self.n_rot = int(hp("rope.dimension_count", self.head_dim))
+        self.rope_base = float(hp("rope.freq_base", 10000.0))
+        self.eps = float(hp("attention.layer_norm_rms_epsilon"))
+        self.n_expert = int(hp("expert_count"))
+        self.n_expert_used = int(hp("expert_used_count"))
+        self.n_ctx_train = int(hp("context_length", 4096))
+        self.w = DenseWeights(layout)
+        tied = not self.w.has("output.weight")
+        self.output_name = "token_embd.weight" if tied else "output.weight"
+        self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
+        self._check_tensors()
+
+    def _check_tensors(self) -> None:
+        need = ["token_embd.weight", "output_norm.weight"]
+        for il in range(self.n_layer):
+            need += [
+                f"blk.{il}.{n}.weight"
+                for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                          "ffn_norm", "ffn_gate_inp")
+            ]
+        for name in need:
+            if not self.w.has(name):
+                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
+
+    # ---- per sequence ---------------------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        return SequenceState(kv={il: KVCache(self.n_head_kv, self.head_dim) for il in range(self.n_layer)})
+
+    # ---- the layer pieces -----------------------------------------------------------------
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
+            bad = int(tokens[(tokens < 0) | (tokens >= self.n_vocab)][0])
+            raise UserError(f"token id {bad} out of range: the vocabulary has ids 0-{self.n_vocab - 1}")
+        return np.ascontiguousarray(self.w["token_embd.weight"][tokens], dtype=F32)
+
+    def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
+        w = self.w
+        p = f"blk.{il}."
+        T = h.shape[0]
+        x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
+        q = ops.matmul(x, w[p + "attn_q.weight"]).reshape(T, self.n_head, self.head_dim)
+        k = ops.matmul(x, w[p + "attn_k.weight"]).reshape(T, self.n_head_kv, self.head_dim)
+        v = ops.matmul(x, w[p + "attn_v.weight"]).reshape(T, self.n_head_kv, self.head_dim)
+        q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
+        k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
+        pos = np.arange(pos0, pos0 + T)
+        q = ops.rope_neox(q, pos, self.n_rot, self.rope_base)
+        k = ops.rope_neox(k, pos, self.n_rot, self.rope_base)
+        keys, values = state.kv[il].append(k, v)
+        att = ops.attention(q, keys, values, pos0).reshape(T, self.n_head * self.head_dim)
+        return h + ops.matmul(np.ascontiguousarray(att), w[p + "attn_output.weight"])
+
+    def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.ffn_norm.weight"], self.eps))
+
+    def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logits = ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"])
+        return ops.route_topk(logits, self.n_expert_used)
+
+    def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
+        return h + moe
+
+    def output(self, h: np.ndarray) -> np.ndarray:
+        x = ops.rms_norm(h, self.w["output_norm.weight"], self.eps)
+        return ops.matmul(x, self.w[self.output_name]).astype(F32, copy=False)

@@ -1,0 +1,92 @@
+"""ExpertBank: the routed experts a node holds, and the one function that computes them.
+
+``ExpertBank.forward(layer, expert, rows)`` is the same code in the monolithic run, in a worker
+process and in the backbone's fallback replica. Bit-equality of the split run follows from calling
+it on the same row groups (the backbone decides the groups, in token order) with the same weights.
+
+A bank is built from any GGUF the model map understands: the full model (all experts) or an expert
+shard (a contiguous block of experts of some layers). Expert ids are always *global* ids of the
+source model; a shard translates them to its local slabs.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from p2pswarm.engine import ops
+from p2pswarm.engine.weights import ByteBoundedCache, to_float32
+from p2pswarm.errors import UserError
+from p2pswarm.model.layout import ModelLayout
+
+DEFAULT_CACHE_BYTES = int(os.environ.get("P2PSWARM_EXPERT_CACHE_MB", "2048")) << 20
+
+
+class ExpertBank:
+    """Routed experts of some layers and an expert range, computed in numpy on float32."""
+
+    kernel = "numpy"
+
+    def __init__(self, layout: ModelLayout, *, cache_bytes: int = DEFAULT_CACHE_BYTES):
+        self.layout = layout
+        self.cache = ByteBoundedCache(cache_bytes)
+        self.layers = frozenset(layout.expert_layers)
+        self.expert_begin = layout.expert_begin
+        self.expert_end = layout.expert_end
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], **kw) -> "ExpertBank":
+        return cls(ModelLayout.open(path), **kw)
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return layer in self.layers and self.expert_begin <= expert < self.expert_end
+
+    def _weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if not self.holds(layer, expert):
+            raise UserError(
+                f"expert {expert} of layer {layer} is not held here "
+                f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
+            )
+        return self.cache.get((layer, expert), lambda: self._load(layer, expert), _cost)
+
+    def _load(self, layer: int, expert: int):
+        tensors = self.layout.expert_tensors[layer]
+        local = expert - self.expert_begin
+        data = self.layout.reader.data
+
+        def slab(kind: str) -> np.ndarray:
+            t = tensors[kind]
+            off, n = t.slab(local)
+            return to_float32(data[off : off + n], t.ggml_type, t.shape[1:], t.name)
+
+        if "gate_up" in tensors:
+            gu = slab("gate_up")
+            ff = gu.shape[0] // 2
+            gate, up = gu[:ff], gu[ff:]
+        else:
+            gate, up = slab("gate"), slab("up")
+        return gate, up, slab("down")
+
+    def forward(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
+        """down(silu(gate x) * (up x)) for rows (n, n_embd) float32 -> (n, n_embd) float32."""
+        gate, up, down = self._weights(layer, expert)
+        return ops.swiglu_expert(rows, gate, up, down)
+
+    def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        """Every (expert, row indices) group of one layer: rows[idx] through that expert, in order."""
+        return [self.forward(layer, e, np.ascontiguousarray(rows[idx])) for e, idx in groups]
+
+
+def _cost(value) -> int:
+    # F32 weights are views of the memory map: no private memory.
+    return sum(0 if _is_mmap_view(a) else a.nbytes for a in value)
+
+
+def _is_mmap_view(a: np.ndarray) -> bool:
+    base = a
+    while isinstance(base, np.ndarray) and base.base is not None:
+        if isinstance(base, np.memmap):
+            return True
+        base = base.base
+    return isinstance(base, np.memmap) or type(base).__name__ == "mmap"
+

@@ -1,0 +1,95 @@
+"""The numeric building blocks, float32 throughout, written to follow llama.cpp's CPU kernels.
+
+Every function is pure numpy on float32 arrays (no I/O, no network). Where llama.cpp accumulates
+in double (RMSNorm's sum of squares) we do too, so our F32 logits sit within ~1e-5 of llama.cpp's.
+Shapes are numpy's: a weight W is (out, in), activations are (tokens, features).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (sum of squares in float64)."""
+    ms = np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True).astype(F32)
+    y = x * (F32(1.0) / np.sqrt(ms + F32(eps)))
+    return y if weight is None else y * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (F32(1.0) + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return F32(1.0) / (F32(1.0) + np.exp(-x))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (T, in) @ W^T with W (out, in): the one mat-mul every layer uses."""
+    return x @ w.T
+
+
+def rope_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float) -> np.ndarray:
+    """NEOX-style rotary embedding on the first ``n_rot`` dims of each head.
+
+    x: (T, H, hd); pairs are (i, i + n_rot/2). Dims >= n_rot pass through unrotated.
+    """
+    half = n_rot // 2
+    inv = np.power(np.float64(base), -2.0 * np.arange(half, dtype=np.float64) / n_rot)
+    theta = positions.astype(np.float64)[:, None] * inv[None, :]  # (T, half)
+    cos = np.cos(theta).astype(F32)[:, None, :]
+    sin = np.sin(theta).astype(F32)[:, None, :]
+    x0 = x[..., :half]
+    x1 = x[..., half:n_rot]
+    out = x.copy()
+    out[..., :half] = x0 * cos - x1 * sin
+    out[..., half:n_rot] = x0 * sin + x1 * cos
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int) -> np.ndarray:
+    """Causal grouped-query attention.
+
+    q: (T, H, hd) for positions q_pos0..q_pos0+T-1; k, v: (S, Hkv, hd) for positions 0..S-1.
+    Query head j reads KV head j // (H / Hkv). Returns (T, H, hd).
+    """
+    T, H, hd = q.shape
+    S, Hkv, _ = k.shape
+    group = H // Hkv
+    scale = F32(1.0 / np.sqrt(hd))
+    kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # (H, S, hd)
+    vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
+    qh = q.transpose(1, 0, 2)  # (H, T, hd)
+    scores = (qh @ kh.transpose(0, 2, 1)) * scale  # (H, T, S)
+    qpos = q_pos0 + np.arange(T)[:, None]
+    mask = np.arange(S)[None, :] > qpos  # (T, S): future keys
+    scores = np.where(mask[None, :, :], F32(-np.inf), scores)
+    probs = softmax(scores, axis=-1)
+    out = probs @ vh  # (H, T, hd)
+    return out.transpose(1, 0, 2)
+
+
+def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Router: softmax over all experts -> top-k by probability (descending) -> renormalise.
+
+    Returns (ids (T, k) int64, weights (T, k) float32). Ties keep the lower expert id first.
+    The renormalising sum is clamped below at 2^-14 as llama.cpp does.
+    """
+    probs = softmax(logits.astype(F32, copy=False), axis=-1)
+    order = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    sel = np.take_along_axis(probs, order, axis=-1)
+    total = np.maximum(np.sum(sel, axis=-1, keepdims=True), F32(6.103515625e-5))
+    return order.astype(np.int64), (sel / total).astype(F32)
+
+
+def swiglu_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
+    """down(silu(gate x) * (up x)) for rows x (n, E): the whole work of one expert."""
+    return matmul(silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)

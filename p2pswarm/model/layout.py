@@ -1,0 +1,231 @@
+"""Where everything is in a MoE GGUF: hyper-parameters and the byte range of every routed expert.
+
+The whole design rests on one fact of the GGUF format: a routed-expert tensor
+(``blk.N.ffn_{gate,up,down,gate_up}_exps.weight``) stores the expert index in ne[2], the
+outermost dimension. So expert ``e`` of such a tensor is one contiguous slab of bytes,
+``[data_offset + e * nb2, data_offset + (e + 1) * nb2)``, aligned to quantisation blocks. A slice
+of experts is a byte-range copy, whatever the quantisation type.
+
+Nothing here is specific to one architecture: qwen3moe, qwen2moe, qwen35moe, olmoe and
+mixtral-as-llama all name and lay out their experts the same way. :data:`MOE_ARCHITECTURES` is the
+allow-list of architectures we have checked, so an unknown one fails loudly instead of being
+silently mis-read.
+
+The file is memory-mapped by :class:`gguf.GGUFReader`; nothing here reads tensor data.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from p2pswarm.errors import ModelFormatError
+
+# Architectures whose routed experts follow the layout above.
+MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral")
+
+# `blk.<layer>.ffn_<kind>_exps.<weight|bias>`; kind "gate_up" is the fused gate+up tensor
+# (gate rows first) some architectures use.
+EXPERT_TENSOR_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)$")
+
+# Keys our own tools add to the files they write.
+KEY_SHARD_KIND = "p2pswarm.shard.kind"  # "experts" | "backbone"
+KEY_SOURCE_FINGERPRINT = "p2pswarm.source.fingerprint"
+KEY_LAYER_BEGIN = "p2pswarm.shard.layer_begin"
+KEY_LAYER_END = "p2pswarm.shard.layer_end"  # exclusive
+KEY_EXPERT_BEGIN = "p2pswarm.shard.expert_begin"
+KEY_EXPERT_END = "p2pswarm.shard.expert_end"  # exclusive
+KEY_TENSOR_NAMES = "p2pswarm.shard.tensor_names"
+KEY_TENSOR_SHA256 = "p2pswarm.shard.tensor_sha256"
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One routed-expert tensor of one layer, as it lies in the file."""
+
+    layer: int
+    kind: str  # "gate" | "up" | "down" | "gate_up"
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: (n_expert_in_file, rows, cols)
+    data_offset: int  # absolute byte offset of the tensor in the file
+    nbytes: int
+    expert_nbytes: int  # nb2: bytes of one expert's slab
+
+    @property
+    def n_expert(self) -> int:
+        return self.shape[0]
+
+    def slab(self, local_index: int) -> tuple[int, int]:
+        """(absolute offset, length) of one expert's bytes, by index within this file."""
+        if not 0 <= local_index < self.n_expert:
+            raise IndexError(f"{self.name}: expert index {local_index} outside 0..{self.n_expert - 1}")
+        return self.data_offset + local_index * self.expert_nbytes, self.expert_nbytes
+
+    def slabs(self, begin: int, end: int) -> tuple[int, int]:
+        """(absolute offset, length) of experts [begin, end) by index within this file: contiguous."""
+        return self.data_offset + begin * self.expert_nbytes, (end - begin) * self.expert_nbytes
+
+
+@dataclass
+class ModelLayout:
+    """The map of one GGUF: a full model, an expert shard or a backbone file."""
+
+    path: Path
+    reader: GGUFReader
+    arch: str
+    hparams: dict[str, Any]  # `{arch}.*` keys, prefix stripped
+    n_layer: int
+    n_expert: int  # experts per layer in the *source model*
+    n_expert_used: int
+    expert_tensors: dict[int, dict[str, ExpertTensor]] = field(default_factory=dict)
+    # For a shard: the global id of the first expert stored here and the layers it holds.
+    expert_begin: int = 0
+    expert_end: int = 0
+    shard_kind: str | None = None
+    file_size: int = 0
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, require_experts: bool = True) -> "ModelLayout":
+        path = Path(path)
+        reader = open_gguf(path)
+        file_size = path.stat().st_size
+        arch = get_str(reader, "general.architecture")
+        if arch is None:
+            raise ModelFormatError(f"{path}: no general.architecture key: not a model GGUF")
+        if arch not in MOE_ARCHITECTURES:
+            raise ModelFormatError(
+                f"{path}: unknown architecture {arch!r} (known MoE architectures: {', '.join(MOE_ARCHITECTURES)})"
+            )
+        hparams = {
+            k[len(arch) + 1 :]: field_value(f) for k, f in reader.fields.items() if k.startswith(arch + ".")
+        }
+        n_layer = int(hparams.get("block_count", 0))
+        n_expert = int(hparams.get("expert_count", 0) or 0)
+        n_used = int(hparams.get("expert_used_count", 0) or 0)
+        shard_kind = get_str(reader, KEY_SHARD_KIND)
+        if n_layer <= 0:
+            raise ModelFormatError(f"{path}: {arch}.block_count missing or zero")
+        if n_expert <= 0 and require_experts and shard_kind != "backbone":
+            raise ModelFormatError(f"{path}: dense model ({arch}.expert_count is missing or 0): nothing to shard")
+
+        layout = cls(
+            path=path, reader=reader, arch=arch, hparams=hparams, n_layer=n_layer, n_expert=n_expert,
+            n_expert_used=n_used, shard_kind=shard_kind, file_size=file_size,
+        )
+        layout.expert_begin = int(field_value(reader.fields[KEY_EXPERT_BEGIN])) if KEY_EXPERT_BEGIN in reader.fields else 0
+        layout.expert_end = (
+            int(field_value(reader.fields[KEY_EXPERT_END])) if KEY_EXPERT_END in reader.fields else n_expert
+        )
+        n_in_file = layout.expert_end - layout.expert_begin
+        for t in reader.tensors:
+            end = t.data_offset + t.n_bytes
+            if end > file_size:
+                raise ModelFormatError(
+                    f"{path}: truncated: tensor {t.name} ends at byte {end} but the file has {file_size}"
+                )
+            m = EXPERT_TENSOR_RE.match(t.name)
+            if not m:
+                continue
+            layer, kind = int(m.group(1)), m.group(2)
+            if m.group(3) == "bias":
+                kind += "_bias"
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if len(shape) < 2 or shape[0] != n_in_file:
+                raise ModelFormatError(
+                    f"{path}: {t.name} has shape {shape}, expected {n_in_file} experts in its outermost dimension"
+                )
+            layout.expert_tensors.setdefault(layer, {})[kind] = ExpertTensor(
+                layer=layer, kind=kind, name=t.name, ggml_type=t.tensor_type, shape=shape,
+                data_offset=int(t.data_offset), nbytes=int(t.n_bytes), expert_nbytes=int(t.n_bytes) // shape[0],
+            )
+        if require_experts and shard_kind != "backbone" and not layout.expert_tensors:
+            raise ModelFormatError(f"{path}: no routed-expert tensors (blk.N.ffn_*_exps.weight) found")
+        for layer, kinds in layout.expert_tensors.items():
+            has_gate_up = "gate_up" in kinds or ("gate" in kinds and "up" in kinds)
+            if not has_gate_up or "down" not in kinds:
+                raise ModelFormatError(
+                    f"{path}: layer {layer} has expert tensors {sorted(kinds)}; need gate+up (or gate_up) and down"
+                )
+        return layout
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def expert_layers(self) -> list[int]:
+        return sorted(self.expert_tensors)
+
+    @property
+    def is_shard(self) -> bool:
+        return self.shard_kind == "experts"
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return layer in self.expert_tensors and self.expert_begin <= expert < self.expert_end
+
+    def expert_bytes(self, layer: int) -> int:
+        """Bytes of one expert (all its tensors) in a layer: the unit a worker holds."""
+        return sum(t.expert_nbytes for t in self.expert_tensors[layer].values())
+
+    def tensor(self, name: str):
+        for t in self.reader.tensors:
+            if t.name == name:
+                return t
+        raise ModelFormatError(f"{self.path}: required tensor {name!r} is missing")
+
+    def has_tensor(self, name: str) -> bool:
+        return any(t.name == name for t in self.reader.tensors)
+
+    def hparam(self, key: str, default: Any = None, *, required: bool = False) -> Any:
+        if key in self.hparams:
+            return self.hparams[key]
+        if required:
+            raise ModelFormatError(f"{self.path}: required key {self.arch}.{key} is missing")
+        return default
+
+
+# ---- GGUF helpers shared by the readers and writers --------------------------------------------
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """Open a GGUF memory-mapped, turning every way a file can be broken into one clear line."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFormatError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelFormatError(f"{path}: is a directory, not a GGUF file")
+    if path.stat().st_size < 24:
+        raise ModelFormatError(f"{path}: too short to be a GGUF file ({path.stat().st_size} bytes)")
+    try:
+        return GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError, MemoryError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "magic" in msg.lower():
+            raise ModelFormatError(f"{path}: not a GGUF file (bad magic)") from None
+        raise ModelFormatError(f"{path}: corrupt or truncated GGUF ({msg})") from None
+
+
+def field_value(f) -> Any:
+    """A metadata field as a plain Python value (str, int, float, bool or list of them)."""
+    t = f.types[0]
+    if t == GGUFValueType.STRING:
+        return bytes(f.parts[f.data[0]]).decode("utf-8")
+    if t == GGUFValueType.ARRAY:
+        sub = f.types[-1]
+        if sub == GGUFValueType.STRING:
+            return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
+        return [f.parts[i].tolist()[0] for i in f.data]
+    v = f.parts[f.data[0]].tolist()
+    return v[0] if isinstance(v, list) else v
+
+
+def get_str(reader: GGUFReader, key: str) -> str | None:
+    f = reader.fields.get(key)
+    return None if f is None else str(field_value(f))
+
+
+def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+    block, size = GGML_QUANT_SIZES[ggml_type]
+    return int(np.prod(shape)) // block * size

@@ -1,0 +1,271 @@
+"""Cut a MoE GGUF into shards by byte-range copy.
+
+* :func:`slice_experts` writes a mini-GGUF holding only routed experts ``[expert_begin,
+  expert_end)`` of layers ``[layer_begin, layer_end)``: for each expert tensor, one contiguous range
+  of source bytes (the expert index is the outermost dimension). No dequantisation, no re-packing:
+  quantisation types are kept and the shard's bytes equal the source's.
+* :func:`slice_backbone` writes everything else: the dense path, router, norms and tokenizer.
+
+Both copy the source's metadata fields byte for byte and add our own: the source model's
+fingerprint, the coordinates, and a sha256 per tensor (reserved as fixed-width slots in the header
+and patched once the bytes have streamed by). Data moves in bounded chunks, so peak memory is one
+chunk and time grows with the slice, not with the model. The output is written to a temporary name
+and renamed at the end: a failed or interrupted slice leaves no file behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from p2pswarm.errors import UserError
+from p2pswarm.model.gguf_out import (
+    DEFAULT_ALIGNMENT,
+    GGUFLayout,
+    kv_string,
+    kv_string_array,
+    kv_uint32,
+)
+from p2pswarm.model.layout import (
+    EXPERT_TENSOR_RE,
+    KEY_EXPERT_BEGIN,
+    KEY_EXPERT_END,
+    KEY_LAYER_BEGIN,
+    KEY_LAYER_END,
+    KEY_SHARD_KIND,
+    KEY_SOURCE_FINGERPRINT,
+    KEY_TENSOR_NAMES,
+    KEY_TENSOR_SHA256,
+    ModelLayout,
+    field_value,
+)
+from p2pswarm.model.manifest import model_fingerprint
+
+CHUNK_BYTES = 8 << 20
+_KIND_NAMES = {"experts": "an expert shard", "backbone": "a backbone file"}
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass
+class SliceResult:
+    path: Path
+    tensors: dict[str, str]  # name -> sha256 hex
+    nbytes: int  # tensor bytes copied
+    source_fingerprint: str
+
+
+def parse_range(text: str, what: str) -> tuple[int, int]:
+    """"A-B" (inclusive) or "A" -> half-open (A, B+1)."""
+    try:
+        if "-" in text:
+            a, b = text.split("-", 1)
+            lo, hi = int(a), int(b)
+        else:
+            lo = hi = int(text)
+    except ValueError:
+        raise UserError(f"bad {what} range {text!r}: expected A-B or A (inclusive, e.g. 0-47)") from None
+    if lo < 0 or hi < lo:
+        raise UserError(f"bad {what} range {text!r}: need 0 <= A <= B")
+    return lo, hi + 1
+
+
+def split_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous half-open ranges, sizes differing by at most one."""
+    if parts < 1 or parts > n:
+        raise UserError(f"cannot split {n} experts among {parts} workers (need 1..{n})")
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def _copied_fields(layout: ModelLayout, keep: Callable[[str], bool]) -> list[bytes]:
+    """Raw bytes of the source's metadata fields we keep, copied verbatim."""
+    out = []
+    for key, f in layout.reader.fields.items():
+        if key.startswith("GGUF.") or key.startswith("p2pswarm.") or not keep(key):
+            continue
+        size = sum(int(p.nbytes) for p in f.parts)
+        out.append(layout.reader.data[f.offset : f.offset + size].tobytes())
+    return out
+
+
+def _alignment(layout: ModelLayout) -> int:
+    return int(getattr(layout.reader, "alignment", DEFAULT_ALIGNMENT))
+
+
+def _write(
+    out_path: Path,
+    layout: ModelLayout,
+    g: GGUFLayout,
+    ranges: list[list[tuple[int, int]]],
+    progress: Progress | None,
+) -> dict[str, str]:
+    """Write header + data of ``g`` to ``out_path`` atomically; ``ranges[i]`` are the source byte
+    ranges (offset, length) that make up tensor i, in order. Returns name -> sha256."""
+    names = [t.name for t in g.tensors]
+    placeholder = "0" * 64
+    g.add_raw_kv(kv_string_array(KEY_TENSOR_NAMES, names))
+    sha_kv_index = len(g.kv)
+    g.add_raw_kv(kv_string_array(KEY_TENSOR_SHA256, [placeholder] * len(names)))
+    header = g.header()
+    # Where the hash slots lie: after the fixed header, the kv entries before ours, our key, the
+    # array's type and count, then each string's 8-byte length.
+    slot0 = 24 + sum(len(kv) for kv in g.kv[:sha_kv_index]) + 8 + len(KEY_TENSOR_SHA256) + 4 + 4 + 8
+    slots = [slot0 + i * (8 + 64) + 8 for i in range(len(names))]
+
+    total = sum(t.nbytes for t in g.tensors)
+    tmp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
+    hashes: dict[str, str] = {}
+    src = os.open(layout.path, os.O_RDONLY)
+    try:
+        with open(tmp, "wb") as dst:
+            dst.write(header)
+            data_start = len(header)
+            done = 0
+            buf = bytearray(CHUNK_BYTES)
+            for t, parts in zip(g.tensors, ranges):
+                pos = data_start + t.offset
+                if dst.tell() != pos:
+                    dst.write(b"\0" * (pos - dst.tell()))
+                h = hashlib.sha256()
+                for off, length in parts:
+                    while length > 0:
+                        n = min(length, CHUNK_BYTES)
+                        view = memoryview(buf)[:n]
+                        got = os.preadv(src, [view], off)
+                        if got != n:
+                            raise UserError(f"{layout.path}: short read at byte {off}: file truncated?")
+                        h.update(view)
+                        dst.write(view)
+                        off += n
+                        length -= n
+                        done += n
+                        if progress:
+                            progress(done, total)
+                hashes[t.name] = h.hexdigest()
+            for name, slot in zip(names, slots):
+                dst.seek(slot)
+                dst.write(hashes[name].encode())
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    finally:
+        os.close(src)
+    return hashes
+
+
+def _check_output(out_path: Path, source: Path) -> Path:
+    out_path = Path(out_path)
+    if out_path.exists() and out_path.resolve() == source.resolve():
+        raise UserError(f"{out_path}: refusing to overwrite the source model")
+    if not out_path.parent.exists():
+        raise UserError(f"{out_path.parent}: output directory does not exist")
+    return out_path
+
+
+def slice_experts(
+    model_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    layers: tuple[int, int] | None,
+    experts: tuple[int, int],
+    *,
+    progress: Progress | None = None,
+    layout: ModelLayout | None = None,
+    fingerprint: str | None = None,
+) -> SliceResult:
+    """Write the experts ``[experts[0], experts[1])`` of layers ``[layers[0], layers[1])``."""
+    layout = layout or ModelLayout.open(model_path)
+    if layout.shard_kind is not None:
+        raise UserError(f"{layout.path}: is already {_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
+    out_path = _check_output(Path(out_path), layout.path)
+    moe_layers = layout.expert_layers
+    l0, l1 = layers if layers is not None else (moe_layers[0], moe_layers[-1] + 1)
+    e0, e1 = experts
+    if l1 > layout.n_layer:
+        raise UserError(f"layers {l0}-{l1 - 1} out of range: the model has layers 0-{layout.n_layer - 1}")
+    if e1 > layout.n_expert:
+        raise UserError(f"experts {e0}-{e1 - 1} out of range: the model has experts 0-{layout.n_expert - 1}")
+    wanted = [il for il in range(l0, l1) if il in layout.expert_tensors]
+    if not wanted:
+        raise UserError(f"layers {l0}-{l1 - 1} hold no routed experts")
+    fingerprint = fingerprint or model_fingerprint(layout)
+
+    g = GGUFLayout(_alignment(layout))
+    keep_prefix = (layout.arch + ".", "general.")
+    for raw in _copied_fields(layout, lambda k: k.startswith(keep_prefix)):
+        g.add_raw_kv(raw)
+    g.add_raw_kv(kv_string(KEY_SHARD_KIND, "experts"))
+    g.add_raw_kv(kv_string(KEY_SOURCE_FINGERPRINT, fingerprint))
+    g.add_raw_kv(kv_uint32(KEY_LAYER_BEGIN, l0))
+    g.add_raw_kv(kv_uint32(KEY_LAYER_END, l1))
+    g.add_raw_kv(kv_uint32(KEY_EXPERT_BEGIN, e0))
+    g.add_raw_kv(kv_uint32(KEY_EXPERT_END, e1))
+    ranges = []
+    for il in wanted:
+        for kind in sorted(layout.expert_tensors[il]):
+            t = layout.expert_tensors[il][kind]
+            off, length = t.slabs(e0, e1)
+            g.add_tensor(t.name, t.ggml_type, (e1 - e0, *t.shape[1:]), length)
+            ranges.append([(off, length)])
+    hashes = _write(out_path, layout, g, ranges, progress)
+    return SliceResult(out_path, hashes, sum(t.nbytes for t in g.tensors), fingerprint)
+
+
+def slice_backbone(
+    model_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    *,
+    progress: Progress | None = None,
+) -> SliceResult:
+    """Write every tensor but the routed experts, and all metadata (tokenizer included)."""
+    layout = ModelLayout.open(model_path)
+    if layout.shard_kind is not None:
+        raise UserError(f"{layout.path}: is already {_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
+    out_path = _check_output(Path(out_path), layout.path)
+    fingerprint = model_fingerprint(layout)
+    g = GGUFLayout(_alignment(layout))
+    for raw in _copied_fields(layout, lambda k: True):
+        g.add_raw_kv(raw)
+    g.add_raw_kv(kv_string(KEY_SHARD_KIND, "backbone"))
+    g.add_raw_kv(kv_string(KEY_SOURCE_FINGERPRINT, fingerprint))
+    ranges = []
+    for t in layout.reader.tensors:
+        if EXPERT_TENSOR_RE.match(t.name):
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        g.add_tensor(t.name, t.tensor_type, shape, int(t.n_bytes))
+        ranges.append([(int(t.data_offset), int(t.n_bytes))])
+    hashes = _write(out_path, layout, g, ranges, progress)
+    return SliceResult(out_path, hashes, sum(t.nbytes for t in g.tensors), fingerprint)
+
+
+def verify_shard(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Re-hash every tensor of a shard and compare with the sha256 recorded in it; raise on a
+    mismatch. Returns name -> sha256."""
+    layout = ModelLayout.open(path, require_experts=False)
+
+    f_names = layout.reader.fields.get(KEY_TENSOR_NAMES)
+    f_sha = layout.reader.fields.get(KEY_TENSOR_SHA256)
+    if f_names is None or f_sha is None:
+        raise UserError(f"{path}: not a p2pswarm shard (no per-tensor sha256)")
+    recorded = dict(zip(field_value(f_names), field_value(f_sha)))
+    for t in layout.reader.tensors:
+        got = hashlib.sha256(layout.reader.data[t.data_offset : t.data_offset + t.n_bytes]).hexdigest()
+        if recorded.get(t.name) != got:
+            raise UserError(f"{path}: tensor {t.name} does not match its recorded sha256")
+    return recorded
+
+
+__all__ = ["SliceResult", "parse_range", "split_ranges", "slice_experts", "slice_backbone", "verify_shard"]

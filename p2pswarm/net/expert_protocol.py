@@ -1,0 +1,106 @@
+"""Messages of the expert RPC, one msgpack map per frame (see docs/protocol.md).
+
+Shared by every transport (local sockets now, libp2p streams later). Arrays travel as raw
+little-endian bytes with their dtype and shape beside them; a row that several experts of one owner
+need is sent once (``rows`` holds the distinct rows, ``index`` says which rows each expert takes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from p2pswarm.errors import FrameError
+
+PROTOCOL_VERSION = 1
+ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(payload: bytes) -> dict:
+    """Decode one message; anything but a msgpack map with a string "op" is a FrameError."""
+    try:
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise FrameError(f"malformed message: {type(exc).__name__}: {str(exc)[:80]}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise FrameError("malformed message: expected a map with an 'op' string")
+    return msg
+
+
+def array_to_wire(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    dtype = a.dtype.newbyteorder("<").str
+    if dtype not in ALLOWED_DTYPES:
+        raise FrameError(f"cannot send arrays of dtype {dtype}")
+    return {"dtype": dtype, "shape": list(a.shape), "data": a.astype(dtype, copy=False).tobytes()}
+
+
+def array_from_wire(d: object, what: str) -> np.ndarray:
+    if not isinstance(d, dict):
+        raise FrameError(f"malformed {what}: expected an array map")
+    dtype, shape, data = d.get("dtype"), d.get("shape"), d.get("data")
+    if dtype not in ALLOWED_DTYPES or not isinstance(shape, list) or not isinstance(data, bytes):
+        raise FrameError(f"malformed {what}: bad dtype/shape/data")
+    if not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise FrameError(f"malformed {what}: bad shape {shape}")
+    np_dtype = np.dtype(ALLOWED_DTYPES[dtype])
+    if int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize != len(data):
+        raise FrameError(f"malformed {what}: {len(data)} bytes do not make shape {shape} of {dtype}")
+    # Copy: an owned, aligned array, so the math sees the same memory layout in every process.
+    return np.frombuffer(data, dtype=np_dtype).reshape(shape).copy()
+
+
+@dataclass
+class ComputeRequest:
+    """All the rows one owner must compute for one layer."""
+
+    id: int
+    layer: int
+    rows: np.ndarray  # (n_distinct_rows, n_embd) float32
+    groups: list[tuple[int, np.ndarray]]  # (global expert id, int32 indices into rows)
+
+    def to_wire(self) -> bytes:
+        counts = [int(len(idx)) for _, idx in self.groups]
+        index = np.concatenate([idx for _, idx in self.groups]).astype(np.int32) if self.groups else np.zeros(0, np.int32)
+        return pack({
+            "op": "compute", "id": self.id, "layer": self.layer,
+            "experts": [int(e) for e, _ in self.groups], "counts": counts,
+            "index": array_to_wire(index), "rows": array_to_wire(self.rows),
+        })
+
+    @classmethod
+    def from_msg(cls, msg: dict) -> "ComputeRequest":
+        rid, layer, experts, counts = msg.get("id"), msg.get("layer"), msg.get("experts"), msg.get("counts")
+        if not isinstance(rid, int) or not isinstance(layer, int):
+            raise FrameError("malformed compute request: id and layer must be integers")
+        if not isinstance(experts, list) or not isinstance(counts, list) or len(experts) != len(counts):
+            raise FrameError("malformed compute request: experts and counts must be lists of one length")
+        if not all(isinstance(x, int) and x >= 0 for x in experts + counts):
+            raise FrameError("malformed compute request: experts and counts must be non-negative integers")
+        rows = array_from_wire(msg.get("rows"), "rows")
+        index = array_from_wire(msg.get("index"), "index")
+        if rows.ndim != 2 or rows.dtype != np.float32 or index.ndim != 1 or index.dtype != np.int32:
+            raise FrameError("malformed compute request: rows must be 2-D float32, index 1-D int32")
+        if sum(counts) != len(index):
+            raise FrameError("malformed compute request: counts do not add up to the index length")
+        if len(index) and (index.min() < 0 or index.max() >= len(rows)):
+            raise FrameError("malformed compute request: index points outside the rows")
+        groups, pos = [], 0
+        for e, c in zip(experts, counts):
+            groups.append((e, index[pos : pos + c]))
+            pos += c
+        return cls(rid, layer, rows, groups)
+
+
+def result_to_wire(rid: int, outputs: list[np.ndarray], n_embd: int) -> bytes:
+    out = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, n_embd), np.float32)
+    return pack({"op": "result", "id": rid, "out": array_to_wire(out.astype(np.float32, copy=False))})
+
+
+def error_to_wire(rid: int | None, error: str) -> bytes:
+    return pack({"op": "error", "id": rid, "error": error})

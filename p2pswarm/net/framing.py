@@ -1,0 +1,67 @@
+"""Length-prefixed frames over any trio byte stream (TCP socket, libp2p stream, relay bridge).
+
+A frame is an 8-byte big-endian unsigned length followed by that many bytes. The length is 64-bit
+clean end to end: Python ints and ``struct`` "!Q" never truncate, which rules out the seed's bug
+(a 32-bit shift that silently corrupted every frame >= 64 KiB). Each side enforces a maximum frame
+size and refuses a larger one *before* reading or allocating its body.
+
+Transports may hand back fewer bytes than asked (libp2p's ``read(n)`` returns <= 65,524), so the
+reader accumulates until a frame is whole.
+"""
+from __future__ import annotations
+
+import struct
+
+from p2pswarm.errors import FrameError
+
+HEADER = struct.Struct("!Q")
+DEFAULT_MAX_FRAME = 128 << 20  # 128 MiB
+
+
+def encode_header(n: int) -> bytes:
+    return HEADER.pack(n)
+
+
+class FrameReader:
+    """Reads whole frames from a stream exposing ``receive_some(max_bytes)`` (trio style)."""
+
+    def __init__(self, stream, max_frame: int = DEFAULT_MAX_FRAME):
+        self.stream = stream
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    async def _fill(self, n: int) -> bool:
+        """Make at least n bytes buffered; False on EOF before any byte of a new frame."""
+        while len(self._buf) < n:
+            chunk = await self.stream.receive_some(max(65536, min(n - len(self._buf), 1 << 20)))
+            if not chunk:
+                if not self._buf:
+                    return False
+                raise FrameError(f"connection closed mid-frame ({len(self._buf)} of {n} bytes)")
+            self._buf += chunk
+        return True
+
+    async def read_frame(self) -> bytes | None:
+        """The next frame's payload, or None at a clean end of stream."""
+        if not await self._fill(HEADER.size):
+            return None
+        (n,) = HEADER.unpack_from(self._buf, 0)
+        if n > self.max_frame:
+            raise FrameError(f"frame of {n} bytes exceeds the maximum of {self.max_frame}")
+        if not await self._fill(HEADER.size + n):
+            raise FrameError("connection closed mid-frame")
+        payload = bytes(self._buf[HEADER.size : HEADER.size + n])
+        del self._buf[: HEADER.size + n]
+        return payload
+
+
+async def send_frame(stream, payload: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    """Send one frame on a stream exposing ``send_all(bytes)``; refuse oversize payloads locally."""
+    n = len(payload)
+    if n > max_frame:
+        raise FrameError(f"refusing to send a frame of {n} bytes: the maximum is {max_frame}")
+    if n < 65536:
+        await stream.send_all(HEADER.pack(n) + payload)
+    else:
+        await stream.send_all(HEADER.pack(n))
+        await stream.send_all(payload)

@@ -1,0 +1,68 @@
+"""The worker: a pure function (hidden rows, expert ids) -> output rows, built from a shard alone.
+
+It opens only its expert shard (a mini-GGUF the slicer cut): no attention, no router, no other
+experts, no KV cache, no sampler. Every request is checked against what the shard holds, and the
+computation is :meth:`ExpertBank.forward_groups`, the very code the monolithic run uses.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.errors import UserError
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import source_fingerprint
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    model_fingerprint: str
+    layer_begin: int
+    layer_end: int
+    expert_begin: int
+    expert_end: int
+    n_embd: int
+    kernel: str
+
+    def describe(self) -> str:
+        return (f"layers {self.layer_begin}-{self.layer_end - 1}, experts {self.expert_begin}-{self.expert_end - 1}"
+                f" of model {self.model_fingerprint[:12]}")
+
+
+def shard_info(layout: ModelLayout, kernel: str) -> ShardInfo:
+    if layout.shard_kind != "experts":
+        raise UserError(f"{layout.path}: not an expert shard (cut one with `p2pswarm slice`)")
+    layers = layout.expert_layers
+    return ShardInfo(
+        model_fingerprint=source_fingerprint(layout),
+        layer_begin=layers[0],
+        layer_end=layers[-1] + 1,
+        expert_begin=layout.expert_begin,
+        expert_end=layout.expert_end,
+        n_embd=int(layout.hparam("embedding_length", required=True)),
+        kernel=kernel,
+    )
+
+
+class ExpertWorker:
+    def __init__(self, shard_path: str | os.PathLike[str], **bank_options):
+        layout = ModelLayout.open(shard_path)
+        self.info = shard_info(layout, ExpertBank.kernel)
+        self.bank = ExpertBank(layout, **bank_options)
+
+    @staticmethod
+    def describe_shard(shard_path: str | os.PathLike[str]) -> ShardInfo:
+        """What a shard holds, without loading it."""
+        return shard_info(ModelLayout.open(shard_path), ExpertBank.kernel)
+
+    def compute(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        """Outputs for each (expert, row indices) group, in the order given."""
+        if rows.ndim != 2 or rows.shape[1] != self.info.n_embd:
+            raise UserError(f"rows have shape {rows.shape}, expected (n, {self.info.n_embd})")
+        for e, _ in groups:
+            if not self.bank.holds(layer, e):
+                raise UserError(f"expert {e} of layer {layer} is not in this shard ({self.info.describe()})")
+        return self.bank.forward_groups(layer, rows, groups)

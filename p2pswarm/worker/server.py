@@ -1,0 +1,113 @@
+"""Serve an :class:`ExpertWorker` over framed msgpack on a TCP socket (trio).
+
+One connection carries a handshake, then any number of requests answered in order. The math runs
+in a worker thread (``trio.to_thread``) so the event loop keeps other connections flowing.
+A malformed or oversized frame closes *that* connection with an error message; the server keeps
+serving every other one.
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import trio
+
+from p2pswarm.errors import FrameError, UserError
+from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.worker.expert_worker import ExpertWorker
+
+log = logging.getLogger("p2pswarm.worker")
+
+
+def check_hello(msg: dict, worker: ExpertWorker) -> str | None:
+    """Why a peer's hello is refused, or None if we agree on protocol, model and kernel."""
+    info = worker.info
+    if msg.get("protocol") != proto.PROTOCOL_VERSION:
+        return f"protocol version mismatch: peer {msg.get('protocol')!r}, ours {proto.PROTOCOL_VERSION}"
+    if msg.get("model") != info.model_fingerprint:
+        return (f"model mismatch: peer serves model {str(msg.get('model'))[:12]}, "
+                f"this shard is of model {info.model_fingerprint[:12]}")
+    if msg.get("kernel") != info.kernel:
+        return f"kernel mismatch: peer computes with {msg.get('kernel')!r}, this worker with {info.kernel!r}"
+    return None
+
+
+async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    reader = FrameReader(stream, max_frame)
+    peer = _peer_name(stream)
+    greeted = False
+    try:
+        while True:
+            try:
+                payload = await reader.read_frame()
+                if payload is None:
+                    return
+                msg = proto.unpack(payload)
+            except FrameError as exc:
+                log.warning("closing connection from %s: %s", peer, exc)
+                await _try_send(stream, proto.error_to_wire(None, str(exc)), max_frame)
+                return
+            op = msg["op"]
+            rid = msg.get("id") if isinstance(msg.get("id"), int) else None
+            if op == "hello":
+                reason = check_hello(msg, worker)
+                info = worker.info
+                reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
+                         "model": info.model_fingerprint, "kernel": info.kernel,
+                         "layers": [info.layer_begin, info.layer_end], "experts": [info.expert_begin, info.expert_end]}
+                if reason:
+                    reply["error"] = reason
+                    log.warning("refused %s at handshake: %s", peer, reason)
+                await send_frame(stream, proto.pack(reply), max_frame)
+                if reason:
+                    return
+                greeted = True
+            elif op == "echo":
+                data = msg.get("payload")
+                if not isinstance(data, bytes):
+                    await send_frame(stream, proto.error_to_wire(rid, "echo needs a bytes payload"), max_frame)
+                    continue
+                await send_frame(stream, proto.pack({"op": "echo", "id": rid, "payload": data}), max_frame)
+            elif op == "compute":
+                if not greeted:
+                    await _try_send(stream, proto.error_to_wire(rid, "handshake required before compute"), max_frame)
+                    return
+                try:
+                    req = proto.ComputeRequest.from_msg(msg)
+                    outputs = await trio.to_thread.run_sync(partial(worker.compute, req.layer, req.rows, req.groups))
+                    reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd)
+                except (FrameError, UserError) as exc:
+                    log.warning("bad request from %s: %s", peer, exc)
+                    reply = proto.error_to_wire(rid, str(exc))
+                await send_frame(stream, reply, max_frame)
+            else:
+                await send_frame(stream, proto.error_to_wire(rid, f"unknown op {op!r}"), max_frame)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        log.info("connection from %s dropped", peer)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _try_send(stream, payload: bytes, max_frame: int) -> None:
+    try:
+        await send_frame(stream, payload, max_frame)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, FrameError):
+        pass
+
+
+def _peer_name(stream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except Exception:
+        return "peer"
+
+
+async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, max_frame: int = DEFAULT_MAX_FRAME):
+    """Serve until cancelled. ``ready(host, port)`` is called once listening (port 0 -> real port)."""
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound = listeners[0].socket.getsockname()
+    if ready is not None:
+        ready(bound[0], bound[1])
+    await trio.serve_listeners(partial(handle_connection, worker=worker, max_frame=max_frame), listeners)

@@ -1,0 +1,83 @@
+"""Shared fixtures: small real GGUF models made once per test session, and a CLI runner.
+
+Every test runs with its own ``P2PSWARM_CACHE`` so nothing touches the user's cache, and the
+model files are real qwen3moe GGUFs written by ``p2pswarm.model.synth`` (llama.cpp loads them).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2pswarm.model.synth import make_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+try:
+    import llama_cpp  # noqa: F401
+
+    HAVE_LLAMA = True
+except Exception:  # pragma: no cover - depends on the environment
+    HAVE_LLAMA = False
+
+needs_llama = pytest.mark.skipif(
+    not HAVE_LLAMA, reason="llama-cpp-python is not installed (pip install -e '.[test]' builds it)"
+)
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("P2PSWARM_CACHE", str(tmp_path / "cache"))
+
+
+def _model(models_dir: Path, name: str, **kw) -> Path:
+    path = models_dir / f"{name}.gguf"
+    if not path.exists():
+        make_model(path, **kw)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_f32(models_dir) -> Path:
+    return _model(models_dir, "tiny-f32", preset="tiny", qtype="f32", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_q8(models_dir) -> Path:
+    return _model(models_dir, "tiny-q8_0", preset="tiny", qtype="q8_0", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_q4km(models_dir) -> Path:
+    if not HAVE_LLAMA:
+        pytest.skip("q4_k_m needs llama.cpp's quantiser: llama-cpp-python is not installed")
+    return _model(models_dir, "tiny-q4_k_m", preset="tiny", qtype="q4_k_m", seed=3)
+
+
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bool = False):
+    """Run ``p2pswarm ARGS`` as a real process; returns the CompletedProcess (text)."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-m", "p2pswarm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"p2pswarm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def assert_one_line_error(proc, *needles: str) -> None:
+    """A refused input: non-zero exit, no traceback, one line on stderr naming the problem."""
+    assert proc.returncode != 0, proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    for n in needles:
+        assert n.lower() in lines[0].lower(), lines[0]
