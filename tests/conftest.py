@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from p2pswarm.model.synth import make_model
@@ -81,3 +82,47 @@ def assert_one_line_error(proc, *needles: str) -> None:
     assert len(lines) == 1, proc.stderr
     for n in needles:
         assert n.lower() in lines[0].lower(), lines[0]
+
+
+def llama_logits(path, tokens) -> np.ndarray:
+    """llama.cpp's all-position logits: F32 KV cache, flash attention off (a bit-level setting)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, verbose=False,
+                          flash_attn=False, type_k=0, type_v=0, n_threads=2)  # type 0 = GGML_TYPE_F32
+    try:
+        llm.eval(list(tokens))
+        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def engine_trace(path, tokens) -> tuple[np.ndarray, dict[str, list]]:
+    """Monolithic prefill through our engine, with per-layer statistics of what it computed:
+    residual rms, chosen experts, top-k weights, and the router margin between the k-th and
+    (k+1)-th logits."""
+    from p2pswarm.backbone.runner import combine, expert_groups
+    from p2pswarm.engine import ops
+    from p2pswarm.engine.arch import load_dense
+    from p2pswarm.engine.experts import ExpertBank
+    from p2pswarm.model.layout import ModelLayout
+
+    layout = ModelLayout.open(path)
+    model, bank = load_dense(layout), ExpertBank(layout)
+    state = model.new_state()
+    h = model.embed(np.asarray(tokens))
+    stats: dict[str, list] = {"rms": [], "experts": [], "topk_w": [], "margin": []}
+    for il in range(model.n_layer):
+        h = model.pre_moe(il, h, state, 0)
+        cur = model.ffn_input(il, h)
+        ids, w = model.route(il, cur)
+        groups = expert_groups(ids)
+        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
+        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
+        router = np.sort(ops.matmul(cur, model.w[f"blk.{il}.ffn_gate_inp.weight"]), axis=-1)[:, ::-1]
+        k = model.n_expert_used
+        stats["rms"].append(float(np.sqrt(np.mean(h * h))))
+        stats["experts"].append(ids)
+        stats["topk_w"].append(w)
+        stats["margin"].append(router[:, k - 1] - router[:, k])
+    return model.output(h), stats

@@ -12,7 +12,7 @@ import pytest
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.model.synth import make_model
 
-from conftest import needs_llama
+from conftest import llama_logits, needs_llama
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
           33, 71, 2, 118, 199, 45, 88, 301]
@@ -23,17 +23,6 @@ SHAPES = {
     "mqa-8-experts-top-2": dict(tied=False, seed=13, n_head=8, n_head_kv=1, head_dim=32, n_expert=8,
                                 n_expert_used=2, layers=3),
 }
-
-
-def llama_logits(path, tokens) -> np.ndarray:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, verbose=False,
-                          flash_attn=False, type_k=0, type_v=0, n_threads=2)  # type 0 = GGML_TYPE_F32
-    llm.eval(tokens)
-    out = np.array(llm.scores[: len(tokens)], dtype=np.float32)
-    llm.close()
-    return out
 
 
 @needs_llama

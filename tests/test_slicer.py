@@ -177,7 +177,7 @@ def test_truncated_file_refused(tiny_f32, tmp_path):
 
 
 @pytest.mark.parametrize("mangle,needle", [
-    (lambda d: b"NOPE" + d[4:], "not a GGUF"),
+    (lambda d: b"NOPE" + d[4:], "bad magic"),
     (lambda d: d[:4] + b"\x63\x00\x00\x00" + d[8:], "corrupt"),  # version 99
     (lambda d: d[:24] + b"\xff" * 64 + d[88:], "corrupt"),  # garbage in the first key
     (lambda d: b"GGUF", "too short"),

@@ -16,7 +16,7 @@ import trio
 
 from p2pswarm.backbone.session import WorkerProcess, ensure_shards, open_backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
-from p2pswarm.errors import FrameError, WorkerError
+from p2pswarm.errors import WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.net.framing import FrameReader, send_frame
@@ -82,7 +82,7 @@ async def test_oversize_frames_refused_both_ways(shard):
     try:
         # our side refuses to send more than its own maximum
         small = _owner(wp, shard, max_frame=1000)
-        with pytest.raises(FrameError, match="refusing to send a frame of"):
+        with pytest.raises(WorkerError, match="refusing to send a frame of 5024 bytes: the maximum is 1000"):
             await small.echo(b"x" * 5000)
         # the worker refuses a frame over its maximum with a reason, then closes that connection
         big = _owner(wp, shard)
@@ -164,7 +164,10 @@ async def _kill_during(swarm, victim: int, sig: int, decode: bool = True):
     results = {}
 
     async def run():
-        results["logits"] = await swarm.backbone.logits(TOKENS, decode=decode)
+        try:
+            results["logits"] = await swarm.backbone.logits(TOKENS, decode=decode)
+        except WorkerError as exc:  # re-raised below, outside the nursery's exception group
+            results["error"] = exc
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run)
@@ -172,6 +175,8 @@ async def _kill_during(swarm, victim: int, sig: int, decode: bool = True):
             while swarm.backbone.dispatcher.stats.requests < 12:
                 await trio.sleep(0.001)
         os.kill(swarm.workers[victim].proc.pid, sig)
+    if "error" in results:
+        raise results["error"]
     return results["logits"]
 
 

@@ -77,10 +77,10 @@ class SocketOwner(Owner):
                 if payload is None:
                     raise WorkerError(f"{self.name} closed the connection")
                 reply = proto.unpack(payload)
+                if reply["op"] == "error" and reply.get("id") in (rid, None):  # None: about the connection
+                    raise WorkerError(f"{self.name} refused: {reply.get('error')}")
                 if reply.get("id") != rid:
                     raise WorkerError(f"{self.name} answered request {reply.get('id')} to our {rid}")
-                if reply["op"] == "error":
-                    raise WorkerError(f"{self.name} refused: {reply.get('error')}")
                 return reply
             except trio.TooSlowError:
                 await self._drop()

@@ -90,6 +90,9 @@ async def _demo(args) -> int:
                   f"{d.seconds * 1000:>11.1f} {step.seconds * 1000:>8.1f}")
         elapsed = time.perf_counter() - t0
         print(f"\ntext: {args.prompt}{tok.decode(generated)}")
+        if not args.model:
+            print("(the tiny model's weights are random, so its text is noise: what matters is where each\n"
+                  " expert was computed, and that the result is exact)")
         print(f"{len(generated)} tokens in {elapsed:.2f} s through {args.workers} workers "
               f"({swarm.backbone.dispatcher.stats.fallbacks} fallbacks)")
         seq = prompt_ids + generated[:-1] if len(generated) > 1 else prompt_ids

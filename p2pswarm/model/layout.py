@@ -189,22 +189,41 @@ class ModelLayout:
 
 
 # ---- GGUF helpers shared by the readers and writers --------------------------------------------
+class _FastGGUFReader(GGUFReader):
+    """A :class:`gguf.GGUFReader` whose mapping is held as a plain ndarray view of the memmap.
+
+    Why: the reader slices its buffer once per metadata item, and every slice of an ``np.memmap``
+    pays ``memmap.__array_finalize__``; a 150k-token vocabulary is ~300k items, which took ~8 s to
+    open. A plain view of the same mapping (still memory-mapped, still read-only) takes ~2 s.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
 def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     """Open a GGUF memory-mapped, turning every way a file can be broken into one clear line."""
     path = Path(path)
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file")
-    if path.is_dir():
-        raise ModelFormatError(f"{path}: is a directory, not a GGUF file")
+    if not path.is_file():
+        raise ModelFormatError(f"{path}: not a regular file")
     if path.stat().st_size < 24:
-        raise ModelFormatError(f"{path}: too short to be a GGUF file ({path.stat().st_size} bytes)")
+        raise ModelFormatError(f"{path}: not a valid GGUF file (too short: {path.stat().st_size} bytes)")
     try:
-        return GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError, MemoryError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return _FastGGUFReader(path, "r")
+    except PermissionError as exc:
+        raise ModelFormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    except Exception as exc:  # the reader raises ValueError, struct/numpy/index errors on bad input
+        msg = " ".join(str(exc).split())[:160] or type(exc).__name__
         if "magic" in msg.lower():
-            raise ModelFormatError(f"{path}: not a GGUF file (bad magic)") from None
-        raise ModelFormatError(f"{path}: corrupt or truncated GGUF ({msg})") from None
+            raise ModelFormatError(f"{path}: not a valid GGUF file (bad magic)") from None
+        raise ModelFormatError(f"{path}: not a valid GGUF file (corrupt or truncated: {msg})") from None
 
 
 def field_value(f) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from p2pswarm.model.layout import (
 from p2pswarm.model.manifest import model_fingerprint
 
 CHUNK_BYTES = 8 << 20
+_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
 _KIND_NAMES = {"experts": "an expert shard", "backbone": "a backbone file"}
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -105,6 +107,7 @@ def _write(
     g: GGUFLayout,
     ranges: list[list[tuple[int, int]]],
     progress: Progress | None,
+    fsync: bool = True,
 ) -> dict[str, str]:
     """Write header + data of ``g`` to ``out_path`` atomically; ``ranges[i]`` are the source byte
     ranges (offset, length) that make up tensor i, in order. Returns name -> sha256."""
@@ -128,6 +131,8 @@ def _write(
             dst.write(header)
             data_start = len(header)
             done = 0
+            # Each chunk is hashed (in a thread) while it is written (here); both release the GIL,
+            # so a chunk costs the slower of the two, not their sum.
             buf = bytearray(CHUNK_BYTES)
             for t, parts in zip(g.tensors, ranges):
                 pos = data_start + t.offset
@@ -141,8 +146,9 @@ def _write(
                         got = os.preadv(src, [view], off)
                         if got != n:
                             raise UserError(f"{layout.path}: short read at byte {off}: file truncated?")
-                        h.update(view)
+                        hashing = _HASHER.submit(h.update, view)
                         dst.write(view)
+                        hashing.result()
                         off += n
                         length -= n
                         done += n
@@ -153,7 +159,8 @@ def _write(
                 dst.seek(slot)
                 dst.write(hashes[name].encode())
             dst.flush()
-            os.fsync(dst.fileno())
+            if fsync:  # durable before the rename makes it visible
+                os.fsync(dst.fileno())
         os.replace(tmp, out_path)
     except BaseException:
         try:
@@ -184,6 +191,7 @@ def slice_experts(
     progress: Progress | None = None,
     layout: ModelLayout | None = None,
     fingerprint: str | None = None,
+    fsync: bool = True,
 ) -> SliceResult:
     """Write the experts ``[experts[0], experts[1])`` of layers ``[layers[0], layers[1])``."""
     layout = layout or ModelLayout.open(model_path)
@@ -219,7 +227,7 @@ def slice_experts(
             off, length = t.slabs(e0, e1)
             g.add_tensor(t.name, t.ggml_type, (e1 - e0, *t.shape[1:]), length)
             ranges.append([(off, length)])
-    hashes = _write(out_path, layout, g, ranges, progress)
+    hashes = _write(out_path, layout, g, ranges, progress, fsync)
     return SliceResult(out_path, hashes, sum(t.nbytes for t in g.tensors), fingerprint)
 
 

@@ -46,7 +46,7 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
                 msg = proto.unpack(payload)
             except FrameError as exc:
                 log.warning("closing connection from %s: %s", peer, exc)
-                await _try_send(stream, proto.error_to_wire(None, str(exc)), max_frame)
+                await _refuse_and_close(stream, proto.error_to_wire(None, str(exc)), max_frame)
                 return
             op = msg["op"]
             rid = msg.get("id") if isinstance(msg.get("id"), int) else None
@@ -87,6 +87,22 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
         log.info("connection from %s dropped", peer)
     finally:
         await trio.aclose_forcefully(stream)
+
+
+async def _refuse_and_close(stream, payload: bytes, max_frame: int, linger_s: float = 2.0) -> None:
+    """Send a last error frame so the peer learns why, then close without resetting it.
+
+    Closing a TCP socket with unread input sends a reset, which can destroy the error frame in
+    flight. So: send it, half-close, and discard what the peer is still sending for a moment.
+    """
+    await _try_send(stream, payload, max_frame)
+    with trio.move_on_after(linger_s):
+        try:
+            await stream.send_eof()
+            while await stream.receive_some(1 << 16):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, AttributeError):
+            pass
 
 
 async def _try_send(stream, payload: bytes, max_frame: int) -> None:

@@ -1,0 +1,69 @@
+"""Slicing throughput vs `cp` of the same number of bytes, on the geometry-122b model.
+
+    python bench/bench_slice.py [--layers 2] [--experts 64] [--dir /tmp/p2pswarm-bench]
+
+Both read from the page cache (warmed first). Our slicer fsyncs before its atomic rename, so it is
+compared with `cp` (no sync) and with `cp` + `sync` (like for like); it is also timed without its
+fsync. Runs alternate and the median of each is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from common import header
+
+from p2pswarm.model.synth import make_model
+from p2pswarm.model.slicer import slice_experts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=64, help="experts per layer in the slice")
+    ap.add_argument("--dir", default="/tmp/p2pswarm-bench")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    model = d / f"geometry-122b-{args.layers}l.gguf"
+    if not model.exists():
+        make_model(model, preset="geometry-122b", layers=args.layers)
+    subprocess.run(["cat", str(model)], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    shard = d / "bench-shard.gguf"
+    res = slice_experts(model, shard, None, (0, args.experts))
+    n = res.nbytes
+    blob = d / "bench-blob"
+    with open(model, "rb") as f, open(blob, "wb") as g:
+        g.write(f.read(n))
+    subprocess.run(["cat", str(blob)], stdout=subprocess.DEVNULL, check=True)
+    runs: dict[str, list[float]] = {"slice": [], "slice (no fsync)": [], "cp": [], "cp + sync": []}
+    for _ in range(args.repeat):
+        t = time.perf_counter(); slice_experts(model, shard, None, (0, args.experts)); runs["slice"].append(time.perf_counter() - t)
+        t = time.perf_counter(); slice_experts(model, shard, None, (0, args.experts), fsync=False); runs["slice (no fsync)"].append(time.perf_counter() - t)
+        out = d / "bench-copy"
+        t = time.perf_counter(); subprocess.run(["cp", str(blob), str(out)], check=True); runs["cp"].append(time.perf_counter() - t)
+        os.remove(out)
+        t = time.perf_counter(); subprocess.run(["cp", str(blob), str(out)], check=True); subprocess.run(["sync", str(out)], check=True); runs["cp + sync"].append(time.perf_counter() - t)
+        os.remove(out)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    text = header("Slicing throughput vs cp (geometry-122b)", "python bench/bench_slice.py " + f"--layers {args.layers} --experts {args.experts}")
+    text += (f"Slice: experts 0-{args.experts - 1} of {args.layers} layers, {n / 1e6:.0f} MB of tensor data "
+             f"(model {model.stat().st_size / 1e9:.2f} GB, one expert {res.nbytes // (args.experts * args.layers):,} bytes). "
+             f"Median of {args.repeat}.\n\n| run | seconds | MB/s |\n|---|---|---|\n")
+    for k, v in med.items():
+        text += f"| {k} | {v:.3f} | {n / v / 1e6:.0f} |\n"
+    text += (f"\nRatios (throughput, higher is better for the slicer): slice / (cp + sync) = "
+             f"**{med['cp + sync'] / med['slice']:.2f}**, slice (no fsync) / cp = **{med['cp'] / med['slice (no fsync)']:.2f}**, "
+             f"slice / cp = {med['cp'] / med['slice']:.2f}. Goal >= 0.8.\n")
+    print(text)
+    for p in (shard, blob):
+        p.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""``p2pswarm make-model``: write a seeded random-weight qwen3moe GGUF (see p2pswarm.model.synth)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TextIO
+
+from p2pswarm.errors import UserError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from p2pswarm.model.synth import PRESETS, QTYPES  # noqa: PLC0415
+
+    p = subparsers.add_parser(
+        "make-model",
+        help="write a seeded random-weight qwen3moe GGUF (tests, demo, benchmarks)",
+        description=(
+            "Write a seeded random-weight qwen3moe GGUF that llama.cpp loads and runs. The same "
+            "options and seed always give the same bytes. Presets: "
+            + "; ".join(
+                f"{name}: {pr.n_layer} layers, n_embd {pr.n_embd}, {pr.n_expert} experts "
+                f"(top-{pr.n_expert_used}), n_ff_exp {pr.n_ff_exp}"
+                + (f", {pr.expert_qtype.upper()} experts" if pr.expert_qtype else "")
+                for name, pr in PRESETS.items()
+            )
+            + "."
+        ),
+    )
+    p.add_argument("-o", "--output", required=True, metavar="M.gguf", help="file to write")
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model shape (tiny)")
+    p.add_argument("--layers", type=_positive_int, metavar="N",
+                   help="number of layers (default: the preset's)")
+    p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
+                   help="tensor type: f32 (default), f16, q8_0 (norms and router stay F32), "
+                        "q4_k_m (llama.cpp's quantiser; needs p2pswarm[llama]). geometry-122b's "
+                        "experts are Q4_K whatever this says")
+    p.add_argument("--vocab", metavar="FILE.gguf",
+                   help="copy the tokenizer.ggml.* vocabulary of this GGUF (e.g. "
+                        "ggml-vocab-qwen35.gguf); default: a small built-in byte-level BPE")
+    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="random seed (0)")
+    tie = p.add_mutually_exclusive_group()
+    tie.add_argument("--tied", dest="tied", action="store_true", default=None,
+                     help="no output.weight: the lm head reuses token_embd")
+    tie.add_argument("--untied", dest="tied", action="store_false", default=None,
+                     help="write a separate output.weight (default unless the vocabulary has "
+                          "more than 32,768 tokens)")
+    p.add_argument("--router-near-tie", action="store_true",
+                   help="router weights 100x smaller: top-k margins small but never zero")
+    p.add_argument("--expert-type", dest="expert_qtype", choices=["q4_k"], default=None,
+                   help="write the routed experts directly as random Q4_K blocks "
+                        "(geometry-122b always does)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    p.set_defaults(func=run)
+    return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 0 <= v < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {v}")
+    return v
+
+
+class _Progress:
+    """A one-line bar on a terminal; elsewhere a line per layer, only for long (>256 MB) work."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.last_draw = 0.0
+        self.last_layer: str | None = None
+        self.drew = False
+        self.t0 = time.monotonic()
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if self.tty:
+            now = time.monotonic()
+            if now - self.last_draw < 0.1 and done < total:
+                return
+            self.last_draw = now
+            width = 30
+            frac = done / total if total else 1.0
+            bar = "#" * int(frac * width)
+            self.stream.write(f"\r[{bar:<{width}}] {frac * 100:5.1f}% {done / 1e6:9.1f} MB  "
+                              f"{what[:40]:<40}")
+            self.stream.flush()
+            self.drew = True
+            return
+        if total < (256 << 20):
+            return
+        group = what.split(".")[1] if what.startswith("blk.") else what
+        if what.startswith("blk.") and group != self.last_layer and done > 0:
+            self.last_layer = group
+            self.stream.write(f"make-model: layer {group} ({done / 1e6:.0f}/{total / 1e6:.0f} MB, "
+                              f"{time.monotonic() - self.t0:.1f} s)\n")
+            self.stream.flush()
+        elif not what.startswith(("blk.", "token_embd")) and what != self.last_layer:
+            self.last_layer = what
+            self.stream.write(f"make-model: {what}\n")
+            self.stream.flush()
+
+    def finish(self) -> None:
+        if self.drew:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    from p2pswarm.model import synth  # noqa: PLC0415
+
+    if args.layers is not None and args.layers > 512:
+        raise UserError(f"--layers must be at most 512, got {args.layers}")
+    progress = None if getattr(args, "quiet", False) else _Progress(sys.stderr)
+    t0 = time.monotonic()
+    try:
+        path = synth.make_model(
+            args.output,
+            preset=args.preset,
+            layers=args.layers,
+            qtype=args.qtype,
+            vocab=args.vocab,
+            seed=args.seed,
+            tied=args.tied,
+            router_near_tie=args.router_near_tie,
+            expert_qtype=args.expert_qtype,
+            progress=progress,
+        )
+    finally:
+        if progress is not None:
+            progress.finish()
+    info = synth.describe(path)
+    print(
+        f"wrote {path}: qwen3moe {info['preset']}, {info['n_layer']} layers, n_embd "
+        f"{info['n_embd']}, {info['n_expert']} experts (top-{info['n_expert_used']}) of "
+        f"n_ff_exp {info['n_ff_exp']}, n_vocab {info['n_vocab']}"
+        f"{', tied' if info['tied'] else ''}, experts {'/'.join(info['expert_types'])} "
+        f"({info['bytes_per_expert']:,} bytes per expert), {info['file_bytes']:,} bytes, "
+        f"seed {info['seed']}, {time.monotonic() - t0:.1f} s"
+    )
+    return 0
