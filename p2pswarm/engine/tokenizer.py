@@ -215,7 +215,7 @@ _EOG_TEXTS = frozenset((
 ))
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable-character map (the alphabet byte-level BPE tokens are written in)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -228,7 +228,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-_CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
+_CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in bytes_to_unicode().items()}
 _C_ISSPACE = frozenset(" \t\n\v\f\r")
 
 

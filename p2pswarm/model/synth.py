@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from p2pswarm.engine.tokenizer import bytes_to_unicode
 from p2pswarm.errors import UserError
 
 ARCH = "qwen3moe"
@@ -52,7 +53,7 @@ SYNTH_VERSION = 1  # bump when the bytes a given set of options produces change
 #: ``progress(done_bytes, total_bytes, what)``; called after every tensor and between chunks.
 Progress = Callable[[int, int, str], None]
 
-QTYPES = ("f32", "f16", "q8_0", "q4_k_m")
+QTYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
 EXPERT_QTYPES = ("q4_k",)
 
 ROUTER_NEAR_TIE_SCALE = 0.01
@@ -158,21 +159,6 @@ def _gguf():
     import gguf  # noqa: PLC0415 (import cost only when a model is made)
 
     return gguf
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable unicode character mapping (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -450,32 +436,16 @@ def _type_size(gtype: Any, shape: Sequence[int]) -> int:
     return n // block * size
 
 
-@dataclasses.dataclass(frozen=True)
-class Dims:
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_layer: int
-    n_expert: int
-    n_expert_used: int
-    n_ff_exp: int
-    context_length: int
-    rope_freq_base: float
-    rms_eps: float
-    n_vocab: int
-
-
-def _plan(dims: Dims, qtype: str, expert_qtype: str | None, tied: bool,
+def _plan(dims: Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
           router_near_tie: bool) -> list[TensorPlan]:
     g = _gguf()
     Q = g.GGMLQuantizationType
-    dense = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0, "q4_k_m": Q.F32}[qtype]
+    dense = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k_m": Q.F32}[qtype]
     if expert_qtype == "q4_k":
         exp_t = Q.Q4_K
     else:
         exp_t = dense
-    E, D, F, V = dims.n_embd, dims.n_expert, dims.n_ff_exp, dims.n_vocab
+    E, D, F, V = dims.n_embd, dims.n_expert, dims.n_ff_exp, n_vocab
     H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
     plans: list[TensorPlan] = []
 
@@ -576,7 +546,7 @@ def _validate(p: Preset, qtype: str, expert_qtype: str | None) -> None:
     block = 32
     if qtype == "q4_k_m" or expert_qtype == "q4_k":
         block = 256
-    elif qtype == "f32" or qtype == "f16":
+    elif qtype in ("f32", "f16", "bf16"):
         block = 1
     for name in ("n_embd", "n_ff_exp"):
         v = getattr(p, name)
@@ -592,7 +562,7 @@ def _file_type(qtype: str, expert_qtype: str | None) -> int:
     F = g.LlamaFileType
     if expert_qtype == "q4_k":
         return int(F.MOSTLY_Q4_K_M)  # by bytes the file is almost all Q4_K experts
-    return int({"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "q8_0": F.MOSTLY_Q8_0,
+    return int({"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0,
                 "q4_k_m": F.ALL_F32}[qtype])
 
 
@@ -600,7 +570,7 @@ def estimate_nbytes(plans: Sequence[TensorPlan]) -> int:
     return sum(-(-p.nbytes // 32) * 32 for p in plans)
 
 
-def _write_gguf(path: Path, dims: Dims, plans: list[TensorPlan], tok_kv: list[KV], *, preset: str,
+def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[KV], *, preset: str,
                 seed: int, qtype: str, expert_qtype: str | None, tied: bool,
                 router_near_tie: bool, progress: Progress | None) -> None:
     g = _gguf()
@@ -785,9 +755,8 @@ def make_model(
     n_vocab = _n_vocab(tok_kv)
     if tied is None:
         tied = n_vocab > 32768
-    dims = Dims(p.n_embd, p.n_head, p.n_head_kv, p.head_dim, p.n_layer, p.n_expert,
-                p.n_expert_used, p.n_ff_exp, p.context_length, p.rope_freq_base, p.rms_eps, n_vocab)
-    plans = _plan(dims, qtype, expert_qtype, bool(tied), router_near_tie)
+    dims = p
+    plans = _plan(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
 
     need_bytes = estimate_nbytes(plans) * (2 if qtype == "q4_k_m" else 1) + (64 << 20)
     try:
