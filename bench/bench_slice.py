@@ -2,14 +2,14 @@
 
     python bench/bench_slice.py [--layers 2] [--experts 64] [--dir /tmp/p2pswarm-bench]
 
-Both read from the page cache (warmed first). Our slicer fsyncs before its atomic rename, so it is
-compared with `cp` (no sync) and with `cp` + `sync` (like for like); it is also timed without its
-fsync. Runs alternate and the median of each is reported.
+Both read from the page cache (warmed first), and every run starts after a `sync`, so no run pays
+for the write-back of an earlier one. Our slicer (which also computes a sha256 per tensor) fsyncs
+before its atomic rename, so it is compared with `cp` + `sync` (like for like) and, timed without
+its fsync, with plain `cp`. Runs alternate; the median of each is reported.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import time
@@ -42,14 +42,25 @@ def main() -> None:
         g.write(f.read(n))
     subprocess.run(["cat", str(blob)], stdout=subprocess.DEVNULL, check=True)
     runs: dict[str, list[float]] = {"slice": [], "slice (no fsync)": [], "cp": [], "cp + sync": []}
+    out = d / "bench-copy"
+
+    def timed(name, fn):
+        # Start each run from a clean page cache state: no dirty pages of an earlier run being
+        # written back (the kernel throttles writers while it flushes them), no old output file.
+        for p in (shard, out):
+            p.unlink(missing_ok=True)
+        subprocess.run(["sync"], check=True)
+        t = time.perf_counter()
+        fn()
+        runs[name].append(time.perf_counter() - t)
+
     for _ in range(args.repeat):
-        t = time.perf_counter(); slice_experts(model, shard, None, (0, args.experts)); runs["slice"].append(time.perf_counter() - t)
-        t = time.perf_counter(); slice_experts(model, shard, None, (0, args.experts), fsync=False); runs["slice (no fsync)"].append(time.perf_counter() - t)
-        out = d / "bench-copy"
-        t = time.perf_counter(); subprocess.run(["cp", str(blob), str(out)], check=True); runs["cp"].append(time.perf_counter() - t)
-        os.remove(out)
-        t = time.perf_counter(); subprocess.run(["cp", str(blob), str(out)], check=True); subprocess.run(["sync", str(out)], check=True); runs["cp + sync"].append(time.perf_counter() - t)
-        os.remove(out)
+        timed("slice", lambda: slice_experts(model, shard, None, (0, args.experts)))
+        timed("slice (no fsync)", lambda: slice_experts(model, shard, None, (0, args.experts), fsync=False))
+        timed("cp", lambda: subprocess.run(["cp", str(blob), str(out)], check=True))
+        timed("cp + sync", lambda: (subprocess.run(["cp", str(blob), str(out)], check=True),
+                                    subprocess.run(["sync", str(out)], check=True)))
+    out.unlink(missing_ok=True)
     med = {k: statistics.median(v) for k, v in runs.items()}
     text = header("Slicing throughput vs cp (geometry-122b)", "python bench/bench_slice.py " + f"--layers {args.layers} --experts {args.experts}")
     text += (f"Slice: experts 0-{args.experts - 1} of {args.layers} layers, {n / 1e6:.0f} MB of tensor data "

@@ -213,3 +213,24 @@ def test_slicing_a_shard_is_refused(tiny_f32, tmp_path):
 def test_missing_file_is_one_line(tmp_path):
     with pytest.raises(ModelFormatError, match="no such file"):
         ModelLayout.open(tmp_path / "nope.gguf")
+
+
+@pytest.mark.slow
+def test_slicing_streams_in_bounded_memory(tmp_path):
+    """Slicing ~680 MB out of a 1.5 GB geometry-122b model keeps the slicer's peak RSS small."""
+    import subprocess
+    import sys
+
+    from p2pswarm.model.synth import make_model
+
+    model = make_model(tmp_path / "geo.gguf", preset="geometry-122b", layers=1)
+    out = tmp_path / "shard.gguf"
+    code = ("import resource, sys; from p2pswarm.cli import main; "
+            f"rc = main(['slice', {str(model)!r}, '--experts', '0-127', '-o', {str(out)!r}]); "
+            "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    peak_mb = int(proc.stdout.split("PEAK_KB")[1].split()[0]) / 1024
+    shard_mb = out.stat().st_size / 2**20
+    print(f"slice of {shard_mb:.0f} MB: peak RSS {peak_mb:.0f} MB")
+    assert shard_mb > 600 and peak_mb < 200

@@ -45,7 +45,8 @@ from p2pswarm.model.layout import (
 from p2pswarm.model.manifest import model_fingerprint
 
 CHUNK_BYTES = 8 << 20
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+HASH_THREADS = 2  # tensors hashed in parallel (each tensor's hash is sequential)
+COPY_CHUNK_BYTES = 64 << 20
 _KIND_NAMES = {"experts": "an expert shard", "backbone": "a backbone file"}
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -124,53 +125,91 @@ def _write(
 
     total = sum(t.nbytes for t in g.tensors)
     tmp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
-    hashes: dict[str, str] = {}
     src = os.open(layout.path, os.O_RDONLY)
+    dst = -1
+    pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256")
     try:
-        with open(tmp, "wb") as dst:
-            dst.write(header)
-            data_start = len(header)
-            done = 0
-            # Each chunk is hashed (in a thread) while it is written (here); both release the GIL,
-            # so a chunk costs the slower of the two, not their sum.
-            buf = bytearray(CHUNK_BYTES)
-            for t, parts in zip(g.tensors, ranges):
-                pos = data_start + t.offset
-                if dst.tell() != pos:
-                    dst.write(b"\0" * (pos - dst.tell()))
-                h = hashlib.sha256()
-                for off, length in parts:
-                    while length > 0:
-                        n = min(length, CHUNK_BYTES)
-                        view = memoryview(buf)[:n]
-                        got = os.preadv(src, [view], off)
-                        if got != n:
-                            raise UserError(f"{layout.path}: short read at byte {off}: file truncated?")
-                        hashing = _HASHER.submit(h.update, view)
-                        dst.write(view)
-                        hashing.result()
-                        off += n
-                        length -= n
-                        done += n
-                        if progress:
-                            progress(done, total)
-                hashes[t.name] = h.hexdigest()
-            for name, slot in zip(names, slots):
-                dst.seek(slot)
-                dst.write(hashes[name].encode())
-            dst.flush()
-            if fsync:  # durable before the rename makes it visible
-                os.fsync(dst.fileno())
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _pwrite_all(dst, header, 0)
+        # Hash every tensor (in threads, from the page cache) while the kernel copies the bytes:
+        # sha256 and the copy both run without the GIL, so on 2 cores they overlap.
+        futures = [pool.submit(_hash_ranges, src, parts, layout.path) for parts in ranges]
+        done = 0
+        for t, parts in zip(g.tensors, ranges):
+            dst_off = len(header) + t.offset
+            for off, length in parts:
+                for n in _copy_range(src, dst, off, length, dst_off, layout.path):
+                    dst_off += n
+                    done += n
+                    if progress:
+                        progress(done, 2 * total)
+        hashes: dict[str, str] = {}
+        for t, fut in zip(g.tensors, futures):
+            hashes[t.name] = fut.result()
+            done += t.nbytes
+            if progress:
+                progress(done, 2 * total)
+        for name, slot in zip(names, slots):
+            _pwrite_all(dst, hashes[name].encode(), slot)
+        if fsync:  # durable before the rename makes it visible
+            os.fsync(dst)
+        os.close(dst)
+        dst = -1
         os.replace(tmp, out_path)
     except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if dst >= 0:
+            os.close(dst)
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
         raise
     finally:
+        pool.shutdown(wait=True)
         os.close(src)
     return hashes
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _copy_range(src: int, dst: int, off: int, length: int, dst_off: int, path: Path):
+    """Copy [off, off+length) of src to dst at dst_off, in the kernel where it can (like cp does);
+    yields the bytes done after each step."""
+    while length > 0:
+        n = min(length, COPY_CHUNK_BYTES)
+        try:
+            got = os.copy_file_range(src, dst, n, off, dst_off)
+        except OSError:  # no in-kernel copy here (old kernel, other filesystems): read + write
+            data = os.pread(src, n, off)
+            got = len(data)
+            if got:
+                _pwrite_all(dst, data, dst_off)
+        if got == 0:
+            raise UserError(f"{path}: short read at byte {off}: file truncated?")
+        off, dst_off, length = off + got, dst_off + got, length - got
+        yield got
+
+
+def _hash_ranges(src: int, parts: list[tuple[int, int]], path: Path) -> str:
+    """sha256 of the concatenated source ranges, read in bounded chunks."""
+    h = hashlib.sha256()
+    buf = bytearray(CHUNK_BYTES)
+    for off, length in parts:
+        while length > 0:
+            n = min(length, CHUNK_BYTES)
+            view = memoryview(buf)[:n]
+            got = os.preadv(src, [view], off)
+            if got != n:
+                raise UserError(f"{path}: short read at byte {off}: file truncated?")
+            h.update(view)
+            off, length = off + n, length - n
+    return h.hexdigest()
 
 
 def _check_output(out_path: Path, source: Path) -> Path:
