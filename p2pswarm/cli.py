@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from p2pswarm.errors import UserError
@@ -43,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    level = "DEBUG" if args.verbose else os.environ.get("P2PSWARM_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO",
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -117,4 +118,6 @@ def run(args) -> int:
     if args.workers < 1:
         raise UserError("--workers must be >= 1 for the demo")
     sys.stdout.reconfigure(line_buffering=True)
+    # Worker processes inherit this: their routine INFO lines would drown the demo's table.
+    os.environ.setdefault("P2PSWARM_LOG_LEVEL", "WARNING")
     return trio.run(_demo, args)
