@@ -14,9 +14,10 @@ from p2pswarm.backbone.sampling import Sampler
 class Step:
     index: int
     token: int
-    text: str  # the new text this token completes (may be "" mid-way through a UTF-8 character)
+    text: str  # the text this token completes ("" mid-way through a UTF-8 character)
     seconds: float
     dispatch: DispatchStats  # what this step's forward pass dispatched
+    end: bool = False  # an end-of-generation token: the last step
 
 
 async def generate(backbone: Backbone, tokenizer, prompt_ids: list[int], *, max_tokens: int,
@@ -25,20 +26,15 @@ async def generate(backbone: Backbone, tokenizer, prompt_ids: list[int], *, max_
         raise ValueError("empty prompt")
     state = backbone.new_state()
     feed = list(prompt_ids)
-    out_ids: list[int] = []
-    shown = ""
+    text = tokenizer.stream_decoder()  # never splits a UTF-8 character across two steps
     for i in range(max_tokens):
         t0 = time.perf_counter()
         before = backbone.dispatcher.stats.snapshot()
         logits = await backbone.forward(feed, state)
         token = sampler(logits[-1])
-        out_ids.append(token)
-        text = tokenizer.decode(out_ids)
-        # Hold back a trailing replacement char: the next token may complete the UTF-8 sequence.
-        stable = text[:-1] if text.endswith("\ufffd") else text
-        piece = stable[len(shown):] if stable.startswith(shown) else stable
-        shown = stable if stable.startswith(shown) else shown + piece
-        yield Step(i, token, piece, time.perf_counter() - t0, backbone.dispatcher.stats.since(before))
-        if stop_at_eos and token == getattr(tokenizer, "eos_id", None):
+        end = stop_at_eos and tokenizer.is_eog(token)
+        piece = text.push(token) + (text.flush() if end or i == max_tokens - 1 else "")
+        yield Step(i, token, piece, time.perf_counter() - t0, backbone.dispatcher.stats.since(before), end)
+        if end:
             break
         feed = [token]

@@ -89,7 +89,7 @@ class CompletionsApp:
             async for step in steps:
                 text += step.text
                 n += 1
-                if step.token == self.tokenizer.eos_id:
+                if step.end:
                     finish = "stop"
             await _json(send, 200, {
                 "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
@@ -100,7 +100,7 @@ class CompletionsApp:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
         async for step in steps:
-            finish = "stop" if step.token == self.tokenizer.eos_id else None
+            finish = "stop" if step.end else None
             chunk = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                      "choices": [{"index": 0, "text": step.text, "finish_reason": finish}]}
             await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
