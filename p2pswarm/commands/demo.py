@@ -39,12 +39,17 @@ def add_parser(sub) -> None:
 
 
 def default_model() -> Path:
-    """The demo's tiny model, made once and kept in the cache directory."""
+    """The demo's tiny model, made once and kept in the cache directory.
+
+    It is a qwen35moe (Qwen3.5 MoE: Gated DeltaNet layers + a gated-attention layer, routed experts
+    + a sigmoid-gated shared expert), the architecture of the seed's 122B model, so the first thing
+    a newcomer runs is the real architecture, split across workers.
+    """
     from p2pswarm.model.synth import make_model
 
     d = cache_dir() / "demo"
     d.mkdir(parents=True, exist_ok=True)
-    path = d / "tiny-qwen3moe-qwen35vocab.gguf"
+    path = d / "tiny-qwen35moe-qwen35vocab.gguf"
     if path.exists():
         return path
     vocab = None
@@ -55,11 +60,11 @@ def default_model() -> Path:
         vocab = qwen35_vocab_path()
     except UserError as exc:
         print(f"  could not get it ({exc}); using the built-in small vocabulary instead")
-        path = d / "tiny-qwen3moe.gguf"
+        path = d / "tiny-qwen35moe.gguf"
         if path.exists():
             return path
-    print(f"making the tiny model -> {path}")
-    make_model(path, preset="tiny", qtype="f32", vocab=vocab, seed=0)
+    print(f"making the tiny qwen35moe model (Qwen3.5 MoE: Gated DeltaNet + gated attention) -> {path}")
+    make_model(path, arch="qwen35moe", preset="tiny", qtype="f32", vocab=vocab, seed=0)
     return path
 
 

@@ -1,4 +1,5 @@
-"""``p2pswarm make-model``: write a seeded random-weight qwen3moe GGUF (see p2pswarm.model.synth)."""
+"""``p2pswarm make-model``: write a seeded random-weight qwen3moe or qwen35moe GGUF (see
+p2pswarm.model.synth)."""
 from __future__ import annotations
 
 import argparse
@@ -10,25 +11,30 @@ from p2pswarm.errors import UserError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from p2pswarm.model.synth import PRESETS, QTYPES  # noqa: PLC0415
+    from p2pswarm.model.synth import ARCHES, PRESETS_BY_ARCH, QTYPES  # noqa: PLC0415
 
+    def presets_text(arch: str) -> str:
+        return "; ".join(
+            f"{name}: {pr.n_layer} layers, n_embd {pr.n_embd}, {pr.n_expert} experts "
+            f"(top-{pr.n_expert_used}), n_ff_exp {pr.n_ff_exp}"
+            + (f", {pr.expert_qtype.upper()} experts" if pr.expert_qtype else "")
+            for name, pr in PRESETS_BY_ARCH[arch].items())
+
+    preset_names = sorted({name for presets in PRESETS_BY_ARCH.values() for name in presets})
     p = subparsers.add_parser(
         "make-model",
-        help="write a seeded random-weight qwen3moe GGUF (tests, demo, benchmarks)",
+        help="write a seeded random-weight qwen3moe or qwen35moe GGUF (tests, demo, benchmarks)",
         description=(
-            "Write a seeded random-weight qwen3moe GGUF that llama.cpp loads and runs. The same "
-            "options and seed always give the same bytes. Presets: "
-            + "; ".join(
-                f"{name}: {pr.n_layer} layers, n_embd {pr.n_embd}, {pr.n_expert} experts "
-                f"(top-{pr.n_expert_used}), n_ff_exp {pr.n_ff_exp}"
-                + (f", {pr.expert_qtype.upper()} experts" if pr.expert_qtype else "")
-                for name, pr in PRESETS.items()
-            )
-            + "."
+            "Write a seeded random-weight MoE GGUF that llama.cpp loads and runs. The same "
+            "options and seed always give the same bytes. "
+            + " ".join(f"{arch} presets: {presets_text(arch)}." for arch in ARCHES)
         ),
     )
     p.add_argument("-o", "--output", required=True, metavar="M.gguf", help="file to write")
-    p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model shape (tiny)")
+    p.add_argument("--arch", choices=list(ARCHES), default="qwen3moe",
+                   help="architecture: qwen3moe (default) or qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
+                        "+ gated attention + shared expert, the seed's own model)")
+    p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (tiny)")
     p.add_argument("--layers", type=_positive_int, metavar="N",
                    help="number of layers (default: the preset's)")
     p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
@@ -50,6 +56,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--expert-type", dest="expert_qtype", choices=["q4_k"], default=None,
                    help="write the routed experts directly as random Q4_K blocks "
                         "(geometry-122b always does)")
+    q35 = p.add_argument_group("qwen35moe only")
+    q35.add_argument("--fused-experts", action="store_true", default=None,
+                     help="store each layer's expert gate and up as one ffn_gate_up_exps tensor "
+                          "(gate rows first), as some converters do; same weights as unfused")
+    q35.add_argument("--rope-sections", type=_sections, metavar="T,H,W,E",
+                     help="the 4 IMROPE sections (default: the preset's, covering every rotary pair)")
+    q35.add_argument("--n-rot", type=_positive_int, metavar="N",
+                     help="rotated dims per attention head (default: the preset's, head_dim/4)")
+    q35.add_argument("--ssm-group-count", type=_positive_int, metavar="HK",
+                     help="DeltaNet q/k heads (Hk)")
+    q35.add_argument("--ssm-time-step-rank", type=_positive_int, metavar="HV",
+                     help="DeltaNet v heads (Hv, a multiple of Hk)")
+    q35.add_argument("--ssm-state-size", type=_positive_int, metavar="D", help="DeltaNet head size")
+    q35.add_argument("--full-attention-interval", type=_positive_int, metavar="N",
+                     help="every N-th layer is full attention, the others DeltaNet (default 4)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
     return p
@@ -62,6 +83,17 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def _sections(text: str) -> tuple[int, ...]:
+    try:
+        v = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 4 comma-separated integers, got {text!r}") from None
+    if len(v) != 4 or min(v) < 0 or sum(v) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"expected 4 non-negative comma-separated integers with a positive sum, got {text!r}")
     return v
 
 
@@ -138,17 +170,37 @@ def run(args: argparse.Namespace) -> int:
             router_near_tie=args.router_near_tie,
             expert_qtype=args.expert_qtype,
             progress=progress,
+            **_arch_options(args),
         )
     finally:
         if progress is not None:
             progress.finish()
     info = synth.describe(path)
     print(
-        f"wrote {path}: qwen3moe {info['preset']}, {info['n_layer']} layers, n_embd "
+        f"wrote {path}: {info['architecture']} {info['preset']}, {info['n_layer']} layers, n_embd "
         f"{info['n_embd']}, {info['n_expert']} experts (top-{info['n_expert_used']}) of "
         f"n_ff_exp {info['n_ff_exp']}, n_vocab {info['n_vocab']}"
-        f"{', tied' if info['tied'] else ''}, experts {'/'.join(info['expert_types'])} "
+        f"{', tied' if info['tied'] else ''}{', fused' if info['fused_experts'] else ''}, experts "
+        f"{'/'.join(info['expert_types'])} "
         f"({info['bytes_per_expert']:,} bytes per expert), {info['file_bytes']:,} bytes, "
         f"seed {info['seed']}, {time.monotonic() - t0:.1f} s"
     )
     return 0
+
+
+def _arch_options(args: argparse.Namespace) -> dict:
+    """The qwen35moe-only options the user gave (make_model refuses them for qwen3moe, one line)."""
+    arch = getattr(args, "arch", "qwen3moe")
+    opts = {
+        "fused_experts": getattr(args, "fused_experts", None),
+        "rope_sections": getattr(args, "rope_sections", None),
+        "n_rot": getattr(args, "n_rot", None),
+        "ssm_group_count": getattr(args, "ssm_group_count", None),
+        "ssm_time_step_rank": getattr(args, "ssm_time_step_rank", None),
+        "ssm_state_size": getattr(args, "ssm_state_size", None),
+        "full_attention_interval": getattr(args, "full_attention_interval", None),
+    }
+    opts = {k: v for k, v in opts.items() if v is not None}
+    if arch == "qwen3moe" and not opts:
+        return {}  # the exact call qwen3moe always made
+    return {"arch": arch, **opts}

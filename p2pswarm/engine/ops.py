@@ -93,3 +93,48 @@ def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 def swiglu_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
     """down(silu(gate x) * (up x)) for rows x (n, E): the whole work of one expert."""
     return matmul(silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
+
+
+def imrope_positions(positions: np.ndarray, n_rot: int, sections) -> np.ndarray:
+    """The position each rotary pair of an IMROPE head turns by: (T,) or (T, 4) -> (T, n_rot/2).
+
+    IMROPE (the interleaved multi-axis RoPE of Qwen3-VL / Qwen3.5) gives every pair i one of four
+    position streams (t, h, w, e) by llama.cpp's section rule: with ``sector = i mod sum(sections)``,
+    pair i takes h if ``sector % 3 == 1 and sector < 3*s1``, w if ``sector % 3 == 2 and sector < 3*s2``,
+    t if ``sector % 3 == 0 and sector < 3*s0``, else e. Text tokens are at (p, p, p, 0), so with
+    sections that cover every pair this is plain NEOX rope, and any pair that falls to e is *not*
+    rotated; which pairs those are is why the rule must be followed exactly.
+    """
+    s = [int(v) for v in sections]
+    if len(s) != 4 or min(s) < 0 or sum(s) <= 0:
+        raise ValueError(f"rope sections must be 4 non-negative ints with a positive sum, got {sections!r}")
+    pos = np.asarray(positions)
+    if pos.ndim == 1:  # text: t = h = w = p, e = 0
+        pos = np.stack([pos, pos, pos, np.zeros_like(pos)], axis=1)
+    sector = np.arange(n_rot // 2) % sum(s)
+    stream = np.full(sector.shape, 3)
+    stream[(sector % 3 == 0) & (sector < 3 * s[0])] = 0
+    stream[(sector % 3 == 2) & (sector < 3 * s[2])] = 2
+    stream[(sector % 3 == 1) & (sector < 3 * s[1])] = 1
+    return pos[:, stream]
+
+
+def rope_imrope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, sections) -> np.ndarray:
+    """IMROPE on the first ``n_rot`` dims of each head, NEOX pairing (i, i + n_rot/2).
+
+    x: (T, H, hd); positions (T,) for text or (T, 4) as (t, h, w, e). Dims >= n_rot pass through
+    unrotated. Angles are computed as in :func:`rope_neox` (float64, then float32 cos/sin), so with
+    covering sections the two give identical bits.
+    """
+    half = n_rot // 2
+    pp = imrope_positions(positions, n_rot, sections)  # (T, half)
+    inv = np.power(np.float64(base), -2.0 * np.arange(half, dtype=np.float64) / n_rot)
+    theta = pp.astype(np.float64) * inv[None, :]
+    cos = np.cos(theta).astype(F32)[:, None, :]
+    sin = np.sin(theta).astype(F32)[:, None, :]
+    x0 = x[..., :half]
+    x1 = x[..., half:n_rot]
+    out = x.copy()
+    out[..., :half] = x0 * cos - x1 * sin
+    out[..., half:n_rot] = x0 * sin + x1 * cos
+    return out

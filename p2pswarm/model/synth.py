@@ -1,4 +1,5 @@
-"""Seeded synthetic ``qwen3moe`` GGUF models for ``p2pswarm make-model``, the tests and the demo.
+"""Seeded synthetic ``qwen3moe`` and ``qwen35moe`` GGUF models for ``p2pswarm make-model``, the tests
+and the demo.
 
 The weights are random but *shaped like a real model*: llama.cpp loads and runs the files, the
 activations stay O(1) through the layers, and the router picks varied experts with unequal
@@ -26,6 +27,23 @@ The ``geometry-122b`` preset has the routed-expert geometry of Qwen3.5-122B-A10B
 n_ff_exp 1024, 256 experts, top-8). Its experts are written directly as random but valid Q4_K
 blocks (see :func:`random_q4_k_blocks`): 5,308,416 bytes per expert (gate + up + down), the same
 bytes per expert as the real model's Q4_K experts, generated and written a few experts at a time.
+
+``arch="qwen35moe"`` writes the seed's own architecture (Qwen3.5 MoE: Gated DeltaNet layers with
+every ``full_attention_interval``-th layer gated full attention, a sigmoid-gated shared expert); its
+presets are in :data:`PRESETS_QWEN35` (``tiny`` and ``geometry-122b``, the latter with the 122B's
+expert *and* attention/DeltaNet geometry). Extra weights, beyond the rule above::
+
+    attn_q (q + gate), attn_qkv, attn_gate, ssm_alpha, ssm_beta, shared gate/up
+                          std 1/sqrt(n_embd)
+    ssm_out, shared down  std 1/sqrt(in)
+    ssm_conv1d            std 1/sqrt(kernel)          (F32 always, as llama.cpp keeps it)
+    ssm_a                 -exp(U(log 0.02, log 0.5))  (the stored -exp(A_log): decays 0.6..0.99)
+    ssm_dt.bias           std 0.5
+    ffn_gate_inp_shexp    std 1/sqrt(n_embd)          (F32: a per-token scalar gate)
+
+With ``fused_experts`` the routed experts are one ``ffn_gate_up_exps`` tensor per layer (gate rows
+first) holding *exactly* the bytes the separate gate and up tensors would hold, so a fused and a
+separate model of the same seed compute the same function.
 """
 from __future__ import annotations
 
@@ -48,6 +66,7 @@ from p2pswarm.engine.tokenizer import bytes_to_unicode
 from p2pswarm.errors import UserError
 
 ARCH = "qwen3moe"
+ARCHES = ("qwen3moe", "qwen35moe")
 SYNTH_VERSION = 1  # bump when the bytes a given set of options produces change
 
 #: ``progress(done_bytes, total_bytes, what)``; called after every tensor and between chunks.
@@ -96,6 +115,46 @@ PRESETS: dict[str, Preset] = {
                             n_expert=256, n_expert_used=8, n_ff_exp=1024, context_length=4096,
                             expert_qtype="q4_k"),
 }
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Preset(Preset):
+    """A qwen35moe shape: the qwen3moe fields plus partial IMROPE, the DeltaNet and the shared expert."""
+
+    n_rot: int = 16  # rotated dims per head (Qwen3.5: head_dim / 4)
+    rope_sections: tuple[int, ...] = (3, 3, 2, 0)  # IMROPE (t, h, w, e) sections, in pairs
+    ssm_state_size: int = 32  # d: DeltaNet head size (k and v)
+    ssm_group_count: int = 2  # Hk: q/k heads
+    ssm_time_step_rank: int = 4  # Hv: v heads (a multiple of Hk)
+    ssm_conv_kernel: int = 4
+    full_attention_interval: int = 4  # every 4th layer is full attention, the others DeltaNet
+    n_ff_shexp: int = 256  # shared expert's hidden size
+    fused_experts: bool = False  # one ffn_gate_up_exps tensor instead of ffn_gate_exps + ffn_up_exps
+
+
+PRESETS_QWEN35: dict[str, Qwen35Preset] = {
+    # Makes in about a second: 3 DeltaNet layers + 1 full-attention layer, Hk 2 != Hv 4 like the
+    # real model (16 != 64), sections covering all 8 rotary pairs like the real [11, 11, 10, 0].
+    "tiny": Qwen35Preset(n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_layer=4, n_expert=16,
+                         n_expert_used=4, n_ff_exp=256, context_length=512,
+                         rope_freq_base=10_000_000.0),
+    # Qwen3.5-122B-A10B's geometry, every part of a layer: experts (3072, 256 top-8, 1024, Q4_K),
+    # shared expert 1024, gated attention 32/2 heads of 256 with 64 rotary dims, DeltaNet 16 q/k
+    # and 64 v heads of 128, conv 4. Two layers: one DeltaNet, one full attention.
+    "geometry-122b": Qwen35Preset(n_embd=3072, n_head=32, n_head_kv=2, head_dim=256, n_layer=2,
+                                  n_expert=256, n_expert_used=8, n_ff_exp=1024, context_length=4096,
+                                  rope_freq_base=10_000_000.0, expert_qtype="q4_k", n_rot=64,
+                                  rope_sections=(11, 11, 10, 0), ssm_state_size=128,
+                                  ssm_group_count=16, ssm_time_step_rank=64, full_attention_interval=2,
+                                  n_ff_shexp=1024),
+}
+
+PRESETS_BY_ARCH: dict[str, dict[str, Preset]] = {"qwen3moe": PRESETS, "qwen35moe": PRESETS_QWEN35}
+
+# make_model keywords that only a qwen35moe shape has.
+QWEN35_OPTIONS = ("n_rot", "rope_sections", "ssm_state_size", "ssm_group_count", "ssm_time_step_rank",
+                  "ssm_conv_kernel", "full_attention_interval", "n_ff_shexp", "fused_experts")
 
 # Built-in vocabulary: 256 byte tokens, the merges BPE training finds in BUILTIN_TEXT (at most
 # BUILTIN_MERGES; pairs must occur twice: 281 with this text, so 540 tokens), 3 special tokens.
@@ -425,6 +484,8 @@ class TensorPlan:
     std: float
     gtype: Any  # gguf.GGMLQuantizationType
     nbytes: int
+    # A fused tensor (ffn_gate_up_exps): the plans whose bytes it concatenates, expert by expert.
+    parts: tuple["TensorPlan", ...] = ()
 
 
 def _type_size(gtype: Any, shape: Sequence[int]) -> int:
@@ -480,6 +541,74 @@ def _plan(dims: Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied
     return plans
 
 
+def _plan_qwen35(dims: Qwen35Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
+                 router_near_tie: bool) -> list[TensorPlan]:
+    """The tensors of a qwen35moe model, in file order (llama.cpp's names and shapes)."""
+    g = _gguf()
+    Q = g.GGMLQuantizationType
+    dense = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k_m": Q.F32}[qtype]
+    exp_t = Q.Q4_K if expert_qtype == "q4_k" else dense
+    E, D, F, V = dims.n_embd, dims.n_expert, dims.n_ff_exp, n_vocab
+    H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
+    d, Hk, Hv, K = dims.ssm_state_size, dims.ssm_group_count, dims.ssm_time_step_rank, dims.ssm_conv_kernel
+    C = 2 * Hk * d + Hv * d
+    plans: list[TensorPlan] = []
+
+    def plan(name: str, shape: tuple[int, ...], kind: str, std: float) -> TensorPlan:
+        if kind in ("norm", "router", "vector", "conv", "ssm_a"):
+            t = Q.F32  # llama.cpp keeps these F32 (its quantiser too)
+        elif kind == "experts":
+            t = exp_t
+        else:
+            t = dense
+        return TensorPlan(name, shape, kind, std, t, _type_size(t, shape))
+
+    def add(name: str, shape: tuple[int, ...], kind: str, std: float) -> None:
+        plans.append(plan(name, shape, kind, std))
+
+    add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
+    router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
+    for i in range(dims.n_layer):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (E,), "norm", NORM_NOISE)
+        if (i + 1) % dims.full_attention_interval != 0:  # Gated DeltaNet
+            add(p + "attn_qkv.weight", (C, E), "matrix", 1 / np.sqrt(E))
+            add(p + "attn_gate.weight", (Hv * d, E), "matrix", 1 / np.sqrt(E))
+            add(p + "ssm_conv1d.weight", (C, K), "conv", 1 / np.sqrt(K))
+            add(p + "ssm_dt.bias", (Hv,), "vector", 0.5)
+            add(p + "ssm_a", (Hv,), "ssm_a", 0.0)
+            add(p + "ssm_beta.weight", (Hv, E), "matrix", 1 / np.sqrt(E))
+            add(p + "ssm_alpha.weight", (Hv, E), "matrix", 1 / np.sqrt(E))
+            add(p + "ssm_norm.weight", (d,), "norm", NORM_NOISE)
+            add(p + "ssm_out.weight", (E, Hv * d), "matrix", 1 / np.sqrt(Hv * d))
+        else:  # gated full attention: attn_q holds q and its gate, interleaved head by head
+            add(p + "attn_q.weight", (2 * H * hd, E), "matrix", 1 / np.sqrt(E))
+            add(p + "attn_k.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
+            add(p + "attn_v.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
+            add(p + "attn_output.weight", (E, H * hd), "matrix", 1 / np.sqrt(H * hd))
+            add(p + "attn_q_norm.weight", (hd,), "norm", NORM_NOISE)
+            add(p + "attn_k_norm.weight", (hd,), "norm", NORM_NOISE)
+        add(p + "post_attention_norm.weight", (E,), "norm", NORM_NOISE)
+        add(p + "ffn_gate_inp.weight", (D, E), "router", router_std)
+        gate = plan(p + "ffn_gate_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
+        up = plan(p + "ffn_up_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
+        if dims.fused_experts:
+            plans.append(TensorPlan(p + "ffn_gate_up_exps.weight", (D, 2 * F, E), "experts", gate.std,
+                                    gate.gtype, gate.nbytes + up.nbytes, parts=(gate, up)))
+        else:
+            plans += [gate, up]
+        add(p + "ffn_down_exps.weight", (D, E, F), "experts", 1 / np.sqrt(F))
+        Fs = dims.n_ff_shexp
+        add(p + "ffn_gate_inp_shexp.weight", (E,), "vector", 1 / np.sqrt(E))
+        add(p + "ffn_gate_shexp.weight", (Fs, E), "matrix", 1 / np.sqrt(E))
+        add(p + "ffn_up_shexp.weight", (Fs, E), "matrix", 1 / np.sqrt(E))
+        add(p + "ffn_down_shexp.weight", (E, Fs), "matrix", 1 / np.sqrt(Fs))
+    add("output_norm.weight", (E,), "norm", NORM_NOISE)
+    if not tied:
+        add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
+    return plans
+
+
 # Elements generated per chunk (and so the most float32 values held at once): ~16 MiB.
 _CHUNK_ELEMS = 1 << 22
 
@@ -488,7 +617,20 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
     """The tensor's bytes, in order, a bounded chunk at a time. Chunking depends only on the shape."""
     g = _gguf()
     Q = g.GGMLQuantizationType
+    if plan.parts:
+        # Fused: expert by expert, the bytes of each part (each from its own generator, chunked as
+        # if written alone), so the fused tensor holds exactly the separate tensors' weights.
+        streams = [_tensor_chunks(part, seed) for part in plan.parts]
+        per_expert = [part.nbytes // part.shape[0] for part in plan.parts]
+        for chunks in zip(*streams):
+            raw = [np.ascontiguousarray(c).reshape(-1).view(np.uint8) for c in chunks]
+            n = raw[0].size // per_expert[0]
+            yield np.concatenate([r.reshape(n, -1) for r in raw], axis=1)
+        return
     rng = _rng(seed, plan.name)
+    if plan.kind == "ssm_a":
+        yield -np.exp(rng.uniform(np.log(0.02), np.log(0.5), size=plan.shape)).astype(np.float32)
+        return
     if plan.kind == "norm":
         a = np.float32(1.0) + _normal(rng, plan.shape, plan.std)
         yield a.astype(np.float32)
@@ -513,10 +655,11 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
 # Writing
 
 
-def _resolve(preset: str, layers: int | None, overrides: dict[str, Any]) -> Preset:
-    if preset not in PRESETS:
-        raise UserError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    p = PRESETS[preset]
+def _resolve(preset: str, layers: int | None, overrides: dict[str, Any],
+             presets: dict[str, Preset] = PRESETS) -> Preset:
+    if preset not in presets:
+        raise UserError(f"unknown preset {preset!r}; choose one of: {', '.join(presets)}")
+    p = presets[preset]
     if layers is not None:
         overrides = {**overrides, "n_layer": layers}
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -557,6 +700,34 @@ def _validate(p: Preset, qtype: str, expert_qtype: str | None) -> None:
              "directly written Q4_K experts (use --type f32, f16 or q8_0 for the dense tensors)")
 
 
+def _validate_qwen35(p: Qwen35Preset, qtype: str) -> None:
+    """The qwen35moe-only constraints, each a one-line UserError (llama.cpp would abort on most)."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise UserError(msg)
+
+    for name in ("n_rot", "ssm_state_size", "ssm_group_count", "ssm_time_step_rank", "ssm_conv_kernel",
+                 "full_attention_interval", "n_ff_shexp"):
+        v = getattr(p, name)
+        need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
+             f"{name} must be a positive integer, got {v!r}")
+    need(p.n_rot % 2 == 0 and p.n_rot <= p.head_dim,
+         f"n_rot ({p.n_rot}) must be even and at most head_dim ({p.head_dim})")
+    sec = p.rope_sections
+    need(isinstance(sec, tuple) and len(sec) == 4
+         and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sec) and sum(sec) > 0,
+         f"rope sections must be 4 non-negative integers with a positive sum, got {sec!r}")
+    need(p.ssm_time_step_rank % p.ssm_group_count == 0,
+         f"ssm_time_step_rank (Hv {p.ssm_time_step_rank}) must be a multiple of ssm_group_count "
+         f"(Hk {p.ssm_group_count})")
+    need(p.ssm_conv_kernel >= 2, f"ssm_conv_kernel must be at least 2, got {p.ssm_conv_kernel}")
+    need(p.ssm_conv_kernel <= 16, f"ssm_conv_kernel must be at most 16, got {p.ssm_conv_kernel}")
+    if qtype in ("q8_0", "q4_k_m"):
+        for name, v in (("n_ff_shexp", p.n_ff_shexp), ("n_head * head_dim", p.n_head * p.head_dim),
+                        ("ssm_time_step_rank * ssm_state_size", p.ssm_time_step_rank * p.ssm_state_size)):
+            need(v % 32 == 0, f"{name} ({v}) must be a multiple of 32 for this type")
+
+
 def _file_type(qtype: str, expert_qtype: str | None) -> int:
     g = _gguf()
     F = g.LlamaFileType
@@ -572,14 +743,14 @@ def estimate_nbytes(plans: Sequence[TensorPlan]) -> int:
 
 def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[KV], *, preset: str,
                 seed: int, qtype: str, expert_qtype: str | None, tied: bool,
-                router_near_tie: bool, progress: Progress | None) -> None:
+                router_near_tie: bool, progress: Progress | None, arch: str = ARCH) -> None:
     g = _gguf()
     with _quiet_logger("gguf.gguf_writer"):
-        w = g.GGUFWriter(path, ARCH)
+        w = g.GGUFWriter(path, arch)
     try:
         w.add_type("model")
         w.add_name(f"p2pswarm synth {preset}")
-        w.add_description(f"random-weight qwen3moe made by p2pswarm make-model (seed {seed})")
+        w.add_description(f"random-weight {arch} made by p2pswarm make-model (seed {seed})")
         w.add_context_length(dims.context_length)
         w.add_embedding_length(dims.n_embd)
         w.add_block_count(dims.n_layer)
@@ -593,6 +764,16 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.add_expert_count(dims.n_expert)
         w.add_expert_used_count(dims.n_expert_used)
         w.add_expert_feed_forward_length(dims.n_ff_exp)
+        if isinstance(dims, Qwen35Preset):
+            w.add_expert_shared_feed_forward_length(dims.n_ff_shexp)
+            w.add_rope_dimension_count(dims.n_rot)
+            w.add_rope_dimension_sections(list(dims.rope_sections))
+            w.add_ssm_conv_kernel(dims.ssm_conv_kernel)
+            w.add_ssm_inner_size(dims.ssm_time_step_rank * dims.ssm_state_size)
+            w.add_ssm_state_size(dims.ssm_state_size)
+            w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
+            w.add_ssm_group_count(dims.ssm_group_count)
+            w.add_full_attention_interval(dims.full_attention_interval)
         w.add_file_type(_file_type(qtype, expert_qtype))
         if any(p.gtype not in (g.GGMLQuantizationType.F32, g.GGMLQuantizationType.F16)
                for p in plans):
@@ -602,6 +783,8 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.add_uint32("p2pswarm.synth.version", SYNTH_VERSION)
         w.add_bool("p2pswarm.synth.tied", tied)
         w.add_bool("p2pswarm.synth.router_near_tie", router_near_tie)
+        if isinstance(dims, Qwen35Preset):
+            w.add_bool("p2pswarm.synth.fused_experts", dims.fused_experts)
         for kv in tok_kv:
             w.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
         for p in plans:
@@ -713,8 +896,18 @@ def make_model(
     n_expert_used: int | None = None,
     n_ff_exp: int | None = None,
     context_length: int | None = None,
+    arch: str = ARCH,
+    n_rot: int | None = None,
+    rope_sections: Sequence[int] | None = None,
+    ssm_state_size: int | None = None,
+    ssm_group_count: int | None = None,
+    ssm_time_step_rank: int | None = None,
+    ssm_conv_kernel: int | None = None,
+    full_attention_interval: int | None = None,
+    n_ff_shexp: int | None = None,
+    fused_experts: bool | None = None,
 ) -> Path:
-    """Write a seeded random-weight qwen3moe GGUF to ``out_path`` and return its path.
+    """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
 
     ``preset``: ``tiny`` or ``geometry-122b`` (see :data:`PRESETS`); ``layers`` and the ``n_*``
     keywords override the preset's dims. ``qtype``: ``f32``, ``f16``, ``q8_0`` (2-D/3-D weight
@@ -726,13 +919,32 @@ def make_model(
     (keeps a 151,936-token demo model small). ``router_near_tie``: router weights 100x smaller, so
     top-k margins are small but not zero.
 
+    ``arch``: ``qwen3moe`` (default) or ``qwen35moe`` (presets :data:`PRESETS_QWEN35`). Only for
+    qwen35moe: ``n_rot`` (rotated dims per head), ``rope_sections`` (4 IMROPE sections),
+    ``ssm_state_size`` (d), ``ssm_group_count`` (Hk), ``ssm_time_step_rank`` (Hv, a multiple of
+    Hk), ``ssm_conv_kernel``, ``full_attention_interval``, ``n_ff_shexp`` (shared expert) and
+    ``fused_experts`` (one ``ffn_gate_up_exps`` per layer, same weights as the separate tensors).
+
     The file appears atomically: it is written under a temporary name in the same directory and
     renamed at the end; a failure leaves nothing behind.
     """
     out = Path(out_path)
+    if arch not in ARCHES:
+        raise UserError(f"unknown architecture {arch!r}; choose one of: {', '.join(ARCHES)}")
+    extra = dict(n_rot=n_rot, rope_sections=None if rope_sections is None else tuple(rope_sections),
+                 ssm_state_size=ssm_state_size, ssm_group_count=ssm_group_count,
+                 ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
+                 full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
+                 fused_experts=fused_experts)
+    if arch != "qwen35moe":
+        given = [k for k, v in extra.items() if v is not None]
+        if given:
+            raise UserError(f"{given[0]} applies only to --arch qwen35moe")
+        extra = {}
     p = _resolve(preset, layers, dict(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
-        n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length))
+        n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length, **extra),
+        PRESETS_BY_ARCH[arch])
     if expert_qtype is None:
         expert_qtype = p.expert_qtype
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
@@ -741,6 +953,8 @@ def make_model(
         raise UserError("geometry-122b writes its experts as Q4_K directly; use --type f32, f16 or "
                         "q8_0 for its dense tensors (q4_k_m would requantise the experts)")
     _validate(p, qtype, expert_qtype)
+    if isinstance(p, Qwen35Preset):
+        _validate_qwen35(p, qtype)
 
     if out.is_dir():
         raise UserError(f"output {out} is a directory")
@@ -756,7 +970,8 @@ def make_model(
     if tied is None:
         tied = n_vocab > 32768
     dims = p
-    plans = _plan(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
+    planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else _plan
+    plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
 
     need_bytes = estimate_nbytes(plans) * (2 if qtype == "q4_k_m" else 1) + (64 << 20)
     try:
@@ -773,7 +988,7 @@ def make_model(
         write_to = tmp_f32 if qtype == "q4_k_m" else tmp
         _write_gguf(write_to, dims, plans, tok_kv, preset=preset, seed=seed, qtype=qtype,
                     expert_qtype=expert_qtype, tied=bool(tied), router_near_tie=router_near_tie,
-                    progress=progress)
+                    progress=progress, arch=arch)
         if qtype == "q4_k_m":
             if progress is not None:
                 progress(0, 1, "quantising to Q4_K_M with llama.cpp")
@@ -790,7 +1005,8 @@ def make_model(
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Facts about a qwen3moe GGUF (read from its header only): dims, n_vocab, bytes per expert."""
+    """Facts about a qwen3moe/qwen35moe GGUF (read from its header only): dims, n_vocab, bytes per
+    expert (fused or not)."""
     g = _gguf()
     kvs, tis = read_gguf_header(path)
     kv = {k.key: k.value for k in kvs}
@@ -799,7 +1015,9 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         v = kv.get(key)
         return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
-    n_expert = int(val(f"{ARCH}.expert_count") or 0)
+    arch = val("general.architecture") or ARCH  # the key prefix
+
+    n_expert = int(val(f"{arch}.expert_count") or 0)
     per_expert = 0
     types: set[str] = set()
     for t in tis:
@@ -812,14 +1030,15 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         "architecture": val("general.architecture"),
         "preset": val("p2pswarm.synth.preset"),
         "seed": val("p2pswarm.synth.seed"),
-        "n_layer": val(f"{ARCH}.block_count"),
-        "n_embd": val(f"{ARCH}.embedding_length"),
+        "n_layer": val(f"{arch}.block_count"),
+        "n_embd": val(f"{arch}.embedding_length"),
         "n_expert": n_expert,
-        "n_expert_used": val(f"{ARCH}.expert_used_count"),
-        "n_ff_exp": val(f"{ARCH}.expert_feed_forward_length"),
+        "n_expert_used": val(f"{arch}.expert_used_count"),
+        "n_ff_exp": val(f"{arch}.expert_feed_forward_length"),
         "n_vocab": len(tokens) if tokens is not None else None,
         "tied": not any(t.name == "output.weight" for t in tis),
         "expert_types": sorted(types),
+        "fused_experts": any(t.name.endswith("ffn_gate_up_exps.weight") for t in tis),
         "bytes_per_expert": per_expert,
         "file_bytes": os.path.getsize(path),
     }

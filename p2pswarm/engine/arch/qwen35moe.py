@@ -1,0 +1,296 @@
+"""The dense path of ``qwen35moe`` (Qwen3.5 MoE): a hybrid of Gated DeltaNet and gated attention.
+
+Same contract as :mod:`p2pswarm.engine.arch.qwen3moe` (the backbone's layer loop calls ``pre_moe``,
+``ffn_input``, ``route``, ``post_moe``), so splitting the routed experts across workers works the
+same way and stays bit-identical. What differs, layer by layer (see ../shared/QWEN35MOE-MATH.md
+for the exact formulas as measured against llama.cpp):
+
+* Most layers are *linear attention* (Gated DeltaNet, :mod:`p2pswarm.engine.deltanet`): a causal
+  depthwise conv and a d x d state S per value head, carried between calls instead of a KV cache.
+  Every ``full_attention_interval``-th layer (or as ``attention.recurrent_layers`` says) is *gated
+  full attention*: q carries a per-head sigmoid gate, RoPE is IMROPE on a partial rotary slice.
+* There is no ``ffn_norm``: the experts see ``post_attention_norm(h)``.
+* A shared expert, scaled by a per-token sigmoid gate, is added to the routed experts' sum.
+* The router normalises its top-k weights always (whatever ``expert_weights_norm`` says).
+
+Per-sequence state: ``state.kv[il]`` (KV cache) for attention layers and ``state.extra[il]``
+(:class:`~p2pswarm.engine.deltanet.DeltaNetState`: conv rows + S) for linear ones, one object per
+sequence so a backbone can hold many.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from p2pswarm.engine import deltanet, ops
+from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
+from p2pswarm.engine.state import KVCache, SequenceState
+from p2pswarm.errors import ModelFormatError
+from p2pswarm.model.layout import ModelLayout
+
+F32 = np.float32
+
+
+class _Weights(DenseWeights):
+    """DenseWeights that can also tell a tensor's numpy shape without loading it."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        t = self._by_name[name]
+        return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+class Qwen35MoE:
+    """qwen35moe: Gated DeltaNet + gated full attention, routed experts + a sigmoid-gated shared expert."""
+
+    arch = "qwen35moe"
+
+    #: "auto" (chunked for prefill, recurrent for one token), "chunked" or "recurrent"; tests and
+    #: benchmarks pin one form, the math is the same.
+    deltanet_mode = "auto"
+
+    def __init__(self, layout: ModelLayout):
+        self.layout = layout
+        path = layout.path
+
+        def hp(key, default=None):
+            return layout.hparam(key, default, required=default is None)
+
+        def as_int(key, default=None) -> int:
+            v = hp(key, default)
+            if isinstance(v, list):
+                # per-layer arrays (some converters write head counts per layer, 0 on DeltaNet
+                # layers): fine when every non-zero entry agrees
+                distinct = {x for x in v if isinstance(x, int) and not isinstance(x, bool) and x != 0}
+                if len(distinct) != 1 or any(not isinstance(x, int) or isinstance(x, bool) for x in v):
+                    raise ModelFormatError(f"{path}: key {self.arch}.{key} must be an integer (or a per-layer "
+                                           f"array with one non-zero value), got {v!r}")
+                v = distinct.pop()
+            if isinstance(v, bool):
+                raise ModelFormatError(f"{path}: key {self.arch}.{key} must be an integer, got {v!r}")
+            try:
+                return int(v)
+            except (TypeError, ValueError):
+                raise ModelFormatError(f"{path}: key {self.arch}.{key} must be an integer, got {v!r}") from None
+
+        def as_float(key, default=None) -> float:
+            v = hp(key, default)
+            if isinstance(v, (bool, list, str)):
+                raise ModelFormatError(f"{path}: key {self.arch}.{key} must be a number, got {v!r}")
+            return float(v)
+
+        hp("context_length")
+        self.n_block = as_int("block_count")
+        # Qwen3.5 GGUFs may append multi-token-prediction blocks (``nextn_predict_layers``; by its
+        # config the 122B has 48 layers + 1 MTP block, the brief's 49). They serve speculative
+        # drafting, not the forward pass, which runs the first block_count - nextn_predict_layers
+        # blocks; their experts still sit in the file and in shards, never requested.
+        self.n_layer_nextn = as_int("nextn_predict_layers", 0)
+        self.n_layer = self.n_block - self.n_layer_nextn
+        self.n_embd = as_int("embedding_length")
+        self.eps = as_float("attention.layer_norm_rms_epsilon")
+        self.n_head = as_int("attention.head_count")
+        self.n_head_kv = as_int("attention.head_count_kv", self.n_head)
+        self.head_dim = as_int("attention.key_length", self.n_embd // max(self.n_head, 1))
+        v_len = as_int("attention.value_length", self.head_dim)
+        self.n_rot = as_int("rope.dimension_count", self.head_dim)
+        self.rope_base = as_float("rope.freq_base", 10000.0)
+        sections = hp("rope.dimension_sections")
+        self.n_expert = as_int("expert_count")
+        self.n_expert_used = as_int("expert_used_count")
+        self.ssm_kernel = as_int("ssm.conv_kernel")
+        self.ssm_inner = as_int("ssm.inner_size")
+        self.ssm_d = as_int("ssm.state_size")
+        self.ssm_hv = as_int("ssm.time_step_rank")
+        self.ssm_hk = as_int("ssm.group_count")
+
+        def bad(msg: str) -> ModelFormatError:
+            return ModelFormatError(f"{path}: {msg}")
+
+        if not isinstance(sections, list) or len(sections) < 4 or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in sections[:4]):
+            raise bad(f"key {self.arch}.rope.dimension_sections must be 4 non-negative integers, got {sections!r}")
+        self.rope_sections = tuple(int(s) for s in sections[:4])
+        if sum(self.rope_sections) <= 0:
+            raise bad(f"key {self.arch}.rope.dimension_sections sums to 0")
+        if not 0 <= self.n_layer_nextn < self.n_block:
+            raise bad(f"key {self.arch}.nextn_predict_layers {self.n_layer_nextn} must be below block_count "
+                      f"{self.n_block}")
+        for name, v in (("block_count", self.n_layer), ("embedding_length", self.n_embd),
+                        ("attention.head_count", self.n_head), ("attention.head_count_kv", self.n_head_kv),
+                        ("attention.key_length", self.head_dim), ("expert_count", self.n_expert),
+                        ("expert_used_count", self.n_expert_used), ("ssm.conv_kernel", self.ssm_kernel),
+                        ("ssm.inner_size", self.ssm_inner), ("ssm.state_size", self.ssm_d),
+                        ("ssm.time_step_rank", self.ssm_hv), ("ssm.group_count", self.ssm_hk)):
+            if v <= 0:
+                raise bad(f"key {self.arch}.{name} must be positive, got {v}")
+        if v_len != self.head_dim:
+            raise bad(f"attention.value_length {v_len} != attention.key_length {self.head_dim} (unsupported)")
+        if self.n_head % self.n_head_kv:
+            raise bad(f"attention.head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
+            raise bad(f"rope.dimension_count {self.n_rot} must be even and at most the head size {self.head_dim}")
+        if self.ssm_inner % self.ssm_hv:
+            raise bad(f"ssm.inner_size {self.ssm_inner} is not a multiple of ssm.time_step_rank {self.ssm_hv}")
+        if self.ssm_hv % self.ssm_hk:
+            raise bad(f"ssm.time_step_rank {self.ssm_hv} is not a multiple of ssm.group_count {self.ssm_hk}")
+        if self.n_expert_used > self.n_expert:
+            raise bad(f"expert_used_count {self.n_expert_used} exceeds expert_count {self.n_expert}")
+        self.ssm_dv = self.ssm_inner // self.ssm_hv
+        self.conv_channels = 2 * self.ssm_hk * self.ssm_d + self.ssm_inner
+
+        self.recurrent = self._layer_kinds(hp)
+        self.w = _Weights(layout)
+        tied = not self.w.has("output.weight")
+        self.output_name = "token_embd.weight" if tied else "output.weight"
+        self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
+        self.shared_expert = [False] * self.n_layer
+        self._check_tensors()
+
+    # ---- model description ------------------------------------------------------------------
+    def _layer_kinds(self, hp) -> list[bool]:
+        """True for a linear-attention layer: ``attention.recurrent_layers`` if present, else every
+        layer except each ``full_attention_interval``-th (default 4: layers 3, 7, ... are full)."""
+        rec = self.layout.hparam("attention.recurrent_layers")
+        if rec is not None:
+            if not isinstance(rec, list) or len(rec) not in (self.n_layer, self.n_block) or not all(
+                    isinstance(r, (bool, int)) for r in rec):
+                raise ModelFormatError(
+                    f"{self.layout.path}: key {self.arch}.attention.recurrent_layers must list {self.n_block} "
+                    f"booleans, got {rec!r}")
+            return [bool(r) for r in rec[: self.n_layer]]
+        interval = hp("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise ModelFormatError(
+                f"{self.layout.path}: key {self.arch}.full_attention_interval must be a positive integer, got {interval!r}")
+        return [(il + 1) % interval != 0 for il in range(self.n_layer)]
+
+    def _check_tensors(self) -> None:
+        """Every tensor the forward pass reads, present and of the right shape: one line naming the first
+        that is not, rather than a numpy error halfway through a forward pass."""
+        E, V = self.n_embd, self.n_vocab
+        H, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
+        Hv, dv, K, C = self.ssm_hv, self.ssm_dv, self.ssm_kernel, self.conv_channels
+        need: list[tuple[str, tuple[int, ...] | None]] = [
+            ("token_embd.weight", (V, E)), ("output_norm.weight", (E,)),
+        ]
+        if self.output_name == "output.weight":
+            need.append(("output.weight", (V, E)))
+        shexp = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight")
+        for il in range(self.n_layer):
+            p = f"blk.{il}."
+            need += [(p + "attn_norm.weight", (E,)), (p + "post_attention_norm.weight", (E,)),
+                     (p + "ffn_gate_inp.weight", (self.n_expert, E))]
+            if self.recurrent[il]:
+                need += [(p + "attn_qkv.weight", (C, E)), (p + "attn_gate.weight", (Hv * dv, E)),
+                         (p + "ssm_conv1d.weight", (C, K)), (p + "ssm_dt.bias", (Hv,)), (p + "ssm_a", (Hv,)),
+                         (p + "ssm_beta.weight", (Hv, E)), (p + "ssm_alpha.weight", (Hv, E)),
+                         (p + "ssm_norm.weight", (dv,)), (p + "ssm_out.weight", (E, Hv * dv))]
+            else:
+                need += [(p + "attn_q.weight", (2 * H * hd, E)), (p + "attn_k.weight", (Hkv * hd, E)),
+                         (p + "attn_v.weight", (Hkv * hd, E)), (p + "attn_output.weight", (E, H * hd)),
+                         (p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
+            present = [self.w.has(p + n) for n in shexp]
+            if any(present):
+                missing = [p + n for n, ok in zip(shexp, present) if not ok]
+                if missing:
+                    raise ModelFormatError(f"{self.layout.path}: required tensor {missing[0]!r} is missing "
+                                           "(the layer has part of a shared expert)")
+                self.shared_expert[il] = True
+                ffs = int(self.w.shape(p + "ffn_gate_shexp.weight")[0])
+                need += [(p + "ffn_gate_inp_shexp.weight", (E,)), (p + "ffn_gate_shexp.weight", (ffs, E)),
+                         (p + "ffn_up_shexp.weight", (ffs, E)), (p + "ffn_down_shexp.weight", (E, ffs))]
+            if il not in self.layout.expert_tensors:
+                raise ModelFormatError(f"{self.layout.path}: layer {il} has no routed-expert tensors "
+                                       f"(blk.{il}.ffn_*_exps.weight)")
+        for name, shape in need:
+            if not self.w.has(name):
+                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
+            got = self.w.shape(name)
+            if shape is not None and tuple(got) != shape:
+                # a 1-D tensor may be stored with trailing unit dims ((n, 1) in numpy order is (1, n))
+                if int(np.prod(got)) == int(np.prod(shape)) and len(shape) == 1:
+                    continue
+                raise ModelFormatError(f"{self.layout.path}: tensor {name!r} has shape {tuple(got)}, expected {shape}")
+
+    # ---- per sequence -----------------------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        st = SequenceState()
+        for il in range(self.n_layer):
+            if self.recurrent[il]:
+                st.extra[il] = deltanet.DeltaNetState(self.conv_channels, self.ssm_kernel, self.ssm_hv,
+                                                      self.ssm_d, self.ssm_dv)
+            else:
+                st.kv[il] = KVCache(self.n_head_kv, self.head_dim)
+        return st
+
+    # ---- the layer pieces -------------------------------------------------------------------
+    # Identical to qwen3moe's: shared, not copied (they read only w, n_vocab, eps, output_name,
+    # n_expert_used).
+    embed = Qwen3MoE.embed
+    route = Qwen3MoE.route
+    output = Qwen3MoE.output
+
+    def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
+        """h + attention-or-DeltaNet(attn_norm(h)), updating this layer's state of the sequence."""
+        x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
+        if self.recurrent[il]:
+            out = self.linear_attention(il, x, state.extra[il])
+        else:
+            out = self.full_attention(il, x, state.kv[il], pos0)
+        return h + out
+
+    def full_attention(self, il: int, x: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
+        """Gated attention: q and its sigmoid gate interleaved head by head in attn_q; IMROPE."""
+        w, p = self.w, f"blk.{il}."
+        T, H, hd = x.shape[0], self.n_head, self.head_dim
+        qg = ops.matmul(x, w[p + "attn_q.weight"]).reshape(T, H, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:]
+        k = ops.matmul(x, w[p + "attn_k.weight"]).reshape(T, self.n_head_kv, hd)
+        v = ops.matmul(x, w[p + "attn_v.weight"]).reshape(T, self.n_head_kv, hd)
+        q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
+        k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
+        pos = np.arange(pos0, pos0 + T)
+        q = ops.rope_imrope(q, pos, self.n_rot, self.rope_base, self.rope_sections)
+        k = ops.rope_imrope(k, pos, self.n_rot, self.rope_base, self.rope_sections)
+        keys, values = kv.append(k, v)
+        att = ops.attention(q, keys, values, pos0).reshape(T, H * hd)
+        gated = att * ops.sigmoid(np.ascontiguousarray(gate).reshape(T, H * hd))
+        return ops.matmul(np.ascontiguousarray(gated), w[p + "attn_output.weight"])
+
+    def linear_attention(self, il: int, x: np.ndarray, st: deltanet.DeltaNetState) -> np.ndarray:
+        """Gated DeltaNet: conv -> silu -> q, k (l2-normed), v -> delta rule -> gated RMSNorm -> out."""
+        w, p = self.w, f"blk.{il}."
+        T = x.shape[0]
+        d, Hk, Hv, dv = self.ssm_d, self.ssm_hk, self.ssm_hv, self.ssm_dv
+        m = ops.matmul(x, w[p + "attn_qkv.weight"])  # (T, C)
+        z = ops.matmul(x, w[p + "attn_gate.weight"]).reshape(T, Hv, dv)
+        beta = ops.sigmoid(ops.matmul(x, w[p + "ssm_beta.weight"]))  # (T, Hv)
+        alpha = ops.matmul(x, w[p + "ssm_alpha.weight"]) + w[p + "ssm_dt.bias"].reshape(-1)
+        g = deltanet.softplus(alpha) * w[p + "ssm_a"].reshape(-1)  # ssm_a holds -exp(A_log) already
+        conv, st.conv = deltanet.causal_conv1d(m, st.conv, np.asarray(w[p + "ssm_conv1d.weight"]))
+        c = ops.silu(conv)
+        q = deltanet.l2_norm(c[:, : Hk * d].reshape(T, Hk, d), self.eps)
+        k = deltanet.l2_norm(c[:, Hk * d : 2 * Hk * d].reshape(T, Hk, d), self.eps)
+        v = c[:, 2 * Hk * d :].reshape(T, Hv, dv)
+        if Hv != Hk:  # value head h reads q/k head h mod Hk (tiled, as ggml_repeat does)
+            q = np.tile(q, (1, Hv // Hk, 1))
+            k = np.tile(k, (1, Hv // Hk, 1))
+        o, st.S = deltanet.delta_rule(q, k, v, g, beta, st.S, mode=self.deltanet_mode)
+        y = deltanet.gated_rms_norm(o, w[p + "ssm_norm.weight"].reshape(-1), z, self.eps)
+        return ops.matmul(np.ascontiguousarray(y.reshape(T, Hv * dv)), w[p + "ssm_out.weight"])
+
+    def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
+
+    def shared(self, il: int, cur: np.ndarray) -> np.ndarray:
+        """The shared expert, scaled by its per-token sigmoid gate; zeros if the layer has none."""
+        if not self.shared_expert[il]:
+            return np.zeros_like(cur)
+        w, p = self.w, f"blk.{il}."
+        s = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                              w[p + "ffn_down_shexp.weight"])
+        gate = ops.sigmoid(cur @ w[p + "ffn_gate_inp_shexp.weight"].reshape(-1, 1))  # (T, 1)
+        return s * gate
+
+    def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
+        """h + (routed + shared), added in llama.cpp's order."""
+        return h + (moe + self.shared(il, cur))

@@ -1,0 +1,158 @@
+"""Gated DeltaNet, the linear-attention half of qwen35moe (Qwen3.5), in numpy.
+
+A linear-attention layer keeps, per value head, a d_k x d_v matrix S instead of a KV cache. Per
+token t (``g_t <= 0`` a log-decay, ``beta_t`` in (0, 1), ``q_t``/``k_t`` l2-normalised)::
+
+    S     <- e^{g_t} S
+    delta  = beta_t (v_t - S^T k_t)          # the delta rule: correct what S predicts for k_t
+    S     <- S + k_t delta^T
+    o_t    = S^T q_t / sqrt(d_k)
+
+Two forms compute it:
+
+* :func:`delta_rule_recurrent`, token by token: what decode needs (one token, carried S).
+* :func:`delta_rule_chunked`, 64 tokens at a time (the WY form llama.cpp also uses): within a chunk
+  the corrections ``Delta`` solve one unit-lower-triangular system
+  ``(I + A) Delta = beta (V - diag(e^G) K S0)`` with ``A[t, s] = beta_t e^{G_t - G_s} k_t.k_s``
+  (s < t, G the cumulative log-decay), and outputs and the next S are a few mat-muls. Same result,
+  a fraction of the Python-level work for a long prefill.
+
+Both run in float64 inside (S is carried in float64 too) and return float32: the two forms then
+agree to ~1e-13 before the final rounding, so which one ran is invisible in the float32 output,
+and the carried state loses nothing over a long sequence.
+
+The other pieces of the layer live here too because nothing else uses them: the causal depthwise
+conv with its carried K-1 rows, softplus, the l2-norm and the gated RMSNorm, each written the way
+ggml's CPU kernels compute them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from p2pswarm.engine.ops import rms_norm, silu
+
+F32 = np.float32
+F64 = np.float64
+CHUNK = 64
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), and x itself above 20 (ggml's cut-over: there the two agree in float32)."""
+    x = np.asarray(x, dtype=F32)
+    return np.where(x > F32(20.0), x, np.log(F32(1.0) + np.exp(np.minimum(x, F32(20.0))))).astype(F32)
+
+
+def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / max(||x||, eps) over the last axis, as ggml_l2_norm does (eps floors the norm; it is not
+    added under the root). Squares in float32, summed in float64, one float32 reciprocal."""
+    ss = np.sum(np.square(x, dtype=F32), axis=-1, keepdims=True, dtype=F64)
+    scale = F32(1.0) / np.maximum(np.sqrt(ss).astype(F32), F32(eps))
+    return x * scale
+
+
+def gated_rms_norm(o: np.ndarray, weight: np.ndarray, z: np.ndarray, eps: float) -> np.ndarray:
+    """rms(o, weight) * silu(z) over the last axis (per head): the DeltaNet output norm."""
+    return rms_norm(o, weight, eps) * silu(z)
+
+
+def causal_conv1d(m: np.ndarray, conv_state: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Causal depthwise conv over time, no bias; returns (conv output (T, C), new conv state).
+
+    m: (T, C) this call's inputs; conv_state: (K-1, C) the inputs before them (zeros at the start
+    of a sequence); w: (C, K), w[:, K-1] weighs the current token. ``X = [conv_state; m]`` and
+    ``out[t] = sum_i X[t + i] * w[:, i]``, summed in i order as ggml_ssm_conv does. The new state is
+    the last K-1 rows of X, so a sequence fed in pieces sees exactly what one prefill sees.
+    """
+    K = w.shape[1]
+    T = m.shape[0]
+    X = np.concatenate([conv_state.astype(F32, copy=False), m.astype(F32, copy=False)], axis=0)
+    out = X[0:T] * w[:, 0]
+    for i in range(1, K):
+        out = out + X[i : i + T] * w[:, i]
+    return out, np.ascontiguousarray(X[X.shape[0] - (K - 1):])
+
+
+def delta_rule_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                         S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule token by token.
+
+    q, k: (T, H, dk) (l2-normalised, already one per value head); v: (T, H, dv); g, beta: (T, H);
+    S: (H, dk, dv), the state before the first token. Returns (o (T, H, dv) float32, S float64).
+    """
+    q, k, v, g, beta = (np.asarray(a, dtype=F64) for a in (q, k, v, g, beta))
+    S = np.array(S, dtype=F64, copy=True)
+    T, H, dk = q.shape
+    scale = 1.0 / np.sqrt(dk)
+    out = np.empty((T, H, v.shape[-1]), dtype=F64)
+    decay = np.exp(g)
+    for t in range(T):
+        S *= decay[t][:, None, None]
+        pred = np.einsum("hk,hkv->hv", k[t], S)  # S^T k
+        delta = beta[t][:, None] * (v[t] - pred)
+        S += k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hk,hkv->hv", q[t], S) * scale
+    return out.astype(F32), S
+
+
+def delta_rule_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                       S: np.ndarray, chunk: int = CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule a chunk at a time; same arguments and results as the recurrent form.
+
+    Per chunk of L tokens (all heads at once), with G the inclusive cumulative sum of g in the
+    chunk, D[t, s] = e^{G_t - G_s} for s <= t (else 0), S0 the state at the chunk's start::
+
+        A     = strictly_lower(beta[:, None] * (K K^T) * D)
+        Delta = (I + A)^{-1} (beta[:, None] * (V - e^{G}[:, None] * (K S0)))
+        O     = (e^{G}[:, None] * (Q S0) + (lower(Q K^T) * D) Delta) / sqrt(dk)
+        S     = e^{G_L} S0 + K^T (e^{G_L - G}[:, None] * Delta)
+
+    Every exponent is <= 0 (g <= 0 and s <= t), so nothing overflows however long the chunk.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    q, k, v, g, beta = (np.asarray(a, dtype=F64) for a in (q, k, v, g, beta))
+    S = np.array(S, dtype=F64, copy=True)
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    scale = 1.0 / np.sqrt(dk)
+    out = np.empty((T, H, dv), dtype=F64)
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        L = c1 - c0
+        qc = q[c0:c1].transpose(1, 0, 2)  # (H, L, dk)
+        kc = k[c0:c1].transpose(1, 0, 2)
+        vc = v[c0:c1].transpose(1, 0, 2)  # (H, L, dv)
+        bc = beta[c0:c1].T  # (H, L)
+        G = np.cumsum(g[c0:c1].T, axis=1)  # (H, L)
+        lower = np.tril(np.ones((L, L), dtype=bool))
+        diff = np.where(lower, G[:, :, None] - G[:, None, :], -np.inf)
+        D = np.exp(diff)  # (H, L, L), zero above the diagonal
+        eG = np.exp(G)[:, :, None]
+        A = bc[:, :, None] * (kc @ kc.transpose(0, 2, 1)) * D
+        A[:, np.arange(L), np.arange(L)] = 0.0
+        rhs = bc[:, :, None] * (vc - eG * (kc @ S))
+        delta = np.linalg.solve(np.eye(L) + A, rhs)  # (H, L, dv)
+        o = eG * (qc @ S) + ((qc @ kc.transpose(0, 2, 1)) * D) @ delta
+        out[c0:c1] = (o * scale).transpose(1, 0, 2)
+        tail = np.exp(G[:, -1:] - G)[:, :, None]  # (H, L, 1)
+        S = np.exp(G[:, -1])[:, None, None] * S + kc.transpose(0, 2, 1) @ (tail * delta)
+    return out.astype(F32), S
+
+
+def delta_rule(q, k, v, g, beta, S, *, mode: str = "auto"):
+    """Pick the form: ``auto`` is recurrent for a single token (decode) and chunked otherwise."""
+    if mode == "recurrent" or (mode == "auto" and q.shape[0] == 1):
+        return delta_rule_recurrent(q, k, v, g, beta, S)
+    if mode in ("auto", "chunked"):
+        return delta_rule_chunked(q, k, v, g, beta, S)
+    raise ValueError(f"unknown DeltaNet mode {mode!r} (auto, chunked or recurrent)")
+
+
+class DeltaNetState:
+    """What one linear-attention layer carries between calls for one sequence."""
+
+    __slots__ = ("S", "conv")
+
+    def __init__(self, conv_channels: int, kernel: int, n_v_heads: int, dk: int, dv: int):
+        self.conv = np.zeros((kernel - 1, conv_channels), dtype=F32)
+        self.S = np.zeros((n_v_heads, dk, dv), dtype=F64)
