@@ -1,13 +1,16 @@
-"""Worker peak memory vs its shard's size (geometry-122b Q4_K experts, numpy kernel).
+"""Worker peak memory vs its shard's size (geometry-122b Q4_K experts), per expert kernel.
 
-    python bench/bench_worker_memory.py
+    python bench/bench_worker_memory.py [--kernel numpy|ggml|auto] [--layers 2]
 
-Starts a real `p2pswarm worker` process on a shard of 8 and of 64 experts (2 layers), sends one
-request touching every expert it holds (so each is dequantised into the cache), then reads the
-process's peak resident set (VmHWM). The numpy kernel keeps float32 copies: ~7.1x the Q4_K bytes.
+Starts a real `p2pswarm worker --kernel K` process on a shard of 8 and of 64 experts (``--layers``
+layers), sends one request per layer touching every expert it holds, then reads the process's peak
+resident set (VmHWM) and what it is made of (RssAnon: private memory; RssFile: mapped file pages,
+the shard's among them). The numpy kernel keeps float32 copies: ~7.1x the Q4_K bytes. The ggml
+kernel computes on the mapped bytes: peak = shard + a fixed overhead (Python, numpy, trio, libggml).
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +19,25 @@ from common import header, peak_rss_mb
 
 from p2pswarm.backbone.session import WorkerProcess
 from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.engine.kernels import kernel_id, resolve_kernel
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 
-async def touch_all(wp: WorkerProcess, shard: Path) -> float:
-    info = ExpertWorker.describe_shard(shard)
-    owner = SocketOwner("w", wp.host, wp.port, model_fingerprint=info.model_fingerprint, kernel="numpy",
+def rss_mb(pid: int) -> dict[str, float]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = int(rest.split()[0]) / 1024
+    return out
+
+
+async def touch_all(wp: WorkerProcess, shard: Path, kernel: str) -> float:
+    info = ExpertWorker.describe_shard(shard, kernel)
+    owner = SocketOwner("w", wp.host, wp.port, model_fingerprint=info.model_fingerprint, kernel=kernel_id(kernel),
                         layers=(info.layer_begin, info.layer_end), experts=(info.expert_begin, info.expert_end),
                         timeout_s=600)
     idle = peak_rss_mb(wp.proc.pid)
@@ -36,25 +50,34 @@ async def touch_all(wp: WorkerProcess, shard: Path) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", choices=("auto", "numpy", "ggml"), default="numpy")
+    ap.add_argument("--layers", type=int, default=2)
+    args = ap.parse_args()
+    kernel = resolve_kernel(args.kernel)
     d = Path("/tmp/p2pswarm-bench")
     d.mkdir(parents=True, exist_ok=True)
-    model = d / "geometry-122b-2l.gguf"
+    model = d / f"geometry-122b-{args.layers}l.gguf"
     if not model.exists():
-        make_model(model, preset="geometry-122b", layers=2)
-    text = header("Worker memory vs shard size (geometry-122b, numpy kernel)", "python bench/bench_worker_memory.py")
-    text += ("| experts/layer x layers | shard MB | idle peak RSS MB | peak RSS after touching every expert MB | "
-             "peak / shard |\n|---|---|---|---|---|\n")
+        make_model(model, preset="geometry-122b", layers=args.layers)
+    text = header(f"Worker memory vs shard size (geometry-122b, {kernel} kernel)",
+                  f"python bench/bench_worker_memory.py --kernel {args.kernel} --layers {args.layers}")
+    text += (f"Kernel `{kernel_id(kernel)}`. MiB throughout.\n\n"
+             "| experts/layer x layers | shard | idle peak RSS | peak RSS after touching every expert | "
+             "peak - shard | peak / shard | RssAnon | RssFile |\n|---|---|---|---|---|---|---|---|\n")
     for n in (8, 64):
         shard = d / f"mem-shard-{n}.gguf"
         slice_experts(model, shard, None, (0, n))
-        wp = WorkerProcess.start(shard, extra_args=[])
+        wp = WorkerProcess.start(shard, kernel=kernel)
         try:
-            idle = trio.run(touch_all, wp, shard)
+            idle = trio.run(touch_all, wp, shard, kernel)
             peak = peak_rss_mb(wp.proc.pid)
+            now = rss_mb(wp.proc.pid)
         finally:
             wp.stop()
         size = shard.stat().st_size / 2**20
-        text += f"| {n} x 2 | {size:.0f} | {idle:.0f} | {peak:.0f} | {peak / size:.1f} |\n"
+        text += (f"| {n} x {args.layers} | {size:.0f} | {idle:.0f} | {peak:.0f} | {peak - size:.0f} | "
+                 f"{peak / size:.2f} | {now['RssAnon']:.0f} | {now['RssFile']:.0f} |\n")
         shard.unlink()
     print(text)
 

@@ -35,7 +35,7 @@ def shard(tiny_f32, tmp_path):
 def _owner(wp: WorkerProcess, shard, **kw) -> SocketOwner:
     info = ExpertWorker.describe_shard(shard)
     kw.setdefault("model_fingerprint", info.model_fingerprint)
-    return SocketOwner("w", wp.host, wp.port, kernel="numpy", layers=(info.layer_begin, info.layer_end),
+    return SocketOwner("w", wp.host, wp.port, kernel=info.kernel, layers=(info.layer_begin, info.layer_end),
                        experts=(info.expert_begin, info.expert_end), **kw)
 
 

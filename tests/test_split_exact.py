@@ -16,6 +16,7 @@ from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.session import ensure_shards, open_backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.kernels import kernel_id
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
@@ -48,8 +49,10 @@ async def test_split_equals_monolithic(request, qtype, transport):
     model = _model(request, qtype)
     mono_prefill, mono_decode, mono_stats = await _mono_logits(model)
     assert mono_stats.requests == 0 and np.isfinite(mono_prefill).all()
-    # decode with a KV cache agrees with prefill to float rounding (a sanity check of the cache)
-    assert np.max(np.abs(mono_prefill - mono_decode)) < 1e-3 * max(1.0, np.abs(mono_prefill).max())
+    # decode with a KV cache agrees with prefill (a sanity check of the cache): to float rounding,
+    # or, where the ggml kernel rounds activations to 8 bits, to a quantisation step (docs/kernels.md)
+    tol = 2e-2 if qtype != "f32" and kernel_id().startswith("ggml") else 1e-3
+    assert np.max(np.abs(mono_prefill - mono_decode)) < tol * max(1.0, np.abs(mono_prefill).max())
     for workers in (1, 2, 3, 7):
         prefill, decode, stats = await _logits(model, workers, transport)
         assert stats.requests > 0 and stats.local_groups == 0 and stats.fallbacks == 0

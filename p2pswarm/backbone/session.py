@@ -5,6 +5,10 @@ use. With ``workers=0`` it is the monolithic run (M0): every expert computed by 
 replica. With N > 0 the experts of every layer are split into N contiguous ranges (sizes differing
 by at most one), each cut into a shard mini-GGUF and served by one worker, either in this process
 (``inproc``) or as a separate OS process on a local socket (``socket``).
+
+``kernel`` ("auto" | "numpy" | "ggml", see :mod:`p2pswarm.engine.kernels`) is resolved once here and
+used by the backbone's fallback replica, its dense path and every worker it starts, so all of them
+compute the same way (the handshake refuses a worker that does not).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import sys
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -23,7 +28,8 @@ from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner, Owner
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.ggml_kernel import ENV_THREADS, default_threads
+from p2pswarm.engine.kernels import make_bank, resolve_kernel, use_kernel_for_dense
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
@@ -65,8 +71,10 @@ class WorkerProcess:
     shard: Path
 
     @classmethod
-    def start(cls, shard: Path, timeout_s: float = 60.0, extra_args: list[str] | None = None) -> "WorkerProcess":
+    def start(cls, shard: Path, timeout_s: float = 60.0, extra_args: list[str] | None = None, *,
+              kernel: str | None = None, threads: int | None = None) -> "WorkerProcess":
         cmd = [sys.executable, "-m", "p2pswarm.cli", "worker", "--shard", str(shard), "--listen", "127.0.0.1:0",
+               *(["--kernel", kernel] if kernel else []), *(["--threads", str(threads)] if threads else []),
                *(extra_args or [])]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         line: list[str] = []
@@ -100,13 +108,23 @@ class LocalSwarm:
 
 @asynccontextmanager
 async def open_backbone(model_path, *, workers: int = 0, transport: str = "socket", shard_dir=None,
-                        fallback: bool = True, timeout_s: float = 30.0):
-    """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers."""
+                        fallback: bool = True, timeout_s: float = 30.0, kernel: str | None = None,
+                        threads: int | None = None):
+    """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers.
+
+    ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node."""
     layout = ModelLayout.open(model_path)
     if layout.shard_kind is not None:
         raise UserError(f"{layout.path}: is a {layout.shard_kind} shard; give the full model")
+    kernel = resolve_kernel(kernel)
     model = load_dense(layout)
-    bank = ExpertBank(layout)
+    use_kernel_for_dense(model, kernel, threads=threads)
+    bank = make_bank(layout, kernel, threads=threads)
+    # Workers on this host compute at the same time and share its CPUs; ggml's barriers spin, so
+    # unless told otherwise each gets its share (the bits do not depend on the thread count).
+    worker_threads = threads
+    if worker_threads is None and workers > 0 and kernel == "ggml" and not os.environ.get(ENV_THREADS):
+        worker_threads = max(1, default_threads() // workers)
     fingerprint = model_fingerprint(layout)
     procs: list[WorkerProcess] = []
     owners: list[Owner] = []
@@ -116,11 +134,13 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
             for i, shard in enumerate(shards):
                 worker_name = f"worker{i}"
                 if transport == "inproc":
-                    owners.append(InProcessOwner(ExpertWorker(shard), worker_name))
+                    owners.append(InProcessOwner(ExpertWorker(shard, kernel=kernel, threads=worker_threads),
+                                                 worker_name))
                 elif transport == "socket":
-                    wp = await trio.to_thread.run_sync(WorkerProcess.start, shard)
+                    wp = await trio.to_thread.run_sync(
+                        partial(WorkerProcess.start, shard, kernel=kernel, threads=worker_threads))
                     procs.append(wp)
-                    info = ExpertWorker.describe_shard(shard)
+                    info = ExpertWorker.describe_shard(shard, kernel)
                     owners.append(SocketOwner(
                         worker_name, wp.host, wp.port, model_fingerprint=fingerprint, kernel=bank.kernel,
                         layers=(info.layer_begin, info.layer_end), experts=(info.expert_begin, info.expert_end),

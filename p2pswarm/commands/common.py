@@ -1,7 +1,30 @@
 """Argument helpers shared by the commands that run a model (logits, generate, demo)."""
 from __future__ import annotations
 
+import argparse
+
 from p2pswarm.errors import UserError
+
+KERNEL_CHOICES = ("auto", "numpy", "ggml")
+
+
+def add_kernel_args(p) -> None:
+    """``--kernel`` and ``--threads``: which code computes the experts (see docs/kernels.md)."""
+    p.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
+                   help="expert kernel: ggml on the quantised bytes, numpy on float32, or auto (ggml where "
+                        "libggml loads; default, or $P2PSWARM_KERNEL)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="ggml threads (default $P2PSWARM_THREADS, else the CPUs available, at most 8)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
 
 
 def add_swarm_args(p) -> None:
@@ -12,6 +35,7 @@ def add_swarm_args(p) -> None:
     p.add_argument("--no-fallback", action="store_true",
                    help="fail instead of recomputing a failed worker's experts on the local replica")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a worker's reply")
+    add_kernel_args(p)
 
 
 def parse_ids(text: str, what: str = "--tokens") -> list[int]:

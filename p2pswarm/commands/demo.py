@@ -21,6 +21,7 @@ import trio
 from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import cache_dir, open_backbone
+from p2pswarm.commands.common import add_kernel_args
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 
@@ -35,6 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--transport", choices=("socket", "inproc"), default="socket")
+    add_kernel_args(p)
     p.set_defaults(func=run)
 
 
@@ -75,7 +77,8 @@ async def _demo(args) -> int:
     print(f"model: {model}")
     print(f"prompt: {args.prompt!r} -> {len(prompt_ids)} tokens")
 
-    async with open_backbone(model, workers=args.workers, transport=args.transport) as swarm:
+    async with open_backbone(model, workers=args.workers, transport=args.transport, kernel=args.kernel,
+                             threads=args.threads) as swarm:
         m = swarm.backbone.model
         print(f"backbone: {m.arch}, {m.n_layer} layers, {m.n_expert} experts/layer (top-{m.n_expert_used}), "
               f"n_embd {m.n_embd}, vocab {m.n_vocab}; model fingerprint {swarm.fingerprint[:12]}")
@@ -105,7 +108,7 @@ async def _demo(args) -> int:
         split_prefill = await swarm.backbone.logits(seq)
         split_decode = await swarm.backbone.logits(seq, decode=True)
 
-    async with open_backbone(model, workers=0) as mono:
+    async with open_backbone(model, workers=0, kernel=args.kernel, threads=args.threads) as mono:
         mono_prefill = await mono.backbone.logits(seq)
         mono_decode = await mono.backbone.logits(seq, decode=True)
 

@@ -33,7 +33,8 @@ async def _run(args) -> None:
         raise UserError("the prompt tokenizes to nothing")
     sampler = Sampler(args.temperature, args.top_p, args.seed)
     async with open_backbone(args.model, workers=args.workers, transport=args.transport,
-                             fallback=not args.no_fallback, timeout_s=args.timeout) as swarm:
+                             fallback=not args.no_fallback, timeout_s=args.timeout, kernel=args.kernel,
+                             threads=args.threads) as swarm:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
         n, secs = 0, 0.0

@@ -29,9 +29,9 @@ def add_parser(sub) -> None:
 
 
 async def compute_logits(model, tokens, *, workers=0, transport="socket", decode=False, fallback=True,
-                         timeout_s=30.0):
+                         timeout_s=30.0, kernel=None, threads=None):
     async with open_backbone(model, workers=workers, transport=transport, fallback=fallback,
-                             timeout_s=timeout_s) as swarm:
+                             timeout_s=timeout_s, kernel=kernel, threads=threads) as swarm:
         logits = await swarm.backbone.logits(tokens, decode=decode)
         return logits, swarm.backbone.dispatcher.stats
 
@@ -44,7 +44,7 @@ def run(args) -> int:
         raise UserError(f"{out.parent}: output directory does not exist")
     logits, stats = trio.run(lambda: compute_logits(
         args.model, tokens, workers=args.workers, transport=args.transport, decode=args.decode,
-        fallback=not args.no_fallback, timeout_s=args.timeout))
+        fallback=not args.no_fallback, timeout_s=args.timeout, kernel=args.kernel, threads=args.threads))
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}.npy")
     np.save(tmp, logits.astype(np.float32, copy=False))
     os.replace(tmp, out)

@@ -11,6 +11,7 @@ import sys
 
 import trio
 
+from p2pswarm.commands.common import add_kernel_args
 from p2pswarm.errors import UserError
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME
 from p2pswarm.worker.expert_worker import ExpertWorker
@@ -25,6 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1:0)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
                    help=f"largest frame accepted, in bytes (default {DEFAULT_MAX_FRAME})")
+    add_kernel_args(p)
     p.set_defaults(func=run)
 
 
@@ -51,7 +53,8 @@ async def _main(worker: ExpertWorker, host: str, port: int, max_frame: int) -> N
 
 def run(args) -> int:
     host, port = parse_hostport(args.listen)
-    worker = ExpertWorker(args.shard)
+    worker = ExpertWorker(args.shard, kernel=args.kernel, threads=args.threads)
+    log.info("kernel %s", worker.info.kernel)
     try:
         trio.run(_main, worker, host, port, args.max_frame)
     except OSError as exc:

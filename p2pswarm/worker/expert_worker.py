@@ -2,7 +2,8 @@
 
 It opens only its expert shard (a mini-GGUF the slicer cut): no attention, no router, no other
 experts, no KV cache, no sampler. Every request is checked against what the shard holds, and the
-computation is :meth:`ExpertBank.forward_groups`, the very code the monolithic run uses.
+computation is the bank's ``forward_groups``, the very code the monolithic run uses, with the kernel
+chosen by :func:`p2pswarm.engine.kernels.make_bank` (whose name the handshake compares).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.kernels import kernel_id, make_bank
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
@@ -48,15 +49,17 @@ def shard_info(layout: ModelLayout, kernel: str) -> ShardInfo:
 
 
 class ExpertWorker:
-    def __init__(self, shard_path: str | os.PathLike[str], **bank_options):
+    def __init__(self, shard_path: str | os.PathLike[str], *, kernel: str | None = None, **bank_options):
+        """``kernel``: "auto" | "numpy" | "ggml" (None: $P2PSWARM_KERNEL, else auto); ``bank_options``
+        go to :func:`make_bank` (``cache_bytes`` for numpy, ``threads`` for ggml)."""
         layout = ModelLayout.open(shard_path)
-        self.info = shard_info(layout, ExpertBank.kernel)
-        self.bank = ExpertBank(layout, **bank_options)
+        self.bank = make_bank(layout, kernel, **bank_options)
+        self.info = shard_info(layout, self.bank.kernel)
 
     @staticmethod
-    def describe_shard(shard_path: str | os.PathLike[str]) -> ShardInfo:
-        """What a shard holds, without loading it."""
-        return shard_info(ModelLayout.open(shard_path), ExpertBank.kernel)
+    def describe_shard(shard_path: str | os.PathLike[str], kernel: str | None = None) -> ShardInfo:
+        """What a shard holds, without loading it (``kernel``: what a worker started with it would use)."""
+        return shard_info(ModelLayout.open(shard_path), kernel_id(kernel))
 
     def compute(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
         """Outputs for each (expert, row indices) group, in the order given."""

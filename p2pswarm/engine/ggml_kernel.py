@@ -1,0 +1,686 @@
+"""The ggml expert kernel: down(silu(gate x) * (up x)) computed on the quantised bytes of the GGUF.
+
+Why: the numpy kernel dequantises every expert it touches to float32, so a worker holding a 340 MB
+Q4_K shard grows to ~2.4 GB and spends most of its time streaming float32 weights. Here the weights
+are never copied: every ggml tensor's ``data`` points into the memory map of the GGUF
+(:func:`ggml_backend_cpu_buffer_from_ptr` wraps the mapping, :func:`ggml_backend_tensor_alloc`
+places each expert's slab in it), so resident memory is the pages of the shard that were read, plus
+a fixed overhead, and a decode step streams the quantised bytes once.
+
+The library is llama.cpp's own libggml (``libggml-base`` + ``libggml-cpu``), as shipped in the
+``llama_cpp/lib`` directory of llama-cpp-python, driven through ctypes: the same kernels llama.cpp
+runs, including its tiled K-quant GEMM for batches (see docs/kernels.md for the choice and the
+numbers). Set ``P2PSWARM_GGML_LIB`` to a directory holding another build's libggml-base/libggml-cpu
+(e.g. one compiled for a phone's CPU), or ``P2PSWARM_GGML=off`` to pretend ggml is missing.
+
+Only stable *functions* of the ggml API are used, never the layout of ``struct ggml_tensor`` (which
+changes between versions), and every shape/type/size is checked in Python first: a failed
+``GGML_ASSERT`` aborts the whole process, it cannot be caught.
+
+Numerics are llama.cpp's, not numpy's: before a quantised mat-mul ggml rounds the activations to
+the weight type's ``vec_dot_type`` (Q8_K for K-quants, Q8_0 for Q8_0/Q4_0/..., F16 for F16).
+Results are deterministic and independent of the thread count, so two nodes running the same
+library on the same CPU family get the same bits; :attr:`GgmlLib.kernel_id` names library and CPU
+features so that peers computing differently refuse each other at the handshake.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from p2pswarm.errors import ModelFormatError, UserError
+
+log = logging.getLogger("p2pswarm.engine")
+
+ENV_LIB = "P2PSWARM_GGML_LIB"
+ENV_DISABLE = "P2PSWARM_GGML"  # "off" / "0" / "no": behave as if ggml could not be loaded
+ENV_THREADS = "P2PSWARM_THREADS"
+
+GGML_TYPE_F32 = 0
+GGML_TYPE_I32 = 26
+# Weight types the kernel accepts (ggml's enum values, the same numbers GGUF uses): the ones the
+# numpy kernel also reads, so the two kernels cover the same models.
+WEIGHT_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
+                10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+QUANTISED_TYPES = frozenset(WEIGHT_TYPES) - {0, 1, 30}
+TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT: buffers and tensor data must be aligned to it
+# CPU features that select different ggml SIMD code (and so possibly different rounding).
+_CPU_FEATURES = ("avx", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "f16c", "fma",
+                 "neon", "dotprod", "matmul_int8", "sve", "sme", "riscv_v", "vsx", "wasm_simd")
+# Below this many multiply-adds per thread a graph runs on fewer threads: spinning up threads and
+# their barriers costs more than they save on tiny experts (the result does not depend on it).
+MIN_MACS_PER_THREAD = 1 << 21
+
+
+class GgmlUnavailable(UserError):
+    """libggml could not be found or loaded, or is unusable here; the message says why."""
+
+
+class _InitParams(ctypes.Structure):
+    # struct ggml_init_params: stable since ggml's first release.
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+_P = ctypes.c_void_p
+_SIG = {  # name: (library, restype, argtypes)
+    "ggml_init": ("base", _P, [_InitParams]),
+    "ggml_free": ("base", None, [_P]),
+    "ggml_reset": ("base", None, [_P]),
+    "ggml_tensor_overhead": ("base", ctypes.c_size_t, []),
+    "ggml_graph_overhead_custom": ("base", ctypes.c_size_t, [ctypes.c_size_t, ctypes.c_bool]),
+    "ggml_new_tensor_1d": ("base", _P, [_P, ctypes.c_int, ctypes.c_int64]),
+    "ggml_new_tensor_2d": ("base", _P, [_P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+    "ggml_mul_mat": ("base", _P, [_P, _P, _P]),
+    "ggml_swiglu_split": ("base", _P, [_P, _P, _P]),
+    "ggml_get_rows": ("base", _P, [_P, _P, _P]),
+    "ggml_new_graph_custom": ("base", _P, [_P, ctypes.c_size_t, ctypes.c_bool]),
+    "ggml_build_forward_expand": ("base", None, [_P, _P]),
+    "ggml_get_data": ("base", _P, [_P]),
+    "ggml_nbytes": ("base", ctypes.c_size_t, [_P]),
+    "ggml_row_size": ("base", ctypes.c_size_t, [ctypes.c_int, ctypes.c_int64]),
+    "ggml_blck_size": ("base", ctypes.c_int64, [ctypes.c_int]),
+    "ggml_version": ("base", ctypes.c_char_p, []),
+    "ggml_commit": ("base", ctypes.c_char_p, []),
+    "ggml_quantize_chunk": ("base", ctypes.c_size_t,
+                            [ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _P]),
+    "ggml_backend_cpu_buffer_from_ptr": ("base", _P, [_P, ctypes.c_size_t]),
+    "ggml_backend_buffer_free": ("base", None, [_P]),
+    "ggml_backend_tensor_alloc": ("base", ctypes.c_int, [_P, _P, _P]),
+    "ggml_backend_graph_compute": ("base", ctypes.c_int, [_P, _P]),
+    "ggml_backend_free": ("base", None, [_P]),
+    "ggml_cpu_init": ("cpu", None, []),
+    "ggml_backend_cpu_init": ("cpu", _P, []),
+    "ggml_backend_cpu_set_n_threads": ("cpu", None, [_P, ctypes.c_int]),
+}
+
+
+class GgmlLib:
+    """libggml-base + libggml-cpu loaded through ctypes, with the signatures we use declared."""
+
+    def __init__(self, lib_dir: Path, package_version: str | None):
+        self.lib_dir = lib_dir
+        libs = {}
+        for key, stem in (("base", "ggml-base"), ("cpu", "ggml-cpu")):
+            path = _find_lib(lib_dir, stem)
+            if path is None:
+                raise GgmlUnavailable(f"no lib{stem} shared library in {lib_dir}")
+            try:
+                # RTLD_GLOBAL: libggml-cpu resolves its libggml-base symbols from the one loaded here.
+                libs[key] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                raise GgmlUnavailable(f"cannot load {path.name}: {exc}") from None
+        for name, (lib, restype, argtypes) in _SIG.items():
+            try:
+                fn = getattr(libs[lib], name)
+            except AttributeError:
+                raise GgmlUnavailable(f"lib{lib} in {lib_dir} has no {name} (too old a ggml?)") from None
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, name.removeprefix("ggml_"), fn)
+        self._libs = libs
+        self.cpu_init()
+        self.ggml_version = (self.version() or b"?").decode()
+        self.ggml_commit = (self.commit() or b"?").decode()
+        self.features = tuple(f for f in _CPU_FEATURES if _has(libs["cpu"], f))
+        self.tensor_overhead_bytes = int(self.tensor_overhead())
+        lib_id = package_version or f"{self.ggml_version}-{self.ggml_commit}"
+        # The string peers compare at the handshake: same library and same SIMD code paths.
+        self.kernel_id = f"ggml-{lib_id}/{platform.machine()}" + "".join("+" + f for f in self.features)
+
+    def describe(self) -> str:
+        return f"{self.kernel_id} (ggml {self.ggml_version} {self.ggml_commit}, {self.lib_dir})"
+
+
+def _has(cpu_lib, feature: str) -> bool:
+    fn = getattr(cpu_lib, f"ggml_cpu_has_{feature}", None)
+    if fn is None:
+        return False
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return bool(fn())
+
+
+def _find_lib(lib_dir: Path, stem: str) -> Path | None:
+    for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll", f"lib{stem}.so.0"):
+        if (lib_dir / name).exists():
+            return lib_dir / name
+    return None
+
+
+_lib: GgmlLib | None = None
+_lib_error: str | None = None
+_lib_lock = threading.Lock()
+
+
+def load_libggml() -> GgmlLib:
+    """The process-wide libggml, loaded on first use; :class:`GgmlUnavailable` says why not."""
+    global _lib, _lib_error
+    if os.environ.get(ENV_DISABLE, "").strip().lower() in ("0", "off", "no", "false", "disabled"):
+        raise GgmlUnavailable(f"disabled by {ENV_DISABLE}={os.environ[ENV_DISABLE]}")
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        if _lib_error is not None:
+            raise GgmlUnavailable(_lib_error)
+        try:
+            lib_dir, version = _locate()
+            _lib = GgmlLib(lib_dir, version)
+        except GgmlUnavailable as exc:
+            _lib_error = str(exc)
+            raise
+        log.debug("ggml kernel: %s", _lib.describe())
+        return _lib
+
+
+def _locate() -> tuple[Path, str | None]:
+    """Where libggml is: $P2PSWARM_GGML_LIB, else llama-cpp-python's lib/ (found without importing it:
+    importing llama_cpp would also load libllama, ~4 MB of code a worker never runs)."""
+    env = os.environ.get(ENV_LIB)
+    if env:
+        d = Path(env)
+        if not d.is_dir():
+            raise GgmlUnavailable(f"{ENV_LIB}={env} is not a directory")
+        return d, None
+    try:
+        spec = importlib.util.find_spec("llama_cpp")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise GgmlUnavailable("llama-cpp-python is not installed (pip install 'p2pswarm[llama]'), "
+                              f"and {ENV_LIB} is not set")
+    d = Path(list(spec.submodule_search_locations)[0]) / "lib"
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if not d.is_dir():
+        raise GgmlUnavailable(f"llama-cpp-python has no lib/ directory with libggml ({d})")
+    return d, version
+
+
+def default_threads() -> int:
+    """$P2PSWARM_THREADS, else the CPUs this process may run on (at most 8: beyond that a single
+    expert's mat-muls are memory-bound and more threads only add barrier cost)."""
+    env = os.environ.get(ENV_THREADS)
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise UserError(f"{ENV_THREADS}={env!r} is not an integer") from None
+        if n < 1:
+            raise UserError(f"{ENV_THREADS} must be >= 1, got {n}")
+        return n
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+def check_threads(threads: int | None) -> int:
+    if threads is None:
+        return default_threads()
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise UserError(f"threads must be a positive integer, got {threads!r}")
+    return threads
+
+
+# ---- one place that runs graphs ----------------------------------------------------------------
+class GgmlRunner:
+    """A CPU backend, a reusable compute context and a lock: build a graph, run it, read it back.
+
+    Weights live elsewhere (in the memory map); this context only holds the activations of one
+    call. It is reset, not freed, between calls, and regrown when a call needs more; a context
+    grown past ``KEEP_BYTES`` is released after the call so one long prefill does not pin its
+    scratch memory forever.
+    """
+
+    KEEP_BYTES = 64 << 20
+
+    def __init__(self, lib: GgmlLib, threads: int | None = None):
+        self.lib = lib
+        self.threads = check_threads(threads)
+        self._backend = lib.backend_cpu_init()
+        if not self._backend:
+            raise GgmlUnavailable("ggml_backend_cpu_init failed")
+        self._ctx = None
+        self._ctx_bytes = 0
+        self.lock = threading.Lock()
+
+    def context(self, nbytes: int, n_tensors: int):
+        """A fresh (reset) compute context with room for ``nbytes`` of data in ``n_tensors``."""
+        lib = self.lib
+        need = nbytes + n_tensors * (lib.tensor_overhead_bytes + 64) + (1 << 12)
+        need += int(lib.graph_overhead_custom(self.graph_size(n_tensors), False))
+        if self._ctx is not None and self._ctx_bytes >= need:
+            lib.reset(self._ctx)
+            return self._ctx
+        self._free_ctx()
+        size = max(need, 1 << 20)
+        ctx = lib.init(_InitParams(size, None, False))
+        if not ctx:
+            raise MemoryError(f"ggml could not allocate a {size >> 20} MB compute context")
+        self._ctx, self._ctx_bytes = ctx, size
+        return ctx
+
+    @staticmethod
+    def graph_size(n_tensors: int) -> int:
+        return max(16, 2 * n_tensors)
+
+    def compute(self, graph, macs: int) -> None:
+        n = max(1, min(self.threads, macs // MIN_MACS_PER_THREAD))
+        self.lib.backend_cpu_set_n_threads(self._backend, n)
+        status = self.lib.backend_graph_compute(self._backend, graph)
+        if status != 0:
+            raise RuntimeError(f"ggml graph compute failed (status {status})")
+
+    def done(self) -> None:
+        if self._ctx_bytes > self.KEEP_BYTES:
+            self._free_ctx()
+
+    def _free_ctx(self) -> None:
+        if self._ctx is not None:
+            self.lib.free(self._ctx)
+            self._ctx, self._ctx_bytes = None, 0
+
+    def close(self) -> None:
+        with self.lock:
+            self._free_ctx()
+            if self._backend:
+                self.lib.backend_free(self._backend)
+                self._backend = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def f32_view(lib: GgmlLib, tensor, shape: tuple[int, ...]) -> np.ndarray:
+    """A numpy view of an F32 ggml tensor's data (valid until its context is reset)."""
+    n = 1
+    for d in shape:
+        n *= d
+    buf = (ctypes.c_char * (4 * n)).from_address(lib.get_data(tensor))
+    return np.frombuffer(buf, dtype=np.float32).reshape(shape)
+
+
+# ---- weights that are views of the memory map ---------------------------------------------------
+class MappedWeights:
+    """ggml tensors whose data are byte ranges of one memory-mapped file (no copy, ever).
+
+    Tensor metadata lives in no-alloc contexts of ``CHUNK`` tensors each, created as needed, so a
+    backbone holding every expert of a big model pays only for the experts it has touched.
+    """
+
+    CHUNK = 1024
+
+    def __init__(self, lib: GgmlLib, mapping: np.ndarray, name: str):
+        if not isinstance(mapping, np.ndarray) or mapping.dtype != np.uint8 or mapping.ndim != 1:
+            raise TypeError("mapping must be the uint8 memory map of a file")
+        self.lib = lib
+        self.name = name
+        self._mapping = mapping  # keeps the map alive as long as these tensors are
+        self.base = mapping.ctypes.data
+        self.size = mapping.nbytes
+        if self.base % TENSOR_ALIGNMENT:
+            raise GgmlUnavailable(f"{name}: memory map is not {TENSOR_ALIGNMENT}-byte aligned")
+        self._buffer = lib.backend_cpu_buffer_from_ptr(self.base, self.size)
+        if not self._buffer:
+            raise GgmlUnavailable(f"{name}: ggml could not wrap the memory map")
+        self._ctxs: list = []
+        self._left = 0
+
+    def tensor(self, ggml_type: int, ne0: int, ne1: int, offset: int, what: str):
+        """A 2-D ggml tensor (ne0 columns, ne1 rows) of ``ggml_type`` at byte ``offset`` of the file."""
+        lib = self.lib
+        if ggml_type not in WEIGHT_TYPES:
+            raise ModelFormatError(f"{self.name}: {what}: ggml kernel does not take weight type {ggml_type}")
+        blck = int(lib.blck_size(ggml_type))
+        if ne0 <= 0 or ne1 <= 0 or ne0 % blck:
+            raise ModelFormatError(f"{self.name}: {what}: row length {ne0} is not a multiple of the "
+                                   f"{WEIGHT_TYPES[ggml_type]} block size {blck}")
+        nbytes = int(lib.row_size(ggml_type, ne0)) * ne1
+        if offset < 0 or offset + nbytes > self.size:
+            raise ModelFormatError(f"{self.name}: {what}: bytes {offset}..{offset + nbytes} outside the file")
+        if offset % TENSOR_ALIGNMENT:
+            raise ModelFormatError(f"{self.name}: {what}: data at offset {offset} is not "
+                                   f"{TENSOR_ALIGNMENT}-byte aligned")
+        if self._left == 0:
+            ctx = lib.init(_InitParams(self.CHUNK * (lib.tensor_overhead_bytes + 16), None, True))
+            if not ctx:
+                raise MemoryError("ggml_init failed")
+            self._ctxs.append(ctx)
+            self._left = self.CHUNK
+        t = lib.new_tensor_2d(self._ctxs[-1], ggml_type, ne0, ne1)
+        self._left -= 1
+        if int(lib.nbytes(t)) != nbytes:
+            raise ModelFormatError(f"{self.name}: {what}: ggml sizes it at {lib.nbytes(t)} bytes, expected {nbytes}")
+        status = lib.backend_tensor_alloc(self._buffer, t, self.base + offset)
+        if status != 0:
+            raise RuntimeError(f"{self.name}: {what}: ggml_backend_tensor_alloc failed ({status})")
+        return t
+
+    def close(self) -> None:
+        for ctx in self._ctxs:
+            self.lib.free(ctx)
+        self._ctxs = []
+        if self._buffer:
+            self.lib.backend_buffer_free(self._buffer)
+            self._buffer = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+# ---- the expert bank ------------------------------------------------------------------------------
+class GgmlExpertBank:
+    """Routed experts of some layers and an expert range, computed by ggml on the mapped bytes.
+
+    The same interface as :class:`p2pswarm.engine.experts.ExpertBank` (``forward``,
+    ``forward_groups``, ``holds``, ``kernel``), so the worker, the dispatcher and the backbone's
+    fallback replica use either without knowing which. ``cache`` is None: nothing is dequantised.
+    """
+
+    cache = None
+
+    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None):
+        self.lib = lib or load_libggml()
+        self.kernel = self.lib.kernel_id
+        self.layout = layout
+        self.layers = frozenset(layout.expert_layers)
+        self.expert_begin = layout.expert_begin
+        self.expert_end = layout.expert_end
+        self.n_embd = int(layout.hparam("embedding_length", required=True))
+        self.runner = GgmlRunner(self.lib, threads)
+        self.threads = self.runner.threads
+        self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
+        self._experts: dict[tuple[int, int], tuple] = {}
+        self._check_types()
+
+    def _check_types(self) -> None:
+        for layer, tensors in self.layout.expert_tensors.items():
+            for kind, t in tensors.items():
+                if kind.endswith("_bias"):
+                    continue
+                if int(t.ggml_type) not in WEIGHT_TYPES:
+                    raise ModelFormatError(f"{t.name}: weight type {t.ggml_type.name} is not supported by the "
+                                           "ggml kernel")
+                rows, cols = t.shape[1], t.shape[2]
+                if int(self.lib.row_size(int(t.ggml_type), cols)) * rows != t.expert_nbytes:
+                    raise ModelFormatError(f"{t.name}: {t.expert_nbytes} bytes per expert do not match "
+                                           f"{t.ggml_type.name} {rows}x{cols}")
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return layer in self.layers and self.expert_begin <= expert < self.expert_end
+
+    def _tensors(self, layer: int, expert: int) -> tuple:
+        """(gate, up, down, n_ff, macs per row) ggml tensors of one expert; made once, no copy."""
+        key = (layer, expert)
+        got = self._experts.get(key)
+        if got is not None:
+            return got
+        if not self.holds(layer, expert):
+            raise UserError(
+                f"expert {expert} of layer {layer} is not held here "
+                f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
+            )
+        tensors = self.layout.expert_tensors[layer]
+        local = expert - self.expert_begin
+        m = self._mapped
+
+        def make(kind: str, row0: int = 0, rows: int | None = None):
+            t = tensors[kind]
+            off, _ = t.slab(local)
+            n_rows, n_cols = t.shape[1], t.shape[2]
+            rows = n_rows if rows is None else rows
+            row_bytes = int(self.lib.row_size(int(t.ggml_type), n_cols))
+            return m.tensor(int(t.ggml_type), n_cols, rows, off + row0 * row_bytes, f"{t.name}[{expert}]")
+
+        if "gate_up" in tensors:
+            ff = tensors["gate_up"].shape[1] // 2
+            gate, up = make("gate_up", 0, ff), make("gate_up", ff, ff)
+        else:
+            ff = tensors["gate"].shape[1]
+            gate, up = make("gate"), make("up")
+        down = make("down")
+        got = (gate, up, down, ff, 3 * ff * self.n_embd)
+        self._experts[key] = got
+        return got
+
+    def forward(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
+        """down(silu(gate x) * (up x)) for rows (n, n_embd) float32 -> (n, n_embd) float32."""
+        rows = np.asarray(rows, dtype=np.float32)
+        return self.forward_groups(layer, rows, [(expert, np.arange(rows.shape[0]))])[0]
+
+    def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        """Every (expert, row indices) group of one layer: rows[idx] through that expert, in order.
+
+        One ggml graph for the whole request (one thread start-up, one barrier chain); each group is
+        its own gate/up/swiglu/down chain, so a group's result depends only on its expert and its
+        rows, never on which other groups share the request: what split == monolithic needs.
+        """
+        rows = np.asarray(rows, dtype=np.float32)
+        E = self.n_embd
+        if rows.ndim != 2 or rows.shape[1] != E:
+            raise UserError(f"rows have shape {rows.shape}, expected (n, {E})")
+        if not groups:
+            return []
+        lib = self.lib
+        with self.runner.lock:
+            plan = []
+            nbytes = 0
+            macs = 0
+            for e, idx in groups:
+                idx = np.asarray(idx)
+                gate, up, down, ff, mpr = self._tensors(layer, e)
+                n = len(idx)
+                plan.append((idx, n, gate, up, down, ff))
+                nbytes += 4 * n * (2 * E + 3 * ff) + 5 * 64
+                macs += n * mpr
+            ctx = self.runner.context(nbytes, 5 * len(plan))
+            graph = lib.new_graph_custom(ctx, self.runner.graph_size(5 * len(plan)), False)
+            outs = []
+            for idx, n, gate, up, down, ff in plan:
+                if n == 0:
+                    outs.append(None)
+                    continue
+                x = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, n)
+                np.take(rows, idx, axis=0, out=f32_view(lib, x, (n, E)))
+                h = lib.swiglu_split(ctx, lib.mul_mat(ctx, gate, x), lib.mul_mat(ctx, up, x))
+                out = lib.mul_mat(ctx, down, h)
+                lib.build_forward_expand(graph, out)
+                outs.append((out, n))
+            self.runner.compute(graph, macs)
+            result = [np.zeros((0, E), np.float32) if o is None else f32_view(lib, o[0], (o[1], E)).copy()
+                      for o in outs]
+            self.runner.done()
+        return result
+
+    def close(self) -> None:
+        self.runner.close()
+        self._experts.clear()
+        self._mapped.close()
+
+
+# ---- the dense path on quantised weights ---------------------------------------------------------
+class QuantisedMatrix:
+    """A quantised 2-D weight W (out, in) in numpy's orientation, left in the memory map.
+
+    The dense path writes ``ops.matmul(x, W)``, i.e. ``x @ W.T``, and ``W[token_ids]`` for the
+    embedding. Both are intercepted here and run by ggml on the quantised bytes (``mul_mat`` and
+    ``get_rows``, llama.cpp's ops). Anything else numpy asks of it (``np.asarray``, a ufunc, an
+    attribute such as ``reshape``) falls back to a float32 dequantised copy, made once, so code
+    written for plain arrays still works; it just does not save the memory.
+    """
+
+    def __init__(self, runner: GgmlRunner, tensor, ggml_type: int, shape: tuple[int, int], name: str,
+                 dequantise):
+        self.runner = runner
+        self.tensor = tensor
+        self.ggml_type = ggml_type
+        self.shape = shape
+        self.ndim = 2
+        self.dtype = np.dtype(np.float32)
+        self.name = name
+        self._dequantise = dequantise
+        self._dense: np.ndarray | None = None
+
+    # numpy protocol -----------------------------------------------------------------------------
+    def __array__(self, dtype=None, copy=None):
+        if self._dense is None:
+            self._dense = self._dequantise()
+        return self._dense if dtype is None else self._dense.astype(dtype, copy=False)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        # Only ``x @ W.T`` is ggml's (see _Transposed); any other ufunc sees the dequantised array.
+        inputs = tuple(np.asarray(i) if isinstance(i, (QuantisedMatrix, _Transposed)) else i for i in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(np.asarray(self), name)
+
+    @property
+    def T(self) -> "_Transposed":
+        return _Transposed(self)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        ids = np.asarray(key)
+        if ids.dtype.kind in "iu" and ids.ndim == 1:
+            return self.get_rows(ids)
+        return np.asarray(self)[key]
+
+    # the two ops ---------------------------------------------------------------------------------
+    def rmatmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x @ W.T for x (..., in) float32 -> (..., out) float32, by ggml_mul_mat(W, x)."""
+        x = np.asarray(x, dtype=np.float32)
+        out_n, in_n = self.shape
+        if x.shape[-1] != in_n:
+            raise ValueError(f"matmul: {x.shape} @ {self.name}.T of shape ({in_n}, {out_n})")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, in_n)
+        n = x2.shape[0]
+        if n == 0:
+            return np.zeros((*lead, out_n), np.float32)
+        lib, r = self.runner.lib, self.runner
+        with r.lock:
+            ctx = r.context(4 * n * (in_n + out_n) + 256, 3)
+            graph = lib.new_graph_custom(ctx, r.graph_size(3), False)
+            xt = lib.new_tensor_2d(ctx, GGML_TYPE_F32, in_n, n)
+            f32_view(lib, xt, (n, in_n))[...] = x2
+            out = lib.mul_mat(ctx, self.tensor, xt)
+            lib.build_forward_expand(graph, out)
+            r.compute(graph, n * in_n * out_n)
+            result = f32_view(lib, out, (n, out_n)).copy()
+            r.done()
+        return result.reshape(*lead, out_n)
+
+    def get_rows(self, ids: np.ndarray) -> np.ndarray:
+        """W[ids] dequantised by ggml_get_rows (llama.cpp's embedding lookup)."""
+        ids = np.asarray(ids)
+        out_n, in_n = self.shape
+        if ids.size and (ids.min() < 0 or ids.max() >= out_n):
+            raise IndexError(f"{self.name}: row index out of range 0..{out_n - 1}")
+        n = int(ids.size)
+        if n == 0:
+            return np.zeros((0, in_n), np.float32)
+        lib, r = self.runner.lib, self.runner
+        with r.lock:
+            ctx = r.context(4 * n * (in_n + 1) + 256, 3)
+            graph = lib.new_graph_custom(ctx, r.graph_size(3), False)
+            it = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n)
+            np.ctypeslib.as_array(ctypes.cast(lib.get_data(it), ctypes.POINTER(ctypes.c_int32)), shape=(n,))[...] = ids
+            out = lib.get_rows(ctx, self.tensor, it)
+            lib.build_forward_expand(graph, out)
+            r.compute(graph, 0)
+            result = f32_view(lib, out, (n, in_n)).copy()
+            r.done()
+        return result
+
+
+class _Transposed:
+    """``W.T`` of a :class:`QuantisedMatrix`: what ``x @ W.T`` hands numpy."""
+
+    __array_priority__ = 100
+
+    def __init__(self, m: QuantisedMatrix):
+        self.m = m
+        self.shape = (m.shape[1], m.shape[0])
+        self.ndim = 2
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.m, dtype=dtype).T
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if ufunc is np.matmul and method == "__call__" and not kwargs and len(inputs) == 2 and inputs[1] is self:
+            return self.m.rmatmul_t(inputs[0])
+        inputs = tuple(np.asarray(i) if isinstance(i, (QuantisedMatrix, _Transposed)) else i for i in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __rmatmul__(self, x):
+        return self.m.rmatmul_t(x)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(np.asarray(self), name)
+
+
+class GgmlDense:
+    """The quantised 2-D tensors of a model's dense path as :class:`QuantisedMatrix` objects."""
+
+    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None):
+        from p2pswarm.engine.weights import to_float32  # noqa: PLC0415 - engine-internal, avoids a cycle
+
+        self.lib = lib or load_libggml()
+        self.kernel = self.lib.kernel_id
+        self.layout = layout
+        self.runner = GgmlRunner(self.lib, threads)
+        self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
+        self._to_float32 = to_float32
+
+    def eligible(self, t) -> bool:
+        """Quantised 2-D tensors that are not routed experts (those are the expert bank's)."""
+        return (int(t.tensor_type) in QUANTISED_TYPES and len(t.shape) == 2
+                and "_exps." not in t.name)
+
+    def matrix(self, t) -> QuantisedMatrix:
+        ne0, ne1 = int(t.shape[0]), int(t.shape[1])
+        gtype = int(t.tensor_type)
+        tensor = self._mapped.tensor(gtype, ne0, ne1, int(t.data_offset), t.name)
+        raw = t.data
+
+        def dequantise():
+            return self._to_float32(raw.reshape(-1) if raw.ndim else raw, t.tensor_type, (ne1, ne0), t.name)
+
+        return QuantisedMatrix(self.runner, tensor, gtype, (ne1, ne0), t.name, dequantise)
+
+
+def quantize(ggml_type: int, w: np.ndarray, lib: GgmlLib | None = None) -> np.ndarray:
+    """float32 (rows, cols) -> ggml's quantised bytes (llama.cpp's own quantiser; any type ggml
+    writes, including the K-quants gguf-py cannot). For tests and benchmarks."""
+    lib = lib or load_libggml()
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    if cols % int(lib.blck_size(ggml_type)):
+        raise ValueError(f"{cols} columns is not a multiple of the block size")
+    out = np.zeros(int(lib.row_size(ggml_type, cols)) * rows, np.uint8)
+    n = lib.quantize_chunk(ggml_type, w.ctypes.data, out.ctypes.data, 0, rows, cols, None)
+    if n != out.nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {n} bytes, expected {out.nbytes}")
+    return out

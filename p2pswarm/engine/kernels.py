@@ -1,0 +1,110 @@
+"""Which code computes the experts: one switch, one interface.
+
+    bank = make_bank(layout, kernel="auto")      # "auto" | "numpy" | "ggml"
+    bank.forward(layer, expert, rows); bank.forward_groups(layer, rows, groups); bank.holds(l, e)
+    bank.kernel                                  # "numpy" or "ggml-0.3.36/x86_64+avx2+..."
+
+``numpy`` is the reference (:class:`p2pswarm.engine.experts.ExpertBank`: dequantise to float32,
+cache, multiply). ``ggml`` computes on the quantised bytes in the memory map with llama.cpp's libggml
+(:mod:`p2pswarm.engine.ggml_kernel`): no dequantised copy, memory-bandwidth speed, llama.cpp's
+numerics. ``auto`` is ggml where libggml loads, else numpy with one log line saying why.
+
+``bank.kernel`` goes into the handshake: a backbone and a worker whose kernels differ refuse each
+other, because bit-equality of the split run needs the same kernel on both sides.
+
+The default kernel is ``$P2PSWARM_KERNEL`` when set (the CLI's ``--kernel`` sets it), else ``auto``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from p2pswarm.engine.experts import DEFAULT_CACHE_BYTES, ExpertBank
+from p2pswarm.errors import UserError
+
+log = logging.getLogger("p2pswarm.engine")
+
+KERNELS = ("auto", "numpy", "ggml")
+ENV_KERNEL = "P2PSWARM_KERNEL"
+
+_warned_fallback = False
+
+
+def default_kernel() -> str:
+    k = os.environ.get(ENV_KERNEL, "").strip().lower() or "auto"
+    if k not in KERNELS:
+        raise UserError(f"{ENV_KERNEL}={k!r}: unknown kernel (choose {', '.join(KERNELS)})")
+    return k
+
+
+def resolve_kernel(kernel: str | None = None) -> str:
+    """``auto``/None -> ``ggml`` or ``numpy``; ``ggml`` -> ``ggml`` or a UserError saying why not."""
+    global _warned_fallback
+    from p2pswarm.engine.ggml_kernel import GgmlUnavailable, load_libggml  # noqa: PLC0415
+
+    kernel = default_kernel() if kernel is None else str(kernel).strip().lower()
+    if kernel not in KERNELS:
+        raise UserError(f"unknown kernel {kernel!r} (choose {', '.join(KERNELS)})")
+    if kernel == "numpy":
+        return "numpy"
+    try:
+        load_libggml()
+        return "ggml"
+    except GgmlUnavailable as exc:
+        if kernel == "ggml":
+            raise UserError(f"ggml kernel unavailable ({exc})") from None
+        if not _warned_fallback:
+            log.warning("ggml kernel unavailable (%s); using numpy", exc)
+            _warned_fallback = True
+        return "numpy"
+
+
+def kernel_id(kernel: str | None = None) -> str:
+    """The string a bank of this kernel puts in the handshake, without building a bank."""
+    from p2pswarm.engine.ggml_kernel import load_libggml  # noqa: PLC0415
+
+    return ExpertBank.kernel if resolve_kernel(kernel) == "numpy" else load_libggml().kernel_id
+
+
+def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = None, threads: int | None = None):
+    """An expert bank over ``layout`` computed by ``kernel``.
+
+    Options belong to one kernel and are ignored by the other (so a caller can pass both):
+    ``cache_bytes`` bounds the numpy kernel's dequantised cache; ``threads`` is ggml's thread count
+    (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8).
+    """
+    if resolve_kernel(kernel) == "numpy":
+        return ExpertBank(layout, cache_bytes=DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes)
+    from p2pswarm.engine.ggml_kernel import GgmlExpertBank  # noqa: PLC0415
+
+    return GgmlExpertBank(layout, threads=threads)
+
+
+def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | None = None) -> int:
+    """Let ``kernel`` compute the dense path's quantised mat-muls; returns how many tensors it took.
+
+    With ``ggml``, every quantised 2-D dense tensor (attention, shared expert, embedding, lm head)
+    stays in the memory map as a :class:`~p2pswarm.engine.ggml_kernel.QuantisedMatrix`: a strong node
+    holds the model at its quantised size, and its dense mat-muls get llama.cpp's numerics too.
+    F32/F16/BF16 tensors, norms and the router are untouched. With ``numpy`` nothing changes.
+
+    Works on any architecture whose weights object is a :class:`DenseWeights` (it pre-fills that
+    object's cache, so the architecture code is not touched).
+    """
+    if resolve_kernel(kernel) == "numpy":
+        return 0
+    from p2pswarm.engine.ggml_kernel import GgmlDense  # noqa: PLC0415
+
+    w = model.w
+    cache = getattr(w, "_cache", None)
+    if not isinstance(cache, dict):
+        log.warning("dense weights of %s have no cache to fill; dense path stays on numpy", type(model).__name__)
+        return 0
+    dense = GgmlDense(model.layout, threads=threads)
+    n = 0
+    for t in model.layout.reader.tensors:
+        if dense.eligible(t) and t.name not in cache:
+            cache[t.name] = dense.matrix(t)
+            n += 1
+    w.ggml_dense = dense  # keeps the runner and the mapped tensors alive with the weights
+    return n
