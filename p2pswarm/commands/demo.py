@@ -82,6 +82,7 @@ async def _demo(args) -> int:
         m = swarm.backbone.model
         print(f"backbone: {m.arch}, {m.n_layer} layers, {m.n_expert} experts/layer (top-{m.n_expert_used}), "
               f"n_embd {m.n_embd}, vocab {m.n_vocab}; model fingerprint {swarm.fingerprint[:12]}")
+        print(f"expert kernel: {swarm.backbone.dispatcher.local.bank.kernel}")
         for wp, owner in zip(swarm.workers, swarm.owners):
             size = wp.shard.stat().st_size
             print(f"  {owner.name}: pid {wp.proc.pid} on {wp.host}:{wp.port}, experts "
