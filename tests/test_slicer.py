@@ -225,9 +225,12 @@ def test_slicing_streams_in_bounded_memory(tmp_path):
 
     model = make_model(tmp_path / "geo.gguf", preset="geometry-122b", layers=1)
     out = tmp_path / "shard.gguf"
-    code = ("import resource, sys; from p2pswarm.cli import main; "
+    # VmHWM, not getrusage's ru_maxrss: the latter survives fork + exec, so a child of a large
+    # pytest process would report its parent's size.
+    code = ("import re, sys; from p2pswarm.cli import main; "
             f"rc = main(['slice', {str(model)!r}, '--experts', '0-127', '-o', {str(out)!r}]); "
-            "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+            "print('PEAK_KB', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)); "
+            "sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     peak_mb = int(proc.stdout.split("PEAK_KB")[1].split()[0]) / 1024
