@@ -1,9 +1,11 @@
-"""Serve an :class:`ExpertWorker` over framed msgpack on a TCP socket (trio).
+"""Serve an :class:`ExpertWorker` over framed msgpack: on a TCP socket, or on libp2p streams.
 
-One connection carries a handshake, then any number of requests answered in order. The math runs
-in a worker thread (``trio.to_thread``) so the event loop keeps other connections flowing.
-A malformed or oversized frame closes *that* connection with an error message; the server keeps
-serving every other one.
+One connection (or libp2p stream) carries a handshake, then any number of requests answered in
+order. :func:`handle_connection` is transport-agnostic: it needs only ``receive_some``,
+``send_all``, ``send_eof`` and ``aclose`` (a trio TCP stream, or
+:class:`p2pswarm.net.host.StreamAdapter` over a libp2p stream). The math runs in a worker thread
+(``trio.to_thread``) so the event loop keeps other connections flowing. A malformed or oversized
+frame closes *that* connection with an error message; the server keeps serving every other one.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 log = logging.getLogger("p2pswarm.worker")
 
 
-def check_hello(msg: dict, worker: ExpertWorker) -> str | None:
-    """Why a peer's hello is refused, or None if we agree on protocol, model and kernel."""
+def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> str | None:
+    """Why a peer's hello is refused, or None if we agree on protocol, model and kernel (and on
+    the shard hash, when the peer names the shard it expects, e.g. from our DHT record)."""
     info = worker.info
     if msg.get("protocol") != proto.PROTOCOL_VERSION:
         return f"protocol version mismatch: peer {msg.get('protocol')!r}, ours {proto.PROTOCOL_VERSION}"
@@ -30,10 +33,24 @@ def check_hello(msg: dict, worker: ExpertWorker) -> str | None:
                 f"this shard is of model {info.model_fingerprint[:12]}")
     if msg.get("kernel") != info.kernel:
         return f"kernel mismatch: peer computes with {msg.get('kernel')!r}, this worker with {info.kernel!r}"
+    want = msg.get("shard")
+    if want is not None and shard is not None and want != shard:
+        return f"shard mismatch: peer expects shard {str(want)[:12]}, this worker serves {shard[:12]}"
     return None
 
 
-async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+def _shard_of(worker: ExpertWorker) -> str:
+    from p2pswarm.net.records import worker_shard_hash  # noqa: PLC0415 - keeps socket workers free of libp2p
+
+    return worker_shard_hash(worker)
+
+
+async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAULT_MAX_FRAME,
+                            shard: str | None = None) -> None:
+    """Serve one connection/stream until the peer closes it. ``shard``: our shard hash for the
+    hello (default: derived from the worker's shard file)."""
+    if shard is None:
+        shard = _shard_of(worker)
     reader = FrameReader(stream, max_frame)
     peer = _peer_name(stream)
     greeted = False
@@ -51,10 +68,10 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
             op = msg["op"]
             rid = msg.get("id") if isinstance(msg.get("id"), int) else None
             if op == "hello":
-                reason = check_hello(msg, worker)
+                reason = check_hello(msg, worker, shard)
                 info = worker.info
                 reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
-                         "model": info.model_fingerprint, "kernel": info.kernel,
+                         "model": info.model_fingerprint, "kernel": info.kernel, "shard": shard,
                          "layers": [info.layer_begin, info.layer_end], "experts": [info.expert_begin, info.expert_end]}
                 if reason:
                     reply["error"] = reason
@@ -113,6 +130,9 @@ async def _try_send(stream, payload: bytes, max_frame: int) -> None:
 
 
 def _peer_name(stream) -> str:
+    name = getattr(stream, "peer_name", None)  # a libp2p stream adapter names its peer
+    if isinstance(name, str):
+        return name
     try:
         host, port = stream.socket.getpeername()[:2]
         return f"{host}:{port}"
@@ -127,3 +147,13 @@ async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, m
     if ready is not None:
         ready(bound[0], bound[1])
     await trio.serve_listeners(partial(handle_connection, worker=worker, max_frame=max_frame), listeners)
+
+
+def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None) -> None:
+    """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
+    (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
+    connection of :func:`handle_connection`."""
+    from p2pswarm.net.host import PROTOCOL_EXPERT  # noqa: PLC0415 - keeps socket workers free of libp2p
+
+    shard = _shard_of(worker) if shard is None else shard
+    net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard))

@@ -1,0 +1,205 @@
+"""Expert workers reached over libp2p: ``/p2pswarm/expert/1.0.0`` streams, found through the DHT.
+
+:class:`Libp2pOwner` is :class:`~p2pswarm.backbone.socket_owner.SocketOwner` with a libp2p stream
+instead of a TCP socket: the same framed msgpack messages, the same handshake, one persistent
+stream (re)opened lazily, requests serialised on it and matched by id, a timeout on every request,
+and every failure - undialable peer, refused handshake, reset stream, timeout, error reply,
+malformed reply - raised as :class:`WorkerError`, so the dispatcher recomputes on the local
+replica and the output stays exact.
+
+The handshake checks more than over a local socket: the worker must answer with the shard hash
+its signed DHT record announced (and we send it, so the worker refuses a backbone that expects
+another shard), as well as our protocol version, model fingerprint and kernel.
+
+:class:`SwarmOwners` keeps one owner per (peer, shard) in step with a
+:class:`~p2pswarm.net.dht.CoverageResolver`'s map, and keeps the list it hands the dispatcher
+sorted by load and measured round-trip time, so the dispatcher - which takes the first healthy
+owner holding an expert - picks the least busy, nearest replica.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.errors import UserError, WorkerError
+from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.host import PROTOCOL_EXPERT, NetHost
+
+log = logging.getLogger("p2pswarm.backbone")
+
+RTT_EWMA = 0.3  # weight of the newest sample in the round-trip estimate
+
+
+class Libp2pOwner(SocketOwner):
+    """One remote worker's shard, as its verified DHT record describes it (an ``OwnerInfo``)."""
+
+    def __init__(self, net: NetHost, info, *, model_fingerprint: str, kernel: str, timeout_s: float = 30.0,
+                 connect_timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME, on_failure=None,
+                 name: str | None = None):
+        super().__init__(name or f"{info.peer[-10:]}/{info.shard.shard[:6]}", "", 0,
+                         model_fingerprint=model_fingerprint, kernel=kernel, layers=info.shard.layers,
+                         experts=info.shard.experts, timeout_s=timeout_s, max_frame=max_frame)
+        self.net = net
+        self.info = info
+        self.connect_timeout_s = connect_timeout_s
+        self.on_failure = on_failure
+        self.rtt_s: float | None = None  # EWMA of request round trips (compute included)
+        self.inflight = 0
+        self.requests = 0
+        self.failures = 0
+        self._order_changed = None  # set by SwarmOwners
+        self._stale = False  # addresses changed: redial before the next request
+
+    @property
+    def peer(self) -> str:
+        return self.info.peer
+
+    @property
+    def shard(self) -> str:
+        return self.info.shard.shard
+
+    def update(self, info) -> None:
+        """A newer record of the same (peer, shard): new addresses or ranges take effect at once;
+        a changed address drops the stream so the next request redials."""
+        old = self.info
+        self.info = info
+        self.layers, self.experts = info.shard.layers, info.shard.experts
+        if tuple(info.addrs) != tuple(old.addrs):
+            self._stale = True
+
+    async def _connect(self) -> None:
+        try:
+            stream = await self.net.open_stream(self.info.peer_info(), PROTOCOL_EXPERT,
+                                                timeout_s=self.connect_timeout_s)
+        except UserError as exc:  # NetError, bad address
+            raise WorkerError(f"{self.name} unreachable: {exc}") from None
+        reader = FrameReader(stream, self.max_frame)
+        hello = {"op": "hello", "protocol": proto.PROTOCOL_VERSION, "model": self.model_fingerprint,
+                 "kernel": self.kernel, "shard": self.shard}
+        try:
+            await send_frame(stream, proto.pack(hello), self.max_frame)
+            payload = await reader.read_frame()
+            if payload is None:
+                raise WorkerError(f"{self.name} closed the stream during the handshake")
+            reply = proto.unpack(payload)
+            if reply.get("op") == "error" or not reply.get("ok"):
+                raise WorkerError(f"{self.name} refused the handshake: {reply.get('error', 'no reason given')}")
+            reason = self._check_reply(reply)
+            if reason:
+                log.warning("refused worker %s at handshake: %s", self.name, reason)
+                raise WorkerError(f"{self.name} refused by us at the handshake: {reason}")
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        self._stream, self._reader = stream, reader
+
+    def _check_reply(self, reply: dict) -> str | None:
+        """Why the worker's hello is not what its signed record promised, or None."""
+        if reply.get("protocol") != proto.PROTOCOL_VERSION:
+            return f"protocol version mismatch: worker {reply.get('protocol')!r}, ours {proto.PROTOCOL_VERSION}"
+        if reply.get("model") != self.model_fingerprint:
+            return (f"model mismatch: worker serves model {str(reply.get('model'))[:12]}, "
+                    f"we run {self.model_fingerprint[:12]}")
+        if reply.get("kernel") != self.kernel:
+            return f"kernel mismatch: worker computes with {reply.get('kernel')!r}, we with {self.kernel!r}"
+        if reply.get("shard") != self.shard:
+            return f"shard mismatch: worker serves {str(reply.get('shard'))[:12]}, its record says {self.shard[:12]}"
+        layers, experts = reply.get("layers"), reply.get("experts")
+        if not (isinstance(layers, list) and isinstance(experts, list) and len(layers) == 2 and len(experts) == 2
+                and layers[0] <= self.layers[0] and self.layers[1] <= layers[1]
+                and experts[0] <= self.experts[0] and self.experts[1] <= experts[1]):
+            return f"worker holds layers {layers} experts {experts}, less than its record says"
+        return None
+
+    async def request(self, msg_bytes: bytes, rid: int) -> dict:
+        if self._stale and self.inflight == 0:
+            self._stale = False
+            await self._drop()
+        self.inflight += 1
+        self.requests += 1
+        self._reorder()
+        t0 = time.perf_counter()
+        try:
+            reply = await super().request(msg_bytes, rid)
+        except WorkerError:
+            self.failures += 1
+            if self.on_failure is not None:
+                self.on_failure(self)
+            raise
+        finally:
+            self.inflight -= 1
+        dt = time.perf_counter() - t0
+        self.rtt_s = dt if self.rtt_s is None else (1 - RTT_EWMA) * self.rtt_s + RTT_EWMA * dt
+        self._reorder()
+        return reply
+
+    def _reorder(self) -> None:
+        if self._order_changed is not None:
+            self._order_changed()
+
+    def sort_key(self) -> tuple:
+        """Least loaded first, then nearest; never-measured owners before slow ones (to measure them)."""
+        return (self.inflight, self.rtt_s if self.rtt_s is not None else 0.0)
+
+
+class SwarmOwners:
+    """The backbone's remote owners, kept in step with a resolver's coverage map.
+
+    ``owners`` is a list the dispatcher holds (:meth:`attach`): it is updated and re-sorted in place
+    (least loaded, then lowest round trip first) after every request, never replaced.
+    A failing owner asks the resolver for an immediate refresh, so a worker that died is dropped
+    and a restarted or replacement one is found without waiting for the periodic refresh."""
+
+    def __init__(self, net: NetHost, *, model_fingerprint: str, kernel: str, timeout_s: float = 30.0,
+                 connect_timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME, resolver=None):
+        self.net = net
+        self.model_fingerprint = model_fingerprint
+        self.kernel = kernel
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_frame = max_frame
+        self.resolver = resolver
+        self.owners: list[Libp2pOwner] = []
+        self._by_key: dict[tuple[str, str], Libp2pOwner] = {}
+
+    def attach(self, dispatcher) -> None:
+        """Make ``dispatcher`` use our live, re-sorted list (its constructor copies the list)."""
+        dispatcher.owners = self.owners
+
+    def _failed(self, owner: Libp2pOwner) -> None:
+        if self.resolver is not None:
+            self.resolver.request_refresh(owner.peer)
+
+    def resort(self) -> None:
+        self.owners.sort(key=Libp2pOwner.sort_key)
+
+    async def sync(self, cmap) -> None:
+        """Match the owners to a coverage map (``CoverageResolver.on_change`` calls this)."""
+        wanted = {(o.peer, o.shard.shard): o for o in cmap.peers().values()}
+        for key, info in wanted.items():
+            owner = self._by_key.get(key)
+            if owner is None:
+                owner = Libp2pOwner(self.net, info, model_fingerprint=self.model_fingerprint, kernel=self.kernel,
+                                    timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
+                                    max_frame=self.max_frame, on_failure=self._failed)
+                owner._order_changed = self.resort
+                self._by_key[key] = owner
+                self.owners.append(owner)
+                log.info("found worker %s: layers %d-%d experts %d-%d", owner.name, info.shard.layers[0],
+                         info.shard.layers[1] - 1, info.shard.experts[0], info.shard.experts[1] - 1)
+            elif info.record.seq != owner.info.record.seq:
+                owner.update(info)
+        for key in [k for k in self._by_key if k not in wanted]:
+            owner = self._by_key.pop(key)
+            self.owners.remove(owner)
+            log.info("worker %s left the coverage map", owner.name)
+            await owner.aclose()
+        self.resort()
+
+    async def aclose(self) -> None:
+        for owner in list(self.owners):
+            await owner.aclose()

@@ -1,0 +1,363 @@
+"""Coverage units, build fingerprints and the signed node records a backbone dials from.
+
+Coverage unit: ``(model fingerprint, layer, expert block)`` with a swarm-wide block size (e.g. 32
+experts). Its DHT key is a sha2-256 multihash of those four values, so every node computes the same
+key without talking to anyone. A node *provides* (DHT provider record) every unit its shards
+intersect; a backbone looks a unit's key up to learn who provides it.
+
+A provider record says only "peer P claims unit U". What a backbone needs to use P - where to dial,
+which exact experts, which build - is in P's **node record**, a DHT value under
+``/p2pswarm/node/<peer id>``, signed by P's Ed25519 key (the one its peer id embeds). A backbone
+trusts a provider only when P's node record verifies, is live (not expired, not withdrawn), names
+the same protocol version and kernel, and lists a shard of the backbone's model that covers the
+expert. Withdrawal on clean shutdown is a newer record with ``withdrawn: true``: Kademlia has no
+"un-provide", and the provider records themselves linger on the DHT for 48 h.
+
+Wire format of a node record (msgpack): ``{"body": bin, "sig": bin}``; ``sig`` is Ed25519 over
+``b"p2pswarm-node-record-v1\\0" + body``; ``body`` is a msgpack map (see docs/protocol.md). Signing
+the body bytes as sent (not a re-encoding) leaves no canonicalisation question.
+
+No libp2p import here (importing any libp2p module costs ~0.8 s): socket workers and tools that
+only check records stay light.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import multiaddr
+
+from p2pswarm.errors import UserError
+from p2pswarm.net.identity import Identity, verify_peer_signature
+
+RECORD_VERSION = 1
+NAMESPACE = "p2pswarm"
+NODE_RECORD_PREFIX = f"/{NAMESPACE}/node/"
+SIGNING_DOMAIN = b"p2pswarm-node-record-v1\x00"
+UNIT_KEY_DOMAIN = b"p2pswarm-unit-v1\x00"
+DEFAULT_BLOCK_SIZE = 32
+MAX_RECORD_BYTES = 16 << 10
+MAX_ADDRS = 16
+MAX_SHARDS = 64
+MAX_TTL_S = 7 * 24 * 3600
+CLOCK_SKEW_S = 300
+MAX_INDEX = 1 << 16  # layers and experts
+
+
+class RecordError(UserError):
+    """A node record that is malformed, forged, expired or otherwise unusable (one line)."""
+
+
+@dataclass(frozen=True)
+class BuildFingerprint:
+    """What two peers must agree on before exchanging expert work."""
+
+    protocol: int
+    model: str
+    shard: str
+    kernel: str
+
+    def short(self) -> str:
+        return f"protocol {self.protocol}, model {self.model[:12]}, shard {self.shard[:12]}, kernel {self.kernel}"
+
+
+@dataclass(frozen=True, order=True)
+class CoverageUnit:
+    model: str
+    layer: int
+    block: int
+    block_size: int
+
+    def key(self) -> bytes:
+        """DHT key: a sha2-256 multihash (34 bytes), valid wherever Kademlia expects a key."""
+        digest = hashlib.sha256(UNIT_KEY_DOMAIN + f"{self.model}\x00{self.layer}\x00{self.block}\x00{self.block_size}"
+                                .encode()).digest()
+        return b"\x12\x20" + digest
+
+    @property
+    def experts(self) -> range:
+        return range(self.block * self.block_size, (self.block + 1) * self.block_size)
+
+    def __str__(self) -> str:
+        e = self.experts
+        return f"layer {self.layer} experts {e.start}-{e.stop - 1}"
+
+
+def units_for(model: str, layers: range | tuple[int, int], experts: range | tuple[int, int],
+              block_size: int) -> list[CoverageUnit]:
+    """Every unit a (layers x experts) rectangle intersects, layer-major."""
+    if block_size <= 0:
+        raise UserError(f"block size must be positive, got {block_size}")
+    lb, le = (layers.start, layers.stop) if isinstance(layers, range) else layers
+    eb, ee = (experts.start, experts.stop) if isinstance(experts, range) else experts
+    if ee <= eb or le <= lb:
+        return []
+    blocks = range(eb // block_size, (ee - 1) // block_size + 1)
+    return [CoverageUnit(model, layer, b, block_size) for layer in range(lb, le) for b in blocks]
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard a node serves: a rectangle of (layers x experts) of one model."""
+
+    model: str
+    shard: str  # shard hash (see :func:`shard_hash`)
+    layers: tuple[int, int]  # [begin, end)
+    experts: tuple[int, int]  # [begin, end)
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return self.layers[0] <= layer < self.layers[1] and self.experts[0] <= expert < self.experts[1]
+
+    def to_wire(self) -> dict:
+        return {"model": self.model, "shard": self.shard, "layers": list(self.layers), "experts": list(self.experts)}
+
+    @classmethod
+    def from_wire(cls, d: object) -> "ShardEntry":
+        if not isinstance(d, dict):
+            raise RecordError("malformed node record: a shard entry is not a map")
+        model, shard, layers, experts = d.get("model"), d.get("shard"), d.get("layers"), d.get("experts")
+        if not _short_str(model) or not _short_str(shard):
+            raise RecordError("malformed node record: shard model/shard must be short strings")
+        return cls(model, shard, _range(layers, "layers"), _range(experts, "experts"))
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """Who a peer is, where to dial it, what it serves - signed by that peer."""
+
+    peer: str  # base58 peer id
+    addrs: tuple[str, ...]  # multiaddrs without /p2p/
+    protocol: int
+    kernel: str
+    block_size: int
+    shards: tuple[ShardEntry, ...]
+    seq: int  # higher wins; milliseconds since the epoch at signing
+    issued: int  # unix seconds
+    expires: int  # unix seconds
+    withdrawn: bool = False
+    signed: bytes = field(default=b"", compare=False, repr=False)  # the wire bytes, once signed/decoded
+
+    # -- making ---------------------------------------------------------------------------------
+    @classmethod
+    def make(cls, identity: Identity, *, addrs, protocol: int, kernel: str, block_size: int, shards,
+             ttl_s: float, withdrawn: bool = False, now: float | None = None, seq: int | None = None) -> "NodeRecord":
+        now = time.time() if now is None else now
+        rec = cls(identity.peer_id_str, tuple(addrs), protocol, kernel, block_size, tuple(shards),
+                  seq if seq is not None else int(now * 1000), int(now), int(now + ttl_s), withdrawn)
+        return rec.sign(identity)
+
+    def body(self) -> dict:
+        return {"v": RECORD_VERSION, "peer": self.peer, "addrs": list(self.addrs), "protocol": self.protocol,
+                "kernel": self.kernel, "block_size": self.block_size, "shards": [s.to_wire() for s in self.shards],
+                "seq": self.seq, "issued": self.issued, "expires": self.expires, "withdrawn": self.withdrawn}
+
+    def sign(self, identity: Identity) -> "NodeRecord":
+        if identity.peer_id_str != self.peer:
+            raise RecordError("a node record can only be signed by the peer it describes")
+        body = msgpack.packb(self.body(), use_bin_type=True)
+        wire = msgpack.packb({"body": body, "sig": identity.sign(SIGNING_DOMAIN + body)}, use_bin_type=True)
+        if len(wire) > MAX_RECORD_BYTES:
+            raise RecordError(f"node record of {len(wire)} bytes exceeds {MAX_RECORD_BYTES}")
+        return NodeRecord(**{**self.__dict__, "signed": wire})
+
+    # -- reading --------------------------------------------------------------------------------
+    @classmethod
+    def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
+               allow_expired: bool = False) -> "NodeRecord":
+        """Decode and check a record; RecordError (one line) for anything we must not trust."""
+        if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_RECORD_BYTES:
+            raise RecordError("malformed node record: not bytes, or too large")
+        try:
+            outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_RECORD_BYTES)
+        except Exception as exc:
+            raise RecordError(f"malformed node record: {type(exc).__name__}") from None
+        if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes) or not isinstance(outer.get("sig"), bytes):
+            raise RecordError("malformed node record: expected a map of body and sig bytes")
+        body_bytes, sig = outer["body"], outer["sig"]
+        try:
+            b = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True)
+        except Exception as exc:
+            raise RecordError(f"malformed node record body: {type(exc).__name__}") from None
+        if not isinstance(b, dict):
+            raise RecordError("malformed node record body: not a map")
+        if b.get("v") != RECORD_VERSION:
+            raise RecordError(f"node record version {b.get('v')!r} is not {RECORD_VERSION}")
+        rpeer = b.get("peer")
+        if not _short_str(rpeer):
+            raise RecordError("malformed node record: no peer id")
+        if peer is not None and rpeer != peer:
+            raise RecordError(f"node record names peer {rpeer[-12:]}, expected {peer[-12:]}")
+        # The signature check comes before any semantic check: a forged record tells us nothing.
+        if not verify_peer_signature(rpeer, SIGNING_DOMAIN + body_bytes, sig):
+            raise RecordError(f"node record of {rpeer[-12:]} has a bad signature (forged or corrupted)")
+        try:
+            rec = cls(
+                peer=rpeer,
+                addrs=tuple(_addrs(b.get("addrs"))),
+                protocol=_int(b.get("protocol"), "protocol"),
+                kernel=_str_field(b.get("kernel"), "kernel"),
+                block_size=_int(b.get("block_size"), "block_size", lo=1),
+                shards=tuple(ShardEntry.from_wire(s) for s in _list(b.get("shards"), "shards", MAX_SHARDS)),
+                seq=_int(b.get("seq"), "seq", hi=1 << 63),
+                issued=_int(b.get("issued"), "issued", hi=1 << 40),
+                expires=_int(b.get("expires"), "expires", hi=1 << 40),
+                withdrawn=_bool(b.get("withdrawn"), "withdrawn"),
+                signed=bytes(data),
+            )
+        except RecordError:
+            raise
+        except Exception as exc:  # defensive: any other shape problem
+            raise RecordError(f"malformed node record: {type(exc).__name__}") from None
+        now = time.time() if now is None else now
+        if rec.expires <= rec.issued or rec.expires - rec.issued > MAX_TTL_S:
+            raise RecordError(f"node record of {rpeer[-12:]} has a bad lifetime")
+        if rec.issued > now + CLOCK_SKEW_S:
+            raise RecordError(f"node record of {rpeer[-12:]} is issued in the future")
+        if not allow_expired and rec.expires < now:
+            raise RecordError(f"node record of {rpeer[-12:]} expired {int(now - rec.expires)} s ago")
+        return rec
+
+    # -- using ----------------------------------------------------------------------------------
+    def live(self, now: float | None = None) -> bool:
+        return not self.withdrawn and self.expires >= (time.time() if now is None else now)
+
+    def shard_for(self, model: str, layer: int, expert: int) -> ShardEntry | None:
+        return next((s for s in self.shards if s.model == model and s.holds(layer, expert)), None)
+
+    def fingerprint(self, shard: ShardEntry) -> BuildFingerprint:
+        return BuildFingerprint(self.protocol, shard.model, shard.shard, self.kernel)
+
+    def units(self) -> list[CoverageUnit]:
+        out: list[CoverageUnit] = []
+        for s in self.shards:
+            out.extend(units_for(s.model, s.layers, s.experts, self.block_size))
+        return sorted(set(out))
+
+
+def node_record_key(peer) -> str:
+    """DHT key of a peer's node record (``peer``: base58 string or libp2p ID)."""
+    return NODE_RECORD_PREFIX + (peer.to_base58() if hasattr(peer, "to_base58") else str(peer))
+
+
+def peer_of_record_key(key: str) -> str | None:
+    return key[len(NODE_RECORD_PREFIX):] if key.startswith(NODE_RECORD_PREFIX) else None
+
+
+class NodeRecordValidator:
+    """(A py-libp2p ``Validator``: it only needs these two methods.) The DHT-side check for ``/p2pswarm/...`` values: a DHT server running it refuses to store a
+    forged, malformed or foreign-keyed record, and ``select`` keeps the newest (highest seq).
+    ``rejected`` counts refusals (the resolver reports them)."""
+
+    def __init__(self) -> None:
+        self.rejected = 0
+
+    def validate(self, key: str, value: bytes) -> None:
+        peer = peer_of_record_key(key)
+        try:
+            if peer is None:
+                raise RecordError(f"unknown key {key[:40]!r} in the {NAMESPACE} namespace")
+            NodeRecord.verify(value, peer=peer)
+        except RecordError:
+            self.rejected += 1
+            raise
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        best, best_seq = 0, -1
+        for i, v in enumerate(values):
+            try:
+                seq = NodeRecord.verify(v, peer=peer_of_record_key(key), allow_expired=True).seq
+            except RecordError:
+                continue
+            if seq > best_seq:
+                best, best_seq = i, seq
+        return best
+
+
+def worker_shard_hash(worker) -> str:
+    """The shard hash of an ExpertWorker (its bank's layout), or "" when it cannot be known."""
+    explicit = getattr(worker, "shard_hash", None)
+    if isinstance(explicit, str):
+        return explicit
+    layout = getattr(getattr(worker, "bank", None), "layout", None)
+    if layout is None or not hasattr(layout, "reader"):
+        return ""
+    return shard_hash(layout)
+
+
+def shard_hash(layout) -> str:
+    """Hex sha256 naming a shard file's exact contents, from what the slicer recorded in it: the
+    source fingerprint, the ranges, and every tensor's name and sha256. Two workers serving
+    byte-identical shards have the same hash; cheap (metadata only)."""
+    cached = getattr(layout, "_p2pswarm_shard_hash", None)
+    if isinstance(cached, str):
+        return cached
+    from p2pswarm.model.layout import (KEY_EXPERT_BEGIN, KEY_EXPERT_END, KEY_LAYER_BEGIN, KEY_LAYER_END,
+                                       KEY_SOURCE_FINGERPRINT, KEY_TENSOR_NAMES, KEY_TENSOR_SHA256, field_value)
+
+    fields = layout.reader.fields
+    h = hashlib.sha256(b"p2pswarm-shard-v1\x00")
+    for key in (KEY_SOURCE_FINGERPRINT, KEY_LAYER_BEGIN, KEY_LAYER_END, KEY_EXPERT_BEGIN, KEY_EXPERT_END,
+                KEY_TENSOR_NAMES, KEY_TENSOR_SHA256):
+        f = fields.get(key)
+        h.update(key.encode() + b"=" + repr(field_value(f) if f is not None else None).encode() + b"\x00")
+    out = h.hexdigest()
+    try:
+        layout._p2pswarm_shard_hash = out
+    except (AttributeError, TypeError):
+        pass
+    return out
+
+
+# -- field checks ---------------------------------------------------------------------------------
+def _short_str(x: object, n: int = 128) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= n
+
+
+def _str_field(x: object, what: str) -> str:
+    if not _short_str(x, 128):
+        raise RecordError(f"malformed node record: {what} must be a short string")
+    return x
+
+
+def _int(x: object, what: str, lo: int = 0, hi: int = MAX_INDEX) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or not lo <= x <= hi:
+        raise RecordError(f"malformed node record: {what} must be an integer in [{lo}, {hi}]")
+    return x
+
+
+def _bool(x: object, what: str) -> bool:
+    if not isinstance(x, bool):
+        raise RecordError(f"malformed node record: {what} must be a boolean")
+    return x
+
+
+def _list(x: object, what: str, n: int) -> list:
+    if not isinstance(x, list) or len(x) > n:
+        raise RecordError(f"malformed node record: {what} must be a list of at most {n}")
+    return x
+
+
+def _range(x: object, what: str) -> tuple[int, int]:
+    if not isinstance(x, list) or len(x) != 2:
+        raise RecordError(f"malformed node record: {what} must be [begin, end)")
+    b, e = _int(x[0], what), _int(x[1], what)
+    if b >= e:
+        raise RecordError(f"malformed node record: empty {what} range [{b}, {e})")
+    return b, e
+
+
+def _addrs(x: object) -> list[str]:
+    out = []
+    for a in _list(x, "addrs", MAX_ADDRS):
+        if not _short_str(a, 256):
+            raise RecordError("malformed node record: an address is not a short string")
+        try:
+            ma = multiaddr.Multiaddr(a)
+        except Exception:
+            raise RecordError(f"malformed node record: bad address {a[:60]!r}") from None
+        if "p2p" in {p.name for p in ma.protocols()}:
+            raise RecordError("malformed node record: addresses must not carry /p2p/")
+        out.append(a)
+    return out

@@ -1,0 +1,383 @@
+"""The swarm DHT on real libp2p hosts on 127.0.0.1, all in this trio process.
+
+Shard advertisement and coverage resolution end to end, plus one regression test per py-libp2p
+trap p2pswarm/net/dht.py codes around (each ``test_workaround_*`` fails without its workaround).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+from libp2p.kad_dht.common import PROTOCOL_ID as LIB_PROTOCOL_ID
+
+from p2pswarm.net.dht import (KAD_PROTOCOL, CoverageResolver, ShardAdvertiser, open_dht)
+from p2pswarm.net.host import open_host
+from p2pswarm.net.identity import Identity
+from p2pswarm.net.records import NodeRecord, ShardEntry, node_record_key, units_for
+
+MODEL = "ab" * 32
+OTHER_MODEL = "ef" * 32
+
+
+class Node:
+    def __init__(self, net, dht):
+        self.net, self.dht = net, dht
+
+    @property
+    def addr(self) -> str:
+        return self.net.full_addrs()[0]
+
+
+@asynccontextmanager
+async def dht_swarm(n: int, *, clients: int = 0, refresh: bool = True):
+    """``n`` DHT servers (node 0 the bootstrap) and ``clients`` client-mode nodes, started and
+    stopped concurrently. Yields the list of Nodes, servers first."""
+    nodes: list[Node | None] = [None] * (n + clients)
+    stop = trio.Event()
+
+    async def run(i: int, boot: list[str], task_status=trio.TASK_STATUS_IGNORED):
+        async with open_host(Identity.generate()) as net:
+            async with open_dht(net, server=i < n, bootstrap=boot) as dht:
+                nodes[i] = Node(net, dht)
+                task_status.started()
+                await stop.wait()
+
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(120):
+            await nursery.start(run, 0, [])
+            boot = [nodes[0].addr]
+            async with trio.open_nursery() as starters:
+                for i in range(1, n + clients):
+                    starters.start_soon(nursery.start, run, i, boot)
+            if refresh:  # everyone joined: one more round so early joiners learn the late ones
+                async with trio.open_nursery() as refreshers:
+                    for node in nodes[:n]:
+                        refreshers.start_soon(node.dht.refresh)
+        try:
+            yield nodes
+        finally:
+            stop.set()
+
+
+def _advertiser(node: Node, shards, *, block_size=4, ttl_s=120.0, **kw) -> ShardAdvertiser:
+    return ShardAdvertiser(node.dht, node.net.identity, shards=shards, protocol=1, kernel="numpy",
+                           block_size=block_size, ttl_s=ttl_s, **kw)
+
+
+def _resolver(node: Node, *, model=MODEL, layers=4, n_expert=16, block_size=4, **kw) -> CoverageResolver:
+    return CoverageResolver(node.dht, model=model, layers=range(layers), n_expert=n_expert, block_size=block_size,
+                            protocol=1, kernel="numpy", **kw)
+
+
+def _key(i: int) -> bytes:
+    return b"\x12\x20" + hashlib.sha256(b"test-key-%d" % i).digest()
+
+
+# -- the py-libp2p traps --------------------------------------------------------------------------
+async def test_workaround_kad_protocol_id_is_ours():
+    async with dht_swarm(3) as nodes:
+        for node in nodes:
+            handlers = set(map(str, node.net.host.get_mux().handlers))
+            assert str(KAD_PROTOCOL) in handlers and "/ipfs/kad/1.0.0" not in handlers
+        assert str(LIB_PROTOCOL_ID) == "/ipfs/kad/1.0.0"  # the name bound at import: the library's own
+        # and the library's outgoing queries use it too: a look-up through the others works
+        await nodes[1].dht.provide(_key(0))
+        found = await nodes[2].dht.find_providers(_key(0))
+        assert [p.peer_id for p in found] == [nodes[1].net.peer_id]
+
+
+async def test_workaround_provide_rate_limit_raised():
+    """One node provides 40 units: all 40 must reach the server (py-libp2p drops all but 10)."""
+    async with dht_swarm(2) as (server, worker):
+        for i in range(40):
+            assert await worker.dht.provide(_key(i))
+
+        def stored() -> int:
+            return sum(1 for i in range(40) if server.dht.kad.provider_store.get_providers(_key(i)))
+
+        with trio.move_on_after(5):  # ADD_PROVIDER is fire-and-forget: let the last ones land
+            while stored() < 40:
+                await trio.sleep(0.05)
+        assert stored() == 40
+
+
+async def test_workaround_inbound_kad_stream_limit_raised():
+    """Many look-ups at once against one server: none of its answers may be a reset."""
+    async with dht_swarm(2, clients=1) as (server, provider, backbone):
+        for i in range(4):
+            await provider.dht.provide(_key(i))
+        before = backbone.dht.stats.rpc_failures
+        async with trio.open_nursery() as nursery:
+            for i in range(48):
+                nursery.start_soon(backbone.dht.find_providers, _key(i % 4))
+        assert backbone.dht.stats.rpc_failures == before
+
+
+async def test_workaround_client_mode_peers_stay_out_of_routing_tables():
+    async with dht_swarm(3, clients=2) as nodes:
+        servers, clients = nodes[:3], nodes[3:]
+        for c in clients:  # clients talk to the servers: each kad stream used to register the client
+            await c.dht.find_providers(_key(1))
+            await c.dht.get_values(node_record_key(servers[0].net.peer_id_str))
+        with trio.fail_after(10):
+            while sum(s.dht.stats.clients_kept_out for s in servers) < len(clients):
+                await trio.sleep(0.05)
+        client_ids = {c.net.peer_id for c in clients}
+        for s in servers:
+            assert not client_ids & set(s.dht.routing_peers())
+            assert len(s.dht.routing_peers()) == 2  # the other servers are there
+        # a look-up never hands a client out as a server to ask
+        await servers[1].dht.provide(_key(2))
+        assert [p.peer_id for p in await clients[0].dht.find_providers(_key(2))] == [servers[1].net.peer_id]
+
+
+async def test_workaround_node_records_are_never_read_from_a_stale_local_copy():
+    # The reader is a client (a backbone behind NAT, swarm-status): no PUT ever reaches it, so
+    # only its own look-ups can tell it that a record changed.
+    async with dht_swarm(3, clients=1) as nodes:
+        worker, reader = nodes[2], nodes[3]
+        adv = _advertiser(worker, [ShardEntry(MODEL, "s1", (0, 4), (0, 8))])
+        await adv.publish()
+        first = await reader.dht.get_node_record(worker.net.peer_id)
+        assert first is not None and first.seq == adv.record.seq
+        # py-libp2p's get_value stores what it read; from then on it answers from that copy
+        assert await reader.dht.kad.get_value(node_record_key(worker.net.peer_id)) == first.signed
+        await trio.sleep(0.01)
+        await adv.publish()  # new seq (a restart would also bring a new address)
+        assert adv.record.seq > first.seq
+        again = await reader.dht.get_node_record(worker.net.peer_id)
+        assert again.seq == adv.record.seq
+        # the trap, still there: the library's get_value still returns the old copy
+        assert await reader.dht.kad.get_value(node_record_key(worker.net.peer_id)) == first.signed
+
+
+@asynccontextmanager
+async def _fresh_node(boot: Node):
+    """A DHT server whose routing table holds only the bootstrap (no self look-up yet)."""
+    async with open_host(Identity.generate()) as net:
+        async with open_dht(net) as dht:
+            await trio.sleep(0.3)  # let py-libp2p's start-up table refresh pass while the table is empty
+            await net.connect(boot.addr)
+            await dht.kad.routing_table.add_peer(boot.net.peer_id, skip_server_mode_check=True)
+            yield Node(net, dht)
+
+
+async def test_workaround_records_reach_the_closest_peers_even_from_a_fresh_node():
+    """A node that knows only the bootstrap puts its record: it must reach the K closest peers."""
+    async with dht_swarm(8) as nodes:
+        def holders(node: Node) -> int:
+            key = node_record_key(node.net.peer_id).encode()
+            return sum(1 for n in nodes if n.dht.kad.value_store.get(key) is not None)
+
+        # the trap: py-libp2p's put_value, whose FIND_NODE of the 67-byte key is refused
+        async with _fresh_node(nodes[0]) as lib:
+            assert len(lib.dht.routing_peers()) == 1
+            rec = _advertiser(lib, [ShardEntry(MODEL, "s", (0, 1), (0, 4))])._record()
+            await lib.dht.kad.put_value(node_record_key(lib.net.peer_id), rec.signed)
+        async with _fresh_node(nodes[0]) as ours:
+            assert len(ours.dht.routing_peers()) == 1
+            await _advertiser(ours, [ShardEntry(MODEL, "s", (0, 1), (0, 4))]).publish()
+        print(f"record holders (of 8) after a put from a fresh node: ours {holders(ours)}, "
+              f"py-libp2p's put_value {holders(lib)}")
+        assert holders(ours) == len(nodes)
+        assert holders(lib) < len(nodes)
+
+
+async def test_workaround_dead_connections_forgotten_and_redialled():
+    """Fresh nodes put their records into a swarm, six times over: every put must reach every
+    server. Guards the write shield (a look-up cancelling its in-flight queries used to kill
+    about one fresh connection in 30) and the retry after a dead connection (statistical:
+    without them this test fails in most runs, not all)."""
+    async with dht_swarm(8) as nodes:
+        for _ in range(6):
+            async with _fresh_node(nodes[0]) as fresh:
+                key = node_record_key(fresh.net.peer_id)
+                await fresh.dht.put_value(key, _advertiser(fresh, [ShardEntry(MODEL, "s", (0, 1), (0, 4))])
+                                          ._record().signed)
+                assert all(n.dht.kad.value_store.get(key.encode()) is not None for n in nodes)
+
+
+async def test_workaround_lookups_deduplicated():
+    async with dht_swarm(6, clients=1) as nodes:
+        p1, p2, client = nodes[1], nodes[2], nodes[-1]
+        for p in (p1, p2):
+            await p.dht.provide(_key(7))
+        ours = await client.dht.find_providers(_key(7))
+        assert sorted(str(p.peer_id) for p in ours) == sorted([str(p1.net.peer_id), str(p2.net.peer_id)])
+        assert client.dht.stats.duplicates_dropped > 0  # several servers named the same providers
+        # the trap: py-libp2p's own find_providers lists a provider once per server that named it
+        raw = await client.dht.kad.find_providers(_key(7).hex())
+        assert len(raw) > len({str(p.peer_id) for p in raw})
+
+
+# -- advertisement and resolution ----------------------------------------------------------------
+@pytest.mark.slow
+async def test_twenty_nodes_every_units_owners_found():
+    """20 DHT servers; 6 of them serve shards (every range twice, one range three times); a
+    backbone (another server) and a client resolve the full map: exactly the right owners."""
+    layers, n_expert, bs = 4, 16, 4
+    async with dht_swarm(20, clients=1) as nodes:
+        ranges = [(0, 8), (8, 16), (0, 8), (8, 16), (4, 12), (0, 16)]
+        workers = nodes[10:16]
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            advs = []
+            for node, (e0, e1) in zip(workers, ranges):
+                adv = _advertiser(node, [ShardEntry(MODEL, f"shard{e0}-{e1}", (0, layers), (e0, e1))], block_size=bs)
+                advs.append(adv)
+                nursery.start_soon(adv.publish)
+        t_adv = time.perf_counter() - t0
+        expect = {}
+        for node, (e0, e1) in zip(workers, ranges):
+            for u in units_for(MODEL, (0, layers), (e0, e1), bs):
+                expect.setdefault(u, set()).add(node.net.peer_id_str)
+        for looker in (nodes[3], nodes[-1]):
+            res = _resolver(looker, layers=layers, n_expert=n_expert, block_size=bs)
+            t0 = time.perf_counter()
+            cmap = await res.refresh()
+            dt = time.perf_counter() - t0
+            got = {u: {o.peer for o in owners} for u, owners in cmap.units.items()}
+            diff = {str(u): (len(got.get(u, ())), len(expect.get(u, ()))) for u in set(got) | set(expect)
+                    if got.get(u) != expect.get(u)}
+            assert not diff, f"units with wrong owners (found, expected): {diff}; {res.stats}; {looker.dht.stats}"
+            for owners in cmap.units.values():  # de-duplicated: each owner once per unit
+                assert len(owners) == len({o.peer for o in owners})
+            assert not cmap.missing()
+            assert res.stats.bogus_records == 0 and looker.dht.stats.duplicates_dropped > 0
+            # every (layer, expert) maps to exactly the workers whose range holds it
+            for e in range(n_expert):
+                want = {w.net.peer_id_str for w, (e0, e1) in zip(workers, ranges) if e0 <= e < e1}
+                assert {o.peer for o in res.owners(2, e)} == want
+            print(f"20 nodes: advertise 6 workers {t_adv:.2f} s; resolve {len(res.units)} units from "
+                  f"{'client' if looker is nodes[-1] else 'server'} {dt:.2f} s "
+                  f"({dt / len(res.units) * 1000:.0f} ms/unit at concurrency {res.concurrency}; "
+                  f"{looker.dht.stats.rpcs} kad RPCs)")
+        # single look-up latency
+        t0 = time.perf_counter()
+        for u in list(expect)[:8]:
+            await nodes[-1].dht.find_providers(u.key())
+        print(f"20 nodes: one unit look-up {(time.perf_counter() - t0) / 8 * 1000:.1f} ms")
+
+
+async def test_withdraw_on_clean_shutdown_and_expiry():
+    async with dht_swarm(4) as nodes:
+        a, b, backbone = nodes[1], nodes[2], nodes[3]
+        shard = ShardEntry(MODEL, "s", (0, 4), (0, 16))
+        adv_a = _advertiser(a, [shard])
+        adv_b = _advertiser(b, [shard], ttl_s=4)
+        await adv_a.publish()
+        await adv_b.publish()
+        res = _resolver(backbone)
+        await res.refresh()
+        assert {o.peer for o in res.owners(0, 0)} == {a.net.peer_id_str, b.net.peer_id_str}
+        assert await adv_a.withdraw()
+        assert not a.dht.kad.provider_store.providing_keys  # the library stops re-providing too
+        await res.refresh()
+        assert {o.peer for o in res.owners(0, 0)} == {b.net.peer_id_str}
+        assert res.stats.withdrawn >= 1
+        await trio.sleep(4.5)  # b stops re-providing (a kill -9): its record expires
+        await res.refresh()
+        assert res.owners(0, 0) == [] and len(res.map.missing()) == 16
+
+
+async def test_reprovide_refreshes_the_record_before_it_expires():
+    async with dht_swarm(3) as nodes:
+        worker, backbone = nodes[1], nodes[2]
+        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))], ttl_s=3, reprovide_s=1)
+        async with trio.open_nursery() as nursery:
+            assert await nursery.start(adv.run) == 16
+            res = _resolver(backbone)
+            for _ in range(3):
+                await trio.sleep(1.5)  # past the first record's expiry, the re-published one is live
+                await res.refresh()
+                assert len(res.owners(1, 5)) == 1
+            assert adv.rounds >= 3
+            nursery.cancel_scope.cancel()
+
+
+async def test_forged_and_malformed_records_ignored_and_counted(caplog):
+    async with dht_swarm(4) as nodes:
+        server, honest, rogue, backbone = nodes
+        await _advertiser(honest, [ShardEntry(MODEL, "s", (0, 4), (0, 16))]).publish()
+        key = node_record_key(honest.net.peer_id)
+        # the rogue signs a record naming the honest peer, with its own address and a huge seq
+        body = NodeRecord.make(rogue.net.identity, addrs=["/ip4/6.6.6.6/tcp/1"], protocol=1, kernel="numpy",
+                               block_size=4, shards=[ShardEntry(MODEL, "s", (0, 4), (0, 16))], ttl_s=60,
+                               seq=1 << 50).body()
+        body["peer"] = honest.net.peer_id_str
+        import msgpack
+
+        from p2pswarm.net.records import SIGNING_DOMAIN
+
+        raw = msgpack.packb(body)
+        forged = msgpack.packb({"body": raw, "sig": rogue.net.identity.sign(SIGNING_DOMAIN + raw)})
+        # 1. honest DHT servers refuse to store it
+        before = server.dht.validator.rejected
+        from libp2p.records.record import make_signed_put_record
+
+        record = make_signed_put_record(key.encode(), forged, rogue.net.host.get_private_key())
+        await rogue.dht.kad.value_store._store_at_peer(server.net.peer_id, key.encode(), forged, record=record)
+        with trio.move_on_after(5):
+            while server.dht.validator.rejected == before:
+                await trio.sleep(0.05)
+        assert server.dht.validator.rejected == before + 1
+        assert server.dht.kad.value_store.get(key.encode()).value != forged
+        # 2. a malicious server stores and serves a forged, then a malformed copy anyway
+        for bogus in (forged, b"\x93garbage"):
+            rogue.dht.kad.value_store.put(key.encode(), bogus)
+            res = _resolver(backbone)
+            await res.refresh()
+            owners = res.owners(0, 0)
+            assert [o.peer for o in owners] == [honest.net.peer_id_str]
+            assert owners[0].addrs == tuple(honest.net.addrs())  # not the forger's address
+            assert res.stats.bogus_records >= 1
+        assert any("ignored a DHT record" in r.getMessage() for r in caplog.records)
+        # 3. provider records whose node record does not list the unit (here: another model)
+        await _advertiser(rogue, [ShardEntry(OTHER_MODEL, "x", (0, 4), (0, 16))]).publish()
+        for u in units_for(MODEL, (0, 1), (0, 4), 4):
+            await rogue.dht.provide(u.key())
+        # 4. a provider with no node record at all
+        for u in units_for(MODEL, (0, 1), (0, 4), 4):
+            await server.dht.provide(u.key())
+        res = _resolver(backbone)
+        await res.refresh()
+        assert [o.peer for o in res.owners(0, 0)] == [honest.net.peer_id_str]
+
+
+async def test_incompatible_builds_are_not_owners():
+    async with dht_swarm(3) as nodes:
+        worker, backbone = nodes[1], nodes[2]
+        adv = ShardAdvertiser(worker.dht, worker.net.identity, shards=[ShardEntry(MODEL, "s", (0, 4), (0, 16))],
+                              protocol=1, kernel="ggml-other", block_size=4)
+        await adv.publish()
+        res = _resolver(backbone)
+        await res.refresh()
+        assert res.owners(0, 0) == [] and res.stats.mismatched >= 1
+
+
+async def test_resolver_refreshes_on_request():
+    async with dht_swarm(3) as nodes:
+        worker, backbone = nodes[1], nodes[2]
+        res = _resolver(backbone, refresh_s=3600)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(res.run)
+            assert res.owners(0, 0) == []
+            await _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))]).publish()
+            res.request_refresh(worker.net.peer_id_str)  # e.g. after a failure
+            with trio.fail_after(20):
+                while not res.owners(0, 0):
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+
+async def test_bootstrap_errors_are_clear():
+    from p2pswarm.errors import UserError
+
+    async with open_host(Identity.generate()) as net:
+        with pytest.raises(UserError, match="no bootstrap peer answered"):
+            async with open_dht(net, bootstrap=[f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id_str}"],
+                                bootstrap_timeout_s=5):
+                pass

@@ -1,0 +1,252 @@
+"""The expert RPC over libp2p streams (/p2pswarm/expert/1.0.0), in one trio process.
+
+Real hosts on 127.0.0.1, the real worker handler (the same one that serves local sockets), the
+real Libp2pOwner; and a backbone whose owners come from DHT look-ups, checked bit for bit against
+the monolithic run while a worker disappears.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from contextlib import asynccontextmanager
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+
+from p2pswarm.backbone.dispatch import Dispatcher, pack_rows
+from p2pswarm.backbone.libp2p_owner import Libp2pOwner, SwarmOwners
+from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.errors import WorkerError
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.dht import CoverageResolver, OwnerInfo, ShardAdvertiser, open_dht
+from p2pswarm.net.host import PROTOCOL_EXPERT, open_host
+from p2pswarm.net.identity import Identity
+from p2pswarm.net.records import NodeRecord, ShardEntry, worker_shard_hash
+from p2pswarm.worker.expert_worker import ExpertWorker
+from p2pswarm.worker.server import serve_libp2p
+
+SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]
+TOKENS = list(range(3, 19))
+
+
+@pytest.fixture(autouse=True)
+def _numpy_kernel(monkeypatch):
+    # The same kernel on every side: bit-equality needs it, and the handshake insists on it.
+    monkeypatch.setenv("P2PSWARM_KERNEL", "numpy")
+
+
+@pytest.fixture
+def shards(tiny_f32, tmp_path):
+    layout = ModelLayout.open(tiny_f32)
+    return ensure_shards(layout, model_fingerprint(layout), 2, tmp_path / "shards")
+
+
+def _entry(worker: ExpertWorker) -> ShardEntry:
+    i = worker.info
+    return ShardEntry(i.model_fingerprint, worker_shard_hash(worker), (i.layer_begin, i.layer_end),
+                      (i.expert_begin, i.expert_end))
+
+
+def _owner_info(net, worker: ExpertWorker, shard: ShardEntry | None = None) -> OwnerInfo:
+    shard = shard or _entry(worker)
+    rec = NodeRecord.make(net.identity, addrs=net.addrs(), protocol=proto.PROTOCOL_VERSION,
+                          kernel=worker.info.kernel, block_size=4, shards=[shard], ttl_s=60)
+    return OwnerInfo(net.peer_id_str, rec.addrs, shard, rec)
+
+
+@asynccontextmanager
+async def _served(worker: ExpertWorker, **kw):
+    async with open_host(Identity.generate()) as net:
+        serve_libp2p(net, worker, **kw)
+        yield net
+
+
+def _owner(backbone_net, worker_net, worker, *, model=None, kernel=None, shard=None, **kw) -> Libp2pOwner:
+    return Libp2pOwner(backbone_net, _owner_info(worker_net, worker, shard),
+                       model_fingerprint=model or worker.info.model_fingerprint,
+                       kernel=kernel or worker.info.kernel, **kw)
+
+
+async def test_expert_request_bit_identical_to_direct_compute(shards):
+    worker = ExpertWorker(shards[1])
+    rng = np.random.default_rng(7)
+    async with _served(worker) as wnet, open_host(Identity.generate()) as bnet:
+        owner = _owner(bnet, wnet, worker)
+        for layer in range(worker.info.layer_begin, worker.info.layer_end):
+            cur = rng.standard_normal((9, worker.info.n_embd)).astype(np.float32)
+            experts = rng.choice(np.arange(worker.info.expert_begin, worker.info.expert_end), 4, replace=False)
+            groups = [(int(e), np.sort(rng.choice(9, rng.integers(1, 9), replace=False))) for e in experts]
+            got = await owner.compute(layer, cur, groups)
+            rows, local = pack_rows(cur, groups)
+            want = worker.compute(layer, rows, local)
+            assert len(got) == len(want)
+            assert all(np.array_equal(g, w) and g.dtype == np.float32 for g, w in zip(got, want))
+        assert owner.requests == worker.info.layer_end - worker.info.layer_begin and owner.rtt_s > 0
+        await owner.aclose()
+
+
+async def test_frames_cross_the_expert_protocol_intact(shards):
+    worker = ExpertWorker(shards[0])
+    async with _served(worker) as wnet, open_host(Identity.generate()) as bnet:
+        owner = _owner(bnet, wnet, worker)
+        for n in SIZES:
+            payload = os.urandom(n)
+            with trio.fail_after(60):
+                assert await owner.echo(payload) == payload
+        await owner.aclose()
+
+
+async def _raw_exchange(net, peer, data: bytes) -> bytes:
+    stream = await net.open_stream(peer, PROTOCOL_EXPERT)
+    await stream.send_all(data)
+    await stream.send_eof()
+    out = b""
+    with trio.fail_after(10):
+        while chunk := await stream.receive_some(65536):
+            out += chunk
+    await stream.aclose()
+    return out
+
+
+@pytest.mark.parametrize("frame", [
+    struct.pack("!Q", 5) + b"\xc1\xc1\xc1\xc1\xc1",  # never-used msgpack byte
+    struct.pack("!Q", 3) + msgpack.packb([1, 2]),  # not a map
+    struct.pack("!Q", 1 << 62) + b"x",  # absurd length: refused before reading
+    struct.pack("!Q", 10) + b"short",  # closed mid-frame
+    struct.pack("!Q", 200_000) + b"y" * 200_000,  # over this worker's maximum
+], ids=["bad-msgpack", "not-a-map", "absurd-length", "closed-mid-frame", "oversized"])
+async def test_malformed_or_oversized_frame_closes_only_that_stream(shards, frame, caplog):
+    worker = ExpertWorker(shards[0])
+    async with _served(worker, max_frame=100_000) as wnet, open_host(Identity.generate()) as bnet:
+        good = _owner(bnet, wnet, worker)
+        assert await good.echo(b"before") == b"before"  # a stream opened before the bad one
+        reply = await _raw_exchange(bnet, wnet.full_addrs()[0], frame)
+        if reply:  # an error frame with the reason, then the stream is closed
+            (n,) = struct.unpack("!Q", reply[:8])
+            msg = msgpack.unpackb(reply[8 : 8 + n])
+            assert msg["op"] == "error" and msg["error"]
+        assert await good.echo(b"after") == b"after"  # the worker keeps serving others
+        fresh = _owner(bnet, wnet, worker)
+        assert await fresh.echo(b"new") == b"new"
+        with pytest.raises(WorkerError, match="exceeds the maximum of 100000"):
+            await fresh.echo(b"z" * 200_000)
+        for o in (good, fresh):
+            await o.aclose()
+    assert any("closing connection from" in r.getMessage() for r in caplog.records)
+
+
+async def test_build_mismatch_refused_on_both_sides(shards, tiny_q8, tmp_path, caplog):
+    caplog.set_level("INFO")
+    worker = ExpertWorker(shards[0])
+    other_layout = ModelLayout.open(tiny_q8)
+    other_model = model_fingerprint(other_layout)
+    async with _served(worker) as wnet, open_host(Identity.generate()) as bnet:
+        # a backbone of another model: the worker refuses, both sides say why
+        wrong = _owner(bnet, wnet, worker, model=other_model)
+        with pytest.raises(WorkerError, match="refused the handshake: model mismatch"):
+            await wrong.compute(0, np.zeros((1, 256), np.float32), [(0, np.array([0]))])
+        assert any("refused" in r.getMessage() and "model mismatch" in r.getMessage() for r in caplog.records)
+        # the record promised another shard: the worker refuses (it was told which one we expect)
+        forged = ShardEntry(worker.info.model_fingerprint, "0" * 64, (0, 4), (0, 8))
+        with pytest.raises(WorkerError, match="refused the handshake: shard mismatch"):
+            await _owner(bnet, wnet, worker, shard=forged).echo(b"x")
+        # the worker holds less than its record claims: we refuse it
+        bigger = ShardEntry(worker.info.model_fingerprint, worker_shard_hash(worker), (0, 4), (0, 16))
+        with pytest.raises(WorkerError, match="refused by us at the handshake: .*less than its record"):
+            await _owner(bnet, wnet, worker, shard=bigger).echo(b"x")
+        assert any("refused worker" in r.getMessage() for r in caplog.records)
+        # and a correct one still works
+        ok = _owner(bnet, wnet, worker)
+        assert await ok.echo(b"fine") == b"fine"
+        await ok.aclose()
+
+
+async def test_failures_become_worker_errors(shards, monkeypatch):
+    worker = ExpertWorker(shards[0])
+    failures = []
+    async with open_host(Identity.generate()) as bnet:
+        async with _served(worker) as wnet:
+            owner = _owner(bnet, wnet, worker, timeout_s=1.0, connect_timeout_s=3, on_failure=failures.append)
+            assert await owner.echo(b"up") == b"up"
+            # a worker that hangs: timeout, not a hang
+            monkeypatch.setattr(worker, "compute", lambda *a: __import__("time").sleep(3) or [])
+            with pytest.raises(WorkerError, match="timed out after 1 s"):
+                await owner.compute(0, np.zeros((1, 256), np.float32), [(0, np.array([0]))])
+        # the worker's host is gone: unreachable
+        with trio.fail_after(15), pytest.raises(WorkerError, match="unreachable|closed"):
+            await owner.echo(b"anyone?")
+        assert len(failures) == 2 and owner.failures == 2
+        await owner.aclose()
+
+
+@asynccontextmanager
+async def _node(shard_path, boot: str, *, ttl_s: float = 30.0):
+    """A worker node: host + DHT + expert protocol + advertisement, like `node --role worker`."""
+    worker = ExpertWorker(shard_path)
+    async with open_host(Identity.generate()) as net:
+        async with open_dht(net, bootstrap=[boot]) as dht:
+            serve_libp2p(net, worker)
+            adv = ShardAdvertiser(dht, net.identity, shards=[_entry(worker)], protocol=proto.PROTOCOL_VERSION,
+                                  kernel=worker.info.kernel, block_size=4, ttl_s=ttl_s)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(adv.run)
+                try:
+                    yield net, adv
+                finally:
+                    nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+async def test_backbone_through_dht_owners_bit_equal_while_a_worker_leaves(tiny_f32, shards, caplog):
+    """Bootstrap + 3 workers (two of them replicas) + backbone, one process: owners found by DHT
+    look-ups only; prefill and decode logits bit-equal to monolithic; the busiest worker vanishes
+    mid-decode (no withdrawal: a crash) and the result is still bit-equal, through the local
+    replica and then the other replica."""
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        want_prefill = await mono.backbone.logits(TOKENS)
+        want_decode = await mono.backbone.logits(TOKENS, decode=True)
+        bank = mono.backbone.dispatcher.local.bank
+        fingerprint = mono.fingerprint
+        layout = ModelLayout.open(tiny_f32)
+        async with open_host(Identity.generate()) as boot_net, open_dht(boot_net) as _boot:
+            boot = boot_net.full_addrs()[0]
+            async with _node(shards[0], boot) as (a, _), _node(shards[0], boot) as (b, _), _node(shards[1], boot):
+                nets = {n.peer_id_str: n for n in (a, b)}
+                async with open_host(Identity.generate()) as bnet, open_dht(bnet, bootstrap=[boot]) as bdht:
+                    resolver = CoverageResolver(bdht, model=fingerprint, layers=layout.expert_layers,
+                                                n_expert=layout.n_expert, block_size=4,
+                                                protocol=proto.PROTOCOL_VERSION, kernel=bank.kernel, refresh_s=60)
+                    pool = SwarmOwners(bnet, model_fingerprint=fingerprint, kernel=bank.kernel, timeout_s=5,
+                                       connect_timeout_s=3, resolver=resolver)
+                    resolver.on_change = pool.sync
+                    async with trio.open_nursery() as nursery:
+                        await nursery.start(resolver.run)
+                        assert not resolver.map.missing() and len(pool.owners) == 3
+                        mono.backbone.dispatcher = Dispatcher(bank, [], backoff_s=60)
+                        pool.attach(mono.backbone.dispatcher)
+                        stats = mono.backbone.dispatcher.stats
+                        assert np.array_equal(await mono.backbone.logits(TOKENS), want_prefill)
+                        assert stats.requests > 0 and stats.fallbacks == 0 and stats.local_groups == 0
+                        # decode token by token; after 5 tokens the busiest shard-0 worker crashes
+                        state, rows, victim = mono.backbone.new_state(), [], None
+                        with trio.fail_after(120):
+                            for i, token in enumerate(TOKENS):
+                                if i == 5:
+                                    victim = next(o for o in pool.owners if o.peer in nets)  # the one in use
+                                    await nets[victim.peer].host.get_network().close()  # no goodbye, no withdrawal
+                                rows.append(await mono.backbone.forward([token], state))
+                        got = np.concatenate(rows, axis=0)
+                        assert np.array_equal(got, want_decode)
+                        assert stats.fallbacks >= 1 and victim.failures >= 1
+                        survivor = next(o for o in pool.owners if o.peer in nets and o is not victim)
+                        assert survivor.requests > 0  # the other replica took over
+                        with trio.fail_after(10):  # the failure asked the resolver for a refresh at once
+                            while resolver.stats.refreshes < 2:
+                                await trio.sleep(0.05)
+                        assert any("fell back to the local replica" in r.getMessage() for r in caplog.records)
+                        nursery.cancel_scope.cancel()
+                    await pool.aclose()
