@@ -24,6 +24,9 @@ COMMANDS = [
     "logits",
     "generate",
     "worker",
+    "node",
+    "bootstrap",
+    "swarm_status",
 ]
 
 

@@ -35,7 +35,26 @@ def add_swarm_args(p) -> None:
     p.add_argument("--no-fallback", action="store_true",
                    help="fail instead of recomputing a failed worker's experts on the local replica")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a worker's reply")
+    p.add_argument("--swarm", action="append", default=None, metavar="MULTIADDR",
+                   help="compute through the swarm: find expert owners via the DHT of this bootstrap peer "
+                        "(repeatable; excludes --workers)")
     add_kernel_args(p)
+
+
+def open_model(args):
+    """The backbone context a command asked for: through the swarm (--swarm), N local workers
+    (--workers) or monolithic. Yields an object with ``.backbone``."""
+    from p2pswarm.backbone.session import open_backbone
+
+    if args.swarm:
+        from p2pswarm.backbone.swarm_session import open_swarm_backbone  # imports libp2p: only when asked
+
+        if args.workers:
+            raise UserError("--swarm and --workers exclude each other")
+        return open_swarm_backbone(args.model, bootstrap=args.swarm, kernel=args.kernel, threads=args.threads,
+                                   timeout_s=args.timeout)
+    return open_backbone(args.model, workers=args.workers, transport=args.transport, fallback=not args.no_fallback,
+                         timeout_s=args.timeout, kernel=args.kernel, threads=args.threads)
 
 
 def parse_ids(text: str, what: str = "--tokens") -> list[int]:

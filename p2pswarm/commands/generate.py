@@ -7,8 +7,7 @@ import trio
 
 from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.commands.common import add_swarm_args, check_workers
+from p2pswarm.commands.common import add_swarm_args, check_workers, open_model
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 
@@ -32,9 +31,7 @@ async def _run(args) -> None:
     if not ids:
         raise UserError("the prompt tokenizes to nothing")
     sampler = Sampler(args.temperature, args.top_p, args.seed)
-    async with open_backbone(args.model, workers=args.workers, transport=args.transport,
-                             fallback=not args.no_fallback, timeout_s=args.timeout, kernel=args.kernel,
-                             threads=args.threads) as swarm:
+    async with open_model(args) as swarm:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
         n, secs = 0, 0.0
@@ -49,7 +46,8 @@ async def _run(args) -> None:
                       f"{d.requests} requests, {d.remote_rows} remote rows, {d.fallbacks} fallbacks]",
                       file=sys.stderr)
         sys.stdout.write("\n")
-        print(f"{n} tokens in {secs:.2f} s ({n / max(secs, 1e-9):.1f} tokens/s), {args.workers} workers",
+        where = "through the swarm" if args.swarm else f"{args.workers} workers"
+        print(f"{n} tokens in {secs:.2f} s ({n / max(secs, 1e-9):.1f} tokens/s), {where}",
               file=sys.stderr)
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.commands.common import add_swarm_args, check_workers, parse_ids
+from p2pswarm.commands.common import add_swarm_args, check_workers, open_model, parse_ids
 from p2pswarm.errors import UserError
 
 
@@ -28,11 +27,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-async def compute_logits(model, tokens, *, workers=0, transport="socket", decode=False, fallback=True,
-                         timeout_s=30.0, kernel=None, threads=None):
-    async with open_backbone(model, workers=workers, transport=transport, fallback=fallback,
-                             timeout_s=timeout_s, kernel=kernel, threads=threads) as swarm:
-        logits = await swarm.backbone.logits(tokens, decode=decode)
+async def compute_logits(args, tokens):
+    async with open_model(args) as swarm:
+        logits = await swarm.backbone.logits(tokens, decode=args.decode)
         return logits, swarm.backbone.dispatcher.stats
 
 
@@ -42,13 +39,12 @@ def run(args) -> int:
     out = Path(args.out)
     if not out.parent.exists():
         raise UserError(f"{out.parent}: output directory does not exist")
-    logits, stats = trio.run(lambda: compute_logits(
-        args.model, tokens, workers=args.workers, transport=args.transport, decode=args.decode,
-        fallback=not args.no_fallback, timeout_s=args.timeout, kernel=args.kernel, threads=args.threads))
+    logits, stats = trio.run(compute_logits, args, tokens)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}.npy")
     np.save(tmp, logits.astype(np.float32, copy=False))
     os.replace(tmp, out)
     print(f"wrote {out}: logits {logits.shape[0]} x {logits.shape[1]} float32 "
-          f"({'decode' if args.decode else 'prefill'}, {args.workers} workers, {stats.requests} expert requests, "
+          f"({'decode' if args.decode else 'prefill'}, {'swarm' if args.swarm else f'{args.workers} workers'}, "
+          f"{stats.requests} expert requests, "
           f"{stats.fallbacks} fallbacks)")
     return 0

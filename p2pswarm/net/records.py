@@ -63,6 +63,9 @@ class BuildFingerprint:
         return f"protocol {self.protocol}, model {self.model[:12]}, shard {self.shard[:12]}, kernel {self.kernel}"
 
 
+DEFAULT_BLOCK_SIZE = 8  # experts per coverage unit, the same swarm-wide: 256 experts -> 32 blocks a layer
+
+
 @dataclass(frozen=True, order=True)
 class CoverageUnit:
     model: str

@@ -1,0 +1,105 @@
+"""The swarm as real OS processes on 127.0.0.1: a bootstrap node, four worker nodes (two of them
+replicas of the same expert range) and backbones (`p2pswarm logits --swarm`, `swarm-status`),
+finding each other only through the libp2p DHT."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from p2pswarm.model.slicer import slice_experts
+
+from conftest import run_cli
+
+TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"  # 17 tokens: prefill + 16 decode steps
+RANGES = [(0, 6), (6, 11), (11, 16), (0, 6)]  # the last worker is a replica of the first
+
+
+class Node:
+    def __init__(self, args: list[str], log: Path, env: dict):
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env)
+        line: list[str] = []
+        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(90)
+        if not line or not line[0].startswith("READY "):
+            self.stop()
+            raise AssertionError(f"{args[:3]} did not start: {log.read_text()[-2000:]}")
+        self.addr = line[0].split()[1]
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def swarm(tiny_f32, tmp_path):
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
+    nodes: list[Node] = []
+    try:
+        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+                    tmp_path / "boot.log", env)
+        nodes.append(boot)
+        for i, (e0, e1) in enumerate(RANGES):
+            shard = tmp_path / f"shard{i}.gguf"
+            slice_experts(tiny_f32, shard, None, (e0, e1))
+            nodes.append(Node(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
+                               "--identity", str(tmp_path / f"w{i}.key"), "--ttl", "120"],
+                              tmp_path / f"w{i}.log", env))
+        yield boot, nodes[1:], env
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+@pytest.mark.slow
+def test_logits_through_the_swarm_equal_monolithic(tiny_f32, tmp_path, swarm):
+    boot, workers, env = swarm
+    status = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(tiny_f32), "--kernel", "numpy",
+                     "--json", env=env, check=True)
+    st = json.loads(status.stdout.strip().splitlines()[-1])
+    assert st["missing"] == 0 and len(st["owners"]) == 4
+    # block 0 (experts 0-7): workers 0 and 3 (0-5, replicas) and 1 (6-10); block 1: workers 1 and 2
+    assert [st["replicas"][f"{layer}/{b}"] for layer in st["layers"] for b in (0, 1)] == [3, 2] * len(st["layers"])
+    for decode in (False, True):
+        flag = ["--decode"] if decode else []
+        mono, swarm_out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
+        run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", *flag,
+                env=env, check=True)
+        proc = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(swarm_out), "--swarm", boot.addr,
+                       "--kernel", "numpy", *flag, env=env, check=True)
+        assert "swarm" in proc.stdout and " 0 fallbacks" in proc.stdout, proc.stdout
+        requests = int(proc.stdout.split(" expert requests")[0].split()[-1])
+        assert requests > 0
+        assert np.array_equal(np.load(mono), np.load(swarm_out))
+    # a clean shutdown withdraws the worker's records
+    assert workers[1].stop() == 0
+    assert "withdrew my records" in workers[1].log.read_text()
+
+
+@pytest.mark.slow
+def test_killed_worker_is_covered_by_replica_and_fallback(tiny_f32, tmp_path, swarm):
+    boot, workers, env = swarm
+    workers[0].stop(signal.SIGKILL)  # no withdrawal: its records linger until they expire
+    out, mono = tmp_path / "swarm.npy", tmp_path / "mono.npy"
+    proc = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(out), "--swarm", boot.addr,
+                   "--kernel", "numpy", "--decode", "--timeout", "5", env=env, check=True)
+    run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", "--decode",
+            env=env, check=True)
+    assert np.array_equal(np.load(mono), np.load(out))
+    assert "Traceback" not in proc.stderr
