@@ -1,9 +1,10 @@
 """Tiny model decode: tokens/s monolithic vs N socket workers (separate OS processes).
 
-    python bench/bench_decode.py [--workers 4] [--tokens 32]
+    python bench/bench_decode.py [--arch qwen3moe|qwen35moe] [--workers 4] [--tokens 33] [--rounds 3]
 
 Both runs decode the same tokens one at a time through the KV cache, in the same process, one
-after the other; the ratio is what dispatching every layer's experts over local sockets costs.
+after the other; the ratio is what dispatching every layer's experts over local sockets costs (the
+dense path - attention, DeltaNet, shared expert - stays on the backbone either way).
 """
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ async def decode_rate(model, workers, tokens, transport="socket") -> tuple[float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", choices=("qwen3moe", "qwen35moe"), default="qwen3moe")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=33)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "tiny.gguf"
-        make_model(model, preset="tiny")
+        model = Path(tmp) / f"tiny-{args.arch}.gguf"
+        make_model(model, arch=args.arch, preset="tiny")
         tokens = [(7 * i + 3) % 500 for i in range(args.tokens)]
         rows = []
         for _ in range(args.rounds):
@@ -47,8 +49,8 @@ def main() -> None:
             split, stats = trio.run(decode_rate, model, args.workers, tokens)
             inproc, _ = trio.run(decode_rate, model, args.workers, tokens, "inproc")
             rows.append((mono, split, inproc, stats))
-    text = header(f"Tiny model decode, monolithic vs {args.workers} socket workers",
-                  f"python bench/bench_decode.py --workers {args.workers} --tokens {args.tokens}")
+    text = header(f"Tiny {args.arch} decode, monolithic vs {args.workers} socket workers",
+                  f"python bench/bench_decode.py --arch {args.arch} --workers {args.workers} --tokens {args.tokens}")
     text += ("Tiny preset (4 layers, 16 experts top-4, n_embd 256). tokens/s over "
              f"{args.tokens - 1} decode steps.\n\n| round | monolithic | {args.workers} socket workers | "
              f"{args.workers} in-process workers | socket / monolithic |\n|---|---|---|---|---|\n")
