@@ -358,10 +358,8 @@ def test_geometry_122b_one_layer(tmp_path: Path) -> None:
 
 
 def _qwen35_vocab() -> Path:
-    try:
-        from p2pswarm.model.vocab import qwen35_vocab_path
-    except ImportError as exc:
-        pytest.skip(f"p2pswarm.model.vocab.qwen35_vocab_path is not available yet ({exc})")
+    from p2pswarm.model.vocab import qwen35_vocab_path
+
     return Path(qwen35_vocab_path())
 
 

@@ -16,6 +16,7 @@ in this process, exercising the same row packing as a remote one) and
 """
 from __future__ import annotations
 
+import abc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,18 +48,19 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
     return exc
 
 
-class Owner:
+class Owner(abc.ABC):
     """Something that can compute the experts of some (layer, expert) ranges."""
 
     name = "owner"
     remote = True
 
+    @abc.abstractmethod
     def holds(self, layer: int, expert: int) -> bool:
-        raise NotImplementedError
+        """Whether this owner computes expert ``expert`` of layer ``layer``."""
 
+    @abc.abstractmethod
     async def compute(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
         """Outputs per group, in order; raise WorkerError on any failure."""
-        raise NotImplementedError
 
     async def aclose(self) -> None:
         pass
