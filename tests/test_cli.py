@@ -70,3 +70,14 @@ def test_demo_runs_with_no_arguments(tmp_path):
     assert "exactness, prefill" in out and "exactness, decode" in out
     assert out.count("bit-identical") == 2
     assert "OK: the split run's logits equal the monolithic run's." in out
+
+
+@pytest.mark.slow
+def test_demo_swarm_mode(tmp_path):
+    """`demo --swarm`: bootstrap and worker nodes as separate processes, owners found via the DHT."""
+    proc = run_cli("demo", "--swarm", "--workers", "3", "--max-tokens", "6", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "bootstrap node: pid" in out and "worker node 2: pid" in out
+    assert "backbone found 3 owners through the DHT, 0 units uncovered" in out
+    assert out.count("bit-identical") == 2 and "OK: the split run's logits" in out

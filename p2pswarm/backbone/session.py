@@ -61,6 +61,32 @@ def ensure_shards(layout: ModelLayout, fingerprint: str, n_workers: int, shard_d
     return paths
 
 
+def start_cli_process(args: list[str], what: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Start ``p2pswarm ARGS`` and wait for its ``READY <where>`` line; returns (process, where)."""
+    proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    line: list[str] = []
+    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not line or not line[0].startswith("READY "):
+        proc.kill()
+        proc.wait()
+        raise UserError(f"{what} did not start (exit code {proc.returncode})")
+    return proc, line[0].split()[1]
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (a clean shutdown), then SIGKILL after 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class WorkerProcess:
     """A `p2pswarm worker` OS process serving one shard on 127.0.0.1."""
@@ -73,29 +99,15 @@ class WorkerProcess:
     @classmethod
     def start(cls, shard: Path, timeout_s: float = 60.0, extra_args: list[str] | None = None, *,
               kernel: str | None = None, threads: int | None = None) -> "WorkerProcess":
-        cmd = [sys.executable, "-m", "p2pswarm.cli", "worker", "--shard", str(shard), "--listen", "127.0.0.1:0",
-               *(["--kernel", kernel] if kernel else []), *(["--threads", str(threads)] if threads else []),
-               *(extra_args or [])]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-        line: list[str] = []
-        reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        reader.start()
-        reader.join(timeout_s)
-        if not line or not line[0].startswith("READY "):
-            proc.kill()
-            proc.wait()
-            raise UserError(f"worker for {shard.name} did not start (exit code {proc.returncode})")
-        host, port = line[0].split()[1].rsplit(":", 1)
+        args = ["worker", "--shard", str(shard), "--listen", "127.0.0.1:0",
+                *(["--kernel", kernel] if kernel else []), *(["--threads", str(threads)] if threads else []),
+                *(extra_args or [])]
+        proc, where = start_cli_process(args, f"worker for {shard.name}", timeout_s)
+        host, port = where.rsplit(":", 1)
         return cls(proc, host, int(port), shard)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @dataclass

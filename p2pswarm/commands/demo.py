@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--transport", choices=("socket", "inproc"), default="socket")
+    p.add_argument("--swarm", action="store_true",
+                   help="run the swarm instead: a bootstrap node and worker nodes as separate processes on "
+                        "loopback, found by the backbone through the libp2p DHT")
     add_kernel_args(p)
     p.set_defaults(func=run)
 
@@ -70,6 +75,59 @@ def default_model() -> Path:
     return path
 
 
+@asynccontextmanager
+async def _open_split(args, model: Path):
+    """The split backbone the demo generates through, its workers described on stdout: local
+    worker processes on sockets, or (--swarm) bootstrap + worker nodes found through the DHT."""
+    if not args.swarm:
+        async with open_backbone(model, workers=args.workers, transport=args.transport, kernel=args.kernel,
+                                 threads=args.threads) as swarm:
+            _describe(swarm.backbone, swarm.fingerprint)
+            for wp, owner in zip(swarm.workers, swarm.owners):
+                print(f"  {owner.name}: pid {wp.proc.pid} on {wp.host}:{wp.port}, experts "
+                      f"{owner.experts[0]}-{owner.experts[1] - 1} of layers {owner.layers[0]}-{owner.layers[1] - 1}, "
+                      f"shard {wp.shard.stat().st_size / 1e6:.1f} MB")
+            yield swarm
+        return
+    from p2pswarm.backbone.session import ensure_shards, start_cli_process, stop_process
+    from p2pswarm.backbone.swarm_session import open_swarm_backbone
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import model_fingerprint
+
+    layout = ModelLayout.open(model)
+    shards = ensure_shards(layout, model_fingerprint(layout), args.workers)
+    kernel = ["--kernel", args.kernel] if args.kernel else []
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="p2pswarm-demo-") as keys:
+        try:
+            boot, boot_addr = await trio.to_thread.run_sync(start_cli_process, [
+                "bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", f"{keys}/boot.key"], "bootstrap node")
+            procs.append(boot)
+            print(f"bootstrap node: pid {boot.pid} at {boot_addr}")
+            for i, shard in enumerate(shards):
+                proc, addr = await trio.to_thread.run_sync(start_cli_process, [
+                    "node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot_addr,
+                    "--identity", f"{keys}/w{i}.key", *kernel], f"worker node {i}")
+                procs.append(proc)
+                print(f"  worker node {i}: pid {proc.pid} at {addr}, shard {shard.name}")
+            async with open_swarm_backbone(model, bootstrap=[boot_addr], kernel=args.kernel,
+                                           threads=args.threads) as swarm:
+                _describe(swarm.backbone, swarm.local.fingerprint)
+                print(f"  backbone found {len(swarm.pool.owners)} owners through the DHT, "
+                      f"{len(swarm.resolver.map.missing())} units uncovered")
+                yield swarm
+        finally:
+            for proc in reversed(procs):
+                stop_process(proc)
+
+
+def _describe(backbone, fingerprint: str) -> None:
+    m = backbone.model
+    print(f"backbone: {m.arch}, {m.n_layer} layers, {m.n_expert} experts/layer (top-{m.n_expert_used}), "
+          f"n_embd {m.n_embd}, vocab {m.n_vocab}; model fingerprint {fingerprint[:12]}")
+    print(f"expert kernel: {backbone.dispatcher.local.bank.kernel}")
+
+
 async def _demo(args) -> int:
     model = Path(args.model) if args.model else await trio.to_thread.run_sync(default_model)
     tok = Tokenizer.from_gguf(model)
@@ -77,17 +135,7 @@ async def _demo(args) -> int:
     print(f"model: {model}")
     print(f"prompt: {args.prompt!r} -> {len(prompt_ids)} tokens")
 
-    async with open_backbone(model, workers=args.workers, transport=args.transport, kernel=args.kernel,
-                             threads=args.threads) as swarm:
-        m = swarm.backbone.model
-        print(f"backbone: {m.arch}, {m.n_layer} layers, {m.n_expert} experts/layer (top-{m.n_expert_used}), "
-              f"n_embd {m.n_embd}, vocab {m.n_vocab}; model fingerprint {swarm.fingerprint[:12]}")
-        print(f"expert kernel: {swarm.backbone.dispatcher.local.bank.kernel}")
-        for wp, owner in zip(swarm.workers, swarm.owners):
-            size = wp.shard.stat().st_size
-            print(f"  {owner.name}: pid {wp.proc.pid} on {wp.host}:{wp.port}, experts "
-                  f"{owner.experts[0]}-{owner.experts[1] - 1} of layers {owner.layers[0]}-{owner.layers[1] - 1}, "
-                  f"shard {size / 1e6:.1f} MB")
+    async with _open_split(args, model) as swarm:
         print()
         print(f"{'step':>4} {'token':>7}  {'text':<16} {'requests':>8} {'rows':>5} {'dispatch ms':>11} {'step ms':>8}")
         generated: list[int] = []
@@ -103,7 +151,8 @@ async def _demo(args) -> int:
         if not args.model:
             print("(the tiny model's weights are random, so its text is noise: what matters is where each\n"
                   " expert was computed, and that the result is exact)")
-        print(f"{len(generated)} tokens in {elapsed:.2f} s through {args.workers} workers "
+        where = f"{args.workers} worker nodes (libp2p)" if args.swarm else f"{args.workers} workers"
+        print(f"{len(generated)} tokens in {elapsed:.2f} s through {where} "
               f"({swarm.backbone.dispatcher.stats.fallbacks} fallbacks)")
         seq = prompt_ids + generated[:-1] if len(generated) > 1 else prompt_ids
         split_prefill = await swarm.backbone.logits(seq)
