@@ -13,11 +13,12 @@ def add_kernel_args(p) -> None:
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
                    help="expert kernel: ggml on the quantised bytes, numpy on float32, or auto (ggml where "
                         "libggml loads; default, or $P2PSWARM_KERNEL)")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="ggml threads (default $P2PSWARM_THREADS, else the CPUs available, at most 8)")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
     try:
         n = int(text)
     except ValueError:

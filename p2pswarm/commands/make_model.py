@@ -7,6 +7,7 @@ import sys
 import time
 from typing import TextIO
 
+from p2pswarm.commands.common import positive_int
 from p2pswarm.errors import UserError
 
 
@@ -35,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="architecture: qwen3moe (default) or qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
                         "+ gated attention + shared expert, the seed's own model)")
     p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (tiny)")
-    p.add_argument("--layers", type=_positive_int, metavar="N",
+    p.add_argument("--layers", type=positive_int, metavar="N",
                    help="number of layers (default: the preset's)")
     p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
                    help="tensor type: f32 (default), f16, q8_0 (norms and router stay F32), "
@@ -62,28 +63,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                           "(gate rows first), as some converters do; same weights as unfused")
     q35.add_argument("--rope-sections", type=_sections, metavar="T,H,W,E",
                      help="the 4 IMROPE sections (default: the preset's, covering every rotary pair)")
-    q35.add_argument("--n-rot", type=_positive_int, metavar="N",
+    q35.add_argument("--n-rot", type=positive_int, metavar="N",
                      help="rotated dims per attention head (default: the preset's, head_dim/4)")
-    q35.add_argument("--ssm-group-count", type=_positive_int, metavar="HK",
+    q35.add_argument("--ssm-group-count", type=positive_int, metavar="HK",
                      help="DeltaNet q/k heads (Hk)")
-    q35.add_argument("--ssm-time-step-rank", type=_positive_int, metavar="HV",
+    q35.add_argument("--ssm-time-step-rank", type=positive_int, metavar="HV",
                      help="DeltaNet v heads (Hv, a multiple of Hk)")
-    q35.add_argument("--ssm-state-size", type=_positive_int, metavar="D", help="DeltaNet head size")
-    q35.add_argument("--full-attention-interval", type=_positive_int, metavar="N",
+    q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
+    q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
 
 
 def _sections(text: str) -> tuple[int, ...]:

@@ -37,14 +37,10 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
-def rope_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float) -> np.ndarray:
-    """NEOX-style rotary embedding on the first ``n_rot`` dims of each head.
-
-    x: (T, H, hd); pairs are (i, i + n_rot/2). Dims >= n_rot pass through unrotated.
-    """
+def _rotate_neox(x: np.ndarray, theta: np.ndarray, n_rot: int) -> np.ndarray:
+    """Rotate NEOX pairs (i, i + n_rot/2) of each head by angles theta (T, n_rot/2); dims >= n_rot
+    pass through. Shared by plain NEOX RoPE and IMROPE, which differ only in their angles."""
     half = n_rot // 2
-    inv = np.power(np.float64(base), -2.0 * np.arange(half, dtype=np.float64) / n_rot)
-    theta = positions.astype(np.float64)[:, None] * inv[None, :]  # (T, half)
     cos = np.cos(theta).astype(F32)[:, None, :]
     sin = np.sin(theta).astype(F32)[:, None, :]
     x0 = x[..., :half]
@@ -53,6 +49,17 @@ def rope_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float) -> 
     out[..., :half] = x0 * cos - x1 * sin
     out[..., half:n_rot] = x0 * sin + x1 * cos
     return out
+
+
+def rope_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float) -> np.ndarray:
+    """NEOX-style rotary embedding on the first ``n_rot`` dims of each head.
+
+    x: (T, H, hd); pairs are (i, i + n_rot/2). Dims >= n_rot pass through unrotated.
+    """
+    half = n_rot // 2
+    inv = np.power(np.float64(base), -2.0 * np.arange(half, dtype=np.float64) / n_rot)
+    theta = positions.astype(np.float64)[:, None] * inv[None, :]  # (T, half)
+    return _rotate_neox(x, theta, n_rot)
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int) -> np.ndarray:
@@ -130,11 +137,4 @@ def rope_imrope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, s
     pp = imrope_positions(positions, n_rot, sections)  # (T, half)
     inv = np.power(np.float64(base), -2.0 * np.arange(half, dtype=np.float64) / n_rot)
     theta = pp.astype(np.float64) * inv[None, :]
-    cos = np.cos(theta).astype(F32)[:, None, :]
-    sin = np.sin(theta).astype(F32)[:, None, :]
-    x0 = x[..., :half]
-    x1 = x[..., half:n_rot]
-    out = x.copy()
-    out[..., :half] = x0 * cos - x1 * sin
-    out[..., half:n_rot] = x0 * sin + x1 * cos
-    return out
+    return _rotate_neox(x, theta, n_rot)
