@@ -48,11 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = "DEBUG" if args.verbose else os.environ.get("P2PSWARM_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(
-        level=level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO",
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    level = level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO"
+    # Our loggers at the chosen level; libraries' (py-libp2p logs chatty DEBUG lines through the
+    # root logger) at INFO at most, so a debug log stays readable.
+    logging.basicConfig(level="INFO" if level == "DEBUG" else level,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("p2pswarm").setLevel(level)
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,8 @@ class Node:
 
 @pytest.fixture
 def swarm(tiny_f32, tmp_path):
-    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
+    # DEBUG: workers log each request they compute (the tests check who served when)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_LOG_LEVEL="DEBUG")
     nodes: list[Node] = []
     try:
         boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
@@ -103,3 +105,84 @@ def test_killed_worker_is_covered_by_replica_and_fallback(tiny_f32, tmp_path, sw
             env=env, check=True)
     assert np.array_equal(np.load(mono), np.load(out))
     assert "Traceback" not in proc.stderr
+
+
+def _long_tokens(n: int) -> str:
+    return ",".join(str((i * 37 + 11) % 500) for i in range(n))
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_generation_then_restarted_is_found_again(tiny_f32, tmp_path, swarm):
+    """kill -9 of workers in the middle of a decode run: the run completes bit-equal, the backbone
+    logs the fallback, the replica serves later steps, and the worker restarted (same identity, a new
+    port) is found again through the DHT and used."""
+    boot, workers, env = swarm
+    tokens = _long_tokens(320)
+    denv = env
+    out, mono = tmp_path / "swarm.npy", tmp_path / "mono.npy"
+    backbone = subprocess.Popen(
+        [sys.executable, "-m", "p2pswarm.cli", "logits", str(tiny_f32), "--tokens", tokens, "--out", str(out),
+         "--swarm", boot.addr, "--kernel", "numpy", "--decode", "--timeout", "5", "--refresh", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=denv)
+    lines: list[str] = []
+    steps: dict[int, threading.Event] = {n: threading.Event() for n in (10, 30)}
+
+    def read_stderr() -> None:
+        for line in backbone.stderr:
+            lines.append(line)
+            if "decode step " in line:
+                done = int(line.split("decode step ")[1].split("/")[0])
+                for n, ev in steps.items():
+                    if done >= n:
+                        ev.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    restarted = None
+    try:
+        assert steps[10].wait(120), "".join(lines[-30:])
+        # mid-generation: workers[1] is the only owner of experts 6-10 (a fallback is certain);
+        # workers[0]'s experts 0-5 are replicated by workers[3]
+        workers[1].stop(signal.SIGKILL)
+        workers[0].stop(signal.SIGKILL)
+        killed_at = time.time()
+        assert steps[30].wait(120), "".join(lines[-30:])
+        # Hold the backbone while the worker comes back on a new port with the same identity, so
+        # the run cannot end before the restarted worker has published its record.
+        backbone.send_signal(signal.SIGSTOP)
+        try:
+            restarted = Node(["node", "--role", "worker", "--shard", str(tmp_path / "shard0.gguf"),
+                              "--bootstrap", boot.addr, "--identity", str(tmp_path / "w0.key"), "--ttl", "120"],
+                             tmp_path / "w0-restarted.log", env)
+        finally:
+            backbone.send_signal(signal.SIGCONT)
+        assert restarted.addr != workers[0].addr  # same peer id, new port
+        assert restarted.addr.split("/p2p/")[1] == workers[0].addr.split("/p2p/")[1]
+        backbone.communicate(timeout=300)
+        reader.join(10)
+    finally:
+        if backbone.poll() is None:
+            backbone.kill()
+    log_text = "".join(ln for ln in lines if " p2pswarm" in ln or "Traceback" in ln or not ln[:4].isdigit())
+    (tmp_path / "backbone.log").write_text(log_text)
+    assert backbone.returncode == 0, log_text[-3000:]
+    assert "fell back to the local replica" in log_text
+    assert "is back (new record, new address)" in log_text, log_text[-3000:]
+    run_cli("logits", str(tiny_f32), "--tokens", tokens, "--out", str(mono), "--kernel", "numpy", "--decode",
+            env=env, check=True)
+    assert np.array_equal(np.load(mono), np.load(out))
+    # the replica served after the kill; the restarted worker served after its return
+    assert restarted.stop() == 0 and workers[3].stop() == 0
+    served = [ln for ln in restarted.log.read_text().splitlines() if " served " in ln]
+    assert served and int(served[-1].split(" served ")[1].split()[0]) > 0, restarted.log.read_text()[-1500:]
+    computed_after = [ln for ln in workers[3].log.read_text().splitlines()
+                      if "computed layer" in ln and _log_time(ln) > killed_at]
+    assert computed_after, workers[3].log.read_text()[-1500:]
+
+
+def _log_time(line: str) -> float:
+    """The wall-clock time of one of our log lines ("2026-11-29 13:02:15,210 name LEVEL ...")."""
+    import datetime
+
+    stamp = " ".join(line.split()[:2])
+    return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()

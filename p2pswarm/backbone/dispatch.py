@@ -135,6 +135,10 @@ class Dispatcher:
         self._down_until: dict[str, float] = {}
         self.stats = DispatchStats()
 
+    def clear_backoff(self, name: str) -> bool:
+        """Use owner ``name`` again at once (it restarted: a newer signed record says so)."""
+        return self._down_until.pop(name, None) is not None
+
     def _healthy(self, owner: Owner) -> bool:
         return time.monotonic() >= self._down_until.get(owner.name, 0.0)
 

@@ -70,6 +70,7 @@ class Libp2pOwner(SocketOwner):
         self.layers, self.experts = info.shard.layers, info.shard.experts
         if tuple(info.addrs) != tuple(old.addrs):
             self._stale = True
+            self.rtt_s = None  # a new instance: measure it afresh (unmeasured owners sort first)
 
     async def _connect(self) -> None:
         try:
@@ -165,10 +166,12 @@ class SwarmOwners:
         self.resolver = resolver
         self.owners: list[Libp2pOwner] = []
         self._by_key: dict[tuple[str, str], Libp2pOwner] = {}
+        self.dispatcher = None
 
     def attach(self, dispatcher) -> None:
         """Make ``dispatcher`` use our live, re-sorted list (its constructor copies the list)."""
         dispatcher.owners = self.owners
+        self.dispatcher = dispatcher
 
     def _failed(self, owner: Libp2pOwner) -> None:
         if self.resolver is not None:
@@ -192,7 +195,12 @@ class SwarmOwners:
                 log.info("found worker %s: layers %d-%d experts %d-%d", owner.name, info.shard.layers[0],
                          info.shard.layers[1] - 1, info.shard.experts[0], info.shard.experts[1] - 1)
             elif info.record.seq != owner.info.record.seq:
+                moved = tuple(info.addrs) != tuple(owner.info.addrs)
                 owner.update(info)
+                # A newer signed record is the worker saying it is (back) up: end its back-off.
+                if self.dispatcher is not None and self.dispatcher.clear_backoff(owner.name):
+                    log.info("worker %s is back (new record%s): using it again", owner.name,
+                             ", new address" if moved else "")
         for key in [k for k in self._by_key if k not in wanted]:
             owner = self._by_key.pop(key)
             self.owners.remove(owner)

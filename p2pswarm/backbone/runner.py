@@ -80,9 +80,15 @@ class Backbone:
     def _post(self, il, h, cur, ids, w, groups, partials):
         return self.model.post_moe(il, h, cur, combine(ids, w, groups, partials))
 
-    async def logits(self, tokens, *, decode: bool = False) -> np.ndarray:
-        """All-position logits of a fresh sequence: one prefill, or token by token (``decode``)."""
+    async def logits(self, tokens, *, decode: bool = False, on_step=None) -> np.ndarray:
+        """All-position logits of a fresh sequence: one prefill, or token by token (``decode``).
+        ``on_step(done, total)`` is called after each decode step (progress, long runs)."""
         state = self.new_state()
         if not decode:
             return await self.forward(tokens, state)
-        return np.concatenate([await self.forward([t], state) for t in tokens], axis=0)
+        rows = []
+        for i, t in enumerate(tokens):
+            rows.append(await self.forward([t], state))
+            if on_step is not None:
+                on_step(i + 1, len(tokens))
+        return np.concatenate(rows, axis=0)

@@ -42,12 +42,15 @@ class SwarmBackbone:
 async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Identity | None = None,
                               listen: list[str] | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                               kernel: str | None = None, threads: int | None = None, timeout_s: float = 30.0,
-                              refresh_s: float = 30.0):
+                              refresh_s: float = 30.0, dht_server: bool = True):
+    """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
+    things up but does not join other nodes' routing tables, where it would linger as a dead or
+    unresponsive entry after it exits."""
     async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads) as local:
         layout = ModelLayout.open(model_path)
         bank = local.backbone.dispatcher.local.bank
         async with open_host(identity or Identity.generate(), listen or [DEFAULT_LISTEN]) as net:
-            async with open_dht(net, server=True, bootstrap=bootstrap) as dht:
+            async with open_dht(net, server=dht_server, bootstrap=bootstrap) as dht:
                 resolver = CoverageResolver(dht, model=local.fingerprint, layers=layout.expert_layers,
                                             n_expert=layout.n_expert, block_size=block_size,
                                             protocol=proto.PROTOCOL_VERSION, kernel=bank.kernel,

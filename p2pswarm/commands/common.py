@@ -39,6 +39,9 @@ def add_swarm_args(p) -> None:
     p.add_argument("--swarm", action="append", default=None, metavar="MULTIADDR",
                    help="compute through the swarm: find expert owners via the DHT of this bootstrap peer "
                         "(repeatable; excludes --workers)")
+    p.add_argument("--refresh", type=float, default=30.0, metavar="SECONDS",
+                   help="--swarm: re-resolve the expert owners through the DHT this often (default 30; "
+                        "also at once whenever an owner fails)")
     add_kernel_args(p)
 
 
@@ -52,8 +55,10 @@ def open_model(args):
 
         if args.workers:
             raise UserError("--swarm and --workers exclude each other")
+        if not args.refresh > 0:
+            raise UserError("--refresh must be > 0 seconds")
         return open_swarm_backbone(args.model, bootstrap=args.swarm, kernel=args.kernel, threads=args.threads,
-                                   timeout_s=args.timeout)
+                                   timeout_s=args.timeout, refresh_s=args.refresh, dht_server=False)
     return open_backbone(args.model, workers=args.workers, transport=args.transport, fallback=not args.no_fallback,
                          timeout_s=args.timeout, kernel=args.kernel, threads=args.threads)
 

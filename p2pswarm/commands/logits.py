@@ -7,6 +7,7 @@ compare the files.
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,9 @@ import trio
 
 from p2pswarm.commands.common import add_swarm_args, check_workers, open_model, parse_ids
 from p2pswarm.errors import UserError
+from p2pswarm.progress import ProgressBar
+
+log = logging.getLogger("p2pswarm.logits")
 
 
 def add_parser(sub) -> None:
@@ -28,8 +32,17 @@ def add_parser(sub) -> None:
 
 
 async def compute_logits(args, tokens):
+    bar = ProgressBar("decode", " tokens")
+
+    def on_step(done: int, total: int) -> None:
+        log.debug("decode step %d/%d", done, total)
+        bar.update(done, total)
+
     async with open_model(args) as swarm:
-        logits = await swarm.backbone.logits(tokens, decode=args.decode)
+        try:
+            logits = await swarm.backbone.logits(tokens, decode=args.decode, on_step=on_step)
+        finally:
+            bar.close()
         return logits, swarm.backbone.dispatcher.stats
 
 

@@ -10,6 +10,7 @@ frame closes *that* connection with an error message; the server keeps serving e
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from functools import partial
 
 import trio
@@ -20,6 +21,16 @@ from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 log = logging.getLogger("p2pswarm.worker")
+
+
+@dataclass
+class ServeStats:
+    """What a worker served (logged on shutdown: proof that a backbone used it)."""
+
+    requests: int = 0
+    rows: int = 0
+    refused: int = 0
+    peers: set = field(default_factory=set)
 
 
 def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> str | None:
@@ -46,7 +57,7 @@ def _shard_of(worker: ExpertWorker) -> str:
 
 
 async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAULT_MAX_FRAME,
-                            shard: str | None = None) -> None:
+                            shard: str | None = None, stats: ServeStats | None = None) -> None:
     """Serve one connection/stream until the peer closes it. ``shard``: our shard hash for the
     hello (default: derived from the worker's shard file)."""
     if shard is None:
@@ -76,6 +87,8 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
                 if reason:
                     reply["error"] = reason
                     log.warning("refused %s at handshake: %s", peer, reason)
+                    if stats is not None:
+                        stats.refused += 1
                 await send_frame(stream, proto.pack(reply), max_frame)
                 if reason:
                     return
@@ -94,6 +107,12 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
                     req = proto.ComputeRequest.from_msg(msg)
                     outputs = await trio.to_thread.run_sync(partial(worker.compute, req.layer, req.rows, req.groups))
                     reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd)
+                    log.debug("computed layer %d for %s: %d experts, %d rows", req.layer, peer, len(req.groups),
+                              len(req.rows))
+                    if stats is not None:
+                        stats.requests += 1
+                        stats.rows += sum(len(idx) for _, idx in req.groups)
+                        stats.peers.add(peer)
                 except (FrameError, UserError) as exc:
                     log.warning("bad request from %s: %s", peer, exc)
                     reply = proto.error_to_wire(rid, str(exc))
@@ -149,11 +168,13 @@ async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, m
     await trio.serve_listeners(partial(handle_connection, worker=worker, max_frame=max_frame), listeners)
 
 
-def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None) -> None:
+def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None,
+                 stats: ServeStats | None = None) -> None:
     """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
     (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
     connection of :func:`handle_connection`."""
     from p2pswarm.net.host import PROTOCOL_EXPERT  # noqa: PLC0415 - keeps socket workers free of libp2p
 
     shard = _shard_of(worker) if shard is None else shard
-    net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard))
+    net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
+                                             stats=stats))
