@@ -24,9 +24,10 @@ RANGES = [(0, 6), (6, 11), (11, 16), (0, 6)]  # the last worker is a replica of 
 
 
 class Node:
-    def __init__(self, args: list[str], log: Path, env: dict):
+    def __init__(self, args: list[str], log: Path, env: dict, module: bool = True):
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
+        cmd = [sys.executable, "-m", "p2pswarm.cli", *args] if module else [sys.executable, *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                                      stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env)
         line: list[str] = []
         t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
@@ -186,3 +187,55 @@ def _log_time(line: str) -> float:
 
     stamp = " ".join(line.split()[:2])
     return datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.mark.slow
+def test_worker_of_another_model_is_refused_at_the_handshake(tiny_f32, tmp_path):
+    """Two wrong-model workers: one honest (its record names its real model: the backbone never even
+    dials it) and one whose signed record claims our model (the backbone dials it, and both sides
+    refuse at the handshake, each logging the reason). Output stays exact on the local replica."""
+    from p2pswarm.model.manifest import source_fingerprint
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.synth import make_model
+
+    other = tmp_path / "other.gguf"
+    make_model(other, preset="tiny", qtype="f32", seed=99)  # same shapes, other weights
+    ours_fp = source_fingerprint(ModelLayout.open(tiny_f32))
+    assert source_fingerprint(ModelLayout.open(other)) != ours_fp
+    shard = tmp_path / "other-shard.gguf"
+    slice_experts(other, shard, None, (0, 16))
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
+    nodes: list[Node] = []
+    try:
+        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+                    tmp_path / "boot.log", env)
+        nodes.append(boot)
+        honest = Node(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
+                       "--identity", str(tmp_path / "honest.key")], tmp_path / "honest.log", env)
+        nodes.append(honest)
+        liar = Node([str(Path(__file__).parent / "helpers" / "lying_worker.py"), "--shard", str(shard),
+                     "--claim-model", ours_fp, "--bootstrap", boot.addr, "--identity", str(tmp_path / "liar.key")],
+                    tmp_path / "liar.log", env, module=False)
+        nodes.append(liar)
+        out, mono = tmp_path / "swarm.npy", tmp_path / "mono.npy"
+        proc = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(out), "--swarm", boot.addr,
+                       "--kernel", "numpy", "--decode", env=env, check=True)
+        run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", "--decode",
+                env=env, check=True)
+        assert np.array_equal(np.load(mono), np.load(out))
+        # the backbone: refused by the worker, with the worker's reason, then fell back
+        assert "refused the handshake: model mismatch" in proc.stderr, proc.stderr[-3000:]
+        assert "fell back to the local replica" in proc.stderr
+        assert "Traceback" not in proc.stderr
+        # the liar: refused our hello, with the reason; computed nothing
+        assert liar.stop() == 0
+        liar_log = liar.log.read_text()
+        assert "at handshake: model mismatch" in liar_log, liar_log[-2000:]
+        assert "served 0 requests" in liar_log
+        # the honest worker of the other model was never dialled
+        assert honest.stop() == 0
+        honest_log = honest.log.read_text()
+        assert "at handshake:" not in honest_log and "served 0 expert requests" in honest_log, honest_log[-2000:]
+    finally:
+        for n in reversed(nodes):
+            n.stop()
