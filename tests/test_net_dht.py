@@ -373,6 +373,36 @@ async def test_resolver_refreshes_on_request():
             nursery.cancel_scope.cancel()
 
 
+async def test_periodic_refresh_reuses_known_records_and_looks_up_a_rotating_part():
+    """After the first resolution a refresh re-reads each known owner's record (one look-up per
+    peer, which covers all its units) and looks up only the uncovered units and a rotating quarter
+    of the rest; a change in a known owner's record shows in every unit at once."""
+    async with dht_swarm(3) as nodes:
+        worker, backbone = nodes[1], nodes[2]
+        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 8))])
+        await adv.publish()
+        res = _resolver(backbone)  # 4 layers x 4 blocks of 4 = 16 units; the worker covers 8
+        await res.refresh()
+        assert res.stats.lookups == 16 and len(res.map.missing()) == 8
+        before, missing = res.stats.lookups, set(res.map.missing())
+        await res.refresh()
+        # the uncovered units + this round's quarter of all units (every 4th, from the 2nd)
+        expect = missing | {u for i, u in enumerate(res.units) if i % 4 == 1}
+        assert res.stats.lookups - before == len(expect) == 12, res.stats
+        # the worker now serves all 16 experts, but provides no new unit: its record alone tells
+        adv.shards = (ShardEntry(MODEL, "s2", (0, 4), (0, 16)),)
+        rec = adv._record()
+        await worker.dht.put_value(node_record_key(worker.net.peer_id_str), rec.signed)
+        await res.refresh()
+        assert not res.map.missing()
+        assert [o.shard.shard for o in res.owners(3, 15)] == ["s2"]
+        # a full sweep every `rotation` refreshes: over 4 periodic refreshes every unit was looked up
+        before = res.stats.lookups
+        for _ in range(res.rotation):
+            await res.refresh()
+        assert res.stats.lookups - before == 16
+
+
 async def test_bootstrap_errors_are_clear():
     from p2pswarm.errors import UserError
 

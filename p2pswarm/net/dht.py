@@ -657,13 +657,20 @@ class ResolverStats:
 class CoverageResolver:
     """Maps every (layer, expert) a backbone needs to owners and replicas through DHT look-ups.
 
-    ``refresh()`` looks every unit up (bounded concurrency), fetches and verifies the node record of
-    every distinct provider, and keeps only providers whose live record covers the unit with our
-    protocol, kernel and model. ``run()`` refreshes every ``refresh_s`` seconds and at once when
-    :meth:`request_refresh` is called (a failed owner)."""
+    Provider records say *who* serves a unit; the provider's signed node record says *what* it
+    serves - all its units at once. So the resolver keeps every provider it has met with its latest
+    record, and a unit's owners are the known peers whose live record covers it.
+
+    ``refresh()`` re-reads every known peer's record (a withdrawal, a restart on a new address or
+    an expiry shows at once; one look-up per peer, not per unit) and looks units up to discover new
+    providers: all of them the first time, later the units nobody covers plus a rotating
+    ``1/rotation`` of the rest (a full sweep every ``rotation`` refreshes). ``run()`` refreshes every
+    ``refresh_s`` seconds and at once when :meth:`request_refresh` is called (a failed owner)."""
 
     def __init__(self, dht: SwarmDHT, *, model: str, layers: Sequence[int] | range, n_expert: int, block_size: int,
-                 protocol: int, kernel: str, refresh_s: float = 30.0, concurrency: int = 16):
+                 protocol: int, kernel: str, refresh_s: float = 30.0, concurrency: int = 16, rotation: int = 4):
+        if rotation < 1:
+            raise UserError("resolver rotation must be >= 1")
         self.dht = dht
         self.model = model
         self.layers = list(layers)
@@ -673,6 +680,7 @@ class CoverageResolver:
         self.kernel = kernel
         self.refresh_s = refresh_s
         self.concurrency = concurrency
+        self.rotation = rotation
         self.units = [CoverageUnit(model, layer, b, block_size)
                       for layer in self.layers for b in range(math.ceil(n_expert / block_size))]
         self.map = CoverageMap({u: [] for u in self.units})
@@ -680,6 +688,8 @@ class CoverageResolver:
         self._wake = trio.Event()
         self._suspects: set[str] = set()
         self._refresh_lock = trio.Lock()
+        self._known: dict[str, NodeRecord] = {}  # every provider met, with its latest verified record
+        self._round = 0
         self.on_change: Callable[[CoverageMap], Awaitable[None] | None] | None = None
 
     def owners(self, layer: int, expert: int) -> list[OwnerInfo]:
@@ -700,27 +710,33 @@ class CoverageResolver:
         self.stats.records_fetched += 1
         return await self.dht.get_node_record(peer, on_bogus=self._bogus)
 
-    def _usable(self, rec: NodeRecord, provider: str, unit: CoverageUnit) -> ShardEntry | None:
-        if rec.peer != provider:
-            self._bogus(f"record of {rec.peer[-12:]} offered for provider {provider[-12:]}")
-            return None
-        if rec.withdrawn:
-            return None
-        if not rec.live():
-            return None
+    def _compatible(self, rec: NodeRecord) -> bool:
         if rec.protocol != self.protocol or rec.kernel != self.kernel or rec.block_size != self.block_size:
             self.stats.mismatched += 1
-            return None
+            return False
+        return True
+
+    def _covering(self, rec: NodeRecord, unit: CoverageUnit) -> ShardEntry | None:
         return next((s for s in rec.shards if s.model == self.model
                      and s.layers[0] <= unit.layer < s.layers[1]
                      and s.experts[0] < unit.experts.stop and unit.experts.start < s.experts[1]), None)
 
+    def _lookup_set(self, units: Iterable[CoverageUnit] | None) -> list[CoverageUnit]:
+        if units is not None:
+            return list(units)
+        if self._round == 0 or self.rotation == 1:
+            return list(self.units)
+        k = self._round % self.rotation
+        missing = set(self.map.missing())
+        return [u for i, u in enumerate(self.units) if u in missing or i % self.rotation == k]
+
     async def refresh(self, units: Iterable[CoverageUnit] | None = None) -> CoverageMap:
-        """Look up ``units`` (default: all) and rebuild their owner lists."""
+        """Re-read known peers' records, look up ``units`` (default: see the class doc) for new
+        providers, and rebuild the owner lists of every unit."""
         async with self._refresh_lock:
             t0 = time.perf_counter()
-            todo = list(units) if units is not None else list(self.units)
-            providers: dict[CoverageUnit, list[str]] = {}
+            todo = self._lookup_set(units)
+            providers: set[str] = set()
             limiter = trio.CapacityLimiter(self.concurrency)
 
             async def look(unit: CoverageUnit) -> None:
@@ -728,14 +744,14 @@ class CoverageResolver:
                     infos = await self.dht.find_providers(unit.key())
                 self.stats.lookups += 1
                 self.stats.providers_seen += len(infos)
-                providers[unit] = [i.peer_id.to_base58() for i in infos]
+                providers.update(i.peer_id.to_base58() for i in infos)
 
             async with trio.open_nursery() as nursery:
                 for u in todo:
                     nursery.start_soon(look, u)
 
             records: dict[str, NodeRecord | None] = {}
-            peers = sorted({p for ps in providers.values() for p in ps})
+            peers = sorted(providers | set(self._known) | self._suspects)
 
             async def fetch(peer: str) -> None:
                 async with limiter:
@@ -744,22 +760,34 @@ class CoverageResolver:
             async with trio.open_nursery() as nursery:
                 for p in peers:
                     nursery.start_soon(fetch, p)
+            suspects = self._suspects & set(peers)
             self._suspects.difference_update(peers)
 
-            withdrawn = {p for p, r in records.items() if r is not None and r.withdrawn}
-            self.stats.withdrawn += len(withdrawn)
-            for unit in todo:
+            for peer, rec in records.items():
+                old = self._known.pop(peer, None)
+                if rec is None and old is not None and old.live() and peer not in suspects:
+                    self._known[peer] = old  # a look-up that failed this time; the record still holds
+                    continue
+                if rec is None or rec.peer != peer:
+                    if rec is not None:
+                        self._bogus(f"record of {rec.peer[-12:]} offered for provider {peer[-12:]}")
+                    continue
+                if rec.withdrawn:
+                    if old is None or not old.withdrawn:
+                        self.stats.withdrawn += 1
+                    continue
+                if rec.live() and self._compatible(rec) and any(s.model == self.model for s in rec.shards):
+                    self._known[peer] = rec
+            for unit in self.units:
                 owners = []
-                for p in providers.get(unit, []):
-                    rec = records.get(p)
-                    if rec is None:
-                        continue
-                    shard = self._usable(rec, p, unit)
+                for peer, rec in self._known.items():
+                    shard = self._covering(rec, unit)
                     if shard is not None:
-                        owners.append(OwnerInfo(p, rec.addrs, shard, rec))
+                        owners.append(OwnerInfo(peer, rec.addrs, shard, rec))
                 self.map.units[unit] = owners
             self.map.resolved_at = time.time()
             self.stats.refreshes += 1
+            self._round += 1
             self.stats.last_refresh_s = time.perf_counter() - t0
         if self.on_change is not None:
             res = self.on_change(self.map)
