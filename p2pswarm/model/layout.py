@@ -92,10 +92,13 @@ class ModelLayout:
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, require_experts: bool = True) -> "ModelLayout":
+    def open(cls, path: str | os.PathLike[str], *, require_experts: bool = True, reader: GGUFReader | None = None,
+             file_size: int | None = None) -> "ModelLayout":
+        """Map a GGUF file. ``reader``/``file_size`` describe a model known only by its header bytes
+        (a downloader builds its shard's header before holding any tensor: see slicer.header_layout)."""
         path = Path(path)
-        reader = open_gguf(path)
-        file_size = path.stat().st_size
+        reader = open_gguf(path) if reader is None else reader
+        file_size = path.stat().st_size if file_size is None else file_size
         arch = get_str(reader, "general.architecture")
         if arch is None:
             raise ModelFormatError(f"{path}: no general.architecture key: not a model GGUF")

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2pswarm.errors import UserError
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.gguf_reader import ReaderTensor
+
+from p2pswarm.errors import ModelFormatError, UserError
 from p2pswarm.model.gguf_out import (
     DEFAULT_ALIGNMENT,
     GGUFLayout,
@@ -39,7 +43,9 @@ from p2pswarm.model.layout import (
     KEY_SOURCE_FINGERPRINT,
     KEY_TENSOR_NAMES,
     KEY_TENSOR_SHA256,
+    ExpertTensor,
     ModelLayout,
+    _FastGGUFReader,
     field_value,
 )
 from p2pswarm.model.manifest import model_fingerprint
@@ -102,6 +108,30 @@ def _alignment(layout: ModelLayout) -> int:
     return int(getattr(layout.reader, "alignment", DEFAULT_ALIGNMENT))
 
 
+def shard_header(g: GGUFLayout) -> tuple[bytes, list[int]]:
+    """Finish ``g`` with the tensor-name and sha256 arrays and return (header bytes, hash slots):
+    the header has a 64-character placeholder per tensor at each slot offset, patched by
+    :func:`patch_header` once the tensor bytes (and so their hashes) are known."""
+    names = [t.name for t in g.tensors]
+    placeholder = "0" * 64
+    g.add_raw_kv(kv_string_array(KEY_TENSOR_NAMES, names))
+    sha_kv_index = len(g.kv)
+    g.add_raw_kv(kv_string_array(KEY_TENSOR_SHA256, [placeholder] * len(names)))
+    header = g.header()
+    # Where the hash slots lie: after the fixed header, the kv entries before ours, our key, the
+    # array's type and count, then each string's 8-byte length.
+    slot0 = 24 + sum(len(kv) for kv in g.kv[:sha_kv_index]) + 8 + len(KEY_TENSOR_SHA256) + 4 + 4 + 8
+    return header, [slot0 + i * (8 + 64) + 8 for i in range(len(names))]
+
+
+def patch_header(header: bytes, slots: list[int], hashes: list[str]) -> bytes:
+    """``header`` with the hex sha256 of tensor i written into slot i."""
+    out = bytearray(header)
+    for slot, h in zip(slots, hashes, strict=True):
+        out[slot: slot + 64] = h.encode()
+    return bytes(out)
+
+
 def _write(
     out_path: Path,
     layout: ModelLayout,
@@ -113,15 +143,7 @@ def _write(
     """Write header + data of ``g`` to ``out_path`` atomically; ``ranges[i]`` are the source byte
     ranges (offset, length) that make up tensor i, in order. Returns name -> sha256."""
     names = [t.name for t in g.tensors]
-    placeholder = "0" * 64
-    g.add_raw_kv(kv_string_array(KEY_TENSOR_NAMES, names))
-    sha_kv_index = len(g.kv)
-    g.add_raw_kv(kv_string_array(KEY_TENSOR_SHA256, [placeholder] * len(names)))
-    header = g.header()
-    # Where the hash slots lie: after the fixed header, the kv entries before ours, our key, the
-    # array's type and count, then each string's 8-byte length.
-    slot0 = 24 + sum(len(kv) for kv in g.kv[:sha_kv_index]) + 8 + len(KEY_TENSOR_SHA256) + 4 + 4 + 8
-    slots = [slot0 + i * (8 + 64) + 8 for i in range(len(names))]
+    header, slots = shard_header(g)
 
     total = sum(t.nbytes for t in g.tensors)
     tmp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
@@ -234,9 +256,33 @@ def slice_experts(
 ) -> SliceResult:
     """Write the experts ``[experts[0], experts[1])`` of layers ``[layers[0], layers[1])``."""
     layout = layout or ModelLayout.open(model_path)
+    plan = plan_expert_shard(layout, layers, experts, fingerprint)
+    out_path = _check_output(Path(out_path), layout.path)
+    hashes = _write(out_path, layout, plan.gguf, [[r] for r in plan.ranges], progress, fsync)
+    return SliceResult(out_path, hashes, sum(t.nbytes for t in plan.gguf.tensors), plan.fingerprint)
+
+
+@dataclass
+class ShardPlan:
+    """What an expert shard holds: its GGUF layout (header not yet finished: see
+    :func:`shard_header`) and, for each of its tensors in order, the source tensor and the source
+    byte range (offset, length) its data is."""
+
+    gguf: GGUFLayout
+    sources: list[ExpertTensor]
+    ranges: list[tuple[int, int]]
+    layers: tuple[int, int]
+    experts: tuple[int, int]
+    fingerprint: str
+
+
+def plan_expert_shard(layout: ModelLayout, layers: tuple[int, int] | None, experts: tuple[int, int],
+                      fingerprint: str | None = None) -> ShardPlan:
+    """Check a range against a full model's map and lay out the shard :func:`slice_experts` writes.
+    Reads only metadata, so ``layout`` may come from :func:`header_layout` (a downloader that has
+    the source's header bytes but none of its tensors)."""
     if layout.shard_kind is not None:
         raise UserError(f"{layout.path}: is already {_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
-    out_path = _check_output(Path(out_path), layout.path)
     moe_layers = layout.expert_layers
     l0, l1 = layers if layers is not None else (moe_layers[0], moe_layers[-1] + 1)
     e0, e1 = experts
@@ -248,7 +294,6 @@ def slice_experts(
     if not wanted:
         raise UserError(f"layers {l0}-{l1 - 1} hold no routed experts")
     fingerprint = fingerprint or model_fingerprint(layout)
-
     g = GGUFLayout(_alignment(layout))
     keep_prefix = (layout.arch + ".", "general.")
     for raw in _copied_fields(layout, lambda k: k.startswith(keep_prefix)):
@@ -259,15 +304,44 @@ def slice_experts(
     g.add_raw_kv(kv_uint32(KEY_LAYER_END, l1))
     g.add_raw_kv(kv_uint32(KEY_EXPERT_BEGIN, e0))
     g.add_raw_kv(kv_uint32(KEY_EXPERT_END, e1))
-    ranges = []
+    ranges, sources = [], []
     for il in wanted:
         for kind in sorted(layout.expert_tensors[il]):
             t = layout.expert_tensors[il][kind]
             off, length = t.slabs(e0, e1)
             g.add_tensor(t.name, t.ggml_type, (e1 - e0, *t.shape[1:]), length)
-            ranges.append([(off, length)])
-    hashes = _write(out_path, layout, g, ranges, progress, fsync)
-    return SliceResult(out_path, hashes, sum(t.nbytes for t in g.tensors), fingerprint)
+            ranges.append((off, length))
+            sources.append(t)
+    return ShardPlan(g, sources, ranges, (l0, l1), (e0, e1), fingerprint)
+
+
+class _HeaderOnlyReader(_FastGGUFReader):
+    """A GGUF reader over a file that holds only a model's header: fields and the tensor table are
+    parsed as usual, tensor data is not mapped (it is not there)."""
+
+    def _build_tensors(self, start_offs: int, fields) -> None:
+        tensors = []
+        for f in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = f.parts
+            ggml_type = GGMLQuantizationType(raw_dtype[0])
+            n_elems = int(np.prod(dims))
+            block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+            tensors.append(ReaderTensor(name=str(bytes(name_data), encoding="utf-8"), tensor_type=ggml_type,
+                                        shape=dims, n_elements=n_elems, n_bytes=n_elems * type_size // block_size,
+                                        data_offset=int(start_offs + offset_tensor[0]),
+                                        data=np.empty(0, np.uint8), field=f))
+        self.tensors = tensors
+
+
+def header_layout(header_path: str | os.PathLike[str], file_size: int) -> ModelLayout:
+    """The map of a full model of ``file_size`` bytes, from a file holding only its header bytes
+    (everything before the first tensor's data). Enough for :func:`plan_expert_shard`."""
+    path = Path(header_path)
+    try:
+        reader = _HeaderOnlyReader(path, "r")
+    except Exception as exc:  # the reader raises ValueError, struct/numpy/index errors on bad input
+        raise ModelFormatError(f"{path}: not a valid GGUF header ({' '.join(str(exc).split())[:120]})") from None
+    return ModelLayout.open(path, reader=reader, file_size=file_size)
 
 
 def slice_backbone(
@@ -315,4 +389,16 @@ def verify_shard(path: str | os.PathLike[str]) -> dict[str, str]:
     return recorded
 
 
-__all__ = ["SliceResult", "parse_range", "split_ranges", "slice_experts", "slice_backbone", "verify_shard"]
+__all__ = [
+    "ShardPlan",
+    "SliceResult",
+    "header_layout",
+    "parse_range",
+    "patch_header",
+    "plan_expert_shard",
+    "shard_header",
+    "slice_backbone",
+    "slice_experts",
+    "split_ranges",
+    "verify_shard",
+]

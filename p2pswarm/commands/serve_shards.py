@@ -1,0 +1,93 @@
+"""`p2pswarm serve-shards`: serve a full model's expert slabs on `/p2pswarm/shard/1.0.0` to token holders.
+
+What a backbone runs beside its expert dispatch (it holds every expert); as a command of its own it
+is a seed for a model, and what the download tests start. With ``--bootstrap`` it joins the DHT and
+provides ``/p2pswarm/source/<fingerprint>`` so `p2pswarm fetch --bootstrap` finds it. Prints
+``READY <multiaddr>`` once up; logs one line per refusal (with the reason) and per finished stream.
+
+Test hooks (environment, for the download tests only): ``P2PSWARM_TEST_SHARD_DELAY_S`` sleeps
+before each chunk; ``P2PSWARM_TEST_CORRUPT_CHUNKS=3,7`` flips a byte of the 3rd and 7th chunk served.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from functools import partial
+
+import trio
+
+from p2pswarm.errors import UserError
+
+log = logging.getLogger("p2pswarm.serve_shards")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve-shards", help="serve a model's expert slabs to token holders (a download source)")
+    p.add_argument("--model", required=True, help="the full model GGUF")
+    p.add_argument("--manifest", required=True, help="its signed manifest (`p2pswarm manifest`)")
+    p.add_argument("--trust-issuer", action="append", required=True, metavar="PEER_ID",
+                   help="issuer whose node tokens are honoured (repeatable)")
+    p.add_argument("--bootstrap", action="append", default=[], help="join the DHT and provide the source key")
+    p.add_argument("--listen", action="append", default=None, help="multiaddr (default /ip4/127.0.0.1/tcp/0)")
+    p.add_argument("--identity", help="key file (default $P2PSWARM_HOME/identity/backbone.key)")
+    p.set_defaults(func=run)
+
+
+def _hooks() -> dict:
+    kw = {}
+    try:
+        if os.environ.get("P2PSWARM_TEST_SHARD_DELAY_S"):
+            kw["delay_s"] = float(os.environ["P2PSWARM_TEST_SHARD_DELAY_S"])
+        if os.environ.get("P2PSWARM_TEST_CORRUPT_CHUNKS"):
+            kw["corrupt_chunks"] = {int(x) for x in os.environ["P2PSWARM_TEST_CORRUPT_CHUNKS"].split(",") if x}
+    except ValueError:
+        raise UserError("bad P2PSWARM_TEST_* value") from None
+    if kw:
+        log.warning("test hooks active: %s", kw)
+    return kw
+
+
+async def _main(args) -> None:
+    from p2pswarm.model.manifest import read_manifest
+    from p2pswarm.net.dht import open_dht
+    from p2pswarm.net.host import open_host
+    from p2pswarm.net.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.shard_transfer import run_shard_source
+    from p2pswarm.net.tokens import TokenGate
+
+    manifest = read_manifest(args.manifest)
+    manifest.verify(trusted_issuers=[manifest.issuer])  # intact (the signature verifies)
+    identity = load_or_create_identity(args.identity or default_identity_path("backbone"))
+    gate = TokenGate(args.trust_issuer, what="shard server")
+    server = None
+    async with open_host(identity, args.listen or ["/ip4/127.0.0.1/tcp/0"]) as net:
+        try:
+            async with trio.open_nursery() as nursery:
+                dht = await nursery.start(_dht_task, open_dht, net, args.bootstrap) if args.bootstrap else None
+                server = await nursery.start(partial(run_shard_source, net, dht, args.model, manifest, gate,
+                                                     **_hooks()))
+                print(f"READY {net.full_addrs()[0]}", flush=True)
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for sig in signals:
+                        log.info("signal %s: shutting down", signal.Signals(sig).name)
+                        nursery.cancel_scope.cancel()
+                        break
+        finally:
+            if server is not None:
+                log.info("served %d chunks (%.1f MB) on %d streams; refused %d (%s)", server.stats.chunks,
+                         server.stats.bytes / 1e6, server.stats.streams, server.stats.refused,
+                         ", ".join(f"{k}: {v}" for k, v in gate.refused.items()) or "none")
+
+
+async def _dht_task(open_dht, net, bootstrap, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async with open_dht(net, server=True, bootstrap=bootstrap) as dht:
+        task_status.started(dht)
+        await trio.sleep_forever()
+
+
+def run(args) -> int:
+    sys.stdout.reconfigure(line_buffering=True)
+    trio.run(_main, args)
+    return 0
