@@ -239,3 +239,70 @@ def test_worker_of_another_model_is_refused_at_the_handshake(tiny_f32, tmp_path)
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+@pytest.mark.slow
+async def test_malformed_frames_and_forged_records_against_node_processes(tiny_f32, tmp_path, swarm):
+    """Against the node processes: malformed and oversized frames on the expert protocol close
+    only their stream (the worker logs why and keeps serving); a forged record is refused by the
+    bootstrap process, and forged or malformed copies served by a rogue DHT node are ignored by
+    the backbone, which still computes bit-equal with no fallback."""
+    import struct
+
+    import msgpack
+    import trio
+
+    from libp2p.kad_dht.utils import sort_peer_ids_by_distance
+    from libp2p.peer.id import ID
+    from libp2p.records.record import make_signed_put_record
+
+    from p2pswarm.net.dht import open_dht
+    from p2pswarm.net.host import PROTOCOL_EXPERT, open_host
+    from p2pswarm.net.identity import Identity, load_identity
+    from p2pswarm.net.records import SIGNING_DOMAIN, NodeRecord, ShardEntry, node_record_key
+
+    boot, workers, env = swarm
+    bad_frames = [struct.pack("!Q", 5) + b"\xc1" * 5, struct.pack("!Q", 3) + msgpack.packb([1, 2]),
+                  struct.pack("!Q", 1 << 62) + b"x", struct.pack("!Q", 10) + b"short"]
+    victim = load_identity(tmp_path / "w1.key").peer_id_str
+    key = node_record_key(victim).encode()
+    # The rogue is the node closest to the victim's record key: every look-up of it asks the rogue.
+    others = [ID.from_base58(n.addr.split("/p2p/")[1]) for n in (boot, *workers)]
+    while True:
+        rogue_id = Identity.generate()
+        if sort_peer_ids_by_distance(key, [rogue_id.peer_id, *others])[0] == rogue_id.peer_id:
+            break
+    async with open_host(rogue_id) as net, open_dht(net, server=True, bootstrap=[boot.addr]) as dht:
+        for frame in bad_frames:
+            stream = await net.open_stream(workers[0].addr, PROTOCOL_EXPERT)
+            await stream.send_all(frame)
+            await stream.send_eof()
+            with trio.fail_after(15):  # the worker answers with an error frame (or nothing) and closes
+                while await stream.receive_some(65536):
+                    pass
+            await stream.aclose()
+        # a record naming worker 1, signed by the rogue, with the rogue's address
+        body = NodeRecord.make(rogue_id, addrs=net.addrs(), protocol=1, kernel="numpy", block_size=8,
+                               shards=[ShardEntry("ab" * 32, "s", (0, 4), (0, 16))], ttl_s=60, seq=1 << 50).body()
+        body["peer"] = victim
+        raw = msgpack.packb(body)
+        forged = msgpack.packb({"body": raw, "sig": rogue_id.sign(SIGNING_DOMAIN + raw)})
+        boot_id = ID.from_base58(boot.addr.split("/p2p/")[1])
+        record = make_signed_put_record(key, forged, net.host.get_private_key())
+        await dht.kad.value_store._store_at_peer(boot_id, key, forged, record=record)
+        for bogus in (forged, b"\x93garbage"):
+            dht.kad.value_store.put(key, bogus)  # the rogue serves it to anyone who asks
+            out, mono = tmp_path / "swarm.npy", tmp_path / "mono.npy"
+            proc = await trio.to_thread.run_sync(lambda: run_cli(
+                "logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(out), "--swarm", boot.addr,
+                "--kernel", "numpy", env=env, check=True))
+            assert "ignored a DHT record" in proc.stderr, proc.stderr[-3000:]
+            assert " 0 fallbacks" in proc.stdout, proc.stdout
+    await trio.to_thread.run_sync(lambda: run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono),
+                                                  "--kernel", "numpy", env=env, check=True))
+    assert np.array_equal(np.load(mono), np.load(out))
+    assert workers[0].log.read_text().count("closing connection from") >= 3
+    for w in workers:
+        assert w.proc.poll() is None  # every worker still up
+    boot.stop()
+    assert "refused to store a DHT record" in boot.log.read_text()
