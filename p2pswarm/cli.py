@@ -27,6 +27,12 @@ COMMANDS = [
     "node",
     "bootstrap",
     "swarm_status",
+    "relay",
+    "identity",
+    "token",
+    "manifest",
+    "fetch",
+    "serve_shards",
 ]
 
 

@@ -250,3 +250,24 @@ async def test_backbone_through_dht_owners_bit_equal_while_a_worker_leaves(tiny_
                         assert any("fell back to the local replica" in r.getMessage() for r in caplog.records)
                         nursery.cancel_scope.cancel()
                     await pool.aclose()
+
+
+async def test_keepalive_pings_idle_streams_and_drops_dead_ones_without_blame(shards):
+    """Idle expert streams get an echo (so a CDN or NAT does not cut a relayed circuit between
+    requests); one that fails is only dropped - no failure counted, no back-off, no refresh."""
+    worker = ExpertWorker(shards[0])
+    async with open_host(Identity.generate()) as bnet:
+        async with _served(worker) as wnet:
+            owner = _owner(bnet, wnet, worker)
+            pool = SwarmOwners(bnet, model_fingerprint=worker.info.model_fingerprint, kernel=worker.info.kernel)
+            pool.owners.append(owner)
+            assert await pool.ping_idle(0.0) == 0  # no stream open yet: nothing to keep alive
+            assert await owner.echo(b"x") == b"x"
+            assert await pool.ping_idle(3600.0) == 0  # just used: not idle
+            owner.last_used -= 100
+            assert await pool.ping_idle(30.0) == 1
+            assert owner._stream is not None and owner.last_used > 0
+        owner.last_used -= 100  # the worker is gone
+        assert await pool.ping_idle(30.0) == 0
+        assert owner._stream is None and owner.failures == 0
+        await owner.aclose()

@@ -23,6 +23,7 @@ import trio
 from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.http_server import lifespan, send_json, serve_asgi
 
 log = logging.getLogger("p2pswarm.http")
 MAX_BODY = 1 << 20
@@ -44,29 +45,24 @@ class CompletionsApp:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
         try:
             if method == "GET" and path == "/health":
                 stats = self.backbone.dispatcher.stats
-                await _json(send, 200, {"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
+                await send_json(send, 200, {"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
                                         "expert_requests": stats.requests, "fallbacks": stats.fallbacks})
             elif method == "GET" and path == "/v1/models":
-                await _json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+                await send_json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
             elif method == "POST" and path == "/v1/completions":
                 await self._completions(await _read_json(receive), send)
             else:
-                await _json(send, 404, {"error": {"message": f"no route {method} {path}"}})
+                await send_json(send, 404, {"error": {"message": f"no route {method} {path}"}})
         except BadRequest as exc:
-            await _json(send, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+            await send_json(send, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
 
     async def _completions(self, body: dict, send) -> None:
         prompt = body.get("prompt")
@@ -91,7 +87,7 @@ class CompletionsApp:
                 n += 1
                 if step.end:
                     finish = "stop"
-            await _json(send, 200, {
+            await send_json(send, 200, {
                 "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": [{"index": 0, "text": text, "finish_reason": finish}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n},
@@ -138,21 +134,6 @@ async def _read_json(receive) -> dict:
     return data
 
 
-async def _json(send, status: int, obj: dict) -> None:
-    payload = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
-
-
 async def serve_http(app: CompletionsApp, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` with hypercorn on trio until cancelled; ``task_status.started`` gets the
-    bound addresses (``["http://127.0.0.1:PORT"]``), so port 0 works."""
-    from hypercorn.config import Config
-    from hypercorn.trio import serve
-
-    config = Config()
-    config.bind = [f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("p2pswarm.http.server")
-    await serve(app, config, task_status=task_status)
+    """Serve ``app`` until cancelled; ``task_status.started`` gets the bound addresses."""
+    await serve_asgi(app, host, port, logger="p2pswarm.http.server", task_status=task_status)

@@ -32,6 +32,7 @@ from p2pswarm.net.host import PROTOCOL_EXPERT, NetHost
 log = logging.getLogger("p2pswarm.backbone")
 
 RTT_EWMA = 0.3  # weight of the newest sample in the round-trip estimate
+KEEPALIVE_S = 30.0  # echo on expert streams idle this long (CDN WebSocket proxies cut idle ones at ~100 s)
 
 
 class Libp2pOwner(SocketOwner):
@@ -53,6 +54,7 @@ class Libp2pOwner(SocketOwner):
         self.failures = 0
         self._order_changed = None  # set by SwarmOwners
         self._stale = False  # addresses changed: redial before the next request
+        self.last_used = time.monotonic()
 
     @property
     def peer(self) -> str:
@@ -122,6 +124,7 @@ class Libp2pOwner(SocketOwner):
             await self._drop()
         self.inflight += 1
         self.requests += 1
+        self.last_used = time.monotonic()
         self._reorder()
         t0 = time.perf_counter()
         try:
@@ -137,6 +140,20 @@ class Libp2pOwner(SocketOwner):
         self.rtt_s = dt if self.rtt_s is None else (1 - RTT_EWMA) * self.rtt_s + RTT_EWMA * dt
         self._reorder()
         return reply
+
+    async def ping(self) -> bool:
+        """An echo on the open stream, outside the request statistics; a failure only drops the
+        stream (the next request redials) - it is no evidence against the worker."""
+        rid = next(self._ids)
+        try:
+            with trio.move_on_after(10):
+                await SocketOwner.request(self, proto.pack({"op": "echo", "id": rid, "payload": b""}), rid)
+                self.last_used = time.monotonic()
+                return True
+        except WorkerError as exc:
+            log.debug("keep-alive to %s failed: %s", self.name, exc)
+        await self._drop()
+        return False
 
     def _reorder(self) -> None:
         if self._order_changed is not None:
@@ -207,6 +224,23 @@ class SwarmOwners:
             log.info("worker %s left the coverage map", owner.name)
             await owner.aclose()
         self.resort()
+
+    async def ping_idle(self, idle_s: float) -> int:
+        """Echo on every open stream idle for ``idle_s`` or more; returns how many answered."""
+        now = time.monotonic()
+        idle = [o for o in self.owners if o._stream is not None and o.inflight == 0 and now - o.last_used >= idle_s]
+        ok = 0
+        for owner in idle:
+            ok += await owner.ping()
+        return ok
+
+    async def keepalive(self, idle_s: float = KEEPALIVE_S) -> None:
+        """CDNs and NATs cut idle connections (a CDN's WebSocket proxy after ~100 s): a relayed
+        circuit to a worker would die between two users' requests and the next one would pay a
+        fallback and a redial. An echo on each stream idle for ``idle_s`` keeps them warm."""
+        while True:
+            await trio.sleep(idle_s / 2)
+            await self.ping_idle(idle_s)
 
     async def aclose(self) -> None:
         for owner in list(self.owners):

@@ -40,7 +40,8 @@ class SwarmBackbone:
 
 @asynccontextmanager
 async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Identity | None = None,
-                              listen: list[str] | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                              listen: list[str] | None = None, announce: list[str] | None = None,
+                              block_size: int = DEFAULT_BLOCK_SIZE,
                               kernel: str | None = None, threads: int | None = None, timeout_s: float = 30.0,
                               refresh_s: float = 30.0, dht_server: bool = True):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
@@ -49,7 +50,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
     async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads) as local:
         layout = ModelLayout.open(model_path)
         bank = local.backbone.dispatcher.local.bank
-        async with open_host(identity or Identity.generate(), listen or [DEFAULT_LISTEN]) as net:
+        async with open_host(identity or Identity.generate(), listen or [DEFAULT_LISTEN], announce=announce) as net:
             async with open_dht(net, server=dht_server, bootstrap=bootstrap) as dht:
                 resolver = CoverageResolver(dht, model=local.fingerprint, layers=layout.expert_layers,
                                             n_expert=layout.n_expert, block_size=block_size,
@@ -62,6 +63,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                 try:
                     async with trio.open_nursery() as nursery:
                         await nursery.start(resolver.run)
+                        nursery.start_soon(pool.keepalive)
                         cmap = resolver.map
                         log.info("coverage: %d units, %d missing (computed locally), %d remote owners",
                                  len(cmap.units), len(cmap.missing()), len(pool.owners))

@@ -12,7 +12,8 @@ import sys
 
 import trio
 
-from p2pswarm.commands.node import _until_signal, add_net_args, listen_addrs
+from p2pswarm.commands.node import add_net_args, dialable_addrs, listen_addrs
+from p2pswarm.lifecycle import until_signal
 
 log = logging.getLogger("p2pswarm.bootstrap")
 
@@ -32,12 +33,12 @@ async def _main(args) -> None:
     identity = load_or_create_identity(args.identity or default_identity_path("bootstrap"))
     async with open_host(identity, listen_addrs(args, "/ip4/0.0.0.0/tcp/4001"), announce=args.announce) as net:
         async with open_dht(net, server=True, bootstrap=args.bootstrap) as dht:
-            addrs = net.full_addrs()
-            log.info("bootstrap node %s up on %s", net.peer_id_str, ", ".join(addrs) or "(no dialable address)")
-            print(f"READY {addrs[0] if addrs else net.peer_id_str}", flush=True)
+            addrs = dialable_addrs(net)
+            log.info("bootstrap node %s up on %s", net.peer_id_str, ", ".join(addrs))
+            print(f"READY {addrs[0]}", flush=True)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_report, dht)
-                await _until_signal(nursery.cancel_scope)
+                await until_signal(nursery.cancel_scope)
 
 
 async def _report(dht) -> None:

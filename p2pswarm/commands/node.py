@@ -11,14 +11,17 @@ down cleanly on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import logging
-import signal
+import os
+import re
 import sys
+from pathlib import Path
 
 import trio
 
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 from p2pswarm.commands.common import add_kernel_args
 from p2pswarm.errors import UserError
+from p2pswarm.lifecycle import until_signal
 
 log = logging.getLogger("p2pswarm.node")
 
@@ -33,6 +36,25 @@ def add_net_args(p, default_listen: str = "/ip4/127.0.0.1/tcp/0") -> None:
                                       "default $P2PSWARM_HOME/identity/<role>.key)")
 
 
+def dialable_addrs(net) -> list[str]:
+    """Our full addresses for the READY line and logs. A node listening on 0.0.0.0 without
+    --announce advertises nothing (we never guess a public address for the DHT), but the operator
+    still needs an address to hand out: this host's primary IPv4 address, with a hint."""
+    addrs = net.full_addrs()
+    if addrs:
+        return addrs
+    import socket
+
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = "127.0.0.1"
+    out = [f"{str(a).replace('/ip4/0.0.0.0/', f'/ip4/{ip}/')}/p2p/{net.peer_id_str}" for a in net.transport_addrs()]
+    log.info("listening on a wildcard address only: others on this network can dial %s; use --announce to "
+             "advertise a public address", out[0])
+    return out
+
+
 def listen_addrs(args, default: str) -> list[str]:
     return args.listen or [default]
 
@@ -41,25 +63,31 @@ def add_parser(sub) -> None:
     p = sub.add_parser("node", help="run a swarm node: an expert worker or a backbone")
     p.add_argument("--role", required=True, choices=("worker", "backbone"))
     p.add_argument("--bootstrap", action="append", default=[], help="bootstrap peer multiaddr (repeatable)")
-    p.add_argument("--shard", help="worker: expert shard GGUF cut by `p2pswarm slice`")
-    p.add_argument("--model", help="backbone: the full model GGUF")
+    p.add_argument("--shard", help="worker: expert shard GGUF cut by `p2pswarm slice` (with --model "
+                                   "FINGERPRINT: where the downloaded slice goes)")
+    p.add_argument("--model", help="backbone: the full model GGUF; worker without a shard file: the model "
+                                   "FINGERPRINT whose slice (--layers, --experts) it downloads from the swarm")
+    p.add_argument("--layers", help="worker download: layer range A-B (inclusive)")
+    p.add_argument("--experts", help="worker download: expert range C-D (inclusive)")
+    p.add_argument("--trust-issuer", action="append", default=[], metavar="PEER_ID",
+                   help="worker download: issuer whose signed manifest is trusted; backbone: issuer whose "
+                        "tokens may download shards (repeatable)")
+    p.add_argument("--manifest", help="backbone: the model's signed manifest (`p2pswarm manifest`): serve "
+                                      "shard downloads to token holders")
     p.add_argument("--http", default="127.0.0.1:8000", help="backbone: HOST:PORT of the HTTP endpoint "
                                                           "(port 0 picks one; 'off' disables it)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"experts per coverage unit; the same swarm-wide (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--ttl", type=float, default=600.0, help="worker: record lifetime in seconds (default 600)")
     p.add_argument("--timeout", type=float, default=30.0, help="backbone: seconds to wait for a worker")
+    p.add_argument("--relay", metavar="MULTIADDR",
+                   help="worker behind NAT: keep a reservation on this relay (/ip4/H/tcp/P/ws/p2p/ID or .../wss/...), "
+                        "use it as DHT bootstrap, and advertise the relayed address (a DHT client, not a server)")
+    p.add_argument("--token", help="worker: node token (or a file holding it) to show the relay "
+                                   "(`p2pswarm token issue --allow relay`)")
     add_net_args(p)
     add_kernel_args(p)
     p.set_defaults(func=run)
-
-
-async def _until_signal(cancel_scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for sig in signals:
-            log.info("signal %s: shutting down", signal.Signals(sig).name)
-            cancel_scope.cancel()
-            return
 
 
 async def _worker(args) -> None:
@@ -67,29 +95,119 @@ async def _worker(args) -> None:
     from p2pswarm.net.dht import ShardAdvertiser, open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
-    from p2pswarm.net.records import ShardEntry, worker_shard_hash
-    from p2pswarm.worker.expert_worker import ExpertWorker
-    from p2pswarm.worker.server import serve_libp2p
+    from p2pswarm.worker.server import ServeStats, serve_libp2p
 
-    worker = ExpertWorker(args.shard, kernel=args.kernel, threads=args.threads)
-    info = worker.info
     identity = load_or_create_identity(args.identity or default_identity_path("worker"))
-    entry = ShardEntry(info.model_fingerprint, worker_shard_hash(worker), (info.layer_begin, info.layer_end),
-                       (info.expert_begin, info.expert_end))
+    worker = info = entry = None
+    if not args.fetch:
+        worker, info, entry = _load_shard(args.shard, args)
+    keeper = None
     async with open_host(identity, listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce) as net:
-        async with open_dht(net, server=True, bootstrap=args.bootstrap) as dht:
-            log.info("joined the swarm as %s (%d bootstrap peers)", net.peer_id_str, len(args.bootstrap))
-            serve_libp2p(net, worker)
+        if args.relay:
+            keeper = await _start_relay_keeper(args, net)
+        bootstrap = [*args.bootstrap, *([args.relay] if args.relay else [])]
+        # Behind NAT nobody can dial us except through the relay: a DHT client, not a server.
+        async with open_dht(net, server=not args.relay, bootstrap=bootstrap) as dht:
+            log.info("joined the swarm as %s (%d bootstrap peers%s)", net.peer_id_str, len(bootstrap),
+                     ", relayed, DHT client" if args.relay else "")
+            if args.fetch:
+                shard = await _fetch_shard(args, net, dht, identity)
+                worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
+            served = ServeStats()
+            serve_libp2p(net, worker, stats=served)
             adv = ShardAdvertiser(dht, identity, shards=[entry], protocol=proto.PROTOCOL_VERSION,
                                   kernel=info.kernel, block_size=args.block_size, ttl_s=args.ttl)
             async with trio.open_nursery() as nursery:
+                if keeper is not None:
+                    async def rejoin() -> None:
+                        # A restarted relay lost the records it stored: bootstrap and publish again.
+                        await dht.bootstrap([args.relay])
+                        await adv.publish()
+                        log.info("re-published my records through the relay")
+
+                    keeper.on_reserved = rejoin
+                    nursery.start_soon(keeper.keep)
                 await nursery.start(adv.run)
                 log.info("serving %s with kernel %s", info.describe(), info.kernel)
-                print(f"READY {net.full_addrs()[0]}", flush=True)
-                await _until_signal(nursery.cancel_scope)
+                print(f"READY {dialable_addrs(net)[0]}", flush=True)
+                await until_signal(nursery.cancel_scope)
             with trio.CancelScope(shield=True):
                 await adv.withdraw()
+            log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes", served.requests,
+                     served.rows, len(served.peers), served.refused)
             log.info("withdrew my records; bye")
+
+
+async def _serve_shards(args, swarm, nursery) -> None:
+    """Serve `/p2pswarm/shard/1.0.0` from the full model to holders of tokens by a trusted issuer
+    (default: the manifest's own issuer), and provide the model's source key in the DHT."""
+    from p2pswarm.model.manifest import read_manifest
+    from p2pswarm.net.shard_transfer import run_shard_source
+    from p2pswarm.net.tokens import TokenGate
+
+    manifest = read_manifest(args.manifest)
+    trusted = args.trust_issuer or [manifest.issuer]
+    manifest.verify(trusted_issuers=trusted, fingerprint=swarm.local.fingerprint)
+    gate = TokenGate(trusted, what="shard server")
+    await nursery.start(run_shard_source, swarm.net, swarm.resolver.dht, args.model, manifest, gate)
+    log.info("serving shard downloads of model %s to token holders of %s", swarm.local.fingerprint[:12],
+             ", ".join(t[-12:] for t in trusted))
+
+
+def _load_shard(path, args):
+    from p2pswarm.net.records import ShardEntry, worker_shard_hash
+    from p2pswarm.worker.expert_worker import ExpertWorker
+
+    worker = ExpertWorker(path, kernel=args.kernel, threads=args.threads)
+    info = worker.info
+    entry = ShardEntry(info.model_fingerprint, worker_shard_hash(worker), (info.layer_begin, info.layer_end),
+                       (info.expert_begin, info.expert_end))
+    return worker, info, entry
+
+
+def _default_slice_path(model: str, layers, experts) -> Path:
+    """Where a downloaded slice lives by default: stable, so a restart resumes or reuses it."""
+    home = Path(os.environ.get("P2PSWARM_HOME") or Path.home() / ".p2pswarm")
+    return home / "shards" / f"{model[:16]}-L{layers[0]}-{layers[1] - 1}-E{experts[0]}-{experts[1] - 1}.gguf"
+
+
+async def _fetch_shard(args, net, dht, identity) -> Path:
+    """Download this worker's slice from the swarm's shard sources (resumes an interrupted run;
+    returns at once when the file is already complete)."""
+    from p2pswarm.net.shard_transfer import FetchStats, fetch_slice_from_swarm
+    from p2pswarm.net.tokens import NodeToken
+    from p2pswarm.progress import ProgressBar
+
+    holder = NodeToken.decode(args.node_token).holder
+    if holder != identity.peer_id_str:
+        raise UserError(f"the token is for peer {holder}, but this node is {identity.peer_id_str} "
+                        f"(pass the holder's key with --identity)")
+    out = Path(args.shard) if args.shard else _default_slice_path(args.model, args.layer_range, args.expert_range)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stats = FetchStats()
+    bar = ProgressBar("fetch", unit="B")
+    try:
+        shard = await fetch_slice_from_swarm(net, dht, model=args.model, layers=args.layer_range,
+                                             experts=args.expert_range, out_path=out, token=args.node_token,
+                                             trusted_issuers=args.trust_issuer, progress=bar.update, stats=stats)
+    finally:
+        bar.close()
+    if stats.already_complete:
+        log.info("slice %s already complete and verified", shard)
+    else:
+        log.info("downloaded slice %s: %d slabs, %.1f MB, %d reused, %d bad chunks fetched again", shard,
+                 stats.slabs_total, stats.bytes_fetched / 1e6, stats.slabs_reused, stats.bad_chunks)
+    return shard
+
+
+async def _start_relay_keeper(args, net):
+    """Reserve on ``--relay`` now (one-line error if refused or unreachable); returns the keeper,
+    whose ``keep()`` then holds the reservation (renewals, reconnects after a relay restart)."""
+    from relay.client import RelayKeeper
+
+    keeper = RelayKeeper(net, args.relay, args.relay_token, relay_only=not args.announce)
+    await keeper.start()
+    return keeper
 
 
 async def _backbone(args) -> None:
@@ -101,7 +219,8 @@ async def _backbone(args) -> None:
     identity = load_or_create_identity(args.identity or default_identity_path("backbone"))
     tokenizer = Tokenizer.from_gguf(args.model)
     async with open_swarm_backbone(args.model, bootstrap=args.bootstrap, identity=identity,
-                                   listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), block_size=args.block_size,
+                                   listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
+                                   block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout) as swarm:
         log.info("joined the swarm as %s", swarm.net.peer_id_str)
         async with trio.open_nursery() as nursery:
@@ -114,17 +233,54 @@ async def _backbone(args) -> None:
                 binds = await nursery.start(serve_http, app, host, int(port))
                 http = binds[0]
                 log.info("serving /v1/completions on %s", http)
-            print(f"READY {swarm.net.full_addrs()[0]} http={http}", flush=True)
-            await _until_signal(nursery.cancel_scope)
+            if args.manifest:
+                await _serve_shards(args, swarm, nursery)
+            print(f"READY {dialable_addrs(swarm.net)[0]} http={http}", flush=True)
+            await until_signal(nursery.cancel_scope)
+
+
+def _check_worker_source(args) -> None:
+    """A worker serves a shard file (--shard), or downloads its slice first (--model FINGERPRINT
+    --layers --experts --token --trust-issuer; --shard then names where it goes)."""
+    if not args.model:
+        if not args.shard:
+            raise UserError("--role worker needs --shard SHARD.gguf, or --model FINGERPRINT --layers A-B "
+                            "--experts C-D --token TOKEN --trust-issuer PEER_ID to download its slice")
+        return
+    from p2pswarm.model.slicer import parse_range
+    from p2pswarm.net.tokens import load_token
+
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", args.model):
+        raise UserError(f"--model {args.model[:70]!r}: a worker takes a model fingerprint (64 hex digits) "
+                        f"to download its slice of; serve a local file with --shard")
+    missing = [f for f, v in (("--layers", args.layers), ("--experts", args.experts), ("--token", args.token),
+                              ("--trust-issuer", args.trust_issuer)) if not v]
+    if missing:
+        raise UserError(f"downloading a slice needs {', '.join(missing)}")
+    args.model = args.model.lower()
+    args.layer_range = parse_range(args.layers, "layer")
+    args.expert_range = parse_range(args.experts, "expert")
+    args.node_token = load_token(args.token)
+    args.fetch = True
 
 
 def run(args) -> int:
-    if args.role == "worker" and not args.shard:
-        raise UserError("--role worker needs --shard SHARD.gguf")
+    args.fetch = False
+    args.node_token = None
+    if args.role == "worker":
+        _check_worker_source(args)
     if args.role == "backbone" and not args.model:
         raise UserError("--role backbone needs --model MODEL.gguf")
     if args.block_size < 1:
         raise UserError("--block-size must be >= 1")
+    if args.relay:
+        if args.role != "worker":
+            raise UserError("--relay is for workers behind NAT (backbones dial relayed workers by themselves)")
+        from p2pswarm.net.host import parse_peer_addr
+        from p2pswarm.net.tokens import load_token
+
+        parse_peer_addr(args.relay)
+        args.relay_token = load_token(args.token) if args.token else None
     sys.stdout.reconfigure(line_buffering=True)
     trio.run(_worker if args.role == "worker" else _backbone, args)
     return 0

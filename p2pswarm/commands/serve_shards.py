@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 from functools import partial
 
@@ -31,6 +30,9 @@ def add_parser(sub) -> None:
                    help="issuer whose node tokens are honoured (repeatable)")
     p.add_argument("--bootstrap", action="append", default=[], help="join the DHT and provide the source key")
     p.add_argument("--listen", action="append", default=None, help="multiaddr (default /ip4/127.0.0.1/tcp/0)")
+    p.add_argument("--announce", action="append", default=None,
+                   help="multiaddr to advertise instead of the listen addresses (repeatable; e.g. the CDN's "
+                        "/dns4/NAME/tcp/443/wss)")
     p.add_argument("--identity", help="key file (default $P2PSWARM_HOME/identity/backbone.key)")
     p.set_defaults(func=run)
 
@@ -50,6 +52,8 @@ def _hooks() -> dict:
 
 
 async def _main(args) -> None:
+    from p2pswarm.commands.node import dialable_addrs
+    from p2pswarm.lifecycle import until_signal
     from p2pswarm.model.manifest import read_manifest
     from p2pswarm.net.dht import open_dht
     from p2pswarm.net.host import open_host
@@ -62,18 +66,14 @@ async def _main(args) -> None:
     identity = load_or_create_identity(args.identity or default_identity_path("backbone"))
     gate = TokenGate(args.trust_issuer, what="shard server")
     server = None
-    async with open_host(identity, args.listen or ["/ip4/127.0.0.1/tcp/0"]) as net:
+    async with open_host(identity, args.listen or ["/ip4/127.0.0.1/tcp/0"], announce=args.announce) as net:
         try:
             async with trio.open_nursery() as nursery:
                 dht = await nursery.start(_dht_task, open_dht, net, args.bootstrap) if args.bootstrap else None
                 server = await nursery.start(partial(run_shard_source, net, dht, args.model, manifest, gate,
                                                      **_hooks()))
-                print(f"READY {net.full_addrs()[0]}", flush=True)
-                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for sig in signals:
-                        log.info("signal %s: shutting down", signal.Signals(sig).name)
-                        nursery.cancel_scope.cancel()
-                        break
+                print(f"READY {dialable_addrs(net)[0]}", flush=True)
+                await until_signal(nursery.cancel_scope)
         finally:
             if server is not None:
                 log.info("served %d chunks (%.1f MB) on %d streams; refused %d (%s)", server.stats.chunks,

@@ -43,6 +43,27 @@ library's quirks are handled in one place. The ones handled here (each has a reg
   goodbye round trip: ~0.2 s per connected peer, 4 s for a DHT node with 20 peers. We close them
   all concurrently first.
 
+Relay and WebSocket support (issue M2b, relay-443); each with a regression test in
+``tests/test_relay_host.py``:
+
+* A WebSocket transport that has a TLS server context serves TLS on *every* listener it makes,
+  plain ``/ws`` ones included, so a host listening on both ``/ws`` and ``/wss`` breaks its ``/ws``
+  listener. We register two transports: one plain (listens on ``/ws``, dials both) and one with
+  the TLS context that only listens on ``/wss``.
+* Listen addresses that share a host and port (``/tcp/0`` and ``/wss`` alike) are put behind
+  py-libp2p's port demultiplexer, which breaks WebSocket upgrades. We refuse such a combination
+  with one line: give each transport its own explicit port.
+* Every host can *dial* ``/ws`` and ``/wss`` (py-libp2p only adds the WebSocket transport when a
+  listen address needs it), so a TCP-only backbone reaches a relay behind a CDN.
+* ``host.connect()`` never dials ``/p2p-circuit`` addresses (the swarm filters them out as
+  "relay-only"). :meth:`NetHost.connect` dials them itself through the circuit relay v2
+  transport, after any direct address failed; the relayed connection is Noise + yamux end to end
+  over the relay's stream, so the relay only ever carries ciphertext.
+* Every host runs the circuit v2 STOP side, so an inbound relayed connection is accepted; a
+  host's own relayed addresses (``<relay>/p2p/<relay id>/p2p-circuit``) are kept by
+  :meth:`NetHost.set_relay_addrs` and advertised by :meth:`NetHost.addrs` (py-libp2p rewrites
+  announced circuit addresses, so ``announce`` cannot carry them).
+
 Only Noise is offered for security (py-libp2p's default list also offers TLS, SECIO and plaintext)
 and only yamux for multiplexing. Identify's observed-address discovery is off: we advertise exactly
 the addresses we were told to (``listen`` or ``announce``), never a guessed NAT mapping.
@@ -52,6 +73,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -68,6 +90,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
 
 from p2pswarm.errors import UserError
 from p2pswarm.net.identity import Identity
@@ -76,6 +99,8 @@ log = logging.getLogger("p2pswarm.net")
 
 # Every protocol id p2pswarm speaks lives under /p2pswarm/ and is versioned (docs/protocol.md).
 PROTOCOL_EXPERT = TProtocol("/p2pswarm/expert/1.0.0")
+
+PROTOCOL_CIRCUIT = "p2p-circuit"
 
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
 DEFAULT_READ_AHEAD = 24 << 20  # > the 8-16 MB yamux window, so a stalled consumer never stalls the peer
@@ -127,6 +152,21 @@ def _is_wildcard(ma: multiaddr.Multiaddr) -> bool:
         except Exception:
             pass
     return False
+
+
+def is_circuit_addr(ma) -> bool:
+    """Whether a multiaddr goes through a relay (``.../p2p/RELAY/p2p-circuit[/p2p/PEER]``)."""
+    try:
+        return PROTOCOL_CIRCUIT in {p.name for p in multiaddr.Multiaddr(str(ma)).protocols()}
+    except Exception:
+        return False
+
+
+def circuit_addr(relay_addr: str | multiaddr.Multiaddr, peer: str | None = None) -> str:
+    """``RELAY_ADDR/p2p/RELAY_ID`` -> ``RELAY_ADDR/p2p/RELAY_ID/p2p-circuit[/p2p/PEER]``."""
+    text = str(relay_addr).rstrip("/")
+    out = f"{text}/{PROTOCOL_CIRCUIT}"
+    return f"{out}/p2p/{peer}" if peer else out
 
 
 def _map_stream_error(exc: BaseException, what: str) -> trio.BrokenResourceError:
@@ -272,7 +312,7 @@ class NetHost:
     """A running libp2p host. Made by :func:`open_host`; valid until its context exits."""
 
     def __init__(self, identity: Identity, host, nursery: trio.Nursery, announce: list[multiaddr.Multiaddr] | None,
-                 read_ahead: int):
+                 read_ahead: int, circuit=None):
         self.identity = identity
         self.host = host
         self.peer_id: ID = host.get_id()
@@ -280,6 +320,12 @@ class NetHost:
         self._announce = announce
         self.read_ahead = read_ahead
         self.stats = HostStats()
+        self.circuit = circuit  # CircuitV2Transport: dials /p2p-circuit addresses (see module doc)
+        self._relay_addrs: list[str] = []
+        self.relay_only = False
+        # shown to a relay before a circuit through it, for relays that want tokens of both ends
+        # (``p2pswarm relay --circuits-need-token``); $P2PSWARM_RELAY_TOKEN: a token or a file
+        self.relay_token: str | None = None
 
     @property
     def peer_id_str(self) -> str:
@@ -295,12 +341,24 @@ class NetHost:
         return list(self.host.get_transport_addrs())
 
     def addrs(self) -> list[str]:
-        """What we advertise: ``announce`` if given, else the listen addresses minus wildcards."""
+        """What we advertise: our relayed addresses (:meth:`set_relay_addrs`) first, then
+        ``announce`` if given, else the listen addresses minus wildcards (none of those when
+        ``relay_only``: a NATed node's own listen addresses are not dialable)."""
         if self._announce:
-            base = list(self._announce)
+            base = [str(a) for a in self._announce]
+        elif self.relay_only:
+            base = []
         else:
-            base = [a for a in self.transport_addrs() if not _is_wildcard(a)]
-        return [str(a) for a in base]
+            base = [str(a) for a in self.transport_addrs() if not _is_wildcard(a)]
+        return list(self._relay_addrs) + [a for a in base if a not in self._relay_addrs]
+
+    def set_relay_addrs(self, addrs: Sequence[str], *, relay_only: bool | None = None) -> None:
+        """Our relayed addresses, ``RELAY/p2p/RELAY_ID/p2p-circuit`` (no trailing /p2p/ of ours),
+        as a relay reservation made them valid. py-libp2p's announce rewrites circuit addresses,
+        so we keep them here and :meth:`addrs` (what records carry) puts them first."""
+        self._relay_addrs = [str(a) for a in addrs]
+        if relay_only is not None:
+            self.relay_only = relay_only
 
     def full_addrs(self) -> list[str]:
         """What others dial: advertised addresses with our /p2p/ peer id."""
@@ -311,20 +369,58 @@ class NetHost:
         info = parse_peer_addr(target) if isinstance(target, str) else target
         if info.peer_id == self.peer_id:
             raise NetError("refusing to dial ourselves")
+        circuits = [a for a in info.addrs if is_circuit_addr(a)]
+        direct = [a for a in info.addrs if not is_circuit_addr(a)]
         if info.addrs and not self.is_connected(info.peer_id):
-            self._replace_addrs(info)
+            self._replace_addrs(PeerInfo(info.peer_id, direct))
         t0 = time.perf_counter()
         try:
             with trio.fail_after(timeout_s):
-                await self.host.connect(info)
+                if self.is_connected(info.peer_id) or not circuits:
+                    await self.host.connect(PeerInfo(info.peer_id, direct) if circuits else info)
+                else:
+                    await self._connect_direct_or_relayed(info.peer_id, direct, circuits)
         except trio.TooSlowError:
             raise NetError(f"dialling {info.peer_id.to_base58()[-12:]} timed out after {timeout_s:.0f} s") from None
+        except NetError:
+            raise
         except Exception as exc:
             raise NetError(f"cannot dial {info.peer_id.to_base58()[-12:]} at "
                            f"{', '.join(str(a) for a in info.addrs) or 'no address'}: {_reason(exc)}") from None
         self.stats.connects += 1
         self.stats.connect_seconds += time.perf_counter() - t0
         return info.peer_id
+
+    async def _connect_direct_or_relayed(self, peer: ID, direct: list, circuits: list) -> None:
+        """Direct addresses first (cheaper when they work), then each relayed address through
+        the circuit v2 transport: ``host.connect()`` filters ``/p2p-circuit`` out and would fail."""
+        errors = []
+        if direct:
+            try:
+                await self.host.connect(PeerInfo(peer, direct))
+                return
+            except Exception as exc:
+                errors.append(_reason(exc))
+        if self.circuit is None:
+            raise NetError(f"cannot dial {peer.to_base58()[-12:]}: relayed address but no circuit transport")
+        for ma in circuits:
+            text = str(ma)
+            if not text.endswith(f"/p2p/{peer.to_base58()}"):
+                text = f"{text}/p2p/{peer.to_base58()}"
+            try:
+                if self.relay_token:
+                    from relay.protocol import present_token  # noqa: PLC0415 - only for relayed dials
+
+                    relay_part = text.split("/p2p-circuit", 1)[0]
+                    await present_token(self, relay_part, self.relay_token)
+                await self.circuit.dial(multiaddr.Multiaddr(text))
+                if self.is_connected(peer):
+                    return
+                errors.append("relayed connection did not register")
+            except Exception as exc:
+                errors.append(_reason(exc))
+        raise NetError(f"cannot dial {peer.to_base58()[-12:]} directly or through its relay: "
+                       f"{'; '.join(e[:160] for e in errors) or 'no address'}")
 
     def _replace_addrs(self, info: PeerInfo) -> None:
         """Make ``info.addrs`` the only addresses we know for the peer, and forget a recent failure.
@@ -531,29 +627,119 @@ async def _close_connections(host) -> None:
             nursery.start_soon(close, pid)
 
 
+def _check_listen_addrs(addrs: Sequence[multiaddr.Multiaddr], *, tls: bool) -> None:
+    """TCP, WebSocket (``/ws``) or TLS WebSocket (``/wss``, needs a certificate) over IPv4/IPv6;
+    no two of them on one host and port (see module doc: the port demultiplexer breaks WebSocket)."""
+    seen: dict[tuple[str, str], multiaddr.Multiaddr] = {}
+    for a in addrs:
+        names = [p.name for p in a.protocols()]
+        ok = (len(names) in (2, 3) and names[0] in ("ip4", "ip6") and names[1] == "tcp"
+              and (len(names) == 2 or names[2] in ("ws", "wss")))
+        if not ok:
+            raise UserError(f"listen address {a} is not TCP or WebSocket over IPv4/IPv6 "
+                            f"(expected /ip4/HOST/tcp/PORT, /ip4/HOST/tcp/PORT/ws or .../wss)")
+        if "wss" in names and not tls:
+            raise UserError(f"listen address {a} is /wss: give a TLS certificate and key (--tls-cert, --tls-key)")
+        key = (a.value_for_protocol(names[0]), a.value_for_protocol("tcp"))
+        if key in seen and ({"ws", "wss"} & (set(names) | {p.name for p in seen[key].protocols()})):
+            raise UserError(f"listen addresses {seen[key]} and {a} share port {key[1]}: give each transport "
+                            f"its own explicit port (e.g. /tcp/4001 and /tcp/443/wss)")
+        seen[key] = a
+
+
+def _tls_server_context(cert: str, key: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise UserError(f"cannot load TLS certificate {cert} / key {key}: {getattr(exc, 'strerror', None) or exc}") from None
+    return ctx
+
+
+def _tls_client_context() -> ssl.SSLContext:
+    """What ``/wss`` dials verify against: the system's CAs, plus ``$P2PSWARM_WSS_CA`` (a PEM
+    bundle, e.g. a test or private CA) when set."""
+    ctx = ssl.create_default_context()
+    extra = os.environ.get("P2PSWARM_WSS_CA")
+    if extra:
+        try:
+            ctx.load_verify_locations(cafile=extra)
+        except (OSError, ssl.SSLError) as exc:
+            raise UserError(f"cannot load P2PSWARM_WSS_CA={extra}: {getattr(exc, 'strerror', None) or exc}") from None
+    return ctx
+
+
+def _install_websocket(host, tls_server: ssl.SSLContext | None) -> None:
+    """Replace py-libp2p's WebSocket transport by ours (see module doc): a plain one that listens
+    on /ws and dials /ws and /wss, and, with a certificate, one that only listens on /wss."""
+    from libp2p.transport.websocket.transport import WebsocketTransport  # noqa: PLC0415
+
+    class PlainWebsocket(WebsocketTransport):
+        def can_listen(self, maddr) -> bool:
+            return "wss" not in {p.name for p in maddr.protocols()} and super().can_listen(maddr)
+
+    class SecureWebsocketListener(WebsocketTransport):
+        def can_dial(self, maddr) -> bool:
+            return False
+
+        def can_listen(self, maddr) -> bool:
+            # (the library's can_listen is can_dial, which we turned off above)
+            return "wss" in {p.name for p in maddr.protocols()} and WebsocketTransport.can_dial(self, maddr)
+
+    network = host.get_network()
+    tm = network.transport_manager
+    tm._transports = [t for t in tm._transports if not isinstance(t, WebsocketTransport)]
+    tm.add_transport(PlainWebsocket(network.upgrader, tls_client_config=_tls_client_context()))
+    if tls_server is not None:
+        tm.add_transport(SecureWebsocketListener(network.upgrader, tls_server_config=tls_server))
+
+
 def connection_config() -> ConnectionConfig:
     """Our connection settings; ``max_connections_per_peer=1`` avoids the 250 ms connect stall."""
     return ConnectionConfig(max_connections_per_peer=1)
 
 
+def _stop_only_protocol(host):
+    """Circuit relay v2 without HOP: accepts relayed connections (STOP), relays nothing."""
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol  # noqa: PLC0415
+
+    return CircuitV2Protocol(host, allow_hop=False)
+
+
+def _circuit_transport(host, protocol):
+    """The dialler for /p2p-circuit addresses. STOP only, no CLIENT role: with CLIENT, every dial
+    would first ask the relay for a reservation of our own (refused without a token, and
+    pointless for a backbone)."""
+    from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole  # noqa: PLC0415
+    from libp2p.relay.circuit_v2.transport import CircuitV2Transport  # noqa: PLC0415
+
+    return CircuitV2Transport(host, protocol, RelayConfig(roles=RelayRole.STOP))
+
+
 @asynccontextmanager
 async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,), *,
                     announce: Sequence[str] | None = None, read_ahead: int = DEFAULT_READ_AHEAD,
-                    dial_retries: int = 1):
+                    dial_retries: int = 1, tls_cert: str | None = None, tls_key: str | None = None,
+                    circuit_protocol: Callable | None = None):
     """Start a host listening on ``listen`` (multiaddrs; port 0 picks a free port) and yield a
     :class:`NetHost`. On exit: background tasks cancelled, listeners and connections closed.
 
     ``announce`` replaces the listen addresses in what we advertise (a public address in front of
     a NAT or a relay). ``dial_retries``: py-libp2p retries a failed dial 3 times with back-off by
-    default (0.7 s lost on every dead peer); one retry is plenty on our networks."""
+    default (0.7 s lost on every dead peer); one retry is plenty on our networks.
+
+    Listen addresses may be TCP, ``/ws`` or ``/wss`` (the latter with ``tls_cert``/``tls_key``
+    PEM files). ``circuit_protocol(host)`` builds the circuit relay v2 service the host runs (the
+    relay passes its token-gated HOP); by default a STOP-only one, so relayed peers can reach us.
+    ``NetHost.circuit`` dials ``/p2p-circuit`` addresses."""
     if not listen:
         raise UserError("a host needs at least one listen address")
     install_write_shield()
     listen_addrs = [parse_multiaddr(a, "listen address") for a in listen]
-    for a in listen_addrs:
-        protos = {p.name for p in a.protocols()}
-        if "tcp" not in protos or not ({"ip4", "ip6"} & protos):
-            raise UserError(f"listen address {a} is not TCP over IPv4/IPv6 (expected /ip4/HOST/tcp/PORT)")
+    if bool(tls_cert) != bool(tls_key):
+        raise UserError("a TLS certificate needs its key and the other way round (--tls-cert and --tls-key)")
+    _check_listen_addrs(listen_addrs, tls=bool(tls_cert))
+    tls_server = _tls_server_context(tls_cert, tls_key) if tls_cert else None
     for a in listen_addrs:
         _check_port_free(a)
     announce_addrs = [parse_multiaddr(a, "announce address") for a in announce] if announce else None
@@ -567,6 +753,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
         announce_addrs=announce_addrs,
         disable_identify_address_discovery=True,
     )
+    _install_websocket(host, tls_server)
     network = host.get_network()
     auto = getattr(network, "auto_connector", None)
     if auto is not None:
@@ -577,10 +764,18 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
     try:
         async with host.run(listen_addrs):
             started = True
-            async with trio.open_nursery() as nursery:
-                net = NetHost(identity, host, nursery, announce_addrs, read_ahead)
-                if not net.transport_addrs():
-                    raise UserError(f"could not listen on {', '.join(map(str, listen_addrs))}")
+            circuit_proto = (circuit_protocol or _stop_only_protocol)(host)
+            async with background_trio_service(circuit_proto), trio.open_nursery() as nursery:
+                await circuit_proto.event_started.wait()
+                net = NetHost(identity, host, nursery, announce_addrs, read_ahead,
+                              circuit=_circuit_transport(host, circuit_proto))
+                if os.environ.get("P2PSWARM_RELAY_TOKEN"):
+                    from p2pswarm.net.tokens import load_token  # noqa: PLC0415
+
+                    net.relay_token = load_token(os.environ["P2PSWARM_RELAY_TOKEN"])
+                if len(net.transport_addrs()) < len(listen_addrs):
+                    raise UserError(f"could not listen on {', '.join(map(str, listen_addrs))} "
+                                    f"(listening on {', '.join(map(str, net.transport_addrs())) or 'nothing'})")
                 log.debug("host %s listening on %s", net.peer_id_str, ", ".join(map(str, net.transport_addrs())))
                 try:
                     yield net

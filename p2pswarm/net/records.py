@@ -23,6 +23,7 @@ only check records stay light.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ import multiaddr
 
 from p2pswarm.errors import UserError
 from p2pswarm.net.identity import Identity, verify_peer_signature
+
+log = logging.getLogger("p2pswarm.net")
 
 RECORD_VERSION = 1
 NAMESPACE = "p2pswarm"
@@ -262,8 +265,9 @@ class NodeRecordValidator:
             if peer is None:
                 raise RecordError(f"unknown key {key[:40]!r} in the {NAMESPACE} namespace")
             NodeRecord.verify(value, peer=peer)
-        except RecordError:
+        except RecordError as exc:
             self.rejected += 1
+            log.warning("refused to store a DHT record: %s", exc)
             raise
 
     def select(self, key: str, values: list[bytes]) -> int:
@@ -360,7 +364,10 @@ def _addrs(x: object) -> list[str]:
             ma = multiaddr.Multiaddr(a)
         except Exception:
             raise RecordError(f"malformed node record: bad address {a[:60]!r}") from None
-        if "p2p" in {p.name for p in ma.protocols()}:
+        names = [p.name for p in ma.protocols()]
+        # A relayed address names its relay (``RELAY/p2p/RELAY_ID/p2p-circuit``); only that /p2p/.
+        relayed = names[-1:] == ["p2p-circuit"] and names.count("p2p") == 1 and names[-2:-1] == ["p2p"]
+        if "p2p" in names and not relayed:
             raise RecordError("malformed node record: addresses must not carry /p2p/")
         out.append(a)
     return out

@@ -1,0 +1,158 @@
+"""NAT for real: a worker in its own network namespace behind a firewall that drops every inbound
+new connection and lets out only WebSocket to the relay. The backbone (in the root namespace)
+cannot dial it - asserted at the TCP and libp2p level - yet logits through it, via the relay,
+are bit-equal to the monolithic run.
+
+Needs root, ``ip`` (iproute2) and ``nft`` (nftables); CI installs nftables (.ci/run).
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import trio
+from conftest import run_cli
+from test_relay import TOKENS, Proc, free_port, get_health, start_relay, worker_identity
+
+from p2pswarm.errors import UserError
+from p2pswarm.model.slicer import slice_experts
+from p2pswarm.net.host import open_host
+from p2pswarm.net.identity import Identity
+from p2pswarm.net.tokens import issue_token
+
+pytestmark = pytest.mark.slow
+
+
+def _why_no_netns() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root (run the NAT test as root, as CI does)"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (apt-get install -y {'iproute2' if tool == 'ip' else 'nftables'})"
+    return None
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
+    return proc
+
+
+NFT_RULES = """
+table inet p2pswarm_nat {{
+    chain input {{
+        type filter hook input priority 0; policy drop;
+        iif "lo" accept
+        ct state established,related accept
+    }}
+    chain output {{
+        type filter hook output priority 0; policy drop;
+        oif "lo" accept
+        ct state established,related accept
+        ip daddr {relay_ip} tcp dport {relay_port} accept
+    }}
+}}
+"""
+
+
+@pytest.fixture
+def nat_netns():
+    """A namespace ``ns`` joined to the root namespace by a veth pair, with the firewall above
+    (installed by the test once the relay port is known). Removed even when the test fails."""
+    why = _why_no_netns()
+    if why:
+        pytest.skip(why)
+    tag = f"{os.getpid() % 10000}{random.randrange(100, 999)}"
+    ns, host_if, ns_if = f"p2ps-nat-{tag}", f"p2psh{tag}", f"p2psn{tag}"
+    net = random.randrange(0, 250)
+    host_ip, ns_ip = f"10.231.{net}.1", f"10.231.{net}.2"
+    probe = sh("ip", "netns", "add", ns, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a network namespace here: {probe.stderr.strip()}")
+    try:
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        sh("ip", "link", "set", ns_if, "netns", ns)
+        sh("ip", "addr", "add", f"{host_ip}/24", "dev", host_if)
+        sh("ip", "link", "set", host_if, "up")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ns_ip}/24", "dev", ns_if)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        yield {"ns": ns, "host_ip": host_ip, "ns_ip": ns_ip}
+    finally:
+        sh("ip", "netns", "del", ns, check=False)  # takes its end of the veth pair, and so the pair
+        sh("ip", "link", "del", host_if, check=False)
+
+
+def _tcp_reachable(host: str, port: int, timeout: float = 3.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def test_natted_worker_serves_through_the_relay_only(nat_netns, tiny_f32, tmp_path):
+    ns, host_ip, ns_ip = nat_netns["ns"], nat_netns["host_ip"], nat_netns["ns_ip"]
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    issuer = Identity.generate()
+    relay_port, worker_port = free_port(host_ip), random.randrange(20000, 30000)
+    rules = NFT_RULES.format(relay_ip=host_ip, relay_port=relay_port)
+    proc = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    relay = start_relay(tmp_path, env, issuer=issuer, port=relay_port, host=host_ip)
+    worker = None
+    try:
+        shard = tmp_path / "shard.gguf"
+        slice_experts(tiny_f32, shard, None, (0, 16))
+        ident = worker_identity(tmp_path, "nat-worker")
+        token = issue_token(issuer, ident.peer_id_str, ["relay"], 3600).encode()
+        worker = Proc(["node", "--role", "worker", "--shard", str(shard), "--relay", relay.addr, "--token", token,
+                       "--identity", str(tmp_path / "nat-worker.key"), "--listen", f"/ip4/{ns_ip}/tcp/{worker_port}",
+                       "--ttl", "120"], tmp_path / "nat-worker.log", env, prefix=["ip", "netns", "exec", ns])
+        assert "/p2p-circuit/" in worker.addr and "/ws/" in worker.addr
+
+        # the worker really listens (from inside its namespace) ...
+        inside = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                                 f"import socket; socket.create_connection(('{ns_ip}', {worker_port}), timeout=3)"],
+                                capture_output=True, text=True, check=False)
+        assert inside.returncode == 0, inside.stderr
+        # ... yet nobody outside can open a connection to it, not even at the TCP level,
+        assert not _tcp_reachable(ns_ip, worker_port)
+
+        # ... nor dial it with libp2p
+        async def direct_dial() -> str:
+            async with open_host(Identity.generate()) as backbone:
+                try:
+                    await backbone.connect(f"/ip4/{ns_ip}/tcp/{worker_port}/p2p/{ident.peer_id_str}", timeout_s=5)
+                except UserError as exc:
+                    return str(exc)
+                return "connected"
+
+        assert trio.run(direct_dial) != "connected"
+        # ... and the worker itself cannot reach anything but the relay's WebSocket port
+        out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                              f"import socket; socket.create_connection(('{host_ip}', {free_port(host_ip)}), timeout=2)"],
+                             capture_output=True, text=True, check=False)
+        assert out.returncode != 0
+
+        mono, swarm = tmp_path / "mono.npy", tmp_path / "swarm.npy"
+        run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", "--decode",
+                env=env, check=True)
+        res = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(swarm), "--swarm", relay.addr,
+                      "--kernel", "numpy", "--decode", env=env, check=True)
+        assert " 0 fallbacks" in res.stdout, res.stdout
+        assert int(res.stdout.split(" expert requests")[0].split()[-1]) > 0
+        assert np.array_equal(np.load(mono), np.load(swarm))
+        h = get_health(relay.health)
+        assert h["reservations"] == 1 and h["circuits_opened"] >= 1 and h["bytes_relayed"] > 0
+    finally:
+        if worker is not None:
+            worker.stop()
+        relay.stop()
