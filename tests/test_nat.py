@@ -56,7 +56,7 @@ table inet p2pswarm_nat {{
         type filter hook output priority 0; policy drop;
         oif "lo" accept
         ct state established,related accept
-        ip daddr {relay_ip} tcp dport {relay_port} accept
+        ip daddr {relay_ip} tcp dport {relay_port} accept{extra}
     }}
 }}
 """
@@ -103,7 +103,7 @@ def test_natted_worker_serves_through_the_relay_only(nat_netns, tiny_f32, tmp_pa
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     issuer = Identity.generate()
     relay_port, worker_port = free_port(host_ip), random.randrange(20000, 30000)
-    rules = NFT_RULES.format(relay_ip=host_ip, relay_port=relay_port)
+    rules = NFT_RULES.format(relay_ip=host_ip, relay_port=relay_port, extra="")
     proc = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     relay = start_relay(tmp_path, env, issuer=issuer, port=relay_port, host=host_ip)
@@ -156,3 +156,57 @@ def test_natted_worker_serves_through_the_relay_only(nat_netns, tiny_f32, tmp_pa
         if worker is not None:
             worker.stop()
         relay.stop()
+
+
+def test_natted_worker_with_no_file_downloads_its_slice_then_serves_it(nat_netns, tiny_f32, tmp_path):
+    """A phone as it would join: no shard file, no inbound port, outbound WebSocket only (to the
+    relay and to the backbone's WebSocket listener, as both would sit behind a CDN on 443). It finds
+    the backbone's shard source through the DHT (via the relay), downloads only its slice, checks it
+    against the signed manifest, then serves it through the relay: logits bit-equal, no fallback."""
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
+    from p2pswarm.net.tokens import shard_scope
+
+    ns, host_ip, ns_ip = nat_netns["ns"], nat_netns["host_ip"], nat_netns["ns_ip"]
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    issuer = Identity.generate()
+    fp = source_fingerprint(ModelLayout.open(tiny_f32))
+    manifest = write_manifest(build_manifest(tiny_f32, issuer), tmp_path / "tiny.manifest")
+    relay_port, backbone_port = free_port(host_ip), free_port(host_ip)
+    extra = f"\n        ip daddr {host_ip} tcp dport {backbone_port} accept"
+    rules = NFT_RULES.format(relay_ip=host_ip, relay_port=relay_port, extra=extra)
+    proc = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    relay = start_relay(tmp_path, env, issuer=issuer, port=relay_port, host=host_ip)
+    procs = [relay]
+    try:
+        backbone = Proc(["node", "--role", "backbone", "--model", str(tiny_f32), "--manifest", str(manifest),
+                         "--listen", f"/ip4/{host_ip}/tcp/{backbone_port}/ws", "--bootstrap", relay.addr,
+                         "--http", "off", "--identity", str(tmp_path / "backbone.key")],
+                        tmp_path / "backbone.log", env)
+        procs.append(backbone)
+        ident = worker_identity(tmp_path, "phone")
+        token = issue_token(issuer, ident.peer_id_str, ["relay", shard_scope(fp, (0, 4), (0, 16))], 3600).encode()
+        worker = Proc(["node", "--role", "worker", "--model", fp, "--layers", "0-3", "--experts", "0-15",
+                       "--relay", relay.addr, "--token", token, "--trust-issuer", issuer.peer_id_str,
+                       "--identity", str(tmp_path / "phone.key"), "--listen", f"/ip4/{ns_ip}/tcp/0", "--ttl", "120"],
+                      tmp_path / "phone.log", env, prefix=["ip", "netns", "exec", ns], timeout=180)
+        procs.append(worker)
+        assert "/p2p-circuit/" in worker.addr
+        log = worker.log.read_text()
+        assert "downloaded slice" in log, log[-3000:]
+        downloaded = tmp_path / "home" / "shards" / f"{fp[:16]}-L0-3-E0-15.gguf"
+        sliced = tmp_path / "sliced.gguf"
+        slice_experts(tiny_f32, sliced, None, (0, 16))
+        assert downloaded.read_bytes() == sliced.read_bytes()
+        mono, swarm = tmp_path / "mono.npy", tmp_path / "swarm.npy"
+        run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", env=env,
+                check=True)
+        res = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(swarm), "--swarm", relay.addr,
+                      "--kernel", "numpy", env=env, check=True)
+        assert " 0 fallbacks" in res.stdout, res.stdout
+        assert np.array_equal(np.load(mono), np.load(swarm))
+    finally:
+        for p in reversed(procs):
+            p.stop()

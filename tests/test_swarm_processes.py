@@ -118,7 +118,7 @@ def test_worker_killed_mid_generation_then_restarted_is_found_again(tiny_f32, tm
     logs the fallback, the replica serves later steps, and the worker restarted (same identity, a new
     port) is found again through the DHT and used."""
     boot, workers, env = swarm
-    tokens = _long_tokens(320)
+    tokens = _long_tokens(500)  # the tiny model's context is 512
     denv = env
     out, mono = tmp_path / "swarm.npy", tmp_path / "mono.npy"
     backbone = subprocess.Popen(
@@ -159,7 +159,7 @@ def test_worker_killed_mid_generation_then_restarted_is_found_again(tiny_f32, tm
             backbone.send_signal(signal.SIGCONT)
         assert restarted.addr != workers[0].addr  # same peer id, new port
         assert restarted.addr.split("/p2p/")[1] == workers[0].addr.split("/p2p/")[1]
-        backbone.communicate(timeout=300)
+        backbone.wait(timeout=300)  # not communicate(): the reader thread owns stderr
         reader.join(10)
     finally:
         if backbone.poll() is None:

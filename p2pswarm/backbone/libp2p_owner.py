@@ -215,9 +215,10 @@ class SwarmOwners:
                 moved = tuple(info.addrs) != tuple(owner.info.addrs)
                 owner.update(info)
                 # A newer signed record is the worker saying it is (back) up: end its back-off.
-                if self.dispatcher is not None and self.dispatcher.clear_backoff(owner.name):
-                    log.info("worker %s is back (new record%s): using it again", owner.name,
-                             ", new address" if moved else "")
+                cleared = self.dispatcher is not None and self.dispatcher.clear_backoff(owner.name)
+                if moved or cleared:
+                    log.info("worker %s is back (new record%s): using it%s", owner.name,
+                             ", new address" if moved else "", " again, back-off ended" if cleared else "")
         for key in [k for k in self._by_key if k not in wanted]:
             owner = self._by_key.pop(key)
             self.owners.remove(owner)

@@ -765,6 +765,10 @@ class CoverageResolver:
 
             for peer, rec in records.items():
                 old = self._known.pop(peer, None)
+                if rec is None or old is None or rec.seq != old.seq:
+                    log.debug("record of %s: %s (was %s)", peer[-12:], "none found" if rec is None else
+                              f"seq {rec.seq}{' withdrawn' if rec.withdrawn else ''}",
+                              "unknown" if old is None else f"seq {old.seq}")
                 if rec is None and old is not None and old.live() and peer not in suspects:
                     self._known[peer] = old  # a look-up that failed this time; the record still holds
                     continue
@@ -789,6 +793,8 @@ class CoverageResolver:
             self.stats.refreshes += 1
             self._round += 1
             self.stats.last_refresh_s = time.perf_counter() - t0
+            log.debug("refresh %d: %d unit look-ups, %d records read, %d known owners, %.2f s", self._round,
+                      len(todo), len(records), len(self._known), self.stats.last_refresh_s)
         if self.on_change is not None:
             res = self.on_change(self.map)
             if hasattr(res, "__await__"):
