@@ -64,6 +64,17 @@ Relay and WebSocket support (issue M2b, relay-443); each with a regression test 
   :meth:`NetHost.set_relay_addrs` and advertised by :meth:`NetHost.addrs` (py-libp2p rewrites
   announced circuit addresses, so ``announce`` cannot carry them).
 
+Performance (measured by ``bench/bench_relay.py``, docs/benchmarks.md "Relay-443"; regression test
+``test_workaround_window_updates_batched`` counts the WINDOW_UPDATE frames):
+
+* yamux in py-libp2p 0.8.1 credits a stream's receive window after (nearly) every read, so every
+  data frame is answered by a WINDOW_UPDATE frame: one more Noise message and socket write each.
+  A relay pays for it twice over: its own updates to both ends of every circuit, and the circuit's
+  inner updates (end to end, inside the ciphertext), which it must forward as data. That was half
+  the frames a relay handled per relayed request. :func:`install_window_update_batching` credits in
+  batches of half a window, as go-yamux does, and still on every read when the peer is down to
+  less than half a window (a slow reader), so no sender waits on credit for bytes already read.
+
 Only Noise is offered for security (py-libp2p's default list also offers TLS, SECIO and plaintext)
 and only yamux for multiplexing. Identify's observed-address discovery is off: we advertise exactly
 the addresses we were told to (``listen`` or ``announce``), never a guessed NAT mapping.
@@ -607,6 +618,41 @@ def install_write_shield() -> None:
     Yamux._p2pswarm_shielded = True
 
 
+def install_window_update_batching() -> None:
+    """Credit a stream's receive window in batches of half a window, as go-yamux does (process-wide,
+    idempotent). py-libp2p 0.8.1 sends a WINDOW_UPDATE after (nearly) every read: one more Noise
+    message - and on WebSocket one more WebSocket message and send() - per data frame, which for
+    small request/reply traffic doubles the frames a connection carries; through a relay it is
+    worse, since the circuit's inner updates are data the relay must forward too (module doc).
+
+    The policy: ``delta`` = bytes read but not yet credited (the window target minus what the peer
+    may still send minus what we hold unread). We credit all of it, with the library's own window
+    auto-tuning, once it reaches the library's hysteresis threshold (half the target) - or, as the
+    library did, on every read while the peer has less than half a window left (a backlogged or
+    slow reader), so a sender is never left waiting on credit for bytes already read: py-libp2p's
+    writer gives up after 5 s at a zero window."""
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream  # noqa: PLC0415
+
+    if getattr(YamuxStream, "_p2pswarm_batched_credit", False):
+        return
+
+    async def _auto_tune_and_send_window_update(self, *, bytes_read: int = 0) -> None:
+        total = 0
+        async with self.window_lock:
+            buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+            delta = self.target_recv_window - (self.recv_window + buffered)
+            threshold = self._grow_threshold()
+            if delta > 0 and (delta >= threshold or self.recv_window < threshold):
+                total = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+                self._pending_recv_release = 0
+        if total > 0:
+            await self.send_window_update(total, skip_lock=True)
+
+    YamuxStream._p2pswarm_library_credit = YamuxStream._auto_tune_and_send_window_update  # for the test
+    YamuxStream._auto_tune_and_send_window_update = _auto_tune_and_send_window_update
+    YamuxStream._p2pswarm_batched_credit = True
+
+
 async def _no_auto_connect() -> None:
     """Replaces py-libp2p's AutoConnector.maybe_connect: we decide whom to dial."""
 
@@ -735,6 +781,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
     if not listen:
         raise UserError("a host needs at least one listen address")
     install_write_shield()
+    install_window_update_batching()
     listen_addrs = [parse_multiaddr(a, "listen address") for a in listen]
     if bool(tls_cert) != bool(tls_key):
         raise UserError("a TLS certificate needs its key and the other way round (--tls-cert and --tls-key)")
