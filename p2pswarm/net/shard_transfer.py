@@ -689,6 +689,12 @@ def _verify_part(fd: int, g, slabs: list[_Slab], header_len: int) -> tuple[list[
     return hashes, bad
 
 
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaves(e)]
+    return [exc]
+
+
 async def _download(net, sessions: list[_Session], per_source: dict, hello: dict, todo: list[_Slab], fd: int,
                     journal: _Journal, stats: FetchStats, progress: Progress | None, progress_state: dict,
                     total_bytes: int, streams_per_source: int, max_attempts: int) -> None:
@@ -792,12 +798,15 @@ async def _download(net, sessions: list[_Session], per_source: dict, hello: dict
                         break
                     start(nursery, extra, True)
     except BaseExceptionGroup as group:  # callers want our one-line error, not trio's wrapping
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
-        if leaf is group:
-            raise
-        raise leaf from None
+        # Several streams can give up at the same moment (a source that corrupts everything):
+        # one error of ours says it; the others are the same failure on other slabs.
+        leaves = _leaves(group)
+        ours = [e for e in leaves if isinstance(e, UserError)]
+        if ours and len(ours) == len(leaves):
+            if len(ours) > 1 and isinstance(ours[0], ShardTransferError):
+                raise ShardTransferError(f"{ours[0]} (and {len(ours) - 1} more failures like it)") from None
+            raise ours[0] from None
+        raise
     finally:
         with trio.CancelScope(shield=True):
             await flush(force=True)  # what is on disk stays usable for a resume
