@@ -22,11 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO, header
+from common import REPO, geometry_model, header
 
 from p2pswarm.model.manifest import build_manifest, write_manifest
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.model.synth import make_model
 from p2pswarm.net.identity import load_or_create_identity
 from p2pswarm.net.tokens import issue_token
 
@@ -39,11 +38,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
     d = Path(args.dir)
-    d.mkdir(parents=True, exist_ok=True)
-    model = d / f"geometry-122b-{args.layers}l.gguf"
-    if not model.exists():
-        make_model(model, preset="geometry-122b", layers=args.layers)
-    subprocess.run(["cat", str(model)], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    model = geometry_model(d, args.layers)
     work = Path(tempfile.mkdtemp(prefix="bench-dl-", dir=d))
     issuer = load_or_create_identity(work / "issuer.key")
     worker = load_or_create_identity(work / "worker.key")

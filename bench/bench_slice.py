@@ -15,9 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import header
+from common import geometry_model, header
 
-from p2pswarm.model.synth import make_model
 from p2pswarm.model.slicer import slice_experts
 
 
@@ -29,11 +28,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     d = Path(args.dir)
-    d.mkdir(parents=True, exist_ok=True)
-    model = d / f"geometry-122b-{args.layers}l.gguf"
-    if not model.exists():
-        make_model(model, preset="geometry-122b", layers=args.layers)
-    subprocess.run(["cat", str(model)], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    model = geometry_model(d, args.layers)
     shard = d / "bench-shard.gguf"
     res = slice_experts(model, shard, None, (0, args.experts))
     n = res.nbytes

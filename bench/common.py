@@ -36,3 +36,20 @@ def peak_rss_mb(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def geometry_model(bench_dir, layers: int):
+    """The geometry-122b model with ``layers`` layers in ``bench_dir`` (made once, then reused),
+    read through once so the page cache holds it: benchmarks time copies, not the first disk read."""
+    import subprocess
+    from pathlib import Path
+
+    from p2pswarm.model.synth import make_model
+
+    d = Path(bench_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    model = d / f"geometry-122b-{layers}l.gguf"
+    if not model.exists():
+        make_model(model, preset="geometry-122b", layers=layers)
+    subprocess.run(["cat", str(model)], stdout=subprocess.DEVNULL, check=True)
+    return model
