@@ -44,7 +44,7 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import FrameError, UserError
 from p2pswarm.http_server import lifespan, send_json, serve_asgi
 from p2pswarm.lifecycle import until_signal
 from p2pswarm.net.framing import FrameReader, send_frame
@@ -268,7 +268,13 @@ def token_handler(hop: GatedHop):
     async def handle(stream) -> None:
         peer = stream.peer_id.to_base58()
         with trio.move_on_after(TOKEN_TIMEOUT_S):
-            payload = await FrameReader(stream, MAX_TOKEN_FRAME).read_frame()
+            try:
+                payload = await FrameReader(stream, MAX_TOKEN_FRAME).read_frame()
+            except FrameError as exc:  # oversized or cut short: refuse it, close this stream only
+                hop.refused["malformed token frame"] += 1
+                log.warning("closing token stream from %s: %s", peer, exc)
+                await _try_send(stream, msgpack.packb({"ok": False, "error": str(exc)}))
+                return
             if payload is None:
                 return
             try:
@@ -297,6 +303,13 @@ def token_handler(hop: GatedHop):
             await stream.send_eof()
 
     return handle
+
+
+async def _try_send(stream, payload: bytes) -> None:
+    try:
+        await send_frame(stream, payload, MAX_TOKEN_FRAME)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, FrameError):
+        pass
 
 
 def health(net, hop: GatedHop, dht=None) -> dict:
