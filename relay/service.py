@@ -43,9 +43,13 @@ from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID, CircuitV2Protocol
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from p2pswarm.errors import UserError
-from p2pswarm.http_server import lifespan, send_json, serve_asgi
+from p2pswarm.http_server import serve_asgi
 from p2pswarm.lifecycle import until_signal
 from p2pswarm.net.framing import FrameReader, send_frame
 from relay.config import RelaySettings
@@ -315,22 +319,21 @@ def health(net, hop: GatedHop, dht=None) -> dict:
 
 
 class HealthApp:
-    """``GET /health`` (and ``/``): the relay's state as JSON."""
+    """``GET /health`` (and ``/``): the relay's state as JSON. A Starlette app, like the backbone's API."""
 
     def __init__(self, report):
         self.report = report
+        self.app = Starlette(routes=[Route("/", self._health), Route("/health", self._health)],
+                             exception_handlers={HTTPException: self._not_found})
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        if scope["method"] == "GET" and scope["path"] in ("/", "/health"):
-            status, body = 200, self.report()
-        else:
-            status, body = 404, {"error": "not found: try GET /health"}
-        await send_json(send, status, body)
+        await self.app(scope, receive, send)
+
+    async def _health(self, request) -> Response:
+        return JSONResponse(self.report())
+
+    async def _not_found(self, request, exc) -> Response:
+        return JSONResponse({"error": "not found: try GET /health"}, status_code=exc.status_code)
 
 
 async def serve_health(app, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

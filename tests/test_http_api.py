@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -88,3 +89,22 @@ async def test_model_without_template_refuses_chat_and_still_completes(no_templa
         assert httpx.get(base + "/health").json()["chat_template"] is False
 
     await _with_server(no_template, client)
+
+
+async def test_client_leaving_a_stream_ends_its_generation(tiny_f32):
+    """The client reads two chunks of a 400-token stream and hangs up: the sequence ends there
+    (Starlette cancels the response), it does not run on to max_tokens."""
+    def client(base):
+        with httpx.Client(base_url=base, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 400, "stream": True}) as s:
+                lines = s.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert c.get("/health").json()["active_sequences"] == 1
+            deadline = time.time() + 20
+            while c.get("/health").json()["active_sequences"]:
+                assert time.time() < deadline
+                time.sleep(0.1)
+            swarm = c.get("/v1/swarm").json()
+            assert swarm["active_sequences"] == 0 and swarm["tokens_generated"] < 300
+
+    await _with_server(tiny_f32, client)

@@ -1,8 +1,8 @@
 """The backbone's HTTP endpoint: the OpenAI API users call, and what an operator looks at.
 
-A plain ASGI application served by hypercorn's trio worker, so it shares the backbone's event
-loop. This module only routes and shapes requests and responses; parameters and the text loop
-are in :mod:`p2pswarm.backbone.completion`, chat rendering in :mod:`p2pswarm.backbone.chat`, the
+A Starlette application (anyio, so it runs on trio) served by hypercorn's trio worker: it shares
+the backbone's event loop. This module only routes and shapes requests and responses; parameters
+and the text loop are in :mod:`p2pswarm.backbone.completion`, chat rendering in :mod:`p2pswarm.backbone.chat`, the
 status page in :mod:`p2pswarm.backbone.status_page`, metrics in :mod:`p2pswarm.backbone.metrics`.
 Every route and parameter is documented in docs/api.md.
 
@@ -14,6 +14,8 @@ Every route and parameter is documented in docs/api.md.
   usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``)
 
 Refused requests get OpenAI's error shape (:mod:`p2pswarm.backbone.openai_errors`), never a traceback.
+A streamed response whose client goes away is cancelled (Starlette watches for the disconnect),
+which ends its generation at the next step instead of running to ``max_tokens``.
 """
 from __future__ import annotations
 
@@ -24,6 +26,11 @@ import uuid
 from contextlib import asynccontextmanager
 
 import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from p2pswarm.backbone.chat import ChatError, ChatTemplate, read_chat_template
 from p2pswarm.backbone.completion import GenParams, Usage, generate_text, parse_params
@@ -32,11 +39,10 @@ from p2pswarm.backbone.metrics import BackboneMetrics
 from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.status_page import SwarmView, status_html
-from p2pswarm.http_server import lifespan, send_json, serve_asgi
+from p2pswarm.http_server import serve_asgi
 
 log = logging.getLogger("p2pswarm.http")
 MAX_BODY = 1 << 20
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 class CompletionsApp:
@@ -62,15 +68,18 @@ class CompletionsApp:
         self.view = view
         self.active = 0
         self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active)
-        self._routes = {
-            ("GET", "/"): self._status_page,
-            ("GET", "/health"): self._health,
-            ("GET", "/metrics"): self._metrics,
-            ("GET", "/v1/swarm"): self._swarm,
-            ("GET", "/v1/models"): self._models,
-            ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/chat/completions"): self._chat_completions,
-        }
+        self.app = Starlette(
+            routes=[
+                Route("/", self._status_page),
+                Route("/health", self._health),
+                Route("/metrics", self._metrics),
+                Route("/v1/swarm", self._swarm),
+                Route("/v1/models", self._models),
+                Route("/v1/models/{model:path}", self._model),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error})
 
     # -- the one place generation starts ---------------------------------------------------------
     @asynccontextmanager
@@ -87,18 +96,11 @@ class CompletionsApp:
             self.active -= 1
             await steps.aclose()
 
-    # -- ASGI ------------------------------------------------------------------------------------
+    # -- ASGI: Starlette routes; requests counted by route and status -----------------------------
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
         if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        method, path = scope["method"], scope["path"]
-        handler = self._routes.get((method, path))
-        endpoint = path if handler else "other"
-        if handler is None and method == "GET" and path.startswith("/v1/models/"):
-            handler, endpoint = self._model, "/v1/models/{id}"
         status = [500]
 
         async def counted_send(msg):
@@ -107,48 +109,34 @@ class CompletionsApp:
             await send(msg)
 
         try:
-            if handler is None:
-                raise no_route(method, path)
-            await handler(scope, receive, counted_send)
-        except APIError as exc:
-            await send_json(counted_send, exc.status, exc.body())
-        except Exception:
-            log.exception("%s %s failed", method, path)
-            if status[0] == 500:  # nothing sent yet
-                await send_json(counted_send, 500, APIError(500, "internal error (see the backbone's log)",
-                                                            type="server_error").body())
+            await self.app(scope, receive, counted_send)
         finally:
+            endpoint = getattr(scope.get("route"), "path", None) or "other"  # bounded label values
             self.metrics.http_requests.labels(endpoint, str(status[0])).inc()
 
     # -- operator routes -------------------------------------------------------------------------
-    async def _status_page(self, scope, receive, send):
-        page = status_html()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/html; charset=utf-8"),
-                                (b"content-length", str(len(page)).encode())]})
-        await send({"type": "http.response.body", "body": page})
+    async def _status_page(self, request: Request) -> Response:
+        return Response(status_html(), media_type="text/html; charset=utf-8")
 
-    async def _health(self, scope, receive, send):
+    async def _health(self, request: Request) -> Response:
         stats = self.backbone.dispatcher.stats
-        await send_json(send, 200, {"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
-                                    "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
-                                    "active_sequences": self.active, "chat_template": self.chat is not None})
+        return JSONResponse({"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
+                             "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
+                             "active_sequences": self.active, "chat_template": self.chat is not None})
 
-    async def _metrics(self, scope, receive, send):
+    async def _metrics(self, request: Request) -> Response:
         payload, ctype = self.metrics.render()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+        return Response(payload, media_type=ctype)
 
     def _coverage(self) -> tuple[int, int, int]:
         if self.view is None:
             return 0, 0, sum(1 for o in self.backbone.dispatcher.owners if o.remote)
         return self.view.coverage_counts()
 
-    async def _swarm(self, scope, receive, send):
+    async def _swarm(self, request: Request) -> Response:
         if self.view is None:
             raise APIError(404, "this backbone was started without its model file: no swarm view", code="not_found")
-        await send_json(send, 200, self.view.snapshot(
+        return JSONResponse(self.view.snapshot(
             model=self.model_name, fingerprint=self.fingerprint, active=self.active, rate=self.metrics.rate,
             metrics_totals={"tokens_generated": self.metrics.total_tokens}))
 
@@ -156,22 +144,22 @@ class CompletionsApp:
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "p2pswarm"}
 
-    async def _models(self, scope, receive, send):
-        await send_json(send, 200, {"object": "list", "data": [self._model_card()]})
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
 
-    async def _model(self, scope, receive, send):
-        name = scope["path"][len("/v1/models/"):]
+    async def _model(self, request: Request) -> Response:
+        name = request.path_params["model"]
         if name != self.model_name:
             raise model_not_found(name, self.model_name)
-        await send_json(send, 200, self._model_card())
+        return JSONResponse(self._model_card())
 
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise model_not_found(model, self.model_name)
 
-    async def _completions(self, scope, receive, send):
-        body = await _read_json(receive)
+    async def _completions(self, request: Request) -> Response:
+        body = await _read_json(request)
         self._check_model(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -182,10 +170,10 @@ class CompletionsApp:
         ids = self.tokenizer.encode(prompt)
         if not ids:
             raise bad_request("the prompt tokenizes to nothing", param="prompt")
-        await self._respond(send, ids, params, chat=False)
+        return await self._respond(ids, params, chat=False)
 
-    async def _chat_completions(self, scope, receive, send):
-        body = await _read_json(receive)
+    async def _chat_completions(self, request: Request) -> Response:
+        body = await _read_json(request)
         self._check_model(body)
         if self.chat is None:
             raise bad_request(f"the model '{self.model_name}' has no chat template (tokenizer.chat_template in "
@@ -197,9 +185,9 @@ class CompletionsApp:
             raise bad_request(str(exc), param="messages") from None
         if not ids:
             raise bad_request("the conversation renders to nothing", param="messages")
-        await self._respond(send, ids, params, chat=True)
+        return await self._respond(ids, params, chat=True)
 
-    async def _respond(self, send, ids: list[int], params: GenParams, *, chat: bool) -> None:
+    async def _respond(self, ids: list[int], params: GenParams, *, chat: bool) -> Response:
         """Run one generation and answer it, whole or as server-sent events."""
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -214,49 +202,67 @@ class CompletionsApp:
                           "finish_reason": usage.finish_reason, "logprobs": None}
             else:
                 choice = {"index": 0, "text": text, "finish_reason": usage.finish_reason, "logprobs": None}
-            await send_json(send, 200, {**head, "object": "chat.completion" if chat else "text_completion",
-                                        "choices": [choice], "usage": usage.as_dict()})
-            return
-
-        extra = {"usage": None} if params.include_usage else {}
-
-        def chunk(text: str | None, finish: str | None, *, role: bool = False) -> dict:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return {**head, "choices": [choice], **extra}
-
-        async def event(obj) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj)
-            await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode(), "more_body": True})
-
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        try:
-            if chat:
-                await event(chunk(None, None, role=True))
-            async for piece in pieces:
-                await event(chunk(piece, None))
-            await event(chunk(None, usage.finish_reason))
-            if params.include_usage:
-                await event({**head, "choices": [], "usage": usage.as_dict()})
-        except Exception as exc:  # headers are out: report in-band, as OpenAI's stream does
-            log.warning("stream %s failed: %s", cid, exc)
-            err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}", type="server_error")
-            await event(err.body())
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                                 "choices": [choice], "usage": usage.as_dict()})
+        return StreamingResponse(_sse(head, pieces, usage, params, chat=chat), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
 
 
-async def _read_json(receive) -> dict:
+async def _sse(head: dict, pieces, usage: Usage, params: GenParams, *, chat: bool):
+    """The server-sent events of one streamed completion (see the module doc for their order)."""
+    extra = {"usage": None} if params.include_usage else {}
+
+    def chunk(text: str | None, finish: str | None, *, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {**head, "choices": [choice], **extra}
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    try:
+        if chat:
+            yield event(chunk(None, None, role=True))
+        async for piece in pieces:
+            yield event(chunk(piece, None))
+        yield event(chunk(None, usage.finish_reason))
+        if params.include_usage:
+            yield event({**head, "choices": [], "usage": usage.as_dict()})
+    except Exception as exc:  # the status line is out: report in-band, as OpenAI's stream does
+        log.warning("stream %s failed: %s", head["id"], exc)
+        err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}", type="server_error")
+        yield event(err.body())
+    yield "data: [DONE]\n\n"
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+    if exc.status_code == 404:
+        err = no_route(request.method, request.url.path)
+    else:
+        err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return JSONResponse(err.body(), status_code=err.status, headers=getattr(exc, "headers", None))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return JSONResponse(APIError(500, "internal error (see the backbone's log)", type="server_error").body(),
+                        status_code=500)
+
+
+async def _read_json(request: Request) -> dict:
     body = bytearray()
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
+    async for part in request.stream():
+        body += part
         if len(body) > MAX_BODY:
             raise bad_request(f"request body over {MAX_BODY} bytes")
-        if not msg.get("more_body"):
-            break
     try:
         data = json.loads(body or b"{}")
     except (ValueError, UnicodeDecodeError):
