@@ -53,6 +53,7 @@ from p2pswarm.http_server import serve_asgi
 from p2pswarm.lifecycle import until_signal
 from p2pswarm.net.framing import FrameReader, send_frame
 from relay.config import RelaySettings
+from relay.metrics import relay_metrics
 from relay.protocol import MAX_TOKEN_FRAME, PROTOCOL_TOKEN, TOKEN_TIMEOUT_S
 
 log = logging.getLogger("p2pswarm.relay")
@@ -319,11 +320,14 @@ def health(net, hop: GatedHop, dht=None) -> dict:
 
 
 class HealthApp:
-    """``GET /health`` (and ``/``): the relay's state as JSON. A Starlette app, like the backbone's API."""
+    """The relay's health port: ``GET /health`` (and ``/``) its state as JSON, ``GET /metrics`` the
+    same numbers in Prometheus text format (:mod:`relay.metrics`). A Starlette app, like the
+    backbone's API."""
 
     def __init__(self, report):
         self.report = report
-        self.app = Starlette(routes=[Route("/", self._health), Route("/health", self._health)],
+        self.app = Starlette(routes=[Route("/", self._health), Route("/health", self._health),
+                                     Route("/metrics", self._metrics)],
                              exception_handlers={HTTPException: self._not_found})
 
     async def __call__(self, scope, receive, send):
@@ -332,8 +336,12 @@ class HealthApp:
     async def _health(self, request) -> Response:
         return JSONResponse(self.report())
 
+    async def _metrics(self, request) -> Response:
+        payload, ctype = relay_metrics(self.report)
+        return Response(payload, media_type=ctype)
+
     async def _not_found(self, request, exc) -> Response:
-        return JSONResponse({"error": "not found: try GET /health"}, status_code=exc.status_code)
+        return JSONResponse({"error": "not found: try GET /health or /metrics"}, status_code=exc.status_code)
 
 
 async def serve_health(app, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
