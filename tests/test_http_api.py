@@ -59,9 +59,13 @@ async def test_bad_requests_get_400(tiny_f32):
         with httpx.Client(base_url=base, timeout=60) as c:
             for body in (b"not json", b"[1]", json.dumps({"prompt": ""}).encode(),
                          json.dumps({"prompt": "x", "max_tokens": -1}).encode(),
-                         json.dumps({"prompt": "x", "temperature": "hot"}).encode()):
+                         json.dumps({"prompt": "x", "temperature": "hot"}).encode(),
+                         b'{"prompt": "lone \\ud800 surrogate"}',  # not valid Unicode
+                         json.dumps({"prompt": "x", "max_tokens": 600}).encode()):  # tiny's context is 512
                 r = c.post("/v1/completions", content=body)
                 assert r.status_code == 400 and r.json()["error"]["message"], (body, r.text)
+            r = c.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}')
+            assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"]
             assert c.get("/nope").status_code == 404
 
     await _with_server(tiny_f32, client)

@@ -39,6 +39,7 @@ from p2pswarm.backbone.metrics import BackboneMetrics
 from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.status_page import SwarmView, status_html
+from p2pswarm.errors import UserError
 from p2pswarm.http_server import serve_asgi
 
 log = logging.getLogger("p2pswarm.http")
@@ -48,8 +49,9 @@ MAX_BODY = 1 << 20
 class CompletionsApp:
     """ASGI app over one backbone and its tokenizer.
 
-    ``model_path`` (the GGUF) gives the chat template and the layout the status page draws;
-    ``view`` overrides the latter (a swarm backbone passes its resolver's block size)."""
+    ``model_path`` (the GGUF) gives the chat template, the context length requests must fit in
+    and the layout the status page draws; ``view`` overrides the latter (a swarm backbone passes
+    its resolver's block size)."""
 
     def __init__(self, backbone: Backbone, tokenizer, model_name: str, fingerprint: str, *,
                  model_path=None, view: SwarmView | None = None, chat_template: str | None = None):
@@ -61,10 +63,14 @@ class CompletionsApp:
         if chat_template is None and model_path is not None:
             chat_template = read_chat_template(model_path)
         self.chat = ChatTemplate(chat_template, tokenizer) if chat_template else None
-        if view is None and model_path is not None:
+        self.n_ctx = getattr(backbone.model, "n_ctx_train", None)
+        if model_path is not None:
             from p2pswarm.model.layout import ModelLayout
 
-            view = SwarmView.for_backbone(backbone, ModelLayout.open(model_path))
+            layout = ModelLayout.open(model_path)
+            self.n_ctx = int(layout.hparams.get("context_length") or 0) or self.n_ctx
+            if view is None:
+                view = SwarmView.for_backbone(backbone, layout)
         self.view = view
         self.active = 0
         self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active)
@@ -79,7 +85,8 @@ class CompletionsApp:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             ],
-            exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error})
+            exception_handlers={APIError: _api_error, UserError: _user_error, HTTPException: _http_error,
+                                Exception: _server_error})
 
     # -- the one place generation starts ---------------------------------------------------------
     @asynccontextmanager
@@ -189,6 +196,11 @@ class CompletionsApp:
 
     async def _respond(self, ids: list[int], params: GenParams, *, chat: bool) -> Response:
         """Run one generation and answer it, whole or as server-sent events."""
+        if self.n_ctx and len(ids) + params.max_tokens > self.n_ctx:
+            raise bad_request(f"this model's context is {self.n_ctx} tokens; the request asks for "
+                              f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} to "
+                              f"generate): shorten it or lower max_tokens", param="max_tokens",
+                              code="context_length_exceeded")
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name,
@@ -240,6 +252,11 @@ async def _sse(head: dict, pieces, usage: Usage, params: GenParams, *, chat: boo
 
 async def _api_error(request: Request, exc: APIError) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _user_error(request: Request, exc: UserError) -> Response:
+    """Input the model cannot take (a lone surrogate in the text, a token id out of range): a 400."""
+    return JSONResponse(bad_request(str(exc)).body(), status_code=400)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
