@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 
 import trio
 from starlette.applications import Starlette
@@ -54,8 +55,12 @@ class CompletionsApp:
     its resolver's block size)."""
 
     def __init__(self, backbone: Backbone, tokenizer, model_name: str, fingerprint: str, *,
-                 model_path=None, view: SwarmView | None = None, chat_template: str | None = None):
+                 model_path=None, view: SwarmView | None = None, chat_template: str | None = None,
+                 scheduler=None):
         self.backbone = backbone
+        # The continuous-batching Scheduler (p2pswarm.backbone.scheduler, the throughput work):
+        # every request of both endpoints then shares decode steps. None: one generate() each.
+        self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.fingerprint = fingerprint
@@ -72,7 +77,7 @@ class CompletionsApp:
             if view is None:
                 view = SwarmView.for_backbone(backbone, layout)
         self.view = view
-        self.active = 0
+        self._generating = 0
         self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active)
         self.app = Starlette(
             routes=[
@@ -89,18 +94,29 @@ class CompletionsApp:
                                 Exception: _server_error})
 
     # -- the one place generation starts ---------------------------------------------------------
+    @property
+    def active(self) -> int:
+        """Sequences generating now."""
+        return self.scheduler.active if self.scheduler is not None else self._generating
+
     @asynccontextmanager
     async def open_generation(self, prompt_ids: list[int], *, max_tokens: int, sampler):
-        """Token steps (``generate.Step``) for one request. The batching scheduler's
-        ``scheduler.submit(prompt_ids, Params(max_tokens=, sampler=))`` has this same shape:
-        pointing this at it makes every endpoint's requests share decode steps."""
-        steps = generate(self.backbone, self.tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler)
-        self.active += 1
+        """Token steps (``generate.Step``) for one request: through the scheduler when there is
+        one (``scheduler.submit``; leaving the block early cancels the sequence), else a
+        ``generate()`` of its own."""
         self.metrics.prompt_tokens.inc(len(prompt_ids))
+        if self.scheduler is not None:
+            from p2pswarm.backbone.scheduler import Params  # the throughput work's module
+
+            async with self.scheduler.submit(prompt_ids, Params(max_tokens=max_tokens, sampler=sampler)) as steps:
+                yield steps
+            return
+        steps = generate(self.backbone, self.tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler)
+        self._generating += 1
         try:
             yield steps
         finally:
-            self.active -= 1
+            self._generating -= 1
             await steps.aclose()
 
     # -- ASGI: Starlette routes; requests counted by route and status -----------------------------
@@ -290,5 +306,10 @@ async def _read_json(request: Request) -> dict:
 
 
 async def serve_http(app: CompletionsApp, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` until cancelled; ``task_status.started`` gets the bound addresses."""
-    await serve_asgi(app, host, port, logger="p2pswarm.http.server", task_status=task_status)
+    """Serve ``app`` (and run its scheduler's step loop, if it has one) until cancelled;
+    ``task_status.started`` gets the bound addresses."""
+    async with trio.open_nursery() as nursery:
+        if app.scheduler is not None:
+            await nursery.start(app.scheduler.run)
+        binds = await nursery.start(partial(serve_asgi, app, host, port, logger="p2pswarm.http.server"))
+        task_status.started(binds)
