@@ -143,9 +143,12 @@ class CompletionsApp:
 
     async def _health(self, request: Request) -> Response:
         stats = self.backbone.dispatcher.stats
+        sched = self.scheduler
         return JSONResponse({"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
                              "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
-                             "active_sequences": self.active, "chat_template": self.chat is not None})
+                             "active_sequences": self.active, "chat_template": self.chat is not None,
+                             "generated_tokens": sched.stats.generated if sched else self.metrics.total_tokens,
+                             "steps": sched.stats.steps if sched else None})
 
     async def _metrics(self, request: Request) -> Response:
         payload, ctype = self.metrics.render()
