@@ -25,6 +25,7 @@ CONVERSATIONS = [
 ]
 
 
+@pytest.mark.slow
 @needs_llama
 def test_chat_prompt_ids_equal_llama_cpp(qwen35_path):
     """Same GGUF template, same messages: our token ids == llama-cpp-python's chat handler's
