@@ -3,7 +3,8 @@
 * worker: serves its shard on `/p2pswarm/expert/1.0.0`, provides a signed DHT record for every
   coverage unit it holds (re-provided before expiry, withdrawn on a clean shutdown).
 * backbone: holds the dense path and every expert as fallback, finds owners and replicas through DHT
-  look-ups, and serves generation over a local OpenAI-style HTTP endpoint (`/v1/completions`).
+  look-ups, and serves the OpenAI API (`/v1/chat/completions`, `/v1/completions`), a status page and
+  `/metrics` over local HTTP (docs/api.md).
 
 Both print ``READY <multiaddr>`` on stdout once up, log one line per significant event, and shut
 down cleanly on SIGINT/SIGTERM.
