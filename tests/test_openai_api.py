@@ -194,22 +194,28 @@ def test_status_page_in_headless_chromium(backbone, client):
         swarm = httpx.get(backbone["base"] + "/v1/swarm").json()
         n_units = len(swarm["layers"]) * swarm["blocks_per_layer"]
         assert len(swarm["units"]) == n_units == 4 * 16 // BLOCK
-        wait.until(lambda d: len(d.find_elements("css selector", "#heatmap .cell")) == n_units)
+        wait.until(lambda d: d.execute_script("return document.querySelectorAll('#heatmap .cell').length") == n_units)
 
-        def live():
-            return {(int(c.get_attribute("data-layer")), int(c.get_attribute("data-block"))):
-                    int(c.get_attribute("data-live")) for c in drv.find_elements("css selector", "#heatmap .cell")}
+        def live():  # read in one script: the page redraws its cells every 2 s
+            cells = drv.execute_script("return [...document.querySelectorAll('#heatmap .cell')].map("
+                                       "c => [+c.dataset.layer, +c.dataset.block, +c.dataset.live]);")
+            return {(layer, block): n for layer, block, n in cells}
 
         before = live()
         assert set(before.values()) == {1, 2}  # blocks 0-1 (experts 0-7) twice, blocks 2-3 once
-        assert len(drv.find_elements("css selector", "#workers tr")) == len(RANGES)
+        assert drv.execute_script("return document.querySelectorAll('#workers tr').length") == len(RANGES)
+        # a cell's tooltip names its owners (computed on hover from the workers' ranges)
+        title = drv.execute_script("const c = document.querySelector('#heatmap .cell[data-block=\"3\"]');"
+                                   "c.dispatchEvent(new MouseEvent('mouseover', {bubbles: true})); return c.title;")
+        w1 = next(w for w in swarm["workers"] if w["experts"] == [8, 16])
+        assert "experts 12-15: 1 live replica" in title and w1["short_id"] in title, title
         backbone["workers"][1].stop(signal.SIGKILL)
         client.completions.create(model="tiny", prompt="after the kill", max_tokens=3, temperature=0)
         wait.until(lambda d: live() != before)
         after = live()
         changed = {k for k in before if before[k] != after[k]}
         assert changed == {k for k in before if k[1] >= 2} and all(after[k] == 0 for k in changed)
-        assert drv.find_elements("css selector", "#heatmap .cell.stale")
+        assert drv.execute_script("return document.querySelectorAll('#heatmap .cell.stale').length") == len(changed)
         shot = Path(os.environ.get("P2PSWARM_SCREENSHOT") or backbone["tmp"] / "status.png")
         assert drv.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:

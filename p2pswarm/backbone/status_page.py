@@ -16,9 +16,12 @@ not at its record's expiry.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from importlib import resources
+
+import numpy as np
 
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 
@@ -41,7 +44,7 @@ class SwarmView:
     def __init__(self, dispatcher, *, layers, n_expert: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  kernel: str | None = None, resolver=None):
         self.dispatcher = dispatcher
-        self.layers = list(layers)
+        self.layers = sorted(layers)
         self.n_expert = n_expert
         self.block_size = block_size
         self.kernel = kernel
@@ -55,29 +58,45 @@ class SwarmView:
         return cls(d, layers=layout.expert_layers, n_expert=layout.n_expert, block_size=block_size,
                    kernel=getattr(d.local.bank, "kernel", None), resolver=resolver)
 
-    def _holds_unit(self, owner, span, layer: int, block: int) -> bool:
-        e0, e1 = block * self.block_size, min((block + 1) * self.block_size, self.n_expert)
+    def _cover(self, grid: np.ndarray, owner, span) -> None:
+        """Add 1 to ``grid[row, block]`` for every unit the owner holds any expert of: one slice
+        from its ranges, or ``holds()`` expert by expert for an owner without ranges."""
+        bs = self.block_size
         if span is not None:
             (l0, l1), (x0, x1) = span
-            return l0 <= layer < l1 and x0 < e1 and e0 < x1
-        return any(owner.holds(layer, e) for e in range(e0, e1))
+            if x1 > x0:
+                r0, r1 = bisect.bisect_left(self.layers, l0), bisect.bisect_left(self.layers, l1)
+                grid[r0:r1, max(0, x0) // bs:min(self.n_blocks, (x1 - 1) // bs + 1)] += 1
+            return
+        for row, layer in enumerate(self.layers):
+            for b in range(self.n_blocks):
+                if any(owner.holds(layer, e) for e in range(b * bs, min((b + 1) * bs, self.n_expert))):
+                    grid[row, b] += 1
 
     def units(self) -> list[dict]:
+        """One dict per unit, layer-major. Counted owner by owner with array slices, so a poll
+        stays cheap at the 122B's scale (49 x 32 units, hundreds of phones): bench/bench_status.py."""
         d = self.dispatcher
-        owners = [(o, _ranges(o), d._healthy(o)) for o in d.owners if o.remote]
+        nb, bs = self.n_blocks, self.block_size
+        live = np.zeros((len(self.layers), nb), np.int32)
+        known = np.zeros_like(live)
+        for o in d.owners:
+            if o.remote:
+                span = _ranges(o)
+                self._cover(known, o, span)
+                if d._healthy(o):
+                    self._cover(live, o, span)
         demand = getattr(d, "demand", None)
         now = time.monotonic()
+        live_l, known_l = live.tolist(), known.tolist()
         out = []
-        for layer in self.layers:
-            for b in range(self.n_blocks):
-                e0, e1 = b * self.block_size, min((b + 1) * self.block_size, self.n_expert)
-                holders = [(o, ok) for o, span, ok in owners if self._holds_unit(o, span, layer, b)]
-                unit = {"layer": layer, "block": b, "experts": [e0, e1],
-                        "replicas": sum(ok for _, ok in holders), "known": len(holders),
-                        "owners": [o.name for o, ok in holders if ok]}
-                unit["demand"] = (round(sum(demand.value(layer, e, now) for e in range(e0, e1)), 3)
-                                  if demand is not None else None)
-                out.append(unit)
+        for row, layer in enumerate(self.layers):
+            for b in range(nb):
+                e0, e1 = b * bs, min((b + 1) * bs, self.n_expert)
+                out.append({"layer": layer, "block": b, "experts": [e0, e1], "replicas": live_l[row][b],
+                            "known": known_l[row][b],
+                            "demand": (round(sum(demand.value(layer, e, now) for e in range(e0, e1)), 3)
+                                       if demand is not None else None)})
         return out
 
     def workers(self) -> list[dict]:
