@@ -153,6 +153,9 @@ def test_errors_in_openai_shape(client):
 
 def test_metrics_parse_with_prometheus_client(backbone, client):
     client.completions.create(model="tiny", prompt="metrics", max_tokens=4, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="unknown", messages=CHAT)
+    assert httpx.get(backbone["base"] + "/no/such/path").status_code == 404
     text = httpx.get(backbone["base"] + "/metrics").text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("p2pswarm_http_requests", "p2pswarm_tokens_generated", "p2pswarm_active_sequences",
@@ -161,10 +164,14 @@ def test_metrics_parse_with_prometheus_client(backbone, client):
         assert name in fams, name
     reqs = {(s.labels["endpoint"], s.labels["status"]): s.value for s in fams["p2pswarm_http_requests"].samples
             if s.name.endswith("_total")}
-    assert reqs[("/v1/completions", "200")] >= 1 and reqs.get(("/v1/chat/completions", "404"), 0) >= 1
+    assert reqs[("/v1/completions", "200")] >= 1 and reqs[("/v1/chat/completions", "404")] >= 1
+    assert reqs[("other", "404")] >= 1  # unknown paths share one label value
     tokens = next(s.value for s in fams["p2pswarm_tokens_generated"].samples if s.name.endswith("_total"))
     swarm = httpx.get(backbone["base"] + "/v1/swarm").json()
     assert tokens == swarm["tokens_generated"] >= 4
+    # the module's requests all fall in the page's 5-minute window of 5 s bins
+    assert sum(rate for _, rate in swarm["tokens_per_s"]) * 5 == pytest.approx(tokens)
+    assert next(s.value for s in fams["p2pswarm_active_sequences"].samples) == swarm["active_sequences"] == 0
     owners = {s.labels["owner"] for s in fams["p2pswarm_owner_request_seconds"].samples if s.name.endswith("_count")
               and s.value > 0}
     assert owners and owners <= {w["name"] for w in swarm["workers"]}
