@@ -79,6 +79,32 @@ def tiny_q4km(models_dir) -> Path:
     return _model(models_dir, "tiny-q4_k_m", preset="tiny", qtype="q4_k_m", seed=3)
 
 
+@pytest.fixture(scope="session")
+def vocab_cache(tmp_path_factory) -> Path:
+    """A session-wide cache dir, so the sdist is fetched once per session (pip caches the download)."""
+    return tmp_path_factory.mktemp("vocab-cache")
+
+
+def sdist_vocab(vocab_cache: Path, name: str) -> Path:
+    """A vocab-only GGUF of the llama-cpp-python sdist, fetched into the session's vocab cache."""
+    from p2pswarm.model import vocab
+
+    old = os.environ.get("P2PSWARM_CACHE")
+    os.environ["P2PSWARM_CACHE"] = str(vocab_cache)
+    try:
+        return vocab.qwen35_vocab_path() if name == "qwen35" else vocab.sdist_vocab_path(name)
+    finally:
+        if old is None:
+            os.environ.pop("P2PSWARM_CACHE", None)
+        else:
+            os.environ["P2PSWARM_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def qwen35_path(vocab_cache) -> Path:
+    return sdist_vocab(vocab_cache, "qwen35")
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bool = False):
     """Run ``p2pswarm ARGS`` as a real process; returns the CompletedProcess (text)."""
     full_env = dict(os.environ)

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
+
 from conftest import assert_one_line_error, run_cli
 
 from p2pswarm.model.slicer import slice_experts
@@ -155,7 +157,14 @@ def test_bad_tokens_get_no_reservation(tiny_f32, tmp_path, env, issuer):
         # and the good token still works afterwards
         good = issue_token(issuer, me.peer_id_str, ["relay"], 3600).encode()
         w = Proc(worker_args(tmp_path, shard, relay.addr, "w", good), tmp_path / "w-good.log", env)
-        assert get_health(relay.health)["reservations"] == 1
+        h = get_health(relay.health)
+        assert h["reservations"] == 1
+        # /metrics on the health port: the same numbers, in Prometheus text format
+        with urllib.request.urlopen(relay.health.replace("/health", "/metrics"), timeout=10) as r:
+            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        assert {s.labels["reason"]: s.value for s in fams["p2pswarm_relay_refusals"].samples} == dict.fromkeys(cases, 1)
+        assert fams["p2pswarm_relay_reservations"].samples[0].value == 1
+        assert fams["p2pswarm_relay_tokens_accepted"].samples[0].value == h["tokens_accepted"] == 1
         w.stop()
     finally:
         relay.stop()
