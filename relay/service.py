@@ -53,6 +53,7 @@ from p2pswarm.http_server import serve_asgi
 from p2pswarm.lifecycle import until_signal
 from p2pswarm.net.framing import FrameReader, send_frame
 from relay.config import RelaySettings
+from relay.discovery import advertise_relay
 from relay.metrics import relay_metrics
 from relay.protocol import MAX_TOKEN_FRAME, PROTOCOL_TOKEN, TOKEN_TIMEOUT_S
 
@@ -415,6 +416,7 @@ async def run_relay(settings: RelaySettings) -> None:
                          settings.max_reservations, settings.max_circuits)
                 print(f"READY {addrs[0] if addrs else net.peer_id_str} health={url}", flush=True)
                 nursery.start_soon(_report, net, hop, dht)
+                nursery.start_soon(advertise_relay, dht)  # how workers find this relay (relay/discovery.py)
                 await until_signal(nursery.cancel_scope)
     log.info("relay stopped")
 

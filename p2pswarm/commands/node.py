@@ -85,9 +85,12 @@ def add_parser(sub) -> None:
                    help=f"experts per coverage unit; the same swarm-wide (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--ttl", type=float, default=600.0, help="worker: record lifetime in seconds (default 600)")
     p.add_argument("--timeout", type=float, default=30.0, help="backbone: seconds to wait for a worker")
-    p.add_argument("--relay", metavar="MULTIADDR",
-                   help="worker behind NAT: keep a reservation on this relay (/ip4/H/tcp/P/ws/p2p/ID or .../wss/...), "
-                        "use it as DHT bootstrap, and advertise the relayed address (a DHT client, not a server)")
+    p.add_argument("--relay", metavar="MULTIADDR", action="append", default=[],
+                   help="worker behind NAT: keep a reservation on a relay (/ip4/H/tcp/P/ws/p2p/ID or .../wss/...), "
+                        "use it as DHT bootstrap, and advertise the relayed address (a DHT client, not a server). "
+                        "Repeatable: one of them is picked at random, and the worker moves to another (or to one "
+                        "found in the DHT) when its relay dies or is full. `--relay auto`: find relays through "
+                        "--bootstrap in the DHT")
     p.add_argument("--token", help="worker: node token (or a file holding it) to show the relay "
                                    "(`p2pswarm token issue --allow relay`)")
     add_net_args(p)
@@ -107,14 +110,19 @@ async def _worker(args) -> None:
     if not args.fetch:
         worker, info, entry = _load_shard(args.shard, args)
     keeper = None
+    relayed = bool(args.relay) or getattr(args, "relay_auto", False)
+    dht_of: list = []  # the keeper looks relays up in the DHT once there is one
     async with open_host(identity, listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce) as net:
-        if args.relay:
-            keeper = await _start_relay_keeper(args, net)
-        bootstrap = [*args.bootstrap, *([args.relay] if args.relay else [])]
+        if args.relay:  # a given relay is also the way into the DHT: reserve first
+            keeper = await _start_relay_keeper(args, net, dht_of)
+        bootstrap = [*args.bootstrap, *([keeper.relay_addr] if keeper else [])]
         # Behind NAT nobody can dial us except through the relay: a DHT client, not a server.
-        async with open_dht(net, server=not args.relay, bootstrap=bootstrap) as dht:
+        async with open_dht(net, server=not relayed, bootstrap=bootstrap) as dht:
+            dht_of.append(dht)
+            if relayed and keeper is None:  # --relay auto: find one in the DHT
+                keeper = await _start_relay_keeper(args, net, dht_of)
             log.info("joined the swarm as %s (%d bootstrap peers%s)", net.peer_id_str, len(bootstrap),
-                     ", relayed, DHT client" if args.relay else "")
+                     f", relayed, DHT client, through relay {keeper.relay_id.to_base58()}" if relayed else "")
             if args.fetch:
                 shard = await _fetch_shard(args, net, dht, identity)
                 worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
@@ -126,7 +134,7 @@ async def _worker(args) -> None:
                 if keeper is not None:
                     async def rejoin() -> None:
                         # A restarted relay lost the records it stored: bootstrap and publish again.
-                        await dht.bootstrap([args.relay])
+                        await dht.bootstrap([keeper.relay_addr])
                         await adv.publish()
                         log.info("re-published my records through the relay")
 
@@ -205,12 +213,17 @@ async def _fetch_shard(args, net, dht, identity) -> Path:
     return shard
 
 
-async def _start_relay_keeper(args, net):
-    """Reserve on ``--relay`` now (one-line error if refused or unreachable); returns the keeper,
-    whose ``keep()`` then holds the reservation (renewals, reconnects after a relay restart)."""
+async def _start_relay_keeper(args, net, dht_of: list):
+    """Reserve on one of ``--relay`` (or a relay found in the DHT) now (one-line error if none takes
+    us); returns the keeper, whose ``keep()`` then holds the reservation (renewals, reconnects after a
+    relay restart, a move to another relay when this one is gone)."""
     from relay.client import RelayKeeper
+    from relay.discovery import find_relays
 
-    keeper = RelayKeeper(net, args.relay, args.relay_token, relay_only=not args.announce)
+    async def discover(exclude: set[str]) -> list[str]:
+        return await find_relays(dht_of[0], exclude=exclude) if dht_of else []
+
+    keeper = RelayKeeper(net, args.relay, args.relay_token, relay_only=not args.announce, discover=discover)
     await keeper.start()
     return keeper
 
@@ -291,7 +304,12 @@ def run(args) -> int:
         from p2pswarm.net.host import parse_peer_addr
         from p2pswarm.net.tokens import load_token
 
-        parse_peer_addr(args.relay)
+        args.relay_auto = "auto" in args.relay
+        args.relay = [a for a in args.relay if a != "auto"]
+        if args.relay_auto and not args.bootstrap:
+            raise UserError("--relay auto finds relays in the DHT: give --bootstrap ADDR too")
+        for addr in args.relay:
+            parse_peer_addr(addr)
         args.relay_token = load_token(args.token) if args.token else None
     sys.stdout.reconfigure(line_buffering=True)
     trio.run(_worker if args.role == "worker" else _backbone, args)
