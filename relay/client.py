@@ -98,8 +98,8 @@ class RelayKeeper:
         try:
             exp = await self.reserve_once()
         except trio.TooSlowError:
-            raise UserError(f"relay {self.relay_addr[:80]} did not answer within {RESERVE_TIMEOUT_S:.0f} s") from None
-        log.info("reserved a slot on relay %s until %s; reachable at %s/p2p/%s", self.relay_id.to_base58()[-12:],
+            raise UserError(f"relay {self.relay_addr} did not answer within {RESERVE_TIMEOUT_S:.0f} s") from None
+        log.info("reserved a slot on relay %s until %s; reachable at %s/p2p/%s", self.relay_id.to_base58(),
                  time.strftime("%H:%M:%S UTC", time.gmtime(exp)), self.circuit, self.net.peer_id_str)
         return self.circuit
 
@@ -116,7 +116,7 @@ class RelayKeeper:
             renew_at = time.monotonic() + max(1.0, min(ttl / 2, ttl - 30))
             while time.monotonic() < renew_at:
                 if not self.connected():
-                    log.warning("lost the connection to relay %s: reconnecting", self.relay_id.to_base58()[-12:])
+                    log.warning("lost the connection to relay %s: reconnecting", self.relay_id.to_base58())
                     return
                 await trio.sleep(WATCH_S)
             try:
@@ -142,11 +142,11 @@ class RelayKeeper:
                 continue
             except (UserError, trio.TooSlowError, Exception) as exc:
                 log.info("attempt %d to reach relay %s failed: %s; retrying in %.1f s", attempt,
-                         self.relay_id.to_base58()[-12:], _reason(exc)[:160], delay)
+                         self.relay_id.to_base58(), _reason(exc), delay)
             await trio.sleep(delay * random.uniform(0.8, 1.2))
             delay = min(BACKOFF_MAX_S, delay * 2)
         self.reconnects += 1
-        log.info("re-reserved on relay %s after %.1f s (%d attempts), until %s", self.relay_id.to_base58()[-12:],
+        log.info("re-reserved on relay %s after %.1f s (%d attempts), until %s", self.relay_id.to_base58(),
                  time.monotonic() - t0, attempt, time.strftime("%H:%M:%S UTC", time.gmtime(exp)))
         if self.on_reserved is not None:
             try:

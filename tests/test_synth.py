@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -387,6 +388,38 @@ def test_vocab_qwen35(tmp_path: Path) -> None:
             assert np.isfinite(scores).all() and scores.std() > 1.0
         finally:
             llm.close()
+
+
+_NO_NETWORK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    seen = []
+    WATCH = ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.sendto",
+             "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "urllib.Request")
+    sys.addaudithook(lambda event, args: seen.append([event, repr(args)[:200]]) if event in WATCH else None)
+    from p2pswarm.commands.demo import default_model
+    from p2pswarm.model.vocab import qwen35_vocab_path
+    path = default_model()
+    print(json.dumps({"model": str(path), "vocab": str(qwen35_vocab_path()), "events": seen}))
+""")
+
+
+@pytest.mark.slow
+def test_demo_model_preparation_makes_no_network_access(tmp_path: Path) -> None:
+    """The demo's first run makes its model from the shipped vocabulary: no socket is dialled, no
+    name resolved, no process (pip) started, on an empty cache (Python audit hooks watch)."""
+    env = dict(os.environ, P2PSWARM_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _NO_NETWORK_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["events"] == []
+    assert Path(got["vocab"]) == REPO / "p2pswarm" / "data" / "ggml-vocab-qwen35.gguf"
+    model = Path(got["model"])
+    assert model.is_relative_to(tmp_path / "cache") and model.is_file()
+    from p2pswarm.engine.tokenizer import Tokenizer
+
+    assert Tokenizer.from_gguf(model).n_vocab == 151_936
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,6 +134,8 @@ async def _read_json(receive) -> dict:
     return data
 
 
-async def serve_http(app: CompletionsApp, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` until cancelled; ``task_status.started`` gets the bound addresses."""
-    await serve_asgi(app, host, port, logger="p2pswarm.http.server", task_status=task_status)
+async def serve_http(app: CompletionsApp, host_or_socket, port: int | None = None, *,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` until cancelled on ``host``:``port``, or on an already bound listening socket;
+    ``task_status.started`` gets the bound addresses."""
+    await serve_asgi(app, host_or_socket, port, logger="p2pswarm.http.server", task_status=task_status)

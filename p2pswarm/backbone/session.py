@@ -125,9 +125,7 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
     """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers.
 
     ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node."""
-    layout = ModelLayout.open(model_path)
-    if layout.shard_kind is not None:
-        raise UserError(f"{layout.path}: is a {layout.shard_kind} shard; give the full model")
+    layout = ModelLayout.open(model_path).require_full_model()
     kernel = resolve_kernel(kernel)
     model = load_dense(layout)
     use_kernel_for_dense(model, kernel, threads=threads)

@@ -3,12 +3,11 @@ p2pswarm.model.synth)."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from typing import TextIO
 
 from p2pswarm.commands.common import positive_int
 from p2pswarm.errors import UserError
+from p2pswarm.progress import ProgressBar
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -98,56 +97,12 @@ def _seed(text: str) -> int:
     return v
 
 
-class _Progress:
-    """A one-line bar on a terminal; elsewhere a line per layer, only for long (>256 MB) work."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.last_draw = 0.0
-        self.last_layer: str | None = None
-        self.drew = False
-        self.t0 = time.monotonic()
-
-    def __call__(self, done: int, total: int, what: str) -> None:
-        if self.tty:
-            now = time.monotonic()
-            if now - self.last_draw < 0.1 and done < total:
-                return
-            self.last_draw = now
-            width = 30
-            frac = done / total if total else 1.0
-            bar = "#" * int(frac * width)
-            self.stream.write(f"\r[{bar:<{width}}] {frac * 100:5.1f}% {done / 1e6:9.1f} MB  "
-                              f"{what[:40]:<40}")
-            self.stream.flush()
-            self.drew = True
-            return
-        if total < (256 << 20):
-            return
-        group = what.split(".")[1] if what.startswith("blk.") else what
-        if what.startswith("blk.") and group != self.last_layer and done > 0:
-            self.last_layer = group
-            self.stream.write(f"make-model: layer {group} ({done / 1e6:.0f}/{total / 1e6:.0f} MB, "
-                              f"{time.monotonic() - self.t0:.1f} s)\n")
-            self.stream.flush()
-        elif not what.startswith(("blk.", "token_embd")) and what != self.last_layer:
-            self.last_layer = what
-            self.stream.write(f"make-model: {what}\n")
-            self.stream.flush()
-
-    def finish(self) -> None:
-        if self.drew:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def run(args: argparse.Namespace) -> int:
     from p2pswarm.model import synth  # noqa: PLC0415
 
     if args.layers is not None and args.layers > 512:
         raise UserError(f"--layers must be at most 512, got {args.layers}")
-    progress = None if getattr(args, "quiet", False) else _Progress(sys.stderr)
+    progress = None if getattr(args, "quiet", False) else ProgressBar("make-model", unit="B")
     t0 = time.monotonic()
     try:
         path = synth.make_model(
@@ -165,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         if progress is not None:
-            progress.finish()
+            progress.close()
     info = synth.describe(path)
     print(
         f"wrote {path}: {info['architecture']} {info['preset']}, {info['n_layer']} layers, n_embd "
