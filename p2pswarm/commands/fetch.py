@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
                    help="issuer whose signed manifest is trusted (repeatable)")
     p.add_argument("--out", required=True, metavar="SHARD.gguf",
                    help="where the slice goes (an interrupted run resumes from OUT.part)")
-    p.add_argument("--identity", help="this node's key file (default $P2PSWARM_HOME/identity/worker.key)")
+    p.add_argument("--identity", help="this node's key file (default $P2PSWARM_HOME/identity/worker.key; "
+                                      "refused while another live process uses it)")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (default %(default)s)")
     p.add_argument("--streams", type=positive_int, default=4, help="parallel streams per source (default 4)")
     p.set_defaults(func=run)

@@ -35,7 +35,8 @@ def add_net_args(p, default_listen: str = "/ip4/127.0.0.1/tcp/0") -> None:
     p.add_argument("--announce", action="append", default=None,
                    help="multiaddr to advertise instead of the listen addresses (repeatable)")
     p.add_argument("--identity", help="Ed25519 key file (created mode 0600 on first start; "
-                                      "default $P2PSWARM_HOME/identity/<role>.key)")
+                                      "default $P2PSWARM_HOME/identity/<role>.key); one live node per key: "
+                                      "a second process on a key in use is refused")
 
 
 def dialable_addrs(net) -> list[str]:
