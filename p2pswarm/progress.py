@@ -22,8 +22,8 @@ import time
 
 from tqdm import tqdm
 
-#: Off a terminal: a line each time the work crosses another tenth.
-LINE_STEP = 0.10
+#: Off a terminal: a line each time the work crosses another 1/LINE_STEPS of the total.
+LINE_STEPS = 10
 
 
 def _after_s(default: float) -> float:
@@ -50,7 +50,7 @@ class ProgressBar:
         self._lock = threading.Lock()
         self._bar: tqdm | None = None
         self._last_line = self.t0
-        self._next_frac = LINE_STEP
+        self._steps_shown = 0
         self._printed = False
         self._printed_done = -1
         self._done = 0
@@ -66,7 +66,7 @@ class ProgressBar:
             if self._closed:
                 return
             if int(done) < self._done:  # a new phase (make-model: writing, then quantising)
-                self._next_frac = LINE_STEP
+                self._steps_shown = 0
             self._done, self._total = int(done), int(total)
             if self.tty:
                 self._draw(what)
@@ -108,12 +108,11 @@ class ProgressBar:
         now = time.monotonic()
         if now - self.t0 < self.after_s or self._total <= 0:
             return
-        frac = self._done / self._total if self._total else 0.0
-        if frac >= self._next_frac or now - self._last_line >= self.every_s:
+        steps = self._done * LINE_STEPS // self._total  # integers: exact at every tenth
+        if steps > self._steps_shown or now - self._last_line >= self.every_s:
             self._line(what)
             self._last_line = now
-            while self._next_frac <= frac:
-                self._next_frac += LINE_STEP
+            self._steps_shown = max(self._steps_shown, steps)
 
     def _line(self, what: str | None) -> None:
         elapsed = time.monotonic() - self.t0

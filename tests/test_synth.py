@@ -564,24 +564,34 @@ def test_command_defaults_and_errors(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
-def test_command_progress_lines_for_long_work() -> None:
+def test_command_progress_lines_for_long_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """make-model's progress (p2pswarm.progress, as every long command's) off a terminal: a line
+    per 10 % and one every 5 s of slow stretches, naming the tensor; nothing for quick work."""
     import io
 
+    from p2pswarm import progress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.delenv("P2PSWARM_PROGRESS_AFTER", raising=False)
     buf = io.StringIO()
-    prog = cmd._Progress(buf)
-    total = 1 << 30
-    prog(10, total, "token_embd.weight")
-    prog(100, total, "blk.0.attn_q.weight")
-    prog(200, total, "blk.0.ffn_up_exps.weight")
-    prog(300, total, "blk.1.attn_q.weight")
+    prog = progress.ProgressBar("make-model", unit="B", stream=buf)
+    total = 10**9
+    clock[0] += 2  # past the quiet first second
+    for i in range(101):
+        prog(total * i // 100, total, f"blk.{i // 10}.ffn_up_exps.weight")
+    clock[0] += 6  # a slow stretch inside one tenth: a line anyway
     prog(total, total, "output_norm.weight")
-    prog.finish()
+    prog.close()
     lines = buf.getvalue().splitlines()
-    assert [ln.split(" (")[0] for ln in lines] == [
-        "make-model: layer 0", "make-model: layer 1", "make-model: output_norm.weight"]
+    assert [int(ln.split("%")[0].split()[-1]) for ln in lines] == [*range(10, 101, 10), 100]
+    assert lines[0].startswith("make-model:  10% 100MB of 1.00GB, ") and lines[0].endswith("(blk.1.ffn_up_exps.weight)")
+    assert lines[-1].endswith("(output_norm.weight)")
     quiet = io.StringIO()
-    small = cmd._Progress(quiet)
-    small(1, 100, "blk.0.attn_q.weight")
+    small = progress.ProgressBar("make-model", unit="B", stream=quiet)
+    for i in range(11):
+        small(i, 10, "blk.0.attn_q.weight")
+    small.close()
     assert quiet.getvalue() == ""
 
 
