@@ -74,6 +74,19 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bo
     return proc
 
 
+def start_cli(args: list[str], log: Path, env: dict | None = None, timeout: float = 90) -> tuple[subprocess.Popen, str]:
+    """Start ``p2pswarm ARGS`` as a real process (stderr to ``log``) and wait for its ``READY``
+    line; returns (process, what the READY line names)."""
+    from p2pswarm.backbone.session import start_cli_process
+    from p2pswarm.errors import UserError
+
+    try:
+        with open(log, "w") as log_file:
+            return start_cli_process(args, f"p2pswarm {' '.join(args[:3])}", timeout, env=env, stderr=log_file)
+    except UserError as exc:
+        raise AssertionError(f"{exc}: {log.read_text()[-3000:]}") from None
+
+
 def assert_one_line_error(proc, *needles: str) -> None:
     """A refused input: non-zero exit, no traceback, one line on stderr naming the problem."""
     assert proc.returncode != 0, proc.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli, start_cli
 
 TOKENS = "11,22,33,44,55,66,77,88,99,110,121,132,143,154,165,176,187,198,209,220"
 
@@ -181,34 +181,23 @@ def test_progress_on_a_terminal_is_a_bar(tiny_f32, tmp_path):
 @pytest.mark.slow
 def test_backbone_serves_http_on_the_socket_it_checked(tiny_f32, tmp_path):
     """The socket bound before joining is the one served: a backbone process (no workers: every
-    expert local) answers /v1/completions on the port of its READY line."""
+    expert local) answers /v1/completions on the port it logged."""
     import os
-    import subprocess
-    import sys
-    import threading
 
     import httpx
 
+    from p2pswarm.backbone.session import stop_process
+
     env = dict(os.environ, P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_KERNEL="numpy")
-    proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", "node", "--role", "backbone", "--model",
-                             str(tiny_f32), "--http", "127.0.0.1:0"], stdout=subprocess.PIPE,
-                            stderr=open(tmp_path / "bb.log", "w"), stdin=subprocess.DEVNULL, text=True, env=env)
+    log = tmp_path / "bb.log"
+    proc, _addr = start_cli(["node", "--role", "backbone", "--model", str(tiny_f32), "--http", "127.0.0.1:0"],
+                            log, env, timeout=120)
     try:
-        line: list[str] = []
-        t = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(120)
-        assert line and line[0].startswith("READY "), (tmp_path / "bb.log").read_text()[-2000:]
-        base = line[0].split("http=")[1].strip()
+        base = log.read_text().split("serving /v1/completions on ")[1].split()[0]
         assert base.startswith("http://127.0.0.1:") and not base.endswith(":0")
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
                        timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

@@ -7,13 +7,12 @@ import stat
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
 from libp2p.peer.id import ID
 
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli, start_cli
 
 from p2pswarm.errors import UserError
 from p2pswarm.net.identity import (Identity, default_identity_path, load_identity, load_or_create_identity,
@@ -107,18 +106,7 @@ def test_signatures_verify_against_the_peer_id_alone():
 # --- one key, one live node ----------------------------------------------------------------------
 def _start_worker(shard: Path, env: dict, log: Path) -> tuple[subprocess.Popen, str]:
     """``node --role worker --shard SHARD`` (no --identity, no --bootstrap); waits for READY."""
-    proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", "node", "--role", "worker", "--shard", str(shard)],
-                            stdout=subprocess.PIPE, stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True,
-                            env=env)
-    line: list[str] = []
-    t = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(90)
-    if not line or not line[0].startswith("READY "):
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"the worker did not start: {log.read_text()[-2000:]}")
-    return proc, line[0].split()[1]
+    return start_cli(["node", "--role", "worker", "--shard", str(shard)], log, env)
 
 
 @pytest.mark.slow
