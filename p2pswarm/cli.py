@@ -53,9 +53,14 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if (action.option_strings and "default" not in text.lower() and "%(default)" not in text
-                and action.default not in (None, False, True, argparse.SUPPRESS, [], "")):
+                and not _no_default(action.default)):
             text += " (default: %(default)s)"
         return text
+
+
+def _no_default(value) -> bool:
+    """None, a flag's False/True, an empty list or string: nothing worth stating (0 is a default)."""
+    return value is None or isinstance(value, bool) or value == argparse.SUPPRESS or value in ([], "")
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,4 +1,5 @@
-"""Every command's every option explains itself (argparse help=), and `p2pswarm --version` works."""
+"""Every command's every option explains itself (argparse help=), `p2pswarm --version` works, and
+error messages keep whole words and ids."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ from importlib import metadata
 
 from conftest import run_cli
 
-from p2pswarm.cli import COMMANDS, build_parser
+from p2pswarm.cli import COMMANDS, _no_default, build_parser
 
 
 def _subparsers(parser: argparse.ArgumentParser):
@@ -53,7 +54,7 @@ def test_every_default_is_stated():
     for name, p in _subparsers(parser):
         fmt = p._get_formatter()
         for action in p._actions:
-            if not action.option_strings or action.default in (None, False, True, [], "", argparse.SUPPRESS):
+            if not action.option_strings or _no_default(action.default):
                 continue
             text = fmt._expand_help(action)
             shown_for[(name, action.option_strings[-1])] = text
@@ -71,3 +72,14 @@ def test_version_prints_the_package_version():
     assert proc.returncode == 0, proc.stderr
     assert re.fullmatch(r"p2pswarm \S+\n", proc.stdout), proc.stdout
     assert proc.stdout.split()[1] == metadata.version("p2pswarm")
+
+
+def test_clip_keeps_whole_words_and_ids():
+    from p2pswarm.errors import clip
+
+    peer = "12D3KooWFr51g7njXDNitqg1LDiaeAy37BXfJAUwaGN7S263sZh4"
+    assert clip(f"cannot dial {peer}:\n  connection refused") == f"cannot dial {peer}: connection refused"
+    long = " ".join(["word"] * 100)
+    cut = clip(f"{long} {peer}", 60)
+    assert cut.endswith(" [...]") and len(cut) <= 66 and set(cut[:-6].split()) == {"word"}
+    assert clip("x" * 100, 10) == "x" * 10 + " [...]"  # one huge token: cut, but marked

@@ -34,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--arch", choices=list(ARCHES), default="qwen3moe",
                    help="architecture: qwen3moe (default) or qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
                         "+ gated attention + shared expert, the seed's own model)")
-    p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (tiny)")
+    p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (default: tiny)")
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="number of layers (default: the preset's)")
     p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--vocab", metavar="FILE.gguf",
                    help="copy the tokenizer.ggml.* vocabulary of this GGUF (e.g. "
                         "ggml-vocab-qwen35.gguf); default: a small built-in byte-level BPE")
-    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="random seed (0)")
+    p.add_argument("--seed", type=_seed, default=0, metavar="N",
+                   help="random seed: the same seed and options give the same bytes (default: 0)")
     tie = p.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None,
                      help="no output.weight: the lm head reuses token_embd")
