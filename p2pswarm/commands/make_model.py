@@ -41,9 +41,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="tensor type: f32 (default), f16, q8_0 (norms and router stay F32), "
                         "q4_k_m (llama.cpp's quantiser; needs p2pswarm[llama]). geometry-122b's "
                         "experts are Q4_K whatever this says")
-    p.add_argument("--vocab", metavar="FILE.gguf",
-                   help="copy the tokenizer.ggml.* vocabulary of this GGUF (e.g. "
-                        "ggml-vocab-qwen35.gguf); default: a small built-in byte-level BPE")
+    p.add_argument("--vocab", metavar="FILE.gguf|qwen35",
+                   help="copy the tokenizer.ggml.* vocabulary of this GGUF; 'qwen35': the real Qwen3.5 "
+                        "vocabulary shipped with p2pswarm (p2pswarm/data/ggml-vocab-qwen35.gguf); default: a "
+                        "small built-in byte-level BPE")
     p.add_argument("--seed", type=_seed, default=0, metavar="N",
                    help="random seed: the same seed and options give the same bytes (default: 0)")
     tie = p.add_mutually_exclusive_group()
@@ -75,6 +76,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
     return p
+
+
+def _vocab(name: str | None):
+    """``--vocab qwen35`` names the shipped vocabulary; anything else is a file path."""
+    if name == "qwen35":
+        from p2pswarm.model.vocab import qwen35_vocab_path  # noqa: PLC0415
+
+        return qwen35_vocab_path()
+    return name
 
 
 def _sections(text: str) -> tuple[int, ...]:
@@ -111,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             preset=args.preset,
             layers=args.layers,
             qtype=args.qtype,
-            vocab=args.vocab,
+            vocab=_vocab(args.vocab),
             seed=args.seed,
             tied=args.tied,
             router_near_tie=args.router_near_tie,
