@@ -390,6 +390,19 @@ def test_vocab_qwen35(tmp_path: Path) -> None:
             llm.close()
 
 
+@pytest.mark.slow
+def test_make_model_vocab_qwen35_names_the_shipped_file(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    proc = subprocess.run([sys.executable, "-m", "p2pswarm.cli", "make-model", "-o", str(out), "--layers", "1",
+                           "--vocab", "qwen35"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "n_vocab 151936" in proc.stdout
+    shipped = {kv.key: kv.value for kv in synth.read_gguf_kv(REPO / "p2pswarm" / "data" / "ggml-vocab-qwen35.gguf")
+               if kv.key == "tokenizer.ggml.pre"}
+    assert {kv.key: kv.value for kv in synth.read_gguf_kv(out) if kv.key == "tokenizer.ggml.pre"} == shipped
+
+
 _NO_NETWORK_SCRIPT = textwrap.dedent("""
     import json, sys
     seen = []
