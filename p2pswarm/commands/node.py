@@ -316,7 +316,6 @@ def run(args) -> int:
 
         require_full_model(args.model)
         args.http_socket = bind_http(args.http)
-
     if args.relay:
         if args.role != "worker":
             raise UserError("--relay is for workers behind NAT (backbones dial relayed workers by themselves)")
