@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from importlib import metadata
 import logging
 import os
 import sys
@@ -36,13 +37,49 @@ COMMANDS = [
 ]
 
 
+def package_version() -> str:
+    """The version in the installed package's metadata (what pip installed), not a copy here."""
+    try:
+        return metadata.version("p2pswarm")
+    except metadata.PackageNotFoundError:
+        return "unknown (p2pswarm is not installed: pip install -e .)"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already says it: one rule for
+    every command, so no option's default goes unstated (argparse's own ArgumentDefaultsHelpFormatter
+    would repeat the defaults that help texts already explain, and print "default: None")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and "default" not in text.lower() and "%(default)" not in text
+                and not _no_default(action.default)):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _no_default(value) -> bool:
+    """None, a flag's False/True, an empty list or string: nothing worth stating (0 is a default)."""
+    return value is None or isinstance(value, bool) or value == argparse.SUPPRESS or value in ([], "")
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser class of the CLI and all its subcommands: shares :class:`DefaultsHelpFormatter`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="p2pswarm",
         description="Serve a Mixture-of-Experts model from a swarm, cut at the grain of one expert.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: INFO, or $P2PSWARM_LOG_LEVEL)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}",
+                        help="print the installed p2pswarm version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
     for name in COMMANDS:
         module = importlib.import_module(f"p2pswarm.commands.{name}")

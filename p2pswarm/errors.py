@@ -16,3 +16,16 @@ class FrameError(UserError):
 
 class WorkerError(UserError):
     """A worker that failed, died, timed out or refused us; the backbone may fall back."""
+
+
+def clip(text: object, limit: int = 300) -> str:
+    """``text`` on one line, cut to about ``limit`` characters at a word boundary with " [...]".
+
+    Why: a message that quotes what a peer sent, or a library's exception, must stay one bounded
+    line; but cutting mid-word (or mid-peer-id) made messages unreadable. Our own sentences and ids
+    are never clipped: only text we do not control."""
+    one = " ".join(str(text).split())
+    if len(one) <= limit:
+        return one
+    cut = one.rfind(" ", 0, limit + 1)
+    return (one[:cut] if cut > limit // 2 else one[:limit]) + " [...]"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgpack
 import trio
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import UserError, clip
 from p2pswarm.net.framing import FrameReader, send_frame
 
 PROTOCOL_TOKEN = "/p2pswarm/token/1.0.0"
@@ -43,5 +43,5 @@ async def present_token(net, relay, token: str, *, scope: str = "relay", timeout
         raise UserError("relay sent a malformed token reply") from None
     if not isinstance(reply, dict) or not reply.get("ok"):
         reason = reply.get("error") if isinstance(reply, dict) else None
-        raise RelayRefused(f"relay refused our token: {str(reason or 'no reason given')[:200]}")
+        raise RelayRefused(f"relay refused our token: {clip(reason or 'no reason given', 300)}")
     return int(reply.get("expires") or 0)

@@ -48,7 +48,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from p2pswarm.errors import FrameError, UserError
+from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.http_server import serve_asgi
 from p2pswarm.lifecycle import until_signal
 from p2pswarm.net.framing import FrameReader, send_frame
@@ -192,19 +192,19 @@ class GatedHop(CircuitV2Protocol):
                     raise ConnectionError(f"destination answered status {resp.status}")
             except (Exception, trio.TooSlowError) as exc:
                 self.stats.circuits_refused += 1
-                log.warning("circuit %s -> %s failed: %s", src.to_base58()[-12:], dst.to_base58()[-12:],
-                            str(exc)[:160] or type(exc).__name__)
+                log.warning("circuit %s -> %s failed: %s", src.to_base58(), dst.to_base58(),
+                            clip(exc, 300) or type(exc).__name__)
                 await self._send_status(stream, StatusCode.CONNECTION_FAILED, "cannot reach the destination")
                 await _reset(stream, dst_stream)
                 return
             await self._send_status(stream, StatusCode.OK, "circuit established",
                                     limit=Limit(duration=self.limits.duration, data=self.limits.data))
             self.stats.circuits_opened += 1
-            log.info("circuit %s -> %s open (%d active)", src.to_base58()[-12:], dst.to_base58()[-12:],
+            log.info("circuit %s -> %s open (%d active)", src.to_base58(), dst.to_base58(),
                      self.stats.circuits_active)
             moved = await self._splice(stream, dst_stream)
-            log.info("circuit %s -> %s closed after %d bytes (%d active)", src.to_base58()[-12:],
-                     dst.to_base58()[-12:], moved, self.stats.circuits_active - 1)
+            log.info("circuit %s -> %s closed after %d bytes (%d active)", src.to_base58(),
+                     dst.to_base58(), moved, self.stats.circuits_active - 1)
         finally:
             self.stats.circuits_active -= 1
             self.resource_manager.release_connection(dst)
@@ -213,7 +213,7 @@ class GatedHop(CircuitV2Protocol):
 
     async def _refuse_circuit(self, stream, src, dst, code, key, text) -> None:
         self.stats.circuits_refused += 1
-        self._refuse_log(f"a circuit to {dst.to_base58()[-12:] if dst else '?'}", src, key, text)
+        self._refuse_log(f"a circuit to {dst.to_base58() if dst else '?'}", src, key, text)
         await self._send_status(stream, code, text)
         await _reset(stream, None)
 
@@ -302,7 +302,7 @@ def token_handler(hop: GatedHop):
                     hop.grant(peer, tok.expires_at)
                     hop.stats.tokens_accepted += 1
                     (log.debug if renewal else log.info)(
-                        "token of %s accepted (issuer %s, expires %s)", peer, tok.issuer[-12:],
+                        "token of %s accepted (issuer %s, expires %s)", peer, tok.issuer,
                         time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(tok.expires_at)))
                     reply = {"ok": True, "expires": tok.expires_at}
             await send_frame(stream, msgpack.packb(reply), MAX_TOKEN_FRAME)
@@ -387,7 +387,7 @@ async def run_relay(settings: RelaySettings) -> None:
         parse_multiaddr(a, "announce address")
     for a in settings.bootstrap:
         parse_multiaddr(a, "bootstrap address")
-    identity = load_or_create_identity(settings.identity or default_identity_path("relay"))
+    identity = load_or_create_identity(settings.identity or default_identity_path("relay"), exclusive=True)
     hops: list[GatedHop] = []
 
     def make_hop(host):

@@ -80,29 +80,11 @@ def tiny_q4km(models_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vocab_cache(tmp_path_factory) -> Path:
-    """A session-wide cache dir, so the sdist is fetched once per session (pip caches the download)."""
-    return tmp_path_factory.mktemp("vocab-cache")
-
-
-def sdist_vocab(vocab_cache: Path, name: str) -> Path:
-    """A vocab-only GGUF of the llama-cpp-python sdist, fetched into the session's vocab cache."""
+def qwen35_path() -> Path:
+    """The real Qwen3.5 vocabulary the package ships (p2pswarm/data), sha256-checked."""
     from p2pswarm.model import vocab
 
-    old = os.environ.get("P2PSWARM_CACHE")
-    os.environ["P2PSWARM_CACHE"] = str(vocab_cache)
-    try:
-        return vocab.qwen35_vocab_path() if name == "qwen35" else vocab.sdist_vocab_path(name)
-    finally:
-        if old is None:
-            os.environ.pop("P2PSWARM_CACHE", None)
-        else:
-            os.environ["P2PSWARM_CACHE"] = old
-
-
-@pytest.fixture(scope="session")
-def qwen35_path(vocab_cache) -> Path:
-    return sdist_vocab(vocab_cache, "qwen35")
+    return Path(vocab.qwen35_vocab_path())
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bool = False):
@@ -114,6 +96,19 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bo
     if check and proc.returncode != 0:
         raise AssertionError(f"p2pswarm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
+
+
+def start_cli(args: list[str], log: Path, env: dict | None = None, timeout: float = 90) -> tuple[subprocess.Popen, str]:
+    """Start ``p2pswarm ARGS`` as a real process (stderr to ``log``) and wait for its ``READY``
+    line; returns (process, what the READY line names)."""
+    from p2pswarm.backbone.session import start_cli_process
+    from p2pswarm.errors import UserError
+
+    try:
+        with open(log, "w") as log_file:
+            return start_cli_process(args, f"p2pswarm {' '.join(args[:3])}", timeout, env=env, stderr=log_file)
+    except UserError as exc:
+        raise AssertionError(f"{exc}: {log.read_text()[-3000:]}") from None
 
 
 def assert_one_line_error(proc, *needles: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import assert_one_line_error, run_cli
+from conftest import assert_one_line_error, run_cli, start_cli
 
 TOKENS = "11,22,33,44,55,66,77,88,99,110,121,132,143,154,165,176,187,198,209,220"
 
@@ -81,3 +81,123 @@ def test_demo_swarm_mode(tmp_path):
     assert "bootstrap node: pid" in out and "worker node 2: pid" in out
     assert "backbone found 3 owners through the DHT, 0 units uncovered" in out
     assert out.count("bit-identical") == 2 and "OK: the split run's logits" in out
+
+
+# --- the fresh-machine path: errors, progress -----------------------------------------------------
+@pytest.fixture(scope="module")
+def expert_shard(tiny_f32, tmp_path_factory):
+    from p2pswarm.model.slicer import slice_experts
+
+    path = tmp_path_factory.mktemp("shard") / "shard.gguf"
+    slice_experts(tiny_f32, path, None, (0, 8))
+    return path
+
+
+@pytest.mark.parametrize("command", [
+    ["node", "--role", "backbone", "--http", "127.0.0.1:0", "--model", "{shard}"],
+    ["logits", "{shard}", "--tokens", "1,2", "--out", "{tmp}/x.npy"],
+    ["generate", "{shard}", "--prompt", "hi"],
+    ["demo", "--model", "{shard}"],
+])
+def test_expert_shard_given_as_model_is_refused(expert_shard, tmp_path, command):
+    args = [a.format(shard=expert_shard, tmp=tmp_path) for a in command]
+    proc = run_cli(*args, env={"P2PSWARM_HOME": str(tmp_path / "home")}, timeout=120)
+    assert_one_line_error(proc, f"{expert_shard} is an expert shard, not a model: give the full model GGUF")
+    assert proc.returncode == 2
+    assert not (tmp_path / "home").exists()  # refused before anything else: no identity made
+
+
+def test_backbone_on_a_taken_http_port_is_one_line_before_joining(tiny_f32, tmp_path):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        proc = run_cli("node", "--role", "backbone", "--model", str(tiny_f32), "--http", f"127.0.0.1:{port}",
+                       env={"P2PSWARM_HOME": str(tmp_path / "home")}, timeout=120)
+    finally:
+        taken.close()
+    assert_one_line_error(proc, f"--http 127.0.0.1:{port}: cannot listen there", "address already in use",
+                          "--http")
+    assert proc.returncode == 2 and "READY" not in proc.stdout
+    assert not (tmp_path / "home").exists()  # checked before the node made or loaded its identity
+
+
+def _progress_lines(stderr: str, label: str) -> list[int]:
+    import re
+
+    pat = re.compile(rf"^{label}: +(\d+)% \S+B of \S+B, \S+B/s, \d\d:\d\d elapsed, ETA \S+$")
+    return [int(m.group(1)) for m in map(pat.match, stderr.splitlines()) if m]
+
+
+def test_progress_off_a_terminal_is_periodic_lines(tiny_f32, tmp_path):
+    """`slice` with stderr a pipe: whole lines, one per 10 % or so, done, total, rate and ETA; no
+    carriage returns. Quick work prints none by default (P2PSWARM_PROGRESS_AFTER=0 shows them)."""
+    proc = run_cli("slice", str(tiny_f32), "--experts", "0-7", "-o", str(tmp_path / "s.gguf"),
+                   env={"P2PSWARM_PROGRESS_AFTER": "0"}, check=True)
+    pct = _progress_lines(proc.stderr, "slice")
+    assert len(pct) >= 8 and pct == sorted(pct) and pct[-1] == 100, proc.stderr
+    assert all(b - a <= 20 for a, b in zip([0, *pct], pct)), pct  # no long silent stretch
+    assert "\r" not in proc.stderr
+    quiet = run_cli("slice", str(tiny_f32), "--experts", "0-7", "-o", str(tmp_path / "q.gguf"), check=True)
+    assert _progress_lines(quiet.stderr, "slice") == [], quiet.stderr
+
+
+def test_progress_on_a_terminal_is_a_bar(tiny_f32, tmp_path):
+    """`manifest` with stderr a terminal (a pty of 100 x 24): tqdm's bar, redrawn in place."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    key = tmp_path / "issuer.key"
+    run_cli("identity", "--path", str(key), check=True)
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", "manifest", "--model", str(tiny_f32), "--key",
+                             str(key), "--out", str(tmp_path / "m.manifest")], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the pty
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(120) == 0
+    shown = b"".join(chunks).decode("utf-8", "replace")
+    assert "\r" in shown and "manifest: 100%|" in shown and "B/s]" in shown, shown[-500:]
+
+
+@pytest.mark.slow
+def test_backbone_serves_http_on_the_socket_it_checked(tiny_f32, tmp_path):
+    """The socket bound before joining is the one served: a backbone process (no workers: every
+    expert local) answers /v1/completions on the port it logged."""
+    import os
+
+    import httpx
+
+    from p2pswarm.backbone.session import stop_process
+
+    env = dict(os.environ, P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_KERNEL="numpy")
+    log = tmp_path / "bb.log"
+    proc, _addr = start_cli(["node", "--role", "backbone", "--model", str(tiny_f32), "--http", "127.0.0.1:0"],
+                            log, env, timeout=120)
+    try:
+        base = log.read_text().split("serving /v1/completions on ")[1].split()[0]
+        assert base.startswith("http://127.0.0.1:") and not base.endswith(":0")
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        stop_process(proc)

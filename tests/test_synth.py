@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -382,6 +383,55 @@ def test_vocab_qwen35(tmp_path: Path) -> None:
         assert np.isfinite(scores).all() and scores.std() > 1.0
 
 
+@pytest.mark.slow
+def test_make_model_vocab_qwen35_names_the_shipped_file(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    proc = subprocess.run([sys.executable, "-m", "p2pswarm.cli", "make-model", "-o", str(out), "--layers", "1",
+                           "--vocab", "qwen35"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "n_vocab 151936" in proc.stdout
+    shipped = {kv.key: kv.value for kv in synth.read_gguf_kv(REPO / "p2pswarm" / "data" / "ggml-vocab-qwen35.gguf")
+               if kv.key == "tokenizer.ggml.pre"}
+    assert {kv.key: kv.value for kv in synth.read_gguf_kv(out) if kv.key == "tokenizer.ggml.pre"} == shipped
+
+
+_NO_NETWORK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    seen = []
+    WATCH = ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.sendto",
+             "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "urllib.Request")
+    def hook(event, args):
+        # ctypes.util.find_library (loading libggml) runs `ldconfig -p`: a local look-up, allowed
+        if event in WATCH and not (event == "subprocess.Popen" and str(args[0]).endswith("ldconfig")):
+            seen.append([event, repr(args)[:200]])
+    sys.addaudithook(hook)
+    from p2pswarm.commands.demo import default_model
+    from p2pswarm.model.vocab import qwen35_vocab_path
+    path = default_model()
+    print(json.dumps({"model": str(path), "vocab": str(qwen35_vocab_path()), "events": seen}))
+""")
+
+
+@pytest.mark.slow
+def test_demo_model_preparation_makes_no_network_access(tmp_path: Path) -> None:
+    """The demo's first run makes its model from the shipped vocabulary: no socket is dialled, no
+    name resolved, no process (pip) started, on an empty cache (Python audit hooks watch)."""
+    env = dict(os.environ, P2PSWARM_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _NO_NETWORK_SCRIPT], capture_output=True, text=True,
+                          env=env, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["events"] == []
+    assert Path(got["vocab"]) == REPO / "p2pswarm" / "data" / "ggml-vocab-qwen35.gguf"
+    model = Path(got["model"])
+    assert model.is_relative_to(tmp_path / "cache") and model.is_file()
+    from p2pswarm.engine.tokenizer import Tokenizer
+
+    assert Tokenizer.from_gguf(model).n_vocab == 151_936
+
+
 # ---------------------------------------------------------------------------------------------
 # Failures leave nothing behind
 
@@ -520,24 +570,34 @@ def test_command_defaults_and_errors(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
-def test_command_progress_lines_for_long_work() -> None:
+def test_command_progress_lines_for_long_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """make-model's progress (p2pswarm.progress, as every long command's) off a terminal: a line
+    per 10 % and one every 5 s of slow stretches, naming the tensor; nothing for quick work."""
     import io
 
+    from p2pswarm import progress
+
+    clock = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    monkeypatch.delenv("P2PSWARM_PROGRESS_AFTER", raising=False)
     buf = io.StringIO()
-    prog = cmd._Progress(buf)
-    total = 1 << 30
-    prog(10, total, "token_embd.weight")
-    prog(100, total, "blk.0.attn_q.weight")
-    prog(200, total, "blk.0.ffn_up_exps.weight")
-    prog(300, total, "blk.1.attn_q.weight")
+    prog = progress.ProgressBar("make-model", unit="B", stream=buf)
+    total = 10**9
+    clock[0] += 2  # past the quiet first second
+    for i in range(101):
+        prog(total * i // 100, total, f"blk.{i // 10}.ffn_up_exps.weight")
+    clock[0] += 6  # a slow stretch inside one tenth: a line anyway
     prog(total, total, "output_norm.weight")
-    prog.finish()
+    prog.close()
     lines = buf.getvalue().splitlines()
-    assert [ln.split(" (")[0] for ln in lines] == [
-        "make-model: layer 0", "make-model: layer 1", "make-model: output_norm.weight"]
+    assert [int(ln.split("%")[0].split()[-1]) for ln in lines] == [*range(10, 101, 10), 100]
+    assert lines[0].startswith("make-model:  10% 100MB of 1.00GB, ") and lines[0].endswith("(blk.1.ffn_up_exps.weight)")
+    assert lines[-1].endswith("(output_norm.weight)")
     quiet = io.StringIO()
-    small = cmd._Progress(quiet)
-    small(1, 100, "blk.0.attn_q.weight")
+    small = progress.ProgressBar("make-model", unit="B", stream=quiet)
+    for i in range(11):
+        small(i, 10, "blk.0.attn_q.weight")
+    small.close()
     assert quiet.getvalue() == ""
 
 

@@ -1,8 +1,9 @@
 """The tokenizer, held side by side with llama.cpp's own (through llama-cpp-python 0.3.36).
 
-The reference vocab is the real Qwen3.5 one (151,936 tokens), fetched by
-``p2pswarm.model.vocab.qwen35_vocab_path`` from the llama-cpp-python sdist -- never from a
-local copy -- into a per-session cache. Every comparison is exact: same ids, same bytes.
+The reference vocab is the real Qwen3.5 one (151,936 tokens) that ships with the package
+(``p2pswarm.model.vocab.qwen35_vocab_path``, sha256-pinned); the other pre-tokenizers' vocabularies
+(llama.cpp's, also pinned) are under tests/data/vocab. Nothing is downloaded. Every comparison is
+exact: same ids, same bytes.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import ctypes
 import json
 import os
 import random
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +21,6 @@ import pytest
 
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import ModelFormatError, UserError
-from conftest import sdist_vocab
 from p2pswarm.model import vocab as vocab_mod
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +35,49 @@ needs_llama = pytest.mark.skipif(llama_cpp is None, reason=LLAMA_SKIP_REASON)
 
 
 # --- fixtures ----------------------------------------------------------------------------------
+#: The other pre-tokenizers' vocab-only GGUFs (llama.cpp's, MIT), stored under tests/data/vocab.
+TEST_VOCAB_DIR = REPO / "tests" / "data" / "vocab"
+TEST_VOCABS = {
+    "gpt-2": "cedc56ca6e2e89f63e781696d1fd76b4b1d49e6720dee86463e915f6e90016ac",
+    "mpt": "59dc382612866d1fc6c11ea531318d327598f3412d9c8f8600607cdf3030898f",
+    "llama-bpe": "97272e430d53bc7688f52d5e0ad8ea8f163ede9f1bbd1694feaa504797d5d96e",
+}
+#: llama.cpp's ggml-vocab-qwen2.gguf: the Qwen3.5 file with tokenizer.ggml.pre = "qwen2", byte for byte.
+QWEN2_SHA256 = "44c2f46b715f585c6ab513970e8a006bfa5badd6108560054921cf598d154d8c"
+
+
+@pytest.fixture(scope="session")
+def vocab_dir(tmp_path_factory) -> Path:
+    """Where derived vocabularies (qwen2) are written, once per session."""
+    return tmp_path_factory.mktemp("vocab")
+
+
+def _with_pre(src: Path, dst: Path, pre: str) -> Path:
+    """``src`` with its ``tokenizer.ggml.pre`` string replaced, every other byte kept."""
+    data = src.read_bytes()
+    key = b"tokenizer.ggml.pre"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    vtype, n = struct.unpack_from("<IQ", data, at)
+    assert vtype == gguf.GGUFValueType.STRING
+    body = at + 12
+    dst.write_bytes(data[:at + 4] + struct.pack("<Q", len(pre)) + pre.encode() + data[body + n:])
+    return dst
+
+
+def _vocab(vocab_dir: Path, name: str) -> Path:
+    if name == "qwen35":
+        return vocab_mod.qwen35_vocab_path()
+    if name == "qwen2":
+        path = vocab_dir / "ggml-vocab-qwen2.gguf"
+        if not path.exists():
+            _with_pre(vocab_mod.qwen35_vocab_path(), path, "qwen2")
+        assert vocab_mod.sha256_file(path) == QWEN2_SHA256, "the derived qwen2 vocab is not llama.cpp's file"
+        return path
+    path = TEST_VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    assert vocab_mod.sha256_file(path) == TEST_VOCABS[name], f"{path} does not match its pinned sha256"
+    return path
+
+
 @pytest.fixture(scope="session")
 def qwen35(qwen35_path) -> Tokenizer:
     return Tokenizer.from_gguf(qwen35_path)
@@ -230,8 +274,8 @@ OTHER_TEXTS += ["Hello , world ! ' quoted ' it 's I 'm we 're they 've 'll 'd 't
 @pytest.mark.slow
 @needs_llama
 @pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "gpt-2", "mpt"])
-def test_other_vocabs_match_llama_cpp(vocab_cache, name):
-    path = sdist_vocab(vocab_cache, name)
+def test_other_vocabs_match_llama_cpp(vocab_dir, name):
+    path = _vocab(vocab_dir, name)
     tok, ref = Tokenizer.from_gguf(path), Ref(path)
     for text in OTHER_TEXTS:
         assert_same(tok, ref, text)
@@ -282,8 +326,8 @@ def _rewrite(src: Path, dst: Path, **set_kv) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gpt2_path(vocab_cache) -> Path:
-    return sdist_vocab(vocab_cache, "gpt-2")
+def gpt2_path(vocab_dir) -> Path:
+    return _vocab(vocab_dir, "gpt-2")
 
 
 @pytest.mark.slow
@@ -344,21 +388,27 @@ def test_missing_and_corrupt_files(tmp_path):
         Tokenizer.from_gguf(_no_tokenizer_gguf(tmp_path / "bare.gguf"))
 
 
-def test_vocab_fetch_failure_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("P2PSWARM_CACHE", str(tmp_path / "empty-cache"))
-
-    def fail(*a, **k):
-        return subprocess.CompletedProcess(a, 1, "", "ERROR: No matching distribution found\n")
-
-    monkeypatch.setattr(vocab_mod.subprocess, "run", fail)
-    with pytest.raises(UserError, match="pip download of llama-cpp-python==0.3.36 failed: ERROR: No matching") as e:
-        vocab_mod.qwen35_vocab_path()
-    assert "\n" not in str(e.value)
-
-
-def test_vocab_path_is_the_pinned_file(qwen35_path):
+def test_vocab_is_the_shipped_pinned_file(qwen35_path):
+    """The vocabulary comes from the package itself (p2pswarm/data), matching the pinned sha256."""
     assert qwen35_path.name == "ggml-vocab-qwen35.gguf"
-    assert vocab_mod._sha256(qwen35_path) == vocab_mod.KNOWN_VOCABS["qwen35"]
+    assert qwen35_path.parent == REPO / "p2pswarm" / "data"
+    assert vocab_mod.sha256_file(qwen35_path) == vocab_mod.QWEN35_VOCAB_SHA256
+
+
+@pytest.mark.parametrize("damage", ["missing", "altered"])
+def test_damaged_shipped_vocab_is_one_line(tmp_path, monkeypatch, damage):
+    fake = tmp_path / "data" / vocab_mod.QWEN35_VOCAB_NAME
+    if damage == "altered":
+        fake.parent.mkdir()
+        fake.write_bytes(vocab_mod.qwen35_vocab_path().read_bytes()[:-1] + b"!")
+    monkeypatch.setattr(vocab_mod, "shipped_data_path", lambda name: tmp_path / "data" / name)
+    vocab_mod.qwen35_vocab_path.cache_clear()
+    try:
+        with pytest.raises(UserError, match="missing" if damage == "missing" else "expected 63ed952f") as e:
+            vocab_mod.qwen35_vocab_path()
+    finally:
+        vocab_mod.qwen35_vocab_path.cache_clear()
+    assert "\n" not in str(e.value) and "reinstall" in str(e.value)
 
 
 # --- the CLI -----------------------------------------------------------------------------------

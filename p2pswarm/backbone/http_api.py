@@ -308,11 +308,13 @@ async def _read_json(request: Request) -> dict:
     return data
 
 
-async def serve_http(app: CompletionsApp, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` (and run its scheduler's step loop, if it has one) until cancelled;
-    ``task_status.started`` gets the bound addresses."""
+async def serve_http(app: CompletionsApp, host_or_socket, port: int | None = None, *,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` (and run its scheduler's step loop, if it has one) until cancelled on
+    ``host``:``port``, or on an already bound listening socket; ``task_status.started`` gets the
+    bound addresses."""
     async with trio.open_nursery() as nursery:
         if app.scheduler is not None:
             await nursery.start(app.scheduler.run)
-        binds = await nursery.start(partial(serve_asgi, app, host, port, logger="p2pswarm.http.server"))
+        binds = await nursery.start(partial(serve_asgi, app, host_or_socket, port, logger="p2pswarm.http.server"))
         task_status.started(binds)

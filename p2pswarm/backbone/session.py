@@ -61,10 +61,12 @@ def ensure_shards(layout: ModelLayout, fingerprint: str, n_workers: int, shard_d
     return paths
 
 
-def start_cli_process(args: list[str], what: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """Start ``p2pswarm ARGS`` and wait for its ``READY <where>`` line; returns (process, where)."""
+def start_cli_process(args: list[str], what: str, timeout_s: float = 60.0, *, env: dict | None = None,
+                      stderr=None) -> tuple[subprocess.Popen, str]:
+    """Start ``p2pswarm ARGS`` and wait for its ``READY <where>`` line; returns (process, where).
+    ``env`` and ``stderr`` as for :class:`subprocess.Popen` (default: ours)."""
     proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True)
+                            stdin=subprocess.DEVNULL, text=True, env=env, stderr=stderr)
     line: list[str] = []
     reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
     reader.start()
@@ -125,9 +127,7 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
     """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers.
 
     ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node."""
-    layout = ModelLayout.open(model_path)
-    if layout.shard_kind is not None:
-        raise UserError(f"{layout.path}: is a {layout.shard_kind} shard; give the full model")
+    layout = ModelLayout.open(model_path).require_full_model()
     kernel = resolve_kernel(kernel)
     model = load_dense(layout)
     use_kernel_for_dense(model, kernel, threads=threads)

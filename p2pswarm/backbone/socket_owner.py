@@ -14,7 +14,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.dispatch import Groups, Owner, pack_rows
-from p2pswarm.errors import FrameError, WorkerError
+from p2pswarm.errors import FrameError, WorkerError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 
@@ -57,7 +57,7 @@ class SocketOwner(Owner):
         # The worker says what it holds; trust only the intersection with what we were told.
         if reply.get("model") != self.model_fingerprint:
             await trio.aclose_forcefully(stream)
-            raise WorkerError(f"{self.name} serves another model ({str(reply.get('model'))[:12]})")
+            raise WorkerError(f"{self.name} serves another model ({clip(reply.get('model'), 80)}), not {self.model_fingerprint}")
         self._stream, self._reader = stream, reader
 
     async def _drop(self) -> None:

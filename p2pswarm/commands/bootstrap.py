@@ -30,7 +30,7 @@ async def _main(args) -> None:
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 
-    identity = load_or_create_identity(args.identity or default_identity_path("bootstrap"))
+    identity = load_or_create_identity(args.identity or default_identity_path("bootstrap"), exclusive=True)
     async with open_host(identity, listen_addrs(args, "/ip4/0.0.0.0/tcp/4001"), announce=args.announce) as net:
         async with open_dht(net, server=True, bootstrap=args.bootstrap) as dht:
             addrs = dialable_addrs(net)

@@ -45,6 +45,14 @@ def add_swarm_args(p) -> None:
     add_kernel_args(p)
 
 
+def require_full_model(path) -> None:
+    """Refuse (one line, exit 2) a file that is not a full model before any work starts: an expert
+    shard or backbone file cut by `p2pswarm slice`, passed where the full model GGUF belongs."""
+    from p2pswarm.model.layout import ModelLayout
+
+    ModelLayout.open(path).require_full_model()
+
+
 def open_model(args):
     """The backbone context a command asked for: through the swarm (--swarm), N local workers
     (--workers) or monolithic. Yields an object with ``.backbone``."""

@@ -1,6 +1,6 @@
 """`p2pswarm demo`: the whole M0+M1 story in one command, no arguments needed.
 
-1. makes the tiny model if missing (with the real Qwen3.5 vocabulary when it can be had),
+1. makes the tiny model if missing (with the real Qwen3.5 vocabulary, shipped with the package),
 2. slices it into one shard per worker (each holds only its own experts),
 3. starts the workers as separate OS processes on local sockets,
 4. generates text through them, printing per-step dispatch stats,
@@ -23,7 +23,7 @@ import trio
 from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import cache_dir, open_backbone
-from p2pswarm.commands.common import add_kernel_args
+from p2pswarm.commands.common import add_kernel_args, require_full_model
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 
@@ -35,9 +35,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="make a tiny model, split it across worker processes, generate, check exactness")
     p.add_argument("--model", help="use this MoE GGUF instead of the built-in tiny model")
     p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--transport", choices=("socket", "inproc"), default="socket")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: %(default)r)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate, greedily (default %(default)s)")
+    p.add_argument("--transport", choices=("socket", "inproc"), default="socket",
+                   help="socket: each worker a separate OS process on a local socket (default); inproc: "
+                        "workers as objects in this process (no sockets, for debugging)")
     p.add_argument("--swarm", action="store_true",
                    help="run the swarm instead: a bootstrap node and worker nodes as separate processes on "
                         "loopback, found by the backbone through the libp2p DHT")
@@ -53,25 +55,19 @@ def default_model() -> Path:
     a newcomer runs is the real architecture, split across workers.
     """
     from p2pswarm.model.synth import make_model
+    from p2pswarm.model.vocab import qwen35_vocab_path
+    from p2pswarm.progress import ProgressBar
 
     d = cache_dir() / "demo"
     d.mkdir(parents=True, exist_ok=True)
     path = d / "tiny-qwen35moe-qwen35vocab.gguf"
     if path.exists():
         return path
-    vocab = None
-    try:
-        from p2pswarm.model.vocab import qwen35_vocab_path
-
-        print("fetching the Qwen3.5 vocabulary (llama.cpp's test vocab, from the llama-cpp-python sdist)...")
-        vocab = qwen35_vocab_path()
-    except UserError as exc:
-        print(f"  could not get it ({exc}); using the built-in small vocabulary instead")
-        path = d / "tiny-qwen35moe.gguf"
-        if path.exists():
-            return path
-    print(f"making the tiny qwen35moe model (Qwen3.5 MoE: Gated DeltaNet + gated attention) -> {path}")
-    make_model(path, arch="qwen35moe", preset="tiny", qtype="f32", vocab=vocab, seed=0)
+    vocab = qwen35_vocab_path()  # shipped with the package: nothing is downloaded
+    print(f"making the tiny qwen35moe model (Qwen3.5 MoE: Gated DeltaNet + gated attention, the Qwen3.5 "
+          f"vocabulary shipped in {vocab.name}) -> {path}")
+    with ProgressBar("making the demo model", unit="B") as bar:
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="f32", vocab=vocab, seed=0, progress=bar)
     return path
 
 
@@ -175,6 +171,8 @@ async def _demo(args) -> int:
 def run(args) -> int:
     if args.workers < 1:
         raise UserError("--workers must be >= 1 for the demo")
+    if args.model:
+        require_full_model(args.model)
     sys.stdout.reconfigure(line_buffering=True)
     # Worker processes inherit this: their routine INFO lines would drown the demo's table.
     os.environ.setdefault("P2PSWARM_LOG_LEVEL", "WARNING")

@@ -34,8 +34,10 @@ def add_parser(sub) -> None:
     p.add_argument("--token", required=True, metavar="TOKEN_OR_FILE", help="node token allowing this range")
     p.add_argument("--trust-issuer", action="append", required=True, metavar="PEER_ID",
                    help="issuer whose signed manifest is trusted (repeatable)")
-    p.add_argument("--out", required=True, metavar="SHARD.gguf")
-    p.add_argument("--identity", help="this node's key file (default $P2PSWARM_HOME/identity/worker.key)")
+    p.add_argument("--out", required=True, metavar="SHARD.gguf",
+                   help="where the slice goes (an interrupted run resumes from OUT.part)")
+    p.add_argument("--identity", help="this node's key file (default $P2PSWARM_HOME/identity/worker.key; "
+                                      "refused while another live process uses it)")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (default %(default)s)")
     p.add_argument("--streams", type=positive_int, default=4, help="parallel streams per source (default 4)")
     p.set_defaults(func=run)
@@ -59,7 +61,7 @@ async def _main(args, token: str, layers, experts) -> None:
     from p2pswarm.net.tokens import NodeToken
     from p2pswarm.progress import ProgressBar
 
-    identity = load_or_create_identity(args.identity or default_identity_path("worker"))
+    identity = load_or_create_identity(args.identity or default_identity_path("worker"), exclusive=True)
     holder = NodeToken.decode(token).holder
     if holder != identity.peer_id_str:
         raise UserError(f"the token is for peer {holder}, but this node is {identity.peer_id_str} "

@@ -7,19 +7,22 @@ import trio
 
 from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.commands.common import add_swarm_args, check_workers, open_model
+from p2pswarm.commands.common import add_swarm_args, check_workers, open_model, require_full_model
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text, greedy or sampled, monolithic or through workers")
-    p.add_argument("model")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("model", help="the full model GGUF")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens whose probability reaches P, in "
+                        "(0, 1] (default %(default)s: all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the sampler: the same seed gives the same text (default %(default)s)")
     p.add_argument("--stats", action="store_true", help="print per-step dispatch stats to stderr")
     add_swarm_args(p)
     p.set_defaults(func=run)
@@ -57,5 +60,6 @@ def run(args) -> int:
         raise UserError("--max-tokens must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError("--temperature must be >= 0 and --top-p in (0, 1]")
+    require_full_model(args.model)
     trio.run(_run, args)
     return 0

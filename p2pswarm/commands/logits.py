@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from p2pswarm.commands.common import add_swarm_args, check_workers, open_model, parse_ids
+from p2pswarm.commands.common import add_swarm_args, check_workers, open_model, parse_ids, require_full_model
 from p2pswarm.errors import UserError
 from p2pswarm.progress import ProgressBar
 
@@ -23,7 +23,7 @@ log = logging.getLogger("p2pswarm.logits")
 
 def add_parser(sub) -> None:
     p = sub.add_parser("logits", help="all-position logits of a token sequence, saved as .npy")
-    p.add_argument("model")
+    p.add_argument("model", help="the full model GGUF")
     p.add_argument("--tokens", required=True, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .npy file (float32 [n_tokens, n_vocab])")
     p.add_argument("--decode", action="store_true", help="token by token through the KV cache")
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 
 
 async def compute_logits(args, tokens):
-    bar = ProgressBar("decode", " tokens")
+    bar = ProgressBar("decode", unit="tokens")
 
     def on_step(done: int, total: int) -> None:
         log.debug("decode step %d/%d", done, total)
@@ -49,6 +49,7 @@ async def compute_logits(args, tokens):
 def run(args) -> int:
     check_workers(args.workers)
     tokens = parse_ids(args.tokens)
+    require_full_model(args.model)
     out = Path(args.out)
     if not out.parent.exists():
         raise UserError(f"{out.parent}: output directory does not exist")

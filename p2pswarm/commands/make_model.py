@@ -3,12 +3,11 @@ p2pswarm.model.synth)."""
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from typing import TextIO
 
 from p2pswarm.commands.common import positive_int
 from p2pswarm.errors import UserError
+from p2pswarm.progress import ProgressBar
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -35,17 +34,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--arch", choices=list(ARCHES), default="qwen3moe",
                    help="architecture: qwen3moe (default) or qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
                         "+ gated attention + shared expert, the seed's own model)")
-    p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (tiny)")
+    p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (default: tiny)")
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="number of layers (default: the preset's)")
     p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
                    help="tensor type: f32 (default), f16, q8_0 (norms and router stay F32), "
                         "q4_k_m (llama.cpp's quantiser; needs p2pswarm[llama]). geometry-122b's "
                         "experts are Q4_K whatever this says")
-    p.add_argument("--vocab", metavar="FILE.gguf",
-                   help="copy the tokenizer.ggml.* vocabulary of this GGUF (e.g. "
-                        "ggml-vocab-qwen35.gguf); default: a small built-in byte-level BPE")
-    p.add_argument("--seed", type=_seed, default=0, metavar="N", help="random seed (0)")
+    p.add_argument("--vocab", metavar="FILE.gguf|qwen35",
+                   help="copy the tokenizer.ggml.* vocabulary of this GGUF; 'qwen35': the real Qwen3.5 "
+                        "vocabulary shipped with p2pswarm (p2pswarm/data/ggml-vocab-qwen35.gguf); default: a "
+                        "small built-in byte-level BPE")
+    p.add_argument("--seed", type=_seed, default=0, metavar="N",
+                   help="random seed: the same seed and options give the same bytes (default: 0)")
     tie = p.add_mutually_exclusive_group()
     tie.add_argument("--tied", dest="tied", action="store_true", default=None,
                      help="no output.weight: the lm head reuses token_embd")
@@ -77,6 +78,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _vocab(name: str | None):
+    """``--vocab qwen35`` names the shipped vocabulary; anything else is a file path."""
+    if name == "qwen35":
+        from p2pswarm.model.vocab import qwen35_vocab_path  # noqa: PLC0415
+
+        return qwen35_vocab_path()
+    return name
+
+
 def _sections(text: str) -> tuple[int, ...]:
     try:
         v = tuple(int(x) for x in text.split(","))
@@ -98,56 +108,12 @@ def _seed(text: str) -> int:
     return v
 
 
-class _Progress:
-    """A one-line bar on a terminal; elsewhere a line per layer, only for long (>256 MB) work."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.last_draw = 0.0
-        self.last_layer: str | None = None
-        self.drew = False
-        self.t0 = time.monotonic()
-
-    def __call__(self, done: int, total: int, what: str) -> None:
-        if self.tty:
-            now = time.monotonic()
-            if now - self.last_draw < 0.1 and done < total:
-                return
-            self.last_draw = now
-            width = 30
-            frac = done / total if total else 1.0
-            bar = "#" * int(frac * width)
-            self.stream.write(f"\r[{bar:<{width}}] {frac * 100:5.1f}% {done / 1e6:9.1f} MB  "
-                              f"{what[:40]:<40}")
-            self.stream.flush()
-            self.drew = True
-            return
-        if total < (256 << 20):
-            return
-        group = what.split(".")[1] if what.startswith("blk.") else what
-        if what.startswith("blk.") and group != self.last_layer and done > 0:
-            self.last_layer = group
-            self.stream.write(f"make-model: layer {group} ({done / 1e6:.0f}/{total / 1e6:.0f} MB, "
-                              f"{time.monotonic() - self.t0:.1f} s)\n")
-            self.stream.flush()
-        elif not what.startswith(("blk.", "token_embd")) and what != self.last_layer:
-            self.last_layer = what
-            self.stream.write(f"make-model: {what}\n")
-            self.stream.flush()
-
-    def finish(self) -> None:
-        if self.drew:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def run(args: argparse.Namespace) -> int:
     from p2pswarm.model import synth  # noqa: PLC0415
 
     if args.layers is not None and args.layers > 512:
         raise UserError(f"--layers must be at most 512, got {args.layers}")
-    progress = None if getattr(args, "quiet", False) else _Progress(sys.stderr)
+    progress = None if getattr(args, "quiet", False) else ProgressBar("make-model", unit="B")
     t0 = time.monotonic()
     try:
         path = synth.make_model(
@@ -155,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             preset=args.preset,
             layers=args.layers,
             qtype=args.qtype,
-            vocab=args.vocab,
+            vocab=_vocab(args.vocab),
             seed=args.seed,
             tied=args.tied,
             router_near_tie=args.router_near_tie,
@@ -165,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         if progress is not None:
-            progress.finish()
+            progress.close()
     info = synth.describe(path)
     print(
         f"wrote {path}: {info['architecture']} {info['preset']}, {info['n_layer']} layers, n_embd "

@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="the full model GGUF")
     p.add_argument("--key", required=True, metavar="ISSUER.key", help="the issuer's Ed25519 identity key "
                    "(downloaders trust its peer id with --trust-issuer)")
-    p.add_argument("--out", required=True, metavar="M.manifest")
+    p.add_argument("--out", required=True, metavar="M.manifest",
+                   help="the signed manifest to write (shard servers hand it to downloaders)")
     p.add_argument("--threads", type=positive_int, default=2, help="hashing threads (default 2)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.set_defaults(func=run)
@@ -41,6 +42,6 @@ def run(args) -> int:
         bar.close()
     write_manifest(m, out)
     n_slabs = sum(t.n_expert for t in m.tensors)
-    print(f"wrote {out}: model {m.fingerprint[:12]}, {len(m.tensors)} tensors, {n_slabs} expert slabs, "
+    print(f"wrote {out}: model {m.fingerprint}, {len(m.tensors)} tensors, {n_slabs} expert slabs, "
           f"signed by {m.issuer}")
     return 0

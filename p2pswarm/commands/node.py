@@ -11,9 +11,11 @@ down cleanly on SIGINT/SIGTERM.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -34,7 +36,8 @@ def add_net_args(p, default_listen: str = "/ip4/127.0.0.1/tcp/0") -> None:
     p.add_argument("--announce", action="append", default=None,
                    help="multiaddr to advertise instead of the listen addresses (repeatable)")
     p.add_argument("--identity", help="Ed25519 key file (created mode 0600 on first start; "
-                                      "default $P2PSWARM_HOME/identity/<role>.key)")
+                                      "default $P2PSWARM_HOME/identity/<role>.key); one live node per key: "
+                                      "a second process on a key in use is refused")
 
 
 def dialable_addrs(net) -> list[str]:
@@ -62,7 +65,9 @@ def listen_addrs(args, default: str) -> list[str]:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("node", help="run a swarm node: an expert worker or a backbone")
-    p.add_argument("--role", required=True, choices=("worker", "backbone"))
+    p.add_argument("--role", required=True, choices=("worker", "backbone"),
+                   help="worker: serve one expert shard; backbone: the dense path, every expert as fallback, "
+                        "and the HTTP endpoint")
     p.add_argument("--bootstrap", action="append", default=[], help="bootstrap peer multiaddr (repeatable)")
     p.add_argument("--shard", help="worker: expert shard GGUF cut by `p2pswarm slice` (with --model "
                                    "FINGERPRINT: where the downloaded slice goes)")
@@ -75,9 +80,10 @@ def add_parser(sub) -> None:
                         "tokens may download shards (repeatable)")
     p.add_argument("--manifest", help="backbone: the model's signed manifest (`p2pswarm manifest`): serve "
                                       "shard downloads to token holders")
-    p.add_argument("--http", default="127.0.0.1:8000", help="backbone: HOST:PORT of the HTTP endpoint "
-                                                          "(port 0 picks one; 'off' disables it): the OpenAI "
-                                                          "API, the status page at /, /metrics (docs/api.md)")
+    p.add_argument("--http", default="127.0.0.1:8000", help="backbone: HOST:PORT of the HTTP endpoint, checked "
+                                                          "before joining (default 127.0.0.1:8000; port 0 picks "
+                                                          "one; 'off' disables it): the OpenAI API, the status "
+                                                          "page at /, /metrics (docs/api.md)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="backbone: the model id the OpenAI API answers to (default: the GGUF's file name "
                         "without .gguf); requests naming another model get a 404")
@@ -105,7 +111,7 @@ async def _worker(args) -> None:
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
     from p2pswarm.worker.server import ServeStats, serve_libp2p
 
-    identity = load_or_create_identity(args.identity or default_identity_path("worker"))
+    identity = load_or_create_identity(args.identity or default_identity_path("worker"), exclusive=True)
     worker = info = entry = None
     if not args.fetch:
         worker, info, entry = _load_shard(args.shard, args)
@@ -121,8 +127,14 @@ async def _worker(args) -> None:
             dht_of.append(dht)
             if relayed and keeper is None:  # --relay auto: find one in the DHT
                 keeper = await _start_relay_keeper(args, net, dht_of)
-            log.info("joined the swarm as %s (%d bootstrap peers%s)", net.peer_id_str, len(bootstrap),
-                     f", relayed, DHT client, through relay {keeper.relay_id.to_base58()}" if relayed else "")
+            if bootstrap or relayed:
+                log.info("joined the swarm as %s (%d bootstrap peers%s)", net.peer_id_str, len(bootstrap),
+                         f", relayed, DHT client, through relay {keeper.relay_id.to_base58()}" if relayed else "")
+            else:
+                log.warning("no --bootstrap and no --relay: this worker (%s) runs isolated, in no swarm, and no "
+                            "backbone will find its experts unless it bootstraps from this worker's own address; "
+                            "pass --bootstrap MULTIADDR (a bootstrap node's READY address) or --relay MULTIADDR",
+                            net.peer_id_str)
             if args.fetch:
                 shard = await _fetch_shard(args, net, dht, identity)
                 worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
@@ -163,8 +175,8 @@ async def _serve_shards(args, swarm, nursery) -> None:
     manifest.verify(trusted_issuers=trusted, fingerprint=swarm.local.fingerprint)
     gate = TokenGate(trusted, what="shard server")
     await nursery.start(run_shard_source, swarm.net, swarm.resolver.dht, args.model, manifest, gate)
-    log.info("serving shard downloads of model %s to token holders of %s", swarm.local.fingerprint[:12],
-             ", ".join(t[-12:] for t in trusted))
+    log.info("serving shard downloads of model %s to holders of tokens issued by %s", swarm.local.fingerprint,
+             ", ".join(trusted))
 
 
 def _load_shard(path, args):
@@ -236,7 +248,7 @@ async def _backbone(args) -> None:
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 
-    identity = load_or_create_identity(args.identity or default_identity_path("backbone"))
+    identity = load_or_create_identity(args.identity or default_identity_path("backbone"), exclusive=True)
     tokenizer = Tokenizer.from_gguf(args.model)
     async with open_swarm_backbone(args.model, bootstrap=args.bootstrap, identity=identity,
                                    listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
@@ -245,16 +257,13 @@ async def _backbone(args) -> None:
         log.info("joined the swarm as %s", swarm.net.peer_id_str)
         async with trio.open_nursery() as nursery:
             http = "off"
-            if args.http != "off":
-                host, _, port = args.http.rpartition(":")
-                if not host or not port.isdigit():
-                    raise UserError(f"bad --http {args.http!r}: expected HOST:PORT or off")
+            if args.http_socket is not None:
                 view = SwarmView.for_backbone(swarm.backbone, ModelLayout.open(args.model),
                                               block_size=swarm.resolver.block_size, resolver=swarm.resolver)
                 app = CompletionsApp(swarm.backbone, tokenizer, args.served_model_name or Path(args.model).stem,
                                      swarm.local.fingerprint, model_path=args.model, view=view)
                 swarm.pool.on_latency = app.metrics.observe_owner
-                binds = await nursery.start(serve_http, app, host, int(port))
+                binds = await nursery.start(serve_http, app, args.http_socket)
                 http = binds[0]
                 log.info("serving the OpenAI API (model %r) and the status page on %s%s", app.model_name, http,
                          "" if app.chat else "; no chat template: /v1/chat/completions refuses")
@@ -262,6 +271,34 @@ async def _backbone(args) -> None:
                 await _serve_shards(args, swarm, nursery)
             print(f"READY {dialable_addrs(swarm.net)[0]} http={http}", flush=True)
             await until_signal(nursery.cancel_scope)
+
+
+def bind_http(text: str) -> socket.socket | None:
+    """``--http HOST:PORT``: bind it now, before the node joins the swarm, so a taken port is one
+    line and exit 2 instead of a traceback after the node announced itself. The bound socket is
+    then served as is (no window in which another process could take the port)."""
+    if text == "off":
+        return None
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise UserError(f"bad --http {text!r}: expected HOST:PORT (e.g. 127.0.0.1:8000; port 0 picks one) or off")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError(f"--http {text}: cannot resolve host {host!r}: {exc.strerror}") from None
+    family, _type, _proto, _name, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn does: TIME_WAIT is no conflict
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        hint = (" (another backbone or program is listening there: choose another port with --http HOST:PORT, "
+                "port 0 for any free one, or --http off)") if exc.errno == errno.EADDRINUSE else ""
+        raise UserError(f"--http {text}: cannot listen there: {exc.strerror or exc}{hint}") from None
+    return sock
 
 
 def _check_worker_source(args) -> None:
@@ -292,12 +329,18 @@ def _check_worker_source(args) -> None:
 def run(args) -> int:
     args.fetch = False
     args.node_token = None
+    args.http_socket = None
     if args.role == "worker":
         _check_worker_source(args)
     if args.role == "backbone" and not args.model:
         raise UserError("--role backbone needs --model MODEL.gguf")
     if args.block_size < 1:
         raise UserError("--block-size must be >= 1")
+    if args.role == "backbone":
+        from p2pswarm.commands.common import require_full_model
+
+        require_full_model(args.model)
+        args.http_socket = bind_http(args.http)
     if args.relay:
         if args.role != "worker":
             raise UserError("--relay is for workers behind NAT (backbones dial relayed workers by themselves)")

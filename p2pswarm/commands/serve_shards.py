@@ -63,7 +63,7 @@ async def _main(args) -> None:
 
     manifest = read_manifest(args.manifest)
     manifest.verify(trusted_issuers=[manifest.issuer])  # intact (the signature verifies)
-    identity = load_or_create_identity(args.identity or default_identity_path("backbone"))
+    identity = load_or_create_identity(args.identity or default_identity_path("backbone"), exclusive=True)
     gate = TokenGate(args.trust_issuer, what="shard server")
     server = None
     async with open_host(identity, args.listen or ["/ip4/127.0.0.1/tcp/0"], announce=args.announce) as net:

@@ -17,17 +17,17 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    bar = ProgressBar("slice", unit="B")
-    if args.backbone:
-        if args.experts or args.layers:
-            raise UserError("--backbone takes no --layers/--experts: it keeps every layer's dense part")
-        res = slice_backbone(args.model, args.output, progress=bar.update)
-    else:
-        if not args.experts:
-            raise UserError("give --experts C-D (or --backbone)")
-        layers = parse_range(args.layers, "layer") if args.layers else None
-        res = slice_experts(args.model, args.output, layers, parse_range(args.experts, "expert"), progress=bar.update)
-    bar.close()
+    if args.backbone and (args.experts or args.layers):
+        raise UserError("--backbone takes no --layers/--experts: it keeps every layer's dense part")
+    if not args.backbone and not args.experts:
+        raise UserError("give --experts C-D (or --backbone)")
+    with ProgressBar("slice", unit="B") as bar:
+        if args.backbone:
+            res = slice_backbone(args.model, args.output, progress=bar.update)
+        else:
+            layers = parse_range(args.layers, "layer") if args.layers else None
+            res = slice_experts(args.model, args.output, layers, parse_range(args.experts, "expert"),
+                                progress=bar.update)
     print(f"wrote {res.path}: {len(res.tensors)} tensors, {res.nbytes / 1e6:.1f} MB of tensor data "
-          f"(model {res.source_fingerprint[:12]})")
+          f"(model {res.source_fingerprint})")
     return 0

@@ -18,7 +18,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("swarm-status", help="coverage of a model's experts in the swarm")
     p.add_argument("--bootstrap", action="append", required=True, help="bootstrap peer multiaddr (repeatable)")
     p.add_argument("--model", required=True, help="the model GGUF (for its fingerprint and geometry)")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"experts per coverage unit, as the swarm's nodes use (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--kernel", choices=("auto", "numpy", "ggml"), default=None,
                    help="count workers whose kernel matches this one on this machine (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     i.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     i.set_defaults(func=run_issue)
     s = tsub.add_parser("show", help="decode a token and check its signature")
-    s.add_argument("token", metavar="TOKEN_OR_FILE")
+    s.add_argument("token", metavar="TOKEN_OR_FILE", help="the token, or a file holding it")
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.set_defaults(func=run_show)
 

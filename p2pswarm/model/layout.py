@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from p2pswarm.errors import ModelFormatError
+from p2pswarm.errors import ModelFormatError, UserError, clip
 
 # Architectures whose routed experts follow the layout above.
 MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral")
@@ -35,6 +35,8 @@ EXPERT_TENSOR_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(w
 
 # Keys our own tools add to the files they write.
 KEY_SHARD_KIND = "p2pswarm.shard.kind"  # "experts" | "backbone"
+#: What each kind of slice is, in words (error messages).
+SHARD_KIND_NAMES = {"experts": "an expert shard", "backbone": "a backbone file"}
 KEY_SOURCE_FINGERPRINT = "p2pswarm.source.fingerprint"
 KEY_LAYER_BEGIN = "p2pswarm.shard.layer_begin"
 KEY_LAYER_END = "p2pswarm.shard.layer_end"  # exclusive
@@ -167,6 +169,15 @@ class ModelLayout:
     def is_shard(self) -> bool:
         return self.shard_kind == "experts"
 
+    def require_full_model(self) -> "ModelLayout":
+        """UserError (one line) unless this is a full model: a backbone, `logits` or `generate`
+        handed a file `p2pswarm slice` cut would otherwise fail later, on a missing tokenizer or
+        missing dense weights, without saying what the file is."""
+        if self.shard_kind is not None:
+            what = SHARD_KIND_NAMES.get(self.shard_kind, f"a {self.shard_kind} slice")
+            raise UserError(f"{self.path} is {what}, not a model: give the full model GGUF")
+        return self
+
     def holds(self, layer: int, expert: int) -> bool:
         return layer in self.expert_tensors and self.expert_begin <= expert < self.expert_end
 
@@ -223,7 +234,7 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     except PermissionError as exc:
         raise ModelFormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
     except Exception as exc:  # the reader raises ValueError, struct/numpy/index errors on bad input
-        msg = " ".join(str(exc).split())[:160] or type(exc).__name__
+        msg = clip(exc, 300) or type(exc).__name__
         if "magic" in msg.lower():
             raise ModelFormatError(f"{path}: not a valid GGUF file (bad magic)") from None
         raise ModelFormatError(f"{path}: not a valid GGUF file (corrupt or truncated: {msg})") from None

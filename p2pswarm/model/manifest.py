@@ -189,8 +189,8 @@ class ModelManifest:
         if self.issuer not in set(trusted_issuers):
             raise ManifestError(f"manifest issuer {self.issuer} is not trusted")
         if fingerprint is not None and self.fingerprint != fingerprint.lower():
-            raise ManifestError(f"manifest is for model {self.fingerprint[:12]}, not the requested "
-                                f"{fingerprint[:12]}")
+            raise ManifestError(f"manifest is for model {self.fingerprint}, not the requested "
+                                f"{fingerprint}")
         return self
 
 

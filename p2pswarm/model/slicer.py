@@ -25,7 +25,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.gguf_reader import ReaderTensor
 
-from p2pswarm.errors import ModelFormatError, UserError
+from p2pswarm.errors import ModelFormatError, UserError, clip
 from p2pswarm.model.gguf_out import (
     DEFAULT_ALIGNMENT,
     GGUFLayout,
@@ -43,6 +43,7 @@ from p2pswarm.model.layout import (
     KEY_SOURCE_FINGERPRINT,
     KEY_TENSOR_NAMES,
     KEY_TENSOR_SHA256,
+    SHARD_KIND_NAMES,
     ExpertTensor,
     ModelLayout,
     _FastGGUFReader,
@@ -53,7 +54,6 @@ from p2pswarm.model.manifest import model_fingerprint
 CHUNK_BYTES = 8 << 20
 HASH_THREADS = 2  # tensors hashed in parallel (each tensor's hash is sequential)
 COPY_CHUNK_BYTES = 64 << 20
-_KIND_NAMES = {"experts": "an expert shard", "backbone": "a backbone file"}
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
@@ -282,7 +282,7 @@ def plan_expert_shard(layout: ModelLayout, layers: tuple[int, int] | None, exper
     Reads only metadata, so ``layout`` may come from :func:`header_layout` (a downloader that has
     the source's header bytes but none of its tensors)."""
     if layout.shard_kind is not None:
-        raise UserError(f"{layout.path}: is already {_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
+        raise UserError(f"{layout.path}: is already {SHARD_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
     moe_layers = layout.expert_layers
     l0, l1 = layers if layers is not None else (moe_layers[0], moe_layers[-1] + 1)
     e0, e1 = experts
@@ -340,7 +340,7 @@ def header_layout(header_path: str | os.PathLike[str], file_size: int) -> ModelL
     try:
         reader = _HeaderOnlyReader(path, "r")
     except Exception as exc:  # the reader raises ValueError, struct/numpy/index errors on bad input
-        raise ModelFormatError(f"{path}: not a valid GGUF header ({' '.join(str(exc).split())[:120]})") from None
+        raise ModelFormatError(f"{path}: not a valid GGUF header ({clip(exc, 300)})") from None
     return ModelLayout.open(path, reader=reader, file_size=file_size)
 
 
@@ -353,7 +353,7 @@ def slice_backbone(
     """Write every tensor but the routed experts, and all metadata (tokenizer included)."""
     layout = ModelLayout.open(model_path)
     if layout.shard_kind is not None:
-        raise UserError(f"{layout.path}: is already {_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
+        raise UserError(f"{layout.path}: is already {SHARD_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
     out_path = _check_output(Path(out_path), layout.path)
     fingerprint = model_fingerprint(layout)
     g = GGUFLayout(_alignment(layout))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from p2pswarm.errors import FrameError
+from p2pswarm.errors import FrameError, clip
 
 PROTOCOL_VERSION = 1
 ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
@@ -26,7 +26,7 @@ def unpack(payload: bytes) -> dict:
     try:
         msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise FrameError(f"malformed message: {type(exc).__name__}: {str(exc)[:80]}") from None
+        raise FrameError(f"malformed message: {type(exc).__name__}: {clip(exc, 200)}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
         raise FrameError("malformed message: expected a map with an 'op' string")
     return msg

@@ -109,7 +109,7 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import UserError, clip
 from p2pswarm.net.identity import Identity
 
 log = logging.getLogger("p2pswarm.net")
@@ -139,7 +139,7 @@ def parse_multiaddr(text: str, what: str = "address") -> multiaddr.Multiaddr:
     try:
         return multiaddr.Multiaddr(text)
     except Exception as exc:
-        raise UserError(f"bad {what} {text[:80]!r}: {str(exc)[:80] or 'not a multiaddr'} "
+        raise UserError(f"bad {what} {clip(text, 200)!r}: {clip(exc, 200) or 'not a multiaddr'} "
                         f"(expected e.g. /ip4/127.0.0.1/tcp/4001)") from None
 
 
@@ -206,7 +206,7 @@ class StreamAdapter:
             self.peer_id: ID | None = stream.muxed_conn.peer_id
         except Exception:
             self.peer_id = None
-        self.peer_name = self.peer_id.to_base58()[-12:] if self.peer_id else "peer"
+        self.peer_name = self.peer_id.to_base58() if self.peer_id else "peer"
         self._buf = bytearray()
         self._eof = False
         self._error: BaseException | None = None
@@ -398,11 +398,11 @@ class NetHost:
                 else:
                     await self._connect_direct_or_relayed(info.peer_id, direct, circuits)
         except trio.TooSlowError:
-            raise NetError(f"dialling {info.peer_id.to_base58()[-12:]} timed out after {timeout_s:.0f} s") from None
+            raise NetError(f"dialling {info.peer_id.to_base58()} timed out after {timeout_s:.0f} s") from None
         except NetError:
             raise
         except Exception as exc:
-            raise NetError(f"cannot dial {info.peer_id.to_base58()[-12:]} at "
+            raise NetError(f"cannot dial {info.peer_id.to_base58()} at "
                            f"{', '.join(str(a) for a in info.addrs) or 'no address'}: {_reason(exc)}") from None
         self.stats.connects += 1
         self.stats.connect_seconds += time.perf_counter() - t0
@@ -419,7 +419,7 @@ class NetHost:
             except Exception as exc:
                 errors.append(_reason(exc))
         if self.circuit is None:
-            raise NetError(f"cannot dial {peer.to_base58()[-12:]}: relayed address but no circuit transport")
+            raise NetError(f"cannot dial {peer.to_base58()}: relayed address but no circuit transport")
         for ma in circuits:
             text = str(ma)
             if not text.endswith(f"/p2p/{peer.to_base58()}"):
@@ -436,8 +436,8 @@ class NetHost:
                 errors.append("relayed connection did not register")
             except Exception as exc:
                 errors.append(_reason(exc))
-        raise NetError(f"cannot dial {peer.to_base58()[-12:]} directly or through its relay: "
-                       f"{'; '.join(e[:160] for e in errors) or 'no address'}")
+        raise NetError(f"cannot dial {peer.to_base58()} directly or through its relay: "
+                       f"{'; '.join(errors) or 'no address'}")
 
     def _replace_addrs(self, info: PeerInfo) -> None:
         """Make ``info.addrs`` the only addresses we know for the peer, and forget a recent failure.
@@ -495,11 +495,11 @@ class NetHost:
                         if isinstance(target, (str, PeerInfo)):
                             await self.connect(target, timeout_s=timeout_s)
         except trio.TooSlowError:
-            raise NetError(f"opening {protocol} to {peer.to_base58()[-12:]} timed out after {timeout_s:.0f} s") from None
+            raise NetError(f"opening {protocol} to {peer.to_base58()} timed out after {timeout_s:.0f} s") from None
         except NetError:
             raise
         except Exception as exc:
-            raise NetError(f"cannot open {protocol} to {peer.to_base58()[-12:]}: {_reason(exc)}") from None
+            raise NetError(f"cannot open {protocol} to {peer.to_base58()}: {_reason(exc)}") from None
         self.stats.streams_opened += 1
         adapter = StreamAdapter(raw, read_ahead=self.read_ahead)
         if read_ahead:
@@ -553,7 +553,7 @@ def _reason(exc: BaseException) -> str:
     while exc is not None and seen < 4:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if text not in parts:
-            parts.append(text[:120])
+            parts.append(clip(text, 200))
         exc = exc.__cause__ or (exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else None)
         seen += 1
     return ": ".join(parts)

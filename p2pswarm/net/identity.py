@@ -7,9 +7,19 @@ behind, and could not hold tokens issued to it.
 The key file is PKCS#8 PEM (what ``openssl pkey`` reads), created on first start with mode 0600
 inside a directory created 0700. A key file that the group or others can read (or write) is
 refused, not silently used: a leaked node key lets anyone sign shard records in this node's name.
+
+One key, one live node: two processes running with the same key would be one peer id on two
+addresses, and the swarm would see only whichever announced itself last (three workers started from
+one home without ``--identity`` used to do exactly that, silently). So a node holds an exclusive
+``flock`` on ``KEY.lock`` next to its key for as long as it runs (``exclusive=True``); a second
+process asking for the same key is refused with one line naming the key, the process holding it and
+the fix (``--identity`` with a key of its own). The kernel drops the lock when the holder exits,
+however it exits (kill -9 too), so a stale lock file never blocks a restart. Tools that only read
+or sign with a key (``identity``, ``token issue``, ``manifest``) take no lock.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import stat
@@ -21,7 +31,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import UserError, clip
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -106,19 +116,75 @@ def load_identity(path: str | os.PathLike[str]) -> Identity:
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
-        raise UserError(f"identity key {path} is not an unencrypted PEM private key ({str(exc)[:60]})") from None
+        raise UserError(f"identity key {path} is not an unencrypted PEM private key ({clip(exc, 200)})") from None
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise UserError(f"identity key {path} holds a {type(key).__name__}, not an Ed25519 key")
     return Identity.from_private_key(key, path)
 
 
-def load_or_create_identity(path: str | os.PathLike[str] | None = None) -> Identity:
-    """The identity at ``path``, created (mode 0600) on first start. Logs the peer id."""
+#: Key path (resolved) -> the open file descriptor of its held ``KEY.lock``: kept open (and so
+#: locked) for the rest of the process's life; a second request from this same process reuses it.
+_HELD_LOCKS: dict[Path, int] = {}
+
+
+def lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def hold_identity_lock(path: str | os.PathLike[str]) -> None:
+    """Take an exclusive lock on ``KEY.lock`` for the rest of this process's life; UserError (one
+    line, naming the key, the holder's pid and ``--identity``) if another live process holds it."""
+    path = Path(path)
+    key = path.resolve()
+    if key in _HELD_LOCKS:
+        return
+    lock = lock_path(path)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), KEY_FILE_MODE)
+    except OSError as exc:
+        raise UserError(f"cannot open the lock file {lock} of identity key {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        who = f"process {holder}" if holder.isdigit() else "another process"
+        raise UserError(f"identity key {path} is in use by {who}: two live nodes must not share one peer id; "
+                        f"give this one its own key with --identity FILE (e.g. --identity {_free_key_path(path)})"
+                        ) from None
+    except OSError as exc:
+        os.close(fd)
+        raise UserError(f"cannot lock {lock} for identity key {path}: {exc.strerror or exc}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD_LOCKS[key] = fd
+
+
+def _free_key_path(path: Path) -> Path:
+    """A sibling key name nobody uses yet: worker.key -> worker-2.key, worker-3.key, ..."""
+    for n in range(2, 1000):
+        cand = path.with_name(f"{path.stem}-{n}{path.suffix}")
+        if not cand.exists():
+            return cand
+    return path.with_name(f"{path.stem}-{os.getpid()}{path.suffix}")
+
+
+def load_or_create_identity(path: str | os.PathLike[str] | None = None, *, exclusive: bool = False) -> Identity:
+    """The identity at ``path``, created (mode 0600) on first start. Logs the peer id.
+
+    ``exclusive``: this process is a node that will be live under this identity: hold the key's
+    lock for the process's life (see the module doc), refusing if another live process holds it."""
     path = Path(path) if path is not None else default_identity_path()
+    ident = _load_or_create(path)
+    if exclusive:
+        hold_identity_lock(path)
+    log.info("identity %s%s: peer id %s", path, " created" if ident.created else "", ident.peer_id_str)
+    return ident
+
+
+def _load_or_create(path: Path) -> Identity:
     if path.exists() or path.is_symlink():
-        ident = load_identity(path)
-        log.info("identity %s: peer id %s", path, ident.peer_id_str)
-        return ident
+        return load_identity(path)
     key = ed25519.Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
@@ -141,9 +207,7 @@ def load_or_create_identity(path: str | os.PathLike[str] | None = None) -> Ident
         return load_identity(path)
     except OSError as exc:
         raise UserError(f"cannot create identity key {path}: {exc.strerror or exc}") from None
-    ident = Identity.from_private_key(key, path, created=True)
-    log.info("identity %s created: peer id %s", path, ident.peer_id_str)
-    return ident
+    return Identity.from_private_key(key, path, created=True)
 
 
 # An Ed25519 libp2p peer id is an identity multihash of the protobuf PublicKey
@@ -159,7 +223,7 @@ def peer_id_bytes(peer_id) -> bytes:
     try:
         return base58.b58decode(str(peer_id))
     except Exception:
-        raise UserError(f"malformed peer id {str(peer_id)[:60]!r}") from None
+        raise UserError(f"malformed peer id {clip(peer_id, 80)!r}") from None
 
 
 def peer_public_key(peer_id) -> ed25519.Ed25519PublicKey:
@@ -167,7 +231,7 @@ def peer_public_key(peer_id) -> ed25519.Ed25519PublicKey:
     it embeds none (e.g. a hashed RSA id): only Ed25519 identities can sign our records."""
     raw = peer_id_bytes(peer_id)
     if len(raw) != len(_ED25519_PEER_PREFIX) + 32 or not raw.startswith(_ED25519_PEER_PREFIX):
-        raise UserError(f"peer id {str(peer_id)[:60]} does not embed an Ed25519 public key")
+        raise UserError(f"peer id {clip(peer_id, 80)} does not embed an Ed25519 public key")
     return ed25519.Ed25519PublicKey.from_public_bytes(raw[len(_ED25519_PEER_PREFIX):])
 
 

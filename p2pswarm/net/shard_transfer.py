@@ -37,7 +37,7 @@ from pathlib import Path
 import msgpack
 import trio
 
-from p2pswarm.errors import FrameError, UserError
+from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.model.layout import EXPERT_TENSOR_RE, ModelLayout, field_value
 from p2pswarm.model.manifest import (
     ManifestError,
@@ -219,7 +219,7 @@ class ShardServer:
         else:
             raise UserError(f"{lay.path}: a {lay.shard_kind} file holds no experts to serve")
         if fp != manifest.fingerprint:
-            raise ManifestError(f"manifest is for model {manifest.fingerprint[:12]}, but {lay.path} is {fp[:12]}")
+            raise ManifestError(f"manifest is for model {manifest.fingerprint}, but {lay.path} is {fp}")
         if hashlib.sha256(self._header).hexdigest() != manifest.header_sha256:
             raise ManifestError(f"{lay.path}: source header does not match the manifest's sha256")
         self._fd = os.open(lay.path, os.O_RDONLY)
@@ -300,7 +300,7 @@ class ShardServer:
             return f"expected hello of protocol version {SHARD_PROTOCOL_VERSION}"
         model = hello.get("model")
         if model != self.manifest.fingerprint:
-            return f"this server serves model {self.manifest.fingerprint[:12]}, not {str(model)[:12]}"
+            return f"this server serves model {self.manifest.fingerprint}, not {clip(model, 80)}"
         try:
             layers = _range_of(hello.get("layers"), "layer", self.layout.n_layer)
             experts = _range_of(hello.get("experts"), "expert", self.layout.n_expert)
@@ -405,7 +405,7 @@ class _Session:
         with trio.fail_after(REQUEST_TIMEOUT_S):
             resp = _unpack(await self.reader.read_frame(), f"reply from {self.source}")
         if not resp.get("ok"):
-            raise ShardTransferError(f"source {self.source}: {str(resp.get('error'))[:200]}")
+            raise ShardTransferError(f"source {self.source}: {clip(resp.get('error'), 300)}")
         return resp
 
 
@@ -418,7 +418,7 @@ async def _open_session(net, source, hello: dict) -> _Session:
         with trio.fail_after(REQUEST_TIMEOUT_S):
             resp = _unpack(await reader.read_frame(), f"hello reply from {name}")
         if not resp.get("ok"):
-            raise ShardTransferError(f"source {name}: {str(resp.get('error'))[:300]}")
+            raise ShardTransferError(f"source {name}: {clip(resp.get('error'), 300)}")
         chunk_max = resp.get("chunk_max")
         if not isinstance(chunk_max, int) or not 0 < chunk_max <= DEFAULT_MAX_FRAME:
             raise ShardTransferError(f"source {name}: bad chunk_max {str(chunk_max)[:20]}")
@@ -433,9 +433,9 @@ async def _open_session(net, source, hello: dict) -> _Session:
 
 def _source_name(source) -> str:
     if isinstance(source, str):
-        return source.rsplit("/", 1)[-1][-12:]
+        return source.rsplit("/", 1)[-1]
     pid = getattr(source, "peer_id", None)
-    return pid.to_base58()[-12:] if pid is not None else str(source)[:20]
+    return pid.to_base58() if pid is not None else clip(source, 200)
 
 
 @dataclass
@@ -539,7 +539,7 @@ async def fetch_slice(net, *, sources: Sequence, model: str, layers: tuple[int, 
     if not out.parent.is_dir():
         raise ShardTransferError(f"{out.parent}: output directory does not exist")
     if not sources:
-        raise ShardTransferError(f"no source for model {model[:12]} (none found or given)")
+        raise ShardTransferError(f"no source for model {model} (none found or given)")
     shard_scope(model, layers, experts)  # validates the ranges
     hello = {"op": "hello", "v": SHARD_PROTOCOL_VERSION, "model": model, "layers": list(layers),
              "experts": list(experts), "token": token}
@@ -562,7 +562,7 @@ async def fetch_slice(net, *, sources: Sequence, model: str, layers: tuple[int, 
         for src in sources:
             nursery.start_soon(connect, src)
     if not sessions:
-        raise ShardTransferError("no source would serve this range: " + "; ".join(stats.refusals)[:400])
+        raise ShardTransferError("no source would serve this range: " + clip("; ".join(stats.refusals), 600))
     try:
         # Manifest and header from the first source that gives valid ones.
         manifest, header_src = None, None
@@ -582,7 +582,7 @@ async def fetch_slice(net, *, sources: Sequence, model: str, layers: tuple[int, 
                 sessions.remove(s)
                 await s.stream.aclose()
         if manifest is None:
-            raise ShardTransferError("no source gave a valid manifest: " + "; ".join(stats.refusals[-3:])[:400])
+            raise ShardTransferError("no source gave a valid manifest: " + clip("; ".join(stats.refusals[-3:]), 600))
 
         part = out.with_name(out.name + ".part")
         src_header = out.with_name(f".{out.name}.source-header.{os.getpid()}")
@@ -825,7 +825,7 @@ async def _download(net, sessions: list[_Session], per_source: dict, hello: dict
             await flush(force=True)  # what is on disk stays usable for a resume
     if remaining:
         raise ShardTransferError(f"{remaining} slabs could not be fetched: every source failed "
-                                 f"({'; '.join(failures[-3:])[:400]})")
+                                 f"({clip('; '.join(failures[-3:]), 600)})")
 
 
 __all__ = [

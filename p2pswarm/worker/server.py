@@ -15,7 +15,7 @@ from functools import partial
 
 import trio
 
-from p2pswarm.errors import FrameError, UserError
+from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.worker.expert_worker import ExpertWorker
@@ -40,13 +40,13 @@ def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> st
     if msg.get("protocol") != proto.PROTOCOL_VERSION:
         return f"protocol version mismatch: peer {msg.get('protocol')!r}, ours {proto.PROTOCOL_VERSION}"
     if msg.get("model") != info.model_fingerprint:
-        return (f"model mismatch: peer serves model {str(msg.get('model'))[:12]}, "
-                f"this shard is of model {info.model_fingerprint[:12]}")
+        return (f"model mismatch: peer serves model {clip(msg.get('model'), 80)}, "
+                f"this shard is of model {info.model_fingerprint}")
     if msg.get("kernel") != info.kernel:
         return f"kernel mismatch: peer computes with {msg.get('kernel')!r}, this worker with {info.kernel!r}"
     want = msg.get("shard")
     if want is not None and shard is not None and want != shard:
-        return f"shard mismatch: peer expects shard {str(want)[:12]}, this worker serves {shard[:12]}"
+        return f"shard mismatch: peer expects shard {clip(want, 80)}, this worker serves {shard}"
     return None
 
 
