@@ -76,9 +76,10 @@ def test_logits_through_the_swarm_equal_monolithic(tiny_f32, tmp_path, swarm):
     status = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(tiny_f32), "--kernel", "numpy",
                      "--json", env=env, check=True)
     st = json.loads(status.stdout.strip().splitlines()[-1])
-    assert st["missing"] == 0 and len(st["owners"]) == 4
-    # block 0 (experts 0-7): workers 0 and 3 (0-5, replicas) and 1 (6-10); block 1: workers 1 and 2
-    assert [st["replicas"][f"{layer}/{b}"] for layer in st["layers"] for b in (0, 1)] == [3, 2] * len(st["layers"])
+    assert st["missing"] == 0 and [p["status"] for p in st["peers"].values()] == ["live"] * 4
+    # block 0 (experts 0-7): experts 0-5 held by workers 0 and 3 (replicas), 6-7 by worker 1 alone;
+    # block 1: 8-10 by worker 1, 11-15 by worker 2. A block counts its least-covered expert: 1, 1.
+    assert [st["replicas"][f"{layer}/{b}"] for layer in st["layers"] for b in (0, 1)] == [1, 1] * len(st["layers"])
     for decode in (False, True):
         flag = ["--decode"] if decode else []
         mono, swarm_out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
@@ -306,3 +307,95 @@ async def test_malformed_frames_and_forged_records_against_node_processes(tiny_f
         assert w.proc.poll() is None  # every worker still up
     boot.stop()
     assert "refused to store a DHT record" in boot.log.read_text()
+
+
+def _swarm_status(boot: Node, model: Path, env: dict, *extra: str) -> tuple[float, str]:
+    t0 = time.time()
+    proc = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(model), "--kernel", "numpy", *extra,
+                   env=env, check=True)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return t0, proc.stdout
+
+
+@pytest.mark.slow
+def test_swarm_status_tells_the_truth(tiny_f32, tmp_path):
+    """Workers holding experts 0-5, 6-10 and 11-15 (not aligned to the 8-expert blocks), one whose
+    record names another kernel, one started with another block size. swarm-status counts each
+    unit once (per expert, not per worker touching it), lists the other two as refused with the
+    reason, and a backbone logs each refusal once over a run that refreshes every second. A worker
+    killed with SIGKILL is unreachable in the next swarm-status (human and JSON) and drops out of
+    the look-ups once its record's TTL (6 s here) has run out."""
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import model_fingerprint
+
+    ttl = 6
+    fp = model_fingerprint(ModelLayout.open(tiny_f32))
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_LOG_LEVEL="DEBUG")
+    nodes: list[Node] = []
+
+    def worker(name: str, experts: tuple[int, int], *extra: str) -> Node:
+        shard = tmp_path / f"{name}.gguf"
+        slice_experts(tiny_f32, shard, None, experts)
+        nodes.append(Node(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
+                           "--identity", str(tmp_path / f"{name}.key"), "--ttl", str(ttl), *extra],
+                          tmp_path / f"{name}.log", env))
+        return nodes[-1]
+
+    def peer(node: Node) -> str:
+        return node.addr.split("/p2p/")[1]
+
+    try:
+        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+                    tmp_path / "boot.log", env)
+        nodes.append(boot)
+        w = [worker(f"w{i}", r) for i, r in enumerate([(0, 6), (6, 11), (11, 16)])]
+        odd = worker("odd", (0, 16), "--block-size", "4")
+        liar = Node([str(Path(__file__).parent / "helpers" / "lying_worker.py"), "--shard", str(tmp_path / "odd.gguf"),
+                     "--claim-kernel", "ggml-test/other-cpu", "--bootstrap", boot.addr,
+                     "--identity", str(tmp_path / "liar.key")], tmp_path / "liar.log", env, module=False)
+        nodes.append(liar)
+
+        _, out = _swarm_status(boot, tiny_f32, env, "--json")
+        st = json.loads(out.strip().splitlines()[-1])
+        assert st["model"] == fp and st["missing"] == 0
+        assert set(st["replicas"].values()) == {1}, st["replicas"]
+        peers = st["peers"]
+        assert [peers[peer(n)]["status"] for n in w] == ["live"] * 3, peers
+        assert all(peers[peer(n)]["shards"][0]["rtt_ms"] > 0 for n in w)
+        assert peers[peer(liar)]["status"] == "refused"
+        assert peers[peer(liar)]["reason"].startswith("kernel mismatch: worker computes with 'ggml-test/other-cpu'")
+        assert peers[peer(odd)]["status"] == "refused"
+        assert peers[peer(odd)]["reason"].startswith("block size mismatch: worker provides units of 4 experts")
+
+        # A backbone refreshing every second logs each refusal once, with the whole peer id.
+        proc = run_cli("logits", str(tiny_f32), "--tokens", _long_tokens(40), "--out", str(tmp_path / "l.npy"),
+                       "--swarm", boot.addr, "--kernel", "numpy", "--decode", "--refresh", "1", env=env, check=True)
+        assert " 0 fallbacks" in proc.stdout, proc.stdout
+        assert proc.stderr.count(" unit look-ups, ") >= 3, proc.stderr[-3000:]  # several refreshes happened
+        for node, why in ((liar, "kernel mismatch"), (odd, "block size mismatch")):
+            lines = [ln for ln in proc.stderr.splitlines() if f"refused worker {peer(node)}" in ln]
+            assert len(lines) == 1 and why in lines[0], proc.stderr[-3000:]
+
+        w[1].stop(signal.SIGKILL)  # no withdrawal: its record stays live for up to one TTL
+        killed = time.time()
+        _, human = _swarm_status(boot, tiny_f32, env)
+        assert f"model {fp} " in human  # the whole 64-digit fingerprint
+        line = next(ln for ln in human.splitlines() if peer(w[1]) in ln)
+        assert ": unreachable: " in line, human
+        assert f"{peer(liar)}: refused: kernel mismatch" in human and f"{peer(odd)}: refused: block size" in human
+        _, out = _swarm_status(boot, tiny_f32, env, "--json")
+        st = json.loads(out.strip().splitlines()[-1])
+        assert st["peers"][peer(w[1])]["status"] == "unreachable"
+        assert set(st["replicas"].values()) == {0}  # w1's experts (6-10) are in every block
+        assert [st["peers"][peer(n)]["status"] for n in (w[0], w[2])] == ["live", "live"]
+
+        time.sleep(max(0.0, killed + ttl + 1 - time.time()))
+        t0, out = _swarm_status(boot, tiny_f32, env, "--json", "--no-probe")
+        st = json.loads(out.strip().splitlines()[-1])
+        gone = st["peers"][peer(w[1])]
+        assert gone["status"] == "gone" and gone["reason"].startswith("record expired"), gone
+        assert t0 - killed < ttl + 5
+        assert [st["peers"][peer(n)]["status"] for n in (w[0], w[2])] == ["unprobed", "unprobed"]
+    finally:
+        for n in reversed(nodes):
+            n.stop()
