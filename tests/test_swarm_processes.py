@@ -225,9 +225,13 @@ def test_worker_of_another_model_is_refused_at_the_handshake(tiny_f32, tmp_path)
         run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", "--decode",
                 env=env, check=True)
         assert np.array_equal(np.load(mono), np.load(out))
-        # the backbone: refused by the worker, with the worker's reason, then fell back
+        # the backbone: refused by the worker, with the worker's reason, then fell back - once: the
+        # refused worker holds nothing until its record changes, not one fallback per decode step
         assert "refused the handshake: model mismatch" in proc.stderr, proc.stderr[-3000:]
-        assert "fell back to the local replica" in proc.stderr
+        liar_id = liar.addr.split("/p2p/")[1]
+        refusals = [ln for ln in proc.stderr.splitlines() if f"refused worker {liar_id} at the handshake" in ln]
+        assert len(refusals) == 1 and "model mismatch" in refusals[0], proc.stderr[-3000:]
+        assert proc.stderr.count("fell back to the local replica") == 1, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
         # the liar: refused our hello, with the reason; computed nothing
         assert liar.stop() == 0
