@@ -224,7 +224,9 @@ async def _backbone(args) -> None:
                                    listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
                                    block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout) as swarm:
-        log.info("joined the swarm as %s, serving model %s", swarm.net.peer_id_str, swarm.local.fingerprint)
+        # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
+        log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
+                 swarm.local.fingerprint, swarm.resolver.kernel)
         async with trio.open_nursery() as nursery:
             http = "off"
             if args.http != "off":
