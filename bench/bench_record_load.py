@@ -47,8 +47,8 @@ async def run(args) -> dict[str, list[tuple[int, float]]]:
             return await store(*a, **kw)
 
         dht.kad.value_store._store_at_peer = counted_store
-        adv = ShardAdvertiser(dht, net.identity, shards=[ShardEntry(MODEL, "s", (0, args.layers), (0, args.blocks * 8))],
-                              protocol=1, kernel="numpy", block_size=8)
+        shard = ShardEntry(MODEL, "s", (0, args.layers), (0, args.blocks * 8))
+        adv = ShardAdvertiser(dht, net.identity, shards=[shard], protocol=1, kernel="numpy", block_size=8)
         await adv.publish()  # warm: connections open, tables full
         out: dict[str, list[tuple[int, float]]] = {"record": [], "full": []}
         for _ in range(args.rounds):

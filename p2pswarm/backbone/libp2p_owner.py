@@ -261,7 +261,8 @@ class SwarmOwners:
                 # A newer record that says something new (an address, a shard, a build) is the
                 # worker saying it is back: end its back-off. A plain periodic re-publication (every
                 # third of the TTL) is not: a worker failing while alive keeps its back-off.
-                cleared = (moved or changed) and self.dispatcher is not None and self.dispatcher.clear_backoff(owner.name)
+                cleared = ((moved or changed) and self.dispatcher is not None
+                           and self.dispatcher.clear_backoff(owner.name))
                 if moved or cleared:
                     log.info("worker %s is back (new record%s): using it%s", owner.name,
                              ", new address" if moved else "", " again, back-off ended" if cleared else "")
