@@ -52,6 +52,7 @@ class Libp2pOwner(SocketOwner):
         self.info = info
         self.connect_timeout_s = connect_timeout_s
         self.on_failure = on_failure
+        self.on_latency = None  # (owner, seconds) after each answered request: the metrics histogram
         self.rtt_s: float | None = None  # EWMA of request round trips (compute included)
         self.inflight = 0
         self.requests = 0
@@ -157,6 +158,8 @@ class Libp2pOwner(SocketOwner):
             self.inflight -= 1
         dt = time.perf_counter() - t0
         self.rtt_s = dt if self.rtt_s is None else (1 - RTT_EWMA) * self.rtt_s + RTT_EWMA * dt
+        if self.on_latency is not None:
+            self.on_latency(self, dt)
         self._reorder()
         return reply
 
@@ -215,6 +218,7 @@ class SwarmOwners:
         self.connect_timeout_s = connect_timeout_s
         self.max_frame = max_frame
         self.resolver = resolver
+        self.on_latency = None  # handed to every owner (Libp2pOwner.on_latency)
         self.owners: list[Libp2pOwner] = []
         self._by_key: dict[tuple[str, str], Libp2pOwner] = {}
         self.dispatcher = None
@@ -236,6 +240,10 @@ class SwarmOwners:
         if self.resolver is not None:
             self.resolver.request_refresh(owner.peer)
 
+    def _latency(self, owner: Libp2pOwner, seconds: float) -> None:
+        if self.on_latency is not None:
+            self.on_latency(owner, seconds)
+
     def resort(self) -> None:
         self.owners.sort(key=Libp2pOwner.sort_key)
 
@@ -250,6 +258,7 @@ class SwarmOwners:
                                     max_frame=self.max_frame, on_failure=self._failed)
                 owner._order_changed = self.resort
                 owner.on_refused = self._refused
+                owner.on_latency = self._latency
                 self._by_key[key] = owner
                 self.owners.append(owner)
                 log.info("found worker %s: layers %d-%d experts %d-%d", owner.name, info.shard.layers[0],
