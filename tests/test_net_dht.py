@@ -284,9 +284,11 @@ async def test_withdraw_on_clean_shutdown_and_expiry():
 
 
 async def test_reprovide_refreshes_the_record_before_it_expires():
+    """The record (the liveness signal) is re-signed every third of its TTL; the provider records,
+    48 h claims, are not re-sent with it (DHT load independent of the record's short TTL)."""
     async with dht_swarm(3) as nodes:
         worker, backbone = nodes[1], nodes[2]
-        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))], ttl_s=3, reprovide_s=1)
+        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))], ttl_s=3)
         async with trio.open_nursery() as nursery:
             assert await nursery.start(adv.run) == 16
             res = _resolver(backbone)
@@ -294,8 +296,43 @@ async def test_reprovide_refreshes_the_record_before_it_expires():
                 await trio.sleep(1.5)  # past the first record's expiry, the re-published one is live
                 await res.refresh()
                 assert len(res.owners(1, 5)) == 1
-            assert adv.rounds >= 3
+            assert adv.rounds >= 3 and adv.provide_rounds == 1
+            assert worker.dht.stats.provides == 16 + 1  # the units and the model key, once
             nursery.cancel_scope.cancel()
+
+
+def test_replicas_are_counted_per_expert():
+    """Workers holding experts 0-5, 6-10 and 11-15 touch both 8-expert blocks twice, yet every
+    expert has one copy: each unit is covered once. A replica of 0-5 does not change that (experts
+    6-7 still have one); a second copy of 6-15 makes block 1 twice covered."""
+    from p2pswarm.net.dht import CoverageMap, OwnerInfo
+    from p2pswarm.net.records import CoverageUnit
+
+    def owner(e0: int, e1: int) -> OwnerInfo:
+        ident = Identity.generate()
+        shard = ShardEntry(MODEL, f"s{e0}", (0, 2), (e0, e1))
+        rec = NodeRecord.make(ident, addrs=["/ip4/127.0.0.1/tcp/1"], protocol=1, kernel="numpy", block_size=8,
+                              shards=[shard], ttl_s=60)
+        return OwnerInfo(ident.peer_id_str, rec.addrs, shard, rec)
+
+    def cmap(owners: list[OwnerInfo], n_expert: int = 16) -> CoverageMap:
+        units = [CoverageUnit(MODEL, layer, b, 8) for layer in range(2) for b in range(-(-n_expert // 8))]
+        return CoverageMap({u: [o for o in owners if o.shard.experts[0] < u.experts.stop
+                                and u.experts.start < o.shard.experts[1]] for u in units}, n_expert=n_expert)
+
+    three = [owner(0, 6), owner(6, 11), owner(11, 16)]
+    assert set(cmap(three).replicas().values()) == {1} and not cmap(three).missing()
+    assert set(cmap(three + [owner(0, 6)]).replicas().values()) == {1}
+    got = cmap(three + [owner(6, 16)]).replicas()
+    assert [got[u] for u in sorted(got)] == [1, 2, 1, 2]
+    # an expert nobody holds makes its unit uncovered, however many peers touch it
+    gap = cmap([owner(0, 6), owner(7, 16)])
+    assert [gap.unit_replicas(u) for u in sorted(gap.units)] == [0, 1, 0, 1] and len(gap.missing()) == 2
+    # only owners the caller counts as alive (swarm-status: those that answered its probe)
+    dead = three[1].peer
+    assert set(cmap(three).replicas(alive=lambda o: o.peer != dead).values()) == {0}
+    # a partial last block (12 experts, blocks of 8) counts only the experts that exist
+    assert cmap([owner(0, 12)], n_expert=12).replicas() == {u: 1 for u in cmap([], n_expert=12).units}
 
 
 async def test_forged_and_malformed_records_ignored_and_counted(caplog):
@@ -347,15 +384,35 @@ async def test_forged_and_malformed_records_ignored_and_counted(caplog):
         assert [o.peer for o in res.owners(0, 0)] == [honest.net.peer_id_str]
 
 
-async def test_incompatible_builds_are_not_owners():
-    async with dht_swarm(3) as nodes:
-        worker, backbone = nodes[1], nodes[2]
-        adv = ShardAdvertiser(worker.dht, worker.net.identity, shards=[ShardEntry(MODEL, "s", (0, 4), (0, 16))],
-                              protocol=1, kernel="ggml-other", block_size=4)
+async def test_incompatible_builds_are_refused_once_with_the_reason(caplog):
+    """Another kernel (found through the unit keys) and another block size (found only through the
+    model key): neither is an owner, both are in ``refused`` with the reason, and each is logged
+    once over several refreshes. Re-published with our kernel, the first becomes an owner."""
+    import logging
+
+    async with dht_swarm(4) as nodes:
+        other_kernel, other_bs, backbone = nodes[1], nodes[2], nodes[3]
+        shard = ShardEntry(MODEL, "s", (0, 4), (0, 16))
+        adv = ShardAdvertiser(other_kernel.dht, other_kernel.net.identity, shards=[shard], protocol=1,
+                              kernel="ggml-other", block_size=4)
         await adv.publish()
+        await _advertiser(other_bs, [shard], block_size=8).publish()
         res = _resolver(backbone)
+        with caplog.at_level(logging.WARNING, logger="p2pswarm.net"):
+            for _ in range(3):
+                await res.refresh()
+        assert res.owners(0, 0) == [] and res.stats.mismatched >= 2 and res.stats.model_lookups == 1
+        k, b = other_kernel.net.peer_id_str, other_bs.net.peer_id_str
+        assert res.refused[k][0] == "kernel mismatch: worker computes with 'ggml-other', we with 'numpy'"
+        assert res.refused[b][0].startswith("block size mismatch: worker provides units of 8 experts, we look up "
+                                            "units of 4")
+        for peer, why in ((k, "kernel mismatch"), (b, "block size mismatch")):
+            lines = [r.getMessage() for r in caplog.records if f"refused worker {peer}" in r.getMessage()]
+            assert len(lines) == 1 and why in lines[0], lines
+        adv.kernel = "numpy"
+        await adv.publish_record()
         await res.refresh()
-        assert res.owners(0, 0) == [] and res.stats.mismatched >= 1
+        assert [o.peer for o in res.owners(0, 0)] == [k] and k not in res.refused
 
 
 async def test_resolver_refreshes_on_request():

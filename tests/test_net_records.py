@@ -7,8 +7,8 @@ import msgpack
 import pytest
 
 from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import (MAX_RECORD_BYTES, SIGNING_DOMAIN, CoverageUnit, NodeRecord, NodeRecordValidator,
-                                  RecordError, ShardEntry, node_record_key, units_for)
+from p2pswarm.net.records import (DEFAULT_BLOCK_SIZE, MAX_RECORD_BYTES, SIGNING_DOMAIN, CoverageUnit, NodeRecord,
+                                  NodeRecordValidator, RecordError, ShardEntry, model_key, node_record_key, units_for)
 
 MODEL = "ab" * 32
 SHARD = ShardEntry(MODEL, "cd" * 32, (0, 4), (8, 24))
@@ -147,3 +147,46 @@ def test_dht_validator_checks_key_and_keeps_newest():
     assert v.select(key, [r1.signed, r2.signed]) == 1
     assert v.select(key, [r2.signed, r1.signed]) == 0
     assert v.select(key, [b"junk", r1.signed]) == 1  # an invalid value never wins
+
+
+def test_model_key_names_the_model_not_the_block_size():
+    k = model_key(MODEL)
+    assert len(k) == 34 and k[:2] == b"\x12\x20"
+    assert k == model_key(MODEL.upper()) and k != model_key("ef" * 32)
+    assert k not in {u.key() for u in units_for(MODEL, (0, 4), (0, 64), DEFAULT_BLOCK_SIZE)}
+
+
+def test_default_block_size_is_one_value_and_the_docs_say_it():
+    import inspect
+    from pathlib import Path
+
+    import p2pswarm.net.records as records
+
+    src = inspect.getsource(records)
+    assert src.count("DEFAULT_BLOCK_SIZE =") == 1
+    protocol = (Path(__file__).resolve().parent.parent / "docs" / "protocol.md").read_text()
+    assert f"default {DEFAULT_BLOCK_SIZE} experts" in protocol
+
+
+def test_unusable_reason_names_what_differs():
+    ident = Identity.generate()
+    ours = dict(model=MODEL, protocol=1, kernel="numpy", block_size=8)
+    assert _record(ident).unusable_reason(**ours) is None
+    cases = [(dict(kernel="ggml-0.3.36/x86_64+avx2"), "kernel mismatch: worker computes with 'ggml-0.3.36/x86_64+avx2',"
+                                                       " we with 'numpy'"),
+             (dict(block_size=4), "block size mismatch: worker provides units of 4 experts, we look up units of 8"),
+             (dict(protocol=2), "protocol version mismatch: worker speaks 2, we 1"),
+             (dict(shards=[ShardEntry("ef" * 32, "s", (0, 1), (0, 8))]), f"model mismatch: worker serves {'ef' * 32}")]
+    for change, needle in cases:
+        reason = _record(ident, **change).unusable_reason(**ours)
+        assert reason is not None and reason.startswith(needle), reason
+
+
+def test_same_content_ignores_only_times_and_seq():
+    ident = Identity.generate()
+    a = _record(ident, seq=1, now=time.time() - 30)
+    assert a.same_content(_record(ident, seq=2))  # a periodic re-publication
+    assert not a.same_content(None)
+    for change in (dict(addrs=["/ip4/127.0.0.1/tcp/4002"]), dict(kernel="ggml-x"), dict(block_size=4),
+                   dict(shards=[ShardEntry(MODEL, "ee" * 32, (0, 4), (8, 24))]), dict(withdrawn=True)):
+        assert not a.same_content(_record(ident, seq=3, **change)), change

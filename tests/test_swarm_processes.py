@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -77,9 +78,10 @@ def test_logits_through_the_swarm_equal_monolithic(tiny_f32, tmp_path, swarm):
     status = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(tiny_f32), "--kernel", "numpy",
                      "--json", env=env, check=True)
     st = json.loads(status.stdout.strip().splitlines()[-1])
-    assert st["missing"] == 0 and len(st["owners"]) == 4
-    # block 0 (experts 0-7): workers 0 and 3 (0-5, replicas) and 1 (6-10); block 1: workers 1 and 2
-    assert [st["replicas"][f"{layer}/{b}"] for layer in st["layers"] for b in (0, 1)] == [3, 2] * len(st["layers"])
+    assert st["missing"] == 0 and [p["status"] for p in st["peers"].values()] == ["live"] * 4
+    # block 0 (experts 0-7): experts 0-5 held by workers 0 and 3 (replicas), 6-7 by worker 1 alone;
+    # block 1: 8-10 by worker 1, 11-15 by worker 2. A block counts its least-covered expert: 1, 1.
+    assert [st["replicas"][f"{layer}/{b}"] for layer in st["layers"] for b in (0, 1)] == [1, 1] * len(st["layers"])
     for decode in (False, True):
         flag = ["--decode"] if decode else []
         mono, swarm_out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
@@ -224,9 +226,13 @@ def test_worker_of_another_model_is_refused_at_the_handshake(tiny_f32, tmp_path)
         run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", "--decode",
                 env=env, check=True)
         assert np.array_equal(np.load(mono), np.load(out))
-        # the backbone: refused by the worker, with the worker's reason, then fell back
+        # the backbone: refused by the worker, with the worker's reason, then fell back - once: the
+        # refused worker holds nothing until its record changes, not one fallback per decode step
         assert "refused the handshake: model mismatch" in proc.stderr, proc.stderr[-3000:]
-        assert "fell back to the local replica" in proc.stderr
+        liar_id = liar.addr.split("/p2p/")[1]
+        refusals = [ln for ln in proc.stderr.splitlines() if f"refused worker {liar_id} at the handshake" in ln]
+        assert len(refusals) == 1 and "model mismatch" in refusals[0], proc.stderr[-3000:]
+        assert proc.stderr.count("fell back to the local replica") == 1, proc.stderr[-3000:]
         assert "Traceback" not in proc.stderr
         # the liar: refused our hello, with the reason; computed nothing
         assert liar.stop() == 0
@@ -307,3 +313,98 @@ async def test_malformed_frames_and_forged_records_against_node_processes(tiny_f
         assert w.proc.poll() is None  # every worker still up
     boot.stop()
     assert "refused to store a DHT record" in boot.log.read_text()
+
+
+@pytest.mark.slow
+def test_swarm_status_tells_the_truth(tiny_f32, tmp_path):
+    """Workers holding experts 0-5, 6-10 and 11-15 (not aligned to the 8-expert blocks), one whose
+    record names another kernel, one started with another block size. swarm-status counts each
+    unit once (per expert, not per worker touching it), lists the other two as refused with the
+    reason, and a backbone logs each refusal once over a run that refreshes twice a second. Two
+    workers killed with SIGKILL are unreachable in the next swarm-status (human and JSON) although
+    their records are still live, and one whose record's TTL (12 s) has run out is gone from the
+    look-ups even without a probe."""
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import model_fingerprint
+
+    short_ttl = 12
+    fp = model_fingerprint(ModelLayout.open(tiny_f32))
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_LOG_LEVEL="DEBUG")
+    nodes: list[Node] = []
+
+    def worker(name: str, experts: tuple[int, int], *extra: str) -> Node:
+        shard = tmp_path / f"{name}.gguf"
+        slice_experts(tiny_f32, shard, None, experts)
+        node = Node(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
+                     "--identity", str(tmp_path / f"{name}.key"), *extra], tmp_path / f"{name}.log", env)
+        nodes.append(node)
+        return node
+
+    def peer(node: Node) -> str:
+        return node.addr.split("/p2p/")[1]
+
+    def status(*extra: str) -> str:
+        proc = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(tiny_f32), "--kernel", "numpy",
+                       *extra, env=env, check=True)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        return proc.stdout
+
+    try:
+        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+                    tmp_path / "boot.log", env)
+        nodes.append(boot)
+        with ThreadPoolExecutor(4) as pool:  # side by side: each start waits for its READY line
+            started = [pool.submit(worker, "w0", (0, 6)), pool.submit(worker, "w1", (6, 11)),
+                       pool.submit(worker, "w2", (11, 16), "--ttl", str(short_ttl)),
+                       pool.submit(worker, "odd", (0, 16), "--block-size", "4")]
+            w, odd = [f.result() for f in started[:3]], started[3].result()
+        liar = Node([str(Path(__file__).parent / "helpers" / "lying_worker.py"), "--shard", str(tmp_path / "odd.gguf"),
+                     "--claim-kernel", "ggml-test/other-cpu", "--bootstrap", boot.addr,
+                     "--identity", str(tmp_path / "liar.key")], tmp_path / "liar.log", env, module=False)
+        nodes.append(liar)
+
+        st = json.loads(status("--json").strip().splitlines()[-1])
+        assert st["model"] == fp and st["missing"] == 0
+        assert set(st["replicas"].values()) == {1}, st["replicas"]
+        peers = st["peers"]
+        assert [peers[peer(n)]["status"] for n in w] == ["live"] * 3, peers
+        assert all(peers[peer(n)]["shards"][0]["rtt_ms"] > 0 for n in w)
+        assert peers[peer(liar)]["status"] == "refused"
+        assert peers[peer(liar)]["reason"].startswith("kernel mismatch: worker computes with 'ggml-test/other-cpu'")
+        assert peers[peer(odd)]["status"] == "refused"
+        assert peers[peer(odd)]["reason"].startswith("block size mismatch: worker provides units of 4 experts")
+
+        # A backbone refreshing twice a second logs each refusal once, with the whole peer id.
+        proc = run_cli("logits", str(tiny_f32), "--tokens", _long_tokens(120), "--out", str(tmp_path / "l.npy"),
+                       "--swarm", boot.addr, "--kernel", "numpy", "--decode", "--refresh", "0.5", env=env, check=True)
+        assert " 0 fallbacks" in proc.stdout, proc.stdout
+        assert proc.stderr.count(" unit look-ups, ") >= 3, proc.stderr[-3000:]  # several refreshes happened
+        for node, why in ((liar, "kernel mismatch"), (odd, "block size mismatch")):
+            lines = [ln for ln in proc.stderr.splitlines() if f"refused worker {peer(node)}" in ln]
+            assert len(lines) == 1 and why in lines[0], proc.stderr[-3000:]
+
+        # kill -9: no withdrawal. w1's record (60 s) stays live; w2's (12 s) expires soon.
+        w[1].stop(signal.SIGKILL)
+        w[2].stop(signal.SIGKILL)
+        killed = time.time()
+        with ThreadPoolExecutor(2) as pool:
+            human, out = pool.submit(status), pool.submit(status, "--json")
+            human, out = human.result(), out.result()
+        assert time.time() - killed < 40  # w1's record (signed <= 20 s before the kill) was live: only the probe tells
+        assert f"model {fp} " in human  # the whole 64-digit fingerprint
+        line = next(ln for ln in human.splitlines() if peer(w[1]) in ln)
+        assert ": unreachable: " in line, human
+        assert f"{peer(liar)}: refused: kernel mismatch" in human and f"{peer(odd)}: refused: block size" in human
+        st = json.loads(out.strip().splitlines()[-1])
+        assert st["peers"][peer(w[1])]["status"] == "unreachable" and st["peers"][peer(w[0])]["status"] == "live"
+        assert set(st["replicas"].values()) == {0}  # experts 6-15 are dead, and in every block
+
+        time.sleep(max(0.0, killed + short_ttl + 1 - time.time()))
+        st = json.loads(status("--json", "--no-probe").strip().splitlines()[-1])
+        gone = st["peers"][peer(w[2])]
+        assert gone["status"] == "gone" and gone["reason"].startswith("record expired"), gone
+        # without a probe, the records are all there is: w1 still counts until its record expires
+        assert [st["peers"][peer(n)]["status"] for n in w[:2]] == ["unprobed", "unprobed"]
+    finally:
+        for n in reversed(nodes):
+            n.stop()

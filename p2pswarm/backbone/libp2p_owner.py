@@ -15,6 +15,10 @@ another shard), as well as our protocol version, model fingerprint and kernel.
 :class:`~p2pswarm.net.dht.CoverageResolver`'s map, and keeps the list it hands the dispatcher
 sorted by load and measured round-trip time, so the dispatcher - which takes the first healthy
 owner holding an expert - picks the least busy, nearest replica.
+
+A worker refused at the handshake (either side) is logged once, with the reason, and holds nothing
+until its signed record says something new: not one fallback and one warning per decode step.
+:meth:`Libp2pOwner.probe` is the same dial and handshake plus an echo, for `swarm-status`.
 """
 from __future__ import annotations
 
@@ -56,6 +60,11 @@ class Libp2pOwner(SocketOwner):
         self._order_changed = None  # set by SwarmOwners
         self._stale = False  # addresses changed: redial before the next request
         self.last_used = time.monotonic()
+        self.refused: str | None = None  # why the handshake failed; cleared by a record saying something new
+        self.on_refused = None  # called (owner, reason) on a refused handshake; default: log a warning
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return self.refused is None and super().holds(layer, expert)
 
     @property
     def peer(self) -> str:
@@ -71,6 +80,8 @@ class Libp2pOwner(SocketOwner):
         old = self.info
         self.info = info
         self.layers, self.experts = info.shard.layers, info.shard.experts
+        if not info.record.same_content(old.record):
+            self.refused = None  # a restart with a new build or shard: try the handshake again
         if tuple(info.addrs) != tuple(old.addrs):
             self._stale = True
             self.rtt_s = None  # a new instance: measure it afresh (unmeasured owners sort first)
@@ -91,15 +102,23 @@ class Libp2pOwner(SocketOwner):
                 raise WorkerError(f"{self.name} closed the stream during the handshake")
             reply = proto.unpack(payload)
             if reply.get("op") == "error" or not reply.get("ok"):
+                self._refused(f"the worker refused our handshake: {reply.get('error', 'no reason given')}")
                 raise WorkerError(f"{self.name} refused the handshake: {reply.get('error', 'no reason given')}")
             reason = self._check_reply(reply)
             if reason:
-                log.warning("refused worker %s at handshake: %s", self.name, reason)
+                self._refused(reason)
                 raise WorkerError(f"{self.name} refused by us at the handshake: {reason}")
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
         self._stream, self._reader = stream, reader
+
+    def _refused(self, reason: str) -> None:
+        self.refused = reason
+        if self.on_refused is not None:
+            self.on_refused(self, reason)
+        else:
+            log.warning("refused worker %s at the handshake: %s", self.peer, reason)
 
     def _check_reply(self, reply: dict) -> str | None:
         """Why the worker's hello is not what its signed record promised, or None."""
@@ -158,6 +177,21 @@ class Libp2pOwner(SocketOwner):
         await self._drop()
         return False
 
+    async def probe(self) -> tuple[str, str, float | None]:
+        """Dial, handshake and one echo, as a backbone would: ``("live", "", rtt_s)``,
+        ``("refused", reason, None)`` or ``("unreachable", reason, None)``. Bounded by the
+        owner's timeouts; the stream is closed afterwards."""
+        t0 = time.perf_counter()
+        try:
+            await self.echo(b"")
+            return "live", "", time.perf_counter() - t0
+        except WorkerError as exc:
+            if self.refused is not None:
+                return "refused", self.refused, None
+            return "unreachable", str(exc).removeprefix(f"{self.name} ").removeprefix("unreachable: "), None
+        finally:
+            await self._drop()
+
     def _reorder(self) -> None:
         if self._order_changed is not None:
             self._order_changed()
@@ -188,6 +222,14 @@ class SwarmOwners:
         self.owners: list[Libp2pOwner] = []
         self._by_key: dict[tuple[str, str], Libp2pOwner] = {}
         self.dispatcher = None
+        self._refusals_logged: dict[str, str] = {}  # peer -> the reason last logged
+
+    def _refused(self, owner: Libp2pOwner, reason: str) -> None:
+        """Once per peer and reason: the refusal, and that the worker is not used until it changes."""
+        if self._refusals_logged.get(owner.peer) != reason:
+            self._refusals_logged[owner.peer] = reason
+            log.warning("refused worker %s at the handshake: %s (not used until its record changes; its "
+                        "experts stay on the local replica)", owner.peer, reason)
 
     def attach(self, dispatcher) -> None:
         """Make ``dispatcher`` use our live, re-sorted list (its constructor copies the list)."""
@@ -215,6 +257,7 @@ class SwarmOwners:
                                     timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
                                     max_frame=self.max_frame, on_failure=self._failed)
                 owner._order_changed = self.resort
+                owner.on_refused = self._refused
                 owner.on_latency = self._latency
                 self._by_key[key] = owner
                 self.owners.append(owner)
@@ -222,9 +265,13 @@ class SwarmOwners:
                          info.shard.layers[1] - 1, info.shard.experts[0], info.shard.experts[1] - 1)
             elif info.record.seq != owner.info.record.seq:
                 moved = tuple(info.addrs) != tuple(owner.info.addrs)
+                changed = not info.record.same_content(owner.info.record)
                 owner.update(info)
-                # A newer signed record is the worker saying it is (back) up: end its back-off.
-                cleared = self.dispatcher is not None and self.dispatcher.clear_backoff(owner.name)
+                # A newer record that says something new (an address, a shard, a build) is the
+                # worker saying it is back: end its back-off. A plain periodic re-publication (every
+                # third of the TTL) is not: a worker failing while alive keeps its back-off.
+                cleared = ((moved or changed) and self.dispatcher is not None
+                           and self.dispatcher.clear_backoff(owner.name))
                 if moved or cleared:
                     log.info("worker %s is back (new record%s): using it%s", owner.name,
                              ", new address" if moved else "", " again, back-off ended" if cleared else "")

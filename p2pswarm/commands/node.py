@@ -21,7 +21,7 @@ from pathlib import Path
 
 import trio
 
-from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.commands.common import add_kernel_args
 from p2pswarm.errors import UserError
 from p2pswarm.lifecycle import until_signal
@@ -89,7 +89,9 @@ def add_parser(sub) -> None:
                         "without .gguf); requests naming another model get a 404")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"experts per coverage unit; the same swarm-wide (default {DEFAULT_BLOCK_SIZE})")
-    p.add_argument("--ttl", type=float, default=600.0, help="worker: record lifetime in seconds (default 600)")
+    p.add_argument("--ttl", type=float, default=DEFAULT_RECORD_TTL_S,
+                   help="worker: lifetime in seconds of its signed DHT record, re-published every third of it; "
+                        f"killed, it drops out of look-ups within one TTL (default {DEFAULT_RECORD_TTL_S:.0f})")
     p.add_argument("--timeout", type=float, default=30.0, help="backbone: seconds to wait for a worker")
     p.add_argument("--relay", metavar="MULTIADDR", action="append", default=[],
                    help="worker behind NAT: keep a reservation on a relay (/ip4/H/tcp/P/ws/p2p/ID or .../wss/...), "
@@ -254,7 +256,9 @@ async def _backbone(args) -> None:
                                    listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
                                    block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout) as swarm:
-        log.info("joined the swarm as %s", swarm.net.peer_id_str)
+        # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
+        log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
+                 swarm.local.fingerprint, swarm.resolver.kernel)
         async with trio.open_nursery() as nursery:
             http = "off"
             if args.http_socket is not None:

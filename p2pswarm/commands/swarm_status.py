@@ -1,33 +1,90 @@
-"""`p2pswarm swarm-status --bootstrap MULTIADDR --model M.gguf`: which units are covered, by how many.
+"""`p2pswarm swarm-status --bootstrap MULTIADDR --model M.gguf`: who serves which experts, and who answers.
 
-Joins the DHT as a client with a throw-away identity, resolves every coverage unit of the model
-(layers x expert blocks) through DHT look-ups, and prints a table of replica counts per layer and
-block (`.` = nobody: the backbone's local replica computes it), then the owners.
+Joins the DHT as a client with a throw-away identity and resolves the model's coverage units
+(layers x expert blocks) and its model key exactly as a backbone does. A live record only says its
+worker signed it less than one TTL ago (60 s by default), so every provider whose record is live and
+usable is then *probed*, concurrently, within ``--probe-timeout``: a libp2p dial, the expert
+protocol's handshake with the backbone's own checks (protocol, model, kernel, shard hash, ranges)
+and one echo. A worker killed a moment ago shows as unreachable at once, and drops out of the
+look-ups when its record expires.
+
+Replicas are counted per expert, among the workers that answered: a unit is covered as many times
+as its least-covered expert (workers holding experts 0-5 and 6-10 cover the unit of experts 0-7
+once, not twice). Workers the backbone cannot use (another kernel, block size, protocol or model)
+are listed as ``refused: <reason>``, the same check and wording as the backbone's log, against the
+kernel named by ``--kernel`` (by default the one this machine would run).
 """
 from __future__ import annotations
 
 import json
+import time
 
 import trio
 
-from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 from p2pswarm.errors import UserError
+from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+
+PROBE_TIMEOUT_S = 5.0
+PROBE_CONCURRENCY = 32
+GONE_SHOWN = 20  # the table lists this many gone peers (provider records linger 48 h); --json lists all
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("swarm-status", help="coverage of a model's experts in the swarm")
+    p = sub.add_parser("swarm-status", help="coverage of a model's experts in the swarm, and which workers answer")
     p.add_argument("--bootstrap", action="append", required=True, help="bootstrap peer multiaddr (repeatable)")
     p.add_argument("--model", required=True, help="the model GGUF (for its fingerprint and geometry)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"experts per coverage unit, as the swarm's nodes use (default {DEFAULT_BLOCK_SIZE})")
-    p.add_argument("--kernel", choices=("auto", "numpy", "ggml"), default=None,
-                   help="count workers whose kernel matches this one on this machine (default auto)")
+    p.add_argument("--kernel", default=None, metavar="auto|numpy|ggml|KERNEL_ID",
+                   help="judge workers against this kernel: auto/numpy/ggml as on this machine (default auto), "
+                        "or the exact kernel id a backbone logs, e.g. 'ggml-0.3.36/x86_64+avx2'")
+    p.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
+                   help=f"seconds to wait for each worker's dial, handshake and echo (default {PROBE_TIMEOUT_S:.0f})")
+    p.add_argument("--no-probe", action="store_true",
+                   help="trust the records alone: count every worker whose record is live (a killed worker "
+                        "then still counts until its record expires)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
 
+def _kernel(name: str | None) -> str:
+    from p2pswarm.engine.kernels import KERNELS, kernel_id
+
+    if name is None or name.strip().lower() in KERNELS:
+        return kernel_id(name)
+    return name.strip()  # an exact kernel id, as a backbone elsewhere would put in its handshake
+
+
+async def _probe_all(net, infos: dict, model: str, kernel: str, timeout_s: float) -> dict[str, tuple]:
+    """(status, reason, rtt_s) of every (peer, shard) in ``infos``, probed concurrently."""
+    from p2pswarm.backbone.libp2p_owner import Libp2pOwner
+
+    out: dict[str, tuple] = {}
+    limiter = trio.CapacityLimiter(PROBE_CONCURRENCY)
+
+    async def one(key: str, info) -> None:
+        owner = Libp2pOwner(net, info, model_fingerprint=model, kernel=kernel, timeout_s=timeout_s,
+                            connect_timeout_s=timeout_s, name=info.peer)
+        owner.on_refused = lambda _owner, _reason: None  # reported in the table, not logged
+        async with limiter:
+            out[key] = await owner.probe()
+
+    async with trio.open_nursery() as nursery:
+        for key, info in infos.items():
+            nursery.start_soon(one, key, info)
+    return out
+
+
+def _shard(info, status: str, reason: str = "", rtt_s: float | None = None) -> dict:
+    return {"shard": info.shard.shard, "layers": list(info.shard.layers), "experts": list(info.shard.experts),
+            "status": status, "reason": reason, "rtt_ms": None if rtt_s is None else round(rtt_s * 1000, 1)}
+
+
+def _record_times(rec, now: float) -> dict:
+    return {"record_age_s": max(0, int(now - rec.issued)), "record_expires_in_s": int(rec.expires - now)}
+
+
 async def _status(args) -> dict:
-    from p2pswarm.engine.kernels import kernel_id
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.net import expert_protocol as proto
@@ -37,34 +94,94 @@ async def _status(args) -> dict:
 
     layout = ModelLayout.open(args.model)
     fp = model_fingerprint(layout)
+    kernel = _kernel(args.kernel)
     async with open_host(Identity.generate()) as net, open_dht(net, server=False, bootstrap=args.bootstrap) as dht:
         resolver = CoverageResolver(dht, model=fp, layers=layout.expert_layers, n_expert=layout.n_expert,
-                                    block_size=args.block_size, protocol=proto.PROTOCOL_VERSION,
-                                    kernel=kernel_id(args.kernel))
+                                    block_size=args.block_size, protocol=proto.PROTOCOL_VERSION, kernel=kernel)
+        resolver.log_refusals = False
         cmap = await resolver.refresh()
-    replicas = {(u.layer, u.block): n for u, n in cmap.replicas().items()}
-    owners = {f"{o.peer}": {"addrs": list(o.addrs), "layers": list(o.shard.layers), "experts": list(o.shard.experts)}
-              for o in cmap.peers().values()}
+        infos = cmap.peers()
+        probes = {} if args.no_probe else await _probe_all(net, infos, fp, kernel, args.probe_timeout)
+    now = time.time()
+
+    peers: dict[str, dict] = {}
+    for key, info in infos.items():
+        status, reason, rtt = probes.get(key, ("unprobed", "", None))
+        p = peers.setdefault(info.peer, {"status": status, "reason": reason, "addrs": list(info.addrs),
+                                         "kernel": info.record.kernel, "shards": [],
+                                         **_record_times(info.record, now)})
+        p["shards"].append(_shard(info, status, reason, rtt))
+        if status != "live" and p["status"] == "live":  # a peer is as live as its least live shard
+            p["status"], p["reason"] = status, reason
+    for peer, (reason, rec) in sorted(resolver.refused.items()):
+        peers[peer] = {"status": "refused", "reason": reason, "addrs": list(rec.addrs), "kernel": rec.kernel,
+                       "block_size": rec.block_size,
+                       "shards": [{"shard": s.shard, "layers": list(s.layers), "experts": list(s.experts),
+                                   "model": s.model} for s in rec.shards], **_record_times(rec, now)}
+    for peer, reason in sorted(resolver.gone.items()):
+        peers.setdefault(peer, {"status": "gone", "reason": reason, "addrs": [], "shards": []})
+
+    usable = {k for k, (status, _, _) in probes.items() if status == "live"} if probes else set(infos)
+    replicas = cmap.replicas(alive=lambda o: f"{o.peer}/{o.shard.shard}" in usable)
     n_blocks = -(-layout.n_expert // args.block_size)
-    return {"model": fp, "layers": layout.expert_layers, "blocks": n_blocks, "block_size": args.block_size,
-            "replicas": {f"{layer}/{block}": n for (layer, block), n in sorted(replicas.items())},
-            "missing": len(cmap.missing()), "units": len(replicas), "owners": owners}
+    counts: dict[str, int] = {}
+    for p in peers.values():
+        counts[p["status"]] = counts.get(p["status"], 0) + 1
+    return {"model": fp, "kernel": kernel, "block_size": args.block_size, "layers": list(layout.expert_layers),
+            "blocks": n_blocks, "units": len(replicas), "probed": not args.no_probe,
+            "replicas": {f"{u.layer}/{u.block}": n for u, n in sorted(replicas.items())},
+            "missing": sum(1 for n in replicas.values() if n == 0), "counts": counts, "peers": peers}
+
+
+def _describe(peer: str, p: dict) -> str:
+    ranges = "; ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1}, experts {s['experts'][0]}-{s['experts'][1] - 1}"
+                       for s in p["shards"])
+    where = f" at {', '.join(p['addrs'])}" if p["addrs"] else ""
+    times = (f", record signed {p['record_age_s']} s ago, expires in {p['record_expires_in_s']} s"
+             if "record_age_s" in p else "")
+    if p["status"] == "live":
+        rtts = [s["rtt_ms"] for s in p["shards"] if s["rtt_ms"] is not None]
+        state = f"live (handshake + echo {max(rtts):.0f} ms)" if rtts else "live"
+    elif p["status"] == "unprobed":
+        state = "listed (not probed)"
+    else:
+        state = f"{p['status']}: {p['reason']}"
+    if p["status"] == "gone":
+        return f"  {peer}: {state}"
+    return f"  {peer}: {state}; {ranges or 'no shards'}{where}{times}"
 
 
 def run(args) -> int:
     if args.block_size < 1:
         raise UserError("--block-size must be >= 1")
+    if not args.probe_timeout > 0:
+        raise UserError("--probe-timeout must be > 0 seconds")
     st = trio.run(_status, args)
     if args.json:
         print(json.dumps(st))
         return 0
-    print(f"model {st['model'][:12]}: {st['units']} units ({len(st['layers'])} layers x {st['blocks']} blocks of "
-          f"{st['block_size']} experts), {st['missing']} with no worker")
-    print("layer  replicas per block ('.' = none: computed by the backbone)")
+    print(f"model {st['model']} (kernel {st['kernel']}, block size {st['block_size']})")
+    who = "live worker" if st["probed"] else "worker with a live record"
+    print(f"{st['units']} units ({len(st['layers'])} layers x {st['blocks']} blocks of {st['block_size']} experts), "
+          f"{st['missing']} with an expert no {who} serves")
+    print(f"layer  replicas per block: its least-covered expert's {who}s ('.' = none: computed by the backbone)")
     for layer in st["layers"]:
         cells = [st["replicas"].get(f"{layer}/{b}", 0) for b in range(st["blocks"])]
         print(f"{layer:>5}  " + " ".join("." if c == 0 else str(min(c, 9)) for c in cells))
-    for peer, o in st["owners"].items():
-        print(f"  {peer}: layers {o['layers'][0]}-{o['layers'][1] - 1}, experts {o['experts'][0]}-{o['experts'][1] - 1}"
-              f" at {', '.join(o['addrs'])}")
+    order = ("live", "unprobed", "unreachable", "refused", "gone")
+    c = st["counts"]
+    print("peers: " + ", ".join(f"{c.get(s, 0)} {'listed' if s == 'unprobed' else s}" for s in order
+                                if c.get(s) or s in ("live", "refused")))
+    gone_shown = 0
+    for status in order:
+        for peer, p in st["peers"].items():
+            if p["status"] != status:
+                continue
+            if status == "gone":
+                gone_shown += 1
+                if gone_shown > GONE_SHOWN:
+                    continue
+            print(_describe(peer, p))
+    if gone_shown > GONE_SHOWN:
+        print(f"  ... and {gone_shown - GONE_SHOWN} more gone (--json lists them all)")
     return 0

@@ -64,8 +64,8 @@ from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from p2pswarm.errors import UserError
 from p2pswarm.net.host import NetError, NetHost, _reason, single_error
 from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import (NAMESPACE, CoverageUnit, NodeRecord, NodeRecordValidator, RecordError,
-                                  ShardEntry, node_record_key, units_for)
+from p2pswarm.net.records import (DEFAULT_RECORD_TTL_S, NAMESPACE, CoverageUnit, NodeRecord, NodeRecordValidator,
+                                  RecordError, ShardEntry, model_key, node_record_key, units_for)
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -84,6 +84,7 @@ IDENTIFY_WAIT_S = 5.0
 RETRY_PAUSE_S = 0.25  # before retrying a failed stream: long enough for the swarm to see a closed connection
 INBOUND_KAD_STREAMS = 256  # concurrent inbound kad streams a server handles (py-libp2p: 12, then resets)
 OUTBOUND_KAD_STREAMS = 64  # our own kad RPCs in flight at once, so bursts stay under everyone's limit
+REPROVIDE_S = 300.0  # provider records re-sent this often (node records: every third of their TTL)
 
 
 def install_kad_protocol_id(protocol: str = KAD_PROTOCOL) -> None:
@@ -514,15 +515,21 @@ async def open_dht(net: NetHost, *, server: bool = True, bootstrap: Sequence[str
 # Provider side
 # ------------------------------------------------------------------------------------------------
 class ShardAdvertiser:
-    """Publishes this node's signed record and provides every coverage unit of its shards;
-    re-publishes before the record expires; withdraws on clean shutdown.
+    """Publishes this node's signed record and provides every coverage unit of its shards (and its
+    model's :func:`~p2pswarm.net.records.model_key`); re-publishes the record every ``refresh_s``
+    (a third of its TTL) and the provider records every ``reprovide_s``; withdraws on clean shutdown.
 
-    Re-providing also re-announces the units to whichever peers are closest *now*, so DHT nodes
-    that joined since the last round learn about us."""
+    Two cadences because they do different jobs. The record is the liveness signal: short-lived
+    (default 60 s) so a killed worker drops out of every look-up within one TTL, and cheap to
+    refresh (one look-up and 20 stores, whatever the shard's size). Provider records only say "ask
+    this peer's record" and py-libp2p keeps them 48 h, so they are re-sent rarely (default 5 min;
+    a phone with 400 units would otherwise send 8,000 ADD_PROVIDERs every 20 s). Re-providing also
+    re-announces the units to whichever peers are closest *now*, so DHT nodes that joined since the
+    last round learn about us."""
 
     def __init__(self, dht: SwarmDHT, identity: Identity, *, shards: Sequence[ShardEntry], protocol: int,
-                 kernel: str, block_size: int, ttl_s: float = 600.0, reprovide_s: float | None = None,
-                 concurrency: int = 8):
+                 kernel: str, block_size: int, ttl_s: float = DEFAULT_RECORD_TTL_S, refresh_s: float | None = None,
+                 reprovide_s: float | None = None, concurrency: int = 8):
         if ttl_s < 3:
             raise UserError("record TTL must be at least 3 s")
         self.dht = dht
@@ -532,13 +539,17 @@ class ShardAdvertiser:
         self.kernel = kernel
         self.block_size = block_size
         self.ttl_s = ttl_s
-        self.reprovide_s = reprovide_s or ttl_s / 3
-        if self.reprovide_s >= ttl_s:
-            raise UserError("re-provide interval must be shorter than the record TTL")
+        self.refresh_s = refresh_s or ttl_s / 3
+        if self.refresh_s >= ttl_s:
+            raise UserError("record refresh interval must be shorter than the record TTL")
+        self.reprovide_s = reprovide_s or max(self.refresh_s, REPROVIDE_S)
         self.concurrency = concurrency
         self.units = sorted({u for s in shards for u in units_for(s.model, s.layers, s.experts, block_size)})
+        self.model_keys = sorted({model_key(s.model) for s in shards})
         self.record: NodeRecord | None = None
-        self.rounds = 0
+        self.rounds = 0  # records published
+        self.provide_rounds = 0  # rounds of provider records sent
+        self._provided_at = -math.inf
 
     def _record(self, withdrawn: bool = False) -> NodeRecord:
         addrs = self.dht.net.addrs()
@@ -551,49 +562,63 @@ class ShardAdvertiser:
                                block_size=self.block_size, shards=self.shards, ttl_s=self.ttl_s,
                                withdrawn=withdrawn, seq=seq)
 
-    async def publish(self) -> int:
-        """Put our record, then provide every unit. Returns how many units reached a peer."""
+    async def publish_record(self) -> bool:
+        """Put a fresh record (new expiry) at the closest peers; False when no peer took it."""
         self.record = self._record()
+        self.rounds += 1
         try:
-            await self.dht.put_value(node_record_key(self.identity.peer_id_str), self.record.signed)
+            return await self.dht.put_value(node_record_key(self.identity.peer_id_str), self.record.signed) > 0
         except (Exception, trio.TooSlowError) as exc:
             log.warning("publishing our node record failed: %s", _reason(exc))
+            return False
+
+    async def publish(self) -> int:
+        """Put our record, then provide every unit and the model key. Returns how many units
+        reached a peer."""
+        await self.publish_record()
         ok = 0
         limiter = trio.CapacityLimiter(self.concurrency)
 
-        async def one(unit: CoverageUnit) -> None:
+        async def one(key: bytes, unit: bool) -> None:
             nonlocal ok
             async with limiter:
-                if await self.dht.provide(unit.key()):
+                if await self.dht.provide(key) and unit:
                     ok += 1
 
         async with trio.open_nursery() as nursery:
             for u in self.units:
-                nursery.start_soon(one, u)
-        self.rounds += 1
+                nursery.start_soon(one, u.key(), True)
+            for k in self.model_keys:
+                nursery.start_soon(one, k, False)
+        self.provide_rounds += 1
+        self._provided_at = time.monotonic()
         return ok
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Publish now (``task_status.started(units provided)``), then every ``reprovide_s``."""
+        """Publish now (``task_status.started(units provided)``), then the record every
+        ``refresh_s`` and the provider records every ``reprovide_s``."""
         ok = await self.publish()
-        log.info("providing %d units (%d reached the DHT) for %s", len(self.units), ok,
-                 "; ".join(f"layers {s.layers[0]}-{s.layers[1] - 1} experts {s.experts[0]}-{s.experts[1] - 1}"
-                           for s in self.shards))
+        log.info("providing %d units (%d reached the DHT) for %s; record refreshed every %.0f s (TTL %.0f s)",
+                 len(self.units), ok, "; ".join(f"layers {s.layers[0]}-{s.layers[1] - 1} experts "
+                                                f"{s.experts[0]}-{s.experts[1] - 1}" for s in self.shards),
+                 self.refresh_s, self.ttl_s)
         task_status.started(ok)
         while True:
-            await trio.sleep(self.reprovide_s * random.uniform(0.9, 1.0))
+            await trio.sleep(self.refresh_s * random.uniform(0.9, 1.0))
             try:
-                ok = await self.publish()
+                if time.monotonic() - self._provided_at >= self.reprovide_s * 0.95:
+                    ok = await self.publish()
+                    if ok < len(self.units):
+                        log.warning("re-provide: only %d of %d units reached the DHT", ok, len(self.units))
+                elif not await self.publish_record():
+                    log.warning("record refresh reached no DHT peer; retrying in %.0f s", self.refresh_s)
             except (UserError, RecordError) as exc:  # e.g. our listeners are gone: try again later
                 log.warning("re-provide failed: %s", exc)
-                continue
-            if ok < len(self.units):
-                log.warning("re-provide: only %d of %d units reached the DHT", ok, len(self.units))
 
     async def withdraw(self, *, timeout_s: float = 10.0) -> bool:
         """Publish a withdrawn record (shielded, bounded: callable from a cancelled scope)."""
-        for u in self.units:
-            self.dht.stop_providing(u.key())
+        for key in [u.key() for u in self.units] + self.model_keys:
+            self.dht.stop_providing(key)
         with trio.CancelScope(shield=True), trio.move_on_after(timeout_s):
             try:
                 self.record = self._record(withdrawn=True)
@@ -634,13 +659,26 @@ class CoverageMap:
 
     units: dict[CoverageUnit, list[OwnerInfo]] = field(default_factory=dict)
     resolved_at: float = 0.0
+    n_expert: int | None = None  # the model's experts per layer: the last block may be partial
 
     def owners_of(self, layer: int, expert: int, block_size: int, model: str) -> list[OwnerInfo]:
         unit = CoverageUnit(model, layer, expert // block_size, block_size)
         return [o for o in self.units.get(unit, []) if o.holds(layer, expert)]
 
+    def unit_replicas(self, unit: CoverageUnit, alive: Callable[[OwnerInfo], bool] | None = None) -> int:
+        """How many times ``unit`` is covered: the replica count of its least-covered expert (the
+        distinct peers holding it; only owners ``alive`` accepts, when given). Two workers holding
+        experts 0-5 and 6-10 both touch the unit of experts 0-7, yet cover it once, not twice."""
+        owners = [o for o in self.units.get(unit, []) if alive is None or alive(o)]
+        stop = unit.experts.stop if self.n_expert is None else min(unit.experts.stop, self.n_expert)
+        experts = range(unit.experts.start, stop)
+        if not owners or not experts:
+            return 0
+        return min(len({o.peer for o in owners if o.holds(unit.layer, e)}) for e in experts)
+
     def missing(self) -> list[CoverageUnit]:
-        return [u for u, owners in self.units.items() if not owners]
+        """Units with at least one expert nobody serves (the local replica computes it)."""
+        return [u for u in self.units if self.unit_replicas(u) == 0]
 
     def peers(self) -> dict[str, OwnerInfo]:
         """One OwnerInfo per (peer, shard) in the map."""
@@ -650,8 +688,9 @@ class CoverageMap:
                 out.setdefault(f"{o.peer}/{o.shard.shard}", o)
         return out
 
-    def replicas(self) -> dict[CoverageUnit, int]:
-        return {u: len({o.peer for o in owners}) for u, owners in self.units.items()}
+    def replicas(self, alive: Callable[[OwnerInfo], bool] | None = None) -> dict[CoverageUnit, int]:
+        """:meth:`unit_replicas` of every unit."""
+        return {u: self.unit_replicas(u, alive) for u in self.units}
 
 
 @dataclass
@@ -661,7 +700,8 @@ class ResolverStats:
     providers_seen: int = 0
     records_fetched: int = 0
     bogus_records: int = 0  # forged, malformed, expired beyond use, or not matching the provider
-    mismatched: int = 0  # valid but another protocol/kernel/model: not usable by us
+    mismatched: int = 0  # valid but another protocol/kernel/block size/model: not usable by us
+    model_lookups: int = 0  # look-ups of the model key (finds workers of any block size)
     withdrawn: int = 0
     last_refresh_s: float = 0.0
     last_bogus: str = ""
@@ -677,8 +717,15 @@ class CoverageResolver:
     ``refresh()`` re-reads every known peer's record (a withdrawal, a restart on a new address or
     an expiry shows at once; one look-up per peer, not per unit) and looks units up to discover new
     providers: all of them the first time, later the units nobody covers plus a rotating
-    ``1/rotation`` of the rest (a full sweep every ``rotation`` refreshes). ``run()`` refreshes every
-    ``refresh_s`` seconds and at once when :meth:`request_refresh` is called (a failed owner)."""
+    ``1/rotation`` of the rest (a full sweep every ``rotation`` refreshes, with the model key, which
+    finds workers of any block size). ``run()`` refreshes every ``refresh_s`` seconds and at once
+    when :meth:`request_refresh` is called (a failed owner).
+
+    A peer with a live record we cannot use (another protocol, kernel, block size or model) is
+    kept in :attr:`refused` with the reason and logged once per peer and reason - a backbone that
+    silently ignored it would show only "0 of N units have owners". Refused peers are re-read every
+    refresh like owners, so one restarted with the right build is used at once. :attr:`gone` lists
+    the last refresh's providers that serve nothing now (withdrawn, expired, no record)."""
 
     def __init__(self, dht: SwarmDHT, *, model: str, layers: Sequence[int] | range, n_expert: int, block_size: int,
                  protocol: int, kernel: str, refresh_s: float = 30.0, concurrency: int = 16, rotation: int = 4):
@@ -696,12 +743,18 @@ class CoverageResolver:
         self.rotation = rotation
         self.units = [CoverageUnit(model, layer, b, block_size)
                       for layer in self.layers for b in range(math.ceil(n_expert / block_size))]
-        self.map = CoverageMap({u: [] for u in self.units})
+        self.map = CoverageMap({u: [] for u in self.units}, n_expert=n_expert)
         self.stats = ResolverStats()
         self._wake = trio.Event()
         self._suspects: set[str] = set()
         self._refresh_lock = trio.Lock()
         self._known: dict[str, NodeRecord] = {}  # every provider met, with its latest verified record
+        # Peers with a live record we cannot use, and why; re-read every refresh, like known ones.
+        self.refused: dict[str, tuple[str, NodeRecord]] = {}
+        # Providers of the last refresh that serve nothing now: "withdrawn", "record expired ...".
+        self.gone: dict[str, str] = {}
+        self.log_refusals = True  # swarm-status shows them in its table instead
+        self._refusals_logged: dict[str, str] = {}
         self._round = 0
         self.on_change: Callable[[CoverageMap], Awaitable[None] | None] | None = None
 
@@ -723,11 +776,14 @@ class CoverageResolver:
         self.stats.records_fetched += 1
         return await self.dht.get_node_record(peer, on_bogus=self._bogus)
 
-    def _compatible(self, rec: NodeRecord) -> bool:
-        if rec.protocol != self.protocol or rec.kernel != self.kernel or rec.block_size != self.block_size:
-            self.stats.mismatched += 1
-            return False
-        return True
+    def _refuse(self, peer: str, rec: NodeRecord, reason: str) -> None:
+        """Note a worker we cannot use; log it once per peer and reason, not every refresh."""
+        self.stats.mismatched += 1
+        self.refused[peer] = (reason, rec)
+        if self._refusals_logged.get(peer) != reason:
+            self._refusals_logged[peer] = reason
+            if self.log_refusals:
+                log.warning("refused worker %s: %s (its experts stay on the local replica)", peer, reason)
 
     def _covering(self, rec: NodeRecord, unit: CoverageUnit) -> ShardEntry | None:
         return next((s for s in rec.shards if s.model == self.model
@@ -759,12 +815,22 @@ class CoverageResolver:
                 self.stats.providers_seen += len(infos)
                 providers.update(i.peer_id.to_base58() for i in infos)
 
+            async def look_model() -> None:
+                async with limiter:
+                    infos = await self.dht.find_providers(model_key(self.model))
+                self.stats.model_lookups += 1
+                providers.update(i.peer_id.to_base58() for i in infos)
+
             async with trio.open_nursery() as nursery:
                 for u in todo:
                     nursery.start_soon(look, u)
+                # Workers of another block size provide none of our unit keys, only the model key:
+                # looked up with every full sweep of the units, so they are seen (and refused).
+                if units is None and self._round % self.rotation == 0:
+                    nursery.start_soon(look_model)
 
             records: dict[str, NodeRecord | None] = {}
-            peers = sorted(providers | set(self._known) | self._suspects)
+            peers = sorted(providers | set(self._known) | set(self.refused) | self._suspects)
 
             async def fetch(peer: str) -> None:
                 async with limiter:
@@ -776,8 +842,11 @@ class CoverageResolver:
             suspects = self._suspects & set(peers)
             self._suspects.difference_update(peers)
 
+            self.gone = {}
+            now = time.time()
             for peer, rec in records.items():
                 old = self._known.pop(peer, None)
+                was_refused = self.refused.pop(peer, None)
                 if rec is None or old is None or rec.seq != old.seq:
                     log.debug("record of %s: %s (was %s)", peer[-12:], "none found" if rec is None else
                               f"seq {rec.seq}{' withdrawn' if rec.withdrawn else ''}",
@@ -785,16 +854,30 @@ class CoverageResolver:
                 if rec is None and old is not None and old.live() and peer not in suspects:
                     self._known[peer] = old  # a look-up that failed this time; the record still holds
                     continue
+                if rec is None and was_refused is not None and was_refused[1].live():
+                    self.refused[peer] = was_refused
+                    continue
                 if rec is None or rec.peer != peer:
                     if rec is not None:
                         self._bogus(f"record of {rec.peer[-12:]} offered for provider {peer[-12:]}")
+                    else:
+                        self.gone[peer] = "no node record found"
                     continue
                 if rec.withdrawn:
                     if old is None or not old.withdrawn:
                         self.stats.withdrawn += 1
+                    self.gone[peer] = "withdrawn (left cleanly)"
                     continue
-                if rec.live() and self._compatible(rec) and any(s.model == self.model for s in rec.shards):
-                    self._known[peer] = rec
+                if not rec.live(now):
+                    self.gone[peer] = f"record expired {int(now - rec.expires)} s ago"
+                    continue
+                reason = rec.unusable_reason(model=self.model, protocol=self.protocol, kernel=self.kernel,
+                                             block_size=self.block_size)
+                if reason:
+                    self._refuse(peer, rec, reason)
+                    continue
+                self._refusals_logged.pop(peer, None)
+                self._known[peer] = rec
             for unit in self.units:
                 owners = []
                 for peer, rec in self._known.items():

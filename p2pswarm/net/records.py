@@ -1,9 +1,11 @@
 """Coverage units, build fingerprints and the signed node records a backbone dials from.
 
-Coverage unit: ``(model fingerprint, layer, expert block)`` with a swarm-wide block size (e.g. 32
-experts). Its DHT key is a sha2-256 multihash of those four values, so every node computes the same
-key without talking to anyone. A node *provides* (DHT provider record) every unit its shards
-intersect; a backbone looks a unit's key up to learn who provides it.
+Coverage unit: ``(model fingerprint, layer, expert block)`` with a swarm-wide block size
+(:data:`DEFAULT_BLOCK_SIZE` experts). Its DHT key is a sha2-256 multihash of those four values, so
+every node computes the same key without talking to anyone. A node *provides* (DHT provider record)
+every unit its shards intersect; a backbone looks a unit's key up to learn who provides it. A node
+also provides its model's :func:`model_key`, which names no block size: through it a backbone finds
+the workers it cannot use because they were started with another block size, and says so.
 
 A provider record says only "peer P claims unit U". What a backbone needs to use P - where to dial,
 which exact experts, which build - is in P's **node record**, a DHT value under
@@ -40,7 +42,11 @@ NAMESPACE = "p2pswarm"
 NODE_RECORD_PREFIX = f"/{NAMESPACE}/node/"
 SIGNING_DOMAIN = b"p2pswarm-node-record-v1\x00"
 UNIT_KEY_DOMAIN = b"p2pswarm-unit-v1\x00"
-DEFAULT_BLOCK_SIZE = 32
+DEFAULT_BLOCK_SIZE = 8  # experts per coverage unit, the same swarm-wide: 256 experts -> 32 blocks a layer
+MODEL_KEY_DOMAIN = b"p2pswarm-model-v1\x00"
+# A node record lives this long unless re-published (``node --ttl``); the advertiser re-publishes it
+# every third of it, so a worker killed with SIGKILL drops out of every look-up within one TTL.
+DEFAULT_RECORD_TTL_S = 60.0
 MAX_RECORD_BYTES = 16 << 10
 MAX_ADDRS = 16
 MAX_SHARDS = 64
@@ -66,9 +72,6 @@ class BuildFingerprint:
         return f"protocol {self.protocol}, model {self.model[:12]}, shard {self.shard[:12]}, kernel {self.kernel}"
 
 
-DEFAULT_BLOCK_SIZE = 8  # experts per coverage unit, the same swarm-wide: 256 experts -> 32 blocks a layer
-
-
 @dataclass(frozen=True, order=True)
 class CoverageUnit:
     model: str
@@ -89,6 +92,11 @@ class CoverageUnit:
     def __str__(self) -> str:
         e = self.experts
         return f"layer {self.layer} experts {e.start}-{e.stop - 1}"
+
+
+def model_key(model: str) -> bytes:
+    """DHT provider key of "I serve experts of model M", whatever my block size (a multihash)."""
+    return b"\x12\x20" + hashlib.sha256(MODEL_KEY_DOMAIN + model.lower().encode()).digest()
 
 
 def units_for(model: str, layers: range | tuple[int, int], experts: range | tuple[int, int],
@@ -234,6 +242,29 @@ class NodeRecord:
 
     def fingerprint(self, shard: ShardEntry) -> BuildFingerprint:
         return BuildFingerprint(self.protocol, shard.model, shard.shard, self.kernel)
+
+    def unusable_reason(self, *, model: str, protocol: int, kernel: str, block_size: int) -> str | None:
+        """Why a backbone of ``model`` running ``protocol``/``kernel``/``block_size`` cannot use
+        this (verified, live) peer, or None. The wording matches the handshake's refusals."""
+        if self.protocol != protocol:
+            return f"protocol version mismatch: worker speaks {self.protocol}, we {protocol}"
+        if self.kernel != kernel:
+            return f"kernel mismatch: worker computes with {self.kernel!r}, we with {kernel!r}"
+        if self.block_size != block_size:
+            return (f"block size mismatch: worker provides units of {self.block_size} experts, we look up "
+                    f"units of {block_size} (start every node with the same --block-size)")
+        if not any(s.model == model for s in self.shards):
+            models = sorted({s.model for s in self.shards})
+            return f"model mismatch: worker serves {', '.join(models) or 'no shard'}, we run {model}"
+        return None
+
+    def same_content(self, other: "NodeRecord | None") -> bool:
+        """Whether ``other`` says the same as this record apart from its times and sequence number
+        (a periodic re-publication rather than a restart with something new)."""
+        return other is not None and (self.peer, self.addrs, self.protocol, self.kernel, self.block_size,
+                                      self.shards, self.withdrawn) == (other.peer, other.addrs, other.protocol,
+                                                                       other.kernel, other.block_size, other.shards,
+                                                                       other.withdrawn)
 
     def units(self) -> list[CoverageUnit]:
         out: list[CoverageUnit] = []

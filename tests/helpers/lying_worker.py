@@ -1,9 +1,11 @@
-"""A worker node whose signed DHT record lies about its model (a buggy or malicious peer).
+"""A worker node whose signed DHT record lies about its model or kernel (a buggy or malicious peer).
 
 It serves a shard of one model but advertises it as a shard of another (``--claim-model``), so a
 backbone of the claimed model finds it through the DHT, dials it, and must refuse it at the
-handshake. Built from the same library pieces as `p2pswarm node --role worker`; only the model
-fingerprint in the record is forged. Prints ``READY <multiaddr>`` like a real node."""
+handshake. With ``--claim-kernel`` its record names another kernel (a worker built differently,
+without needing that kernel here): a backbone must refuse it from the record alone. Built from the
+same library pieces as `p2pswarm node --role worker`; only the record's model or kernel is forged.
+Prints ``READY <multiaddr>`` like a real node."""
 from __future__ import annotations
 
 import argparse
@@ -25,13 +27,14 @@ async def main(args) -> None:
     worker = ExpertWorker(args.shard, kernel="numpy")
     info = worker.info
     identity = load_or_create_identity(args.identity)
-    lie = ShardEntry(args.claim_model, worker_shard_hash(worker), (info.layer_begin, info.layer_end),
-                     (info.expert_begin, info.expert_end))
+    lie = ShardEntry(args.claim_model or info.model_fingerprint, worker_shard_hash(worker),
+                     (info.layer_begin, info.layer_end), (info.expert_begin, info.expert_end))
     async with open_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as net, \
             open_dht(net, server=True, bootstrap=[args.bootstrap]) as dht:
         stats = ServeStats()
         serve_libp2p(net, worker, stats=stats)
-        adv = ShardAdvertiser(dht, identity, shards=[lie], protocol=proto.PROTOCOL_VERSION, kernel=info.kernel,
+        adv = ShardAdvertiser(dht, identity, shards=[lie], protocol=proto.PROTOCOL_VERSION,
+                              kernel=args.claim_kernel or info.kernel,
                               block_size=8, ttl_s=120)
         await adv.publish()
         print(f"READY {net.full_addrs()[0]}", flush=True)
@@ -45,7 +48,8 @@ async def main(args) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--shard", required=True)
-    p.add_argument("--claim-model", required=True)
+    p.add_argument("--claim-model")
+    p.add_argument("--claim-kernel")
     p.add_argument("--bootstrap", required=True)
     p.add_argument("--identity", required=True)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
