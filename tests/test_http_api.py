@@ -112,3 +112,25 @@ async def test_client_leaving_a_stream_ends_its_generation(tiny_f32):
             assert swarm["active_sequences"] == 0 and swarm["tokens_generated"] < 300
 
     await _with_server(tiny_f32, client)
+
+
+def test_status_page_counts_replicas_per_expert(tiny_f32):
+    """Workers holding experts 0-5, 6-10 and 11-15 touch blocks 0-7 and 8-15 twice each, yet every
+    expert has one copy: the heat-map says 1 per unit (its least-covered expert), as swarm-status."""
+    from p2pswarm.backbone.dispatch import Dispatcher
+    from p2pswarm.backbone.socket_owner import SocketOwner
+    from p2pswarm.backbone.status_page import SwarmView
+    from p2pswarm.engine.experts import ExpertBank
+    from p2pswarm.model.layout import ModelLayout
+
+    layout = ModelLayout.open(tiny_f32)
+    owners = [SocketOwner(f"w{i}", "127.0.0.1", 1, model_fingerprint="x", kernel="numpy",
+                          layers=(0, layout.n_layer), experts=span)
+              for i, span in enumerate([(0, 6), (6, 11), (11, 16)])]
+    view = SwarmView(Dispatcher(ExpertBank(layout), owners), layers=layout.expert_layers,
+                     n_expert=layout.n_expert, block_size=8)
+    units = view.units()
+    assert len(units) == len(layout.expert_layers) * 2
+    assert {u["replicas"] for u in units} == {1} and {u["known"] for u in units} == {1}
+    owners[1].refused = "kernel mismatch"  # refused at the handshake: known, never live
+    assert {u["replicas"] for u in view.units()} == {0}

@@ -12,7 +12,8 @@ The page (``static/status.html``, package data, no external assets so it works o
 
 A replica is *live* when the dispatcher would send it work now: a worker that failed is in
 back-off and stops counting at once, so a killed worker shows on the map at its next request,
-not at its record's expiry.
+not at its record's expiry; a worker refused at the handshake never counts. A unit is covered as
+many times as its least-covered expert (the same rule as ``swarm-status``).
 """
 from __future__ import annotations
 
@@ -59,36 +60,44 @@ class SwarmView:
                    kernel=getattr(d.local.bank, "kernel", None), resolver=resolver)
 
     def _cover(self, grid: np.ndarray, owner, span) -> None:
-        """Add 1 to ``grid[row, block]`` for every unit the owner holds any expert of: one slice
-        from its ranges, or ``holds()`` expert by expert for an owner without ranges."""
-        bs = self.block_size
+        """Add 1 to ``grid[row, expert]`` for every expert the owner holds: one slice from its
+        ranges, or ``holds()`` expert by expert for an owner without ranges."""
         if span is not None:
             (l0, l1), (x0, x1) = span
             if x1 > x0:
                 r0, r1 = bisect.bisect_left(self.layers, l0), bisect.bisect_left(self.layers, l1)
-                grid[r0:r1, max(0, x0) // bs:min(self.n_blocks, (x1 - 1) // bs + 1)] += 1
+                grid[r0:r1, max(0, x0):min(self.n_expert, x1)] += 1
             return
         for row, layer in enumerate(self.layers):
-            for b in range(self.n_blocks):
-                if any(owner.holds(layer, e) for e in range(b * bs, min((b + 1) * bs, self.n_expert))):
-                    grid[row, b] += 1
+            for e in range(self.n_expert):
+                if owner.holds(layer, e):
+                    grid[row, e] += 1
+
+    def _per_unit(self, grid: np.ndarray) -> np.ndarray:
+        """Replicas per unit: its least-covered expert's count (workers holding experts 0-5 and 6-10
+        touch the unit of experts 0-7 twice, yet cover it once)."""
+        nb, bs = self.n_blocks, self.block_size
+        padded = np.full((grid.shape[0], nb * bs), np.iinfo(np.int32).max, np.int32)
+        padded[:, : self.n_expert] = grid  # a partial last block: its missing experts never count
+        return padded.reshape(grid.shape[0], nb, bs).min(axis=2)
 
     def units(self) -> list[dict]:
         """One dict per unit, layer-major. Counted owner by owner with array slices, so a poll
-        stays cheap at the 122B's scale (49 x 32 units, hundreds of phones): bench/bench_status.py."""
+        stays cheap at the 122B's scale (49 x 32 units, hundreds of phones): bench/bench_status.py.
+        A worker refused at the handshake is known, never live."""
         d = self.dispatcher
         nb, bs = self.n_blocks, self.block_size
-        live = np.zeros((len(self.layers), nb), np.int32)
+        live = np.zeros((len(self.layers), self.n_expert), np.int32)
         known = np.zeros_like(live)
         for o in d.owners:
             if o.remote:
                 span = _ranges(o)
                 self._cover(known, o, span)
-                if d._healthy(o):
+                if d._healthy(o) and getattr(o, "refused", None) is None:
                     self._cover(live, o, span)
         demand = getattr(d, "demand", None)
         now = time.monotonic()
-        live_l, known_l = live.tolist(), known.tolist()
+        live_l, known_l = self._per_unit(live).tolist(), self._per_unit(known).tolist()
         out = []
         for row, layer in enumerate(self.layers):
             for b in range(nb):
