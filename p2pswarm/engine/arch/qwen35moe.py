@@ -242,10 +242,11 @@ class Qwen35MoE:
         """Gated attention: q and its sigmoid gate interleaved head by head in attn_q; IMROPE."""
         w, p = self.w, f"blk.{il}."
         T, H, hd = x.shape[0], self.n_head, self.head_dim
-        qg = ops.matmul(x, w[p + "attn_q.weight"]).reshape(T, H, 2 * hd)
+        qg, k, v = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        qg = qg.reshape(T, H, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
-        k = ops.matmul(x, w[p + "attn_k.weight"]).reshape(T, self.n_head_kv, hd)
-        v = ops.matmul(x, w[p + "attn_v.weight"]).reshape(T, self.n_head_kv, hd)
+        k = k.reshape(T, self.n_head_kv, hd)
+        v = v.reshape(T, self.n_head_kv, hd)
         q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
         k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
         pos = np.arange(pos0, pos0 + T)
@@ -261,10 +262,11 @@ class Qwen35MoE:
         w, p = self.w, f"blk.{il}."
         T = x.shape[0]
         d, Hk, Hv, dv = self.ssm_d, self.ssm_hk, self.ssm_hv, self.ssm_dv
-        m = ops.matmul(x, w[p + "attn_qkv.weight"])  # (T, C)
-        z = ops.matmul(x, w[p + "attn_gate.weight"]).reshape(T, Hv, dv)
-        beta = ops.sigmoid(ops.matmul(x, w[p + "ssm_beta.weight"]))  # (T, Hv)
-        alpha = ops.matmul(x, w[p + "ssm_alpha.weight"]) + w[p + "ssm_dt.bias"].reshape(-1)
+        m, z, beta, alpha = ops.matmuls(x, [w[p + "attn_qkv.weight"], w[p + "attn_gate.weight"],
+                                            w[p + "ssm_beta.weight"], w[p + "ssm_alpha.weight"]])  # m (T, C)
+        z = z.reshape(T, Hv, dv)
+        beta = ops.sigmoid(beta)  # (T, Hv)
+        alpha = alpha + w[p + "ssm_dt.bias"].reshape(-1)
         g = deltanet.softplus(alpha) * w[p + "ssm_a"].reshape(-1)  # ssm_a holds -exp(A_log) already
         conv, st.conv = deltanet.causal_conv1d(m, st.conv, np.asarray(w[p + "ssm_conv1d.weight"]))
         c = ops.silu(conv)

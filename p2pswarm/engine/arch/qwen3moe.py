@@ -100,9 +100,10 @@ class Qwen3MoE:
         p = f"blk.{il}."
         T = h.shape[0]
         x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
-        q = ops.matmul(x, w[p + "attn_q.weight"]).reshape(T, self.n_head, self.head_dim)
-        k = ops.matmul(x, w[p + "attn_k.weight"]).reshape(T, self.n_head_kv, self.head_dim)
-        v = ops.matmul(x, w[p + "attn_v.weight"]).reshape(T, self.n_head_kv, self.head_dim)
+        q, k, v = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        q = q.reshape(T, self.n_head, self.head_dim)
+        k = k.reshape(T, self.n_head_kv, self.head_dim)
+        v = v.reshape(T, self.n_head_kv, self.head_dim)
         q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
         k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
         pos = np.arange(pos0, pos0 + T)
