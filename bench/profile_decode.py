@@ -1,6 +1,6 @@
 """Where a backbone decode step spends its time: py-spy samples (native frames too) of a decode loop.
 
-    python bench/profile_decode.py --model M.gguf [--steps 24] [--threads 2] [--tree SRC] [--top 15]
+    python bench/profile_decode.py --model M.gguf [--steps 24 | --prefill 128] [--threads 2] [--tree SRC]
 
 The child process runs the backbone's layer loop for one sequence, token by token, with the ggml
 kernel for the dense path and the local experts: the same calls ``Backbone.forward`` makes
@@ -81,10 +81,13 @@ def child(a) -> None:
     print(f"READY {os.getpid()}", flush=True)
     sys.stdin.readline()  # the profiler is attached: only the timed steps are sampled
     t = time.perf_counter()
-    for i in range(a.steps):
-        step([(7919 * i + 3) % 150_000], state)
+    if a.prefill:
+        step([(7919 * i + 3) % 150_000 for i in range(a.prefill)], model.new_state())
+    else:
+        for i in range(a.steps):
+            step([(7919 * i + 3) % 150_000], state)
     dt = time.perf_counter() - t
-    print(f"STEPS {a.steps} {dt:.3f} {graphs[0]}", flush=True)
+    print(f"STEPS {a.prefill or a.steps} {dt:.3f} {graphs[0]}", flush=True)
 
 
 def main() -> None:
@@ -94,6 +97,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tree", type=Path, default=REPO, help="p2pswarm source tree to profile (this one)")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of N tokens instead")
     ap.add_argument("--dump", help="also write py-spy's raw stacks to this file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -105,7 +109,8 @@ def main() -> None:
         raw = Path(tmp) / "stacks.txt"
         env = dict(os.environ, PYTHONPATH=str(a.tree), P2PSWARM_THREADS=str(a.threads))
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(a.model),
-                                 "--steps", str(a.steps), "--threads", str(a.threads), "--tree", str(a.tree)],
+                                 "--steps", str(a.steps), "--threads", str(a.threads), "--tree", str(a.tree),
+                                 "--prefill", str(a.prefill)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = proc.stdout.readline()
         if not ready.startswith("READY"):
@@ -142,8 +147,10 @@ def main() -> None:
             # graphs (libgomp, unnamed frames), or the loop's own Python
             steps["ggml worker threads (libgomp: spinning / waiting for work)" if "step (" not in joined
                   else "layer loop glue (Python)"] += c
-    print(f"{n} decode steps in {float(dt):.2f} s ({float(n) / float(dt):.2f} tok/s), "
-          f"{int(graphs) / int(n):.1f} ggml graphs per step; {total} samples (all threads)\n")
+    what = "tokens of one prefill" if a.prefill else "decode steps"
+    print(f"{n} {what} in {float(dt):.2f} s ({float(n) / float(dt):.2f} tok/s), "
+          f"{int(graphs) / (1 if a.prefill else int(n)):.1f} ggml graphs per {'prefill' if a.prefill else 'step'}; "
+          f"{total} samples (all threads)\n")
     print("| step of the layer loop | share of samples |\n|---|---|")
     for label, c in steps.most_common():
         print(f"| {label} | {100 * c / total:.1f}% |")

@@ -127,3 +127,37 @@ def test_omp_threads_wait_passively_unless_told(preset):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (preset or "PASSIVE")
+
+
+def test_decode_delta_rule_in_place_is_the_recurrent_rule():
+    """Decode's in-place DeltaNet step: the token-by-token rule's output and state, to float64 rounding."""
+    from p2pswarm.engine import deltanet as dn
+
+    rng = np.random.default_rng(8)
+    H, dk, dv = 6, 16, 8
+    S = rng.standard_normal((H, dk, dv)) * 0.3
+    S_ref = S.copy()
+    for _ in range(12):
+        q, k = (dn.l2_norm(rng.standard_normal((1, H, dk)).astype(np.float32), 1e-6) for _ in range(2))
+        v = rng.standard_normal((1, H, dv)).astype(np.float32)
+        g = -np.abs(rng.standard_normal((1, H))).astype(np.float32)
+        beta = rng.random((1, H)).astype(np.float32)
+        o_ref, S_ref = dn.delta_rule_recurrent(q, k, v, g, beta, S_ref)
+        o = dn.delta_rule_step_inplace(q, k, v, g, beta, S)
+        assert np.abs(S - S_ref).max() <= 1e-12 and np.abs(o - o_ref).max() <= 1e-6 * np.abs(o_ref).max()
+    with pytest.raises(ValueError, match="float64"):
+        dn.delta_rule_step_inplace(q, k, v, g, beta, S.astype(np.float32))
+
+
+@pytest.mark.parametrize("preset", [None, "2"])
+def test_ggml_dense_path_runs_numpy_blas_on_one_thread(tiny_q8, preset):
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    if preset:
+        env["OPENBLAS_NUM_THREADS"] = preset
+    code = ("from threadpoolctl import threadpool_info as i; from p2pswarm.engine.arch import load_dense; "
+            "from p2pswarm.engine.kernels import use_kernel_for_dense; from p2pswarm.model.layout import ModelLayout; "
+            f"m = load_dense(ModelLayout.open({str(tiny_q8)!r})); assert use_kernel_for_dense(m, 'ggml') > 0; "
+            "print(min(p['num_threads'] for p in i() if p['user_api'] == 'blas'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == (preset or "1")

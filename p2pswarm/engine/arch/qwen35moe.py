@@ -276,7 +276,10 @@ class Qwen35MoE:
         if Hv != Hk:  # value head h reads q/k head h mod Hk (tiled, as ggml_repeat does)
             q = np.tile(q, (1, Hv // Hk, 1))
             k = np.tile(k, (1, Hv // Hk, 1))
-        o, st.S = deltanet.delta_rule(q, k, v, g, beta, st.S, mode=self.deltanet_mode)
+        if T == 1 and self.deltanet_mode == "auto" and st.S.dtype == np.float64 and st.S.flags.c_contiguous:
+            o = deltanet.delta_rule_step_inplace(q, k, v, g, beta, st.S)  # decode: the state in place
+        else:
+            o, st.S = deltanet.delta_rule(q, k, v, g, beta, st.S, mode=self.deltanet_mode)
         y = deltanet.gated_rms_norm(o, w[p + "ssm_norm.weight"].reshape(-1), z, self.eps)
         return ops.matmul(np.ascontiguousarray(y.reshape(T, Hv * dv)), w[p + "ssm_out.weight"])
 
