@@ -161,3 +161,19 @@ def test_ggml_dense_path_runs_numpy_blas_on_one_thread(tiny_q8, preset):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (preset or "1")
+
+
+def test_populate_maps_the_whole_file(tmp_path):
+    """The backbone maps every page of the model at start-up (llama.cpp's MAP_POPULATE)."""
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(1 << 20) * 64)  # 64 MiB
+
+    def rss_file_mb() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("RssFile:")) / 1024
+
+    m = np.memmap(path, dtype=np.uint8, mode="r")
+    before = rss_file_mb()
+    if not gk.populate(m):
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14): only read-ahead is asked")
+    assert rss_file_mb() - before >= 60

@@ -26,6 +26,7 @@ log = logging.getLogger("p2pswarm.engine")
 
 KERNELS = ("auto", "numpy", "ggml")
 ENV_KERNEL = "P2PSWARM_KERNEL"
+ENV_POPULATE = "P2PSWARM_POPULATE"  # "0": the backbone maps the model's pages lazily, on first use
 
 _warned_fallback = False
 
@@ -108,14 +109,16 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     stays in the memory map as a :class:`~p2pswarm.engine.ggml_kernel.QuantisedMatrix`: a strong node
     holds the model at its quantised size, and its dense mat-muls get llama.cpp's numerics too.
     F32/F16/BF16 tensors, norms and the router are untouched. With ``numpy`` nothing changes.
-    With ``ggml`` numpy's BLAS is also limited to one thread (see :func:`_single_threaded_blas`).
+    With ``ggml`` numpy's BLAS is also limited to one thread (see :func:`_single_threaded_blas`), and
+    every page of the model file is mapped now, as llama.cpp's loader does
+    (:func:`~p2pswarm.engine.ggml_kernel.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
 
     Works on any architecture whose weights object is a :class:`DenseWeights` (it pre-fills that
     object's cache, so the architecture code is not touched).
     """
     if resolve_kernel(kernel) == "numpy":
         return 0
-    from p2pswarm.engine.ggml_kernel import GgmlDense  # noqa: PLC0415
+    from p2pswarm.engine.ggml_kernel import GgmlDense, populate  # noqa: PLC0415
 
     w = model.w
     cache = getattr(w, "_cache", None)
@@ -124,6 +127,8 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
         return 0
     dense = GgmlDense(model.layout, threads=threads)
     _single_threaded_blas()
+    if os.environ.get(ENV_POPULATE, "1").strip().lower() not in ("0", "off", "no", "false"):
+        populate(model.layout.reader.data)
     n = 0
     for t in model.layout.reader.tensors:
         if dense.eligible(t) and t.name not in cache:
