@@ -20,7 +20,11 @@ Each process measures, with the same thread count and the same token ids:
 * batch: ``--seqs`` sequences (a 4-token prompt each), then ``--batch-steps`` steps in which every
   sequence decodes one token: llama.cpp as one ``llama_decode`` of ``--seqs`` tokens (one per
   sequence), ours as ``--seqs`` concurrent ``Backbone.forward`` calls (what the HTTP server does
-  today); tokens/s counts all sequences' tokens.
+  today); tokens/s counts all sequences' tokens;
+* batched rows (ours only, compared with llama.cpp's batch): the same steps with every sequence's
+  row in one batch through the engine (``pre_moe_batch``, one router call, one expert-bank call and
+  one lm head per layer and step), the layer loop as the throughput work (issue 11) will drive it;
+  ``Backbone.forward`` does not batch sequences yet.
 
 llama.cpp runs through llama-cpp-python's low-level API: F32 KV cache, flash attention off, and by
 default ``use_extra_bufts = False`` (weights used in place: the kernels our engine calls). On CPUs
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -42,12 +47,16 @@ from common import REPO, header
 
 DEFAULT_VOCAB = Path("/work/shared/vocab/ggml-vocab-qwen35.gguf")
 PROMPT = 8
-METRICS = ("decode_tps", "decode_cpu", "prefill_tps", "prefill_cpu", "batch_tps", "batch_cpu", "rss_mb")
+METRICS = ("decode_tps", "decode_cpu", "prefill_tps", "prefill_cpu", "batch_tps", "batch_cpu", "batchx_tps",
+           "batchx_cpu", "rss_mb")
+
+
+VOCAB = [150_000]  # set by each side from its model (Qwen3.5's special tokens start above 150,000)
 
 
 def tokens(n: int, salt: int = 0) -> list[int]:
-    """Deterministic ids spread over the vocabulary (not special tokens: all below 150,000)."""
-    return [(7919 * i + 104729 * salt + 11) % 150_000 for i in range(n)]
+    """Deterministic ids spread over the vocabulary, the same on both sides."""
+    return [(7919 * i + 104729 * salt + 11) % VOCAB[0] for i in range(n)]
 
 
 def vm_hwm_mb() -> float:
@@ -70,6 +79,7 @@ class Clock:
 
 # ---- one side per process -------------------------------------------------------------------------
 def child_ours(a) -> dict:
+    import numpy as np
     import trio
 
     sys.path.insert(0, os.environ.get("BENCH_OURS_TREE", str(REPO)))  # before common.py's REPO
@@ -80,6 +90,7 @@ def child_ours(a) -> dict:
         out, clk = {}, Clock()
         async with open_backbone(a.model, workers=0, kernel="ggml", threads=a.threads) as swarm:
             b = swarm.backbone
+            VOCAB[0] = min(VOCAB[0], b.model.n_vocab)
             warm = b.new_state()
             await b.forward(tokens(PROMPT, 9), warm)
             await b.forward(tokens(1, 9), warm)
@@ -111,6 +122,34 @@ def child_ours(a) -> dict:
             w, c = clk.stop()
             n_tok = a.seqs * a.batch_steps
             out["batch_tps"], out["batch_cpu"] = n_tok / w, c / n_tok
+            model = b.model
+            if hasattr(model, "pre_moe_batch"):  # the engine's batched rows, as issue 11 will drive them
+                from p2pswarm.backbone.runner import combine, expert_groups
+
+                bank = b.dispatcher.local.bank
+                states = [b.new_state() for _ in range(a.seqs)]
+                for i, s in enumerate(states):
+                    await b.forward(tokens(4, 10 + i), s)
+
+                def batched_step(toks):
+                    segs = [(s, s.n_past, 1) for s in states]
+                    h = model.embed(np.asarray(toks))
+                    for il in range(model.n_layer):
+                        h = model.pre_moe_batch(il, h, segs)
+                        cur = model.ffn_input(il, h)
+                        ids, wts = model.route(il, cur)
+                        groups = expert_groups(ids)
+                        parts = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
+                        h = model.post_moe(il, h, cur, combine(ids, wts, groups, parts))
+                    for s in states:
+                        s.n_past += 1
+                    return model.output(h)
+
+                clk.start()
+                for step in steps:
+                    batched_step(step)
+                w, c = clk.stop()
+                out["batchx_tps"], out["batchx_cpu"] = n_tok / w, c / n_tok
         out["rss_mb"] = vm_hwm_mb()
         return out
 
@@ -127,6 +166,7 @@ def child_llama(a, extra_bufts: bool) -> dict:
     model = L.llama_model_load_from_file(str(a.model).encode(), mp)
     if not model:
         raise SystemExit("llama.cpp could not load the model")
+    VOCAB[0] = min(VOCAB[0], L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)))
     n_ctx = max(512, a.prefill + PROMPT + a.decode + 64)
 
     def context(n_seq: int):
@@ -227,6 +267,8 @@ def make_model(a) -> Path:
 
 
 def fmt(v: float, metric: str) -> str:
+    if math.isnan(v):
+        return "n/a"
     if metric == "rss_mb":
         return f"{v:.0f}"
     if metric.endswith("_cpu"):
@@ -276,7 +318,7 @@ def main() -> None:
     med = {}
     for s in sides:
         ok = [x for x in results[s] if isinstance(x, dict)]
-        med[s] = {m: statistics.median(x[m] for x in ok) for m in METRICS} if ok else None
+        med[s] = {m: statistics.median(x.get(m, math.nan) for x in ok) for m in METRICS} if ok else None
     base = "llama" if "llama" in sides else "llama-default"
     names = {"ours": "p2pswarm", "ours-tree": f"p2pswarm ({a.ours_tree})", "llama": "llama.cpp (in place)",
              "llama-default": "llama.cpp (default bufts)"}
@@ -290,7 +332,8 @@ def main() -> None:
              f"{a.batch_steps} steps. CPU = process CPU seconds per token. llama.cpp: llama-cpp-python "
              "low-level API, F32 KV, flash attention off.\n\n")
     cols = ["decode tok/s", "decode CPU s/tok", "prefill tok/s", "prefill CPU s/tok",
-            f"{a.seqs} seqs tok/s", f"{a.seqs} seqs CPU s/tok", "peak RSS MB"]
+            f"{a.seqs} seqs tok/s", f"{a.seqs} seqs CPU s/tok", f"{a.seqs} seqs batched rows tok/s",
+            f"{a.seqs} seqs batched rows CPU s/tok", "peak RSS MB"]
     text += "| side | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols) + "\n"
     for s in sides:
         fails = [x for x in results[s] if not isinstance(x, dict)]
@@ -302,8 +345,9 @@ def main() -> None:
     for s in ("ours-tree", "ours"):
         if med.get(s) and med.get(base):
             o, b = med[s], med[base]
-            text += (f"| {names[s]} / {names[base]} | " + " | ".join(f"{o[m] / b[m]:.2f}x" for m in METRICS)
-                     + " |\n")
+            ref = {**b, "batchx_tps": b["batch_tps"], "batchx_cpu": b["batch_cpu"]}  # llama: one batch
+            text += (f"| {names[s]} / {names[base]} | "
+                     + " | ".join("n/a" if math.isnan(o[m]) else f"{o[m] / ref[m]:.2f}x" for m in METRICS) + " |\n")
     print(text)
     if a.write:
         with open(REPO / "docs" / "benchmarks.md", "a") as f:

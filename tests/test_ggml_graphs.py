@@ -177,3 +177,28 @@ def test_populate_maps_the_whole_file(tmp_path):
     if not gk.populate(m):
         pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14): only read-ahead is asked")
     assert rss_file_mb() - before >= 60
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe"])
+def test_pre_moe_batch_serves_many_sequences(models_dir, arch):
+    """Several sequences' rows through one pre_moe_batch: each sequence gets what it gets alone
+    (within the rounding of a batched mat-mul), and its state moves on exactly as alone."""
+    path = models_dir / f"graphs-batch-{arch}.gguf"
+    if not path.exists():
+        make_model(path, arch=arch, preset="tiny", qtype="q8_0", seed=9)
+    model = load_dense(ModelLayout.open(path))
+    use_kernel_for_dense(model, "ggml", threads=1)
+    rng = np.random.default_rng(10)
+    lens = [3, 1, 5]
+    alone, batched = [model.new_state() for _ in lens], [model.new_state() for _ in lens]
+    for step in range(3):  # a prompt each, then two single-token steps
+        n = lens if step == 0 else [1] * len(lens)
+        hs = [rng.standard_normal((k, model.n_embd)).astype(np.float32) for k in n]
+        pos = [0 if step == 0 else lens[i] + step - 1 for i in range(len(lens))]
+        for il in range(model.n_layer):
+            ref = [model.pre_moe(il, h, st, p0) for h, st, p0 in zip(hs, alone, pos)]
+            got = model.pre_moe_batch(il, np.concatenate(hs), list(zip(batched, pos, n)))
+            want = np.concatenate(ref)
+            assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), (step, il)
+    with pytest.raises(ValueError, match="segments cover"):
+        model.pre_moe_batch(0, np.zeros((2, model.n_embd), np.float32), [(model.new_state(), 0, 3)])
