@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 # engine-level step of a sample: the first of these names found walking the stack from the top
 STEPS = (("forward_groups", "routed experts (ggml mul_mat_id / per-group graphs)"),
          ("linear_attention", "DeltaNet layer (projections + numpy delta rule)"),
+         ("_linear_attention_rows", "DeltaNet layer (projections + numpy delta rule)"),
          ("full_attention", "gated attention layer (projections + numpy attention)"),
+         ("_full_attention_rows", "gated attention layer (projections + numpy attention)"),
          ("shared", "shared expert"),
          ("route", "router (numpy F32)"),
          ("output", "lm head (151,936-token vocabulary)"),
@@ -132,21 +134,26 @@ def main() -> None:
                   for s in raw.read_text().splitlines() if s.strip()]
         if a.dump:
             Path(a.dump).write_text(raw.read_text())
-    total = sum(c for _, c in stacks)
     self_ = collections.Counter()
     steps = collections.Counter()
     for frames, c in stacks:
-        self_[frames[-1].split(" (")[0]] += c
         joined = ";".join(frames)
+        if "step (" not in joined and "libgomp" not in joined:
+            continue  # the main thread outside the timed loop (waiting to start, tearing down)
+        name = frames[-1].split(" (")[0]
+        if name.startswith("0x") and " (" in frames[-1]:  # no symbol: name the library
+            name = "[" + frames[-1].split(" (")[1].rstrip(")").split(":")[0] + ", unnamed]"
+        self_[name] += c
         for key, label in STEPS:
             if f"{key} (" in joined:
                 steps[label] += c
                 break
         else:
             # not under an engine call: the thread team's other threads between and inside
-            # graphs (libgomp, unnamed frames), or the loop's own Python
+            # graphs (libgomp), or the loop's own Python
             steps["ggml worker threads (libgomp: spinning / waiting for work)" if "step (" not in joined
                   else "layer loop glue (Python)"] += c
+    total = sum(steps.values())
     what = "tokens of one prefill" if a.prefill else "decode steps"
     print(f"{n} {what} in {float(dt):.2f} s ({float(n) / float(dt):.2f} tok/s), "
           f"{int(graphs) / (1 if a.prefill else int(n)):.1f} ggml graphs per {'prefill' if a.prefill else 'step'}; "
