@@ -1,12 +1,14 @@
 """The backbone engine against llama.cpp on the same file: decode, prefill, 16 sequences, CPU, RSS.
 
     python bench/bench_vs_llama.py [--layers 2] [--threads 2] [--rounds 3] [--type q8_0]
-                                   [--llama-bufts inplace|default|both] [--model M.gguf] [--write]
+                                   [--decode 16] [--prefill 128] [--seqs 16] [--batch-steps 4]
+                                   [--llama-bufts inplace|default|both] [--llama-passive]
+                                   [--ours-tree SRC] [--model M.gguf] [--write]
 
 The model is geometry-122b qwen35moe (``p2pswarm make-model --preset geometry-122b --arch qwen35moe
 --layers N --type q8_0 --vocab ggml-vocab-qwen35.gguf``: the 122B's layer geometry, Q4_K experts,
-the real 151,936-token Qwen3.5 vocabulary), made once under ``--dir`` and read through so the page
-cache holds it. Each side runs in its own OS process (a crash is a failed round, not a dead
+the real 151,936-token Qwen3.5 vocabulary), made once under ``--dir``; it is read through before
+every run so the page cache holds it. Each side runs in its own OS process (a crash is a failed round, not a dead
 benchmark; peak RSS is that process's VmHWM), the sides alternating A B A B for ``--rounds``
 rounds; the table shows medians and ours / llama.cpp ratios.
 
@@ -30,6 +32,9 @@ llama.cpp runs through llama-cpp-python's low-level API: F32 KV cache, flash att
 default ``use_extra_bufts = False`` (weights used in place: the kernels our engine calls). On CPUs
 with AMX llama.cpp's default extra buffer types (repacked weights) crash in ``llama_decode``;
 ``--llama-bufts both`` also runs that default and reports it (or its crash) as a separate column.
+``--llama-passive`` adds llama.cpp with ``OMP_WAIT_POLICY=PASSIVE``, the OpenMP wait policy
+p2pswarm's engine sets for itself (see docs/kernels.md): the like-for-like comparison.
+``--ours-tree`` adds p2pswarm from another source tree (e.g. the main branch) for before/after.
 """
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def main() -> None:
     print("| step of the layer loop | share of samples |\n|---|---|")
     for label, c in steps.most_common():
         print(f"| {label} | {100 * c / total:.1f}% |")
-    print(f"\n| top of stack (self) | share |\n|---|---|")
+    print("\n| top of stack (self) | share |\n|---|---|")
     for name, c in self_.most_common(a.top):
         print(f"| `{name}` | {100 * c / total:.1f}% |")
 
