@@ -31,6 +31,7 @@ import importlib.util
 import logging
 import os
 import platform
+import sys
 import threading
 from pathlib import Path
 
@@ -78,6 +79,10 @@ _SIG = {  # name: (library, restype, argtypes)
     "ggml_graph_overhead_custom": ("base", ctypes.c_size_t, [ctypes.c_size_t, ctypes.c_bool]),
     "ggml_new_tensor_1d": ("base", _P, [_P, ctypes.c_int, ctypes.c_int64]),
     "ggml_new_tensor_2d": ("base", _P, [_P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+    "ggml_new_tensor_3d": ("base", _P, [_P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]),
+    "ggml_view_3d": ("base", _P, [_P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t,
+                                  ctypes.c_size_t, ctypes.c_size_t]),
+    "ggml_mul_mat_id": ("base", _P, [_P, _P, _P, _P]),
     "ggml_mul_mat": ("base", _P, [_P, _P, _P]),
     "ggml_swiglu_split": ("base", _P, [_P, _P, _P]),
     "ggml_get_rows": ("base", _P, [_P, _P, _P]),
@@ -102,11 +107,28 @@ _SIG = {  # name: (library, restype, argtypes)
 }
 
 
+def _passive_omp_waits() -> None:
+    """Let ggml's OpenMP threads sleep, not spin, while they wait (unless the user chose otherwise).
+
+    Why: llama-cpp-python's libggml-cpu is built with OpenMP, so its threads are libgomp's team and
+    every barrier inside a graph (one per node) and the gap between graphs are libgomp waits,
+    which by default spin for ~300,000 iterations. A backbone runs many small graphs with numpy
+    work between them, and often shares its cores (workers on the same host): the spinning thread
+    then burns the timeslice the thread it waits for needs. Measured on a loaded 2-core machine
+    (bench/profile_decode.py, geometry-122b qwen35moe decode): 0.4-0.5 tok/s spinning, 1.8 tok/s
+    passive. libgomp reads the setting once, when it is loaded, so it is set before libggml-cpu
+    loads; a process that loaded libgomp earlier (e.g. imported llama_cpp first) keeps its policy.
+    """
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 class GgmlLib:
     """libggml-base + libggml-cpu loaded through ctypes, with the signatures we use declared."""
 
     def __init__(self, lib_dir: Path, package_version: str | None):
         self.lib_dir = lib_dir
+        _passive_omp_waits()
         libs = {}
         for key, stem in (("base", "ggml-base"), ("cpu", "ggml-cpu")):
             path = _find_lib(lib_dir, stem)
@@ -312,6 +334,11 @@ def f32_view(lib: GgmlLib, tensor, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.float32).reshape(shape)
 
 
+def _i32_view(lib: GgmlLib, tensor, n: int) -> np.ndarray:
+    """A numpy view of an I32 ggml tensor's n values."""
+    return np.ctypeslib.as_array(ctypes.cast(lib.get_data(tensor), ctypes.POINTER(ctypes.c_int32)), shape=(n,))
+
+
 # ---- weights that are views of the memory map ---------------------------------------------------
 class MappedWeights:
     """ggml tensors whose data are byte ranges of one memory-mapped file (no copy, ever).
@@ -338,8 +365,9 @@ class MappedWeights:
         self._ctxs: list = []
         self._left = 0
 
-    def tensor(self, ggml_type: int, ne0: int, ne1: int, offset: int, what: str):
-        """A 2-D ggml tensor (ne0 columns, ne1 rows) of ``ggml_type`` at byte ``offset`` of the file."""
+    def tensor(self, ggml_type: int, ne0: int, ne1: int, offset: int, what: str, ne2: int = 1):
+        """A ggml tensor (ne0 columns, ne1 rows; ``ne2`` matrices of them, e.g. one per expert, when
+        above 1) of ``ggml_type`` at byte ``offset`` of the file."""
         lib = self.lib
         if ggml_type not in WEIGHT_TYPES:
             raise ModelFormatError(f"{self.name}: {what}: ggml kernel does not take weight type {ggml_type}")
@@ -347,7 +375,9 @@ class MappedWeights:
         if ne0 <= 0 or ne1 <= 0 or ne0 % blck:
             raise ModelFormatError(f"{self.name}: {what}: row length {ne0} is not a multiple of the "
                                    f"{WEIGHT_TYPES[ggml_type]} block size {blck}")
-        nbytes = int(lib.row_size(ggml_type, ne0)) * ne1
+        if ne2 <= 0:
+            raise ModelFormatError(f"{self.name}: {what}: {ne2} matrices")
+        nbytes = int(lib.row_size(ggml_type, ne0)) * ne1 * ne2
         if offset < 0 or offset + nbytes > self.size:
             raise ModelFormatError(f"{self.name}: {what}: bytes {offset}..{offset + nbytes} outside the file")
         if offset % TENSOR_ALIGNMENT:
@@ -359,7 +389,8 @@ class MappedWeights:
                 raise MemoryError("ggml_init failed")
             self._ctxs.append(ctx)
             self._left = self.CHUNK
-        t = lib.new_tensor_2d(self._ctxs[-1], ggml_type, ne0, ne1)
+        t = (lib.new_tensor_2d(self._ctxs[-1], ggml_type, ne0, ne1) if ne2 == 1
+             else lib.new_tensor_3d(self._ctxs[-1], ggml_type, ne0, ne1, ne2))
         self._left -= 1
         if int(lib.nbytes(t)) != nbytes:
             raise ModelFormatError(f"{self.name}: {what}: ggml sizes it at {lib.nbytes(t)} bytes, expected {nbytes}")
@@ -406,6 +437,7 @@ class GgmlExpertBank:
         self.threads = self.runner.threads
         self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
         self._experts: dict[tuple[int, int], tuple] = {}
+        self._layers: dict[int, tuple] = {}
         self._check_types()
 
     def _check_types(self) -> None:
@@ -463,12 +495,50 @@ class GgmlExpertBank:
         rows = np.asarray(rows, dtype=np.float32)
         return self.forward_groups(layer, rows, [(expert, np.arange(rows.shape[0]))])[0]
 
+    def _layer(self, layer: int) -> tuple:
+        """(gate, up, down, ff) 3-D ggml tensors over every expert of ``layer`` held here (ne2 = the
+        local expert index, as llama.cpp's ``ffn_*_exps``): what ``ggml_mul_mat_id`` selects from.
+        Made once per layer, no copy; a fused gate_up is split into two strided views at graph time."""
+        got = self._layers.get(layer)
+        if got is not None:
+            return got
+        tensors = self.layout.expert_tensors[layer]
+        m = self._mapped
+
+        def make(kind: str):
+            t = tensors[kind]
+            off, _ = t.slab(0)
+            return m.tensor(int(t.ggml_type), t.shape[2], t.shape[1], off, f"{t.name}[{self.expert_begin}:]",
+                            ne2=t.n_expert)
+
+        if "gate_up" in tensors:
+            t = tensors["gate_up"]
+            ff = t.shape[1] // 2
+            row_bytes = int(self.lib.row_size(int(t.ggml_type), t.shape[2]))
+            fused = make("gate_up")
+            # (tensor, columns, rows, experts, bytes per row, bytes per expert, byte offset of row 0):
+            # viewed in each compute context (a view is a node of the graph that reads it)
+            gate = (fused, t.shape[2], ff, t.n_expert, row_bytes, t.expert_nbytes, 0)
+            up = (fused, t.shape[2], ff, t.n_expert, row_bytes, t.expert_nbytes, ff * row_bytes)
+        else:
+            ff = tensors["gate"].shape[1]
+            gate, up = make("gate"), make("up")
+        got = (gate, up, make("down"), ff)
+        self._layers[layer] = got
+        return got
+
     def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
         """Every (expert, row indices) group of one layer: rows[idx] through that expert, in order.
 
-        One ggml graph for the whole request (one thread start-up, one barrier chain); each group is
-        its own gate/up/swiglu/down chain, so a group's result depends only on its expert and its
-        rows, never on which other groups share the request: what split == monolithic needs.
+        One ggml graph, one ``ggml_mul_mat_id`` per projection for all groups (llama.cpp's
+        ``build_moe_ffn``): each (group, row) pair is one column of the batch with its local expert
+        id, so an expert's weights are streamed once per call however many groups share a request.
+
+        Why this is exact for split == monolithic: inside mul_mat_id every output element is one
+        dot product of a weight row with the row's own quantised activations, and the kernel is
+        chosen per expert from that expert's row count (the tiled GEMM from 8 rows, else vec_dot).
+        So a group's result depends only on its expert and its rows, never on the other groups of
+        the request nor the thread count; a worker computing the group alone gets the same bits.
         """
         rows = np.asarray(rows, dtype=np.float32)
         E = self.n_embd
@@ -476,40 +546,49 @@ class GgmlExpertBank:
             raise UserError(f"rows have shape {rows.shape}, expected (n, {E})")
         if not groups:
             return []
+        for e, _ in groups:
+            if not self.holds(layer, e):
+                raise UserError(
+                    f"expert {e} of layer {layer} is not held here "
+                    f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
+                )
+        idxs = [np.asarray(idx, dtype=np.int64).reshape(-1) for _, idx in groups]
+        sizes = [len(i) for i in idxs]
+        P = sum(sizes)
+        if P == 0:
+            return [np.zeros((0, E), np.float32) for _ in groups]
+        if any(len(i) and (i.min() < 0 or i.max() >= rows.shape[0]) for i in idxs):
+            raise UserError(f"row index out of range 0..{rows.shape[0] - 1}")
         lib = self.lib
         with self.runner.lock:
-            plan = []
-            nbytes = 0
-            macs = 0
-            for e, idx in groups:
-                idx = np.asarray(idx)
-                gate, up, down, ff, mpr = self._tensors(layer, e)
-                n = len(idx)
-                plan.append((idx, n, gate, up, down, ff))
-                nbytes += 4 * n * (2 * E + 3 * ff) + 5 * 64
-                macs += n * mpr
-            ctx = self.runner.context(nbytes, 5 * len(plan))
-            graph = lib.new_graph_custom(ctx, self.runner.graph_size(5 * len(plan)), False)
-            outs = []
-            for idx, n, gate, up, down, ff in plan:
-                if n == 0:
-                    outs.append(None)
-                    continue
-                x = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, n)
-                np.take(rows, idx, axis=0, out=f32_view(lib, x, (n, E)))
-                h = lib.swiglu_split(ctx, lib.mul_mat(ctx, gate, x), lib.mul_mat(ctx, up, x))
-                out = lib.mul_mat(ctx, down, h)
-                lib.build_forward_expand(graph, out)
-                outs.append((out, n))
-            self.runner.compute(graph, macs)
-            result = [np.zeros((0, E), np.float32) if o is None else f32_view(lib, o[0], (o[1], E)).copy()
-                      for o in outs]
+            gate, up, down, ff = self._layer(layer)
+            ctx = self.runner.context(4 * P * (2 * E + 3 * ff + 1) + 8 * 64, 10)
+            graph = lib.new_graph_custom(ctx, self.runner.graph_size(10), False)
+            x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
+            np.take(rows, np.concatenate(idxs), axis=0, out=f32_view(lib, x, (P, E)))
+            ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
+            local = np.repeat(np.array([e - self.expert_begin for e, _ in groups], np.int32), sizes)
+            _i32_view(lib, ids, P)[...] = local
+            if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
+                g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
+            else:
+                g_w, u_w = gate, up
+            h = lib.swiglu_split(ctx, lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids))
+            out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
+            lib.build_forward_expand(graph, out)
+            self.runner.compute(graph, P * 3 * ff * E)
+            flat = f32_view(lib, out, (P, E))
+            result, at = [], 0
+            for n in sizes:
+                result.append(flat[at:at + n].copy())
+                at += n
             self.runner.done()
         return result
 
     def close(self) -> None:
         self.runner.close()
         self._experts.clear()
+        self._layers.clear()
         self._mapped.close()
 
 
@@ -613,6 +692,66 @@ class QuantisedMatrix:
         return result
 
 
+def _dense_graph(x: np.ndarray, mats: list[QuantisedMatrix], swiglu: bool) -> list[np.ndarray]:
+    """One ggml graph on one input: ``x @ W.T`` for every W (``swiglu`` False), or the whole
+    ``down(silu(gate x) * (up x))`` of a dense FFN (``swiglu`` True, mats = gate, up, down).
+
+    Why one graph: each graph run wakes the thread team and ends in barriers; a DeltaNet layer's
+    four input projections (or attention's q/k/v) read the same rows, so they go in together.
+    Every ``mul_mat`` in it is the same op it would be alone (same kernel, same per-row rounding),
+    so fusing changes no bits of the projections."""
+    r = mats[0].runner
+    lib = r.lib
+    in_n = mats[0].shape[1]
+    if any(m.runner is not r or m.shape[1] != (in_n if not swiglu or i < 2 else mats[0].shape[0])
+           for i, m in enumerate(mats)):
+        raise ValueError("fused mat-muls need weights of one runner and one input width")
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] != in_n:
+        raise ValueError(f"matmul: {x.shape} @ {mats[0].name}.T of shape ({in_n}, {mats[0].shape[0]})")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_n)
+    n = x2.shape[0]
+    out_ns = [mats[2].shape[0]] if swiglu else [m.shape[0] for m in mats]
+    if n == 0:
+        return [np.zeros((*lead, o), np.float32) for o in out_ns]
+    inner = 3 * mats[0].shape[0] if swiglu else 0
+    macs = n * sum(m.shape[0] * m.shape[1] for m in mats)
+    with r.lock:
+        ctx = r.context(4 * n * (in_n + inner + sum(out_ns)) + 64 * (len(mats) + 4), len(mats) + 4)
+        graph = lib.new_graph_custom(ctx, r.graph_size(len(mats) + 4), False)
+        xt = lib.new_tensor_2d(ctx, GGML_TYPE_F32, in_n, n)
+        f32_view(lib, xt, (n, in_n))[...] = x2
+        if swiglu:
+            g, u, d = (m.tensor for m in mats)
+            outs = [lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, xt), lib.mul_mat(ctx, u, xt)))]
+        else:
+            outs = [lib.mul_mat(ctx, m.tensor, xt) for m in mats]
+        for o in outs:
+            lib.build_forward_expand(graph, o)
+        r.compute(graph, macs)
+        result = [f32_view(lib, o, (n, on)).reshape(*lead, on).copy() for o, on in zip(outs, out_ns)]
+        r.done()
+    return result
+
+
+def fused_matmuls(x: np.ndarray, mats: list) -> list[np.ndarray] | None:
+    """``[x @ W.T for W in mats]`` in one ggml graph when every W is a :class:`QuantisedMatrix` of
+    one runner; None otherwise (the caller multiplies them one by one)."""
+    if len(mats) < 2 or not all(isinstance(m, QuantisedMatrix) and m.runner is mats[0].runner for m in mats):
+        return None
+    return _dense_graph(x, list(mats), swiglu=False)
+
+
+def fused_swiglu(x: np.ndarray, gate, up, down) -> np.ndarray | None:
+    """A dense SwiGLU FFN (the shared expert) in one ggml graph, with ggml's SwiGLU as llama.cpp
+    computes it; None unless all three weights are :class:`QuantisedMatrix` of one runner."""
+    mats = [gate, up, down]
+    if not all(isinstance(m, QuantisedMatrix) and m.runner is gate.runner for m in mats):
+        return None
+    return _dense_graph(x, mats, swiglu=True)[0]
+
+
 class _Transposed:
     """``W.T`` of a :class:`QuantisedMatrix`: what ``x @ W.T`` hands numpy."""
 
@@ -669,6 +808,38 @@ class GgmlDense:
             return self._to_float32(raw.reshape(-1) if raw.ndim else raw, t.tensor_type, (ne1, ne0), t.name)
 
         return QuantisedMatrix(self.runner, tensor, gtype, (ne1, ne0), t.name, dequantise)
+
+
+MADV_WILLNEED = 3
+MADV_POPULATE_READ = 22  # Linux >= 5.14
+
+
+def populate(mapping: np.ndarray) -> bool:
+    """Map every page of a file mapping into this process now, as llama.cpp's loader does
+    (``MAP_POPULATE``); True if the kernel did (``MADV_POPULATE_READ``), False if it could only be
+    asked to read ahead (``MADV_WILLNEED``, older kernels) or this is not Linux.
+
+    Why: a page of the memory map costs a page fault the first time this process touches it (on a
+    VM several microseconds), and a decode step touches the ~16 experts it routes to, 5.3 MB each at
+    the 122B's geometry: measured here, ~45 MB of new pages per step for the first steps of a fresh
+    backbone. The backbone holds every expert as the fallback replica anyway, so it maps them once,
+    at start-up, like llama.cpp. Resident memory then shows the whole file (file pages: the kernel
+    can still drop them under memory pressure and read them back)."""
+    if not sys.platform.startswith("linux") or mapping.nbytes == 0:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):  # pragma: no cover - exotic libc
+        return False
+    madvise.restype, madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = mapping.ctypes.data // page * page
+    length = mapping.ctypes.data + mapping.nbytes - start
+    if madvise(start, length, MADV_POPULATE_READ) == 0:
+        return True
+    madvise(start, length, MADV_WILLNEED)
+    return False
 
 
 def quantize(ggml_type: int, w: np.ndarray, lib: GgmlLib | None = None) -> np.ndarray:

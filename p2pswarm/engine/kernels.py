@@ -26,6 +26,7 @@ log = logging.getLogger("p2pswarm.engine")
 
 KERNELS = ("auto", "numpy", "ggml")
 ENV_KERNEL = "P2PSWARM_KERNEL"
+ENV_POPULATE = "P2PSWARM_POPULATE"  # "0": the backbone maps the model's pages lazily, on first use
 
 _warned_fallback = False
 
@@ -80,6 +81,27 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
     return GgmlExpertBank(layout, threads=threads)
 
 
+def _single_threaded_blas() -> None:
+    """numpy's BLAS on one thread once ggml computes the dense path (unless OPENBLAS_NUM_THREADS or
+    OMP_NUM_THREADS says otherwise).
+
+    Why: what numpy still multiplies then is small (the F32 router, attention scores, the chunked
+    DeltaNet's 64x64 blocks), and OpenBLAS's own thread pool spins beside ggml's on the same cores.
+    Measured (bench/profile_decode.py --prefill 64, geometry-122b qwen35moe, a loaded 2-core
+    machine, alternating): 3.1 and 1.9 tok/s with OpenBLAS's 2 threads, 4.2 and 5.1 with one.
+    OpenBLAS partitions a product by output blocks, never along the summed axis, so the bits do
+    not depend on its thread count. Process-wide, done through threadpoolctl.
+    """
+    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
+        return
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - a pinned dependency
+        log.debug("threadpoolctl missing: numpy's BLAS keeps its threads")
+        return
+    threadpool_limits(1, user_api="blas")
+
+
 def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | None = None) -> int:
     """Let ``kernel`` compute the dense path's quantised mat-muls; returns how many tensors it took.
 
@@ -87,13 +109,16 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     stays in the memory map as a :class:`~p2pswarm.engine.ggml_kernel.QuantisedMatrix`: a strong node
     holds the model at its quantised size, and its dense mat-muls get llama.cpp's numerics too.
     F32/F16/BF16 tensors, norms and the router are untouched. With ``numpy`` nothing changes.
+    With ``ggml`` numpy's BLAS is also limited to one thread (see :func:`_single_threaded_blas`), and
+    every page of the model file is mapped now, as llama.cpp's loader does
+    (:func:`~p2pswarm.engine.ggml_kernel.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
 
     Works on any architecture whose weights object is a :class:`DenseWeights` (it pre-fills that
     object's cache, so the architecture code is not touched).
     """
     if resolve_kernel(kernel) == "numpy":
         return 0
-    from p2pswarm.engine.ggml_kernel import GgmlDense  # noqa: PLC0415
+    from p2pswarm.engine.ggml_kernel import GgmlDense, populate  # noqa: PLC0415
 
     w = model.w
     cache = getattr(w, "_cache", None)
@@ -101,6 +126,9 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
         log.warning("dense weights of %s have no cache to fill; dense path stays on numpy", type(model).__name__)
         return 0
     dense = GgmlDense(model.layout, threads=threads)
+    _single_threaded_blas()
+    if os.environ.get(ENV_POPULATE, "1").strip().lower() not in ("0", "off", "no", "false"):
+        populate(model.layout.reader.data)
     n = 0
     for t in model.layout.reader.tensors:
         if dense.eligible(t) and t.name not in cache:

@@ -37,6 +37,24 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
+def matmuls(x: np.ndarray, ws: list) -> list[np.ndarray]:
+    """``[matmul(x, W) for W in ws]``, with the weights ggml holds in the memory map multiplied in
+    one ggml graph (:func:`~p2pswarm.engine.ggml_kernel.fused_matmuls`; same bits as one by one)."""
+    from p2pswarm.engine.ggml_kernel import QuantisedMatrix, fused_matmuls  # noqa: PLC0415 - optional kernel
+
+    out: list = [None] * len(ws)
+    by_runner: dict[int, list[int]] = {}
+    for i, w in enumerate(ws):
+        if isinstance(w, QuantisedMatrix):
+            by_runner.setdefault(id(w.runner), []).append(i)
+    for idx in by_runner.values():
+        got = fused_matmuls(x, [ws[i] for i in idx])
+        if got is not None:
+            for i, y in zip(idx, got):
+                out[i] = y
+    return [matmul(x, w) if y is None else y for w, y in zip(ws, out)]
+
+
 def _rotate_neox(x: np.ndarray, theta: np.ndarray, n_rot: int) -> np.ndarray:
     """Rotate NEOX pairs (i, i + n_rot/2) of each head by angles theta (T, n_rot/2); dims >= n_rot
     pass through. Shared by plain NEOX RoPE and IMROPE, which differ only in their angles."""
@@ -98,7 +116,16 @@ def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def swiglu_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray) -> np.ndarray:
-    """down(silu(gate x) * (up x)) for rows x (n, E): the whole work of one expert."""
+    """down(silu(gate x) * (up x)) for rows x (n, E): the whole work of one expert.
+
+    Weights ggml holds in the memory map run as one ggml graph with ggml's SwiGLU (llama.cpp's
+    numerics, as the routed experts already are); float32 arrays are multiplied here."""
+    if type(w_gate).__name__ == "QuantisedMatrix":
+        from p2pswarm.engine.ggml_kernel import fused_swiglu  # noqa: PLC0415 - optional kernel
+
+        got = fused_swiglu(x, w_gate, w_up, w_down)
+        if got is not None:
+            return got
     return matmul(silu(matmul(x, w_gate)) * matmul(x, w_up), w_down)
 
 

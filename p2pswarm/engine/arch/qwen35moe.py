@@ -231,41 +231,81 @@ class Qwen35MoE:
 
     def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
         """h + attention-or-DeltaNet(attn_norm(h)), updating this layer's state of the sequence."""
+        return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
+
+    def pre_moe_batch(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
+        """:meth:`pre_moe` for the rows of several sequences at once: ``h`` holds, in order, the
+        ``n`` rows of each ``(state, pos0, n)`` segment.
+
+        Why: everything but the recurrence and the attention itself is row-wise (norms,
+        projections, gates, output projection), so it runs once over all rows: a decode step of 16
+        sequences streams each dense weight once instead of 16 times. Only the conv + delta rule
+        (DeltaNet) or RoPE'd KV + attention run per sequence, on its own state. With one segment
+        this is exactly :meth:`pre_moe`. Rows batched together may round differently from rows
+        alone where ggml picks another kernel for more rows; the dense path runs only on the
+        backbone, so split == monolithic does not see it."""
+        if sum(n for _, _, n in segments) != h.shape[0]:
+            raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
         if self.recurrent[il]:
-            out = self.linear_attention(il, x, state.extra[il])
+            out = self._linear_attention_rows(il, x, [(st.extra[il], n) for st, _, n in segments])
         else:
-            out = self.full_attention(il, x, state.kv[il], pos0)
+            out = self._full_attention_rows(il, x, [(st.kv[il], pos0, n) for st, pos0, n in segments])
         return h + out
 
     def full_attention(self, il: int, x: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
         """Gated attention: q and its sigmoid gate interleaved head by head in attn_q; IMROPE."""
+        return self._full_attention_rows(il, x, [(kv, pos0, x.shape[0])])
+
+    def _full_attention_rows(self, il: int, x: np.ndarray, segs: list[tuple[KVCache, int, int]]) -> np.ndarray:
         w, p = self.w, f"blk.{il}."
         T, H, hd = x.shape[0], self.n_head, self.head_dim
-        qg = ops.matmul(x, w[p + "attn_q.weight"]).reshape(T, H, 2 * hd)
+        qg, k, v = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        qg = qg.reshape(T, H, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
-        k = ops.matmul(x, w[p + "attn_k.weight"]).reshape(T, self.n_head_kv, hd)
-        v = ops.matmul(x, w[p + "attn_v.weight"]).reshape(T, self.n_head_kv, hd)
+        k = k.reshape(T, self.n_head_kv, hd)
+        v = v.reshape(T, self.n_head_kv, hd)
         q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
         k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
-        pos = np.arange(pos0, pos0 + T)
+        pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segs])
         q = ops.rope_imrope(q, pos, self.n_rot, self.rope_base, self.rope_sections)
         k = ops.rope_imrope(k, pos, self.n_rot, self.rope_base, self.rope_sections)
-        keys, values = kv.append(k, v)
-        att = ops.attention(q, keys, values, pos0).reshape(T, H * hd)
+        atts, at = [], 0
+        for kv, pos0, n in segs:  # per sequence: its KV cache
+            keys, values = kv.append(k[at:at + n], v[at:at + n])
+            atts.append(ops.attention(q[at:at + n], keys, values, pos0))
+            at += n
+        att = (atts[0] if len(atts) == 1 else np.concatenate(atts)).reshape(T, H * hd)
         gated = att * ops.sigmoid(np.ascontiguousarray(gate).reshape(T, H * hd))
         return ops.matmul(np.ascontiguousarray(gated), w[p + "attn_output.weight"])
 
     def linear_attention(self, il: int, x: np.ndarray, st: deltanet.DeltaNetState) -> np.ndarray:
         """Gated DeltaNet: conv -> silu -> q, k (l2-normed), v -> delta rule -> gated RMSNorm -> out."""
+        return self._linear_attention_rows(il, x, [(st, x.shape[0])])
+
+    def _linear_attention_rows(self, il: int, x: np.ndarray, segs: list[tuple[deltanet.DeltaNetState, int]]):
         w, p = self.w, f"blk.{il}."
         T = x.shape[0]
-        d, Hk, Hv, dv = self.ssm_d, self.ssm_hk, self.ssm_hv, self.ssm_dv
-        m = ops.matmul(x, w[p + "attn_qkv.weight"])  # (T, C)
-        z = ops.matmul(x, w[p + "attn_gate.weight"]).reshape(T, Hv, dv)
-        beta = ops.sigmoid(ops.matmul(x, w[p + "ssm_beta.weight"]))  # (T, Hv)
-        alpha = ops.matmul(x, w[p + "ssm_alpha.weight"]) + w[p + "ssm_dt.bias"].reshape(-1)
+        Hv, dv = self.ssm_hv, self.ssm_dv
+        m, z, beta, alpha = ops.matmuls(x, [w[p + "attn_qkv.weight"], w[p + "attn_gate.weight"],
+                                            w[p + "ssm_beta.weight"], w[p + "ssm_alpha.weight"]])  # m (T, C)
+        z = z.reshape(T, Hv, dv)
+        beta = ops.sigmoid(beta)  # (T, Hv)
+        alpha = alpha + w[p + "ssm_dt.bias"].reshape(-1)
         g = deltanet.softplus(alpha) * w[p + "ssm_a"].reshape(-1)  # ssm_a holds -exp(A_log) already
+        os_, at = [], 0
+        for st, n in segs:  # per sequence: its conv rows and state
+            os_.append(self._delta(il, m[at:at + n], g[at:at + n], beta[at:at + n], st))
+            at += n
+        o = os_[0] if len(os_) == 1 else np.concatenate(os_)
+        y = deltanet.gated_rms_norm(o, w[p + "ssm_norm.weight"].reshape(-1), z, self.eps)
+        return ops.matmul(np.ascontiguousarray(y.reshape(T, Hv * dv)), w[p + "ssm_out.weight"])
+
+    def _delta(self, il: int, m: np.ndarray, g: np.ndarray, beta: np.ndarray, st: deltanet.DeltaNetState):
+        """One sequence's conv -> silu -> q, k, v -> delta rule, carrying its state."""
+        w, p = self.w, f"blk.{il}."
+        T = m.shape[0]
+        d, Hk, Hv, dv = self.ssm_d, self.ssm_hk, self.ssm_hv, self.ssm_dv
         conv, st.conv = deltanet.causal_conv1d(m, st.conv, np.asarray(w[p + "ssm_conv1d.weight"]))
         c = ops.silu(conv)
         q = deltanet.l2_norm(c[:, : Hk * d].reshape(T, Hk, d), self.eps)
@@ -274,9 +314,10 @@ class Qwen35MoE:
         if Hv != Hk:  # value head h reads q/k head h mod Hk (tiled, as ggml_repeat does)
             q = np.tile(q, (1, Hv // Hk, 1))
             k = np.tile(k, (1, Hv // Hk, 1))
+        if T == 1 and self.deltanet_mode == "auto" and st.S.dtype == np.float64 and st.S.flags.c_contiguous:
+            return deltanet.delta_rule_step_inplace(q, k, v, g, beta, st.S)  # decode: the state in place
         o, st.S = deltanet.delta_rule(q, k, v, g, beta, st.S, mode=self.deltanet_mode)
-        y = deltanet.gated_rms_norm(o, w[p + "ssm_norm.weight"].reshape(-1), z, self.eps)
-        return ops.matmul(np.ascontiguousarray(y.reshape(T, Hv * dv)), w[p + "ssm_out.weight"])
+        return o
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))

@@ -96,20 +96,33 @@ class Qwen3MoE:
         return np.ascontiguousarray(self.w["token_embd.weight"][tokens], dtype=F32)
 
     def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
+        return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
+
+    def pre_moe_batch(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
+        """:meth:`pre_moe` for the rows of several sequences at once (``h`` holds the ``n`` rows of
+        each ``(state, pos0, n)`` segment, in order): norms, projections and RoPE over all rows,
+        KV cache and attention per sequence. One segment is exactly :meth:`pre_moe`."""
+        if sum(n for _, _, n in segments) != h.shape[0]:
+            raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         w = self.w
         p = f"blk.{il}."
         T = h.shape[0]
         x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
-        q = ops.matmul(x, w[p + "attn_q.weight"]).reshape(T, self.n_head, self.head_dim)
-        k = ops.matmul(x, w[p + "attn_k.weight"]).reshape(T, self.n_head_kv, self.head_dim)
-        v = ops.matmul(x, w[p + "attn_v.weight"]).reshape(T, self.n_head_kv, self.head_dim)
+        q, k, v = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        q = q.reshape(T, self.n_head, self.head_dim)
+        k = k.reshape(T, self.n_head_kv, self.head_dim)
+        v = v.reshape(T, self.n_head_kv, self.head_dim)
         q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
         k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
-        pos = np.arange(pos0, pos0 + T)
+        pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
         q = ops.rope_neox(q, pos, self.n_rot, self.rope_base)
         k = ops.rope_neox(k, pos, self.n_rot, self.rope_base)
-        keys, values = state.kv[il].append(k, v)
-        att = ops.attention(q, keys, values, pos0).reshape(T, self.n_head * self.head_dim)
+        atts, at = [], 0
+        for state, pos0, n in segments:
+            keys, values = state.kv[il].append(k[at:at + n], v[at:at + n])
+            atts.append(ops.attention(q[at:at + n], keys, values, pos0))
+            at += n
+        att = (atts[0] if len(atts) == 1 else np.concatenate(atts)).reshape(T, self.n_head * self.head_dim)
         return h + ops.matmul(np.ascontiguousarray(att), w[p + "attn_output.weight"])
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
