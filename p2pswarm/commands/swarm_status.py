@@ -10,6 +10,9 @@ import json
 
 import trio
 
+from p2pswarm.engine import kernels
+
+from p2pswarm.commands.common import KERNEL_CHOICES
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 from p2pswarm.errors import UserError
 
@@ -19,8 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--bootstrap", action="append", required=True, help="bootstrap peer multiaddr (repeatable)")
     p.add_argument("--model", required=True, help="the model GGUF (for its fingerprint and geometry)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    p.add_argument("--kernel", choices=("auto", "numpy", "ggml"), default=None,
-                   help="count workers whose kernel matches this one on this machine (default auto)")
+    p.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
+                   help="count workers whose kernel family matches this one on this machine (default auto)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -42,7 +45,8 @@ async def _status(args) -> dict:
                                     kernel=kernel_id(args.kernel))
         cmap = await resolver.refresh()
     replicas = {(u.layer, u.block): n for u, n in cmap.replicas().items()}
-    owners = {f"{o.peer}": {"addrs": list(o.addrs), "layers": list(o.shard.layers), "experts": list(o.shard.experts)}
+    owners = {f"{o.peer}": {"addrs": list(o.addrs), "layers": list(o.shard.layers), "experts": list(o.shard.experts),
+                            "kernel": o.record.kernel, "family": kernels.family(o.record.kernel)}
               for o in cmap.peers().values()}
     n_blocks = -(-layout.n_expert // args.block_size)
     return {"model": fp, "layers": layout.expert_layers, "blocks": n_blocks, "block_size": args.block_size,
@@ -65,5 +69,5 @@ def run(args) -> int:
         print(f"{layer:>5}  " + " ".join("." if c == 0 else str(min(c, 9)) for c in cells))
     for peer, o in st["owners"].items():
         print(f"  {peer}: layers {o['layers'][0]}-{o['layers'][1] - 1}, experts {o['experts'][0]}-{o['experts'][1] - 1}"
-              f" at {', '.join(o['addrs'])}")
+              f" at {', '.join(o['addrs'])}, kernel {o['kernel']} (family {o['family']})")
     return 0

@@ -56,6 +56,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
+from p2pswarm.engine import kernels
 from p2pswarm.errors import UserError
 from p2pswarm.net.host import NetError, NetHost, _reason, single_error
 from p2pswarm.net.identity import Identity
@@ -711,7 +712,7 @@ class CoverageResolver:
         return await self.dht.get_node_record(peer, on_bogus=self._bogus)
 
     def _compatible(self, rec: NodeRecord) -> bool:
-        if rec.protocol != self.protocol or rec.kernel != self.kernel or rec.block_size != self.block_size:
+        if rec.protocol != self.protocol or not kernels.compatible(rec.kernel, self.kernel) or rec.block_size != self.block_size:
             self.stats.mismatched += 1
             return False
         return True
