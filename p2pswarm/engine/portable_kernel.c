@@ -9,7 +9,7 @@
  *     and never -ffast-math; vectorisation is allowed, it never reorders float operations;
  *   - activations are quantised to int8 blocks exactly as ggml's reference quantize_row_q8_K
  *     (block of 256 for K-quants, of 32 for Q8_0), scale kept in float32;
- *   - block dot products are integer (weights as unsigned bytes, so u8 x s8 -> int32);
+ *   - block dot products are integer (weights unpacked to int16 times their sub-block scale);
  *   - a row's result is its block results added in block order, in float32;
  *   - F32/F16 weights: 8 float32 lanes over the row, then ((0+1)+(2+3))+((4+5)+(6+7));
  *   - silu uses our own exp (double precision, fixed polynomial), not libm's.
@@ -58,30 +58,30 @@ static int nearest_int(float fval) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
-/* Bytes of the activation buffer for n rows of k values: int8 values, float scales per block,
- * int32 sums per 16 values. */
+/* Bytes of the activation buffer for n rows of k values: int16 values (int8 range: int16 so the
+ * dot products run as int16 x int16 -> int32), float scales per block, int32 sums per 16 values. */
 int64_t pk_qsize(int64_t n, int64_t k, int64_t block) {
-    return n * k + n * (k / block) * 4 + n * (k / 16) * 4 + 64;
+    return 2 * n * k + n * (k / block) * 4 + n * (k / 16) * 4 + 64;
 }
 
-static void q_parts(void *buf, int64_t n, int64_t k, int64_t block, int8_t **qs, float **d, int32_t **s16) {
+static void q_parts(void *buf, int64_t n, int64_t k, int64_t block, int16_t **qs, float **d, int32_t **s16) {
     uint8_t *b = (uint8_t *)buf;
-    *qs = (int8_t *)b;
-    int64_t off = (n * k + 15) & ~(int64_t)15;
+    *qs = (int16_t *)b;
+    int64_t off = (2 * n * k + 15) & ~(int64_t)15;
     *d = (float *)(b + off);
     off += n * (k / block) * 4;
     *s16 = (int32_t *)(b + off);
 }
 
-/* x (n, k) float32 -> int8 blocks of `block` values (ggml's quantize_row_q8_K_ref, any block). */
+/* x (n, k) float32 -> int8-valued blocks of `block` values (ggml's quantize_row_q8_K_ref, any block). */
 void pk_quantize(const float *x, int64_t n, int64_t k, int64_t block, void *buf) {
-    int8_t *qs; float *d; int32_t *s16;
+    int16_t *qs; float *d; int32_t *s16;
     q_parts(buf, n, k, block, &qs, &d, &s16);
     int64_t nb = k / block;
     for (int64_t i = 0; i < n; i++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + i * k + b * block;
-            int8_t *q = qs + i * k + b * block;
+            int16_t *q = qs + i * k + b * block;
             float amax = 0.f, max = 0.f;
             for (int64_t j = 0; j < block; j++) {
                 float ax = fabsf(xb[j]);
@@ -89,12 +89,12 @@ void pk_quantize(const float *x, int64_t n, int64_t k, int64_t block, void *buf)
             }
             if (amax == 0.f) {
                 d[i * nb + b] = 0.f;
-                memset(q, 0, (size_t)block);
+                for (int64_t j = 0; j < block; j++) q[j] = 0;
             } else {
                 const float iscale = -127.f / max;
                 for (int64_t j = 0; j < block; j++) {
                     int v = nearest_int(iscale * xb[j]);
-                    q[j] = (int8_t)(v < 127 ? v : 127);
+                    q[j] = (int16_t)(v < 127 ? v : 127);
                 }
                 d[i * nb + b] = 1.f / iscale;
             }
@@ -107,16 +107,11 @@ void pk_quantize(const float *x, int64_t n, int64_t k, int64_t block, void *buf)
     }
 }
 
-static int32_t dot_u8s8(const uint8_t *w, const int8_t *a, int len) {
-    int32_t s = 0;
-    for (int l = 0; l < len; l++) s += (int32_t)w[l] * (int32_t)a[l];
-    return s;
-}
-
-/* One weight block unpacked: unsigned values, integer scales/mins, float scales. */
+/* One weight block unpacked to int16 values already multiplied by their sub-block scale, so a
+ * block's integer dot product is one sum over its values (exact: |w| <= 945 for Q4_K, 4096 for
+ * Q6_K, 128 for Q8_0, and |sum| < 2^31). */
 typedef struct {
-    uint8_t u[256];
-    int32_t sc[16];
+    int16_t w[256];
     int32_t mn[8];
     float d, dmin;
 } wblock;
@@ -125,35 +120,39 @@ static void unpack_q4_k(const uint8_t *blk, wblock *w) {
     w->d = f16_to_f32(rd16(blk));
     w->dmin = f16_to_f32(rd16(blk + 2));
     const uint8_t *s = blk + 4, *q = blk + 16;
+    int16_t sc[8];
     for (int j = 0; j < 8; j++) {
         if (j < 4) {
-            w->sc[j] = s[j] & 63;
+            sc[j] = s[j] & 63;
             w->mn[j] = s[j + 4] & 63;
         } else {
-            w->sc[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+            sc[j] = (int16_t)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
             w->mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
         }
     }
-    for (int c = 0; c < 4; c++)
+    for (int c = 0; c < 4; c++) {
+        const int16_t lo = sc[2 * c], hi = sc[2 * c + 1];
         for (int l = 0; l < 32; l++) {
-            w->u[64 * c + l] = q[32 * c + l] & 0xF;
-            w->u[64 * c + 32 + l] = q[32 * c + l] >> 4;
+            w->w[64 * c + l] = (int16_t)((q[32 * c + l] & 0xF) * lo);
+            w->w[64 * c + 32 + l] = (int16_t)((q[32 * c + l] >> 4) * hi);
         }
+    }
 }
 
 static void unpack_q6_k(const uint8_t *blk, wblock *w) {
     const uint8_t *ql = blk, *qh = blk + 128;
     const int8_t *sc = (const int8_t *)(blk + 192);
     w->d = f16_to_f32(rd16(blk + 208));
-    for (int j = 0; j < 16; j++) w->sc[j] = sc[j];
     for (int h = 0; h < 2; h++) {
         const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
-        uint8_t *u = w->u + 128 * h;
+        int16_t *o = w->w + 128 * h;
+        const int8_t *S = sc + 8 * h;
         for (int l = 0; l < 32; l++) {
-            u[l] = (uint8_t)((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4));
-            u[l + 32] = (uint8_t)((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4));
-            u[l + 64] = (uint8_t)((L[l] >> 4) | (((H[l] >> 4) & 3) << 4));
-            u[l + 96] = (uint8_t)((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4));
+            const int is = l / 16;
+            o[l] = (int16_t)((((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4)) - 32) * S[is]);
+            o[l + 32] = (int16_t)((((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32) * S[is + 2]);
+            o[l + 64] = (int16_t)((((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32) * S[is + 4]);
+            o[l + 96] = (int16_t)((((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32) * S[is + 6]);
         }
     }
 }
@@ -188,9 +187,30 @@ static float dot_float(const float *x, const uint8_t *wrow, int wtype, int64_t k
     return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
+#define RB 4 /* weight rows unpacked together: each activation load feeds RB dot products */
+
+static inline void dot4_256(const wblock *wb, const int16_t *a, int32_t s[RB]) {
+    int32_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (int l = 0; l < 256; l++) {
+        const int32_t x = a[l];
+        s0 += wb[0].w[l] * x;
+        s1 += wb[1].w[l] * x;
+        s2 += wb[2].w[l] * x;
+        s3 += wb[3].w[l] * x;
+    }
+    s[0] = s0; s[1] = s1; s[2] = s2; s[3] = s3;
+}
+
+static inline int32_t dot_256(const int16_t *w, const int16_t *a, int len) {
+    int32_t s = 0;
+    for (int l = 0; l < len; l++) s += w[l] * (int32_t)a[l];
+    return s;
+}
+
 /* out[i*ldo + r] = row r of W times row i of the activations, for r in [r0, r1).
  * W: `wtype` rows of k values at `w` (row r at w + r*row_bytes). `act`: float32 x for F32/F16,
- * else the buffer pk_quantize filled (block 256 for K-quants, 32 for Q8_0). Returns 0 or -1. */
+ * else the buffer pk_quantize filled (block 256 for K-quants, 32 for Q8_0). Returns 0 or -1.
+ * Each output is its blocks' results added in block order, whatever r0, r1 and RB. */
 int pk_matmul(int wtype, const void *w, int64_t r0, int64_t r1, int64_t k, const void *act, int64_t n,
               float *out, int64_t ldo) {
     const int64_t rb = row_bytes(wtype, k);
@@ -206,54 +226,61 @@ int pk_matmul(int wtype, const void *w, int64_t r0, int64_t r1, int64_t k, const
     const int64_t block = wtype == T_Q8_0 ? 32 : 256;
     if (k % block) return -1;
     const int64_t nb = k / block;
-    int8_t *qs; float *ad; int32_t *s16;
+    int16_t *qs; float *ad; int32_t *s16;
     q_parts((void *)act, n, k, block, &qs, &ad, &s16);
-    float *acc = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(RB * (n > 0 ? n : 1)));
     if (!acc) return -1;
-    wblock wb;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = W + r * rb;
-        for (int64_t i = 0; i < n; i++) acc[i] = 0.f;
-        for (int64_t b = 0; b < nb; b++) {
-            if (wtype == T_Q4_K) {
-                unpack_q4_k(row + b * 144, &wb);
+    wblock wb[RB];
+    for (int64_t r = r0; r < r1; r += RB) {
+        const int nr = (int)(r1 - r < RB ? r1 - r : RB);
+        for (int64_t j = 0; j < RB * n; j++) acc[j] = 0.f;
+        if (wtype == T_Q8_0) {
+            for (int t = nr; t < RB; t++) memset(&wb[t], 0, sizeof(wblock));
+            for (int64_t b = 0; b < nb; b++) {
+                for (int t = 0; t < nr; t++) {
+                    const uint8_t *blk = W + (r + t) * rb + b * 34;
+                    wb[t].d = f16_to_f32(rd16(blk));
+                    for (int l = 0; l < 32; l++) wb[t].w[l] = (int8_t)blk[2 + l];
+                }
                 for (int64_t i = 0; i < n; i++) {
-                    const int8_t *a = qs + i * k + b * 256;
-                    const int32_t *s = s16 + i * (k / 16) + b * 16;
-                    int32_t sumi = 0, summ = 0;
-                    for (int j = 0; j < 8; j++) {
-                        sumi += wb.sc[j] * dot_u8s8(wb.u + 32 * j, a + 32 * j, 32);
-                        summ += wb.mn[j] * (s[2 * j] + s[2 * j + 1]);
+                    const int16_t *a = qs + i * k + b * 32;
+                    const float da = ad[i * nb + b];
+                    for (int t = 0; t < nr; t++) {
+                        const int32_t sumi = dot_256(wb[t].w, a, 32);
+                        acc[t * n + i] = acc[t * n + i] + (wb[t].d * da) * (float)sumi;
                     }
-                    const float da = ad[i * nb + b];
-                    const float v = (wb.d * da) * (float)sumi;
-                    const float m = (wb.dmin * da) * (float)summ;
-                    acc[i] = acc[i] + (v - m);
                 }
-            } else if (wtype == T_Q6_K) {
-                unpack_q6_k(row + b * 210, &wb);
+            }
+        } else {
+            for (int t = nr; t < RB; t++) memset(&wb[t], 0, sizeof(wblock));
+            for (int64_t b = 0; b < nb; b++) {
+                for (int t = 0; t < nr; t++) {
+                    const uint8_t *row = W + (r + t) * rb;
+                    if (wtype == T_Q4_K) unpack_q4_k(row + b * 144, &wb[t]);
+                    else unpack_q6_k(row + b * 210, &wb[t]);
+                }
                 for (int64_t i = 0; i < n; i++) {
-                    const int8_t *a = qs + i * k + b * 256;
+                    const int16_t *a = qs + i * k + b * 256;
                     const int32_t *s = s16 + i * (k / 16) + b * 16;
-                    int32_t sumi = 0;
-                    for (int j = 0; j < 16; j++)
-                        sumi += wb.sc[j] * (dot_u8s8(wb.u + 16 * j, a + 16 * j, 16) - 32 * s[j]);
                     const float da = ad[i * nb + b];
-                    acc[i] = acc[i] + (wb.d * da) * (float)sumi;
-                }
-            } else { /* Q8_0: weights as unsigned (w + 128), minus 128 * sum of activations */
-                const uint8_t *blk = row + b * 34;
-                const float d = f16_to_f32(rd16(blk));
-                for (int l = 0; l < 32; l++) wb.u[l] = (uint8_t)(blk[2 + l] ^ 0x80);
-                for (int64_t i = 0; i < n; i++) {
-                    const int8_t *a = qs + i * k + b * 32;
-                    const int32_t *s = s16 + i * (k / 16) + b * 2;
-                    int32_t sumi = dot_u8s8(wb.u, a, 32) - 128 * (s[0] + s[1]);
-                    acc[i] = acc[i] + (d * ad[i * nb + b]) * (float)sumi;
+                    int32_t sumi[RB];
+                    dot4_256(wb, a, sumi);
+                    for (int t = 0; t < nr; t++) {
+                        if (wtype == T_Q4_K) {
+                            int32_t summ = 0;
+                            for (int j = 0; j < 8; j++) summ += wb[t].mn[j] * (s[2 * j] + s[2 * j + 1]);
+                            const float v = (wb[t].d * da) * (float)sumi[t];
+                            const float m = (wb[t].dmin * da) * (float)summ;
+                            acc[t * n + i] = acc[t * n + i] + (v - m);
+                        } else {
+                            acc[t * n + i] = acc[t * n + i] + (wb[t].d * da) * (float)sumi[t];
+                        }
+                    }
                 }
             }
         }
-        for (int64_t i = 0; i < n; i++) out[i * ldo + r] = acc[i];
+        for (int t = 0; t < nr; t++)
+            for (int64_t i = 0; i < n; i++) out[i * ldo + r + t] = acc[t * n + i];
     }
     free(acc);
     return 0;

@@ -52,8 +52,8 @@ TOOLS = {"qemu-aarch64-static": "qemu-user-static", "debootstrap": "debootstrap"
          "aarch64-linux-gnu-gcc": "gcc-aarch64-linux-gnu"}
 
 # What a worker imports (the project's deps and theirs), at the versions installed on this host.
-# Every one has a manylinux aarch64 (or pure-Python) wheel on PyPI at that version except where
-# WHEEL_EXCEPTIONS says otherwise.
+# Every one has a manylinux aarch64 (or pure-Python) wheel on PyPI at that version except those in
+# WHEEL_OVERRIDES.
 WHEELS = (
     "numpy", "gguf", "PyYAML", "tqdm", "msgpack", "trio", "attrs", "sortedcontainers", "idna", "outcome",
     "sniffio", "cryptography", "cffi", "pycparser", "libp2p", "aioquic", "certifi", "pylsqpack",
@@ -66,6 +66,15 @@ WHEELS = (
     "types-requests", "noiseprotocol", "pycryptodome", "PyNaCl", "rpcudp", "u-msgpack-python",
     "prometheus_client", "trio-websocket", "wsproto", "zeroconf", "ifaddr",
 )
+
+
+# fastecdsa 2.3.2 (libp2p 0.8.1 pins it; imported by libp2p.crypto.ecc for secio) has no aarch64
+# wheel on PyPI, and building it needs libgmp headers and a compiler inside the root (under
+# emulation). 4.0.0 has a manylinux aarch64 wheel and the API libp2p imports (curve, keys, point,
+# encoding.sec1, encoding.util.int_bytelen); our transports (noise) never call it.
+WHEEL_OVERRIDES = {"fastecdsa": "4.0.0"}
+# Pure-Python packages PyPI has only as sdists: built into wheels here (no compiler involved).
+SDIST_ONLY = ("python-baseconv", "varint")
 
 
 class TestBedError(RuntimeError):
@@ -85,7 +94,7 @@ def pinned_wheels() -> list[str]:
     out = []
     for name in WHEELS:
         try:
-            out.append(f"{name}=={importlib.metadata.version(name)}")
+            out.append(f"{name}=={WHEEL_OVERRIDES.get(name) or importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             continue  # an optional dep not installed here: not needed there either
     return out
@@ -123,15 +132,20 @@ def ensure_root(log=print) -> Path:
         return root
     t0 = time.monotonic()
     tmp = root.with_name(root.name + ".building")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    log(f"arm64 root: debootstrap {SUITE} into {tmp} ...")
-    r = subprocess.run(["debootstrap", "--arch=arm64", "--variant=minbase", "--include=python3", SUITE,
-                        str(tmp), MIRROR], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise TestBedError(f"debootstrap failed ({r.returncode}): {(r.stdout + r.stderr)[-600:]}")
-    log(f"arm64 root: debootstrap took {time.monotonic() - t0:.0f} s; installing {len(wheels)} wheels ...")
+    boot_ok = tmp / ".debootstrap-ok"  # a finished debootstrap is kept if a later step failed
+    if not boot_ok.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        log(f"arm64 root: debootstrap {SUITE} into {tmp} ...")
+        r = subprocess.run(["debootstrap", "--arch=arm64", "--variant=minbase", "--include=python3", SUITE,
+                            str(tmp), MIRROR], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise TestBedError(f"debootstrap failed ({r.returncode}): {(r.stdout + r.stderr)[-600:]}")
+        boot_ok.write_text("ok\n")
+        log(f"arm64 root: debootstrap took {time.monotonic() - t0:.0f} s")
+    log(f"arm64 root: installing {len(wheels)} aarch64 wheels ...")
     site = tmp / SITE
+    shutil.rmtree(site, ignore_errors=True)
     site.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--only-binary=:all:",
            "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311", "--abi", "abi3",
@@ -139,9 +153,19 @@ def ensure_root(log=print) -> Path:
     for plat in ("manylinux2014_aarch64", "manylinux_2_28_aarch64", "manylinux_2_34_aarch64",
                  "manylinux_2_17_aarch64", "any"):
         cmd += ["--platform", plat]
-    r = subprocess.run(cmd + wheels, capture_output=True, text=True)
+    binary = [w for w in wheels if w.split("==")[0] not in SDIST_ONLY]
+    sdists = [w for w in wheels if w.split("==")[0] in SDIST_ONLY]
+    built = tmp.parent / "sdist-wheels"
+    if sdists:
+        r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--disable-pip-version-check",
+                            "-w", str(built), *sdists], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise TestBedError(f"pip could not build {sdists}: {r.stderr[-800:]}")
+        binary += [str(p) for p in built.glob("*.whl")]
+    r = subprocess.run(cmd + binary, capture_output=True, text=True)
     if r.returncode != 0:
-        raise TestBedError(f"pip could not get aarch64 wheels: {(r.stdout + r.stderr)[-1500:]}")
+        why = [ln for ln in (r.stdout + r.stderr).splitlines() if not ln.startswith("WARNING: Location")]
+        raise TestBedError("pip could not get aarch64 wheels: " + " / ".join(why)[-1500:])
     stamp_file_tmp = tmp / ".p2pswarm-stamp"
     stamp_file_tmp.write_text(stamp + "\n")
     shutil.rmtree(root, ignore_errors=True)
@@ -159,6 +183,56 @@ def cross_compile_portable(out: Path) -> Path:
     if r.returncode != 0:
         raise TestBedError(f"cross-compiling the portable kernel failed: {r.stderr[-800:]}")
     return out
+
+
+def ensure_libggml(root: Path, log=print) -> Path:
+    """llama.cpp's libggml-base/libggml-cpu for aarch64, cross-compiled (never under emulation) from
+    the ggml inside the llama-cpp-python sdist of the version installed here; cached in the root at
+    ``/opt/libggml-aarch64`` (the path inside the root is returned). ~1 CPU-minute, a few minutes
+    of wall time on a busy machine. Built for ``armv8.2-a+dotprod`` (every current phone core)."""
+    inside = Path("/opt/libggml-aarch64")
+    dest = root / inside.relative_to("/")
+    version = importlib.metadata.version("llama_cpp_python")
+    stamp = dest / ".version"
+    if stamp.exists() and stamp.read_text().strip() == version:
+        return inside
+    for tool, pkg in (("aarch64-linux-gnu-g++", "g++-aarch64-linux-gnu"), ("cmake", "cmake"), ("ninja", "ninja-build")):
+        if shutil.which(tool) is None:
+            raise TestBedError(f"cross-compiling libggml needs {tool}: apt-get install {pkg}")
+    t0 = time.monotonic()
+    work = root.parent / "ggml-src"
+    work.mkdir(parents=True, exist_ok=True)
+    sdist = work / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                            "--disable-pip-version-check", f"llama-cpp-python=={version}", "-d", str(work)],
+                           capture_output=True, text=True)
+        if r.returncode != 0 or not sdist.exists():
+            raise TestBedError(f"pip could not download the llama-cpp-python {version} sdist: {r.stderr[-500:]}")
+    src = work / f"llama_cpp_python-{version}"
+    if not src.exists():
+        subprocess.run(["tar", "xzf", str(sdist), "-C", str(work)], check=True)
+    ggml = src / "vendor" / "llama.cpp" / "ggml"
+    (ggml / "ggml.pc.in").touch()  # the sdist leaves out this pkg-config template; cmake wants the file
+    build = work / "build-aarch64"
+    log(f"arm64 root: cross-compiling libggml {version} for aarch64 ...")
+    r = subprocess.run(["cmake", "-S", str(ggml), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                        "-DCMAKE_SYSTEM_NAME=Linux", "-DCMAKE_SYSTEM_PROCESSOR=aarch64",
+                        "-DCMAKE_C_COMPILER=aarch64-linux-gnu-gcc", "-DCMAKE_CXX_COMPILER=aarch64-linux-gnu-g++",
+                        "-DGGML_NATIVE=OFF", "-DGGML_CPU_ARM_ARCH=armv8.2-a+dotprod", "-DGGML_OPENMP=OFF",
+                        "-DGGML_BACKEND_DL=OFF", "-DBUILD_SHARED_LIBS=ON", "-DGGML_BUILD_TESTS=OFF",
+                        "-DGGML_BUILD_EXAMPLES=OFF", "-DGGML_CCACHE=OFF"], capture_output=True, text=True)
+    if r.returncode == 0:
+        r = subprocess.run(["ninja", "-C", str(build), "-j2", "ggml-base", "ggml-cpu"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise TestBedError(f"cross-compiling libggml failed: {(r.stdout + r.stderr)[-800:]}")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name in ("libggml-base.so", "libggml-cpu.so"):
+        shutil.copy2((build / "src" / name).resolve(), dest / name)
+    stamp.write_text(version + "\n")
+    log(f"arm64 root: libggml for aarch64 in {time.monotonic() - t0:.0f} s")
+    return inside
 
 
 def stage_project(root: Path, name: str) -> Path:
@@ -185,14 +259,18 @@ def run_in_root(root: Path, argv: list[str], *, pythonpath: Path, env: dict | No
     full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
                 "PYTHONPATH": str(pythonpath), "P2PSWARM_PORTABLE_LIB": str(pythonpath / "libp2pswarm_portable.so"),
                 "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
-    return subprocess.run(["chroot", str(root), *argv], env=full_env, **kw)
+    return subprocess.run([_chroot(), str(root), *argv], env=full_env, **kw)
 
 
 def popen_in_root(root: Path, argv: list[str], *, pythonpath: Path, env: dict | None = None, **kw):
     full_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8",
                 "PYTHONPATH": str(pythonpath), "P2PSWARM_PORTABLE_LIB": str(pythonpath / "libp2pswarm_portable.so"),
                 "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
-    return subprocess.Popen(["chroot", str(root), *argv], env=full_env, **kw)
+    return subprocess.Popen([_chroot(), str(root), *argv], env=full_env, **kw)
+
+
+def _chroot() -> str:
+    return shutil.which("chroot") or "/usr/sbin/chroot"  # found on the host's PATH, not the root's
 
 
 def main(argv=None) -> int:
@@ -201,6 +279,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         root = ensure_root()
+        ggml = ensure_libggml(root)
         print(root)
         if args.check:
             pp = stage_project(root, "check")
@@ -208,8 +287,10 @@ def main(argv=None) -> int:
             r = run_in_root(root, ["/usr/bin/python3", "-c",
                                    "import platform, numpy, libp2p, trio, gguf, p2pswarm.cli; "
                                    "from p2pswarm.engine import portable_kernel as pk; "
-                                   "print(platform.machine(), numpy.__version__, pk.load_native().path)"],
-                            pythonpath=pp, capture_output=True, text=True)
+                                   "from p2pswarm.engine.ggml_kernel import load_libggml; "
+                                   "print(platform.machine(), numpy.__version__, pk.load_native().path, "
+                                   "load_libggml().kernel_id)"],
+                            pythonpath=pp, env={"P2PSWARM_GGML_LIB": str(ggml)}, capture_output=True, text=True)
             unstage(root, "check")
             print((r.stdout + r.stderr).strip(), f"({time.monotonic() - t0:.1f} s)")
             return r.returncode
