@@ -81,7 +81,7 @@ void pk_quantize(const float *x, int64_t n, int64_t k, int64_t block, void *buf)
     for (int64_t i = 0; i < n; i++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *xb = x + i * k + b * block;
-            int16_t *q = qs + i * k + b * block;
+            int16_t *q = qs + (b * n + i) * block; /* block-major: a block of every row is contiguous */
             float amax = 0.f, max = 0.f;
             for (int64_t j = 0; j < block; j++) {
                 float ax = fabsf(xb[j]);
@@ -100,8 +100,9 @@ void pk_quantize(const float *x, int64_t n, int64_t k, int64_t block, void *buf)
             }
         }
         for (int64_t j = 0; j < k / 16; j++) {
+            const int16_t *q = qs + ((j * 16 / block) * n + i) * block + (j * 16) % block;
             int32_t s = 0;
-            for (int l = 0; l < 16; l++) s += qs[i * k + j * 16 + l];
+            for (int l = 0; l < 16; l++) s += q[l];
             s16[i * (k / 16) + j] = s;
         }
     }
@@ -143,17 +144,20 @@ static void unpack_q6_k(const uint8_t *blk, wblock *w) {
     const uint8_t *ql = blk, *qh = blk + 128;
     const int8_t *sc = (const int8_t *)(blk + 192);
     w->d = f16_to_f32(rd16(blk + 208));
+    uint8_t u[256];
     for (int h = 0; h < 2; h++) {
         const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
-        int16_t *o = w->w + 128 * h;
-        const int8_t *S = sc + 8 * h;
+        uint8_t *o = u + 128 * h;
         for (int l = 0; l < 32; l++) {
-            const int is = l / 16;
-            o[l] = (int16_t)((((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4)) - 32) * S[is]);
-            o[l + 32] = (int16_t)((((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32) * S[is + 2]);
-            o[l + 64] = (int16_t)((((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32) * S[is + 4]);
-            o[l + 96] = (int16_t)((((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32) * S[is + 6]);
+            o[l] = (uint8_t)((L[l] & 0xF) | ((H[l] & 3) << 4));
+            o[l + 32] = (uint8_t)((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4));
+            o[l + 64] = (uint8_t)((L[l] >> 4) | (((H[l] >> 4) & 3) << 4));
+            o[l + 96] = (uint8_t)((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4));
         }
+    }
+    for (int j = 0; j < 16; j++) { /* value k has scale sc[k / 16] */
+        const int16_t s = sc[j];
+        for (int l = 0; l < 16; l++) w->w[16 * j + l] = (int16_t)(((int16_t)u[16 * j + l] - 32) * s);
     }
 }
 
@@ -243,7 +247,7 @@ int pk_matmul(int wtype, const void *w, int64_t r0, int64_t r1, int64_t k, const
                     for (int l = 0; l < 32; l++) wb[t].w[l] = (int8_t)blk[2 + l];
                 }
                 for (int64_t i = 0; i < n; i++) {
-                    const int16_t *a = qs + i * k + b * 32;
+                    const int16_t *a = qs + (b * n + i) * 32;
                     const float da = ad[i * nb + b];
                     for (int t = 0; t < nr; t++) {
                         const int32_t sumi = dot_256(wb[t].w, a, 32);
@@ -260,7 +264,7 @@ int pk_matmul(int wtype, const void *w, int64_t r0, int64_t r1, int64_t k, const
                     else unpack_q6_k(row + b * 210, &wb[t]);
                 }
                 for (int64_t i = 0; i < n; i++) {
-                    const int16_t *a = qs + i * k + b * 256;
+                    const int16_t *a = qs + (b * n + i) * 256;
                     const int32_t *s = s16 + i * (k / 16) + b * 16;
                     const float da = ad[i * nb + b];
                     int32_t sumi[RB];
