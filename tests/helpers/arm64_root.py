@@ -65,6 +65,9 @@ WHEELS = (
     "importlib_metadata", "zipp", "lazy-importer", "mypy-protobuf", "protobuf", "types-protobuf",
     "types-requests", "noiseprotocol", "pycryptodome", "PyNaCl", "rpcudp", "u-msgpack-python",
     "prometheus_client", "trio-websocket", "wsproto", "zeroconf", "ifaddr",
+    "tokenizers", "huggingface_hub", "click", "filelock", "fsspec", "hf-xet", "httpx2", "httpcore2", "truststore",
+    "hypercorn", "h2", "hyperframe", "hpack", "priority", "typer", "shellingham", "rich", "markdown-it-py", "mdurl",
+    "pygments", "annotated-doc", "typing-inspection",
 )
 
 
@@ -133,6 +136,9 @@ def ensure_root(log=print) -> Path:
     t0 = time.monotonic()
     tmp = root.with_name(root.name + ".building")
     boot_ok = tmp / ".debootstrap-ok"  # a finished debootstrap is kept if a later step failed
+    if not boot_ok.exists() and (root / ".debootstrap-ok").exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        root.rename(tmp)  # only the wheels changed: keep the Debian part (and the cross-built libggml)
     if not boot_ok.exists():
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
