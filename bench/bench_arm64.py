@@ -61,46 +61,29 @@ def start_root_worker(root, inside, shard_in: str, kernel: str, env: dict):
     return proc, host, int(port)
 
 
-async def run_split(model_path: Path, owner: SocketOwner, bank, tokens: list[int]):
-    """Prefill with experts from ``owner`` (aarch64); also ``bank`` (x86) on the same rows."""
+async def run_prefill(model_path: Path, bank, tokens: list[int], owner: SocketOwner | None = None):
+    """Prefill with the experts from ``owner`` (aarch64) when given, else from ``bank`` (x86); with an
+    owner, ``bank`` also computes every group here, to compare. Returns (logits, sorted top-k per
+    layer, max relative |Δ| of an expert output, outputs not bit-equal, outputs compared)."""
     layout = ModelLayout.open(model_path)
     model = load_dense(layout)
     state = model.new_state()
     h = model.embed(np.asarray(tokens))
-    deltas, unequal, n_out, routes = [], 0, 0, []
+    dmax, unequal, n_out, routes = 0.0, 0, 0, []
     for il in range(model.n_layer):
         h = model.pre_moe(il, h, state, 0)
         cur = model.ffn_input(il, h)
         ids, w = model.route(il, cur)
         routes.append(np.sort(ids, axis=1))
         groups = expert_groups(ids)
-        remote = await owner.compute(il, cur, groups)
         local = bank.forward_groups(il, cur, groups)
-        for r, loc in zip(remote, local):
+        outs = local if owner is None else await owner.compute(il, cur, groups)
+        for r, loc in zip(outs, local):
             n_out += 1
-            if not np.array_equal(r.view(np.int32), loc.view(np.int32)):
-                unequal += 1
-            deltas.append(float(np.abs(r - loc).max() / max(np.abs(loc).max(), 1e-30)))
-        partials = dict(zip([e for e, _ in groups], remote))
-        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
-    return model.output(h), routes, max(deltas), unequal, n_out
-
-
-def run_local(model_path: Path, bank, tokens: list[int]):
-    layout = ModelLayout.open(model_path)
-    model = load_dense(layout)
-    state = model.new_state()
-    h = model.embed(np.asarray(tokens))
-    routes = []
-    for il in range(model.n_layer):
-        h = model.pre_moe(il, h, state, 0)
-        cur = model.ffn_input(il, h)
-        ids, w = model.route(il, cur)
-        routes.append(np.sort(ids, axis=1))
-        groups = expert_groups(ids)
-        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
-        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
-    return model.output(h), routes
+            unequal += not np.array_equal(r.view(np.int32), loc.view(np.int32))
+            dmax = max(dmax, float(np.abs(r - loc).max() / max(np.abs(loc).max(), 1e-30)))
+        h = model.post_moe(il, h, cur, combine(ids, w, groups, dict(zip([e for e, _ in groups], outs))))
+    return model.output(h), routes, dmax, unequal, n_out
 
 
 async def requests_per_s(owner: SocketOwner, layout, n: int) -> float:
@@ -154,13 +137,13 @@ def main(argv=None) -> int:
                                     experts=(0, layout.n_expert), timeout_s=600)
 
                 async def go():
-                    split = await run_split(model_path, owner, bank, tokens)
+                    split = await run_prefill(model_path, bank, tokens, owner)
                     rps = await requests_per_s(owner, layout, args.requests)
                     await owner.aclose()
                     return split, rps
 
                 (logits, routes, dmax, unequal, n_out), rps = trio.run(go)
-                ref_logits, ref_routes = run_local(model_path, bank, tokens)
+                ref_logits, ref_routes, *_ = trio.run(run_prefill, model_path, bank, tokens)
                 changed = sum(int((a != b).any(axis=1).sum()) for a, b in zip(routes, ref_routes))
                 dlogit = float(np.abs(logits - ref_logits).max())
                 row = (f"| {kernel} | `{worker_kernel}` | {unequal} of {n_out} | {dmax:.2e} | {changed} of "
