@@ -21,10 +21,8 @@ bypass of the handshake (that refusal is the point of the kernel families), for 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -46,19 +44,9 @@ from p2pswarm.model.slicer import slice_experts  # noqa: E402
 from p2pswarm.model.synth import make_model  # noqa: E402
 
 
-def start_root_worker(root, inside, shard_in: str, kernel: str, env: dict):
-    proc = bed.popen_in_root(root, ["/usr/bin/python3", "-m", "p2pswarm.cli", "worker", "--shard", shard_in,
-                                    "--listen", "127.0.0.1:0", "--kernel", kernel, "--threads", "1"],
-                             pythonpath=inside, env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    line: list[str] = []
-    t = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(400)
-    if not line or not line[0].startswith("READY "):
-        proc.kill()
-        raise SystemExit(f"aarch64 worker ({kernel}) did not start")
-    host, port = line[0].split()[1].rsplit(":", 1)
-    return proc, host, int(port)
+def start_root_worker(root, inside, shard_in: str, kernel: str, env: dict) -> bed.RootProcess:
+    return bed.RootProcess(root, inside, ["worker", "--shard", shard_in, "--listen", "127.0.0.1:0", "--kernel", kernel,
+                                          "--threads", "1"], env=env)
 
 
 async def run_prefill(model_path: Path, bank, tokens: list[int], owner: SocketOwner | None = None):
@@ -128,11 +116,12 @@ def main(argv=None) -> int:
     try:
         for kernel in ("ggml", "portable"):
             env = {"P2PSWARM_GGML_LIB": str(ggml_dir)} if kernel == "ggml" else {}
-            proc, host, port = start_root_worker(root, inside, shard_in, kernel, env)
+            proc = start_root_worker(root, inside, shard_in, kernel, env)
+            host, port = proc.where.rsplit(":", 1)
             try:
                 bank = make_bank(layout, kernel, threads=1)
                 worker_kernel = _worker_kernel(root, inside, shard_in, kernel, env)
-                owner = SocketOwner("arm64", host, port, model_fingerprint=fp, kernel=worker_kernel,
+                owner = SocketOwner("arm64", host, int(port), model_fingerprint=fp, kernel=worker_kernel,
                                     layers=(min(layout.expert_layers), max(layout.expert_layers) + 1),
                                     experts=(0, layout.n_expert), timeout_s=600)
 
@@ -151,8 +140,7 @@ def main(argv=None) -> int:
                 print(row, end="", file=sys.stderr, flush=True)
                 lines.append(row)
             finally:
-                proc.terminate()
-                proc.wait(60)
+                proc.stop()
     finally:
         bed.unstage(root, name)
     print("".join(lines))

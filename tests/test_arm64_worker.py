@@ -21,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -99,33 +98,10 @@ def test_portable_expert_outputs_are_bit_identical_on_aarch64(arm64, tiny_f32, t
             print(f"{model.name}: {len(got.files)} expert outputs from aarch64 ({impl}) bit-identical; {r.stdout.strip()}")
 
 
-class RootNode:
-    """A ``p2pswarm node`` inside the arm64 root; READY line parsed as tests/test_swarm_processes.py."""
-
-    def __init__(self, arm64, args: list[str], log: Path, env: dict):
-        root, inside, _ = arm64
-        self.log = log
-        self.proc = bed.popen_in_root(root, ["/usr/bin/python3", "-m", "p2pswarm.cli", *args], pythonpath=inside,
-                                      env=env, stdout=subprocess.PIPE, stderr=open(log, "w"),
-                                      stdin=subprocess.DEVNULL, text=True)
-        line: list[str] = []
-        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(400)  # python + libp2p imports take ~1 min under qemu on a busy machine
-        if not line or not line[0].startswith("READY "):
-            self.stop()
-            raise AssertionError(f"aarch64 {args[:3]} did not start: {log.read_text()[-2000:]}")
-        self.addr = line[0].split()[1]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+def RootNode(arm64, args: list[str], log: Path, env: dict) -> bed.RootProcess:
+    """A ``p2pswarm node`` inside the arm64 root (``.where`` is its READY address)."""
+    root, inside, _ = arm64
+    return bed.RootProcess(root, inside, args, env=env, log=log)
 
 
 def _swarm_logits(model, boot_addr: str, out: Path, env: dict, decode: bool):

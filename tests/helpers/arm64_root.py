@@ -275,6 +275,40 @@ def popen_in_root(root: Path, argv: list[str], *, pythonpath: Path, env: dict | 
     return subprocess.Popen([_chroot(), str(root), *argv], env=full_env, **kw)
 
 
+class RootProcess:
+    """``python3 -m p2pswarm.cli ARGS`` inside the root, started and waited for its ``READY <where>``
+    line (python + libp2p imports take ~1 min under qemu on a busy machine, hence the long wait)."""
+
+    def __init__(self, root: Path, pythonpath: Path, args: list[str], *, env: dict | None = None,
+                 log: Path | None = None, timeout_s: float = 400.0):
+        import threading  # noqa: PLC0415
+
+        self.log = log
+        self.proc = popen_in_root(root, ["/usr/bin/python3", "-m", "p2pswarm.cli", *args], pythonpath=pythonpath,
+                                  env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                  stderr=open(log, "w") if log else subprocess.DEVNULL)
+        line: list[str] = []
+        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if not line or not line[0].startswith("READY "):
+            self.stop()
+            tail = log.read_text()[-2000:] if log else ""
+            raise TestBedError(f"aarch64 {' '.join(args[:3])} did not start: {tail}")
+        self.where = line[0].split()[1]
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (a clean shutdown: records withdrawn), SIGKILL after ``timeout_s``."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
 def _chroot() -> str:
     return shutil.which("chroot") or "/usr/sbin/chroot"  # found on the host's PATH, not the root's
 
