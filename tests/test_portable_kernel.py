@@ -24,7 +24,7 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import check_hello
 
-from conftest import needs_llama
+from conftest import assert_one_line_error, needs_llama, run_cli
 
 try:
     pk.load_native()
@@ -183,3 +183,12 @@ async def test_split_equals_monolithic_with_portable(request, qtype, monkeypatch
             assert (stats.requests > 0) == (workers > 0) and stats.fallbacks == 0
             assert stats.local_groups == 0 or not workers
     assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+
+
+def test_unsupported_weight_type_is_one_line_error(tmp_path):
+    from p2pswarm.model.synth import make_model
+
+    model = make_model(tmp_path / "bf16.gguf", preset="tiny", qtype="bf16", seed=4)
+    proc = run_cli("logits", str(model), "--tokens", "1,2,3", "--out", str(tmp_path / "l.npy"), "--kernel", "portable")
+    assert proc.returncode != 0
+    assert_one_line_error(proc, "weight type BF16 is not supported by the portable kernel")

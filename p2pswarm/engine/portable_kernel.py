@@ -68,7 +68,13 @@ def row_bytes(wtype: int, k: int) -> int:
 
 def check_shape(wtype: int, k: int, what: str) -> None:
     if wtype not in TYPES:
-        raise ModelFormatError(f"{what}: weight type {wtype} is not supported by the portable kernel "
+        from gguf import GGMLQuantizationType  # noqa: PLC0415
+
+        try:
+            name = GGMLQuantizationType(wtype).name
+        except ValueError:
+            name = str(wtype)
+        raise ModelFormatError(f"{what}: weight type {name} is not supported by the portable kernel "
                                f"(it takes {', '.join(TYPES.values())})")
     block = ACT_BLOCK.get(wtype, 8)
     if k % block:
