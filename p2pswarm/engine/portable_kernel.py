@@ -320,6 +320,8 @@ class PortableExpertBank:
     """
 
     cache = None
+    # Below this many multiply-adds a matrix runs on one thread (thread hand-off costs more).
+    min_macs_parallel = 1 << 21
 
     def __init__(self, layout, *, threads: int | None = None, implementation: str | None = None):
         from p2pswarm.engine.ggml_kernel import check_threads  # noqa: PLC0415 - same rule as ggml's
@@ -400,7 +402,7 @@ class PortableExpertBank:
             return self.ops.matmul(wtype, w, rows, k, act, n)
         out = np.empty((n, rows), np.float32)
         ptr = self._base + off
-        if self._pool is None or rows < 2 * self.threads or n * rows * k < (1 << 21):
+        if self._pool is None or rows < 2 * self.threads or n * rows * k < self.min_macs_parallel:
             self.ops.matmul(wtype, ptr, 0, rows, k, act, n, out)
         else:
             step = -(-rows // self.threads)
