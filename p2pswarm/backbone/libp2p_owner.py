@@ -28,6 +28,7 @@ import time
 import trio
 
 from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.engine import kernels
 from p2pswarm.errors import UserError, WorkerError
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
@@ -127,7 +128,7 @@ class Libp2pOwner(SocketOwner):
         if reply.get("model") != self.model_fingerprint:
             return (f"model mismatch: worker serves model {str(reply.get('model'))[:12]}, "
                     f"we run {self.model_fingerprint[:12]}")
-        if reply.get("kernel") != self.kernel:
+        if not kernels.compatible(reply.get("kernel"), self.kernel):
             return f"kernel mismatch: worker computes with {reply.get('kernel')!r}, we with {self.kernel!r}"
         if reply.get("shard") != self.shard:
             return f"shard mismatch: worker serves {str(reply.get('shard'))[:12]}, its record says {self.shard[:12]}"

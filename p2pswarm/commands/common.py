@@ -5,16 +5,17 @@ import argparse
 
 from p2pswarm.errors import UserError
 
-KERNEL_CHOICES = ("auto", "numpy", "ggml")
+KERNEL_CHOICES = ("auto", "numpy", "ggml", "portable")
 
 
 def add_kernel_args(p) -> None:
     """``--kernel`` and ``--threads``: which code computes the experts (see docs/kernels.md)."""
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
-                   help="expert kernel: ggml on the quantised bytes, numpy on float32, or auto (ggml where "
+                   help="expert kernel: ggml on the quantised bytes, numpy on float32, portable (the same "
+                        "bits on every ISA: x86-64 and ARM workers in one swarm), or auto (ggml where "
                         "libggml loads; default, or $P2PSWARM_KERNEL)")
     p.add_argument("--threads", type=positive_int, default=None,
-                   help="ggml threads (default $P2PSWARM_THREADS, else the CPUs available, at most 8)")
+                   help="ggml/portable threads (default $P2PSWARM_THREADS, else the CPUs available, at most 8)")
 
 
 def positive_int(text: str) -> int:

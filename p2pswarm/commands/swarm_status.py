@@ -21,6 +21,7 @@ import time
 
 import trio
 
+from p2pswarm.engine.kernels import family
 from p2pswarm.errors import UserError
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 
@@ -108,13 +109,15 @@ async def _status(args) -> dict:
     for key, info in infos.items():
         status, reason, rtt = probes.get(key, ("unprobed", "", None))
         p = peers.setdefault(info.peer, {"status": status, "reason": reason, "addrs": list(info.addrs),
-                                         "kernel": info.record.kernel, "shards": [],
+                                         "kernel": info.record.kernel,
+                                         "family": family(info.record.kernel), "shards": [],
                                          **_record_times(info.record, now)})
         p["shards"].append(_shard(info, status, reason, rtt))
         if status != "live" and p["status"] == "live":  # a peer is as live as its least live shard
             p["status"], p["reason"] = status, reason
     for peer, (reason, rec) in sorted(resolver.refused.items()):
         peers[peer] = {"status": "refused", "reason": reason, "addrs": list(rec.addrs), "kernel": rec.kernel,
+                       "family": family(rec.kernel),
                        "block_size": rec.block_size,
                        "shards": [{"shard": s.shard, "layers": list(s.layers), "experts": list(s.experts),
                                    "model": s.model} for s in rec.shards], **_record_times(rec, now)}
@@ -148,7 +151,8 @@ def _describe(peer: str, p: dict) -> str:
         state = f"{p['status']}: {p['reason']}"
     if p["status"] == "gone":
         return f"  {peer}: {state}"
-    return f"  {peer}: {state}; {ranges or 'no shards'}{where}{times}"
+    kernel = f"; kernel {p['kernel']} (family {p['family']})" if p.get("kernel") else ""
+    return f"  {peer}: {state}; {ranges or 'no shards'}{kernel}{where}{times}"
 
 
 def run(args) -> int:

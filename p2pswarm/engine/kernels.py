@@ -1,16 +1,21 @@
 """Which code computes the experts: one switch, one interface.
 
-    bank = make_bank(layout, kernel="auto")      # "auto" | "numpy" | "ggml"
+    bank = make_bank(layout, kernel="auto")      # "auto" | "numpy" | "ggml" | "portable"
     bank.forward(layer, expert, rows); bank.forward_groups(layer, rows, groups); bank.holds(l, e)
-    bank.kernel                                  # "numpy" or "ggml-0.3.36/x86_64+avx2+..."
+    bank.kernel                                  # "numpy", "ggml-0.3.36/x86_64+avx2+..." or "portable-1/aarch64"
 
 ``numpy`` is the reference (:class:`p2pswarm.engine.experts.ExpertBank`: dequantise to float32,
 cache, multiply). ``ggml`` computes on the quantised bytes in the memory map with llama.cpp's libggml
 (:mod:`p2pswarm.engine.ggml_kernel`): no dequantised copy, memory-bandwidth speed, llama.cpp's
-numerics. ``auto`` is ggml where libggml loads, else numpy with one log line saying why.
+numerics. ``portable`` (:mod:`p2pswarm.engine.portable_kernel`) also computes on the mapped bytes,
+with a fixed order of operations, so its results are the same bits on every ISA: the kernel an
+aarch64 phone and an x86-64 backbone can share. ``auto`` is ggml where libggml loads, else numpy
+with one log line saying why (never portable: it is chosen, as it costs speed).
 
-``bank.kernel`` goes into the handshake: a backbone and a worker whose kernels differ refuse each
-other, because bit-equality of the split run needs the same kernel on both sides.
+``bank.kernel`` goes into the handshake, and :func:`compatible` decides whether two nodes may work
+together: bit-equality of the split run needs the same arithmetic on both sides. ``ggml-...`` ids
+name a library and an ISA and match only themselves; ``portable-<version>/<isa>`` ids match every
+ISA of the same version (the ISA is there for display).
 
 The default kernel is ``$P2PSWARM_KERNEL`` when set (the CLI's ``--kernel`` sets it), else ``auto``.
 """
@@ -24,7 +29,7 @@ from p2pswarm.errors import UserError
 
 log = logging.getLogger("p2pswarm.engine")
 
-KERNELS = ("auto", "numpy", "ggml")
+KERNELS = ("auto", "numpy", "ggml", "portable")
 ENV_KERNEL = "P2PSWARM_KERNEL"
 ENV_POPULATE = "P2PSWARM_POPULATE"  # "0": the backbone maps the model's pages lazily, on first use
 
@@ -39,15 +44,16 @@ def default_kernel() -> str:
 
 
 def resolve_kernel(kernel: str | None = None) -> str:
-    """``auto``/None -> ``ggml`` or ``numpy``; ``ggml`` -> ``ggml`` or a UserError saying why not."""
+    """``auto``/None -> ``ggml`` or ``numpy``; ``ggml`` -> ``ggml`` or a UserError saying why not;
+    ``numpy`` and ``portable`` -> themselves (portable runs anywhere: C if it builds, else numpy)."""
     global _warned_fallback
     from p2pswarm.engine.ggml_kernel import GgmlUnavailable, load_libggml  # noqa: PLC0415
 
     kernel = default_kernel() if kernel is None else str(kernel).strip().lower()
     if kernel not in KERNELS:
         raise UserError(f"unknown kernel {kernel!r} (choose {', '.join(KERNELS)})")
-    if kernel == "numpy":
-        return "numpy"
+    if kernel in ("numpy", "portable"):
+        return kernel
     try:
         load_libggml()
         return "ggml"
@@ -64,7 +70,30 @@ def kernel_id(kernel: str | None = None) -> str:
     """The string a bank of this kernel puts in the handshake, without building a bank."""
     from p2pswarm.engine.ggml_kernel import load_libggml  # noqa: PLC0415
 
-    return ExpertBank.kernel if resolve_kernel(kernel) == "numpy" else load_libggml().kernel_id
+    resolved = resolve_kernel(kernel)
+    if resolved == "portable":
+        from p2pswarm.engine import portable_kernel  # noqa: PLC0415
+
+        return portable_kernel.kernel_id()
+    return ExpertBank.kernel if resolved == "numpy" else load_libggml().kernel_id
+
+
+def family(kernel_id: str) -> str:
+    """The part of a kernel id that decides the bits: ``portable-1/aarch64`` -> ``portable-1``;
+    any other id (``numpy``, ``ggml-<ver>/<isa+features>``) is its own family."""
+    kernel_id = str(kernel_id)
+    if kernel_id.startswith("portable-"):
+        return kernel_id.split("/", 1)[0]
+    return kernel_id
+
+
+def compatible(a: str | None, b: str | None) -> bool:
+    """Whether nodes advertising kernel ids ``a`` and ``b`` compute the same bits (the handshake's
+    and the DHT filter's one test). Portable ids of one version match across ISAs; nothing else
+    matches anything but itself."""
+    if not isinstance(a, str) or not isinstance(b, str):
+        return False
+    return family(a) == family(b)
 
 
 def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = None, threads: int | None = None):
@@ -72,9 +101,14 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
 
     Options belong to one kernel and are ignored by the other (so a caller can pass both):
     ``cache_bytes`` bounds the numpy kernel's dequantised cache; ``threads`` is ggml's thread count
-    (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8).
+    (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8), also the portable kernel's.
     """
-    if resolve_kernel(kernel) == "numpy":
+    resolved = resolve_kernel(kernel)
+    if resolved == "portable":
+        from p2pswarm.engine.portable_kernel import PortableExpertBank  # noqa: PLC0415
+
+        return PortableExpertBank(layout, threads=threads)
+    if resolved == "numpy":
         return ExpertBank(layout, cache_bytes=DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes)
     from p2pswarm.engine.ggml_kernel import GgmlExpertBank  # noqa: PLC0415
 
@@ -108,7 +142,8 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     With ``ggml``, every quantised 2-D dense tensor (attention, shared expert, embedding, lm head)
     stays in the memory map as a :class:`~p2pswarm.engine.ggml_kernel.QuantisedMatrix`: a strong node
     holds the model at its quantised size, and its dense mat-muls get llama.cpp's numerics too.
-    F32/F16/BF16 tensors, norms and the router are untouched. With ``numpy`` nothing changes.
+    F32/F16/BF16 tensors, norms and the router are untouched. With ``numpy`` nothing changes, nor
+    with ``portable``: the dense path runs only on the backbone, outside what must agree across ISAs.
     With ``ggml`` numpy's BLAS is also limited to one thread (see :func:`_single_threaded_blas`), and
     every page of the model file is mapped now, as llama.cpp's loader does
     (:func:`~p2pswarm.engine.ggml_kernel.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
@@ -116,7 +151,7 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     Works on any architecture whose weights object is a :class:`DenseWeights` (it pre-fills that
     object's cache, so the architecture code is not touched).
     """
-    if resolve_kernel(kernel) == "numpy":
+    if resolve_kernel(kernel) in ("numpy", "portable"):
         return 0
     from p2pswarm.engine.ggml_kernel import GgmlDense, populate  # noqa: PLC0415
 

@@ -248,7 +248,9 @@ class NodeRecord:
         this (verified, live) peer, or None. The wording matches the handshake's refusals."""
         if self.protocol != protocol:
             return f"protocol version mismatch: worker speaks {self.protocol}, we {protocol}"
-        if self.kernel != kernel:
+        from p2pswarm.engine.kernels import compatible  # noqa: PLC0415 - records stay free of the engine at import
+
+        if not compatible(self.kernel, kernel):
             return f"kernel mismatch: worker computes with {self.kernel!r}, we with {kernel!r}"
         if self.block_size != block_size:
             return (f"block size mismatch: worker provides units of {self.block_size} experts, we look up "

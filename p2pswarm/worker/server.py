@@ -15,6 +15,7 @@ from functools import partial
 
 import trio
 
+from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
@@ -42,7 +43,7 @@ def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> st
     if msg.get("model") != info.model_fingerprint:
         return (f"model mismatch: peer serves model {clip(msg.get('model'), 80)}, "
                 f"this shard is of model {info.model_fingerprint}")
-    if msg.get("kernel") != info.kernel:
+    if not kernels.compatible(msg.get("kernel"), info.kernel):
         return f"kernel mismatch: peer computes with {msg.get('kernel')!r}, this worker with {info.kernel!r}"
     want = msg.get("shard")
     if want is not None and shard is not None and want != shard:

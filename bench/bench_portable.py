@@ -1,0 +1,107 @@
+"""The portable kernel against the ggml kernel on this machine (x86-64), one 122B-geometry expert.
+
+    python bench/bench_portable.py [--threads 1] [--experts 32] [--repeat 5] [--rounds 3]
+
+The expert files of bench/bench_kernels.py (gate/up/down Q4_K; and Q4_K with a Q6_K down, the mix
+of a Q4_K_M file), cycled over ``--experts`` experts so that each call streams its weights from
+DRAM as a worker serving a real shard does. For 1, 8, 64 and 256 rows, ms per expert call of:
+
+- ggml: :class:`GgmlExpertBank` (llama.cpp's kernels, the baseline);
+- portable: :class:`PortableExpertBank` with its C build;
+- stream: reading the expert's bytes and nothing else (the memory floor);
+- "1, hot": one row through one expert repeated (its bytes stay in the last-level cache).
+
+Kernels run in alternating rounds (ggml, portable, ggml, portable, ...) and each cell is the fastest
+of its rounds: on shared cores the slower runs measure the neighbours. Ratios are within one run:
+portable / ggml (goal: decode <= 2x, batched <= 3x) and portable / stream (the memory-floor ratio).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from common import header
+
+from bench_kernels import Q4_K, Q6_K, ROWS, per_call, write_expert_file
+from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine.portable_kernel import PortableExpertBank
+from p2pswarm.model.layout import ModelLayout
+
+
+def stream(data: np.ndarray, slabs: list[tuple[int, int]]):
+    def one(i: int) -> None:
+        off, n = slabs[i]
+        data[off:off + n].view(np.uint64).sum()
+    return one
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write the expert files (default: a temp dir)")
+    args = ap.parse_args(argv)
+    tmp = Path(args.dir or tempfile.mkdtemp(prefix="bench-portable-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    cmd = f"python bench/bench_portable.py --threads {args.threads} --experts {args.experts} --repeat {args.repeat} --rounds {args.rounds}"
+    out = [header("Portable kernel vs ggml kernel (x86-64)", cmd)]
+    for label, down in (("Q4_K gate/up/down", Q4_K), ("Q4_K gate/up, Q6_K down", Q6_K)):
+        path = write_expert_file(tmp / f"experts-{down}-{args.experts}.gguf", down, args.experts)
+        layout = ModelLayout.open(path)
+        g = gk.GgmlExpertBank(layout, threads=args.threads)
+        p = PortableExpertBank(layout, threads=args.threads, implementation="c")
+        experts = list(range(args.experts))
+        data = layout.reader.data
+        slabs = []
+        for e in experts:
+            offs = [t.slab(e) for t in layout.expert_tensors[0].values()]
+            slabs.append((min(o for o, _ in offs), sum(n for _, n in offs)))
+        per_expert = slabs[0][1]
+        rng = np.random.default_rng(1)
+        res: dict[tuple[str, int], float] = {}
+        floor = min(per_call(stream(data, slabs), experts, args.repeat) for _ in range(args.rounds))
+        for n in ROWS:
+            x = rng.standard_normal((n, 3072)).astype(np.float32)
+            # the portable result is close to ggml's (same 8-bit activations and integer block sums)
+            a, b = p.forward(0, 0, x), g.forward(0, 0, x)
+            rel = float(np.abs(a - b).max() / np.abs(b).max())
+            rep = args.repeat if n <= 64 else max(1, args.repeat // 2)
+            for _ in range(args.rounds):
+                for name, bank in (("ggml", g), ("portable", p)):
+                    t = per_call(lambda e, bank=bank: bank.forward(0, e, x), experts, rep)
+                    res[(name, n)] = min(res.get((name, n), float("inf")), t)
+                    if n == 1:  # hot: one expert repeated, its bytes in the last-level cache
+                        t = per_call(lambda e, bank=bank: bank.forward(0, 0, x), experts, rep)
+                        res[(name, "hot")] = min(res.get((name, "hot"), float("inf")), t)
+            print(f"{label} {n} rows: ggml {res[('ggml', n)] * 1e3:.3f} ms, portable {res[('portable', n)] * 1e3:.3f} ms"
+                  f" ({res[('portable', n)] / res[('ggml', n)]:.2f}x), |portable-ggml|/max {rel:.1e}",
+                  file=sys.stderr, flush=True)
+        out.append(f"{label}, {per_expert:,} bytes per expert, {args.threads} thread(s); stream floor "
+                   f"{floor * 1e3:.3f} ms (cold, {args.experts} experts cycled). ms per expert call:\n\n")
+        out.append("| rows | ggml | portable | portable / ggml | portable / stream | ggml / stream |\n")
+        out.append("|---|---|---|---|---|---|\n")
+        for n in ROWS:
+            tg, tp = res[("ggml", n)], res[("portable", n)]
+            out.append(f"| {n} | {tg * 1e3:.3f} | {tp * 1e3:.3f} | **{tp / tg:.2f}x** | {tp / floor:.1f}x | "
+                       f"{tg / floor:.1f}x |\n")
+        tg, tp = res[("ggml", "hot")], res[("portable", "hot")]
+        out.append(f"| 1, hot | {tg * 1e3:.3f} | {tp * 1e3:.3f} | **{tp / tg:.2f}x** | | |\n")
+        out.append("\n")
+        g.close()
+        p.close()
+    text = "".join(out)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    rc = main()
+    print(f"({time.time() - t0:.0f} s)", file=sys.stderr)
+    sys.exit(rc)
