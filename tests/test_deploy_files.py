@@ -44,6 +44,7 @@ BOOT = ROOT / "bootstrap"
 SYSTEMD = BOOT / "systemd"
 RELAY_TOML = BOOT / "relay.toml"
 ENV_FILE = BOOT / "p2pswarm.env"
+INSTANCE_ENV = BOOT / "relay-instance.env"  # /etc/p2pswarm/relay-N.env of p2pswarm-relay@N.service
 CONTAINERFILE = BOOT / "Containerfile"
 DEPLOY_MD = ROOT / "docs" / "deploy.md"
 
@@ -117,17 +118,27 @@ def variants(unit: Path) -> list[tuple[str, list[tuple[str, str, str]]]]:
     return out
 
 
-def env_samples() -> dict[str, str]:
+def _env_file(path: Path) -> dict[str, str]:
     env = {}
-    for raw in ENV_FILE.read_text().splitlines():
+    for raw in path.read_text().splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         key, sep, value = line.partition("=")
-        assert sep and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key), f"p2pswarm.env: bad line {raw!r}"
+        assert sep and re.fullmatch(r"[A-Z_][A-Z0-9_]*", key), f"{path.name}: bad line {raw!r}"
         env[key] = value
+    return env
+
+
+def env_samples() -> dict[str, str]:
+    env = _env_file(ENV_FILE)
     env.setdefault("CREDENTIALS_DIRECTORY", "/run/credentials/p2pswarm-relay.service")
     return env
+
+
+def unit_env(name: str) -> dict[str, str]:
+    """The environment a unit's ExecStart sees: p2pswarm.env, plus the instance file of a template."""
+    return {**env_samples(), **(_env_file(INSTANCE_ENV) if "@" in name else {})}
 
 
 def substitute(cmdline: str, env: dict[str, str]) -> str:
@@ -175,7 +186,7 @@ def relay_settings(args: argparse.Namespace) -> RelaySettings:
 def exec_start(name: str, entries) -> list[str]:
     starts = unit_values(entries, "ExecStart")
     assert len(starts) == 1, f"{name}: expected one effective ExecStart=, got {starts}"
-    argv = shlex.split(substitute(starts[0], env_samples()))
+    argv = shlex.split(substitute(starts[0], unit_env(name)))
     assert argv[0] == VENV_BIN, f"{name}: ExecStart runs {argv[0]}, not {VENV_BIN}"
     return argv[1:]
 
@@ -200,7 +211,8 @@ def test_the_units_are_there():
 def test_unit_exec_start_parses_with_the_real_cli(unit):
     for name, entries in variants(unit):
         args = parse_cli(exec_start(name, entries))
-        command = {"p2pswarm-relay.service": "relay", "p2pswarm-bootstrap.service": "bootstrap",
+        command = {"p2pswarm-relay.service": "relay", "p2pswarm-relay@.service": "relay",
+                   "p2pswarm-bootstrap.service": "bootstrap",
                    "p2pswarm-backbone.service": "node", "p2pswarm-shards.service": "serve_shards"}[unit.name]
         assert args.command.replace("-", "_") == command, name
         if command == "relay":
@@ -241,7 +253,9 @@ def test_unit_hardening(unit):
         assert v("User") == "p2pswarm" and v("Group") == "p2pswarm", name
         assert v("StateDirectory") == "p2pswarm" and v("StateDirectoryMode") == "0700", name
         assert f"P2PSWARM_HOME={STATE_DIR}" in " ".join(unit_values(entries, "Environment")), name
-        assert unit_values(entries, "EnvironmentFile") == ["/etc/p2pswarm/p2pswarm.env"], name
+        assert unit_values(entries, "EnvironmentFile") == (
+            ["/etc/p2pswarm/p2pswarm.env", "/etc/p2pswarm/relay-%i.env"] if "@" in unit.name
+            else ["/etc/p2pswarm/p2pswarm.env"]), name
         assert v("Restart") == "on-failure", name
         assert v("NoNewPrivileges") == "yes", name
         assert v("ProtectSystem") == "strict", name
@@ -304,6 +318,21 @@ def test_env_file_sets_only_what_the_units_use():
             used |= set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", " ".join(unit_values(entries, "ExecStart"))))
     unused = set(env_samples()) - used - {"CREDENTIALS_DIRECTORY", "P2PSWARM_LOG_LEVEL"}
     assert not unused, f"bootstrap/p2pswarm.env sets {sorted(unused)}, which no unit uses"
+    unused = set(_env_file(INSTANCE_ENV)) - used
+    assert not unused, f"bootstrap/relay-instance.env sets {sorted(unused)}, which no unit uses"
+
+
+def test_relay_instances_are_other_relays_that_join_the_first():
+    """p2pswarm-relay@N: relay.toml's settings, but its own key, ports and public name, and the first
+    relay as DHT bootstrap (relays share nothing but the DHT: relay/discovery.py)."""
+    first = relay_settings(parse_cli(exec_start("p2pswarm-relay.service", read_unit(SYSTEMD / "p2pswarm-relay.service"))))
+    unit = SYSTEMD / "p2pswarm-relay@.service"
+    other = relay_settings(parse_cli(exec_start(unit.name, read_unit(unit))))
+    assert other.identity != first.identity and "%i" in other.identity
+    assert other.listen != first.listen and other.announce != first.announce and other.health != first.health
+    assert other.bootstrap == [env_samples()["P2PSWARM_RELAY_ADDR"]]
+    assert other.trust_issuer == first.trust_issuer and other.max_reservations == first.max_reservations
+
 
 
 # -- relay.toml --------------------------------------------------------------------------------------
