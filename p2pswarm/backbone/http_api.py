@@ -9,7 +9,10 @@ trio worker, so it shares the backbone's event loop. Routes:
   "top_p": float, "seed": int, "stream": bool}``; with ``stream`` the reply is server-sent events,
   one ``data: {...}`` per token and ``data: [DONE]`` at the end, as OpenAI clients expect.
 
-Bad requests get a 400 with ``{"error": {"message": ...}}``, never a traceback.
+Every completion goes through one :class:`~p2pswarm.backbone.scheduler.Scheduler` entry point,
+``scheduler.submit(prompt_ids, params)``: concurrent requests are batched together step by step
+(continuous batching), and a client that disconnects cancels its sequence. Bad requests get a 400
+with ``{"error": {"message": ...}}``, never a traceback; a request whose step failed gets a 500.
 """
 from __future__ import annotations
 
@@ -17,12 +20,13 @@ import json
 import logging
 import time
 import uuid
+from functools import partial
 
 import trio
 
-from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.http_server import lifespan, send_json, serve_asgi
 
 log = logging.getLogger("p2pswarm.http")
@@ -37,8 +41,10 @@ class BadRequest(Exception):
 class CompletionsApp:
     """ASGI app over one backbone and its tokenizer."""
 
-    def __init__(self, backbone: Backbone, tokenizer, model_name: str, fingerprint: str):
+    def __init__(self, backbone: Backbone, tokenizer, model_name: str, fingerprint: str, *,
+                 scheduler: Scheduler | None = None):
         self.backbone = backbone
+        self.scheduler = scheduler or Scheduler(backbone, tokenizer)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.fingerprint = fingerprint
@@ -54,17 +60,24 @@ class CompletionsApp:
             if method == "GET" and path == "/health":
                 stats = self.backbone.dispatcher.stats
                 await send_json(send, 200, {"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
-                                        "expert_requests": stats.requests, "fallbacks": stats.fallbacks})
+                                        "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
+                                        "active_sequences": self.scheduler.active,
+                                        "steps": self.scheduler.stats.steps,
+                                        "generated_tokens": self.scheduler.stats.generated})
             elif method == "GET" and path == "/v1/models":
                 await send_json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
             elif method == "POST" and path == "/v1/completions":
-                await self._completions(await _read_json(receive), send)
+                request = self._parse_completion(await _read_json(receive))
+                async with trio.open_nursery() as nursery:  # a client that hangs up cancels its sequence
+                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                    await self._completions(request, send)
+                    nursery.cancel_scope.cancel()
             else:
                 await send_json(send, 404, {"error": {"message": f"no route {method} {path}"}})
         except BadRequest as exc:
             await send_json(send, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
 
-    async def _completions(self, body: dict, send) -> None:
+    def _parse_completion(self, body: dict) -> dict:
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
             raise BadRequest("'prompt' must be a non-empty string")
@@ -76,32 +89,48 @@ class CompletionsApp:
         ids = self.tokenizer.encode(prompt)
         if not ids:
             raise BadRequest("the prompt tokenizes to nothing")
+        return {"ids": ids, "stream": stream,
+                "params": Params(max_tokens=max_tokens, sampler=Sampler(temperature, top_p, seed))}
+
+    async def _completions(self, request: dict, send) -> None:
+        ids, stream, params = request["ids"], request["stream"], request["params"]
+        max_tokens = params.max_tokens
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
-        steps = generate(self.backbone, self.tokenizer, ids, max_tokens=max_tokens,
-                         sampler=Sampler(temperature, top_p, seed))
-        if not stream:
-            text, n, finish = "", 0, "length"
-            async for step in steps:
-                text += step.text
-                n += 1
-                if step.end:
-                    finish = "stop"
-            await send_json(send, 200, {
-                "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n},
-            })
-            return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-        async for step in steps:
-            finish = "stop" if step.end else None
-            chunk = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                     "choices": [{"index": 0, "text": step.text, "finish_reason": finish}]}
-            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                        "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        async with self.scheduler.submit(ids, params) as steps:
+            if not stream:
+                text, n, finish = "", 0, "length"
+                try:
+                    async for step in steps:
+                        text += step.text
+                        n += 1
+                        if step.end:
+                            finish = "stop"
+                except Exception as exc:  # noqa: BLE001 - a failed step: the client hears why
+                    await send_json(send, 500, {"error": {"message": str(exc), "type": "server_error"}})
+                    return
+                await send_json(send, 200, {
+                    "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish}],
+                    "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n},
+                })
+                return
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+            n, finish = 0, None
+            try:
+                async for step in steps:
+                    n += 1
+                    finish = "stop" if step.end else ("length" if n == max_tokens else None)
+                    chunk = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": [{"index": 0, "text": step.text, "finish_reason": finish}]}
+                    await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                                "more_body": True})
+            except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
+                err = {"error": {"message": str(exc), "type": "server_error"}}
+                await send({"type": "http.response.body", "body": f"data: {json.dumps(err)}\n\n".encode(),
+                            "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
 def _number(body: dict, key: str, default, kind, lo, hi):
@@ -114,6 +143,12 @@ def _number(body: dict, key: str, default, kind, lo, hi):
     if not lo <= v <= hi:
         raise BadRequest(f"'{key}' must be between {lo} and {hi}")
     return v
+
+
+async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
 
 
 async def _read_json(receive) -> dict:
@@ -135,5 +170,9 @@ async def _read_json(receive) -> dict:
 
 
 async def serve_http(app: CompletionsApp, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` until cancelled; ``task_status.started`` gets the bound addresses."""
-    await serve_asgi(app, host, port, logger="p2pswarm.http.server", task_status=task_status)
+    """Serve ``app`` (and run its scheduler's step loop) until cancelled; ``task_status.started``
+    gets the bound addresses."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(app.scheduler.run)
+        binds = await nursery.start(partial(serve_asgi, app, host, port, logger="p2pswarm.http.server"))
+        task_status.started(binds)

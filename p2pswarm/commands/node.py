@@ -19,7 +19,7 @@ from pathlib import Path
 import trio
 
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
-from p2pswarm.commands.common import add_kernel_args
+from p2pswarm.commands.common import add_kernel_args, positive_int
 from p2pswarm.errors import UserError
 from p2pswarm.lifecycle import until_signal
 
@@ -80,6 +80,15 @@ def add_parser(sub) -> None:
                    help=f"experts per coverage unit; the same swarm-wide (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--ttl", type=float, default=600.0, help="worker: record lifetime in seconds (default 600)")
     p.add_argument("--timeout", type=float, default=30.0, help="backbone: seconds to wait for a worker")
+    p.add_argument("--token-budget", type=positive_int, default=256,
+                   help="backbone: rows per batched step, decode rows first, then prefill chunks (default 256)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=32,
+                   help="backbone: a prompt is fed in chunks of this many tokens (default 32)")
+    p.add_argument("--max-active", type=positive_int, default=256,
+                   help="backbone: sequences decoded together; more requests wait (default 256)")
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="backbone: batch rows of all sequences through one router/expert/lm-head mat-mul "
+                        "(faster; a request's tokens may then depend on its neighbours, docs/architecture.md)")
     p.add_argument("--relay", metavar="MULTIADDR",
                    help="worker behind NAT: keep a reservation on this relay (/ip4/H/tcp/P/ws/p2p/ID or .../wss/...), "
                         "use it as DHT bootstrap, and advertise the relayed address (a DHT client, not a server)")
@@ -212,6 +221,7 @@ async def _start_relay_keeper(args, net):
 
 async def _backbone(args) -> None:
     from p2pswarm.backbone.http_api import CompletionsApp, serve_http
+    from p2pswarm.backbone.scheduler import Scheduler
     from p2pswarm.backbone.swarm_session import open_swarm_backbone
     from p2pswarm.engine.tokenizer import Tokenizer
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
@@ -229,7 +239,11 @@ async def _backbone(args) -> None:
                 host, _, port = args.http.rpartition(":")
                 if not host or not port.isdigit():
                     raise UserError(f"bad --http {args.http!r}: expected HOST:PORT or off")
-                app = CompletionsApp(swarm.backbone, tokenizer, args.model, swarm.local.fingerprint)
+                swarm.backbone.batch_invariant = args.batch_invariant
+                scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
+                                      prefill_chunk=args.prefill_chunk, max_active=args.max_active)
+                app = CompletionsApp(swarm.backbone, tokenizer, args.model, swarm.local.fingerprint,
+                                     scheduler=scheduler)
                 binds = await nursery.start(serve_http, app, host, int(port))
                 http = binds[0]
                 log.info("serving /v1/completions on %s", http)
