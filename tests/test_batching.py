@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 import trio
 
+from p2pswarm.backbone.dispatch import DemandCounter, Dispatcher, InProcessOwner
+from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Params, Scheduler
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.scheduler import Params, Scheduler, choose_micro_batches
+from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.kernels import make_bank
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.worker.expert_worker import ExpertWorker
 
 # (sequence, tokens) per step: prefill chunks of different lengths mixed with decode rows, sequences
 # joining late and one leaving early
@@ -42,12 +49,12 @@ async def _alone(backbone) -> dict[tuple[int, int], np.ndarray]:
     return res
 
 
-@pytest.mark.parametrize("transport", ["inproc", "socket"])
-async def test_batched_swarm_equals_batched_monolithic(tiny_q8, transport):
-    async with open_backbone(tiny_q8, workers=0) as mono:
+@pytest.mark.parametrize("transport,kernel", [("inproc", "numpy"), ("inproc", "ggml"), ("socket", "auto")])
+async def test_batched_swarm_equals_batched_monolithic(tiny_q8, transport, kernel):
+    async with open_backbone(tiny_q8, workers=0, kernel=kernel) as mono:
         want = {inv: await _run_schedule(mono.backbone, inv) for inv in (False, True)}
         alone = await _alone(mono.backbone)
-    async with open_backbone(tiny_q8, workers=3, transport=transport) as swarm:
+    async with open_backbone(tiny_q8, workers=3, transport=transport, kernel=kernel) as swarm:
         before = swarm.backbone.dispatcher.stats.snapshot()
         got = {inv: await _run_schedule(swarm.backbone, inv) for inv in (False, True)}
         stats = swarm.backbone.dispatcher.stats.since(before)
@@ -136,3 +143,97 @@ async def test_scheduler_cancel_and_refusals(tiny_f32):
             nursery.cancel_scope.cancel()
     assert sched.stats.cancelled == 1 and sched.stats.completed == 1
     assert sched.stats.generated < 20
+
+
+async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km):
+    """The batch-invariant mode batches a mat-mul across sequences only where a probe found it
+    row-invariant: libggml on Q8_0 yes; libggml on K-quants no (it switches kernels at 8 rows, so
+    a row alone and a row among 8 differ); OpenBLAS (numpy) never."""
+    seen = {}
+    for name, path in (("q8_0", tiny_q8), ("q4_k_m", tiny_q4km)):
+        for kernel in ("numpy", "ggml"):
+            async with open_backbone(path, workers=0, kernel=kernel) as mono:
+                bb = mono.backbone
+                seen[(name, kernel)] = (bb.row_invariant_experts, bb.row_invariant_output)
+                if (name, kernel) == ("q4_k_m", "ggml"):  # invariant anyway: per-sequence mat-muls
+                    alone = await _alone(bb)
+                    got = await _run_schedule(bb, True)
+                    for i, step in enumerate(SCHEDULE):
+                        for (s, _), x in zip(step, got[i]):
+                            assert np.array_equal(x, alone[(i, s)]), (i, s)
+    assert seen[("q8_0", "numpy")] == seen[("q4_k_m", "numpy")] == (False, False)
+    assert seen[("q8_0", "ggml")] == (True, True)
+    assert seen[("q4_k_m", "ggml")] == (False, False)
+
+
+def test_micro_batch_rule():
+    # WAN: the round trip dwarfs the dense work, nothing to hide
+    assert choose_micro_batches(0.001, 0.05, 64) == 1
+    # dense work comparable to the round trip: split, but never more than the sequences
+    assert choose_micro_batches(0.05, 0.05, 64) >= 2
+    assert choose_micro_batches(0.05, 0.05, 1) == 1
+    # dense-bound (local, fast owners): more micro-batches cost overhead for nothing
+    assert choose_micro_batches(0.05, 0.0, 64) == 1
+
+
+async def test_pipelined_micro_batches_are_exact(tiny_f32):
+    async with open_backbone(tiny_f32, workers=2, transport="socket") as swarm:
+        out = {}
+        for m in (1, 3):
+            sched = Scheduler(swarm.backbone, micro_batches=m)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sched.run)
+                res = {}
+
+                async def one(i):
+                    res[i] = await _collect(sched, PROMPTS[i])
+
+                async with trio.open_nursery() as clients:
+                    for i in range(len(PROMPTS)):
+                        clients.start_soon(one, i)
+                nursery.cancel_scope.cancel()
+            out[m] = res
+            assert sched.last_micro_batches == m
+    assert out[1] == out[3]
+
+
+class _SlowOwner(InProcessOwner):
+    """A worker 30 ms away."""
+
+    rtt_s = 0.03
+
+    async def compute(self, layer, cur, groups):
+        await trio.sleep(self.rtt_s)
+        return await super().compute(layer, cur, groups)
+
+
+async def test_hot_experts_computed_locally_when_the_owner_is_slower(tiny_f32, tmp_path):
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    tokens = [17, 3, 250, 99, 4, 4, 301]
+    results = {}
+    for hot in (False, True):
+        owners = [_SlowOwner(ExpertWorker(s, kernel="numpy"), f"w{i}") for i, s in enumerate(shards)]
+        disp = Dispatcher(make_bank(layout, "numpy"), owners, hot_experts=hot)
+        bb = Backbone(load_dense(layout), disp)
+        results[hot] = [await bb.forward(tokens, bb.new_state()) for _ in range(2)]
+        if hot:  # after one measured local share, the slow owners get no more requests
+            assert disp.local_row_s is not None and disp.stats.requests < disp.stats.layers
+            assert disp.stats.local_groups > 0
+        else:
+            assert disp.stats.local_groups == 0
+    assert all(np.array_equal(a, b) for a, b in zip(results[False], results[True]))
+    # the demand counter saw every routed (row, expert) pair: 7 rows x top-k per layer, twice
+    d = disp.demand
+    total = sum(d.value(il, e) for il in range(4) for e in range(16))
+    assert abs(total - 2 * 4 * 7 * bb.model.n_expert_used) < 1e-6 * total + 0.5
+    assert d.top(1)[0][1] >= d.top(5)[-1][1]
+
+
+def test_demand_counter_decays():
+    d = DemandCounter(half_life_s=10.0)
+    d.add(0, [(3, np.arange(8))], now=100.0)
+    d.add(0, [(3, np.arange(8))], now=110.0)
+    assert d.value(0, 3, now=110.0) == pytest.approx(12.0)
+    assert d.value(0, 3, now=130.0) == pytest.approx(3.0)
+    assert d.value(1, 3, now=130.0) == 0.0

@@ -82,6 +82,49 @@ class Backbone:
         self.dispatcher = dispatcher
         self.batch_invariant = batch_invariant
         self.timing = LayerTiming()
+        self._row_invariant: tuple[bool, bool] | None = None  # (experts, lm head), probed on first use
+
+    @property
+    def row_invariant_experts(self) -> bool:
+        return self._probe_row_invariance()[0]
+
+    @property
+    def row_invariant_output(self) -> bool:
+        return self._probe_row_invariance()[1]
+
+    def _probe_row_invariance(self) -> tuple[bool, bool]:
+        """Whether the expert and lm-head mat-muls give a row the same bits whatever rows share the
+        call, *measured* here on this CPU and these tensor types (row counts 1-9, 15-17, 31-33, 63-65
+        against one 70-row call): OpenBLAS never does (its kernels depend on the row count), libggml
+        does for Q8_0 but switches kernels at 8 rows for K-quants. Where it holds, the
+        batch-invariant mode batches those mat-muls across sequences; where not, it runs them per
+        sequence (the ``--no-batch-invariant`` mode never does)."""
+        if self._row_invariant is None:
+            bank, m = self.dispatcher.local.bank, self.model
+            x = np.random.default_rng(0).standard_normal((70, m.n_embd)).astype(F32)
+            sizes = [*range(1, 10), 15, 16, 17, 31, 32, 33, 63, 64, 65]
+
+            def invariant(fn) -> bool:
+                full = fn(x)
+                return all(np.array_equal(fn(x[3 : 3 + n]), full[3 : 3 + n]) for n in sizes)
+
+            experts = getattr(bank, "kernel", "numpy") != "numpy"
+            if experts:
+                layout = getattr(bank, "layout", None)
+                seen = set()
+                for il in range(m.n_layer):  # one probe per distinct set of expert tensor types
+                    kinds = getattr(layout, "expert_tensors", {}).get(il, {})
+                    key = tuple(sorted((k, getattr(t, "ggml_type", None)) for k, t in kinds.items()))
+                    if key in seen or not bank.holds(il, 0):
+                        continue
+                    seen.add(key)
+                    if not invariant(partial(bank.forward, il, 0)):
+                        experts = False
+                        break
+            w_out = m.w[m.output_name]
+            output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T)
+            self._row_invariant = (experts, output)
+        return self._row_invariant
 
     def new_state(self) -> SequenceState:
         return self.model.new_state()
@@ -156,12 +199,15 @@ class Backbone:
             ids, w = m.route(il, cur)
             return h, cur, ids, w, expert_groups(ids)
         parts = [m.ffn_input(il, h[sp]) for sp in spans]
-        routed = [m.route(il, c) for c in parts]
-        groups: Groups = []
-        for sp, (ids_s, _) in zip(spans, routed):  # one group per (sequence, expert)
-            groups += [(e, idx + sp.start) for e, idx in expert_groups(ids_s)]
-        return (h, np.concatenate(parts), np.concatenate([r[0] for r in routed]),
-                np.concatenate([r[1] for r in routed]), groups)
+        routed = [m.route(il, c) for c in parts]  # the router is an F32 numpy mat-mul: per sequence
+        ids = np.concatenate([r[0] for r in routed])
+        if self.row_invariant_experts:
+            groups = expert_groups(ids)  # one group per expert, all sequences: same bits per row
+        else:
+            groups = []
+            for sp, (ids_s, _) in zip(spans, routed):  # one group per (sequence, expert)
+                groups += [(e, idx + sp.start) for e, idx in expert_groups(ids_s)]
+        return h, np.concatenate(parts), ids, np.concatenate([r[1] for r in routed]), groups
 
     def _post_batch(self, il, h, cur, ids, w, groups, outs, spans, invariant):
         moe = combine_outputs(ids, w, groups, outs) if groups else np.zeros_like(cur)
@@ -173,7 +219,7 @@ class Backbone:
         m = self.model
         if last_only:
             spans = [slice(sp.stop - 1, sp.stop) for sp in spans]
-        if invariant:
+        if invariant and not self.row_invariant_output:
             return [m.output(h[sp]) for sp in spans]
         rows = np.concatenate([np.arange(sp.start, sp.stop) for sp in spans])
         logits = m.output(h[rows])

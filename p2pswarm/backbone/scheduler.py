@@ -72,7 +72,7 @@ MICRO_OVERHEAD_S = 0.002  # fixed cost of one more micro-batch per layer (thread
 
 
 def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead_s: float = MICRO_OVERHEAD_S,
-                         max_m: int = 8) -> int:
+                         max_m: int = 8, slack: float = 0.05) -> int:
     """The number of micro-batches M that minimises the time of one layer,
 
         T(M) = max(C + (M - 1) * o,  C / M + R)
@@ -81,13 +81,13 @@ def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead
     + remote compute) and o the fixed overhead of a micro-batch. The first term is the backbone's CPU
     (busy on all M micro-batches in turn), the second one micro-batch's critical path (its share of
     the dense work, then its round trip). With R >> C pipelining hides at most C: M stays small;
-    with C ~ R it approaches a 2x gain. M <= the number of sequences and ``max_m``."""
-    best, best_t = 1, None
-    for m in range(1, max(1, min(max_m, n_seqs)) + 1):
-        t = max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s)
-        if best_t is None or t < best_t - 1e-12:
-            best, best_t = m, t
-    return best
+    with C ~ R it approaches a 2x gain. Every micro-batch costs one more request per owner and layer,
+    so we take the *smallest* M within ``slack`` (5%) of the best time. M <= the number of sequences
+    and ``max_m``."""
+    ms = range(1, max(1, min(max_m, n_seqs)) + 1)
+    times = [max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s) for m in ms]
+    best = min(times)
+    return next(m for m, t in zip(ms, times) if t <= best * (1 + slack))
 
 
 class _Sequence:
