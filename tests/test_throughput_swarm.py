@@ -44,7 +44,7 @@ async def _alone(model) -> list[str]:
 @pytest.mark.slow
 def test_16_concurrent_completions_survive_a_killed_worker(tiny_f32, tmp_path):
     alone = trio.run(_alone, tiny_f32)
-    with WanSwarm(tiny_f32, ranges=[(0, 8), (8, 16), (0, 8)], rtt_ms=50, workdir=tmp_path) as sw:
+    with WanSwarm(tiny_f32, ranges=[(0, 8), (8, 16), (0, 8)], rtt_ms=50, workdir=tmp_path, timeout_s=15) as sw:
         sw.wait_covered()
         texts: dict[int, str] = {}
         errors: list[str] = []
