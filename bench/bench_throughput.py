@@ -71,7 +71,7 @@ def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
     gen = sum(done)
     return {"tps": gen / wall, "wall": wall, "tokens": gen,
             "req_per_tok": (h1["expert_requests"] - h0["expert_requests"]) / gen,
-            "steps": h1["steps"] - h0["steps"],
+            "steps": h1["steps"] - h0["steps"], "micro_batches": h1["micro_batches"],
             "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen}
 
 
@@ -108,44 +108,50 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kernel", default="ggml")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--micro-batches", default="auto", help="the backbone's --micro-batches")
+    ap.add_argument("--concurrency", type=int, action="append", default=None)
     ap.add_argument("--out")
     ap.add_argument("--plot")
     ap.add_argument("--json")
+    ap.add_argument("--no-bound", action="store_true", help="skip the compute-bound measurement (quick runs)")
     args = ap.parse_args()
     rtts = args.rtt or [0.0, 25.0, 50.0, 100.0]
+    conc = args.concurrency or list(CONCURRENCY)
     work = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
     model = work / "tiny-q8.gguf"
     make_model(model, preset="tiny", qtype="q8_0", seed=2, layers=args.layers)
     L = args.layers
     bound = {}
-    for _ in range(args.rounds):
-        for n in CONCURRENCY:
+    for _ in range(0 if args.no_bound else args.rounds):
+        for n in conc:
             v = trio.run(compute_bound, model, args.kernel, n, args.tokens)
             bound[n] = max(bound.get(n, 0.0), v)
+    if args.no_bound:
+        bound = {n: float("inf") for n in conc}
     print("compute bound", {n: round(v, 1) for n, v in bound.items()}, flush=True)
     results: dict[float, dict[int, dict]] = {}
     for rtt in rtts:
         with WanSwarm(model, ranges=RANGES, rtt_ms=rtt, workdir=work / f"rtt{rtt:g}", kernel=args.kernel,
-                      timeout_s=30) as sw:
+                      timeout_s=30, backbone_args=["--micro-batches", args.micro_batches]) as sw:
             sw.wait_covered()
             measure(sw, 2, 2)  # warm-up: connections, caches
             best: dict[int, dict] = {}
             for _ in range(args.rounds):
-                for n in CONCURRENCY:
+                for n in conc:
                     r = measure(sw, n, args.tokens)
                     if n not in best or r["tps"] > best[n]["tps"]:
                         best[n] = r
             results[rtt] = best
-            print(rtt, {n: round(r["tps"], 1) for n, r in best.items()}, flush=True)
+            print(rtt, {n: (round(r["tps"], 1), r["micro_batches"]) for n, r in best.items()}, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"bound": bound, "results": {str(k): v for k, v in results.items()}}))
-    lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | expert requests / token | steps | "
+    lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | expert requests / token | steps / micro-batches | "
              "backbone CPU ms / token | worker CPU ms / token |", "|---|---|---|---|---|---|---|---|---|---|"]
     for rtt, best in results.items():
         for n, r in best.items():
             b = min(bound[n], n / (L * rtt / 1000)) if rtt > 0 else bound[n]
-            lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[1]['tps']:.1f}x | {b:.1f} | "
-                         f"{r['tps'] / b:.2f} | {r['req_per_tok']:.2f} | {r['steps']} | "
+            lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
+                         f"{r['tps'] / b:.2f} | {r['req_per_tok']:.2f} | {r['steps']} / {r['micro_batches']} | "
                          f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} |")
     text = header("Throughput: continuous batching under WAN latency",
                   f"python bench/bench_throughput.py --tokens {args.tokens} --rounds {args.rounds} "

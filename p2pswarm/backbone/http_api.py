@@ -63,6 +63,7 @@ class CompletionsApp:
                                         "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
                                         "active_sequences": self.scheduler.active,
                                         "steps": self.scheduler.stats.steps,
+                                        "micro_batches": self.scheduler.last_micro_batches,
                                         "generated_tokens": self.scheduler.stats.generated})
             elif method == "GET" and path == "/v1/models":
                 await send_json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})

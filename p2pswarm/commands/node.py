@@ -59,6 +59,10 @@ def listen_addrs(args, default: str) -> list[str]:
     return args.listen or [default]
 
 
+def _micro_batches(text: str):
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("node", help="run a swarm node: an expert worker or a backbone")
     p.add_argument("--role", required=True, choices=("worker", "backbone"))
@@ -86,6 +90,9 @@ def add_parser(sub) -> None:
                    help="backbone: a prompt is fed in chunks of this many tokens (default 32)")
     p.add_argument("--max-active", type=positive_int, default=256,
                    help="backbone: sequences decoded together; more requests wait (default 256)")
+    p.add_argument("--micro-batches", type=_micro_batches, default="auto",
+                   help="backbone: split each step into this many concurrently dispatched micro-batches, or "
+                        "'auto' (from measured dense time and round trip; docs/architecture.md)")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="backbone: batch rows of all sequences through one router/expert/lm-head mat-mul "
                         "(faster; a request's tokens may then depend on its neighbours, docs/architecture.md)")
@@ -241,7 +248,8 @@ async def _backbone(args) -> None:
                     raise UserError(f"bad --http {args.http!r}: expected HOST:PORT or off")
                 swarm.backbone.batch_invariant = args.batch_invariant
                 scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
-                                      prefill_chunk=args.prefill_chunk, max_active=args.max_active)
+                                      prefill_chunk=args.prefill_chunk, max_active=args.max_active,
+                                      micro_batches=args.micro_batches)
                 app = CompletionsApp(swarm.backbone, tokenizer, args.model, swarm.local.fingerprint,
                                      scheduler=scheduler)
                 binds = await nursery.start(serve_http, app, host, int(port))
