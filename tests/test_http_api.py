@@ -62,3 +62,28 @@ async def test_bad_requests_get_400(tiny_f32):
             assert c.get("/nope").status_code == 404
 
     await _with_server(tiny_f32, client)
+
+
+async def test_client_that_hangs_up_cancels_its_sequence(tiny_f32):
+    """Requests go through the scheduler; a streaming client that disconnects is dropped at the next
+    step instead of generating to max_tokens."""
+    async with open_backbone(tiny_f32, workers=0) as swarm:
+        app = CompletionsApp(swarm.backbone, Tokenizer.from_gguf(tiny_f32), "tiny", swarm.fingerprint)
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve_http, app, "127.0.0.1", 0)
+            base = binds[0].replace("0.0.0.0", "127.0.0.1")
+
+            def client():
+                with httpx.Client(base_url=base, timeout=60) as c:
+                    with c.stream("POST", "/v1/completions",
+                                  json={"prompt": "hello", "max_tokens": 4000, "stream": True}) as s:
+                        for i, _ in enumerate(s.iter_lines()):
+                            if i >= 4:
+                                break  # hang up mid-stream
+
+            with trio.fail_after(120):
+                await trio.to_thread.run_sync(client)
+                while app.scheduler.stats.cancelled == 0:
+                    await trio.sleep(0.05)
+            assert app.scheduler.active == 0 and app.scheduler.stats.generated < 1000
+            nursery.cancel_scope.cancel()
