@@ -64,6 +64,8 @@ class CompletionsApp:
                                         "active_sequences": self.scheduler.active,
                                         "steps": self.scheduler.stats.steps,
                                         "micro_batches": self.scheduler.last_micro_batches,
+                                        "dense_s": self.backbone.timing.dense_s,
+                                        "dispatch_wait_s": self.backbone.timing.wait_s,
                                         "generated_tokens": self.scheduler.stats.generated})
             elif method == "GET" and path == "/v1/models":
                 await send_json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
