@@ -60,7 +60,14 @@ def listen_addrs(args, default: str) -> list[str]:
 
 
 def _micro_batches(text: str):
-    return "auto" if text == "auto" else positive_int(text)
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except Exception:  # noqa: BLE001 - argparse's error, with our wording
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}") from None
 
 
 def add_parser(sub) -> None:
@@ -93,6 +100,9 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batches", type=_micro_batches, default="auto",
                    help="backbone: split each step into this many concurrently dispatched micro-batches, or "
                         "'auto' (from measured dense time and round trip; docs/architecture.md)")
+    p.add_argument("--hot-experts", action="store_true",
+                   help="backbone: compute an owner's experts locally when its measured round trip is longer "
+                        "than computing them here (same bits; docs/architecture.md)")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="backbone: batch rows of all sequences through one router/expert/lm-head mat-mul "
                         "(faster; a request's tokens may then depend on its neighbours, docs/architecture.md)")
@@ -247,6 +257,7 @@ async def _backbone(args) -> None:
                 if not host or not port.isdigit():
                     raise UserError(f"bad --http {args.http!r}: expected HOST:PORT or off")
                 swarm.backbone.batch_invariant = args.batch_invariant
+                swarm.backbone.dispatcher.hot_experts = args.hot_experts
                 scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
                                       prefill_chunk=args.prefill_chunk, max_active=args.max_active,
                                       micro_batches=args.micro_batches)
