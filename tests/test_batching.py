@@ -237,3 +237,51 @@ def test_demand_counter_decays():
     assert d.value(0, 3, now=110.0) == pytest.approx(12.0)
     assert d.value(0, 3, now=130.0) == pytest.approx(3.0)
     assert d.value(1, 3, now=130.0) == 0.0
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "ggml"])
+async def test_batched_qwen35moe_deltanet_and_shared_expert(models_dir, kernel):
+    """The hybrid architecture: per-sequence DeltaNet conv + S state and KV, a shared expert in
+    post_moe. Batched swarm == batched monolithic, and batch-invariant == alone, bit for bit."""
+    from p2pswarm.model.synth import make_model
+
+    path = models_dir / "q35-batching-q8.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=31)
+    async with open_backbone(path, workers=0, kernel=kernel) as mono:
+        want = await _run_schedule(mono.backbone, True)
+        fast = await _run_schedule(mono.backbone, False)
+        alone = await _alone(mono.backbone)
+    async with open_backbone(path, workers=2, transport="inproc", kernel=kernel) as swarm:
+        got = await _run_schedule(swarm.backbone, True)
+        got_fast = await _run_schedule(swarm.backbone, False)
+        assert swarm.backbone.dispatcher.stats.requests > 0
+    for a, b, c, d in zip(want, got, fast, got_fast):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+        assert all(np.array_equal(x, y) for x, y in zip(c, d))
+    for i, step in enumerate(SCHEDULE):
+        for (s, _), x in zip(step, want[i]):
+            assert np.array_equal(x, alone[(i, s)]), (i, s)
+
+
+async def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(tiny_f32):
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        sched = Scheduler(mono.backbone)
+        real = mono.backbone.forward_batch
+        calls = [0]
+
+        async def flaky(items, **kw):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("boom")
+            return await real(items, **kw)
+
+        mono.backbone.forward_batch = flaky
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run)
+            with trio.fail_after(60):
+                with pytest.raises(RuntimeError, match="boom"):
+                    await _collect(sched, [1, 2, 3])
+                assert len(await _collect(sched, [4, 5], max_tokens=3)) == 3
+            nursery.cancel_scope.cancel()
+    assert sched.stats.failed == 1 and sched.stats.completed == 1

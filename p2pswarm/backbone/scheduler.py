@@ -205,7 +205,13 @@ class Scheduler:
                     if not self._pending:
                         await self._wake.wait()
                     continue
-                await self.step()
+                try:
+                    await self.step()
+                except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang every client
+                    log.exception("a scheduler step failed; failing its %d sequences", len(self._active))
+                    for seq in self._active:
+                        if not seq.done:
+                            self._fail(seq, exc)
         finally:
             self._running = False
             for seq in [*self._active, *self._pending]:
