@@ -174,22 +174,34 @@ class Backbone:
         bounds = np.cumsum([0] + [len(t) for t in toks])
         spans = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
         timing = self.timing
-        h = await trio.to_thread.run_sync(m.embed, np.concatenate(toks))
-        for il in range(m.n_layer):
-            t0 = time.perf_counter()
-            h, cur, ids, w, groups = await trio.to_thread.run_sync(
-                partial(self._pre_batch, il, h, spans, states, pos0, invariant))
+        L = m.n_layer
+
+        def first():
+            return self._pre_batch(0, m.embed(np.concatenate(toks)), spans, states, pos0, invariant)
+
+        def after(il, h, cur, ids, w, groups, outs):
+            """post_moe of layer il and pre_moe of the next in ONE thread hop (each hop is a
+            wake-up; on a busy host those cost more than the arithmetic), or the lm head."""
+            h = self._post_batch(il, h, cur, ids, w, groups, outs, spans, invariant)
+            if il + 1 < L:
+                return self._pre_batch(il + 1, h, spans, states, pos0, invariant)
+            return self._output_batch(h, spans, last_only, invariant)
+
+        t0 = time.perf_counter()
+        res = await trio.to_thread.run_sync(first)
+        timing.dense_s += time.perf_counter() - t0
+        for il in range(L):
+            h, cur, ids, w, groups = res
             t1 = time.perf_counter()
             outs = await self.dispatcher.run_groups(il, cur, groups)
             t2 = time.perf_counter()
-            h = await trio.to_thread.run_sync(
-                partial(self._post_batch, il, h, cur, ids, w, groups, outs, spans, invariant))
-            timing.dense_s += (t1 - t0) + (time.perf_counter() - t2)
+            res = await trio.to_thread.run_sync(partial(after, il, h, cur, ids, w, groups, outs))
+            timing.dense_s += time.perf_counter() - t2
             timing.wait_s += t2 - t1
             timing.layers += 1
         for st, t in zip(states, toks):
             st.n_past += len(t)
-        return await trio.to_thread.run_sync(partial(self._output_batch, h, spans, last_only, invariant))
+        return res
 
     def _pre_batch(self, il, h, spans, states, pos0, invariant):
         m = self.model
