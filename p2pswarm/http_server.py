@@ -1,29 +1,10 @@
-"""The small HTTP pieces the backbone's API and the relay's health endpoint share: hypercorn on
-trio serving a plain ASGI app, the ASGI lifespan handshake, and JSON responses."""
+"""What the backbone's API and the relay's health port share: hypercorn on trio serving an ASGI
+app (both are Starlette apps; anyio runs them on trio), so HTTP shares the node's event loop."""
 from __future__ import annotations
 
-import json
 import logging
 
 import trio
-
-
-async def lifespan(receive, send) -> None:
-    """Answer hypercorn's ASGI lifespan messages until shutdown (we have nothing to set up)."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif msg["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-async def send_json(send, status: int, obj: dict) -> None:
-    payload = json.dumps(obj).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
 
 
 async def serve_asgi(app, host: str, port: int, *, logger: str, task_status=trio.TASK_STATUS_IGNORED) -> None:

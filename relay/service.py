@@ -43,12 +43,17 @@ from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID, CircuitV2Protocol
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from p2pswarm.errors import UserError
-from p2pswarm.http_server import lifespan, send_json, serve_asgi
+from p2pswarm.errors import FrameError, UserError
+from p2pswarm.http_server import serve_asgi
 from p2pswarm.lifecycle import until_signal
 from p2pswarm.net.framing import FrameReader, send_frame
 from relay.config import RelaySettings
+from relay.metrics import relay_metrics
 from relay.protocol import MAX_TOKEN_FRAME, PROTOCOL_TOKEN, TOKEN_TIMEOUT_S
 
 log = logging.getLogger("p2pswarm.relay")
@@ -268,7 +273,13 @@ def token_handler(hop: GatedHop):
     async def handle(stream) -> None:
         peer = stream.peer_id.to_base58()
         with trio.move_on_after(TOKEN_TIMEOUT_S):
-            payload = await FrameReader(stream, MAX_TOKEN_FRAME).read_frame()
+            try:
+                payload = await FrameReader(stream, MAX_TOKEN_FRAME).read_frame()
+            except FrameError as exc:  # oversized or cut short: refuse it, close this stream only
+                hop.refused["malformed token frame"] += 1
+                log.warning("closing token stream from %s: %s", peer, exc)
+                await _try_send(stream, msgpack.packb({"ok": False, "error": str(exc)}))
+                return
             if payload is None:
                 return
             try:
@@ -299,6 +310,13 @@ def token_handler(hop: GatedHop):
     return handle
 
 
+async def _try_send(stream, payload: bytes) -> None:
+    try:
+        await send_frame(stream, payload, MAX_TOKEN_FRAME)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, FrameError):
+        pass
+
+
 def health(net, hop: GatedHop, dht=None) -> dict:
     s = hop.stats
     return {"status": "ok", "peer_id": net.peer_id_str, "addrs": net.full_addrs(),
@@ -315,22 +333,28 @@ def health(net, hop: GatedHop, dht=None) -> dict:
 
 
 class HealthApp:
-    """``GET /health`` (and ``/``): the relay's state as JSON."""
+    """The relay's health port: ``GET /health`` (and ``/``) its state as JSON, ``GET /metrics`` the
+    same numbers in Prometheus text format (:mod:`relay.metrics`). A Starlette app, like the
+    backbone's API."""
 
     def __init__(self, report):
         self.report = report
+        self.app = Starlette(routes=[Route("/", self._health), Route("/health", self._health),
+                                     Route("/metrics", self._metrics)],
+                             exception_handlers={HTTPException: self._not_found})
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        if scope["method"] == "GET" and scope["path"] in ("/", "/health"):
-            status, body = 200, self.report()
-        else:
-            status, body = 404, {"error": "not found: try GET /health"}
-        await send_json(send, status, body)
+        await self.app(scope, receive, send)
+
+    async def _health(self, request) -> Response:
+        return JSONResponse(self.report())
+
+    async def _metrics(self, request) -> Response:
+        payload, ctype = relay_metrics(self.report)
+        return Response(payload, media_type=ctype)
+
+    async def _not_found(self, request, exc) -> Response:
+        return JSONResponse({"error": "not found: try GET /health or /metrics"}, status_code=exc.status_code)
 
 
 async def serve_health(app, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

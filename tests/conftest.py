@@ -5,6 +5,7 @@ model files are real qwen3moe GGUFs written by ``p2pswarm.model.synth`` (llama.c
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -15,14 +16,29 @@ import pytest
 
 from p2pswarm.model.synth import make_model
 
+from helpers.llama_ref import llama_logits  # noqa: F401  (re-exported: the tests' reference)
+
 REPO = Path(__file__).resolve().parent.parent
 
-try:
-    import llama_cpp  # noqa: F401
 
-    HAVE_LLAMA = True
-except Exception:  # pragma: no cover - depends on the environment
-    HAVE_LLAMA = False
+def _have_llama() -> bool:
+    """Whether llama.cpp (the reference) is here. Installed but broken is an error, not a skip: the
+    comparisons must never vanish silently (a reference that cannot even load would otherwise turn
+    every comparison into a "pass")."""
+    try:
+        importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        if os.environ.get("CI"):
+            raise pytest.UsageError("CI needs llama-cpp-python (the reference): pip install -e '.[test]'")
+        return False
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        raise pytest.UsageError(f"llama-cpp-python is installed but cannot be imported: {exc}") from exc
+    return True
+
+
+HAVE_LLAMA = _have_llama()
 
 needs_llama = pytest.mark.skipif(
     not HAVE_LLAMA, reason="llama-cpp-python is not installed (pip install -e '.[test]' builds it)"
@@ -63,6 +79,32 @@ def tiny_q4km(models_dir) -> Path:
     return _model(models_dir, "tiny-q4_k_m", preset="tiny", qtype="q4_k_m", seed=3)
 
 
+@pytest.fixture(scope="session")
+def vocab_cache(tmp_path_factory) -> Path:
+    """A session-wide cache dir, so the sdist is fetched once per session (pip caches the download)."""
+    return tmp_path_factory.mktemp("vocab-cache")
+
+
+def sdist_vocab(vocab_cache: Path, name: str) -> Path:
+    """A vocab-only GGUF of the llama-cpp-python sdist, fetched into the session's vocab cache."""
+    from p2pswarm.model import vocab
+
+    old = os.environ.get("P2PSWARM_CACHE")
+    os.environ["P2PSWARM_CACHE"] = str(vocab_cache)
+    try:
+        return vocab.qwen35_vocab_path() if name == "qwen35" else vocab.sdist_vocab_path(name)
+    finally:
+        if old is None:
+            os.environ.pop("P2PSWARM_CACHE", None)
+        else:
+            os.environ["P2PSWARM_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def qwen35_path(vocab_cache) -> Path:
+    return sdist_vocab(vocab_cache, "qwen35")
+
+
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bool = False):
     """Run ``p2pswarm ARGS`` as a real process; returns the CompletedProcess (text)."""
     full_env = dict(os.environ)
@@ -82,19 +124,6 @@ def assert_one_line_error(proc, *needles: str) -> None:
     assert len(lines) == 1, proc.stderr
     for n in needles:
         assert n.lower() in lines[0].lower(), lines[0]
-
-
-def llama_logits(path, tokens) -> np.ndarray:
-    """llama.cpp's all-position logits: F32 KV cache, flash attention off (a bit-level setting)."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, verbose=False,
-                          flash_attn=False, type_k=0, type_v=0, n_threads=2)  # type 0 = GGML_TYPE_F32
-    try:
-        llm.eval(list(tokens))
-        return np.array(llm.scores[: len(tokens)], dtype=np.float32)
-    finally:
-        llm.close()
 
 
 def engine_trace(path, tokens) -> tuple[np.ndarray, dict[str, list]]:

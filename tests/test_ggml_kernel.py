@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import numpy as np
@@ -34,6 +33,7 @@ from p2pswarm.model.synth import make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import llama_logits, needs_llama, run_cli
+from helpers.llama_ref import llama_routing
 
 try:
     gk.load_libggml()
@@ -262,70 +262,6 @@ def _llama_quantised(models_dir, name: str, seed: int):
         assert llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), llama_cpp.byref(params)) == 0
         tmp.rename(out)
     return out
-
-
-def llama_routing(path, tokens, n_threads: int = 2) -> dict[int, np.ndarray]:
-    """The experts llama.cpp's router picks, per layer: {layer: ids (n_tokens, k)}, top-k order.
-
-    Read with llama.cpp's eval callback: the ``ffn_moe_topk-<layer>`` tensor (a strided I32 view).
-    Its strides are read from the head of ``struct ggml_tensor`` (type, buffer, ne[4], nb[4]),
-    checked against what the ggml API says about the same tensor before they are trusted.
-    """
-    import llama_cpp
-
-    base = gk.load_libggml()._libs["base"]
-    for name, res, args in (("ggml_get_name", ctypes.c_char_p, [ctypes.c_void_p]),
-                            ("ggml_nelements", ctypes.c_int64, [ctypes.c_void_p]),
-                            ("ggml_nbytes", ctypes.c_size_t, [ctypes.c_void_p]),
-                            ("ggml_backend_tensor_get", None,
-                             [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t])):
-        f = getattr(base, name)
-        f.restype, f.argtypes = res, args
-    got: dict[int, np.ndarray] = {}
-    problems: list[str] = []
-
-    def cb(t, ask, _user):
-        name = base.ggml_get_name(t).decode()
-        want = name.startswith("ffn_moe_topk-")
-        if ask or not want:
-            return want if ask else True
-        head = np.ctypeslib.as_array(ctypes.cast(t, ctypes.POINTER(ctypes.c_int64)), shape=(10,)).copy()
-        ne, nb = head[2:6].tolist(), head[6:10].tolist()
-        if not (head[0] == gk.GGML_TYPE_I32 and ne[2] == ne[3] == 1 and nb[0] == 4
-                and ne[0] * ne[1] == base.ggml_nelements(t)):
-            problems.append(f"{name}: unexpected tensor header {head.tolist()}")
-            return True
-        nbytes = base.ggml_nbytes(t)
-        raw = np.zeros(-(-nbytes // 4), np.int32)
-        base.ggml_backend_tensor_get(t, raw.ctypes.data, 0, nbytes)
-        got[int(name.split("-")[1])] = np.lib.stride_tricks.as_strided(
-            raw, shape=(ne[1], ne[0]), strides=(nb[1], 4)).copy()
-        return True
-
-    callback = llama_cpp.ggml_backend_sched_eval_callback(cb)
-    llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = 128
-    cp.n_threads = cp.n_threads_batch = n_threads
-    cp.type_k = cp.type_v = 0  # F32 KV cache
-    cp.flash_attn_type = 0
-    cp.cb_eval, cp.cb_eval_user_data = callback, None
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
-    try:
-        for i, tok in enumerate(tokens):  # every position an output: no row is skipped at the last layer
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tok, i, 1, 1
-            batch.seq_id[i][0] = 0
-        batch.n_tokens = len(tokens)
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-    finally:
-        llama_cpp.llama_batch_free(batch)
-        llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
-    if problems:
-        pytest.skip("cannot read llama.cpp's routing from this ggml build: " + problems[0])
-    return got
 
 
 def _our_trace(path, kernel: str):

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
+import openai
+import pytest
 import trio
 
 from p2pswarm.backbone.http_api import CompletionsApp, serve_http
@@ -13,7 +16,7 @@ from p2pswarm.engine.tokenizer import Tokenizer
 
 async def _with_server(model, fn, workers=0):
     async with open_backbone(model, workers=workers, transport="inproc") as swarm:
-        app = CompletionsApp(swarm.backbone, Tokenizer.from_gguf(model), "tiny", swarm.fingerprint)
+        app = CompletionsApp(swarm.backbone, Tokenizer.from_gguf(model), "tiny", swarm.fingerprint, model_path=model)
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve_http, app, "127.0.0.1", 0)
             base = binds[0].replace("0.0.0.0", "127.0.0.1")
@@ -56,34 +59,109 @@ async def test_bad_requests_get_400(tiny_f32):
         with httpx.Client(base_url=base, timeout=60) as c:
             for body in (b"not json", b"[1]", json.dumps({"prompt": ""}).encode(),
                          json.dumps({"prompt": "x", "max_tokens": -1}).encode(),
-                         json.dumps({"prompt": "x", "temperature": "hot"}).encode()):
+                         json.dumps({"prompt": "x", "temperature": "hot"}).encode(),
+                         b'{"prompt": "lone \\ud800 surrogate"}',  # not valid Unicode
+                         json.dumps({"prompt": "x", "max_tokens": 600}).encode()):  # tiny's context is 512
                 r = c.post("/v1/completions", content=body)
                 assert r.status_code == 400 and r.json()["error"]["message"], (body, r.text)
+            r = c.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\\ud800"}]}')
+            assert r.status_code == 400 and "not valid Unicode" in r.json()["error"]["message"]
             assert c.get("/nope").status_code == 404
 
     await _with_server(tiny_f32, client)
 
 
-async def test_client_that_hangs_up_cancels_its_sequence(tiny_f32):
-    """Requests go through the scheduler; a streaming client that disconnects is dropped at the next
-    step instead of generating to max_tokens."""
-    async with open_backbone(tiny_f32, workers=0) as swarm:
-        app = CompletionsApp(swarm.backbone, Tokenizer.from_gguf(tiny_f32), "tiny", swarm.fingerprint)
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(serve_http, app, "127.0.0.1", 0)
-            base = binds[0].replace("0.0.0.0", "127.0.0.1")
+@pytest.fixture
+def no_template(tiny_f32, tmp_path):
+    """The tiny model with its tokenizer.chat_template key renamed (same length): a real GGUF
+    that carries no chat template."""
+    data = tiny_f32.read_bytes()
+    assert data.count(b"tokenizer.chat_template") == 1
+    path = tmp_path / "no-template.gguf"
+    path.write_bytes(data.replace(b"tokenizer.chat_template", b"tokenizer.chat_templatX"))
+    return path
 
-            def client():
+
+async def test_model_without_template_refuses_chat_and_still_completes(no_template):
+    def client(base):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert e.value.code == "no_chat_template" and "no chat template" in e.value.message
+        r = c.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+        assert httpx.get(base + "/health").json()["chat_template"] is False
+
+    await _with_server(no_template, client)
+
+
+async def test_client_leaving_a_stream_ends_its_generation(tiny_f32):
+    """The client reads two chunks of a 400-token stream and hangs up: the sequence ends there
+    (Starlette cancels the response), it does not run on to max_tokens."""
+    def client(base):
+        with httpx.Client(base_url=base, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 400, "stream": True}) as s:
+                lines = s.iter_lines()
+                assert next(lines).startswith("data: ")
+                assert c.get("/health").json()["active_sequences"] == 1
+            deadline = time.time() + 20
+            while c.get("/health").json()["active_sequences"]:
+                assert time.time() < deadline
+                time.sleep(0.1)
+            swarm = c.get("/v1/swarm").json()
+            assert swarm["active_sequences"] == 0 and swarm["tokens_generated"] < 300
+
+    await _with_server(tiny_f32, client)
+
+
+async def test_concurrent_completions_through_the_scheduler_equal_one_at_a_time(tiny_f32):
+    """With the continuous-batching scheduler (as `node --role backbone` runs it) concurrent
+    requests share decode steps and each text equals the same request served alone; a client that
+    hangs up mid-stream is cancelled at the next step."""
+    from p2pswarm.backbone.scheduler import Scheduler
+
+    prompts = [f"request {i} to the swarm" for i in range(6)]
+    tok = Tokenizer.from_gguf(tiny_f32)
+    async with open_backbone(tiny_f32, workers=2, transport="inproc") as swarm:
+        plain = CompletionsApp(swarm.backbone, tok, "tiny", swarm.fingerprint, model_path=tiny_f32)
+        batched = CompletionsApp(swarm.backbone, tok, "tiny", swarm.fingerprint, model_path=tiny_f32,
+                                 scheduler=Scheduler(swarm.backbone, tok))
+        async with trio.open_nursery() as nursery:
+            bases = []
+            for app in (plain, batched):
+                binds = await nursery.start(serve_http, app, "127.0.0.1", 0)
+                bases.append(binds[0].replace("0.0.0.0", "127.0.0.1"))
+
+            def complete(base, p):
+                r = httpx.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 6, "temperature": 0},
+                               timeout=120)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            def hang_up(base):
                 with httpx.Client(base_url=base, timeout=60) as c:
                     with c.stream("POST", "/v1/completions",
-                                  json={"prompt": "hello", "max_tokens": 4000, "stream": True}) as s:
+                                  json={"prompt": "x", "max_tokens": 400, "stream": True}) as s:
+                        assert s.status_code == 200
                         for i, _ in enumerate(s.iter_lines()):
                             if i >= 4:
-                                break  # hang up mid-stream
+                                break
 
-            with trio.fail_after(120):
-                await trio.to_thread.run_sync(client)
-                while app.scheduler.stats.cancelled == 0:
+            with trio.fail_after(300):
+                alone = [await trio.to_thread.run_sync(complete, bases[0], p) for p in prompts]
+                together: dict[int, str] = {}
+
+                async def one(i):
+                    together[i] = await trio.to_thread.run_sync(complete, bases[1], prompts[i])
+
+                async with trio.open_nursery() as clients:
+                    for i in range(len(prompts)):
+                        clients.start_soon(one, i)
+                health = (await trio.to_thread.run_sync(lambda: httpx.get(bases[1] + "/health", timeout=30))).json()
+                await trio.to_thread.run_sync(hang_up, bases[1])
+                while batched.scheduler.stats.cancelled == 0:
                     await trio.sleep(0.05)
-            assert app.scheduler.active == 0 and app.scheduler.stats.generated < 1000
             nursery.cancel_scope.cancel()
+    assert [together[i] for i in range(len(prompts))] == alone
+    assert health["generated_tokens"] == 36 and health["steps"] < 36
+    assert batched.scheduler.stats.generated < 36 + 300

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import trio
 from conftest import run_cli
-from test_relay import TOKENS, Proc, free_port, get_health, start_relay, worker_identity
+from helpers.procs import Proc, free_port, get_health, start_relay, worker_identity
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.slicer import slice_experts
@@ -27,6 +27,7 @@ from p2pswarm.net.identity import Identity
 from p2pswarm.net.tokens import issue_token
 
 pytestmark = pytest.mark.slow
+TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"
 
 
 def _why_no_netns() -> str | None:

@@ -411,3 +411,34 @@ async def test_bootstrap_errors_are_clear():
             async with open_dht(net, bootstrap=[f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id_str}"],
                                 bootstrap_timeout_s=5):
                 pass
+
+
+async def test_workaround_provide_sends_the_advertised_addresses_and_never_none(caplog):
+    """py-libp2p acknowledges an ADD_PROVIDER with no addresses and drops it (the trap, shown on a
+    raw message); our provide sends what the node advertises -- for a relayed node, its circuit
+    address -- and provides nothing while it has no address at all."""
+    from libp2p.kad_dht.pb.kademlia_pb2 import Message
+
+    key = b"\x12\x20" + hashlib.sha256(b"provider-addresses").digest()
+    async with dht_swarm(2, clients=1) as nodes:
+        server, relayed = nodes[0], nodes[2]
+        # the trap: an address-less provider is acknowledged and not stored
+        msg = Message()
+        msg.type = Message.MessageType.ADD_PROVIDER
+        msg.key = key
+        msg.providerPeers.add().id = relayed.net.peer_id.to_bytes()
+        resp = await relayed.dht._rpc(server.net.peer_id, msg)
+        assert resp is not None and resp.type == Message.MessageType.ADD_PROVIDER
+        assert not server.dht.kad.provider_store.get_providers(key)
+        # a relay-only node without a reservation yet: nothing to advertise, so nothing provided
+        relayed.net.relay_only = True
+        assert relayed.net.addrs() == []
+        with caplog.at_level("WARNING", logger="p2pswarm.net"):
+            assert await relayed.dht.provide(key) == 0
+        assert "no address to advertise" in caplog.text
+        # with a reservation: the circuit address is what the network learns
+        circuit = f"{server.net.full_addrs()[0]}/p2p-circuit"
+        relayed.net.set_relay_addrs([circuit])
+        assert await relayed.dht.provide(key) >= 1
+        found = await nodes[1].dht.find_providers(key)
+        assert [str(a) for p in found if p.peer_id == relayed.net.peer_id for a in p.addrs] == [circuit]

@@ -14,9 +14,7 @@ llama.cpp, which nobody here wrote.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import os
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +33,7 @@ from p2pswarm.model.synth import describe, make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
+from helpers.llama_ref import llama_intermediates
 
 F32 = np.float32
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
@@ -290,90 +289,7 @@ def test_fused_shard_is_a_byte_range_copy(models_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Quantised models: teacher-forced layer by layer against llama.cpp's own intermediate tensors
 
-
-class _TensorHead(ctypes.Structure):
-    """The leading fields of ggml's ``struct ggml_tensor`` (type, buffer, ne[4], nb[4]): stable across
-    ggml versions; checked against ggml_nelements/ggml_nbytes on every read."""
-
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4)]
-
-
-_GGML = None
-_KEEP = []  # ctypes callbacks llama.cpp may call later: they must outlive the call that set them
-
-
-def _ggml():
-    global _GGML
-    if _GGML is None:
-        import llama_cpp
-
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
-        for fn, res in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
-                        ("ggml_nbytes", ctypes.c_size_t), ("ggml_nelements", ctypes.c_int64)):
-            getattr(lib, fn).restype = res
-            getattr(lib, fn).argtypes = [ctypes.c_void_p]
-        _GGML = lib
-    return _GGML
-
-
-def llama_intermediates(path, tokens, names: set[str]) -> dict[str, np.ndarray]:
-    """llama.cpp's own intermediate tensors of one prefill, by graph name (e.g. ``l_out-3``).
-
-    Uses the scheduler's eval callback (``cb_eval`` in the context params): asked for each graph
-    node, it says which ones to observe; after such a node is computed it is called again and we
-    copy the tensor out (rows of ne[0] values) while its memory is still valid. F32 KV cache, flash
-    attention off, one ubatch for the whole prompt, 2 threads.
-    """
-    import llama_cpp
-
-    lib = _ggml()
-    dtypes = {llama_cpp.GGML_TYPE_F32: np.float32, llama_cpp.GGML_TYPE_I32: np.int32}
-    out: dict[str, np.ndarray] = {}
-
-    def observe(t, ask, _ud):
-        name = lib.ggml_get_name(t).decode(errors="replace")
-        if ask:
-            return name in names
-        if name in names:
-            head = _TensorHead.from_address(t)
-            ne, nb = list(head.ne), list(head.nb)
-            dt = np.dtype(dtypes[head.type])
-            assert lib.ggml_nelements(t) == int(np.prod(ne)), "ggml_tensor layout changed"
-            span = sum((n - 1) * s for n, s in zip(ne, nb)) + dt.itemsize
-            raw = np.frombuffer((ctypes.c_uint8 * span).from_address(lib.ggml_get_data(t)), np.uint8)
-            view = np.lib.stride_tricks.as_strided(raw, shape=(*reversed(ne), dt.itemsize),
-                                                   strides=(*reversed(nb), 1))
-            out[name] = np.array(view, copy=True).view(dt).reshape(-1, ne[0])  # a copy: memory is reused
-        return True
-
-    cb = llama_cpp.ggml_backend_sched_eval_callback(observe)
-    quiet = llama_cpp.llama_log_callback(lambda level, text, ud: None)
-    _KEEP.append(quiet)
-    llama_cpp.llama_log_set(quiet, None)
-    llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
-    assert model, f"llama.cpp could not load {path}"
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = cp.n_batch = cp.n_ubatch = 128
-    cp.type_k = cp.type_v = llama_cpp.GGML_TYPE_F32
-    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    cp.n_threads = cp.n_threads_batch = 2
-    cp.cb_eval = cb
-    cp.cb_eval_user_data = None
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    try:
-        assert ctx, "llama.cpp could not make a context"
-        ids = (ctypes.c_int32 * len(tokens))(*tokens)
-        assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(ids, len(tokens))) == 0
-    finally:
-        if ctx:
-            llama_cpp.llama_free(ctx)
-        llama_cpp.llama_model_free(model)
-    missing = names - set(out)
-    assert not missing, f"llama.cpp's graph has no tensors named {sorted(missing)[:5]}"
-    return out
-
+# (llama_intermediates, from tests/helpers/llama_ref.py, reads llama.cpp's named tensors in its child process.)
 
 # llama.cpp rounds the activations before a mat-mul with quantised weights to the weights'
 # "vec_dot" type: Q8_0 blocks of 32 for Q8_0/Q4_0/Q5_x, Q8_K blocks of 256 for K-quants. Our

@@ -10,20 +10,18 @@ processes (`node --role worker --relay ... --token ...`) and backbones (`logits 
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
+
 from conftest import assert_one_line_error, run_cli
 
 from p2pswarm.model.slicer import slice_experts
@@ -33,67 +31,10 @@ from p2pswarm.net.identity import Identity, load_or_create_identity
 from p2pswarm.net.tokens import NodeToken, issue_token
 from relay.client import RelayKeeper
 
+from helpers.procs import Proc, free_port, get_health, start_relay, worker_args, worker_identity
+
 TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"
 FRAME_SIZES = [0, 1, 65535, 65536, 65537, 16 << 20, 64 << 20]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A `p2pswarm ...` process; ``expect_ready`` waits for its ``READY <addr>`` line."""
-
-    def __init__(self, args: list[str], log: Path, env: dict, *, prefix: list[str] = (), expect_ready=True,
-                 timeout: float = 90):
-        self.log = log
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env)
-        self.addr = self.health = None
-        if not expect_ready:
-            return
-        line: list[str] = []
-        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout)
-        if not line or not line[0].startswith("READY "):
-            self.stop()
-            raise AssertionError(f"{args[:3]} did not start: {log.read_text()[-3000:]}")
-        parts = line[0].split()
-        self.addr = parts[1]
-        for p in parts[2:]:
-            if p.startswith("health="):
-                self.health = p.split("=", 1)[1]
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait_log(self, needle: str, timeout: float = 60) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if needle in self.text():
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise AssertionError(f"{needle!r} not in log within {timeout} s: {self.text()[-3000:]}")
-
-    def stop(self, sig=signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def get_health(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read())
 
 
 @pytest.fixture
@@ -105,23 +46,6 @@ def env(tmp_path):
 def issuer(tmp_path):
     return load_or_create_identity(tmp_path / "issuer.key")
 
-
-def start_relay(tmp_path, env, *, issuer=None, port=None, name="relay", host="127.0.0.1", extra=()) -> Proc:
-    port = port or free_port(host)
-    args = ["relay", "--listen", f"/ip4/{host}/tcp/{port}/ws", "--identity", str(tmp_path / f"{name}.key"),
-            "--health", f"127.0.0.1:{free_port()}", *extra]
-    args += ["--trust-issuer", issuer.peer_id_str] if issuer is not None else ["--open"]
-    return Proc(args, tmp_path / f"{name}.log", env)
-
-
-def worker_identity(tmp_path, name: str) -> Identity:
-    return load_or_create_identity(tmp_path / f"{name}.key")
-
-
-def worker_args(tmp_path, shard, relay_addr, name, token=None, extra=()) -> list[str]:
-    args = ["node", "--role", "worker", "--shard", str(shard), "--relay", relay_addr,
-            "--identity", str(tmp_path / f"{name}.key"), "--ttl", "120", *extra]
-    return args + (["--token", token] if token else [])
 
 
 # -- (a) frames --------------------------------------------------------------------------------------
@@ -234,7 +158,14 @@ def test_bad_tokens_get_no_reservation(tiny_f32, tmp_path, env, issuer):
         # and the good token still works afterwards
         good = issue_token(issuer, me.peer_id_str, ["relay"], 3600).encode()
         w = Proc(worker_args(tmp_path, shard, relay.addr, "w", good), tmp_path / "w-good.log", env)
-        assert get_health(relay.health)["reservations"] == 1
+        h = get_health(relay.health)
+        assert h["reservations"] == 1
+        # /metrics on the health port: the same numbers, in Prometheus text format
+        with urllib.request.urlopen(relay.health.replace("/health", "/metrics"), timeout=10) as r:
+            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        assert {s.labels["reason"]: s.value for s in fams["p2pswarm_relay_refusals"].samples} == dict.fromkeys(cases, 1)
+        assert fams["p2pswarm_relay_reservations"].samples[0].value == 1
+        assert fams["p2pswarm_relay_tokens_accepted"].samples[0].value == h["tokens_accepted"] == 1
         w.stop()
     finally:
         relay.stop()

@@ -198,9 +198,10 @@ async def test_relay_sees_only_ciphertext(monkeypatch):
     marker = b"PLAINTEXT-EXPERT-ACTIVATIONS-" * 100
     ctx, _hops = open_relay()
     async with ctx as relay, open_host(Identity.generate(), [LOOP]) as worker, \
-            open_host(Identity.generate(), [LOOP]) as backbone:
+            open_host(Identity.generate(), [LOOP]) as backbone, open_host(Identity.generate(), [LOOP]) as other:
         await RelayKeeper(worker, relay.full_addrs()[0], None).start()
         worker.set_handler(ECHO, echo)
+        other.set_handler(ECHO, echo)
         stream = await backbone.open_stream(circuit_addr(relay.full_addrs()[0], worker.peer_id_str), ECHO)
         assert await roundtrip(stream, marker) == marker
     assert len(seen) > 2 * len(marker)  # the tap did see the traffic both ways
@@ -321,3 +322,57 @@ async def test_keeper_renews_before_expiry():
             stream = await backbone.open_stream(circuit_addr(relay.full_addrs()[0], worker.peer_id_str), ECHO)
             assert await roundtrip(stream, b"alive") == b"alive"
             nursery.cancel_scope.cancel()
+
+
+async def _identify(host, peer_id):
+    """The identify message ``host`` gets from ``peer_id`` (on the connection it already has)."""
+    from libp2p.identity.identify.identify import ID as IDENTIFY, parse_identify_response
+    from libp2p.utils.varint import decode_varint_from_bytes
+
+    stream = await host.host.new_stream(peer_id, [IDENTIFY])
+    data = b""
+    with trio.fail_after(10):
+        while True:
+            try:
+                chunk = await stream.read(65536)
+            except Exception:
+                break
+            if not chunk:
+                break
+            data += chunk
+    await stream.close()
+    n = decode_varint_from_bytes(data)
+    return parse_identify_response(data[len(data) - n:])
+
+
+def _observed(msg) -> str | None:
+    return str(multiaddr.Multiaddr(msg.observed_addr)) if msg.observed_addr else None
+
+
+async def test_workaround_identify_sends_no_observed_address_over_a_circuit(monkeypatch):
+    """py-libp2p reports a relayed peer's observed address as ``/p2p/<its own id>/p2p-circuit/...``
+    (js-libp2p then drops the whole identify message); with the fix neither end of a circuit sends
+    one, the worker's protocols still arrive, and a direct connection still reports its socket."""
+    from libp2p.identity.identify import identify as ident
+
+    ctx, _ = open_relay()
+    async with ctx as relay, open_host(Identity.generate(), [LOOP]) as worker, \
+            open_host(Identity.generate(), [LOOP]) as backbone, open_host(Identity.generate(), [LOOP]) as other:
+        await RelayKeeper(worker, relay.full_addrs()[0], None).start()
+        worker.set_handler(ECHO, echo)
+        other.set_handler(ECHO, echo)
+        stream = await backbone.open_stream(circuit_addr(relay.full_addrs()[0], worker.peer_id_str), ECHO,
+                                            timeout_s=10)
+        assert await roundtrip(stream, b"ping") == b"ping"
+        from_worker = await _identify(backbone, worker.peer_id)
+        from_backbone = await _identify(worker, backbone.peer_id)
+        assert _observed(from_worker) is None and _observed(from_backbone) is None
+        assert ECHO in from_worker.protocols
+        # a direct TCP connection still reports the socket address it saw
+        await (await backbone.open_stream(other.full_addrs()[0], ECHO, timeout_s=10)).aclose()
+        direct = _observed(await _identify(backbone, other.peer_id))
+        assert direct is not None and direct.startswith("/ip4/127.0.0.1/tcp/"), direct
+        # the trap: the library's own choice names the worker itself where the relay belongs
+        monkeypatch.setattr(ident, "_prefer_circuit_addr", ident._prefer_circuit_addr.library)
+        bogus = _observed(await _identify(backbone, worker.peer_id))
+        assert bogus is not None and bogus.startswith(f"/p2p/{worker.peer_id_str}/p2p-circuit"), bogus

@@ -36,7 +36,8 @@ class Node:
         if not line or not line[0].startswith("READY "):
             self.stop()
             raise AssertionError(f"{args[:3]} did not start: {log.read_text()[-2000:]}")
-        self.addr = line[0].split()[1]
+        self.ready = line[0].strip()
+        self.addr = self.ready.split()[1]
 
     def stop(self, sig=signal.SIGTERM) -> int:
         if self.proc.poll() is None:

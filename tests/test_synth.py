@@ -25,6 +25,7 @@ from p2pswarm.errors import UserError
 from p2pswarm.model import synth
 
 from conftest import HAVE_LLAMA, engine_trace, llama_logits, needs_llama
+from helpers.llama_ref import llama_tokenize_eval
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -376,17 +377,9 @@ def test_vocab_qwen35(tmp_path: Path) -> None:
     for k in src:
         assert src[k].value == dst[k].value and src[k].vtype == dst[k].vtype, k
     if HAVE_LLAMA:
-        from llama_cpp import Llama
-
-        llm = Llama(model_path=str(p), n_ctx=64, verbose=False, logits_all=True, n_threads=2)
-        try:
-            assert llm.n_vocab() == 151_936
-            ids = llm.tokenize(b"Hello, swarm of experts!", add_bos=False)
-            llm.eval(ids)
-            scores = np.array(llm.scores[: len(ids)])
-            assert np.isfinite(scores).all() and scores.std() > 1.0
-        finally:
-            llm.close()
+        ids, scores = llama_tokenize_eval(p, "Hello, swarm of experts!")
+        assert scores.shape == (len(ids), 151_936)
+        assert np.isfinite(scores).all() and scores.std() > 1.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import pytest
 
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import ModelFormatError, UserError
+from conftest import sdist_vocab
 from p2pswarm.model import vocab as vocab_mod
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,29 +34,6 @@ needs_llama = pytest.mark.skipif(llama_cpp is None, reason=LLAMA_SKIP_REASON)
 
 
 # --- fixtures ----------------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def vocab_cache(tmp_path_factory) -> Path:
-    """A session-wide cache dir, so the sdist is fetched once per session (pip caches the download)."""
-    return tmp_path_factory.mktemp("vocab-cache")
-
-
-def _vocab(vocab_cache: Path, name: str) -> Path:
-    old = os.environ.get("P2PSWARM_CACHE")
-    os.environ["P2PSWARM_CACHE"] = str(vocab_cache)
-    try:
-        return vocab_mod.qwen35_vocab_path() if name == "qwen35" else vocab_mod.sdist_vocab_path(name)
-    finally:
-        if old is None:
-            os.environ.pop("P2PSWARM_CACHE", None)
-        else:
-            os.environ["P2PSWARM_CACHE"] = old
-
-
-@pytest.fixture(scope="session")
-def qwen35_path(vocab_cache) -> Path:
-    return _vocab(vocab_cache, "qwen35")
-
-
 @pytest.fixture(scope="session")
 def qwen35(qwen35_path) -> Tokenizer:
     return Tokenizer.from_gguf(qwen35_path)
@@ -253,7 +231,7 @@ OTHER_TEXTS += ["Hello , world ! ' quoted ' it 's I 'm we 're they 've 'll 'd 't
 @needs_llama
 @pytest.mark.parametrize("name", ["qwen2", "llama-bpe", "gpt-2", "mpt"])
 def test_other_vocabs_match_llama_cpp(vocab_cache, name):
-    path = _vocab(vocab_cache, name)
+    path = sdist_vocab(vocab_cache, name)
     tok, ref = Tokenizer.from_gguf(path), Ref(path)
     for text in OTHER_TEXTS:
         assert_same(tok, ref, text)
@@ -305,7 +283,7 @@ def _rewrite(src: Path, dst: Path, **set_kv) -> Path:
 
 @pytest.fixture(scope="session")
 def gpt2_path(vocab_cache) -> Path:
-    return _vocab(vocab_cache, "gpt-2")
+    return sdist_vocab(vocab_cache, "gpt-2")
 
 
 @pytest.mark.slow

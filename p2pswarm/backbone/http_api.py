@@ -1,18 +1,21 @@
-"""The backbone's user-facing HTTP endpoint: an OpenAI-style ``/v1/completions`` (plain or streamed).
+"""The backbone's HTTP endpoint: the OpenAI API users call, and what an operator looks at.
 
-A minimal ASGI application (no web framework: three routes do not need one) served by hypercorn's
-trio worker, so it shares the backbone's event loop. Routes:
+A Starlette application (anyio, so it runs on trio) served by hypercorn's trio worker: it shares
+the backbone's event loop. This module only routes and shapes requests and responses; parameters
+and the text loop are in :mod:`p2pswarm.backbone.completion`, chat rendering in :mod:`p2pswarm.backbone.chat`, the
+status page in :mod:`p2pswarm.backbone.status_page`, metrics in :mod:`p2pswarm.backbone.metrics`.
+Every route and parameter is documented in docs/api.md.
 
-* ``GET /health`` -> ``{"status": "ok", "model": ..., "fingerprint": ...}``
-* ``GET /v1/models`` -> the one model this backbone serves
-* ``POST /v1/completions`` with ``{"prompt": str, "max_tokens": int, "temperature": float,
-  "top_p": float, "seed": int, "stream": bool}``; with ``stream`` the reply is server-sent events,
-  one ``data: {...}`` per token and ``data: [DONE]`` at the end, as OpenAI clients expect.
+* ``GET /`` the status page; ``GET /v1/swarm`` its JSON (coverage, workers, tokens/s)
+* ``GET /health``; ``GET /metrics`` (Prometheus text format)
+* ``GET /v1/models``, ``GET /v1/models/{id}``
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``, plain or streamed (server-sent
+  events: one ``data: {...}`` chunk per piece of text, the last with ``finish_reason``, then the
+  usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``)
 
-Every completion goes through one :class:`~p2pswarm.backbone.scheduler.Scheduler` entry point,
-``scheduler.submit(prompt_ids, params)``: concurrent requests are batched together step by step
-(continuous batching), and a client that disconnects cancels its sequence. Bad requests get a 400
-with ``{"error": {"message": ...}}``, never a traceback; a request whose step failed gets a 500.
+Refused requests get OpenAI's error shape (:mod:`p2pswarm.backbone.openai_errors`), never a traceback.
+A streamed response whose client goes away is cancelled (Starlette watches for the disconnect),
+which ends its generation at the next step instead of running to ``max_tokens``.
 """
 from __future__ import annotations
 
@@ -20,162 +23,299 @@ import json
 import logging
 import time
 import uuid
+from contextlib import asynccontextmanager
 from functools import partial
 
 import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
+from p2pswarm.backbone.chat import ChatError, ChatTemplate, read_chat_template
+from p2pswarm.backbone.completion import GenParams, Usage, generate_text, parse_params
+from p2pswarm.backbone.generate import generate
+from p2pswarm.backbone.metrics import BackboneMetrics
+from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
 from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Params, Scheduler
-from p2pswarm.http_server import lifespan, send_json, serve_asgi
+from p2pswarm.backbone.status_page import SwarmView, status_html
+from p2pswarm.errors import UserError
+from p2pswarm.http_server import serve_asgi
 
 log = logging.getLogger("p2pswarm.http")
 MAX_BODY = 1 << 20
-MAX_TOKENS_LIMIT = 4096
-
-
-class BadRequest(Exception):
-    pass
 
 
 class CompletionsApp:
-    """ASGI app over one backbone and its tokenizer."""
+    """ASGI app over one backbone and its tokenizer.
+
+    ``model_path`` (the GGUF) gives the chat template, the context length requests must fit in
+    and the layout the status page draws; ``view`` overrides the latter (a swarm backbone passes
+    its resolver's block size)."""
 
     def __init__(self, backbone: Backbone, tokenizer, model_name: str, fingerprint: str, *,
-                 scheduler: Scheduler | None = None):
+                 model_path=None, view: SwarmView | None = None, chat_template: str | None = None,
+                 scheduler=None):
         self.backbone = backbone
-        self.scheduler = scheduler or Scheduler(backbone, tokenizer)
+        # The continuous-batching Scheduler (p2pswarm.backbone.scheduler, the throughput work):
+        # every request of both endpoints then shares decode steps. None: one generate() each.
+        self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.fingerprint = fingerprint
+        self.created = int(time.time())
+        if chat_template is None and model_path is not None:
+            chat_template = read_chat_template(model_path)
+        self.chat = ChatTemplate(chat_template, tokenizer) if chat_template else None
+        self.n_ctx = getattr(backbone.model, "n_ctx_train", None)
+        if model_path is not None:
+            from p2pswarm.model.layout import ModelLayout
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan":
-            await lifespan(receive, send)
+            layout = ModelLayout.open(model_path)
+            self.n_ctx = int(layout.hparams.get("context_length") or 0) or self.n_ctx
+            if view is None:
+                view = SwarmView.for_backbone(backbone, layout)
+        self.view = view
+        self._generating = 0
+        self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active)
+        self.app = Starlette(
+            routes=[
+                Route("/", self._status_page),
+                Route("/health", self._health),
+                Route("/metrics", self._metrics),
+                Route("/v1/swarm", self._swarm),
+                Route("/v1/models", self._models),
+                Route("/v1/models/{model:path}", self._model),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+            ],
+            exception_handlers={APIError: _api_error, UserError: _user_error, HTTPException: _http_error,
+                                Exception: _server_error})
+
+    # -- the one place generation starts ---------------------------------------------------------
+    @property
+    def active(self) -> int:
+        """Sequences generating now."""
+        return self.scheduler.active if self.scheduler is not None else self._generating
+
+    @asynccontextmanager
+    async def open_generation(self, prompt_ids: list[int], *, max_tokens: int, sampler):
+        """Token steps (``generate.Step``) for one request: through the scheduler when there is
+        one (``scheduler.submit``; leaving the block early cancels the sequence), else a
+        ``generate()`` of its own."""
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        if self.scheduler is not None:
+            from p2pswarm.backbone.scheduler import Params  # the throughput work's module
+
+            async with self.scheduler.submit(prompt_ids, Params(max_tokens=max_tokens, sampler=sampler)) as steps:
+                yield steps
             return
-        if scope["type"] != "http":
-            return
-        method, path = scope["method"], scope["path"]
+        steps = generate(self.backbone, self.tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler)
+        self._generating += 1
         try:
-            if method == "GET" and path == "/health":
-                stats = self.backbone.dispatcher.stats
-                await send_json(send, 200, {"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
-                                        "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
-                                        "active_sequences": self.scheduler.active,
-                                        "steps": self.scheduler.stats.steps,
-                                        "micro_batches": self.scheduler.last_micro_batches,
-                                        "dense_s": self.backbone.timing.dense_s,
-                                        "dispatch_wait_s": self.backbone.timing.wait_s,
-                                        "generated_tokens": self.scheduler.stats.generated})
-            elif method == "GET" and path == "/v1/models":
-                await send_json(send, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
-            elif method == "POST" and path == "/v1/completions":
-                request = self._parse_completion(await _read_json(receive))
-                async with trio.open_nursery() as nursery:  # a client that hangs up cancels its sequence
-                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                    await self._completions(request, send)
-                    nursery.cancel_scope.cancel()
-            else:
-                await send_json(send, 404, {"error": {"message": f"no route {method} {path}"}})
-        except BadRequest as exc:
-            await send_json(send, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+            yield steps
+        finally:
+            self._generating -= 1
+            await steps.aclose()
 
-    def _parse_completion(self, body: dict) -> dict:
+    # -- ASGI: Starlette routes; requests counted by route and status -----------------------------
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def counted_send(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            endpoint = getattr(scope.get("route"), "path", None) or "other"  # bounded label values
+            self.metrics.http_requests.labels(endpoint, str(status[0])).inc()
+
+    # -- operator routes -------------------------------------------------------------------------
+    async def _status_page(self, request: Request) -> Response:
+        return Response(status_html(), media_type="text/html; charset=utf-8")
+
+    async def _health(self, request: Request) -> Response:
+        stats = self.backbone.dispatcher.stats
+        sched = self.scheduler
+        return JSONResponse({"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
+                             "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
+                             "active_sequences": self.active, "chat_template": self.chat is not None,
+                             "generated_tokens": sched.stats.generated if sched else self.metrics.total_tokens,
+                             "steps": sched.stats.steps if sched else None,
+                             "micro_batches": sched.last_micro_batches if sched else None,
+                             "dense_s": self.backbone.timing.dense_s,
+                             "dispatch_wait_s": self.backbone.timing.wait_s})
+
+    async def _metrics(self, request: Request) -> Response:
+        payload, ctype = self.metrics.render()
+        return Response(payload, media_type=ctype)
+
+    def _coverage(self) -> tuple[int, int, int]:
+        if self.view is None:
+            return 0, 0, sum(1 for o in self.backbone.dispatcher.owners if o.remote)
+        return self.view.coverage_counts()
+
+    async def _swarm(self, request: Request) -> Response:
+        if self.view is None:
+            raise APIError(404, "this backbone was started without its model file: no swarm view", code="not_found")
+        return JSONResponse(self.view.snapshot(
+            model=self.model_name, fingerprint=self.fingerprint, active=self.active, rate=self.metrics.rate,
+            metrics_totals={"tokens_generated": self.metrics.total_tokens}))
+
+    # -- OpenAI routes ---------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "p2pswarm"}
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.model_name:
+            raise model_not_found(name, self.model_name)
+        return JSONResponse(self._model_card())
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise model_not_found(model, self.model_name)
+
+    async def _completions(self, request: Request) -> Response:
+        body = await _read_json(request)
+        self._check_model(body)
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]  # the openai client may send a one-string list
         if not isinstance(prompt, str) or not prompt:
-            raise BadRequest("'prompt' must be a non-empty string")
-        max_tokens = _number(body, "max_tokens", 16, int, 1, MAX_TOKENS_LIMIT)
-        temperature = _number(body, "temperature", 1.0, float, 0.0, 10.0)
-        top_p = _number(body, "top_p", 1.0, float, 1e-6, 1.0)
-        seed = _number(body, "seed", 0, int, 0, 2**63 - 1)
-        stream = bool(body.get("stream", False))
+            raise bad_request("'prompt' must be a non-empty string (one prompt per request)", param="prompt")
+        params = parse_params(body, chat=False, n_vocab=self.tokenizer.n_vocab)
         ids = self.tokenizer.encode(prompt)
         if not ids:
-            raise BadRequest("the prompt tokenizes to nothing")
-        return {"ids": ids, "stream": stream,
-                "params": Params(max_tokens=max_tokens, sampler=Sampler(temperature, top_p, seed))}
+            raise bad_request("the prompt tokenizes to nothing", param="prompt")
+        return await self._respond(ids, params, chat=False)
 
-    async def _completions(self, request: dict, send) -> None:
-        ids, stream, params = request["ids"], request["stream"], request["params"]
-        max_tokens = params.max_tokens
-        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        async with self.scheduler.submit(ids, params) as steps:
-            if not stream:
-                text, n, finish = "", 0, "length"
-                try:
-                    async for step in steps:
-                        text += step.text
-                        n += 1
-                        if step.end:
-                            finish = "stop"
-                except Exception as exc:  # noqa: BLE001 - a failed step: the client hears why
-                    await send_json(send, 500, {"error": {"message": str(exc), "type": "server_error"}})
-                    return
-                await send_json(send, 200, {
-                    "id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-                    "usage": {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n},
-                })
-                return
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-            n, finish = 0, None
-            try:
-                async for step in steps:
-                    n += 1
-                    finish = "stop" if step.end else ("length" if n == max_tokens else None)
-                    chunk = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": [{"index": 0, "text": step.text, "finish_reason": finish}]}
-                    await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
-                                "more_body": True})
-            except Exception as exc:  # noqa: BLE001 - mid-stream: an error event, then the end
-                err = {"error": {"message": str(exc), "type": "server_error"}}
-                await send({"type": "http.response.body", "body": f"data: {json.dumps(err)}\n\n".encode(),
-                            "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+    async def _chat_completions(self, request: Request) -> Response:
+        body = await _read_json(request)
+        self._check_model(body)
+        if self.chat is None:
+            raise bad_request(f"the model '{self.model_name}' has no chat template (tokenizer.chat_template in "
+                              f"its GGUF): use /v1/completions", param="messages", code="no_chat_template")
+        params = parse_params(body, chat=True, n_vocab=self.tokenizer.n_vocab)
+        try:
+            ids = self.chat.encode(body.get("messages"))
+        except ChatError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        if not ids:
+            raise bad_request("the conversation renders to nothing", param="messages")
+        return await self._respond(ids, params, chat=True)
 
-
-def _number(body: dict, key: str, default, kind, lo, hi):
-    v = body.get(key, default)
-    if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise BadRequest(f"'{key}' must be a number")
-    v = kind(v)
-    if not lo <= v <= hi:
-        raise BadRequest(f"'{key}' must be between {lo} and {hi}")
-    return v
+    async def _respond(self, ids: list[int], params: GenParams, *, chat: bool) -> Response:
+        """Run one generation and answer it, whole or as server-sent events."""
+        if self.n_ctx and len(ids) + params.max_tokens > self.n_ctx:
+            raise bad_request(f"this model's context is {self.n_ctx} tokens; the request asks for "
+                              f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} to "
+                              f"generate): shorten it or lower max_tokens", param="max_tokens",
+                              code="context_length_exceeded")
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        head = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name,
+                "system_fingerprint": self.fingerprint[:16]}
+        usage = Usage()
+        pieces = generate_text(self.open_generation, ids, params, usage, on_token=self.metrics.generated)
+        if not params.stream:
+            text = "".join([p async for p in pieces])
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                          "finish_reason": usage.finish_reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": usage.finish_reason, "logprobs": None}
+            return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                                 "choices": [choice], "usage": usage.as_dict()})
+        return StreamingResponse(_sse(head, pieces, usage, params, chat=chat), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
 
 
-async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
+async def _sse(head: dict, pieces, usage: Usage, params: GenParams, *, chat: bool):
+    """The server-sent events of one streamed completion (see the module doc for their order)."""
+    extra = {"usage": None} if params.include_usage else {}
+
+    def chunk(text: str | None, finish: str | None, *, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return {**head, "choices": [choice], **extra}
+
+    def event(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    try:
+        if chat:
+            yield event(chunk(None, None, role=True))
+        async for piece in pieces:
+            yield event(chunk(piece, None))
+        yield event(chunk(None, usage.finish_reason))
+        if params.include_usage:
+            yield event({**head, "choices": [], "usage": usage.as_dict()})
+    except Exception as exc:  # the status line is out: report in-band, as OpenAI's stream does
+        log.warning("stream %s failed: %s", head["id"], exc)
+        err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}", type="server_error")
+        yield event(err.body())
+    yield "data: [DONE]\n\n"
 
 
-async def _read_json(receive) -> dict:
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _user_error(request: Request, exc: UserError) -> Response:
+    """Input the model cannot take (a lone surrogate in the text, a token id out of range): a 400."""
+    return JSONResponse(bad_request(str(exc)).body(), status_code=400)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
+    if exc.status_code == 404:
+        err = no_route(request.method, request.url.path)
+    else:
+        err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return JSONResponse(err.body(), status_code=err.status, headers=getattr(exc, "headers", None))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return JSONResponse(APIError(500, "internal error (see the backbone's log)", type="server_error").body(),
+                        status_code=500)
+
+
+async def _read_json(request: Request) -> dict:
     body = bytearray()
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
+    async for part in request.stream():
+        body += part
         if len(body) > MAX_BODY:
-            raise BadRequest(f"request body over {MAX_BODY} bytes")
-        if not msg.get("more_body"):
-            break
+            raise bad_request(f"request body over {MAX_BODY} bytes")
     try:
         data = json.loads(body or b"{}")
     except (ValueError, UnicodeDecodeError):
-        raise BadRequest("request body is not valid JSON") from None
+        raise bad_request("request body is not valid JSON") from None
     if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise bad_request("request body must be a JSON object")
     return data
 
 
 async def serve_http(app: CompletionsApp, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` (and run its scheduler's step loop) until cancelled; ``task_status.started``
-    gets the bound addresses."""
+    """Serve ``app`` (and run its scheduler's step loop, if it has one) until cancelled;
+    ``task_status.started`` gets the bound addresses."""
     async with trio.open_nursery() as nursery:
-        await nursery.start(app.scheduler.run)
+        if app.scheduler is not None:
+            await nursery.start(app.scheduler.run)
         binds = await nursery.start(partial(serve_asgi, app, host, port, logger="p2pswarm.http.server"))
         task_status.started(binds)

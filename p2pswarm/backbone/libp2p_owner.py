@@ -48,6 +48,7 @@ class Libp2pOwner(SocketOwner):
         self.info = info
         self.connect_timeout_s = connect_timeout_s
         self.on_failure = on_failure
+        self.on_latency = None  # (owner, seconds) after each answered request: the metrics histogram
         self.rtt_s: float | None = None  # EWMA of request round trips (compute included)
         self.inflight = 0
         self.requests = 0
@@ -138,6 +139,8 @@ class Libp2pOwner(SocketOwner):
             self.inflight -= 1
         dt = time.perf_counter() - t0
         self.rtt_s = dt if self.rtt_s is None else (1 - RTT_EWMA) * self.rtt_s + RTT_EWMA * dt
+        if self.on_latency is not None:
+            self.on_latency(self, dt)
         self._reorder()
         return reply
 
@@ -181,6 +184,7 @@ class SwarmOwners:
         self.connect_timeout_s = connect_timeout_s
         self.max_frame = max_frame
         self.resolver = resolver
+        self.on_latency = None  # handed to every owner (Libp2pOwner.on_latency)
         self.owners: list[Libp2pOwner] = []
         self._by_key: dict[tuple[str, str], Libp2pOwner] = {}
         self.dispatcher = None
@@ -193,6 +197,10 @@ class SwarmOwners:
     def _failed(self, owner: Libp2pOwner) -> None:
         if self.resolver is not None:
             self.resolver.request_refresh(owner.peer)
+
+    def _latency(self, owner: Libp2pOwner, seconds: float) -> None:
+        if self.on_latency is not None:
+            self.on_latency(owner, seconds)
 
     def resort(self) -> None:
         self.owners.sort(key=Libp2pOwner.sort_key)
@@ -207,6 +215,7 @@ class SwarmOwners:
                                     timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
                                     max_frame=self.max_frame, on_failure=self._failed)
                 owner._order_changed = self.resort
+                owner.on_latency = self._latency
                 self._by_key[key] = owner
                 self.owners.append(owner)
                 log.info("found worker %s: layers %d-%d experts %d-%d", owner.name, info.shard.layers[0],

@@ -3,7 +3,8 @@
 * worker: serves its shard on `/p2pswarm/expert/1.0.0`, provides a signed DHT record for every
   coverage unit it holds (re-provided before expiry, withdrawn on a clean shutdown).
 * backbone: holds the dense path and every expert as fallback, finds owners and replicas through DHT
-  look-ups, and serves generation over a local OpenAI-style HTTP endpoint (`/v1/completions`).
+  look-ups, and serves the OpenAI API (`/v1/chat/completions`, `/v1/completions`), a status page and
+  `/metrics` over local HTTP (docs/api.md).
 
 Both print ``READY <multiaddr>`` on stdout once up, log one line per significant event, and shut
 down cleanly on SIGINT/SIGTERM.
@@ -86,7 +87,11 @@ def add_parser(sub) -> None:
     p.add_argument("--manifest", help="backbone: the model's signed manifest (`p2pswarm manifest`): serve "
                                       "shard downloads to token holders")
     p.add_argument("--http", default="127.0.0.1:8000", help="backbone: HOST:PORT of the HTTP endpoint "
-                                                          "(port 0 picks one; 'off' disables it)")
+                                                          "(port 0 picks one; 'off' disables it): the OpenAI "
+                                                          "API, the status page at /, /metrics (docs/api.md)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="backbone: the model id the OpenAI API answers to (default: the GGUF's file name "
+                        "without .gguf); requests naming another model get a 404")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"experts per coverage unit; the same swarm-wide (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--ttl", type=float, default=600.0, help="worker: record lifetime in seconds (default 600)")
@@ -239,8 +244,10 @@ async def _start_relay_keeper(args, net):
 async def _backbone(args) -> None:
     from p2pswarm.backbone.http_api import CompletionsApp, serve_http
     from p2pswarm.backbone.scheduler import Scheduler
+    from p2pswarm.backbone.status_page import SwarmView
     from p2pswarm.backbone.swarm_session import open_swarm_backbone
     from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.model.layout import ModelLayout
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 
     identity = load_or_create_identity(args.identity or default_identity_path("backbone"))
@@ -261,11 +268,15 @@ async def _backbone(args) -> None:
                 scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
                                       prefill_chunk=args.prefill_chunk, max_active=args.max_active,
                                       micro_batches=args.micro_batches)
-                app = CompletionsApp(swarm.backbone, tokenizer, args.model, swarm.local.fingerprint,
-                                     scheduler=scheduler)
+                view = SwarmView.for_backbone(swarm.backbone, ModelLayout.open(args.model),
+                                              block_size=swarm.resolver.block_size, resolver=swarm.resolver)
+                app = CompletionsApp(swarm.backbone, tokenizer, args.served_model_name or Path(args.model).stem,
+                                     swarm.local.fingerprint, model_path=args.model, view=view, scheduler=scheduler)
+                swarm.pool.on_latency = app.metrics.observe_owner
                 binds = await nursery.start(serve_http, app, host, int(port))
                 http = binds[0]
-                log.info("serving /v1/completions on %s", http)
+                log.info("serving the OpenAI API (model %r) and the status page on %s%s", app.model_name, http,
+                         "" if app.chat else "; no chat template: /v1/chat/completions refuses")
             if args.manifest:
                 await _serve_shards(args, swarm, nursery)
             print(f"READY {dialable_addrs(swarm.net)[0]} http={http}", flush=True)

@@ -32,6 +32,11 @@ trap below has a regression test in ``tests/test_net_dht.py`` that fails without
 * A server accepts at most 10 ADD_PROVIDER messages per peer per 10 s and silently drops the rest
   (the stream is reset; the sender, fire-and-forget, never knows). A worker providing 40 units
   would be 3/4 invisible. Our servers allow :data:`PROVIDE_RATE_MAX` per window.
+* A server acknowledges an ADD_PROVIDER whose provider has no addresses, then drops the entry, so
+  a node with nothing to advertise (dial-only, or relayed before its reservation) would count its
+  provides as stored while they vanish. :meth:`SwarmDHT.provide` sends what the node *advertises*
+  (a relayed node's circuit addresses; py-libp2p would send its undialable listen addresses) and
+  provides nothing, with a warning, while that is empty.
 """
 from __future__ import annotations
 
@@ -330,8 +335,16 @@ class SwarmDHT:
         Our look-up plus py-libp2p's ADD_PROVIDER sender: 2.5x faster than the library's
         ``provide`` (whose FIND_NODE walk queries 10 peers per round to full convergence)."""
         self.stats.provides += 1
+        # What we advertise (a relayed node: its circuit addresses), never py-libp2p's own listen
+        # addresses: behind a NAT those are not dialable. And never nothing: a py-libp2p server
+        # acknowledges an ADD_PROVIDER without addresses, then drops it, so the provide would
+        # "succeed" and vanish.
+        addrs = [multiaddr.Multiaddr(a) for a in self.net.addrs()]
+        if not addrs:
+            log.warning("not providing %s: this node has no address to advertise yet", key.hex()[:16])
+            return 0
         store = self.kad.provider_store
-        store.add_provider(key, PeerInfo(self.peer_id, self.net.host.get_addrs()))
+        store.add_provider(key, PeerInfo(self.peer_id, addrs))
         targets = (await self._lookup(key, Message.MessageType.GET_PROVIDERS, lambda pid, resp: None,
                                       timeout_s=timeout_s))[:K]
         sent = 0
@@ -340,7 +353,7 @@ class SwarmDHT:
         msg.key = key
         me = msg.providerPeers.add()
         me.id = self.peer_id.to_bytes()
-        me.addrs.extend(a.to_bytes() for a in self.net.host.get_addrs())
+        me.addrs.extend(a.to_bytes() for a in addrs)
 
         async def one(pid: ID) -> None:
             nonlocal sent

@@ -64,6 +64,12 @@ Relay and WebSocket support (issue M2b, relay-443); each with a regression test 
   :meth:`NetHost.set_relay_addrs` and advertised by :meth:`NetHost.addrs` (py-libp2p rewrites
   announced circuit addresses, so ``announce`` cannot carry them).
 
+* Identify on a relayed connection reports the peer's "observed address" as the circuit address
+  py-libp2p's STOP side made up, ``/p2p/<our own id>/p2p-circuit/p2p/<peer>`` (our id in the
+  relay's place, no transport part); js-libp2p discards the whole identify message over it, so it
+  never learns a relayed worker's protocols. :func:`install_relayed_identify_fix` sends no observed
+  address on relayed connections, as go-libp2p and js-libp2p do.
+
 Performance (measured by ``bench/bench_relay.py``, docs/benchmarks.md "Relay-443"; regression test
 ``test_workaround_window_updates_batched`` counts the WINDOW_UPDATE frames):
 
@@ -653,6 +659,30 @@ def install_window_update_batching() -> None:
     YamuxStream._p2pswarm_batched_credit = True
 
 
+def install_relayed_identify_fix() -> None:
+    """Send no identify observed address on a relayed connection (process-wide, idempotent).
+
+    py-libp2p 0.8.1 reports, as the observed address of a peer reached through a relay, the circuit
+    address its STOP side made up: ``/p2p/<OUR OWN id>/p2p-circuit/p2p/<peer>`` -- our id where the
+    relay's belongs, and no transport part. js-libp2p rejects that address and with it the whole
+    identify message, so a js peer never learns a relayed worker's protocols. go-libp2p and
+    js-libp2p do not report observed addresses on relayed connections either; we send none there.
+    Direct connections keep reporting the socket's remote address."""
+    from libp2p.identity.identify import identify as ident  # noqa: PLC0415
+
+    if getattr(ident._prefer_circuit_addr, "_p2pswarm", False):
+        return
+    library = ident._prefer_circuit_addr
+
+    def observed_addr(host, peer_id, fallback):
+        addr = library(host, peer_id, fallback)
+        return None if addr is not None and is_circuit_addr(addr) else addr
+
+    observed_addr._p2pswarm = True
+    observed_addr.library = library  # for the regression test's control
+    ident._prefer_circuit_addr = observed_addr
+
+
 async def _no_auto_connect() -> None:
     """Replaces py-libp2p's AutoConnector.maybe_connect: we decide whom to dial."""
 
@@ -782,6 +812,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
         raise UserError("a host needs at least one listen address")
     install_write_shield()
     install_window_update_batching()
+    install_relayed_identify_fix()
     listen_addrs = [parse_multiaddr(a, "listen address") for a in listen]
     if bool(tls_cert) != bool(tls_key):
         raise UserError("a TLS certificate needs its key and the other way round (--tls-cert and --tls-key)")

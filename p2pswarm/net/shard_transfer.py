@@ -166,6 +166,7 @@ class ShardServerStats:
     chunks: int = 0
     bytes: int = 0
     corrupted: int = 0  # test hook only
+    malformed: int = 0  # streams closed over a malformed or oversized frame
 
 
 class ShardServer:
@@ -233,53 +234,65 @@ class ShardServer:
         self.stats.streams += 1
         peer = stream.peer_id.to_base58() if stream.peer_id is not None else "?"
         reader = FrameReader(stream, MAX_CONTROL_FRAME)
-        served = nbytes = 0
+        tally = [0, 0]  # chunks, bytes served on this stream
         try:
-            hello = _unpack(await reader.read_frame(), "hello")
-            granted = self._check_hello(hello, peer)
-            if isinstance(granted, str):
-                self.stats.refused += 1
-                await send_frame(stream, _pack({"ok": False, "error": granted}))
-                return
-            (l0, l1), (e0, e1) = granted
-            await send_frame(stream, _pack({"ok": True, "v": SHARD_PROTOCOL_VERSION, "chunk_max": self.chunk_max}))
-            while True:
-                data = await reader.read_frame()
-                if data is None:
-                    return
-                req = _unpack(data, "request")
-                op = req.get("op")
-                if op == "manifest":
-                    await send_frame(stream, _pack({"ok": True, "manifest": self._manifest_bytes}))
-                elif op == "header":
-                    await send_frame(stream, _pack({"ok": True, "header": self._header}))
-                elif op == "chunk":
-                    try:
-                        off, length = self._chunk_range(req, (l0, l1), (e0, e1))
-                    except ValueError as exc:
-                        await send_frame(stream, _pack({"ok": False, "error": str(exc)}))
-                        continue
-                    if self.delay_s:
-                        await trio.sleep(self.delay_s)
-                    chunk = await trio.to_thread.run_sync(os.pread, self._fd, length, off)
-                    if len(chunk) != length:
-                        await send_frame(stream, _pack({"ok": False, "error": "short read on the server"}))
-                        return
-                    self.stats.chunks += 1
-                    if self.stats.chunks in self.corrupt_chunks:
-                        chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
-                        self.stats.corrupted += 1
-                        log.warning("test hook: corrupted chunk %d (%s expert %s)", self.stats.chunks,
-                                    req.get("tensor"), req.get("expert"))
-                    self.stats.bytes += length
-                    served += 1
-                    nbytes += length
-                    await send_frame(stream, _pack({"ok": True, "data": chunk}))
-                else:
-                    await send_frame(stream, _pack({"ok": False, "error": f"unknown op {str(op)[:20]!r}"}))
+            await self._serve(stream, reader, peer, tally)
+        except FrameError as exc:  # a malformed or oversized frame: refuse it, close this stream only
+            self.stats.malformed += 1
+            log.warning("closing shard stream from %s: %s", peer, exc)
+            with trio.move_on_after(2):
+                try:
+                    await send_frame(stream, _pack({"ok": False, "error": str(exc)}))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, FrameError):
+                    pass
         finally:
-            if served:
-                log.info("shard server: served %d chunks (%.1f MB) to %s", served, nbytes / 1e6, peer)
+            if tally[0]:
+                log.info("shard server: served %d chunks (%.1f MB) to %s", tally[0], tally[1] / 1e6, peer)
+
+    async def _serve(self, stream, reader: FrameReader, peer: str, tally: list[int]) -> None:
+        """Hello (token check), then requests until the client closes; FrameError on bad input."""
+        hello = _unpack(await reader.read_frame(), "hello")
+        granted = self._check_hello(hello, peer)
+        if isinstance(granted, str):
+            self.stats.refused += 1
+            await send_frame(stream, _pack({"ok": False, "error": granted}))
+            return
+        (l0, l1), (e0, e1) = granted
+        await send_frame(stream, _pack({"ok": True, "v": SHARD_PROTOCOL_VERSION, "chunk_max": self.chunk_max}))
+        while True:
+            data = await reader.read_frame()
+            if data is None:
+                return
+            req = _unpack(data, "request")
+            op = req.get("op")
+            if op == "manifest":
+                await send_frame(stream, _pack({"ok": True, "manifest": self._manifest_bytes}))
+            elif op == "header":
+                await send_frame(stream, _pack({"ok": True, "header": self._header}))
+            elif op == "chunk":
+                try:
+                    off, length = self._chunk_range(req, (l0, l1), (e0, e1))
+                except ValueError as exc:
+                    await send_frame(stream, _pack({"ok": False, "error": str(exc)}))
+                    continue
+                if self.delay_s:
+                    await trio.sleep(self.delay_s)
+                chunk = await trio.to_thread.run_sync(os.pread, self._fd, length, off)
+                if len(chunk) != length:
+                    await send_frame(stream, _pack({"ok": False, "error": "short read on the server"}))
+                    return
+                self.stats.chunks += 1
+                if self.stats.chunks in self.corrupt_chunks:
+                    chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
+                    self.stats.corrupted += 1
+                    log.warning("test hook: corrupted chunk %d (%s expert %s)", self.stats.chunks,
+                                req.get("tensor"), req.get("expert"))
+                self.stats.bytes += length
+                tally[0] += 1
+                tally[1] += length
+                await send_frame(stream, _pack({"ok": True, "data": chunk}))
+            else:
+                await send_frame(stream, _pack({"ok": False, "error": f"unknown op {str(op)[:20]!r}"}))
 
     def _check_hello(self, hello: dict, peer: str) -> tuple[tuple[int, int], tuple[int, int]] | str:
         """The granted (layers, experts), or the refusal reason (already logged and counted)."""

@@ -1,0 +1,116 @@
+"""The backbone's Prometheus metrics (``GET /metrics``) and the token-rate history of the status page.
+
+One :class:`BackboneMetrics` per HTTP app, on its own ``CollectorRegistry`` (not the process-wide
+default: tests run several backbones in one process, and a registry refuses duplicate names).
+Counters the HTTP layer updates itself (requests, tokens) are ``prometheus_client`` metrics;
+numbers other parts already keep (the dispatcher's counters, the coverage map, the workers) are
+read at scrape time by a custom collector, so they never drift from the source.
+
+    p2pswarm_http_requests_total{endpoint, status}    requests answered, by route and HTTP status
+    p2pswarm_tokens_generated_total                   completion tokens handed to clients
+    p2pswarm_prompt_tokens_total                      prompt tokens fed
+    p2pswarm_active_sequences                         sequences generating right now
+    p2pswarm_owner_request_seconds{owner}             expert-request round trip per remote owner
+    p2pswarm_expert_requests_total                    requests sent to remote owners
+    p2pswarm_expert_fallbacks_total                   owner failures recomputed on the local replica
+    p2pswarm_expert_groups_total{where}               expert groups computed locally / remotely
+    p2pswarm_coverage_units{state}                    units with live remote replicas / only the local one
+    p2pswarm_workers                                  remote owners known
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+RATE_BIN_S = 5.0
+RATE_HISTORY_S = 300.0
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class TokenRate:
+    """Tokens generated per ``RATE_BIN_S`` bin over the last ``RATE_HISTORY_S``: the status page's
+    tokens/s chart (Prometheus has the raw counter; the page must work without a Prometheus)."""
+
+    def __init__(self, clock=time.time):
+        self.clock = clock
+        self.bins: deque[list[float]] = deque()  # [bin start, tokens]
+
+    def add(self, n: int = 1) -> None:
+        now = self.clock()
+        start = now - now % RATE_BIN_S
+        if not self.bins or self.bins[-1][0] != start:
+            self.bins.append([start, 0.0])
+        self.bins[-1][1] += n
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self.bins and self.bins[0][0] < now - RATE_HISTORY_S:
+            self.bins.popleft()
+
+    def series(self) -> list[list[float]]:
+        """``[[bin start (unix s), tokens/s], ...]`` for every bin of the window, zeros included."""
+        now = self.clock()
+        self._trim(now)
+        have = {b[0]: b[1] for b in self.bins}
+        last = now - now % RATE_BIN_S
+        n = int(RATE_HISTORY_S / RATE_BIN_S)
+        return [[t, have.get(t, 0.0) / RATE_BIN_S] for t in (last - RATE_BIN_S * i for i in range(n - 1, -1, -1))]
+
+
+class _SwarmCollector:
+    """Reads the dispatcher and the status snapshot at scrape time."""
+
+    def __init__(self, dispatcher, coverage):
+        self.dispatcher = dispatcher
+        self.coverage = coverage  # () -> (live units, local-only units, workers)
+
+    def collect(self):
+        s = self.dispatcher.stats
+        yield CounterMetricFamily("p2pswarm_expert_requests", "Expert requests sent to remote owners", value=s.requests)
+        yield CounterMetricFamily("p2pswarm_expert_fallbacks",
+                                  "Owner failures whose experts were recomputed on the local replica",
+                                  value=s.fallbacks)
+        groups = CounterMetricFamily("p2pswarm_expert_groups", "Expert groups computed, by where", labels=["where"])
+        groups.add_metric(["local"], s.local_groups)
+        groups.add_metric(["remote"], s.remote_groups)
+        yield groups
+        live, local_only, workers = self.coverage()
+        units = GaugeMetricFamily("p2pswarm_coverage_units", "Coverage units by state", labels=["state"])
+        units.add_metric(["remote"], live)
+        units.add_metric(["local_only"], local_only)
+        yield units
+        yield GaugeMetricFamily("p2pswarm_workers", "Remote expert owners known", value=workers)
+
+
+class BackboneMetrics:
+    def __init__(self, dispatcher, coverage, active):
+        """``coverage()`` -> (units with a live remote replica, units only the local replica
+        covers, remote owners); ``active()`` -> sequences generating now."""
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("p2pswarm_http_requests", "HTTP requests answered",
+                                     ["endpoint", "status"], registry=r)
+        self.tokens = Counter("p2pswarm_tokens_generated", "Completion tokens generated", registry=r)
+        self.prompt_tokens = Counter("p2pswarm_prompt_tokens", "Prompt tokens fed", registry=r)
+        self.active = Gauge("p2pswarm_active_sequences", "Sequences generating now", registry=r)
+        self.active.set_function(active)
+        self.owner_latency = Histogram("p2pswarm_owner_request_seconds",
+                                       "Expert request round trip per remote owner (compute included)",
+                                       ["owner"], buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_SwarmCollector(dispatcher, coverage))
+        self.rate = TokenRate()
+        self.total_tokens = 0
+
+    def observe_owner(self, owner, seconds: float) -> None:
+        self.owner_latency.labels(owner.name).observe(seconds)
+
+    def generated(self, n: int = 1) -> None:
+        self.tokens.inc(n)
+        self.total_tokens += n
+        self.rate.add(n)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,160 @@
+"""What an operator sees of a backbone: ``GET /`` (the status page) and ``GET /v1/swarm`` (its JSON).
+
+The page (``static/status.html``, package data, no external assets so it works offline) polls
+``/v1/swarm`` every two seconds and draws:
+
+* the coverage heat-map, one cell per coverage unit (layer x block of ``block_size`` experts):
+  how many live remote replicas hold it (0 = only the backbone's own fallback replica computes
+  it), and the routing demand once the dispatcher counts it;
+* the workers: short peer id, direct or relayed, round trip, in-flight requests, requests
+  served, failures, kernel, and what they hold;
+* tokens/s over the last five minutes and the sequences generating now.
+
+A replica is *live* when the dispatcher would send it work now: a worker that failed is in
+back-off and stops counting at once, so a killed worker shows on the map at its next request,
+not at its record's expiry.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from importlib import resources
+
+import numpy as np
+
+from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+
+
+def status_html() -> bytes:
+    return resources.files("p2pswarm.backbone").joinpath("static/status.html").read_bytes()
+
+
+def _ranges(owner):
+    """``((l0, l1), (e0, e1))`` half-open ranges an owner holds, or None when it only answers holds()."""
+    layers, experts = getattr(owner, "layers", None), getattr(owner, "experts", None)
+    if layers is not None and experts is not None:
+        return tuple(layers), tuple(experts)
+    return None
+
+
+class SwarmView:
+    """Coverage and workers of one backbone, from its dispatcher (the owners it routes to now)."""
+
+    def __init__(self, dispatcher, *, layers, n_expert: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 kernel: str | None = None, resolver=None):
+        self.dispatcher = dispatcher
+        self.layers = sorted(layers)
+        self.n_expert = n_expert
+        self.block_size = block_size
+        self.kernel = kernel
+        self.resolver = resolver
+        self.n_blocks = math.ceil(n_expert / block_size) if n_expert else 0
+        self.started = time.time()
+
+    @classmethod
+    def for_backbone(cls, backbone, layout, *, block_size: int = DEFAULT_BLOCK_SIZE, resolver=None) -> "SwarmView":
+        d = backbone.dispatcher
+        return cls(d, layers=layout.expert_layers, n_expert=layout.n_expert, block_size=block_size,
+                   kernel=getattr(d.local.bank, "kernel", None), resolver=resolver)
+
+    def _cover(self, grid: np.ndarray, owner, span) -> None:
+        """Add 1 to ``grid[row, block]`` for every unit the owner holds any expert of: one slice
+        from its ranges, or ``holds()`` expert by expert for an owner without ranges."""
+        bs = self.block_size
+        if span is not None:
+            (l0, l1), (x0, x1) = span
+            if x1 > x0:
+                r0, r1 = bisect.bisect_left(self.layers, l0), bisect.bisect_left(self.layers, l1)
+                grid[r0:r1, max(0, x0) // bs:min(self.n_blocks, (x1 - 1) // bs + 1)] += 1
+            return
+        for row, layer in enumerate(self.layers):
+            for b in range(self.n_blocks):
+                if any(owner.holds(layer, e) for e in range(b * bs, min((b + 1) * bs, self.n_expert))):
+                    grid[row, b] += 1
+
+    def units(self) -> list[dict]:
+        """One dict per unit, layer-major. Counted owner by owner with array slices, so a poll
+        stays cheap at the 122B's scale (49 x 32 units, hundreds of phones): bench/bench_status.py."""
+        d = self.dispatcher
+        nb, bs = self.n_blocks, self.block_size
+        live = np.zeros((len(self.layers), nb), np.int32)
+        known = np.zeros_like(live)
+        for o in d.owners:
+            if o.remote:
+                span = _ranges(o)
+                self._cover(known, o, span)
+                if d._healthy(o):
+                    self._cover(live, o, span)
+        demand = getattr(d, "demand", None)
+        now = time.monotonic()
+        live_l, known_l = live.tolist(), known.tolist()
+        out = []
+        for row, layer in enumerate(self.layers):
+            for b in range(nb):
+                e0, e1 = b * bs, min((b + 1) * bs, self.n_expert)
+                out.append({"layer": layer, "block": b, "experts": [e0, e1], "replicas": live_l[row][b],
+                            "known": known_l[row][b],
+                            "demand": (round(sum(demand.value(layer, e, now) for e in range(e0, e1)), 3)
+                                       if demand is not None else None)})
+        return out
+
+    def workers(self) -> list[dict]:
+        d = self.dispatcher
+        out = []
+        for o in d.owners:
+            if not o.remote:
+                continue
+            info = getattr(o, "info", None)
+            span = _ranges(o)
+            addrs = list(getattr(info, "addrs", ()) or ())
+            peer = getattr(o, "peer", None)
+            rtt = getattr(o, "rtt_s", None)
+            record = getattr(info, "record", None)
+            out.append({
+                "name": o.name,
+                "peer": peer,
+                "short_id": (peer[-10:] if peer else o.name),
+                "relayed": any("/p2p-circuit" in a for a in addrs) if addrs else False,
+                "addrs": addrs,
+                "rtt_ms": round(rtt * 1000, 2) if rtt is not None else None,
+                "load": getattr(o, "inflight", None),
+                "requests": getattr(o, "requests", None),
+                "failures": getattr(o, "failures", None),
+                "kernel": getattr(record, "kernel", None) or getattr(o, "kernel", None) or self.kernel,
+                "layers": list(span[0]) if span else None,
+                "experts": list(span[1]) if span else None,
+                "healthy": d._healthy(o),
+            })
+        return out
+
+    def coverage_counts(self) -> tuple[int, int, int]:
+        """(units with a live remote replica, units only the local replica covers, remote owners)."""
+        units = self.units()
+        live = sum(1 for u in units if u["replicas"] > 0)
+        return live, len(units) - live, sum(1 for o in self.dispatcher.owners if o.remote)
+
+    def snapshot(self, *, model: str, fingerprint: str, active: int, rate, metrics_totals: dict) -> dict:
+        s = self.dispatcher.stats
+        units = self.units()
+        return {
+            "model": model,
+            "fingerprint": fingerprint,
+            "time": time.time(),
+            "uptime_s": round(time.time() - self.started, 1),
+            "layers": self.layers,
+            "n_expert": self.n_expert,
+            "block_size": self.block_size,
+            "blocks_per_layer": self.n_blocks,
+            "units": units,
+            "covered_units": sum(1 for u in units if u["replicas"] > 0),
+            "workers": self.workers(),
+            "active_sequences": active,
+            "tokens_per_s": rate.series(),
+            "dispatch": {"expert_requests": s.requests, "fallbacks": s.fallbacks,
+                         "local_groups": s.local_groups, "remote_groups": s.remote_groups},
+            "resolver": ({"refreshes": self.resolver.stats.refreshes,
+                          "last_refresh_s": round(self.resolver.stats.last_refresh_s, 3)}
+                         if self.resolver is not None else None),
+            **metrics_totals,
+        }

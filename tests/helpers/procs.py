@@ -1,0 +1,91 @@
+"""Running `p2pswarm ...` processes in tests: start, wait for READY, read logs, stop."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from p2pswarm.net.identity import Identity, load_or_create_identity
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A `p2pswarm ...` process; ``expect_ready`` waits for its ``READY <addr>`` line."""
+
+    def __init__(self, args: list[str], log: Path, env: dict, *, prefix: list[str] = (), expect_ready=True,
+                 timeout: float = 90):
+        self.log = log
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
+                                     stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env)
+        self.addr = self.health = None
+        if not expect_ready:
+            return
+        line: list[str] = []
+        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout)
+        if not line or not line[0].startswith("READY "):
+            self.stop()
+            raise AssertionError(f"{args[:3]} did not start: {log.read_text()[-3000:]}")
+        parts = line[0].split()
+        self.addr = parts[1]
+        for p in parts[2:]:
+            if p.startswith("health="):
+                self.health = p.split("=", 1)[1]
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_log(self, needle: str, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if needle in self.text():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} not in log within {timeout} s: {self.text()[-3000:]}")
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def get_health(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def start_relay(tmp_path, env, *, issuer=None, port=None, name="relay", host="127.0.0.1", extra=()) -> Proc:
+    port = port or free_port(host)
+    args = ["relay", "--listen", f"/ip4/{host}/tcp/{port}/ws", "--identity", str(tmp_path / f"{name}.key"),
+            "--health", f"127.0.0.1:{free_port()}", *extra]
+    args += ["--trust-issuer", issuer.peer_id_str] if issuer is not None else ["--open"]
+    return Proc(args, tmp_path / f"{name}.log", env)
+
+
+def worker_identity(tmp_path, name: str) -> Identity:
+    return load_or_create_identity(tmp_path / f"{name}.key")
+
+
+def worker_args(tmp_path, shard, relay_addr, name, token=None, extra=()) -> list[str]:
+    args = ["node", "--role", "worker", "--shard", str(shard), "--relay", relay_addr,
+            "--identity", str(tmp_path / f"{name}.key"), "--ttl", "120", *extra]
+    return args + (["--token", token] if token else [])
