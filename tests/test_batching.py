@@ -49,7 +49,8 @@ async def _alone(backbone) -> dict[tuple[int, int], np.ndarray]:
     return res
 
 
-@pytest.mark.parametrize("transport,kernel", [("inproc", "numpy"), ("inproc", "ggml"), ("socket", "auto")])
+@pytest.mark.parametrize("transport,kernel", [("inproc", "numpy"), ("inproc", "ggml"),
+                                              pytest.param("socket", "auto", marks=pytest.mark.slow)])
 async def test_batched_swarm_equals_batched_monolithic(tiny_q8, transport, kernel):
     async with open_backbone(tiny_q8, workers=0, kernel=kernel) as mono:
         want = {inv: await _run_schedule(mono.backbone, inv) for inv in (False, True)}
@@ -176,6 +177,7 @@ def test_micro_batch_rule():
     assert choose_micro_batches(0.05, 0.0, 64) == 1
 
 
+@pytest.mark.slow
 async def test_pipelined_micro_batches_are_exact(tiny_f32):
     async with open_backbone(tiny_f32, workers=2, transport="socket") as swarm:
         out = {}
