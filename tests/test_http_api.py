@@ -134,3 +134,54 @@ def test_status_page_counts_replicas_per_expert(tiny_f32):
     assert {u["replicas"] for u in units} == {1} and {u["known"] for u in units} == {1}
     owners[1].refused = "kernel mismatch"  # refused at the handshake: known, never live
     assert {u["replicas"] for u in view.units()} == {0}
+async def test_concurrent_completions_through_the_scheduler_equal_one_at_a_time(tiny_f32):
+    """With the continuous-batching scheduler (as `node --role backbone` runs it) concurrent
+    requests share decode steps and each text equals the same request served alone; a client that
+    hangs up mid-stream is cancelled at the next step."""
+    from p2pswarm.backbone.scheduler import Scheduler
+
+    prompts = [f"request {i} to the swarm" for i in range(6)]
+    tok = Tokenizer.from_gguf(tiny_f32)
+    async with open_backbone(tiny_f32, workers=2, transport="inproc") as swarm:
+        plain = CompletionsApp(swarm.backbone, tok, "tiny", swarm.fingerprint, model_path=tiny_f32)
+        batched = CompletionsApp(swarm.backbone, tok, "tiny", swarm.fingerprint, model_path=tiny_f32,
+                                 scheduler=Scheduler(swarm.backbone, tok))
+        async with trio.open_nursery() as nursery:
+            bases = []
+            for app in (plain, batched):
+                binds = await nursery.start(serve_http, app, "127.0.0.1", 0)
+                bases.append(binds[0].replace("0.0.0.0", "127.0.0.1"))
+
+            def complete(base, p):
+                r = httpx.post(base + "/v1/completions", json={"prompt": p, "max_tokens": 6, "temperature": 0},
+                               timeout=120)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            def hang_up(base):
+                with httpx.Client(base_url=base, timeout=60) as c:
+                    with c.stream("POST", "/v1/completions",
+                                  json={"prompt": "x", "max_tokens": 400, "stream": True}) as s:
+                        assert s.status_code == 200
+                        for i, _ in enumerate(s.iter_lines()):
+                            if i >= 4:
+                                break
+
+            with trio.fail_after(300):
+                alone = [await trio.to_thread.run_sync(complete, bases[0], p) for p in prompts]
+                together: dict[int, str] = {}
+
+                async def one(i):
+                    together[i] = await trio.to_thread.run_sync(complete, bases[1], prompts[i])
+
+                async with trio.open_nursery() as clients:
+                    for i in range(len(prompts)):
+                        clients.start_soon(one, i)
+                health = (await trio.to_thread.run_sync(lambda: httpx.get(bases[1] + "/health", timeout=30))).json()
+                await trio.to_thread.run_sync(hang_up, bases[1])
+                while batched.scheduler.stats.cancelled == 0:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert [together[i] for i in range(len(prompts))] == alone
+    assert health["generated_tokens"] == 36 and health["steps"] < 36
+    assert batched.scheduler.stats.generated < 36 + 300

@@ -123,17 +123,53 @@ class DispatchStats:
         )
 
 
+class DemandCounter:
+    """How often each (layer, expert) is routed, decayed exponentially with a half-life in seconds:
+    the demand signal a coverage market publishes (which experts are hot, and how hot).
+
+    Counts routed rows (token, expert pairs), not requests, so it measures the work an owner of the
+    expert would do. ``value(layer, expert)`` and ``top(n)`` read it as of now."""
+
+    def __init__(self, half_life_s: float = 60.0):
+        self.half_life_s = half_life_s
+        self._counts: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (value, at)
+
+    def _decay(self, value: float, at: float, now: float) -> float:
+        return value * 0.5 ** ((now - at) / self.half_life_s)
+
+    def add(self, layer: int, groups: Groups, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for e, idx in groups:
+            key = (layer, int(e))
+            v, at = self._counts.get(key, (0.0, now))
+            self._counts[key] = (self._decay(v, at, now) + len(idx), now)
+
+    def value(self, layer: int, expert: int, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        v, at = self._counts.get((layer, expert), (0.0, now))
+        return self._decay(v, at, now)
+
+    def top(self, n: int = 10, now: float | None = None) -> list[tuple[tuple[int, int], float]]:
+        now = time.monotonic() if now is None else now
+        vals = [(k, self._decay(v, at, now)) for k, (v, at) in self._counts.items()]
+        return sorted(vals, key=lambda kv: -kv[1])[:n]
+
+
 class Dispatcher:
     """Routes groups to owners; the local bank computes what no healthy owner holds."""
 
     def __init__(self, local: ExpertBank, owners: list[Owner] | None = None, *, fallback: bool = True,
-                 backoff_s: float = 30.0):
+                 backoff_s: float = 30.0, hot_experts: bool = False):
         self.local = LocalOwner(local)
         self.owners = list(owners or [])
         self.fallback = fallback
         self.backoff_s = backoff_s
         self._down_until: dict[str, float] = {}
         self.stats = DispatchStats()
+        self.demand = DemandCounter()
+        #: compute locally whatever a slow owner would take longer to return (see _keep_hot_local)
+        self.hot_experts = hot_experts
+        self.local_row_s: float | None = None  # EWMA: local seconds per (row, expert) computed
 
     def clear_backoff(self, name: str) -> bool:
         """Use owner ``name`` again at once (it restarted: a newer signed record says so)."""
@@ -143,20 +179,62 @@ class Dispatcher:
         return time.monotonic() >= self._down_until.get(owner.name, 0.0)
 
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
-        plan: dict[Owner, Groups] = {}
-        for e, idx in groups:
+        return {o: [groups[i] for i in idx] for o, idx in self._assign(layer, groups).items()}
+
+    def _assign(self, layer: int, groups: Groups) -> dict[Owner, list[int]]:
+        """Owner -> indices of the groups it computes (an expert may have several groups)."""
+        plan: dict[Owner, list[int]] = {}
+        for i, (e, _) in enumerate(groups):
             owner = next((o for o in self.owners if o.holds(layer, e) and self._healthy(o)), self.local)
-            plan.setdefault(owner, []).append((e, idx))
+            plan.setdefault(owner, []).append(i)
+        if self.hot_experts:
+            self._keep_hot_local(plan, groups)
         return plan
 
-    async def run(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[int, np.ndarray]:
-        t0 = time.perf_counter()
-        plan = self.assign(layer, groups)
-        results: dict[int, np.ndarray] = {}
+    def _keep_hot_local(self, plan: dict[Owner, list[int]], groups: Groups) -> None:
+        """The hot-expert path: an owner whose measured round trip is longer than computing its
+        groups here (on top of what is already local this layer) gets no request; the local
+        replica computes them, with the same kernel, so the result is the same bits."""
+        rate = self.local_row_s
+        local = plan.get(self.local, [])
+        local_s = 0.0 if rate is None else rate * sum(len(groups[i][1]) for i in local)
+        remote = sorted((o for o in plan if o.remote and getattr(o, "rtt_s", None) is not None),
+                        key=lambda o: -o.rtt_s)
+        for owner in remote:
+            rows = sum(len(groups[i][1]) for i in plan[owner])
+            if rate is None:  # never measured: compute one owner's share here once, and time it
+                cost = 0.0
+            else:
+                cost = rate * rows
+            if local_s + cost < owner.rtt_s:
+                local = local + plan.pop(owner)
+                local_s += cost
+                if rate is None:
+                    break
+        if local:
+            plan[self.local] = sorted(local)
 
-        async def one(owner: Owner, owner_groups: Groups) -> None:
+    async def run(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[int, np.ndarray]:
+        """``{expert: outputs}`` for groups with distinct experts (one sequence's layer)."""
+        return {e: out for (e, _), out in zip(groups, await self.run_groups(layer, cur, groups))}
+
+    async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
+        """Outputs per group, in group order: one request per owner with all the groups it holds."""
+        t0 = time.perf_counter()
+        self.demand.add(layer, groups)
+        plan = self._assign(layer, groups)
+        results: list[np.ndarray | None] = [None] * len(groups)
+
+        async def one(owner: Owner, which: list[int]) -> None:
+            owner_groups = [groups[i] for i in which]
             try:
+                tc = time.perf_counter()
                 outs = await owner.compute(layer, cur, owner_groups)
+                if not owner.remote:
+                    rows = sum(len(idx) for _, idx in owner_groups)
+                    if rows:
+                        r = (time.perf_counter() - tc) / rows
+                        self.local_row_s = r if self.local_row_s is None else 0.7 * self.local_row_s + 0.3 * r
                 if len(outs) != len(owner_groups) or any(
                     o.shape != (len(idx), cur.shape[1]) for o, (_, idx) in zip(outs, owner_groups)
                 ):
@@ -169,26 +247,26 @@ class Dispatcher:
                 log.warning("worker %s failed on layer %d (%s): fell back to the local replica for %d experts;"
                             " avoiding it for %.0f s", owner.name, layer, exc, len(owner_groups), self.backoff_s)
                 outs = await self.local.compute(layer, cur, owner_groups)
-            for (e, _), out in zip(owner_groups, outs):
-                results[e] = out
+            for i, out in zip(which, outs):
+                results[i] = out
 
         try:
             async with trio.open_nursery() as nursery:
-                for owner, owner_groups in plan.items():
-                    nursery.start_soon(one, owner, owner_groups)
+                for owner, which in plan.items():
+                    nursery.start_soon(one, owner, which)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         s = self.stats
         s.layers += 1
         s.seconds += time.perf_counter() - t0
-        for owner, owner_groups in plan.items():
+        for owner, which in plan.items():
             if owner.remote:
                 s.requests += 1
-                s.remote_groups += len(owner_groups)
-                s.remote_rows += sum(len(idx) for _, idx in owner_groups)
+                s.remote_groups += len(which)
+                s.remote_rows += sum(len(groups[i][1]) for i in which)
             else:
-                s.local_groups += len(owner_groups)
-            s.per_owner[owner.name] = s.per_owner.get(owner.name, 0) + len(owner_groups)
+                s.local_groups += len(which)
+            s.per_owner[owner.name] = s.per_owner.get(owner.name, 0) + len(which)
         return results
 
     async def aclose(self) -> None:

@@ -148,7 +148,10 @@ class CompletionsApp:
                              "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
                              "active_sequences": self.active, "chat_template": self.chat is not None,
                              "generated_tokens": sched.stats.generated if sched else self.metrics.total_tokens,
-                             "steps": sched.stats.steps if sched else None})
+                             "steps": sched.stats.steps if sched else None,
+                             "micro_batches": sched.last_micro_batches if sched else None,
+                             "dense_s": self.backbone.timing.dense_s,
+                             "dispatch_wait_s": self.backbone.timing.wait_s})
 
     async def _metrics(self, request: Request) -> Response:
         payload, ctype = self.metrics.render()

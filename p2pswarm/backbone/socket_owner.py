@@ -1,7 +1,9 @@
 """A worker process reached over a local TCP socket: framed msgpack, handshake, timeouts.
 
-One persistent connection per worker, (re)opened lazily; requests on it are serialised by a lock
-and matched to replies by id. Every failure (refused handshake, dead process, closed connection,
+One persistent connection per worker, (re)opened lazily; requests on it are *pipelined*: each is
+sent as soon as the previous one is on the wire (a send lock), and replies are read in send order
+(the worker answers one connection in order), matched by id. So several micro-batches can each
+have a request in flight to the same worker, and a 50 ms link carries them in one round trip. Every failure (refused handshake, dead process, closed connection,
 timeout, error reply, malformed reply) becomes a :class:`WorkerError`, which the dispatcher turns
 into a fallback to the local replica.
 """
@@ -35,8 +37,12 @@ class SocketOwner(Owner):
         self.max_frame = max_frame
         self._stream = None
         self._reader: FrameReader | None = None
-        self._lock = trio.Lock()
+        self._lock = trio.Lock()  # held while connecting and sending
         self._ids = itertools.count(1)
+        self._gen = 0  # connection generation: a drop fails every request queued on the old one
+        self._sent = 0  # requests sent on this connection
+        self._served = 0  # replies read on this connection
+        self._turn = trio.Event()
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.layers[0] <= layer < self.layers[1] and self.experts[0] <= expert < self.experts[1]
@@ -64,33 +70,52 @@ class SocketOwner(Owner):
         if self._stream is not None:
             await trio.aclose_forcefully(self._stream)
         self._stream, self._reader = None, None
+        self._gen += 1
+        self._sent = self._served = 0
+        self._turn.set()  # wake the queued readers: they see the new generation and fail
+        self._turn = trio.Event()
 
     async def request(self, msg_bytes: bytes, rid: int) -> dict:
-        """Send one framed request and wait for its reply (connecting first if needed)."""
-        async with self._lock:
-            try:
-                with trio.fail_after(self.timeout_s):
+        """Send one framed request (connecting first if needed) and wait for its reply, while other
+        requests may be in flight on the same connection."""
+        sent = done = False
+        gen = None
+        try:
+            with trio.fail_after(self.timeout_s):
+                async with self._lock:
                     if self._stream is None:
                         await self._connect()
+                        self._gen += 1
+                        self._sent = self._served = 0
+                    gen, reader = self._gen, self._reader
+                    ticket = self._sent
+                    sent = True  # from here a failure leaves the connection out of step: drop it
                     await send_frame(self._stream, msg_bytes, self.max_frame)
-                    payload = await self._reader.read_frame()
-                if payload is None:
-                    raise WorkerError(f"{self.name} closed the connection")
-                reply = proto.unpack(payload)
-                if reply["op"] == "error" and reply.get("id") in (rid, None):  # None: about the connection
-                    raise WorkerError(f"{self.name} refused: {reply.get('error')}")
-                if reply.get("id") != rid:
-                    raise WorkerError(f"{self.name} answered request {reply.get('id')} to our {rid}")
-                return reply
-            except trio.TooSlowError:
+                    self._sent += 1
+                while gen == self._gen and self._served != ticket:
+                    await self._turn.wait()
+                if gen != self._gen:
+                    raise WorkerError(f"{self.name}: the connection dropped while a request was in flight")
+                payload = await reader.read_frame()
+                self._served += 1
+                self._turn.set()
+                self._turn = trio.Event()
+            if payload is None:
+                raise WorkerError(f"{self.name} closed the connection")
+            reply = proto.unpack(payload)
+            if reply["op"] == "error" and reply.get("id") in (rid, None):  # None: about the connection
+                raise WorkerError(f"{self.name} refused: {reply.get('error')}")
+            if reply.get("id") != rid:
+                raise WorkerError(f"{self.name} answered request {reply.get('id')} to our {rid}")
+            done = True
+            return reply
+        except trio.TooSlowError:
+            raise WorkerError(f"{self.name} timed out after {self.timeout_s:.0f} s") from None
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise WorkerError(f"{self.name} unreachable: {exc or type(exc).__name__}") from None
+        finally:
+            if sent and not done and gen == self._gen:  # not yet dropped by another request
                 await self._drop()
-                raise WorkerError(f"{self.name} timed out after {self.timeout_s:.0f} s") from None
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                await self._drop()
-                raise WorkerError(f"{self.name} unreachable: {exc or type(exc).__name__}") from None
-            except (FrameError, WorkerError):
-                await self._drop()
-                raise
 
     async def compute(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
         rows, local_groups = pack_rows(cur, groups)

@@ -22,7 +22,7 @@ from pathlib import Path
 import trio
 
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
-from p2pswarm.commands.common import add_kernel_args
+from p2pswarm.commands.common import add_kernel_args, positive_int
 from p2pswarm.errors import UserError
 from p2pswarm.lifecycle import until_signal
 
@@ -63,6 +63,17 @@ def listen_addrs(args, default: str) -> list[str]:
     return args.listen or [default]
 
 
+def _micro_batches(text: str):
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except Exception:  # noqa: BLE001 - argparse's error, with our wording
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}") from None
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("node", help="run a swarm node: an expert worker or a backbone")
     p.add_argument("--role", required=True, choices=("worker", "backbone"),
@@ -93,6 +104,21 @@ def add_parser(sub) -> None:
                    help="worker: lifetime in seconds of its signed DHT record, re-published every third of it; "
                         f"killed, it drops out of look-ups within one TTL (default {DEFAULT_RECORD_TTL_S:.0f})")
     p.add_argument("--timeout", type=float, default=30.0, help="backbone: seconds to wait for a worker")
+    p.add_argument("--token-budget", type=positive_int, default=256,
+                   help="backbone: rows per batched step, decode rows first, then prefill chunks (default 256)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=32,
+                   help="backbone: a prompt is fed in chunks of this many tokens (default 32)")
+    p.add_argument("--max-active", type=positive_int, default=256,
+                   help="backbone: sequences decoded together; more requests wait (default 256)")
+    p.add_argument("--micro-batches", type=_micro_batches, default="auto",
+                   help="backbone: split each step into this many concurrently dispatched micro-batches, or "
+                        "'auto' (from measured dense time and round trip; docs/architecture.md)")
+    p.add_argument("--hot-experts", action="store_true",
+                   help="backbone: compute an owner's experts locally when its measured round trip is longer "
+                        "than computing them here (same bits; docs/architecture.md)")
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="backbone: batch rows of all sequences through one router/expert/lm-head mat-mul "
+                        "(faster; a request's tokens may then depend on its neighbours, docs/architecture.md)")
     p.add_argument("--relay", metavar="MULTIADDR", action="append", default=[],
                    help="worker behind NAT: keep a reservation on a relay (/ip4/H/tcp/P/ws/p2p/ID or .../wss/...), "
                         "use it as DHT bootstrap, and advertise the relayed address (a DHT client, not a server). "
@@ -244,6 +270,7 @@ async def _start_relay_keeper(args, net, dht_of: list):
 
 async def _backbone(args) -> None:
     from p2pswarm.backbone.http_api import CompletionsApp, serve_http
+    from p2pswarm.backbone.scheduler import Scheduler
     from p2pswarm.backbone.status_page import SwarmView
     from p2pswarm.backbone.swarm_session import open_swarm_backbone
     from p2pswarm.engine.tokenizer import Tokenizer
@@ -262,10 +289,15 @@ async def _backbone(args) -> None:
         async with trio.open_nursery() as nursery:
             http = "off"
             if args.http_socket is not None:
+                swarm.backbone.batch_invariant = args.batch_invariant
+                swarm.backbone.dispatcher.hot_experts = args.hot_experts
+                scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
+                                      prefill_chunk=args.prefill_chunk, max_active=args.max_active,
+                                      micro_batches=args.micro_batches)
                 view = SwarmView.for_backbone(swarm.backbone, ModelLayout.open(args.model),
                                               block_size=swarm.resolver.block_size, resolver=swarm.resolver)
                 app = CompletionsApp(swarm.backbone, tokenizer, args.served_model_name or Path(args.model).stem,
-                                     swarm.local.fingerprint, model_path=args.model, view=view)
+                                     swarm.local.fingerprint, model_path=args.model, view=view, scheduler=scheduler)
                 swarm.pool.on_latency = app.metrics.observe_owner
                 binds = await nursery.start(serve_http, app, args.http_socket)
                 http = binds[0]

@@ -1,0 +1,139 @@
+"""A swarm of real OS processes on 127.0.0.1 with every worker behind a WAN-emulating proxy.
+
+Used by tests/test_throughput_swarm.py and bench/bench_throughput.py:
+
+    with WanSwarm(model, ranges=[(0, 8), (8, 16), (0, 8)], rtt_ms=50, workdir=tmp) as sw:
+        sw.base_url            # the backbone's HTTP API
+        sw.workers[0].kill()   # kill -9
+
+Layout: a bootstrap node; per worker a ``python -m p2pswarm.net.wanproxy`` process in front of a
+``p2pswarm node --role worker`` that listens on a fixed local port and ``--announce`` s the proxy's
+address, so every expert request the backbone sends crosses the emulated link both ways; a
+``p2pswarm node --role backbone --http`` that finds the workers through the DHT.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from p2pswarm.model.slicer import slice_experts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process that prints ``READY ...`` on stdout once up; stderr goes to ``log``."""
+
+    def __init__(self, args: list[str], log: Path, env: dict, timeout_s: float = 90.0):
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=open(log, "w"),
+                                     stdin=subprocess.DEVNULL, text=True, env=env)
+        line: list[str] = []
+        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if not line or not line[0].startswith("READY "):
+            self.stop()
+            raise RuntimeError(f"{' '.join(args[:4])} did not start: {log.read_text()[-2000:]}")
+        self.ready = line[0].split()[1:]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class WanSwarm:
+    def __init__(self, model: Path, *, ranges: list[tuple[int, int]], rtt_ms: float, workdir: Path,
+                 kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0):
+        self.model = Path(model)
+        self.ranges = ranges
+        self.rtt_ms = rtt_ms
+        self.dir = Path(workdir)
+        self.kernel = kernel
+        self.backbone_args = backbone_args or []
+        self.timeout_s = timeout_s
+        self.env = dict(os.environ, P2PSWARM_KERNEL=kernel, P2PSWARM_HOME=str(self.dir / "home"),
+                        P2PSWARM_THREADS="1")
+        self.procs: list[Proc] = []
+        self.workers: list[Proc] = []
+        self.proxies: list[Proc] = []
+
+    def _node(self, name: str, args: list[str]) -> Proc:
+        p = Proc(["-m", "p2pswarm.cli", *args], self.dir / f"{name}.log", self.env)
+        self.procs.append(p)
+        return p
+
+    def __enter__(self) -> "WanSwarm":
+        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.boot = self._node("boot", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
+                                            "--identity", str(self.dir / "boot.key")])
+            for i, (e0, e1) in enumerate(self.ranges):
+                shard = self.dir / f"shard{i}-{e0}-{e1}.gguf"
+                if not shard.exists():
+                    slice_experts(self.model, shard, None, (e0, e1))
+                port = free_port()
+                proxy = Proc(["-m", "p2pswarm.net.wanproxy", "--target", f"127.0.0.1:{port}",
+                              "--rtt-ms", str(self.rtt_ms)], self.dir / f"proxy{i}.log", self.env)
+                self.procs.append(proxy)
+                self.proxies.append(proxy)
+                pport = proxy.ready[0].rsplit(":", 1)[1]
+                self.workers.append(self._node(f"w{i}", [
+                    "node", "--role", "worker", "--shard", str(shard), "--bootstrap", self.boot.ready[0],
+                    "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--announce", f"/ip4/127.0.0.1/tcp/{pport}",
+                    "--identity", str(self.dir / f"w{i}.key"), "--ttl", "300", "--kernel", self.kernel]))
+            self.backbone = self._node("backbone", [
+                "node", "--role", "backbone", "--model", str(self.model), "--bootstrap", self.boot.ready[0],
+                "--http", "127.0.0.1:0", "--identity", str(self.dir / "backbone.key"), "--kernel", self.kernel,
+                "--timeout", str(self.timeout_s), *self.backbone_args])
+            http = next(w for w in self.backbone.ready if w.startswith("http="))[5:]
+            self.base_url = "http://" + http.replace("0.0.0.0", "127.0.0.1").split("://")[-1]
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def wait_covered(self, timeout_s: float = 60.0) -> None:
+        """Until the backbone's resolver sees every worker (its log says how many remote owners)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "0 missing" in self.backbone.log.read_text():
+                return
+            time.sleep(0.2)
+        raise RuntimeError("the backbone never saw full coverage: " + self.backbone.log.read_text()[-2000:])
+
+    def __exit__(self, *exc) -> None:
+        for p in reversed(self.procs):
+            p.stop()

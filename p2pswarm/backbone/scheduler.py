@@ -1,0 +1,336 @@
+"""Continuous batching: one scheduler owns every active sequence of a backbone and steps them together.
+
+    scheduler = Scheduler(backbone)                 # nursery.start(scheduler.run)
+    async with scheduler.submit(prompt_ids, Params(max_tokens=16)) as tokens:
+        async for step in tokens:                   # Step(index, token, text, seconds, dispatch, end)
+            ...
+
+Why: a decode step is ~L serial layers with one network round trip each; a sequence alone runs at
+1/(L*RTT). Stepping all active sequences together sends each owner *one* request per layer for all
+of them, so the round trip is paid once per step instead of once per sequence.
+
+Rules of a step (the loop in :meth:`Scheduler.run`):
+
+* Sequences join and leave only at step boundaries. A new request is admitted when fewer than
+  ``max_active`` sequences are active; a finished, failed or cancelled one leaves after its step.
+* Every active decode sequence contributes its one row; then prefill chunks (arrival order) fill the
+  per-step ``token_budget``, so a long prompt never stalls the others for more than a chunk.
+* A prompt is always cut into the same chunks (``prefill_chunk`` tokens, from its start), whatever
+  else is running: with the backbone's ``batch_invariant`` mode its tokens are then bit-identical
+  to the same request served alone.
+* Pipelining: a step's sequences are split into ``micro_batches`` groups that run their layer loops
+  concurrently, so while one waits on the network for layer l the backbone computes another's dense
+  path. ``"auto"`` picks the number each step from the measured dense time C (per layer, whole step)
+  and dispatch wait R (per layer): :func:`choose_micro_batches`.
+* Sampling is per request (its own :class:`~p2pswarm.backbone.sampling.Sampler` and seed).
+* A client that goes away (its ``async with`` exits, e.g. the HTTP connection closed) cancels its
+  sequence; a step that fails (bad token id, or the dispatcher gave up) fails the requests in that
+  step with the error and the scheduler goes on with new ones. Dead workers never hang a step: the
+  dispatcher's timeout and local fallback bound every layer.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import trio
+
+from p2pswarm.backbone.generate import Step
+from p2pswarm.backbone.runner import Backbone
+from p2pswarm.backbone.sampling import Sampler
+
+log = logging.getLogger("p2pswarm.scheduler")
+
+
+@dataclass
+class Params:
+    """What one request asks for; ``sampler`` defaults to greedy."""
+
+    max_tokens: int = 16
+    sampler: Sampler | None = None
+    stop_at_eos: bool = True
+
+
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    rows: int = 0  # rows fed through the backbone (prefill + decode)
+    generated: int = 0  # tokens handed to requests
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    max_active: int = 0
+
+
+EWMA = 0.3  # weight of the newest step in the timing estimates
+MICRO_OVERHEAD_S = 0.002  # fixed cost of one more micro-batch per layer (thread hops, one more request)
+
+
+def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead_s: float = MICRO_OVERHEAD_S,
+                         max_m: int = 8, slack: float = 0.05) -> int:
+    """The number of micro-batches M that minimises the time of one layer,
+
+        T(M) = max(C + (M - 1) * o,  C / M + R)
+
+    with C the dense time of the whole step's rows, R the wait for the experts (network round trip
+    + remote compute) and o the fixed overhead of a micro-batch. The first term is the backbone's CPU
+    (busy on all M micro-batches in turn), the second one micro-batch's critical path (its share of
+    the dense work, then its round trip). With R >> C pipelining hides at most C: M stays small;
+    with C ~ R it approaches a 2x gain. Every micro-batch costs one more request per owner and layer,
+    so we take the *smallest* M within ``slack`` (5%) of the best time. M <= the number of sequences
+    and ``max_m``."""
+    ms = range(1, max(1, min(max_m, n_seqs)) + 1)
+    times = [max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s) for m in ms]
+    best = min(times)
+    return next(m for m, t in zip(ms, times) if t <= best * (1 + slack))
+
+
+class _Sequence:
+    def __init__(self, sid: int, prompt: list[int], params: Params, send, tokenizer):
+        self.sid = sid
+        self.prompt = prompt
+        self.params = params
+        self.sampler = params.sampler or Sampler(0.0)
+        self.send = send
+        self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        self.state = None
+        self.fed = 0  # prompt tokens fed so far
+        self.next_token: int | None = None  # the sampled token to feed next step
+        self.n_out = 0
+        self.cancelled = False
+        self.done = False
+        self.t_last = time.perf_counter()
+
+    def chunk(self, size: int) -> list[int]:
+        if self.fed < len(self.prompt):
+            return self.prompt[self.fed : self.fed + size]
+        return [self.next_token]
+
+
+class Request:
+    """One submitted request: ``async with`` it and iterate its :class:`Step` s. Leaving the block
+    early (or :meth:`cancel`) removes the sequence at the next step boundary."""
+
+    def __init__(self, scheduler: "Scheduler", seq: _Sequence, receive):
+        self._scheduler = scheduler
+        self._seq = seq
+        self._receive = receive
+
+    async def __aenter__(self) -> "Request":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        if not self._seq.done:
+            self._seq.cancelled = True
+            self._scheduler._wake.set()
+        self._receive.close()
+
+    def __aiter__(self) -> AsyncIterator[Step]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Step]:
+        async for item in self._receive:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class Scheduler:
+    """Owns the active sequences of one backbone; :meth:`run` steps them until cancelled."""
+
+    def __init__(self, backbone: Backbone, tokenizer=None, *, token_budget: int = 256, prefill_chunk: int = 32,
+                 max_active: int = 256, micro_batches: int | str = "auto"):
+        if token_budget < 1 or prefill_chunk < 1 or max_active < 1:
+            raise ValueError("token_budget, prefill_chunk and max_active must be >= 1")
+        if micro_batches != "auto" and (not isinstance(micro_batches, int) or micro_batches < 1):
+            raise ValueError("micro_batches must be 'auto' or an integer >= 1")
+        self.micro_batches = micro_batches
+        self.dense_s: float | None = None  # EWMA: dense seconds per layer of a whole step
+        self.wait_s: float | None = None  # EWMA: dispatch wait per layer of one micro-batch
+        self.last_micro_batches = 1
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.token_budget = token_budget
+        self.prefill_chunk = min(prefill_chunk, token_budget)
+        self.max_active = max_active
+        self.stats = SchedulerStats()
+        self._pending: deque[_Sequence] = deque()
+        self._active: list[_Sequence] = []
+        self._wake = trio.Event()
+        self._ids = 0
+        self._running = False
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def submit(self, prompt_ids, params: Params | None = None) -> Request:
+        """Queue a request; the returned :class:`Request` yields its steps as they are sampled."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        n_vocab = getattr(self.backbone.model, "n_vocab", None)
+        bad = [t for t in prompt if t < 0 or (n_vocab is not None and t >= n_vocab)]
+        if bad:  # refused here: one bad prompt must not fail the step it would share with others
+            raise ValueError(f"token id {bad[0]} out of range: the vocabulary has ids 0-{n_vocab - 1}")
+        params = params or Params()
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        send, receive = trio.open_memory_channel(math.inf)  # the step loop never waits on a client
+        self._ids += 1
+        seq = _Sequence(self._ids, prompt, params, send, self.tokenizer)
+        self._pending.append(seq)
+        self._wake.set()
+        return Request(self, seq, receive)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The step loop; run it in a nursery (``await nursery.start(scheduler.run)``)."""
+        if self._running:
+            raise RuntimeError("the scheduler is already running")
+        self._running = True
+        task_status.started()
+        try:
+            while True:
+                self._admit()
+                if not self._active:
+                    self._wake = trio.Event()
+                    if not self._pending:
+                        await self._wake.wait()
+                    continue
+                try:
+                    await self.step()
+                except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang every client
+                    log.exception("a scheduler step failed; failing its %d sequences", len(self._active))
+                    for seq in self._active:
+                        if not seq.done:
+                            self._fail(seq, exc)
+        finally:
+            self._running = False
+            for seq in [*self._active, *self._pending]:
+                seq.send.close()
+
+    def _admit(self) -> None:
+        self.stats.cancelled += sum(1 for s in self._active if s.cancelled and not s.done)
+        self._active = [s for s in self._active if not (s.cancelled or s.done)]
+        while self._pending and len(self._active) < self.max_active:
+            seq = self._pending.popleft()
+            if seq.cancelled:
+                self.stats.cancelled += 1
+                continue
+            seq.state = self.backbone.new_state()
+            self._active.append(seq)
+        self.stats.max_active = max(self.stats.max_active, len(self._active))
+
+    def plan(self) -> list[_Sequence]:
+        """This step's sequences: every decode row, then prefill chunks in arrival order while the
+        token budget lasts (at least one chunk, so a step always makes progress)."""
+        decode = [s for s in self._active if s.fed >= len(s.prompt)]
+        prefill = [s for s in self._active if s.fed < len(s.prompt)]
+        budget = self.token_budget - len(decode)
+        chosen = list(decode)
+        for s in prefill:
+            n = len(s.chunk(self.prefill_chunk))
+            if n <= budget or not chosen:
+                chosen.append(s)
+                budget -= n
+        return chosen
+
+    def _split(self, batch: list[_Sequence], chunks: list[list[int]]) -> list[list[int]]:
+        """Indices of ``batch`` per micro-batch: contiguous, balanced by rows."""
+        if self.micro_batches == "auto":
+            m = 1 if self.dense_s is None else choose_micro_batches(self.dense_s, self.wait_s, len(batch))
+        else:
+            m = min(self.micro_batches, len(batch))
+        self.last_micro_batches = m
+        total = sum(len(c) for c in chunks)
+        parts: list[list[int]] = [[] for _ in range(m)]
+        acc = 0
+        for i, c in enumerate(chunks):
+            parts[min(m - 1, acc * m // max(total, 1))].append(i)
+            acc += len(c)
+        return [p for p in parts if p]
+
+    async def step(self) -> None:
+        batch = self.plan()
+        chunks = [s.chunk(self.prefill_chunk) for s in batch]
+        before = self.backbone.dispatcher.stats.snapshot()
+        t_before = self.backbone.timing.snapshot()
+        parts = self._split(batch, chunks)
+        results: list = [None] * len(batch)
+
+        async def run_part(idx: list[int]) -> None:
+            try:
+                out = await self.backbone.forward_batch([(chunks[i], batch[i].state) for i in idx], last_only=True)
+            except Exception as exc:  # noqa: BLE001 - these requests get the error, the loop goes on
+                out = [exc] * len(idx)
+            for i, o in zip(idx, out):
+                results[i] = o
+
+        async with trio.open_nursery() as nursery:
+            for idx in parts:
+                nursery.start_soon(run_part, idx)
+        t = self.backbone.timing
+        layers = t.layers - t_before.layers
+        if layers:
+            n_layer = layers / len(parts)
+            dense, wait = (t.dense_s - t_before.dense_s) / n_layer, (t.wait_s - t_before.wait_s) / layers
+            self.dense_s = dense if self.dense_s is None else (1 - EWMA) * self.dense_s + EWMA * dense
+            self.wait_s = wait if self.wait_s is None else (1 - EWMA) * self.wait_s + EWMA * wait
+        dispatch = self.backbone.dispatcher.stats.since(before)
+        self.stats.steps += 1
+        self.stats.rows += sum(len(c) for c in chunks)
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            log.warning("%d of %d sequences of a step failed: %s", len(failed), len(batch), failed[0])
+        for s, c, lg in zip(batch, chunks, results):
+            if isinstance(lg, Exception):
+                self._fail(s, lg)
+                continue
+            if s.fed < len(s.prompt):
+                s.fed += len(c)
+                if s.fed < len(s.prompt):
+                    continue  # more of the prompt to feed before the first token
+            if s.cancelled:
+                continue
+            self._emit(s, lg[-1], dispatch)
+
+    def _fail(self, s: _Sequence, exc: Exception) -> None:
+        s.done = True
+        self.stats.failed += 1
+        try:
+            s.send.send_nowait(exc)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        s.send.close()
+
+    def _emit(self, s: _Sequence, row: np.ndarray, dispatch) -> None:
+        token = s.sampler(row)
+        p = s.params
+        tok = self.tokenizer
+        end = bool(p.stop_at_eos and tok is not None and tok.is_eog(token))
+        last = end or s.n_out == p.max_tokens - 1
+        text = ""
+        if s.decoder is not None:
+            text = s.decoder.push(token) + (s.decoder.flush() if last else "")
+        now = time.perf_counter()
+        step = Step(s.n_out, token, text, now - s.t_last, dispatch, end=end)
+        s.t_last = now
+        s.n_out += 1
+        s.next_token = token
+        self.stats.generated += 1
+        try:
+            s.send.send_nowait(step)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            s.cancelled = True  # the client is gone
+        if last:
+            s.done = True
+            self.stats.completed += 1
+            s.send.close()

@@ -1,0 +1,184 @@
+"""A user-space TCP proxy that behaves like a WAN link: one-way delay per direction, optional jitter
+and bandwidth cap. For tests and benchmarks (``tc netem`` does not exist on these kernels).
+
+    async with open_wan_proxy(("127.0.0.1", worker_port), delay_s=0.025) as proxy:
+        ...  # the worker runs with --announce /ip4/127.0.0.1/tcp/{proxy.port}
+
+    python -m p2pswarm.net.wanproxy --target 127.0.0.1:4001 --rtt-ms 50 [--jitter-ms 2] [--mbps 100]
+
+Each accepted connection is paired with a fresh connection to the target; every chunk read from one
+side is delivered to the other at ``arrival + delay (+ uniform jitter)``, never before the chunk
+ahead of it (a TCP stream is in order, so jitter only ever adds), and, with a bandwidth cap, no
+sooner than the link could have carried it. A 50 ms-RTT link is ``delay_s=0.025`` each way.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import random
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+log = logging.getLogger("p2pswarm.wanproxy")
+
+CHUNK = 64 * 1024
+
+
+@dataclass
+class LinkSpec:
+    """One direction of the emulated link."""
+
+    delay_s: float = 0.0
+    jitter_s: float = 0.0
+    bytes_per_s: float | None = None  # None: unlimited
+
+    def __post_init__(self):
+        if self.delay_s < 0 or self.jitter_s < 0 or (self.bytes_per_s is not None and self.bytes_per_s <= 0):
+            raise ValueError("delay and jitter must be >= 0 and a bandwidth cap > 0")
+
+
+@dataclass
+class ProxyStats:
+    connections: int = 0
+    bytes_up: int = 0  # client -> target
+    bytes_down: int = 0
+    chunks: int = 0
+
+
+@dataclass
+class WanProxy:
+    target: tuple[str, int]
+    up: LinkSpec = field(default_factory=LinkSpec)
+    down: LinkSpec = field(default_factory=LinkSpec)
+    seed: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    stats: ProxyStats = field(default_factory=ProxyStats)
+
+    def __post_init__(self):
+        self._rng = random.Random(self.seed)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        try:
+            target = await trio.open_tcp_stream(*self.target)
+        except OSError as exc:
+            log.info("proxy to %s:%d: target unreachable (%s)", *self.target, exc)
+            await client.aclose()
+            return
+        self.stats.connections += 1
+        async with client, target:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pipe, client, target, self.up, "bytes_up", nursery.cancel_scope)
+                nursery.start_soon(self._pipe, target, client, self.down, "bytes_down", nursery.cancel_scope)
+
+    async def _pipe(self, src, dst, spec: LinkSpec, counter: str, scope: trio.CancelScope) -> None:
+        """Read from src as fast as it sends; deliver each chunk to dst at its due time, in order."""
+        send, receive = trio.open_memory_channel(math.inf)
+
+        async def deliver() -> None:
+            free_at = 0.0  # when the link finishes carrying the previous chunk (bandwidth cap)
+            last_due = 0.0
+            async for due, data in receive:
+                if spec.bytes_per_s:
+                    start = max(due, free_at)
+                    free_at = start + len(data) / spec.bytes_per_s
+                    due = free_at
+                due = max(due, last_due)
+                last_due = due
+                await trio.sleep_until(due)
+                try:
+                    await dst.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    break
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(deliver)
+            try:
+                while True:
+                    data = await src.receive_some(CHUNK)
+                    if not data:
+                        break
+                    jitter = self._rng.uniform(0, spec.jitter_s) if spec.jitter_s else 0.0
+                    setattr(self.stats, counter, getattr(self.stats, counter) + len(data))
+                    self.stats.chunks += 1
+                    send.send_nowait((trio.current_time() + spec.delay_s + jitter, data))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            send.close()  # deliver drains what is in flight, then the connection closes
+
+
+@asynccontextmanager
+async def open_wan_proxy(target: tuple[str, int], *, delay_s: float = 0.0, jitter_s: float = 0.0,
+                         bytes_per_s: float | None = None, host: str = "127.0.0.1", port: int = 0,
+                         seed: int | None = None):
+    """A running :class:`WanProxy` (same link both ways) for the duration of the block."""
+    spec = LinkSpec(delay_s, jitter_s, bytes_per_s)
+    proxy = WanProxy(tuple(target), up=spec, down=LinkSpec(delay_s, jitter_s, bytes_per_s), seed=seed,
+                     host=host, port=port)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(proxy.serve)
+        yield proxy
+        nursery.cancel_scope.cancel()
+
+
+def _hostport(s: str) -> tuple[str, int]:
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {s!r}")
+    return host, int(port)
+
+
+def _nonneg(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s!r}")
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m p2pswarm.net.wanproxy",
+                                 description="TCP proxy emulating a WAN link (delay, jitter, bandwidth cap). "
+                                             "Prints READY HOST:PORT once listening.")
+    ap.add_argument("--target", type=_hostport, required=True, help="HOST:PORT to forward to")
+    ap.add_argument("--listen", type=_hostport, default=("127.0.0.1", 0), help="HOST:PORT (default 127.0.0.1:0)")
+    ap.add_argument("--rtt-ms", type=_nonneg, default=0.0, help="round-trip delay added, split evenly each way")
+    ap.add_argument("--jitter-ms", type=_nonneg, default=0.0, help="extra one-way delay, uniform in [0, J]")
+    ap.add_argument("--mbps", type=_nonneg, default=0.0, help="bandwidth cap per direction in Mbit/s (0: none)")
+    args = ap.parse_args(argv)
+    if args.mbps == 0:
+        bps = None
+    else:
+        bps = args.mbps * 1e6 / 8
+
+    async def run() -> None:
+        async with open_wan_proxy(args.target, delay_s=args.rtt_ms / 2000, jitter_s=args.jitter_ms / 1000,
+                                  bytes_per_s=bps, host=args.listen[0], port=args.listen[1]) as proxy:
+            print(f"READY {proxy.host}:{proxy.port}", flush=True)
+            await trio.sleep_forever()
+
+    try:
+        trio.run(run)
+    except KeyboardInterrupt:
+        return 0
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Continuous batching: the batched step is exact (swarm == monolithic, bit for bit, for mixed
+prefill + decode), batch-invariant when asked, and the scheduler batches, cancels and refuses."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from p2pswarm.backbone.dispatch import DemandCounter, Dispatcher, InProcessOwner
+from p2pswarm.backbone.runner import Backbone
+from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.backbone.scheduler import Params, Scheduler, choose_micro_batches
+from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.kernels import make_bank
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.worker.expert_worker import ExpertWorker
+
+# (sequence, tokens) per step: prefill chunks of different lengths mixed with decode rows, sequences
+# joining late and one leaving early
+SCHEDULE = [
+    [(0, [17, 3, 250, 99, 4, 4, 301]), (1, [12, 77, 5])],
+    [(0, [160]), (1, [42, 8, 200, 31, 64]), (2, [9, 120, 2, 88])],
+    [(0, [270]), (1, [15]), (2, [6]), (3, [190, 11, 23, 47, 51, 302, 13, 7, 91])],
+    [(1, [33]), (2, [400]), (3, [1])],
+    [(0, [2]), (2, [8]), (3, [77, 78])],
+]
+
+
+async def _run_schedule(backbone, invariant: bool) -> list[list[np.ndarray]]:
+    states = {}
+    out: list[list[np.ndarray]] = []
+    for step in SCHEDULE:
+        items = [(toks, states.setdefault(s, backbone.new_state())) for s, toks in step]
+        out.append(await backbone.forward_batch(items, batch_invariant=invariant))
+    return out
+
+
+async def _alone(backbone) -> dict[tuple[int, int], np.ndarray]:
+    """Each sequence of SCHEDULE on its own, fed the same chunks: (step, sequence) -> logits."""
+    res = {}
+    for seq in range(4):
+        state = backbone.new_state()
+        for i, step in enumerate(SCHEDULE):
+            for s, toks in step:
+                if s == seq:
+                    res[(i, s)] = (await backbone.forward_batch([(toks, state)], batch_invariant=True))[0]
+    return res
+
+
+@pytest.mark.parametrize("transport,kernel", [("inproc", "numpy"), ("inproc", "ggml"),
+                                              pytest.param("socket", "auto", marks=pytest.mark.slow)])
+async def test_batched_swarm_equals_batched_monolithic(tiny_q8, transport, kernel):
+    async with open_backbone(tiny_q8, workers=0, kernel=kernel) as mono:
+        want = {inv: await _run_schedule(mono.backbone, inv) for inv in (False, True)}
+        alone = await _alone(mono.backbone)
+    async with open_backbone(tiny_q8, workers=3, transport=transport, kernel=kernel) as swarm:
+        before = swarm.backbone.dispatcher.stats.snapshot()
+        got = {inv: await _run_schedule(swarm.backbone, inv) for inv in (False, True)}
+        stats = swarm.backbone.dispatcher.stats.since(before)
+    # one request per owner per layer, whatever the number of sequences in the step
+    assert stats.layers == 2 * len(SCHEDULE) * swarm.backbone.model.n_layer
+    assert 0 < stats.requests <= 3 * stats.layers and stats.local_groups == 0 and stats.fallbacks == 0
+    for inv in (False, True):
+        for a, b in zip(want[inv], got[inv]):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                assert x.shape == y.shape and np.array_equal(x, y), f"batch_invariant={inv}"
+    # batch-invariant: every sequence's logits are exactly what it gets alone
+    for i, step in enumerate(SCHEDULE):
+        for (s, _), x in zip(step, want[True][i]):
+            assert np.array_equal(x, alone[(i, s)]), (i, s)
+    # the same step with the other mode is the same computation up to rounding (a sanity check)
+    for a, b in zip(want[False], want[True]):
+        for x, y in zip(a, b):
+            assert np.allclose(x, y, atol=2e-2 * max(1.0, float(np.abs(y).max())))
+
+
+async def test_forward_batch_equals_forward_for_one_sequence(tiny_f32):
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        bb = mono.backbone
+        tokens = [17, 3, 250, 99, 4]
+        a = await bb.forward(tokens, bb.new_state())
+        b = (await bb.forward_batch([(tokens, bb.new_state())]))[0]
+        assert np.array_equal(a, b)
+        with pytest.raises(ValueError, match="twice"):
+            st = bb.new_state()
+            await bb.forward_batch([([1], st), ([2], st)])
+
+
+async def _collect(scheduler, prompt, max_tokens=6, sampler=None):
+    async with scheduler.submit(prompt, Params(max_tokens=max_tokens, sampler=sampler)) as req:
+        return [s.token async for s in req]
+
+
+PROMPTS = [[17, 3, 250], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [99], [120, 2, 88, 4],
+           [301, 12, 77, 5, 160, 42, 8, 200, 31], [64, 64]]
+
+
+async def test_scheduler_batches_and_each_request_equals_alone(tiny_f32):
+    async with open_backbone(tiny_f32, workers=2, transport="inproc") as swarm:
+        sched = Scheduler(swarm.backbone, token_budget=16, prefill_chunk=4)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run)
+            alone = [await _collect(sched, p) for p in PROMPTS]
+            steps_alone, req_alone = sched.stats.steps, swarm.backbone.dispatcher.stats.requests
+            together: dict[int, list[int]] = {}
+
+            async def one(i):
+                sampler = Sampler(0.8, 0.9, seed=i) if i == 5 else None
+                together[i] = await _collect(sched, PROMPTS[i], sampler=sampler)
+
+            async with trio.open_nursery() as clients:
+                for i in range(len(PROMPTS)):
+                    clients.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+    for i in range(5):  # greedy: identical to the request alone (batch-invariant mode, the default)
+        assert together[i] == alone[i], i
+    assert len(together[5]) == 6
+    assert sched.stats.max_active == len(PROMPTS)
+    # batched: far fewer steps and expert requests than the same requests one after another
+    assert sched.stats.steps - steps_alone < steps_alone / 2
+    assert swarm.backbone.dispatcher.stats.requests - req_alone < req_alone / 2
+
+
+async def test_scheduler_cancel_and_refusals(tiny_f32):
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        sched = Scheduler(mono.backbone)
+        with pytest.raises(ValueError, match="out of range"):
+            sched.submit([1, 10**6])
+        with pytest.raises(ValueError, match="empty"):
+            sched.submit([])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run)
+            async with sched.submit([1, 2, 3], Params(max_tokens=1000)) as req:
+                async for step in req:
+                    if step.index == 2:
+                        break  # the client goes away
+            with trio.fail_after(30):
+                assert len(await _collect(sched, [4, 5], max_tokens=3)) == 3
+                while sched.active:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert sched.stats.cancelled == 1 and sched.stats.completed == 1
+    assert sched.stats.generated < 20
+
+
+async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km):
+    """The batch-invariant mode batches a mat-mul across sequences only where a probe found it
+    row-invariant: libggml on Q8_0 yes; libggml on K-quants no (it switches kernels at 8 rows, so
+    a row alone and a row among 8 differ); OpenBLAS (numpy) never."""
+    seen = {}
+    for name, path in (("q8_0", tiny_q8), ("q4_k_m", tiny_q4km)):
+        for kernel in ("numpy", "ggml"):
+            async with open_backbone(path, workers=0, kernel=kernel) as mono:
+                bb = mono.backbone
+                seen[(name, kernel)] = (bb.row_invariant_experts, bb.row_invariant_output)
+                if (name, kernel) == ("q4_k_m", "ggml"):  # invariant anyway: per-sequence mat-muls
+                    alone = await _alone(bb)
+                    got = await _run_schedule(bb, True)
+                    for i, step in enumerate(SCHEDULE):
+                        for (s, _), x in zip(step, got[i]):
+                            assert np.array_equal(x, alone[(i, s)]), (i, s)
+    assert seen[("q8_0", "numpy")] == seen[("q4_k_m", "numpy")] == (False, False)
+    assert seen[("q8_0", "ggml")] == (True, True)
+    assert seen[("q4_k_m", "ggml")] == (False, False)
+
+
+def test_micro_batch_rule():
+    # WAN: the round trip dwarfs the dense work, nothing to hide
+    assert choose_micro_batches(0.001, 0.05, 64) == 1
+    # dense work comparable to the round trip: split, but never more than the sequences
+    assert choose_micro_batches(0.05, 0.05, 64) >= 2
+    assert choose_micro_batches(0.05, 0.05, 1) == 1
+    # dense-bound (local, fast owners): more micro-batches cost overhead for nothing
+    assert choose_micro_batches(0.05, 0.0, 64) == 1
+
+
+@pytest.mark.slow
+async def test_pipelined_micro_batches_are_exact(tiny_f32):
+    async with open_backbone(tiny_f32, workers=2, transport="socket") as swarm:
+        out = {}
+        for m in (1, 3):
+            sched = Scheduler(swarm.backbone, micro_batches=m)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sched.run)
+                res = {}
+
+                async def one(i):
+                    res[i] = await _collect(sched, PROMPTS[i])
+
+                async with trio.open_nursery() as clients:
+                    for i in range(len(PROMPTS)):
+                        clients.start_soon(one, i)
+                nursery.cancel_scope.cancel()
+            out[m] = res
+            assert sched.last_micro_batches == m
+    assert out[1] == out[3]
+
+
+class _SlowOwner(InProcessOwner):
+    """A worker 30 ms away."""
+
+    rtt_s = 0.03
+
+    async def compute(self, layer, cur, groups):
+        await trio.sleep(self.rtt_s)
+        return await super().compute(layer, cur, groups)
+
+
+async def test_hot_experts_computed_locally_when_the_owner_is_slower(tiny_f32, tmp_path):
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    tokens = [17, 3, 250, 99, 4, 4, 301]
+    results = {}
+    for hot in (False, True):
+        owners = [_SlowOwner(ExpertWorker(s, kernel="numpy"), f"w{i}") for i, s in enumerate(shards)]
+        disp = Dispatcher(make_bank(layout, "numpy"), owners, hot_experts=hot)
+        bb = Backbone(load_dense(layout), disp)
+        results[hot] = [await bb.forward(tokens, bb.new_state()) for _ in range(2)]
+        if hot:  # after one measured local share, the slow owners get no more requests
+            assert disp.local_row_s is not None and disp.stats.requests < disp.stats.layers
+            assert disp.stats.local_groups > 0
+        else:
+            assert disp.stats.local_groups == 0
+    assert all(np.array_equal(a, b) for a, b in zip(results[False], results[True]))
+    # the demand counter saw every routed (row, expert) pair: 7 rows x top-k per layer, twice
+    d = disp.demand
+    total = sum(d.value(il, e) for il in range(4) for e in range(16))
+    assert abs(total - 2 * 4 * 7 * bb.model.n_expert_used) < 1e-6 * total + 0.5
+    assert d.top(1)[0][1] >= d.top(5)[-1][1]
+
+
+def test_demand_counter_decays():
+    d = DemandCounter(half_life_s=10.0)
+    d.add(0, [(3, np.arange(8))], now=100.0)
+    d.add(0, [(3, np.arange(8))], now=110.0)
+    assert d.value(0, 3, now=110.0) == pytest.approx(12.0)
+    assert d.value(0, 3, now=130.0) == pytest.approx(3.0)
+    assert d.value(1, 3, now=130.0) == 0.0
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "ggml"])
+async def test_batched_qwen35moe_deltanet_and_shared_expert(models_dir, kernel):
+    """The hybrid architecture: per-sequence DeltaNet conv + S state and KV, a shared expert in
+    post_moe. Batched swarm == batched monolithic, and batch-invariant == alone, bit for bit."""
+    from p2pswarm.model.synth import make_model
+
+    path = models_dir / "q35-batching-q8.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=31)
+    async with open_backbone(path, workers=0, kernel=kernel) as mono:
+        want = await _run_schedule(mono.backbone, True)
+        fast = await _run_schedule(mono.backbone, False)
+        alone = await _alone(mono.backbone)
+    async with open_backbone(path, workers=2, transport="inproc", kernel=kernel) as swarm:
+        got = await _run_schedule(swarm.backbone, True)
+        got_fast = await _run_schedule(swarm.backbone, False)
+        assert swarm.backbone.dispatcher.stats.requests > 0
+    for a, b, c, d in zip(want, got, fast, got_fast):
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+        assert all(np.array_equal(x, y) for x, y in zip(c, d))
+    for i, step in enumerate(SCHEDULE):
+        for (s, _), x in zip(step, want[i]):
+            assert np.array_equal(x, alone[(i, s)]), (i, s)
+
+
+async def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(tiny_f32):
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        sched = Scheduler(mono.backbone)
+        real = mono.backbone.forward_batch
+        calls = [0]
+
+        async def flaky(items, **kw):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("boom")
+            return await real(items, **kw)
+
+        mono.backbone.forward_batch = flaky
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run)
+            with trio.fail_after(60):
+                with pytest.raises(RuntimeError, match="boom"):
+                    await _collect(sched, [1, 2, 3])
+                assert len(await _collect(sched, [4, 5], max_tokens=3)) == 3
+            nursery.cancel_scope.cancel()
+    assert sched.stats.failed == 1 and sched.stats.completed == 1
