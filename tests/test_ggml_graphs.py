@@ -70,6 +70,11 @@ def test_mul_mat_id_gives_the_per_expert_bits(request, qtype):
     assert outs[1].shape == (0, 256)
     for (e, idx), out in zip(groups, outs):
         assert np.array_equal(out, bank.forward(2, e, x[idx]))
+    # one expert's groups of 4 rows each (one per sequence, as the batch-invariant scheduler sends
+    # them) would add up to 8 rows -- the tiled GEMM for K-quants -- in one call: each stays alone
+    groups = [(6, np.arange(4)), (0, np.arange(3)), (6, np.arange(4, 8)), (6, np.arange(8, 12))]
+    for (e, idx), out in zip(groups, bank.forward_groups(2, x, groups)):
+        assert np.array_equal(out, bank.forward(2, e, x[idx])), (e, idx)
 
 
 def test_fused_gate_up_views_give_the_separate_bits(models_dir):

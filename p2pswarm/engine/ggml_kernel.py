@@ -539,6 +539,9 @@ class GgmlExpertBank:
         chosen per expert from that expert's row count (the tiled GEMM from 8 rows, else vec_dot).
         So a group's result depends only on its expert and its rows, never on the other groups of
         the request nor the thread count; a worker computing the group alone gets the same bits.
+        That holds only while each expert appears once per call: two groups of one expert (the
+        batch-invariant scheduler sends one per sequence) would add up to another row count and
+        maybe another kernel. So the k-th group of each expert goes in the k-th call.
         """
         rows = np.asarray(rows, dtype=np.float32)
         E = self.n_embd
@@ -553,12 +556,29 @@ class GgmlExpertBank:
                     f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
                 )
         idxs = [np.asarray(idx, dtype=np.int64).reshape(-1) for _, idx in groups]
+        if any(len(i) and (i.min() < 0 or i.max() >= rows.shape[0]) for i in idxs):
+            raise UserError(f"row index out of range 0..{rows.shape[0] - 1}")
+        seen: dict[int, int] = {}
+        rounds: list[list[int]] = []  # group positions per call: each expert at most once in a call
+        for k, (e, _) in enumerate(groups):
+            r = seen.get(e, 0)
+            seen[e] = r + 1
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append(k)
+        result: list[np.ndarray | None] = [None] * len(groups)
+        for ks in rounds:
+            for k, out in zip(ks, self._forward_once(layer, rows, [groups[k][0] for k in ks], [idxs[k] for k in ks])):
+                result[k] = out
+        return result
+
+    def _forward_once(self, layer: int, rows: np.ndarray, experts: list[int], idxs: list[np.ndarray]) -> list[np.ndarray]:
+        """One graph: every (expert, rows) pair through its expert, each expert at most once."""
+        E = self.n_embd
         sizes = [len(i) for i in idxs]
         P = sum(sizes)
         if P == 0:
-            return [np.zeros((0, E), np.float32) for _ in groups]
-        if any(len(i) and (i.min() < 0 or i.max() >= rows.shape[0]) for i in idxs):
-            raise UserError(f"row index out of range 0..{rows.shape[0] - 1}")
+            return [np.zeros((0, E), np.float32) for _ in experts]
         lib = self.lib
         with self.runner.lock:
             gate, up, down, ff = self._layer(layer)
@@ -567,7 +587,7 @@ class GgmlExpertBank:
             x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
             np.take(rows, np.concatenate(idxs), axis=0, out=f32_view(lib, x, (P, E)))
             ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
-            local = np.repeat(np.array([e - self.expert_begin for e, _ in groups], np.int32), sizes)
+            local = np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
             _i32_view(lib, ids, P)[...] = local
             if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
                 g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
