@@ -271,3 +271,16 @@ async def test_keepalive_pings_idle_streams_and_drops_dead_ones_without_blame(sh
         assert await pool.ping_idle(30.0) == 0
         assert owner._stream is None and owner.failures == 0
         await owner.aclose()
+
+
+def test_wire_arrays_with_unhashable_fields_are_malformed_not_a_crash():
+    """Found by the fuzzer (bench/fuzz_protocols.py): a list or map where a dtype string belongs
+    made the dtype check itself raise TypeError, failing the handler instead of refusing the frame."""
+    import pytest
+
+    from p2pswarm.errors import FrameError
+    from p2pswarm.net import expert_protocol
+
+    for dtype in ([1], {"a": 1}, None, 5):
+        with pytest.raises(FrameError, match="malformed rows"):
+            expert_protocol.array_from_wire({"dtype": dtype, "shape": [1], "data": b"\0" * 4}, "rows")

@@ -44,7 +44,8 @@ def array_from_wire(d: object, what: str) -> np.ndarray:
     if not isinstance(d, dict):
         raise FrameError(f"malformed {what}: expected an array map")
     dtype, shape, data = d.get("dtype"), d.get("shape"), d.get("data")
-    if dtype not in ALLOWED_DTYPES or not isinstance(shape, list) or not isinstance(data, bytes):
+    if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES or not isinstance(shape, list) \
+            or not isinstance(data, bytes):
         raise FrameError(f"malformed {what}: bad dtype/shape/data")
     if not all(isinstance(s, int) and s >= 0 for s in shape):
         raise FrameError(f"malformed {what}: bad shape {shape}")
