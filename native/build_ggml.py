@@ -198,18 +198,32 @@ def _pip() -> list[str]:
                      f"cannot be run with {sys.executable}; set {ENV_SOURCE} to a downloaded copy of it")
 
 
+def _clean_env() -> dict:
+    """This process runs inside pip's build-backend hook, whose variables (``_PYPROJECT_HOOKS_*``: our
+    backend's name and backend-path; pip's build tracker) would be inherited by the nested pip and
+    confuse its own hook for llama-cpp-python's backend ("Backend was not loaded from backend-path")."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("_PYPROJECT_HOOKS_", "PEP517_")) and k not in ("PIP_BUILD_TRACKER", "PIP_REQ_TRACKER")}
+
+
 def _download_sdist(dest: Path) -> Path:
+    """``pip download`` the sdist. ``--no-binary`` names only llama-cpp-python: pip prepares the sdist's
+    metadata with its build backend (scikit-build-core), which must come as a wheel (``:all:`` would
+    build scikit-build-core and hatchling from source too)."""
     say(f"fetching ggml's source: the {SDIST_NAME} {SDIST_VERSION} sdist ({SDIST_MB} MB) from the package index")
     req = dest / "requirements.txt"
     req.write_text(f"{SDIST_NAME}=={SDIST_VERSION} --hash=sha256:{SDIST_SHA256}\n")
-    cmd = [*_pip(), "download", "--no-deps", "--no-binary", ":all:", "--require-hashes",
+    cmd = [*_pip(), "download", "--no-deps", "--no-binary", SDIST_NAME, "--require-hashes",
            "--disable-pip-version-check", "-r", str(req), "-d", str(dest)]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
     if proc.returncode != 0:
-        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        BUILD_LOG.write_text("$ " + " ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR:") or ln.lower().startswith("error:")]
         raise BuildError(f"pip download of {SDIST_NAME}=={SDIST_VERSION} (ggml's source) failed: "
-                         f"{lines[-1] if lines else proc.returncode}; set {ENV_SOURCE} to the sdist to build offline")
+                         f"{(errors or lines or [proc.returncode])[-1]}; full output: {BUILD_LOG}; set "
+                         f"{ENV_SOURCE} to the sdist to build offline")
     tarballs = sorted(dest.glob("*.tar.gz"))
     if not tarballs:
         raise BuildError(f"pip download of {SDIST_NAME}=={SDIST_VERSION} produced no sdist")
