@@ -86,6 +86,17 @@ def test_the_fallback_says_how_to_get_ggml(tmp_path, monkeypatch):
     assert f"python {ROOT / 'native' / 'build_ggml.py'}" in msg and f"pip install -e {ROOT}" in msg, msg
 
 
+def test_a_missing_compiler_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "native" / "build_ggml.py"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120,
+                          env=_env(CC="no-such-cc", P2PSWARM_GGML_CACHE=str(tmp_path / "cache")))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a C and a C++ compiler" in lines[0] and "no-such-cc" in lines[0], lines
+    assert "build-essential" in lines[0] and "P2PSWARM_GGML_BUILD=off" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 _SAME_BITS = r"""
 import json, sys
 import numpy as np
