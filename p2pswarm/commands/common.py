@@ -11,9 +11,10 @@ KERNEL_CHOICES = ("auto", "numpy", "ggml", "portable")
 def add_kernel_args(p) -> None:
     """``--kernel`` and ``--threads``: which code computes the experts (see docs/kernels.md)."""
     p.add_argument("--kernel", choices=KERNEL_CHOICES, default=None,
-                   help="expert kernel: ggml on the quantised bytes, numpy on float32, portable (the same "
-                        "bits on every ISA: x86-64 and ARM workers in one swarm), or auto (ggml where "
-                        "libggml loads; default, or $P2PSWARM_KERNEL)")
+                   help="expert kernel: ggml on the quantised bytes (libggml, built by pip install), numpy on "
+                        "float32 (~7x the memory), portable (the same bits on every ISA: x86-64 and ARM workers "
+                        "in one swarm), or auto (ggml where libggml loads, else numpy with a warning saying how "
+                        "to get ggml; default, or $P2PSWARM_KERNEL)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="ggml/portable threads (default $P2PSWARM_THREADS, else the CPUs available, at most 8)")
 

@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
                    help=f"experts per coverage unit, as the swarm's nodes use (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--kernel", default=None, metavar="auto|numpy|ggml|KERNEL_ID",
                    help="judge workers against this kernel: auto/numpy/ggml as on this machine (default auto), "
-                        "or the exact kernel id a backbone logs, e.g. 'ggml-0.3.36/x86_64+avx2'")
+                        "or the exact kernel id a backbone logs, e.g. 'ggml-0.25.3-0c1e570/x86_64+sse3+...+llamafile'")
     p.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
                    help=f"seconds to wait for each worker's dial, handshake and echo (default {PROBE_TIMEOUT_S:.0f})")
     p.add_argument("--no-probe", action="store_true",

@@ -7,11 +7,19 @@ are never copied: every ggml tensor's ``data`` points into the memory map of the
 places each expert's slab in it), so resident memory is the pages of the shard that were read, plus
 a fixed overhead, and a decode step streams the quantised bytes once.
 
-The library is llama.cpp's own libggml (``libggml-base`` + ``libggml-cpu``), as shipped in the
-``llama_cpp/lib`` directory of llama-cpp-python, driven through ctypes: the same kernels llama.cpp
-runs, including its tiled K-quant GEMM for batches (see docs/kernels.md for the choice and the
-numbers). Set ``P2PSWARM_GGML_LIB`` to a directory holding another build's libggml-base/libggml-cpu
-(e.g. one compiled for a phone's CPU), or ``P2PSWARM_GGML=off`` to pretend ggml is missing.
+The library is llama.cpp's own libggml (``libggml-base`` + ``libggml-cpu``), driven through ctypes:
+the same kernels llama.cpp runs, including its tiled K-quant GEMM for batches (see docs/kernels.md
+for the choice and the numbers). ``pip install`` builds it from the ggml that llama-cpp-python
+0.3.36 vendors and ships it in ``p2pswarm/_native/`` (``native/build_ggml.py``); that copy is used
+first, then llama-cpp-python's ``llama_cpp/lib``. Set ``P2PSWARM_GGML_LIB`` to a directory holding
+another build's libggml-base/libggml-cpu (e.g. one compiled for a phone's CPU), or
+``P2PSWARM_GGML=off`` to pretend ggml is missing.
+
+Our copy and llama-cpp-python's can both be in one process (the tests compare the two). They
+cannot collide: ours has its own file names and sonames, and is opened ``RTLD_LOCAL |
+RTLD_DEEPBIND``, so its symbols never enter the global scope (llama.cpp cannot bind to them) and its
+own references resolve inside it and its libggml-base first (it cannot bind to llama.cpp's, even
+where that copy was opened ``RTLD_GLOBAL``; llama-cpp-python 0.3.36 opens it ``RTLD_LOCAL``).
 
 Only stable *functions* of the ggml API are used, never the layout of ``struct ggml_tensor`` (which
 changes between versions), and every shape/type/size is checked in Python first: a failed
@@ -20,13 +28,14 @@ changes between versions), and every shape/type/size is checked in Python first:
 Numerics are llama.cpp's, not numpy's: before a quantised mat-mul ggml rounds the activations to
 the weight type's ``vec_dot_type`` (Q8_K for K-quants, Q8_0 for Q8_0/Q4_0/..., F16 for F16).
 Results are deterministic and independent of the thread count, so two nodes running the same
-library on the same CPU family get the same bits; :attr:`GgmlLib.kernel_id` names library and CPU
-features so that peers computing differently refuse each other at the handshake.
+library on the same CPU family get the same bits; :attr:`GgmlLib.kernel_id` names what the library
+is (ggml version, llama.cpp commit, machine, the SIMD code paths compiled in) so that peers computing
+differently refuse each other at the handshake, and the same ggml built by us or by
+llama-cpp-python gets the same id.
 """
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -53,9 +62,21 @@ WEIGHT_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0",
                 10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 QUANTISED_TYPES = frozenset(WEIGHT_TYPES) - {0, 1, 30}
 TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT: buffers and tensor data must be aligned to it
-# CPU features that select different ggml SIMD code (and so possibly different rounding).
-_CPU_FEATURES = ("avx", "avx2", "avx512", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "f16c", "fma",
-                 "neon", "dotprod", "matmul_int8", "sve", "sme", "riscv_v", "vsx", "wasm_simd")
+# Code paths compiled into libggml-cpu that select different SIMD code (and so possibly different
+# rounding): every ggml_cpu_has_* of ggml 0.25 that reports an instruction set, and llamafile (its
+# sgemm takes batched F32/F16/Q8_0/K-quant mat-muls). ggml answers these from its compile-time flags.
+_CPU_FEATURES = ("sse3", "ssse3", "avx", "avx2", "bmi2", "f16c", "fma", "avx_vnni", "avx512", "avx512_vbmi",
+                 "avx512_vnni", "avx512_bf16", "amx_int8", "neon", "arm_fma", "fp16_va", "dotprod",
+                 "matmul_int8", "sve", "sme", "sme2", "riscv_v", "vsx", "vxe", "wasm_simd", "llamafile")
+# Where ``pip install`` puts the libraries it builds (native/build_ggml.py).
+NATIVE_DIR = Path(__file__).resolve().parents[1] / "_native"
+NATIVE_STEMS = ("p2pswarm-ggml-base", "p2pswarm-ggml-cpu")
+BUILD_SCRIPT = NATIVE_DIR.parents[1] / "native" / "build_ggml.py"  # present in a source checkout
+# ours first, else the names llama.cpp's own builds use
+_STEMS = {"base": ("p2pswarm-ggml-base", "ggml-base"), "cpu": ("p2pswarm-ggml-cpu", "ggml-cpu")}
+# RTLD_LOCAL: our symbols stay out of the global scope; RTLD_DEEPBIND: our references resolve in
+# our own libraries before the global scope (where a copy of llama.cpp's opened RTLD_GLOBAL would be).
+_DLOPEN_MODE = ctypes.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
 # Below this many multiply-adds per thread a graph runs on fewer threads: spinning up threads and
 # their barriers costs more than they save on tiny experts (the result does not depend on it).
 MIN_MACS_PER_THREAD = 1 << 21
@@ -124,21 +145,27 @@ def _passive_omp_waits() -> None:
 
 
 class GgmlLib:
-    """libggml-base + libggml-cpu loaded through ctypes, with the signatures we use declared."""
+    """libggml-base + libggml-cpu loaded through ctypes, with the signatures we use declared.
 
-    def __init__(self, lib_dir: Path, package_version: str | None):
+    ``origin`` says where they came from: "p2pswarm" (built by pip install), "llama-cpp-python",
+    or "$P2PSWARM_GGML_LIB".
+    """
+
+    def __init__(self, lib_dir: Path, origin: str = "?"):
         self.lib_dir = lib_dir
         _passive_omp_waits()
+        self.origin = origin
         libs = {}
-        for key, stem in (("base", "ggml-base"), ("cpu", "ggml-cpu")):
-            path = _find_lib(lib_dir, stem)
+        self.paths: dict[str, Path] = {}
+        for key in ("base", "cpu"):  # base first: libggml-cpu's dependency on it is then this copy
+            path = _find_lib(lib_dir, _STEMS[key])
             if path is None:
-                raise GgmlUnavailable(f"no lib{stem} shared library in {lib_dir}")
+                raise GgmlUnavailable(f"no lib{_STEMS[key][-1]} shared library in {lib_dir}")
             try:
-                # RTLD_GLOBAL: libggml-cpu resolves its libggml-base symbols from the one loaded here.
-                libs[key] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+                libs[key] = ctypes.CDLL(str(path), mode=_DLOPEN_MODE)
             except OSError as exc:
                 raise GgmlUnavailable(f"cannot load {path.name}: {exc}") from None
+            self.paths[key] = path
         for name, (lib, restype, argtypes) in _SIG.items():
             try:
                 fn = getattr(libs[lib], name)
@@ -152,12 +179,23 @@ class GgmlLib:
         self.ggml_commit = (self.commit() or b"?").decode()
         self.features = tuple(f for f in _CPU_FEATURES if _has(libs["cpu"], f))
         self.tensor_overhead_bytes = int(self.tensor_overhead())
-        lib_id = package_version or f"{self.ggml_version}-{self.ggml_commit}"
-        # The string peers compare at the handshake: same library and same SIMD code paths.
-        self.kernel_id = f"ggml-{lib_id}/{platform.machine()}" + "".join("+" + f for f in self.features)
+        self.kernel_id = make_kernel_id(self.ggml_version, self.ggml_commit, platform.machine(), self.features)
 
     def describe(self) -> str:
-        return f"{self.kernel_id} (ggml {self.ggml_version} {self.ggml_commit}, {self.lib_dir})"
+        return f"{self.kernel_id} (ggml {self.ggml_version} {self.ggml_commit}, {self.origin}: {self.lib_dir})"
+
+
+def make_kernel_id(version: str, commit: str, machine: str, features) -> str:
+    """The string peers compare at the handshake: the same ggml source (version and llama.cpp commit)
+    running the same SIMD code paths on the same machine type computes the same bits.
+
+    ggml's build appends "-dirty" to the commit whenever git's index disagrees with the files' stat
+    data, which is every build from an unpacked sdist (llama-cpp-python's included); it says nothing
+    about the sources, so it is dropped. A build without git reports "unknown" and so never matches
+    a build that knows its commit: a refusal, never a silent mismatch.
+    """
+    commit = commit.removesuffix("-dirty")
+    return f"ggml-{version}-{commit}/{machine}" + "".join("+" + f for f in features)
 
 
 def _has(cpu_lib, feature: str) -> bool:
@@ -168,10 +206,11 @@ def _has(cpu_lib, feature: str) -> bool:
     return bool(fn())
 
 
-def _find_lib(lib_dir: Path, stem: str) -> Path | None:
-    for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll", f"lib{stem}.so.0"):
-        if (lib_dir / name).exists():
-            return lib_dir / name
+def _find_lib(lib_dir: Path, stems: tuple[str, ...]) -> Path | None:
+    for stem in stems:
+        for name in (f"lib{stem}.so", f"lib{stem}.dylib", f"{stem}.dll", f"lib{stem}.so.0"):
+            if (lib_dir / name).exists():
+                return lib_dir / name
     return None
 
 
@@ -191,8 +230,8 @@ def load_libggml() -> GgmlLib:
         if _lib_error is not None:
             raise GgmlUnavailable(_lib_error)
         try:
-            lib_dir, version = _locate()
-            _lib = GgmlLib(lib_dir, version)
+            lib_dir, origin = _locate()
+            _lib = GgmlLib(lib_dir, origin)
         except GgmlUnavailable as exc:
             _lib_error = str(exc)
             raise
@@ -200,30 +239,36 @@ def load_libggml() -> GgmlLib:
         return _lib
 
 
-def _locate() -> tuple[Path, str | None]:
-    """Where libggml is: $P2PSWARM_GGML_LIB, else llama-cpp-python's lib/ (found without importing it:
-    importing llama_cpp would also load libllama, ~4 MB of code a worker never runs)."""
+def _locate() -> tuple[Path, str]:
+    """Where libggml is, and whose it is: $P2PSWARM_GGML_LIB, else the copy pip install built into
+    p2pswarm/_native/, else llama-cpp-python's lib/ (found without importing it: importing llama_cpp
+    would also load libllama, ~4 MB of code a worker never runs)."""
     env = os.environ.get(ENV_LIB)
     if env:
         d = Path(env)
         if not d.is_dir():
             raise GgmlUnavailable(f"{ENV_LIB}={env} is not a directory")
-        return d, None
+        return d, f"${ENV_LIB}"
+    if _find_lib(NATIVE_DIR, (NATIVE_STEMS[0],)) and _find_lib(NATIVE_DIR, (NATIVE_STEMS[1],)):
+        return NATIVE_DIR, "p2pswarm"
     try:
         spec = importlib.util.find_spec("llama_cpp")
     except (ImportError, ValueError):
         spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise GgmlUnavailable("llama-cpp-python is not installed (pip install 'p2pswarm[llama]'), "
-                              f"and {ENV_LIB} is not set")
-    d = Path(list(spec.submodule_search_locations)[0]) / "lib"
-    try:
-        version = importlib.metadata.version("llama_cpp_python")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    if not d.is_dir():
-        raise GgmlUnavailable(f"llama-cpp-python has no lib/ directory with libggml ({d})")
-    return d, version
+    if spec is not None and spec.submodule_search_locations:
+        d = Path(list(spec.submodule_search_locations)[0]) / "lib"
+        if _find_lib(d, _STEMS["base"]):
+            return d, "llama-cpp-python"
+    raise GgmlUnavailable(f"libggml is not built: {NATIVE_DIR} has no lib{NATIVE_STEMS[0]}; {how_to_get_ggml()}")
+
+
+def how_to_get_ggml() -> str:
+    """The exact commands that give this p2pswarm its libggml (for the fallback warning)."""
+    if BUILD_SCRIPT.is_file():  # a source checkout (e.g. run with PYTHONPATH, never installed)
+        root = BUILD_SCRIPT.parents[1]
+        return (f"build it with `python {BUILD_SCRIPT}` (about a minute; needs a C/C++ compiler and cmake) "
+                f"or install with `pip install -e {root}`")
+    return "reinstall p2pswarm with pip (it builds libggml; needs a C/C++ compiler)"
 
 
 def default_threads() -> int:

@@ -2,15 +2,16 @@
 
     bank = make_bank(layout, kernel="auto")      # "auto" | "numpy" | "ggml" | "portable"
     bank.forward(layer, expert, rows); bank.forward_groups(layer, rows, groups); bank.holds(l, e)
-    bank.kernel                                  # "numpy", "ggml-0.3.36/x86_64+avx2+..." or "portable-1/aarch64"
+    bank.kernel                                  # "numpy", "ggml-0.25.3-0c1e570/x86_64+avx2+..." or "portable-1/aarch64"
 
 ``numpy`` is the reference (:class:`p2pswarm.engine.experts.ExpertBank`: dequantise to float32,
 cache, multiply). ``ggml`` computes on the quantised bytes in the memory map with llama.cpp's libggml
 (:mod:`p2pswarm.engine.ggml_kernel`): no dequantised copy, memory-bandwidth speed, llama.cpp's
 numerics. ``portable`` (:mod:`p2pswarm.engine.portable_kernel`) also computes on the mapped bytes,
 with a fixed order of operations, so its results are the same bits on every ISA: the kernel an
-aarch64 phone and an x86-64 backbone can share. ``auto`` is ggml where libggml loads, else numpy
-with one log line saying why (never portable: it is chosen, as it costs speed).
+aarch64 phone and an x86-64 backbone can share. ``auto`` is ggml where libggml loads (``pip install`` builds
+it into the package), else numpy with one log line saying why and how to get ggml (never portable:
+it is chosen, as it costs speed).
 
 ``bank.kernel`` goes into the handshake, and :func:`compatible` decides whether two nodes may work
 together: bit-equality of the split run needs the same arithmetic on both sides. ``ggml-...`` ids
