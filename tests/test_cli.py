@@ -193,7 +193,7 @@ def test_backbone_serves_http_on_the_socket_it_checked(tiny_f32, tmp_path):
     proc, _addr = start_cli(["node", "--role", "backbone", "--model", str(tiny_f32), "--http", "127.0.0.1:0"],
                             log, env, timeout=120)
     try:
-        base = log.read_text().split("serving /v1/completions on ")[1].split()[0]
+        base = log.read_text().split("and the status page on ")[1].split()[0].rstrip(";")
         assert base.startswith("http://127.0.0.1:") and not base.endswith(":0")
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0},
                        timeout=120)
