@@ -18,6 +18,11 @@ class WorkerError(UserError):
     """A worker that failed, died, timed out or refused us; the backbone may fall back."""
 
 
+class WorkerSlow(WorkerError):
+    """A worker that did not answer within its deadline (a few times its recent p99): hung or
+    overloaded, maybe not dead. The backbone falls back and tries it again soon."""
+
+
 def clip(text: object, limit: int = 300) -> str:
     """``text`` on one line, cut to about ``limit`` characters at a word boundary with " [...]".
 

@@ -26,7 +26,7 @@ import numpy as np
 import trio
 
 from p2pswarm.engine.experts import ExpertBank
-from p2pswarm.errors import WorkerError
+from p2pswarm.errors import WorkerError, WorkerSlow
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -109,10 +109,11 @@ class DispatchStats:
     fallbacks: int = 0
     seconds: float = 0.0
     per_owner: dict[str, int] = field(default_factory=dict)
+    deadline_misses: int = 0  # fallbacks because a worker missed its learnt deadline (hung, not dead)
 
     def snapshot(self) -> "DispatchStats":
         return DispatchStats(self.layers, self.requests, self.remote_rows, self.local_groups, self.remote_groups,
-                             self.fallbacks, self.seconds, dict(self.per_owner))
+                             self.fallbacks, self.seconds, dict(self.per_owner), self.deadline_misses)
 
     def since(self, before: "DispatchStats") -> "DispatchStats":
         return DispatchStats(
@@ -120,6 +121,7 @@ class DispatchStats:
             self.local_groups - before.local_groups, self.remote_groups - before.remote_groups,
             self.fallbacks - before.fallbacks, self.seconds - before.seconds,
             {k: v - before.per_owner.get(k, 0) for k, v in self.per_owner.items()},
+            self.deadline_misses - before.deadline_misses,
         )
 
 
@@ -159,11 +161,12 @@ class Dispatcher:
     """Routes groups to owners; the local bank computes what no healthy owner holds."""
 
     def __init__(self, local: ExpertBank, owners: list[Owner] | None = None, *, fallback: bool = True,
-                 backoff_s: float = 30.0, hot_experts: bool = False):
+                 backoff_s: float = 30.0, slow_backoff_s: float = 5.0, hot_experts: bool = False):
         self.local = LocalOwner(local)
         self.owners = list(owners or [])
         self.fallback = fallback
         self.backoff_s = backoff_s
+        self.slow_backoff_s = slow_backoff_s  # after a missed deadline (WorkerSlow), not a failure
         self._down_until: dict[str, float] = {}
         self.stats = DispatchStats()
         self.demand = DemandCounter()
@@ -242,10 +245,14 @@ class Dispatcher:
             except WorkerError as exc:
                 if not owner.remote or not self.fallback:
                     raise
-                self._down_until[owner.name] = time.monotonic() + self.backoff_s
+                # a hung worker may come back (SIGCONT, a phone waking up): try it again soon
+                backoff = min(self.slow_backoff_s, self.backoff_s) if isinstance(exc, WorkerSlow) else self.backoff_s
+                self._down_until[owner.name] = time.monotonic() + backoff
                 self.stats.fallbacks += 1
+                if isinstance(exc, WorkerSlow):
+                    self.stats.deadline_misses += 1
                 log.warning("worker %s failed on layer %d (%s): fell back to the local replica for %d experts;"
-                            " avoiding it for %.0f s", owner.name, layer, exc, len(owner_groups), self.backoff_s)
+                            " avoiding it for %.0f s", owner.name, layer, exc, len(owner_groups), backoff)
                 outs = await self.local.compute(layer, cur, owner_groups)
             for i, out in zip(which, outs):
                 results[i] = out

@@ -139,7 +139,7 @@ class Libp2pOwner(SocketOwner):
             return f"worker holds layers {layers} experts {experts}, less than its record says"
         return None
 
-    async def request(self, msg_bytes: bytes, rid: int) -> dict:
+    async def request(self, msg_bytes: bytes, rid: int, rows: int = 0) -> dict:
         if self._stale and self.inflight == 0:
             self._stale = False
             await self._drop()
@@ -149,7 +149,7 @@ class Libp2pOwner(SocketOwner):
         self._reorder()
         t0 = time.perf_counter()
         try:
-            reply = await super().request(msg_bytes, rid)
+            reply = await super().request(msg_bytes, rid, rows)
         except WorkerError:
             self.failures += 1
             if self.on_failure is not None:

@@ -6,21 +6,38 @@ sent as soon as the previous one is on the wire (a send lock), and replies are r
 have a request in flight to the same worker, and a 50 ms link carries them in one round trip. Every failure (refused handshake, dead process, closed connection,
 timeout, error reply, malformed reply) becomes a :class:`WorkerError`, which the dispatcher turns
 into a fallback to the local replica.
+
+A hung worker (SIGSTOP, a frozen phone) is not a dead one: its connection stays open and nothing
+answers. So besides the fixed ``timeout_s`` every request has a *deadline* learnt from the worker's
+own recent round trips: :data:`DEADLINE_FACTOR` x their p99 (scaled up for a request with more
+rows than any recent one) + :data:`DEADLINE_MARGIN_S`, at least :data:`DEADLINE_MIN_S`, at most
+``timeout_s``; the fixed timeout alone applies until :data:`DEADLINE_SAMPLES` round trips are
+known. A miss raises :class:`WorkerSlow`: the dispatcher recomputes on the local replica at once
+and avoids the worker for a short back-off. A step's extra delay from one hung worker is thus at
+most its deadline plus the local recomputation of its groups, once: later layers skip it.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import time
 
 import numpy as np
 import trio
 
 from p2pswarm.backbone.dispatch import Groups, Owner, pack_rows
-from p2pswarm.errors import FrameError, WorkerError, clip
+from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 
 log = logging.getLogger("p2pswarm.backbone")
+
+DEADLINE_FACTOR = 3.0
+DEADLINE_MARGIN_S = 0.25
+DEADLINE_MIN_S = 0.5
+DEADLINE_SAMPLES = 8  # answered requests before the learnt deadline replaces the fixed timeout
+LATENCY_WINDOW = 64
 
 
 class SocketOwner(Owner):
@@ -43,6 +60,16 @@ class SocketOwner(Owner):
         self._sent = 0  # requests sent on this connection
         self._served = 0  # replies read on this connection
         self._turn = trio.Event()
+        self._latency: collections.deque[tuple[float, int]] = collections.deque(maxlen=LATENCY_WINDOW)
+
+    def deadline_s(self, rows: int = 0) -> float:
+        """How long a request of ``rows`` rows may take before we call the worker hung."""
+        if len(self._latency) < DEADLINE_SAMPLES:
+            return self.timeout_s
+        times = sorted(t for t, _ in self._latency)
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+        scale = max(1.0, rows / max(1, max(n for _, n in self._latency)))
+        return min(self.timeout_s, max(DEADLINE_MIN_S, DEADLINE_FACTOR * p99 * scale + DEADLINE_MARGIN_S))
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.layers[0] <= layer < self.layers[1] and self.experts[0] <= expert < self.experts[1]
@@ -75,13 +102,15 @@ class SocketOwner(Owner):
         self._turn.set()  # wake the queued readers: they see the new generation and fail
         self._turn = trio.Event()
 
-    async def request(self, msg_bytes: bytes, rid: int) -> dict:
+    async def request(self, msg_bytes: bytes, rid: int, rows: int = 0) -> dict:
         """Send one framed request (connecting first if needed) and wait for its reply, while other
-        requests may be in flight on the same connection."""
+        requests may be in flight on the same connection; ``rows`` sizes its deadline."""
         sent = done = False
         gen = None
+        deadline = self.deadline_s(rows)
+        t0 = time.perf_counter()
         try:
-            with trio.fail_after(self.timeout_s):
+            with trio.fail_after(deadline):
                 async with self._lock:
                     if self._stream is None:
                         await self._connect()
@@ -108,8 +137,12 @@ class SocketOwner(Owner):
             if reply.get("id") != rid:
                 raise WorkerError(f"{self.name} answered request {reply.get('id')} to our {rid}")
             done = True
+            self._latency.append((time.perf_counter() - t0, rows))
             return reply
         except trio.TooSlowError:
+            if deadline < self.timeout_s:
+                raise WorkerSlow(f"{self.name} did not answer within its deadline of {deadline:.2f} s "
+                                 f"({DEADLINE_FACTOR:.0f}x its recent p99 round trip): hung or overloaded") from None
             raise WorkerError(f"{self.name} timed out after {self.timeout_s:.0f} s") from None
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise WorkerError(f"{self.name} unreachable: {exc or type(exc).__name__}") from None
@@ -122,7 +155,7 @@ class SocketOwner(Owner):
         rid = next(self._ids)
         req = proto.ComputeRequest(rid, layer, rows, local_groups)
         try:
-            reply = await self.request(req.to_wire(), rid)
+            reply = await self.request(req.to_wire(), rid, rows=int(sum(len(idx) for _, idx in local_groups)))
             out = proto.array_from_wire(reply.get("out"), "result")
         except FrameError as exc:
             raise WorkerError(f"{self.name}: {exc}") from None
