@@ -27,7 +27,7 @@ import threading
 import time
 
 import trio
-from common import REPO, header
+from common import REPO, header, publish
 
 from p2pswarm.net.framing import FrameReader, send_frame
 from p2pswarm.net.host import circuit_addr, open_host
@@ -247,10 +247,7 @@ def report(args, p1: dict, rows: list) -> None:
         text += (f"| {r['kind']} | {r['n']} | {r['offered']:.0f} | {r['achieved']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | "
                  f"{r['relay_cpu']:.0f} / {r['workers_cpu']:.0f} / {r['backbone_cpu']:.0f} | "
                  f"{'yes' if r['sustained'] else 'no'} |\n")
-    print(text)
-    if args.write:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
-            f.write(text)
+    publish(text, args.write)
 
 
 if __name__ == "__main__":

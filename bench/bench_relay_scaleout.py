@@ -31,7 +31,7 @@ from pathlib import Path
 
 import trio
 from bench_relay import ECHO, MAX, PAYLOAD, cpu_seconds, echo
-from common import REPO, header
+from common import REPO, header, publish
 
 from p2pswarm.net.framing import FrameReader, send_frame
 from p2pswarm.net.host import circuit_addr, open_host
@@ -258,10 +258,7 @@ def main() -> None:
         text += (f"| {r['relays']} | {r['workers']} ({'/'.join(map(str, r['spread']))}) | {r['offered']:.0f} | "
                  f"{r['achieved']:.0f} | {r['p50']:.1f} | {r['p99']:.1f} | {r['relay_cpu_ms_per_req']:.2f} | "
                  f"{'yes' if r['sustained'] else 'no'} | {kill} |\n")
-    print(text)
-    if args.write:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
-            f.write(text)
+    publish(text, args.write)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from common import REPO, header
+from common import header, publish
 
 from p2pswarm.backbone.dispatch import DispatchStats
 from p2pswarm.backbone.status_page import SwarmView
@@ -87,10 +87,7 @@ def main() -> None:
              f"holds all layers of {args.experts_per_worker} experts. Median of 5, alternating A B A B.\n\n"
              "| workers | A: scan, every unit x every owner (ms) | B: SwarmView.units() (ms) | A / B |\n|---|---|---|---|\n")
     text += "".join(f"| {n} | {ma:.1f} | {mb:.1f} | **{r:.1f}** |\n" for n, ma, mb, r in rows)
-    print(text)
-    if args.append:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
-            f.write(text)
+    publish(text, args.append)
 
 
 if __name__ == "__main__":

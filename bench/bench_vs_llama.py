@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, header
+from common import REPO, header, publish
 
 DEFAULT_VOCAB = Path("/work/shared/vocab/ggml-vocab-qwen35.gguf")
 PROMPT = 8
@@ -361,10 +361,7 @@ def main() -> None:
             ref = {**b, "batchx_tps": b["batch_tps"], "batchx_cpu": b["batch_cpu"]}  # llama: one batch
             text += (f"| {names[s]} / {names[base]} | "
                      + " | ".join("n/a" if math.isnan(o[m]) else f"{o[m] / ref[m]:.2f}x" for m in METRICS) + " |\n")
-    print(text)
-    if a.write:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
-            f.write(text)
+    publish(text, a.write)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,14 @@ def header(title: str, command: str) -> str:
             f"{os.cpu_count()} cores, Python {platform.python_version()}\n\n")
 
 
+def publish(text: str, append: bool) -> None:
+    """Print a benchmark's results; with ``append`` (the ``--write`` flag) add them to docs/benchmarks.md."""
+    print(text)
+    if append:
+        with open(REPO / "docs" / "benchmarks.md", "a") as f:
+            f.write(text)
+
+
 def peak_rss_mb(pid: int) -> float:
     """Peak resident set (VmHWM) of a live process, in MB."""
     with open(f"/proc/{pid}/status") as f:

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import trio
-from common import REPO, header
+from common import REPO, header, publish
 
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -56,10 +56,7 @@ def main() -> None:
                    f"python bench/fuzz_protocols.py --cases {args.cases} --concurrency {args.concurrency}")
             + f"{total:,} frames in {report.seconds:.0f} s; a valid stream per protocol probed every 1,000 "
               "cases stayed good throughout.\n\n" + "\n".join(rows) + "\n")
-    print(text)
-    if args.write:
-        with open(REPO / "docs" / "benchmarks.md", "a") as f:
-            f.write(text)
+    publish(text, args.write)
 
 
 if __name__ == "__main__":
