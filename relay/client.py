@@ -27,7 +27,7 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.host import _reason, circuit_addr, parse_peer_addr
+from p2pswarm.net.host import error_reason, circuit_addr, parse_peer_addr
 from relay.protocol import RelayRefused, present_token
 
 log = logging.getLogger("p2pswarm.relay")
@@ -155,7 +155,7 @@ class RelayKeeper:
                 continue
             except (UserError, Exception) as exc:
                 failures.append((self._short(), exc))
-                log.info("relay %s did not take us: %s", self._short(), _reason(exc)[:160])
+                log.info("relay %s did not take us: %s", self._short(), error_reason(exc)[:160])
                 continue
             log.info("reserved a slot on relay %s until %s; reachable at %s/p2p/%s", self._short(),
                      time.strftime("%H:%M:%S UTC", time.gmtime(exp)), self.circuit, self.net.peer_id_str)
@@ -165,7 +165,7 @@ class RelayKeeper:
         if len(failures) == 1:
             raise failures[0][1]
         raise UserError(f"no relay took us ({len(failures)} tried): "
-                        + "; ".join(f"{pid}: {_reason(exc)[:120]}" for pid, exc in failures))
+                        + "; ".join(f"{pid}: {error_reason(exc)[:120]}" for pid, exc in failures))
 
     async def keep(self) -> None:
         """Hold the reservation until cancelled: renew it, re-establish it when lost."""
@@ -190,7 +190,7 @@ class RelayKeeper:
                 self.expires = await self.reserve_once()
                 log.debug("renewed the relay reservation until %s", self.expires)
             except (UserError, trio.TooSlowError, Exception) as exc:
-                log.warning("renewing the relay reservation failed: %s", _reason(exc))
+                log.warning("renewing the relay reservation failed: %s", error_reason(exc))
                 return
 
     async def _reestablish(self) -> None:
@@ -210,7 +210,7 @@ class RelayKeeper:
                 log.warning("attempt %d: %s", attempt, exc)
                 refused = True
             except (UserError, trio.TooSlowError, Exception) as exc:
-                log.info("attempt %d to reach relay %s failed: %s", attempt, self._short(), _reason(exc)[:160])
+                log.info("attempt %d to reach relay %s failed: %s", attempt, self._short(), error_reason(exc)[:160])
                 refused = False
             if (refused or attempt >= MOVE_AFTER) and (exp := await self._move(exclude={lost.to_base58()})):
                 break
@@ -224,7 +224,7 @@ class RelayKeeper:
             try:
                 await self.on_reserved()
             except (UserError, Exception) as exc:
-                log.warning("after re-reserving: %s", _reason(exc))
+                log.warning("after re-reserving: %s", error_reason(exc))
 
     async def _move(self, exclude: set[str]) -> int:
         """Reserve on another relay; its expiry, or 0 when none took us (the current one is kept)."""
@@ -234,7 +234,7 @@ class RelayKeeper:
             try:
                 exp = await self.reserve_once()
             except (UserError, trio.TooSlowError, Exception) as exc:
-                log.info("relay %s did not take us: %s", self._short(), _reason(exc)[:160])
+                log.info("relay %s did not take us: %s", self._short(), error_reason(exc)[:160])
                 continue
             self.moves += 1
             log.warning("moved to relay %s (the previous one is gone); reachable at %s/p2p/%s", self._short(),

@@ -16,7 +16,7 @@ import random
 
 import trio
 
-from p2pswarm.net.host import _reason, is_circuit_addr
+from p2pswarm.net.host import error_reason, is_circuit_addr
 
 log = logging.getLogger("p2pswarm.relay")
 
@@ -33,7 +33,7 @@ async def advertise_relay(dht, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             n = await dht.provide(RELAY_KEY)
         except Exception as exc:  # a DHT hiccup must not stop the relay; try again next round
-            log.warning("could not advertise this relay in the DHT: %s", _reason(exc))
+            log.warning("could not advertise this relay in the DHT: %s", error_reason(exc))
             n = 0
         if not started:
             log.info("advertised this relay in the DHT (%d peers took it)", n)
@@ -48,7 +48,7 @@ async def find_relays(dht, *, exclude: set[str] = frozenset()) -> list[str]:
     try:
         providers = await dht.find_providers(RELAY_KEY, timeout_s=FIND_TIMEOUT_S)
     except Exception as exc:
-        log.info("looking up relays in the DHT failed: %s", _reason(exc))
+        log.info("looking up relays in the DHT failed: %s", error_reason(exc))
         return []
     out = []
     for info in providers:

@@ -268,7 +268,7 @@ async def _reset(*streams) -> None:
 
 
 def token_handler(hop: GatedHop):
-    """Serves ``/p2pswarm/token/1.0.0`` (see relay.protocol)."""
+    """Serves ``/p2pswarm/token/1.0.0`` (see p2pswarm.net.relay_token)."""
     from p2pswarm.net.tokens import TokenError
 
     async def handle(stream) -> None:
@@ -379,10 +379,10 @@ async def run_relay(settings: RelaySettings) -> None:
             except UserError:
                 raise UserError(f"--trust-issuer {issuer[:60]!r} is not an Ed25519 peer id") from None
         gate = TokenGate(settings.trust_issuer, what="relay")
-    from p2pswarm.net.host import _check_listen_addrs, parse_multiaddr
+    from p2pswarm.net.host import check_listen_addrs, parse_multiaddr
 
     # bad addresses are refused before anything is created on disk
-    _check_listen_addrs([parse_multiaddr(a, "listen address") for a in settings.listen], tls=bool(settings.tls_cert))
+    check_listen_addrs([parse_multiaddr(a, "listen address") for a in settings.listen], tls=bool(settings.tls_cert))
     for a in settings.announce:
         parse_multiaddr(a, "announce address")
     for a in settings.bootstrap:

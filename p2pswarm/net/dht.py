@@ -62,7 +62,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.host import NetError, NetHost, _reason, single_error
+from p2pswarm.net.host import NetError, NetHost, error_reason, single_error
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import (DEFAULT_RECORD_TTL_S, NAMESPACE, CoverageUnit, NodeRecord, NodeRecordValidator,
                                   RecordError, ShardEntry, model_key, node_record_key, units_for)
@@ -168,7 +168,7 @@ class SwarmDHT:
                 try:
                     await rt.add_peer(peer_id, skip_server_mode_check=True)
                 except Exception as exc:
-                    log.debug("routing table add %s: %s", peer_id, _reason(exc))
+                    log.debug("routing table add %s: %s", peer_id, error_reason(exc))
                 return
         self.stats.clients_kept_out += 1
         log.debug("kept %s out of the routing table: not a DHT server", peer_id.to_base58()[-12:])
@@ -213,7 +213,7 @@ class SwarmDHT:
             try:
                 await self.kad.peer_routing.refresh_routing_table()
             except Exception as exc:
-                log.debug("routing table refresh: %s", _reason(exc))
+                log.debug("routing table refresh: %s", error_reason(exc))
         self.sweep_clients()
 
     # -- the wire ---------------------------------------------------------------------------
@@ -266,7 +266,7 @@ class SwarmDHT:
             return resp
         except (Exception, trio.TooSlowError) as exc:
             self.stats.rpc_failures += 1
-            log.debug("kad rpc to %s failed: %s", peer.to_base58()[-12:], _reason(exc))
+            log.debug("kad rpc to %s failed: %s", peer.to_base58()[-12:], error_reason(exc))
             return None
         finally:
             if stream is not None:
@@ -569,7 +569,7 @@ class ShardAdvertiser:
         try:
             return await self.dht.put_value(node_record_key(self.identity.peer_id_str), self.record.signed) > 0
         except (Exception, trio.TooSlowError) as exc:
-            log.warning("publishing our node record failed: %s", _reason(exc))
+            log.warning("publishing our node record failed: %s", error_reason(exc))
             return False
 
     async def publish(self) -> int:
@@ -626,7 +626,7 @@ class ShardAdvertiser:
                 log.info("withdrew %d units from the DHT", len(self.units))
                 return True
             except (Exception, trio.TooSlowError) as exc:
-                log.warning("withdrawing our record failed: %s", _reason(exc))
+                log.warning("withdrawing our record failed: %s", error_reason(exc))
         return False
 
 

@@ -14,6 +14,9 @@ import numpy as np
 from p2pswarm.errors import FrameError, clip
 
 PROTOCOL_VERSION = 1
+#: The libp2p protocol id of these messages (docs/protocol.md); plain strings, so the socket
+#: transport needs no libp2p.
+PROTOCOL_EXPERT = "/p2pswarm/expert/1.0.0"
 ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
 
 

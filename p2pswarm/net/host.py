@@ -114,8 +114,9 @@ from p2pswarm.net.identity import Identity
 
 log = logging.getLogger("p2pswarm.net")
 
-# Every protocol id p2pswarm speaks lives under /p2pswarm/ and is versioned (docs/protocol.md).
-PROTOCOL_EXPERT = TProtocol("/p2pswarm/expert/1.0.0")
+# Every protocol id p2pswarm speaks lives under /p2pswarm/, is versioned (docs/protocol.md) and is
+# defined beside its protocol; re-exported here for the callers that open expert streams.
+from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT  # noqa: E402,F401
 
 PROTOCOL_CIRCUIT = "p2p-circuit"
 
@@ -403,7 +404,7 @@ class NetHost:
             raise
         except Exception as exc:
             raise NetError(f"cannot dial {info.peer_id.to_base58()} at "
-                           f"{', '.join(str(a) for a in info.addrs) or 'no address'}: {_reason(exc)}") from None
+                           f"{', '.join(str(a) for a in info.addrs) or 'no address'}: {error_reason(exc)}") from None
         self.stats.connects += 1
         self.stats.connect_seconds += time.perf_counter() - t0
         return info.peer_id
@@ -417,7 +418,7 @@ class NetHost:
                 await self.host.connect(PeerInfo(peer, direct))
                 return
             except Exception as exc:
-                errors.append(_reason(exc))
+                errors.append(error_reason(exc))
         if self.circuit is None:
             raise NetError(f"cannot dial {peer.to_base58()}: relayed address but no circuit transport")
         for ma in circuits:
@@ -426,7 +427,7 @@ class NetHost:
                 text = f"{text}/p2p/{peer.to_base58()}"
             try:
                 if self.relay_token:
-                    from relay.protocol import present_token  # noqa: PLC0415 - only for relayed dials
+                    from p2pswarm.net.relay_token import present_token  # noqa: PLC0415 - only for relayed dials
 
                     relay_part = text.split("/p2p-circuit", 1)[0]
                     await present_token(self, relay_part, self.relay_token)
@@ -435,7 +436,7 @@ class NetHost:
                     return
                 errors.append("relayed connection did not register")
             except Exception as exc:
-                errors.append(_reason(exc))
+                errors.append(error_reason(exc))
         raise NetError(f"cannot dial {peer.to_base58()} directly or through its relay: "
                        f"{'; '.join(errors) or 'no address'}")
 
@@ -466,7 +467,7 @@ class NetHost:
                 try:
                     await self.host.get_network().close_peer(peer)
                 except Exception as exc:
-                    log.debug("forgetting dead connection to %s: %s", peer, _reason(exc))
+                    log.debug("forgetting dead connection to %s: %s", peer, error_reason(exc))
             return True
         return False
 
@@ -499,7 +500,7 @@ class NetHost:
         except NetError:
             raise
         except Exception as exc:
-            raise NetError(f"cannot open {protocol} to {peer.to_base58()}: {_reason(exc)}") from None
+            raise NetError(f"cannot open {protocol} to {peer.to_base58()}: {error_reason(exc)}") from None
         self.stats.streams_opened += 1
         adapter = StreamAdapter(raw, read_ahead=self.read_ahead)
         if read_ahead:
@@ -524,10 +525,10 @@ class NetHost:
             except Exception as exc:  # one bad stream must not take the host down
                 leaf = single_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
                 if isinstance(leaf, (trio.BrokenResourceError, trio.ClosedResourceError)):
-                    log.debug("%s stream from %s broken: %s", protocol, adapter.peer_name, _reason(leaf))
+                    log.debug("%s stream from %s broken: %s", protocol, adapter.peer_name, error_reason(leaf))
                 else:
                     self.stats.handler_errors += 1
-                    log.warning("%s handler failed for %s: %s", protocol, adapter.peer_name, _reason(leaf))
+                    log.warning("%s handler failed for %s: %s", protocol, adapter.peer_name, error_reason(leaf))
             finally:
                 await adapter.aclose()
 
@@ -547,7 +548,7 @@ def single_error(group: BaseExceptionGroup) -> BaseException:
     return exc if not isinstance(exc, BaseExceptionGroup) else group
 
 
-def _reason(exc: BaseException) -> str:
+def error_reason(exc: BaseException) -> str:
     """One line out of py-libp2p's nested exceptions."""
     parts, seen = [], 0
     while exc is not None and seen < 4:
@@ -696,14 +697,14 @@ async def _close_connections(host) -> None:
         try:
             await network.close_peer(pid)
         except Exception as exc:
-            log.debug("closing connection to %s: %s", pid, _reason(exc))
+            log.debug("closing connection to %s: %s", pid, error_reason(exc))
 
     async with trio.open_nursery() as nursery:
         for pid in list(network.connections):
             nursery.start_soon(close, pid)
 
 
-def _check_listen_addrs(addrs: Sequence[multiaddr.Multiaddr], *, tls: bool) -> None:
+def check_listen_addrs(addrs: Sequence[multiaddr.Multiaddr], *, tls: bool) -> None:
     """TCP, WebSocket (``/ws``) or TLS WebSocket (``/wss``, needs a certificate) over IPv4/IPv6;
     no two of them on one host and port (see module doc: the port demultiplexer breaks WebSocket)."""
     seen: dict[tuple[str, str], multiaddr.Multiaddr] = {}
@@ -816,7 +817,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
     listen_addrs = [parse_multiaddr(a, "listen address") for a in listen]
     if bool(tls_cert) != bool(tls_key):
         raise UserError("a TLS certificate needs its key and the other way round (--tls-cert and --tls-key)")
-    _check_listen_addrs(listen_addrs, tls=bool(tls_cert))
+    check_listen_addrs(listen_addrs, tls=bool(tls_cert))
     tls_server = _tls_server_context(tls_cert, tls_key) if tls_cert else None
     for a in listen_addrs:
         _check_port_free(a)
@@ -866,15 +867,15 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
         if leaf is group:
             raise
         if not started and isinstance(leaf, Exception) and not isinstance(leaf, UserError):
-            raise UserError(f"cannot listen on {', '.join(map(str, listen_addrs))}: {_reason(leaf)}") from None
+            raise UserError(f"cannot listen on {', '.join(map(str, listen_addrs))}: {error_reason(leaf)}") from None
         raise leaf from None
     except Exception as exc:
         if started or isinstance(exc, UserError):
             raise
-        raise UserError(f"cannot listen on {', '.join(map(str, listen_addrs))}: {_reason(exc)}") from None
+        raise UserError(f"cannot listen on {', '.join(map(str, listen_addrs))}: {error_reason(exc)}") from None
     finally:
         with trio.CancelScope(shield=True), trio.move_on_after(10):
             try:
                 await host.close()
             except Exception as exc:
-                log.debug("host close: %s", _reason(exc))
+                log.debug("host close: %s", error_reason(exc))
