@@ -10,9 +10,15 @@ import trio
 log = logging.getLogger("p2pswarm.node")
 
 
-async def until_signal(cancel_scope: trio.CancelScope) -> None:
-    """Wait for SIGINT/SIGTERM, log it, and cancel ``cancel_scope``."""
+async def until_signal(cancel_scope: trio.CancelScope, ready: str | None = None) -> None:
+    """Wait for SIGINT/SIGTERM, log it, and cancel ``cancel_scope``.
+
+    ``ready`` (the ``READY ...`` line a parent process waits for) is printed only once the signal
+    receiver is installed: a parent that sends SIGTERM the moment it reads READY must get a clean
+    shutdown, not the default action (exit -15 with nothing withdrawn)."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        if ready is not None:
+            print(ready, flush=True)
         async for sig in signals:
             log.info("signal %s: shutting down", signal.Signals(sig).name)
             cancel_scope.cancel()

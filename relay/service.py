@@ -414,10 +414,10 @@ async def run_relay(settings: RelaySettings) -> None:
                          ", ".join(addrs) or "(no dialable address)",
                          "open" if gate is None else f"tokens of {len(settings.trust_issuer)} issuer(s)", url,
                          settings.max_reservations, settings.max_circuits)
-                print(f"READY {addrs[0] if addrs else net.peer_id_str} health={url}", flush=True)
                 nursery.start_soon(_report, net, hop, dht)
                 nursery.start_soon(advertise_relay, dht)  # how workers find this relay (relay/discovery.py)
-                await until_signal(nursery.cancel_scope)
+                await until_signal(nursery.cancel_scope,
+                                   ready=f"READY {addrs[0] if addrs else net.peer_id_str} health={url}")
     log.info("relay stopped")
 
 

@@ -35,10 +35,9 @@ async def _main(args) -> None:
         async with open_dht(net, server=True, bootstrap=args.bootstrap) as dht:
             addrs = dialable_addrs(net)
             log.info("bootstrap node %s up on %s", net.peer_id_str, ", ".join(addrs))
-            print(f"READY {addrs[0]}", flush=True)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_report, dht)
-                await until_signal(nursery.cancel_scope)
+                await until_signal(nursery.cancel_scope, ready=f"READY {addrs[0]}")
 
 
 async def _report(dht) -> None:

@@ -182,8 +182,7 @@ async def _worker(args) -> None:
                     nursery.start_soon(keeper.keep)
                 await nursery.start(adv.run)
                 log.info("serving %s with kernel %s", info.describe(), info.kernel)
-                print(f"READY {dialable_addrs(net)[0]}", flush=True)
-                await until_signal(nursery.cancel_scope)
+                await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(net)[0]}")
             with trio.CancelScope(shield=True):
                 await adv.withdraw()
             log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes", served.requests,
@@ -305,8 +304,7 @@ async def _backbone(args) -> None:
                          "" if app.chat else "; no chat template: /v1/chat/completions refuses")
             if args.manifest:
                 await _serve_shards(args, swarm, nursery)
-            print(f"READY {dialable_addrs(swarm.net)[0]} http={http}", flush=True)
-            await until_signal(nursery.cancel_scope)
+            await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(swarm.net)[0]} http={http}")
 
 
 def bind_http(text: str) -> socket.socket | None:

@@ -72,8 +72,7 @@ async def _main(args) -> None:
                 dht = await nursery.start(_dht_task, open_dht, net, args.bootstrap) if args.bootstrap else None
                 server = await nursery.start(partial(run_shard_source, net, dht, args.model, manifest, gate,
                                                      **_hooks()))
-                print(f"READY {dialable_addrs(net)[0]}", flush=True)
-                await until_signal(nursery.cancel_scope)
+                await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(net)[0]}")
         finally:
             if server is not None:
                 log.info("served %d chunks (%.1f MB) on %d streams; refused %d (%s)", server.stats.chunks,
