@@ -178,7 +178,8 @@ class Dispatcher:
         """Use owner ``name`` again at once (it restarted: a newer signed record says so)."""
         return self._down_until.pop(name, None) is not None
 
-    def _healthy(self, owner: Owner) -> bool:
+    def healthy(self, owner: Owner) -> bool:
+        """False while ``owner`` is backed off (it failed or missed its deadline recently)."""
         return time.monotonic() >= self._down_until.get(owner.name, 0.0)
 
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
@@ -188,7 +189,7 @@ class Dispatcher:
         """Owner -> indices of the groups it computes (an expert may have several groups)."""
         plan: dict[Owner, list[int]] = {}
         for i, (e, _) in enumerate(groups):
-            owner = next((o for o in self.owners if o.holds(layer, e) and self._healthy(o)), self.local)
+            owner = next((o for o in self.owners if o.holds(layer, e) and self.healthy(o)), self.local)
             plan.setdefault(owner, []).append(i)
         if self.hot_experts:
             self._keep_hot_local(plan, groups)
