@@ -97,6 +97,8 @@ class NativeOps:
         lib.pk_swiglu.restype, lib.pk_swiglu.argtypes = None, [P, P, P, i64]
         if lib.pk_version() != VERSION:
             raise OSError(f"{path} is portable kernel version {lib.pk_version()}, expected {VERSION}")
+        lib.pk_simd.restype, lib.pk_simd.argtypes = ctypes.c_char_p, []
+        self.simd = lib.pk_simd().decode()  # "avx2", "c" (compiler-vectorised) or "scalar"
         self.lib = lib
 
     def quantize(self, x: np.ndarray, block: int) -> np.ndarray:
@@ -140,16 +142,19 @@ def load_native() -> NativeOps:
         return _native
 
 
-def build_native() -> Path:
+def build_native(extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile portable_kernel.c for this machine (once per source, compiler and flags; cached).
 
     ``-march=native`` is safe for the bits: it only widens integer SIMD and vectorises independent
     float lanes; with ``-ffp-contract=off`` no float operation is fused or reordered.
+    ``extra_flags`` go after the others (the tests build ``-DPK_SCALAR`` and ``-mno-avx2`` variants
+    to check that every variant gives the same bits).
     """
     cc = os.environ.get(ENV_CC) or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc/gcc) to build the portable kernel")
     flags = [*CFLAGS, "-march=native"] if platform.machine() in ("x86_64", "AMD64") else [*CFLAGS, "-mcpu=native"]
+    flags += list(extra_flags)
     src = C_SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "p2pswarm" / "portable"
@@ -161,7 +166,7 @@ def build_native() -> Path:
         tmp_out = Path(tmp) / out.name
         r = subprocess.run([cc, *flags, str(C_SOURCE), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
-            flags = list(CFLAGS)  # a compiler that does not know this CPU: portable code still
+            flags = [*CFLAGS, *extra_flags]  # a compiler that does not know this CPU: portable code still
             r = subprocess.run([cc, *flags, str(C_SOURCE), "-o", str(tmp_out), "-lm"], capture_output=True, text=True)
         if r.returncode != 0:
             raise OSError(f"building the portable kernel failed: {r.stderr.strip()[-300:]}")
