@@ -1,6 +1,6 @@
 """The portable kernel against the ggml kernel on this machine (x86-64), one 122B-geometry expert.
 
-    python bench/bench_portable.py [--threads 1] [--experts 32] [--repeat 5] [--rounds 3]
+    python bench/bench_portable.py [--threads 1] [--experts 32] [--repeat 5] [--rounds 3] [--write]
 
 The expert files of bench/bench_kernels.py (gate/up/down Q4_K; and Q4_K with a Q6_K down, the mix
 of a Q4_K_M file), cycled over ``--experts`` experts so that each call streams its weights from
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import header
+from common import header, publish
 
 from bench_kernels import Q4_K, Q6_K, ROWS, per_call, write_expert_file
 from p2pswarm.engine import ggml_kernel as gk
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the expert files (default: a temp dir)")
+    ap.add_argument("--write", action="store_true", help="append the results to docs/benchmarks.md")
     args = ap.parse_args(argv)
     tmp = Path(args.dir or tempfile.mkdtemp(prefix="bench-portable-"))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -95,8 +96,7 @@ def main(argv=None) -> int:
         out.append("\n")
         g.close()
         p.close()
-    text = "".join(out)
-    print(text)
+    publish("".join(out), args.write)
     return 0
 
 

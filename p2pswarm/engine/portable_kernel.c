@@ -549,3 +549,42 @@ void pk_swiglu(const float *g, const float *u, float *h, int64_t count) {
         h[j] = s * u[j];
     }
 }
+
+static int64_t act_block(int wtype) { return wtype == T_Q8_0 ? 32 : (wtype == T_Q4_K || wtype == T_Q6_K) ? 256 : 0; }
+
+/* The activations of x (n, k) for weights of `wtype`: x itself for F32/F16, else a pk_quantize
+ * buffer in *buf (malloc'ed; the caller frees it). NULL when out of memory. */
+static const void *activations(int wtype, const float *x, int64_t n, int64_t k, void **buf) {
+    const int64_t block = act_block(wtype);
+    *buf = NULL;
+    if (block == 0) return x;
+    if (k % block) return NULL;
+    *buf = malloc((size_t)pk_qsize(n, k, block));
+    if (*buf) pk_quantize(x, n, k, block, *buf);
+    return *buf;
+}
+
+/* One whole expert in one call: out (n, e) = down(silu(gate x) * (up x)) for x (n, e), gate/up
+ * (ff, e) and down (e, ff) of types tg/tu/td. Exactly the steps the Python bank runs one call at a
+ * time (pk_quantize, pk_matmul, pk_swiglu, in that order), so the same bits; one call saves the
+ * per-call overhead that matters at decode (one row). Returns 0, or -1 (bad shape, no memory). */
+int pk_expert(int tg, const void *wg, int tu, const void *wu, int td, const void *wd, int64_t ff, int64_t e,
+              const float *x, int64_t n, float *out) {
+    int rc = -1;
+    void *bg = NULL, *bu = NULL, *bh = NULL;
+    float *g = (float *)malloc(sizeof(float) * (size_t)(n * ff * 2 + 1));
+    float *u = g + n * ff, *h = g;  /* h overwrites g elementwise (pk_swiglu reads g[j] first) */
+    if (!g) return -1;
+    const void *ag = activations(tg, x, n, e, &bg);
+    const void *au = tu == tg ? ag : activations(tu, x, n, e, &bu);
+    if (ag && au && pk_matmul(tg, wg, 0, ff, e, ag, n, g, ff) == 0 && pk_matmul(tu, wu, 0, ff, e, au, n, u, ff) == 0) {
+        pk_swiglu(g, u, h, n * ff);
+        const void *ah = activations(td, h, n, ff, &bh);
+        if (ah) rc = pk_matmul(td, wd, 0, e, ff, ah, n, out, e);
+    }
+    free(bg);
+    free(bu);
+    free(bh);
+    free(g);
+    return rc;
+}
