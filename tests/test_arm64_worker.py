@@ -13,7 +13,9 @@ tests are skipped with the reason, except under CI=true, where a missing test be
   an x86-64 ``p2pswarm logits --swarm`` backbone over libp2p: logits bit-equal to the x86-64
   monolithic run, prefill and decode; the same worker with the ggml kernel (libggml cross-compiled
   for aarch64) is left out by the backbone's DHT filter and refuses a direct handshake, with the
-  reason, while the logits stay exact on the backbone's replica.
+  reason, while the logits stay exact on the backbone's replica; yet it answers a request in the
+  portable family (asked for in the hello) from an x86-64 ggml backbone bit for bit: how any
+  worker can be verified.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import numpy as np
 import pytest
 
 from helpers import arm64_root as bed
+from p2pswarm.engine import kernels
 
 from conftest import run_cli
 
@@ -104,6 +107,41 @@ def RootNode(arm64, args: list[str], log: Path, env: dict) -> bed.RootProcess:
     return bed.RootProcess(root, inside, args, env=env, log=log)
 
 
+async def _portable_request(boot_addr: str, model: Path, worker_kernel: str):
+    """As an x86-64 ggml backbone: ask the worker for portable answers (hello ``family``) and
+    compute the same request with our portable kernel; (theirs, ours, the worker's families)."""
+    from p2pswarm.backbone.libp2p_owner import Libp2pOwner
+    from p2pswarm.engine import ggml_kernel as gk
+    from p2pswarm.engine import portable_kernel as pk
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import model_fingerprint
+    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.dht import CoverageResolver, open_dht
+    from p2pswarm.net.host import open_host
+    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+
+    layout = ModelLayout.open(model)
+    fp = model_fingerprint(layout)
+    rows = (np.random.default_rng(29).standard_normal((4, 256)) * 2).astype(np.float32)
+    groups = [(0, np.array([0, 3])), (5, np.arange(4)), (15, np.array([2]))]
+    layer = layout.expert_layers[-1]
+    want = pk.PortableExpertBank(layout, threads=1).forward_groups(layer, rows, groups)
+    async with open_host(Identity.generate()) as net, open_dht(net, server=False, bootstrap=[boot_addr]) as dht:
+        resolver = CoverageResolver(dht, model=fp, layers=layout.expert_layers, n_expert=layout.n_expert,
+                                    block_size=DEFAULT_BLOCK_SIZE, protocol=proto.PROTOCOL_VERSION,
+                                    kernel=worker_kernel)
+        owners = list((await resolver.refresh()).peers().values())
+        assert len(owners) == 1, owners
+        owner = Libp2pOwner(net, owners[0], model_fingerprint=fp, kernel=gk.load_libggml().kernel_id,
+                            timeout_s=120, family=pk.FAMILY)
+        try:
+            got = await owner.compute(layer, rows, groups)
+        finally:
+            await owner.aclose()
+    return got, want, owner.families
+
+
 def _swarm_logits(model, boot_addr: str, out: Path, env: dict, decode: bool):
     flag = ["--decode"] if decode else []
     return run_cli("logits", str(model), "--tokens", TOKENS, "--out", str(out), "--swarm", boot_addr,
@@ -173,7 +211,7 @@ def test_aarch64_worker_serves_x86_backbone_bit_exact_and_ggml_worker_is_refused
         nodes.append(worker)
         status = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(model), "--kernel", "portable",
                          env=env, check=True)
-        assert "portable-1/aarch64 (family portable-1)" in status.stdout, status.stdout
+        assert "portable-1/aarch64 (family portable-1), answers in portable-1" in status.stdout, status.stdout
         for decode in (False, True):
             out = tmp_path / f"swarm{decode}.npy"
             t0 = time.monotonic()
@@ -203,6 +241,13 @@ def test_aarch64_worker_serves_x86_backbone_bit_exact_and_ggml_worker_is_refused
         why = trio.run(_direct_handshake, boot.addr, model, ggml_id)
         print(f"aarch64 ggml worker ({ggml_id}): {why}")
         assert "refused the handshake: kernel mismatch" in why and ggml_id in why and "portable-1/x86_64" in why
+        # ... but it answers portably on request: an x86-64 ggml backbone verifying it bit for bit
+        got, want, families = trio.run(_portable_request, boot.addr, model, ggml_id)
+        assert families == (kernels.family(ggml_id), "portable-1"), families
+        for a, b in zip(got, want):
+            assert np.array_equal(a.view(np.int32), b.view(np.int32)), "aarch64 portable answer differs"
+        print(f"aarch64 ggml worker answered a portable request from an x86-64 ggml backbone: "
+              f"{sum(len(a) for a in got)} rows bit-equal")
         assert gworker.stop() == 0
         assert "at handshake: kernel mismatch" in gworker.log.read_text()
     finally:

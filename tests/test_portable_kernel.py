@@ -88,6 +88,45 @@ def test_c_and_numpy_implementations_agree_bit_for_bit(wtype):
 
 
 @needs_c
+@needs_llama
+def test_vectorised_and_scalar_builds_give_the_same_bits():
+    """The row path (<= 8 rows: decode) runs AVX2 intrinsics here, compiler-vectorised C without
+    AVX2 (NEON on aarch64), plain C under -DPK_SCALAR; the batched path (> 8 rows) its own loops.
+    Integer sums are exact in any order, so all of them must give the same bits."""
+    default = pk.load_native()
+    x86 = __import__("platform").machine() == "x86_64"
+    flag_sets = (("-DPK_SCALAR",), ("-mno-avx2", "-mno-f16c")) if x86 else (("-DPK_SCALAR",),)
+    variants = [pk.NativeOps(pk.build_native(flags)) for flags in flag_sets]
+    if x86:  # -march=native picks the AVX2 code where the CPU has it
+        avx2 = " avx2 " in __import__("pathlib").Path("/proc/cpuinfo").read_text().replace("\n", " ")
+        assert default.simd == ("avx2" if avx2 else "c") and [v.simd for v in variants] == ["scalar", "c"]
+    rng = np.random.default_rng(17)
+    R, K = 24, 1024
+    for wtype in (pk.Q4_K, pk.Q6_K, pk.Q8_0):
+        wb = _weights(wtype, R, K, rng)
+        if wtype == pk.Q8_0:  # -128, a value ggml's quantiser never writes (AVX2's sign trick)
+            wb.reshape(R, -1, 34)[0, 0, 2:] = 0x80
+        x = (rng.standard_normal((12, K)) * 40).astype(np.float32)
+        x[2, :256] = 0
+        x[3, :] = 1e-3
+        x[3, 7] = -5e4  # an activation block at -127 / +127
+        rows = []
+        for n in (1, 2, 8, 12):
+            outs = []
+            for ops in (default, *variants):
+                a = ops.quantize(x[:n], pk.ACT_BLOCK[wtype])
+                out = np.empty((n, R), np.float32)
+                ops.matmul(wtype, wb.ctypes.data, 0, R, K, a, n, out)
+                outs.append(out)
+            for o in outs[1:]:
+                assert np.array_equal(o.view(np.int32), outs[0].view(np.int32)), (wtype, n)
+            rows.append(outs[0])
+        # row path (n <= 8) and batched path (n = 12) agree row for row
+        for out in rows[:-1]:
+            assert np.array_equal(out.view(np.int32), rows[-1][: len(out)].view(np.int32)), wtype
+
+
+@needs_c
 def test_swiglu_agrees_and_is_silu():
     rng = np.random.default_rng(5)
     g = np.concatenate([rng.standard_normal(4000) * 8, [0.0, -0.0, 200.0, -200.0, 88.5, -104.5, 1e-30]])

@@ -369,6 +369,9 @@ def test_swarm_status_tells_the_truth(tiny_f32, tmp_path):
         peers = st["peers"]
         assert [peers[peer(n)]["status"] for n in w] == ["live"] * 3, peers
         assert all(peers[peer(n)]["shards"][0]["rtt_ms"] > 0 for n in w)
+        # each worker's family, and the families it answers in (its hello): numpy, and portable on request
+        assert all(peers[peer(n)]["family"] == "numpy" and peers[peer(n)]["answers_in"] == ["numpy", "portable-1"]
+                   for n in w), peers
         assert peers[peer(liar)]["status"] == "refused"
         assert peers[peer(liar)]["reason"].startswith("kernel mismatch: worker computes with 'ggml-test/other-cpu'")
         assert peers[peer(odd)]["status"] == "refused"

@@ -92,9 +92,9 @@ class InProcessOwner(Owner):
     def holds(self, layer, expert):
         return self.worker.bank.holds(layer, expert)
 
-    async def compute(self, layer, cur, groups):
+    async def compute(self, layer, cur, groups, family=None):
         rows, local_groups = pack_rows(cur, groups)
-        return await trio.to_thread.run_sync(partial(self.worker.compute, layer, rows, local_groups))
+        return await trio.to_thread.run_sync(partial(self.worker.compute, layer, rows, local_groups, family))
 
 
 @dataclass

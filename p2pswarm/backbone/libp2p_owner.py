@@ -27,7 +27,7 @@ import time
 
 import trio
 
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.socket_owner import SocketOwner, reply_families
 from p2pswarm.engine import kernels
 from p2pswarm.errors import UserError, WorkerError
 from p2pswarm.net import expert_protocol as proto
@@ -45,10 +45,10 @@ class Libp2pOwner(SocketOwner):
 
     def __init__(self, net: NetHost, info, *, model_fingerprint: str, kernel: str, timeout_s: float = 30.0,
                  connect_timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME, on_failure=None,
-                 name: str | None = None):
+                 name: str | None = None, family: str | None = None):
         super().__init__(name or f"{info.peer[-10:]}/{info.shard.shard[:6]}", "", 0,
                          model_fingerprint=model_fingerprint, kernel=kernel, layers=info.shard.layers,
-                         experts=info.shard.experts, timeout_s=timeout_s, max_frame=max_frame)
+                         experts=info.shard.experts, timeout_s=timeout_s, max_frame=max_frame, family=family)
         self.net = net
         self.info = info
         self.connect_timeout_s = connect_timeout_s
@@ -94,8 +94,7 @@ class Libp2pOwner(SocketOwner):
         except UserError as exc:  # NetError, bad address
             raise WorkerError(f"{self.name} unreachable: {exc}") from None
         reader = FrameReader(stream, self.max_frame)
-        hello = {"op": "hello", "protocol": proto.PROTOCOL_VERSION, "model": self.model_fingerprint,
-                 "kernel": self.kernel, "shard": self.shard}
+        hello = dict(self.hello(), shard=self.shard)
         try:
             await send_frame(stream, proto.pack(hello), self.max_frame)
             payload = await reader.read_frame()
@@ -109,6 +108,7 @@ class Libp2pOwner(SocketOwner):
             if reason:
                 self._refused(reason)
                 raise WorkerError(f"{self.name} refused by us at the handshake: {reason}")
+            self.families = reply_families(reply)
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
@@ -128,7 +128,10 @@ class Libp2pOwner(SocketOwner):
         if reply.get("model") != self.model_fingerprint:
             return (f"model mismatch: worker serves model {str(reply.get('model'))[:12]}, "
                     f"we run {self.model_fingerprint[:12]}")
-        if not kernels.compatible(reply.get("kernel"), self.kernel):
+        if self.family is not None:
+            if self.family not in reply_families(reply):
+                return f"kernel family mismatch: worker answers in {list(reply_families(reply))}, we asked for {self.family!r}"
+        elif not kernels.compatible(reply.get("kernel"), self.kernel):
             return f"kernel mismatch: worker computes with {reply.get('kernel')!r}, we with {self.kernel!r}"
         if reply.get("shard") != self.shard:
             return f"shard mismatch: worker serves {str(reply.get('shard'))[:12]}, its record says {self.shard[:12]}"

@@ -27,6 +27,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.dispatch import Groups, Owner, pack_rows
+from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
@@ -40,14 +41,27 @@ DEADLINE_SAMPLES = 8  # answered requests before the learnt deadline replaces th
 LATENCY_WINDOW = 64
 
 
+def reply_families(reply: dict) -> tuple[str, ...]:
+    """The kernel families a worker's hello reply says it answers in (older workers: its kernel's)."""
+    fams = reply.get("families")
+    if isinstance(fams, list) and all(isinstance(f, str) for f in fams):
+        return tuple(fams)
+    return (kernels.family(reply["kernel"]),) if isinstance(reply.get("kernel"), str) else ()
+
+
 class SocketOwner(Owner):
     def __init__(self, name: str, host: str, port: int, *, model_fingerprint: str, kernel: str,
                  layers: tuple[int, int], experts: tuple[int, int], timeout_s: float = 30.0,
-                 max_frame: int = DEFAULT_MAX_FRAME):
+                 max_frame: int = DEFAULT_MAX_FRAME, family: str | None = None):
+        """``family``: ask the worker to answer every request of this connection in that kernel
+        family (one of its hello's ``families``, e.g. ``portable-1``), whatever our own ``kernel``;
+        None: the worker's kernel must be of our family. ``compute(..., family=...)`` asks per request."""
         self.name = name
         self.host, self.port = host, port
         self.model_fingerprint = model_fingerprint
         self.kernel = kernel
+        self.family = family
+        self.families: tuple[str, ...] = ()  # what the worker's last hello said it answers in
         self.layers = layers
         self.experts = experts
         self.timeout_s = timeout_s
@@ -77,9 +91,7 @@ class SocketOwner(Owner):
     async def _connect(self) -> None:
         stream = await trio.open_tcp_stream(self.host, self.port)
         reader = FrameReader(stream, self.max_frame)
-        hello = {"op": "hello", "protocol": proto.PROTOCOL_VERSION, "model": self.model_fingerprint,
-                 "kernel": self.kernel}
-        await send_frame(stream, proto.pack(hello), self.max_frame)
+        await send_frame(stream, proto.pack(self.hello()), self.max_frame)
         payload = await reader.read_frame()
         if payload is None:
             raise WorkerError(f"{self.name} closed the connection during the handshake")
@@ -91,7 +103,15 @@ class SocketOwner(Owner):
         if reply.get("model") != self.model_fingerprint:
             await trio.aclose_forcefully(stream)
             raise WorkerError(f"{self.name} serves another model ({clip(reply.get('model'), 80)}), not {self.model_fingerprint}")
+        self.families = reply_families(reply)
         self._stream, self._reader = stream, reader
+
+    def hello(self) -> dict:
+        msg = {"op": "hello", "protocol": proto.PROTOCOL_VERSION, "model": self.model_fingerprint,
+               "kernel": self.kernel}
+        if self.family is not None:
+            msg["family"] = self.family
+        return msg
 
     async def _drop(self) -> None:
         if self._stream is not None:
@@ -150,10 +170,16 @@ class SocketOwner(Owner):
             if sent and not done and gen == self._gen:  # not yet dropped by another request
                 await self._drop()
 
-    async def compute(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
+    async def compute(self, layer: int, cur: np.ndarray, groups: Groups, family: str | None = None) -> list[np.ndarray]:
+        """The worker's outputs for ``groups`` (as the local replica's ``forward_groups``).
+
+        ``family``: the kernel family the worker must answer this request in, one of
+        :attr:`families` (e.g. ``kernels.portable_family()``: a ggml backbone recomputing a sample
+        with its own portable replica gets the same bits from any honest worker, of any ISA);
+        None: the connection's family. A worker that cannot raises WorkerError (an error reply)."""
         rows, local_groups = pack_rows(cur, groups)
         rid = next(self._ids)
-        req = proto.ComputeRequest(rid, layer, rows, local_groups)
+        req = proto.ComputeRequest(rid, layer, rows, local_groups, family)
         try:
             reply = await self.request(req.to_wire(), rid, rows=int(sum(len(idx) for _, idx in local_groups)))
             out = proto.array_from_wire(reply.get("out"), "result")

@@ -57,7 +57,8 @@ def _kernel(name: str | None) -> str:
 
 
 async def _probe_all(net, infos: dict, model: str, kernel: str, timeout_s: float) -> dict[str, tuple]:
-    """(status, reason, rtt_s) of every (peer, shard) in ``infos``, probed concurrently."""
+    """(status, reason, rtt_s, families) of every (peer, shard) in ``infos``, probed concurrently;
+    ``families``: the kernel families its hello said it answers in (empty unless live)."""
     from p2pswarm.backbone.libp2p_owner import Libp2pOwner
 
     out: dict[str, tuple] = {}
@@ -68,7 +69,7 @@ async def _probe_all(net, infos: dict, model: str, kernel: str, timeout_s: float
                             connect_timeout_s=timeout_s, name=info.peer)
         owner.on_refused = lambda _owner, _reason: None  # reported in the table, not logged
         async with limiter:
-            out[key] = await owner.probe()
+            out[key] = (*await owner.probe(), owner.families)
 
     async with trio.open_nursery() as nursery:
         for key, info in infos.items():
@@ -107,11 +108,11 @@ async def _status(args) -> dict:
 
     peers: dict[str, dict] = {}
     for key, info in infos.items():
-        status, reason, rtt = probes.get(key, ("unprobed", "", None))
+        status, reason, rtt, answers = probes.get(key, ("unprobed", "", None, ()))
         p = peers.setdefault(info.peer, {"status": status, "reason": reason, "addrs": list(info.addrs),
                                          "kernel": info.record.kernel,
-                                         "family": family(info.record.kernel), "shards": [],
-                                         **_record_times(info.record, now)})
+                                         "family": family(info.record.kernel), "answers_in": list(answers),
+                                         "shards": [], **_record_times(info.record, now)})
         p["shards"].append(_shard(info, status, reason, rtt))
         if status != "live" and p["status"] == "live":  # a peer is as live as its least live shard
             p["status"], p["reason"] = status, reason
@@ -124,7 +125,7 @@ async def _status(args) -> dict:
     for peer, reason in sorted(resolver.gone.items()):
         peers.setdefault(peer, {"status": "gone", "reason": reason, "addrs": [], "shards": []})
 
-    usable = {k for k, (status, _, _) in probes.items() if status == "live"} if probes else set(infos)
+    usable = {k for k, (status, *_) in probes.items() if status == "live"} if probes else set(infos)
     replicas = cmap.replicas(alive=lambda o: f"{o.peer}/{o.shard.shard}" in usable)
     n_blocks = -(-layout.n_expert // args.block_size)
     counts: dict[str, int] = {}
@@ -151,7 +152,8 @@ def _describe(peer: str, p: dict) -> str:
         state = f"{p['status']}: {p['reason']}"
     if p["status"] == "gone":
         return f"  {peer}: {state}"
-    kernel = f"; kernel {p['kernel']} (family {p['family']})" if p.get("kernel") else ""
+    answers = f", answers in {', '.join(p['answers_in'])}" if p.get("answers_in") else ""
+    kernel = f"; kernel {p['kernel']} (family {p['family']}){answers}" if p.get("kernel") else ""
     return f"  {peer}: {state}; {ranges or 'no shards'}{kernel}{where}{times}"
 
 

@@ -88,6 +88,26 @@ def family(kernel_id: str) -> str:
     return kernel_id
 
 
+def portable_family() -> str:
+    """The portable kernel's family (``portable-<version>``), which every worker can answer in."""
+    from p2pswarm.engine.portable_kernel import FAMILY  # noqa: PLC0415
+
+    return FAMILY
+
+
+def answer_families(kernel_id: str) -> tuple[str, ...]:
+    """The families a worker computing with ``kernel_id`` answers requests in: its own first, then
+    the portable one (every worker can build the portable kernel, or run its numpy implementation).
+
+    Why: a backbone verifies a worker bit for bit by recomputing sampled requests. A ggml backbone
+    can do that for a worker of its own ggml family, but not for one of another ISA; asking such a
+    worker for portable answers and recomputing them with its own portable replica works for any.
+    """
+    own = family(kernel_id)
+    portable = portable_family()
+    return (own,) if own == portable else (own, portable)
+
+
 def compatible(a: str | None, b: str | None) -> bool:
     """Whether nodes advertising kernel ids ``a`` and ``b`` compute the same bits (the handshake's
     and the DHT filter's one test). Portable ids of one version match across ISAs; nothing else

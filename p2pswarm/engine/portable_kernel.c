@@ -29,6 +29,10 @@ enum { T_F32 = 0, T_F16 = 1, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
 int pk_version(void) { return PK_VERSION; }
 
+#if defined(__F16C__) && !defined(PK_SCALAR)
+#include <immintrin.h>
+static inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); } /* exact, like the C below */
+#else
 static float f16_to_f32(uint16_t h) {
     uint32_t s = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
     if (e == 0) {
@@ -48,6 +52,7 @@ static float f16_to_f32(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 
 static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
@@ -58,25 +63,34 @@ static int nearest_int(float fval) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
-/* Bytes of the activation buffer for n rows of k values: int16 values (int8 range: int16 so the
- * dot products run as int16 x int16 -> int32), float scales per block, int32 sums per 16 values. */
+/* Bytes of the activation buffer for n rows of k values (the parts q_parts lists). */
 int64_t pk_qsize(int64_t n, int64_t k, int64_t block) {
-    return 2 * n * k + n * (k / block) * 4 + n * (k / 16) * 4 + 64;
+    return 3 * n * k + n * (k / block) * 4 + n * (k / 16) * 6 + n * (k / 32) * 2 + 128;
 }
 
-static void q_parts(void *buf, int64_t n, int64_t k, int64_t block, int16_t **qs, float **d, int32_t **s16) {
+/* The values twice, block-major (a block of every row contiguous): int16 qs (the batched path's
+ * int16 x int16 products) and int8 q8 (the row path's byte products); the scales d; the sums over
+ * 16 values as int32 s16 and int16 h16, and over 32 values as int16 h32 (row-major). */
+static void q_parts(void *buf, int64_t n, int64_t k, int64_t block, int16_t **qs, float **d, int32_t **s16,
+                    int8_t **q8, int16_t **h16, int16_t **h32) {
     uint8_t *b = (uint8_t *)buf;
     *qs = (int16_t *)b;
     int64_t off = (2 * n * k + 15) & ~(int64_t)15;
     *d = (float *)(b + off);
     off += n * (k / block) * 4;
     *s16 = (int32_t *)(b + off);
+    off += n * (k / 16) * 4;
+    *h16 = (int16_t *)(b + off);
+    off += n * (k / 16) * 2;
+    *h32 = (int16_t *)(b + off);
+    off += n * (k / 32) * 2;
+    *q8 = (int8_t *)(b + ((off + 31) & ~(int64_t)31));
 }
 
 /* x (n, k) float32 -> int8-valued blocks of `block` values (ggml's quantize_row_q8_K_ref, any block). */
 void pk_quantize(const float *x, int64_t n, int64_t k, int64_t block, void *buf) {
-    int16_t *qs; float *d; int32_t *s16;
-    q_parts(buf, n, k, block, &qs, &d, &s16);
+    int16_t *qs, *h16, *h32; float *d; int32_t *s16; int8_t *q8;
+    q_parts(buf, n, k, block, &qs, &d, &s16, &q8, &h16, &h32);
     int64_t nb = k / block;
     for (int64_t i = 0; i < n; i++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -98,13 +112,17 @@ void pk_quantize(const float *x, int64_t n, int64_t k, int64_t block, void *buf)
                 }
                 d[i * nb + b] = 1.f / iscale;
             }
+            for (int64_t j = 0; j < block; j++) q8[(b * n + i) * block + j] = (int8_t)q[j];
         }
         for (int64_t j = 0; j < k / 16; j++) {
             const int16_t *q = qs + ((j * 16 / block) * n + i) * block + (j * 16) % block;
             int32_t s = 0;
             for (int l = 0; l < 16; l++) s += q[l];
             s16[i * (k / 16) + j] = s;
+            h16[i * (k / 16) + j] = (int16_t)s;
         }
+        for (int64_t j = 0; j < k / 32; j++)
+            h32[i * (k / 32) + j] = (int16_t)(h16[i * (k / 16) + 2 * j] + h16[i * (k / 16) + 2 * j + 1]);
     }
 }
 
@@ -211,6 +229,213 @@ static inline int32_t dot_256(const int16_t *w, const int16_t *a, int len) {
     return s;
 }
 
+/* ---- the row path (few activation rows: decode) ---------------------------------------------------
+ * Each block's integer dot products are computed straight from the packed weight bytes and the int8
+ * activations (no unpacked copy), vectorised where the ISA allows: AVX2 intrinsics on x86-64, plain
+ * C loops elsewhere (which the compiler vectorises: NEON on aarch64), and plain C everywhere under
+ * -DPK_SCALAR. Integer sums are exact in any order and never overflow (an AVX2 int16 pair sum is at
+ * most 2*63*128 < 2^15, a block's sum < 2^31), so every variant gives the batched path's integers;
+ * the float32 steps (matmul_rows) are the batched path's, in the same order, one rounding each.
+ *
+ * q4k_block: sumi = sum_l sc[l/32] q4(l) a(l) and summ = sum_j mn[j] (a's sum over sub-block j);
+ * q6k_block: sumi = sum_l sc[l/16] (u6(l) - 32) a(l); q8_dot: sum_l w(l) a(l) over 32 values.
+ * a16/a32: the activation block's sums over 16 and 32 values, int16 (|sum| <= 32*127). */
+#define ROW_PATH_MAX_N 8
+
+/* The 8 six-bit scales and mins of a Q4_K block (12 bytes at s). */
+static inline void q4k_scales(const uint8_t *s, int16_t sc[8], int32_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (int16_t)((s[j + 8] & 0xF) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+#if defined(__AVX2__) && !defined(PK_SCALAR)
+#include <immintrin.h>
+#define PK_SIMD "avx2"
+static inline int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+static inline int32_t hsum4(__m128i s) {
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+/* bytes {2j, 2j+1} repeated: broadcast int16 element j within each 128-bit lane */
+static const uint8_t k_pick16[8][32] = {
+#define PICK(j) {2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, \
+                 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1, 2*j, 2*j+1}
+    PICK(0), PICK(1), PICK(2), PICK(3), PICK(4), PICK(5), PICK(6), PICK(7)
+#undef PICK
+};
+/* bytes 8 x g then 8 x (g+1): int8 scales g and g+1, for _mm256_cvtepi8_epi16 */
+static const uint8_t k_pick8[8][16] = {
+#define PICK(g) {2*g, 2*g, 2*g, 2*g, 2*g, 2*g, 2*g, 2*g, 2*g+1, 2*g+1, 2*g+1, 2*g+1, 2*g+1, 2*g+1, 2*g+1, 2*g+1}
+    PICK(0), PICK(1), PICK(2), PICK(3), PICK(4), PICK(5), PICK(6), PICK(7)
+#undef PICK
+};
+static inline void q4k_block(const uint8_t *blk, const int8_t *a, const int16_t *a16, const int16_t *a32,
+                             int32_t *sumi, int32_t *summ) {
+    (void)a16;
+    uint32_t u[4];
+    memcpy(u, blk + 4, 12);  /* the layout q4k_scales decodes, four bytes at a time (ggml's masks) */
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t mn03 = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mn03;
+    u[0] &= 0x3f3f3f3fu;
+    const __m256i ms = _mm256_cvtepu8_epi16(_mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]));
+    *summ = hsum4(_mm_madd_epi16(_mm256_extracti128_si256(ms, 1), _mm_loadu_si128((const __m128i *)a32)));
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(ms));
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const uint8_t *q = blk + 16;
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+        const __m256i lo = _mm256_and_si256(qv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), m4);
+        const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(a + 64 * c)));
+        const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(a + 64 * c + 32)));
+        const __m256i slo = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)k_pick16[2 * c]));
+        const __m256i shi = _mm256_shuffle_epi8(scales, _mm256_loadu_si256((const __m256i *)k_pick16[2 * c + 1]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(plo, slo));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(phi, shi));
+    }
+    *sumi = hsum8(acc);
+}
+static inline int32_t q6k_block(const uint8_t *blk, const int8_t *a, const int16_t *a16) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+    const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+        const __m256i L0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        const __m256i L1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        __m256i u[4];
+        u[0] = _mm256_or_si256(_mm256_and_si256(L0, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+        u[1] = _mm256_or_si256(_mm256_and_si256(L1, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4));
+        u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4));
+        u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4));
+        for (int t = 0; t < 4; t++) {
+            const int g = 4 * h + t; /* values 32g .. 32g+31, scales 2g and 2g+1 */
+            const __m256i p = _mm256_maddubs_epi16(u[t], _mm256_loadu_si256((const __m256i *)(a + 32 * g)));
+            const __m256i s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, _mm_loadu_si128((const __m128i *)k_pick8[g])));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+        }
+    }
+    /* minus 32 * sum_j sc[j] * (a's sum over values 16j .. 16j+15) */
+    const __m256i off = _mm256_madd_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_loadu_si256((const __m256i *)a16));
+    return hsum8(acc) - 32 * hsum8(off);
+}
+static inline int32_t q8_dot(const int8_t *w, const int8_t *a) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)w), av = _mm256_loadu_si256((const __m256i *)a);
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(av, wv));
+    return hsum8(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+#else
+#if defined(PK_SCALAR)
+#define PK_SIMD "scalar"
+#else
+#define PK_SIMD "c"
+#endif
+static inline void q4k_block(const uint8_t *blk, const int8_t *a, const int16_t *a16, const int16_t *a32,
+                             int32_t *sumi, int32_t *summ) {
+    (void)a16;
+    int16_t sc[8];
+    int32_t mn[8];
+    q4k_scales(blk + 4, sc, mn);
+    const uint8_t *q = blk + 16;
+    int32_t si = 0, sm = 0;
+    for (int c = 0; c < 4; c++) {
+        int32_t lo = 0, hi = 0;
+        for (int l = 0; l < 32; l++) {
+            lo += (int32_t)(q[32 * c + l] & 0xF) * a[64 * c + l];
+            hi += (int32_t)(q[32 * c + l] >> 4) * a[64 * c + 32 + l];
+        }
+        si += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+    }
+    for (int j = 0; j < 8; j++) sm += mn[j] * a32[j];
+    *sumi = si;
+    *summ = sm;
+}
+static inline int32_t q6k_block(const uint8_t *blk, const int8_t *a, const int16_t *a16) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    int32_t sumi = 0;
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
+        const int8_t *A = a + 128 * h;
+        int32_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int g = 0; g < 2; g++)
+            for (int l = 16 * g; l < 16 * g + 16; l++) {
+                s[0 + g] += (int32_t)((L[l] & 0xF) | ((H[l] & 3) << 4)) * A[l];
+                s[2 + g] += (int32_t)((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) * A[l + 32];
+                s[4 + g] += (int32_t)((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) * A[l + 64];
+                s[6 + g] += (int32_t)((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) * A[l + 96];
+            }
+        for (int j = 0; j < 8; j++) sumi += sc[8 * h + j] * (s[j] - 32 * a16[8 * h + j]);
+    }
+    return sumi;
+}
+static inline int32_t q8_dot(const int8_t *w, const int8_t *a) {
+    int32_t s = 0;
+    for (int l = 0; l < 32; l++) s += (int32_t)w[l] * a[l];
+    return s;
+}
+#endif
+
+/* Which integer code this build runs ("avx2", "c": compiler-vectorised C, "scalar": -DPK_SCALAR). */
+const char *pk_simd(void) { return PK_SIMD; }
+
+static int matmul_rows(int wtype, const uint8_t *W, int64_t rb, int64_t r0, int64_t r1, int64_t nb,
+                       const int8_t *q8, const float *ad, const int16_t *h16, const int16_t *h32, int64_t n,
+                       float *out, int64_t ldo) {
+    const int64_t k = nb * (wtype == T_Q8_0 ? 32 : 256);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = W + r * rb;
+        float acc[ROW_PATH_MAX_N] = {0.f};
+        for (int64_t b = 0; b < nb; b++) {
+            if (wtype == T_Q4_K) {
+                const uint8_t *blk = row + b * 144;
+                const float d = f16_to_f32(rd16(blk)), dmin = f16_to_f32(rd16(blk + 2));
+                for (int64_t i = 0; i < n; i++) {
+                    int32_t sumi, summ;
+                    q4k_block(blk, q8 + (b * n + i) * 256, h16 + i * (k / 16) + b * 16, h32 + i * (k / 32) + b * 8,
+                              &sumi, &summ);
+                    const float da = ad[i * nb + b];
+                    const float v = (d * da) * (float)sumi;
+                    const float m = (dmin * da) * (float)summ;
+                    acc[i] = acc[i] + (v - m);
+                }
+            } else if (wtype == T_Q6_K) {
+                const uint8_t *blk = row + b * 210;
+                const float d = f16_to_f32(rd16(blk + 208));
+                for (int64_t i = 0; i < n; i++) {
+                    const int32_t sumi = q6k_block(blk, q8 + (b * n + i) * 256, h16 + i * (k / 16) + b * 16);
+                    acc[i] = acc[i] + (d * ad[i * nb + b]) * (float)sumi;
+                }
+            } else {
+                const uint8_t *blk = row + b * 34;
+                const float d = f16_to_f32(rd16(blk));
+                for (int64_t i = 0; i < n; i++) {
+                    const int32_t sumi = q8_dot((const int8_t *)(blk + 2), q8 + (b * n + i) * 32);
+                    acc[i] = acc[i] + (d * ad[i * nb + b]) * (float)sumi;
+                }
+            }
+        }
+        for (int64_t i = 0; i < n; i++) out[i * ldo + r] = acc[i];
+    }
+    return 0;
+}
+
 /* out[i*ldo + r] = row r of W times row i of the activations, for r in [r0, r1).
  * W: `wtype` rows of k values at `w` (row r at w + r*row_bytes). `act`: float32 x for F32/F16,
  * else the buffer pk_quantize filled (block 256 for K-quants, 32 for Q8_0). Returns 0 or -1.
@@ -230,8 +455,9 @@ int pk_matmul(int wtype, const void *w, int64_t r0, int64_t r1, int64_t k, const
     const int64_t block = wtype == T_Q8_0 ? 32 : 256;
     if (k % block) return -1;
     const int64_t nb = k / block;
-    int16_t *qs; float *ad; int32_t *s16;
-    q_parts((void *)act, n, k, block, &qs, &ad, &s16);
+    int16_t *qs, *h16, *h32; float *ad; int32_t *s16; int8_t *q8;
+    q_parts((void *)act, n, k, block, &qs, &ad, &s16, &q8, &h16, &h32);
+    if (n <= ROW_PATH_MAX_N) return matmul_rows(wtype, W, rb, r0, r1, nb, q8, ad, h16, h32, n, out, ldo);
     float *acc = (float *)malloc(sizeof(float) * (size_t)(RB * (n > 0 ? n : 1)));
     if (!acc) return -1;
     wblock wb[RB];
@@ -322,4 +548,43 @@ void pk_swiglu(const float *g, const float *u, float *h, int64_t count) {
         const float s = g[j] / (1.0f + e);
         h[j] = s * u[j];
     }
+}
+
+static int64_t act_block(int wtype) { return wtype == T_Q8_0 ? 32 : (wtype == T_Q4_K || wtype == T_Q6_K) ? 256 : 0; }
+
+/* The activations of x (n, k) for weights of `wtype`: x itself for F32/F16, else a pk_quantize
+ * buffer in *buf (malloc'ed; the caller frees it). NULL when out of memory. */
+static const void *activations(int wtype, const float *x, int64_t n, int64_t k, void **buf) {
+    const int64_t block = act_block(wtype);
+    *buf = NULL;
+    if (block == 0) return x;
+    if (k % block) return NULL;
+    *buf = malloc((size_t)pk_qsize(n, k, block));
+    if (*buf) pk_quantize(x, n, k, block, *buf);
+    return *buf;
+}
+
+/* One whole expert in one call: out (n, e) = down(silu(gate x) * (up x)) for x (n, e), gate/up
+ * (ff, e) and down (e, ff) of types tg/tu/td. Exactly the steps the Python bank runs one call at a
+ * time (pk_quantize, pk_matmul, pk_swiglu, in that order), so the same bits; one call saves the
+ * per-call overhead that matters at decode (one row). Returns 0, or -1 (bad shape, no memory). */
+int pk_expert(int tg, const void *wg, int tu, const void *wu, int td, const void *wd, int64_t ff, int64_t e,
+              const float *x, int64_t n, float *out) {
+    int rc = -1;
+    void *bg = NULL, *bu = NULL, *bh = NULL;
+    float *g = (float *)malloc(sizeof(float) * (size_t)(n * ff * 2 + 1));
+    float *u = g + n * ff, *h = g;  /* h overwrites g elementwise (pk_swiglu reads g[j] first) */
+    if (!g) return -1;
+    const void *ag = activations(tg, x, n, e, &bg);
+    const void *au = tu == tg ? ag : activations(tu, x, n, e, &bu);
+    if (ag && au && pk_matmul(tg, wg, 0, ff, e, ag, n, g, ff) == 0 && pk_matmul(tu, wu, 0, ff, e, au, n, u, ff) == 0) {
+        pk_swiglu(g, u, h, n * ff);
+        const void *ah = activations(td, h, n, ff, &bh);
+        if (ah) rc = pk_matmul(td, wd, 0, e, ff, ah, n, out, e);
+    }
+    free(bg);
+    free(bu);
+    free(bh);
+    free(g);
+    return rc;
 }

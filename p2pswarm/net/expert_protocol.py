@@ -18,6 +18,7 @@ PROTOCOL_VERSION = 1
 #: transport needs no libp2p.
 PROTOCOL_EXPERT = "/p2pswarm/expert/1.0.0"
 ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
+MAX_FAMILY_CHARS = 200
 
 
 def pack(msg: dict) -> bytes:
@@ -67,15 +68,21 @@ class ComputeRequest:
     layer: int
     rows: np.ndarray  # (n_distinct_rows, n_embd) float32
     groups: list[tuple[int, np.ndarray]]  # (global expert id, int32 indices into rows)
+    #: The kernel family to answer in (one of the worker's hello "families", e.g. "portable-1");
+    #: None: the connection's (the hello's "family", else the worker's own kernel).
+    family: str | None = None
 
     def to_wire(self) -> bytes:
         counts = [int(len(idx)) for _, idx in self.groups]
         index = np.concatenate([idx for _, idx in self.groups]).astype(np.int32) if self.groups else np.zeros(0, np.int32)
-        return pack({
+        msg = {
             "op": "compute", "id": self.id, "layer": self.layer,
             "experts": [int(e) for e, _ in self.groups], "counts": counts,
             "index": array_to_wire(index), "rows": array_to_wire(self.rows),
-        })
+        }
+        if self.family is not None:
+            msg["family"] = self.family
+        return pack(msg)
 
     @classmethod
     def from_msg(cls, msg: dict) -> "ComputeRequest":
@@ -94,11 +101,14 @@ class ComputeRequest:
             raise FrameError("malformed compute request: counts do not add up to the index length")
         if len(index) and (index.min() < 0 or index.max() >= len(rows)):
             raise FrameError("malformed compute request: index points outside the rows")
+        family = msg.get("family")
+        if family is not None and not (isinstance(family, str) and 0 < len(family) <= MAX_FAMILY_CHARS):
+            raise FrameError(f"malformed compute request: family must be a string of 1-{MAX_FAMILY_CHARS} characters")
         groups, pos = [], 0
         for e, c in zip(experts, counts):
             groups.append((e, index[pos : pos + c]))
             pos += c
-        return cls(rid, layer, rows, groups)
+        return cls(rid, layer, rows, groups, family)
 
 
 def result_to_wire(rid: int, outputs: list[np.ndarray], n_embd: int) -> bytes:

@@ -8,11 +8,12 @@ chosen by :func:`p2pswarm.engine.kernels.make_bank` (whose name the handshake co
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from p2pswarm.engine.kernels import kernel_id, make_bank
+from p2pswarm.engine.kernels import answer_families, family, kernel_id, make_bank, portable_family
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
@@ -50,22 +51,48 @@ def shard_info(layout: ModelLayout, kernel: str) -> ShardInfo:
 
 class ExpertWorker:
     def __init__(self, shard_path: str | os.PathLike[str], *, kernel: str | None = None, **bank_options):
-        """``kernel``: "auto" | "numpy" | "ggml" (None: $P2PSWARM_KERNEL, else auto); ``bank_options``
-        go to :func:`make_bank` (``cache_bytes`` for numpy, ``threads`` for ggml)."""
+        """``kernel``: "auto" | "numpy" | "ggml" | "portable" (None: $P2PSWARM_KERNEL, else auto);
+        ``bank_options`` go to :func:`make_bank` (``cache_bytes`` for numpy, ``threads`` for ggml
+        and portable)."""
         layout = ModelLayout.open(shard_path)
         self.bank = make_bank(layout, kernel, **bank_options)
         self.info = shard_info(layout, self.bank.kernel)
+        #: the kernel families this worker answers in (its own, then portable): the hello says them
+        self.families = answer_families(self.bank.kernel)
+        self._layout = layout
+        self._threads = bank_options.get("threads")
+        self._portable = None  # the portable bank, built on the first request that asks for it
+        self._portable_lock = threading.Lock()
+
+    def bank_for(self, family_name: str | None = None):
+        """The bank that answers in ``family_name`` (None: this worker's own kernel); a UserError
+        for a family this worker cannot answer in. The portable bank reads the same mapped shard
+        (no copy), so answering portably on request costs no memory."""
+        if family_name is None or family_name == family(self.info.kernel):
+            return self.bank
+        if family_name != portable_family():
+            raise UserError(f"cannot answer in kernel family {family_name!r} "
+                            f"(this worker answers in {', '.join(self.families)})")
+        with self._portable_lock:
+            if self._portable is None:
+                from p2pswarm.engine.portable_kernel import PortableExpertBank  # noqa: PLC0415
+
+                self._portable = PortableExpertBank(self._layout, threads=self._threads)
+            return self._portable
 
     @staticmethod
     def describe_shard(shard_path: str | os.PathLike[str], kernel: str | None = None) -> ShardInfo:
         """What a shard holds, without loading it (``kernel``: what a worker started with it would use)."""
         return shard_info(ModelLayout.open(shard_path), kernel_id(kernel))
 
-    def compute(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
-        """Outputs for each (expert, row indices) group, in the order given."""
+    def compute(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]],
+                family: str | None = None) -> list[np.ndarray]:
+        """Outputs for each (expert, row indices) group, in the order given, computed in kernel
+        ``family`` (one of :attr:`families`; None: this worker's own kernel)."""
+        bank = self.bank_for(family)
         if rows.ndim != 2 or rows.shape[1] != self.info.n_embd:
             raise UserError(f"rows have shape {rows.shape}, expected (n, {self.info.n_embd})")
         for e, _ in groups:
             if not self.bank.holds(layer, e):
                 raise UserError(f"expert {e} of layer {layer} is not in this shard ({self.info.describe()})")
-        return self.bank.forward_groups(layer, rows, groups)
+        return bank.forward_groups(layer, rows, groups)

@@ -36,14 +36,23 @@ class ServeStats:
 
 def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> str | None:
     """Why a peer's hello is refused, or None if we agree on protocol, model and kernel (and on
-    the shard hash, when the peer names the shard it expects, e.g. from our DHT record)."""
+    the shard hash, when the peer names the shard it expects, e.g. from our DHT record).
+
+    Kernels agree when the peer's kernel is of our family, or when the peer's hello names a
+    ``family`` we answer in (``worker.families``: ours and portable): then every request on that
+    connection is answered in it, e.g. a ggml backbone verifying a worker of another ISA portably."""
     info = worker.info
     if msg.get("protocol") != proto.PROTOCOL_VERSION:
         return f"protocol version mismatch: peer {msg.get('protocol')!r}, ours {proto.PROTOCOL_VERSION}"
     if msg.get("model") != info.model_fingerprint:
         return (f"model mismatch: peer serves model {clip(msg.get('model'), 80)}, "
                 f"this shard is of model {info.model_fingerprint}")
-    if not kernels.compatible(msg.get("kernel"), info.kernel):
+    want_family = msg.get("family")
+    if want_family is not None:  # the peer asks for answers in this family, whatever its own kernel
+        if want_family not in worker.families:
+            return (f"kernel family mismatch: peer asks for answers in {clip(want_family, 80)!r}, this worker "
+                    f"answers in {', '.join(worker.families)}")
+    elif not kernels.compatible(msg.get("kernel"), info.kernel):
         return f"kernel mismatch: peer computes with {msg.get('kernel')!r}, this worker with {info.kernel!r}"
     want = msg.get("shard")
     if want is not None and shard is not None and want != shard:
@@ -66,6 +75,7 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
     reader = FrameReader(stream, max_frame)
     peer = _peer_name(stream)
     greeted = False
+    conn_family = None
     try:
         while True:
             try:
@@ -83,8 +93,9 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
                 reason = check_hello(msg, worker, shard)
                 info = worker.info
                 reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
-                         "model": info.model_fingerprint, "kernel": info.kernel, "shard": shard,
-                         "layers": [info.layer_begin, info.layer_end], "experts": [info.expert_begin, info.expert_end]}
+                         "model": info.model_fingerprint, "kernel": info.kernel, "families": list(worker.families),
+                         "shard": shard, "layers": [info.layer_begin, info.layer_end],
+                         "experts": [info.expert_begin, info.expert_end]}
                 if reason:
                     reply["error"] = reason
                     log.warning("refused %s at handshake: %s", peer, reason)
@@ -94,6 +105,7 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
                 if reason:
                     return
                 greeted = True
+                conn_family = msg.get("family")  # checked by check_hello: one of worker.families
             elif op == "echo":
                 data = msg.get("payload")
                 if not isinstance(data, bytes):
@@ -106,7 +118,8 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
                     return
                 try:
                     req = proto.ComputeRequest.from_msg(msg)
-                    outputs = await trio.to_thread.run_sync(partial(worker.compute, req.layer, req.rows, req.groups))
+                    outputs = await trio.to_thread.run_sync(partial(worker.compute, req.layer, req.rows, req.groups,
+                                                                    req.family or conn_family))
                     reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd)
                     log.debug("computed layer %d for %s: %d experts, %d rows", req.layer, peer, len(req.groups),
                               len(req.rows))
