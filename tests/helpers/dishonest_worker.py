@@ -5,6 +5,7 @@ The fault is injected here, in a subclass launched as its own process, so produc
 DHT record (truthful), the expert protocol server and the receipt store of `p2pswarm node --role
 worker`. Each output row is perturbed with probability ``--fraction`` (default 0.01, seeded by
 ``--seed``): one element moved by ``--delta``, small enough that the output still looks plausible.
+With ``--honest-rows N`` it answers its first N rows honestly (earning receipts) before it cheats.
 Prints ``READY <multiaddr>`` like a real node and logs how many rows it falsified on shutdown."""
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ log = logging.getLogger("p2pswarm.worker")
 
 
 class DishonestWorker(ExpertWorker):
-    def __init__(self, shard, *, fraction: float, delta: float, seed: int, **kw):
+    def __init__(self, shard, *, fraction: float, delta: float, seed: int, honest_rows: int = 0, **kw):
         super().__init__(shard, **kw)
+        self.honest_rows = honest_rows
         self.fraction, self.delta = fraction, delta
         self.rng = np.random.default_rng(seed)
         self.rows = self.falsified = 0
@@ -38,6 +40,7 @@ class DishonestWorker(ExpertWorker):
         outs = super().compute(layer, rows, groups)
         for out in outs:
             hit = self.rng.random(len(out)) < self.fraction
+            hit[: max(0, self.honest_rows - self.rows)] = False
             out[hit, 0] += np.float32(self.delta)
             self.rows += len(out)
             self.falsified += int(hit.sum())
@@ -45,7 +48,8 @@ class DishonestWorker(ExpertWorker):
 
 
 async def main(args) -> None:
-    worker = DishonestWorker(args.shard, kernel="numpy", fraction=args.fraction, delta=args.delta, seed=args.seed)
+    worker = DishonestWorker(args.shard, kernel="numpy", fraction=args.fraction, delta=args.delta, seed=args.seed,
+                             honest_rows=args.honest_rows)
     info = worker.info
     identity = load_or_create_identity(args.identity)
     entry = ShardEntry(info.model_fingerprint, worker_shard_hash(worker), (info.layer_begin, info.layer_end),
@@ -76,5 +80,6 @@ if __name__ == "__main__":
     p.add_argument("--fraction", type=float, default=0.01)
     p.add_argument("--delta", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--honest-rows", type=int, default=0)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     trio.run(main, p.parse_args())
