@@ -10,6 +10,11 @@ The backbone hands :meth:`Dispatcher.run` the rows ``cur`` of one layer and the 
 4. returns ``{expert: outputs}``; the caller combines them in top-k order, so arrival order never
    matters and the result is bit-identical whoever computed what.
 
+With a :class:`~p2pswarm.market.verify.Verifier` it also recomputes a random sample of each
+remote owner's groups on the local replica, beside the request, and compares them bit for bit; a
+mismatch bans the owner here (``banned``), tells ``on_mismatch``, and the step uses the replica's
+outputs for all of that owner's groups. A ``ledger`` credits each owner's used work (receipts).
+
 Owners are transports: :class:`LocalOwner` (this process), :class:`InProcessOwner` (a worker object
 in this process, exercising the same row packing as a remote one) and
 :class:`p2pswarm.backbone.socket_owner.SocketOwner` (a worker process over a local socket).
