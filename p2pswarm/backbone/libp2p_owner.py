@@ -292,12 +292,13 @@ class SwarmOwners:
             ok += await owner.ping()
         return ok
 
-    async def send_receipt(self, peer: str, data: bytes, timeout_s: float = 10.0) -> bool:
+    async def send_receipt(self, peer: str, data: bytes, timeout_s: float = 5.0) -> bool:
         """Hand a signed contribution receipt to worker ``peer`` on one of its expert streams
         (the ``receipt`` op); True once the worker says it stored it. A failure is no evidence
         against the worker (it stays usable); the receipt is sent again next period."""
         owner = next((o for o in self.owners if o.peer == peer and o.refused is None), None)
-        if owner is None:
+        if owner is None or (self.dispatcher is not None and not self.dispatcher._healthy(owner)):
+            # gone, refused or in back-off (hung, failing): not worth a wait; next period
             return False
         rid = next(owner._ids)
         try:

@@ -105,7 +105,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                         nursery.cancel_scope.cancel()
                 finally:
                     with trio.CancelScope(shield=True):
-                        with trio.move_on_after(10):  # the last receipts and any ban not yet in the DHT
+                        with trio.move_on_after(5):  # the last receipts and any ban not yet in the DHT
                             await bans.publish_pending()
                             sent = await issuer.round()
                             if sent:
