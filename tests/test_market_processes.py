@@ -1,13 +1,14 @@
 """Issue 14's must-show, as real OS processes on 127.0.0.1: a dishonest worker (it falsifies 1% of
 its output rows) is caught by a backbone's sampled verification within the number of rows the
-sample rate predicts, banned swarm-wide by a signed DHT record that a second backbone honours, and
-its unpaid receipts are voided; the honest worker's receipts verify; the second backbone's logits
-equal the monolithic run's bit for bit."""
+sample rate predicts, banned swarm-wide by a signed DHT record that the other backbones honour (one
+started after the ban, one already running), and its unpaid receipts are voided; the honest
+worker's receipts verify; the second backbone's logits equal the monolithic run's bit for bit."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,11 @@ def test_dishonest_worker_is_caught_banned_everywhere_and_its_receipts_voided(ti
                      str(tmp_path / "liar-r"), "--fraction", str(FRACTION), "--seed", "5",
                      "--honest-rows", str(HONEST_ROWS)], tmp_path / "liar.log", env, module=False)
         nodes.append(liar)
+        # A long-running backbone (node) that trusts backbone 1's bans, up before the ban exists.
+        b3 = Node(["node", "--role", "backbone", "--model", str(tiny_f32), "--bootstrap", boot.addr, "--identity",
+                   str(tmp_path / "b3.key"), "--http", "127.0.0.1:0", "--trust-bans", b1_id, "--ban-refresh", "1"],
+                  tmp_path / "b3.log", env)
+        nodes.append(b3)
         mono = tmp_path / "mono.npy"
         run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", "--decode",
                 env=env, check=True)
@@ -68,6 +74,10 @@ def test_dishonest_worker_is_caught_banned_everywhere_and_its_receipts_voided(ti
         assert f"honouring the ban of worker {liar_id} by backbone {b1_id}" in b2.stderr, b2.stderr[-3000:]
         assert " 0 fallbacks" in b2.stdout and "BANNED" not in b2.stderr
         assert np.array_equal(np.load(mono), np.load(tmp_path / "b2.npy"))
+        deadline = time.time() + 30
+        while f"honouring the ban of worker {liar_id} by backbone {b1_id}" not in b3.log.read_text():
+            assert time.time() < deadline, b3.log.read_text()[-3000:]
+            time.sleep(0.2)
         liar.stop()
         honest.stop()
         log = liar.log.read_text()

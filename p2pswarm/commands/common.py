@@ -54,13 +54,21 @@ def add_market_args(p, prefix: str = "") -> None:
                    help=f"{prefix}also honour the ban records this backbone signs (repeatable; our own always count)")
     p.add_argument("--receipt-period", type=float, default=60.0, metavar="SECONDS",
                    help=f"{prefix}send each worker a signed receipt for its work this often (and on exit)")
+    p.add_argument("--ban-refresh", type=float, default=30.0, metavar="SECONDS",
+                   help=f"{prefix}look up the bans of the workers in use this often (new workers: before their "
+                        f"first request)")
 
 
 def market_kwargs(args) -> dict:
-    if not args.receipt_period > 0:
-        raise UserError("--receipt-period must be > 0 seconds")
+    if not args.receipt_period > 0 or not args.ban_refresh > 0:
+        raise UserError("--receipt-period and --ban-refresh must be > 0 seconds")
+    from p2pswarm.net.identity import peer_id_bytes, peer_public_key
+
+    for peer in args.trust_bans:
+        peer_id_bytes(peer)  # one line for a malformed id, before joining the swarm
+        peer_public_key(peer)
     return {"verify_rate": args.verify_rate, "verify_seed": args.verify_seed, "trust_bans": args.trust_bans,
-            "receipt_period_s": args.receipt_period}
+            "receipt_period_s": args.receipt_period, "ban_refresh_s": args.ban_refresh}
 
 
 def add_swarm_args(p) -> None:

@@ -385,6 +385,7 @@ def run(args) -> int:
         from p2pswarm.commands.common import require_full_model
 
         require_full_model(args.model)
+        market_kwargs(args)  # bad market options: one line now, not after joining the swarm
         args.http_socket = bind_http(args.http)
     if args.relay:
         if args.role != "worker":
