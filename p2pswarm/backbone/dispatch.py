@@ -257,7 +257,7 @@ class Dispatcher:
 
         async def one(owner: Owner, which: list[int]) -> None:
             owner_groups = [groups[i] for i in which]
-            picked = self.verifier.pick(owner_groups) if owner.remote and self.verifier is not None else []
+            picked = self.verifier.pick(peer_of(owner), owner_groups) if owner.remote and self.verifier is not None else []
             used = owner.remote
             try:
                 tc = time.perf_counter()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import zlib
 from dataclasses import dataclass
 
 import msgpack
@@ -106,19 +107,29 @@ class Verifier:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"verify rate {rate} is not in [0, 1]")
         self.rate = rate
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
+        self._rngs: dict[str, np.random.Generator] = {}
         self.rows_served: dict[str, int] = {}
         self.rows_checked: dict[str, int] = {}
         self.groups_checked = 0
         self.mismatches = 0
 
-    def pick(self, groups) -> list[int]:
-        """Indices of the groups to recompute: those with at least one row selected."""
+    def _rng(self, worker: str) -> np.random.Generator:
+        """One stream per worker (seeded: from the seed and the worker's id), so what one worker is
+        checked on never depends on the order concurrent requests to others were made in."""
+        rng = self._rngs.get(worker)
+        if rng is None:
+            key = None if self.seed is None else [self.seed, zlib.crc32(worker.encode())]
+            rng = self._rngs[worker] = np.random.default_rng(key)
+        return rng
+
+    def pick(self, worker: str, groups) -> list[int]:
+        """Indices of ``worker``'s groups to recompute: those with at least one row selected."""
         if self.rate <= 0 or not groups:
             return []
         if self.rate >= 1:
             return list(range(len(groups)))
-        draws = self.rng.random(sum(len(idx) for _, idx in groups)) < self.rate
+        draws = self._rng(worker).random(sum(len(idx) for _, idx in groups)) < self.rate
         picked, pos = [], 0
         for i, (_, idx) in enumerate(groups):
             if draws[pos : pos + len(idx)].any():
