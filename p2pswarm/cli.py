@@ -28,6 +28,7 @@ COMMANDS = [
     "node",
     "bootstrap",
     "swarm_status",
+    "rewards",
     "relay",
     "identity",
     "token",

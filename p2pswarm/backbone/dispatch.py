@@ -10,6 +10,11 @@ The backbone hands :meth:`Dispatcher.run` the rows ``cur`` of one layer and the 
 4. returns ``{expert: outputs}``; the caller combines them in top-k order, so arrival order never
    matters and the result is bit-identical whoever computed what.
 
+With a :class:`~p2pswarm.market.verify.Verifier` it also recomputes a random sample of each
+remote owner's groups on the local replica, beside the request, and compares them bit for bit; a
+mismatch bans the owner here (``banned``), tells ``on_mismatch``, and the step uses the replica's
+outputs for all of that owner's groups. A ``ledger`` credits each owner's used work (receipts).
+
 Owners are transports: :class:`LocalOwner` (this process), :class:`InProcessOwner` (a worker object
 in this process, exercising the same row packing as a remote one) and
 :class:`p2pswarm.backbone.socket_owner.SocketOwner` (a worker process over a local socket).
@@ -46,6 +51,11 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
+
+
+def peer_of(owner: "Owner") -> str:
+    """The identity an owner's work is credited to and banned by: a libp2p peer id where there is one."""
+    return getattr(owner, "peer", None) or owner.name
 
 
 class Owner(abc.ABC):
@@ -110,10 +120,13 @@ class DispatchStats:
     seconds: float = 0.0
     per_owner: dict[str, int] = field(default_factory=dict)
     deadline_misses: int = 0  # fallbacks because a worker missed its learnt deadline (hung, not dead)
+    verified_groups: int = 0  # remote groups recomputed locally to check them (Dispatcher.verifier)
+    mismatches: int = 0  # checked groups whose outputs differed from the local replica's (each bans)
 
     def snapshot(self) -> "DispatchStats":
         return DispatchStats(self.layers, self.requests, self.remote_rows, self.local_groups, self.remote_groups,
-                             self.fallbacks, self.seconds, dict(self.per_owner), self.deadline_misses)
+                             self.fallbacks, self.seconds, dict(self.per_owner), self.deadline_misses,
+                             self.verified_groups, self.mismatches)
 
     def since(self, before: "DispatchStats") -> "DispatchStats":
         return DispatchStats(
@@ -122,6 +135,7 @@ class DispatchStats:
             self.fallbacks - before.fallbacks, self.seconds - before.seconds,
             {k: v - before.per_owner.get(k, 0) for k, v in self.per_owner.items()},
             self.deadline_misses - before.deadline_misses,
+            self.verified_groups - before.verified_groups, self.mismatches - before.mismatches,
         )
 
 
@@ -173,13 +187,26 @@ class Dispatcher:
         #: compute locally whatever a slow owner would take longer to return (see _keep_hot_local)
         self.hot_experts = hot_experts
         self.local_row_s: float | None = None  # EWMA: local seconds per (row, expert) computed
+        #: the market (p2pswarm.market): a Verifier recomputes a sample of remote outputs; a ledger
+        #: (ContributionLedger) counts the work used per worker peer; on_mismatch(peer, evidence)
+        #: is told of a worker caught returning wrong numbers (after it is banned here)
+        self.verifier = None
+        self.ledger = None
+        self.on_mismatch = None
+        self.banned: dict[str, str] = {}  # worker peer id -> why it gets no requests
+
+    def ban(self, peer: str, reason: str) -> None:
+        """Send ``peer`` nothing from now on (its experts go to another owner or the local replica)."""
+        self.banned.setdefault(peer, reason)
 
     def clear_backoff(self, name: str) -> bool:
         """Use owner ``name`` again at once (it restarted: a newer signed record says so)."""
         return self._down_until.pop(name, None) is not None
 
     def healthy(self, owner: Owner) -> bool:
-        """False while ``owner`` is backed off (it failed or missed its deadline recently)."""
+        """False while ``owner`` is banned or backed off (it failed or missed its deadline recently)."""
+        if self.banned and peer_of(owner) in self.banned:
+            return False
         return time.monotonic() >= self._down_until.get(owner.name, 0.0)
 
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
@@ -231,9 +258,14 @@ class Dispatcher:
 
         async def one(owner: Owner, which: list[int]) -> None:
             owner_groups = [groups[i] for i in which]
+            picked = self.verifier.pick(peer_of(owner), owner_groups) if owner.remote and self.verifier is not None else []
+            used = owner.remote
             try:
                 tc = time.perf_counter()
-                outs = await owner.compute(layer, cur, owner_groups)
+                if picked:
+                    outs, refs = await self._compute_checked(owner, layer, cur, owner_groups, picked)
+                else:
+                    outs = await owner.compute(layer, cur, owner_groups)
                 if not owner.remote:
                     rows = sum(len(idx) for _, idx in owner_groups)
                     if rows:
@@ -255,6 +287,9 @@ class Dispatcher:
                 log.warning("worker %s failed on layer %d (%s): fell back to the local replica for %d experts;"
                             " avoiding it for %.0f s", owner.name, layer, exc, len(owner_groups), backoff)
                 outs = await self.local.compute(layer, cur, owner_groups)
+                used = False
+            if used:
+                outs = await self._accept(owner, layer, cur, owner_groups, outs, picked, refs if picked else [])
             for i, out in zip(which, outs):
                 results[i] = out
 
@@ -276,6 +311,49 @@ class Dispatcher:
                 s.local_groups += len(which)
             s.per_owner[owner.name] = s.per_owner.get(owner.name, 0) + len(which)
         return results
+
+    async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
+                               picked: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The owner's outputs and the local replica's for the picked groups, computed side by side
+        (the check costs the step max(round trip, local compute), not their sum)."""
+        got: dict[str, list[np.ndarray]] = {}
+
+        async def remote() -> None:
+            got["outs"] = await owner.compute(layer, cur, groups)
+
+        async def local() -> None:
+            got["refs"] = await self.local.compute(layer, cur, [groups[i] for i in picked])
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(remote)
+                nursery.start_soon(local)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        return got["outs"], got["refs"]
+
+    async def _accept(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups, outs: list[np.ndarray],
+                      picked: list[int], refs: list[np.ndarray]) -> list[np.ndarray]:
+        """Check a remote answer's sampled groups; on a mismatch ban the worker and use the local
+        replica's outputs for *all* its groups; otherwise count the work for its receipts."""
+        peer = peer_of(owner)
+        self.stats.verified_groups += len(picked)
+        if self.verifier is not None:
+            evidence = self.verifier.check(peer, layer, cur, groups, outs, picked, refs)
+            if evidence is not None:
+                self.stats.mismatches += 1
+                self.ban(peer, evidence.summary())
+                if self.on_mismatch is not None:
+                    self.on_mismatch(peer, evidence)
+                else:
+                    log.warning("BANNED worker %s: %s", peer, evidence.summary())
+                rest = [j for j in range(len(groups)) if j not in set(picked)]
+                fixed = dict(zip(picked, refs))
+                fixed.update(zip(rest, await self.local.compute(layer, cur, [groups[j] for j in rest])))
+                return [fixed[j] for j in range(len(groups))]
+        if self.ledger is not None:
+            self.ledger.add(peer, sum(len(idx) for _, idx in groups), sum(int(o.nbytes) for o in outs))
+        return outs
 
     async def aclose(self) -> None:
         for o in self.owners:

@@ -295,6 +295,23 @@ class SwarmOwners:
             ok += await owner.ping()
         return ok
 
+    async def send_receipt(self, peer: str, data: bytes, timeout_s: float = 5.0) -> bool:
+        """Hand a signed contribution receipt to worker ``peer`` on one of its expert streams
+        (the ``receipt`` op); True once the worker says it stored it. A failure is no evidence
+        against the worker (it stays usable); the receipt is sent again next period."""
+        owner = next((o for o in self.owners if o.peer == peer and o.refused is None), None)
+        if owner is None or (self.dispatcher is not None and not self.dispatcher.healthy(owner)):
+            # gone, refused or in back-off (hung, failing): not worth a wait; next period
+            return False
+        rid = next(owner._ids)
+        try:
+            with trio.move_on_after(timeout_s):
+                reply = await SocketOwner.request(owner, proto.pack({"op": "receipt", "id": rid, "receipt": data}), rid)
+                return reply.get("op") == "receipt" and reply.get("ok") is True
+        except WorkerError as exc:
+            log.info("worker %s did not take its receipt: %s", owner.name, exc)
+        return False
+
     async def keepalive(self, idle_s: float = KEEPALIVE_S) -> None:
         """CDNs and NATs cut idle connections (a CDN's WebSocket proxy after ~100 s): a relayed
         circuit to a worker would die between two users' requests and the next one would pay a

@@ -5,6 +5,12 @@ expert as the local fallback replica) plus a libp2p host and DHT node, a
 :class:`CoverageResolver` that maps every (layer, expert) to owners and replicas through DHT
 look-ups (refreshed periodically and at once on a failure), and a :class:`SwarmOwners` pool the
 dispatcher routes to (least loaded, then nearest replica first). Nothing here is a static list.
+
+The market's checks ride along (docs/market.md, "Receipts and verification"): the dispatcher
+recomputes a sample (``verify_rate``) of every worker's outputs and bans a worker caught lying
+(:class:`~p2pswarm.market.bans.BanKeeper`: a signed ban record in the DHT, honoured by backbones
+that trust us); it credits the work it used to each worker and sends signed receipts every
+``receipt_period_s`` and once more on the way out.
 """
 from __future__ import annotations
 
@@ -16,6 +22,9 @@ import trio
 
 from p2pswarm.backbone.libp2p_owner import SwarmOwners
 from p2pswarm.backbone.session import LocalSwarm, open_backbone
+from p2pswarm.market.bans import BanKeeper
+from p2pswarm.market.receipts import ContributionLedger, ReceiptIssuer
+from p2pswarm.market.verify import DEFAULT_VERIFY_RATE, Verifier
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.dht import CoverageResolver, open_dht
@@ -32,6 +41,8 @@ class SwarmBackbone:
     net: NetHost
     resolver: CoverageResolver
     pool: SwarmOwners
+    bans: BanKeeper | None = None
+    receipts: ReceiptIssuer | None = None
 
     @property
     def backbone(self):
@@ -43,14 +54,20 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                               listen: list[str] | None = None, announce: list[str] | None = None,
                               block_size: int = DEFAULT_BLOCK_SIZE,
                               kernel: str | None = None, threads: int | None = None, timeout_s: float = 30.0,
-                              refresh_s: float = 30.0, dht_server: bool = True):
+                              refresh_s: float = 30.0, dht_server: bool = True,
+                              verify_rate: float = DEFAULT_VERIFY_RATE, verify_seed: int | None = None,
+                              trust_bans: list[str] = (), receipt_period_s: float = 60.0,
+                              ban_refresh_s: float = 30.0):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
     things up but does not join other nodes' routing tables, where it would linger as a dead or
-    unresponsive entry after it exits."""
+    unresponsive entry after it exits. ``verify_rate``: the fraction of remote output rows
+    recomputed locally (0 turns verification off); ``trust_bans``: backbones whose ban records
+    we honour besides our own."""
     async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads) as local:
         layout = ModelLayout.open(model_path)
         bank = local.backbone.dispatcher.local.bank
-        async with open_host(identity or Identity.generate(), listen or [DEFAULT_LISTEN], announce=announce) as net:
+        identity = identity or Identity.generate()
+        async with open_host(identity, listen or [DEFAULT_LISTEN], announce=announce) as net:
             async with open_dht(net, server=dht_server, bootstrap=bootstrap) as dht:
                 resolver = CoverageResolver(dht, model=local.fingerprint, layers=layout.expert_layers,
                                             n_expert=layout.n_expert, block_size=block_size,
@@ -58,17 +75,39 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                             refresh_s=refresh_s)
                 pool = SwarmOwners(net, model_fingerprint=local.fingerprint, kernel=bank.kernel,
                                    timeout_s=timeout_s, resolver=resolver)
-                resolver.on_change = pool.sync
-                pool.attach(local.backbone.dispatcher)
+                dispatcher = local.backbone.dispatcher
+                ledger = ContributionLedger(identity, local.fingerprint)
+                dispatcher.ledger = ledger
+                if verify_rate > 0:
+                    dispatcher.verifier = Verifier(verify_rate, verify_seed)
+                bans = BanKeeper(identity, local.fingerprint, dispatcher, dht=dht, trusted=trust_bans, ledger=ledger,
+                                 refresh_s=ban_refresh_s)
+                dispatcher.on_mismatch = bans.ban
+                issuer = ReceiptIssuer(ledger, pool.send_receipt, period_s=receipt_period_s)
+
+                async def on_change(cmap) -> None:
+                    # A newly found worker is checked for bans before its first request.
+                    await bans.check([o.peer for o in cmap.peers().values()])
+                    await pool.sync(cmap)
+
+                resolver.on_change = on_change
+                pool.attach(dispatcher)
                 try:
                     async with trio.open_nursery() as nursery:
+                        await nursery.start(bans.run, lambda: [o.peer for o in resolver.map.peers().values()])
                         await nursery.start(resolver.run)
                         nursery.start_soon(pool.keepalive)
+                        nursery.start_soon(issuer.run)
                         cmap = resolver.map
                         log.info("coverage: %d units, %d missing (computed locally), %d remote owners",
                                  len(cmap.units), len(cmap.missing()), len(pool.owners))
-                        yield SwarmBackbone(local, net, resolver, pool)
+                        yield SwarmBackbone(local, net, resolver, pool, bans, issuer)
                         nursery.cancel_scope.cancel()
                 finally:
                     with trio.CancelScope(shield=True):
+                        with trio.move_on_after(5):  # the last receipts and any ban not yet in the DHT
+                            await bans.publish_pending()
+                            sent = await issuer.round()
+                            if sent:
+                                log.info("sent %d contribution receipts on the way out", sent)
                         await pool.aclose()

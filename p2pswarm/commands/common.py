@@ -30,6 +30,47 @@ def positive_int(text: str) -> int:
     return n
 
 
+def _verify_rate(text: str) -> float:
+    try:
+        r = float(text)
+    except ValueError:
+        r = -1.0
+    if not 0.0 <= r <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return r
+
+
+def add_market_args(p, prefix: str = "") -> None:
+    """A backbone's checks of untrusted workers and its receipts (docs/market.md, "Receipts and
+    verification"). ``prefix``: a word put before each help (e.g. "--swarm: ")."""
+    from p2pswarm.market.verify import DEFAULT_VERIFY_RATE
+
+    p.add_argument("--verify-rate", type=_verify_rate, default=DEFAULT_VERIFY_RATE, metavar="FRACTION",
+                   help=f"{prefix}recompute this fraction of the workers' output rows on the local replica, bit for "
+                        f"bit; a mismatch bans the worker swarm-wide (0 = off; default {DEFAULT_VERIFY_RATE})")
+    p.add_argument("--verify-seed", type=int, default=None,
+                   help=f"{prefix}seed of the verification sample (default: fresh entropy, unpredictable to workers)")
+    p.add_argument("--trust-bans", action="append", default=[], metavar="PEER_ID",
+                   help=f"{prefix}also honour the ban records this backbone signs (repeatable; our own always count)")
+    p.add_argument("--receipt-period", type=float, default=60.0, metavar="SECONDS",
+                   help=f"{prefix}send each worker a signed receipt for its work this often (and on exit)")
+    p.add_argument("--ban-refresh", type=float, default=30.0, metavar="SECONDS",
+                   help=f"{prefix}look up the bans of the workers in use this often (new workers: before their "
+                        f"first request)")
+
+
+def market_kwargs(args) -> dict:
+    if not args.receipt_period > 0 or not args.ban_refresh > 0:
+        raise UserError("--receipt-period and --ban-refresh must be > 0 seconds")
+    from p2pswarm.net.identity import peer_id_bytes, peer_public_key
+
+    for peer in args.trust_bans:
+        peer_id_bytes(peer)  # one line for a malformed id, before joining the swarm
+        peer_public_key(peer)
+    return {"verify_rate": args.verify_rate, "verify_seed": args.verify_seed, "trust_bans": args.trust_bans,
+            "receipt_period_s": args.receipt_period, "ban_refresh_s": args.ban_refresh}
+
+
 def add_swarm_args(p) -> None:
     p.add_argument("--workers", type=int, default=0,
                    help="expert workers to split the experts among (0 = monolithic, the default)")
@@ -41,9 +82,13 @@ def add_swarm_args(p) -> None:
     p.add_argument("--swarm", action="append", default=None, metavar="MULTIADDR",
                    help="compute through the swarm: find expert owners via the DHT of this bootstrap peer "
                         "(repeatable; excludes --workers)")
+    p.add_argument("--swarm-identity", metavar="KEY",
+                   help="--swarm: this backbone's Ed25519 key file (receipts and bans are signed with it; "
+                        "default: a throw-away key)")
     p.add_argument("--refresh", type=float, default=30.0, metavar="SECONDS",
                    help="--swarm: re-resolve the expert owners through the DHT this often (default 30; "
                         "also at once whenever an owner fails)")
+    add_market_args(p, "--swarm: ")
     add_kernel_args(p)
 
 
@@ -67,8 +112,12 @@ def open_model(args):
             raise UserError("--swarm and --workers exclude each other")
         if not args.refresh > 0:
             raise UserError("--refresh must be > 0 seconds")
+        from p2pswarm.net.identity import load_or_create_identity
+
+        identity = load_or_create_identity(args.swarm_identity, exclusive=True) if args.swarm_identity else None
         return open_swarm_backbone(args.model, bootstrap=args.swarm, kernel=args.kernel, threads=args.threads,
-                                   timeout_s=args.timeout, refresh_s=args.refresh, dht_server=False)
+                                   timeout_s=args.timeout, refresh_s=args.refresh, dht_server=False,
+                                   identity=identity, **market_kwargs(args))
     return open_backbone(args.model, workers=args.workers, transport=args.transport, fallback=not args.no_fallback,
                          timeout_s=args.timeout, kernel=args.kernel, threads=args.threads)
 

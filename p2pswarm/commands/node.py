@@ -22,7 +22,7 @@ from pathlib import Path
 import trio
 
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
-from p2pswarm.commands.common import add_kernel_args, positive_int
+from p2pswarm.commands.common import add_kernel_args, add_market_args, market_kwargs, positive_int
 from p2pswarm.errors import UserError
 from p2pswarm.lifecycle import until_signal
 
@@ -127,6 +127,10 @@ def add_parser(sub) -> None:
                         "--bootstrap in the DHT")
     p.add_argument("--token", help="worker: node token (or a file holding it) to show the relay "
                                    "(`p2pswarm token issue --allow relay`)")
+    p.add_argument("--receipts-dir", metavar="DIR",
+                   help="worker: keep the contribution receipts backbones sign here (default "
+                        "$P2PSWARM_HOME/receipts/<peer id>; `p2pswarm rewards` lists them)")
+    add_market_args(p, "backbone: ")
     add_net_args(p)
     add_kernel_args(p)
     p.set_defaults(func=run)
@@ -136,6 +140,7 @@ async def _worker(args) -> None:
     from p2pswarm.net import expert_protocol as proto
     from p2pswarm.net.dht import ShardAdvertiser, open_dht
     from p2pswarm.net.host import open_host
+    from p2pswarm.market.receipts import ReceiptStore, default_receipts_dir
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
     from p2pswarm.worker.server import ServeStats, serve_libp2p
 
@@ -167,7 +172,9 @@ async def _worker(args) -> None:
                 shard = await _fetch_shard(args, net, dht, identity)
                 worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
             served = ServeStats()
-            serve_libp2p(net, worker, stats=served)
+            receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str,
+                                    identity.peer_id_str)
+            serve_libp2p(net, worker, stats=served, receipts=receipts)
             adv = ShardAdvertiser(dht, identity, shards=[entry], protocol=proto.PROTOCOL_VERSION,
                                   kernel=info.kernel, block_size=args.block_size, ttl_s=args.ttl)
             async with trio.open_nursery() as nursery:
@@ -185,8 +192,9 @@ async def _worker(args) -> None:
                 await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(net)[0]}")
             with trio.CancelScope(shield=True):
                 await adv.withdraw()
-            log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes", served.requests,
-                     served.rows, len(served.peers), served.refused)
+            log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes; stored %d receipts "
+                     "in %s", served.requests, served.rows, len(served.peers), served.refused, receipts.stored,
+                     receipts.dir)
             log.info("withdrew my records; bye")
 
 
@@ -281,7 +289,8 @@ async def _backbone(args) -> None:
     async with open_swarm_backbone(args.model, bootstrap=args.bootstrap, identity=identity,
                                    listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
                                    block_size=args.block_size,
-                                   kernel=args.kernel, threads=args.threads, timeout_s=args.timeout) as swarm:
+                                   kernel=args.kernel, threads=args.threads, timeout_s=args.timeout,
+                                   **market_kwargs(args)) as swarm:
         # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
                  swarm.local.fingerprint, swarm.resolver.kernel)
@@ -374,6 +383,7 @@ def run(args) -> int:
         from p2pswarm.commands.common import require_full_model
 
         require_full_model(args.model)
+        market_kwargs(args)  # bad market options: one line now, not after joining the swarm
         args.http_socket = bind_http(args.http)
     if args.relay:
         if args.role != "worker":

@@ -65,7 +65,8 @@ from p2pswarm.errors import UserError
 from p2pswarm.net.host import NetError, NetHost, error_reason, single_error
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import (DEFAULT_RECORD_TTL_S, NAMESPACE, CoverageUnit, NodeRecord, NodeRecordValidator,
-                                  RecordError, ShardEntry, model_key, node_record_key, units_for)
+                                  PrefixValidator, RecordError, ShardEntry, model_key, node_record_key, units_for)
+from p2pswarm.market.bans import BAN_PREFIX, BanValidator
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -119,7 +120,9 @@ class SwarmDHT:
         self.server = server
         self.kad = KadDHT(net.host, DHTMode.SERVER if server else DHTMode.CLIENT)
         self.validator = NodeRecordValidator()
-        self.kad.register_validator(NAMESPACE, self.validator)
+        self.ban_validator = BanValidator()  # swarm-wide bans (p2pswarm.market.bans): every server stores them
+        self._validators = PrefixValidator(self.validator, {BAN_PREFIX: self.ban_validator})
+        self.kad.register_validator(NAMESPACE, self._validators)
         self.kad._provider_rate_max = PROVIDE_RATE_MAX  # see module doc: 10 per 10 s drops our units
         self.kad._inbound_limiter = trio.CapacityLimiter(INBOUND_KAD_STREAMS)  # see module doc: 12 resets look-ups
         self.stats = DHTStats()
@@ -446,7 +449,7 @@ class SwarmDHT:
     def validator_for(self, key: str):
         if not key.startswith(f"/{NAMESPACE}/"):
             raise UserError(f"not a {NAMESPACE} DHT key: {key[:40]!r}")
-        return self.validator
+        return self._validators.for_key(key)
 
     async def get_values(self, key: str, *, timeout_s: float = LOOKUP_TIMEOUT_S) -> list[bytes]:
         """Every distinct value peers hold for ``key`` (never a cached copy of someone else's);

@@ -315,6 +315,24 @@ class NodeRecordValidator:
         return best
 
 
+class PrefixValidator:
+    """(A py-libp2p ``Validator``.) One namespace, several record types: a key under one of
+    ``by_prefix`` goes to that type's validator, any other to ``default`` (node records)."""
+
+    def __init__(self, default, by_prefix: dict | None = None) -> None:
+        self.default = default
+        self.by_prefix = dict(by_prefix or {})
+
+    def for_key(self, key: str):
+        return next((v for p, v in self.by_prefix.items() if key.startswith(p)), self.default)
+
+    def validate(self, key: str, value: bytes) -> None:
+        self.for_key(key).validate(key, value)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        return self.for_key(key).select(key, values)
+
+
 def worker_shard_hash(worker) -> str:
     """The shard hash of an ExpertWorker (its bank's layout), or "" when it cannot be known."""
     explicit = getattr(worker, "shard_hash", None)

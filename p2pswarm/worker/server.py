@@ -67,9 +67,10 @@ def _shard_of(worker: ExpertWorker) -> str:
 
 
 async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAULT_MAX_FRAME,
-                            shard: str | None = None, stats: ServeStats | None = None) -> None:
+                            shard: str | None = None, stats: ServeStats | None = None, receipts=None) -> None:
     """Serve one connection/stream until the peer closes it. ``shard``: our shard hash for the
-    hello (default: derived from the worker's shard file)."""
+    hello (default: derived from the worker's shard file). ``receipts``: a
+    :class:`p2pswarm.market.receipts.ReceiptStore` keeping the contribution receipts backbones send."""
     if shard is None:
         shard = _shard_of(worker)
     reader = FrameReader(stream, max_frame)
@@ -131,12 +132,30 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
                     log.warning("bad request from %s: %s", peer, exc)
                     reply = proto.error_to_wire(rid, str(exc))
                 await send_frame(stream, reply, max_frame)
+            elif op == "receipt":
+                await send_frame(stream, await _store_receipt(msg, rid, peer, receipts), max_frame)
             else:
                 await send_frame(stream, proto.error_to_wire(rid, f"unknown op {op!r}"), max_frame)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         log.info("connection from %s dropped", peer)
     finally:
         await trio.aclose_forcefully(stream)
+
+
+async def _store_receipt(msg: dict, rid: int | None, peer: str, receipts) -> bytes:
+    """The reply to a ``receipt`` op: stored (durably, before we say so) or why not."""
+    from p2pswarm.market.signed import SignedError  # noqa: PLC0415 - only workers that keep receipts need it
+
+    if receipts is None:
+        return proto.error_to_wire(rid, "this worker keeps no receipts")
+    try:
+        r = await trio.to_thread.run_sync(receipts.save, msg.get("receipt"), peer)
+    except (SignedError, OSError) as exc:
+        log.warning("refused a receipt from %s: %s", peer, exc)
+        return proto.error_to_wire(rid, f"receipt refused: {clip(exc, 200)}")
+    log.info("stored receipt %d from backbone %s: %d rows, %d bytes (totals %d rows, %d bytes)", r.seq, r.backbone,
+             r.rows, r.bytes, r.total_rows, r.total_bytes)
+    return proto.pack({"op": "receipt", "id": rid, "ok": True, "seq": r.seq})
 
 
 async def _refuse_and_close(stream, payload: bytes, max_frame: int, linger_s: float = 2.0) -> None:
@@ -183,7 +202,7 @@ async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, m
 
 
 def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None,
-                 stats: ServeStats | None = None) -> None:
+                 stats: ServeStats | None = None, receipts=None) -> None:
     """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
     (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
     connection of :func:`handle_connection`."""
@@ -191,4 +210,4 @@ def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAM
 
     shard = _shard_of(worker) if shard is None else shard
     net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
-                                             stats=stats))
+                                             stats=stats, receipts=receipts))

@@ -1,0 +1,228 @@
+"""Issue 14, items 6-7 in process: signed receipts (and `p2pswarm rewards`), ban records, and the
+dispatcher's sampled bit-exact verification against real worker objects (ExpertWorker on real
+shards; the dishonest one is tests/helpers/dishonest_worker.py's subclass)."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
+from p2pswarm.backbone.session import ensure_shards
+from p2pswarm.engine.kernels import make_bank
+from p2pswarm.market.bans import BanKeeper, BanRecord, BanValidator, ban_key
+from p2pswarm.market.receipts import ContributionLedger, Receipt, ReceiptStore, check_receipts, load_receipts
+from p2pswarm.market.signed import SignedError, seal
+from p2pswarm.market.verify import Verifier, rows_for_confidence
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.net.identity import Identity
+from p2pswarm.net.records import NodeRecordValidator, PrefixValidator, RecordError
+from p2pswarm.worker.expert_worker import ExpertWorker
+
+from conftest import run_cli
+from helpers.dishonest_worker import DishonestWorker
+
+MODEL = "ab" * 32
+
+
+# -- receipts ---------------------------------------------------------------------------------------
+def _ledger_with_receipts(worker: str, n: int = 3) -> tuple[ContributionLedger, list[Receipt]]:
+    ledger = ContributionLedger(Identity.generate(), MODEL)
+    out = []
+    for i in range(n):
+        ledger.add(worker, rows=10 + i, nbytes=1024 * (i + 1))
+        ledger.add(worker, rows=1, nbytes=4)
+        out += ledger.issue()
+    return ledger, out
+
+
+def test_receipts_sign_store_and_add_up(tmp_path):
+    w = Identity.generate().peer_id_str
+    ledger, receipts = _ledger_with_receipts(w)
+    assert [r.seq for r in receipts] == [1, 2, 3] and receipts[-1].total_rows == 10 + 11 + 12 + 3
+    store = ReceiptStore(tmp_path / "r", w)
+    for r in receipts:
+        assert store.save(r.signed, ledger.identity.peer_id_str).seq == r.seq
+    store.save(receipts[0].signed, ledger.identity.peer_id_str)  # a re-sent receipt is stored once
+    assert store.stored == 3 and not list((tmp_path / "r").rglob("*.tmp"))
+    got, errors = load_receipts(tmp_path / "r")
+    assert errors == [] and sorted(r.seq for r in got) == [1, 2, 3]
+    [chain] = check_receipts(got)
+    assert chain.problems == [] and (chain.rows, chain.requests) == (36, 6) and chain.bytes == 6 * 1024 + 12
+    # a receipt for someone else, or relayed by a peer that did not sign it, is refused
+    other = Identity.generate().peer_id_str
+    with pytest.raises(SignedError, match="names worker"):
+        ReceiptStore(tmp_path / "x", other).save(receipts[0].signed)
+    with pytest.raises(SignedError, match="arrived from"):
+        store.save(receipts[0].signed, other)
+    # a missing receipt is a gap in the chain
+    [gappy] = check_receipts([receipts[0], receipts[2]])
+    assert any("missing" in p for p in gappy.problems)
+
+
+def test_receipt_forgery_and_tampering_are_refused():
+    w = Identity.generate().peer_id_str
+    ledger, [r] = _ledger_with_receipts(w, 1)
+    mallory = Identity.generate()
+    forged = seal(mallory, b"p2pswarm-receipt-v1\x00", {**r.body(), "rows": 10 ** 6, "total_rows": 10 ** 6},
+                  max_bytes=4096)  # claims the backbone signed it
+    with pytest.raises(SignedError, match="bad signature"):
+        Receipt.verify(forged)
+    tampered = bytearray(r.signed)
+    tampered[-70] ^= 1
+    with pytest.raises(SignedError):
+        Receipt.verify(bytes(tampered))
+    with pytest.raises(SignedError, match="malformed"):
+        Receipt.verify(b"\x93garbage")
+    # a ban record's signature never verifies as a receipt (domain separation)
+    ban = BanRecord.make(ledger.identity, banned=w, model=MODEL, evidence="0" * 64, reason="x", voids_epoch=1,
+                         voids_from_seq=1)
+    with pytest.raises(SignedError):
+        Receipt.verify(ban.signed)
+
+
+def test_rewards_command_lists_verifies_and_reports_corrupt_files(tmp_path):
+    w = Identity.generate().peer_id_str
+    ledger, receipts = _ledger_with_receipts(w)
+    store = ReceiptStore(tmp_path / "rec", w)
+    for r in receipts:
+        store.save(r.signed, ledger.identity.peer_id_str)
+    ok = run_cli("rewards", "--dir", str(tmp_path / "rec"), "--json")
+    assert ok.returncode == 0, ok.stderr
+    doc = json.loads(ok.stdout)
+    assert doc["ok"] and doc["chains"][0]["rows"] == 36 and doc["chains"][0]["worker"] == w
+    table = run_cli("rewards", "--dir", str(tmp_path / "rec"))
+    assert table.returncode == 0 and " 36 " in table.stdout and "ok" in table.stdout
+    bad = store.path_of(receipts[1])
+    bad.write_bytes(bad.read_bytes()[:-5])  # truncated on disk
+    proc = run_cli("rewards", "--dir", str(tmp_path / "rec"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert any(str(bad) in line and "malformed receipt" in line for line in lines)
+    assert any("missing" in line for line in lines)  # seq 2 is gone from the chain
+    missing = run_cli("rewards", "--dir", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "no such receipts folder" in missing.stderr and "Traceback" not in missing.stderr
+
+
+# -- ban records ------------------------------------------------------------------------------------
+def test_ban_records_only_in_their_signers_name():
+    bb, worker, mallory = Identity.generate(), Identity.generate().peer_id_str, Identity.generate()
+    rec = BanRecord.make(bb, banned=worker, model=MODEL, evidence="f" * 64, reason="layer 1 expert 2",
+                         voids_epoch=5, voids_from_seq=3)
+    v = BanValidator()
+    v.validate(rec.key, rec.signed)
+    assert BanRecord.verify(rec.signed, key=ban_key(worker, bb.peer_id_str)).voids_from_seq == 3
+    mine = BanRecord.make(mallory, banned=worker, model=MODEL, evidence="f" * 64, reason="x", voids_epoch=1,
+                          voids_from_seq=1)
+    with pytest.raises(RecordError):  # mallory's (valid) ban stored under bb's key
+        v.validate(ban_key(worker, bb.peer_id_str), mine.signed)
+    forged = seal(mallory, b"p2pswarm-ban-v1\x00", rec.body(), max_bytes=4096)  # bb's body, mallory's key
+    with pytest.raises(RecordError, match="bad signature"):
+        v.validate(rec.key, forged)
+    with pytest.raises(RecordError):
+        v.validate(rec.key, b"not a record")
+    assert v.rejected == 3
+    # one DHT namespace, two record types: each key goes to its own validator
+    node_v = NodeRecordValidator()
+    both = PrefixValidator(node_v, {"/p2pswarm/ban/": v})
+    both.validate(rec.key, rec.signed)
+    with pytest.raises(RecordError):
+        both.validate(f"/p2pswarm/node/{worker}", rec.signed)
+    assert node_v.rejected == 1
+
+
+# -- verification against real workers ----------------------------------------------------------------
+def _setup(tiny_f32, tmp_path):
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    owners = [InProcessOwner(ExpertWorker(s, kernel="numpy"), f"w{i}") for i, s in enumerate(shards)]
+    return layout, make_bank(layout, "numpy"), owners
+
+
+def _random_step(rng, layout, n_embd=256):
+    """One layer's routed work: n rows, top-4 distinct experts per row, grouped by expert."""
+    n = int(rng.integers(1, 9))
+    cur = rng.standard_normal((n, n_embd)).astype(np.float32)
+    picks = np.stack([rng.choice(layout.n_expert, 4, replace=False) for _ in range(n)])
+    groups = [(int(e), np.flatnonzero((picks == e).any(axis=1)).astype(np.int64)) for e in np.unique(picks)]
+    return int(rng.integers(0, len(layout.expert_layers))), cur, groups
+
+
+@pytest.mark.slow
+async def test_honest_workers_are_never_banned_over_10000_requests(tiny_f32, tmp_path):
+    layout, bank, owners = _setup(tiny_f32, tmp_path)
+    disp = Dispatcher(bank, owners)
+    disp.verifier = Verifier(1.0, seed=0)  # every row checked: the strictest version of any sample
+    ledger = disp.ledger = ContributionLedger(Identity.generate(), MODEL)
+    rng = np.random.default_rng(1)
+    while disp.stats.requests < 10_000:
+        layer, cur, groups = _random_step(rng, layout)
+        outs = await disp.run_groups(layer, cur, groups)
+        if disp.stats.layers % 97 == 0:  # and an independent check of what the step used
+            assert all(np.array_equal(o, r) for o, r in zip(outs, bank.forward_groups(layer, cur, groups)))
+    s = disp.stats
+    assert disp.banned == {} and s.mismatches == 0 and s.fallbacks == 0
+    assert s.verified_groups == s.remote_groups > 10_000
+    assert sum(a.requests for a in ledger.accounts.values()) == s.requests
+    assert sum(a.rows for a in ledger.accounts.values()) == s.remote_rows
+
+
+async def test_dishonest_worker_caught_as_the_sample_rate_predicts(tiny_f32, tmp_path):
+    """P(caught within n rows) = 1 - (1 - r p)^n for one-row groups: 80 independent backbones
+    (seeds) against a worker falsifying p = 5% of its rows, sampled at r = 0.2 (r p = 1%)."""
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    bank = make_bank(layout, "numpy")
+    honest = ExpertWorker(shards[0], kernel="numpy")
+    r, p, trials = 0.2, 0.05, 80
+    caught_at, rng = [], np.random.default_rng(2)
+    for t in range(trials):
+        liar = DishonestWorker(shards[1], kernel="numpy", fraction=p, delta=1e-3, seed=1000 + t)
+        disp = Dispatcher(bank, [InProcessOwner(honest, "h"), InProcessOwner(liar, "liar")])
+        disp.verifier = Verifier(r, seed=t)
+        seen = []
+        disp.on_mismatch = lambda peer, ev: seen.append(ev)
+        while not seen and disp.verifier.rows_served.get("liar", 0) < 5000:
+            layer = int(rng.integers(0, 4))
+            cur = rng.standard_normal((1, 256)).astype(np.float32)
+            groups = [(e, np.array([0])) for e in (1, 9, 12, 15)]  # one-row groups, 3 to the liar
+            outs = await disp.run_groups(layer, cur, groups)
+            if seen:  # the detecting step already uses the replica's outputs for all the liar's groups
+                assert all(np.array_equal(o, w) for o, w in zip(outs, bank.forward_groups(layer, cur, groups)))
+        assert seen and disp.banned.keys() == {"liar"} and seen[0].max_abs_delta > 0
+        caught_at.append(seen[0].rows_served)
+        assert [o.name for o in disp.assign(0, [(9, np.array([0]))])] == ["local"]  # banned: never asked again
+    mean, expect = float(np.mean(caught_at)), 1 / (r * p)
+    assert 0.6 * expect < mean < 1.5 * expect, (mean, expect)
+    n90 = rows_for_confidence(r, p, 0.9)
+    assert math.isclose(n90, math.log(0.1) / math.log(1 - r * p))
+    within = np.mean(np.array(caught_at) <= n90 + 2)  # +2: the rest of the detecting request
+    assert within >= 0.75, (within, caught_at)
+
+
+async def test_every_row_checked_means_outputs_stay_exact_throughout(tiny_f32, tmp_path):
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    bank = make_bank(layout, "numpy")
+    liar = DishonestWorker(shards[1], kernel="numpy", fraction=0.01, delta=1e-3, seed=3)
+    ident = Identity.generate()
+    disp = Dispatcher(bank, [InProcessOwner(ExpertWorker(shards[0], kernel="numpy"), "h"), InProcessOwner(liar, "liar")])
+    disp.verifier = Verifier(1.0, seed=0)
+    ledger = disp.ledger = ContributionLedger(ident, MODEL)
+    keeper = BanKeeper(ident, MODEL, disp, ledger=ledger)  # no DHT here: the ban is local and queued
+    disp.on_mismatch = keeper.ban
+    rng = np.random.default_rng(4)
+    for step in range(400):
+        layer, cur, groups = _random_step(rng, layout)
+        outs = await disp.run_groups(layer, cur, groups)
+        assert all(np.array_equal(o, w) for o, w in zip(outs, bank.forward_groups(layer, cur, groups))), step
+        if step == 5:
+            ledger.issue()  # the liar has receipts before it is caught
+    assert liar.falsified > 0 and keeper.is_banned("liar") and disp.stats.mismatches == 1
+    rec = keeper.issued["liar"]
+    assert BanRecord.verify(rec.signed, key=rec.key).voids_from_seq == 1 and rec.voids_epoch == ledger.epoch
+    assert ledger.accounts["liar"].banned and ledger.pending().get("liar") is None  # voided, none sent
+    assert "h" in ledger.pending() or ledger.accounts["h"].requests > 0
