@@ -36,8 +36,8 @@ class DishonestWorker(ExpertWorker):
         self.rng = np.random.default_rng(seed)
         self.rows = self.falsified = 0
 
-    def compute(self, layer, rows, groups):
-        outs = super().compute(layer, rows, groups)
+    def compute(self, layer, rows, groups, family=None):
+        outs = super().compute(layer, rows, groups, family)
         for out in outs:
             hit = self.rng.random(len(out)) < self.fraction
             hit[: max(0, self.honest_rows - self.rows)] = False
