@@ -150,12 +150,23 @@ async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km
     """The batch-invariant mode batches a mat-mul across sequences only where a probe found it
     row-invariant: libggml on Q8_0 yes; libggml on K-quants no (it switches kernels at 8 rows, so
     a row alone and a row among 8 differ); OpenBLAS (numpy) never."""
-    seen = {}
+    seen, dense = {}, {}
     for name, path in (("q8_0", tiny_q8), ("q4_k_m", tiny_q4km)):
         for kernel in ("numpy", "ggml"):
             async with open_backbone(path, workers=0, kernel=kernel) as mono:
                 bb = mono.backbone
                 seen[(name, kernel)] = (bb.row_invariant_experts, bb.row_invariant_output)
+                dense[(name, kernel)] = bb.dense_invariance(0)
+                if (name, kernel) == ("q8_0", "ggml"):  # the dense path of all sequences really is batched
+                    real, widths = bb.model.pre_moe_batch, []
+
+                    def counting(il, h, segments, real=real, widths=widths):
+                        widths.append(len(segments))
+                        return real(il, h, segments)
+
+                    bb.model.pre_moe_batch = counting
+                    await _run_schedule(bb, True)
+                    assert widths.count(4) == bb.model.n_layer  # the 4-sequence step of SCHEDULE, every layer
                 if (name, kernel) == ("q4_k_m", "ggml"):  # invariant anyway: per-sequence mat-muls
                     alone = await _alone(bb)
                     got = await _run_schedule(bb, True)
@@ -165,6 +176,9 @@ async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km
     assert seen[("q8_0", "numpy")] == seen[("q4_k_m", "numpy")] == (False, False)
     assert seen[("q8_0", "ggml")] == (True, True)
     assert seen[("q4_k_m", "ggml")] == (False, False)
+    # the dense projections: Q8_0 on libggml batch, F32 on OpenBLAS does not; the F32 router never
+    assert dense[("q8_0", "ggml")].pre_moe and not dense[("q8_0", "numpy")].pre_moe
+    assert not dense[("q8_0", "ggml")].route and not dense[("q8_0", "numpy")].route
 
 
 def test_micro_batch_rule():

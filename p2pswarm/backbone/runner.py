@@ -14,11 +14,15 @@ makes the split run bit-identical to the monolithic one whatever the timing. The
 a thread (``trio.to_thread``) so the event loop keeps streams flowing.
 
 :meth:`Backbone.forward_batch` runs one step for many sequences (the continuous-batching step the
-:mod:`p2pswarm.backbone.scheduler` drives): attention / DeltaNet per sequence on its own state, then
-the expert work of *all* rows in one :meth:`Dispatcher.run_groups` per layer, so each owner gets one
-request per layer whatever the number of sequences. With ``batch_invariant`` every batch-sensitive
-mat-mul (router, experts, shared expert, lm head) sees one sequence's rows only, so a sequence's
-logits are bit-identical to running it alone (docs/architecture.md, "Continuous batching").
+:mod:`p2pswarm.backbone.scheduler` drives): the dense path of all rows together (norms and
+projections as one set of mat-muls, ``model.pre_moe_batch``; only the attention / DeltaNet
+recurrence per sequence on its own state), then the expert work of *all* rows in one
+:meth:`Dispatcher.run_groups` per layer, so each owner gets one request per layer whatever the
+number of sequences. With ``batch_invariant`` a piece of the step is batched across sequences only
+where a probe measured it row-invariant on this CPU and these tensor types (it gives a row the same
+bits whatever rows share the call); every other batch-sensitive piece sees one sequence's rows
+only, so a sequence's logits are bit-identical to running it alone (docs/architecture.md,
+"Continuous batching").
 """
 from __future__ import annotations
 
@@ -74,6 +78,94 @@ class LayerTiming:
         return LayerTiming(self.dense_s, self.wait_s, self.layers)
 
 
+@dataclass(frozen=True)
+class DenseInvariance:
+    """Which pieces of one layer's dense path give a row the same bits whatever other sequences'
+    rows share the call: ``pre_moe`` (norms, projections, gates, output projection; the attention /
+    recurrence is per sequence anyway), ``route`` (ffn_input + router) and ``post_moe`` (shared
+    expert, residual). The batch-invariant mode batches only those; the rest runs per sequence."""
+
+    pre_moe: bool
+    route: bool
+    post_moe: bool
+
+
+ALL_BATCHED = DenseInvariance(True, True, True)
+
+# Probe layouts: segment sizes (sequences' row counts) of batched calls of 70, 16 and 64 rows. They
+# share their first segments, so each segment's alone result is computed once; together they put
+# rows alone in calls of 1, 2, 3, 8, 9, 14, 16, 17 rows and batched in calls of 16, 64 and 70 (ggml
+# switches K-quant kernels at 8 rows; OpenBLAS at its block edges).
+_PROBE_LAYOUTS = ([1, 2, 3, 8, 9, 16, 17, 14], [1, 2, 3, 8, 1, 1], [1, 2, 3, 8, 9, 16, 17, 8])
+
+
+def _layer_signature(model, il: int) -> tuple:
+    """What decides a layer's dense kernels: its kind and the types of its dense tensors."""
+    kind = bool(getattr(model, "recurrent", [False] * (il + 1))[il])
+    prefix = f"blk.{il}."
+    types = []
+    for t in model.layout.reader.tensors:
+        if t.name.startswith(prefix) and "_exps." not in t.name:
+            types.append((t.name[len(prefix):], int(t.tensor_type)))
+    return (kind, tuple(sorted(types)))
+
+
+def probe_dense_invariance(model, il: int) -> DenseInvariance:
+    """Measure whether layer ``il``'s ``pre_moe_batch``, ``ffn_input`` + ``route`` and ``post_moe``
+    are row-invariant: each sequence of every :data:`_PROBE_LAYOUTS` batch, run alone on a fresh
+    state, must give the bits it gets inside the batch (also on a fresh state).
+
+    Why measured, not assumed: libggml's Q8_0 mat-mul (llamafile's tinyBLAS) is row-invariant, its
+    K-quant path is not (another kernel from 8 rows), OpenBLAS's F32 GEMM is not (block edges), and
+    which of those a layer uses depends on the file and the build. The state-carrying part (KV
+    append, attention, DeltaNet conv + delta rule) runs per sequence in both, so fresh states
+    suffice. Costs ~11 small and 3 batched calls per distinct layer signature, once."""
+    rng = np.random.default_rng(il + 1)
+    E = model.n_embd
+    n = max(sum(lay) for lay in _PROBE_LAYOUTS)
+    x = rng.standard_normal((n, E)).astype(F32)
+    y = rng.standard_normal((n, E)).astype(F32)
+
+    def segments(layout):
+        at = np.cumsum([0] + list(layout))
+        return [(int(a), int(b)) for a, b in zip(at[:-1], at[1:])]
+
+    def same(batched, alone) -> bool:
+        return all(np.array_equal(p, q) for p, q in zip(batched, alone))
+
+    def check(fn_batched, fn_alone) -> bool:
+        memo: dict[tuple[int, int], list] = {}
+        for layout in _PROBE_LAYOUTS:
+            segs = segments(layout)
+            got = fn_batched(segs)
+            for a, b in segs:
+                if (a, b) not in memo:
+                    memo[(a, b)] = fn_alone(a, b)
+                if not same([g[a:b] for g in got], memo[(a, b)]):
+                    return False
+        return True
+
+    batch_fn = getattr(model, "pre_moe_batch", None)
+
+    def pre_batched(segs):
+        h = x[: segs[-1][1]]
+        return [batch_fn(il, h, [(model.new_state(), 0, b - a) for a, b in segs])]
+
+    pre = batch_fn is not None and check(pre_batched, lambda a, b: [model.pre_moe(il, x[a:b], model.new_state(), 0)])
+
+    def routed(rows):
+        cur = model.ffn_input(il, rows)
+        ids, w = model.route(il, cur)
+        return [cur, ids, w]
+
+    route = check(lambda segs: routed(x[: segs[-1][1]]), lambda a, b: routed(x[a:b]))
+    cur = model.ffn_input(il, y)
+    moe = (0.1 * rng.standard_normal((n, E))).astype(F32)
+    post = check(lambda segs: [model.post_moe(il, x[: segs[-1][1]], cur[: segs[-1][1]], moe[: segs[-1][1]])],
+                 lambda a, b: [model.post_moe(il, x[a:b], cur[a:b], moe[a:b])])
+    return DenseInvariance(pre, route, post)
+
+
 class Backbone:
     """Runs a model's dense path and drives a dispatcher; one instance serves many sequences."""
 
@@ -83,6 +175,7 @@ class Backbone:
         self.batch_invariant = batch_invariant
         self.timing = LayerTiming()
         self._row_invariant: tuple[bool, bool] | None = None  # (experts, lm head), probed on first use
+        self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
 
     @property
     def row_invariant_experts(self) -> bool:
@@ -126,6 +219,17 @@ class Backbone:
             self._row_invariant = (experts, output)
         return self._row_invariant
 
+    def dense_invariance(self, il: int) -> "DenseInvariance":
+        """Which pieces of layer ``il``'s dense path are row-invariant (see :class:`DenseInvariance`),
+        measured once per distinct layer signature (layer kind + dense tensor types)."""
+        m = self.model
+        key = _layer_signature(m, il)
+        got = self._dense_invariant.get(key)
+        if got is None:
+            got = probe_dense_invariance(m, il)
+            self._dense_invariant[key] = got
+        return got
+
     def new_state(self) -> SequenceState:
         return self.model.new_state()
 
@@ -159,9 +263,12 @@ class Backbone:
         decode token fed after what its state has seen (every state at most once). Returns each
         item's logits, (T_i, n_vocab), or only its last row (1, n_vocab) with ``last_only``.
 
-        Per layer: pre_moe per sequence (its own KV / DeltaNet state and positions), the router and
-        the grouping over all rows, **one** dispatcher call (one request per owner with every row it
-        must compute, for all sequences), combine in top-k order, post_moe, rows split back."""
+        Per layer: ``pre_moe_batch`` over all rows (one set of dense mat-muls; KV / DeltaNet state
+        and positions per sequence), the router and the grouping over all rows, **one** dispatcher
+        call (one request per owner with every row it must compute, for all sequences), combine in
+        top-k order, post_moe, rows split back. In the batch-invariant mode each of those dense
+        pieces is batched only where :meth:`dense_invariance` measured it row-invariant, else run
+        per sequence."""
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant
         m = self.model
         toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in items]
@@ -205,25 +312,32 @@ class Backbone:
 
     def _pre_batch(self, il, h, spans, states, pos0, invariant):
         m = self.model
-        h = np.concatenate([m.pre_moe(il, h[sp], st, p) for sp, st, p in zip(spans, states, pos0)])
-        if not invariant:
+        inv = self.dense_invariance(il) if invariant else ALL_BATCHED
+        batch_fn = getattr(m, "pre_moe_batch", None)
+        if inv.pre_moe and batch_fn is not None:  # one set of dense mat-muls for every sequence's rows
+            h = batch_fn(il, h, [(st, p, sp.stop - sp.start) for sp, st, p in zip(spans, states, pos0)])
+        else:
+            h = np.concatenate([m.pre_moe(il, h[sp], st, p) for sp, st, p in zip(spans, states, pos0)])
+        if inv.route:
             cur = m.ffn_input(il, h)
             ids, w = m.route(il, cur)
-            return h, cur, ids, w, expert_groups(ids)
-        parts = [m.ffn_input(il, h[sp]) for sp in spans]
-        routed = [m.route(il, c) for c in parts]  # the router is an F32 numpy mat-mul: per sequence
-        ids = np.concatenate([r[0] for r in routed])
-        if self.row_invariant_experts:
+        else:  # e.g. the F32 router on OpenBLAS: per sequence
+            parts = [m.ffn_input(il, h[sp]) for sp in spans]
+            routed = [m.route(il, c) for c in parts]
+            cur = np.concatenate(parts)
+            ids = np.concatenate([r[0] for r in routed])
+            w = np.concatenate([r[1] for r in routed])
+        if not invariant or self.row_invariant_experts:
             groups = expert_groups(ids)  # one group per expert, all sequences: same bits per row
         else:
             groups = []
-            for sp, (ids_s, _) in zip(spans, routed):  # one group per (sequence, expert)
-                groups += [(e, idx + sp.start) for e, idx in expert_groups(ids_s)]
-        return h, np.concatenate(parts), ids, np.concatenate([r[1] for r in routed]), groups
+            for sp in spans:  # one group per (sequence, expert)
+                groups += [(e, idx + sp.start) for e, idx in expert_groups(ids[sp])]
+        return h, cur, ids, w, groups
 
     def _post_batch(self, il, h, cur, ids, w, groups, outs, spans, invariant):
         moe = combine_outputs(ids, w, groups, outs) if groups else np.zeros_like(cur)
-        if not invariant:
+        if not invariant or self.dense_invariance(il).post_moe:
             return self.model.post_moe(il, h, cur, moe)
         return np.concatenate([self.model.post_moe(il, h[sp], cur[sp], moe[sp]) for sp in spans])
 
