@@ -234,28 +234,11 @@ class Backbone:
         return self.model.new_state()
 
     async def forward(self, tokens, state: SequenceState) -> np.ndarray:
-        """Feed tokens (all at once) after what ``state`` has seen; logits (T, n_vocab) for each."""
-        m = self.model
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        pos0 = state.n_past
-        h = await trio.to_thread.run_sync(m.embed, tokens)
-        for il in range(m.n_layer):
-            h, cur, ids, w = await trio.to_thread.run_sync(partial(self._pre, il, h, state, pos0))
-            groups = expert_groups(ids)
-            partials = await self.dispatcher.run(il, cur, groups)
-            h = await trio.to_thread.run_sync(partial(self._post, il, h, cur, ids, w, groups, partials))
-        state.n_past += len(tokens)
-        return await trio.to_thread.run_sync(m.output, h)
+        """Feed tokens (all at once) after what ``state`` has seen; logits (T, n_vocab) for each.
 
-    def _pre(self, il, h, state, pos0):
-        m = self.model
-        h = m.pre_moe(il, h, state, pos0)
-        cur = m.ffn_input(il, h)
-        ids, w = m.route(il, cur)
-        return h, cur, ids, w
-
-    def _post(self, il, h, cur, ids, w, groups, partials):
-        return self.model.post_moe(il, h, cur, combine(ids, w, groups, partials))
+        One sequence's :meth:`forward_batch`: the same bits, and one thread hop per layer (the
+        post_moe of a layer and the pre_moe of the next run in one hop) instead of three."""
+        return (await self.forward_batch([(tokens, state)]))[0]
 
     async def forward_batch(self, items: list[tuple[object, SequenceState]], *, last_only: bool = False,
                             batch_invariant: bool | None = None) -> list[np.ndarray]:
@@ -270,6 +253,8 @@ class Backbone:
         pieces is batched only where :meth:`dense_invariance` measured it row-invariant, else run
         per sequence."""
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant
+        if len(items) == 1:
+            invariant = False  # one sequence: batched is alone, nothing to probe or split
         m = self.model
         toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in items]
         states = [st for _, st in items]
