@@ -279,18 +279,31 @@ class Backbone:
                 return self._pre_batch(il + 1, h, spans, states, pos0, invariant)
             return self._output_batch(h, spans, last_only, invariant)
 
+        disp = self.dispatcher
         t0 = time.perf_counter()
-        res = await trio.to_thread.run_sync(first)
-        timing.dense_s += time.perf_counter() - t0
-        for il in range(L):
-            h, cur, ids, w, groups = res
-            t1 = time.perf_counter()
-            outs = await self.dispatcher.run_groups(il, cur, groups)
-            t2 = time.perf_counter()
-            res = await trio.to_thread.run_sync(partial(after, il, h, cur, ids, w, groups, outs))
-            timing.dense_s += time.perf_counter() - t2
-            timing.wait_s += t2 - t1
-            timing.layers += 1
+        if getattr(disp, "all_local", False):  # monolithic: the whole step in one thread hop
+            def whole():
+                res = first()
+                for il in range(L):
+                    h, cur, ids, w, groups = res
+                    res = after(il, h, cur, ids, w, groups, disp.run_groups_local(il, cur, groups))
+                return res
+
+            res = await trio.to_thread.run_sync(whole)
+            timing.dense_s += time.perf_counter() - t0
+            timing.layers += L
+        else:
+            res = await trio.to_thread.run_sync(first)
+            timing.dense_s += time.perf_counter() - t0
+            for il in range(L):
+                h, cur, ids, w, groups = res
+                t1 = time.perf_counter()
+                outs = await disp.run_groups(il, cur, groups)
+                t2 = time.perf_counter()
+                res = await trio.to_thread.run_sync(partial(after, il, h, cur, ids, w, groups, outs))
+                timing.dense_s += time.perf_counter() - t2
+                timing.wait_s += t2 - t1
+                timing.layers += 1
         for st, t in zip(states, toks):
             st.n_past += len(t)
         return res
