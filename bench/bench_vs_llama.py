@@ -126,6 +126,8 @@ def child_ours(a) -> dict:
             n_tok = a.seqs * a.batch_steps
             out["batch_tps"], out["batch_cpu"] = n_tok / w, c / n_tok
             if hasattr(b, "forward_batch"):  # every sequence's row in one step, as the scheduler drives it
+                # warm-up: the first batched step runs the one-time row-invariance probes
+                await b.forward_batch([(tokens(2, 50 + i), b.new_state()) for i in range(2)], last_only=True)
                 states = [b.new_state() for _ in range(a.seqs)]
                 for i, s in enumerate(states):
                     await b.forward(tokens(4, 10 + i), s)

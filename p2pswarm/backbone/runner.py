@@ -174,7 +174,7 @@ class Backbone:
         self.dispatcher = dispatcher
         self.batch_invariant = batch_invariant
         self.timing = LayerTiming()
-        self._row_invariant: tuple[bool, bool] | None = None  # (experts, lm head), probed on first use
+        self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
 
     @property
@@ -185,7 +185,15 @@ class Backbone:
     def row_invariant_output(self) -> bool:
         return self._probe_row_invariance()[1]
 
-    def _probe_row_invariance(self) -> tuple[bool, bool]:
+    @property
+    def small_call_rows(self) -> int:
+        """Where the experts are not row-invariant: the most rows of one expert a call may hold and
+        still give every row the bits it gets in a call of any fewer rows (libggml's K-quants: 7,
+        below the 8 rows at which it switches to its tiled GEMM; OpenBLAS: 1). The batch-invariant
+        mode merges different sequences' groups of one expert into one group up to this size."""
+        return self._probe_row_invariance()[2]
+
+    def _probe_row_invariance(self) -> tuple[bool, bool, int]:
         """Whether the expert and lm-head mat-muls give a row the same bits whatever rows share the
         call, *measured* here on this CPU and these tensor types (row counts 1-9, 15-17, 31-33, 63-65
         against one 70-row call): OpenBLAS never does (its kernels depend on the row count), libggml
@@ -201,7 +209,17 @@ class Backbone:
                 full = fn(x)
                 return all(np.array_equal(fn(x[3 : 3 + n]), full[3 : 3 + n]) for n in sizes)
 
+            def small_limit(fn, cap: int = 16) -> int:
+                alone = np.concatenate([fn(x[i:i + 1]) for i in range(cap)])
+                limit = 1
+                for n in range(2, cap + 1):
+                    if not (np.array_equal(fn(x[:n]), alone[:n]) and np.array_equal(fn(x[cap - n:cap]), alone[cap - n:])):
+                        break
+                    limit = n
+                return limit
+
             experts = getattr(bank, "kernel", "numpy") != "numpy"
+            small = 1
             if experts:
                 layout = getattr(bank, "layout", None)
                 seen = set()
@@ -214,9 +232,19 @@ class Backbone:
                     if not invariant(partial(bank.forward, il, 0)):
                         experts = False
                         break
+                if not experts:  # the failing tensor types (and any others) decide the small-call size
+                    seen, small = set(), 1 << 30
+                    for il in range(m.n_layer):
+                        kinds = getattr(layout, "expert_tensors", {}).get(il, {})
+                        key = tuple(sorted((k, getattr(t, "ggml_type", None)) for k, t in kinds.items()))
+                        if key in seen or not bank.holds(il, 0):
+                            continue
+                        seen.add(key)
+                        small = min(small, small_limit(partial(bank.forward, il, 0)))
+                    small = 1 if small == 1 << 30 else small
             w_out = m.w[m.output_name]
             output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T)
-            self._row_invariant = (experts, output)
+            self._row_invariant = (experts, output, small)
         return self._row_invariant
 
     def dense_invariance(self, il: int) -> "DenseInvariance":
@@ -328,10 +356,33 @@ class Backbone:
         if not invariant or self.row_invariant_experts:
             groups = expert_groups(ids)  # one group per expert, all sequences: same bits per row
         else:
-            groups = []
-            for sp in spans:  # one group per (sequence, expert)
-                groups += [(e, idx + sp.start) for e, idx in expert_groups(ids[sp])]
+            groups = self._invariant_groups(ids, spans)
         return h, cur, ids, w, groups
+
+    def _invariant_groups(self, ids, spans) -> Groups:
+        """Expert groups for the batch-invariant mode where the experts are not row-invariant: one
+        group per (sequence, expert), except that sequences' groups of one expert with at most
+        :attr:`small_call_rows` rows each are merged while the merged group stays that small (a
+        decode step's one-row groups: 16 sequences on one expert are 3 groups, not 16). Exact: the
+        probe measured that a row in a call of up to that many rows gets the bits of any smaller
+        call, its own sequence's alone included."""
+        limit = self.small_call_rows
+        groups: Groups = []
+        packs: dict[int, list[np.ndarray]] = {}
+        for sp in spans:
+            for e, idx in expert_groups(ids[sp]):
+                idx = idx + sp.start
+                if len(idx) > limit:
+                    groups.append((e, idx))
+                    continue
+                mine = packs.setdefault(e, [])
+                if mine and len(mine[-1]) + len(idx) <= limit:
+                    mine[-1] = np.concatenate([mine[-1], idx])
+                else:
+                    mine.append(idx)
+        groups += [(e, idx) for e, mine in packs.items() for idx in mine]
+        groups.sort(key=lambda g: (g[0], int(g[1][0])))
+        return groups
 
     def _post_batch(self, il, h, cur, ids, w, groups, outs, spans, invariant):
         moe = combine_outputs(ids, w, groups, outs) if groups else np.zeros_like(cur)
