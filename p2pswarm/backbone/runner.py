@@ -243,6 +243,9 @@ class Backbone:
                         small = min(small, small_limit(partial(bank.forward, il, 0)))
                     small = 1 if small == 1 << 30 else small
             w_out = m.w[m.output_name]
+            dense = getattr(m.w, "ggml_dense", None)
+            if not isinstance(w_out, np.ndarray) and hasattr(dense, "leading_rows"):
+                w_out = dense.leading_rows(m.output_name, 1024)  # the head's type and kernels, 1% of its rows
             output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T)
             self._row_invariant = (experts, output, small)
         return self._row_invariant

@@ -874,6 +874,22 @@ class GgmlDense:
 
         return QuantisedMatrix(self.runner, tensor, gtype, (ne1, ne0), t.name, dequantise)
 
+    def leading_rows(self, name: str, rows: int) -> QuantisedMatrix:
+        """The first ``rows`` rows of quantised tensor ``name`` as their own matrix (same bytes, same
+        type, same kernels): what a probe of the lm head's row-invariance multiplies, since the
+        whole 151,936-row head would cost seconds per probe call."""
+        t = next(t for t in self.layout.reader.tensors if t.name == name)
+        ne0, ne1 = int(t.shape[0]), int(t.shape[1])
+        rows = max(1, min(rows, ne1))
+        gtype = int(t.tensor_type)
+        tensor = self._mapped.tensor(gtype, ne0, rows, int(t.data_offset), f"{name}[:{rows}]")
+        raw = t.data
+
+        def dequantise():
+            return self._to_float32(raw[:rows].reshape(-1), t.tensor_type, (rows, ne0), t.name)
+
+        return QuantisedMatrix(self.runner, tensor, gtype, (rows, ne0), f"{name}[:{rows}]", dequantise)
+
 
 MADV_WILLNEED = 3
 MADV_POPULATE_READ = 22  # Linux >= 5.14
