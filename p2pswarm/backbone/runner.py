@@ -94,9 +94,10 @@ ALL_BATCHED = DenseInvariance(True, True, True)
 
 # Probe layouts: segment sizes (sequences' row counts) of batched calls of 70, 16 and 64 rows. They
 # share their first segments, so each segment's alone result is computed once; together they put
-# rows alone in calls of 1, 2, 3, 8, 9, 14, 16, 17 rows and batched in calls of 16, 64 and 70 (ggml
-# switches K-quant kernels at 8 rows; OpenBLAS at its block edges).
-_PROBE_LAYOUTS = ([1, 2, 3, 8, 9, 16, 17, 14], [1, 2, 3, 8, 1, 1], [1, 2, 3, 8, 9, 16, 17, 8])
+# rows alone in calls of 1, 2, 5, 8, 17, 26, 33, 36 rows and batched in calls of 16, 64 and 70 (ggml
+# switches K-quant kernels at 8 rows; OpenBLAS at its block edges). At most 5 sequences per call:
+# each carries a fresh state (8 MiB per DeltaNet layer at the 122B's geometry) while it runs.
+_PROBE_LAYOUTS = ([1, 2, 8, 26, 33], [1, 2, 8, 5], [1, 2, 8, 17, 36])
 
 
 def _layer_signature(model, il: int) -> tuple:
@@ -119,7 +120,7 @@ def probe_dense_invariance(model, il: int) -> DenseInvariance:
     K-quant path is not (another kernel from 8 rows), OpenBLAS's F32 GEMM is not (block edges), and
     which of those a layer uses depends on the file and the build. The state-carrying part (KV
     append, attention, DeltaNet conv + delta rule) runs per sequence in both, so fresh states
-    suffice. Costs ~11 small and 3 batched calls per distinct layer signature, once."""
+    suffice. Costs 8 alone and 3 batched calls per piece and distinct layer signature, once."""
     rng = np.random.default_rng(il + 1)
     E = model.n_embd
     n = max(sum(lay) for lay in _PROBE_LAYOUTS)
