@@ -21,12 +21,11 @@ Each process measures, with the same thread count and the same token ids:
   do the same work);
 * batch: ``--seqs`` sequences (a 4-token prompt each), then ``--batch-steps`` steps in which every
   sequence decodes one token: llama.cpp as one ``llama_decode`` of ``--seqs`` tokens (one per
-  sequence), ours as ``--seqs`` concurrent ``Backbone.forward`` calls (what the HTTP server does
-  today); tokens/s counts all sequences' tokens;
-* batched rows (ours only, compared with llama.cpp's batch): the same steps with every sequence's
-  row in one batch through the engine (``pre_moe_batch``, one router call, one expert-bank call and
-  one lm head per layer and step), the layer loop as the throughput work (issue 11) will drive it;
-  ``Backbone.forward`` does not batch sequences yet.
+  sequence), ours as ``--seqs`` concurrent ``Backbone.forward`` calls (each sequence on its own);
+  tokens/s counts all sequences' tokens;
+* batched rows (ours only, compared with llama.cpp's batch): the same steps as one
+  ``Backbone.forward_batch`` of every sequence's row (what the scheduler behind the HTTP API runs:
+  one ``pre_moe_batch`` and one expert-bank call per layer, in the default batch-invariant mode).
 
 llama.cpp runs through llama-cpp-python's low-level API: F32 KV cache, flash attention off, and by
 default ``use_extra_bufts = False`` (weights used in place: the kernels our engine calls). On CPUs
@@ -84,7 +83,6 @@ class Clock:
 
 # ---- one side per process -------------------------------------------------------------------------
 def child_ours(a) -> dict:
-    import numpy as np
     import trio
 
     sys.path.insert(0, os.environ.get("BENCH_OURS_TREE", str(REPO)))  # before common.py's REPO
@@ -127,32 +125,15 @@ def child_ours(a) -> dict:
             w, c = clk.stop()
             n_tok = a.seqs * a.batch_steps
             out["batch_tps"], out["batch_cpu"] = n_tok / w, c / n_tok
-            model = b.model
-            if hasattr(model, "pre_moe_batch"):  # the engine's batched rows, as issue 11 will drive them
-                from p2pswarm.backbone.runner import combine, expert_groups
-
-                bank = b.dispatcher.local.bank
+            if hasattr(b, "forward_batch"):  # every sequence's row in one step, as the scheduler drives it
+                # warm-up: the first batched step runs the one-time row-invariance probes
+                await b.forward_batch([(tokens(2, 50 + i), b.new_state()) for i in range(2)], last_only=True)
                 states = [b.new_state() for _ in range(a.seqs)]
                 for i, s in enumerate(states):
                     await b.forward(tokens(4, 10 + i), s)
-
-                def batched_step(toks):
-                    segs = [(s, s.n_past, 1) for s in states]
-                    h = model.embed(np.asarray(toks))
-                    for il in range(model.n_layer):
-                        h = model.pre_moe_batch(il, h, segs)
-                        cur = model.ffn_input(il, h)
-                        ids, wts = model.route(il, cur)
-                        groups = expert_groups(ids)
-                        parts = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
-                        h = model.post_moe(il, h, cur, combine(ids, wts, groups, parts))
-                    for s in states:
-                        s.n_past += 1
-                    return model.output(h)
-
                 clk.start()
                 for step in steps:
-                    batched_step(step)
+                    await b.forward_batch([([t], s) for s, t in zip(states, step)], last_only=True)
                 w, c = clk.stop()
                 out["batchx_tps"], out["batchx_cpu"] = n_tok / w, c / n_tok
         out["rss_mb"] = vm_hwm_mb()

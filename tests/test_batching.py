@@ -150,21 +150,48 @@ async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km
     """The batch-invariant mode batches a mat-mul across sequences only where a probe found it
     row-invariant: libggml on Q8_0 yes; libggml on K-quants no (it switches kernels at 8 rows, so
     a row alone and a row among 8 differ); OpenBLAS (numpy) never."""
-    seen = {}
+    seen, dense, small = {}, {}, {}
     for name, path in (("q8_0", tiny_q8), ("q4_k_m", tiny_q4km)):
         for kernel in ("numpy", "ggml"):
             async with open_backbone(path, workers=0, kernel=kernel) as mono:
                 bb = mono.backbone
                 seen[(name, kernel)] = (bb.row_invariant_experts, bb.row_invariant_output)
+                dense[(name, kernel)] = bb.dense_invariance(0)
+                small[(name, kernel)] = bb.small_call_rows
+                if (name, kernel) == ("q8_0", "ggml"):  # the dense path of all sequences really is batched
+                    real, widths = bb.model.pre_moe_batch, []
+
+                    def counting(il, h, segments, real=real, widths=widths):
+                        widths.append(len(segments))
+                        return real(il, h, segments)
+
+                    bb.model.pre_moe_batch = counting
+                    await _run_schedule(bb, True)
+                    assert widths.count(4) == bb.model.n_layer  # the 4-sequence step of SCHEDULE, every layer
                 if (name, kernel) == ("q4_k_m", "ggml"):  # invariant anyway: per-sequence mat-muls
                     alone = await _alone(bb)
+                    real_local, calls = bb.dispatcher.run_groups_local, []
+
+                    def recording(layer, cur, groups, real_local=real_local, calls=calls):
+                        calls.append((cur.shape[0], groups))
+                        return real_local(layer, cur, groups)
+
+                    bb.dispatcher.run_groups_local = recording
                     got = await _run_schedule(bb, True)
+                    # one-row decode groups of different sequences merged (a 3-sequence decode step)
+                    assert any(len(idx) >= 2 for n, groups in calls if n == 3 for _, idx in groups)
                     for i, step in enumerate(SCHEDULE):
                         for (s, _), x in zip(step, got[i]):
                             assert np.array_equal(x, alone[(i, s)]), (i, s)
     assert seen[("q8_0", "numpy")] == seen[("q4_k_m", "numpy")] == (False, False)
     assert seen[("q8_0", "ggml")] == (True, True)
     assert seen[("q4_k_m", "ggml")] == (False, False)
+    # K-quants on libggml: calls of up to 7 rows give every row the same bits (vec_dot below the
+    # tiled GEMM's 8 rows), so sequences' small groups of one expert merge; OpenBLAS: never
+    assert small[("q4_k_m", "ggml")] == 7 and small[("q4_k_m", "numpy")] == 1
+    # the dense projections: Q8_0 on libggml batch, F32 on OpenBLAS does not; the F32 router never
+    assert dense[("q8_0", "ggml")].pre_moe and not dense[("q8_0", "numpy")].pre_moe
+    assert not dense[("q8_0", "ggml")].route and not dense[("q8_0", "numpy")].route
 
 
 def test_micro_batch_rule():

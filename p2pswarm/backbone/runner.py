@@ -14,11 +14,15 @@ makes the split run bit-identical to the monolithic one whatever the timing. The
 a thread (``trio.to_thread``) so the event loop keeps streams flowing.
 
 :meth:`Backbone.forward_batch` runs one step for many sequences (the continuous-batching step the
-:mod:`p2pswarm.backbone.scheduler` drives): attention / DeltaNet per sequence on its own state, then
-the expert work of *all* rows in one :meth:`Dispatcher.run_groups` per layer, so each owner gets one
-request per layer whatever the number of sequences. With ``batch_invariant`` every batch-sensitive
-mat-mul (router, experts, shared expert, lm head) sees one sequence's rows only, so a sequence's
-logits are bit-identical to running it alone (docs/architecture.md, "Continuous batching").
+:mod:`p2pswarm.backbone.scheduler` drives): the dense path of all rows together (norms and
+projections as one set of mat-muls, ``model.pre_moe_batch``; only the attention / DeltaNet
+recurrence per sequence on its own state), then the expert work of *all* rows in one
+:meth:`Dispatcher.run_groups` per layer, so each owner gets one request per layer whatever the
+number of sequences. With ``batch_invariant`` a piece of the step is batched across sequences only
+where a probe measured it row-invariant on this CPU and these tensor types (it gives a row the same
+bits whatever rows share the call); every other batch-sensitive piece sees one sequence's rows
+only, so a sequence's logits are bit-identical to running it alone (docs/architecture.md,
+"Continuous batching").
 """
 from __future__ import annotations
 
@@ -74,6 +78,95 @@ class LayerTiming:
         return LayerTiming(self.dense_s, self.wait_s, self.layers)
 
 
+@dataclass(frozen=True)
+class DenseInvariance:
+    """Which pieces of one layer's dense path give a row the same bits whatever other sequences'
+    rows share the call: ``pre_moe`` (norms, projections, gates, output projection; the attention /
+    recurrence is per sequence anyway), ``route`` (ffn_input + router) and ``post_moe`` (shared
+    expert, residual). The batch-invariant mode batches only those; the rest runs per sequence."""
+
+    pre_moe: bool
+    route: bool
+    post_moe: bool
+
+
+ALL_BATCHED = DenseInvariance(True, True, True)
+
+# Probe layouts: segment sizes (sequences' row counts) of batched calls of 70, 16 and 64 rows. They
+# share their first segments, so each segment's alone result is computed once; together they put
+# rows alone in calls of 1, 2, 5, 8, 17, 26, 33, 36 rows and batched in calls of 16, 64 and 70 (ggml
+# switches K-quant kernels at 8 rows; OpenBLAS at its block edges). At most 5 sequences per call:
+# each carries a fresh state (8 MiB per DeltaNet layer at the 122B's geometry) while it runs.
+_PROBE_LAYOUTS = ([1, 2, 8, 26, 33], [1, 2, 8, 5], [1, 2, 8, 17, 36])
+
+
+def _layer_signature(model, il: int) -> tuple:
+    """What decides a layer's dense kernels: its kind and the types of its dense tensors."""
+    kind = bool(getattr(model, "recurrent", [False] * (il + 1))[il])
+    prefix = f"blk.{il}."
+    types = []
+    for t in model.layout.reader.tensors:
+        if t.name.startswith(prefix) and "_exps." not in t.name:
+            types.append((t.name[len(prefix):], int(t.tensor_type)))
+    return (kind, tuple(sorted(types)))
+
+
+def probe_dense_invariance(model, il: int) -> DenseInvariance:
+    """Measure whether layer ``il``'s ``pre_moe_batch``, ``ffn_input`` + ``route`` and ``post_moe``
+    are row-invariant: each sequence of every :data:`_PROBE_LAYOUTS` batch, run alone on a fresh
+    state, must give the bits it gets inside the batch (also on a fresh state).
+
+    Why measured, not assumed: libggml's Q8_0 mat-mul (llamafile's tinyBLAS) is row-invariant, its
+    K-quant path is not (another kernel from 8 rows), OpenBLAS's F32 GEMM is not (block edges), and
+    which of those a layer uses depends on the file and the build. The state-carrying part (KV
+    append, attention, DeltaNet conv + delta rule) runs per sequence in both, so fresh states
+    suffice. Costs 8 alone and 3 batched calls per piece and distinct layer signature, once."""
+    rng = np.random.default_rng(il + 1)
+    E = model.n_embd
+    n = max(sum(lay) for lay in _PROBE_LAYOUTS)
+    x = rng.standard_normal((n, E)).astype(F32)
+    y = rng.standard_normal((n, E)).astype(F32)
+
+    def segments(layout):
+        at = np.cumsum([0] + list(layout))
+        return [(int(a), int(b)) for a, b in zip(at[:-1], at[1:])]
+
+    def same(batched, alone) -> bool:
+        return all(np.array_equal(p, q) for p, q in zip(batched, alone))
+
+    def check(fn_batched, fn_alone) -> bool:
+        memo: dict[tuple[int, int], list] = {}
+        for layout in _PROBE_LAYOUTS:
+            segs = segments(layout)
+            got = fn_batched(segs)
+            for a, b in segs:
+                if (a, b) not in memo:
+                    memo[(a, b)] = fn_alone(a, b)
+                if not same([g[a:b] for g in got], memo[(a, b)]):
+                    return False
+        return True
+
+    batch_fn = getattr(model, "pre_moe_batch", None)
+
+    def pre_batched(segs):
+        h = x[: segs[-1][1]]
+        return [batch_fn(il, h, [(model.new_state(), 0, b - a) for a, b in segs])]
+
+    pre = batch_fn is not None and check(pre_batched, lambda a, b: [model.pre_moe(il, x[a:b], model.new_state(), 0)])
+
+    def routed(rows):
+        cur = model.ffn_input(il, rows)
+        ids, w = model.route(il, cur)
+        return [cur, ids, w]
+
+    route = check(lambda segs: routed(x[: segs[-1][1]]), lambda a, b: routed(x[a:b]))
+    cur = model.ffn_input(il, y)
+    moe = (0.1 * rng.standard_normal((n, E))).astype(F32)
+    post = check(lambda segs: [model.post_moe(il, x[: segs[-1][1]], cur[: segs[-1][1]], moe[: segs[-1][1]])],
+                 lambda a, b: [model.post_moe(il, x[a:b], cur[a:b], moe[a:b])])
+    return DenseInvariance(pre, route, post)
+
+
 class Backbone:
     """Runs a model's dense path and drives a dispatcher; one instance serves many sequences."""
 
@@ -82,7 +175,8 @@ class Backbone:
         self.dispatcher = dispatcher
         self.batch_invariant = batch_invariant
         self.timing = LayerTiming()
-        self._row_invariant: tuple[bool, bool] | None = None  # (experts, lm head), probed on first use
+        self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
+        self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
 
     @property
     def row_invariant_experts(self) -> bool:
@@ -92,7 +186,15 @@ class Backbone:
     def row_invariant_output(self) -> bool:
         return self._probe_row_invariance()[1]
 
-    def _probe_row_invariance(self) -> tuple[bool, bool]:
+    @property
+    def small_call_rows(self) -> int:
+        """Where the experts are not row-invariant: the most rows of one expert a call may hold and
+        still give every row the bits it gets in a call of any fewer rows (libggml's K-quants: 7,
+        below the 8 rows at which it switches to its tiled GEMM; OpenBLAS: 1). The batch-invariant
+        mode merges different sequences' groups of one expert into one group up to this size."""
+        return self._probe_row_invariance()[2]
+
+    def _probe_row_invariance(self) -> tuple[bool, bool, int]:
         """Whether the expert and lm-head mat-muls give a row the same bits whatever rows share the
         call, *measured* here on this CPU and these tensor types (row counts 1-9, 15-17, 31-33, 63-65
         against one 70-row call): OpenBLAS never does (its kernels depend on the row count), libggml
@@ -108,7 +210,17 @@ class Backbone:
                 full = fn(x)
                 return all(np.array_equal(fn(x[3 : 3 + n]), full[3 : 3 + n]) for n in sizes)
 
+            def small_limit(fn, cap: int = 16) -> int:
+                alone = np.concatenate([fn(x[i:i + 1]) for i in range(cap)])
+                limit = 1
+                for n in range(2, cap + 1):
+                    if not (np.array_equal(fn(x[:n]), alone[:n]) and np.array_equal(fn(x[cap - n:cap]), alone[cap - n:])):
+                        break
+                    limit = n
+                return limit
+
             experts = getattr(bank, "kernel", "numpy") != "numpy"
+            small = 1
             if experts:
                 layout = getattr(bank, "layout", None)
                 seen = set()
@@ -121,37 +233,44 @@ class Backbone:
                     if not invariant(partial(bank.forward, il, 0)):
                         experts = False
                         break
+                if not experts:  # the failing tensor types (and any others) decide the small-call size
+                    seen, small = set(), 1 << 30
+                    for il in range(m.n_layer):
+                        kinds = getattr(layout, "expert_tensors", {}).get(il, {})
+                        key = tuple(sorted((k, getattr(t, "ggml_type", None)) for k, t in kinds.items()))
+                        if key in seen or not bank.holds(il, 0):
+                            continue
+                        seen.add(key)
+                        small = min(small, small_limit(partial(bank.forward, il, 0)))
+                    small = 1 if small == 1 << 30 else small
             w_out = m.w[m.output_name]
+            dense = getattr(m.w, "ggml_dense", None)
+            if not isinstance(w_out, np.ndarray) and hasattr(dense, "leading_rows"):
+                w_out = dense.leading_rows(m.output_name, 1024)  # the head's type and kernels, 1% of its rows
             output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T)
-            self._row_invariant = (experts, output)
+            self._row_invariant = (experts, output, small)
         return self._row_invariant
+
+    def dense_invariance(self, il: int) -> "DenseInvariance":
+        """Which pieces of layer ``il``'s dense path are row-invariant (see :class:`DenseInvariance`),
+        measured once per distinct layer signature (layer kind + dense tensor types)."""
+        m = self.model
+        key = _layer_signature(m, il)
+        got = self._dense_invariant.get(key)
+        if got is None:
+            got = probe_dense_invariance(m, il)
+            self._dense_invariant[key] = got
+        return got
 
     def new_state(self) -> SequenceState:
         return self.model.new_state()
 
     async def forward(self, tokens, state: SequenceState) -> np.ndarray:
-        """Feed tokens (all at once) after what ``state`` has seen; logits (T, n_vocab) for each."""
-        m = self.model
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        pos0 = state.n_past
-        h = await trio.to_thread.run_sync(m.embed, tokens)
-        for il in range(m.n_layer):
-            h, cur, ids, w = await trio.to_thread.run_sync(partial(self._pre, il, h, state, pos0))
-            groups = expert_groups(ids)
-            partials = await self.dispatcher.run(il, cur, groups)
-            h = await trio.to_thread.run_sync(partial(self._post, il, h, cur, ids, w, groups, partials))
-        state.n_past += len(tokens)
-        return await trio.to_thread.run_sync(m.output, h)
+        """Feed tokens (all at once) after what ``state`` has seen; logits (T, n_vocab) for each.
 
-    def _pre(self, il, h, state, pos0):
-        m = self.model
-        h = m.pre_moe(il, h, state, pos0)
-        cur = m.ffn_input(il, h)
-        ids, w = m.route(il, cur)
-        return h, cur, ids, w
-
-    def _post(self, il, h, cur, ids, w, groups, partials):
-        return self.model.post_moe(il, h, cur, combine(ids, w, groups, partials))
+        One sequence's :meth:`forward_batch`: the same bits, and one thread hop per layer (the
+        post_moe of a layer and the pre_moe of the next run in one hop) instead of three."""
+        return (await self.forward_batch([(tokens, state)]))[0]
 
     async def forward_batch(self, items: list[tuple[object, SequenceState]], *, last_only: bool = False,
                             batch_invariant: bool | None = None) -> list[np.ndarray]:
@@ -159,10 +278,15 @@ class Backbone:
         decode token fed after what its state has seen (every state at most once). Returns each
         item's logits, (T_i, n_vocab), or only its last row (1, n_vocab) with ``last_only``.
 
-        Per layer: pre_moe per sequence (its own KV / DeltaNet state and positions), the router and
-        the grouping over all rows, **one** dispatcher call (one request per owner with every row it
-        must compute, for all sequences), combine in top-k order, post_moe, rows split back."""
+        Per layer: ``pre_moe_batch`` over all rows (one set of dense mat-muls; KV / DeltaNet state
+        and positions per sequence), the router and the grouping over all rows, **one** dispatcher
+        call (one request per owner with every row it must compute, for all sequences), combine in
+        top-k order, post_moe, rows split back. In the batch-invariant mode each of those dense
+        pieces is batched only where :meth:`dense_invariance` measured it row-invariant, else run
+        per sequence."""
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant
+        if len(items) == 1:
+            invariant = False  # one sequence: batched is alone, nothing to probe or split
         m = self.model
         toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in items]
         states = [st for _, st in items]
@@ -187,43 +311,86 @@ class Backbone:
                 return self._pre_batch(il + 1, h, spans, states, pos0, invariant)
             return self._output_batch(h, spans, last_only, invariant)
 
+        disp = self.dispatcher
         t0 = time.perf_counter()
-        res = await trio.to_thread.run_sync(first)
-        timing.dense_s += time.perf_counter() - t0
-        for il in range(L):
-            h, cur, ids, w, groups = res
-            t1 = time.perf_counter()
-            outs = await self.dispatcher.run_groups(il, cur, groups)
-            t2 = time.perf_counter()
-            res = await trio.to_thread.run_sync(partial(after, il, h, cur, ids, w, groups, outs))
-            timing.dense_s += time.perf_counter() - t2
-            timing.wait_s += t2 - t1
-            timing.layers += 1
+        if getattr(disp, "all_local", False):  # monolithic: the whole step in one thread hop
+            def whole():
+                res = first()
+                for il in range(L):
+                    h, cur, ids, w, groups = res
+                    res = after(il, h, cur, ids, w, groups, disp.run_groups_local(il, cur, groups))
+                return res
+
+            res = await trio.to_thread.run_sync(whole)
+            timing.dense_s += time.perf_counter() - t0
+            timing.layers += L
+        else:
+            res = await trio.to_thread.run_sync(first)
+            timing.dense_s += time.perf_counter() - t0
+            for il in range(L):
+                h, cur, ids, w, groups = res
+                t1 = time.perf_counter()
+                outs = await disp.run_groups(il, cur, groups)
+                t2 = time.perf_counter()
+                res = await trio.to_thread.run_sync(partial(after, il, h, cur, ids, w, groups, outs))
+                timing.dense_s += time.perf_counter() - t2
+                timing.wait_s += t2 - t1
+                timing.layers += 1
         for st, t in zip(states, toks):
             st.n_past += len(t)
         return res
 
     def _pre_batch(self, il, h, spans, states, pos0, invariant):
         m = self.model
-        h = np.concatenate([m.pre_moe(il, h[sp], st, p) for sp, st, p in zip(spans, states, pos0)])
-        if not invariant:
+        inv = self.dense_invariance(il) if invariant else ALL_BATCHED
+        batch_fn = getattr(m, "pre_moe_batch", None)
+        if inv.pre_moe and batch_fn is not None:  # one set of dense mat-muls for every sequence's rows
+            h = batch_fn(il, h, [(st, p, sp.stop - sp.start) for sp, st, p in zip(spans, states, pos0)])
+        else:
+            h = np.concatenate([m.pre_moe(il, h[sp], st, p) for sp, st, p in zip(spans, states, pos0)])
+        if inv.route:
             cur = m.ffn_input(il, h)
             ids, w = m.route(il, cur)
-            return h, cur, ids, w, expert_groups(ids)
-        parts = [m.ffn_input(il, h[sp]) for sp in spans]
-        routed = [m.route(il, c) for c in parts]  # the router is an F32 numpy mat-mul: per sequence
-        ids = np.concatenate([r[0] for r in routed])
-        if self.row_invariant_experts:
+        else:  # e.g. the F32 router on OpenBLAS: per sequence
+            parts = [m.ffn_input(il, h[sp]) for sp in spans]
+            routed = [m.route(il, c) for c in parts]
+            cur = np.concatenate(parts)
+            ids = np.concatenate([r[0] for r in routed])
+            w = np.concatenate([r[1] for r in routed])
+        if not invariant or self.row_invariant_experts:
             groups = expert_groups(ids)  # one group per expert, all sequences: same bits per row
         else:
-            groups = []
-            for sp, (ids_s, _) in zip(spans, routed):  # one group per (sequence, expert)
-                groups += [(e, idx + sp.start) for e, idx in expert_groups(ids_s)]
-        return h, np.concatenate(parts), ids, np.concatenate([r[1] for r in routed]), groups
+            groups = self._invariant_groups(ids, spans)
+        return h, cur, ids, w, groups
+
+    def _invariant_groups(self, ids, spans) -> Groups:
+        """Expert groups for the batch-invariant mode where the experts are not row-invariant: one
+        group per (sequence, expert), except that sequences' groups of one expert with at most
+        :attr:`small_call_rows` rows each are merged while the merged group stays that small (a
+        decode step's one-row groups: 16 sequences on one expert are 3 groups, not 16). Exact: the
+        probe measured that a row in a call of up to that many rows gets the bits of any smaller
+        call, its own sequence's alone included."""
+        limit = self.small_call_rows
+        groups: Groups = []
+        packs: dict[int, list[np.ndarray]] = {}
+        for sp in spans:
+            for e, idx in expert_groups(ids[sp]):
+                idx = idx + sp.start
+                if len(idx) > limit:
+                    groups.append((e, idx))
+                    continue
+                mine = packs.setdefault(e, [])
+                if mine and len(mine[-1]) + len(idx) <= limit:
+                    mine[-1] = np.concatenate([mine[-1], idx])
+                else:
+                    mine.append(idx)
+        groups += [(e, idx) for e, mine in packs.items() for idx in mine]
+        groups.sort(key=lambda g: (g[0], int(g[1][0])))
+        return groups
 
     def _post_batch(self, il, h, cur, ids, w, groups, outs, spans, invariant):
         moe = combine_outputs(ids, w, groups, outs) if groups else np.zeros_like(cur)
-        if not invariant:
+        if not invariant or self.dense_invariance(il).post_moe:
             return self.model.post_moe(il, h, cur, moe)
         return np.concatenate([self.model.post_moe(il, h[sp], cur[sp], moe[sp]) for sp in spans])
 

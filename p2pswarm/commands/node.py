@@ -117,8 +117,9 @@ def add_parser(sub) -> None:
                    help="backbone: compute an owner's experts locally when its measured round trip is longer "
                         "than computing them here (same bits; docs/architecture.md)")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
-                   help="backbone: batch rows of all sequences through one router/expert/lm-head mat-mul "
-                        "(faster; a request's tokens may then depend on its neighbours, docs/architecture.md)")
+                   help="backbone: batch rows of all sequences through one dense/router/expert/lm-head mat-mul "
+                        "even where a probe found the kernel not row-invariant (a request's tokens may then "
+                        "depend on its neighbours, docs/architecture.md)")
     p.add_argument("--relay", metavar="MULTIADDR", action="append", default=[],
                    help="worker behind NAT: keep a reservation on a relay (/ip4/H/tcp/P/ws/p2p/ID or .../wss/...), "
                         "use it as DHT bootstrap, and advertise the relayed address (a DHT client, not a server). "

@@ -131,7 +131,7 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
         return PortableExpertBank(layout, threads=threads)
     if resolved == "numpy":
         return ExpertBank(layout, cache_bytes=DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes)
-    from p2pswarm.engine.ggml_kernel import GgmlExpertBank  # noqa: PLC0415
+    from p2pswarm.engine.ggml_experts import GgmlExpertBank  # noqa: PLC0415
 
     return GgmlExpertBank(layout, threads=threads)
 
@@ -161,7 +161,7 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     """Let ``kernel`` compute the dense path's quantised mat-muls; returns how many tensors it took.
 
     With ``ggml``, every quantised 2-D dense tensor (attention, shared expert, embedding, lm head)
-    stays in the memory map as a :class:`~p2pswarm.engine.ggml_kernel.QuantisedMatrix`: a strong node
+    stays in the memory map as a :class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`: a strong node
     holds the model at its quantised size, and its dense mat-muls get llama.cpp's numerics too.
     F32/F16/BF16 tensors, norms and the router are untouched. With ``numpy`` nothing changes, nor
     with ``portable``: the dense path runs only on the backbone, outside what must agree across ISAs.
@@ -174,7 +174,8 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     """
     if resolve_kernel(kernel) in ("numpy", "portable"):
         return 0
-    from p2pswarm.engine.ggml_kernel import GgmlDense, populate  # noqa: PLC0415
+    from p2pswarm.engine.ggml_dense import GgmlDense  # noqa: PLC0415
+    from p2pswarm.engine.ggml_kernel import populate  # noqa: PLC0415
 
     w = model.w
     cache = getattr(w, "_cache", None)

@@ -1,0 +1,248 @@
+"""The backbone's dense path on quantised weights: ``x @ W.T`` and ``W[ids]`` by libggml.
+
+Split from :mod:`p2pswarm.engine.ggml_kernel` (library loading, the graph runner, mapped weights):
+the dense tensors of a model (attention, DeltaNet projections, shared expert, embedding, lm head)
+stay in the memory map as :class:`QuantisedMatrix` objects that numpy code multiplies as if they
+were arrays (:func:`p2pswarm.engine.kernels.use_kernel_for_dense` installs them).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, GgmlLib, GgmlRunner,
+                                         MappedWeights, f32_view, load_libggml)
+
+
+class QuantisedMatrix:
+    """A quantised 2-D weight W (out, in) in numpy's orientation, left in the memory map.
+
+    The dense path writes ``ops.matmul(x, W)``, i.e. ``x @ W.T``, and ``W[token_ids]`` for the
+    embedding. Both are intercepted here and run by ggml on the quantised bytes (``mul_mat`` and
+    ``get_rows``, llama.cpp's ops). Anything else numpy asks of it (``np.asarray``, a ufunc, an
+    attribute such as ``reshape``) falls back to a float32 dequantised copy, made once, so code
+    written for plain arrays still works; it just does not save the memory.
+    """
+
+    def __init__(self, runner: GgmlRunner, tensor, ggml_type: int, shape: tuple[int, int], name: str,
+                 dequantise):
+        self.runner = runner
+        self.tensor = tensor
+        self.ggml_type = ggml_type
+        self.shape = shape
+        self.ndim = 2
+        self.dtype = np.dtype(np.float32)
+        self.name = name
+        self._dequantise = dequantise
+        self._dense: np.ndarray | None = None
+
+    # numpy protocol -----------------------------------------------------------------------------
+    def __array__(self, dtype=None, copy=None):
+        if self._dense is None:
+            self._dense = self._dequantise()
+        return self._dense if dtype is None else self._dense.astype(dtype, copy=False)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        # Only ``x @ W.T`` is ggml's (see _Transposed); any other ufunc sees the dequantised array.
+        inputs = tuple(np.asarray(i) if isinstance(i, (QuantisedMatrix, _Transposed)) else i for i in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(np.asarray(self), name)
+
+    @property
+    def T(self) -> "_Transposed":
+        return _Transposed(self)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        ids = np.asarray(key)
+        if ids.dtype.kind in "iu" and ids.ndim == 1:
+            return self.get_rows(ids)
+        return np.asarray(self)[key]
+
+    # the two ops ---------------------------------------------------------------------------------
+    def rmatmul_t(self, x: np.ndarray) -> np.ndarray:
+        """x @ W.T for x (..., in) float32 -> (..., out) float32, by ggml_mul_mat(W, x)."""
+        x = np.asarray(x, dtype=np.float32)
+        out_n, in_n = self.shape
+        if x.shape[-1] != in_n:
+            raise ValueError(f"matmul: {x.shape} @ {self.name}.T of shape ({in_n}, {out_n})")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, in_n)
+        n = x2.shape[0]
+        if n == 0:
+            return np.zeros((*lead, out_n), np.float32)
+        lib, r = self.runner.lib, self.runner
+        with r.lock:
+            ctx = r.context(4 * n * (in_n + out_n) + 256, 3)
+            graph = lib.new_graph_custom(ctx, r.graph_size(3), False)
+            xt = lib.new_tensor_2d(ctx, GGML_TYPE_F32, in_n, n)
+            f32_view(lib, xt, (n, in_n))[...] = x2
+            out = lib.mul_mat(ctx, self.tensor, xt)
+            lib.build_forward_expand(graph, out)
+            r.compute(graph, n * in_n * out_n)
+            result = f32_view(lib, out, (n, out_n)).copy()
+            r.done()
+        return result.reshape(*lead, out_n)
+
+    def get_rows(self, ids: np.ndarray) -> np.ndarray:
+        """W[ids] dequantised by ggml_get_rows (llama.cpp's embedding lookup)."""
+        ids = np.asarray(ids)
+        out_n, in_n = self.shape
+        if ids.size and (ids.min() < 0 or ids.max() >= out_n):
+            raise IndexError(f"{self.name}: row index out of range 0..{out_n - 1}")
+        n = int(ids.size)
+        if n == 0:
+            return np.zeros((0, in_n), np.float32)
+        lib, r = self.runner.lib, self.runner
+        with r.lock:
+            ctx = r.context(4 * n * (in_n + 1) + 256, 3)
+            graph = lib.new_graph_custom(ctx, r.graph_size(3), False)
+            it = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n)
+            np.ctypeslib.as_array(ctypes.cast(lib.get_data(it), ctypes.POINTER(ctypes.c_int32)), shape=(n,))[...] = ids
+            out = lib.get_rows(ctx, self.tensor, it)
+            lib.build_forward_expand(graph, out)
+            r.compute(graph, 0)
+            result = f32_view(lib, out, (n, in_n)).copy()
+            r.done()
+        return result
+
+
+def _dense_graph(x: np.ndarray, mats: list[QuantisedMatrix], swiglu: bool) -> list[np.ndarray]:
+    """One ggml graph on one input: ``x @ W.T`` for every W (``swiglu`` False), or the whole
+    ``down(silu(gate x) * (up x))`` of a dense FFN (``swiglu`` True, mats = gate, up, down).
+
+    Why one graph: each graph run wakes the thread team and ends in barriers; a DeltaNet layer's
+    four input projections (or attention's q/k/v) read the same rows, so they go in together.
+    Every ``mul_mat`` in it is the same op it would be alone (same kernel, same per-row rounding),
+    so fusing changes no bits of the projections."""
+    r = mats[0].runner
+    lib = r.lib
+    in_n = mats[0].shape[1]
+    if any(m.runner is not r or m.shape[1] != (in_n if not swiglu or i < 2 else mats[0].shape[0])
+           for i, m in enumerate(mats)):
+        raise ValueError("fused mat-muls need weights of one runner and one input width")
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] != in_n:
+        raise ValueError(f"matmul: {x.shape} @ {mats[0].name}.T of shape ({in_n}, {mats[0].shape[0]})")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, in_n)
+    n = x2.shape[0]
+    out_ns = [mats[2].shape[0]] if swiglu else [m.shape[0] for m in mats]
+    if n == 0:
+        return [np.zeros((*lead, o), np.float32) for o in out_ns]
+    inner = 3 * mats[0].shape[0] if swiglu else 0
+    macs = n * sum(m.shape[0] * m.shape[1] for m in mats)
+    with r.lock:
+        ctx = r.context(4 * n * (in_n + inner + sum(out_ns)) + 64 * (len(mats) + 4), len(mats) + 4)
+        graph = lib.new_graph_custom(ctx, r.graph_size(len(mats) + 4), False)
+        xt = lib.new_tensor_2d(ctx, GGML_TYPE_F32, in_n, n)
+        f32_view(lib, xt, (n, in_n))[...] = x2
+        if swiglu:
+            g, u, d = (m.tensor for m in mats)
+            outs = [lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, xt), lib.mul_mat(ctx, u, xt)))]
+        else:
+            outs = [lib.mul_mat(ctx, m.tensor, xt) for m in mats]
+        for o in outs:
+            lib.build_forward_expand(graph, o)
+        r.compute(graph, macs)
+        result = [f32_view(lib, o, (n, on)).reshape(*lead, on).copy() for o, on in zip(outs, out_ns)]
+        r.done()
+    return result
+
+
+def fused_matmuls(x: np.ndarray, mats: list) -> list[np.ndarray] | None:
+    """``[x @ W.T for W in mats]`` in one ggml graph when every W is a :class:`QuantisedMatrix` of
+    one runner; None otherwise (the caller multiplies them one by one)."""
+    if len(mats) < 2 or not all(isinstance(m, QuantisedMatrix) and m.runner is mats[0].runner for m in mats):
+        return None
+    return _dense_graph(x, list(mats), swiglu=False)
+
+
+def fused_swiglu(x: np.ndarray, gate, up, down) -> np.ndarray | None:
+    """A dense SwiGLU FFN (the shared expert) in one ggml graph, with ggml's SwiGLU as llama.cpp
+    computes it; None unless all three weights are :class:`QuantisedMatrix` of one runner."""
+    mats = [gate, up, down]
+    if not all(isinstance(m, QuantisedMatrix) and m.runner is gate.runner for m in mats):
+        return None
+    return _dense_graph(x, mats, swiglu=True)[0]
+
+
+class _Transposed:
+    """``W.T`` of a :class:`QuantisedMatrix`: what ``x @ W.T`` hands numpy."""
+
+    __array_priority__ = 100
+
+    def __init__(self, m: QuantisedMatrix):
+        self.m = m
+        self.shape = (m.shape[1], m.shape[0])
+        self.ndim = 2
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.m, dtype=dtype).T
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if ufunc is np.matmul and method == "__call__" and not kwargs and len(inputs) == 2 and inputs[1] is self:
+            return self.m.rmatmul_t(inputs[0])
+        inputs = tuple(np.asarray(i) if isinstance(i, (QuantisedMatrix, _Transposed)) else i for i in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __rmatmul__(self, x):
+        return self.m.rmatmul_t(x)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(np.asarray(self), name)
+
+
+class GgmlDense:
+    """The quantised 2-D tensors of a model's dense path as :class:`QuantisedMatrix` objects."""
+
+    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None):
+        from p2pswarm.engine.weights import to_float32  # noqa: PLC0415 - engine-internal, avoids a cycle
+
+        self.lib = lib or load_libggml()
+        self.kernel = self.lib.kernel_id
+        self.layout = layout
+        self.runner = GgmlRunner(self.lib, threads)
+        self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
+        self._to_float32 = to_float32
+
+    def eligible(self, t) -> bool:
+        """Quantised 2-D tensors that are not routed experts (those are the expert bank's)."""
+        return (int(t.tensor_type) in QUANTISED_TYPES and len(t.shape) == 2
+                and "_exps." not in t.name)
+
+    def matrix(self, t) -> QuantisedMatrix:
+        ne0, ne1 = int(t.shape[0]), int(t.shape[1])
+        gtype = int(t.tensor_type)
+        tensor = self._mapped.tensor(gtype, ne0, ne1, int(t.data_offset), t.name)
+        raw = t.data
+
+        def dequantise():
+            return self._to_float32(raw.reshape(-1) if raw.ndim else raw, t.tensor_type, (ne1, ne0), t.name)
+
+        return QuantisedMatrix(self.runner, tensor, gtype, (ne1, ne0), t.name, dequantise)
+
+    def leading_rows(self, name: str, rows: int) -> QuantisedMatrix:
+        """The first ``rows`` rows of quantised tensor ``name`` as their own matrix (same bytes, same
+        type, same kernels): what a probe of the lm head's row-invariance multiplies, since the
+        whole 151,936-row head would cost seconds per probe call."""
+        t = next(t for t in self.layout.reader.tensors if t.name == name)
+        ne0, ne1 = int(t.shape[0]), int(t.shape[1])
+        rows = max(1, min(rows, ne1))
+        gtype = int(t.tensor_type)
+        tensor = self._mapped.tensor(gtype, ne0, rows, int(t.data_offset), f"{name}[:{rows}]")
+        raw = t.data
+
+        def dequantise():
+            return self._to_float32(raw[:rows].reshape(-1), t.tensor_type, (rows, ne0), t.name)
+
+        return QuantisedMatrix(self.runner, tensor, gtype, (rows, ne0), f"{name}[:{rows}]", dequantise)

@@ -1,0 +1,210 @@
+"""The ggml expert bank: a worker's (or the backbone's replica's) routed experts on the mapped bytes.
+
+Split from :mod:`p2pswarm.engine.ggml_kernel` (which loads libggml, runs graphs and maps weights;
+see its docstring for the why of the whole kernel): this module is the MoE part, every group of a
+layer through one ``ggml_mul_mat_id`` per projection, as llama.cpp builds a MoE layer.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, GgmlRunner,
+                                         MappedWeights, _i32_view, f32_view, load_libggml)
+from p2pswarm.errors import ModelFormatError, UserError
+
+
+class GgmlExpertBank:
+    """Routed experts of some layers and an expert range, computed by ggml on the mapped bytes.
+
+    The same interface as :class:`p2pswarm.engine.experts.ExpertBank` (``forward``,
+    ``forward_groups``, ``holds``, ``kernel``), so the worker, the dispatcher and the backbone's
+    fallback replica use either without knowing which. ``cache`` is None: nothing is dequantised.
+    """
+
+    cache = None
+
+    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None):
+        self.lib = lib or load_libggml()
+        self.kernel = self.lib.kernel_id
+        self.layout = layout
+        self.layers = frozenset(layout.expert_layers)
+        self.expert_begin = layout.expert_begin
+        self.expert_end = layout.expert_end
+        self.n_embd = int(layout.hparam("embedding_length", required=True))
+        self.runner = GgmlRunner(self.lib, threads)
+        self.threads = self.runner.threads
+        self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
+        self._experts: dict[tuple[int, int], tuple] = {}
+        self._layers: dict[int, tuple] = {}
+        self._check_types()
+
+    def _check_types(self) -> None:
+        for layer, tensors in self.layout.expert_tensors.items():
+            for kind, t in tensors.items():
+                if kind.endswith("_bias"):
+                    continue
+                if int(t.ggml_type) not in WEIGHT_TYPES:
+                    raise ModelFormatError(f"{t.name}: weight type {t.ggml_type.name} is not supported by the "
+                                           "ggml kernel")
+                rows, cols = t.shape[1], t.shape[2]
+                if int(self.lib.row_size(int(t.ggml_type), cols)) * rows != t.expert_nbytes:
+                    raise ModelFormatError(f"{t.name}: {t.expert_nbytes} bytes per expert do not match "
+                                           f"{t.ggml_type.name} {rows}x{cols}")
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return layer in self.layers and self.expert_begin <= expert < self.expert_end
+
+    def _tensors(self, layer: int, expert: int) -> tuple:
+        """(gate, up, down, n_ff, macs per row) ggml tensors of one expert; made once, no copy."""
+        key = (layer, expert)
+        got = self._experts.get(key)
+        if got is not None:
+            return got
+        if not self.holds(layer, expert):
+            raise UserError(
+                f"expert {expert} of layer {layer} is not held here "
+                f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
+            )
+        tensors = self.layout.expert_tensors[layer]
+        local = expert - self.expert_begin
+        m = self._mapped
+
+        def make(kind: str, row0: int = 0, rows: int | None = None):
+            t = tensors[kind]
+            off, _ = t.slab(local)
+            n_rows, n_cols = t.shape[1], t.shape[2]
+            rows = n_rows if rows is None else rows
+            row_bytes = int(self.lib.row_size(int(t.ggml_type), n_cols))
+            return m.tensor(int(t.ggml_type), n_cols, rows, off + row0 * row_bytes, f"{t.name}[{expert}]")
+
+        if "gate_up" in tensors:
+            ff = tensors["gate_up"].shape[1] // 2
+            gate, up = make("gate_up", 0, ff), make("gate_up", ff, ff)
+        else:
+            ff = tensors["gate"].shape[1]
+            gate, up = make("gate"), make("up")
+        down = make("down")
+        got = (gate, up, down, ff, 3 * ff * self.n_embd)
+        self._experts[key] = got
+        return got
+
+    def forward(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
+        """down(silu(gate x) * (up x)) for rows (n, n_embd) float32 -> (n, n_embd) float32."""
+        rows = np.asarray(rows, dtype=np.float32)
+        return self.forward_groups(layer, rows, [(expert, np.arange(rows.shape[0]))])[0]
+
+    def _layer(self, layer: int) -> tuple:
+        """(gate, up, down, ff) 3-D ggml tensors over every expert of ``layer`` held here (ne2 = the
+        local expert index, as llama.cpp's ``ffn_*_exps``): what ``ggml_mul_mat_id`` selects from.
+        Made once per layer, no copy; a fused gate_up is split into two strided views at graph time."""
+        got = self._layers.get(layer)
+        if got is not None:
+            return got
+        tensors = self.layout.expert_tensors[layer]
+        m = self._mapped
+
+        def make(kind: str):
+            t = tensors[kind]
+            off, _ = t.slab(0)
+            return m.tensor(int(t.ggml_type), t.shape[2], t.shape[1], off, f"{t.name}[{self.expert_begin}:]",
+                            ne2=t.n_expert)
+
+        if "gate_up" in tensors:
+            t = tensors["gate_up"]
+            ff = t.shape[1] // 2
+            row_bytes = int(self.lib.row_size(int(t.ggml_type), t.shape[2]))
+            fused = make("gate_up")
+            # (tensor, columns, rows, experts, bytes per row, bytes per expert, byte offset of row 0):
+            # viewed in each compute context (a view is a node of the graph that reads it)
+            gate = (fused, t.shape[2], ff, t.n_expert, row_bytes, t.expert_nbytes, 0)
+            up = (fused, t.shape[2], ff, t.n_expert, row_bytes, t.expert_nbytes, ff * row_bytes)
+        else:
+            ff = tensors["gate"].shape[1]
+            gate, up = make("gate"), make("up")
+        got = (gate, up, make("down"), ff)
+        self._layers[layer] = got
+        return got
+
+    def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        """Every (expert, row indices) group of one layer: rows[idx] through that expert, in order.
+
+        One ggml graph, one ``ggml_mul_mat_id`` per projection for all groups (llama.cpp's
+        ``build_moe_ffn``): each (group, row) pair is one column of the batch with its local expert
+        id, so an expert's weights are streamed once per call however many groups share a request.
+
+        Why this is exact for split == monolithic: inside mul_mat_id every output element is one
+        dot product of a weight row with the row's own quantised activations, and the kernel is
+        chosen per expert from that expert's row count (the tiled GEMM from 8 rows, else vec_dot).
+        So a group's result depends only on its expert and its rows, never on the other groups of
+        the request nor the thread count; a worker computing the group alone gets the same bits.
+        That holds only while each expert appears once per call: two groups of one expert (the
+        batch-invariant scheduler sends one per sequence) would add up to another row count and
+        maybe another kernel. So the k-th group of each expert goes in the k-th call.
+        """
+        rows = np.asarray(rows, dtype=np.float32)
+        E = self.n_embd
+        if rows.ndim != 2 or rows.shape[1] != E:
+            raise UserError(f"rows have shape {rows.shape}, expected (n, {E})")
+        if not groups:
+            return []
+        for e, _ in groups:
+            if not self.holds(layer, e):
+                raise UserError(
+                    f"expert {e} of layer {layer} is not held here "
+                    f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
+                )
+        idxs = [np.asarray(idx, dtype=np.int64).reshape(-1) for _, idx in groups]
+        if any(len(i) and (i.min() < 0 or i.max() >= rows.shape[0]) for i in idxs):
+            raise UserError(f"row index out of range 0..{rows.shape[0] - 1}")
+        seen: dict[int, int] = {}
+        rounds: list[list[int]] = []  # group positions per call: each expert at most once in a call
+        for k, (e, _) in enumerate(groups):
+            r = seen.get(e, 0)
+            seen[e] = r + 1
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append(k)
+        result: list[np.ndarray | None] = [None] * len(groups)
+        for ks in rounds:
+            for k, out in zip(ks, self._forward_once(layer, rows, [groups[k][0] for k in ks], [idxs[k] for k in ks])):
+                result[k] = out
+        return result
+
+    def _forward_once(self, layer: int, rows: np.ndarray, experts: list[int], idxs: list[np.ndarray]) -> list[np.ndarray]:
+        """One graph: every (expert, rows) pair through its expert, each expert at most once."""
+        E = self.n_embd
+        sizes = [len(i) for i in idxs]
+        P = sum(sizes)
+        if P == 0:
+            return [np.zeros((0, E), np.float32) for _ in experts]
+        lib = self.lib
+        with self.runner.lock:
+            gate, up, down, ff = self._layer(layer)
+            ctx = self.runner.context(4 * P * (2 * E + 3 * ff + 1) + 8 * 64, 10)
+            graph = lib.new_graph_custom(ctx, self.runner.graph_size(10), False)
+            x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
+            np.take(rows, np.concatenate(idxs), axis=0, out=f32_view(lib, x, (P, E)))
+            ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
+            local = np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
+            _i32_view(lib, ids, P)[...] = local
+            if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
+                g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
+            else:
+                g_w, u_w = gate, up
+            h = lib.swiglu_split(ctx, lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids))
+            out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
+            lib.build_forward_expand(graph, out)
+            self.runner.compute(graph, P * 3 * ff * E)
+            flat = f32_view(lib, out, (P, E))
+            result, at = [], 0
+            for n in sizes:
+                result.append(flat[at:at + n].copy())
+                at += n
+            self.runner.done()
+        return result
+
+    def close(self) -> None:
+        self.runner.close()
+        self._experts.clear()
+        self._layers.clear()
+        self._mapped.close()
