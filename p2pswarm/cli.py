@@ -11,9 +11,9 @@ import argparse
 import importlib
 from importlib import metadata
 import logging
-import os
 import sys
 
+from p2pswarm import settings
 from p2pswarm.errors import UserError
 
 # Order is the order `p2pswarm --help` lists them in.
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = "DEBUG" if args.verbose else os.environ.get("P2PSWARM_LOG_LEVEL", "INFO").upper()
+    level = "DEBUG" if args.verbose else settings.LOG_LEVEL.get()
     level = level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO"
     # Our loggers at the chosen level; libraries' (py-libp2p logs chatty DEBUG lines through the
     # root logger) at INFO at most, so a debug log stays readable.

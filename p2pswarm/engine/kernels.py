@@ -25,23 +25,21 @@ from __future__ import annotations
 import logging
 import os
 
-from p2pswarm.engine.experts import DEFAULT_CACHE_BYTES, ExpertBank
+from p2pswarm import settings
+from p2pswarm.engine.experts import ExpertBank, default_cache_bytes
 from p2pswarm.errors import UserError
 
 log = logging.getLogger("p2pswarm.engine")
 
-KERNELS = ("auto", "numpy", "ggml", "portable")
-ENV_KERNEL = "P2PSWARM_KERNEL"
-ENV_POPULATE = "P2PSWARM_POPULATE"  # "0": the backbone maps the model's pages lazily, on first use
+KERNELS = settings.KERNELS
+ENV_KERNEL = settings.KERNEL.name
+ENV_POPULATE = settings.POPULATE.name  # "0": the backbone maps the model's pages lazily, on first use
 
 _warned_fallback = False
 
 
 def default_kernel() -> str:
-    k = os.environ.get(ENV_KERNEL, "").strip().lower() or "auto"
-    if k not in KERNELS:
-        raise UserError(f"{ENV_KERNEL}={k!r}: unknown kernel (choose {', '.join(KERNELS)})")
-    return k
+    return settings.KERNEL.get()
 
 
 def resolve_kernel(kernel: str | None = None) -> str:
@@ -110,7 +108,7 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
 
         return PortableExpertBank(layout, threads=threads)
     if resolved == "numpy":
-        return ExpertBank(layout, cache_bytes=DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes)
+        return ExpertBank(layout, cache_bytes=default_cache_bytes() if cache_bytes is None else cache_bytes)
     from p2pswarm.engine.ggml_kernel import GgmlExpertBank  # noqa: PLC0415
 
     return GgmlExpertBank(layout, threads=threads)
@@ -163,7 +161,7 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
         return 0
     dense = GgmlDense(model.layout, threads=threads)
     _single_threaded_blas()
-    if os.environ.get(ENV_POPULATE, "1").strip().lower() not in ("0", "off", "no", "false"):
+    if settings.POPULATE.get():
         populate(model.layout.reader.data)
     n = 0
     for t in model.layout.reader.tensors:

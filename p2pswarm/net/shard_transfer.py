@@ -165,7 +165,7 @@ class ShardServerStats:
     refused: int = 0
     chunks: int = 0
     bytes: int = 0
-    corrupted: int = 0  # test hook only
+    corrupted: int = 0  # fault injection (tests) only
     malformed: int = 0  # streams closed over a malformed or oversized frame
 
 
@@ -174,9 +174,9 @@ class ShardServer:
     from an expert shard (a worker: its own slice; needs the source model's header bytes, which
     :func:`fetch_slice` keeps with ``keep_source=True``). Made by :func:`serve_shards`.
 
-    ``delay_s`` and ``corrupt_chunks`` are test hooks (a throttle that widens the window for a
-    kill, and a byte flipped in the Nth chunk served), set only by ``p2pswarm serve-shards`` from
-    ``P2PSWARM_TEST_*`` variables."""
+    ``delay_s`` and ``corrupt_chunks`` are fault injection for the tests (a throttle that widens the
+    window for a kill, and a byte flipped in the Nth chunk served); no command sets them
+    (``tests/helpers/faulty_serve_shards.py`` runs ``serve-shards`` with them)."""
 
     def __init__(self, model_path, manifest: ModelManifest, gate: TokenGate, *, source_header: bytes | None = None,
                  chunk_max: int = CHUNK_MAX, delay_s: float = 0.0, corrupt_chunks: Collection[int] = ()):
@@ -285,7 +285,7 @@ class ShardServer:
                 if self.stats.chunks in self.corrupt_chunks:
                     chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
                     self.stats.corrupted += 1
-                    log.warning("test hook: corrupted chunk %d (%s expert %s)", self.stats.chunks,
+                    log.warning("fault injection: corrupted chunk %d (%s expert %s)", self.stats.chunks,
                                 req.get("tensor"), req.get("expert"))
                 self.stats.bytes += length
                 tally[0] += 1

@@ -21,13 +21,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Proc:
-    """A `p2pswarm ...` process; ``expect_ready`` waits for its ``READY <addr>`` line."""
+    """A `p2pswarm ...` process; ``expect_ready`` waits for its ``READY <addr>`` line.
+
+    ``prefix`` goes before the interpreter (qemu-user); ``entry`` replaces ``-m p2pswarm.cli`` (a
+    test wrapper such as ``helpers/faulty_serve_shards.py``)."""
 
     def __init__(self, args: list[str], log: Path, env: dict, *, prefix: list[str] = (), expect_ready=True,
-                 timeout: float = 90):
+                 timeout: float = 90, entry: list[str] = ("-m", "p2pswarm.cli")):
         self.log = log
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env)
+        with open(log, "w") as err:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen([*prefix, sys.executable, *entry, *args], stdout=subprocess.PIPE,
+                                         stderr=err, stdin=subprocess.DEVNULL, text=True, env=env)
         self.addr = self.health = None
         if not expect_ready:
             return
@@ -58,14 +62,31 @@ class Proc:
         raise AssertionError(f"{needle!r} not in log within {timeout} s: {self.text()[-3000:]}")
 
     def stop(self, sig=signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig)
+
+
+def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, grace_s: float = 30) -> int:
+    """``sig`` (SIGTERM: a clean shutdown), then SIGKILL if it has not exited within ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def wait_until(cond, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
+    """Poll ``cond()`` until it returns something truthy (returned); AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(interval)
 
 
 def get_health(url: str) -> dict:

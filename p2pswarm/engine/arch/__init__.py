@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import gc
-import os
 
+from p2pswarm import settings
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
 
@@ -19,7 +19,7 @@ def load_dense(layout: ModelLayout):
             f"{layout.path}: no engine for architecture {layout.arch!r} yet (supported: {', '.join(archs)})"
         )
     model = cls(layout)
-    if not os.environ.get("P2PSWARM_NO_GC_FREEZE"):
+    if settings.GC_FREEZE.get():
         _freeze_loaded_objects()
     return model
 
