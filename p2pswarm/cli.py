@@ -14,7 +14,7 @@ import logging
 import sys
 
 from p2pswarm import settings
-from p2pswarm.errors import UserError
+from p2pswarm.errors import UserError, first_error
 
 # Order is the order `p2pswarm --help` lists them in.
 COMMANDS = [
@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"p2pswarm {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:  # trio nurseries wrap errors; show the first one plainly
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
+        leaf = first_error(group)
         if isinstance(leaf, UserError):
             print(f"p2pswarm {args.command}: error: {leaf}", file=sys.stderr)
             return 2

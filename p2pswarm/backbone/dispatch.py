@@ -10,13 +10,12 @@ The backbone hands :meth:`Dispatcher.run` the rows ``cur`` of one layer and the 
 4. returns ``{expert: outputs}``; the caller combines them in top-k order, so arrival order never
    matters and the result is bit-identical whoever computed what.
 
-Owners are transports: :class:`LocalOwner` (this process), :class:`InProcessOwner` (a worker object
+Owners (:class:`p2pswarm.contracts.Owner`) are transports: :class:`LocalOwner` (this process), :class:`InProcessOwner` (a worker object
 in this process, exercising the same row packing as a remote one) and
 :class:`p2pswarm.backbone.socket_owner.SocketOwner` (a worker process over a local socket).
 """
 from __future__ import annotations
 
-import abc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,45 +24,16 @@ from functools import partial
 import numpy as np
 import trio
 
-from p2pswarm.engine.experts import ExpertBank
-from p2pswarm.errors import WorkerError, WorkerSlow
+from p2pswarm.contracts import ExpertBank, Groups, Owner
+from p2pswarm.errors import WorkerError, WorkerSlow, first_error
 
 log = logging.getLogger("p2pswarm.backbone")
-
-Groups = list[tuple[int, np.ndarray]]
-
 
 def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
     """The distinct rows an owner needs, once each, and the groups re-indexed into them."""
     wanted = np.unique(np.concatenate([idx for _, idx in groups])) if groups else np.zeros(0, np.int64)
     rows = np.ascontiguousarray(cur[wanted])
     return rows, [(e, np.searchsorted(wanted, idx).astype(np.int32)) for e, idx in groups]
-
-
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first leaf of a (nested) exception group: nurseries wrap errors, callers want the error."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
-
-
-class Owner(abc.ABC):
-    """Something that can compute the experts of some (layer, expert) ranges."""
-
-    name = "owner"
-    remote = True
-
-    @abc.abstractmethod
-    def holds(self, layer: int, expert: int) -> bool:
-        """Whether this owner computes expert ``expert`` of layer ``layer``."""
-
-    @abc.abstractmethod
-    async def compute(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
-        """Outputs per group, in order; raise WorkerError on any failure."""
-
-    async def aclose(self) -> None:
-        pass
 
 
 class LocalOwner(Owner):

@@ -26,6 +26,8 @@ import logging
 import os
 
 from p2pswarm import settings
+from p2pswarm.contracts import DenseModel, DenseWeights
+from p2pswarm.contracts import ExpertBank as ExpertBankProtocol
 from p2pswarm.engine.experts import ExpertBank, default_cache_bytes
 from p2pswarm.errors import UserError
 
@@ -95,7 +97,8 @@ def compatible(a: str | None, b: str | None) -> bool:
     return family(a) == family(b)
 
 
-def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = None, threads: int | None = None):
+def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = None,
+              threads: int | None = None) -> ExpertBankProtocol:
     """An expert bank over ``layout`` computed by ``kernel``.
 
     Options belong to one kernel and are ignored by the other (so a caller can pass both):
@@ -135,7 +138,7 @@ def _single_threaded_blas() -> None:
     threadpool_limits(1, user_api="blas")
 
 
-def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | None = None) -> int:
+def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, threads: int | None = None) -> int:
     """Let ``kernel`` compute the dense path's quantised mat-muls; returns how many tensors it took.
 
     With ``ggml``, every quantised 2-D dense tensor (attention, shared expert, embedding, lm head)
@@ -147,17 +150,16 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     every page of the model file is mapped now, as llama.cpp's loader does
     (:func:`~p2pswarm.engine.ggml_kernel.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
 
-    Works on any architecture whose weights object is a :class:`DenseWeights` (it pre-fills that
-    object's cache, so the architecture code is not touched).
+    Works on any architecture whose weights object is a :class:`p2pswarm.contracts.DenseWeights`
+    (the matrices are handed to its ``provide``, so the architecture code is not touched).
     """
     if resolve_kernel(kernel) in ("numpy", "portable"):
         return 0
     from p2pswarm.engine.ggml_kernel import GgmlDense, populate  # noqa: PLC0415
 
     w = model.w
-    cache = getattr(w, "_cache", None)
-    if not isinstance(cache, dict):
-        log.warning("dense weights of %s have no cache to fill; dense path stays on numpy", type(model).__name__)
+    if not isinstance(w, DenseWeights):
+        log.warning("dense weights of %s cannot take kernel matrices; dense path stays on numpy", type(model).__name__)
         return 0
     dense = GgmlDense(model.layout, threads=threads)
     _single_threaded_blas()
@@ -165,8 +167,7 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
         populate(model.layout.reader.data)
     n = 0
     for t in model.layout.reader.tensors:
-        if dense.eligible(t) and t.name not in cache:
-            cache[t.name] = dense.matrix(t)
+        if dense.eligible(t) and not w.is_loaded(t.name) and w.provide(t.name, dense.matrix(t)):
             n += 1
     w.ggml_dense = dense  # keeps the runner and the mapped tensors alive with the weights
     return n

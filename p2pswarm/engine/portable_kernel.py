@@ -315,7 +315,7 @@ _warned = False
 class PortableExpertBank:
     """Routed experts computed by the portable kernel on the mapped bytes (no copy, no cache).
 
-    Same interface as :class:`p2pswarm.engine.experts.ExpertBank`. ``threads`` splits each matrix's
+    Implements :class:`p2pswarm.contracts.ExpertBank`. ``threads`` splits each matrix's
     output rows between threads (each output is computed whole by one thread, so the bits do not
     depend on it).
     """

@@ -109,7 +109,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2pswarm import settings
-from p2pswarm.errors import UserError, clip
+from p2pswarm.errors import UserError, clip, single_error
 from p2pswarm.net.identity import Identity
 
 log = logging.getLogger("p2pswarm.net")
@@ -537,16 +537,6 @@ class NetHost:
 
     def remove_handler(self, protocol: str) -> None:
         self.host.remove_stream_handler(TProtocol(protocol))
-
-
-def single_error(group: BaseExceptionGroup) -> BaseException:
-    """The one error inside (nested) single-member exception groups, or the group itself when it
-    holds several: nurseries wrap whatever crosses them, callers of a context manager want the
-    error their own code raised."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if not isinstance(exc, BaseExceptionGroup) else group
 
 
 def error_reason(exc: BaseException) -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import gc
 
 from p2pswarm import settings
+from p2pswarm.contracts import DenseModel
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
 
 
-def load_dense(layout: ModelLayout):
+def load_dense(layout: ModelLayout) -> DenseModel:
     from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
     from p2pswarm.engine.arch.qwen35moe import Qwen35MoE
 
