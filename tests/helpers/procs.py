@@ -43,10 +43,21 @@ class Proc:
             self.stop()
             raise AssertionError(f"{args[:3]} did not start: {log.read_text()[-3000:]}")
         parts = line[0].split()
-        self.addr = parts[1]
+        self.ready = parts[1:]  # the words after READY: the address, then key=value extras
+        self.addr = parts[1] if len(parts) > 1 else None
         for p in parts[2:]:
             if p.startswith("health="):
                 self.health = p.split("=", 1)[1]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """kill -9, and reap it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
 
     def text(self) -> str:
         return self.log.read_text()
