@@ -278,7 +278,7 @@ def test_relay_config_file(tmp_path):
 def test_wss_relay_direct_deployment(tiny_f32, tmp_path, env, issuer):
     """The direct deployment: the relay terminates TLS itself on /wss (plus /ws for a CDN, on
     another port); the worker reserves over /wss and the backbone reaches it through /wss."""
-    from test_relay_host import make_cert
+    from helpers.tls import make_cert
 
     cert, key = make_cert(tmp_path)
     env = {**env, "P2PSWARM_WSS_CA": cert}
