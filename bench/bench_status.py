@@ -41,7 +41,7 @@ class FakeDispatcher:
         self.stats = DispatchStats()
         self.down = {o.name for o in owners[::10]}
 
-    def _healthy(self, o) -> bool:
+    def healthy(self, o) -> bool:
         return o.name not in self.down
 
 
@@ -54,7 +54,7 @@ def scan(view: SwarmView) -> list[tuple[int, int]]:
             e0, e1 = b * BLOCK, min((b + 1) * BLOCK, N_EXPERT)
             holders = [o for o in d.owners if o.remote and o.layers[0] <= layer < o.layers[1]
                        and o.experts[0] < e1 and e0 < o.experts[1]]
-            out.append((sum(d._healthy(o) for o in holders), len(holders)))
+            out.append((sum(d.healthy(o) for o in holders), len(holders)))
     return out
 
 

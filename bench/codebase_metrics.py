@@ -3,9 +3,10 @@ cross-package imports.
 
 Why a script: the table in the closing note must be rerunnable on any commit
 (`git stash; python bench/codebase_metrics.py`, or against a checkout of the base commit).
-A "private cross-package import" is `from X import _name` (or `X._name` reached through an
-imported module alias is not counted) where X sits in a different package than the importer:
-that is a name its owner did not promise to keep. Duplicated blocks come from the `duplicates`
+A "private cross-package import" is `from X import _name` where X sits in a different package
+than the importer: a name its owner did not promise to keep. "Private attribute reach-ins" count
+`obj._name` where ``obj`` is not ``self``/``cls``/``super()`` (another object's, or another library's,
+private member, e.g. py-libp2p internals the host's workarounds touch). Duplicated blocks come from the `duplicates`
 command, not from here.
 
 Usage: python bench/codebase_metrics.py [ROOT]   (default: the current directory)
@@ -37,12 +38,17 @@ def measure(root: Path) -> dict:
     files = sorted(p for pkg in PACKAGES for p in (root / pkg).rglob("*.py"))
     sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in files}
     private: list[str] = []
+    reach_ins: list[str] = []
     for path in files:
         mod = _module_name(root, path)
         is_pkg = path.name == "__init__.py"
         own_pkg = mod if is_pkg else _package_of(mod)
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and not (isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super")):
+                reach_ins.append(f"{path.relative_to(root)}:{node.lineno}: .{node.attr}")
             if not isinstance(node, ast.ImportFrom):
                 continue
             if node.level:
@@ -66,6 +72,8 @@ def measure(root: Path) -> dict:
         "over_600": sorted((f"{k} ({v})" for k, v in sizes.items() if v > 600)),
         "private_cross_package_imports": len(private),
         "private_imports": private,
+        "private_attribute_reach_ins": len(reach_ins),
+        "reach_ins": reach_ins,
     }
 
 

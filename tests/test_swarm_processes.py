@@ -19,7 +19,7 @@ import pytest
 from p2pswarm.model.slicer import slice_experts
 
 from conftest import run_cli
-from helpers.procs import Proc
+from helpers.procs import Proc, assert_swarm_logits_exact, start_bootstrap, start_shard_workers
 
 TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"  # 17 tokens: prefill + 16 decode steps
 RANGES = [(0, 6), (6, 11), (11, 16), (0, 6)]  # the last worker is a replica of the first
@@ -31,15 +31,9 @@ def swarm(tiny_f32, tmp_path):
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_LOG_LEVEL="DEBUG")
     nodes: list[Proc] = []
     try:
-        boot = Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
-                    tmp_path / "boot.log", env)
+        boot = start_bootstrap(tmp_path, env)
         nodes.append(boot)
-        for i, (e0, e1) in enumerate(RANGES):
-            shard = tmp_path / f"shard{i}.gguf"
-            slice_experts(tiny_f32, shard, None, (e0, e1))
-            nodes.append(Proc(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
-                               "--identity", str(tmp_path / f"w{i}.key"), "--ttl", "120"],
-                              tmp_path / f"w{i}.log", env))
+        nodes += start_shard_workers(tiny_f32, tmp_path, env, RANGES, boot.addr, extra=["--ttl", "120"])
         yield boot, nodes[1:], env
     finally:
         for n in reversed(nodes):
@@ -57,15 +51,7 @@ def test_logits_through_the_swarm_equal_monolithic(tiny_f32, tmp_path, swarm):
     # block 1: 8-10 by worker 1, 11-15 by worker 2. A block counts its least-covered expert: 1, 1.
     assert [st["replicas"][f"{layer}/{b}"] for layer in st["layers"] for b in (0, 1)] == [1, 1] * len(st["layers"])
     for decode in (False, True):
-        flag = ["--decode"] if decode else []
-        mono, swarm_out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
-        run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", *flag,
-                env=env, check=True)
-        proc = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(swarm_out), "--swarm", boot.addr,
-                       "--kernel", "numpy", "--json", *flag, env=env, check=True)
-        stats = json.loads(proc.stdout)
-        assert stats["fallbacks"] == 0 and stats["requests"] > 0 and stats["remote_groups"] > 0, stats
-        assert np.array_equal(np.load(mono), np.load(swarm_out))
+        assert_swarm_logits_exact(tiny_f32, TOKENS, boot.addr, tmp_path, env, decode=decode)
     # a clean shutdown withdraws the worker's records
     assert workers[1].stop() == 0
     assert "withdrew my records" in workers[1].log.read_text()

@@ -8,7 +8,6 @@ Q4_K expert), the real Qwen3.5 vocabulary via --vocab, and that a failure leaves
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 from p2pswarm.commands import make_model as cmd
 from p2pswarm.errors import UserError
 from p2pswarm.model import synth
+from p2pswarm.model.vocab import sha256_file
 
 from conftest import HAVE_LLAMA, engine_trace, llama_logits, needs_llama
 from helpers.llama_ref import llama_tokenize_eval
@@ -38,11 +38,7 @@ TOKENS = [5, 17, 42, 99, 100, 7, 256, 300, 12, 64, 128, 31, 2, 77, 500, 9]
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256_file(path)
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -80,6 +76,7 @@ def test_same_bytes_in_a_fresh_process(tmp_path: Path) -> None:
     here = synth.make_model(tmp_path / "here.gguf", layers=1, seed=3, qtype="q8_0")
     code = textwrap.dedent(f"""
         from p2pswarm.model import synth
+from p2pswarm.model.vocab import sha256_file
         synth.make_model({str(tmp_path / 'there.gguf')!r}, layers=1, seed=3, qtype="q8_0")
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -346,6 +343,7 @@ def test_geometry_122b_one_layer(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import time
         from p2pswarm.model import synth
+from p2pswarm.model.vocab import sha256_file
         t = time.monotonic()
         synth.make_model({str(out)!r}, preset="geometry-122b", layers=1)
         # VmHWM: this process's peak RSS (ru_maxrss would include the forked pytest's)

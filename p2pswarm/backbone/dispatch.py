@@ -148,7 +148,8 @@ class Dispatcher:
         """Use owner ``name`` again at once (it restarted: a newer signed record says so)."""
         return self._down_until.pop(name, None) is not None
 
-    def _healthy(self, owner: Owner) -> bool:
+    def healthy(self, owner: Owner) -> bool:
+        """Whether ``owner`` is outside its back-off (it is sent work); the status page shows it."""
         return time.monotonic() >= self._down_until.get(owner.name, 0.0)
 
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
@@ -158,7 +159,7 @@ class Dispatcher:
         """Owner -> indices of the groups it computes (an expert may have several groups)."""
         plan: dict[Owner, list[int]] = {}
         for i, (e, _) in enumerate(groups):
-            owner = next((o for o in self.owners if o.holds(layer, e) and self._healthy(o)), self.local)
+            owner = next((o for o in self.owners if o.holds(layer, e) and self.healthy(o)), self.local)
             plan.setdefault(owner, []).append(i)
         if self.hot_experts:
             self._keep_hot_local(plan, groups)

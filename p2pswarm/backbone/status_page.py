@@ -93,7 +93,7 @@ class SwarmView:
             if o.remote:
                 span = _ranges(o)
                 self._cover(known, o, span)
-                if d._healthy(o) and getattr(o, "refused", None) is None:
+                if d.healthy(o) and getattr(o, "refused", None) is None:
                     self._cover(live, o, span)
         demand = getattr(d, "demand", None)
         now = time.monotonic()
@@ -133,7 +133,7 @@ class SwarmView:
                 "kernel": getattr(record, "kernel", None) or getattr(o, "kernel", None) or self.kernel,
                 "layers": list(span[0]) if span else None,
                 "experts": list(span[1]) if span else None,
-                "healthy": d._healthy(o),
+                "healthy": d.healthy(o),
             })
         return out
 

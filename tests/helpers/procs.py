@@ -105,6 +105,50 @@ def get_health(url: str) -> dict:
         return json.loads(r.read())
 
 
+def start_bootstrap(tmp_path, env, name: str = "boot") -> Proc:
+    """A `p2pswarm bootstrap` node on 127.0.0.1 (the DHT entry point of a test swarm)."""
+    return Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / f"{name}.key")],
+                tmp_path / f"{name}.log", env)
+
+
+def start_shard_workers(model, tmp_path, env, ranges, bootstrap: str, extra=()) -> list[Proc]:
+    """One `p2pswarm node --role worker` per expert range (all layers), each with its own shard
+    cut from ``model`` and its own key, found through ``bootstrap``. Stops the started ones if a
+    later one fails."""
+    from p2pswarm.model.slicer import slice_experts  # noqa: PLC0415
+
+    workers: list[Proc] = []
+    try:
+        for i, (e0, e1) in enumerate(ranges):
+            shard = tmp_path / f"shard{i}.gguf"
+            slice_experts(model, shard, None, (e0, e1))
+            workers.append(Proc(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", bootstrap,
+                                 "--identity", str(tmp_path / f"w{i}.key"), *extra], tmp_path / f"w{i}.log", env))
+    except BaseException:
+        for w in reversed(workers):
+            w.stop()
+        raise
+    return workers
+
+
+def assert_swarm_logits_exact(model, tokens: str, swarm: str, tmp_path, env, *, decode: bool) -> dict:
+    """`logits --swarm` equals the monolithic run bit for bit, and the workers computed it (no
+    fallback, remote requests made). Returns the swarm run's --json stats."""
+    import numpy as np  # noqa: PLC0415
+
+    flag = ["--decode"] if decode else []
+    mono, out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
+    for path, where in ((mono, []), (out, ["--swarm", swarm])):
+        proc = subprocess.run([sys.executable, "-m", "p2pswarm.cli", "logits", str(model), "--tokens", tokens,
+                               "--out", str(path), "--kernel", "numpy", "--json", *where, *flag],
+                              capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout)
+    assert stats["fallbacks"] == 0 and stats["requests"] > 0 and stats["remote_groups"] > 0, stats
+    assert np.array_equal(np.load(mono), np.load(out))
+    return stats
+
+
 def start_relay(tmp_path, env, *, issuer=None, port=None, name="relay", host="127.0.0.1", extra=()) -> Proc:
     port = port or free_port(host)
     args = ["relay", "--listen", f"/ip4/{host}/tcp/{port}/ws", "--identity", str(tmp_path / f"{name}.key"),
