@@ -14,25 +14,12 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 from common import REPO, header, publish
 from gguf import GGUFReader
 
-from p2pswarm.model.gguf_read import FastGGUFReader, read_gguf_header
+from p2pswarm.model.gguf_read import FastGGUFReader, MemmapViewReader, read_gguf_header
 
 VOCAB = REPO / "p2pswarm" / "data" / "ggml-vocab-qwen35.gguf"
-
-
-class MemmapViewReader(GGUFReader):
-    """What main's layout._FastGGUFReader did: only the plain-ndarray view of the memmap."""
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain_data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
 
 def main() -> None:

@@ -23,22 +23,19 @@ from gguf.gguf_reader import ReaderTensor
 from p2pswarm.errors import ModelFormatError, UserError, clip
 
 __all__ = [
-    "KV", "FastGGUFReader", "HeaderOnlyReader", "TensorInfo", "array_field", "field_value", "get_str",
+    "KV", "FastGGUFReader", "HeaderOnlyReader", "MemmapViewReader", "TensorInfo", "array_field", "field_value", "get_str",
     "open_gguf", "read_gguf_header", "read_gguf_kv", "scalar",
 ]
 
 _U64 = np.dtype("<u8")
 
 
-class FastGGUFReader(GGUFReader):
-    """A :class:`gguf.GGUFReader` that opens a large vocabulary in a fraction of the time.
+class MemmapViewReader(GGUFReader):
+    """A :class:`gguf.GGUFReader` holding its mapping as a plain ndarray view of the memmap.
 
-    Two costs of the stock reader, both paid per metadata item (a 150k-token vocabulary has
-    ~450k): every slice of an ``np.memmap`` runs ``memmap.__array_finalize__`` (so the mapping is
-    held as a plain ndarray view of the same memory: still mapped, still read-only), and every
-    array element goes through the generic recursive field parser. Arrays of strings and of
-    numbers are parsed here in one pass, producing the same ``parts`` (same dtypes, same bytes)
-    and ``data`` indices as the stock parser.
+    Why: every slice of an ``np.memmap`` runs ``memmap.__array_finalize__``, and the reader slices
+    once per metadata item (a 150k-token vocabulary has ~450k). The view is the same memory: still
+    mapped, still read-only.
     """
 
     @property
@@ -48,6 +45,15 @@ class FastGGUFReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
+class FastGGUFReader(MemmapViewReader):
+    """A :class:`gguf.GGUFReader` that opens a large vocabulary in a fraction of the time.
+
+    Beyond the plain view (:class:`MemmapViewReader`), arrays of strings and of numbers are parsed
+    in one pass instead of one generic recursive call per element, producing the same ``parts``
+    (same dtypes, same bytes) and ``data`` indices as the stock parser.
+    """
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
