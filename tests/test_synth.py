@@ -76,7 +76,6 @@ def test_same_bytes_in_a_fresh_process(tmp_path: Path) -> None:
     here = synth.make_model(tmp_path / "here.gguf", layers=1, seed=3, qtype="q8_0")
     code = textwrap.dedent(f"""
         from p2pswarm.model import synth
-from p2pswarm.model.vocab import sha256_file
         synth.make_model({str(tmp_path / 'there.gguf')!r}, layers=1, seed=3, qtype="q8_0")
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -343,7 +342,6 @@ def test_geometry_122b_one_layer(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import time
         from p2pswarm.model import synth
-from p2pswarm.model.vocab import sha256_file
         t = time.monotonic()
         synth.make_model({str(out)!r}, preset="geometry-122b", layers=1)
         # VmHWM: this process's peak RSS (ru_maxrss would include the forked pytest's)
