@@ -14,57 +14,16 @@ address, so every expert request the backbone sends crosses the emulated link bo
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from p2pswarm.model.slicer import slice_experts
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.procs import Proc, free_port  # noqa: E402  (the one process helper; also the tests')
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A child process that prints ``READY ...`` on stdout once up; stderr goes to ``log``."""
-
-    def __init__(self, args: list[str], log: Path, env: dict, timeout_s: float = 90.0):
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=open(log, "w"),
-                                     stdin=subprocess.DEVNULL, text=True, env=env)
-        line: list[str] = []
-        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(timeout_s)
-        if not line or not line[0].startswith("READY "):
-            self.stop()
-            raise RuntimeError(f"{' '.join(args[:4])} did not start: {log.read_text()[-2000:]}")
-        self.ready = line[0].split()[1:]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+__all__ = ["Proc", "WanSwarm", "cpu_seconds", "free_port"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -91,7 +50,7 @@ class WanSwarm:
         self.proxies: list[Proc] = []
 
     def _node(self, name: str, args: list[str]) -> Proc:
-        p = Proc(["-m", "p2pswarm.cli", *args], self.dir / f"{name}.log", self.env)
+        p = Proc(args, self.dir / f"{name}.log", self.env)
         self.procs.append(p)
         return p
 
@@ -105,8 +64,8 @@ class WanSwarm:
                 if not shard.exists():
                     slice_experts(self.model, shard, None, (e0, e1))
                 port = free_port()
-                proxy = Proc(["-m", "p2pswarm.net.wanproxy", "--target", f"127.0.0.1:{port}",
-                              "--rtt-ms", str(self.rtt_ms)], self.dir / f"proxy{i}.log", self.env)
+                proxy = Proc(["--target", f"127.0.0.1:{port}", "--rtt-ms", str(self.rtt_ms)],
+                             self.dir / f"proxy{i}.log", self.env, entry=["-m", "p2pswarm.net.wanproxy"])
                 self.procs.append(proxy)
                 self.proxies.append(proxy)
                 pport = proxy.ready[0].rsplit(":", 1)[1]

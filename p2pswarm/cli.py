@@ -11,10 +11,10 @@ import argparse
 import importlib
 from importlib import metadata
 import logging
-import os
 import sys
 
-from p2pswarm.errors import UserError
+from p2pswarm import settings
+from p2pswarm.errors import UserError, first_error
 
 # Order is the order `p2pswarm --help` lists them in.
 COMMANDS = [
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = "DEBUG" if args.verbose else os.environ.get("P2PSWARM_LOG_LEVEL", "INFO").upper()
+    level = "DEBUG" if args.verbose else settings.LOG_LEVEL.get()
     level = level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO"
     # Our loggers at the chosen level; libraries' (py-libp2p logs chatty DEBUG lines through the
     # root logger) at INFO at most, so a debug log stays readable.
@@ -104,9 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"p2pswarm {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as group:  # trio nurseries wrap errors; show the first one plainly
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
+        leaf = first_error(group)
         if isinstance(leaf, UserError):
             print(f"p2pswarm {args.command}: error: {leaf}", file=sys.stderr)
             return 2

@@ -34,3 +34,27 @@ def clip(text: object, limit: int = 300) -> str:
         return one
     cut = one.rfind(" ", 0, limit + 1)
     return (one[:cut] if cut > limit // 2 else one[:limit]) + " [...]"
+
+
+# ---- trio's exception groups -------------------------------------------------------------------
+# Nurseries wrap whatever crosses them in (nested) exception groups; callers want the error their
+# own code raised. One unwrapper, three views of it.
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """Every non-group exception inside ``exc`` (``[exc]`` when it is not a group), depth first."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in leaves(e)]
+    return [exc]
+
+
+def first_error(group: BaseException) -> BaseException:
+    """The first leaf of a (nested) exception group."""
+    return leaves(group)[0]
+
+
+def single_error(group: BaseException) -> BaseException:
+    """The one error inside (nested) single-member exception groups, or the group itself when it
+    holds several."""
+    found = leaves(group)
+    return found[0] if len(found) == 1 else group

@@ -15,25 +15,21 @@ several), and is usable as ``progress(done, total, what)`` by :func:`p2pswarm.mo
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 
 from tqdm import tqdm
 
+from p2pswarm import settings
+
 #: Off a terminal: a line each time the work crosses another 1/LINE_STEPS of the total.
 LINE_STEPS = 10
 
 
 def _after_s(default: float) -> float:
-    text = os.environ.get("P2PSWARM_PROGRESS_AFTER")
-    if text is None:
-        return default
-    try:
-        return max(0.0, float(text))
-    except ValueError:
-        return default
+    after = settings.PROGRESS_AFTER.get()
+    return default if after is None else after
 
 
 class ProgressBar:

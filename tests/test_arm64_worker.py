@@ -192,9 +192,9 @@ def test_aarch64_worker_serves_x86_backbone_bit_exact_and_ggml_worker_is_refused
     slice_experts(model, shard, None, (0, 16))
     shard_in = _share(arm64, shard)
     env = dict(os.environ, P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_THREADS="1")
-    from test_swarm_processes import Node
+    from helpers.procs import Proc
 
-    boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+    boot = Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
                 tmp_path / "boot.log", env)
     nodes = [boot]
     try:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_one_line_error, run_cli
+from helpers.procs import Proc, free_port
+from helpers.tls import make_cert
 
 from p2pswarm.cli import build_parser
 from relay.config import RelaySettings, load_settings
@@ -521,12 +523,6 @@ def test_deploy_guide_commands_parse():
 
 
 # -- the real process ---------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_relay_starts_from_the_example_config_serves_health_and_stops(tmp_path):
     import httpx
@@ -590,59 +586,6 @@ def test_relay_starts_from_the_example_config_serves_health_and_stops(tmp_path):
     assert "Traceback" not in text, text[-3000:]
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    crt, pem = tmp_path / "tls.crt", tmp_path / "tls.key"
-    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    pem.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                      serialization.NoEncryption()))
-    return crt, pem
-
-
-def _start(args: list[str], log: Path, env: dict) -> tuple[subprocess.Popen, str]:
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
-                                stderr=log_file, stdin=subprocess.DEVNULL, text=True, env=env)
-    line: list[str] = []
-    t = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
-    t.start()
-    t.join(90)
-    if not line or not line[0].startswith("READY "):
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{args[:3]} printed no READY line: {log.read_text()[-3000:]}")
-    return proc, line[0]
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return -9
-
-
 @pytest.mark.slow
 def test_direct_443_command_serves_wss_to_a_relayed_worker(tmp_path, tiny_f32):
     """The drop-in's relay command line (its credentials a self-signed certificate, port 443 a free
@@ -652,7 +595,7 @@ def test_direct_443_command_serves_wss_to_a_relayed_worker(tmp_path, tiny_f32):
     from p2pswarm.net.identity import load_or_create_identity
     from p2pswarm.net.tokens import issue_token
 
-    crt, pem = _self_signed(tmp_path)
+    crt, pem = map(Path, make_cert(tmp_path, dns=("localhost",), files=("tls.crt", "tls.key"), cn="localhost"))
     port, hport = free_port(), free_port()
     issuer = load_or_create_identity(tmp_path / "issuer.key")
     entries = effective(SYSTEMD / "p2pswarm-relay.service")
@@ -668,24 +611,23 @@ def test_direct_443_command_serves_wss_to_a_relayed_worker(tmp_path, tiny_f32):
              "--trust-issuer", issuer.peer_id_str]
     env = dict(os.environ, P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_KERNEL="numpy", PYTHONUNBUFFERED="1",
                P2PSWARM_WSS_CA=str(crt))
-    relay, ready = _start(argv, tmp_path / "relay.log", env)
+    relay = Proc(argv, tmp_path / "relay.log", env)
     worker = None
     try:
-        relay_addr = ready.split()[1]
-        assert relay_addr.startswith(f"/dns4/localhost/tcp/{port}/wss/p2p/"), ready
+        relay_addr = relay.addr
+        assert relay_addr.startswith(f"/dns4/localhost/tcp/{port}/wss/p2p/"), relay.ready
         shard = tmp_path / "shard.gguf"
         slice_experts(str(tiny_f32), str(shard), layers=(0, 2), experts=(0, 4))
         worker_id = load_or_create_identity(tmp_path / "worker.key")
         token = issue_token(issuer, worker_id.peer_id_str, ["relay"], 600).encode()
-        worker, wready = _start(["node", "--role", "worker", "--shard", str(shard), "--relay", relay_addr,
-                                 "--token", token, "--identity", str(tmp_path / "worker.key")],
-                                tmp_path / "worker.log", env)
-        assert wready.split()[1] == f"{relay_addr}/p2p-circuit/p2p/{worker_id.peer_id_str}", wready
+        worker = Proc(["node", "--role", "worker", "--shard", str(shard), "--relay", relay_addr,
+                       "--token", token, "--identity", str(tmp_path / "worker.key")], tmp_path / "worker.log", env)
+        assert worker.addr == f"{relay_addr}/p2p-circuit/p2p/{worker_id.peer_id_str}", worker.ready
         import httpx
 
         h = httpx.get(f"http://127.0.0.1:{hport}/health", timeout=10).json()
         assert h["reservations"] == 1 and h["tokens_accepted"] == 1, h
     finally:
         if worker is not None:
-            assert _stop(worker) == 0, (tmp_path / "worker.log").read_text()[-3000:]
-        assert _stop(relay) == 0, (tmp_path / "relay.log").read_text()[-3000:]
+            assert worker.stop() == 0, worker.text()[-3000:]
+        assert relay.stop() == 0, relay.text()[-3000:]

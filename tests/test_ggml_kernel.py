@@ -388,7 +388,7 @@ async def test_qwen35moe_with_ggml_matches_llama_cpp_and_splits_exactly(models_d
     tokens = list(range(3, 27))
     ref = llama_logits(path, tokens)
     async with open_backbone(path, workers=0, kernel="ggml") as mono:
-        taken = sum(isinstance(v, gk.QuantisedMatrix) for v in mono.backbone.model.w._cache.values())
+        taken = sum(isinstance(v, gk.QuantisedMatrix) for v in mono.backbone.model.w.loaded().values())
         ours = await mono.backbone.logits(tokens)
     async with open_backbone(path, workers=2, transport="inproc", kernel="ggml") as split:
         assert np.array_equal(await split.backbone.logits(tokens), ours)

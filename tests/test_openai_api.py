@@ -16,8 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pswarm.model.slicer import slice_experts
-from test_swarm_processes import Node
+from helpers.procs import Proc, start_bootstrap, start_shard_workers
 
 pytestmark = pytest.mark.slow
 
@@ -30,22 +29,16 @@ CHAT = [{"role": "system", "content": "You are a swarm."}, {"role": "user", "con
 def backbone(tiny_f32, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai")
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp / "home"), P2PSWARM_CACHE=str(tmp / "cache"))
-    nodes: list[Node] = []
+    nodes: list[Proc] = []
     try:
-        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp / "boot.key")],
-                    tmp / "boot.log", env)
+        boot = start_bootstrap(tmp, env)
         nodes.append(boot)
-        for i, (e0, e1) in enumerate(RANGES):
-            shard = tmp / f"shard{i}.gguf"
-            slice_experts(tiny_f32, shard, None, (e0, e1))
-            nodes.append(Node(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
-                               "--identity", str(tmp / f"w{i}.key"), "--block-size", str(BLOCK)],
-                              tmp / f"w{i}.log", env))
-        bb = Node(["node", "--role", "backbone", "--model", str(tiny_f32), "--bootstrap", boot.addr,
+        nodes += start_shard_workers(tiny_f32, tmp, env, RANGES, boot.addr, extra=["--block-size", str(BLOCK)])
+        bb = Proc(["node", "--role", "backbone", "--model", str(tiny_f32), "--bootstrap", boot.addr,
                    "--identity", str(tmp / "bb.key"), "--http", "127.0.0.1:0", "--block-size", str(BLOCK),
                    "--timeout", "5", "--served-model-name", "tiny"], tmp / "bb.log", env)
         nodes.append(bb)
-        base = bb.ready.split("http=")[1].replace("0.0.0.0", "127.0.0.1")
+        base = next(w for w in bb.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
         with httpx.Client(base_url=base, timeout=30) as c:  # the resolver's first pass found all three
             deadline = time.time() + 60
             while len(c.get("/v1/swarm").json()["workers"]) < len(RANGES):

@@ -31,7 +31,9 @@ from p2pswarm.net.identity import Identity, load_or_create_identity
 from p2pswarm.net.tokens import NodeToken, issue_token
 from relay.client import RelayKeeper
 
-from helpers.procs import Proc, free_port, get_health, start_relay, worker_args, worker_identity
+from helpers.procs import (
+    Proc, assert_swarm_logits_exact, free_port, get_health, start_relay, worker_args, worker_identity,
+)
 
 TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"
 FRAME_SIZES = [0, 1, 65535, 65536, 65537, 16 << 20, 64 << 20]
@@ -97,15 +99,7 @@ def test_logits_through_a_relayed_worker_equal_monolithic(tiny_f32, tmp_path, en
         h = get_health(relay.health)
         assert h["reservations"] == 1 and h["tokens_accepted"] == 1 and h["refusals"] == {}
         for decode in (False, True):
-            flag = ["--decode"] if decode else []
-            mono, swarm = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
-            run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", *flag,
-                    env=env, check=True)
-            proc = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(swarm), "--swarm", relay.addr,
-                           "--kernel", "numpy", *flag, env=env, check=True)
-            assert "swarm" in proc.stdout and " 0 fallbacks" in proc.stdout, proc.stdout
-            assert int(proc.stdout.split(" expert requests")[0].split()[-1]) > 0
-            assert np.array_equal(np.load(mono), np.load(swarm))
+            assert_swarm_logits_exact(tiny_f32, TOKENS, relay.addr, tmp_path, env, decode=decode)
         h = get_health(relay.health)
         assert h["circuits_opened"] >= 2 and h["bytes_relayed"] > 0
         assert worker.stop() == 0
@@ -278,7 +272,7 @@ def test_relay_config_file(tmp_path):
 def test_wss_relay_direct_deployment(tiny_f32, tmp_path, env, issuer):
     """The direct deployment: the relay terminates TLS itself on /wss (plus /ws for a CDN, on
     another port); the worker reserves over /wss and the backbone reaches it through /wss."""
-    from test_relay_host import make_cert
+    from helpers.tls import make_cert
 
     cert, key = make_cert(tmp_path)
     env = {**env, "P2PSWARM_WSS_CA": cert}

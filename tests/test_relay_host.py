@@ -4,17 +4,11 @@ code around (each ``test_workaround_*`` fails when its workaround is removed; th
 process. The multi-process relay tests are in test_relay.py and test_nat.py."""
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 
 import multiaddr
 import pytest
 import trio
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from libp2p.network.exceptions import SwarmException
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
@@ -24,6 +18,8 @@ from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
+from helpers.procs import free_port
+from helpers.tls import make_cert
 from p2pswarm.errors import UserError
 from p2pswarm.net.framing import FrameReader, send_frame
 from p2pswarm.net.host import circuit_addr, is_circuit_addr, open_host
@@ -37,32 +33,6 @@ from relay.service import GatedHop, token_handler
 
 LOOP = "/ip4/127.0.0.1/tcp/0"
 ECHO = "/test/echo/1.0.0"
-
-
-def make_cert(tmp_path):
-    """A self-signed certificate for 127.0.0.1 (IP SAN), trusted through P2PSWARM_WSS_CA."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "p2pswarm-test-relay")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return str(cert_path), str(key_path)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def echo(stream) -> None:

@@ -2,23 +2,24 @@
 
 In-process tests run a server host and a client host in one trio loop over real TCP sockets; the
 ``slow`` ones run `p2pswarm serve-shards` and `p2pswarm fetch` as OS processes, kill a download
-with SIGKILL, corrupt chunks on the server (a test hook of serve-shards), and check each token
+with SIGKILL, corrupt chunks on the server (helpers/faulty_serve_shards.py), and check each token
 refusal at the server."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import trio
 from conftest import assert_one_line_error, run_cli
+from helpers.procs import Proc, wait_until
 
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import (
@@ -173,35 +174,11 @@ async def test_fetch_in_process_equals_slicer(tiny_q8, manifest_q8, issuer, tmp_
 
 
 # ---- processes -----------------------------------------------------------------------------------
-class Proc:
-    """A `p2pswarm` process that prints READY <addr> once up."""
+FAULTY = str(Path(__file__).parent / "helpers" / "faulty_serve_shards.py")
 
-    def __init__(self, args: list[str], log: Path, env: dict):
-        self.log = log
-        with open(log, "w") as err:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
-                                         stderr=err, stdin=subprocess.DEVNULL, text=True, env=env)
-        line: list[str] = []
-        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(90)
-        if not line or not line[0].startswith("READY "):
-            self.stop()
-            raise AssertionError(f"{args[:3]} did not start: {log.read_text()[-2000:]}")
-        self.addr = line[0].split()[1]
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def served(self) -> list[int]:
-        return [int(n) for n in re.findall(r"shard server: served (\d+) chunks", self.log.read_text())]
+def _served(server: Proc) -> list[int]:
+    return [int(n) for n in re.findall(r"shard server: served (\d+) chunks", server.text())]
 
 
 @pytest.fixture
@@ -219,11 +196,12 @@ def setup(tiny_f32, tmp_path):
             "path": tiny_f32, "m": m}
 
 
-def _server(setup, tmp_path, name="server", extra_env=None, extra_args=()):
-    env = dict(setup["env"], **(extra_env or {}))
+def _server(setup, tmp_path, name="server", faults=(), extra_args=()):
+    """``faults``: options of helpers/faulty_serve_shards.py (``--delay-s``, ``--corrupt-chunks``)."""
     return Proc(["serve-shards", "--model", str(setup["path"]), "--manifest", str(setup["manifest"]),
                  "--trust-issuer", setup["issuer"].peer_id_str, "--identity", str(tmp_path / f"{name}.key"),
-                 *extra_args], tmp_path / f"{name}.log", env)
+                 *extra_args], tmp_path / f"{name}.log", setup["env"],
+                entry=[FAULTY, *faults] if faults else ("-m", "p2pswarm.cli"))
 
 
 def _fetch_args(setup, out, *, source=None, bootstrap=None, layers="0-3", experts="0-15"):
@@ -238,7 +216,7 @@ def test_fetch_killed_resumes_without_refetching(setup, tmp_path):
     setup["tmp"] = tmp_path
     ref = tmp_path / "ref.gguf"
     slice_experts(setup["path"], ref, (0, 4), (0, 16))
-    server = _server(setup, tmp_path, extra_env={"P2PSWARM_TEST_SHARD_DELAY_S": "0.05"})
+    server = _server(setup, tmp_path, faults=["--delay-s", "0.05"])
     out = tmp_path / "shard.gguf"
     journal = tmp_path / "shard.gguf.part.journal"
     try:
@@ -256,16 +234,16 @@ def test_fetch_killed_resumes_without_refetching(setup, tmp_path):
         done_before = {tuple(ln.split()) for ln in journal.read_text().splitlines()[1:]}
         total = 4 * 3 * 16
         assert 40 <= len(done_before) < total
-        time.sleep(0.5)  # the server logs the killed client's streams as they reset
-        served_first = sum(server.served())
-        proc = run_cli(*_fetch_args(setup, out, source=server.addr), env=setup["env"], check=True)
-        m = re.search(r"(\d+) slabs, (\d+) fetched .* (\d+) reused", proc.stdout)
-        assert m, proc.stdout
-        n_total, fetched, reused = map(int, m.groups())
-        assert n_total == total and reused == len(done_before) and fetched == total - reused
+        # the server logs each of the killed client's 4 streams (fetch --streams 4) as it resets
+        wait_until(lambda: len(_served(server)) >= 4, timeout=20, what="the killed client's 4 streams logged")
+        served_first = sum(_served(server))
+        proc = run_cli(*_fetch_args(setup, out, source=server.addr), "--json", env=setup["env"], check=True)
+        stats = json.loads(proc.stdout)
+        fetched, reused = stats["slabs_fetched"], stats["slabs_reused"]
+        assert stats["slabs_total"] == total and reused == len(done_before) and fetched == total - reused
         assert "resuming" in proc.stderr
-        time.sleep(0.5)
-        served_second = sum(server.served()) - served_first
+        wait_until(lambda: sum(_served(server)) - served_first >= fetched, timeout=20, what="second run logged")
+        served_second = sum(_served(server)) - served_first
         assert served_second == fetched  # the server saw no request for a journaled slab
         assert out.read_bytes() == ref.read_bytes()
         assert not journal.exists() and not (tmp_path / "shard.gguf.part").exists()
@@ -278,17 +256,17 @@ def test_corrupted_chunks_are_detected_and_fetched_again(setup, tmp_path):
     setup["tmp"] = tmp_path
     ref = tmp_path / "ref.gguf"
     slice_experts(setup["path"], ref, (1, 3), (4, 12))
-    server = _server(setup, tmp_path, extra_env={"P2PSWARM_TEST_CORRUPT_CHUNKS": "3,10,11"})
+    server = _server(setup, tmp_path, faults=["--corrupt-chunks", "3,10,11"])
     out = tmp_path / "shard.gguf"
     try:
-        proc = run_cli(*_fetch_args(setup, out, source=server.addr, layers="1-2", experts="4-11"),
+        proc = run_cli(*_fetch_args(setup, out, source=server.addr, layers="1-2", experts="4-11"), "--json",
                        env=setup["env"], check=True)
-        assert "3 bad chunks fetched again" in proc.stdout, proc.stdout
+        assert json.loads(proc.stdout)["bad_chunks"] == 3, proc.stdout
         assert proc.stderr.count("does not match the manifest's sha256") == 3
         assert out.read_bytes() == ref.read_bytes()
     finally:
         server.stop()
-    assert server.log.read_text().count("test hook: corrupted chunk") == 3
+    assert server.log.read_text().count("fault injection: corrupted chunk") == 3
 
 
 @pytest.mark.slow
@@ -329,7 +307,7 @@ def test_token_refusals_at_the_shard_server(setup, tmp_path):
     for reason, msg in errors.items():
         assert reason in msg, msg
         assert f"shard server refused {worker.peer_id_str}: " in log and reason in log
-    assert server.served() == []
+    assert _served(server) == []
     assert "served 0 chunks (0.0 MB) on 5 streams; refused 5" in log, log[-600:]
     for key in ("bad signature: 1", "expired: 1", "wrong holder: 1", "wrong scope: 1", "no token: 1"):
         assert key in log

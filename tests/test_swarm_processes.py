@@ -19,53 +19,21 @@ import pytest
 from p2pswarm.model.slicer import slice_experts
 
 from conftest import run_cli
+from helpers.procs import Proc, assert_swarm_logits_exact, start_bootstrap, start_shard_workers
 
 TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"  # 17 tokens: prefill + 16 decode steps
 RANGES = [(0, 6), (6, 11), (11, 16), (0, 6)]  # the last worker is a replica of the first
-
-
-class Node:
-    def __init__(self, args: list[str], log: Path, env: dict, module: bool = True):
-        self.log = log
-        cmd = [sys.executable, "-m", "p2pswarm.cli", *args] if module else [sys.executable, *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                     stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env)
-        line: list[str] = []
-        t = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
-        t.start()
-        t.join(90)
-        if not line or not line[0].startswith("READY "):
-            self.stop()
-            raise AssertionError(f"{args[:3]} did not start: {log.read_text()[-2000:]}")
-        self.ready = line[0].strip()
-        self.addr = self.ready.split()[1]
-
-    def stop(self, sig=signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 @pytest.fixture
 def swarm(tiny_f32, tmp_path):
     # DEBUG: workers log each request they compute (the tests check who served when)
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_LOG_LEVEL="DEBUG")
-    nodes: list[Node] = []
+    nodes: list[Proc] = []
     try:
-        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
-                    tmp_path / "boot.log", env)
+        boot = start_bootstrap(tmp_path, env)
         nodes.append(boot)
-        for i, (e0, e1) in enumerate(RANGES):
-            shard = tmp_path / f"shard{i}.gguf"
-            slice_experts(tiny_f32, shard, None, (e0, e1))
-            nodes.append(Node(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
-                               "--identity", str(tmp_path / f"w{i}.key"), "--ttl", "120"],
-                              tmp_path / f"w{i}.log", env))
+        nodes += start_shard_workers(tiny_f32, tmp_path, env, RANGES, boot.addr, extra=["--ttl", "120"])
         yield boot, nodes[1:], env
     finally:
         for n in reversed(nodes):
@@ -83,16 +51,7 @@ def test_logits_through_the_swarm_equal_monolithic(tiny_f32, tmp_path, swarm):
     # block 1: 8-10 by worker 1, 11-15 by worker 2. A block counts its least-covered expert: 1, 1.
     assert [st["replicas"][f"{layer}/{b}"] for layer in st["layers"] for b in (0, 1)] == [1, 1] * len(st["layers"])
     for decode in (False, True):
-        flag = ["--decode"] if decode else []
-        mono, swarm_out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
-        run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", *flag,
-                env=env, check=True)
-        proc = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(swarm_out), "--swarm", boot.addr,
-                       "--kernel", "numpy", *flag, env=env, check=True)
-        assert "swarm" in proc.stdout and " 0 fallbacks" in proc.stdout, proc.stdout
-        requests = int(proc.stdout.split(" expert requests")[0].split()[-1])
-        assert requests > 0
-        assert np.array_equal(np.load(mono), np.load(swarm_out))
+        assert_swarm_logits_exact(tiny_f32, TOKENS, boot.addr, tmp_path, env, decode=decode)
     # a clean shutdown withdraws the worker's records
     assert workers[1].stop() == 0
     assert "withdrew my records" in workers[1].log.read_text()
@@ -104,11 +63,18 @@ def test_killed_worker_is_covered_by_replica_and_fallback(tiny_f32, tmp_path, sw
     workers[0].stop(signal.SIGKILL)  # no withdrawal: its records linger until they expire
     out, mono = tmp_path / "swarm.npy", tmp_path / "mono.npy"
     proc = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(out), "--swarm", boot.addr,
-                   "--kernel", "numpy", "--decode", "--timeout", "5", env=env, check=True)
+                   "--kernel", "numpy", "--decode", "--timeout", "5", "--json", env=env, check=True)
     run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono), "--kernel", "numpy", "--decode",
             env=env, check=True)
     assert np.array_equal(np.load(mono), np.load(out))
     assert "Traceback" not in proc.stderr
+    # The workers computed, not the fallback: the one request sent to the dead worker (its record
+    # lingers) falls back, then it is avoided for its 30 s back-off and its experts 0-5 go to its
+    # replica (workers[3]). Every expert falling back would be >= 1 fallback per layer and step.
+    stats = json.loads(proc.stdout)
+    assert stats["fallbacks"] <= 1 and stats["requests"] >= stats["layers"], stats  # a request per layer step
+    assert stats["remote_groups"] > stats["local_groups"], stats
+    assert "computed layer" in workers[3].text(), workers[3].text()[-1500:]
 
 
 def _long_tokens(n: int) -> str:
@@ -155,7 +121,7 @@ def test_worker_killed_mid_generation_then_restarted_is_found_again(tiny_f32, tm
         # the run cannot end before the restarted worker has published its record.
         backbone.send_signal(signal.SIGSTOP)
         try:
-            restarted = Node(["node", "--role", "worker", "--shard", str(tmp_path / "shard0.gguf"),
+            restarted = Proc(["node", "--role", "worker", "--shard", str(tmp_path / "shard0.gguf"),
                               "--bootstrap", boot.addr, "--identity", str(tmp_path / "w0.key"), "--ttl", "120"],
                              tmp_path / "w0-restarted.log", env)
         finally:
@@ -208,17 +174,17 @@ def test_worker_of_another_model_is_refused_at_the_handshake(tiny_f32, tmp_path)
     shard = tmp_path / "other-shard.gguf"
     slice_experts(other, shard, None, (0, 16))
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
-    nodes: list[Node] = []
+    nodes: list[Proc] = []
     try:
-        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+        boot = Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
                     tmp_path / "boot.log", env)
         nodes.append(boot)
-        honest = Node(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
+        honest = Proc(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
                        "--identity", str(tmp_path / "honest.key")], tmp_path / "honest.log", env)
         nodes.append(honest)
-        liar = Node([str(Path(__file__).parent / "helpers" / "lying_worker.py"), "--shard", str(shard),
+        liar = Proc([str(Path(__file__).parent / "helpers" / "lying_worker.py"), "--shard", str(shard),
                      "--claim-model", ours_fp, "--bootstrap", boot.addr, "--identity", str(tmp_path / "liar.key")],
-                    tmp_path / "liar.log", env, module=False)
+                    tmp_path / "liar.log", env, entry=())
         nodes.append(liar)
         out, mono = tmp_path / "swarm.npy", tmp_path / "mono.npy"
         proc = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(out), "--swarm", boot.addr,
@@ -302,9 +268,9 @@ async def test_malformed_frames_and_forged_records_against_node_processes(tiny_f
             out, mono = tmp_path / "swarm.npy", tmp_path / "mono.npy"
             proc = await trio.to_thread.run_sync(lambda: run_cli(
                 "logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(out), "--swarm", boot.addr,
-                "--kernel", "numpy", env=env, check=True))
+                "--kernel", "numpy", "--json", env=env, check=True))
             assert "ignored a DHT record" in proc.stderr, proc.stderr[-3000:]
-            assert " 0 fallbacks" in proc.stdout, proc.stdout
+            assert json.loads(proc.stdout)["fallbacks"] == 0, proc.stdout
     await trio.to_thread.run_sync(lambda: run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(mono),
                                                   "--kernel", "numpy", env=env, check=True))
     assert np.array_equal(np.load(mono), np.load(out))
@@ -330,17 +296,17 @@ def test_swarm_status_tells_the_truth(tiny_f32, tmp_path):
     short_ttl = 12
     fp = model_fingerprint(ModelLayout.open(tiny_f32))
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_LOG_LEVEL="DEBUG")
-    nodes: list[Node] = []
+    nodes: list[Proc] = []
 
-    def worker(name: str, experts: tuple[int, int], *extra: str) -> Node:
+    def worker(name: str, experts: tuple[int, int], *extra: str) -> Proc:
         shard = tmp_path / f"{name}.gguf"
         slice_experts(tiny_f32, shard, None, experts)
-        node = Node(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
+        node = Proc(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", boot.addr,
                      "--identity", str(tmp_path / f"{name}.key"), *extra], tmp_path / f"{name}.log", env)
         nodes.append(node)
         return node
 
-    def peer(node: Node) -> str:
+    def peer(node: Proc) -> str:
         return node.addr.split("/p2p/")[1]
 
     def status(*extra: str) -> str:
@@ -350,7 +316,7 @@ def test_swarm_status_tells_the_truth(tiny_f32, tmp_path):
         return proc.stdout
 
     try:
-        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+        boot = Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
                     tmp_path / "boot.log", env)
         nodes.append(boot)
         with ThreadPoolExecutor(4) as pool:  # side by side: each start waits for its READY line
@@ -358,9 +324,9 @@ def test_swarm_status_tells_the_truth(tiny_f32, tmp_path):
                        pool.submit(worker, "w2", (11, 16), "--ttl", str(short_ttl)),
                        pool.submit(worker, "odd", (0, 16), "--block-size", "4")]
             w, odd = [f.result() for f in started[:3]], started[3].result()
-        liar = Node([str(Path(__file__).parent / "helpers" / "lying_worker.py"), "--shard", str(tmp_path / "odd.gguf"),
+        liar = Proc([str(Path(__file__).parent / "helpers" / "lying_worker.py"), "--shard", str(tmp_path / "odd.gguf"),
                      "--claim-kernel", "ggml-test/other-cpu", "--bootstrap", boot.addr,
-                     "--identity", str(tmp_path / "liar.key")], tmp_path / "liar.log", env, module=False)
+                     "--identity", str(tmp_path / "liar.key")], tmp_path / "liar.log", env, entry=())
         nodes.append(liar)
 
         st = json.loads(status("--json").strip().splitlines()[-1])
@@ -379,8 +345,9 @@ def test_swarm_status_tells_the_truth(tiny_f32, tmp_path):
 
         # A backbone refreshing twice a second logs each refusal once, with the whole peer id.
         proc = run_cli("logits", str(tiny_f32), "--tokens", _long_tokens(120), "--out", str(tmp_path / "l.npy"),
-                       "--swarm", boot.addr, "--kernel", "numpy", "--decode", "--refresh", "0.5", env=env, check=True)
-        assert " 0 fallbacks" in proc.stdout, proc.stdout
+                       "--swarm", boot.addr, "--kernel", "numpy", "--decode", "--refresh", "0.5", "--json", env=env,
+                       check=True)
+        assert json.loads(proc.stdout)["fallbacks"] == 0, proc.stdout
         assert proc.stderr.count(" unit look-ups, ") >= 3, proc.stderr[-3000:]  # several refreshes happened
         for node, why in ((liar, "kernel mismatch"), (odd, "block size mismatch")):
             lines = [ln for ln in proc.stderr.splitlines() if f"refused worker {peer(node)}" in ln]

@@ -6,12 +6,14 @@ import os
 
 import numpy as np
 import pytest
-from test_swarm_processes import TOKENS, Node
 
 from conftest import run_cli
+from helpers.procs import Proc
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
 from p2pswarm.model.slicer import slice_experts
+
+TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"  # 17 tokens: prefill + 16 decode steps
 
 
 @pytest.mark.slow
@@ -27,12 +29,12 @@ def test_worker_downloads_its_slice_then_serves_it(tiny_f32, tmp_path):
     token = tmp_path / "w.token"
     run_cli("token", "issue", "--key", str(issuer_key), "--peer", worker_id, "--allow", f"shard:{fp}:0-3:8-15",
             "--ttl", "1h", "--out", str(token), env=env, check=True)
-    nodes: list[Node] = []
+    nodes: list[Proc] = []
     try:
-        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+        boot = Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
                     tmp_path / "boot.log", env)
         nodes.append(boot)
-        backbone = Node(["node", "--role", "backbone", "--model", str(tiny_f32), "--manifest", str(manifest),
+        backbone = Proc(["node", "--role", "backbone", "--model", str(tiny_f32), "--manifest", str(manifest),
                          "--bootstrap", boot.addr, "--http", "off", "--identity", str(tmp_path / "bb.key")],
                         tmp_path / "backbone.log", env)
         nodes.append(backbone)
@@ -42,7 +44,7 @@ def test_worker_downloads_its_slice_then_serves_it(tiny_f32, tmp_path):
                        "--identity", str(tmp_path / "w.key"), env=env, timeout=120)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert "does not allow" in proc.stderr or "refused" in proc.stderr, proc.stderr[-2000:]
-        worker = Node(["node", "--role", "worker", "--model", fp, "--layers", "0-3", "--experts", "8-15",
+        worker = Proc(["node", "--role", "worker", "--model", fp, "--layers", "0-3", "--experts", "8-15",
                        "--token", str(token), "--trust-issuer", issuer, "--bootstrap", boot.addr,
                        "--identity", str(tmp_path / "w.key")], tmp_path / "worker.log", env)
         nodes.append(worker)
@@ -61,7 +63,7 @@ def test_worker_downloads_its_slice_then_serves_it(tiny_f32, tmp_path):
         assert np.array_equal(np.load(mono), np.load(out))
         # restarted: the complete slice is reused, nothing fetched again
         assert worker.stop() == 0
-        again = Node(["node", "--role", "worker", "--model", fp, "--layers", "0-3", "--experts", "8-15",
+        again = Proc(["node", "--role", "worker", "--model", fp, "--layers", "0-3", "--experts", "8-15",
                       "--token", str(token), "--trust-issuer", issuer, "--bootstrap", boot.addr,
                       "--identity", str(tmp_path / "w.key")], tmp_path / "worker2.log", env)
         nodes.append(again)

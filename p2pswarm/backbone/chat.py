@@ -55,10 +55,9 @@ def _raise(message: str):
 
 def read_chat_template(model_path: str | os.PathLike) -> str | None:
     """The GGUF's ``tokenizer.chat_template`` (None when it has none)."""
-    from p2pswarm.engine.tokenizer import _scalar
-    from p2pswarm.model.layout import open_gguf
+    from p2pswarm.model.gguf_read import open_gguf, scalar
 
-    return _scalar(open_gguf(model_path), "tokenizer.chat_template", (str,)) or None
+    return scalar(open_gguf(model_path), "tokenizer.chat_template", (str,)) or None
 
 
 def normalize_messages(messages) -> list[dict]:

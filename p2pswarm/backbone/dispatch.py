@@ -15,13 +15,12 @@ remote owner's groups on the local replica, beside the request, and compares the
 mismatch bans the owner here (``banned``), tells ``on_mismatch``, and the step uses the replica's
 outputs for all of that owner's groups. A ``ledger`` credits each owner's used work (receipts).
 
-Owners are transports: :class:`LocalOwner` (this process), :class:`InProcessOwner` (a worker object
+Owners (:class:`p2pswarm.contracts.Owner`) are transports: :class:`LocalOwner` (this process), :class:`InProcessOwner` (a worker object
 in this process, exercising the same row packing as a remote one) and
 :class:`p2pswarm.backbone.socket_owner.SocketOwner` (a worker process over a local socket).
 """
 from __future__ import annotations
 
-import abc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,13 +29,10 @@ from functools import partial
 import numpy as np
 import trio
 
-from p2pswarm.engine.experts import ExpertBank
-from p2pswarm.errors import WorkerError, WorkerSlow
+from p2pswarm.contracts import ExpertBank, Groups, Owner
+from p2pswarm.errors import WorkerError, WorkerSlow, first_error
 
 log = logging.getLogger("p2pswarm.backbone")
-
-Groups = list[tuple[int, np.ndarray]]
-
 
 def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
     """The distinct rows an owner needs, once each, and the groups re-indexed into them."""
@@ -45,35 +41,9 @@ def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
     return rows, [(e, np.searchsorted(wanted, idx).astype(np.int32)) for e, idx in groups]
 
 
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first leaf of a (nested) exception group: nurseries wrap errors, callers want the error."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
-
-
 def peer_of(owner: "Owner") -> str:
     """The identity an owner's work is credited to and banned by: a libp2p peer id where there is one."""
     return getattr(owner, "peer", None) or owner.name
-
-
-class Owner(abc.ABC):
-    """Something that can compute the experts of some (layer, expert) ranges."""
-
-    name = "owner"
-    remote = True
-
-    @abc.abstractmethod
-    def holds(self, layer: int, expert: int) -> bool:
-        """Whether this owner computes expert ``expert`` of layer ``layer``."""
-
-    @abc.abstractmethod
-    async def compute(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
-        """Outputs per group, in order; raise WorkerError on any failure."""
-
-    async def aclose(self) -> None:
-        pass
 
 
 class LocalOwner(Owner):

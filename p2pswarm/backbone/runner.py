@@ -34,6 +34,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.dispatch import Dispatcher, Groups
+from p2pswarm.contracts import DenseModel
 from p2pswarm.engine.state import SequenceState
 
 F32 = np.float32
@@ -170,7 +171,7 @@ def probe_dense_invariance(model, il: int) -> DenseInvariance:
 class Backbone:
     """Runs a model's dense path and drives a dispatcher; one instance serves many sequences."""
 
-    def __init__(self, model, dispatcher: Dispatcher, *, batch_invariant: bool = True):
+    def __init__(self, model: DenseModel, dispatcher: Dispatcher, *, batch_invariant: bool = True):
         self.model = model
         self.dispatcher = dispatcher
         self.batch_invariant = batch_invariant

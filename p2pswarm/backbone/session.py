@@ -13,7 +13,6 @@ compute the same way (the handshake refuses a worker that does not).
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -24,11 +23,12 @@ from pathlib import Path
 
 import trio
 
+from p2pswarm import settings
 from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner, Owner
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.ggml_kernel import ENV_THREADS, default_threads
+from p2pswarm.engine.ggml_kernel import default_threads
 from p2pswarm.engine.kernels import make_bank, resolve_kernel, use_kernel_for_dense
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
@@ -39,10 +39,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 log = logging.getLogger("p2pswarm.backbone")
 
 
-def cache_dir() -> Path:
-    d = Path(os.environ.get("P2PSWARM_CACHE") or Path.home() / ".cache" / "p2pswarm")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+cache_dir = settings.cache_dir  # the one cache directory (kept importable from here)
 
 
 def ensure_shards(layout: ModelLayout, fingerprint: str, n_workers: int, shard_dir: Path | None = None) -> list[Path]:
@@ -135,7 +132,7 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
     # Workers on this host compute at the same time and share its CPUs; ggml's barriers spin, so
     # unless told otherwise each gets its share (the bits do not depend on the thread count).
     worker_threads = threads
-    if worker_threads is None and workers > 0 and kernel == "ggml" and not os.environ.get(ENV_THREADS):
+    if worker_threads is None and workers > 0 and kernel == "ggml" and not settings.THREADS.is_set:
         worker_threads = max(1, default_threads() // workers)
     fingerprint = model_fingerprint(layout)
     procs: list[WorkerProcess] = []

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import argparse
 
+from p2pswarm import settings
 from p2pswarm.errors import UserError
 
-KERNEL_CHOICES = ("auto", "numpy", "ggml", "portable")
+KERNEL_CHOICES = settings.KERNELS
 
 
 def add_kernel_args(p) -> None:

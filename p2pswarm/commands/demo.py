@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
+from p2pswarm import settings
 from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import cache_dir, open_backbone
@@ -175,5 +176,5 @@ def run(args) -> int:
         require_full_model(args.model)
     sys.stdout.reconfigure(line_buffering=True)
     # Worker processes inherit this: their routine INFO lines would drown the demo's table.
-    os.environ.setdefault("P2PSWARM_LOG_LEVEL", "WARNING")
+    os.environ.setdefault(settings.LOG_LEVEL.name, "WARNING")
     return trio.run(_demo, args)

@@ -10,6 +10,8 @@ resumes from ``OUT.part``.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import re
 import sys
@@ -40,6 +42,9 @@ def add_parser(sub) -> None:
                                       "refused while another live process uses it)")
     p.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr to listen on (default %(default)s)")
     p.add_argument("--streams", type=positive_int, default=4, help="parallel streams per source (default 4)")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object (out, slabs_total, slabs_fetched, slabs_reused, "
+                        "bytes_fetched, bad_chunks, seconds, already_complete, refusals) instead of a sentence")
     p.set_defaults(func=run)
 
 
@@ -82,6 +87,9 @@ async def _main(args, token: str, layers, experts) -> None:
                                         progress=bar.update, stats=stats, streams_per_source=args.streams)
         finally:
             bar.close()
+    if args.json:  # for scripts and the tests: the numbers, not a sentence to parse
+        print(json.dumps({"out": str(out), **dataclasses.asdict(stats)}))
+        return
     if stats.already_complete:
         print(f"{out}: already complete and verified; nothing fetched")
         return

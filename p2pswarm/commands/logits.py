@@ -7,6 +7,8 @@ compare the files.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from pathlib import Path
@@ -27,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tokens", required=True, help="comma-separated token ids")
     p.add_argument("--out", required=True, help="output .npy file (float32 [n_tokens, n_vocab])")
     p.add_argument("--decode", action="store_true", help="token by token through the KV cache")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object (out, shape, decode, the dispatcher's counters: "
+                        "requests, fallbacks, remote_groups, local_groups, per_owner, ...) instead of a sentence")
     add_swarm_args(p)
     p.set_defaults(func=run)
 
@@ -57,6 +62,10 @@ def run(args) -> int:
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}.npy")
     np.save(tmp, logits.astype(np.float32, copy=False))
     os.replace(tmp, out)
+    if args.json:  # for scripts and the tests: the numbers, not a sentence to parse
+        print(json.dumps({"out": str(out), "shape": list(logits.shape), "decode": bool(args.decode),
+                          **dataclasses.asdict(stats)}))
+        return 0
     print(f"wrote {out}: logits {logits.shape[0]} x {logits.shape[1]} float32 "
           f"({'decode' if args.decode else 'prefill'}, {'swarm' if args.swarm else f'{args.workers} workers'}, "
           f"{stats.requests} expert requests, "

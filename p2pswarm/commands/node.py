@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import re
 import socket
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import trio
 
+from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.commands.common import add_kernel_args, add_market_args, market_kwargs, positive_int
 from p2pswarm.errors import UserError
@@ -228,8 +228,7 @@ def _load_shard(path, args):
 
 def _default_slice_path(model: str, layers, experts) -> Path:
     """Where a downloaded slice lives by default: stable, so a restart resumes or reuses it."""
-    home = Path(os.environ.get("P2PSWARM_HOME") or Path.home() / ".p2pswarm")
-    return home / "shards" / f"{model[:16]}-L{layers[0]}-{layers[1] - 1}-E{experts[0]}-{experts[1] - 1}.gguf"
+    return settings.home_dir() / "shards" / f"{model[:16]}-L{layers[0]}-{layers[1] - 1}-E{experts[0]}-{experts[1] - 1}.gguf"
 
 
 async def _fetch_shard(args, net, dht, identity) -> Path:

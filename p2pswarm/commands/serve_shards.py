@@ -5,19 +5,18 @@ is a seed for a model, and what the download tests start. With ``--bootstrap`` i
 provides ``/p2pswarm/source/<fingerprint>`` so `p2pswarm fetch --bootstrap` finds it. Prints
 ``READY <multiaddr>`` once up; logs one line per refusal (with the reason) and per finished stream.
 
-Test hooks (environment, for the download tests only): ``P2PSWARM_TEST_SHARD_DELAY_S`` sleeps
-before each chunk; ``P2PSWARM_TEST_CORRUPT_CHUNKS=3,7`` flips a byte of the 3rd and 7th chunk served.
+The download tests inject faults (a throttle, corrupted chunks) through
+``tests/helpers/faulty_serve_shards.py``, which calls :func:`run` with the server's fault options;
+nothing in this command reads them.
 """
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from functools import partial
 
 import trio
 
-from p2pswarm.errors import UserError
 
 log = logging.getLogger("p2pswarm.serve_shards")
 
@@ -37,21 +36,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _hooks() -> dict:
-    kw = {}
-    try:
-        if os.environ.get("P2PSWARM_TEST_SHARD_DELAY_S"):
-            kw["delay_s"] = float(os.environ["P2PSWARM_TEST_SHARD_DELAY_S"])
-        if os.environ.get("P2PSWARM_TEST_CORRUPT_CHUNKS"):
-            kw["corrupt_chunks"] = {int(x) for x in os.environ["P2PSWARM_TEST_CORRUPT_CHUNKS"].split(",") if x}
-    except ValueError:
-        raise UserError("bad P2PSWARM_TEST_* value") from None
-    if kw:
-        log.warning("test hooks active: %s", kw)
-    return kw
-
-
-async def _main(args) -> None:
+async def _main(args, **server_options) -> None:
     from p2pswarm.commands.node import dialable_addrs
     from p2pswarm.lifecycle import until_signal
     from p2pswarm.model.manifest import read_manifest
@@ -71,7 +56,7 @@ async def _main(args) -> None:
             async with trio.open_nursery() as nursery:
                 dht = await nursery.start(_dht_task, open_dht, net, args.bootstrap) if args.bootstrap else None
                 server = await nursery.start(partial(run_shard_source, net, dht, args.model, manifest, gate,
-                                                     **_hooks()))
+                                                     **server_options))
                 await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(net)[0]}")
         finally:
             if server is not None:
@@ -86,7 +71,9 @@ async def _dht_task(open_dht, net, bootstrap, *, task_status=trio.TASK_STATUS_IG
         await trio.sleep_forever()
 
 
-def run(args) -> int:
+def run(args, **server_options) -> int:
+    """``server_options`` go to :class:`~p2pswarm.net.shard_transfer.ShardServer` (fault injection
+    in the tests: ``delay_s``, ``corrupt_chunks``)."""
     sys.stdout.reconfigure(line_buffering=True)
-    trio.run(_main, args)
+    trio.run(partial(_main, args, **server_options))
     return 0

@@ -14,12 +14,18 @@ import os
 
 import numpy as np
 
+from p2pswarm import settings
 from p2pswarm.engine import ops
 from p2pswarm.engine.weights import ByteBoundedCache, to_float32
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 
-DEFAULT_CACHE_BYTES = int(os.environ.get("P2PSWARM_EXPERT_CACHE_MB", "2048")) << 20
+DEFAULT_CACHE_BYTES = settings.EXPERT_CACHE_MB.default << 20  # $P2PSWARM_EXPERT_CACHE_MB unset
+
+
+def default_cache_bytes() -> int:
+    """``$P2PSWARM_EXPERT_CACHE_MB`` MiB (default 2048), read when a bank is made."""
+    return settings.EXPERT_CACHE_MB.get() << 20
 
 
 class ExpertBank:
@@ -27,9 +33,9 @@ class ExpertBank:
 
     kernel = "numpy"
 
-    def __init__(self, layout: ModelLayout, *, cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(self, layout: ModelLayout, *, cache_bytes: int | None = None):
         self.layout = layout
-        self.cache = ByteBoundedCache(cache_bytes)
+        self.cache = ByteBoundedCache(default_cache_bytes() if cache_bytes is None else cache_bytes)
         self.layers = frozenset(layout.expert_layers)
         self.expert_begin = layout.expert_begin
         self.expert_end = layout.expert_end

@@ -16,8 +16,8 @@ from p2pswarm.errors import ModelFormatError, UserError
 class GgmlExpertBank:
     """Routed experts of some layers and an expert range, computed by ggml on the mapped bytes.
 
-    The same interface as :class:`p2pswarm.engine.experts.ExpertBank` (``forward``,
-    ``forward_groups``, ``holds``, ``kernel``), so the worker, the dispatcher and the backbone's
+    Implements :class:`p2pswarm.contracts.ExpertBank` (``forward``, ``forward_groups``,
+    ``holds``, ``kernel``), like the numpy and portable banks, so the worker, the dispatcher and the backbone's
     fallback replica use either without knowing which. ``cache`` is None: nothing is dequantised.
     """
 

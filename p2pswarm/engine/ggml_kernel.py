@@ -46,13 +46,14 @@ from pathlib import Path
 
 import numpy as np
 
+from p2pswarm import settings
 from p2pswarm.errors import ModelFormatError, UserError
 
 log = logging.getLogger("p2pswarm.engine")
 
-ENV_LIB = "P2PSWARM_GGML_LIB"
-ENV_DISABLE = "P2PSWARM_GGML"  # "off" / "0" / "no": behave as if ggml could not be loaded
-ENV_THREADS = "P2PSWARM_THREADS"
+ENV_LIB = settings.GGML_LIB.name
+ENV_DISABLE = settings.GGML.name  # "off" / "0" / "no": behave as if ggml could not be loaded
+ENV_THREADS = settings.THREADS.name
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
@@ -222,8 +223,8 @@ _lib_lock = threading.Lock()
 def load_libggml() -> GgmlLib:
     """The process-wide libggml, loaded on first use; :class:`GgmlUnavailable` says why not."""
     global _lib, _lib_error
-    if os.environ.get(ENV_DISABLE, "").strip().lower() in ("0", "off", "no", "false", "disabled"):
-        raise GgmlUnavailable(f"disabled by {ENV_DISABLE}={os.environ[ENV_DISABLE]}")
+    if not settings.GGML.get():
+        raise GgmlUnavailable(f"disabled by {ENV_DISABLE}={settings.GGML.raw()}")
     with _lib_lock:
         if _lib is not None:
             return _lib
@@ -243,7 +244,7 @@ def _locate() -> tuple[Path, str]:
     """Where libggml is, and whose it is: $P2PSWARM_GGML_LIB, else the copy pip install built into
     p2pswarm/_native/, else llama-cpp-python's lib/ (found without importing it: importing llama_cpp
     would also load libllama, ~4 MB of code a worker never runs)."""
-    env = os.environ.get(ENV_LIB)
+    env = settings.GGML_LIB.raw()
     if env:
         d = Path(env)
         if not d.is_dir():
@@ -274,14 +275,8 @@ def how_to_get_ggml() -> str:
 def default_threads() -> int:
     """$P2PSWARM_THREADS, else the CPUs this process may run on (at most 8: beyond that a single
     expert's mat-muls are memory-bound and more threads only add barrier cost)."""
-    env = os.environ.get(ENV_THREADS)
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise UserError(f"{ENV_THREADS}={env!r} is not an integer") from None
-        if n < 1:
-            raise UserError(f"{ENV_THREADS} must be >= 1, got {n}")
+    n = settings.THREADS.get()
+    if n is not None:
         return n
     try:
         cpus = len(os.sched_getaffinity(0))

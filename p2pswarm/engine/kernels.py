@@ -25,23 +25,23 @@ from __future__ import annotations
 import logging
 import os
 
-from p2pswarm.engine.experts import DEFAULT_CACHE_BYTES, ExpertBank
+from p2pswarm import settings
+from p2pswarm.contracts import DenseModel, DenseWeights
+from p2pswarm.contracts import ExpertBank as ExpertBankProtocol
+from p2pswarm.engine.experts import ExpertBank, default_cache_bytes
 from p2pswarm.errors import UserError
 
 log = logging.getLogger("p2pswarm.engine")
 
-KERNELS = ("auto", "numpy", "ggml", "portable")
-ENV_KERNEL = "P2PSWARM_KERNEL"
-ENV_POPULATE = "P2PSWARM_POPULATE"  # "0": the backbone maps the model's pages lazily, on first use
+KERNELS = settings.KERNELS
+ENV_KERNEL = settings.KERNEL.name
+ENV_POPULATE = settings.POPULATE.name  # "0": the backbone maps the model's pages lazily, on first use
 
 _warned_fallback = False
 
 
 def default_kernel() -> str:
-    k = os.environ.get(ENV_KERNEL, "").strip().lower() or "auto"
-    if k not in KERNELS:
-        raise UserError(f"{ENV_KERNEL}={k!r}: unknown kernel (choose {', '.join(KERNELS)})")
-    return k
+    return settings.KERNEL.get()
 
 
 def resolve_kernel(kernel: str | None = None) -> str:
@@ -117,7 +117,8 @@ def compatible(a: str | None, b: str | None) -> bool:
     return family(a) == family(b)
 
 
-def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = None, threads: int | None = None):
+def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = None,
+              threads: int | None = None) -> ExpertBankProtocol:
     """An expert bank over ``layout`` computed by ``kernel``.
 
     Options belong to one kernel and are ignored by the other (so a caller can pass both):
@@ -130,7 +131,7 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
 
         return PortableExpertBank(layout, threads=threads)
     if resolved == "numpy":
-        return ExpertBank(layout, cache_bytes=DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes)
+        return ExpertBank(layout, cache_bytes=default_cache_bytes() if cache_bytes is None else cache_bytes)
     from p2pswarm.engine.ggml_experts import GgmlExpertBank  # noqa: PLC0415
 
     return GgmlExpertBank(layout, threads=threads)
@@ -157,7 +158,7 @@ def _single_threaded_blas() -> None:
     threadpool_limits(1, user_api="blas")
 
 
-def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | None = None) -> int:
+def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, threads: int | None = None) -> int:
     """Let ``kernel`` compute the dense path's quantised mat-muls; returns how many tensors it took.
 
     With ``ggml``, every quantised 2-D dense tensor (attention, shared expert, embedding, lm head)
@@ -169,8 +170,8 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     every page of the model file is mapped now, as llama.cpp's loader does
     (:func:`~p2pswarm.engine.ggml_kernel.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
 
-    Works on any architecture whose weights object is a :class:`DenseWeights` (it pre-fills that
-    object's cache, so the architecture code is not touched).
+    Works on any architecture whose weights object is a :class:`p2pswarm.contracts.DenseWeights`
+    (the matrices are handed to its ``provide``, so the architecture code is not touched).
     """
     if resolve_kernel(kernel) in ("numpy", "portable"):
         return 0
@@ -178,18 +179,16 @@ def use_kernel_for_dense(model, kernel: str | None = "auto", *, threads: int | N
     from p2pswarm.engine.ggml_kernel import populate  # noqa: PLC0415
 
     w = model.w
-    cache = getattr(w, "_cache", None)
-    if not isinstance(cache, dict):
-        log.warning("dense weights of %s have no cache to fill; dense path stays on numpy", type(model).__name__)
+    if not isinstance(w, DenseWeights):
+        log.warning("dense weights of %s cannot take kernel matrices; dense path stays on numpy", type(model).__name__)
         return 0
     dense = GgmlDense(model.layout, threads=threads)
     _single_threaded_blas()
-    if os.environ.get(ENV_POPULATE, "1").strip().lower() not in ("0", "off", "no", "false"):
+    if settings.POPULATE.get():
         populate(model.layout.reader.data)
     n = 0
     for t in model.layout.reader.tensors:
-        if dense.eligible(t) and t.name not in cache:
-            cache[t.name] = dense.matrix(t)
+        if dense.eligible(t) and not w.is_loaded(t.name) and w.provide(t.name, dense.matrix(t)):
             n += 1
     w.ggml_dense = dense  # keeps the runner and the mapped tensors alive with the weights
     return n

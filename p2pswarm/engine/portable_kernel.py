@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from p2pswarm import settings
 from p2pswarm.errors import ModelFormatError, UserError
 
 log = logging.getLogger("p2pswarm.engine")
@@ -46,8 +47,8 @@ VERSION = 1  # bump when any result could change; it is the kernel family's name
 FAMILY = f"portable-{VERSION}"
 C_SOURCE = Path(__file__).with_name("portable_kernel.c")
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c11")
-ENV_LIB = "P2PSWARM_PORTABLE_LIB"  # a prebuilt .so (e.g. cross-compiled for a phone)
-ENV_NATIVE = "P2PSWARM_PORTABLE_NATIVE"  # "off": use the numpy implementation
+ENV_LIB = settings.PORTABLE_LIB.name  # a prebuilt .so (e.g. cross-compiled for a phone)
+ENV_NATIVE = settings.PORTABLE_NATIVE.name  # "off": use the numpy implementation
 ENV_CC = "CC"
 
 F32, F16, Q8_0, Q4_K, Q6_K = 0, 1, 8, 12, 14
@@ -140,15 +141,15 @@ _native_lock = threading.Lock()
 def load_native() -> NativeOps:
     """The C implementation, built on first use (raises OSError saying why it is unavailable)."""
     global _native, _native_error
-    if os.environ.get(ENV_NATIVE, "").strip().lower() in ("0", "off", "no", "false"):
-        raise OSError(f"disabled by {ENV_NATIVE}={os.environ[ENV_NATIVE]}")
+    if not settings.PORTABLE_NATIVE.get():
+        raise OSError(f"disabled by {ENV_NATIVE}={settings.PORTABLE_NATIVE.raw()}")
     with _native_lock:
         if _native is not None:
             return _native
         if _native_error is not None:
             raise OSError(_native_error)
         try:
-            env = os.environ.get(ENV_LIB)
+            env = settings.PORTABLE_LIB.raw()
             _native = NativeOps(Path(env) if env else build_native())
         except OSError as exc:
             _native_error = str(exc)
@@ -171,7 +172,7 @@ def build_native(extra_flags: tuple[str, ...] = ()) -> Path:
     flags += list(extra_flags)
     src = C_SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join([cc, *flags, platform.machine()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "p2pswarm" / "portable"
+    cache = settings.cache_dir("portable", create=False, per_user=True)
     out = cache / f"libp2pswarm_portable-{key}.so"
     if out.exists():
         return out
@@ -333,7 +334,7 @@ _warned = False
 class PortableExpertBank:
     """Routed experts computed by the portable kernel on the mapped bytes (no copy, no cache).
 
-    Same interface as :class:`p2pswarm.engine.experts.ExpertBank`. ``threads`` splits each matrix's
+    Implements :class:`p2pswarm.contracts.ExpertBank`. ``threads`` splits each matrix's
     output rows between threads (each output is computed whole by one thread, so the bits do not
     depend on it).
     """

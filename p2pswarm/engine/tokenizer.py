@@ -37,7 +37,9 @@ from tokenizers import models as _hf_models
 from tokenizers import pre_tokenizers as _hf_pre
 
 from p2pswarm.errors import ModelFormatError, UserError
-from p2pswarm.model.layout import open_gguf
+from p2pswarm.model.gguf_read import array_field as _array
+from p2pswarm.model.gguf_read import open_gguf
+from p2pswarm.model.gguf_read import scalar as _scalar
 
 log = logging.getLogger(__name__)
 
@@ -233,34 +235,6 @@ _C_ISSPACE = frozenset(" \t\n\v\f\r")
 
 
 # --- GGUF access -------------------------------------------------------------------------------
-def _field(reader: gguf.GGUFReader, key: str):
-    return reader.fields.get(key)
-
-
-def _scalar(reader: gguf.GGUFReader, key: str, kinds: tuple[type, ...]):
-    f = _field(reader, key)
-    if f is None:
-        return None
-    if not f.types or f.types[0] == gguf.GGUFValueType.ARRAY:
-        raise ModelFormatError(f"GGUF key {key} has the wrong type (array)")
-    if f.types[0] == gguf.GGUFValueType.STRING:
-        value = bytes(f.parts[f.data[0]]).decode("utf-8", errors="replace")
-    else:
-        value = f.parts[f.data[0]][0].item()
-    if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
-        raise ModelFormatError(f"GGUF key {key} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def _array(reader: gguf.GGUFReader, key: str, elem: gguf.GGUFValueType):
-    f = _field(reader, key)
-    if f is None:
-        return None
-    if len(f.types) != 2 or f.types[0] != gguf.GGUFValueType.ARRAY or f.types[1] != elem:
-        raise ModelFormatError(f"GGUF key {key} is not an array of {elem.name}")
-    return f
-
-
 def _strings(reader: gguf.GGUFReader, key: str) -> list[str] | None:
     f = _array(reader, key, gguf.GGUFValueType.STRING)
     if f is None:
@@ -490,10 +464,6 @@ class Tokenizer:
         """The raw vocab entry (byte-level alphabet for normal tokens), e.g. ``'Ġworld'``."""
         self._check_id(token_id)
         return self._texts[token_id]
-
-    def token_to_id(self, text: str) -> int | None:
-        """The id whose raw vocab entry is ``text``, or None."""
-        return self._ids.get(text)
 
     def is_control(self, token_id: int) -> bool:
         """Whether llama.cpp treats the token as control (parsed only with special=True, rendered empty)."""

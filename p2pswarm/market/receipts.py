@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from p2pswarm import settings
 from p2pswarm.market.signed import SignedError, field_int, field_str, open_sealed, seal
 from p2pswarm.net.identity import Identity
 
@@ -201,7 +202,7 @@ class ReceiptIssuer:
 # Worker side
 # ------------------------------------------------------------------------------------------------
 def default_receipts_dir() -> Path:
-    return Path(os.environ.get("P2PSWARM_HOME") or Path.home() / ".p2pswarm") / "receipts"
+    return settings.home_dir() / "receipts"
 
 
 def _fsync_dir(path: Path) -> None:

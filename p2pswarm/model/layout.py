@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader
 
-from p2pswarm.errors import ModelFormatError, UserError, clip
+from p2pswarm.errors import ModelFormatError, UserError
+# The GGUF reader and its helpers live in gguf_read; importable from here as before.
+from p2pswarm.model.gguf_read import FastGGUFReader, field_value, get_str, open_gguf  # noqa: F401
 
 # Architectures whose routed experts follow the layout above.
 MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral")
@@ -165,10 +166,6 @@ class ModelLayout:
     def expert_layers(self) -> list[int]:
         return sorted(self.expert_tensors)
 
-    @property
-    def is_shard(self) -> bool:
-        return self.shard_kind == "experts"
-
     def require_full_model(self) -> "ModelLayout":
         """UserError (one line) unless this is a full model: a backbone, `logits` or `generate`
         handed a file `p2pswarm slice` cut would otherwise fail later, on a missing tokenizer or
@@ -200,65 +197,3 @@ class ModelLayout:
         if required:
             raise ModelFormatError(f"{self.path}: required key {self.arch}.{key} is missing")
         return default
-
-
-# ---- GGUF helpers shared by the readers and writers --------------------------------------------
-class _FastGGUFReader(GGUFReader):
-    """A :class:`gguf.GGUFReader` whose mapping is held as a plain ndarray view of the memmap.
-
-    Why: the reader slices its buffer once per metadata item, and every slice of an ``np.memmap``
-    pays ``memmap.__array_finalize__``; a 150k-token vocabulary is ~300k items, which took ~8 s to
-    open. A plain view of the same mapping (still memory-mapped, still read-only) takes ~2 s.
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._plain_data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain_data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-
-def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
-    """Open a GGUF memory-mapped, turning every way a file can be broken into one clear line."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelFormatError(f"{path}: no such file")
-    if not path.is_file():
-        raise ModelFormatError(f"{path}: not a regular file")
-    if path.stat().st_size < 24:
-        raise ModelFormatError(f"{path}: not a valid GGUF file (too short: {path.stat().st_size} bytes)")
-    try:
-        return _FastGGUFReader(path, "r")
-    except PermissionError as exc:
-        raise ModelFormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except Exception as exc:  # the reader raises ValueError, struct/numpy/index errors on bad input
-        msg = clip(exc, 300) or type(exc).__name__
-        if "magic" in msg.lower():
-            raise ModelFormatError(f"{path}: not a valid GGUF file (bad magic)") from None
-        raise ModelFormatError(f"{path}: not a valid GGUF file (corrupt or truncated: {msg})") from None
-
-
-def field_value(f) -> Any:
-    """A metadata field as a plain Python value (str, int, float, bool or list of them)."""
-    t = f.types[0]
-    if t == GGUFValueType.STRING:
-        return bytes(f.parts[f.data[0]]).decode("utf-8")
-    if t == GGUFValueType.ARRAY:
-        sub = f.types[-1]
-        if sub == GGUFValueType.STRING:
-            return [bytes(f.parts[i]).decode("utf-8", errors="replace") for i in f.data]
-        return [f.parts[i].tolist()[0] for i in f.data]
-    v = f.parts[f.data[0]].tolist()
-    return v[0] if isinstance(v, list) else v
-
-
-def get_str(reader: GGUFReader, key: str) -> str | None:
-    f = reader.fields.get(key)
-    return None if f is None else str(field_value(f))
-
-
-def tensor_nbytes(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
-    block, size = GGML_QUANT_SIZES[ggml_type]
-    return int(np.prod(shape)) // block * size

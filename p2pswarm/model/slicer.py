@@ -21,9 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.gguf_reader import ReaderTensor
 
 from p2pswarm.errors import ModelFormatError, UserError, clip
 from p2pswarm.model.gguf_out import (
@@ -46,9 +43,9 @@ from p2pswarm.model.layout import (
     SHARD_KIND_NAMES,
     ExpertTensor,
     ModelLayout,
-    _FastGGUFReader,
     field_value,
 )
+from p2pswarm.model.gguf_read import HeaderOnlyReader
 from p2pswarm.model.manifest import model_fingerprint
 
 CHUNK_BYTES = 8 << 20
@@ -315,30 +312,12 @@ def plan_expert_shard(layout: ModelLayout, layers: tuple[int, int] | None, exper
     return ShardPlan(g, sources, ranges, (l0, l1), (e0, e1), fingerprint)
 
 
-class _HeaderOnlyReader(_FastGGUFReader):
-    """A GGUF reader over a file that holds only a model's header: fields and the tensor table are
-    parsed as usual, tensor data is not mapped (it is not there)."""
-
-    def _build_tensors(self, start_offs: int, fields) -> None:
-        tensors = []
-        for f in fields:
-            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = f.parts
-            ggml_type = GGMLQuantizationType(raw_dtype[0])
-            n_elems = int(np.prod(dims))
-            block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-            tensors.append(ReaderTensor(name=str(bytes(name_data), encoding="utf-8"), tensor_type=ggml_type,
-                                        shape=dims, n_elements=n_elems, n_bytes=n_elems * type_size // block_size,
-                                        data_offset=int(start_offs + offset_tensor[0]),
-                                        data=np.empty(0, np.uint8), field=f))
-        self.tensors = tensors
-
-
 def header_layout(header_path: str | os.PathLike[str], file_size: int) -> ModelLayout:
     """The map of a full model of ``file_size`` bytes, from a file holding only its header bytes
     (everything before the first tensor's data). Enough for :func:`plan_expert_shard`."""
     path = Path(header_path)
     try:
-        reader = _HeaderOnlyReader(path, "r")
+        reader = HeaderOnlyReader(path, "r")
     except Exception as exc:  # the reader raises ValueError, struct/numpy/index errors on bad input
         raise ModelFormatError(f"{path}: not a valid GGUF header ({clip(exc, 300)})") from None
     return ModelLayout.open(path, reader=reader, file_size=file_size)

@@ -18,10 +18,6 @@ HEADER = struct.Struct("!Q")
 DEFAULT_MAX_FRAME = 128 << 20  # 128 MiB
 
 
-def encode_header(n: int) -> bytes:
-    return HEADER.pack(n)
-
-
 class FrameReader:
     """Reads whole frames from a stream exposing ``receive_some(max_bytes)`` (trio style)."""
 

@@ -88,7 +88,6 @@ the addresses we were told to (``listen`` or ``announce``), never a guessed NAT 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import ssl
 import time
@@ -109,7 +108,8 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2pswarm.errors import UserError, clip
+from p2pswarm import settings
+from p2pswarm.errors import UserError, clip, single_error
 from p2pswarm.net.identity import Identity
 
 log = logging.getLogger("p2pswarm.net")
@@ -126,7 +126,8 @@ YAMUX_MAX_READ = 65524  # what one read() returns at most (one yamux frame paylo
 
 # py-libp2p logs routine peer churn (a peer closing a DHT stream, a refused dial) as WARNING or
 # ERROR with no context; our own log lines say what matters. P2PSWARM_LIBP2P_LOG=DEBUG restores it.
-_LIBP2P_LOG_LEVEL = os.environ.get("P2PSWARM_LIBP2P_LOG", "CRITICAL").upper()
+_LIBP2P_LOG_LEVEL = settings.LIBP2P_LOG.raw() or settings.LIBP2P_LOG.default
+_LIBP2P_LOG_LEVEL = _LIBP2P_LOG_LEVEL.upper()
 logging.getLogger("libp2p").setLevel(getattr(logging, _LIBP2P_LOG_LEVEL, logging.CRITICAL))
 
 StreamHandler = Callable[["StreamAdapter"], Awaitable[None]]
@@ -538,16 +539,6 @@ class NetHost:
         self.host.remove_stream_handler(TProtocol(protocol))
 
 
-def single_error(group: BaseExceptionGroup) -> BaseException:
-    """The one error inside (nested) single-member exception groups, or the group itself when it
-    holds several: nurseries wrap whatever crosses them, callers of a context manager want the
-    error their own code raised."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc if not isinstance(exc, BaseExceptionGroup) else group
-
-
 def error_reason(exc: BaseException) -> str:
     """One line out of py-libp2p's nested exceptions."""
     parts, seen = [], 0
@@ -737,7 +728,7 @@ def _tls_client_context() -> ssl.SSLContext:
     """What ``/wss`` dials verify against: the system's CAs, plus ``$P2PSWARM_WSS_CA`` (a PEM
     bundle, e.g. a test or private CA) when set."""
     ctx = ssl.create_default_context()
-    extra = os.environ.get("P2PSWARM_WSS_CA")
+    extra = settings.WSS_CA.raw()
     if extra:
         try:
             ctx.load_verify_locations(cafile=extra)
@@ -848,10 +839,10 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                 await circuit_proto.event_started.wait()
                 net = NetHost(identity, host, nursery, announce_addrs, read_ahead,
                               circuit=_circuit_transport(host, circuit_proto))
-                if os.environ.get("P2PSWARM_RELAY_TOKEN"):
+                if settings.RELAY_TOKEN.is_set:
                     from p2pswarm.net.tokens import load_token  # noqa: PLC0415
 
-                    net.relay_token = load_token(os.environ["P2PSWARM_RELAY_TOKEN"])
+                    net.relay_token = load_token(settings.RELAY_TOKEN.raw())
                 if len(net.transport_addrs()) < len(listen_addrs):
                     raise UserError(f"could not listen on {', '.join(map(str, listen_addrs))} "
                                     f"(listening on {', '.join(map(str, net.transport_addrs())) or 'nothing'})")

@@ -31,6 +31,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from p2pswarm import settings
 from p2pswarm.errors import UserError, clip
 
 log = logging.getLogger("p2pswarm.net")
@@ -41,8 +42,7 @@ MAX_KEY_FILE_BYTES = 16 << 10
 
 def default_identity_path(name: str = "node") -> Path:
     """``$P2PSWARM_HOME/identity/<name>.key`` (default home ``~/.p2pswarm``)."""
-    home = Path(os.environ.get("P2PSWARM_HOME") or Path.home() / ".p2pswarm")
-    return home / "identity" / f"{name}.key"
+    return settings.home_dir() / "identity" / f"{name}.key"
 
 
 @dataclass(frozen=True)

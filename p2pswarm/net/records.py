@@ -132,7 +132,7 @@ class ShardEntry:
         if not isinstance(d, dict):
             raise RecordError("malformed node record: a shard entry is not a map")
         model, shard, layers, experts = d.get("model"), d.get("shard"), d.get("layers"), d.get("experts")
-        if not _short_str(model) or not _short_str(shard):
+        if not short_str(model) or not short_str(shard):
             raise RecordError("malformed node record: shard model/shard must be short strings")
         return cls(model, shard, _range(layers, "layers"), _range(experts, "experts"))
 
@@ -199,7 +199,7 @@ class NodeRecord:
         if b.get("v") != RECORD_VERSION:
             raise RecordError(f"node record version {b.get('v')!r} is not {RECORD_VERSION}")
         rpeer = b.get("peer")
-        if not _short_str(rpeer):
+        if not short_str(rpeer):
             raise RecordError("malformed node record: no peer id")
         if peer is not None and rpeer != peer:
             raise RecordError(f"node record names peer {rpeer[-12:]}, expected {peer[-12:]}")
@@ -369,12 +369,13 @@ def shard_hash(layout) -> str:
 
 
 # -- field checks ---------------------------------------------------------------------------------
-def _short_str(x: object, n: int = 128) -> bool:
+def short_str(x: object, n: int = 128) -> bool:
+    """A non-empty str of at most ``n`` characters (the shape check of every signed-message field)."""
     return isinstance(x, str) and 0 < len(x) <= n
 
 
 def _str_field(x: object, what: str) -> str:
-    if not _short_str(x, 128):
+    if not short_str(x, 128):
         raise RecordError(f"malformed node record: {what} must be a short string")
     return x
 
@@ -409,7 +410,7 @@ def _range(x: object, what: str) -> tuple[int, int]:
 def _addrs(x: object) -> list[str]:
     out = []
     for a in _list(x, "addrs", MAX_ADDRS):
-        if not _short_str(a, 256):
+        if not short_str(a, 256):
             raise RecordError("malformed node record: an address is not a short string")
         try:
             ma = multiaddr.Multiaddr(a)

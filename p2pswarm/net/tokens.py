@@ -40,6 +40,7 @@ import msgpack
 
 from p2pswarm.errors import UserError
 from p2pswarm.net.identity import Identity, peer_public_key, verify_peer_signature
+from p2pswarm.net.records import short_str
 
 log = logging.getLogger("p2pswarm.tokens")
 
@@ -184,9 +185,9 @@ class NodeToken:
         if not isinstance(b, dict) or b.get("v") != TOKEN_VERSION:
             raise TokenError(f"malformed token: unknown version {b.get('v') if isinstance(b, dict) else None!r}")
         iss, hold, allow, iat, exp = b.get("iss"), b.get("hold"), b.get("allow"), b.get("iat"), b.get("exp")
-        if not (_short_str(iss, MAX_PEER_ID_CHARS) and _short_str(hold, MAX_PEER_ID_CHARS)):
+        if not (short_str(iss, MAX_PEER_ID_CHARS) and short_str(hold, MAX_PEER_ID_CHARS)):
             raise TokenError("malformed token: issuer and holder must be peer ids")
-        if not isinstance(allow, list) or not allow or not all(_short_str(a, MAX_SCOPE_CHARS) for a in allow):
+        if not isinstance(allow, list) or not allow or not all(short_str(a, MAX_SCOPE_CHARS) for a in allow):
             raise TokenError("malformed token: allow must be a non-empty list of scopes")
         if not (_is_int(iat) and _is_int(exp)):
             raise TokenError("malformed token: issued/expiry times must be integers")
@@ -202,10 +203,6 @@ class NodeToken:
                 "issued_at": _utc(self.issued_at), "expires_at": _utc(self.expires_at),
                 "expires_in": ago_or_in(self.expires_at - now), "expired": now >= self.expires_at,
                 "signature_ok": self.verify_signature()}
-
-
-def _short_str(x: object, n: int) -> bool:
-    return isinstance(x, str) and 0 < len(x) <= n
 
 
 def _is_int(x: object) -> bool:

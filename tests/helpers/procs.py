@@ -21,13 +21,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Proc:
-    """A `p2pswarm ...` process; ``expect_ready`` waits for its ``READY <addr>`` line."""
+    """A `p2pswarm ...` process; ``expect_ready`` waits for its ``READY <addr>`` line.
+
+    ``prefix`` goes before the interpreter (qemu-user); ``entry`` replaces ``-m p2pswarm.cli`` (a
+    test wrapper such as ``helpers/faulty_serve_shards.py``)."""
 
     def __init__(self, args: list[str], log: Path, env: dict, *, prefix: list[str] = (), expect_ready=True,
-                 timeout: float = 90):
+                 timeout: float = 90, entry: list[str] = ("-m", "p2pswarm.cli")):
         self.log = log
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env)
+        with open(log, "w") as err:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen([*prefix, sys.executable, *entry, *args], stdout=subprocess.PIPE,
+                                         stderr=err, stdin=subprocess.DEVNULL, text=True, env=env)
         self.addr = self.health = None
         if not expect_ready:
             return
@@ -39,10 +43,21 @@ class Proc:
             self.stop()
             raise AssertionError(f"{args[:3]} did not start: {log.read_text()[-3000:]}")
         parts = line[0].split()
-        self.addr = parts[1]
+        self.ready = parts[1:]  # the words after READY: the address, then key=value extras
+        self.addr = parts[1] if len(parts) > 1 else None
         for p in parts[2:]:
             if p.startswith("health="):
                 self.health = p.split("=", 1)[1]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """kill -9, and reap it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
 
     def text(self) -> str:
         return self.log.read_text()
@@ -58,19 +73,80 @@ class Proc:
         raise AssertionError(f"{needle!r} not in log within {timeout} s: {self.text()[-3000:]}")
 
     def stop(self, sig=signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig)
+
+
+def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, grace_s: float = 30) -> int:
+    """``sig`` (SIGTERM: a clean shutdown), then SIGKILL if it has not exited within ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def wait_until(cond, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
+    """Poll ``cond()`` until it returns something truthy (returned); AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        time.sleep(interval)
 
 
 def get_health(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
+
+
+def start_bootstrap(tmp_path, env, name: str = "boot") -> Proc:
+    """A `p2pswarm bootstrap` node on 127.0.0.1 (the DHT entry point of a test swarm)."""
+    return Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / f"{name}.key")],
+                tmp_path / f"{name}.log", env)
+
+
+def start_shard_workers(model, tmp_path, env, ranges, bootstrap: str, extra=()) -> list[Proc]:
+    """One `p2pswarm node --role worker` per expert range (all layers), each with its own shard
+    cut from ``model`` and its own key, found through ``bootstrap``. Stops the started ones if a
+    later one fails."""
+    from p2pswarm.model.slicer import slice_experts  # noqa: PLC0415
+
+    workers: list[Proc] = []
+    try:
+        for i, (e0, e1) in enumerate(ranges):
+            shard = tmp_path / f"shard{i}.gguf"
+            slice_experts(model, shard, None, (e0, e1))
+            workers.append(Proc(["node", "--role", "worker", "--shard", str(shard), "--bootstrap", bootstrap,
+                                 "--identity", str(tmp_path / f"w{i}.key"), *extra], tmp_path / f"w{i}.log", env))
+    except BaseException:
+        for w in reversed(workers):
+            w.stop()
+        raise
+    return workers
+
+
+def assert_swarm_logits_exact(model, tokens: str, swarm: str, tmp_path, env, *, decode: bool) -> dict:
+    """`logits --swarm` equals the monolithic run bit for bit, and the workers computed it (no
+    fallback, remote requests made). Returns the swarm run's --json stats."""
+    import numpy as np  # noqa: PLC0415
+
+    flag = ["--decode"] if decode else []
+    mono, out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
+    for path, where in ((mono, []), (out, ["--swarm", swarm])):
+        proc = subprocess.run([sys.executable, "-m", "p2pswarm.cli", "logits", str(model), "--tokens", tokens,
+                               "--out", str(path), "--kernel", "numpy", "--json", *where, *flag],
+                              capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout)
+    assert stats["fallbacks"] == 0 and stats["requests"] > 0 and stats["remote_groups"] > 0, stats
+    assert np.array_equal(np.load(mono), np.load(out))
+    return stats
 
 
 def start_relay(tmp_path, env, *, issuer=None, port=None, name="relay", host="127.0.0.1", extra=()) -> Proc:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import gc
-import os
 
+from p2pswarm import settings
+from p2pswarm.contracts import DenseModel
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
 
 
-def load_dense(layout: ModelLayout):
+def load_dense(layout: ModelLayout) -> DenseModel:
     from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
     from p2pswarm.engine.arch.qwen35moe import Qwen35MoE
 
@@ -19,7 +20,7 @@ def load_dense(layout: ModelLayout):
             f"{layout.path}: no engine for architecture {layout.arch!r} yet (supported: {', '.join(archs)})"
         )
     model = cls(layout)
-    if not os.environ.get("P2PSWARM_NO_GC_FREEZE"):
+    if settings.GC_FREEZE.get():
         _freeze_loaded_objects()
     return model
 

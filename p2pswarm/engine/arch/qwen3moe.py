@@ -34,6 +34,21 @@ class DenseWeights:
     def has(self, name: str) -> bool:
         return name in self._by_name
 
+    def provide(self, name: str, value) -> bool:
+        """Serve ``value`` (a kernel's quantised matrix) for ``name`` instead of dequantising it;
+        False, and nothing changes, when ``name`` is already loaded (see :class:`p2pswarm.contracts.DenseWeights`)."""
+        if name in self._cache:
+            return False
+        self._cache[name] = value
+        return True
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self._cache
+
+    def loaded(self) -> dict:
+        """What is loaded so far, by name (a read-only copy)."""
+        return dict(self._cache)
+
     def __getitem__(self, name: str) -> np.ndarray:
         arr = self._cache.get(name)
         if arr is None:

@@ -1,0 +1,143 @@
+"""The interfaces the parts of p2pswarm meet at, as :class:`typing.Protocol` s.
+
+Why in code: they used to live in prose ("the same interface as ExpertBank"). A new kernel, a new
+architecture or a new transport implements one of these; nothing else has to know which one it
+got. The protocols are ``runtime_checkable`` so a test (``tests/test_contracts.py``) can check
+that every implementation has every member; a static checker is not run (see docs/architecture.md,
+"Contracts", for why).
+
+- :class:`ExpertBank`: computes routed experts (numpy, ggml and portable kernels; a worker and the
+  backbone's fallback replica hold one). Made by :func:`p2pswarm.engine.kernels.make_bank`.
+- :class:`DenseModel`: one architecture's dense path (attention/DeltaNet, norms, router, lm head);
+  the backbone's layer loop (:class:`p2pswarm.backbone.runner.Runner`) drives it. Made by
+  :func:`p2pswarm.engine.arch.load_dense`.
+- :class:`DenseWeights`: the dense tensors a model reads by name, which a kernel may replace by
+  its own quantised matrices (:func:`p2pswarm.engine.kernels.use_kernel_for_dense`).
+- :class:`Owner`: something the dispatcher sends rows to (the local replica, an in-process
+  worker, a TCP or libp2p worker). Implementations subclass it for the defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+#: ``[(expert, row indices into cur), ...]``: the rows each expert of one layer must compute.
+Groups = list[tuple[int, np.ndarray]]
+
+
+@runtime_checkable
+class ExpertBank(Protocol):
+    """Routed experts of some layers and an expert range.
+
+    ``kernel`` names the arithmetic (it goes into the handshake: two nodes work together only if
+    :func:`p2pswarm.engine.kernels.compatible` says their kernels agree bit for bit)."""
+
+    kernel: str
+
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether this bank computes expert ``expert`` of layer ``layer``."""
+        ...
+
+    def forward(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
+        """One expert's output for ``rows`` (n, n_embd) float32."""
+        ...
+
+    def forward_groups(self, layer: int, rows: np.ndarray, groups: Groups) -> list[np.ndarray]:
+        """Outputs per group, in the order of ``groups``."""
+        ...
+
+
+@runtime_checkable
+class DenseWeights(Protocol):
+    """Dense tensors by name, float32 (or a kernel's matrix object that multiplies like one)."""
+
+    def has(self, name: str) -> bool: ...
+
+    def __getitem__(self, name: str) -> Any: ...
+
+    def is_loaded(self, name: str) -> bool:
+        """Whether ``name`` is already loaded (dequantised or provided)."""
+        ...
+
+    def provide(self, name: str, value: Any) -> bool:
+        """Serve ``value`` for ``name`` from now on instead of dequantising the tensor; False
+        (and nothing changes) when ``name`` was already loaded."""
+        ...
+
+
+@runtime_checkable
+class DenseModel(Protocol):
+    """One architecture's dense path, driven layer by layer by the backbone:
+
+    ``h = embed(tokens)``; per layer ``il``: ``h = pre_moe(il, h, state, pos0)``,
+    ``cur = ffn_input(il, h)``, ``ids, w = route(il, cur)``, the routed experts of ``cur`` are
+    computed by owners and combined into ``moe``, ``h = post_moe(il, h, cur, moe)``; then
+    ``output(h)`` gives the logits."""
+
+    layout: Any  # p2pswarm.model.layout.ModelLayout
+    w: DenseWeights
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    n_expert: int
+    n_expert_used: int
+    output_name: str
+
+    def new_state(self) -> Any:
+        """A fresh per-sequence state (KV cache, recurrent state)."""
+        ...
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray: ...
+
+    def pre_moe(self, il: int, h: np.ndarray, state: Any, pos0: int) -> np.ndarray:
+        """Layer ``il`` up to the MoE block (attention or DeltaNet, residual added)."""
+        ...
+
+    def pre_moe_batch(self, il: int, h: np.ndarray, segments: list[tuple[Any, int, int]]) -> np.ndarray:
+        """:meth:`pre_moe` of several sequences' rows stacked in ``h``: ``(state, pos0, n)`` each."""
+        ...
+
+    def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
+        """The normed rows the router and the experts see."""
+        ...
+
+    def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(expert ids, weights)``, each (n, n_expert_used): the router's final choice."""
+        ...
+
+    def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
+        """The layer's output from the combined routed-expert output ``moe`` (shared expert added)."""
+        ...
+
+    def output(self, h: np.ndarray) -> np.ndarray:
+        """Logits (n, n_vocab) from the last hidden rows."""
+        ...
+
+
+@runtime_checkable
+class Owner(Protocol):
+    """Something that computes the experts of some (layer, expert) ranges for the dispatcher.
+
+    ``remote`` False means "this process, always there" (the fallback replica); a remote owner
+    may fail, and then raises :class:`p2pswarm.errors.WorkerError` so the dispatcher falls back.
+    Subclass it to get the defaults (``name``, ``remote``, a no-op ``aclose``)."""
+
+    name: str = "owner"
+    remote: bool = True
+
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether this owner computes expert ``expert`` of layer ``layer``."""
+        ...
+
+    async def compute(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
+        """Outputs per group, in order; raise WorkerError on any failure."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections and processes (default: nothing to release)."""
+        return None
+
+
+__all__ = ["DenseModel", "DenseWeights", "ExpertBank", "Groups", "Owner"]
