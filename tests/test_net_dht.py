@@ -1,7 +1,7 @@
 """The swarm DHT on real libp2p hosts on 127.0.0.1, all in this trio process.
 
 Shard advertisement and coverage resolution end to end, plus one regression test per py-libp2p
-trap p2pswarm/net/dht.py codes around (each ``test_workaround_*`` fails without its workaround).
+trap p2pswarm/net/kademlia.py and libp2p_patches.patch_kad code around (each ``test_workaround_*`` fails without its workaround).
 """
 from __future__ import annotations
 
