@@ -1,8 +1,9 @@
 """Our libp2p host wrapper: the py-libp2p traps it codes around, framing over streams, shutdown.
 
-Each ``test_workaround_*`` fails when the corresponding workaround (p2pswarm/net/libp2p_patches.py,
-whose table names these tests; p2pswarm/net/host.py, p2pswarm/net/stream.py) is removed; the ``*_trap_still_present`` controls show the library still needs it (when one of them
-fails after a py-libp2p upgrade, the workaround may be obsolete).
+Each ``test_workaround_*`` fails when the corresponding workaround is removed (in
+p2pswarm/net/libp2p_patches.py, whose table names these tests, or host.py / stream.py); the
+``*_trap_still_present`` controls show the library still needs it (when one of them fails after a
+py-libp2p upgrade, the workaround may be obsolete).
 """
 from __future__ import annotations
 
