@@ -318,7 +318,8 @@ def _circuit_transport(host, protocol):
 async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,), *,
                     announce: Sequence[str] | None = None, read_ahead: int = DEFAULT_READ_AHEAD,
                     dial_retries: int = 1, tls_cert: str | None = None, tls_key: str | None = None,
-                    circuit_protocol: Callable | None = None):
+                    circuit_protocol: Callable | None = None,
+                    max_connections: int = libp2p_patches.DEFAULT_MAX_CONNECTIONS):
     """Start a host listening on ``listen`` (multiaddrs; port 0 picks a free port) and yield a
     :class:`NetHost`. On exit: background tasks cancelled, listeners and connections closed.
 
@@ -329,7 +330,9 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
     Listen addresses may be TCP, ``/ws`` or ``/wss`` (the latter with ``tls_cert``/``tls_key``
     PEM files). ``circuit_protocol(host)`` builds the circuit relay v2 service the host runs (the
     relay passes its token-gated HOP); by default a STOP-only one, so relayed peers can reach us.
-    ``NetHost.circuit`` dials ``/p2p-circuit`` addresses."""
+    ``NetHost.circuit`` dials ``/p2p-circuit`` addresses. ``max_connections``: how many peers the
+    host may be connected to at once (py-libp2p alone: 250 inbound; a relay passes its
+    reservation limit plus room for backbones)."""
     if not listen:
         raise UserError("a host needs at least one listen address")
     libp2p_patches.apply()
@@ -347,12 +350,13 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
         sec_opt=sec,
         muxer_preference="YAMUX",
         listen_addrs=listen_addrs,
-        connection_config=libp2p_patches.connection_config(),
+        connection_config=libp2p_patches.connection_config(max_connections),
         announce_addrs=announce_addrs,
         disable_identify_address_discovery=True,
     )
     libp2p_patches.install_websocket(host, tls_server, tls_client_context())
     libp2p_patches.disable_auto_connect(host, dial_retries=dial_retries)
+    libp2p_patches.raise_connection_limits(host, max_connections)
     started = False
     try:
         async with host.run(listen_addrs):

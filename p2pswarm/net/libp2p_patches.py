@@ -49,6 +49,9 @@ Listeners use SO_REUSEPORT: a second node on    :func:`check_port_free`: a plain
 a busy port "starts" and steals connections.    refuses a busy fixed port.
 Shutdown closes connections one by one, 0.1 s   :func:`close_connections`: all at once.            tests/test_net_host.py::test_workaround_shutdown_closes_connections_concurrently
 sleep + goodbye each (4 s for 20 peers).
+A host accepts at most 250 inbound             :func:`connection_config` +                        tests/test_net_host.py::test_workaround_more_than_250_inbound_connections
+connections (max 300 - min 50; the resource     :func:`raise_connection_limits`: 1,024 by
+manager: 256): the 251st peer's dial fails.     default, a relay its reservations + 256.
 A WebSocket transport with a TLS context        :func:`install_websocket`: a plain transport       tests/test_relay_host.py::test_workaround_ws_and_wss_listeners_on_one_host
 serves TLS on *every* listener, ``/ws`` too;    (listens ``/ws``, dials both) and a TLS one that   (control: test_ws_tls_trap_still_present)
 only hosts listening on WebSocket can dial it.  only listens on ``/wss``; every host dials WS.
@@ -110,6 +113,7 @@ _KAD_MODULES = ("libp2p.kad_dht.common", "libp2p.kad_dht.kad_dht", "libp2p.kad_d
                 "libp2p.kad_dht.provider_store", "libp2p.kad_dht.value_store")
 PROVIDE_RATE_MAX = 4096  # ADD_PROVIDER messages accepted per peer per 10 s (py-libp2p: 10)
 INBOUND_KAD_STREAMS = 256  # concurrent inbound kad streams a server handles (py-libp2p: 12, then resets)
+DEFAULT_MAX_CONNECTIONS = 1024  # connections a host may hold (py-libp2p: 300, only 250 of them inbound)
 WRITE_STALL_S = 30.0  # a shielded frame write that takes longer than this: the connection is dead
 
 # (module, attribute path) of every private name a patch replaces or relies on
@@ -124,6 +128,7 @@ _TARGETS = (
     ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._handle_connect", "relay.service.GatedHop"),
     ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._send_status", "relay.service.GatedHop"),
     ("libp2p.transport.websocket.transport", "WebsocketTransport.can_listen", "install_websocket"),
+    ("libp2p.network.swarm", "Swarm.set_resource_manager", "raise_connection_limits"),
 )
 
 _applied = False
@@ -274,9 +279,35 @@ def install_relayed_identify_fix() -> None:
 
 
 # -- per host --------------------------------------------------------------------------------------
-def connection_config() -> ConnectionConfig:
-    """Our connection settings; ``max_connections_per_peer=1`` avoids the 250 ms connect stall."""
-    return ConnectionConfig(max_connections_per_peer=1)
+def connection_config(max_connections: int = DEFAULT_MAX_CONNECTIONS) -> ConnectionConfig:
+    """Our connection settings. ``max_connections_per_peer=1`` avoids the 250 ms connect stall;
+    ``max_connections`` (and the pruning watermark with it) replaces the library's 300, of which
+    only ``max_connections - min_connections`` = 250 may be inbound: see :func:`raise_connection_limits`."""
+    library = ConnectionConfig()
+    return ConnectionConfig(max_connections_per_peer=1, max_connections=max_connections,
+                            low_watermark=min(library.low_watermark, max_connections),
+                            high_watermark=max_connections)
+
+
+def raise_connection_limits(host, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+    """Let a host hold ``max_connections`` connections each way (issue 15's relay stall).
+
+    py-libp2p 0.8.1 caps a host at 250 inbound connections (the swarm's inbound limiter is
+    ``max_connections - min_connections`` = 300 - 50) and, in its default resource manager, at 256
+    established inbound and outbound and 1,000 "connection resources" (each inbound connection
+    takes two: one at admission, one once upgraded). The 251st peer's dial simply fails. A relay
+    sized for 1,024 reservations, or a bootstrap node a swarm of phones joins through, would refuse
+    every peer past the 250th; measured: 270 peers dialling one host, 250 connected."""
+    rm = getattr(host.get_network(), "_resource_manager", None)
+    if rm is None:
+        return
+    rm.limits.max_connections = max(rm.limits.max_connections, 2 * max_connections + 64)
+    cl = rm.connection_limits
+    for name in ("max_established_inbound", "max_established_outbound"):
+        if getattr(cl, name, None) is not None:
+            setattr(cl, name, max(getattr(cl, name), max_connections))
+    if getattr(cl, "max_established_total", None) is not None:
+        cl.max_established_total = max(cl.max_established_total, 2 * max_connections)
 
 
 async def _no_auto_connect() -> None:
