@@ -366,8 +366,8 @@ async def run_relay(settings: RelaySettings) -> None:
     """Run until SIGINT/SIGTERM. Prints ``READY <first full address> health=<url|off>``."""
     from p2pswarm.net.dht import open_dht
     from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import default_identity_path
-    from p2pswarm.net.libp2p_patches import DEFAULT_MAX_CONNECTIONS, load_or_create_identity
+    from p2pswarm.net.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.libp2p_patches import DEFAULT_MAX_CONNECTIONS
 
     gate = None
     if settings.trust_issuer:
