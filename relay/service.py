@@ -367,6 +367,7 @@ async def run_relay(settings: RelaySettings) -> None:
     from p2pswarm.net.dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.libp2p_patches import DEFAULT_MAX_CONNECTIONS
 
     gate = None
     if settings.trust_issuer:
@@ -395,7 +396,8 @@ async def run_relay(settings: RelaySettings) -> None:
         return hops[-1]
 
     async with open_host(identity, settings.listen, announce=settings.announce or None, tls_cert=settings.tls_cert,
-                         tls_key=settings.tls_key, circuit_protocol=make_hop) as net:
+                         tls_key=settings.tls_key, circuit_protocol=make_hop,
+                         max_connections=max(DEFAULT_MAX_CONNECTIONS, settings.max_reservations + 256)) as net:
         hop = hops[0]
         net.set_handler(PROTOCOL_TOKEN, token_handler(hop), read_ahead=False)
         async with open_dht(net, server=True, bootstrap=settings.bootstrap) as dht:

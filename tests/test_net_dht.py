@@ -1,7 +1,7 @@
 """The swarm DHT on real libp2p hosts on 127.0.0.1, all in this trio process.
 
 Shard advertisement and coverage resolution end to end, plus one regression test per py-libp2p
-trap p2pswarm/net/dht.py codes around (each ``test_workaround_*`` fails without its workaround).
+trap p2pswarm/net/kademlia.py and libp2p_patches.patch_kad code around (each ``test_workaround_*`` fails without its workaround).
 """
 from __future__ import annotations
 
@@ -262,6 +262,36 @@ async def test_twenty_nodes_every_units_owners_found():
         print(f"20 nodes: one unit look-up {(time.perf_counter() - t0) / 8 * 1000:.1f} ms")
 
 
+async def test_concurrent_index_resolution_matches_the_sequential_per_unit_one():
+    """The default resolution (the model index: one model-key look-up, then every worker's record,
+    all concurrent) must give exactly the map the sequential per-unit one gives (every unit looked
+    up, one look-up at a time, as before the index): same owners and shards for every unit."""
+    layers, n_expert, bs = 3, 16, 4
+    async with dht_swarm(8) as nodes:
+        shards = [((0, 3), (0, 8)), ((0, 3), (4, 12)), ((0, 2), (8, 16)), ((1, 3), (0, 16))]
+        workers = nodes[2:6]
+        async with trio.open_nursery() as nursery:
+            for node, (lr, er) in zip(workers, shards):
+                adv = _advertiser(node, [ShardEntry(MODEL, f"s{lr}{er}", lr, er)], block_size=bs)
+                nursery.start_soon(adv.publish)
+        fast = _resolver(nodes[7], layers=layers, n_expert=n_expert, block_size=bs)
+        slow = _resolver(nodes[6], layers=layers, n_expert=n_expert, block_size=bs, concurrency=1)
+        await fast.refresh()
+        await slow.refresh(slow.units)
+
+        def owners(res) -> dict:
+            return {u: sorted((o.peer, o.shard.shard) for o in found) for u, found in res.map.units.items()}
+
+        assert owners(fast) == owners(slow)
+        assert fast.map.replicas() == slow.map.replicas()
+        assert all(owners(fast).values()) and not fast.map.missing()
+        assert max(fast.map.replicas().values()) >= 2  # overlapping shards: a real multi-owner map
+        # the index found everyone: no per-unit look-up was needed; the sequential one did all 12
+        assert (fast.stats.model_lookups, fast.stats.lookups) == (1, 0), fast.stats
+        assert (slow.stats.model_lookups, slow.stats.lookups) == (0, len(slow.units)), slow.stats
+        assert fast.stats.records_fetched == len(workers)
+
+
 async def test_withdraw_on_clean_shutdown_and_expiry():
     async with dht_swarm(4) as nodes:
         a, b, backbone = nodes[1], nodes[2], nodes[3]
@@ -401,7 +431,7 @@ async def test_incompatible_builds_are_refused_once_with_the_reason(caplog):
         with caplog.at_level(logging.WARNING, logger="p2pswarm.net"):
             for _ in range(3):
                 await res.refresh()
-        assert res.owners(0, 0) == [] and res.stats.mismatched >= 2 and res.stats.model_lookups == 1
+        assert res.owners(0, 0) == [] and res.stats.mismatched >= 2 and res.stats.model_lookups == 3
         k, b = other_kernel.net.peer_id_str, other_bs.net.peer_id_str
         assert res.refused[k][0] == "kernel mismatch: worker computes with 'ggml-other', we with 'numpy'"
         assert res.refused[b][0].startswith("block size mismatch: worker provides units of 8 experts, we look up "
@@ -431,16 +461,17 @@ async def test_resolver_refreshes_on_request():
 
 
 async def test_periodic_refresh_reuses_known_records_and_looks_up_a_rotating_part():
-    """After the first resolution a refresh re-reads each known owner's record (one look-up per
-    peer, which covers all its units) and looks up only the uncovered units and a rotating quarter
-    of the rest; a change in a known owner's record shows in every unit at once."""
+    """A refresh finds workers through the model index, re-reads each known owner's record (one
+    look-up per peer, which covers all its units) and looks up only the uncovered units and (after
+    the first) a rotating quarter of the rest; a change in a known owner's record shows in every unit at once."""
     async with dht_swarm(3) as nodes:
         worker, backbone = nodes[1], nodes[2]
         adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 8))])
         await adv.publish()
         res = _resolver(backbone)  # 4 layers x 4 blocks of 4 = 16 units; the worker covers 8
         await res.refresh()
-        assert res.stats.lookups == 16 and len(res.map.missing()) == 8
+        # the model index found the worker; only the 8 units it leaves uncovered were looked up
+        assert res.stats.model_lookups == 1 and res.stats.lookups == 8 and len(res.map.missing()) == 8
         before, missing = res.stats.lookups, set(res.map.missing())
         await res.refresh()
         # the uncovered units + this round's quarter of all units (every 4th, from the 2nd)

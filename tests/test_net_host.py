@@ -1,8 +1,9 @@
 """Our libp2p host wrapper: the py-libp2p traps it codes around, framing over streams, shutdown.
 
-Each ``test_workaround_*`` fails when the corresponding workaround in p2pswarm/net/host.py is
-removed; the ``*_trap_still_present`` controls show the library still needs it (when one of them
-fails after a py-libp2p upgrade, the workaround may be obsolete).
+Each ``test_workaround_*`` fails when the corresponding workaround is removed (in
+p2pswarm/net/libp2p_patches.py, whose table names these tests, or host.py / stream.py); the
+``*_trap_still_present`` controls show the library still needs it (when one of them fails after a
+py-libp2p upgrade, the workaround may be obsolete).
 """
 from __future__ import annotations
 
@@ -173,6 +174,34 @@ async def test_workaround_no_auto_connect_to_every_known_peer():
             await a.connect(b.full_addrs()[0])
         await trio.sleep(2)  # py-libp2p's auto-connector fires on the disconnect, within ~1 s
         assert not a.is_connected(c.peer_id)
+
+
+async def test_workaround_more_than_250_inbound_connections():
+    """py-libp2p lets ``max_connections - min_connections`` peers dial in (its defaults: 300 - 50 =
+    250; its resource manager: 256), then every further dial fails - a relay sized for 1,024
+    reservations held 250 (docs/benchmarks.md). Shown with real dials at a small limit (62 - 50 =
+    12 inbound), then the limits our hosts run with."""
+    from contextlib import AsyncExitStack
+
+    from libp2p.network.config import ConnectionConfig
+
+    async with open_host(Identity.generate(), max_connections=62) as small, AsyncExitStack() as peers:
+        ok = 0
+        for _ in range(14):
+            peer = await peers.enter_async_context(open_host(Identity.generate()))
+            try:
+                await peer.connect(small.full_addrs()[0], timeout_s=10)
+                ok += 1
+            except NetError:
+                pass
+        assert ok == 12 and len(small.host.get_network().connections) == 12
+    library = ConnectionConfig()
+    assert library.max_connections - library.min_connections == 250  # the trap, still in the library
+    async with open_host(Identity.generate()) as host:
+        net = host.host.get_network()
+        rm = net._resource_manager
+        assert net._inbound_limiter.total_tokens == 1024 - library.min_connections
+        assert rm.connection_limits.max_established_inbound >= 1024 and rm.limits.max_connections >= 2048
 
 
 async def test_workaround_shutdown_closes_connections_concurrently():

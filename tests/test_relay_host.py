@@ -85,16 +85,16 @@ async def test_ws_tls_trap_still_present(tmp_path, monkeypatch):
     cert, key = make_cert(tmp_path)
     monkeypatch.setenv("P2PSWARM_WSS_CA", cert)
     ws = free_port()
-    import p2pswarm.net.host as host_mod
+    from p2pswarm.net import libp2p_patches
 
-    def library_websocket(host, tls_server):
+    def library_websocket(host, tls_server, tls_client):
         network = host.get_network()
         tm = network.transport_manager
         tm._transports = [t for t in tm._transports if not isinstance(t, WebsocketTransport)]
         tm.add_transport(WebsocketTransport(network.upgrader, tls_server_config=tls_server,
-                                            tls_client_config=host_mod._tls_client_context()))
+                                            tls_client_config=tls_client))
 
-    monkeypatch.setattr(host_mod, "_install_websocket", library_websocket)
+    monkeypatch.setattr(libp2p_patches, "install_websocket", library_websocket)
     async with open_host(Identity.generate(), [f"/ip4/127.0.0.1/tcp/{ws}/ws", f"/ip4/127.0.0.1/tcp/{free_port()}/wss"],
                          tls_cert=cert, tls_key=key) as server:
         monkeypatch.undo()
