@@ -284,15 +284,42 @@ def peer_of_record_key(key: str) -> str | None:
     return key[len(NODE_RECORD_PREFIX):] if key.startswith(NODE_RECORD_PREFIX) else None
 
 
+def record_kinds() -> dict:
+    """Other signed record kinds in the ``/p2pswarm/`` namespace, by key prefix -> validator (an
+    object with ``validate(key, value)`` and ``select(key, values)``). Imported lazily: the market
+    code imports this module."""
+    from p2pswarm.market.demand import DEMAND_PREFIX, DemandValidator  # noqa: PLC0415
+
+    global _RECORD_KINDS
+    if _RECORD_KINDS is None:
+        _RECORD_KINDS = {DEMAND_PREFIX: DemandValidator()}
+    return _RECORD_KINDS
+
+
+_RECORD_KINDS: dict | None = None
+
+
+def _other_kind(key: str):
+    return next((v for prefix, v in record_kinds().items() if key.startswith(prefix)), None)
+
+
 class NodeRecordValidator:
     """(A py-libp2p ``Validator``: it only needs these two methods.) The DHT-side check for ``/p2pswarm/...`` values: a DHT server running it refuses to store a
     forged, malformed or foreign-keyed record, and ``select`` keeps the newest (highest seq).
-    ``rejected`` counts refusals (the resolver reports them)."""
+    ``rejected`` counts refusals (the resolver reports them). Keys of another kind
+    (:func:`record_kinds`: demand records) go to that kind's validator."""
 
     def __init__(self) -> None:
         self.rejected = 0
 
     def validate(self, key: str, value: bytes) -> None:
+        other = _other_kind(key)
+        if other is not None:
+            try:
+                return other.validate(key, value)
+            except UserError:
+                self.rejected += 1
+                raise
         peer = peer_of_record_key(key)
         try:
             if peer is None:
@@ -304,6 +331,9 @@ class NodeRecordValidator:
             raise
 
     def select(self, key: str, values: list[bytes]) -> int:
+        other = _other_kind(key)
+        if other is not None:
+            return other.select(key, values)
         best, best_seq = 0, -1
         for i, v in enumerate(values):
             try:

@@ -1,0 +1,305 @@
+"""Demand records: what a backbone's router asks for, signed and expiring, in the DHT.
+
+Each backbone publishes one record for the model it serves, under ``/p2pswarm/demand/<peer id>``
+(a DHT value, like node records), re-published every ``period_s`` with a higher sequence number,
+and *provides* :data:`MARKET_KEY`, the one well-known key through which a worker started with
+``--auto`` and no model finds every backbone's record. The record carries, per coverage unit
+(layer-major, block-minor), the backbone's decayed routing count
+(:class:`p2pswarm.backbone.dispatch.DemandCounter`: rows routed to the unit's experts, half-life
+60 s), and the geometry a worker needs to enrol without downloading anything first: the model
+fingerprint, its expert layers, experts per layer, block size, and bytes of one unit per layer.
+
+Wire format (msgpack): ``{"body": bin, "sig": bin}``; ``sig`` is Ed25519 by the backbone's peer key
+over ``b"p2pswarm-demand-record-v1\\0" + body``; ``body`` a map, see docs/protocol.md. The demand
+vector is float32 little-endian bytes: 49 layers x 32 blocks is 6 KB, under :data:`MAX_DEMAND_BYTES`
+(64 KB), so one record per model suffices for the 122B.
+
+Trust: demand is advisory. A forged or inflated record can only move where workers enrol; what
+they download is checked against the manifest of a ``--trust-issuer`` and what they compute is the
+same function whoever asks. Validation (:func:`DemandRecord.verify`, and the DHT-side
+:class:`DemandValidator`) still rejects forged, malformed, oversized, expired and future records,
+and a worker sums the demand of distinct backbones (one record each: the newest sequence number).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from p2pswarm.errors import UserError
+from p2pswarm.net.identity import Identity, verify_peer_signature
+
+log = logging.getLogger("p2pswarm.market")
+
+DEMAND_VERSION = 1
+DEMAND_PREFIX = "/p2pswarm/demand/"
+SIGNING_DOMAIN = b"p2pswarm-demand-record-v1\x00"
+MARKET_KEY = b"\x12\x20" + hashlib.sha256(b"p2pswarm-market-v1\x00").digest()  # provided by every backbone
+MAX_DEMAND_BYTES = 64 << 10
+MAX_UNITS = 1 << 14
+MAX_TTL_S = 24 * 3600
+CLOCK_SKEW_S = 300
+DEFAULT_DEMAND_TTL_S = 120.0
+DEFAULT_DEMAND_PERIOD_S = 40.0
+
+
+class DemandError(UserError):
+    """A demand record that is malformed, forged, expired or oversized (one line)."""
+
+
+def demand_key(peer) -> str:
+    return DEMAND_PREFIX + (peer.to_base58() if hasattr(peer, "to_base58") else str(peer))
+
+
+def peer_of_demand_key(key: str) -> str | None:
+    return key[len(DEMAND_PREFIX):] if key.startswith(DEMAND_PREFIX) else None
+
+
+@dataclass(frozen=True)
+class DemandRecord:
+    """One backbone's demand for one model's units."""
+
+    peer: str
+    model: str
+    layers: tuple[int, ...]
+    n_expert: int
+    block_size: int
+    unit_bytes: tuple[int, ...]  # per layer: bytes of a full unit (block_size experts)
+    demand: tuple[float, ...]  # per unit, layer-major
+    seq: int
+    issued: int
+    expires: int
+    signed: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def n_blocks(self) -> int:
+        return math.ceil(self.n_expert / self.block_size)
+
+    def unit_index(self, layer: int, block: int) -> int:
+        return self.layers.index(layer) * self.n_blocks + block
+
+    def unit_size(self, layer: int, block: int) -> int:
+        """Bytes of unit (layer, block): the last block of a layer may hold fewer experts."""
+        experts = min(self.block_size, self.n_expert - block * self.block_size)
+        return self.unit_bytes[self.layers.index(layer)] * experts // self.block_size
+
+    def live(self, now: float | None = None) -> bool:
+        return self.expires >= (time.time() if now is None else now)
+
+    @classmethod
+    def make(cls, identity: Identity, *, model: str, layers, n_expert: int, block_size: int, unit_bytes,
+             demand, ttl_s: float = DEFAULT_DEMAND_TTL_S, seq: int | None = None,
+             now: float | None = None) -> "DemandRecord":
+        now = time.time() if now is None else now
+        rec = cls(identity.peer_id_str, model, tuple(int(x) for x in layers), int(n_expert), int(block_size),
+                  tuple(int(x) for x in unit_bytes), tuple(float(x) for x in demand),
+                  int(now * 1000) if seq is None else seq, int(now), int(now + ttl_s))
+        return rec.sign(identity)
+
+    def body(self) -> dict:
+        return {"v": DEMAND_VERSION, "peer": self.peer, "model": self.model, "layers": list(self.layers),
+                "n_expert": self.n_expert, "block_size": self.block_size, "unit_bytes": list(self.unit_bytes),
+                "demand": np.asarray(self.demand, dtype="<f4").tobytes(), "seq": self.seq, "issued": self.issued,
+                "expires": self.expires}
+
+    def sign(self, identity: Identity) -> "DemandRecord":
+        if identity.peer_id_str != self.peer:
+            raise DemandError("a demand record can only be signed by the backbone it names")
+        self._check_shape()
+        body = msgpack.packb(self.body(), use_bin_type=True)
+        wire = msgpack.packb({"body": body, "sig": identity.sign(SIGNING_DOMAIN + body)}, use_bin_type=True)
+        if len(wire) > MAX_DEMAND_BYTES:
+            raise DemandError(f"demand record of {len(wire)} bytes exceeds {MAX_DEMAND_BYTES}")
+        return DemandRecord(**{**self.__dict__, "signed": wire})
+
+    def _check_shape(self) -> None:
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            raise DemandError("malformed demand record: layers must be distinct and non-empty")
+        if not 1 <= self.block_size <= self.n_expert:
+            raise DemandError("malformed demand record: block size out of range")
+        if len(self.unit_bytes) != len(self.layers) or any(b <= 0 for b in self.unit_bytes):
+            raise DemandError("malformed demand record: one positive unit size per layer expected")
+        n = len(self.layers) * self.n_blocks
+        if n > MAX_UNITS or len(self.demand) != n:
+            raise DemandError(f"malformed demand record: {len(self.demand)} demand values for {n} units")
+        if not all(math.isfinite(d) and d >= 0 for d in self.demand):
+            raise DemandError("malformed demand record: demand must be finite and non-negative")
+
+    @classmethod
+    def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
+               allow_expired: bool = False) -> "DemandRecord":
+        """Decode and check; DemandError (one line) for anything not to be trusted."""
+        if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_DEMAND_BYTES:
+            raise DemandError("malformed demand record: not bytes, or too large")
+        try:
+            outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_DEMAND_BYTES)
+            body = outer["body"] if isinstance(outer, dict) else None
+            sig = outer["sig"] if isinstance(outer, dict) else None
+            if not isinstance(body, bytes) or not isinstance(sig, bytes):
+                raise ValueError
+            b = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_DEMAND_BYTES)
+        except Exception:
+            raise DemandError("malformed demand record: expected a map of body and sig bytes") from None
+        if not isinstance(b, dict) or b.get("v") != DEMAND_VERSION:
+            raise DemandError(f"demand record version {b.get('v') if isinstance(b, dict) else None!r} "
+                              f"is not {DEMAND_VERSION}")
+        rpeer = b.get("peer")
+        if not isinstance(rpeer, str) or not 0 < len(rpeer) <= 128:
+            raise DemandError("malformed demand record: no peer id")
+        if peer is not None and rpeer != peer:
+            raise DemandError(f"demand record names peer {rpeer[-12:]}, expected {peer[-12:]}")
+        if not verify_peer_signature(rpeer, SIGNING_DOMAIN + body, sig):
+            raise DemandError(f"demand record of {rpeer[-12:]} has a bad signature (forged or corrupted)")
+        try:
+            raw = b["demand"]
+            if not isinstance(raw, bytes) or len(raw) % 4:
+                raise ValueError
+            ints = [b[k] for k in ("n_expert", "block_size", "seq", "issued", "expires")]
+            lists = [b["layers"], b["unit_bytes"]]
+            if (not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63 for x in ints)
+                    or not all(isinstance(li, list) and len(li) <= MAX_UNITS for li in lists)
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48
+                               for li in lists for x in li)
+                    or not isinstance(b["model"], str) or not 0 < len(b["model"]) <= 128):
+                raise ValueError
+            rec = cls(rpeer, b["model"], tuple(b["layers"]), b["n_expert"], b["block_size"], tuple(b["unit_bytes"]),
+                      tuple(float(x) for x in np.frombuffer(raw, dtype="<f4")), b["seq"], b["issued"], b["expires"],
+                      bytes(data))
+        except (KeyError, TypeError, ValueError):
+            raise DemandError(f"malformed demand record of {rpeer[-12:]}") from None
+        rec._check_shape()
+        now = time.time() if now is None else now
+        if rec.expires <= rec.issued or rec.expires - rec.issued > MAX_TTL_S:
+            raise DemandError(f"demand record of {rpeer[-12:]} has a bad lifetime")
+        if rec.issued > now + CLOCK_SKEW_S:
+            raise DemandError(f"demand record of {rpeer[-12:]} is issued in the future")
+        if not allow_expired and rec.expires < now:
+            raise DemandError(f"demand record of {rpeer[-12:]} expired {int(now - rec.expires)} s ago")
+        return rec
+
+
+class DemandValidator:
+    """DHT-side check of ``/p2pswarm/demand/<peer>`` values (see :class:`NodeRecordValidator`,
+    which hands these keys to it): refuse forged, malformed, oversized or expired records; select
+    the highest sequence number."""
+
+    def __init__(self) -> None:
+        self.rejected = 0
+
+    def validate(self, key: str, value: bytes) -> None:
+        try:
+            DemandRecord.verify(value, peer=peer_of_demand_key(key))
+        except DemandError as exc:
+            self.rejected += 1
+            log.warning("refused to store a demand record: %s", exc)
+            raise
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        best, best_seq = 0, -1
+        for i, v in enumerate(values):
+            try:
+                seq = DemandRecord.verify(v, peer=peer_of_demand_key(key), allow_expired=True).seq
+            except DemandError:
+                continue
+            if seq > best_seq:
+                best, best_seq = i, seq
+        return best
+
+
+def demand_vector(counter, layers, n_expert: int, block_size: int, now: float | None = None) -> list[float]:
+    """Per-unit demand (layer-major) from a :class:`DemandCounter`: the sum over the unit's experts."""
+    n_blocks = math.ceil(n_expert / block_size)
+    out = np.zeros((len(layers), n_blocks))
+    index = {layer: i for i, layer in enumerate(layers)}
+    for (layer, expert), value in counter.top(n=1 << 30, now=now):
+        if layer in index and 0 <= expert < n_expert:
+            out[index[layer], expert // block_size] += value
+    return [float(x) for x in out.reshape(-1)]
+
+
+async def find_demand(dht, *, timeout_s: float = 20.0) -> list[DemandRecord]:
+    """Every live demand record the DHT holds (one per backbone, the newest), via :data:`MARKET_KEY`."""
+    import trio
+
+    infos = await dht.find_providers(MARKET_KEY, timeout_s=timeout_s)
+    out: list[DemandRecord] = []
+
+    async def one(peer: str) -> None:
+        best = None
+        for v in await dht.get_values(demand_key(peer), timeout_s=timeout_s):
+            try:
+                rec = DemandRecord.verify(v, peer=peer)
+            except DemandError as exc:
+                log.warning("ignored a demand record: %s", exc)
+                continue
+            if best is None or rec.seq > best.seq:
+                best = rec
+        if best is not None:
+            out.append(best)
+
+    async with trio.open_nursery() as nursery:
+        for info in infos:
+            nursery.start_soon(one, info.peer_id.to_base58())
+    return out
+
+
+class DemandPublisher:
+    """A backbone's side: publish its demand record now and every ``period_s`` (a third of the TTL
+    by default), and provide :data:`MARKET_KEY` (re-provided every ``reprovide_s``)."""
+
+    def __init__(self, dht, identity: Identity, counter, *, model: str, layers, n_expert: int, block_size: int,
+                 unit_bytes, ttl_s: float = DEFAULT_DEMAND_TTL_S, period_s: float | None = None,
+                 reprovide_s: float = 300.0):
+        if ttl_s < 3:
+            raise UserError("demand record TTL must be at least 3 s")
+        self.dht, self.identity, self.counter = dht, identity, counter
+        self.model, self.layers, self.n_expert, self.block_size = model, list(layers), n_expert, block_size
+        self.unit_bytes = list(unit_bytes)
+        self.ttl_s = ttl_s
+        self.period_s = period_s or ttl_s / 3
+        if self.period_s >= ttl_s:
+            raise UserError("demand re-publication period must be shorter than its TTL")
+        self.reprovide_s = reprovide_s
+        self.record: DemandRecord | None = None
+        self.rounds = 0
+        self._provided_at = -math.inf
+
+    def _record(self) -> DemandRecord:
+        seq = None if self.record is None else max(int(time.time() * 1000), self.record.seq + 1)
+        return DemandRecord.make(self.identity, model=self.model, layers=self.layers, n_expert=self.n_expert,
+                                 block_size=self.block_size, unit_bytes=self.unit_bytes,
+                                 demand=demand_vector(self.counter, self.layers, self.n_expert, self.block_size),
+                                 ttl_s=self.ttl_s, seq=seq)
+
+    async def publish(self) -> int:
+        """Put a fresh record; provide the market key when due. Returns peers that stored the record."""
+        self.record = self._record()
+        self.rounds += 1
+        stored = await self.dht.put_value(demand_key(self.identity.peer_id_str), self.record.signed)
+        if time.monotonic() - self._provided_at >= self.reprovide_s:
+            if await self.dht.provide(MARKET_KEY):
+                self._provided_at = time.monotonic()
+        return stored
+
+    async def run(self, *, task_status=None) -> None:
+        import trio
+
+        from p2pswarm.net.host import error_reason
+
+        stored = await self.publish()
+        log.info("published demand for %d units of model %s (stored at %d peers; every %.0f s, TTL %.0f s)",
+                 len(self.record.demand), self.model[:12], stored, self.period_s, self.ttl_s)
+        if task_status is not None:
+            task_status.started(stored)
+        while True:
+            await trio.sleep(self.period_s * random.uniform(0.9, 1.0))
+            try:
+                await self.publish()
+            except (Exception, trio.TooSlowError) as exc:
+                log.warning("publishing demand failed: %s", error_reason(exc))
