@@ -82,7 +82,7 @@ def simulate(*, phones: int, rounds: int, churn: float, zipf: float, seed: int, 
                 p = pop[j]
                 if market:
                     e = choose_units(demand=demand, replicas=seen, sizes=sizes, budget=p["budget"],
-                                     held=p["units"], rng=rng)
+                                     held=p["units"], rng=rng, crowd=len(pop))
                     moved += len(e.added) if p["units"] else 0
                     new = e.units
                 elif not p["units"]:

@@ -5,6 +5,8 @@ expert as the local fallback replica) plus a libp2p host and DHT node, a
 :class:`CoverageResolver` that maps every (layer, expert) to owners and replicas through DHT
 look-ups (refreshed periodically and at once on a failure), and a :class:`SwarmOwners` pool the
 dispatcher routes to (least loaded, then nearest replica first). Nothing here is a static list.
+It also publishes the backbone's signed demand record (:mod:`p2pswarm.market.demand`: the
+dispatcher's decayed routing counts per unit) for workers that enrol by themselves (``--auto``).
 """
 from __future__ import annotations
 
@@ -43,10 +45,11 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                               listen: list[str] | None = None, announce: list[str] | None = None,
                               block_size: int = DEFAULT_BLOCK_SIZE,
                               kernel: str | None = None, threads: int | None = None, timeout_s: float = 30.0,
-                              refresh_s: float = 30.0, dht_server: bool = True):
+                              refresh_s: float = 30.0, dht_server: bool = True, demand_ttl_s: float | None = None):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
     things up but does not join other nodes' routing tables, where it would linger as a dead or
-    unresponsive entry after it exits."""
+    unresponsive entry after it exits. ``demand_ttl_s``: lifetime of the published demand record
+    (re-published every third of it; default 120 s); a short-lived backbone publishes none."""
     async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads) as local:
         layout = ModelLayout.open(model_path)
         bank = local.backbone.dispatcher.local.bank
@@ -64,6 +67,15 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                     async with trio.open_nursery() as nursery:
                         await nursery.start(resolver.run)
                         nursery.start_soon(pool.keepalive)
+                        if dht_server:
+                            from p2pswarm.market.demand import DEFAULT_DEMAND_TTL_S, DemandPublisher
+
+                            publisher = DemandPublisher(
+                                dht, net.identity, local.backbone.dispatcher.demand, model=local.fingerprint,
+                                layers=layout.expert_layers, n_expert=layout.n_expert, block_size=block_size,
+                                unit_bytes=[layout.expert_bytes(layer) * block_size for layer in layout.expert_layers],
+                                ttl_s=demand_ttl_s or DEFAULT_DEMAND_TTL_S)
+                            nursery.start_soon(publisher.run)
                         cmap = resolver.map
                         log.info("coverage: %d units, %d missing (computed locally), %d remote owners",
                                  len(cmap.units), len(cmap.missing()), len(pool.owners))

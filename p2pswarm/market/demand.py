@@ -223,39 +223,52 @@ def demand_vector(counter, layers, n_expert: int, block_size: int, now: float | 
     return [float(x) for x in out.reshape(-1)]
 
 
-async def find_demand(dht, *, timeout_s: float = 20.0) -> list[DemandRecord]:
-    """Every live demand record the DHT holds (one per backbone, the newest), via :data:`MARKET_KEY`."""
+async def find_demand(dht, *, timeout_s: float = 20.0, allow_expired: bool = False,
+                      known: "set[str] | None" = None) -> list[DemandRecord]:
+    """Every live demand record the DHT holds (one per backbone, the newest), via :data:`MARKET_KEY`;
+    ``allow_expired``: also a backbone's newest record when it has expired (its geometry still
+    holds; its demand is stale). ``known``: backbones met before, whose records are read even when
+    this provider look-up misses them; the backbones found are added to it."""
     import trio
 
     infos = await dht.find_providers(MARKET_KEY, timeout_s=timeout_s)
     out: list[DemandRecord] = []
 
     async def one(peer: str) -> None:
-        best = None
+        best, bad = None, []
         for v in await dht.get_values(demand_key(peer), timeout_s=timeout_s):
             try:
-                rec = DemandRecord.verify(v, peer=peer)
+                rec = DemandRecord.verify(v, peer=peer, allow_expired=True)
             except DemandError as exc:
-                log.warning("ignored a demand record: %s", exc)
+                bad.append(str(exc))
                 continue
             if best is None or rec.seq > best.seq:
                 best = rec
-        if best is not None:
+        for reason in bad:  # forged or malformed: worth a warning
+            log.warning("ignored a demand record: %s", reason)
+        # Stale copies linger at peers that were once among the closest: only the newest counts.
+        if best is not None and (allow_expired or best.live()):
             out.append(best)
+        elif best is not None:
+            log.debug("demand record of %s expired %d s ago", peer[-12:], int(time.time() - best.expires))
 
+    peers = {info.peer_id.to_base58() for info in infos} | set(known or ())
     async with trio.open_nursery() as nursery:
-        for info in infos:
-            nursery.start_soon(one, info.peer_id.to_base58())
+        for peer in sorted(peers):
+            nursery.start_soon(one, peer)
+    if known is not None:
+        known.update(r.peer for r in out)
     return out
 
 
 class DemandPublisher:
     """A backbone's side: publish its demand record now and every ``period_s`` (a third of the TTL
-    by default), and provide :data:`MARKET_KEY` (re-provided every ``reprovide_s``)."""
+    by default), and provide :data:`MARKET_KEY` (re-provided every ``reprovide_s``, default: with
+    every record)."""
 
     def __init__(self, dht, identity: Identity, counter, *, model: str, layers, n_expert: int, block_size: int,
                  unit_bytes, ttl_s: float = DEFAULT_DEMAND_TTL_S, period_s: float | None = None,
-                 reprovide_s: float = 300.0):
+                 reprovide_s: float | None = None):
         if ttl_s < 3:
             raise UserError("demand record TTL must be at least 3 s")
         self.dht, self.identity, self.counter = dht, identity, counter
@@ -265,7 +278,10 @@ class DemandPublisher:
         self.period_s = period_s or ttl_s / 3
         if self.period_s >= ttl_s:
             raise UserError("demand re-publication period must be shorter than its TTL")
-        self.reprovide_s = reprovide_s
+        # The market key is re-provided with every record by default: one look-up and 20 stores per
+        # period. Provided rarely, it sits only at the peers that were closest when it was sent, and
+        # once newer DHT servers are closer, look-ups converge on them and miss it.
+        self.reprovide_s = self.period_s * 0.9 if reprovide_s is None else reprovide_s
         self.record: DemandRecord | None = None
         self.rounds = 0
         self._provided_at = -math.inf
@@ -282,6 +298,8 @@ class DemandPublisher:
         self.record = self._record()
         self.rounds += 1
         stored = await self.dht.put_value(demand_key(self.identity.peer_id_str), self.record.signed)
+        if not stored:
+            log.warning("demand record reached no DHT peer; retrying in %.0f s", self.period_s)
         if time.monotonic() - self._provided_at >= self.reprovide_s:
             if await self.dht.provide(MARKET_KEY):
                 self._provided_at = time.monotonic()
@@ -292,14 +310,16 @@ class DemandPublisher:
 
         from p2pswarm.net.host import error_reason
 
-        stored = await self.publish()
-        log.info("published demand for %d units of model %s (stored at %d peers; every %.0f s, TTL %.0f s)",
-                 len(self.record.demand), self.model[:12], stored, self.period_s, self.ttl_s)
-        if task_status is not None:
-            task_status.started(stored)
+        first = True
         while True:
-            await trio.sleep(self.period_s * random.uniform(0.9, 1.0))
             try:
-                await self.publish()
+                stored = await self.publish()
+                if first:
+                    log.info("published demand for %d units of model %s (stored at %d peers; every %.0f s, "
+                             "TTL %.0f s)", len(self.record.demand), self.model[:12], stored, self.period_s, self.ttl_s)
             except (Exception, trio.TooSlowError) as exc:
                 log.warning("publishing demand failed: %s", error_reason(exc))
+            if first and task_status is not None:
+                task_status.started()
+            first = False
+            await trio.sleep(self.period_s * random.uniform(0.9, 1.0))

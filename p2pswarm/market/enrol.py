@@ -30,6 +30,13 @@ Three things keep a crowd of workers sane:
   target plus one spare against churn): of the ``r`` holders deciding on the same map, ``r - KEEP``
   are expected to leave, and a unit at ``KEEP`` or fewer replicas is never left voluntarily. Scarce
   units are then filled by free memory (newcomers, grown budgets) and by holders of crowded units.
+* **Randomised swaps into scarce units.** The mirror image: when a handful of units fall short,
+  every worker of the swarm sees them at once, and all would swap into them (the simulation saw
+  one unit collect 579 replicas in a round). So a worker swaps a held unit for one with
+  ``others < KEEP`` only with probability ``(KEEP - others) / crowd``, ``crowd`` being the workers
+  deciding on the same map (the node passes the live workers it sees): about ``KEEP - others``
+  of them take it per period. Free memory takes scarce units without this damping (newcomers
+  are few, and an unneeded replica there is cheap: it is shed later).
 """
 from __future__ import annotations
 
@@ -55,12 +62,13 @@ class Enrolment:
 
 
 def choose_units(*, demand, replicas, sizes, budget: int, held=(), rng: np.random.Generator,
-                 hysteresis: float = DEFAULT_HYSTERESIS) -> Enrolment:
+                 hysteresis: float = DEFAULT_HYSTERESIS, crowd: int = 1) -> Enrolment:
     """The units a worker with ``budget`` bytes should hold.
 
     ``demand[i]``: unit i's demand (any non-negative scale: it is normalised); ``replicas[i]``:
     its live replicas as the coverage map shows them, *including* this worker for units in
-    ``held``; ``sizes[i]``: its bytes. Returns an :class:`Enrolment` (see the module doc)."""
+    ``held``; ``sizes[i]``: its bytes; ``crowd``: how many workers decide on this same map (1:
+    none but us). Returns an :class:`Enrolment` (see the module doc)."""
     demand = np.asarray(demand, dtype=np.float64)
     replicas = np.asarray(replicas, dtype=np.float64)
     sizes = np.asarray(sizes, dtype=np.float64)
@@ -91,21 +99,31 @@ def choose_units(*, demand, replicas, sizes, budget: int, held=(), rng: np.rando
     order = cand[np.argsort(-keys, kind="stable")]
 
     chosen = set(keep)
+    # A held unit is swapped for one short of KEEP replicas with probability need / crowd: of
+    # ``crowd`` workers deciding on the same map, about ``need`` do it (module doc).
+    need = np.maximum(KEEP - others, 0.0)
+    take_p = np.where(need > 0, np.minimum(1.0, need / max(1, crowd)), 1.0)
+    passed = rng.random(n) < take_p
     # Fill free space first, then consider swaps against the weakest kept unit.
-    rest: list[int] = []
-    for i in order:
+    smallest = float(sizes.min()) if n else 0.0
+    pos = 0
+    while pos < len(order) and free >= smallest:
+        i = int(order[pos])
         if sizes[i] <= free:
-            chosen.add(int(i))
+            chosen.add(i)
             free -= sizes[i]
-        else:
-            rest.append(int(i))
+        pos += 1
+    rest = order[pos:]
     # Held units this worker may give up now: each with probability (r - KEEP) / r (module doc).
     r_held = {i: max(replicas[i], 1.0) for i in keep}
     weakest = sorted((i for i in keep if rng.random() < (r_held[i] - KEEP) / r_held[i]), key=lambda i: density[i])
+    if weakest and len(rest):
+        # only candidates that beat the weakest droppable unit by the hysteresis margin can swap
+        rest = rest[(density[rest] > (1.0 + hysteresis) * density[weakest[0]]) & passed[rest]]
     for c in rest:
         if not weakest:
             break
-        k = weakest[0]
+        c, k = int(c), weakest[0]
         if density[c] <= (1.0 + hysteresis) * density[k]:
             continue  # candidates are not sorted strictly by density: look at the next ones too
         if sizes[c] <= free + sizes[k]:
