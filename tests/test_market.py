@@ -181,3 +181,43 @@ def test_a_crowd_of_holders_does_not_pile_onto_one_scarce_unit():
                              rng=rng, crowd=100).units == (2,) for k in range(100))
         takers.append(n)
     assert 1.5 <= np.mean(takers) <= 5, takers
+
+
+async def test_one_peer_serves_several_shards_each_stream_picks_by_hello(tiny_f32, tmp_path, monkeypatch):
+    """`--auto` workers hold one shard per unit on one peer: the hello's shard hash picks the
+    worker; a shard no longer served is refused with the reason (the backbone then falls back)."""
+    from test_net_expert_rpc import _owner
+
+    from p2pswarm.backbone.dispatch import pack_rows
+    from p2pswarm.errors import WorkerError
+    from p2pswarm.model.slicer import slice_experts
+    from p2pswarm.net.host import open_host
+    from p2pswarm.net.records import worker_shard_hash
+    from p2pswarm.worker.expert_worker import ExpertWorker
+    from p2pswarm.worker.server import serve_libp2p_shards
+
+    monkeypatch.setenv("P2PSWARM_KERNEL", "numpy")
+    workers = []
+    for i, (layers, experts) in enumerate((((1, 2), (4, 8)), ((3, 4), (12, 16)))):
+        path = tmp_path / f"u{i}.gguf"
+        slice_experts(tiny_f32, path, layers, experts)
+        workers.append(ExpertWorker(path))
+    served = {worker_shard_hash(w): w for w in workers}
+    rng = np.random.default_rng(0)
+    async with open_host(Identity.generate()) as wnet, open_host(Identity.generate()) as bnet:
+        serve_libp2p_shards(wnet, served)
+        owners = [_owner(bnet, wnet, w) for w in workers]
+        for w, owner in zip(workers, owners):
+            layer, e = w.info.layer_begin, w.info.expert_begin
+            cur = rng.standard_normal((5, w.info.n_embd)).astype(np.float32)
+            groups = [(e, np.arange(3)), (e + 1, np.arange(2, 5))]
+            got = await owner.compute(layer, cur, groups)
+            rows, local = pack_rows(cur, groups)
+            assert all(np.array_equal(g, x) for g, x in zip(got, w.compute(layer, rows, local)))
+        await owners[1].aclose()
+        served.pop(worker_shard_hash(workers[1]))  # dropped by re-enrolment
+        with pytest.raises(WorkerError, match="not served here"):
+            await owners[1].echo(b"")
+        assert await owners[0].echo(b"x") == b"x"
+        for owner in owners:
+            await owner.aclose()

@@ -115,14 +115,14 @@ def test_auto_workers_cover_every_unit_and_recover_after_a_third_are_killed(tiny
                                      "--identity", str(tmp_path / f"w{i}.key"), "--ttl", str(TTL),
                                      "--enrol-period", str(PERIOD)], tmp_path / f"w{i}.log", env))
             workers += batch
-            ready = _wait_ready(batch, timeout=150)
+            ready = _wait_ready(batch, timeout=300)
             bad = [wave + i for i, line in enumerate(ready) if not line.startswith("READY ")]
             assert not bad, (bad, (tmp_path / f"w{bad[0]}.log").read_text()[-3000:] if bad else "")
         started_s = time.monotonic() - t0
 
         slots = sum((1, 2, 3)[i % 3] for i in range(N_WORKERS))
         want = min(2, slots // 16)  # ">= 2 replicas wherever memory allows" (30 workers: 60 slots for 16 units)
-        st = _wait_coverage(boot, tiny_f32, env, want, timeout=90)
+        st = _wait_coverage(boot, tiny_f32, env, want, timeout=180)
         assert min(st["replicas"].values()) >= want, st["replicas"]
         assert sum(st["replicas"].values()) <= slots
         assert st["counts"].get("live") == N_WORKERS, st["counts"]
@@ -147,7 +147,7 @@ def test_auto_workers_cover_every_unit_and_recover_after_a_third_are_killed(tiny
             workers[i].wait(10)
         t_kill = time.monotonic()
         want = min(2, sum((1, 2, 3)[i % 3] for i in range(N_WORKERS) if i not in killed) // 16)
-        st = _wait_coverage(boot, tiny_f32, env, want, timeout=120)
+        st = _wait_coverage(boot, tiny_f32, env, want, timeout=180)
         recovered_s = time.monotonic() - t_kill
         assert min(st["replicas"].values()) >= want, st["replicas"]
         assert st["counts"].get("live") == N_WORKERS - len(killed), st["counts"]

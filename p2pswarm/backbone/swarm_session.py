@@ -34,6 +34,7 @@ class SwarmBackbone:
     net: NetHost
     resolver: CoverageResolver
     pool: SwarmOwners
+    demand: object = None  # its DemandPublisher (None for a short-lived backbone)
 
     @property
     def backbone(self):
@@ -67,6 +68,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                     async with trio.open_nursery() as nursery:
                         await nursery.start(resolver.run)
                         nursery.start_soon(pool.keepalive)
+                        publisher = None
                         if dht_server:
                             from p2pswarm.market.demand import DEFAULT_DEMAND_TTL_S, DemandPublisher
 
@@ -79,7 +81,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                         cmap = resolver.map
                         log.info("coverage: %d units, %d missing (computed locally), %d remote owners",
                                  len(cmap.units), len(cmap.missing()), len(pool.owners))
-                        yield SwarmBackbone(local, net, resolver, pool)
+                        yield SwarmBackbone(local, net, resolver, pool, publisher)
                         nursery.cancel_scope.cancel()
                 finally:
                     with trio.CancelScope(shield=True):

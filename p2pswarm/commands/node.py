@@ -255,6 +255,9 @@ async def _serve_shards(args, swarm, nursery) -> None:
     manifest.verify(trusted_issuers=trusted, fingerprint=swarm.local.fingerprint)
     gate = TokenGate(trusted, what="shard server")
     await nursery.start(run_shard_source, swarm.net, swarm.resolver.dht, args.model, manifest, gate)
+    if swarm.demand is not None:  # `--auto` workers download from the backbones their demand records name
+        swarm.demand.serves_shards = True
+        await swarm.demand.publish()
     log.info("serving shard downloads of model %s to holders of tokens issued by %s", swarm.local.fingerprint,
              ", ".join(trusted))
 

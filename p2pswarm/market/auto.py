@@ -102,6 +102,7 @@ class AutoWorker:
         self.failed = 0
         self.crowd = 1
         self.backbones: set[str] = set()  # peers whose demand records we have read
+        self.sources: list[DemandRecord] = []  # their latest records (shard sources among them)
 
     # -- inputs -----------------------------------------------------------------------------------
     async def _demand(self) -> tuple[DemandRecord, np.ndarray]:
@@ -112,6 +113,7 @@ class AutoWorker:
         while True:
             found = await find_demand(self.dht, allow_expired=True, known=self.backbones)
             live = [r for r in found if r.live()]
+            self.sources = [r for r in found if r.model == (self.model or r.model)]
             try:
                 return aggregate(live or found, self.model)
             except LookupError:
@@ -172,7 +174,9 @@ class AutoWorker:
     def _path(self, unit: CoverageUnit) -> Path:
         e = unit.experts
         stop = min(e.stop, self.geometry.n_expert)
-        return self.home / "shards" / "auto" / f"{self.model[:16]}-L{unit.layer}-E{e.start}-{stop - 1}.gguf"
+        # per peer: several workers may share a home (and must not download into one file)
+        return (self.home / "shards" / "auto" / self.identity.peer_id_str[-16:]
+                / f"{self.model[:16]}-L{unit.layer}-E{e.start}-{stop - 1}.gguf")
 
     async def _download(self, index: int) -> tuple[ShardEntry, Path, object]:
         from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
@@ -181,9 +185,13 @@ class AutoWorker:
         out = self._path(unit)
         out.parent.mkdir(parents=True, exist_ok=True)
         experts = (unit.experts.start, min(unit.experts.stop, self.geometry.n_expert))
+        # The backbones whose demand records say they serve shards, beside the DHT's source look-up
+        # (a source key provided long ago can sit at peers a look-up no longer reaches).
+        extra = [s for s in (r.shard_source() for r in self.sources) if s is not None]
         shard = await fetch_slice_from_swarm(self.net, self.dht, model=self.model, layers=(unit.layer, unit.layer + 1),
                                              experts=experts, out_path=out, token=self.token,
-                                             trusted_issuers=self.trusted)
+                                             trusted_issuers=self.trusted, extra_sources=extra,
+                                             find_timeout_s=5.0 if extra else 20.0)
         worker, _info, entry = await trio.to_thread.run_sync(self.load_shard, shard)
         return entry, shard, worker
 

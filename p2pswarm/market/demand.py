@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.identity import Identity, verify_peer_signature
+from p2pswarm.net.identity import Identity
 
 log = logging.getLogger("p2pswarm.market")
 
@@ -43,6 +43,7 @@ SIGNING_DOMAIN = b"p2pswarm-demand-record-v1\x00"
 MARKET_KEY = b"\x12\x20" + hashlib.sha256(b"p2pswarm-market-v1\x00").digest()  # provided by every backbone
 MAX_DEMAND_BYTES = 64 << 10
 MAX_UNITS = 1 << 14
+MAX_ADDRS = 16
 MAX_TTL_S = 24 * 3600
 CLOCK_SKEW_S = 300
 DEFAULT_DEMAND_TTL_S = 120.0
@@ -75,7 +76,19 @@ class DemandRecord:
     seq: int
     issued: int
     expires: int
+    addrs: tuple[str, ...] = ()  # where to dial the backbone (no /p2p/)
+    serves_shards: bool = False  # it serves /p2pswarm/shard/1.0.0 downloads to token holders
     signed: bytes = field(default=b"", compare=False, repr=False)
+
+    def shard_source(self):
+        """A PeerInfo to download slices from, when this backbone serves them (else None)."""
+        if not self.serves_shards or not self.addrs:
+            return None
+        import multiaddr
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+
+        return PeerInfo(ID.from_base58(self.peer), [multiaddr.Multiaddr(a) for a in self.addrs])
 
     @property
     def n_blocks(self) -> int:
@@ -94,19 +107,20 @@ class DemandRecord:
 
     @classmethod
     def make(cls, identity: Identity, *, model: str, layers, n_expert: int, block_size: int, unit_bytes,
-             demand, ttl_s: float = DEFAULT_DEMAND_TTL_S, seq: int | None = None,
-             now: float | None = None) -> "DemandRecord":
+             demand, ttl_s: float = DEFAULT_DEMAND_TTL_S, seq: int | None = None, addrs=(),
+             serves_shards: bool = False, now: float | None = None) -> "DemandRecord":
         now = time.time() if now is None else now
         rec = cls(identity.peer_id_str, model, tuple(int(x) for x in layers), int(n_expert), int(block_size),
                   tuple(int(x) for x in unit_bytes), tuple(float(x) for x in demand),
-                  int(now * 1000) if seq is None else seq, int(now), int(now + ttl_s))
+                  int(now * 1000) if seq is None else seq, int(now), int(now + ttl_s), tuple(addrs)[:MAX_ADDRS],
+                  bool(serves_shards))
         return rec.sign(identity)
 
     def body(self) -> dict:
         return {"v": DEMAND_VERSION, "peer": self.peer, "model": self.model, "layers": list(self.layers),
                 "n_expert": self.n_expert, "block_size": self.block_size, "unit_bytes": list(self.unit_bytes),
                 "demand": np.asarray(self.demand, dtype="<f4").tobytes(), "seq": self.seq, "issued": self.issued,
-                "expires": self.expires}
+                "expires": self.expires, "addrs": list(self.addrs), "serves_shards": self.serves_shards}
 
     def sign(self, identity: Identity) -> "DemandRecord":
         if identity.peer_id_str != self.peer:
@@ -135,27 +149,10 @@ class DemandRecord:
     def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
                allow_expired: bool = False) -> "DemandRecord":
         """Decode and check; DemandError (one line) for anything not to be trusted."""
-        if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_DEMAND_BYTES:
-            raise DemandError("malformed demand record: not bytes, or too large")
-        try:
-            outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_DEMAND_BYTES)
-            body = outer["body"] if isinstance(outer, dict) else None
-            sig = outer["sig"] if isinstance(outer, dict) else None
-            if not isinstance(body, bytes) or not isinstance(sig, bytes):
-                raise ValueError
-            b = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=MAX_DEMAND_BYTES)
-        except Exception:
-            raise DemandError("malformed demand record: expected a map of body and sig bytes") from None
-        if not isinstance(b, dict) or b.get("v") != DEMAND_VERSION:
-            raise DemandError(f"demand record version {b.get('v') if isinstance(b, dict) else None!r} "
-                              f"is not {DEMAND_VERSION}")
-        rpeer = b.get("peer")
-        if not isinstance(rpeer, str) or not 0 < len(rpeer) <= 128:
-            raise DemandError("malformed demand record: no peer id")
-        if peer is not None and rpeer != peer:
-            raise DemandError(f"demand record names peer {rpeer[-12:]}, expected {peer[-12:]}")
-        if not verify_peer_signature(rpeer, SIGNING_DOMAIN + body, sig):
-            raise DemandError(f"demand record of {rpeer[-12:]} has a bad signature (forged or corrupted)")
+        from p2pswarm.net.records import open_signed  # noqa: PLC0415 - records imports this module lazily
+
+        b, rpeer = open_signed(data, what="demand record", error=DemandError, max_bytes=MAX_DEMAND_BYTES,
+                               version=DEMAND_VERSION, domain=SIGNING_DOMAIN, peer=peer)
         try:
             raw = b["demand"]
             if not isinstance(raw, bytes) or len(raw) % 4:
@@ -168,9 +165,13 @@ class DemandRecord:
                                for li in lists for x in li)
                     or not isinstance(b["model"], str) or not 0 < len(b["model"]) <= 128):
                 raise ValueError
+            addrs, serves = b.get("addrs", []), b.get("serves_shards", False)
+            if (not isinstance(addrs, list) or len(addrs) > MAX_ADDRS or not isinstance(serves, bool)
+                    or not all(isinstance(a, str) and 0 < len(a) <= 256 for a in addrs)):
+                raise ValueError
             rec = cls(rpeer, b["model"], tuple(b["layers"]), b["n_expert"], b["block_size"], tuple(b["unit_bytes"]),
                       tuple(float(x) for x in np.frombuffer(raw, dtype="<f4")), b["seq"], b["issued"], b["expires"],
-                      bytes(data))
+                      tuple(addrs), serves, bytes(data))
         except (KeyError, TypeError, ValueError):
             raise DemandError(f"malformed demand record of {rpeer[-12:]}") from None
         rec._check_shape()
@@ -201,15 +202,10 @@ class DemandValidator:
             raise
 
     def select(self, key: str, values: list[bytes]) -> int:
-        best, best_seq = 0, -1
-        for i, v in enumerate(values):
-            try:
-                seq = DemandRecord.verify(v, peer=peer_of_demand_key(key), allow_expired=True).seq
-            except DemandError:
-                continue
-            if seq > best_seq:
-                best, best_seq = i, seq
-        return best
+        from p2pswarm.net.records import newest_index  # noqa: PLC0415 - records imports this module lazily
+
+        return newest_index(values, lambda v: DemandRecord.verify(v, peer=peer_of_demand_key(key),
+                                                                  allow_expired=True).seq)
 
 
 def demand_vector(counter, layers, n_expert: int, block_size: int, now: float | None = None) -> list[float]:
@@ -283,6 +279,7 @@ class DemandPublisher:
         # once newer DHT servers are closer, look-ups converge on them and miss it.
         self.reprovide_s = self.period_s * 0.9 if reprovide_s is None else reprovide_s
         self.record: DemandRecord | None = None
+        self.serves_shards = False  # set once the backbone serves shard downloads (node --manifest)
         self.rounds = 0
         self._provided_at = -math.inf
 
@@ -291,7 +288,8 @@ class DemandPublisher:
         return DemandRecord.make(self.identity, model=self.model, layers=self.layers, n_expert=self.n_expert,
                                  block_size=self.block_size, unit_bytes=self.unit_bytes,
                                  demand=demand_vector(self.counter, self.layers, self.n_expert, self.block_size),
-                                 ttl_s=self.ttl_s, seq=seq)
+                                 ttl_s=self.ttl_s, seq=seq, addrs=self.dht.net.addrs(),
+                                 serves_shards=self.serves_shards)
 
     async def publish(self) -> int:
         """Put a fresh record; provide the market key when due. Returns peers that stored the record."""

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgpack
 import multiaddr
@@ -181,31 +182,8 @@ class NodeRecord:
     def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
                allow_expired: bool = False) -> "NodeRecord":
         """Decode and check a record; RecordError (one line) for anything we must not trust."""
-        if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_RECORD_BYTES:
-            raise RecordError("malformed node record: not bytes, or too large")
-        try:
-            outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_RECORD_BYTES)
-        except Exception as exc:
-            raise RecordError(f"malformed node record: {type(exc).__name__}") from None
-        if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes) or not isinstance(outer.get("sig"), bytes):
-            raise RecordError("malformed node record: expected a map of body and sig bytes")
-        body_bytes, sig = outer["body"], outer["sig"]
-        try:
-            b = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True)
-        except Exception as exc:
-            raise RecordError(f"malformed node record body: {type(exc).__name__}") from None
-        if not isinstance(b, dict):
-            raise RecordError("malformed node record body: not a map")
-        if b.get("v") != RECORD_VERSION:
-            raise RecordError(f"node record version {b.get('v')!r} is not {RECORD_VERSION}")
-        rpeer = b.get("peer")
-        if not _short_str(rpeer):
-            raise RecordError("malformed node record: no peer id")
-        if peer is not None and rpeer != peer:
-            raise RecordError(f"node record names peer {rpeer[-12:]}, expected {peer[-12:]}")
-        # The signature check comes before any semantic check: a forged record tells us nothing.
-        if not verify_peer_signature(rpeer, SIGNING_DOMAIN + body_bytes, sig):
-            raise RecordError(f"node record of {rpeer[-12:]} has a bad signature (forged or corrupted)")
+        b, rpeer = open_signed(data, what="node record", error=RecordError, max_bytes=MAX_RECORD_BYTES,
+                               version=RECORD_VERSION, domain=SIGNING_DOMAIN, peer=peer)
         try:
             rec = cls(
                 peer=rpeer,
@@ -275,6 +253,39 @@ class NodeRecord:
         return sorted(set(out))
 
 
+def open_signed(data: bytes, *, what: str, error: type[UserError], max_bytes: int, version: int, domain: bytes,
+                peer: str | None) -> tuple[dict, str]:
+    """Decode a signed record ``{"body": bin, "sig": bin}`` and check its version, signer and
+    Ed25519 signature over ``domain + body``; returns (body map, signer peer id). ``error`` (one
+    line naming ``what``) for anything else. Node records and demand records share this."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > max_bytes:
+        raise error(f"malformed {what}: not bytes, or too large")
+    try:
+        outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=max_bytes)
+    except Exception as exc:
+        raise error(f"malformed {what}: {type(exc).__name__}") from None
+    if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes) or not isinstance(outer.get("sig"), bytes):
+        raise error(f"malformed {what}: expected a map of body and sig bytes")
+    body_bytes, sig = outer["body"], outer["sig"]
+    try:
+        b = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True, max_bin_len=max_bytes)
+    except Exception as exc:
+        raise error(f"malformed {what} body: {type(exc).__name__}") from None
+    if not isinstance(b, dict):
+        raise error(f"malformed {what} body: not a map")
+    if b.get("v") != version:
+        raise error(f"{what} version {b.get('v')!r} is not {version}")
+    rpeer = b.get("peer")
+    if not _short_str(rpeer):
+        raise error(f"malformed {what}: no peer id")
+    if peer is not None and rpeer != peer:
+        raise error(f"{what} names peer {rpeer[-12:]}, expected {peer[-12:]}")
+    # The signature check comes before any semantic check: a forged record tells us nothing.
+    if not verify_peer_signature(rpeer, domain + body_bytes, sig):
+        raise error(f"{what} of {rpeer[-12:]} has a bad signature (forged or corrupted)")
+    return b, rpeer
+
+
 def node_record_key(peer) -> str:
     """DHT key of a peer's node record (``peer``: base58 string or libp2p ID)."""
     return NODE_RECORD_PREFIX + (peer.to_base58() if hasattr(peer, "to_base58") else str(peer))
@@ -334,15 +345,22 @@ class NodeRecordValidator:
         other = _other_kind(key)
         if other is not None:
             return other.select(key, values)
-        best, best_seq = 0, -1
-        for i, v in enumerate(values):
-            try:
-                seq = NodeRecord.verify(v, peer=peer_of_record_key(key), allow_expired=True).seq
-            except RecordError:
-                continue
-            if seq > best_seq:
-                best, best_seq = i, seq
-        return best
+        return newest_index(values, lambda v: NodeRecord.verify(v, peer=peer_of_record_key(key),
+                                                                allow_expired=True).seq)
+
+
+def newest_index(values: list[bytes], seq_of: Callable[[bytes], int]) -> int:
+    """Index of the value with the highest sequence number (``seq_of`` raises UserError for a
+    value that does not verify; such values are skipped); 0 when none verifies."""
+    best, best_seq = 0, -1
+    for i, v in enumerate(values):
+        try:
+            seq = seq_of(v)
+        except UserError:
+            continue
+        if seq > best_seq:
+            best, best_seq = i, seq
+    return best
 
 
 def worker_shard_hash(worker) -> str:
