@@ -129,15 +129,17 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for (n, placement), r in results.items():
-        style = "-" if placement == "market" else "--"
-        ax.plot(range(1, args.rounds + 1), np.array(r["after_leave"]) * 100, style, label=f"{placement}, {n:,} phones")
-    ax.axhline(99, color="grey", lw=0.8, ls=":")
+    for k, ((n, placement), r) in enumerate(results.items()):
+        color = f"C{k}"
+        x = range(1, args.rounds + 1)
+        ax.plot(x, np.array(r["end"]) * 100, "-", color=color, label=f"{placement}, {n:,} phones: end of round")
+        ax.plot(x, np.array(r["after_leave"]) * 100, ":", color=color, label=f"{placement}, {n:,} phones: after departures")
+    ax.axhline(99, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("round (each: ~%d%% of phones leave and are replaced)" % round(args.churn * 100))
-    ax.set_ylabel("% of units with >= 2 live replicas\n(right after the departures)")
+    ax.set_ylabel("% of units with >= 2 live replicas")
     ax.set_title("Coverage market vs random placement, 122B geometry (1,568 units of 42 MB)")
     ax.set_ylim(0, 101)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(args.plot, dpi=110)
     print(f"plot: {args.plot}")
@@ -160,8 +162,10 @@ def main() -> None:
                      f"{r['slots'] / r['units']:.2f} | {np.mean(r['moves'][w:]):.0f} | {r['seconds']:.0f} |\n")
     for n in pops:
         m, b = results[(n, "market")], results[(n, "random")]
-        lines.append(f"\n{n:,} phones: units with < 2 live replicas right after departures, random / market = "
-                     f"{(1 - np.mean(b['after_leave'][w:])) / max(1e-9, 1 - np.mean(m['after_leave'][w:])):.1f}x.")
+        short_b, short_m = 1 - np.mean(b["after_leave"][w:]), 1 - np.mean(m["after_leave"][w:])
+        ratio = "both none" if max(short_b, short_m) < 1e-9 else (
+            "market none" if short_m < 1e-9 else f"random / market = {short_b / short_m:.1f}x")
+        lines.append(f"\n{n:,} phones: units with < 2 live replicas right after departures: {ratio}.")
     publish("".join(lines) + "\n", args.write)
 
 
