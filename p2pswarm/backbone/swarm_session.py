@@ -11,6 +11,9 @@ recomputes a sample (``verify_rate``) of every worker's outputs and bans a worke
 (:class:`~p2pswarm.market.bans.BanKeeper`: a signed ban record in the DHT, honoured by backbones
 that trust us); it credits the work it used to each worker and sends signed receipts every
 ``receipt_period_s`` and once more on the way out.
+
+It also publishes the backbone's signed demand record (:mod:`p2pswarm.market.demand`: the
+dispatcher's decayed routing counts per unit) for workers that enrol by themselves (``--auto``).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class SwarmBackbone:
     pool: SwarmOwners
     bans: BanKeeper | None = None
     receipts: ReceiptIssuer | None = None
+    demand: object = None  # its DemandPublisher (None for a short-lived backbone)
 
     @property
     def backbone(self):
@@ -57,12 +61,13 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                               refresh_s: float = 30.0, dht_server: bool = True,
                               verify_rate: float = DEFAULT_VERIFY_RATE, verify_seed: int | None = None,
                               trust_bans: list[str] = (), receipt_period_s: float = 60.0,
-                              ban_refresh_s: float = 30.0):
+                              ban_refresh_s: float = 30.0, demand_ttl_s: float | None = None):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
     things up but does not join other nodes' routing tables, where it would linger as a dead or
     unresponsive entry after it exits. ``verify_rate``: the fraction of remote output rows
     recomputed locally (0 turns verification off); ``trust_bans``: backbones whose ban records
-    we honour besides our own."""
+    we honour besides our own. ``demand_ttl_s``: lifetime of the published demand record
+    (re-published every third of it; default 120 s); a short-lived backbone publishes none."""
     async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads) as local:
         layout = ModelLayout.open(model_path)
         bank = local.backbone.dispatcher.local.bank
@@ -98,10 +103,20 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                         await nursery.start(resolver.run)
                         nursery.start_soon(pool.keepalive)
                         nursery.start_soon(issuer.run)
+                        publisher = None
+                        if dht_server:
+                            from p2pswarm.market.demand import DEFAULT_DEMAND_TTL_S, DemandPublisher
+
+                            publisher = DemandPublisher(
+                                dht, net.identity, local.backbone.dispatcher.demand, model=local.fingerprint,
+                                layers=layout.expert_layers, n_expert=layout.n_expert, block_size=block_size,
+                                unit_bytes=[layout.expert_bytes(layer) * block_size for layer in layout.expert_layers],
+                                ttl_s=demand_ttl_s or DEFAULT_DEMAND_TTL_S)
+                            nursery.start_soon(publisher.run)
                         cmap = resolver.map
                         log.info("coverage: %d units, %d missing (computed locally), %d remote owners",
                                  len(cmap.units), len(cmap.missing()), len(pool.owners))
-                        yield SwarmBackbone(local, net, resolver, pool, bans, issuer)
+                        yield SwarmBackbone(local, net, resolver, pool, bans, issuer, publisher)
                         nursery.cancel_scope.cancel()
                 finally:
                     with trio.CancelScope(shield=True):

@@ -90,6 +90,8 @@ def add_swarm_args(p) -> None:
                    help="--swarm: re-resolve the expert owners through the DHT this often (default 30; "
                         "also at once whenever an owner fails)")
     add_market_args(p, "--swarm: ")
+    p.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="--swarm: experts per coverage unit, as the swarm's nodes use (default 8)")
     add_kernel_args(p)
 
 
@@ -114,11 +116,16 @@ def open_model(args):
         if not args.refresh > 0:
             raise UserError("--refresh must be > 0 seconds")
         from p2pswarm.net.identity import load_or_create_identity
+        from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 
         identity = load_or_create_identity(args.swarm_identity, exclusive=True) if args.swarm_identity else None
+
+        block_size = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
+        if block_size < 1:
+            raise UserError("--block-size must be >= 1")
         return open_swarm_backbone(args.model, bootstrap=args.swarm, kernel=args.kernel, threads=args.threads,
                                    timeout_s=args.timeout, refresh_s=args.refresh, dht_server=False,
-                                   identity=identity, **market_kwargs(args))
+                                   identity=identity, block_size=block_size, **market_kwargs(args))
     return open_backbone(args.model, workers=args.workers, transport=args.transport, fallback=not args.no_fallback,
                          timeout_s=args.timeout, kernel=args.kernel, threads=args.threads)
 

@@ -1,7 +1,10 @@
 """`p2pswarm node --role worker|backbone`: a swarm node on libp2p. No coordinator.
 
 * worker: serves its shard on `/p2pswarm/expert/1.0.0`, provides a signed DHT record for every
-  coverage unit it holds (re-provided before expiry, withdrawn on a clean shutdown).
+  coverage unit it holds (re-provided before expiry, withdrawn on a clean shutdown). With
+  ``--auto --memory SIZE`` it picks its units itself from the backbones' demand records and the
+  coverage in the DHT, downloads only those, and re-evaluates every ``--enrol-period``
+  (docs/market.md).
 * backbone: holds the dense path and every expert as fallback, finds owners and replicas through DHT
   look-ups, and serves the OpenAI API (`/v1/chat/completions`, `/v1/completions`), a status page and
   `/metrics` over local HTTP (docs/api.md).
@@ -104,6 +107,9 @@ def add_parser(sub) -> None:
                    help="worker: lifetime in seconds of its signed DHT record, re-published every third of it; "
                         f"killed, it drops out of look-ups within one TTL (default {DEFAULT_RECORD_TTL_S:.0f})")
     p.add_argument("--timeout", type=float, default=30.0, help="backbone: seconds to wait for a worker")
+    p.add_argument("--demand-ttl", type=float, default=None, metavar="SECONDS",
+                   help="backbone: lifetime of its signed demand record in the DHT, re-published every third of it "
+                        "(default 120; docs/market.md)")
     p.add_argument("--token-budget", type=positive_int, default=256,
                    help="backbone: rows per batched step, decode rows first, then prefill chunks (default 256)")
     p.add_argument("--prefill-chunk", type=positive_int, default=32,
@@ -127,7 +133,17 @@ def add_parser(sub) -> None:
                         "found in the DHT) when its relay dies or is full. `--relay auto`: find relays through "
                         "--bootstrap in the DHT")
     p.add_argument("--token", help="worker: node token (or a file holding it) to show the relay "
-                                   "(`p2pswarm token issue --allow relay`)")
+                                   "(`p2pswarm token issue --allow relay`) and/or the shard sources "
+                                   "(--allow shard:FINGERPRINT)")
+    p.add_argument("--auto", action="store_true",
+                   help="worker: enrol by itself - read demand and coverage from the DHT, hold the highest-reward "
+                        "units that fit --memory, download only them (needs --token with a shard:FINGERPRINT scope "
+                        "and --trust-issuer), re-evaluate every --enrol-period (docs/market.md); --model "
+                        "FINGERPRINT picks the model when backbones serve several")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="worker --auto: bytes of expert weights it may hold, e.g. 340MB, 1.5GB, 512MiB")
+    p.add_argument("--enrol-period", type=float, default=60.0, metavar="SECONDS",
+                   help="worker --auto: seconds between re-evaluations, jittered +-25%% (default 60)")
     p.add_argument("--receipts-dir", metavar="DIR",
                    help="worker: keep the contribution receipts backbones sign here (default "
                         "$P2PSWARM_HOME/receipts/<peer id>; `p2pswarm rewards` lists them)")
@@ -147,7 +163,7 @@ async def _worker(args) -> None:
 
     identity = load_or_create_identity(args.identity or default_identity_path("worker"), exclusive=True)
     worker = info = entry = None
-    if not args.fetch:
+    if not args.fetch and not args.auto:
         worker, info, entry = _load_shard(args.shard, args)
     keeper = None
     relayed = bool(args.relay) or getattr(args, "relay_auto", False)
@@ -169,6 +185,9 @@ async def _worker(args) -> None:
                             "backbone will find its experts unless it bootstraps from this worker's own address; "
                             "pass --bootstrap MULTIADDR (a bootstrap node's READY address) or --relay MULTIADDR",
                             net.peer_id_str)
+            if args.auto:
+                await _auto_worker(args, net, dht, identity, keeper)
+                return
             if args.fetch:
                 shard = await _fetch_shard(args, net, dht, identity)
                 worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
@@ -199,6 +218,42 @@ async def _worker(args) -> None:
             log.info("withdrew my records; bye")
 
 
+async def _auto_worker(args, net, dht, identity, keeper) -> None:
+    """The ``--auto`` worker inside its host and DHT: enrol, serve, re-evaluate until a signal."""
+    from p2pswarm.engine.kernels import kernel_id
+    from p2pswarm.market.auto import AutoWorker
+    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.worker.server import ServeStats, serve_libp2p_shards
+
+    from p2pswarm.market.receipts import ReceiptStore, default_receipts_dir
+
+    home = settings.home_dir()
+    auto = AutoWorker(net, dht, identity, memory=args.memory_bytes, token=args.node_token,
+                      trusted_issuers=args.trust_issuer, load_shard=lambda path: _load_shard(path, args),
+                      kernel=kernel_id(args.kernel), protocol=proto.PROTOCOL_VERSION, home=home,
+                      model=args.model, ttl_s=args.ttl, period_s=args.enrol_period)
+    served = ServeStats()
+    receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str, identity.peer_id_str)
+    serve_libp2p_shards(net, auto.shards, stats=served, receipts=receipts)
+    async with trio.open_nursery() as nursery:
+        if keeper is not None:
+            async def rejoin() -> None:
+                await dht.bootstrap([keeper.relay_addr])
+                if auto.advertiser is not None:
+                    await auto.advertiser.publish()
+                log.info("re-published my records through the relay")
+
+            keeper.on_reserved = rejoin
+            nursery.start_soon(keeper.keep)
+        await nursery.start(auto.run)
+        await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(net)[0]}")
+    with trio.CancelScope(shield=True):
+        await auto.withdraw()
+    log.info("served %d expert requests (%d rows) for %d peers in %d evaluations; stored %d receipts in %s; "
+             "withdrew my records; bye", served.requests, served.rows, len(served.peers), auto.evaluations,
+             receipts.stored, receipts.dir)
+
+
 async def _serve_shards(args, swarm, nursery) -> None:
     """Serve `/p2pswarm/shard/1.0.0` from the full model to holders of tokens by a trusted issuer
     (default: the manifest's own issuer), and provide the model's source key in the DHT."""
@@ -211,6 +266,9 @@ async def _serve_shards(args, swarm, nursery) -> None:
     manifest.verify(trusted_issuers=trusted, fingerprint=swarm.local.fingerprint)
     gate = TokenGate(trusted, what="shard server")
     await nursery.start(run_shard_source, swarm.net, swarm.resolver.dht, args.model, manifest, gate)
+    if swarm.demand is not None:  # `--auto` workers download from the backbones their demand records name
+        swarm.demand.serves_shards = True
+        await swarm.demand.publish()
     log.info("serving shard downloads of model %s to holders of tokens issued by %s", swarm.local.fingerprint,
              ", ".join(trusted))
 
@@ -290,7 +348,7 @@ async def _backbone(args) -> None:
                                    listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
                                    block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout,
-                                   **market_kwargs(args)) as swarm:
+                                   demand_ttl_s=args.demand_ttl, **market_kwargs(args)) as swarm:
         # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
                  swarm.local.fingerprint, swarm.resolver.kernel)
@@ -346,7 +404,31 @@ def bind_http(text: str) -> socket.socket | None:
 
 def _check_worker_source(args) -> None:
     """A worker serves a shard file (--shard), or downloads its slice first (--model FINGERPRINT
-    --layers --experts --token --trust-issuer; --shard then names where it goes)."""
+    --layers --experts --token --trust-issuer; --shard then names where it goes), or enrols by
+    itself (--auto --memory SIZE --token TOKEN --trust-issuer PEER_ID)."""
+    if args.auto:
+        from p2pswarm.market.auto import parse_size
+        from p2pswarm.net.tokens import load_token
+
+        clash = [f for f, v in (("--shard", args.shard), ("--layers", args.layers), ("--experts", args.experts))
+                 if v]
+        if clash:
+            raise UserError(f"--auto picks its own units: drop {', '.join(clash)}")
+        missing = [f for f, v in (("--memory", args.memory), ("--token", args.token),
+                                  ("--trust-issuer", args.trust_issuer)) if not v]
+        if missing:
+            raise UserError(f"--auto needs {', '.join(missing)} (the token with a shard:FINGERPRINT scope)")
+        if args.model is not None:
+            if not re.fullmatch(r"[0-9a-fA-F]{64}", args.model):
+                raise UserError(f"--model {args.model[:70]!r}: with --auto, a model fingerprint (64 hex digits)")
+            args.model = args.model.lower()
+        if not args.enrol_period > 0:
+            raise UserError("--enrol-period must be > 0 seconds")
+        args.memory_bytes = parse_size(args.memory)
+        args.node_token = load_token(args.token)
+        return
+    if args.memory:
+        raise UserError("--memory is for --auto workers")
     if not args.model:
         if not args.shard:
             raise UserError("--role worker needs --shard SHARD.gguf, or --model FINGERPRINT --layers A-B "
@@ -375,10 +457,14 @@ def run(args) -> int:
     args.http_socket = None
     if args.role == "worker":
         _check_worker_source(args)
+    elif args.auto:
+        raise UserError("--auto is for --role worker")
     if args.role == "backbone" and not args.model:
         raise UserError("--role backbone needs --model MODEL.gguf")
     if args.block_size < 1:
         raise UserError("--block-size must be >= 1")
+    if args.demand_ttl is not None and not args.demand_ttl >= 3:
+        raise UserError("--demand-ttl must be at least 3 seconds")
     if args.role == "backbone":
         from p2pswarm.commands.common import require_full_model
 

@@ -13,10 +13,16 @@ as its least-covered expert (workers holding experts 0-5 and 6-10 cover the unit
 once, not twice). Workers the backbone cannot use (another kernel, block size, protocol or model)
 are listed as ``refused: <reason>``, the same check and wording as the backbone's log, against the
 kernel named by ``--kernel`` (by default the one this machine would run).
+
+The coverage market (docs/market.md): the backbones' signed demand records for the model are read
+too, and each unit's demand (summed over backbones, as a multiple of the mean unit's) and reward
+(:func:`p2pswarm.market.reward.reward` at its live replica count: what a newly enrolling worker
+would be offered) are shown beside its replicas.
 """
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import trio
@@ -104,6 +110,9 @@ async def _status(args) -> dict:
         cmap = await resolver.refresh()
         infos = cmap.peers()
         probes = {} if args.no_probe else await _probe_all(net, infos, fp, kernel, args.probe_timeout)
+        from p2pswarm.market.demand import find_demand
+
+        demand_records = [r for r in await find_demand(dht) if r.model == fp]
     now = time.time()
 
     peers: dict[str, dict] = {}
@@ -131,10 +140,30 @@ async def _status(args) -> dict:
     counts: dict[str, int] = {}
     for p in peers.values():
         counts[p["status"]] = counts.get(p["status"], 0) + 1
+    market = _market(demand_records, replicas, layout.expert_layers, n_blocks, args.block_size)
     return {"model": fp, "kernel": kernel, "block_size": args.block_size, "layers": list(layout.expert_layers),
             "blocks": n_blocks, "units": len(replicas), "probed": not args.no_probe,
             "replicas": {f"{u.layer}/{u.block}": n for u, n in sorted(replicas.items())},
-            "missing": sum(1 for n in replicas.values() if n == 0), "counts": counts, "peers": peers}
+            "missing": sum(1 for n in replicas.values() if n == 0), "counts": counts, "peers": peers,
+            "market": market}
+
+
+def _market(records, replicas: dict, layers, n_blocks: int, block_size: int) -> dict:
+    """Demand (multiple of the mean unit's; summed over backbones) and reward of every unit."""
+    import numpy as np
+
+    from p2pswarm.market.reward import normalised_demand, reward
+
+    keys = [(layer, b) for layer in layers for b in range(n_blocks)]
+    usable = [r for r in records if r.block_size == block_size and tuple(r.layers) == tuple(layers)
+              and r.n_blocks == n_blocks]
+    demand = np.sum([np.asarray(r.demand) for r in usable], axis=0) if usable else np.zeros(len(keys))
+    by_unit = {(u.layer, u.block): n for u, n in replicas.items()}
+    reps = np.array([by_unit.get(k, 0) for k in keys], dtype=np.float64)
+    d_hat, w = normalised_demand(demand), reward(demand, reps)
+    return {"backbones": len(usable), "ignored": len(records) - len(usable),
+            "units": {f"{layer}/{b}": {"demand": round(float(d_hat[i]), 3), "reward": float(w[i])}
+                      for i, (layer, b) in enumerate(keys)}}
 
 
 def _describe(peer: str, p: dict) -> str:
@@ -174,6 +203,16 @@ def run(args) -> int:
     for layer in st["layers"]:
         cells = [st["replicas"].get(f"{layer}/{b}", 0) for b in range(st["blocks"])]
         print(f"{layer:>5}  " + " ".join("." if c == 0 else str(min(c, 9)) for c in cells))
+    m = st["market"]
+    print(f"demand per block ({m['backbones']} backbone demand record(s); x the mean unit's; "
+          f"'-' = no record)" + (f"; {m['ignored']} record(s) of another block size ignored" if m["ignored"] else ""))
+    for layer in st["layers"]:
+        cells = [m["units"][f"{layer}/{b}"]["demand"] for b in range(st["blocks"])]
+        print(f"{layer:>5}  " + " ".join("-" if not m["backbones"] else f"{c:.1f}" for c in cells))
+    print("reward per block (log10 of f(demand, live replicas): 8+ = uncovered, 4+ = one replica; docs/market.md)")
+    for layer in st["layers"]:
+        cells = [m["units"][f"{layer}/{b}"]["reward"] for b in range(st["blocks"])]
+        print(f"{layer:>5}  " + " ".join(f"{math.log10(c):.1f}" for c in cells))
     order = ("live", "unprobed", "unreachable", "refused", "gone")
     c = st["counts"]
     print("peers: " + ", ".join(f"{c.get(s, 0)} {'listed' if s == 'unprobed' else s}" for s in order

@@ -57,6 +57,18 @@ class ShardAdvertiser:
         self.provide_rounds = 0  # rounds of provider records sent
         self._provided_at = -math.inf
 
+    async def set_shards(self, shards: Sequence[ShardEntry]) -> int:
+        """Serve ``shards`` from now on (``node --auto`` re-enrolling): units no longer held are no
+        longer provided, and a new record (higher seq) plus provider records of the new units go
+        out at once. Returns how many units reached the DHT."""
+        self.shards = tuple(shards)
+        units = sorted({u for s in self.shards for u in units_for(s.model, s.layers, s.experts, self.block_size)})
+        for u in set(self.units) - set(units):
+            self.dht.stop_providing(u.key())
+        self.units = units
+        self.model_keys = sorted({model_key(s.model) for s in self.shards})
+        return await self.publish()
+
     def _record(self, withdrawn: bool = False) -> NodeRecord:
         addrs = self.dht.net.addrs()
         if not addrs and not withdrawn:

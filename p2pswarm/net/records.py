@@ -28,6 +28,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import msgpack
 import multiaddr
@@ -181,31 +182,8 @@ class NodeRecord:
     def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
                allow_expired: bool = False) -> "NodeRecord":
         """Decode and check a record; RecordError (one line) for anything we must not trust."""
-        if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_RECORD_BYTES:
-            raise RecordError("malformed node record: not bytes, or too large")
-        try:
-            outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_RECORD_BYTES)
-        except Exception as exc:
-            raise RecordError(f"malformed node record: {type(exc).__name__}") from None
-        if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes) or not isinstance(outer.get("sig"), bytes):
-            raise RecordError("malformed node record: expected a map of body and sig bytes")
-        body_bytes, sig = outer["body"], outer["sig"]
-        try:
-            b = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True)
-        except Exception as exc:
-            raise RecordError(f"malformed node record body: {type(exc).__name__}") from None
-        if not isinstance(b, dict):
-            raise RecordError("malformed node record body: not a map")
-        if b.get("v") != RECORD_VERSION:
-            raise RecordError(f"node record version {b.get('v')!r} is not {RECORD_VERSION}")
-        rpeer = b.get("peer")
-        if not short_str(rpeer):
-            raise RecordError("malformed node record: no peer id")
-        if peer is not None and rpeer != peer:
-            raise RecordError(f"node record names peer {rpeer[-12:]}, expected {peer[-12:]}")
-        # The signature check comes before any semantic check: a forged record tells us nothing.
-        if not verify_peer_signature(rpeer, SIGNING_DOMAIN + body_bytes, sig):
-            raise RecordError(f"node record of {rpeer[-12:]} has a bad signature (forged or corrupted)")
+        b, rpeer = open_signed(data, what="node record", error=RecordError, max_bytes=MAX_RECORD_BYTES,
+                               version=RECORD_VERSION, domain=SIGNING_DOMAIN, peer=peer)
         try:
             rec = cls(
                 peer=rpeer,
@@ -275,6 +253,39 @@ class NodeRecord:
         return sorted(set(out))
 
 
+def open_signed(data: bytes, *, what: str, error: type[UserError], max_bytes: int, version: int, domain: bytes,
+                peer: str | None) -> tuple[dict, str]:
+    """Decode a signed record ``{"body": bin, "sig": bin}`` and check its version, signer and
+    Ed25519 signature over ``domain + body``; returns (body map, signer peer id). ``error`` (one
+    line naming ``what``) for anything else. Node records and demand records share this."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > max_bytes:
+        raise error(f"malformed {what}: not bytes, or too large")
+    try:
+        outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=max_bytes)
+    except Exception as exc:
+        raise error(f"malformed {what}: {type(exc).__name__}") from None
+    if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes) or not isinstance(outer.get("sig"), bytes):
+        raise error(f"malformed {what}: expected a map of body and sig bytes")
+    body_bytes, sig = outer["body"], outer["sig"]
+    try:
+        b = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True, max_bin_len=max_bytes)
+    except Exception as exc:
+        raise error(f"malformed {what} body: {type(exc).__name__}") from None
+    if not isinstance(b, dict):
+        raise error(f"malformed {what} body: not a map")
+    if b.get("v") != version:
+        raise error(f"{what} version {b.get('v')!r} is not {version}")
+    rpeer = b.get("peer")
+    if not short_str(rpeer):
+        raise error(f"malformed {what}: no peer id")
+    if peer is not None and rpeer != peer:
+        raise error(f"{what} names peer {rpeer[-12:]}, expected {peer[-12:]}")
+    # The signature check comes before any semantic check: a forged record tells us nothing.
+    if not verify_peer_signature(rpeer, domain + body_bytes, sig):
+        raise error(f"{what} of {rpeer[-12:]} has a bad signature (forged or corrupted)")
+    return b, rpeer
+
+
 def node_record_key(peer) -> str:
     """DHT key of a peer's node record (``peer``: base58 string or libp2p ID)."""
     return NODE_RECORD_PREFIX + (peer.to_base58() if hasattr(peer, "to_base58") else str(peer))
@@ -284,15 +295,43 @@ def peer_of_record_key(key: str) -> str | None:
     return key[len(NODE_RECORD_PREFIX):] if key.startswith(NODE_RECORD_PREFIX) else None
 
 
+def record_kinds() -> dict:
+    """Other signed record kinds in the ``/p2pswarm/`` namespace, by key prefix -> validator (an
+    object with ``validate(key, value)`` and ``select(key, values)``). Imported lazily: the market
+    code imports this module."""
+    from p2pswarm.market.bans import BAN_PREFIX, BanValidator  # noqa: PLC0415
+    from p2pswarm.market.demand import DEMAND_PREFIX, DemandValidator  # noqa: PLC0415
+
+    global _RECORD_KINDS
+    if _RECORD_KINDS is None:
+        _RECORD_KINDS = {DEMAND_PREFIX: DemandValidator(), BAN_PREFIX: BanValidator()}
+    return _RECORD_KINDS
+
+
+_RECORD_KINDS: dict | None = None
+
+
+def _other_kind(key: str):
+    return next((v for prefix, v in record_kinds().items() if key.startswith(prefix)), None)
+
+
 class NodeRecordValidator:
     """(A py-libp2p ``Validator``: it only needs these two methods.) The DHT-side check for ``/p2pswarm/...`` values: a DHT server running it refuses to store a
     forged, malformed or foreign-keyed record, and ``select`` keeps the newest (highest seq).
-    ``rejected`` counts refusals (the resolver reports them)."""
+    ``rejected`` counts refusals (the resolver reports them). Keys of another kind
+    (:func:`record_kinds`: demand and ban records) go to that kind's validator."""
 
     def __init__(self) -> None:
         self.rejected = 0
 
     def validate(self, key: str, value: bytes) -> None:
+        other = _other_kind(key)
+        if other is not None:
+            try:
+                return other.validate(key, value)
+            except UserError:
+                self.rejected += 1
+                raise
         peer = peer_of_record_key(key)
         try:
             if peer is None:
@@ -304,33 +343,25 @@ class NodeRecordValidator:
             raise
 
     def select(self, key: str, values: list[bytes]) -> int:
-        best, best_seq = 0, -1
-        for i, v in enumerate(values):
-            try:
-                seq = NodeRecord.verify(v, peer=peer_of_record_key(key), allow_expired=True).seq
-            except RecordError:
-                continue
-            if seq > best_seq:
-                best, best_seq = i, seq
-        return best
+        other = _other_kind(key)
+        if other is not None:
+            return other.select(key, values)
+        return newest_index(values, lambda v: NodeRecord.verify(v, peer=peer_of_record_key(key),
+                                                                allow_expired=True).seq)
 
 
-class PrefixValidator:
-    """(A py-libp2p ``Validator``.) One namespace, several record types: a key under one of
-    ``by_prefix`` goes to that type's validator, any other to ``default`` (node records)."""
-
-    def __init__(self, default, by_prefix: dict | None = None) -> None:
-        self.default = default
-        self.by_prefix = dict(by_prefix or {})
-
-    def for_key(self, key: str):
-        return next((v for p, v in self.by_prefix.items() if key.startswith(p)), self.default)
-
-    def validate(self, key: str, value: bytes) -> None:
-        self.for_key(key).validate(key, value)
-
-    def select(self, key: str, values: list[bytes]) -> int:
-        return self.for_key(key).select(key, values)
+def newest_index(values: list[bytes], seq_of: Callable[[bytes], int]) -> int:
+    """Index of the value with the highest sequence number (``seq_of`` raises UserError for a
+    value that does not verify; such values are skipped); 0 when none verifies."""
+    best, best_seq = 0, -1
+    for i, v in enumerate(values):
+        try:
+            seq = seq_of(v)
+        except UserError:
+            continue
+        if seq > best_seq:
+            best, best_seq = i, seq
+    return best
 
 
 def worker_shard_hash(worker) -> str:

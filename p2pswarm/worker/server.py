@@ -66,12 +66,18 @@ def _shard_of(worker: ExpertWorker) -> str:
     return worker_shard_hash(worker)
 
 
-async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAULT_MAX_FRAME,
-                            shard: str | None = None, stats: ServeStats | None = None, receipts=None) -> None:
+async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int = DEFAULT_MAX_FRAME,
+                            shard: str | None = None, stats: ServeStats | None = None,
+                            shards: dict[str, ExpertWorker] | None = None, receipts=None) -> None:
     """Serve one connection/stream until the peer closes it. ``shard``: our shard hash for the
-    hello (default: derived from the worker's shard file). ``receipts``: a
-    :class:`p2pswarm.market.receipts.ReceiptStore` keeping the contribution receipts backbones send."""
-    if shard is None:
+    hello (default: derived from the worker's shard file). ``shards``: a node serving several
+    shards (``node --auto``): shard hash -> worker, read at each hello (so shards can come and go);
+    the peer's hello names the shard it wants, and the stream is served by that worker.
+    ``receipts``: a :class:`p2pswarm.market.receipts.ReceiptStore` keeping the contribution
+    receipts backbones send."""
+    if shards is not None:
+        worker = shard = None
+    elif shard is None:
         shard = _shard_of(worker)
     reader = FrameReader(stream, max_frame)
     peer = _peer_name(stream)
@@ -91,6 +97,16 @@ async def handle_connection(stream, worker: ExpertWorker, max_frame: int = DEFAU
             op = msg["op"]
             rid = msg.get("id") if isinstance(msg.get("id"), int) else None
             if op == "hello":
+                if shards is not None:
+                    want = msg.get("shard")
+                    if not isinstance(want, str) or want not in shards:
+                        await _refuse_and_close(stream, proto.pack({
+                            "op": "hello", "ok": False, "protocol": proto.PROTOCOL_VERSION,
+                            "error": f"shard {clip(want, 80)} is not served here (any more)"}), max_frame)
+                        if stats is not None:
+                            stats.refused += 1
+                        return
+                    worker, shard = shards[want], want
                 reason = check_hello(msg, worker, shard)
                 info = worker.info
                 reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
@@ -199,6 +215,16 @@ async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, m
     if ready is not None:
         ready(bound[0], bound[1])
     await trio.serve_listeners(partial(handle_connection, worker=worker, max_frame=max_frame), listeners)
+
+
+def serve_libp2p_shards(net, shards: dict[str, ExpertWorker], *, max_frame: int = DEFAULT_MAX_FRAME,
+                        stats: ServeStats | None = None, receipts=None) -> None:
+    """Serve every worker of ``shards`` (shard hash -> worker; the dict may change while serving)
+    on ``/p2pswarm/expert/1.0.0``: each stream's hello picks its shard."""
+    from p2pswarm.net.host import PROTOCOL_EXPERT  # noqa: PLC0415 - keeps socket workers free of libp2p
+
+    net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=None, max_frame=max_frame, stats=stats,
+                                             shards=shards, receipts=receipts))
 
 
 def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None,
