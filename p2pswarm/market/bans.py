@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from p2pswarm.market.signed import SignedError, field_int, field_str, open_sealed, seal
+from p2pswarm.net.signed import SignedError, field_int, field_str, open_sealed, seal
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NAMESPACE, RecordError
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pswarm import settings
-from p2pswarm.market.signed import SignedError, field_int, field_str, open_sealed, seal
+from p2pswarm.net.signed import SignedError, field_int, field_str, open_sealed, seal
 from p2pswarm.net.identity import Identity
 
 log = logging.getLogger("p2pswarm.market")

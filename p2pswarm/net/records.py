@@ -34,7 +34,8 @@ import msgpack
 import multiaddr
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.identity import Identity, verify_peer_signature
+from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed import SignedError, open_sealed
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -255,34 +256,18 @@ class NodeRecord:
 
 def open_signed(data: bytes, *, what: str, error: type[UserError], max_bytes: int, version: int, domain: bytes,
                 peer: str | None) -> tuple[dict, str]:
-    """Decode a signed record ``{"body": bin, "sig": bin}`` and check its version, signer and
-    Ed25519 signature over ``domain + body``; returns (body map, signer peer id). ``error`` (one
-    line naming ``what``) for anything else. Node records and demand records share this."""
-    if not isinstance(data, (bytes, bytearray)) or len(data) > max_bytes:
-        raise error(f"malformed {what}: not bytes, or too large")
+    """Open a signed record (:func:`p2pswarm.net.signed.open_sealed`, signer in ``body["peer"]``),
+    then check its version and, given ``peer``, that it names that peer; returns (body map, signer
+    peer id). ``error`` (one line naming ``what``) for anything else. Node and demand records use it."""
     try:
-        outer = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=max_bytes)
-    except Exception as exc:
-        raise error(f"malformed {what}: {type(exc).__name__}") from None
-    if not isinstance(outer, dict) or not isinstance(outer.get("body"), bytes) or not isinstance(outer.get("sig"), bytes):
-        raise error(f"malformed {what}: expected a map of body and sig bytes")
-    body_bytes, sig = outer["body"], outer["sig"]
-    try:
-        b = msgpack.unpackb(body_bytes, raw=False, strict_map_key=True, max_bin_len=max_bytes)
-    except Exception as exc:
-        raise error(f"malformed {what} body: {type(exc).__name__}") from None
-    if not isinstance(b, dict):
-        raise error(f"malformed {what} body: not a map")
+        b = open_sealed(data, domain, signer_field="peer", what=what, max_bytes=max_bytes)
+    except SignedError as exc:
+        raise error(str(exc)) from None
     if b.get("v") != version:
         raise error(f"{what} version {b.get('v')!r} is not {version}")
-    rpeer = b.get("peer")
-    if not short_str(rpeer):
-        raise error(f"malformed {what}: no peer id")
+    rpeer = b["peer"]
     if peer is not None and rpeer != peer:
         raise error(f"{what} names peer {rpeer[-12:]}, expected {peer[-12:]}")
-    # The signature check comes before any semantic check: a forged record tells us nothing.
-    if not verify_peer_signature(rpeer, domain + body_bytes, sig):
-        raise error(f"{what} of {rpeer[-12:]} has a bad signature (forged or corrupted)")
     return b, rpeer
 
 

@@ -160,7 +160,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
 
 async def _store_receipt(msg: dict, rid: int | None, peer: str, receipts) -> bytes:
     """The reply to a ``receipt`` op: stored (durably, before we say so) or why not."""
-    from p2pswarm.market.signed import SignedError  # noqa: PLC0415 - only workers that keep receipts need it
+    from p2pswarm.net.signed import SignedError  # noqa: PLC0415 - only workers that keep receipts need it
 
     if receipts is None:
         return proto.error_to_wire(rid, "this worker keeps no receipts")

@@ -1,7 +1,8 @@
-"""Signed msgpack envelopes for the market's records (receipts, bans): ``{"body": bin, "sig": bin}``.
+"""Signed msgpack envelopes for every signed record (node and demand records, receipts, bans):
+``{"body": bin, "sig": bin}``.
 
 ``sig`` is Ed25519 over ``domain + body`` by the peer the body names as its signer, checked against
-the public key its peer id embeds (as node records are; see :mod:`p2pswarm.net.records`). Signing the
+the public key its peer id embeds. Signing the
 body bytes as sent leaves no canonicalisation question, and a per-type domain keeps a signature of
 one record type from ever verifying as another. No libp2p import: the `rewards` command stays light.
 """
@@ -31,7 +32,7 @@ def open_sealed(data: object, domain: bytes, *, signer_field: str, what: str, ma
     (one line, naming ``what``) for anything else. The signature is checked before any field is
     trusted; callers check the fields."""
     if not isinstance(data, (bytes, bytearray)) or len(data) > max_bytes:
-        raise SignedError(f"malformed {what}: not bytes, or larger than {max_bytes} bytes")
+        raise SignedError(f"malformed {what}: not bytes, or too large (over {max_bytes} bytes)")
     try:
         outer = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=max_bytes)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
