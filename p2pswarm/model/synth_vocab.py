@@ -10,7 +10,7 @@ import functools
 import json
 import os
 
-from p2pswarm.engine.tokenizer import bytes_to_unicode
+from p2pswarm.engine.vocab_rules import bytes_to_unicode
 from p2pswarm.errors import UserError
 from p2pswarm.model.gguf_read import KV, read_gguf_kv
 from p2pswarm.model.synth_presets import _gguf
