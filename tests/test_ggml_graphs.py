@@ -23,16 +23,9 @@ from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
+from helpers.ggml import needs_ggml
 
-try:
-    gk.load_libggml()
-    HAVE_GGML = True
-except gk.GgmlUnavailable:  # pragma: no cover - depends on the environment
-    HAVE_GGML = False
-
-# Under CI a missing libggml is a failure, never a skip (the install builds it).
-pytestmark = pytest.mark.skipif(not HAVE_GGML and not os.environ.get("CI"),
-                                reason="libggml is not built (pip install -e . builds it)")
+pytestmark = needs_ggml
 MODELS = {"f32": "tiny_f32", "q8_0": "tiny_q8", "q4_k_m": "tiny_q4km"}
 
 

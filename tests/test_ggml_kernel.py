@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import pytest
@@ -35,16 +34,8 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import llama_logits, needs_llama, run_cli
 from helpers.llama_ref import llama_routing
+from helpers.ggml import needs_ggml
 
-try:
-    gk.load_libggml()
-    HAVE_GGML = True
-except gk.GgmlUnavailable:  # pragma: no cover - depends on the environment
-    HAVE_GGML = False
-
-# Under CI a missing libggml is a failure, never a skip (the install builds it).
-needs_ggml = pytest.mark.skipif(not HAVE_GGML and not os.environ.get("CI"),
-                                reason="libggml is not built (test_ggml_build.py says how)")
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42, 8, 200, 31, 64, 9, 120, 2, 88, 270, 15, 6, 190]
 MODELS = {"f32": "tiny_f32", "q8_0": "tiny_q8", "q4_k_m": "tiny_q4km"}

@@ -9,7 +9,6 @@ The aarch64 worker under qemu answering a portable request: tests/test_arm64_wor
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -22,15 +21,8 @@ from p2pswarm.engine import portable_kernel as pk
 from p2pswarm.errors import FrameError, WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.net import expert_protocol as proto
+from helpers.ggml import needs_ggml
 
-try:
-    gk.load_libggml()
-    HAVE_GGML = True
-except gk.GgmlUnavailable:  # pragma: no cover - depends on the environment
-    HAVE_GGML = False
-
-needs_ggml = pytest.mark.skipif(not HAVE_GGML and not os.environ.get("CI"),
-                                reason="libggml is not built (test_ggml_build.py says how)")
 FOREIGN = "ggml-0.0.0/riscv64+v"  # a ggml kernel of another ISA: its own family, shared by no one here
 
 

@@ -28,6 +28,14 @@ def default_cache_bytes() -> int:
     return settings.EXPERT_CACHE_MB.get() << 20
 
 
+
+def check_held(bank, layer: int, expert: int) -> None:
+    """The one error every expert bank gives for an expert outside its slice (a caller's bug or a
+    peer asking the wrong worker): names what is held, so the mismatch is visible in one line."""
+    if not bank.holds(layer, expert):
+        raise UserError(f"expert {expert} of layer {layer} is not held here "
+                        f"(layers {sorted(bank.layers)}, experts {bank.expert_begin}-{bank.expert_end - 1})")
+
 class ExpertBank:
     """Routed experts of some layers and an expert range, computed in numpy on float32."""
 
@@ -48,11 +56,7 @@ class ExpertBank:
         return layer in self.layers and self.expert_begin <= expert < self.expert_end
 
     def _weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if not self.holds(layer, expert):
-            raise UserError(
-                f"expert {expert} of layer {layer} is not held here "
-                f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
-            )
+        check_held(self, layer, expert)
         return self.cache.get((layer, expert), lambda: self._load(layer, expert), _cost)
 
     def _load(self, layer: int, expert: int):

@@ -10,6 +10,7 @@ import numpy as np
 
 from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, GgmlRunner,
                                          MappedWeights, _i32_view, f32_view, load_libggml)
+from p2pswarm.engine.experts import check_held
 from p2pswarm.errors import ModelFormatError, UserError
 
 
@@ -60,11 +61,7 @@ class GgmlExpertBank:
         got = self._experts.get(key)
         if got is not None:
             return got
-        if not self.holds(layer, expert):
-            raise UserError(
-                f"expert {expert} of layer {layer} is not held here "
-                f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
-            )
+        check_held(self, layer, expert)
         tensors = self.layout.expert_tensors[layer]
         local = expert - self.expert_begin
         m = self._mapped
@@ -148,11 +145,7 @@ class GgmlExpertBank:
         if not groups:
             return []
         for e, _ in groups:
-            if not self.holds(layer, e):
-                raise UserError(
-                    f"expert {e} of layer {layer} is not held here "
-                    f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
-                )
+            check_held(self, layer, e)
         idxs = [np.asarray(idx, dtype=np.int64).reshape(-1) for _, idx in groups]
         if any(len(i) and (i.min() < 0 or i.max() >= rows.shape[0]) for i in idxs):
             raise UserError(f"row index out of range 0..{rows.shape[0] - 1}")

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from p2pswarm import settings
+from p2pswarm.engine.experts import check_held
 from p2pswarm.errors import ModelFormatError, UserError
 
 log = logging.getLogger("p2pswarm.engine")
@@ -387,11 +388,7 @@ class PortableExpertBank:
         got = self._experts.get((layer, expert))
         if got is not None:
             return got
-        if not self.holds(layer, expert):
-            raise UserError(
-                f"expert {expert} of layer {layer} is not held here "
-                f"(layers {sorted(self.layers)}, experts {self.expert_begin}-{self.expert_end - 1})"
-            )
+        check_held(self, layer, expert)
         tensors = self.layout.expert_tensors[layer]
         local = expert - self.expert_begin
 
