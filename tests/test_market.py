@@ -14,7 +14,7 @@ from p2pswarm.market.enrol import KEEP, choose_units, random_units
 from p2pswarm.market.reward import SCARCITY, reward
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecordValidator
-from test_net_dht import dht_swarm
+from helpers.dht import dht_swarm
 
 MODEL = "ab" * 32
 
@@ -186,7 +186,7 @@ def test_a_crowd_of_holders_does_not_pile_onto_one_scarce_unit():
 async def test_one_peer_serves_several_shards_each_stream_picks_by_hello(tiny_f32, tmp_path, monkeypatch):
     """`--auto` workers hold one shard per unit on one peer: the hello's shard hash picks the
     worker; a shard no longer served is refused with the reason (the backbone then falls back)."""
-    from test_net_expert_rpc import _owner
+    from helpers.owners import libp2p_owner as _owner
 
     from p2pswarm.backbone.dispatch import pack_rows
     from p2pswarm.errors import WorkerError

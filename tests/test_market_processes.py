@@ -19,7 +19,7 @@ from p2pswarm.model.slicer import slice_experts
 from p2pswarm.net.identity import load_or_create_identity
 
 from conftest import run_cli
-from test_swarm_processes import Node
+from helpers.procs import Proc
 
 RATE, FRACTION, HONEST_ROWS = 0.5, 0.01, 400
 TOKENS = ",".join(str((i * 37 + 11) % 500) for i in range(300))
@@ -28,26 +28,26 @@ TOKENS = ",".join(str((i * 37 + 11) % 500) for i in range(300))
 @pytest.mark.slow
 def test_dishonest_worker_is_caught_banned_everywhere_and_its_receipts_voided(tiny_f32, tmp_path):
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
-    nodes: list[Node] = []
+    nodes: list[Proc] = []
     liar_id = load_or_create_identity(tmp_path / "liar.key").peer_id_str
     b1_id = load_or_create_identity(tmp_path / "b1.key").peer_id_str
     try:
-        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+        boot = Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
                     tmp_path / "boot.log", env)
         nodes.append(boot)
         slice_experts(tiny_f32, tmp_path / "lo.gguf", None, (0, 8))
         slice_experts(tiny_f32, tmp_path / "hi.gguf", None, (8, 16))
-        honest = Node(["node", "--role", "worker", "--shard", str(tmp_path / "lo.gguf"), "--bootstrap", boot.addr,
+        honest = Proc(["node", "--role", "worker", "--shard", str(tmp_path / "lo.gguf"), "--bootstrap", boot.addr,
                        "--identity", str(tmp_path / "honest.key"), "--receipts-dir", str(tmp_path / "honest-r"),
                        "--ttl", "120"], tmp_path / "honest.log", env)
         nodes.append(honest)
-        liar = Node([str(Path(__file__).parent / "helpers" / "dishonest_worker.py"), "--shard", str(tmp_path / "hi.gguf"),
+        liar = Proc([str(Path(__file__).parent / "helpers" / "dishonest_worker.py"), "--shard", str(tmp_path / "hi.gguf"),
                      "--bootstrap", boot.addr, "--identity", str(tmp_path / "liar.key"), "--receipts-dir",
                      str(tmp_path / "liar-r"), "--fraction", str(FRACTION), "--seed", "5",
-                     "--honest-rows", str(HONEST_ROWS)], tmp_path / "liar.log", env, module=False)
+                     "--honest-rows", str(HONEST_ROWS)], tmp_path / "liar.log", env, entry=())
         nodes.append(liar)
         # A long-running backbone (node) that trusts backbone 1's bans, up before the ban exists.
-        b3 = Node(["node", "--role", "backbone", "--model", str(tiny_f32), "--bootstrap", boot.addr, "--identity",
+        b3 = Proc(["node", "--role", "backbone", "--model", str(tiny_f32), "--bootstrap", boot.addr, "--identity",
                    str(tmp_path / "b3.key"), "--http", "127.0.0.1:0", "--trust-bans", b1_id, "--ban-refresh", "1"],
                   tmp_path / "b3.log", env)
         nodes.append(b3)

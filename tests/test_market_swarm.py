@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 import pytest
-from test_swarm_processes import TOKENS, Node
 
 from conftest import run_cli
+from helpers.procs import Proc
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
 from p2pswarm.net.identity import load_or_create_identity
@@ -58,6 +58,9 @@ def _status(boot, model, env) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"  # 17 tokens: prefill + 16 decode steps
+
+
 def _wait_coverage(boot, model, env, want: int, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -87,13 +90,13 @@ def test_auto_workers_cover_every_unit_and_recover_after_a_third_are_killed(tiny
             env=env, check=True)
     unit_mb = ModelLayout.open(tiny_f32).expert_bytes(0) * BLOCK / 1e6
     memories = [f"{unit_mb * k + 0.5:.1f}MB" for k in (1, 2, 3)]  # budgets of 1, 2 and 3 units
-    nodes: list[Node] = []
+    nodes: list[Proc] = []
     workers: list[subprocess.Popen] = []
     try:
-        boot = Node(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
+        boot = Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(tmp_path / "boot.key")],
                     tmp_path / "boot.log", env)
         nodes.append(boot)
-        backbone = Node(["node", "--role", "backbone", "--model", str(tiny_f32), "--manifest", str(manifest),
+        backbone = Proc(["node", "--role", "backbone", "--model", str(tiny_f32), "--manifest", str(manifest),
                          "--bootstrap", boot.addr, "--http", "off", "--block-size", str(BLOCK),
                          "--identity", str(tmp_path / "bb.key")], tmp_path / "backbone.log", env)
         nodes.append(backbone)

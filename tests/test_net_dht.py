@@ -18,48 +18,10 @@ from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecord, ShardEntry, node_record_key, units_for
 
+from helpers.dht import Node, dht_swarm
+
 MODEL = "ab" * 32
 OTHER_MODEL = "ef" * 32
-
-
-class Node:
-    def __init__(self, net, dht):
-        self.net, self.dht = net, dht
-
-    @property
-    def addr(self) -> str:
-        return self.net.full_addrs()[0]
-
-
-@asynccontextmanager
-async def dht_swarm(n: int, *, clients: int = 0, refresh: bool = True):
-    """``n`` DHT servers (node 0 the bootstrap) and ``clients`` client-mode nodes, started and
-    stopped concurrently. Yields the list of Nodes, servers first."""
-    nodes: list[Node | None] = [None] * (n + clients)
-    stop = trio.Event()
-
-    async def run(i: int, boot: list[str], task_status=trio.TASK_STATUS_IGNORED):
-        async with open_host(Identity.generate()) as net:
-            async with open_dht(net, server=i < n, bootstrap=boot) as dht:
-                nodes[i] = Node(net, dht)
-                task_status.started()
-                await stop.wait()
-
-    async with trio.open_nursery() as nursery:
-        with trio.fail_after(120):
-            await nursery.start(run, 0, [])
-            boot = [nodes[0].addr]
-            async with trio.open_nursery() as starters:
-                for i in range(1, n + clients):
-                    starters.start_soon(nursery.start, run, i, boot)
-            if refresh:  # everyone joined: one more round so early joiners learn the late ones
-                async with trio.open_nursery() as refreshers:
-                    for node in nodes[:n]:
-                        refreshers.start_soon(node.dht.refresh)
-        try:
-            yield nodes
-        finally:
-            stop.set()
 
 
 def _advertiser(node: Node, shards, *, block_size=4, ttl_s=120.0, **kw) -> ShardAdvertiser:

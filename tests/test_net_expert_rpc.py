@@ -16,18 +16,20 @@ import pytest
 import trio
 
 from p2pswarm.backbone.dispatch import Dispatcher, pack_rows
-from p2pswarm.backbone.libp2p_owner import Libp2pOwner, SwarmOwners
+from p2pswarm.backbone.libp2p_owner import SwarmOwners
 from p2pswarm.backbone.session import ensure_shards, open_backbone
 from p2pswarm.errors import WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.dht import CoverageResolver, OwnerInfo, ShardAdvertiser, open_dht
+from p2pswarm.net.dht import CoverageResolver, ShardAdvertiser, open_dht
 from p2pswarm.net.host import PROTOCOL_EXPERT, open_host
 from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import NodeRecord, ShardEntry, worker_shard_hash
+from p2pswarm.net.records import ShardEntry, worker_shard_hash
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import serve_libp2p
+
+from helpers.owners import entry, libp2p_owner, served
 
 SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]
 TOKENS = list(range(3, 19))
@@ -45,37 +47,11 @@ def shards(tiny_f32, tmp_path):
     return ensure_shards(layout, model_fingerprint(layout), 2, tmp_path / "shards")
 
 
-def _entry(worker: ExpertWorker) -> ShardEntry:
-    i = worker.info
-    return ShardEntry(i.model_fingerprint, worker_shard_hash(worker), (i.layer_begin, i.layer_end),
-                      (i.expert_begin, i.expert_end))
-
-
-def _owner_info(net, worker: ExpertWorker, shard: ShardEntry | None = None) -> OwnerInfo:
-    shard = shard or _entry(worker)
-    rec = NodeRecord.make(net.identity, addrs=net.addrs(), protocol=proto.PROTOCOL_VERSION,
-                          kernel=worker.info.kernel, block_size=4, shards=[shard], ttl_s=60)
-    return OwnerInfo(net.peer_id_str, rec.addrs, shard, rec)
-
-
-@asynccontextmanager
-async def _served(worker: ExpertWorker, **kw):
-    async with open_host(Identity.generate()) as net:
-        serve_libp2p(net, worker, **kw)
-        yield net
-
-
-def _owner(backbone_net, worker_net, worker, *, model=None, kernel=None, shard=None, **kw) -> Libp2pOwner:
-    return Libp2pOwner(backbone_net, _owner_info(worker_net, worker, shard),
-                       model_fingerprint=model or worker.info.model_fingerprint,
-                       kernel=kernel or worker.info.kernel, **kw)
-
-
 async def test_expert_request_bit_identical_to_direct_compute(shards):
     worker = ExpertWorker(shards[1])
     rng = np.random.default_rng(7)
-    async with _served(worker) as wnet, open_host(Identity.generate()) as bnet:
-        owner = _owner(bnet, wnet, worker)
+    async with served(worker) as wnet, open_host(Identity.generate()) as bnet:
+        owner = libp2p_owner(bnet, wnet, worker)
         for layer in range(worker.info.layer_begin, worker.info.layer_end):
             cur = rng.standard_normal((9, worker.info.n_embd)).astype(np.float32)
             experts = rng.choice(np.arange(worker.info.expert_begin, worker.info.expert_end), 4, replace=False)
@@ -91,8 +67,8 @@ async def test_expert_request_bit_identical_to_direct_compute(shards):
 
 async def test_frames_cross_the_expert_protocol_intact(shards):
     worker = ExpertWorker(shards[0])
-    async with _served(worker) as wnet, open_host(Identity.generate()) as bnet:
-        owner = _owner(bnet, wnet, worker)
+    async with served(worker) as wnet, open_host(Identity.generate()) as bnet:
+        owner = libp2p_owner(bnet, wnet, worker)
         for n in SIZES:
             payload = os.urandom(n)
             with trio.fail_after(60):
@@ -121,8 +97,8 @@ async def _raw_exchange(net, peer, data: bytes) -> bytes:
 ], ids=["bad-msgpack", "not-a-map", "absurd-length", "closed-mid-frame", "oversized"])
 async def test_malformed_or_oversized_frame_closes_only_that_stream(shards, frame, caplog):
     worker = ExpertWorker(shards[0])
-    async with _served(worker, max_frame=100_000) as wnet, open_host(Identity.generate()) as bnet:
-        good = _owner(bnet, wnet, worker)
+    async with served(worker, max_frame=100_000) as wnet, open_host(Identity.generate()) as bnet:
+        good = libp2p_owner(bnet, wnet, worker)
         assert await good.echo(b"before") == b"before"  # a stream opened before the bad one
         reply = await _raw_exchange(bnet, wnet.full_addrs()[0], frame)
         if reply:  # an error frame with the reason, then the stream is closed
@@ -130,7 +106,7 @@ async def test_malformed_or_oversized_frame_closes_only_that_stream(shards, fram
             msg = msgpack.unpackb(reply[8 : 8 + n])
             assert msg["op"] == "error" and msg["error"]
         assert await good.echo(b"after") == b"after"  # the worker keeps serving others
-        fresh = _owner(bnet, wnet, worker)
+        fresh = libp2p_owner(bnet, wnet, worker)
         assert await fresh.echo(b"new") == b"new"
         with pytest.raises(WorkerError, match="exceeds the maximum of 100000"):
             await fresh.echo(b"z" * 200_000)
@@ -144,23 +120,23 @@ async def test_build_mismatch_refused_on_both_sides(shards, tiny_q8, tmp_path, c
     worker = ExpertWorker(shards[0])
     other_layout = ModelLayout.open(tiny_q8)
     other_model = model_fingerprint(other_layout)
-    async with _served(worker) as wnet, open_host(Identity.generate()) as bnet:
+    async with served(worker) as wnet, open_host(Identity.generate()) as bnet:
         # a backbone of another model: the worker refuses, both sides say why
-        wrong = _owner(bnet, wnet, worker, model=other_model)
+        wrong = libp2p_owner(bnet, wnet, worker, model=other_model)
         with pytest.raises(WorkerError, match="refused the handshake: model mismatch"):
             await wrong.compute(0, np.zeros((1, 256), np.float32), [(0, np.array([0]))])
         assert any("refused" in r.getMessage() and "model mismatch" in r.getMessage() for r in caplog.records)
         # the record promised another shard: the worker refuses (it was told which one we expect)
         forged = ShardEntry(worker.info.model_fingerprint, "0" * 64, (0, 4), (0, 8))
         with pytest.raises(WorkerError, match="refused the handshake: shard mismatch"):
-            await _owner(bnet, wnet, worker, shard=forged).echo(b"x")
+            await libp2p_owner(bnet, wnet, worker, shard=forged).echo(b"x")
         # the worker holds less than its record claims: we refuse it
         bigger = ShardEntry(worker.info.model_fingerprint, worker_shard_hash(worker), (0, 4), (0, 16))
         with pytest.raises(WorkerError, match="refused by us at the handshake: .*less than its record"):
-            await _owner(bnet, wnet, worker, shard=bigger).echo(b"x")
+            await libp2p_owner(bnet, wnet, worker, shard=bigger).echo(b"x")
         assert any("refused worker" in r.getMessage() for r in caplog.records)
         # and a correct one still works
-        ok = _owner(bnet, wnet, worker)
+        ok = libp2p_owner(bnet, wnet, worker)
         assert await ok.echo(b"fine") == b"fine"
         await ok.aclose()
 
@@ -169,8 +145,8 @@ async def test_failures_become_worker_errors(shards, monkeypatch):
     worker = ExpertWorker(shards[0])
     failures = []
     async with open_host(Identity.generate()) as bnet:
-        async with _served(worker) as wnet:
-            owner = _owner(bnet, wnet, worker, timeout_s=1.0, connect_timeout_s=3, on_failure=failures.append)
+        async with served(worker) as wnet:
+            owner = libp2p_owner(bnet, wnet, worker, timeout_s=1.0, connect_timeout_s=3, on_failure=failures.append)
             assert await owner.echo(b"up") == b"up"
             # a worker that hangs: timeout, not a hang
             monkeypatch.setattr(worker, "compute", lambda *a: __import__("time").sleep(3) or [])
@@ -190,7 +166,7 @@ async def _node(shard_path, boot: str, *, ttl_s: float = 30.0):
     async with open_host(Identity.generate()) as net:
         async with open_dht(net, bootstrap=[boot]) as dht:
             serve_libp2p(net, worker)
-            adv = ShardAdvertiser(dht, net.identity, shards=[_entry(worker)], protocol=proto.PROTOCOL_VERSION,
+            adv = ShardAdvertiser(dht, net.identity, shards=[entry(worker)], protocol=proto.PROTOCOL_VERSION,
                                   kernel=worker.info.kernel, block_size=4, ttl_s=ttl_s)
             async with trio.open_nursery() as nursery:
                 await nursery.start(adv.run)
@@ -257,8 +233,8 @@ async def test_keepalive_pings_idle_streams_and_drops_dead_ones_without_blame(sh
     requests); one that fails is only dropped - no failure counted, no back-off, no refresh."""
     worker = ExpertWorker(shards[0])
     async with open_host(Identity.generate()) as bnet:
-        async with _served(worker) as wnet:
-            owner = _owner(bnet, wnet, worker)
+        async with served(worker) as wnet:
+            owner = libp2p_owner(bnet, wnet, worker)
             pool = SwarmOwners(bnet, model_fingerprint=worker.info.model_fingerprint, kernel=worker.info.kernel)
             pool.owners.append(owner)
             assert await pool.ping_idle(0.0) == 0  # no stream open yet: nothing to keep alive

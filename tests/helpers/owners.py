@@ -1,0 +1,40 @@
+"""Libp2p owners of real workers for in-process tests: a worker served on its own host, and the
+backbone-side owner that reaches it (the expert RPC and market tests)."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from p2pswarm.backbone.libp2p_owner import Libp2pOwner
+from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.dht import OwnerInfo
+from p2pswarm.net.host import open_host
+from p2pswarm.net.identity import Identity
+from p2pswarm.net.records import NodeRecord, ShardEntry, worker_shard_hash
+from p2pswarm.worker.expert_worker import ExpertWorker
+from p2pswarm.worker.server import serve_libp2p
+
+
+def entry(worker: ExpertWorker) -> ShardEntry:
+    i = worker.info
+    return ShardEntry(i.model_fingerprint, worker_shard_hash(worker), (i.layer_begin, i.layer_end),
+                      (i.expert_begin, i.expert_end))
+
+
+def owner_info(net, worker: ExpertWorker, shard: ShardEntry | None = None) -> OwnerInfo:
+    shard = shard or entry(worker)
+    rec = NodeRecord.make(net.identity, addrs=net.addrs(), protocol=proto.PROTOCOL_VERSION,
+                          kernel=worker.info.kernel, block_size=4, shards=[shard], ttl_s=60)
+    return OwnerInfo(net.peer_id_str, rec.addrs, shard, rec)
+
+
+@asynccontextmanager
+async def served(worker: ExpertWorker, **kw):
+    async with open_host(Identity.generate()) as net:
+        serve_libp2p(net, worker, **kw)
+        yield net
+
+
+def libp2p_owner(backbone_net, worker_net, worker, *, model=None, kernel=None, shard=None, **kw) -> Libp2pOwner:
+    return Libp2pOwner(backbone_net, owner_info(worker_net, worker, shard),
+                       model_fingerprint=model or worker.info.model_fingerprint,
+                       kernel=kernel or worker.info.kernel, **kw)
