@@ -227,7 +227,9 @@ async def find_demand(dht, *, timeout_s: float = 20.0, allow_expired: bool = Fal
     this provider look-up misses them; the backbones found are added to it."""
     import trio
 
-    infos = await dht.find_providers(MARKET_KEY, timeout_s=timeout_s)
+    # Exhaustive, as for the model index: every backbone provides this one key, and each provide
+    # reached the K closest peers *it* found, so no single holder is sure to list them all.
+    infos = await dht.find_providers(MARKET_KEY, timeout_s=timeout_s, exhaustive=True)
     out: list[DemandRecord] = []
 
     async def one(peer: str) -> None:
