@@ -74,9 +74,41 @@ def test_crowded_unit_is_left_for_a_scarce_one_by_about_the_surplus():
     left = sum(choose_units(demand=np.ones(2), replicas=replicas, sizes=sizes, budget=10, held=(0,),
                             rng=rng).units == (1,) for _ in range(r * 200)) / 200
     assert abs(left - (r - KEEP)) < 1.0, left
-    # a unit at KEEP replicas is never given up for another
-    assert all(choose_units(demand=np.ones(2), replicas=np.array([float(KEEP), 0.0]), sizes=sizes, budget=10,
-                            held=(0,), rng=rng).units == (0,) for _ in range(100))
+    # a unit at KEEP replicas or fewer is never given up for a unit at TARGET or one replica scarcer
+    for mine, other in ((KEEP, 2.0), (KEEP, KEEP - 1.0), (2.0, 1.0), (1.0, 0.0)):
+        assert all(choose_units(demand=np.ones(2), replicas=np.array([float(mine), other]), sizes=sizes,
+                                budget=10, held=(0,), rng=rng).units == (0,) for _ in range(100)), (mine, other)
+
+
+def test_a_full_swarm_rebalances_a_unit_left_at_one_replica():
+    """Every slot taken, the spare replicas on units at exactly KEEP, one unit at 1 (what the process
+    test saw after killing a third): holders of KEEP-replica units move to it - about one a period,
+    all workers deciding on the same map - until every unit has >= 2; and nothing piles up."""
+    n_units, budgets = 8, [2, 3] * 4  # 20 slots
+    start = [2, 3, 3, 3, 2, 3, 1, 3]
+    rounds_needed = []
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        holders = [u for u, k in enumerate(start) for _ in range(k)]  # deal the 20 placements out
+        held = [set() for _ in budgets]
+        for u in sorted(holders, key=lambda u: -start[u]):  # no worker holds a unit twice
+            for w in sorted(range(len(budgets)), key=lambda w: (len(held[w]) >= budgets[w], u in held[w], w)):
+                if len(held[w]) < budgets[w] and u not in held[w]:
+                    held[w].add(u)
+                    break
+        for rnd in range(1, 40):
+            replicas = np.zeros(n_units)
+            for h in held:
+                replicas[list(h)] += 1
+            if replicas.min() >= 2:
+                break
+            held = [set(choose_units(demand=np.ones(n_units), replicas=replicas, sizes=np.ones(n_units), budget=b,
+                                     held=sorted(h), rng=rng, crowd=len(budgets)).units)
+                    for h, b in zip(held, budgets)]
+            assert sum(len(h) for h in held) <= sum(budgets)
+        rounds_needed.append(rnd)
+    print("rounds to >= 2 everywhere:", rounds_needed)
+    assert max(rounds_needed) <= 15 and np.median(rounds_needed) <= 6, rounds_needed
 
 
 def test_a_crowd_joining_at_once_spreads_out():

@@ -29,15 +29,16 @@ RANGES = [(0, 6), (6, 11), (11, 16), (0, 6)]  # the last worker is a replica of 
 def swarm(tiny_f32, tmp_path):
     # DEBUG: workers log each request they compute (the tests check who served when)
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_LOG_LEVEL="DEBUG")
-    nodes: list[Proc] = []
+    boot, workers = None, []
     try:
         boot = start_bootstrap(tmp_path, env)
-        nodes.append(boot)
-        nodes += start_shard_workers(tiny_f32, tmp_path, env, RANGES, boot.addr, extra=["--ttl", "120"])
-        yield boot, nodes[1:], env
+        workers += start_shard_workers(tiny_f32, tmp_path, env, RANGES, boot.addr, extra=["--ttl", "120"])
+        yield boot, workers, env  # a test appends the processes it starts itself: stopped here too
     finally:
-        for n in reversed(nodes):
+        for n in reversed(workers):
             n.stop()
+        if boot is not None:
+            boot.stop()
 
 
 @pytest.mark.slow
@@ -117,17 +118,29 @@ def test_worker_killed_mid_generation_then_restarted_is_found_again(tiny_f32, tm
         workers[0].stop(signal.SIGKILL)
         killed_at = time.time()
         assert steps[30].wait(120), "".join(lines[-30:])
-        # Hold the backbone while the worker comes back on a new port with the same identity, so
-        # the run cannot end before the restarted worker has published its record.
+        # Hold the backbone while the worker comes back on a new port with the same identity, until
+        # a fresh look-up finds its new record: the run (~50 tokens/s once resumed) cannot end
+        # before the record is there to be found (it once did, with only READY awaited).
         backbone.send_signal(signal.SIGSTOP)
         try:
             restarted = Proc(["node", "--role", "worker", "--shard", str(tmp_path / "shard0.gguf"),
                               "--bootstrap", boot.addr, "--identity", str(tmp_path / "w0.key"), "--ttl", "120"],
                              tmp_path / "w0-restarted.log", env)
+            workers.append(restarted)  # stopped by the fixture whatever happens here
+            peer, new_addr = restarted.addr.split("/p2p/")[1], restarted.addr.split("/p2p/")[0]
+            deadline = time.monotonic() + 60
+            while True:
+                proc = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(tiny_f32), "--kernel",
+                               "numpy", "--json", "--no-probe", env=env, timeout=120)
+                st = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {}
+                if any(a.startswith(new_addr) for a in st.get("peers", {}).get(peer, {}).get("addrs", [])):
+                    break
+                assert time.monotonic() < deadline, (proc.stdout[-1500:], proc.stderr[-1500:])
+                time.sleep(1)
         finally:
             backbone.send_signal(signal.SIGCONT)
         assert restarted.addr != workers[0].addr  # same peer id, new port
-        assert restarted.addr.split("/p2p/")[1] == workers[0].addr.split("/p2p/")[1]
+        assert peer == workers[0].addr.split("/p2p/")[1]
         backbone.wait(timeout=300)  # not communicate(): the reader thread owns stderr
         reader.join(10)
     finally:

@@ -28,8 +28,15 @@ Three things keep a crowd of workers sane:
   if all of them left it for something scarcer at once, it would fall from ``r`` to 0. So a worker
   gives a held unit up for a better one only with probability ``(r - KEEP) / r`` (``KEEP`` = 3, the
   target plus one spare against churn): of the ``r`` holders deciding on the same map, ``r - KEEP``
-  are expected to leave, and a unit at ``KEEP`` or fewer replicas is never left voluntarily. Scarce
-  units are then filled by free memory (newcomers, grown budgets) and by holders of crowded units.
+  are expected to leave. Scarce units are then filled by free memory (newcomers, grown budgets)
+  and by holders of crowded units.
+* **Rebalancing when memory is short.** A unit at ``KEEP`` or fewer replicas is left only for a
+  unit short of TARGET with at least two replicas fewer (3 -> 2 for 1 -> 2, or 2 -> 1 for 0 -> 1:
+  the spread shrinks, nothing falls below what it gives), each holder with probability ``1 / r``
+  (about one of the ``r`` holders a period, then damped by the swap rule below). Without it a full
+  swarm can stick: when every slot is taken and the spare replicas sit on units at exactly
+  ``KEEP``, nobody may move, and a unit stays at one replica for good (the process test saw
+  replicas ``[2, 3, 3, 3, 2, 3, 1, 3]`` in 20 slots for 8 units, unchanged for three minutes).
 * **Randomised swaps into scarce units.** The mirror image: when a handful of units fall short,
   every worker of the swarm sees them at once, and all would swap into them (the simulation saw
   one unit collect 579 replicas in a round). So a worker swaps a held unit for one with
@@ -46,10 +53,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2pswarm.market.reward import reward
+from p2pswarm.market.reward import TARGET, reward
 
 DEFAULT_HYSTERESIS = 0.25
-KEEP = 3  # a held unit with this many live replicas or fewer is never given up for another
+KEEP = 3  # a held unit with this many live replicas or fewer is given up only to rebalance (module doc)
 
 
 @dataclass(frozen=True)
@@ -116,23 +123,26 @@ def choose_units(*, demand, replicas, sizes, budget: int, held=(), rng: np.rando
             free -= sizes[i]
         pos += 1
     rest = order[pos:]
-    # Held units this worker may give up now: each with probability (r - KEEP) / r (module doc).
+    # Held units this worker may give up now (module doc): a surplus unit, with probability
+    # (r - KEEP) / r, for any better unit; one at KEEP or fewer, with probability 1 / r, only to
+    # rebalance: for a unit short of TARGET with at least two replicas fewer than it.
     r_held = {i: max(replicas[i], 1.0) for i in keep}
-    weakest = sorted((i for i in keep if rng.random() < (r_held[i] - KEEP) / r_held[i]), key=lambda i: density[i])
-    if weakest and len(rest):
-        # only candidates that beat the weakest droppable unit by the hysteresis margin can swap
-        rest = rest[(density[rest] > (1.0 + hysteresis) * density[weakest[0]]) & passed[rest]]
-    for c in rest:
-        if not weakest:
+    surplus = {i for i in keep if rng.random() < (r_held[i] - KEEP) / r_held[i]}
+    rebalance = {i for i in keep if r_held[i] <= KEEP and rng.random() < 1.0 / r_held[i]}
+    droppable = sorted(surplus | rebalance, key=lambda i: density[i])
+    for c in rest[passed[rest]] if droppable else ():
+        c = int(c)
+        for k in droppable:
+            if density[c] <= (1.0 + hysteresis) * density[k] or sizes[c] > free + sizes[k]:
+                continue  # candidates are not sorted strictly by density: look at the next ones too
+            if k in surplus or (others[c] < TARGET and others[c] <= r_held[k] - 2):
+                chosen.discard(k)
+                chosen.add(c)
+                free += sizes[k] - sizes[c]
+                droppable.remove(k)
+                break
+        if not droppable:
             break
-        c, k = int(c), weakest[0]
-        if density[c] <= (1.0 + hysteresis) * density[k]:
-            continue  # candidates are not sorted strictly by density: look at the next ones too
-        if sizes[c] <= free + sizes[k]:
-            chosen.discard(k)
-            chosen.add(c)
-            free += sizes[k] - sizes[c]
-            weakest.pop(0)
     units = tuple(sorted(chosen))
     return Enrolment(units, tuple(sorted(chosen - set(held_set))), tuple(sorted(set(held_set) - chosen)),
                      int(sum(sizes[i] for i in units)), float(sum(w[i] for i in units)))
