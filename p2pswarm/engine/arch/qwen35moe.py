@@ -348,7 +348,12 @@ class Qwen35MoE:
         w, p = self.w, f"blk.{il}."
         s = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
                               w[p + "ffn_down_shexp.weight"])
-        gate = ops.sigmoid(cur @ w[p + "ffn_gate_inp_shexp.weight"].reshape(-1, 1))  # (T, 1)
+        # The gate's dot product row by row (numpy reduces each row of a contiguous array alone, in
+        # one fixed order), not ``cur @ w``: OpenBLAS's product of (T, E) by one column gives a row
+        # other bits when T changes, which kept the whole post_moe (shared expert included) per
+        # sequence in the batch-invariant mode.
+        wg = np.asarray(w[p + "ffn_gate_inp_shexp.weight"], dtype=F32).reshape(-1)
+        gate = ops.sigmoid(np.sum(np.ascontiguousarray(cur, dtype=F32) * wg, axis=-1, keepdims=True))  # (T, 1)
         return s * gate
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
