@@ -322,7 +322,8 @@ class Qwen35MoE:
         sequence at a time: the in-place float32 step for a token, else :func:`deltanet.delta_rule`."""
         dense = getattr(self.w, "ggml_dense", None)
         runner = dense.runner if dense is not None else None
-        if self.deltanet_mode == "auto" and ggml_deltanet.available(runner):
+        # the op takes square states only (q/k width == v width, as every Qwen3.5 has)
+        if self.deltanet_mode == "auto" and self.ssm_d == self.ssm_dv and ggml_deltanet.available(runner):
             return ggml_deltanet.gated_delta_net(runner, prepared)
         outs = []
         for q, k, v, g, beta, st in prepared:
