@@ -124,13 +124,13 @@ _SIG = {  # name: (library, restype, argtypes)
     "ggml_backend_graph_compute": ("base", ctypes.c_int, [_P, _P]),
     "ggml_backend_free": ("base", None, [_P]),
     "ggml_cpu_init": ("cpu", None, []),
+    "ggml_backend_cpu_init": ("cpu", _P, []),
+    "ggml_backend_cpu_set_n_threads": ("cpu", None, [_P, ctypes.c_int]),
 }
 # Looked up too, but a libggml without them still loads (their callers fall back to numpy).
 _OPTIONAL_SIG = {
     # q, k, v, g, beta, state, K (snapshot slots): llama.cpp's fused Gated DeltaNet (ggml >= 0.25)
     "ggml_gated_delta_net": ("base", _P, [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int64]),
-    "ggml_backend_cpu_init": ("cpu", _P, []),
-    "ggml_backend_cpu_set_n_threads": ("cpu", None, [_P, ctypes.c_int]),
 }
 
 
