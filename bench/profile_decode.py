@@ -1,6 +1,6 @@
 """Where a backbone decode step spends its time: py-spy samples (native frames too) of a decode loop.
 
-    python bench/profile_decode.py --model M.gguf [--steps 24 | --prefill 128] [--threads 2] [--tree SRC]
+    python bench/profile_decode.py --model M.gguf [--steps 24 | --prefill 128 | --seqs 16] [--threads 2] [--tree SRC]
 
 The child process runs the backbone's layer loop for one sequence, token by token, with the ggml
 kernel for the dense path and the local experts: the same calls ``Backbone.forward`` makes
@@ -10,6 +10,10 @@ thread hand-offs. py-spy attaches after loading and a warm-up and records only t
 (``--native``, all threads, idle threads excluded); this
 script prints the functions with the most samples at the top of the stack ("self"), the
 engine-level step each sample is in, and how many ggml graphs one step computes.
+
+``--seqs N`` profiles the server's step instead: ``Backbone.forward_batch`` of N sequences' rows
+(one token each, the batch-invariant default, after a warm-up step that runs its one-time probes),
+through trio's thread hop as the scheduler runs it.
 Needs ``py-spy`` (``pip install py-spy==0.4.3``).
 """
 from __future__ import annotations
@@ -27,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # engine-level step of a sample: the first of these names found walking the stack from the top
 STEPS = (("forward_groups", "routed experts (ggml mul_mat_id / per-group graphs)"),
-         ("linear_attention", "DeltaNet layer (projections + numpy delta rule)"),
-         ("_linear_attention_rows", "DeltaNet layer (projections + numpy delta rule)"),
+         ("linear_attention", "DeltaNet layer (projections, conv, delta rule)"),
+         ("_linear_attention_rows", "DeltaNet layer (projections, conv, delta rule)"),
          ("full_attention", "gated attention layer (projections + numpy attention)"),
          ("_full_attention_rows", "gated attention layer (projections + numpy attention)"),
          ("shared", "shared expert"),
@@ -75,6 +79,9 @@ def child(a) -> None:
         state.n_past += len(tokens)
         return model.output(h)
 
+    if a.seqs:
+        batched(a, graphs)
+        return
     state = model.new_state()
     step([(7919 * i + 11) % 150_000 for i in range(8)], state)
     for i in range(4):  # warm: the pages of the experts these tokens pick, caches
@@ -92,6 +99,33 @@ def child(a) -> None:
     print(f"STEPS {a.prefill or a.steps} {dt:.3f} {graphs[0]}", flush=True)
 
 
+def batched(a, graphs) -> None:
+    """``--seqs``: the timed steps are forward_batch calls of every sequence's next token."""
+    import trio
+
+    from p2pswarm.backbone.session import open_backbone
+
+    def toks(n, salt):
+        return [(7919 * i + 104729 * salt + 11) % 150_000 for i in range(n)]
+
+    async def run():
+        async with open_backbone(a.model, workers=0, kernel="ggml", threads=a.threads) as swarm:
+            b = swarm.backbone
+            await b.forward_batch([(toks(2, 50 + i), b.new_state()) for i in range(2)], last_only=True)  # probes
+            states = [b.new_state() for _ in range(a.seqs)]
+            await b.forward_batch([(toks(4, 10 + i), s) for i, s in enumerate(states)], last_only=True)
+            graphs[0] = 0
+            print(f"READY {os.getpid()}", flush=True)
+            sys.stdin.readline()
+            t = time.perf_counter()
+            for j in range(a.steps):
+                await b.forward_batch([(toks(1, 100 + j * a.seqs + i), s) for i, s in enumerate(states)],
+                                      last_only=True)
+            print(f"STEPS {a.steps * a.seqs} {time.perf_counter() - t:.3f} {graphs[0]}", flush=True)
+
+    trio.run(run)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True)
@@ -100,6 +134,7 @@ def main() -> None:
     ap.add_argument("--tree", type=Path, default=REPO, help="p2pswarm source tree to profile (this one)")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of N tokens instead")
+    ap.add_argument("--seqs", type=int, default=0, help="profile forward_batch steps of N sequences instead")
     ap.add_argument("--dump", help="also write py-spy's raw stacks to this file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -112,7 +147,7 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=str(a.tree), P2PSWARM_THREADS=str(a.threads))
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", "--model", str(a.model),
                                  "--steps", str(a.steps), "--threads", str(a.threads), "--tree", str(a.tree),
-                                 "--prefill", str(a.prefill)],
+                                 "--prefill", str(a.prefill), "--seqs", str(a.seqs)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         ready = proc.stdout.readline()
         if not ready.startswith("READY"):
@@ -138,7 +173,8 @@ def main() -> None:
     steps = collections.Counter()
     for frames, c in stacks:
         joined = ";".join(frames)
-        if "step (" not in joined and "libgomp" not in joined:
+        marker = "forward_batch" if a.seqs else "step ("
+        if marker not in joined and "libgomp" not in joined:
             continue  # the main thread outside the timed loop (waiting to start, tearing down)
         name = frames[-1].split(" (")[0]
         if name.startswith("0x") and " (" in frames[-1]:  # no symbol: name the library
@@ -151,12 +187,13 @@ def main() -> None:
         else:
             # not under an engine call: the thread team's other threads between and inside
             # graphs (libgomp), or the loop's own Python
-            steps["ggml worker threads (libgomp: spinning / waiting for work)" if "step (" not in joined
+            steps["ggml worker threads (libgomp: spinning / waiting for work)" if marker not in joined
                   else "layer loop glue (Python)"] += c
     total = sum(steps.values())
-    what = "tokens of one prefill" if a.prefill else "decode steps"
+    what = "tokens of one prefill" if a.prefill else f"tokens of {a.seqs} sequences" if a.seqs else "decode steps"
+    per = 1 if a.prefill else a.steps
     print(f"{n} {what} in {float(dt):.2f} s ({float(n) / float(dt):.2f} tok/s), "
-          f"{int(graphs) / (1 if a.prefill else int(n)):.1f} ggml graphs per {'prefill' if a.prefill else 'step'}; "
+          f"{int(graphs) / per:.1f} ggml graphs per {'prefill' if a.prefill else 'step'}; "
           f"{total} samples (all threads)\n")
     print("| step of the layer loop | share of samples |\n|---|---|")
     for label, c in steps.most_common():

@@ -17,6 +17,8 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
 
+from helpers.ggml import needs_ggml
+
 # (sequence, tokens) per step: prefill chunks of different lengths mixed with decode rows, sequences
 # joining late and one leaving early
 SCHEDULE = [
@@ -291,6 +293,24 @@ async def test_batched_qwen35moe_deltanet_and_shared_expert(models_dir, kernel):
     for i, step in enumerate(SCHEDULE):
         for (s, _), x in zip(step, want[i]):
             assert np.array_equal(x, alone[(i, s)]), (i, s)
+
+
+@needs_ggml
+def test_qwen35moe_shared_expert_batches_in_the_invariant_mode(models_dir):
+    """With the ggml kernel a qwen35moe layer's post_moe (shared expert + its F32 per-token gate)
+    is measured row-invariant, so the batch-invariant default runs it once for all sequences, not
+    once per sequence: the gate is a per-row reduction, not OpenBLAS's (T, E) x (E, 1) product."""
+    from p2pswarm.backbone.runner import probe_dense_invariance
+    from p2pswarm.engine.kernels import use_kernel_for_dense
+    from p2pswarm.model.synth import make_model
+
+    path = models_dir / "q35-batching-q8.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=31)
+    model = load_dense(ModelLayout.open(path))
+    assert use_kernel_for_dense(model, "ggml") > 0
+    got = [probe_dense_invariance(model, il) for il in range(model.n_layer)]
+    assert all(g.pre_moe and g.post_moe for g in got), got
 
 
 async def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(tiny_f32):

@@ -130,23 +130,67 @@ def test_omp_threads_wait_passively_unless_told(preset):
 
 
 def test_decode_delta_rule_in_place_is_the_recurrent_rule():
-    """Decode's in-place DeltaNet step: the token-by-token rule's output and state, to float64 rounding."""
+    """numpy's float32 in-place DeltaNet step (state in llama.cpp's transposed layout): the float64
+    token-by-token rule's output and state, to float32 rounding over 12 tokens."""
     from p2pswarm.engine import deltanet as dn
 
     rng = np.random.default_rng(8)
-    H, dk, dv = 6, 16, 8
-    S = rng.standard_normal((H, dk, dv)) * 0.3
-    S_ref = S.copy()
+    H, dk, dv = 6, 16, 16
+    st = dn.DeltaNetState(4, 4, H, dk, dv)
+    S_ref = rng.standard_normal((H, dk, dv)) * 0.3
+    st.set_state(S_ref)
     for _ in range(12):
         q, k = (dn.l2_norm(rng.standard_normal((1, H, dk)).astype(np.float32), 1e-6) for _ in range(2))
         v = rng.standard_normal((1, H, dv)).astype(np.float32)
         g = -np.abs(rng.standard_normal((1, H))).astype(np.float32)
         beta = rng.random((1, H)).astype(np.float32)
         o_ref, S_ref = dn.delta_rule_recurrent(q, k, v, g, beta, S_ref)
-        o = dn.delta_rule_step_inplace(q, k, v, g, beta, S)
-        assert np.abs(S - S_ref).max() <= 1e-12 and np.abs(o - o_ref).max() <= 1e-6 * np.abs(o_ref).max()
-    with pytest.raises(ValueError, match="float64"):
-        dn.delta_rule_step_inplace(q, k, v, g, beta, S.astype(np.float32))
+        o = dn.delta_rule_step_inplace(q, k, v, g, beta, st.S)
+        assert np.abs(st.state() - S_ref).max() <= 1e-5 * np.abs(S_ref).max()
+        assert np.abs(o - o_ref).max() <= 1e-5 * np.abs(o_ref).max()
+    with pytest.raises(ValueError, match="float32"):
+        dn.delta_rule_step_inplace(q, k, v, g, beta, st.S.astype(np.float64))
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_ggml_gated_delta_net_is_the_recurrent_rule(T):
+    """llama.cpp's op through ggml_deltanet, for two sequences in one graph (Hv = 2 Hk, as the
+    122B's 16 k-heads / 32 v-heads): each within float32 rounding of the float64 rule, its state
+    updated in place, and each sequence's bits the same as when it runs alone."""
+    from p2pswarm.engine import deltanet as dn
+    from p2pswarm.engine import ggml_deltanet
+    from p2pswarm.engine.ggml_kernel import GgmlRunner, load_libggml
+
+    runner = GgmlRunner(load_libggml(), 2)
+    assert ggml_deltanet.available(runner)
+    rng = np.random.default_rng(9)
+    Hk, Hv, d = 2, 4, 16
+
+    def seq():
+        q, k = (dn.l2_norm(rng.standard_normal((T, Hk, d)).astype(np.float32), 1e-6) for _ in range(2))
+        v = rng.standard_normal((T, Hv, d)).astype(np.float32)
+        g = -np.abs(rng.standard_normal((T, Hv))).astype(np.float32)
+        beta = rng.random((T, Hv)).astype(np.float32)
+        S0 = rng.standard_normal((Hv, d, d)) * 0.3
+        return q, k, v, g, beta, S0
+
+    seqs = [seq(), seq()]
+    states, alone = [], []
+    for q, k, v, g, beta, S0 in seqs:
+        st, solo = dn.DeltaNetState(4, 4, Hv, d, d), dn.DeltaNetState(4, 4, Hv, d, d)
+        st.set_state(S0)
+        solo.set_state(S0)
+        states.append(st)
+        alone.append((ggml_deltanet.gated_delta_net(runner, [(q, k, v, g, beta, solo)])[0], solo.S.copy()))
+    outs = ggml_deltanet.gated_delta_net(runner, [(*s[:5], st) for s, st in zip(seqs, states)])
+    for (q, k, v, g, beta, S0), st, o, (o_alone, S_alone) in zip(seqs, states, outs, alone):
+        reps = Hv // Hk
+        o_ref, S_ref = dn.delta_rule_recurrent(np.tile(q, (1, reps, 1)), np.tile(k, (1, reps, 1)), v, g, beta, S0)
+        assert o.shape == (T, Hv, d)
+        assert np.abs(o - o_ref).max() <= 1e-5 * np.abs(o_ref).max()
+        assert np.abs(st.state() - S_ref).max() <= 1e-5 * np.abs(S_ref).max()
+        assert np.array_equal(o, o_alone) and np.array_equal(st.S, S_alone)
+    runner.close()
 
 
 @pytest.mark.parametrize("preset", [None, "2"])

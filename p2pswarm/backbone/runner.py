@@ -97,7 +97,7 @@ ALL_BATCHED = DenseInvariance(True, True, True)
 # share their first segments, so each segment's alone result is computed once; together they put
 # rows alone in calls of 1, 2, 5, 8, 17, 26, 33, 36 rows and batched in calls of 16, 64 and 70 (ggml
 # switches K-quant kernels at 8 rows; OpenBLAS at its block edges). At most 5 sequences per call:
-# each carries a fresh state (8 MiB per DeltaNet layer at the 122B's geometry) while it runs.
+# each carries a fresh state (4 MiB per DeltaNet layer at the 122B's geometry) while it runs.
 _PROBE_LAYOUTS = ([1, 2, 8, 26, 33], [1, 2, 8, 5], [1, 2, 8, 17, 36])
 
 

@@ -17,9 +17,16 @@ Two forms compute it:
   (s < t, G the cumulative log-decay), and outputs and the next S are a few mat-muls. Same result,
   a fraction of the Python-level work for a long prefill.
 
-Both run in float64 inside (S is carried in float64 too) and return float32: the two forms then
-agree to ~1e-13 before the final rounding, so which one ran is invisible in the float32 output,
-and the carried state loses nothing over a long sequence.
+Both run in float64 inside and return float32; the two forms then agree to ~1e-13 before the
+final rounding, so which one ran is invisible in the float32 output.
+
+The carried state is float32, stored as llama.cpp stores it (its ``ggml_gated_delta_net`` op and
+recurrent-state cache are F32): per value head the transpose ``M = S^T`` (dv x dk, row j = column
+j of S), so :class:`DeltaNetState` can hand its memory to that op unchanged
+(:mod:`p2pswarm.engine.ggml_deltanet`, which the ggml kernel uses for every call). Why float32: a
+float64 S was 8 MiB per sequence per layer at the 122B's geometry (288 MiB per sequence over its
+36 DeltaNet layers) for precision llama.cpp does not keep either; the F32 logits tests against
+llama.cpp hold with it (tests/test_qwen35moe.py).
 
 The other pieces of the layer live here too because nothing else uses them: the causal depthwise
 conv with its carried K-1 rows, softplus, the l2-norm and the gated RMSNorm, each written the way
@@ -97,48 +104,48 @@ def delta_rule_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndar
 
 
 def delta_rule_step_inplace(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                            S: np.ndarray) -> np.ndarray:
-    """One token of the gated delta rule, updating the float64 state ``S`` (H, dk, dv) in place.
+                            M: np.ndarray) -> np.ndarray:
+    """One token of the gated delta rule in float32, updating the state in place: numpy's decode
+    step (the ggml kernel runs llama.cpp's op instead).
 
-    Why a separate form: decode runs this once per DeltaNet layer per token, and the state (64
-    heads x 128 x 128 float64 = 8 MB per layer at the 122B's geometry) is the whole cost; the
-    token-by-token loop above copies it and walks it six times. Here, with ``d = e^g``::
+    ``M`` (H, dv, dk) float32 is the state in llama.cpp's layout (``M[h] = S[h]^T``). With
+    ``d = e^g``, one batched mat-mul reads M once for both projections::
 
-        [S^T k, S^T q] = [k; q] S_old               # one batched mat-mul, one read of S
+        [S^T k, S^T q] = M_old [k, q]
         delta = beta (v - d S_old^T k)
         o     = (d S_old^T q + (k . q) delta) / sqrt(dk)   # = S_new^T q
-        S     = d S_old + k delta^T                 # in place
+        M     = d M_old + delta k^T                        # in place
 
-    The same math as :func:`delta_rule_recurrent` (float64 throughout, so the two agree to
-    ~1e-15 before the float32 rounding of ``o``). q, k: (1, H, dk); v: (1, H, dv); g, beta: (1, H).
-    Returns o (1, H, dv) float32.
+    The same math as :func:`delta_rule_recurrent`, rounded to float32 at each step (as llama.cpp's
+    op is). q, k: (1, H, dk); v: (1, H, dv); g, beta: (1, H). Returns o (1, H, dv) float32.
     """
-    if S.dtype != F64 or not S.flags.c_contiguous:
-        raise ValueError("the state must be a C-contiguous float64 array")
-    q0, k0, v0 = (np.asarray(a[0], dtype=F64) for a in (q, k, v))
-    g0, b0 = np.asarray(g[0], dtype=F64), np.asarray(beta[0], dtype=F64)
+    if M.dtype != F32 or not M.flags.c_contiguous:
+        raise ValueError("the state must be a C-contiguous float32 array (H, dv, dk)")
+    q0, k0, v0 = (np.asarray(a[0], dtype=F32) for a in (q, k, v))
+    g0, b0 = np.asarray(g[0], dtype=F32), np.asarray(beta[0], dtype=F32)
     dk = q0.shape[-1]
     d = np.exp(g0)  # (H,)
-    kq = np.stack([k0, q0], axis=1)  # (H, 2, dk)
-    proj = np.matmul(kq, S)  # (H, 2, dv): S^T k and S^T q
-    delta = b0[:, None] * (v0 - d[:, None] * proj[:, 0])
-    o = (d[:, None] * proj[:, 1] + np.sum(k0 * q0, axis=-1)[:, None] * delta) * (1.0 / np.sqrt(dk))
-    outer = _scratch(S.shape)
-    np.einsum("hk,hv->hkv", k0, delta, out=outer)  # k delta^T, into reused memory (no page faults)
-    S *= d[:, None, None]
-    S += outer
-    return o[None].astype(F32)
+    kq = np.stack([k0, q0], axis=2)  # (H, dk, 2)
+    proj = np.matmul(M, kq)  # (H, dv, 2): S^T k and S^T q
+    delta = b0[:, None] * (v0 - d[:, None] * proj[:, :, 0])
+    kdotq = np.sum(k0 * q0, axis=-1, dtype=F32)
+    o = (d[:, None] * proj[:, :, 1] + kdotq[:, None] * delta) * F32(1.0 / np.sqrt(dk))
+    outer = _scratch(M.shape)
+    np.einsum("hv,hk->hvk", delta, k0, out=outer)  # delta k^T, into reused memory (no page faults)
+    M *= d[:, None, None]
+    M += outer
+    return o[None].astype(F32, copy=False)
 
 
 _tls = threading.local()
 
 
 def _scratch(shape: tuple[int, ...]) -> np.ndarray:
-    """A float64 buffer of ``shape`` reused by this thread: a fresh 8 MB temporary per token costs
+    """A float32 buffer of ``shape`` reused by this thread: a fresh 4 MB temporary per token costs
     more in page faults than the arithmetic it holds."""
     buf = getattr(_tls, "buf", None)
     if buf is None or buf.shape != shape:
-        buf = _tls.buf = np.empty(shape, dtype=F64)
+        buf = _tls.buf = np.empty(shape, dtype=F32)
     return buf
 
 
@@ -196,11 +203,33 @@ def delta_rule(q, k, v, g, beta, S, *, mode: str = "auto"):
     raise ValueError(f"unknown DeltaNet mode {mode!r} (auto, chunked or recurrent)")
 
 
-class DeltaNetState:
-    """What one linear-attention layer carries between calls for one sequence."""
+ALIGN = 64  # bytes; ggml wants tensor memory aligned to 32 (TENSOR_ALIGNMENT), a cache line is 64
 
-    __slots__ = ("S", "conv")
+
+class DeltaNetState:
+    """What one linear-attention layer carries between calls for one sequence.
+
+    ``S`` (H, dv, dk) float32 is the recurrent state in llama.cpp's layout (``S[h] = state_h^T``),
+    ``conv`` the last K-1 conv inputs. ``S`` is the tail of one aligned buffer whose head holds
+    ``H * dv`` floats more: the shape of ``ggml_gated_delta_net``'s result for one token
+    (``[o | new state]``), so a decode step of the ggml kernel writes its new state over the old
+    one in place, with no copy (:mod:`p2pswarm.engine.ggml_deltanet`)."""
+
+    __slots__ = ("S", "conv", "buf", "head")
 
     def __init__(self, conv_channels: int, kernel: int, n_v_heads: int, dk: int, dv: int):
         self.conv = np.zeros((kernel - 1, conv_channels), dtype=F32)
-        self.S = np.zeros((n_v_heads, dk, dv), dtype=F64)
+        self.head = n_v_heads * dv
+        n = self.head + n_v_heads * dv * dk
+        raw = np.zeros(n * 4 + ALIGN, dtype=np.uint8)
+        skip = (-raw.ctypes.data) % ALIGN
+        self.buf = raw[skip:skip + n * 4].view(F32)
+        self.S = self.buf[self.head:].reshape(n_v_heads, dv, dk)
+
+    def set_state(self, S: np.ndarray) -> None:
+        """Replace the state with ``S`` in the math's layout (H, dk, dv), any float dtype."""
+        np.copyto(self.S, np.asarray(S).transpose(0, 2, 1), casting="same_kind")
+
+    def state(self) -> np.ndarray:
+        """The state in the math's layout (H, dk, dv), as a float32 view."""
+        return self.S.transpose(0, 2, 1)

@@ -127,6 +127,11 @@ _SIG = {  # name: (library, restype, argtypes)
     "ggml_backend_cpu_init": ("cpu", _P, []),
     "ggml_backend_cpu_set_n_threads": ("cpu", None, [_P, ctypes.c_int]),
 }
+# Looked up too, but a libggml without them still loads (their callers fall back to numpy).
+_OPTIONAL_SIG = {
+    # q, k, v, g, beta, state, K (snapshot slots): llama.cpp's fused Gated DeltaNet (ggml >= 0.25)
+    "ggml_gated_delta_net": ("base", _P, [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int64]),
+}
 
 
 def _passive_omp_waits() -> None:
@@ -173,6 +178,11 @@ class GgmlLib:
             except AttributeError:
                 raise GgmlUnavailable(f"lib{lib} in {lib_dir} has no {name} (too old a ggml?)") from None
             fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, name.removeprefix("ggml_"), fn)
+        for name, (lib, restype, argtypes) in _OPTIONAL_SIG.items():
+            fn = getattr(libs[lib], name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = restype, argtypes
             setattr(self, name.removeprefix("ggml_"), fn)
         self._libs = libs
         self.cpu_init()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine import deltanet, ops
+from p2pswarm.engine import deltanet, ggml_deltanet, ops
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -293,16 +293,16 @@ class Qwen35MoE:
         beta = ops.sigmoid(beta)  # (T, Hv)
         alpha = alpha + w[p + "ssm_dt.bias"].reshape(-1)
         g = deltanet.softplus(alpha) * w[p + "ssm_a"].reshape(-1)  # ssm_a holds -exp(A_log) already
-        os_, at = [], 0
-        for st, n in segs:  # per sequence: its conv rows and state
-            os_.append(self._delta(il, m[at:at + n], g[at:at + n], beta[at:at + n], st))
+        prepared, at = [], 0
+        for st, n in segs:  # per sequence: its conv rows
+            prepared.append((*self._qkv(il, m[at:at + n], st), g[at:at + n], beta[at:at + n], st))
             at += n
-        o = os_[0] if len(os_) == 1 else np.concatenate(os_)
+        o = np.concatenate(self._delta_rule(prepared)) if len(prepared) > 1 else self._delta_rule(prepared)[0]
         y = deltanet.gated_rms_norm(o, w[p + "ssm_norm.weight"].reshape(-1), z, self.eps)
         return ops.matmul(np.ascontiguousarray(y.reshape(T, Hv * dv)), w[p + "ssm_out.weight"])
 
-    def _delta(self, il: int, m: np.ndarray, g: np.ndarray, beta: np.ndarray, st: deltanet.DeltaNetState):
-        """One sequence's conv -> silu -> q, k, v -> delta rule, carrying its state."""
+    def _qkv(self, il: int, m: np.ndarray, st: deltanet.DeltaNetState):
+        """One sequence's conv (carrying its rows) -> silu -> q, k (l2-normed, Hk heads), v."""
         w, p = self.w, f"blk.{il}."
         T = m.shape[0]
         d, Hk, Hv, dv = self.ssm_d, self.ssm_hk, self.ssm_hv, self.ssm_dv
@@ -311,13 +311,33 @@ class Qwen35MoE:
         q = deltanet.l2_norm(c[:, : Hk * d].reshape(T, Hk, d), self.eps)
         k = deltanet.l2_norm(c[:, Hk * d : 2 * Hk * d].reshape(T, Hk, d), self.eps)
         v = c[:, 2 * Hk * d :].reshape(T, Hv, dv)
-        if Hv != Hk:  # value head h reads q/k head h mod Hk (tiled, as ggml_repeat does)
-            q = np.tile(q, (1, Hv // Hk, 1))
-            k = np.tile(k, (1, Hv // Hk, 1))
-        if T == 1 and self.deltanet_mode == "auto" and st.S.dtype == np.float64 and st.S.flags.c_contiguous:
-            return deltanet.delta_rule_step_inplace(q, k, v, g, beta, st.S)  # decode: the state in place
-        o, st.S = deltanet.delta_rule(q, k, v, g, beta, st.S, mode=self.deltanet_mode)
-        return o
+        return q, k, v
+
+    def _delta_rule(self, prepared: list[tuple]) -> list[np.ndarray]:
+        """The delta rule of every sequence, each on its own state.
+
+        With the ggml kernel (and ``deltanet_mode`` auto) all of them run as llama.cpp's
+        ``ggml_gated_delta_net`` in one graph (:mod:`p2pswarm.engine.ggml_deltanet`: per head and
+        sequence, so each sequence's bits do not depend on the others). Otherwise numpy, one
+        sequence at a time: the in-place float32 step for a token, else :func:`deltanet.delta_rule`."""
+        dense = getattr(self.w, "ggml_dense", None)
+        runner = dense.runner if dense is not None else None
+        # the op takes square states only (q/k width == v width, as every Qwen3.5 has)
+        if self.deltanet_mode == "auto" and self.ssm_d == self.ssm_dv and ggml_deltanet.available(runner):
+            return ggml_deltanet.gated_delta_net(runner, prepared)
+        outs = []
+        for q, k, v, g, beta, st in prepared:
+            Hv, Hk = self.ssm_hv, self.ssm_hk
+            if Hv != Hk:  # value head h reads q/k head h mod Hk (tiled, as ggml_repeat does)
+                q = np.tile(q, (1, Hv // Hk, 1))
+                k = np.tile(k, (1, Hv // Hk, 1))
+            if q.shape[0] == 1 and self.deltanet_mode == "auto":
+                outs.append(deltanet.delta_rule_step_inplace(q, k, v, g, beta, st.S))  # decode: in place
+                continue
+            o, S = deltanet.delta_rule(q, k, v, g, beta, st.state(), mode=self.deltanet_mode)
+            st.set_state(S)
+            outs.append(o)
+        return outs
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
@@ -329,7 +349,12 @@ class Qwen35MoE:
         w, p = self.w, f"blk.{il}."
         s = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
                               w[p + "ffn_down_shexp.weight"])
-        gate = ops.sigmoid(cur @ w[p + "ffn_gate_inp_shexp.weight"].reshape(-1, 1))  # (T, 1)
+        # The gate's dot product row by row (numpy reduces each row of a contiguous array alone, in
+        # one fixed order), not ``cur @ w``: OpenBLAS's product of (T, E) by one column gives a row
+        # other bits when T changes, which kept the whole post_moe (shared expert included) per
+        # sequence in the batch-invariant mode.
+        wg = np.asarray(w[p + "ffn_gate_inp_shexp.weight"], dtype=F32).reshape(-1)
+        gate = ops.sigmoid(np.sum(np.ascontiguousarray(cur, dtype=F32) * wg, axis=-1, keepdims=True))  # (T, 1)
         return s * gate
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
