@@ -104,17 +104,21 @@ def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead
                          max_m: int = 8, slack: float = 0.05) -> int:
     """The number of micro-batches M that minimises the time of one layer,
 
-        T(M) = max(C + (M - 1) * o,  C / M + R)
+        T(M) = max(C + (M - 1) * o,  C / M + R + (M - 1) * o)
 
     with C the dense time of the whole step's rows, R the wait for the experts (network round trip
-    + remote compute) and o the fixed overhead of a micro-batch. The first term is the backbone's CPU
-    (busy on all M micro-batches in turn), the second one micro-batch's critical path (its share of
-    the dense work, then its round trip). With R >> C pipelining hides at most C: M stays small;
-    with C ~ R it approaches a 2x gain. Every micro-batch costs one more request per owner and layer,
-    so we take the *smallest* M within ``slack`` (5%) of the best time. M <= the number of sequences
-    and ``max_m``."""
+    + remote compute) and o the fixed cost of one more micro-batch. The first term is the backbone's
+    CPU (busy on all M micro-batches in turn), the second one micro-batch's critical path (its share
+    of the dense work, then its round trip). The overhead is on that path too: every micro-batch is
+    one more request per owner and layer, and each owner answers one connection's requests in order,
+    so the last micro-batch's request waits behind the others' framing, proxy and worker hops.
+    (Measured 2026-12-01, 64 sequences behind 50 ms links on 2 shared cores: the earlier model,
+    without that term, picked M = 4-5; M = 1 gave the same tokens/s within noise with a third of the
+    expert requests and 35% less backbone CPU: docs/benchmarks.md.) With R >> C pipelining hides at
+    most C: M stays 1-2; with C ~ R it approaches a 2x gain. We take the *smallest* M within
+    ``slack`` (5%) of the best time. M <= the number of sequences and ``max_m``."""
     ms = range(1, max(1, min(max_m, n_seqs)) + 1)
-    times = [max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s) for m in ms]
+    times = [max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s + (m - 1) * overhead_s) for m in ms]
     best = min(times)
     return next(m for m, t in zip(ms, times) if t <= best * (1 + slack))
 
