@@ -35,7 +35,10 @@ def cpu_seconds(pid: int) -> float:
 
 class WanSwarm:
     def __init__(self, model: Path, *, ranges: list[tuple[int, int]], rtt_ms: float, workdir: Path,
-                 kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0):
+                 kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0,
+                 wrapper: str | None = None):
+        """``wrapper``: a script run instead of ``-m MODULE`` as ``python WRAPPER MODULE args`` for every
+        node and proxy (bench/trace_entry.py: per-hop timestamps)."""
         self.model = Path(model)
         self.ranges = ranges
         self.rtt_ms = rtt_ms
@@ -48,9 +51,13 @@ class WanSwarm:
         self.procs: list[Proc] = []
         self.workers: list[Proc] = []
         self.proxies: list[Proc] = []
+        self.wrapper = wrapper
+
+    def _entry(self, module: str) -> list[str]:
+        return [self.wrapper, module] if self.wrapper else ["-m", module]
 
     def _node(self, name: str, args: list[str]) -> Proc:
-        p = Proc(args, self.dir / f"{name}.log", self.env)
+        p = Proc(args, self.dir / f"{name}.log", self.env, entry=self._entry("p2pswarm.cli"))
         self.procs.append(p)
         return p
 
@@ -65,7 +72,7 @@ class WanSwarm:
                     slice_experts(self.model, shard, None, (e0, e1))
                 port = free_port()
                 proxy = Proc(["--target", f"127.0.0.1:{port}", "--rtt-ms", str(self.rtt_ms)],
-                             self.dir / f"proxy{i}.log", self.env, entry=["-m", "p2pswarm.net.wanproxy"])
+                             self.dir / f"proxy{i}.log", self.env, entry=self._entry("p2pswarm.net.wanproxy"))
                 self.procs.append(proxy)
                 self.proxies.append(proxy)
                 pport = proxy.ready[0].rsplit(":", 1)[1]

@@ -9,7 +9,8 @@ import trio
 from p2pswarm.backbone.dispatch import DemandCounter, Dispatcher, InProcessOwner
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Params, Scheduler, choose_micro_batches
+from p2pswarm.backbone.scheduler import AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, Params, Scheduler, choose_micro_batches, \
+    choose_token_budget
 from p2pswarm.backbone.session import ensure_shards, open_backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
@@ -204,6 +205,30 @@ def test_micro_batch_rule():
     assert choose_micro_batches(0.05, 0.05, 1) == 1
     # dense-bound (local, fast owners): more micro-batches cost overhead for nothing
     assert choose_micro_batches(0.05, 0.0, 64) == 1
+
+
+def test_token_budget_rule():
+    assert choose_token_budget(None, None) == AUTO_BUDGET_FLOOR  # unmeasured
+    # local owners (no round trip to hide rows behind): the floor
+    assert choose_token_budget(1e-4, 0.0) == AUTO_BUDGET_FLOOR
+    # WAN: 60 ms per layer on the network, 0.1 ms of dense work per row -> 600 rows cost one round trip
+    assert choose_token_budget(1e-4, 0.06) == 600
+    assert choose_token_budget(1e-7, 0.06) == AUTO_BUDGET_CAP
+
+
+async def test_auto_token_budget_grows_only_while_network_bound(tiny_f32):
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        sched = Scheduler(mono.backbone, token_budget="auto", prefill_chunk=8)
+        for i in range(60):
+            sched.submit([1 + i % 50] * 8)
+        sched._admit()
+        assert len(sched.plan()) == AUTO_BUDGET_FLOOR // 8  # nothing measured yet: the floor
+        sched.dense_row_s, sched.wait_s = 1e-4, 0.06  # as measured behind a 50 ms link: 600 rows
+        assert len(sched.plan()) == 60 and sched.last_token_budget == 600
+        sched.wait_s = 0.0  # owners on a fast link: back to the floor
+        assert len(sched.plan()) == AUTO_BUDGET_FLOOR // 8
+        with pytest.raises(ValueError, match="token_budget"):
+            Scheduler(mono.backbone, token_budget="lots")
 
 
 @pytest.mark.slow

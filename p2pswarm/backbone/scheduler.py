@@ -15,6 +15,11 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
   ``max_active`` sequences are active; a finished, failed or cancelled one leaves after its step.
 * Every active decode sequence contributes its one row; then prefill chunks (arrival order) fill the
   per-step ``token_budget``, so a long prompt never stalls the others for more than a chunk.
+  ``"auto"`` (the node's default) is :data:`AUTO_BUDGET_FLOOR` rows, grown while the step is
+  network-bound: up to the rows whose dense work per layer takes as long as one layer's measured
+  dispatch wait (:func:`choose_token_budget`). Under WAN latency a row of prefill then costs next to
+  nothing (the step waits on the round trip anyway), and 64 new prompts are absorbed in one step
+  instead of three round-trip-bound ones; on fast links it stays at the floor.
 * A prompt is always cut into the same chunks (``prefill_chunk`` tokens, from its start), whatever
   else is running: with the backbone's ``batch_invariant`` mode its tokens are then bit-identical
   to the same request served alone.
@@ -71,21 +76,49 @@ EWMA = 0.3  # weight of the newest step in the timing estimates
 MICRO_OVERHEAD_S = 0.002  # fixed cost of one more micro-batch per layer (thread hops, one more request)
 
 
+AUTO_BUDGET_FLOOR = 256  # rows of an "auto" step whatever the timing (the fixed default before)
+AUTO_BUDGET_CAP = 4096  # and never more: bounds one step's dense work and memory
+BUDGET_SAMPLE_ROWS = 64  # steps of fewer rows do not update the per-row dense cost
+BUDGET_WINDOW = 32  # the per-row dense cost is the least of the last this many such steps
+
+
+def choose_token_budget(dense_row_s: float | None, wait_s: float | None, *, floor: int = AUTO_BUDGET_FLOOR,
+                        cap: int = AUTO_BUDGET_CAP) -> int:
+    """Rows per step for ``token_budget="auto"``: ``max(floor, R / c)`` capped at ``cap``, with c the
+    measured dense seconds per row and layer (the least over the last :data:`BUDGET_WINDOW` steps of at
+    least :data:`BUDGET_SAMPLE_ROWS` rows: a step's fixed per-layer and per-micro-batch costs inflate
+    its per-row cost, least so in the step with the most rows) and R the measured dispatch wait per
+    layer (network round trip + remote compute).
+
+    Why: a layer of a step costs about ``rows * c + R``. While ``rows * c < R`` the step is
+    network-bound, and feeding more prefill rows into it costs a fraction of what one more step
+    would (``L * R``); past that point the extra rows would slow every decoding sequence's step by
+    more than a round trip, so the budget stops growing there. A step may thus take up to about
+    twice its round-trip time while prompts are being absorbed, never more. Unmeasured: ``floor``."""
+    if dense_row_s is None or wait_s is None or dense_row_s <= 0:
+        return floor
+    return int(min(cap, max(floor, wait_s / dense_row_s)))
+
+
 def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead_s: float = MICRO_OVERHEAD_S,
                          max_m: int = 8, slack: float = 0.05) -> int:
     """The number of micro-batches M that minimises the time of one layer,
 
-        T(M) = max(C + (M - 1) * o,  C / M + R)
+        T(M) = max(C + (M - 1) * o,  C / M + R + (M - 1) * o)
 
     with C the dense time of the whole step's rows, R the wait for the experts (network round trip
-    + remote compute) and o the fixed overhead of a micro-batch. The first term is the backbone's CPU
-    (busy on all M micro-batches in turn), the second one micro-batch's critical path (its share of
-    the dense work, then its round trip). With R >> C pipelining hides at most C: M stays small;
-    with C ~ R it approaches a 2x gain. Every micro-batch costs one more request per owner and layer,
-    so we take the *smallest* M within ``slack`` (5%) of the best time. M <= the number of sequences
-    and ``max_m``."""
+    + remote compute) and o the fixed cost of one more micro-batch. The first term is the backbone's
+    CPU (busy on all M micro-batches in turn), the second one micro-batch's critical path (its share
+    of the dense work, then its round trip). The overhead is on that path too: every micro-batch is
+    one more request per owner and layer, and each owner answers one connection's requests in order,
+    so the last micro-batch's request waits behind the others' framing, proxy and worker hops.
+    (Measured 2026-12-01, 64 sequences behind 50 ms links on 2 shared cores: the earlier model,
+    without that term, picked M = 4-5; M = 1 gave the same tokens/s within noise with a third of the
+    expert requests and 35% less backbone CPU: docs/benchmarks.md.) With R >> C pipelining hides at
+    most C: M stays 1-2; with C ~ R it approaches a 2x gain. We take the *smallest* M within
+    ``slack`` (5%) of the best time. M <= the number of sequences and ``max_m``."""
     ms = range(1, max(1, min(max_m, n_seqs)) + 1)
-    times = [max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s) for m in ms]
+    times = [max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s + (m - 1) * overhead_s) for m in ms]
     best = min(times)
     return next(m for m, t in zip(ms, times) if t <= best * (1 + slack))
 
@@ -146,20 +179,27 @@ class Request:
 class Scheduler:
     """Owns the active sequences of one backbone; :meth:`run` steps them until cancelled."""
 
-    def __init__(self, backbone: Backbone, tokenizer=None, *, token_budget: int = 256, prefill_chunk: int = 32,
+    def __init__(self, backbone: Backbone, tokenizer=None, *, token_budget: int | str = 256, prefill_chunk: int = 32,
                  max_active: int = 256, micro_batches: int | str = "auto"):
-        if token_budget < 1 or prefill_chunk < 1 or max_active < 1:
-            raise ValueError("token_budget, prefill_chunk and max_active must be >= 1")
+        if token_budget != "auto" and (not isinstance(token_budget, int) or token_budget < 1):
+            raise ValueError("token_budget must be 'auto' or an integer >= 1")
+        if prefill_chunk < 1 or max_active < 1:
+            raise ValueError("prefill_chunk and max_active must be >= 1")
         if micro_batches != "auto" and (not isinstance(micro_batches, int) or micro_batches < 1):
             raise ValueError("micro_batches must be 'auto' or an integer >= 1")
         self.micro_batches = micro_batches
         self.dense_s: float | None = None  # EWMA: dense seconds per layer of a whole step
         self.wait_s: float | None = None  # EWMA: dispatch wait per layer of one micro-batch
         self.last_micro_batches = 1
+        #: dense seconds per row and layer (token_budget="auto"): the least of the last steps' of at
+        #: least BUDGET_SAMPLE_ROWS rows - the step with the most rows amortises the fixed costs best
+        self.dense_row_s: float | None = None
+        self._row_costs: deque[float] = deque(maxlen=BUDGET_WINDOW)
         self.backbone = backbone
         self.tokenizer = tokenizer
         self.token_budget = token_budget
-        self.prefill_chunk = min(prefill_chunk, token_budget)
+        self.last_token_budget = AUTO_BUDGET_FLOOR if token_budget == "auto" else token_budget
+        self.prefill_chunk = min(prefill_chunk, self.last_token_budget)
         self.max_active = max_active
         self.stats = SchedulerStats()
         self._pending: deque[_Sequence] = deque()
@@ -234,7 +274,9 @@ class Scheduler:
         token budget lasts (at least one chunk, so a step always makes progress)."""
         decode = [s for s in self._active if s.fed >= len(s.prompt)]
         prefill = [s for s in self._active if s.fed < len(s.prompt)]
-        budget = self.token_budget - len(decode)
+        if self.token_budget == "auto":
+            self.last_token_budget = choose_token_budget(self.dense_row_s, self.wait_s)
+        budget = self.last_token_budget - len(decode)
         chosen = list(decode)
         for s in prefill:
             n = len(s.chunk(self.prefill_chunk))
@@ -284,6 +326,10 @@ class Scheduler:
             dense, wait = (t.dense_s - t_before.dense_s) / n_layer, (t.wait_s - t_before.wait_s) / layers
             self.dense_s = dense if self.dense_s is None else (1 - EWMA) * self.dense_s + EWMA * dense
             self.wait_s = wait if self.wait_s is None else (1 - EWMA) * self.wait_s + EWMA * wait
+            rows = sum(len(c) for c in chunks)
+            if rows >= BUDGET_SAMPLE_ROWS:  # small steps' fixed per-layer costs would inflate the per-row cost
+                self._row_costs.append(dense / rows)
+                self.dense_row_s = min(self._row_costs)
         dispatch = self.backbone.dispatcher.stats.since(before)
         self.stats.steps += 1
         self.stats.rows += sum(len(c) for c in chunks)

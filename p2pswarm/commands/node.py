@@ -66,7 +66,7 @@ def listen_addrs(args, default: str) -> list[str]:
     return args.listen or [default]
 
 
-def _micro_batches(text: str):
+def _auto_or_positive(text: str):
     if text == "auto":
         return text
     try:
@@ -110,13 +110,15 @@ def add_parser(sub) -> None:
     p.add_argument("--demand-ttl", type=float, default=None, metavar="SECONDS",
                    help="backbone: lifetime of its signed demand record in the DHT, re-published every third of it "
                         "(default 120; docs/market.md)")
-    p.add_argument("--token-budget", type=positive_int, default=256,
-                   help="backbone: rows per batched step, decode rows first, then prefill chunks (default 256)")
+    p.add_argument("--token-budget", type=_auto_or_positive, default="auto",
+                   help="backbone: rows per batched step, decode rows first, then prefill chunks; 'auto' "
+                        "(default): 256, grown while a step waits on the network longer than it computes "
+                        "(docs/architecture.md)")
     p.add_argument("--prefill-chunk", type=positive_int, default=32,
                    help="backbone: a prompt is fed in chunks of this many tokens (default 32)")
     p.add_argument("--max-active", type=positive_int, default=256,
                    help="backbone: sequences decoded together; more requests wait (default 256)")
-    p.add_argument("--micro-batches", type=_micro_batches, default="auto",
+    p.add_argument("--micro-batches", type=_auto_or_positive, default="auto",
                    help="backbone: split each step into this many concurrently dispatched micro-batches, or "
                         "'auto' (from measured dense time and round trip; docs/architecture.md)")
     p.add_argument("--hot-experts", action="store_true",

@@ -16,6 +16,7 @@ from p2pswarm.errors import FrameError
 
 HEADER = struct.Struct("!Q")
 DEFAULT_MAX_FRAME = 128 << 20  # 128 MiB
+ONE_WRITE_MAX = 1 << 20  # frames up to this size go out as one write (header + payload)
 
 
 class FrameReader:
@@ -56,8 +57,11 @@ async def send_frame(stream, payload: bytes, max_frame: int = DEFAULT_MAX_FRAME)
     n = len(payload)
     if n > max_frame:
         raise FrameError(f"refusing to send a frame of {n} bytes: the maximum is {max_frame}")
-    if n < 65536:
+    if n <= ONE_WRITE_MAX:
+        # One write per frame: over libp2p each send_all is a yamux frame and a Noise message of
+        # its own (Python work in both peers, a wake-up for the reader); copying the payload behind
+        # the 8-byte header costs less than that below a MiB.
         await stream.send_all(HEADER.pack(n) + payload)
-    else:
+    else:  # a shard slice: no extra copy of many MiB
         await stream.send_all(HEADER.pack(n))
         await stream.send_all(payload)
