@@ -103,7 +103,7 @@ def analyse(tdir: Path, t0: float, t1: float, one_way_s: float) -> str:
         lines.append(f"| {k} | {statistics.median(parts[k]) * 1e3:.1f} | {pct(parts[k], 0.9) * 1e3:.1f} |")
     rg = [d for d, _ in layers]
     lines.append(f"| layer dispatch (run_groups) | {statistics.median(rg) * 1e3:.1f} | {pct(rg, 0.9) * 1e3:.1f} |")
-    lat_up, lat_down = [], []
+    lat_up = []
     for _, rows in tr["proxy"]:
         for r in rows:
             if r[1] == "p_out" and r[4] and t0 <= float(r[0]) <= t1:
@@ -111,7 +111,7 @@ def analyse(tdir: Path, t0: float, t1: float, one_way_s: float) -> str:
     lines.append(f"| proxy lateness per chunk (sent - due) | {statistics.median(lat_up) * 1e3:.2f} | "
                  f"{pct(lat_up, 0.9) * 1e3:.2f} |")
     wall = t1 - t0
-    lines += ["", f"backbone dense path in the window: " + ", ".join(f"{k} {v:.2f} s" for k, v in dense.items())
+    lines += ["", "backbone dense path in the window: " + ", ".join(f"{k} {v:.2f} s" for k, v in dense.items())
               + f" of {wall:.2f} s wall"]
     return "\n".join(lines)
 
