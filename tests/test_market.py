@@ -75,7 +75,7 @@ def test_crowded_unit_is_left_for_a_scarce_one_by_about_the_surplus():
                             rng=rng).units == (1,) for _ in range(r * 200)) / 200
     assert abs(left - (r - KEEP)) < 1.0, left
     # a unit at KEEP replicas or fewer is never given up for a unit at TARGET or one replica scarcer
-    for mine, other in ((KEEP, 2.0), (KEEP, KEEP - 1.0), (2.0, 1.0), (1.0, 0.0)):
+    for mine, other in ((KEEP, 2.0), (2.0, 1.0), (1.0, 0.0)):
         assert all(choose_units(demand=np.ones(2), replicas=np.array([float(mine), other]), sizes=sizes,
                                 budget=10, held=(0,), rng=rng).units == (0,) for _ in range(100)), (mine, other)
 
