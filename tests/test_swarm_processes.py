@@ -19,7 +19,7 @@ import pytest
 from p2pswarm.model.slicer import slice_experts
 
 from conftest import run_cli
-from helpers.procs import Proc, assert_swarm_logits_exact, start_bootstrap, start_shard_workers
+from helpers.procs import Proc, assert_swarm_logits_exact, start_bootstrap, start_shard_workers, wait_until
 
 TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"  # 17 tokens: prefill + 16 decode steps
 RANGES = [(0, 6), (6, 11), (11, 16), (0, 6)]  # the last worker is a replica of the first
@@ -46,16 +46,14 @@ def test_logits_through_the_swarm_equal_monolithic(tiny_f32, tmp_path, swarm):
     boot, workers, env = swarm
     # A one-shot look-up right after the workers' READY can miss a node record on a loaded machine
     # (one CI-like run saw a peer as "no node record found"; the next refresh finds it): poll.
-    deadline = time.monotonic() + 60
-    while True:
+    def all_live() -> dict | None:
         status = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(tiny_f32), "--kernel", "numpy",
                          "--json", env=env, check=True)
         st = json.loads(status.stdout.strip().splitlines()[-1])
-        statuses = [p["status"] for p in st["peers"].values()]
-        if (st["missing"] == 0 and statuses == ["live"] * 4) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert st["missing"] == 0 and statuses == ["live"] * 4, st["peers"]
+        ok = st["missing"] == 0 and [p["status"] for p in st["peers"].values()] == ["live"] * 4
+        return st if ok else None
+
+    st = wait_until(all_live, timeout=60, interval=1, what="every unit covered and all four workers live")
     # block 0 (experts 0-7): experts 0-5 held by workers 0 and 3 (replicas), 6-7 by worker 1 alone;
     # block 1: 8-10 by worker 1, 11-15 by worker 2. A block counts its least-covered expert: 1, 1.
     assert [st["replicas"][f"{layer}/{b}"] for layer in st["layers"] for b in (0, 1)] == [1, 1] * len(st["layers"])
@@ -136,15 +134,14 @@ def test_worker_killed_mid_generation_then_restarted_is_found_again(tiny_f32, tm
                              tmp_path / "w0-restarted.log", env)
             workers.append(restarted)  # stopped by the fixture whatever happens here
             peer, new_addr = restarted.addr.split("/p2p/")[1], restarted.addr.split("/p2p/")[0]
-            deadline = time.monotonic() + 60
-            while True:
+
+            def found_again() -> bool:
                 proc = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(tiny_f32), "--kernel",
                                "numpy", "--json", "--no-probe", env=env, timeout=120)
                 st = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {}
-                if any(a.startswith(new_addr) for a in st.get("peers", {}).get(peer, {}).get("addrs", [])):
-                    break
-                assert time.monotonic() < deadline, (proc.stdout[-1500:], proc.stderr[-1500:])
-                time.sleep(1)
+                return any(a.startswith(new_addr) for a in st.get("peers", {}).get(peer, {}).get("addrs", []))
+
+            wait_until(found_again, timeout=60, interval=1, what="the restarted worker's new record in a look-up")
         finally:
             backbone.send_signal(signal.SIGCONT)
         assert restarted.addr != workers[0].addr  # same peer id, new port
