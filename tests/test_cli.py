@@ -201,3 +201,12 @@ def test_backbone_serves_http_on_the_socket_it_checked(tiny_f32, tmp_path):
         assert r.json()["usage"]["completion_tokens"] == 3
     finally:
         stop_process(proc)
+
+
+@pytest.mark.parametrize("value", ["zero", "0", "-3", "1.5"])
+def test_node_refuses_a_bad_token_budget(value):
+    """`--token-budget` takes 'auto' (the default) or a positive integer; anything else is
+    argparse's usage line and one error line, exit 2, before anything starts."""
+    proc = run_cli("node", "--role", "backbone", "--token-budget", value, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--token-budget: expected 'auto' or a positive integer" in proc.stderr.strip().splitlines()[-1], proc.stderr
