@@ -108,6 +108,11 @@ async def _status(args) -> dict:
                                     block_size=args.block_size, protocol=proto.PROTOCOL_VERSION, kernel=kernel)
         resolver.log_refusals = False
         cmap = await resolver.refresh()
+        if cmap.missing():
+            # Look once more before reporting a unit uncovered: a look-up right after a worker
+            # joined, or on a loaded host, can miss a provider the DHT does hold (the second pass
+            # re-reads every record found so far and looks the uncovered units up again).
+            cmap = await resolver.refresh()
         infos = cmap.peers()
         probes = {} if args.no_probe else await _probe_all(net, infos, fp, kernel, args.probe_timeout)
         from p2pswarm.market.demand import find_demand
