@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
+from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.http_api import CompletionsApp, serve_http
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.scheduler import Params, Rewind, Scheduler, SequenceRewound
@@ -139,6 +140,34 @@ async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
         liar.fraction = 0.2
         got = await swarm.backbone.logits(tokens)
         assert swarm.backbone.dispatcher.banned and np.array_equal(got, want_prefill)
+
+
+async def test_generate_replays_to_the_monolithic_tokens(tiny_f32):
+    """`p2pswarm generate`'s path (one sequence, no scheduler): a ban mid-run (an honoured ban
+    record; nobody checks here) yields a Rewind, and the tokens that follow end equal to monolithic,
+    sampled (the sampler restarts from its initial copy) as well as greedy."""
+    tok = Tokenizer.from_gguf(tiny_f32)
+    ids = tok.encode("the swarm serves many sequences at once")
+    for temperature in (0.0, 0.8):
+        async with open_backbone(tiny_f32, workers=0, kernel="numpy") as mono:
+            want = [s.token async for s in generate(mono.backbone, tok, ids, max_tokens=30, stop_at_eos=False,
+                                                    sampler=Sampler(temperature, 0.9, seed=7))]
+        async with open_backbone(tiny_f32, workers=2, transport="inproc", kernel="numpy") as swarm:
+            _lie(swarm)
+            disp = swarm.backbone.dispatcher
+            disp.verifier = None
+            toks, rewinds = [], []
+            async for step in generate(swarm.backbone, tok, ids, max_tokens=30, stop_at_eos=False,
+                                       sampler=Sampler(temperature, 0.9, seed=7)):
+                if isinstance(step, Rewind):
+                    rewinds.append(step)
+                    del toks[step.keep:]
+                    continue
+                toks.append(step.token)
+                if len(toks) == 15 and not rewinds:
+                    disp.ban("liar", "a ban record of another backbone")
+        assert [(r.keep, r.sent) for r in rewinds] == [(0, 15)] and swarm.backbone.replays.sequences == 1
+        assert toks == want, temperature
 
 
 async def test_dispatcher_reports_unverified_rows_only(tiny_f32, tmp_path):

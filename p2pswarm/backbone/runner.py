@@ -93,6 +93,25 @@ class ReplayStats:
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
+    def note(self, who: str, pos: int, peer: str, *, rows: int, kept: int | None = None, sent: int = 0) -> None:
+        """Count one sequence rewound to ``pos`` (``rows`` fed again to get back there; of the
+        ``sent`` tokens a client had, those from ``kept`` on withdrawn) and log it."""
+        self.sequences += 1
+        self.rows += rows
+        tail = ""
+        if kept is not None:
+            self.tokens_withdrawn += max(0, sent - kept)
+            tail = f" (keeping {kept} of its {sent} tokens)"
+        log.warning("replaying %s from position %d%s: worker %s, whose unverified outputs it used, was banned",
+                    who, pos, tail, peer)
+
+
+def tokens_kept(pos: int, n_prompt: int, n_tokens: int) -> int:
+    """How many of a sequence's ``n_tokens`` generated tokens stand when its first tainted position
+    is ``pos``: token k is sampled from the row of position ``n_prompt - 1 + k`` (the last prompt
+    token's row gives token 0), so the tokens from rows before ``pos`` are kept."""
+    return max(0, min(n_tokens, pos - n_prompt + 1))
+
 
 def _fold_taint(taint: dict[str, np.ndarray], bounds: np.ndarray, states: list[SequenceState],
                 pos0: list[int]) -> None:
@@ -473,8 +492,7 @@ class Backbone:
             hit = banned_taint(state, disp.banned)
             if hit is None:
                 return out
-            self._log_replay(hit, len(tokens))
-            self.replays.rows += len(tokens)
+            self.replays.note("a prefill", hit[0], hit[1], rows=len(tokens))
         state, rows, j, epoch = self.new_state(), [], 0, disp.ban_epoch
         while j < len(tokens):
             row = await self.forward([tokens[j]], state)
@@ -487,13 +505,7 @@ class Backbone:
                 epoch = disp.ban_epoch
                 hit = banned_taint(state, disp.banned)
                 if hit is not None:
-                    self._log_replay(hit, j)
+                    self.replays.note(f"a decode of {len(tokens)} tokens", hit[0], hit[1], rows=hit[0])
                     del rows[hit[0]:]
-                    self.replays.rows += hit[0]
                     state, j = self.new_state(), 0
         return np.concatenate(rows, axis=0)
-
-    def _log_replay(self, hit: tuple[int, str], n_past: int) -> None:
-        self.replays.sequences += 1
-        log.warning("replaying a sequence from position %d of %d: worker %s, whose unverified outputs it used, "
-                    "was banned", hit[0], n_past, hit[1])

@@ -63,11 +63,12 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from p2pswarm.backbone.generate import Step
-from p2pswarm.backbone.runner import Backbone, banned_taint
+from p2pswarm.backbone.generate import Rewind, Step
+from p2pswarm.backbone.runner import Backbone, banned_taint, tokens_kept
 from p2pswarm.backbone.sampling import Sampler
 
 log = logging.getLogger("p2pswarm.scheduler")
+__all__ = ["Params", "Request", "Rewind", "Scheduler", "SchedulerStats", "SequenceRewound", "Step"]
 
 
 @dataclass
@@ -78,17 +79,6 @@ class Params:
     sampler: Sampler | None = None
     stop_at_eos: bool = True
     request_id: str | None = None  # named in logs (e.g. the HTTP completion id); default seq-N
-
-
-@dataclass(frozen=True)
-class Rewind:
-    """Sent to a request (``submit(..., rewinds=True)``) whose tokens from index ``keep`` on were
-    computed with outputs of ``worker``, since banned: they are withdrawn (the request had ``sent``
-    tokens), and the steps that follow, from index ``keep``, replace them."""
-
-    keep: int
-    sent: int
-    worker: str
 
 
 class SequenceRewound(RuntimeError):
@@ -441,15 +431,11 @@ class Scheduler:
     def _rewind(self, s: _Sequence, pos: int, peer: str) -> None:
         """Back to the last clean point: keep the tokens produced from positions < ``pos``."""
         sent = len(s.tokens)  # what the client has (a replay under way re-derives some of them)
-        keep = max(0, min(sent, pos - len(s.prompt) + 1))
-        r = self.backbone.replays
-        r.sequences += 1
-        r.rows += len(s.prompt) + keep
-        log.warning("replaying request %s from position %d (keeping %d of its %d tokens): worker %s, whose "
-                    "unverified outputs it used, was banned", s.request_id, pos, keep, sent, peer)
+        keep = tokens_kept(pos, len(s.prompt), sent)
+        self.backbone.replays.note(f"request {s.request_id}", pos, peer, rows=len(s.prompt) + keep, kept=keep,
+                                   sent=sent)
         s.replay_peer = peer
         if sent > keep:
-            r.tokens_withdrawn += sent - keep
             try:
                 s.send.send_nowait(Rewind(keep, sent, peer))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
