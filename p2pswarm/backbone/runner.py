@@ -243,6 +243,9 @@ class Backbone:
         self.batch_invariant = batch_invariant
         self.timing = LayerTiming()
         self.replays = ReplayStats()  # replay on ban: by the scheduler and by logits()
+        #: record which positions used a remote worker's unverified outputs (SequenceState.taint), so
+        #: a ban can replay them; off, a ban fixes nothing already computed (benchmarks, tests)
+        self.replay_on_ban = True
         self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
 
@@ -395,7 +398,7 @@ class Backbone:
         else:
             res = await trio.to_thread.run_sync(first)
             timing.dense_s += time.perf_counter() - t0
-            taint: dict[str, np.ndarray] = {}  # peer -> rows of this step computed from its unverified outputs
+            taint = {} if self.replay_on_ban else None  # peer -> rows computed from its unverified outputs
             for il in range(L):
                 h, cur, ids, w, groups = res
                 t1 = time.perf_counter()
