@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
 from p2pswarm.backbone.generate import generate
@@ -116,6 +117,13 @@ async def test_replay_on_ban_keeps_every_running_output_equal_to_monolithic(tiny
     # one that finished before the catch cannot be fixed: counted; one that cannot take tokens back fails
     assert len(extra["short"]) == 2 and replays.finished_unfixable >= 1
     assert isinstance(extra["plain"], SequenceRewound) and "liar" in str(extra["plain"])
+    # the same run with replay off: the same catch, and outputs that are not monolithic's
+    async with open_backbone(tiny_f32, workers=2, transport="inproc", kernel="numpy") as swarm:
+        _lie(swarm)
+        swarm.backbone.replay_on_ban = False
+        off, rewinds_off, _ = await _run(swarm.backbone)
+        assert swarm.backbone.dispatcher.banned.keys() == {"liar"} and swarm.backbone.replays.sequences == 0
+    assert not any(rewinds_off.values()) and any(off[i] != want[i] for i in range(N))
 
 
 async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
@@ -243,6 +251,7 @@ async def test_http_non_streamed_completions_end_exact_and_a_rewound_stream_ends
                     if ban_after is not None:
                         clients.start_soon(ban_later)
                 out["health"] = (await trio.to_thread.run_sync(lambda: httpx.get(base + "/health", timeout=30))).json()
+                out["metrics"] = (await trio.to_thread.run_sync(lambda: httpx.get(base + "/metrics", timeout=30))).text
             nursery.cancel_scope.cancel()
         return out
 
@@ -256,6 +265,9 @@ async def test_http_non_streamed_completions_end_exact_and_a_rewound_stream_ends
     assert health["banned_workers"] == 1, health
     r = health["replays"]
     assert r["sequences"] >= len(prompts) - 2 and r["tokens_withdrawn"] > 0 and r["finished_unfixable"] == 0, health
+    fams = {f.name: f for f in text_string_to_metric_families(got["metrics"])}
+    assert fams["p2pswarm_replayed_sequences"].samples[0].value == r["sequences"]
+    assert fams["p2pswarm_withdrawn_tokens"].samples[0].value == r["tokens_withdrawn"]
     for i in range(len(prompts)):
         if i not in streamed:
             assert got[i] == want[i], i

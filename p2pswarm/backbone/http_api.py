@@ -78,7 +78,8 @@ class CompletionsApp:
                 view = SwarmView.for_backbone(backbone, layout)
         self.view = view
         self._generating = 0
-        self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active)
+        self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active,
+                                       getattr(backbone, "replays", None))
         self.app = Starlette(
             routes=[
                 Route("/", self._status_page),
