@@ -126,6 +126,25 @@ async def test_replay_on_ban_keeps_every_running_output_equal_to_monolithic(tiny
     assert not any(rewinds_off.values()) and any(off[i] != want[i] for i in range(N))
 
 
+async def test_a_ban_while_idle_reports_the_finished_requests_it_spoiled(tiny_f32, caplog):
+    async with open_backbone(tiny_f32, workers=2, transport="inproc", kernel="numpy") as swarm:
+        _lie(swarm)
+        swarm.backbone.dispatcher.verifier = None
+        sched = Scheduler(swarm.backbone)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run)
+            async with sched.submit([5, 4, 3], Params(max_tokens=3, request_id="cmpl-early")) as req:
+                assert len([s async for s in req]) == 3
+            await trio.sleep(0.05)
+            swarm.backbone.dispatcher.ban("liar", "a ban record of another backbone")
+            with trio.fail_after(10):
+                while swarm.backbone.replays.finished_unfixable == 0:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert swarm.backbone.replays.finished_unfixable == 1 and swarm.backbone.replays.sequences == 0
+    assert "1 requests that finished before worker liar was banned" in caplog.text and "cmpl-early" in caplog.text
+
+
 async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
     """`p2pswarm logits --decode --swarm`'s path (Backbone.logits): rows from the first tainted
     position on are recomputed after the ban, so all of them equal the monolithic run's."""

@@ -173,12 +173,15 @@ class Dispatcher:
         self.on_mismatch = None
         self.banned: dict[str, str] = {}  # worker peer id -> why it gets no requests
         self.ban_epoch = 0  # bumped by every new ban: sequences tainted by the peer must be replayed
+        self.ban_listeners: list = []  # fn(peer) told of every new ban (the scheduler wakes up for it)
 
     def ban(self, peer: str, reason: str) -> None:
         """Send ``peer`` nothing from now on (its experts go to another owner or the local replica)."""
         if peer not in self.banned:
             self.banned[peer] = reason
             self.ban_epoch += 1
+            for fn in self.ban_listeners:
+                fn(peer)
 
     def clear_backoff(self, name: str) -> bool:
         """Use owner ``name`` again at once (it restarted: a newer signed record says so)."""

@@ -252,6 +252,7 @@ class Scheduler:
         self._bans_seen: set[str] = set(backbone.dispatcher.banned)
         #: worker -> (finished sequences that used its unverified outputs, the latest request ids)
         self._finished_taint: dict[str, tuple[int, deque]] = {}
+        backbone.dispatcher.ban_listeners.append(lambda peer: self._wake.set())  # an idle loop reports it too
 
     @property
     def active(self) -> int:
@@ -287,6 +288,8 @@ class Scheduler:
         try:
             while True:
                 self._admit()
+                if self.backbone.dispatcher.ban_epoch != self._ban_epoch:
+                    self._replay_banned()  # a ban between steps (a ban record honoured); none in flight
                 if not self._active:
                     self._wake = trio.Event()
                     if not self._pending:
