@@ -86,10 +86,10 @@ def _patch_backbone() -> None:
 
     orig_rg = Dispatcher.run_groups
 
-    async def run_groups(self, layer, cur, groups):
+    async def run_groups(self, layer, cur, groups, taint=None):
         _log("rg0", layer, len(cur), len(groups))
         try:
-            return await orig_rg(self, layer, cur, groups)
+            return await orig_rg(self, layer, cur, groups, taint)
         finally:
             _log("rg1", layer, len(cur), len(groups))
 

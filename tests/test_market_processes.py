@@ -2,7 +2,9 @@
 its output rows) is caught by a backbone's sampled verification within the number of rows the
 sample rate predicts, banned swarm-wide by a signed DHT record that the other backbones honour (one
 started after the ban, one already running), and its unpaid receipts are voided; the honest
-worker's receipts verify; the second backbone's logits equal the monolithic run's bit for bit."""
+worker's receipts verify; both backbones' logits equal the monolithic run's bit for bit (the
+detecting one's through replay on ban: the rows it computed from the liar's unchecked outputs
+before the catch are recomputed)."""
 from __future__ import annotations
 
 import json
@@ -67,6 +69,10 @@ def test_dishonest_worker_is_caught_banned_everywhere_and_its_receipts_voided(ti
         bound = rows_for_confidence(RATE, FRACTION, 0.999)  # ln(0.001) / ln(1 - r p) = 1,378 rows
         assert HONEST_ROWS < served <= HONEST_ROWS + bound, (served, bound)
         assert "published the ban" in b1.stderr and "Traceback" not in b1.stderr
+        # Replay on ban: the rows backbone 1 computed from the liar's unchecked outputs before the
+        # catch are recomputed, so its logits too equal the monolithic run's bit for bit.
+        assert re.search(rf"replaying a decode of 300 tokens from position \d+: worker {liar_id}", b1.stderr)
+        assert np.array_equal(np.load(mono), np.load(tmp_path / "b1.npy"))
         # Backbone 2 (another identity) trusts backbone 1's bans: it never asks the liar anything.
         b2 = run_cli("logits", str(tiny_f32), "--tokens", TOKENS, "--out", str(tmp_path / "b2.npy"), "--decode",
                      "--kernel", "numpy", "--swarm", boot.addr, "--trust-bans", b1_id, "--receipt-period", "0.3",

@@ -19,6 +19,7 @@ import numpy as np
 
 from p2pswarm.backbone.openai_errors import APIError, bad_request
 from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.backbone.generate import Rewind
 from p2pswarm.backbone.stops import StopMatcher, parse_stop
 
 MAX_TOKENS_LIMIT = 4096
@@ -168,31 +169,63 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
+class StreamRewound(APIError):
+    """A streamed completion whose already-sent text was computed with a worker's outputs that
+    turned out wrong (the worker was banned and the sequence replayed): the text cannot be taken
+    back, so the stream ends with this error (in-band) instead of silently changing course."""
+
+    def __init__(self, keep: int, sent: int, worker: str):
+        super().__init__(503, f"a worker whose unverified outputs this stream used ({worker}) was banned for "
+                              f"returning wrong numbers: tokens {keep}-{sent - 1} already streamed differ from the "
+                              f"exact result; retry the request (a non-streamed request is corrected instead)",
+                         type="server_error", code="replayed_after_ban")
+
+
 async def generate_text(open_generation, prompt_ids: list[int], params: GenParams, usage: Usage, *,
-                        on_token=None):
+                        on_token=None, hold: bool = False, request_id: str | None = None):
     """Yield the completion's text pieces; fills ``usage`` (tokens, ``finish_reason``) as it goes.
 
-    ``open_generation(prompt_ids, max_tokens=, sampler=)`` is an async context manager yielding
-    the token steps (see ``CompletionsApp.open_generation``). ``finish_reason`` is "stop" at an
-    end-of-generation token or a stop string (which is never emitted), else "length"."""
+    ``open_generation(prompt_ids, max_tokens=, sampler=, request_id=)`` is an async context manager
+    yielding the token steps (see ``CompletionsApp.open_generation``). ``finish_reason`` is "stop"
+    at an end-of-generation token or a stop string (which is never emitted), else "length".
+
+    Replay on ban: the steps may include a scheduler ``Rewind`` (tokens from ``keep`` on withdrawn,
+    replacements follow). The text is then rebuilt from the kept tokens' pieces. With ``hold``
+    (non-streamed responses) nothing is yielded before the end, so the text always ends exact;
+    streamed, text already yielded that the rebuilt text does not start with ends the generation
+    with :class:`StreamRewound`."""
     matcher = StopMatcher(params.stop)
     usage.prompt_tokens = len(prompt_ids)
     finish = "length"
-    async with open_generation(prompt_ids, max_tokens=params.max_tokens, sampler=params.sampler()) as steps:
+    texts: list[str] = []  # each token's piece, to rebuild the text after a rewind
+    out, sent = "", 0  # the text the matcher let through; how much of it was yielded
+    async with open_generation(prompt_ids, max_tokens=params.max_tokens, sampler=params.sampler(),
+                               request_id=request_id) as steps:
         async for step in steps:
+            if isinstance(step, Rewind):
+                del texts[step.keep:]
+                usage.completion_tokens = step.keep
+                matcher = StopMatcher(params.stop)
+                rebuilt = "".join(matcher.push(t) for t in texts)
+                if not rebuilt.startswith(out[:sent]):
+                    raise StreamRewound(step.keep, step.sent, step.worker)
+                out = rebuilt
+                continue
             usage.completion_tokens += 1
             if on_token is not None:
                 on_token()
-            out = matcher.push(step.text)
-            if out:
-                yield out
+            texts.append(step.text)
+            out += matcher.push(step.text)
+            if not hold and len(out) > sent:
+                yield out[sent:]
+                sent = len(out)
             if matcher.stopped or step.end:
                 finish = "stop"
                 break
-    tail = matcher.flush()
-    if tail:
-        yield tail
+    out += matcher.flush()
+    if len(out) > sent:
+        yield out[sent:]
     usage.finish_reason = finish
 
 
-__all__ = ["APIError", "GenParams", "PenalizedSampler", "Usage", "generate_text", "parse_params"]
+__all__ = ["APIError", "GenParams", "PenalizedSampler", "StreamRewound", "Usage", "generate_text", "parse_params"]

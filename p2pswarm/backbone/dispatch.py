@@ -15,6 +15,14 @@ remote owner's groups on the local replica, beside the request, and compares the
 mismatch bans the owner here (``banned``), tells ``on_mismatch``, and the step uses the replica's
 outputs for all of that owner's groups. A ``ledger`` credits each owner's used work (receipts).
 
+Taints. A caller that passes ``taint`` (a dict) to :meth:`Dispatcher.run_groups` learns which rows
+of ``cur`` were computed from a remote worker's *unverified* outputs: ``taint[peer]`` is a boolean
+row mask, OR-ed in place (rows of groups that were checked and matched are not marked; a caught
+worker's rows are the replica's and are not marked either). The backbone folds it into each
+sequence's state, so that when the worker is banned later - caught here, or by a ban record another
+backbone signed - the scheduler can rewind exactly the sequences that used its rows (docs/market.md,
+"Replay on ban"). ``ban_epoch`` counts bans, so a caller can notice a new one with one comparison.
+
 Owners (:class:`p2pswarm.contracts.Owner`) are transports: :class:`LocalOwner` (this process), :class:`InProcessOwner` (a worker object
 in this process, exercising the same row packing as a remote one) and
 :class:`p2pswarm.backbone.socket_owner.SocketOwner` (a worker process over a local socket).
@@ -164,10 +172,16 @@ class Dispatcher:
         self.ledger = None
         self.on_mismatch = None
         self.banned: dict[str, str] = {}  # worker peer id -> why it gets no requests
+        self.ban_epoch = 0  # bumped by every new ban: sequences tainted by the peer must be replayed
+        self.ban_listeners: list = []  # fn(peer) told of every new ban (the scheduler wakes up for it)
 
     def ban(self, peer: str, reason: str) -> None:
         """Send ``peer`` nothing from now on (its experts go to another owner or the local replica)."""
-        self.banned.setdefault(peer, reason)
+        if peer not in self.banned:
+            self.banned[peer] = reason
+            self.ban_epoch += 1
+            for fn in self.ban_listeners:
+                fn(peer)
 
     def clear_backoff(self, name: str) -> bool:
         """Use owner ``name`` again at once (it restarted: a newer signed record says so)."""
@@ -219,8 +233,10 @@ class Dispatcher:
         """``{expert: outputs}`` for groups with distinct experts (one sequence's layer)."""
         return {e: out for (e, _), out in zip(groups, await self.run_groups(layer, cur, groups))}
 
-    async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
-        """Outputs per group, in group order: one request per owner with all the groups it holds."""
+    async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups,
+                         taint: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """Outputs per group, in group order: one request per owner with all the groups it holds.
+        ``taint``: see the module doc (rows computed from a remote worker's unverified outputs)."""
         t0 = time.perf_counter()
         self.demand.add(layer, groups)
         plan = self._assign(layer, groups)
@@ -259,7 +275,10 @@ class Dispatcher:
                 outs = await self.local.compute(layer, cur, owner_groups)
                 used = False
             if used:
-                outs = await self._accept(owner, layer, cur, owner_groups, outs, picked, refs if picked else [])
+                outs, trusted = await self._accept(owner, layer, cur, owner_groups, outs, picked,
+                                                   refs if picked else [])
+                if trusted and taint is not None and len(picked) < len(owner_groups):
+                    self._mark(taint, peer_of(owner), len(cur), owner_groups, picked)
             for i, out in zip(which, outs):
                 results[i] = out
 
@@ -302,11 +321,28 @@ class Dispatcher:
             raise first_error(group) from None
         return got["outs"], got["refs"]
 
+    @staticmethod
+    def _mark(taint: dict[str, np.ndarray], peer: str, n_rows: int, groups: Groups, picked: list[int]) -> None:
+        """Mark the rows of ``groups`` not in ``picked`` (used unverified) in ``taint[peer]``."""
+        mask = taint.get(peer)
+        if mask is None:
+            mask = taint[peer] = np.zeros(n_rows, dtype=bool)
+        if picked:
+            skip = set(picked)
+            idx = [g[1] for j, g in enumerate(groups) if j not in skip]
+        else:
+            idx = [g[1] for g in groups]
+        mask[np.concatenate(idx) if len(idx) > 1 else idx[0]] = True
+
     async def _accept(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups, outs: list[np.ndarray],
-                      picked: list[int], refs: list[np.ndarray]) -> list[np.ndarray]:
+                      picked: list[int], refs: list[np.ndarray]) -> tuple[list[np.ndarray], bool]:
         """Check a remote answer's sampled groups; on a mismatch ban the worker and use the local
-        replica's outputs for *all* its groups; otherwise count the work for its receipts."""
+        replica's outputs for *all* its groups; otherwise count the work for its receipts.
+        Returns (outputs, whether they are the worker's). A worker banned while its answer was on
+        the way (another request caught it, or a ban record arrived) is not used either."""
         peer = peer_of(owner)
+        if peer in self.banned:
+            return await self.local.compute(layer, cur, groups), False
         self.stats.verified_groups += len(picked)
         if self.verifier is not None:
             evidence = self.verifier.check(peer, layer, cur, groups, outs, picked, refs)
@@ -319,11 +355,12 @@ class Dispatcher:
                     log.warning("BANNED worker %s: %s", peer, evidence.summary())
                 rest = [j for j in range(len(groups)) if j not in set(picked)]
                 fixed = dict(zip(picked, refs))
-                fixed.update(zip(rest, await self.local.compute(layer, cur, [groups[j] for j in rest])))
-                return [fixed[j] for j in range(len(groups))]
+                if rest:
+                    fixed.update(zip(rest, await self.local.compute(layer, cur, [groups[j] for j in rest])))
+                return [fixed[j] for j in range(len(groups))], False
         if self.ledger is not None:
             self.ledger.add(peer, sum(len(idx) for _, idx in groups), sum(int(o.nbytes) for o in outs))
-        return outs
+        return outs, True
 
     @property
     def all_local(self) -> bool:

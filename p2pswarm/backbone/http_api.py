@@ -78,7 +78,8 @@ class CompletionsApp:
                 view = SwarmView.for_backbone(backbone, layout)
         self.view = view
         self._generating = 0
-        self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active)
+        self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active,
+                                       getattr(backbone, "replays", None))
         self.app = Starlette(
             routes=[
                 Route("/", self._status_page),
@@ -100,15 +101,16 @@ class CompletionsApp:
         return self.scheduler.active if self.scheduler is not None else self._generating
 
     @asynccontextmanager
-    async def open_generation(self, prompt_ids: list[int], *, max_tokens: int, sampler):
+    async def open_generation(self, prompt_ids: list[int], *, max_tokens: int, sampler, request_id=None):
         """Token steps (``generate.Step``) for one request: through the scheduler when there is
-        one (``scheduler.submit``; leaving the block early cancels the sequence), else a
-        ``generate()`` of its own."""
+        one (``scheduler.submit``; leaving the block early cancels the sequence; a replay on ban
+        shows up as a ``Rewind`` among the steps), else a ``generate()`` of its own (no replay)."""
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         if self.scheduler is not None:
             from p2pswarm.backbone.scheduler import Params  # the throughput work's module
 
-            async with self.scheduler.submit(prompt_ids, Params(max_tokens=max_tokens, sampler=sampler)) as steps:
+            params = Params(max_tokens=max_tokens, sampler=sampler, request_id=request_id)
+            async with self.scheduler.submit(prompt_ids, params, rewinds=True) as steps:
                 yield steps
             return
         steps = generate(self.backbone, self.tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler)
@@ -151,7 +153,9 @@ class CompletionsApp:
                              "steps": sched.stats.steps if sched else None,
                              "micro_batches": sched.last_micro_batches if sched else None,
                              "dense_s": self.backbone.timing.dense_s,
-                             "dispatch_wait_s": self.backbone.timing.wait_s})
+                             "dispatch_wait_s": self.backbone.timing.wait_s,
+                             "banned_workers": len(self.backbone.dispatcher.banned),
+                             "replays": self.backbone.replays.as_dict()})
 
     async def _metrics(self, request: Request) -> Response:
         payload, ctype = self.metrics.render()
@@ -228,7 +232,8 @@ class CompletionsApp:
                 "created": int(time.time()), "model": self.model_name,
                 "system_fingerprint": self.fingerprint[:16]}
         usage = Usage()
-        pieces = generate_text(self.open_generation, ids, params, usage, on_token=self.metrics.generated)
+        pieces = generate_text(self.open_generation, ids, params, usage, on_token=self.metrics.generated,
+                               hold=not params.stream, request_id=cid)
         if not params.stream:
             text = "".join([p async for p in pieces])
             if chat:

@@ -16,6 +16,10 @@ read at scrape time by a custom collector, so they never drift from the source.
     p2pswarm_expert_groups_total{where}               expert groups computed locally / remotely
     p2pswarm_coverage_units{state}                    units with live remote replicas / only the local one
     p2pswarm_workers                                  remote owners known
+    p2pswarm_replayed_sequences_total                 sequences rewound: a banned worker's unchecked rows were in them
+    p2pswarm_replayed_rows_total                      rows fed again by those replays
+    p2pswarm_withdrawn_tokens_total                   tokens already delivered that a replay withdrew
+    p2pswarm_unfixable_finished_total                 requests that finished before such a ban (not replayable)
 """
 from __future__ import annotations
 
@@ -63,9 +67,10 @@ class TokenRate:
 class _SwarmCollector:
     """Reads the dispatcher and the status snapshot at scrape time."""
 
-    def __init__(self, dispatcher, coverage):
+    def __init__(self, dispatcher, coverage, replays=None):
         self.dispatcher = dispatcher
         self.coverage = coverage  # () -> (live units, local-only units, workers)
+        self.replays = replays  # the backbone's ReplayStats (replay on ban)
 
     def collect(self):
         s = self.dispatcher.stats
@@ -83,12 +88,23 @@ class _SwarmCollector:
         units.add_metric(["local_only"], local_only)
         yield units
         yield GaugeMetricFamily("p2pswarm_workers", "Remote expert owners known", value=workers)
+        r = self.replays
+        if r is not None:
+            for name, doc, value in (
+                    ("replayed_sequences", "Sequences rewound because a banned worker's unchecked rows were in them",
+                     r.sequences),
+                    ("replayed_rows", "Rows fed again by replays on ban", r.rows),
+                    ("withdrawn_tokens", "Tokens already delivered that a replay on ban withdrew", r.tokens_withdrawn),
+                    ("unfixable_finished", "Requests finished before a ban of a worker whose unchecked rows they used",
+                     r.finished_unfixable)):
+                yield CounterMetricFamily(f"p2pswarm_{name}", doc, value=value)
 
 
 class BackboneMetrics:
-    def __init__(self, dispatcher, coverage, active):
+    def __init__(self, dispatcher, coverage, active, replays=None):
         """``coverage()`` -> (units with a live remote replica, units only the local replica
-        covers, remote owners); ``active()`` -> sequences generating now."""
+        covers, remote owners); ``active()`` -> sequences generating now; ``replays``: the
+        backbone's :class:`~p2pswarm.backbone.runner.ReplayStats`."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("p2pswarm_http_requests", "HTTP requests answered",
@@ -100,7 +116,7 @@ class BackboneMetrics:
         self.owner_latency = Histogram("p2pswarm_owner_request_seconds",
                                        "Expert request round trip per remote owner (compute included)",
                                        ["owner"], buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_SwarmCollector(dispatcher, coverage))
+        r.register(_SwarmCollector(dispatcher, coverage, replays))
         self.rate = TokenRate()
         self.total_tokens = 0
 

@@ -26,6 +26,7 @@ only, so a sequence's logits are bit-identical to running it alone (docs/archite
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -38,6 +39,7 @@ from p2pswarm.contracts import DenseModel
 from p2pswarm.engine.state import SequenceState
 
 F32 = np.float32
+log = logging.getLogger("p2pswarm.backbone")
 
 
 def expert_groups(ids: np.ndarray) -> Groups:
@@ -64,6 +66,70 @@ def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: 
     for j in range(1, k):
         acc += y[j]
     return acc
+
+
+def banned_taint(state: SequenceState, banned) -> tuple[int, str] | None:
+    """``(position, peer)``: the first position of ``state`` computed from the unverified outputs of
+    a peer in ``banned`` (the earliest over such peers), or None when the sequence is clean."""
+    hit = None
+    for peer, pos in state.taint.items():
+        if peer in banned and (hit is None or pos < hit[0]):
+            hit = (pos, peer)
+    return hit
+
+
+@dataclass
+class ReplayStats:
+    """Replay on ban (docs/market.md): sequences rewound because a worker whose unverified rows they
+    used was banned, the rows fed again to get back to where their taint began, the tokens already
+    handed to a client that the replay withdrew, and sequences that had *finished* before the ban
+    (nothing left to rewind: their output may differ from monolithic; logged with request id)."""
+
+    sequences: int = 0
+    rows: int = 0
+    tokens_withdrawn: int = 0
+    finished_unfixable: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def note(self, who: str, pos: int, peer: str, *, rows: int, kept: int | None = None, sent: int = 0) -> None:
+        """Count one sequence rewound to ``pos`` (``rows`` fed again to get back there; of the
+        ``sent`` tokens a client had, those from ``kept`` on withdrawn) and log it."""
+        self.sequences += 1
+        self.rows += rows
+        tail = ""
+        if kept is not None:
+            self.tokens_withdrawn += max(0, sent - kept)
+            tail = f" (keeping {kept} of its {sent} tokens)"
+        log.warning("replaying %s from position %d%s: worker %s, whose unverified outputs it used, was banned",
+                    who, pos, tail, peer)
+
+
+def tokens_kept(pos: int, n_prompt: int, n_tokens: int) -> int:
+    """How many of a sequence's ``n_tokens`` generated tokens stand when its first tainted position
+    is ``pos``: token k is sampled from the row of position ``n_prompt - 1 + k`` (the last prompt
+    token's row gives token 0), so the tokens from rows before ``pos`` are kept."""
+    return max(0, min(n_tokens, pos - n_prompt + 1))
+
+
+def _fold_taint(taint: dict[str, np.ndarray], bounds: np.ndarray, states: list[SequenceState],
+                pos0: list[int]) -> None:
+    """Record in each sequence's state the first position whose computation used a remote peer's
+    unverified outputs (``SequenceState.taint``): from row masks over the step's rows (any
+    layer) to positions of each sequence (its span of rows starts at ``bounds[i]``, position
+    ``pos0[i]``). Positions before it never depended on those outputs (the model is causal)."""
+    for peer, mask in taint.items():
+        rows = np.flatnonzero(mask)
+        if not len(rows):
+            continue
+        seq = np.searchsorted(bounds, rows, side="right") - 1
+        first_seq, first_at = np.unique(seq, return_index=True)  # rows ascend: the first is the least
+        for i, r in zip(first_seq.tolist(), rows[first_at].tolist()):
+            st = states[i]
+            pos = pos0[i] + r - int(bounds[i])
+            if pos < st.taint.get(peer, pos + 1):
+                st.taint[peer] = pos
 
 
 @dataclass
@@ -176,6 +242,10 @@ class Backbone:
         self.dispatcher = dispatcher
         self.batch_invariant = batch_invariant
         self.timing = LayerTiming()
+        self.replays = ReplayStats()  # replay on ban: by the scheduler and by logits()
+        #: record which positions used a remote worker's unverified outputs (SequenceState.taint), so
+        #: a ban can replay them; off, a ban fixes nothing already computed (benchmarks, tests)
+        self.replay_on_ban = True
         self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
 
@@ -328,15 +398,18 @@ class Backbone:
         else:
             res = await trio.to_thread.run_sync(first)
             timing.dense_s += time.perf_counter() - t0
+            taint = {} if self.replay_on_ban else None  # peer -> rows computed from its unverified outputs
             for il in range(L):
                 h, cur, ids, w, groups = res
                 t1 = time.perf_counter()
-                outs = await disp.run_groups(il, cur, groups)
+                outs = await disp.run_groups(il, cur, groups, taint)
                 t2 = time.perf_counter()
                 res = await trio.to_thread.run_sync(partial(after, il, h, cur, ids, w, groups, outs))
                 timing.dense_s += time.perf_counter() - t2
                 timing.wait_s += t2 - t1
                 timing.layers += 1
+            if taint:
+                _fold_taint(taint, bounds, states, pos0)
         for st, t in zip(states, toks):
             st.n_past += len(t)
         return res
@@ -408,13 +481,34 @@ class Backbone:
 
     async def logits(self, tokens, *, decode: bool = False, on_step=None) -> np.ndarray:
         """All-position logits of a fresh sequence: one prefill, or token by token (``decode``).
-        ``on_step(done, total)`` is called after each decode step (progress, long runs)."""
-        state = self.new_state()
-        if not decode:
-            return await self.forward(tokens, state)
-        rows = []
-        for i, t in enumerate(tokens):
-            rows.append(await self.forward([t], state))
-            if on_step is not None:
-                on_step(i + 1, len(tokens))
+        ``on_step(done, total)`` is called after each decode step (progress, long runs).
+
+        Replay on ban: when a worker whose unverified outputs the sequence used is banned meanwhile
+        (caught by this backbone's verification, or a ban record honoured), the rows from the first
+        tainted position on are thrown away and recomputed on a fresh state (the earlier positions
+        fed again the same way, to rebuild it), so the result equals the monolithic run's bits."""
+        disp = self.dispatcher
+        tokens = list(tokens)
+        while not decode:
+            state = self.new_state()
+            out = await self.forward(tokens, state)
+            hit = banned_taint(state, disp.banned)
+            if hit is None:
+                return out
+            self.replays.note("a prefill", hit[0], hit[1], rows=len(tokens))
+        state, rows, j, epoch = self.new_state(), [], 0, disp.ban_epoch
+        while j < len(tokens):
+            row = await self.forward([tokens[j]], state)
+            if j == len(rows):  # (a position fed again to rebuild the state keeps its clean row)
+                rows.append(row)
+                if on_step is not None:
+                    on_step(j + 1, len(tokens))
+            j += 1
+            if disp.ban_epoch != epoch:
+                epoch = disp.ban_epoch
+                hit = banned_taint(state, disp.banned)
+                if hit is not None:
+                    self.replays.note(f"a decode of {len(tokens)} tokens", hit[0], hit[1], rows=hit[0])
+                    del rows[hit[0]:]
+                    state, j = self.new_state(), 0
         return np.concatenate(rows, axis=0)

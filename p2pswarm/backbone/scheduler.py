@@ -32,9 +32,27 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
   sequence; a step that fails (bad token id, or the dispatcher gave up) fails the requests in that
   step with the error and the scheduler goes on with new ones. Dead workers never hang a step: the
   dispatcher's timeout and local fallback bound every layer.
+
+Replay on ban. Sampled verification (:mod:`p2pswarm.market.verify`) catches a lying worker only
+after some of its unchecked rows were used. Every sequence's state records, per remote worker, the
+first position computed from that worker's unverified outputs (``SequenceState.taint``, filled by
+:meth:`Backbone.forward_batch`). After every step in which a worker was banned (caught here, or a
+ban record of a trusted backbone honoured), each active sequence tainted by it is rewound: a fresh
+state, the prompt fed again in the same chunks and the tokens generated from clean positions fed
+again one by one, as decode rows (the same schedule as the first time: exact whatever else runs in
+the batch-invariant mode), with the sampler restored to its initial copy so it draws the same
+numbers; its re-derived tokens are checked against the kept ones and not sent again. A token is
+produced by the row of the position before it, so with the taint at position p the tokens
+produced from positions < p are kept and later ones dropped. If the client already received some
+of the dropped tokens it gets a :class:`Rewind` (keep = how many of its tokens stand) before the
+replacements; ``submit(..., rewinds=False)`` (the default) makes that an error instead
+(:class:`SequenceRewound`), for callers that cannot take text back. A sequence that *finished*
+before the ban cannot be fixed: it is logged (request id, worker) and counted
+(``backbone.replays.finished_unfixable``). The counts are in ``backbone.replays`` and /health.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -45,11 +63,12 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from p2pswarm.backbone.generate import Step
-from p2pswarm.backbone.runner import Backbone
+from p2pswarm.backbone.generate import Rewind, Step
+from p2pswarm.backbone.runner import Backbone, banned_taint, tokens_kept
 from p2pswarm.backbone.sampling import Sampler
 
 log = logging.getLogger("p2pswarm.scheduler")
+__all__ = ["Params", "Request", "Rewind", "Scheduler", "SchedulerStats", "SequenceRewound", "Step"]
 
 
 @dataclass
@@ -59,6 +78,16 @@ class Params:
     max_tokens: int = 16
     sampler: Sampler | None = None
     stop_at_eos: bool = True
+    request_id: str | None = None  # named in logs (e.g. the HTTP completion id); default seq-N
+
+
+class SequenceRewound(RuntimeError):
+    """Raised to a request that cannot take tokens back (``rewinds=False``) when a replay on ban
+    withdraws tokens it already received."""
+
+
+FINISHED_TAINT_PEERS = 4096  # finished sequences' taints remembered for so many workers ...
+FINISHED_TAINT_IDS = 32  # ... with the ids of the latest so many requests each (for the log)
 
 
 @dataclass
@@ -126,11 +155,17 @@ def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead
 class _Sequence:
     def __init__(self, sid: int, prompt: list[int], params: Params, send, tokenizer):
         self.sid = sid
+        self.request_id = params.request_id or f"seq-{sid}"
         self.prompt = prompt
         self.params = params
         self.sampler = params.sampler or Sampler(0.0)
+        self.sampler0 = copy.deepcopy(self.sampler)  # as it was before any draw: a replay restarts it
+        self.tokenizer = tokenizer
         self.send = send
         self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        self.tokens: list[int] = []  # every token generated so far (replay: the kept ones)
+        self.forced = 0  # replaying: tokens 0..forced-1 are re-derived, checked, not sent again
+        self.replay_peer = ""  # the banned worker the last replay was for
         self.state = None
         self.fed = 0  # prompt tokens fed so far
         self.next_token: int | None = None  # the sampled token to feed next step
@@ -149,10 +184,11 @@ class Request:
     """One submitted request: ``async with`` it and iterate its :class:`Step` s. Leaving the block
     early (or :meth:`cancel`) removes the sequence at the next step boundary."""
 
-    def __init__(self, scheduler: "Scheduler", seq: _Sequence, receive):
+    def __init__(self, scheduler: "Scheduler", seq: _Sequence, receive, rewinds: bool = False):
         self._scheduler = scheduler
         self._seq = seq
         self._receive = receive
+        self._rewinds = rewinds
 
     async def __aenter__(self) -> "Request":
         return self
@@ -173,6 +209,11 @@ class Request:
         async for item in self._receive:
             if isinstance(item, BaseException):
                 raise item
+            if isinstance(item, Rewind) and not self._rewinds:
+                raise SequenceRewound(
+                    f"request {self._seq.request_id}: {item.sent - item.keep} of the {item.sent} tokens already "
+                    f"delivered were computed with outputs of worker {item.worker}, since banned; they cannot "
+                    f"be taken back")
             yield item
 
 
@@ -207,13 +248,20 @@ class Scheduler:
         self._wake = trio.Event()
         self._ids = 0
         self._running = False
+        self._ban_epoch = backbone.dispatcher.ban_epoch
+        self._bans_seen: set[str] = set(backbone.dispatcher.banned)
+        #: worker -> (finished sequences that used its unverified outputs, the latest request ids)
+        self._finished_taint: dict[str, tuple[int, deque]] = {}
+        backbone.dispatcher.ban_listeners.append(lambda peer: self._wake.set())  # an idle loop reports it too
 
     @property
     def active(self) -> int:
         return len(self._active)
 
-    def submit(self, prompt_ids, params: Params | None = None) -> Request:
-        """Queue a request; the returned :class:`Request` yields its steps as they are sampled."""
+    def submit(self, prompt_ids, params: Params | None = None, *, rewinds: bool = False) -> Request:
+        """Queue a request; the returned :class:`Request` yields its steps as they are sampled.
+        ``rewinds``: the caller takes :class:`Rewind` items (replay on ban withdrew tokens it had);
+        without, such a withdrawal ends the iteration with :class:`SequenceRewound`."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
@@ -229,7 +277,7 @@ class Scheduler:
         seq = _Sequence(self._ids, prompt, params, send, self.tokenizer)
         self._pending.append(seq)
         self._wake.set()
-        return Request(self, seq, receive)
+        return Request(self, seq, receive, rewinds)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The step loop; run it in a nursery (``await nursery.start(scheduler.run)``)."""
@@ -240,6 +288,8 @@ class Scheduler:
         try:
             while True:
                 self._admit()
+                if self.backbone.dispatcher.ban_epoch != self._ban_epoch:
+                    self._replay_banned()  # a ban between steps (a ban record honoured); none in flight
                 if not self._active:
                     self._wake = trio.Event()
                     if not self._pending:
@@ -259,7 +309,13 @@ class Scheduler:
 
     def _admit(self) -> None:
         self.stats.cancelled += sum(1 for s in self._active if s.cancelled and not s.done)
-        self._active = [s for s in self._active if not (s.cancelled or s.done)]
+        keep = []
+        for s in self._active:
+            if s.cancelled or s.done:
+                self._remember_taint(s)
+            else:
+                keep.append(s)
+        self._active = keep
         while self._pending and len(self._active) < self.max_active:
             seq = self._pending.popleft()
             if seq.cancelled:
@@ -336,10 +392,13 @@ class Scheduler:
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             log.warning("%d of %d sequences of a step failed: %s", len(failed), len(batch), failed[0])
+        rewound = self._replay_banned() if self.backbone.dispatcher.ban_epoch != self._ban_epoch else set()
         for s, c, lg in zip(batch, chunks, results):
             if isinstance(lg, Exception):
                 self._fail(s, lg)
                 continue
+            if s.sid in rewound:
+                continue  # this step's rows are thrown away with the rest of its state
             if s.fed < len(s.prompt):
                 s.fed += len(c)
                 if s.fed < len(s.prompt):
@@ -347,6 +406,65 @@ class Scheduler:
             if s.cancelled:
                 continue
             self._emit(s, lg[-1], dispatch)
+
+    # -- replay on ban (module doc) -------------------------------------------------------------
+    def _replay_banned(self) -> set[int]:
+        """Rewind every active sequence tainted by a banned worker; report finished ones that were.
+        Returns the ids of the sequences rewound."""
+        disp = self.backbone.dispatcher
+        self._ban_epoch = disp.ban_epoch
+        for peer in [p for p in disp.banned if p not in self._bans_seen]:
+            self._bans_seen.add(peer)
+            n, ids = self._finished_taint.pop(peer, (0, ()))
+            if n:
+                self.backbone.replays.finished_unfixable += n
+                log.warning("%d requests that finished before worker %s was banned used its unverified outputs "
+                            "and cannot be replayed (their output may differ from monolithic); latest: %s",
+                            n, peer, ", ".join(ids))
+        rewound = set()
+        for s in self._active:
+            if s.done or s.cancelled or s.state is None:
+                continue
+            hit = banned_taint(s.state, disp.banned)
+            if hit is not None:
+                self._rewind(s, *hit)
+                rewound.add(s.sid)
+        return rewound
+
+    def _rewind(self, s: _Sequence, pos: int, peer: str) -> None:
+        """Back to the last clean point: keep the tokens produced from positions < ``pos``."""
+        sent = len(s.tokens)  # what the client has (a replay under way re-derives some of them)
+        keep = tokens_kept(pos, len(s.prompt), sent)
+        self.backbone.replays.note(f"request {s.request_id}", pos, peer, rows=len(s.prompt) + keep, kept=keep,
+                                   sent=sent)
+        s.replay_peer = peer
+        if sent > keep:
+            try:
+                s.send.send_nowait(Rewind(keep, sent, peer))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                s.cancelled = True
+        del s.tokens[keep:]
+        s.forced = keep
+        s.state = self.backbone.new_state()
+        s.fed = 0
+        s.next_token = None
+        s.n_out = 0
+        s.sampler = copy.deepcopy(s.sampler0)
+        s.decoder = s.tokenizer.stream_decoder() if s.tokenizer is not None else None
+
+    def _remember_taint(self, s: _Sequence) -> None:
+        """A sequence leaves: remember which workers' unverified outputs it used, so a later ban of
+        one of them can be reported (it is too late to replay it)."""
+        if s.state is None or not s.state.taint:
+            return
+        for peer in s.state.taint:
+            n, ids = self._finished_taint.pop(peer, (0, None))
+            if ids is None:
+                ids = deque(maxlen=FINISHED_TAINT_IDS)
+            ids.append(s.request_id)
+            self._finished_taint[peer] = (n + 1, ids)  # re-inserted: the dict's order is recency
+        while len(self._finished_taint) > FINISHED_TAINT_PEERS:
+            self._finished_taint.pop(next(iter(self._finished_taint)))
 
     def _fail(self, s: _Sequence, exc: Exception) -> None:
         s.done = True
@@ -359,6 +477,24 @@ class Scheduler:
 
     def _emit(self, s: _Sequence, row: np.ndarray, dispatch) -> None:
         token = s.sampler(row)
+        if s.n_out < s.forced:  # replaying: a token the client already has, derived again
+            if token == s.tokens[s.n_out]:
+                if s.decoder is not None:
+                    s.decoder.push(token)  # (the decoder's state, not its text: that was sent)
+                s.n_out += 1
+                s.next_token = token
+                return
+            # the kept tokens were not what the clean run gives (never, with honest replicas): the
+            # new token stands, the client takes back the rest
+            log.warning("request %s: replay re-derived token %d as %d, not %d", s.request_id, s.n_out, token,
+                        s.tokens[s.n_out])
+            self.backbone.replays.tokens_withdrawn += len(s.tokens) - s.n_out
+            try:
+                s.send.send_nowait(Rewind(s.n_out, len(s.tokens), s.replay_peer))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                s.cancelled = True
+            del s.tokens[s.n_out:]
+            s.forced = s.n_out
         p = s.params
         tok = self.tokenizer
         end = bool(p.stop_at_eos and tok is not None and tok.is_eog(token))
@@ -371,6 +507,7 @@ class Scheduler:
         s.t_last = now
         s.n_out += 1
         s.next_token = token
+        s.tokens.append(token)
         self.stats.generated += 1
         try:
             s.send.send_nowait(step)

@@ -48,7 +48,8 @@ def add_market_args(p, prefix: str = "") -> None:
 
     p.add_argument("--verify-rate", type=_verify_rate, default=DEFAULT_VERIFY_RATE, metavar="FRACTION",
                    help=f"{prefix}recompute this fraction of the workers' output rows on the local replica, bit for "
-                        f"bit; a mismatch bans the worker swarm-wide (0 = off; default {DEFAULT_VERIFY_RATE})")
+                        f"bit; a mismatch bans the worker swarm-wide and replays what used its unchecked rows "
+                        f"(0 = off; default {DEFAULT_VERIFY_RATE})")
     p.add_argument("--verify-seed", type=int, default=None,
                    help=f"{prefix}seed of the verification sample (default: fresh entropy, unpredictable to workers)")
     p.add_argument("--trust-bans", action="append", default=[], metavar="PEER_ID",

@@ -5,7 +5,7 @@ import sys
 
 import trio
 
-from p2pswarm.backbone.generate import generate
+from p2pswarm.backbone.generate import Rewind, generate
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.commands.common import add_swarm_args, check_workers, open_model, require_full_model
 from p2pswarm.engine.tokenizer import Tokenizer
@@ -37,8 +37,16 @@ async def _run(args) -> None:
     async with open_model(args) as swarm:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-        n, secs = 0, 0.0
+        n, secs, pieces = 0, 0.0, []
         async for step in generate(swarm.backbone, tok, ids, max_tokens=args.max_tokens, sampler=sampler):
+            if isinstance(step, Rewind):  # replay on ban: what was printed cannot be taken back
+                del pieces[step.keep:]
+                print(f"\n[worker {step.worker} was banned for returning wrong numbers: tokens {step.keep}-"
+                      f"{step.sent - 1} are withdrawn; the corrected text follows]", file=sys.stderr)
+                sys.stdout.write("\n" + args.prompt + "".join(pieces))
+                n = step.keep
+                continue
+            pieces.append(step.text)
             sys.stdout.write(step.text)
             sys.stdout.flush()
             n += 1

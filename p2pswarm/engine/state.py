@@ -40,3 +40,8 @@ class SequenceState:
     kv: dict[int, KVCache] = field(default_factory=dict)
     extra: dict[int, Any] = field(default_factory=dict)
     n_past: int = 0
+    #: remote worker peer id -> the first position whose computation used that worker's unverified
+    #: outputs (sampled verification checked none of them). If the worker is banned later, every
+    #: position from there on is suspect; earlier ones are not (the model is causal): the
+    #: scheduler rewinds the sequence to there (p2pswarm.backbone.scheduler, "Replay on ban").
+    taint: dict[str, int] = field(default_factory=dict)

@@ -25,6 +25,12 @@ What the step uses. On a mismatch the dispatcher throws away *all* of that worke
 the request (one wrong row makes every row of the reply suspect) and uses the local replica's, so
 the step's result is exact from the detecting request on; rows of earlier, unsampled requests were
 used as they came (that is what sampling means: at r = 1 nothing wrong is ever used).
+
+Replay on ban makes the outputs exact anyway: every sequence records the first position computed
+from a worker's unverified rows, and when that worker is banned, the sequences still running that
+used them are rewound to there and recomputed (p2pswarm.backbone.scheduler, docs/market.md). Only a
+sequence that had already *finished* cannot be fixed: it is logged (request id, worker) and counted
+(/health ``replays.finished_unfixable``).
 """
 from __future__ import annotations
 
