@@ -10,7 +10,6 @@ import json
 
 import httpx
 import numpy as np
-import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
