@@ -66,6 +66,25 @@ async def test_workaround_provide_rate_limit_raised():
         assert stored() == 40
 
 
+async def test_workaround_more_than_20_providers_per_key():
+    """24 clients provide one key (the model index): a look-up must list all 24 (py-libp2p's
+    server keeps the first 20 and drops the rest)."""
+    async with dht_swarm(1, clients=25) as nodes:
+        providers, reader = nodes[1:-1], nodes[-1]
+        async with trio.open_nursery() as nursery:
+            for p in providers:
+                nursery.start_soon(p.dht.provide, _key(7))
+        found = {i.peer_id for i in await reader.dht.find_providers(_key(7), exhaustive=True)}
+        assert found == {p.net.peer_id for p in providers}
+
+
+def test_providers_per_key_trap_still_present():
+    """Control: the library's own limit is still 20, so the patch is still needed."""
+    from libp2p.kad_dht.common import BUCKET_SIZE
+
+    assert BUCKET_SIZE == 20
+
+
 async def test_workaround_inbound_kad_stream_limit_raised():
     """Many look-ups at once against one server: none of its answers may be a reset."""
     async with dht_swarm(2, clients=1) as (server, provider, backbone):
