@@ -4,8 +4,9 @@
 Why from outside: the test under measurement must run unchanged; /proc/PID/stat gives each
 process's user+system ticks, and the deltas over a window give its CPU share there.
 
-    python bench/proc_cpu.py record OUT.jsonl            # until killed, one sample every 5 s
+    python bench/proc_cpu.py record OUT.jsonl [MATCH]    # until killed, one sample every 5 s
     python bench/proc_cpu.py report OUT.jsonl [--after-ready N]
+    python bench/proc_cpu.py phases TMPDIR/test_auto_workers_cover_every_0   # start-up phases
 
 ``report`` prints, per role, the median and max CPU % of a process over the steady window: from
 30 s after the first sample at which N workers are alive, for 60 s (or until a worker disappears).
@@ -32,7 +33,9 @@ def _role(argv: list[str]) -> str | None:
     return rest[0]
 
 
-def sample() -> dict:
+def sample(match: str = "") -> dict:
+    """``match``: only processes whose command line contains it (a test's tmp dir: other
+    p2pswarm processes on a shared machine are not counted)."""
     out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -40,7 +43,7 @@ def sample() -> dict:
         try:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
             role = _role(argv)
-            if role is None:
+            if role is None or match not in "\0".join(argv):
                 continue
             fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
             out[pid] = [role, (int(fields[11]) + int(fields[12])) / TICK]
@@ -49,10 +52,10 @@ def sample() -> dict:
     return {"t": time.time(), "p": out}
 
 
-def record(path: str, every: float = 5.0) -> None:
+def record(path: str, match: str = "", every: float = 5.0) -> None:
     with open(path, "a") as f:
         while True:
-            f.write(json.dumps(sample()) + "\n")
+            f.write(json.dumps(sample(match)) + "\n")
             f.flush()
             time.sleep(every)
 
@@ -85,9 +88,43 @@ def report(path: str, n: int, window: float = 60.0, skip: float = 30.0) -> None:
     print("  CPU seconds so far per role:", {k: round(v) for k, v in total.items()})
 
 
+def phases(test_dir: str) -> None:
+    """Median seconds of each start-up phase of the ``w*.log`` workers in a market test's tmp dir:
+    spawn (the key file's mtime, written just before) -> first log line (interpreter and imports)
+    -> joined the swarm (DHT bootstrap) -> market geometry read (demand look-up) -> first
+    enrolment (download + load + record)."""
+    import datetime
+    import glob
+    import re
+    import statistics
+
+    def ts(line: str) -> float:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").replace(
+            tzinfo=datetime.timezone.utc).timestamp()
+
+    marks = {"imports": r"identity ", "bootstrap": r"joined the swarm", "demand": r"market: model",
+             "enrol": r"enrolled in"}
+    out: dict[str, list[float]] = {k: [] for k in marks}
+    for log in glob.glob(os.path.join(test_dir, "w*.log")):
+        key = log[:-4] + ".key"
+        prev = os.stat(key).st_mtime
+        lines = open(log).read().splitlines()
+        for name, pat in marks.items():
+            hit = next((ts(x) for x in lines if re.search(pat, x)), None)
+            if hit is None:
+                break
+            out[name].append(hit - prev)
+            prev = hit
+    for name, vals in out.items():
+        if vals:
+            print(f"  {name:10s} median {statistics.median(vals):5.1f} s  max {max(vals):5.1f} s  (n={len(vals)})")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "record":
-        record(sys.argv[2])
+        record(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")
+    elif sys.argv[1] == "phases":
+        phases(sys.argv[2])
     else:
         n = int(sys.argv[sys.argv.index("--after-ready") + 1]) if "--after-ready" in sys.argv else 30
         report(sys.argv[2], n)

@@ -9,6 +9,7 @@ import hashlib
 import time
 from contextlib import asynccontextmanager
 
+import multiaddr
 import pytest
 import trio
 from libp2p.kad_dht.common import PROTOCOL_ID as LIB_PROTOCOL_ID
@@ -78,11 +79,19 @@ async def test_workaround_more_than_20_providers_per_key():
         assert found == {p.net.peer_id for p in providers}
 
 
-def test_providers_per_key_trap_still_present():
-    """Control: the library's own limit is still 20, so the patch is still needed."""
+async def test_providers_per_key_trap_still_present(monkeypatch):
+    """Control: with the library's own limit back in place its provider store drops the 21st
+    provider of a key, so the patch is still needed."""
+    import libp2p.kad_dht.provider_store as store
     from libp2p.kad_dht.common import BUCKET_SIZE
+    from libp2p.peer.peerinfo import PeerInfo
 
-    assert BUCKET_SIZE == 20
+    monkeypatch.setattr(store, "BUCKET_SIZE", BUCKET_SIZE)
+    async with open_host(Identity.generate()) as net:
+        ps = store.ProviderStore(net.host)
+        for _ in range(21):
+            ps.add_provider(_key(3), PeerInfo(Identity.generate().peer_id, [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/1")]))
+        assert len(ps.get_providers(_key(3))) == 20
 
 
 async def test_workaround_inbound_kad_stream_limit_raised():

@@ -463,11 +463,12 @@ def _check_worker_source(args) -> None:
 def _check_dht_mode(args) -> None:
     """Resolve a worker's ``--dht``: client by default for ``--auto`` and ``--relay`` workers.
 
-    Why an --auto worker is a client: measured with 30 of them on 2 cores (docs/benchmarks.md,
-    "Coverage market: 30 --auto workers, before/after"), serving the DHT - answering every other
-    worker's look-ups, record puts and routing-table traffic, and being one more hop in every
-    iterative look-up - was most of an idle worker's CPU, and a phone should not carry it. Records
-    then live at the DHT servers (bootstrap and backbone nodes), where backbones look them up anyway."""
+    Why an --auto worker is a client: 30 of them as servers saturated 2 cores (docs/benchmarks.md,
+    "Coverage market: 30 --auto workers, before/after"): each answered the others' look-ups and
+    record puts, was one more hop in every iterative look-up (each touching ~20 peers) and
+    refreshed its routing table at start-up; as clients an idle one costs ~1.7 % of a core. A phone
+    should not carry the DHT's load. Records then live at the DHT servers (bootstrap and backbone
+    nodes), where backbones look them up anyway."""
     relayed = bool(args.relay)  # `--relay auto` too
     if args.role != "worker":
         if args.dht_mode is not None:

@@ -27,8 +27,8 @@ discards the whole identify message over it.
 The kad protocol id is hard-coded to            :func:`install_kad_protocol_id`: rebind the        tests/test_net_dht.py::test_workaround_kad_protocol_id_is_ours
 ``/ipfs/kad/1.0.0`` (``protocol_prefix`` is     constant in every kad module to
 ignored): our DHT would merge with IPFS.        ``/p2pswarm/kad/1.0.0``.
-A server keeps at most 20 providers per key   :func:`raise_providers_per_key`: 4,096 per key     tests/test_net_dht.py::test_workaround_more_than_20_providers_per_key
-(``BUCKET_SIZE``) and silently ignores the      (provider_store's ``BUCKET_SIZE`` rebound; the
+A server keeps at most 20 providers per key     :func:`raise_providers_per_key`: 4,096 per key     tests/test_net_dht.py::test_workaround_more_than_20_providers_per_key
+(``BUCKET_SIZE``) and silently ignores the      (provider_store's ``BUCKET_SIZE`` rebound; the     (control: test_providers_per_key_trap_still_present)
 21st: the model index (every worker provides    routing table keeps k = 20).
 the model key) listed 20 of 30 workers.
 =============================================  =================================================  ==============================================================
