@@ -466,7 +466,7 @@ def _check_dht_mode(args) -> None:
     Why an --auto worker is a client: 30 of them as servers saturated 2 cores (docs/benchmarks.md,
     "Coverage market: 30 --auto workers, before/after"): each answered the others' look-ups and
     record puts, was one more hop in every iterative look-up (each touching ~20 peers) and
-    refreshed its routing table at start-up; as clients an idle one costs ~1.7 % of a core. A phone
+    refreshed its routing table at start-up; as clients an idle one costs 0.19x the CPU. A phone
     should not carry the DHT's load. Records then live at the DHT servers (bootstrap and backbone
     nodes), where backbones look them up anyway."""
     relayed = bool(args.relay)  # `--relay auto` too
