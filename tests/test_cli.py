@@ -210,3 +210,16 @@ def test_node_refuses_a_bad_token_budget(value):
     proc = run_cli("node", "--role", "backbone", "--token-budget", value, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "--token-budget: expected 'auto' or a positive integer" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--role", "backbone", "--dht", "client"], "--dht is for --role worker"),
+    (["--role", "worker", "--shard", "x.gguf", "--relay", "auto", "--bootstrap", "/ip4/127.0.0.1/tcp/1",
+      "--dht", "server"], "--dht server needs a dialable worker"),
+])
+def test_node_refuses_a_dht_mode_it_cannot_have(argv, message):
+    """`--dht server|client` is a worker's; a relayed worker cannot serve the DHT (nobody can dial
+    its kad). One error line, non-zero exit, before anything starts."""
+    proc = run_cli("node", *argv, timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert message in proc.stderr.strip().splitlines()[-1], proc.stderr

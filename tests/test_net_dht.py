@@ -9,6 +9,7 @@ import hashlib
 import time
 from contextlib import asynccontextmanager
 
+import multiaddr
 import pytest
 import trio
 from libp2p.kad_dht.common import PROTOCOL_ID as LIB_PROTOCOL_ID
@@ -64,6 +65,33 @@ async def test_workaround_provide_rate_limit_raised():
             while stored() < 40:
                 await trio.sleep(0.05)
         assert stored() == 40
+
+
+async def test_workaround_more_than_20_providers_per_key():
+    """24 clients provide one key (the model index): a look-up must list all 24 (py-libp2p's
+    server keeps the first 20 and drops the rest)."""
+    async with dht_swarm(1, clients=25) as nodes:
+        providers, reader = nodes[1:-1], nodes[-1]
+        async with trio.open_nursery() as nursery:
+            for p in providers:
+                nursery.start_soon(p.dht.provide, _key(7))
+        found = {i.peer_id for i in await reader.dht.find_providers(_key(7), exhaustive=True)}
+        assert found == {p.net.peer_id for p in providers}
+
+
+async def test_providers_per_key_trap_still_present(monkeypatch):
+    """Control: with the library's own limit back in place its provider store drops the 21st
+    provider of a key, so the patch is still needed."""
+    import libp2p.kad_dht.provider_store as store
+    from libp2p.kad_dht.common import BUCKET_SIZE
+    from libp2p.peer.peerinfo import PeerInfo
+
+    monkeypatch.setattr(store, "BUCKET_SIZE", BUCKET_SIZE)
+    async with open_host(Identity.generate()) as net:
+        ps = store.ProviderStore(net.host)
+        for _ in range(21):
+            ps.add_provider(_key(3), PeerInfo(Identity.generate().peer_id, [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/1")]))
+        assert len(ps.get_providers(_key(3))) == 20
 
 
 async def test_workaround_inbound_kad_stream_limit_raised():

@@ -144,6 +144,11 @@ def add_parser(sub) -> None:
                         "FINGERPRINT picks the model when backbones serve several")
     p.add_argument("--memory", metavar="SIZE",
                    help="worker --auto: bytes of expert weights it may hold, e.g. 340MB, 1.5GB, 512MiB")
+    p.add_argument("--dht", choices=("server", "client"), default=None, dest="dht_mode",
+                   help="worker: serve the Kademlia DHT (answer other peers' queries, store their records) or "
+                        "only use it (put our records, look others up). Default: client for --auto and --relay "
+                        "workers (a phone should not carry the DHT's load; bootstrap and backbone nodes serve it), "
+                        "server otherwise. --relay needs client: nobody can dial a NATed worker's kad")
     p.add_argument("--enrol-period", type=float, default=60.0, metavar="SECONDS",
                    help="worker --auto: seconds between re-evaluations, jittered +-25%% (default 60)")
     p.add_argument("--receipts-dir", metavar="DIR",
@@ -174,14 +179,16 @@ async def _worker(args) -> None:
         if args.relay:  # a given relay is also the way into the DHT: reserve first
             keeper = await _start_relay_keeper(args, net, dht_of)
         bootstrap = [*args.bootstrap, *([keeper.relay_addr] if keeper else [])]
-        # Behind NAT nobody can dial us except through the relay: a DHT client, not a server.
-        async with open_dht(net, server=not relayed, bootstrap=bootstrap) as dht:
+        # Behind NAT nobody can dial us except through the relay: a DHT client, not a server. An
+        # --auto worker is one too by default (args.dht_mode, resolved in run()).
+        async with open_dht(net, server=args.dht_mode == "server", bootstrap=bootstrap) as dht:
             dht_of.append(dht)
             if relayed and keeper is None:  # --relay auto: find one in the DHT
                 keeper = await _start_relay_keeper(args, net, dht_of)
             if bootstrap or relayed:
                 log.info("joined the swarm as %s (%d bootstrap peers%s)", net.peer_id_str, len(bootstrap),
-                         f", relayed, DHT client, through relay {keeper.relay_id.to_base58()}" if relayed else "")
+                         f", relayed, DHT client, through relay {keeper.relay_id.to_base58()}" if relayed
+                         else f", DHT {args.dht_mode}")
             else:
                 log.warning("no --bootstrap and no --relay: this worker (%s) runs isolated, in no swarm, and no "
                             "backbone will find its experts unless it bootstraps from this worker's own address; "
@@ -453,6 +460,26 @@ def _check_worker_source(args) -> None:
     args.fetch = True
 
 
+def _check_dht_mode(args) -> None:
+    """Resolve a worker's ``--dht``: client by default for ``--auto`` and ``--relay`` workers.
+
+    Why an --auto worker is a client: 30 of them as servers saturated 2 cores (docs/benchmarks.md,
+    "Coverage market: 30 --auto workers, before/after"): each answered the others' look-ups and
+    record puts, was one more hop in every iterative look-up (each touching ~20 peers) and
+    refreshed its routing table at start-up; as clients an idle one costs 0.19x the CPU. A phone
+    should not carry the DHT's load. Records then live at the DHT servers (bootstrap and backbone
+    nodes), where backbones look them up anyway."""
+    relayed = bool(args.relay)  # `--relay auto` too
+    if args.role != "worker":
+        if args.dht_mode is not None:
+            raise UserError("--dht is for --role worker (a backbone always serves the DHT)")
+        return
+    if args.dht_mode == "server" and relayed:
+        raise UserError("--dht server needs a dialable worker: behind a --relay nobody can reach its kad; drop --dht")
+    if args.dht_mode is None:
+        args.dht_mode = "client" if args.auto or relayed else "server"
+
+
 def run(args) -> int:
     args.fetch = False
     args.node_token = None
@@ -461,6 +488,7 @@ def run(args) -> int:
         _check_worker_source(args)
     elif args.auto:
         raise UserError("--auto is for --role worker")
+    _check_dht_mode(args)
     if args.role == "backbone" and not args.model:
         raise UserError("--role backbone needs --model MODEL.gguf")
     if args.block_size < 1:

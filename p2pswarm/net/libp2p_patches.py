@@ -27,6 +27,10 @@ discards the whole identify message over it.
 The kad protocol id is hard-coded to            :func:`install_kad_protocol_id`: rebind the        tests/test_net_dht.py::test_workaround_kad_protocol_id_is_ours
 ``/ipfs/kad/1.0.0`` (``protocol_prefix`` is     constant in every kad module to
 ignored): our DHT would merge with IPFS.        ``/p2pswarm/kad/1.0.0``.
+A server keeps at most 20 providers per key     :func:`raise_providers_per_key`: 4,096 per key     tests/test_net_dht.py::test_workaround_more_than_20_providers_per_key
+(``BUCKET_SIZE``) and silently ignores the      (provider_store's ``BUCKET_SIZE`` rebound; the     (control: test_providers_per_key_trap_still_present)
+21st: the model index (every worker provides    routing table keeps k = 20).
+the model key) listed 20 of 30 workers.
 =============================================  =================================================  ==============================================================
 
 Per-host patches (used by ``open_host``):
@@ -112,6 +116,7 @@ KAD_PROTOCOL = TProtocol("/p2pswarm/kad/1.0.0")  # our Kademlia id (protocol.md)
 _KAD_MODULES = ("libp2p.kad_dht.common", "libp2p.kad_dht.kad_dht", "libp2p.kad_dht.peer_routing",
                 "libp2p.kad_dht.provider_store", "libp2p.kad_dht.value_store")
 PROVIDE_RATE_MAX = 4096  # ADD_PROVIDER messages accepted per peer per 10 s (py-libp2p: 10)
+MAX_PROVIDERS_PER_KEY = 4096  # provider entries a server keeps per key (py-libp2p: 20, then ignores new ones)
 INBOUND_KAD_STREAMS = 256  # concurrent inbound kad streams a server handles (py-libp2p: 12, then resets)
 DEFAULT_MAX_CONNECTIONS = 1024  # connections a host may hold (py-libp2p: 300, only 250 of them inbound)
 WRITE_STALL_S = 30.0  # a shielded frame write that takes longer than this: the connection is dead
@@ -124,6 +129,7 @@ _TARGETS = (
     ("libp2p.identity.identify.identify", "_prefer_circuit_addr", "install_relayed_identify_fix"),
     ("libp2p.kad_dht.common", "PROTOCOL_ID", "install_kad_protocol_id"),
     ("libp2p.kad_dht.kad_dht", "KadDHT.add_peer", "patch_kad"),
+    ("libp2p.kad_dht.provider_store", "BUCKET_SIZE", "raise_providers_per_key"),
     ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._handle_reserve", "relay.service.GatedHop"),
     ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._handle_connect", "relay.service.GatedHop"),
     ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._send_status", "relay.service.GatedHop"),
@@ -174,7 +180,24 @@ def apply() -> None:
     install_window_update_batching()
     install_relayed_identify_fix()
     install_kad_protocol_id()
+    raise_providers_per_key()
     _applied = True
+
+
+def raise_providers_per_key(limit: int = MAX_PROVIDERS_PER_KEY) -> None:
+    """Let a DHT server keep ``limit`` providers per key (py-libp2p 0.8.1: 20, "per spec", and a
+    21st ADD_PROVIDER is acknowledged and dropped).
+
+    Why: every worker provides its model's key, the index a backbone, ``swarm-status`` and every
+    ``--auto`` worker resolve the whole coverage map from (coverage.py). With 30 workers each server
+    listed the first 20 to provide it; the other 10 were found only through per-unit look-ups, a
+    rotating quarter of the units per refresh, so ``swarm-status`` saw 23 of 30 workers. A GET_PROVIDERS
+    answer lists every entry (about 250 bytes each with its signed peer record: 4,096 fit in 1 MiB,
+    well under the 4 MiB we read). Only the provider store's name is rebound; the routing table's
+    k stays 20."""
+    import libp2p.kad_dht.provider_store as store
+
+    store.BUCKET_SIZE = limit
 
 
 def install_kad_protocol_id(protocol: str = KAD_PROTOCOL) -> None:

@@ -76,6 +76,30 @@ class Proc:
         return stop_process(self.proc, sig)
 
 
+def spawn_cli(args: list[str], log: Path, env: dict) -> subprocess.Popen:
+    """A `p2pswarm ...` process started without waiting (:func:`read_first_lines` waits for a
+    crowd of them at once); stderr to ``log``, stdout piped for its READY line."""
+    return subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
+                            stderr=open(log, "w"), stdin=subprocess.DEVNULL, text=True, env=env)
+
+
+def read_first_lines(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """The first stdout line of every process, read concurrently; "" for one that printed none
+    within ``timeout`` (one deadline for all of them)."""
+    lines: list[str | None] = [None] * len(procs)
+
+    def read(i: int) -> None:
+        lines[i] = procs[i].stdout.readline()
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [x or "" for x in lines]
+
+
 def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, grace_s: float = 30) -> int:
     """``sig`` (SIGTERM: a clean shutdown), then SIGKILL if it has not exited within ``grace_s``."""
     if proc.poll() is None:
