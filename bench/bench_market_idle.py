@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from common import REPO, header, publish
 
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
-from helpers.procs import read_first_lines as _ready, spawn_cli as _spawn  # noqa: E402
+from helpers.procs import read_first_lines as _ready, spawn_cli as _spawn, stop_all  # noqa: E402
 from proc_cpu import sample  # noqa: E402
 
 from p2pswarm.model.layout import ModelLayout  # noqa: E402
@@ -82,15 +81,7 @@ def one(mode: str, model: Path, n: int, block: int, window: float, settle: float
                 roles.setdefault(role, []).append(100 * (cpu - a["p"][pid][1]) / dt)
         return {"mode": mode, "ready_s": ready_s, "roles": roles, "load": (la + os.getloadavg()[0]) / 2}
     finally:
-        for p in procs[::-1]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(procs[::-1])
 
 
 def main() -> None:

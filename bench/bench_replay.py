@@ -19,25 +19,18 @@ import argparse
 import logging
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import trio
-from common import header, publish
+from common import header, publish, tiny_in_process_parts
 
 import p2pswarm.backbone.runner as runner
 from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.scheduler import Params, Scheduler
-from p2pswarm.backbone.session import ensure_shards
-from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.verify import Verifier
-from p2pswarm.model.layout import ModelLayout
-from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.model.synth import make_model
-from p2pswarm.worker.expert_worker import ExpertWorker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.dishonest_worker import DishonestWorker  # noqa: E402
@@ -80,13 +73,7 @@ async def _serve(bb: Backbone, prompts, tokens: int) -> tuple[float, int]:
 
 
 async def main(args) -> None:
-    d = Path(tempfile.mkdtemp(prefix="bench-replay-"))
-    model = d / "tiny.gguf"
-    make_model(model, preset="tiny", qtype="f32", seed=1)
-    layout = ModelLayout.open(model)
-    shards = ensure_shards(layout, model_fingerprint(layout), 2, d)
-    workers = [ExpertWorker(s, kernel="numpy") for s in shards]
-    dense = load_dense(layout)
+    layout, shards, workers, dense = tiny_in_process_parts("bench-replay-")
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(4 + i % 5)] for i in range(args.seqs)]
 
     def backbone(on: bool, owners=None) -> Backbone:

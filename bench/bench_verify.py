@@ -14,23 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import trio
-from common import header, publish
+from common import header, publish, tiny_in_process_parts
 
 from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
 from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.session import ensure_shards
-from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.verify import Verifier
-from p2pswarm.model.layout import ModelLayout
-from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.model.synth import make_model
-from p2pswarm.worker.expert_worker import ExpertWorker
 
 
 class RemoteOwner(InProcessOwner):
@@ -47,13 +39,7 @@ class RemoteOwner(InProcessOwner):
 
 
 async def main(args) -> None:
-    d = Path(tempfile.mkdtemp(prefix="bench-verify-"))
-    model = d / "tiny.gguf"
-    make_model(model, preset="tiny", qtype="f32", seed=1)
-    layout = ModelLayout.open(model)
-    shards = ensure_shards(layout, model_fingerprint(layout), 2, d)
-    workers = [ExpertWorker(s, kernel="numpy") for s in shards]
-    dense = load_dense(layout)
+    layout, shards, workers, dense = tiny_in_process_parts("bench-verify-")
     tokens = [(i * 37 + 11) % 500 for i in range(args.tokens)]
     rates = [float(r) for r in args.rates.split(",")]
     rows = []

@@ -61,3 +61,24 @@ def geometry_model(bench_dir, layers: int):
         make_model(model, preset="geometry-122b", layers=layers)
     subprocess.run(["cat", str(model)], stdout=subprocess.DEVNULL, check=True)
     return model
+
+
+def tiny_in_process_parts(prefix: str, n_workers: int = 2):
+    """What the in-process verification benchmarks start from: a fresh tiny F32 model in a temporary
+    folder, its expert shards for ``n_workers`` workers, those workers (numpy kernel) and the dense
+    weights. Returns ``(layout, shards, workers, dense)``."""
+    import tempfile  # noqa: PLC0415 - only these benchmarks need it
+
+    from p2pswarm.backbone.session import ensure_shards  # noqa: PLC0415
+    from p2pswarm.engine.arch import load_dense  # noqa: PLC0415
+    from p2pswarm.model.layout import ModelLayout  # noqa: PLC0415
+    from p2pswarm.model.manifest import model_fingerprint  # noqa: PLC0415
+    from p2pswarm.model.synth import make_model  # noqa: PLC0415
+    from p2pswarm.worker.expert_worker import ExpertWorker  # noqa: PLC0415
+
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    model = d / "tiny.gguf"
+    make_model(model, preset="tiny", qtype="f32", seed=1)
+    layout = ModelLayout.open(model)
+    shards = ensure_shards(layout, model_fingerprint(layout), n_workers, d)
+    return layout, shards, [ExpertWorker(s, kernel="numpy") for s in shards], load_dense(layout)

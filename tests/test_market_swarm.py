@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from helpers.procs import Proc, read_first_lines, spawn_cli
+from helpers.procs import Proc, read_first_lines, spawn_cli, stop_all
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
 from p2pswarm.net.identity import load_or_create_identity
@@ -147,14 +147,6 @@ def test_auto_workers_cover_every_unit_and_recover_after_a_third_are_killed(tiny
               f"again in {recovered_s:.0f} s; {moved} re-enrolments by survivors")
         assert all(w.poll() is None for i, w in enumerate(workers) if i not in killed)
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.send_signal(signal.SIGTERM)
-        for w in workers:
-            try:
-                w.wait(30)
-            except subprocess.TimeoutExpired:
-                w.kill()
-                w.wait()
+        stop_all(workers)
         for n in reversed(nodes):
             n.stop()

@@ -112,6 +112,16 @@ def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, grace_s: float = 30
     return proc.returncode
 
 
+def stop_all(procs: list[subprocess.Popen], sig=signal.SIGTERM, grace_s: float = 30) -> None:
+    """:func:`stop_process` for many at once: ``sig`` to every one still running first, so they
+    shut down side by side, then wait for each (SIGKILL after ``grace_s``)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    for p in procs:
+        stop_process(p, sig, grace_s)
+
+
 def wait_until(cond, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
     """Poll ``cond()`` until it returns something truthy (returned); AssertionError after ``timeout``."""
     deadline = time.monotonic() + timeout
