@@ -439,10 +439,7 @@ class Scheduler:
                                    sent=sent)
         s.replay_peer = peer
         if sent > keep:
-            try:
-                s.send.send_nowait(Rewind(keep, sent, peer))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                s.cancelled = True
+            self._withdraw(s, keep, peer)
         del s.tokens[keep:]
         s.forced = keep
         s.state = self.backbone.new_state()
@@ -451,6 +448,15 @@ class Scheduler:
         s.n_out = 0
         s.sampler = copy.deepcopy(s.sampler0)
         s.decoder = s.tokenizer.stream_decoder() if s.tokenizer is not None else None
+
+    @staticmethod
+    def _withdraw(s: _Sequence, keep: int, peer: str) -> None:
+        """Tell the client that its tokens from ``keep`` on are withdrawn (a :class:`Rewind`); a
+        client that has gone away cancels the sequence."""
+        try:
+            s.send.send_nowait(Rewind(keep, len(s.tokens), peer))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            s.cancelled = True
 
     def _remember_taint(self, s: _Sequence) -> None:
         """A sequence leaves: remember which workers' unverified outputs it used, so a later ban of
@@ -489,10 +495,7 @@ class Scheduler:
             log.warning("request %s: replay re-derived token %d as %d, not %d", s.request_id, s.n_out, token,
                         s.tokens[s.n_out])
             self.backbone.replays.tokens_withdrawn += len(s.tokens) - s.n_out
-            try:
-                s.send.send_nowait(Rewind(s.n_out, len(s.tokens), s.replay_peer))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                s.cancelled = True
+            self._withdraw(s, s.n_out, s.replay_peer)
             del s.tokens[s.n_out:]
             s.forced = s.n_out
         p = s.params
