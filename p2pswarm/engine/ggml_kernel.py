@@ -131,6 +131,31 @@ _SIG = {  # name: (library, restype, argtypes)
 _OPTIONAL_SIG = {
     # q, k, v, g, beta, state, K (snapshot slots): llama.cpp's fused Gated DeltaNet (ggml >= 0.25)
     "ggml_gated_delta_net": ("base", _P, [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int64]),
+    # the ops of a whole layer in one graph (norms, activations, conv, views, RoPE, softmax), as
+    # llama.cpp builds qwen35moe's layers; a libggml without one keeps the per-piece path
+    **{f"ggml_{n}": ("base", _P, [_P, _P]) for n in (
+        "sigmoid", "silu", "softplus", "exp", "neg", "cont", "transpose", "sqr", "sqrt", "sum_rows")},
+    **{f"ggml_{n}": ("base", _P, [_P, _P, _P]) for n in ("mul", "add", "sub", "div", "cpy", "ssm_conv")},
+    "ggml_rms_norm": ("base", _P, [_P, _P, ctypes.c_float]),
+    "ggml_l2_norm": ("base", _P, [_P, _P, ctypes.c_float]),
+    "ggml_scale": ("base", _P, [_P, _P, ctypes.c_float]),
+    "ggml_concat": ("base", _P, [_P, _P, _P, ctypes.c_int]),
+    "ggml_set_rows": ("base", _P, [_P, _P, _P, _P]),
+    "ggml_soft_max_ext": ("base", _P, [_P, _P, _P, ctypes.c_float, ctypes.c_float]),
+    "ggml_new_tensor_4d": ("base", _P, [_P, ctypes.c_int] + [ctypes.c_int64] * 4),
+    "ggml_view_1d": ("base", _P, [_P, _P, ctypes.c_int64, ctypes.c_size_t]),
+    "ggml_view_2d": ("base", _P, [_P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t]),
+    "ggml_view_4d": ("base", _P, [_P, _P] + [ctypes.c_int64] * 4 + [ctypes.c_size_t] * 4),
+    "ggml_reshape_2d": ("base", _P, [_P, _P] + [ctypes.c_int64] * 2),
+    "ggml_reshape_3d": ("base", _P, [_P, _P] + [ctypes.c_int64] * 3),
+    "ggml_reshape_4d": ("base", _P, [_P, _P] + [ctypes.c_int64] * 4),
+    "ggml_cont_2d": ("base", _P, [_P, _P] + [ctypes.c_int64] * 2),
+    "ggml_cont_3d": ("base", _P, [_P, _P] + [ctypes.c_int64] * 3),
+    "ggml_permute": ("base", _P, [_P, _P] + [ctypes.c_int] * 4),
+    # a, positions, freq factors (NULL), n_dims, sections[4], mode, n_ctx_orig, freq_base,
+    # freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
+    "ggml_rope_multi": ("base", _P, [_P, _P, _P, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                     ctypes.c_int] + [ctypes.c_float] * 6),
 }
 
 
