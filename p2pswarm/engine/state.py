@@ -12,27 +12,47 @@ import numpy as np
 
 
 class KVCache:
-    """Keys and values of one attention layer, grown by doubling (amortised O(1) per token)."""
+    """Keys and values of one attention layer, grown by doubling (amortised O(1) per token).
+
+    ``k`` and ``v`` (capacity, Hkv, hd) float32 sit on 64-byte aligned memory: ggml wraps them in
+    place (``ggml_backend_cpu_buffer_from_ptr`` wants 32), so the ggml kernel's attention graph
+    (:mod:`p2pswarm.engine.ggml_attention`) writes a step's new keys and values straight into the
+    cache and reads the whole cache from there, with no copy either way."""
 
     def __init__(self, n_head_kv: int, head_dim: int, capacity: int = 64):
-        self.k = np.zeros((capacity, n_head_kv, head_dim), dtype=np.float32)
-        self.v = np.zeros_like(self.k)
+        self.k = _aligned_zeros((capacity, n_head_kv, head_dim))
+        self.v = _aligned_zeros((capacity, n_head_kv, head_dim))
         self.n = 0
 
-    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Add T new positions; return views of all keys and values so far."""
-        t = k.shape[0]
+    def reserve(self, t: int) -> None:
+        """Room for ``t`` more positions (a new, larger buffer if needed; the old rows are kept)."""
         if self.n + t > self.k.shape[0]:
             cap = max(self.n + t, 2 * self.k.shape[0])
             for name in ("k", "v"):
                 old = getattr(self, name)
-                new = np.zeros((cap, *old.shape[1:]), dtype=np.float32)
+                new = _aligned_zeros((cap, *old.shape[1:]))
                 new[: self.n] = old[: self.n]
                 setattr(self, name, new)
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Add T new positions; return views of all keys and values so far."""
+        t = k.shape[0]
+        self.reserve(t)
         self.k[self.n : self.n + t] = k
         self.v[self.n : self.n + t] = v
         self.n += t
         return self.k[: self.n], self.v[: self.n]
+
+
+ALIGN = 64  # bytes: ggml's TENSOR_ALIGNMENT is 32, a cache line 64
+
+
+def _aligned_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """float32 zeros whose first byte is ALIGN-aligned (a view into a slightly larger buffer)."""
+    n = int(np.prod(shape))
+    raw = np.zeros(4 * n + ALIGN, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % ALIGN
+    return raw[skip:skip + 4 * n].view(np.float32).reshape(shape)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine import deltanet, ggml_deltanet, ops
+from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ops
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -77,7 +77,7 @@ class Qwen35MoE:
                 raise ModelFormatError(f"{path}: key {self.arch}.{key} must be a number, got {v!r}")
             return float(v)
 
-        hp("context_length")
+        self.n_ctx_train = as_int("context_length")
         self.n_block = as_int("block_count")
         # Qwen3.5 GGUFs may append multi-token-prediction blocks (``nextn_predict_layers``; by its
         # config the 122B has 48 layers + 1 MTP block, the brief's 49). They serve speculative
@@ -246,12 +246,27 @@ class Qwen35MoE:
         backbone, so split == monolithic does not see it."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
+        if not self.recurrent[il]:
+            runner = self._attention_graph_runner()
+            if runner is not None:  # the ggml kernel: the whole layer as one graph
+                return ggml_attention.gated_attention(self, runner, il, h, [(st.kv[il], p0, n) for st, p0, n in segments])
         x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
         if self.recurrent[il]:
             out = self._linear_attention_rows(il, x, [(st.extra[il], n) for st, _, n in segments])
         else:
             out = self._full_attention_rows(il, x, [(st.kv[il], pos0, n) for st, pos0, n in segments])
         return h + out
+
+    #: False keeps the per-piece path (numpy between ggml graphs) under the ggml kernel too; tests
+    #: compare the two.
+    attention_graph = True
+
+    def _attention_graph_runner(self):
+        """The ggml runner that computes a gated-attention layer as one graph, or None (the numpy /
+        portable kernels, a libggml without the ops, or ``attention_graph`` off): the per-piece path."""
+        dense = getattr(self.w, "ggml_dense", None)
+        runner = dense.runner if dense is not None else None
+        return runner if self.attention_graph and ggml_attention.available(runner) else None
 
     def full_attention(self, il: int, x: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
         """Gated attention: q and its sigmoid gate interleaved head by head in attn_q; IMROPE."""

@@ -1,0 +1,209 @@
+"""A qwen35moe gated-attention layer's whole ``pre_moe`` as ONE ggml graph, for the ggml kernel.
+
+Why one graph: the per-piece path (:meth:`~p2pswarm.engine.arch.qwen35moe.Qwen35MoE._full_attention_rows`)
+runs the q/k/v projections as one ggml graph, then the attn_norm, the per-head q/k RMSNorms, IMROPE,
+each sequence's attention (softmax included), the sigmoid gate and the residual in numpy on one
+core while ggml's other threads wait, then attn_output as another graph. Here all of it is one
+``runner.compute``: attn_norm RMSNorm, q(+gate)/k/v projections, the q/k norms, IMROPE
+(``ggml_rope_multi``, mode 40), per sequence its new k/v written into its KV cache and attention
+over that cache (``mul_mat`` + ``soft_max_ext`` with the causal mask of its rows + ``mul_mat``,
+GQA by ``mul_mat``'s broadcast over heads), the sigmoid gate, attn_output and the residual add;
+with ``with_ffn_input`` also the layer's post_attention_norm (the experts' input). These are the
+ops llama.cpp builds for this layer (src/models/qwen35moe.cpp, build_layer_attn; graph.cpp,
+build_attn_mha), so the numerics are llama.cpp's.
+
+Memory: the KV cache (:class:`~p2pswarm.engine.state.KVCache`, aligned) is wrapped in place
+(``ggml_backend_cpu_buffer_from_ptr``): the graph writes the step's k/v rows into it (``ggml_cpy``
+onto a view, ordered before the attention that reads them, as llama.cpp's KV writes are) and reads
+keys and values from it. The quantised projections are the memory map's tensors
+(:class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`); float32 ones and the small norm weights
+are copied once into a context this module keeps per layer.
+
+Batch invariance: the row-wise ops (norms, RoPE, gate, residual) give a row the same bits whatever
+rows share the graph, and each sequence's attention is its own ops on its own cache with the shape
+it has alone; only the projections see all rows (the backbone's probe decides whether those may be
+batched, :func:`p2pswarm.backbone.runner.probe_dense_invariance`).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+
+from p2pswarm.engine.ggml_deltanet import _place
+from p2pswarm.engine.ggml_dense import QuantisedMatrix
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlRunner, _InitParams, _i32_view, f32_view
+
+F32 = np.float32
+GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qwen3.5), NEOX pairing
+_OPS = ("rms_norm", "mul", "add", "sigmoid", "rope_multi", "soft_max_ext", "permute", "transpose", "cont",
+        "cont_2d", "cpy", "reshape_2d", "reshape_3d", "view_1d", "view_2d")
+_PROJ = ("attn_q", "attn_k", "attn_v", "attn_output")
+_NORMS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm")
+
+
+def available(runner: GgmlRunner | None) -> bool:
+    """Whether ``runner``'s libggml has every op the layer graph uses (else the per-piece path)."""
+    return runner is not None and all(getattr(runner.lib, n, None) is not None for n in _OPS)
+
+
+class _LayerTensors:
+    """One layer's weights as ggml tensors, made once and kept: the projections (the memory map's
+    quantised tensors, or float32 copies) and the norm weights (float32 copies)."""
+
+    def __init__(self, runner: GgmlRunner, w, il: int):
+        lib = runner.lib
+        p = f"blk.{il}."
+        mats = {n: w[p + n + ".weight"] for n in _PROJ}
+        norms = {n: np.ascontiguousarray(np.asarray(w[p + n + ".weight"], dtype=F32).reshape(-1)) for n in _NORMS}
+        copies = {n: np.ascontiguousarray(np.asarray(m, dtype=F32)) for n, m in mats.items()
+                  if not (isinstance(m, QuantisedMatrix) and m.runner is runner)}
+        n_bytes = sum(a.nbytes for a in (*norms.values(), *copies.values()))
+        n_t = len(norms) + len(copies)
+        self.lib = lib
+        self.ctx = lib.init(_InitParams(n_bytes + n_t * (lib.tensor_overhead_bytes + 64) + 1024, None, False))
+        if not self.ctx:
+            raise MemoryError("ggml_init failed for an attention layer's weights")
+        self.t: dict[str, int] = {}
+        for n, a in norms.items():
+            t = lib.new_tensor_1d(self.ctx, GGML_TYPE_F32, a.size)
+            f32_view(lib, t, a.shape)[...] = a
+            self.t[n] = t
+        for n, m in mats.items():
+            if n in copies:
+                a = copies[n]
+                t = lib.new_tensor_2d(self.ctx, GGML_TYPE_F32, a.shape[1], a.shape[0])
+                f32_view(lib, t, a.shape)[...] = a
+                self.t[n] = t
+            else:
+                self.t[n] = m.tensor
+
+    def close(self) -> None:
+        if self.ctx:
+            self.lib.free(self.ctx)
+            self.ctx = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+def layer_tensors(model, il: int, runner: GgmlRunner) -> _LayerTensors:
+    """The layer's kept ggml weights (made on first use, cached on the model)."""
+    cache = model.__dict__.setdefault("_ggml_attention_tensors", {})
+    got = cache.get(il)
+    if got is None:
+        got = cache[il] = _LayerTensors(runner, model.w, il)
+    return got
+
+
+def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
+                    with_ffn_input: bool = False):
+    """``h + gated_attention(attn_norm(h))`` of layer ``il`` for every segment's rows, one graph.
+
+    ``segs``: ``(kv, pos0, n)`` per sequence, in the order of ``h``'s rows (kv: its KVCache of this
+    layer, updated: its ``n`` grows by the segment's rows). Returns the new h (T, E) float32, and
+    with ``with_ffn_input`` also ``post_attention_norm(h)``."""
+    lib = runner.lib
+    lt = layer_tensors(model, il, runner)
+    T, E = h.shape
+    H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
+    q_w = H * hd
+    kv_w = Hkv * hd
+    for kv, _, n in segs:  # room first: the graph writes into the caches' memory as it is now
+        kv.reserve(n)
+    S = [kv.n + n for kv, _, n in segs]
+    n_seq = len(segs)
+    # activations of the graph (every non-view tensor), in floats, with slack per tensor
+    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 4)
+            + sum(s * n * (1 + 2 * H) + s * kv_w + 2 * n * q_w for s, (_, _, n) in zip(S, segs)))
+    n_tensors = 40 + 24 * n_seq
+    macs = T * E * (3 * q_w + 2 * kv_w) + sum(2 * s * n * q_w for s, (_, _, n) in zip(S, segs))
+    with runner.lock:
+        ctx = runner.context(4 * acts + 64 * n_tensors, n_tensors)
+        # the caches' tensors: metadata only, placed on the caches' own memory with tensor_alloc
+        meta = lib.init(_InitParams(4 * n_seq * (lib.tensor_overhead_bytes + 16) + 1024, None, True))
+        if not meta:
+            raise MemoryError("ggml_init failed")
+        buffers = []
+        try:
+            graph = lib.new_graph_custom(ctx, runner.graph_size(n_tensors), False)
+            ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+            f32_view(lib, ht, (T, E))[...] = h
+            pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T)
+            p = np.concatenate([np.arange(p0, p0 + n) for _, p0, n in segs]).astype(np.int32)
+            # IMROPE's four position streams (t, h, w, e), each T long: text is (p, p, p, 0)
+            _i32_view(lib, pos, 4 * T)[...] = np.concatenate([p, p, p, np.zeros_like(p)])
+
+            x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["attn_norm"])
+            qg = lib.mul_mat(ctx, lt.t["attn_q"], x)  # [2 hd, H, T] head by head: q | gate
+            kc = lib.mul_mat(ctx, lt.t["attn_k"], x)
+            vc = lib.mul_mat(ctx, lt.t["attn_v"], x)
+            f = 4
+            q = lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, 0)
+            gate = lib.cont_2d(ctx, lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, f * hd), q_w, T)
+            q = lib.mul(ctx, lib.rms_norm(ctx, q, model.eps), lt.t["attn_q_norm"])
+            k = lib.mul(ctx, lib.rms_norm(ctx, lib.reshape_3d(ctx, kc, hd, Hkv, T), model.eps), lt.t["attn_k_norm"])
+            v = lib.reshape_3d(ctx, vc, hd, Hkv, T)
+            sections = (ctypes.c_int * 4)(*model.rope_sections)
+            rope_args = (model.n_rot, sections, GGML_ROPE_TYPE_IMROPE, int(model.n_ctx_train), model.rope_base,
+                         1.0, 0.0, 1.0, 32.0, 1.0)  # freq_scale, ext_factor, attn_factor, beta_fast/slow
+            q = lib.rope_multi(ctx, q, pos, None, *rope_args)  # [hd, H, T]
+            k = lib.rope_multi(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
+            att = lib.new_tensor_2d(ctx, GGML_TYPE_F32, q_w, T)  # every sequence's attention, in row order
+            scale = 1.0 / math.sqrt(hd)
+            masks, at = [], 0
+            for (kv, p0, n), s_len in zip(segs, S):
+                buf_k = lib.backend_cpu_buffer_from_ptr(kv.k.ctypes.data, kv.k.nbytes)
+                buf_v = lib.backend_cpu_buffer_from_ptr(kv.v.ctypes.data, kv.v.nbytes)
+                for b in (buf_k, buf_v):
+                    if not b:
+                        raise MemoryError("ggml could not wrap a KV cache")
+                    buffers.append(b)
+                cap = kv.k.shape[0]
+                ck = lib.new_tensor_3d(meta, GGML_TYPE_F32, hd, Hkv, cap)
+                cv = lib.new_tensor_3d(meta, GGML_TYPE_F32, hd, Hkv, cap)
+                _place(lib, buf_k, ck, kv.k.ctypes.data)
+                _place(lib, buf_v, cv, kv.v.ctypes.data)
+                row = f * kv_w  # bytes per cached position
+                # 1. this sequence's new keys and values into its cache, before anything reads it
+                for src, dst in ((k, ck), (v, cv)):
+                    new = lib.view_3d(ctx, src, hd, Hkv, n, f * hd, row, at * row)
+                    lib.build_forward_expand(graph, lib.cpy(ctx, new, lib.view_3d(ctx, dst, hd, Hkv, n, f * hd, row,
+                                                                                     kv.n * row)))
+                # 2. attention over positions 0..s_len-1: keys/values [hd, S, Hkv] as views of the cache
+                keys = lib.view_3d(ctx, ck, hd, s_len, Hkv, row, f * hd, 0)
+                vals_t = lib.cont(ctx, lib.transpose(ctx, lib.view_3d(ctx, cv, hd, s_len, Hkv, row, f * hd, 0)))
+                qs = lib.permute(ctx, lib.view_3d(ctx, q, hd, H, n, f * hd, f * q_w, at * f * q_w), 0, 2, 1, 3)
+                mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, s_len, n)
+                masks.append((mask, p0, n, s_len))
+                kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, keys, qs), mask, scale, 0.0)  # [S, n, H]
+                kqv = lib.mul_mat(ctx, vals_t, kq)  # [hd, n, H]
+                out = lib.view_3d(ctx, att, hd, H, n, f * hd, f * q_w, at * f * q_w)
+                lib.build_forward_expand(graph, lib.cpy(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), out))
+                at += n
+            gated = lib.mul(ctx, att, lib.sigmoid(ctx, gate))
+            res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output"], gated), ht)
+            lib.build_forward_expand(graph, res)
+            cur = None
+            if with_ffn_input:
+                cur = lib.mul(ctx, lib.rms_norm(ctx, res, model.eps), lt.t["post_attention_norm"])
+                lib.build_forward_expand(graph, cur)
+            for mask, p0, n, s_len in masks:  # causal: key j is visible to query row i iff j <= p0 + i
+                m = f32_view(lib, mask, (n, s_len))
+                m[...] = np.where(np.arange(s_len)[None, :] > (p0 + np.arange(n))[:, None], F32(-np.inf), F32(0))
+            runner.compute(graph, macs)
+            for kv, _, n in segs:
+                kv.n += n
+            h_out = f32_view(lib, res, (T, E)).copy()
+            cur_out = f32_view(lib, cur, (T, E)).copy() if cur is not None else None
+            runner.done()
+        finally:
+            lib.free(meta)
+            for b in buffers:
+                lib.backend_buffer_free(b)
+    return (h_out, cur_out) if with_ffn_input else h_out
+
