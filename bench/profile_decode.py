@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = (("forward_groups", "routed experts (ggml mul_mat_id / per-group graphs)"),
          ("linear_attention", "DeltaNet layer (projections, conv, delta rule)"),
          ("_linear_attention_rows", "DeltaNet layer (projections, conv, delta rule)"),
+         ("gated_attention", "gated attention layer (one ggml graph)"),
          ("full_attention", "gated attention layer (projections + numpy attention)"),
          ("_full_attention_rows", "gated attention layer (projections + numpy attention)"),
          ("shared", "shared expert"),

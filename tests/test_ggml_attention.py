@@ -4,7 +4,7 @@
   ``runner.compute``), numpy's attention never runs, and it matches the per-piece path.
 * A sequence alone == the same sequence batched beside others of different lengths, prefill and
   decode rows mixed, KV caches growing past their capacity mid-call: bit for bit.
-* F32, teacher-forced from llama.cpp's own input to the layer: the layer's output (attention +
+* F32, Q8_0 and Q4_K_M, teacher-forced from llama.cpp's own input to the layer: its output (attention +
   residual) against llama.cpp's ``attn_residual``, for the graph and the per-piece path.
 """
 from __future__ import annotations
@@ -121,10 +121,13 @@ def test_alone_equals_batched_bit_for_bit(models_dir, monkeypatch):
 
 
 @needs_llama
-def test_f32_layer_against_llama_cpp(models_dir):
-    """The attention layer on llama.cpp's own input to it (F32 model): our attn + residual against
-    llama.cpp's ``attn_residual``, the graph and the per-piece path each."""
-    model, il = _model(models_dir, "f32")
+@pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_k_m"])
+def test_layer_against_llama_cpp(models_dir, qtype):
+    """The attention layer on llama.cpp's own input to it: our attn + residual against llama.cpp's
+    ``attn_residual``, the one graph and the per-piece path each. On quantised weights the graph
+    rounds the projections' inputs as llama.cpp does (ggml's own mul_mat), so it lands within
+    float rounding of llama.cpp there too."""
+    model, il = _model(models_dir, qtype)
     cap = llama_intermediates(model.layout.path, TOKENS, {f"l_out-{il - 1}", f"attn_residual-{il}"})
     h_in, ref = cap[f"l_out-{il - 1}"], cap[f"attn_residual-{il}"]
     diffs = {}
@@ -132,6 +135,6 @@ def test_f32_layer_against_llama_cpp(models_dir):
         model.attention_graph = graph
         got = model.pre_moe(il, h_in, model.new_state(), 0)
         diffs[graph] = (float(np.abs(got - ref).max()), float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
-    print(f"\nattention layer {il} vs llama.cpp attn_residual (F32, {len(TOKENS)} tokens): one graph max |diff| "
+    print(f"\n{qtype} attention layer {il} vs llama.cpp attn_residual ({len(TOKENS)} tokens): one graph max |diff| "
           f"{diffs[True][0]:.3g} (rel {diffs[True][1]:.2e}); per-piece {diffs[False][0]:.3g} (rel {diffs[False][1]:.2e})")
     assert diffs[True][1] < 1e-5 and diffs[True][0] < 1e-4
