@@ -4,7 +4,7 @@
   ``runner.compute``), numpy's attention never runs, and it matches the per-piece path.
 * A sequence alone == the same sequence batched beside others of different lengths, prefill and
   decode rows mixed, KV caches growing past their capacity mid-call: bit for bit.
-* F32, Q8_0 and Q4_K_M, teacher-forced from llama.cpp's own input to the layer: its output (attention +
+* F32, F16, Q8_0 and Q4_K_M, teacher-forced from llama.cpp's own input to the layer: its output (attention +
   residual) against llama.cpp's ``attn_residual``, for the graph and the per-piece path.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ def test_alone_equals_batched_bit_for_bit(models_dir, monkeypatch):
 
 
 @needs_llama
-@pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_k_m"])
 def test_layer_against_llama_cpp(models_dir, qtype):
     """The attention layer on llama.cpp's own input to it: our attn + residual against llama.cpp's
     ``attn_residual``, the one graph and the per-piece path each. On quantised weights the graph

@@ -16,8 +16,8 @@ Memory: the KV cache (:class:`~p2pswarm.engine.state.KVCache`, aligned) is wrapp
 (``ggml_backend_cpu_buffer_from_ptr``): the graph writes the step's k/v rows into it (``ggml_cpy``
 onto a view, ordered before the attention that reads them, as llama.cpp's KV writes are) and reads
 keys and values from it. The quantised projections are the memory map's tensors
-(:class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`); float32 ones and the small norm weights
-are copied once into a context this module keeps per layer.
+(:class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`), and so are float ones and the norm
+weights (wrapped once per layer, :meth:`~p2pswarm.engine.ggml_dense.GgmlDense.mapped`).
 
 Batch invariance: the row-wise ops (norms, RoPE, gate, residual) give a row the same bits whatever
 rows share the graph, and each sequence's attention is its own ops on its own cache with the shape
@@ -49,35 +49,43 @@ def available(runner: GgmlRunner | None) -> bool:
 
 
 class _LayerTensors:
-    """One layer's weights as ggml tensors, made once and kept: the projections (the memory map's
-    quantised tensors, or float32 copies) and the norm weights (float32 copies)."""
+    """One layer's weights as ggml tensors, made once and kept: the projections and norm weights
+    are the file's own bytes on the memory map (quantised ones are the dense path's
+    :class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix` tensors; F32/F16/BF16 ones are wrapped the
+    same way, so an F32 model is not held twice, and they are multiplied as llama.cpp multiplies
+    them). Only a norm stored other than F32 (ggml_mul wants F32) is copied, into a small context
+    of its own."""
 
     def __init__(self, runner: GgmlRunner, w, il: int):
         lib = runner.lib
+        dense = w.ggml_dense
         p = f"blk.{il}."
-        mats = {n: w[p + n + ".weight"] for n in _PROJ}
-        norms = {n: np.ascontiguousarray(np.asarray(w[p + n + ".weight"], dtype=F32).reshape(-1)) for n in _NORMS}
-        copies = {n: np.ascontiguousarray(np.asarray(m, dtype=F32)) for n, m in mats.items()
-                  if not (isinstance(m, QuantisedMatrix) and m.runner is runner)}
-        n_bytes = sum(a.nbytes for a in (*norms.values(), *copies.values()))
-        n_t = len(norms) + len(copies)
         self.lib = lib
-        self.ctx = lib.init(_InitParams(n_bytes + n_t * (lib.tensor_overhead_bytes + 64) + 1024, None, False))
-        if not self.ctx:
-            raise MemoryError("ggml_init failed for an attention layer's weights")
+        self.ctx = None
         self.t: dict[str, int] = {}
-        for n, a in norms.items():
-            t = lib.new_tensor_1d(self.ctx, GGML_TYPE_F32, a.size)
-            f32_view(lib, t, a.shape)[...] = a
-            self.t[n] = t
-        for n, m in mats.items():
-            if n in copies:
-                a = copies[n]
+        copies: dict[str, np.ndarray] = {}
+        for n in _PROJ:
+            m = w[p + n + ".weight"]
+            if isinstance(m, QuantisedMatrix) and m.runner is runner:
+                self.t[n] = m.tensor
+            else:
+                self.t[n] = dense.mapped(p + n + ".weight")
+                if self.t[n] is None:  # pragma: no cover - every GGUF weight type is ggml's
+                    copies[n] = np.ascontiguousarray(np.asarray(m, dtype=F32))
+        for n in _NORMS:
+            self.t[n] = dense.mapped(p + n + ".weight", types=(GGML_TYPE_F32,))
+            if self.t[n] is None:
+                copies[n] = np.ascontiguousarray(np.asarray(w[p + n + ".weight"], dtype=F32).reshape(1, -1))
+        if copies:
+            n_bytes = sum(a.nbytes for a in copies.values())
+            self.ctx = lib.init(_InitParams(n_bytes + len(copies) * (lib.tensor_overhead_bytes + 64) + 1024,
+                                            None, False))
+            if not self.ctx:
+                raise MemoryError("ggml_init failed for an attention layer's weights")
+            for n, a in copies.items():
                 t = lib.new_tensor_2d(self.ctx, GGML_TYPE_F32, a.shape[1], a.shape[0])
                 f32_view(lib, t, a.shape)[...] = a
                 self.t[n] = t
-            else:
-                self.t[n] = m.tensor
 
     def close(self) -> None:
         if self.ctx:

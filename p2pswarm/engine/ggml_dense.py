@@ -11,8 +11,8 @@ import ctypes
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, GgmlLib, GgmlRunner,
-                                         MappedWeights, f32_view, load_libggml)
+from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib,
+                                         GgmlRunner, MappedWeights, f32_view, load_libggml)
 
 
 class QuantisedMatrix:
@@ -230,6 +230,24 @@ class GgmlDense:
             return self._to_float32(raw.reshape(-1) if raw.ndim else raw, t.tensor_type, (ne1, ne0), t.name)
 
         return QuantisedMatrix(self.runner, tensor, gtype, (ne1, ne0), t.name, dequantise)
+
+    def mapped(self, name: str, types=WEIGHT_TYPES):
+        """Tensor ``name`` of the file as a ggml tensor on the memory map (no copy), any weight type
+        ggml multiplies (float ones included), a 1-D tensor as one row; None if its type is not in
+        ``types``. What a whole-layer graph takes its float32 weights and norms from, where the
+        dense path's numpy code would hold a dequantised copy."""
+        t = self._tensors_by_name().get(name)
+        if t is None or int(t.tensor_type) not in types:
+            return None
+        ne0 = int(t.shape[0])
+        ne1 = int(np.prod([int(d) for d in t.shape[1:]])) if len(t.shape) > 1 else 1
+        return self._mapped.tensor(int(t.tensor_type), ne0, ne1, int(t.data_offset), t.name)
+
+    def _tensors_by_name(self) -> dict:
+        by_name = self.__dict__.get("_by_name")
+        if by_name is None:
+            by_name = self._by_name = {t.name: t for t in self.layout.reader.tensors}
+        return by_name
 
     def leading_rows(self, name: str, rows: int) -> QuantisedMatrix:
         """The first ``rows`` rows of quantised tensor ``name`` as their own matrix (same bytes, same
