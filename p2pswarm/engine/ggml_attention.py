@@ -186,8 +186,10 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
                 keys = lib.view_3d(ctx, ck, hd, s_len, Hkv, row, f * hd, 0)
                 vals_t = lib.cont(ctx, lib.transpose(ctx, lib.view_3d(ctx, cv, hd, s_len, Hkv, row, f * hd, 0)))
                 qs = lib.permute(ctx, lib.view_3d(ctx, q, hd, H, n, f * hd, f * q_w, at * f * q_w), 0, 2, 1, 3)
-                mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, s_len, n)
-                masks.append((mask, p0, n, s_len))
+                mask = None
+                if p0 + n < s_len or n > 1:  # else (a decode row at the cache's end) it sees every key
+                    mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, s_len, n)
+                    masks.append((mask, p0, n, s_len))
                 kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, keys, qs), mask, scale, 0.0)  # [S, n, H]
                 kqv = lib.mul_mat(ctx, vals_t, kq)  # [hd, n, H]
                 out = lib.view_3d(ctx, att, hd, H, n, f * hd, f * q_w, at * f * q_w)
