@@ -34,6 +34,7 @@ import numpy as np
 from p2pswarm.engine.ggml_deltanet import _place
 from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlRunner, _InitParams, _i32_view, f32_view
+from p2pswarm.engine.state import aligned_zeros
 
 F32 = np.float32
 GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qwen3.5), NEOX pairing
@@ -127,13 +128,13 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
     n_seq = len(segs)
     # activations of the graph (every non-view tensor), in floats, with slack per tensor
     acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 4)
-            + sum(s * n * (1 + 2 * H) + s * kv_w + 2 * n * q_w for s, (_, _, n) in zip(S, segs)))
+            + sum(s * n * (1 + 2 * H) + 2 * n * q_w for s, (_, _, n) in zip(S, segs)))
     n_tensors = 40 + 24 * n_seq
     macs = T * E * (3 * q_w + 2 * kv_w) + sum(2 * s * n * q_w for s, (_, _, n) in zip(S, segs))
     with runner.lock:
         ctx = runner.context(4 * acts + 64 * n_tensors, n_tensors)
         # the caches' tensors: metadata only, placed on the caches' own memory with tensor_alloc
-        meta = lib.init(_InitParams(4 * n_seq * (lib.tensor_overhead_bytes + 16) + 1024, None, True))
+        meta = lib.init(_InitParams((3 * n_seq + 2) * (lib.tensor_overhead_bytes + 16) + 1024, None, True))
         if not meta:
             raise MemoryError("ggml_init failed")
         buffers = []
@@ -161,39 +162,55 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
                          1.0, 0.0, 1.0, 32.0, 1.0)  # freq_scale, ext_factor, attn_factor, beta_fast/slow
             q = lib.rope_multi(ctx, q, pos, None, *rope_args)  # [hd, H, T]
             k = lib.rope_multi(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
-            att = lib.new_tensor_2d(ctx, GGML_TYPE_F32, q_w, T)  # every sequence's attention, in row order
+            # every sequence's attention, in row order, on memory of our own (``scratch``): a decode
+            # row's result is placed straight into its row, so it needs no copy node
+            scratch = aligned_zeros((T, q_w))
+            buf_att = lib.backend_cpu_buffer_from_ptr(scratch.ctypes.data, scratch.nbytes)
+            if not buf_att:
+                raise MemoryError("ggml could not wrap the attention rows")
+            buffers.append(buf_att)
+            att = lib.new_tensor_2d(meta, GGML_TYPE_F32, q_w, T)
+            _place(lib, buf_att, att, scratch.ctypes.data)
             scale = 1.0 / math.sqrt(hd)
             masks, at = [], 0
             for (kv, p0, n), s_len in zip(segs, S):
+                cap = kv.k.shape[0]
                 buf_k = lib.backend_cpu_buffer_from_ptr(kv.k.ctypes.data, kv.k.nbytes)
-                buf_v = lib.backend_cpu_buffer_from_ptr(kv.v.ctypes.data, kv.v.nbytes)
+                buf_v = lib.backend_cpu_buffer_from_ptr(kv.vt.ctypes.data, kv.vt.nbytes)
                 for b in (buf_k, buf_v):
                     if not b:
                         raise MemoryError("ggml could not wrap a KV cache")
                     buffers.append(b)
-                cap = kv.k.shape[0]
-                ck = lib.new_tensor_3d(meta, GGML_TYPE_F32, hd, Hkv, cap)
-                cv = lib.new_tensor_3d(meta, GGML_TYPE_F32, hd, Hkv, cap)
+                ck = lib.new_tensor_3d(meta, GGML_TYPE_F32, hd, Hkv, cap)  # k (cap, Hkv, hd)
+                cvt = lib.new_tensor_2d(meta, GGML_TYPE_F32, cap, kv_w)  # vt (Hkv, hd, cap)
                 _place(lib, buf_k, ck, kv.k.ctypes.data)
-                _place(lib, buf_v, cv, kv.v.ctypes.data)
-                row = f * kv_w  # bytes per cached position
+                _place(lib, buf_v, cvt, kv.vt.ctypes.data)
+                row = f * kv_w  # bytes per cached key position
                 # 1. this sequence's new keys and values into its cache, before anything reads it
-                for src, dst in ((k, ck), (v, cv)):
-                    new = lib.view_3d(ctx, src, hd, Hkv, n, f * hd, row, at * row)
-                    lib.build_forward_expand(graph, lib.cpy(ctx, new, lib.view_3d(ctx, dst, hd, Hkv, n, f * hd, row,
-                                                                                     kv.n * row)))
-                # 2. attention over positions 0..s_len-1: keys/values [hd, S, Hkv] as views of the cache
+                #    (values transposed: one strided copy, as llama.cpp writes its V^T cache)
+                new_k = lib.view_3d(ctx, k, hd, Hkv, n, f * hd, row, at * row)
+                lib.build_forward_expand(graph, lib.cpy(ctx, new_k, lib.view_3d(ctx, ck, hd, Hkv, n, f * hd, row,
+                                                                                   kv.n * row)))
+                new_v = lib.transpose(ctx, lib.view_2d(ctx, v, kv_w, n, row, at * row))  # [n, kv_w]
+                lib.build_forward_expand(graph, lib.cpy(ctx, new_v, lib.view_2d(ctx, cvt, n, kv_w, f * cap, f * kv.n)))
+                # 2. attention over positions 0..s_len-1, keys [hd, S, Hkv] and values^T [S, hd, Hkv]
+                #    as views of the cache
                 keys = lib.view_3d(ctx, ck, hd, s_len, Hkv, row, f * hd, 0)
-                vals_t = lib.cont(ctx, lib.transpose(ctx, lib.view_3d(ctx, cv, hd, s_len, Hkv, row, f * hd, 0)))
+                vals_t = lib.view_3d(ctx, cvt, s_len, hd, Hkv, f * cap, f * cap * hd, 0)
                 qs = lib.permute(ctx, lib.view_3d(ctx, q, hd, H, n, f * hd, f * q_w, at * f * q_w), 0, 2, 1, 3)
                 mask = None
                 if p0 + n < s_len or n > 1:  # else (a decode row at the cache's end) it sees every key
                     mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, s_len, n)
                     masks.append((mask, p0, n, s_len))
                 kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, keys, qs), mask, scale, 0.0)  # [S, n, H]
-                kqv = lib.mul_mat(ctx, vals_t, kq)  # [hd, n, H]
-                out = lib.view_3d(ctx, att, hd, H, n, f * hd, f * q_w, at * f * q_w)
-                lib.build_forward_expand(graph, lib.cpy(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), out))
+                if n == 1:  # [hd, 1, H] is row ``at``'s layout: computed in place
+                    kqv = lib.mul_mat(meta, vals_t, kq)
+                    _place(lib, buf_att, kqv, scratch.ctypes.data + at * f * q_w)
+                    lib.build_forward_expand(graph, kqv)
+                else:  # [hd, n, H] -> rows [hd, H, n]
+                    kqv = lib.mul_mat(ctx, vals_t, kq)
+                    out = lib.view_3d(ctx, att, hd, H, n, f * hd, f * q_w, at * f * q_w)
+                    lib.build_forward_expand(graph, lib.cpy(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), out))
                 at += n
             gated = lib.mul(ctx, att, lib.sigmoid(ctx, gate))
             res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output"], gated), ht)

@@ -14,32 +14,40 @@ import numpy as np
 class KVCache:
     """Keys and values of one attention layer, grown by doubling (amortised O(1) per token).
 
-    ``k`` and ``v`` (capacity, Hkv, hd) float32 sit on 64-byte aligned memory: ggml wraps them in
-    place (``ggml_backend_cpu_buffer_from_ptr`` wants 32), so the ggml kernel's attention graph
-    (:mod:`p2pswarm.engine.ggml_attention`) writes a step's new keys and values straight into the
-    cache and reads the whole cache from there, with no copy either way."""
+    Keys are ``k`` (capacity, Hkv, hd); values are stored transposed, ``vt`` (Hkv, hd, capacity),
+    with ``v`` the (capacity, Hkv, hd) view of them. Both sit on 64-byte aligned memory: ggml wraps
+    them in place (``ggml_backend_cpu_buffer_from_ptr`` wants 32), so the ggml kernel's attention
+    graph (:mod:`p2pswarm.engine.ggml_attention`) writes a step's new keys and values straight into
+    the cache and reads the whole cache from there, with no copy either way. Values transposed are
+    what ``V^T @ softmax(K q)`` multiplies (one row per value dimension, positions contiguous), as
+    llama.cpp keeps them without flash attention; numpy's attention reads the view."""
 
     def __init__(self, n_head_kv: int, head_dim: int, capacity: int = 64):
-        self.k = _aligned_zeros((capacity, n_head_kv, head_dim))
-        self.v = _aligned_zeros((capacity, n_head_kv, head_dim))
+        self.k = aligned_zeros((capacity, n_head_kv, head_dim))
+        self.vt = aligned_zeros((n_head_kv, head_dim, capacity))
         self.n = 0
+
+    @property
+    def v(self) -> np.ndarray:
+        """The values as (capacity, Hkv, hd): a view of ``vt``."""
+        return self.vt.transpose(2, 0, 1)
 
     def reserve(self, t: int) -> None:
         """Room for ``t`` more positions (a new, larger buffer if needed; the old rows are kept)."""
         if self.n + t > self.k.shape[0]:
             cap = max(self.n + t, 2 * self.k.shape[0])
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = _aligned_zeros((cap, *old.shape[1:]))
-                new[: self.n] = old[: self.n]
-                setattr(self, name, new)
+            k = aligned_zeros((cap, *self.k.shape[1:]))
+            k[: self.n] = self.k[: self.n]
+            vt = aligned_zeros((*self.vt.shape[:2], cap))
+            vt[..., : self.n] = self.vt[..., : self.n]
+            self.k, self.vt = k, vt
 
     def append(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Add T new positions; return views of all keys and values so far."""
+        """Add T new positions; return views of all keys and values so far, (n, Hkv, hd) each."""
         t = k.shape[0]
         self.reserve(t)
         self.k[self.n : self.n + t] = k
-        self.v[self.n : self.n + t] = v
+        self.vt[..., self.n : self.n + t] = np.asarray(v).transpose(1, 2, 0)
         self.n += t
         return self.k[: self.n], self.v[: self.n]
 
@@ -47,7 +55,7 @@ class KVCache:
 ALIGN = 64  # bytes: ggml's TENSOR_ALIGNMENT is 32, a cache line 64
 
 
-def _aligned_zeros(shape: tuple[int, ...]) -> np.ndarray:
+def aligned_zeros(shape: tuple[int, ...]) -> np.ndarray:
     """float32 zeros whose first byte is ALIGN-aligned (a view into a slightly larger buffer)."""
     n = int(np.prod(shape))
     raw = np.zeros(4 * n + ALIGN, dtype=np.uint8)
