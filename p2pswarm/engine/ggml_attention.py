@@ -234,3 +234,22 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
                 lib.backend_buffer_free(b)
     return (h_out, cur_out) if with_ffn_input else h_out
 
+
+
+def post_attention_norm(model, runner: GgmlRunner, il: int, h: np.ndarray) -> np.ndarray:
+    """``post_attention_norm(h)`` of layer ``il`` by ggml (the ops the layer graph ends with, so the
+    same bits per row), for an ``h`` that did not just come out of :func:`gated_attention`."""
+    lib = runner.lib
+    lt = layer_tensors(model, il, runner)
+    T, E = h.shape
+    with runner.lock:
+        ctx = runner.context(4 * 4 * T * E, 8)
+        graph = lib.new_graph_custom(ctx, runner.graph_size(8), False)
+        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        f32_view(lib, ht, (T, E))[...] = h
+        cur = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["post_attention_norm"])
+        lib.build_forward_expand(graph, cur)
+        runner.compute(graph, 0)
+        out = f32_view(lib, cur, (T, E)).copy()
+        runner.done()
+    return out

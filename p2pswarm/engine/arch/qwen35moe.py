@@ -138,6 +138,8 @@ class Qwen35MoE:
         self.conv_channels = 2 * self.ssm_hk * self.ssm_d + self.ssm_inner
 
         self.recurrent = self._layer_kinds(hp)
+        # layer -> (h, post_attention_norm(h)) of the last one-graph attention layer call
+        self._ffn_inputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.w = _Weights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
@@ -246,10 +248,13 @@ class Qwen35MoE:
         backbone, so split == monolithic does not see it."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
-        if not self.recurrent[il]:
+        if not self.recurrent[il] and h.shape[0]:
             runner = self._attention_graph_runner()
-            if runner is not None:  # the ggml kernel: the whole layer as one graph
-                return ggml_attention.gated_attention(self, runner, il, h, [(st.kv[il], p0, n) for st, p0, n in segments])
+            if runner is not None:  # the ggml kernel: the whole layer as one graph, ffn_input's norm too
+                h, cur = ggml_attention.gated_attention(self, runner, il, h, [(st.kv[il], p0, n) for st, p0, n in segments],
+                                                        with_ffn_input=True)
+                self._ffn_inputs[il] = (h, cur)
+                return h
         x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
         if self.recurrent[il]:
             out = self._linear_attention_rows(il, x, [(st.extra[il], n) for st, _, n in segments])
@@ -355,6 +360,19 @@ class Qwen35MoE:
         return outs
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
+        """post_attention_norm(h): the experts' and the router's input.
+
+        For an attention layer under the ggml kernel it is ggml's RMSNorm: computed by the layer's
+        graph already when ``h`` is what :meth:`pre_moe_batch` just returned (kept for this call),
+        else by a graph of its own, so a row gets the same bits either way (the backbone may ask
+        for it on a slice of the rows, sequence by sequence)."""
+        kept = self._ffn_inputs.pop(il, None)
+        if kept is not None and kept[0] is h:
+            return kept[1]
+        if not self.recurrent[il] and h.shape[0]:
+            runner = self._attention_graph_runner()
+            if runner is not None:
+                return ggml_attention.post_attention_norm(self, runner, il, h)
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
 
     def shared(self, il: int, cur: np.ndarray) -> np.ndarray:
