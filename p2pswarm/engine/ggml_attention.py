@@ -10,12 +10,17 @@ over that cache (``mul_mat`` + ``soft_max_ext`` with the causal mask of its rows
 GQA by ``mul_mat``'s broadcast over heads), the sigmoid gate, attn_output and the residual add;
 with ``with_ffn_input`` also the layer's post_attention_norm (the experts' input). These are the
 ops llama.cpp builds for this layer (src/models/qwen35moe.cpp, build_layer_attn; graph.cpp,
-build_attn_mha), so the numerics are llama.cpp's.
+build_attn_mha), so the numerics are llama.cpp's. numpy only fills the graph's inputs (the rows,
+IMROPE's positions, the causal masks); no arithmetic of the layer is left to it.
 
-Memory: the KV cache (:class:`~p2pswarm.engine.state.KVCache`, aligned) is wrapped in place
+Memory: the KV cache (:class:`~p2pswarm.engine.state.KVCache`: aligned, values transposed as
+llama.cpp keeps them without flash attention) is wrapped in place
 (``ggml_backend_cpu_buffer_from_ptr``): the graph writes the step's k/v rows into it (``ggml_cpy``
 onto a view, ordered before the attention that reads them, as llama.cpp's KV writes are) and reads
-keys and values from it. The quantised projections are the memory map's tensors
+keys and values^T from it, with no copy. A decode row's attention result is placed straight into
+its row of the layer's attention tensor, so a decode sequence costs 5 nodes (k copy, v copy,
+``mul_mat``, ``soft_max_ext``, ``mul_mat``), each ending in a barrier of ggml's threads: what a
+step of many sequences pays per sequence. The quantised projections are the memory map's tensors
 (:class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`), and so are float ones and the norm
 weights (wrapped once per layer, :meth:`~p2pswarm.engine.ggml_dense.GgmlDense.mapped`).
 
@@ -38,8 +43,8 @@ from p2pswarm.engine.state import aligned_zeros
 
 F32 = np.float32
 GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qwen3.5), NEOX pairing
-_OPS = ("rms_norm", "mul", "add", "sigmoid", "rope_multi", "soft_max_ext", "permute", "transpose", "cont",
-        "cont_2d", "cpy", "reshape_2d", "reshape_3d", "view_1d", "view_2d")
+_OPS = ("rms_norm", "mul", "add", "sigmoid", "rope_multi", "soft_max_ext", "permute", "transpose", "cont_2d", "cpy",
+        "reshape_3d", "view_2d")
 _PROJ = ("attn_q", "attn_k", "attn_v", "attn_output")
 _NORMS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm")
 
