@@ -128,16 +128,21 @@ def test_layer_against_llama_cpp(models_dir, qtype):
     rounds the projections' inputs as llama.cpp does (ggml's own mul_mat), so it lands within
     float rounding of llama.cpp there too."""
     model, il = _model(models_dir, qtype)
-    cap = llama_intermediates(model.layout.path, TOKENS, {f"l_out-{il - 1}", f"attn_residual-{il}"})
-    h_in, ref = cap[f"l_out-{il - 1}"], cap[f"attn_residual-{il}"]
+    names = {f"l_out-{il - 1}", f"attn_residual-{il}", f"attn_post_norm-{il}"}
+    cap = llama_intermediates(model.layout.path, TOKENS, names)
+    h_in, ref, ref_cur = cap[f"l_out-{il - 1}"], cap[f"attn_residual-{il}"], cap[f"attn_post_norm-{il}"]
     diffs = {}
     for graph in (True, False):
         model.attention_graph = graph
         got = model.pre_moe(il, h_in, model.new_state(), 0)
-        diffs[graph] = (float(np.abs(got - ref).max()), float(np.linalg.norm(got - ref) / np.linalg.norm(ref)))
-    print(f"\n{qtype} attention layer {il} vs llama.cpp attn_residual ({len(TOKENS)} tokens): one graph max |diff| "
-          f"{diffs[True][0]:.3g} (rel {diffs[True][1]:.2e}); per-piece {diffs[False][0]:.3g} (rel {diffs[False][1]:.2e})")
-    assert diffs[True][1] < 1e-5 and diffs[True][0] < 1e-4
+        cur = model.ffn_input(il, got)
+        diffs[graph] = [(float(np.abs(a - b).max()), float(np.linalg.norm(a - b) / np.linalg.norm(b)))
+                        for a, b in ((got, ref), (cur, ref_cur))]
+    for i, what in enumerate(("attn_residual", "attn_post_norm")):
+        (g, gr), (p, pr) = diffs[True][i], diffs[False][i]
+        print(f"\n{qtype} attention layer {il} vs llama.cpp {what} ({len(TOKENS)} tokens): one graph max |diff| "
+              f"{g:.3g} (rel {gr:.2e}); per-piece {p:.3g} (rel {pr:.2e})", end="")
+        assert gr < 1e-5 and g < 1e-4
 
 
 def test_ffn_input_comes_from_the_layer_graph(models_dir, monkeypatch):
