@@ -138,8 +138,8 @@ class Qwen35MoE:
         self.conv_channels = 2 * self.ssm_hk * self.ssm_d + self.ssm_inner
 
         self.recurrent = self._layer_kinds(hp)
-        # layer -> (h, post_attention_norm(h)) of the last one-graph attention layer call
-        self._ffn_inputs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # (layer, h, post_attention_norm(h)) of the last one-graph attention layer call
+        self._ffn_input_kept: tuple[int, np.ndarray, np.ndarray] | None = None
         self.w = _Weights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
@@ -253,7 +253,7 @@ class Qwen35MoE:
             if runner is not None:  # the ggml kernel: the whole layer as one graph, ffn_input's norm too
                 h, cur = ggml_attention.gated_attention(self, runner, il, h, [(st.kv[il], p0, n) for st, p0, n in segments],
                                                         with_ffn_input=True)
-                self._ffn_inputs[il] = (h, cur)
+                self._ffn_input_kept = (il, h, cur)
                 return h
         x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
         if self.recurrent[il]:
@@ -362,18 +362,33 @@ class Qwen35MoE:
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
         """post_attention_norm(h): the experts' and the router's input.
 
-        For an attention layer under the ggml kernel it is ggml's RMSNorm: computed by the layer's
-        graph already when ``h`` is what :meth:`pre_moe_batch` just returned (kept for this call),
-        else by a graph of its own, so a row gets the same bits either way (the backbone may ask
-        for it on a slice of the rows, sequence by sequence)."""
-        kept = self._ffn_inputs.pop(il, None)
-        if kept is not None and kept[0] is h:
-            return kept[1]
+        For an attention layer under the ggml kernel it is ggml's RMSNorm (see
+        :meth:`_graph_ffn_input`); otherwise numpy's."""
         if not self.recurrent[il] and h.shape[0]:
             runner = self._attention_graph_runner()
             if runner is not None:
-                return ggml_attention.post_attention_norm(self, runner, il, h)
+                return self._graph_ffn_input(il, runner, h)
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
+
+    def _graph_ffn_input(self, il: int, runner, h: np.ndarray) -> np.ndarray:
+        """ggml's post_attention_norm of ``h``, computed once per layer call for all its rows.
+
+        The layer's graph computes it with the layer (:meth:`pre_moe_batch` keeps the pair); the
+        backbone then asks for it for that ``h``, or, where the router is not row-invariant, for
+        each sequence's slice of it: both are served from what was kept. Rows of any other array
+        (e.g. the per-sequence pre_moe results concatenated) are normed by one graph over the whole
+        array they are a slice of, kept in turn. The op is row-wise, so a row's bits do not depend
+        on which rows were normed with it. One pair is kept (the last layer call's)."""
+        E = h.shape[1]
+        kept = self._ffn_input_kept
+        if kept is None or kept[0] != il or not _rows_of(h, kept[1]):
+            base = h.base if isinstance(h.base, np.ndarray) and _rows_of(h, h.base) else h
+            kept = self._ffn_input_kept = (il, base, ggml_attention.post_attention_norm(self, runner, il, base))
+        _, full, cur = kept
+        if h is full:
+            return cur
+        start = (h.ctypes.data - full.ctypes.data) // (4 * E)
+        return cur[start:start + h.shape[0]].copy()
 
     def shared(self, il: int, cur: np.ndarray) -> np.ndarray:
         """The shared expert, scaled by its per-token sigmoid gate; zeros if the layer has none."""
@@ -393,3 +408,15 @@ class Qwen35MoE:
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
         """h + (routed + shared), added in llama.cpp's order."""
         return h + (moe + self.shared(il, cur))
+
+
+def _rows_of(h: np.ndarray, full: np.ndarray) -> bool:
+    """Whether ``h`` is ``full`` or a run of whole rows of it (both C-contiguous float32 (T, E))."""
+    if h is full:
+        return True
+    if (full.ndim != 2 or h.ndim != 2 or full.dtype != F32 or h.dtype != F32 or h.shape[1] != full.shape[1]
+            or not (h.flags.c_contiguous and full.flags.c_contiguous)):
+        return False
+    row = 4 * full.shape[1]
+    off = h.ctypes.data - full.ctypes.data
+    return off >= 0 and off % row == 0 and off // row + h.shape[0] <= full.shape[0]
