@@ -31,8 +31,9 @@ from p2pswarm.errors import ModelFormatError
 F32 = np.float32
 
 #: the ops of the DeltaNet layer graph; all of ggml >= 0.25 (``_OPTIONAL_SIG`` in ggml_kernel)
-DELTANET_OPS = ("rms_norm", "mul", "add", "sigmoid", "silu", "softplus", "scale", "concat", "transpose",
-                "ssm_conv", "cpy", "view_2d", "reshape_2d", "reshape_3d", "gated_delta_net")
+DELTANET_OPS = ("rms_norm", "mul_inplace", "add_inplace", "sigmoid_inplace", "silu_inplace", "softplus_inplace",
+                "scale_inplace", "transpose", "ssm_conv", "cpy", "view_2d", "view_4d", "reshape_2d", "reshape_3d",
+                "gated_delta_net")
 _MATRICES = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
 _VECTORS = ("attn_norm", "post_attention_norm", "ssm_norm", "ssm_a", "ssm_dt")
 
@@ -97,6 +98,20 @@ def _map_layer(model, dense, il: int, quantised_cls) -> DeltaNetLayerWeights:
     return DeltaNetLayerWeights(tensors)
 
 
+def _runs(segs: list[tuple]) -> list[tuple[int, int, list]]:
+    """Consecutive segments of one length, as ``(first row, n, states)``: a run's conv, silu and
+    l2-norms are one op each over all its sequences (ggml's ``n_seqs`` axis), not one per sequence."""
+    runs: list[tuple[int, int, list]] = []
+    at = 0
+    for st, n in segs:
+        if runs and runs[-1][1] == n:
+            runs[-1][2].append(st)
+        else:
+            runs.append((at, n, [st]))
+        at += n
+    return runs
+
+
 def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
                      segs: list[tuple]) -> np.ndarray:
     """``h + DeltaNet(attn_norm(h))`` for the rows of every ``(DeltaNetState, n)`` segment, in one
@@ -107,17 +122,23 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         x     = rms_norm(h) * attn_norm                                   [E, T]
         m, z  = W_qkv x, W_gate x                                          [C, T], [Hv dv, T]
         beta  = sigmoid(W_beta x);  g = softplus(W_alpha x + dt) * ssm_a   [Hv, T]
-        per sequence (its n rows):
-            X  = concat(conv^T, m_seq^T)       the carried K-1 inputs, then its n   [K-1+n, C]
-            conv <- last K-1 columns of X      written onto DeltaNetState.conv
-            c  = silu(ssm_conv(X, conv1d))                                   [C, n]
+        per run of sequences of n rows each (a decode step: one run):
+            X  = [conv^T | m_seq^T] per sequence   its K-1 carried inputs, then its n  [K-1+n, C, S]
+            conv <- last K-1 columns of its X      written onto DeltaNetState.conv
+            c  = silu(ssm_conv(X, conv1d))                                   [C, n, S]
             q, k = l2(c[:Hk d]), l2(c[Hk d:2 Hk d]);  v = c[2 Hk d:]
-            o_seq, S = gated_delta_net(q, k, v, g_seq, beta_seq, S)          S in place
+            per sequence: o_seq, S = gated_delta_net(q, k, v, g_seq, beta_seq, S)   S in place
         y     = rms_norm(o) * ssm_norm * silu(z)          per head           [dv, Hv, T]
         out   = h + W_out y                                                  [E, T]
 
-    The l2-norm is llama.cpp's (``build_gdn_l2_norm``: ``rms_norm(x, eps/d) / sqrt(d)``), not
-    ``ggml_l2_norm``: the same function to float rounding, and the one llama.cpp computes.
+    Why runs: every non-view node of a graph ends in a barrier of all threads (an OpenMP barrier,
+    ~10 us passive on an idle core, a timeslice when the other core is busy), so per-sequence
+    nodes are kept to the four that must be (gather its conv rows, write them back, its delta
+    rule, place its output among the others). The l2-norm is llama.cpp's
+    (``build_gdn_l2_norm``: ``rms_norm(x, eps/d) / sqrt(d)``), not ``ggml_l2_norm``: the same
+    function to float rounding, and the one llama.cpp computes. In-place ops wherever an
+    intermediate has one reader keep the scratch of a 128-token prefill under the runner's
+    ``KEEP_BYTES`` (a context above it is reallocated, page faults and all, every call).
     """
     dense = model.w.ggml_dense
     r = dense.runner
@@ -128,12 +149,13 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     d, Hk, Hv, dv = model.ssm_d, model.ssm_hk, model.ssm_hv, model.ssm_dv
     eps = float(model.eps)
     S = len(segs)
-    n_tensors = 48 + 24 * S
-    # data of every tensor that owns memory (views and reshapes own none), in floats
-    floats = T * (6 * E + 3 * C + 8 * Hv * dv + 10 * Hv) + sum(
-        (K - 1 + n) * C + 3 * n * C + 6 * n * Hk * d + (n * Hv * dv + Hv * dv * d if n > 1 else 0) for _, n in segs)
-    macs = T * E * (C + 2 * Hv * dv + 2 * Hv) + sum(4 * n * Hv * dv * d for _, n in segs)
-    out_h = None
+    runs = _runs(segs)
+    n_tensors = 48 + 16 * S + 24 * len(runs)
+    # data of every tensor that owns memory (views, reshapes and in-place results own none), in floats
+    floats = T * (3 * E + C + 4 * Hv * dv + 2 * Hv) + sum(
+        len(sts) * ((K - 1 + n) * C + n * C + 2 * n * Hk * d + (n * Hv * dv + Hv * dv * d if n > 1 else 0))
+        for _, n, sts in runs)
+    macs = T * E * (C + 2 * Hv * dv + 2 * Hv) + 4 * T * Hv * dv * d
     with r.lock:
         ctx = r.context(4 * floats + 64 * n_tensors, n_tensors)
         # tensors on the sequences' own memory: metadata only, placed with tensor_alloc
@@ -143,54 +165,67 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         buffers = []
         try:
             graph = lib.new_graph_custom(ctx, r.graph_size(n_tensors), False)
+
+            def expand(node):
+                lib.build_forward_expand(graph, node)
+
             hin = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
             f32_view(lib, hin, (T, E))[...] = h
-            x = lib.mul(ctx, lib.rms_norm(ctx, hin, eps), t["attn_norm"])
+            x = lib.mul_inplace(ctx, lib.rms_norm(ctx, hin, eps), t["attn_norm"])
             m = lib.mul_mat(ctx, t["attn_qkv"], x)  # [C, T]
             z = lib.mul_mat(ctx, t["attn_gate"], x)  # [Hv dv, T]
-            beta = lib.sigmoid(ctx, lib.mul_mat(ctx, t["ssm_beta"], x))  # [Hv, T]
-            alpha = lib.add(ctx, lib.mul_mat(ctx, t["ssm_alpha"], x), t["ssm_dt"])
-            g = lib.mul(ctx, lib.softplus(ctx, alpha), t["ssm_a"])  # [Hv, T]; ssm_a = -exp(A_log)
+            beta = lib.sigmoid_inplace(ctx, lib.mul_mat(ctx, t["ssm_beta"], x))  # [Hv, T]
+            alpha = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_alpha"], x), t["ssm_dt"])
+            g = lib.mul_inplace(ctx, lib.softplus_inplace(ctx, alpha), t["ssm_a"])  # [Hv, T]; ssm_a = -exp(A_log)
             o_all = lib.new_tensor_3d(ctx, GGML_TYPE_F32, dv, Hv, T) if S > 1 else None
-            o_one = None
-            at = 0
-            for st, n in segs:
-                cbuf = _wrap(lib, st.conv, buffers)
-                sbuf = _wrap(lib, st.buf, buffers)
-                conv = lib.new_tensor_2d(meta, GGML_TYPE_F32, C, K - 1)  # numpy (K-1, C)
-                _place(lib, cbuf, conv, st.conv.ctypes.data)
-                m_seq = lib.view_2d(ctx, m, C, n, 4 * C, 4 * C * at)
-                X = lib.concat(ctx, lib.transpose(ctx, conv), lib.transpose(ctx, m_seq), 0)  # [K-1+n, C]
-                rows = lib.view_2d(ctx, X, K - 1, C, 4 * (K - 1 + n), 4 * n)  # its last K-1 inputs
-                lib.build_forward_expand(graph, lib.cpy(ctx, lib.transpose(ctx, rows), conv))
-                c = lib.silu(ctx, lib.ssm_conv(ctx, X, t["ssm_conv1d"]))  # [C, n]
-                q = _l2(lib, ctx, lib.view_3d(ctx, c, d, Hk, n, 4 * d, 4 * C, 0), d, eps)
-                k = _l2(lib, ctx, lib.view_3d(ctx, c, d, Hk, n, 4 * d, 4 * C, 4 * Hk * d), d, eps)
-                v = lib.view_3d(ctx, c, dv, Hv, n, 4 * dv, 4 * C, 8 * Hk * d)
-                g_seq = lib.view_3d(ctx, g, 1, Hv, n, 4, 4 * Hv, 4 * Hv * at)
-                b_seq = lib.view_3d(ctx, beta, 1, Hv, n, 4, 4 * Hv, 4 * Hv * at)
-                s_in = lib.new_tensor_3d(meta, GGML_TYPE_F32, d, dv, Hv)
-                _place(lib, sbuf, s_in, st.buf.ctypes.data + 4 * st.head)
-                if n == 1:  # [o | new state] straight onto [head | S]: the state in place
-                    res = lib.gated_delta_net(meta, q, k, v, g_seq, b_seq, s_in, 1)
-                    _place(lib, sbuf, res, st.buf.ctypes.data)
-                    lib.build_forward_expand(graph, res)
-                else:  # prefill: the result's state part copied onto S inside the graph
-                    res = lib.gated_delta_net(ctx, q, k, v, g_seq, b_seq, s_in, 1)
-                    s_out = lib.view_2d(ctx, res, Hv * dv, dv, 4 * Hv * dv, 4 * n * Hv * dv)
-                    lib.build_forward_expand(graph, lib.cpy(ctx, s_out, s_in))
-                o_seq = lib.view_3d(ctx, res, dv, Hv, n, 4 * dv, 4 * Hv * dv, 0)
-                if o_all is None:
-                    o_one = o_seq
-                else:  # the rows of all sequences side by side for the row-wise rest
-                    dst = lib.view_3d(ctx, o_all, dv, Hv, n, 4 * dv, 4 * Hv * dv, 4 * Hv * dv * at)
-                    lib.build_forward_expand(graph, lib.cpy(ctx, o_seq, dst))
-                at += n
-            o = o_all if o_all is not None else o_one
-            y = lib.mul(ctx, lib.mul(ctx, lib.rms_norm(ctx, o, eps), t["ssm_norm"]),
-                        lib.silu(ctx, lib.reshape_3d(ctx, z, dv, Hv, T)))
-            out = lib.add(ctx, lib.mul_mat(ctx, t["ssm_out"], lib.reshape_2d(ctx, y, Hv * dv, T)), hin)
-            lib.build_forward_expand(graph, out)
+            o = None
+            for at, n, sts in runs:
+                ns = len(sts)
+                X = lib.new_tensor_3d(ctx, GGML_TYPE_F32, K - 1 + n, C, ns)
+                xb1, xb2 = 4 * (K - 1 + n), 4 * (K - 1 + n) * C
+                convs = []
+                for j, st in enumerate(sts):  # its carried rows, transposed into its slice of X
+                    conv = lib.new_tensor_2d(meta, GGML_TYPE_F32, C, K - 1)  # numpy (K-1, C)
+                    _place(lib, _wrap(lib, st.conv, buffers), conv, st.conv.ctypes.data)
+                    convs.append(conv)
+                    expand(lib.cpy(ctx, lib.transpose(ctx, conv), lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2)))
+                m_run = lib.view_3d(ctx, m, C, n, ns, 4 * C, 4 * C * n, 4 * C * at)
+                expand(lib.cpy(ctx, lib.transpose(ctx, m_run), lib.view_3d(ctx, X, n, C, ns, xb1, xb2, 4 * (K - 1))))
+                for j, conv in enumerate(convs):  # its last K-1 inputs become its conv rows
+                    rows = lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2 + 4 * n)
+                    expand(lib.cpy(ctx, lib.transpose(ctx, rows), conv))
+                c = lib.silu_inplace(ctx, lib.ssm_conv(ctx, X, t["ssm_conv1d"]))  # [C, n, ns]
+                q = _l2(lib, ctx, lib.view_4d(ctx, c, d, Hk, n, ns, 4 * d, 4 * C, 4 * C * n, 0), d, eps)
+                k = _l2(lib, ctx, lib.view_4d(ctx, c, d, Hk, n, ns, 4 * d, 4 * C, 4 * C * n, 4 * Hk * d), d, eps)
+                qk = 4 * d * Hk * n  # bytes of one sequence's q (or k): l2's result is contiguous
+                for j, st in enumerate(sts):
+                    row = at + j * n
+                    q_j = lib.view_3d(ctx, q, d, Hk, n, 4 * d, 4 * d * Hk, j * qk)
+                    k_j = lib.view_3d(ctx, k, d, Hk, n, 4 * d, 4 * d * Hk, j * qk)
+                    v_j = lib.view_3d(ctx, c, dv, Hv, n, 4 * dv, 4 * C, 4 * C * n * j + 8 * Hk * d)
+                    g_j = lib.view_3d(ctx, g, 1, Hv, n, 4, 4 * Hv, 4 * Hv * row)
+                    b_j = lib.view_3d(ctx, beta, 1, Hv, n, 4, 4 * Hv, 4 * Hv * row)
+                    sbuf = _wrap(lib, st.buf, buffers)
+                    s_in = lib.new_tensor_3d(meta, GGML_TYPE_F32, d, dv, Hv)
+                    _place(lib, sbuf, s_in, st.buf.ctypes.data + 4 * st.head)
+                    if n == 1:  # [o | new state] straight onto [head | S]: the state in place
+                        res = lib.gated_delta_net(meta, q_j, k_j, v_j, g_j, b_j, s_in, 1)
+                        _place(lib, sbuf, res, st.buf.ctypes.data)
+                        expand(res)
+                    else:  # prefill: the result's state part copied onto S inside the graph
+                        res = lib.gated_delta_net(ctx, q_j, k_j, v_j, g_j, b_j, s_in, 1)
+                        expand(lib.cpy(ctx, lib.view_2d(ctx, res, Hv * dv, dv, 4 * Hv * dv, 4 * n * Hv * dv), s_in))
+                    o_j = lib.view_3d(ctx, res, dv, Hv, n, 4 * dv, 4 * Hv * dv, 0)
+                    if o_all is None:
+                        o = o_j
+                    else:  # the rows of all sequences side by side for the row-wise rest
+                        dst = lib.view_3d(ctx, o_all, dv, Hv, n, 4 * dv, 4 * Hv * dv, 4 * Hv * dv * row)
+                        expand(lib.cpy(ctx, o_j, dst))
+            o = o_all if o_all is not None else o
+            y = lib.mul_inplace(ctx, lib.mul_inplace(ctx, lib.rms_norm(ctx, o, eps), t["ssm_norm"]),
+                                lib.silu_inplace(ctx, lib.reshape_3d(ctx, z, dv, Hv, T)))
+            out = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_out"], lib.reshape_2d(ctx, y, Hv * dv, T)), hin)
+            expand(out)
             r.compute(graph, macs)
             out_h = f32_view(lib, out, (T, E)).copy()
             r.done()
@@ -203,7 +238,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
 
 def _l2(lib, ctx, x, n: int, eps: float):
     """llama.cpp's l2-norm of Gated DeltaNet's q and k (``build_gdn_l2_norm``)."""
-    return lib.scale(ctx, lib.rms_norm(ctx, x, eps / n), 1.0 / float(np.sqrt(np.float32(n))))
+    return lib.scale_inplace(ctx, lib.rms_norm(ctx, x, eps / n), 1.0 / float(np.sqrt(np.float32(n))))
 
 
 def _wrap(lib, arr: np.ndarray, buffers: list):
