@@ -32,7 +32,7 @@ F32 = np.float32
 
 #: the ops of the DeltaNet layer graph; all of ggml >= 0.25 (``_OPTIONAL_SIG`` in ggml_kernel)
 DELTANET_OPS = ("rms_norm", "mul_inplace", "add_inplace", "sigmoid_inplace", "silu_inplace", "softplus_inplace",
-                "scale_inplace", "transpose", "ssm_conv", "cpy", "view_2d", "view_4d", "reshape_2d", "reshape_3d",
+                "scale_inplace", "concat", "transpose", "ssm_conv", "cpy", "view_2d", "view_4d", "reshape_2d", "reshape_3d",
                 "gated_delta_net")
 _MATRICES = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
 _VECTORS = ("attn_norm", "post_attention_norm", "ssm_norm", "ssm_a", "ssm_dt")
@@ -181,27 +181,31 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
             o = None
             for at, n, sts in runs:
                 ns = len(sts)
-                X = lib.new_tensor_3d(ctx, GGML_TYPE_F32, K - 1 + n, C, ns)
                 xb1, xb2 = 4 * (K - 1 + n), 4 * (K - 1 + n) * C
                 convs = []
-                for j, st in enumerate(sts):  # its carried rows, transposed into its slice of X
+                for st in sts:
                     conv = lib.new_tensor_2d(meta, GGML_TYPE_F32, C, K - 1)  # numpy (K-1, C)
                     _place(lib, _wrap(lib, st.conv, buffers), conv, st.conv.ctypes.data)
                     convs.append(conv)
-                    expand(lib.cpy(ctx, lib.transpose(ctx, conv), lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2)))
                 m_run = lib.view_3d(ctx, m, C, n, ns, 4 * C, 4 * C * n, 4 * C * at)
-                expand(lib.cpy(ctx, lib.transpose(ctx, m_run), lib.view_3d(ctx, X, n, C, ns, xb1, xb2, 4 * (K - 1))))
+                if ns == 1:
+                    X = lib.concat(ctx, lib.transpose(ctx, convs[0]), lib.transpose(ctx, m_run), 0)
+                else:  # each sequence's carried rows into its slice of X, then all new rows at once
+                    X = lib.new_tensor_3d(ctx, GGML_TYPE_F32, K - 1 + n, C, ns)
+                    for j, conv in enumerate(convs):
+                        expand(lib.cpy(ctx, lib.transpose(ctx, conv), lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2)))
+                    expand(lib.cpy(ctx, lib.transpose(ctx, m_run),
+                                   lib.view_3d(ctx, X, n, C, ns, xb1, xb2, 4 * (K - 1))))
                 for j, conv in enumerate(convs):  # its last K-1 inputs become its conv rows
                     rows = lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2 + 4 * n)
                     expand(lib.cpy(ctx, lib.transpose(ctx, rows), conv))
                 c = lib.silu_inplace(ctx, lib.ssm_conv(ctx, X, t["ssm_conv1d"]))  # [C, n, ns]
-                q = _l2(lib, ctx, lib.view_4d(ctx, c, d, Hk, n, ns, 4 * d, 4 * C, 4 * C * n, 0), d, eps)
-                k = _l2(lib, ctx, lib.view_4d(ctx, c, d, Hk, n, ns, 4 * d, 4 * C, 4 * C * n, 4 * Hk * d), d, eps)
-                qk = 4 * d * Hk * n  # bytes of one sequence's q (or k): l2's result is contiguous
+                # q and k heads side by side in c: one l2-norm over all 2 Hk of them
+                qk = _l2(lib, ctx, lib.view_4d(ctx, c, d, 2 * Hk, n, ns, 4 * d, 4 * C, 4 * C * n, 0), d, eps)
                 for j, st in enumerate(sts):
                     row = at + j * n
-                    q_j = lib.view_3d(ctx, q, d, Hk, n, 4 * d, 4 * d * Hk, j * qk)
-                    k_j = lib.view_3d(ctx, k, d, Hk, n, 4 * d, 4 * d * Hk, j * qk)
+                    q_j = lib.view_3d(ctx, qk, d, Hk, n, 4 * d, 8 * d * Hk, 8 * d * Hk * n * j)
+                    k_j = lib.view_3d(ctx, qk, d, Hk, n, 4 * d, 8 * d * Hk, 8 * d * Hk * n * j + 4 * d * Hk)
                     v_j = lib.view_3d(ctx, c, dv, Hv, n, 4 * dv, 4 * C, 4 * C * n * j + 8 * Hk * d)
                     g_j = lib.view_3d(ctx, g, 1, Hv, n, 4, 4 * Hv, 4 * Hv * row)
                     b_j = lib.view_3d(ctx, beta, 1, Hv, n, 4, 4 * Hv, 4 * Hv * row)
@@ -222,8 +226,9 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
                         dst = lib.view_3d(ctx, o_all, dv, Hv, n, 4 * dv, 4 * Hv * dv, 4 * Hv * dv * row)
                         expand(lib.cpy(ctx, o_j, dst))
             o = o_all if o_all is not None else o
-            y = lib.mul_inplace(ctx, lib.mul_inplace(ctx, lib.rms_norm(ctx, o, eps), t["ssm_norm"]),
-                                lib.silu_inplace(ctx, lib.reshape_3d(ctx, z, dv, Hv, T)))
+            # silu(z) * (rms_norm(o) * w) as one swiglu node (ggml's silu, and a product either way round)
+            y = lib.swiglu_split(ctx, lib.reshape_3d(ctx, z, dv, Hv, T),
+                                 lib.mul_inplace(ctx, lib.rms_norm(ctx, o, eps), t["ssm_norm"]))
             out = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_out"], lib.reshape_2d(ctx, y, Hv * dv, T)), hin)
             expand(out)
             r.compute(graph, macs)
