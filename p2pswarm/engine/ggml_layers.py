@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from p2pswarm.engine.ggml_deltanet import _place
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, _InitParams, f32_view
 from p2pswarm.errors import ModelFormatError
 
@@ -254,9 +255,3 @@ def _wrap(lib, arr: np.ndarray, buffers: list):
         raise MemoryError("ggml could not wrap a DeltaNet state")
     buffers.append(buf)
     return buf
-
-
-def _place(lib, buffer, tensor, addr: int) -> None:
-    status = lib.backend_tensor_alloc(buffer, tensor, addr)
-    if status != 0:
-        raise RuntimeError(f"ggml_backend_tensor_alloc failed ({status})")
