@@ -245,7 +245,9 @@ class Qwen35MoE:
         (DeltaNet) or RoPE'd KV + attention run per sequence, on its own state. With one segment
         this is exactly :meth:`pre_moe`. Rows batched together may round differently from rows
         alone where ggml picks another kernel for more rows; the dense path runs only on the
-        backbone, so split == monolithic does not see it."""
+        backbone, so split == monolithic does not see it. With the ggml kernel a DeltaNet layer
+        is all one ggml graph (:func:`p2pswarm.engine.ggml_layers.deltanet_pre_moe`: the same
+        steps in llama.cpp's ops, state updated in place); :meth:`_layer_graph` says when."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         if self.recurrent[il]:
