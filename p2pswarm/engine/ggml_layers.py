@@ -64,13 +64,16 @@ def deltanet_layer_weights(model, il: int) -> DeltaNetLayerWeights | None:
     if il in cache:
         return cache[il]
     lib = dense.lib
-    got = None
-    if all(getattr(lib, op, None) is not None for op in DELTANET_OPS):
-        try:
-            got = _map_layer(model, dense, il, QuantisedMatrix)
-        except ModelFormatError:  # e.g. a tensor type the ggml kernel does not take
-            got = None
-    cache[il] = got
+    with dense.runner.lock:  # mapping is not thread-safe; layers of pipelined steps may race here
+        if il in cache:
+            return cache[il]
+        got = None
+        if all(getattr(lib, op, None) is not None for op in DELTANET_OPS):
+            try:
+                got = _map_layer(model, dense, il, QuantisedMatrix)
+            except ModelFormatError:  # e.g. a tensor type the ggml kernel does not take
+                got = None
+        cache[il] = got
     return got
 
 
