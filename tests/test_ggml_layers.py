@@ -125,3 +125,18 @@ def test_a_library_without_an_op_keeps_the_per_piece_path(q35_q8, monkeypatch):
     h = _rows(np.random.default_rng(7), model, 1)[0]
     out = model.pre_moe_batch(il, h, [(model.new_state(), 0, n) for n in SIZES])
     assert model.layer_graph_calls == 0 and np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("sizes", [[3] * 64, [1] * 256, [2, 1] * 60])
+def test_many_sequences_in_one_layer_graph(q35_q8, sizes):
+    """The graph's tensor budget holds for the issue's 256 rows and long runs of equal prefills (a
+    budget overrun would abort the process, not raise); the first sequences equal themselves alone."""
+    model = _model(q35_q8)
+    il = model.recurrent.index(True)
+    h = np.random.default_rng(len(sizes)).standard_normal((sum(sizes), model.n_embd)).astype(np.float32)
+    out = model.pre_moe_batch(il, h, [(model.new_state(), 0, n) for n in sizes])
+    assert model.layer_graph_calls == 1 and np.isfinite(out).all()
+    at = 0
+    for n in sizes[:3]:
+        assert np.array_equal(model.pre_moe_batch(il, h[at:at + n], [(model.new_state(), 0, n)]), out[at:at + n])
+        at += n

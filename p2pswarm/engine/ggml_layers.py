@@ -1,14 +1,14 @@
 """Whole layers of the dense path as ONE ggml graph each, for the ggml kernel.
 
-Why: a qwen35moe Gated DeltaNet layer computed piece by piece was ~6 ggml graphs (the fused input
-projections, the delta rule, the output projection, ...) with numpy between them (norms, conv,
-silu, l2-norm, gates, gated RMSNorm) on one core while ggml's other threads waited, each graph
-waking the thread team and ending in barriers. Here the whole ``pre_moe_batch`` of such a layer,
+Why: a qwen35moe Gated DeltaNet layer computed piece by piece was 3 ggml graphs (the fused input
+projections, the delta rule, the output projection) with numpy between them (norms, conv, silu,
+l2-norm, gates, gated RMSNorm) on one core while ggml's other threads waited, each graph waking
+the thread team and ending in barriers. Here the whole ``pre_moe_batch`` of such a layer,
 for every sequence of a batch, is one graph and one ``compute``: llama.cpp's own ops in llama.cpp's
 order (``src/models/qwen35moe.cpp``), so the numerics are llama.cpp's too.
 
-Per sequence the graph reads and writes that sequence's own state memory in place, with no copy
-in or out (the technique of :mod:`p2pswarm.engine.ggml_deltanet`): its conv rows
+Per sequence the graph reads and writes that sequence's own state memory in place, nothing copied
+through numpy (the technique of :mod:`p2pswarm.engine.ggml_deltanet`): its conv rows
 (``DeltaNetState.conv``) and its recurrent state (``DeltaNetState.buf``) are wrapped as CPU buffers
 and tensors are placed on them. Every op that mixes positions (conv, delta rule) runs per
 sequence; every other op works row by row, so a sequence's rows get the same bits alone or beside
@@ -36,7 +36,7 @@ DELTANET_OPS = ("rms_norm", "mul_inplace", "add_inplace", "sigmoid_inplace", "si
                 "scale_inplace", "concat", "transpose", "ssm_conv", "cpy", "view_2d", "view_4d", "reshape_2d", "reshape_3d",
                 "gated_delta_net")
 _MATRICES = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
-_VECTORS = ("attn_norm", "post_attention_norm", "ssm_norm", "ssm_a", "ssm_dt")
+_VECTORS = ("attn_norm", "ssm_norm", "ssm_a", "ssm_dt")
 
 
 class DeltaNetLayerWeights:
@@ -154,7 +154,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     eps = float(model.eps)
     S = len(segs)
     runs = _runs(segs)
-    n_tensors = 48 + 16 * S + 24 * len(runs)
+    n_tensors = 64 + 24 * S + 32 * len(runs)  # generous: running out aborts the process (GGML_ASSERT)
     # data of every tensor that owns memory (views, reshapes and in-place results own none), in floats
     floats = T * (3 * E + C + 4 * Hv * dv + 2 * Hv) + sum(
         len(sts) * ((K - 1 + n) * C + n * C + 2 * n * Hk * d + (n * Hv * dv + Hv * dv * d if n > 1 else 0))
