@@ -140,3 +140,17 @@ def test_many_sequences_in_one_layer_graph(q35_q8, sizes):
     for n in sizes[:3]:
         assert np.array_equal(model.pre_moe_batch(il, h[at:at + n], [(model.new_state(), 0, n)]), out[at:at + n])
         at += n
+
+
+def test_a_misaligned_state_takes_the_per_piece_path(q35_q8):
+    """A state whose conv rows are not ggml-aligned (e.g. replaced by a plain numpy copy) is never
+    handed to ggml (a misaligned buffer aborts the process); the per-piece path computes it."""
+    model = _model(q35_q8)
+    il = model.recurrent.index(True)
+    st = model.new_state()
+    raw = np.zeros(st.extra[il].conv.size + 1, np.float32)
+    start = 1 if raw.ctypes.data % 32 == 0 else 0
+    st.extra[il].conv = raw[start:start + st.extra[il].conv.size].reshape(st.extra[il].conv.shape)
+    h = _rows(np.random.default_rng(9), model, 1)[0][:2]
+    out = model.pre_moe_batch(il, h, [(st, 0, 2)])
+    assert model.layer_graph_calls == 0 and np.isfinite(out).all() and np.abs(st.extra[il].conv).max() > 0

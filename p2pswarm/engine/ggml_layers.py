@@ -250,6 +250,12 @@ def _l2(lib, ctx, x, n: int, eps: float):
     return lib.scale_inplace(ctx, lib.rms_norm(ctx, x, eps / n), 1.0 / float(np.sqrt(np.float32(n))))
 
 
+def placeable(st) -> bool:
+    """Whether a DeltaNetState's memory can carry ggml tensors: aligned C-contiguous float32
+    (``ggml_backend_cpu_buffer_from_ptr`` aborts the process on a misaligned pointer)."""
+    return all(a.dtype == F32 and a.flags.c_contiguous and a.ctypes.data % 32 == 0 for a in (st.conv, st.buf))
+
+
 def _wrap(lib, arr: np.ndarray, buffers: list):
     if arr.dtype != F32 or not arr.flags.c_contiguous or arr.ctypes.data % 32:
         raise ValueError("DeltaNet state memory must be aligned C-contiguous float32")

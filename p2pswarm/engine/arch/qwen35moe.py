@@ -267,9 +267,11 @@ class Qwen35MoE:
         """Layer ``il``'s tensors for the one-graph DeltaNet layer (:mod:`p2pswarm.engine.ggml_layers`),
         or None where the per-piece path runs instead: the numpy/portable kernels (no ggml dense
         path), a pinned ``deltanet_mode`` (the numpy forms under test), non-square states (the
-        op's limit), an empty segment, or a libggml without one of the graph's ops."""
+        op's limit), an empty segment, a state whose memory is not ggml-aligned (a copy made
+        elsewhere than :class:`~p2pswarm.engine.deltanet.DeltaNetState`), or a libggml without
+        one of the graph's ops."""
         if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv or getattr(self.w, "ggml_dense", None) is None
-                or any(n <= 0 for _, _, n in segments)):
+                or any(n <= 0 or not ggml_layers.placeable(st.extra[il]) for st, _, n in segments)):
             return None
         return ggml_layers.deltanet_layer_weights(self, il)
 
