@@ -110,7 +110,9 @@ def main() -> None:
                     help="decision waves per round, each seeing the earlier ones' choices (default 10; 1: everyone "
                          "decides on the same snapshot, the worst case for herding)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--plot", default=str(REPO / "docs" / "market_sim.png"))
+    ap.add_argument("--plot", default=None,
+                    help="write the plot here (default: docs/market_sim.png with --write, else no plot, so a "
+                         "trial run leaves the committed plot alone)")
     ap.add_argument("--write", action="store_true", help="append the results to docs/benchmarks.md")
     args = ap.parse_args()
     pops = [int(x) for x in args.phones.split(",")]
@@ -123,6 +125,15 @@ def main() -> None:
             print(f"{n} phones, {placement}: steady-state end-of-round >=2: "
                   f"{np.mean(r['end'][args.warmup:]):.4f} ({r['seconds']:.0f} s)", flush=True)
 
+    if args.plot is None and args.write:
+        args.plot = str(REPO / "docs" / "market_sim.png")
+    if args.plot:
+        plot(results, args)
+    cmd_and_table(results, args, pops)
+
+
+def plot(results: dict, args) -> None:
+    """The coverage per round of every population and placement, as one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,6 +155,9 @@ def main() -> None:
     fig.savefig(args.plot, dpi=110)
     print(f"plot: {args.plot}")
 
+
+def cmd_and_table(results: dict, args, pops: list[int]) -> None:
+    """The results as a docs/benchmarks.md section, printed, and appended there with --write."""
     w = args.warmup
     cmd = (f"python bench/market_sim.py --phones {args.phones} --rounds {args.rounds} --churn {args.churn} "
            f"--zipf {args.zipf} --waves {args.waves} --seed {args.seed}{' --write' if args.write else ''}")

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # engine-level step of a sample: the first of these names found walking the stack from the top
 STEPS = (("forward_groups", "routed experts (ggml mul_mat_id / per-group graphs)"),
+         ("deltanet_pre_moe", "DeltaNet layer (one ggml graph: norm, projections, conv, delta rule, out)"),
          ("linear_attention", "DeltaNet layer (projections, conv, delta rule)"),
          ("_linear_attention_rows", "DeltaNet layer (projections, conv, delta rule)"),
          ("gated_attention", "gated attention layer (one ggml graph)"),

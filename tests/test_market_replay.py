@@ -130,8 +130,11 @@ async def test_a_ban_while_idle_reports_the_finished_requests_it_spoiled(tiny_f3
         _lie(swarm)
         swarm.backbone.dispatcher.verifier = None
         sched = Scheduler(swarm.backbone)
+        listeners = swarm.backbone.dispatcher.ban_listeners
+        before = len(listeners)
         async with trio.open_nursery() as nursery:
             await nursery.start(sched.run)
+            assert len(listeners) == before + 1  # the running loop listens for bans...
             async with sched.submit([5, 4, 3], Params(max_tokens=3, request_id="cmpl-early")) as req:
                 assert len([s async for s in req]) == 3
             await trio.sleep(0.05)
@@ -140,6 +143,7 @@ async def test_a_ban_while_idle_reports_the_finished_requests_it_spoiled(tiny_f3
                 while swarm.backbone.replays.finished_unfixable == 0:
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
+        assert len(listeners) == before  # ...and a stopped one no longer does (schedulers come and go)
     assert swarm.backbone.replays.finished_unfixable == 1 and swarm.backbone.replays.sequences == 0
     assert "1 requests that finished before worker liar was banned" in caplog.text and "cmpl-early" in caplog.text
 

@@ -252,7 +252,6 @@ class Scheduler:
         self._bans_seen: set[str] = set(backbone.dispatcher.banned)
         #: worker -> (finished sequences that used its unverified outputs, the latest request ids)
         self._finished_taint: dict[str, tuple[int, deque]] = {}
-        backbone.dispatcher.ban_listeners.append(lambda peer: self._wake.set())  # an idle loop reports it too
 
     @property
     def active(self) -> int:
@@ -284,6 +283,8 @@ class Scheduler:
         if self._running:
             raise RuntimeError("the scheduler is already running")
         self._running = True
+        listeners = self.backbone.dispatcher.ban_listeners
+        listeners.append(self._on_ban)  # an idle loop reports a ban too; removed when the loop ends
         task_status.started()
         try:
             while True:
@@ -304,8 +305,12 @@ class Scheduler:
                             self._fail(seq, exc)
         finally:
             self._running = False
+            listeners.remove(self._on_ban)
             for seq in [*self._active, *self._pending]:
                 seq.send.close()
+
+    def _on_ban(self, peer: str) -> None:
+        self._wake.set()
 
     def _admit(self) -> None:
         self.stats.cancelled += sum(1 for s in self._active if s.cancelled and not s.done)

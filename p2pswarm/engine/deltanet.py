@@ -206,6 +206,15 @@ def delta_rule(q, k, v, g, beta, S, *, mode: str = "auto"):
 ALIGN = 64  # bytes; ggml wants tensor memory aligned to 32 (TENSOR_ALIGNMENT), a cache line is 64
 
 
+def _aligned_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """A zeroed C-contiguous float32 array whose data starts on an ``ALIGN``-byte boundary (what
+    ``ggml_backend_cpu_buffer_from_ptr`` asserts; numpy alone guarantees 16)."""
+    n = int(np.prod(shape))
+    raw = np.zeros(n * 4 + ALIGN, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % ALIGN
+    return raw[skip:skip + n * 4].view(F32).reshape(shape)
+
+
 class DeltaNetState:
     """What one linear-attention layer carries between calls for one sequence.
 
@@ -213,17 +222,17 @@ class DeltaNetState:
     ``conv`` the last K-1 conv inputs. ``S`` is the tail of one aligned buffer whose head holds
     ``H * dv`` floats more: the shape of ``ggml_gated_delta_net``'s result for one token
     (``[o | new state]``), so a decode step of the ggml kernel writes its new state over the old
-    one in place, with no copy (:mod:`p2pswarm.engine.ggml_deltanet`)."""
+    one in place, with no copy (:mod:`p2pswarm.engine.ggml_deltanet`). ``conv`` is aligned too and
+    only ever written in place (never rebound), so the ggml kernel's one-graph layer
+    (:mod:`p2pswarm.engine.ggml_layers`) can read the old rows from it and write the new ones onto
+    it inside its graph."""
 
     __slots__ = ("S", "conv", "buf", "head")
 
     def __init__(self, conv_channels: int, kernel: int, n_v_heads: int, dk: int, dv: int):
-        self.conv = np.zeros((kernel - 1, conv_channels), dtype=F32)
+        self.conv = _aligned_zeros(((kernel - 1), conv_channels))
         self.head = n_v_heads * dv
-        n = self.head + n_v_heads * dv * dk
-        raw = np.zeros(n * 4 + ALIGN, dtype=np.uint8)
-        skip = (-raw.ctypes.data) % ALIGN
-        self.buf = raw[skip:skip + n * 4].view(F32)
+        self.buf = _aligned_zeros((self.head + n_v_heads * dv * dk,))
         self.S = self.buf[self.head:].reshape(n_v_heads, dv, dk)
 
     def set_state(self, S: np.ndarray) -> None:

@@ -136,6 +136,10 @@ _OPTIONAL_SIG = {
     **{f"ggml_{n}": ("base", _P, [_P, _P]) for n in (
         "sigmoid", "silu", "softplus", "exp", "neg", "cont", "transpose", "sqr", "sqrt", "sum_rows")},
     **{f"ggml_{n}": ("base", _P, [_P, _P, _P]) for n in ("mul", "add", "sub", "div", "cpy", "ssm_conv")},
+    # in-place forms (the result is the first operand's memory): a layer graph's scratch stays small
+    **{f"ggml_{n}_inplace": ("base", _P, [_P, _P]) for n in ("sigmoid", "silu", "softplus")},
+    **{f"ggml_{n}_inplace": ("base", _P, [_P, _P, _P]) for n in ("mul", "add")},
+    "ggml_scale_inplace": ("base", _P, [_P, _P, ctypes.c_float]),
     "ggml_rms_norm": ("base", _P, [_P, _P, ctypes.c_float]),
     "ggml_l2_norm": ("base", _P, [_P, _P, ctypes.c_float]),
     "ggml_scale": ("base", _P, [_P, _P, ctypes.c_float]),

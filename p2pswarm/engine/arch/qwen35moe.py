@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ops
+from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_layers, ops
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -46,6 +46,8 @@ class Qwen35MoE:
     #: "auto" (chunked for prefill, recurrent for one token), "chunked" or "recurrent"; tests and
     #: benchmarks pin one form, the math is the same.
     deltanet_mode = "auto"
+    #: how many DeltaNet ``pre_moe_batch`` calls ran as one ggml graph (tests and profiles read it)
+    layer_graph_calls = 0
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
@@ -245,13 +247,24 @@ class Qwen35MoE:
         (DeltaNet) or RoPE'd KV + attention run per sequence, on its own state. With one segment
         this is exactly :meth:`pre_moe`. Rows batched together may round differently from rows
         alone where ggml picks another kernel for more rows; the dense path runs only on the
-        backbone, so split == monolithic does not see it."""
+        backbone, so split == monolithic does not see it. With the ggml kernel a DeltaNet layer
+        is all one ggml graph (:func:`p2pswarm.engine.ggml_layers.deltanet_pre_moe`: the same
+        steps in llama.cpp's ops, state updated in place); :meth:`_layer_graph` says when. So is
+        a gated-attention layer (:func:`p2pswarm.engine.ggml_attention.gated_attention`: every
+        sequence's KV write and attention on its own cache, post_attention_norm included)."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
-        if not self.recurrent[il] and h.shape[0]:
+        if self.recurrent[il]:
+            lw = self._layer_graph(il, segments)
+            if lw is not None:
+                self.layer_graph_calls += 1
+                return ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
+                                                    [(st.extra[il], n) for st, _, n in segments])
+        elif all(n > 0 for _, _, n in segments):
             runner = self._attention_graph_runner()
             if runner is not None:  # the ggml kernel: the whole layer as one graph, ffn_input's norm too
-                h, cur = ggml_attention.gated_attention(self, runner, il, h, [(st.kv[il], p0, n) for st, p0, n in segments],
+                h, cur = ggml_attention.gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
+                                                        [(st.kv[il], p0, n) for st, p0, n in segments],
                                                         with_ffn_input=True)
                 self._ffn_input_kept = (il, h, cur)
                 return h
@@ -272,6 +285,18 @@ class Qwen35MoE:
         dense = getattr(self.w, "ggml_dense", None)
         runner = dense.runner if dense is not None else None
         return runner if self.attention_graph and ggml_attention.available(runner) else None
+
+    def _layer_graph(self, il: int, segments) -> "ggml_layers.DeltaNetLayerWeights | None":
+        """Layer ``il``'s tensors for the one-graph DeltaNet layer (:mod:`p2pswarm.engine.ggml_layers`),
+        or None where the per-piece path runs instead: the numpy/portable kernels (no ggml dense
+        path), a pinned ``deltanet_mode`` (the numpy forms under test), non-square states (the
+        op's limit), an empty segment, a state whose memory is not ggml-aligned (a copy made
+        elsewhere than :class:`~p2pswarm.engine.deltanet.DeltaNetState`), or a libggml without
+        one of the graph's ops."""
+        if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv or getattr(self.w, "ggml_dense", None) is None
+                or any(n <= 0 or not ggml_layers.placeable(st.extra[il]) for st, _, n in segments)):
+            return None
+        return ggml_layers.deltanet_layer_weights(self, il)
 
     def full_attention(self, il: int, x: np.ndarray, kv: KVCache, pos0: int) -> np.ndarray:
         """Gated attention: q and its sigmoid gate interleaved head by head in attn_q; IMROPE."""
@@ -326,7 +351,8 @@ class Qwen35MoE:
         w, p = self.w, f"blk.{il}."
         T = m.shape[0]
         d, Hk, Hv, dv = self.ssm_d, self.ssm_hk, self.ssm_hv, self.ssm_dv
-        conv, st.conv = deltanet.causal_conv1d(m, st.conv, np.asarray(w[p + "ssm_conv1d.weight"]))
+        conv, new_rows = deltanet.causal_conv1d(m, st.conv, np.asarray(w[p + "ssm_conv1d.weight"]))
+        st.conv[...] = new_rows  # in place: the state's aligned memory (see DeltaNetState)
         c = ops.silu(conv)
         q = deltanet.l2_norm(c[:, : Hk * d].reshape(T, Hk, d), self.eps)
         k = deltanet.l2_norm(c[:, Hk * d : 2 * Hk * d].reshape(T, Hk, d), self.eps)
