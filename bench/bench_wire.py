@@ -10,7 +10,8 @@ as the tiny model's router would send them), ``--depth`` of them in flight at on
 request (the median block): wall time, process CPU time (both ends together: the cost a 2-core host pays per request),
 and the expert math alone (the same requests through ``worker.compute``, no transport). So
 ``CPU - compute`` is the transport's per-request cost: msgpack, framing, yamux, Noise, trio
-scheduling, the worker's thread hop. ``--profile OUT`` records the process with py-spy (``--gil``)
+scheduling, the worker's thread hop; and trio task steps per request (both ends; each a trip
+through the scheduler), which unlike CPU time a shared machine does not make noisy. ``--profile OUT`` records the process with py-spy (``--gil``)
 and writes its collapsed stacks to OUT.
 
 This is the measurement behind the "per-request transport cost" section of docs/benchmarks.md;
@@ -35,6 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 def _cpu() -> float:
     return time.process_time()
+
+
+class StepCounter(trio.abc.Instrument):
+    """Counts trio task steps (each a trip through the scheduler): a noise-free measure of the
+    event-loop work per request, beside the CPU time that a shared machine makes noisy."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task) -> None:
+        self.steps += 1
 
 
 async def run(args) -> list[dict]:
@@ -99,17 +111,22 @@ async def run(args) -> list[dict]:
                         await owner.compute(info.layer_begin + i % (info.layer_end - info.layer_begin), cur, groups)
                         lat.append(time.perf_counter() - t)
 
+                counter = StepCounter()
+                trio.lowlevel.add_instrument(counter)
                 c0, w0 = _cpu(), time.perf_counter()
                 async with trio.open_nursery() as nursery:
                     for k in range(depth):
                         nursery.start_soon(client, k)
                 wall, cpu = time.perf_counter() - w0, _cpu() - c0
-                blocks.append((1000 * cpu / args.requests, 1000 * wall / args.requests, 1000 * statistics.median(lat)))
+                trio.lowlevel.remove_instrument(counter)
+                blocks.append((1000 * cpu / args.requests, 1000 * wall / args.requests, 1000 * statistics.median(lat),
+                               counter.steps / args.requests))
             out_rows = sum(len(idx) for _, idx in reqs[0][1])
             results.append({"depth": depth, "rows": args.rows, "out_rows": out_rows,
                             "cpu_ms": statistics.median(b[0] for b in blocks),
                             "wall_ms": statistics.median(b[1] for b in blocks),
                             "rtt_median_ms": statistics.median(b[2] for b in blocks),
+                            "steps": statistics.median(b[3] for b in blocks),
                             "compute_ms": 1000 * compute_cpu})
         if spy is not None:
             spy.send_signal(2)
@@ -135,7 +152,8 @@ def main() -> None:
     for r in trio.run(run, args):
         print(f"rows {r['rows']:3d} (out {r['out_rows']:3d}) depth {r['depth']}: wall {r['wall_ms']:.3f} ms/request, "
               f"CPU {r['cpu_ms']:.3f} ms/request (expert math alone {r['compute_ms']:.3f}, "
-              f"transport {r['cpu_ms'] - r['compute_ms']:.3f}), round trip median {r['rtt_median_ms']:.3f} ms", flush=True)
+              f"transport {r['cpu_ms'] - r['compute_ms']:.3f}), round trip median {r['rtt_median_ms']:.3f} ms, "
+              f"{r['steps']:.1f} trio task steps/request", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,13 @@ Noise nonces: the whole connection dies.        connection instead.
 yamux sends a WINDOW_UPDATE after every read:   :func:`install_window_update_batching`: credit in  tests/test_net_host.py::test_workaround_window_updates_batched
 one more Noise message per data frame (half a   batches of half a window, as go-yamux does.
 relay's frames).
+A stream write goes out one yamux frame at a    :func:`install_coalesced_writes`: the frames of    tests/test_net_host.py::test_workaround_coalesced_writes_and_buffered_reads
+time, and a full frame (65,536 bytes) is two    one write (up to 256 KiB) framed together, sent
+Noise messages (65,519 + 17), each a send: a    as full Noise messages in one send.
+128 KiB reply was 5 messages, 5 sends.
+Every Noise message is read with 2+ socket      :func:`install_buffered_tcp_reads`: TCP reads of   tests/test_net_host.py::test_workaround_coalesced_writes_and_buffered_reads
+reads (its 2-byte length, then its body),       up to 256 KiB, small reads served from the
+each a lock and a trio checkpoint.              buffer.
 Identify over a relayed connection reports      :func:`install_relayed_identify_fix`: no observed  tests/test_relay_host.py::test_workaround_identify_sends_no_observed_address_over_a_circuit
 ``/p2p/<own id>/p2p-circuit/...``; js-libp2p    address on relayed connections (as go/js do).
 discards the whole identify message over it.
@@ -127,6 +134,12 @@ _TARGETS = (
     ("libp2p.stream_muxer.yamux.yamux", "Yamux._write_frame", "install_write_shield"),
     ("libp2p.stream_muxer.yamux.yamux", "YamuxStream._auto_tune_and_send_window_update", "install_window_update_batching"),
     ("libp2p.stream_muxer.yamux.yamux", "YamuxStream._grow_threshold", "install_window_update_batching"),
+    ("libp2p.io.trio", "TrioTCPStream.read", "install_buffered_tcp_reads"),
+    ("libp2p.stream_muxer.yamux.yamux", "YamuxStream.write", "install_coalesced_writes"),
+    ("libp2p.stream_muxer.yamux.yamux", "YAMUX_HEADER_FORMAT", "install_coalesced_writes"),
+    ("libp2p.stream_muxer.yamux.yamux", "MAX_MESSAGE_SIZE", "install_coalesced_writes"),
+    ("libp2p.security.noise.io", "BaseNoiseMsgReadWriter.write_msg", "install_coalesced_writes"),
+    ("libp2p.security.noise.io", "MAX_PLAINTEXT_LENGTH", "install_coalesced_writes"),
     ("libp2p.identity.identify.identify", "_prefer_circuit_addr", "install_relayed_identify_fix"),
     ("libp2p.kad_dht.common", "PROTOCOL_ID", "install_kad_protocol_id"),
     ("libp2p.kad_dht.kad_dht", "KadDHT.add_peer", "patch_kad"),
@@ -432,6 +445,7 @@ def install_coalesced_writes(limit: int = COALESCE_WRITE_MAX) -> None:
     ymod.YamuxStream._p2pswarm_library_write = ymod.YamuxStream.write  # for the regression test's control
     ymod.YamuxStream.write = write
     ymod.YamuxStream._p2pswarm_coalesced = True
+    BaseNoiseMsgReadWriter._p2pswarm_library_write_msg = library_noise_write
     BaseNoiseMsgReadWriter.write_msg = write_msg
 
 
