@@ -3,11 +3,11 @@
     python bench/profile_wire.py --rtt 0 --n 64 [--tokens 8] [--rounds 3] [--out DIR]
 
 The swarm of bench/bench_throughput.py (bootstrap, 4 workers each behind a WAN proxy, backbone with
-the HTTP API). After a warm-up, ``py-spy record`` samples the backbone and worker 0 (``--idle`` off:
-only samples where a thread is on the CPU, GIL held or not) while ``--rounds`` rounds of N concurrent
-requests run. py-spy's raw ("collapsed") stacks are written to DIR, and the top frames by self
-time and by inclusive time within our own code, py-libp2p (yamux, Noise), msgpack, trio and numpy
-are printed, with CPU ms per expert request of each process (from /proc). Needs ptrace (py-spy).
+the HTTP API). After a warm-up, ``py-spy record --gil`` samples the backbone and worker 0 (only
+threads holding the GIL: the Python work, which the GIL serialises) while ``--rounds`` rounds of N concurrent
+requests run. py-spy's raw ("collapsed") stacks are written to DIR, and the samples by activity
+(sending, receiving, (de)serialisation, expert math, dense path, thread hand-offs, trio), by
+library, and the top frames by self and inclusive time are printed (``--report DIR`` again later), with CPU ms per expert request of each process (from /proc). Needs ptrace (py-spy).
 """
 from __future__ import annotations
 
@@ -39,6 +39,33 @@ BUCKETS = (  # (label, substring of a frame's "function (file:line)") - first ma
 )
 
 
+ACTIVITIES = (  # (label, substrings of a frame); see activities()
+    ("msgpack + array (de)serialisation", ("msgpack", "to_wire", "from_wire", "expert_protocol.py:", "pack_rows")),
+    ("expert math (worker, or local/verify on the backbone)", ("ExpertWorker.compute", "GgmlExpertBank", "Verifier")),
+    ("dense path (backbone threads)", ("forward_batch.<locals>", "runner.py")),
+    ("send: framing, yamux, Noise, socket", ("send_frame", "YamuxStream.write", "_write_frame", "send_window_update")),
+    ("receive: yamux reader, Noise, read-ahead, frame reader", ("Yamux.handle_incoming", "_handle_incoming", "StreamAdapter._pump",
+                                                               "FrameReader", "receive_some", "read_stream")),
+    ("thread hand-off (to_thread, thread cache)", ("_threads.py", "_thread_cache.py")),
+    ("HTTP API (hypercorn, handlers)", ("hypercorn", "http_api", "h11")),
+    ("dispatch / scheduler / owners (ours)", ("p2pswarm/backbone/", "p2pswarm/worker/")),
+    ("trio scheduler, epoll, wake-ups", ("trio/",)),
+)
+
+
+def activities(stacks: list[tuple[list[str], int]]) -> collections.Counter:
+    """Samples per activity: the innermost frame matching one of ours wins (a lock taken inside
+    ``YamuxStream.write`` is sending); the last (trio) only where no other matches."""
+    specific, (fallback, fb_keys) = ACTIVITIES[:-1], ACTIVITIES[-1]
+    out: collections.Counter = collections.Counter()
+    for frames, n in stacks:
+        lab = next((lab for f in reversed(frames) for lab, keys in specific if any(k in f for k in keys)), None)
+        if lab is None:
+            lab = fallback if any(k in f for f in frames for k in fb_keys) else "other"
+        out[lab] += n
+    return out
+
+
 def parse(path: Path) -> list[tuple[list[str], int]]:
     out = []
     for line in path.read_text().splitlines():
@@ -64,7 +91,9 @@ def report(name: str, stacks: list[tuple[list[str], int]], top: int = 25) -> str
                 break
         else:
             bucket["other"] += n
-    lines = [f"== {name}: {total} samples on CPU", "-- by where the leaf-most known frame is:"]
+    lines = [f"== {name}: {total} samples holding the GIL", "-- by activity (innermost matching frame):"]
+    lines += [f"  {100 * n / total:5.1f}%  {lab}" for lab, n in activities(stacks).most_common()]
+    lines.append("-- by library of the leaf-most known frame:")
     lines += [f"  {100 * n / total:5.1f}%  {lab}" for lab, n in bucket.most_common()]
     lines.append("-- self time:")
     lines += [f"  {100 * n / total:5.1f}%  {f[:150]}" for f, n in self_t.most_common(top)]
@@ -84,7 +113,12 @@ def main() -> None:
     ap.add_argument("--kernel", default="ggml")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--out", help="directory for the raw stacks (default: a temporary one)")
+    ap.add_argument("--report", metavar="DIR", help="only print the report of the raw stacks in DIR (no run)")
     args = ap.parse_args()
+    if args.report:
+        for f in sorted(Path(args.report).glob("*.txt")):
+            print(report(f.stem, parse(f)))
+        return
     work = Path(tempfile.mkdtemp(prefix="profile-wire-"))
     out = Path(args.out) if args.out else work
     out.mkdir(parents=True, exist_ok=True)
