@@ -28,7 +28,10 @@ def test_apply_once_installs_every_process_wide_patch():
     shield = Yamux._write_frame
     libp2p_patches.apply()  # a second call changes nothing
     assert Yamux._write_frame is shield and Yamux._p2pswarm_shielded
-    assert YamuxStream._p2pswarm_batched_credit
+    assert YamuxStream._p2pswarm_batched_credit and YamuxStream._p2pswarm_coalesced
+    from libp2p.io.trio import TrioTCPStream
+
+    assert TrioTCPStream._p2pswarm_buffered
     assert ident._prefer_circuit_addr._p2pswarm
     assert common.PROTOCOL_ID == kad_dht.PROTOCOL_ID == libp2p_patches.KAD_PROTOCOL == "/p2pswarm/kad/1.0.0"
 

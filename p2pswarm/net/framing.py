@@ -26,11 +26,18 @@ class FrameReader:
         self.stream = stream
         self.max_frame = max_frame
         self._buf = bytearray()
+        # a libp2p StreamAdapter can wait for a whole frame; a trio socket stream cannot
+        self._at_least = getattr(stream, "supports_at_least", False)
 
     async def _fill(self, n: int) -> bool:
         """Make at least n bytes buffered; False on EOF before any byte of a new frame."""
         while len(self._buf) < n:
-            chunk = await self.stream.receive_some(max(65536, min(n - len(self._buf), 1 << 20)))
+            need = n - len(self._buf)
+            ask = max(65536, min(need, 1 << 20))
+            if self._at_least:  # one wake-up for the rest of the frame (up to a MiB), not one per chunk
+                chunk = await self.stream.receive_some(ask, at_least=min(need, ask))
+            else:
+                chunk = await self.stream.receive_some(ask)
             if not chunk:
                 if not self._buf:
                     return False

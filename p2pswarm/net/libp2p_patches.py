@@ -21,6 +21,13 @@ Noise nonces: the whole connection dies.        connection instead.
 yamux sends a WINDOW_UPDATE after every read:   :func:`install_window_update_batching`: credit in  tests/test_net_host.py::test_workaround_window_updates_batched
 one more Noise message per data frame (half a   batches of half a window, as go-yamux does.
 relay's frames).
+A stream write goes out one yamux frame at a    :func:`install_coalesced_writes`: the frames of    tests/test_net_host.py::test_workaround_coalesced_writes_and_buffered_reads
+time, and a full frame (65,536 bytes) is two    one write (up to 256 KiB) framed together, sent
+Noise messages (65,519 + 17), each a send: a    as full Noise messages in one send.
+128 KiB reply was 5 messages, 5 sends.
+Every Noise message is read with 2+ socket      :func:`install_buffered_tcp_reads`: TCP reads of   tests/test_net_host.py::test_workaround_coalesced_writes_and_buffered_reads
+reads (its 2-byte length, then its body),       up to 256 KiB, small reads served from the
+each a lock and a trio checkpoint.              buffer.
 Identify over a relayed connection reports      :func:`install_relayed_identify_fix`: no observed  tests/test_relay_host.py::test_workaround_identify_sends_no_observed_address_over_a_circuit
 ``/p2p/<own id>/p2p-circuit/...``; js-libp2p    address on relayed connections (as go/js do).
 discards the whole identify message over it.
@@ -100,6 +107,7 @@ import importlib.metadata
 import logging
 import socket
 import ssl
+import struct
 
 import multiaddr
 import trio
@@ -126,6 +134,12 @@ _TARGETS = (
     ("libp2p.stream_muxer.yamux.yamux", "Yamux._write_frame", "install_write_shield"),
     ("libp2p.stream_muxer.yamux.yamux", "YamuxStream._auto_tune_and_send_window_update", "install_window_update_batching"),
     ("libp2p.stream_muxer.yamux.yamux", "YamuxStream._grow_threshold", "install_window_update_batching"),
+    ("libp2p.io.trio", "TrioTCPStream.read", "install_buffered_tcp_reads"),
+    ("libp2p.stream_muxer.yamux.yamux", "YamuxStream.write", "install_coalesced_writes"),
+    ("libp2p.stream_muxer.yamux.yamux", "YAMUX_HEADER_FORMAT", "install_coalesced_writes"),
+    ("libp2p.stream_muxer.yamux.yamux", "MAX_MESSAGE_SIZE", "install_coalesced_writes"),
+    ("libp2p.security.noise.io", "BaseNoiseMsgReadWriter.write_msg", "install_coalesced_writes"),
+    ("libp2p.security.noise.io", "MAX_PLAINTEXT_LENGTH", "install_coalesced_writes"),
     ("libp2p.identity.identify.identify", "_prefer_circuit_addr", "install_relayed_identify_fix"),
     ("libp2p.kad_dht.common", "PROTOCOL_ID", "install_kad_protocol_id"),
     ("libp2p.kad_dht.kad_dht", "KadDHT.add_peer", "patch_kad"),
@@ -178,6 +192,8 @@ def apply() -> None:
     check_targets()
     install_write_shield()
     install_window_update_batching()
+    install_buffered_tcp_reads()
+    install_coalesced_writes()
     install_relayed_identify_fix()
     install_kad_protocol_id()
     raise_providers_per_key()
@@ -299,6 +315,138 @@ def install_relayed_identify_fix() -> None:
     observed_addr._p2pswarm = True
     observed_addr.library = library  # for the regression test's control
     ident._prefer_circuit_addr = observed_addr
+
+
+#: Bytes one TCP read asks the kernel for (py-libp2p 0.8.1 asks for exactly what it needs: 2 bytes
+#: of a Noise length, then the message - two or more reads, each a trio checkpoint, per message).
+TCP_READ_CHUNK = 256 << 10
+#: At most this many bytes of one stream's write go out as one connection write (several yamux
+#: frames, one run of Noise messages, one send): bounded, so a large transfer (a shard slice) does
+#: not hold the connection's write lock - and every other stream's frames - for long.
+COALESCE_WRITE_MAX = 256 << 10
+
+
+def install_buffered_tcp_reads(chunk: int = TCP_READ_CHUNK) -> None:
+    """Read a TCP connection in chunks of up to ``chunk`` bytes and serve the Noise layer's small
+    reads from that buffer (process-wide, idempotent).
+
+    py-libp2p 0.8.1's Noise reader asks the socket for exactly the 2-byte length of a message, then
+    for its body, each through ``TrioTCPStream.read`` (a lock, a ``recv``, a trio checkpoint): for
+    a 128 KiB reply that is 6+ reads and as many trips through the scheduler on the receiving
+    side. With a buffer, one ``recv`` usually brings several whole messages, and the reads between
+    are plain slices. ``read(n)`` still returns at most ``n`` bytes, EOF and errors still come from
+    the library's own read (its exception mapping is kept)."""
+    from libp2p.io.trio import TrioTCPStream  # noqa: PLC0415
+
+    if getattr(TrioTCPStream, "_p2pswarm_buffered", False):
+        return
+    library = TrioTCPStream.read
+
+    async def read(self, n: int | None = None) -> bytes:
+        buf = self.__dict__.get("_p2pswarm_rbuf")
+        if buf:
+            if n is None or n >= len(buf):
+                data = bytes(buf)
+                buf.clear()
+            else:
+                data = bytes(buf[:n])
+                del buf[:n]  # from the front of a bytearray: O(1), no memmove
+            return data
+        if n is not None and n == 0:
+            return b""
+        data = await library(self, max(n or 0, chunk))
+        if n is not None and len(data) > n:
+            if buf is None:
+                buf = self._p2pswarm_rbuf = bytearray()
+            buf += memoryview(data)[n:]
+            data = data[:n]
+        return data
+
+    TrioTCPStream._p2pswarm_library_read = library  # for the regression test's control
+    TrioTCPStream.read = read
+    TrioTCPStream._p2pswarm_buffered = True
+
+
+def install_coalesced_writes(limit: int = COALESCE_WRITE_MAX) -> None:
+    """One connection write per stream write of up to ``limit`` bytes (process-wide, idempotent).
+
+    py-libp2p 0.8.1 writes a stream's data one yamux frame (64 KiB) at a time, and each frame is
+    one ``_write_frame``: a lock, a Noise encryption and a ``send`` - and since a full frame
+    (65,536 bytes) is larger than a Noise message may carry (65,519), *two* Noise messages and two
+    sends per frame, the second of 17 bytes. A 128 KiB expert reply was 3 frames, 5 Noise
+    messages, 5 sends. Now the frames the send window allows (up to ``limit`` bytes) are framed
+    together and written as one ``_write_frame``; the Noise writer encrypts the plaintext in
+    full-size messages and sends them with one ``send``. The bytes on the wire are the same yamux
+    frames (same sizes, same flow control), carried in fewer, fuller Noise messages: a Noise message
+    is only a piece of the secured byte stream, which yamux reads without regard to its
+    boundaries, so any peer (go, js, rust) reads them alike."""
+    from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, BaseNoiseMsgReadWriter  # noqa: PLC0415
+    from libp2p.stream_muxer.exceptions import MuxedStreamError  # noqa: PLC0415
+    from libp2p.stream_muxer.yamux import yamux as ymod  # noqa: PLC0415
+
+    if getattr(ymod.YamuxStream, "_p2pswarm_coalesced", False):
+        return
+    header = struct.Struct(ymod.YAMUX_HEADER_FORMAT)
+    frame_payload = ymod.MAX_MESSAGE_SIZE - ymod.HEADER_SIZE
+
+    async def write(self, data: bytes) -> None:
+        if self.send_closed:
+            raise MuxedStreamError("Stream is closed for sending")
+        view = memoryview(data).cast("B")
+        total, sent = len(view), 0
+        while sent < total:
+            out = None
+            while out is None:
+                async with self.rw_lock.write_lock():
+                    if self.send_closed:
+                        raise MuxedStreamError("Stream is closed for sending")
+                    async with self.window_lock:
+                        if self.closed:
+                            raise MuxedStreamError("Stream is closed")
+                        if self.send_window > 0:
+                            n = min(self.send_window, limit, total - sent)
+                            self.send_window -= n
+                            parts, pos, end = [], sent, sent + n
+                            while pos < end:
+                                k = min(frame_payload, end - pos)
+                                parts.append(header.pack(0, ymod.TYPE_DATA, 0, self.stream_id, k))
+                                parts.append(view[pos : pos + k])
+                                pos += k
+                            out = parts[0] + parts[1] if len(parts) == 2 else b"".join(parts)
+                if out is not None:
+                    break
+                self._zero_window_waits += 1
+                with trio.move_on_after(5.0) as waited:  # as the library: a peer that never credits
+                    while True:
+                        async with self.window_lock:
+                            if self.send_window > 0 or self.closed:
+                                break
+                        await trio.sleep(0.01)
+                if waited.cancelled_caught:
+                    raise MuxedStreamError("Timed out waiting for window update after 5 seconds.")
+            await self.conn._write_frame(out)
+            sent = end
+
+    library_noise_write = BaseNoiseMsgReadWriter.write_msg
+
+    async def write_msg(self, msg: bytes, prefix_encoded: bool = False) -> None:
+        if len(msg) <= MAX_PLAINTEXT_LENGTH:
+            return await library_noise_write(self, msg, prefix_encoded)
+        msg = bytes(msg)  # the noise library encrypts bytes only
+        out = []
+        for pos in range(0, len(msg), MAX_PLAINTEXT_LENGTH):
+            enc = self.encrypt(msg[pos : pos + MAX_PLAINTEXT_LENGTH])
+            if prefix_encoded and pos == 0:
+                enc = self.prefix + enc
+            out.append(len(enc).to_bytes(2, "big"))
+            out.append(enc)
+        await self.read_writer.read_write_closer.write(b"".join(out))
+
+    ymod.YamuxStream._p2pswarm_library_write = ymod.YamuxStream.write  # for the regression test's control
+    ymod.YamuxStream.write = write
+    ymod.YamuxStream._p2pswarm_coalesced = True
+    BaseNoiseMsgReadWriter._p2pswarm_library_write_msg = library_noise_write
+    BaseNoiseMsgReadWriter.write_msg = write_msg
 
 
 # -- per host --------------------------------------------------------------------------------------

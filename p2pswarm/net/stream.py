@@ -28,6 +28,8 @@ class StreamAdapter:
     With :meth:`start_reading` a background task reads ahead into a buffer of at most
     ``read_ahead`` bytes (see the module doc for why)."""
 
+    supports_at_least = True  # receive_some(..., at_least=n): see there
+
     def __init__(self, stream, *, read_ahead: int = DEFAULT_READ_AHEAD):
         self.stream = stream
         self.read_ahead = max(read_ahead, YAMUX_MAX_READ)
@@ -74,7 +76,11 @@ class StreamAdapter:
                 self._eof = True
                 self._readable.set()
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None, *, at_least: int = 1) -> bytes:
+        """Up to ``max_bytes`` bytes; ``b""`` at EOF. With read-ahead running, wait until
+        ``at_least`` bytes are buffered (or EOF): a reader that knows how much it needs (the rest
+        of a frame, :class:`~p2pswarm.net.framing.FrameReader`) is woken once for a frame that
+        arrives in several yamux frames, not once per yamux frame."""
         if self._closed:
             raise trio.ClosedResourceError("stream was closed")
         n = max_bytes or YAMUX_MAX_READ
@@ -85,11 +91,14 @@ class StreamAdapter:
                 return b""
             except Exception as exc:
                 raise _map_stream_error(exc, "stream broken") from None
-        while not self._buf:
+        want = max(1, min(at_least, n, self.read_ahead))
+        while len(self._buf) < want:
             if self._eof:
-                if self._error is not None:
+                if self._error is not None and not self._buf:
                     raise self._error
-                return b""
+                if not self._buf:
+                    return b""
+                break
             self._readable = trio.Event()
             await self._readable.wait()
             if self._closed:
