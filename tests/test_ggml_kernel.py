@@ -388,3 +388,22 @@ async def test_qwen35moe_with_ggml_matches_llama_cpp_and_splits_exactly(models_d
           f"(max |logit| {np.abs(ref).max():.3g})")
     assert taken > 0
     assert diff <= 0.03 * float(np.abs(ref).max())
+
+
+@needs_ggml
+def test_the_f32_router_on_ggml_gives_a_row_alone_its_bits_in_a_batch(tiny_q8):
+    """The ggml kernel multiplies the F32 router (``ffn_gate_inp``) by ggml, whose F32 mat-mul of
+    one row takes another kernel than of two or more: the matrix pads a lone row to two, so a
+    sequence's logits alone are the bits it gets among others (what lets the batch-invariant mode
+    route all sequences' rows in one call), and still numpy's to float rounding."""
+    from p2pswarm.engine.ggml_dense import QuantisedMatrix
+
+    model = load_dense(ModelLayout.open(tiny_q8))
+    kernels.use_kernel_for_dense(model, "ggml")
+    w = model.w["blk.0.ffn_gate_inp.weight"]
+    assert isinstance(w, QuantisedMatrix) and w.min_rows == 2
+    x = np.random.default_rng(5).standard_normal((40, model.n_embd)).astype(np.float32)
+    batched = ops.matmul(x, w)
+    for a, b in ((0, 1), (7, 8), (3, 5), (10, 27)):
+        assert np.array_equal(ops.matmul(x[a:b], w), batched[a:b]), (a, b)
+    assert np.allclose(batched, x @ np.asarray(w).T, rtol=1e-5, atol=1e-5)

@@ -36,6 +36,11 @@ class QuantisedMatrix:
         self.name = name
         self._dequantise = dequantise
         self._dense: np.ndarray | None = None
+        #: fewer rows than this are multiplied padded to this many (copies of the last row), and
+        #: the extra rows dropped: ggml's F32 mat-mul of ONE row takes another kernel than of two
+        #: or more (measured 1 ulp apart), so without the pad a sequence's router logits alone
+        #: would differ from the same rows in a batch; with it every call takes one kernel.
+        self.min_rows = 2 if ggml_type == GGML_TYPE_F32 else 1
 
     # numpy protocol -----------------------------------------------------------------------------
     def __array__(self, dtype=None, copy=None):
@@ -78,6 +83,9 @@ class QuantisedMatrix:
         n = x2.shape[0]
         if n == 0:
             return np.zeros((*lead, out_n), np.float32)
+        if n < self.min_rows:
+            x2 = np.concatenate([x2, np.repeat(x2[-1:], self.min_rows - n, axis=0)])
+        rows, n = n, x2.shape[0]
         lib, r = self.runner.lib, self.runner
         with r.lock:
             ctx = r.context(4 * n * (in_n + out_n) + 256, 3)
@@ -87,7 +95,7 @@ class QuantisedMatrix:
             out = lib.mul_mat(ctx, self.tensor, xt)
             lib.build_forward_expand(graph, out)
             r.compute(graph, n * in_n * out_n)
-            result = f32_view(lib, out, (n, out_n)).copy()
+            result = f32_view(lib, out, (n, out_n))[:rows].copy()
             r.done()
         return result.reshape(*lead, out_n)
 
@@ -219,6 +227,14 @@ class GgmlDense:
         """Quantised 2-D tensors that are not routed experts (those are the expert bank's)."""
         return (int(t.tensor_type) in QUANTISED_TYPES and len(t.shape) == 2
                 and "_exps." not in t.name)
+
+    @staticmethod
+    def router(t) -> bool:
+        """The float32 router (``ffn_gate_inp``) of a layer: ggml's F32 mat-mul is llama.cpp's
+        router, and, a lone row padded to two (:attr:`QuantisedMatrix.min_rows`), row-invariant,
+        so the batch-invariant mode routes all sequences' rows in one call instead of one small
+        numpy product per sequence."""
+        return int(t.tensor_type) == GGML_TYPE_F32 and len(t.shape) == 2 and t.name.endswith(".ffn_gate_inp.weight")
 
     def matrix(self, t) -> QuantisedMatrix:
         ne0, ne1 = int(t.shape[0]), int(t.shape[1])

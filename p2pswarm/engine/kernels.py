@@ -164,7 +164,10 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
     With ``ggml``, every quantised 2-D dense tensor (attention, shared expert, embedding, lm head)
     stays in the memory map as a :class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`: a strong node
     holds the model at its quantised size, and its dense mat-muls get llama.cpp's numerics too.
-    F32/F16/BF16 tensors, norms and the router are untouched. With ``numpy`` nothing changes, nor
+    In a quantised model so does the float32 router (``ffn_gate_inp``: llama.cpp's F32 mat-mul, one
+    kernel for any row count, so the batch-invariant mode can route all sequences' rows in one
+    call); an all-float file keeps numpy's dense path whole. Other F32/F16/BF16 tensors and the
+    norms are untouched. Returns the number of quantised tensors taken. With ``numpy`` nothing changes, nor
     with ``portable``: the dense path runs only on the backbone, outside what must agree across ISAs.
     With ``ggml`` numpy's BLAS is also limited to one thread (see :func:`_single_threaded_blas`), and
     every page of the model file is mapped now, as llama.cpp's loader does
@@ -190,5 +193,9 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
     for t in model.layout.reader.tensors:
         if dense.eligible(t) and not w.is_loaded(t.name) and w.provide(t.name, dense.matrix(t)):
             n += 1
+    if n:  # a quantised model: its F32 routers too (an all-F32 file keeps numpy's dense path whole)
+        for t in model.layout.reader.tensors:
+            if dense.router(t) and not w.is_loaded(t.name):
+                w.provide(t.name, dense.matrix(t))
     w.ggml_dense = dense  # keeps the runner and the mapped tensors alive with the weights
     return n
