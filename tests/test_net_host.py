@@ -336,12 +336,7 @@ async def _window_updates_per_echo(rounds: int = 60, size: int = 6144) -> int:
     YamuxStream.send_window_update = counting
     try:
         async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b:
-            async def echo(stream):
-                reader = FrameReader(stream, 1 << 20)
-                while (frame := await reader.read_frame()) is not None:
-                    await send_frame(stream, frame, 1 << 20)
-
-            b.set_handler("/p2pswarm/test/echo", echo)
+            b.set_handler("/p2pswarm/test/echo", _echo_frames)
             stream = await a.open_stream(b.full_addrs()[0], "/p2pswarm/test/echo")
             reader = FrameReader(stream, 1 << 20)
             before = sent[0]
@@ -371,6 +366,13 @@ async def test_workaround_window_updates_batched(monkeypatch):
     assert library >= 60, library
 
 
+async def _echo_frames(stream) -> None:
+    """A handler that sends every frame it reads back (the echo benchmarks' peer)."""
+    reader = FrameReader(stream, 1 << 20)
+    while (frame := await reader.read_frame()) is not None:
+        await send_frame(stream, frame, 1 << 20)
+
+
 async def _socket_ops_per_echo(rounds: int = 30, size: int = 128 << 10) -> tuple[float, float]:
     """(socket sends, socket receives) per request/reply echo of ``size`` bytes, both hosts."""
     ops = {"send": 0, "recv": 0}
@@ -387,12 +389,7 @@ async def _socket_ops_per_echo(rounds: int = 30, size: int = 128 << 10) -> tuple
     trio.SocketStream.send_all, trio.SocketStream.receive_some = counting_send, counting_recv
     try:
         async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b:
-            async def echo(stream):
-                reader = FrameReader(stream, 1 << 20)
-                while (frame := await reader.read_frame()) is not None:
-                    await send_frame(stream, frame, 1 << 20)
-
-            b.set_handler("/p2pswarm/test/echo", echo)
+            b.set_handler("/p2pswarm/test/echo", _echo_frames)
             stream = await a.open_stream(b.full_addrs()[0], "/p2pswarm/test/echo")
             reader = FrameReader(stream, 1 << 20)
             payload = os.urandom(size)
