@@ -28,14 +28,20 @@ _OFF = ("0", "off", "no", "false", "disabled")
 KERNELS = ("auto", "numpy", "ggml", "portable")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError("is not an integer") from None
-    if n < 1:
-        raise ValueError("must be >= 1")
-    return n
+def _int_at_least(lowest: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise ValueError("is not an integer") from None
+        if n < lowest:
+            raise ValueError(f"must be >= {lowest}")
+        return n
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _non_negative_float(text: str) -> float:
@@ -99,6 +105,8 @@ CACHE = Var("P2PSWARM_CACHE", Path, None,
 KERNEL = Var("P2PSWARM_KERNEL", _kernel, "auto", "expert kernel when --kernel is not given: auto, numpy, ggml, portable")
 THREADS = Var("P2PSWARM_THREADS", _positive_int, None,
               "ggml/portable threads per process (default: the CPUs available, at most 8)")
+GRAPH_CACHE_MB = Var("P2PSWARM_GRAPH_CACHE_MB", _non_negative_int, 256,
+                     "the backbone's kept ggml graphs of decode steps (reused while a step's shape repeats), in MiB; 0: off")
 EXPERT_CACHE_MB = Var("P2PSWARM_EXPERT_CACHE_MB", _positive_int, 2048,
                       "the numpy kernel's cache of dequantised experts, in MiB")
 POPULATE = Var("P2PSWARM_POPULATE", _switch, True,

@@ -36,15 +36,16 @@ import math
 
 import numpy as np
 
-from p2pswarm.engine.ggml_deltanet import _place
 from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlRunner, _InitParams, _i32_view, f32_view
 from p2pswarm.engine.state import aligned_zeros
 
 F32 = np.float32
 GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qwen3.5), NEOX pairing
+#: cache positions attended over come in multiples of this (llama.cpp pads its KV view to 256): see kv_span
+KV_PAD = 256
 _OPS = ("rms_norm", "mul", "add", "sigmoid", "rope_multi", "soft_max_ext", "permute", "transpose", "cont_2d", "cpy",
-        "reshape_3d", "view_2d")
+        "reshape_2d", "reshape_3d", "view_2d", "set_rows")
 _PROJ = ("attn_q", "attn_k", "attn_v", "attn_output")
 _NORMS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm")
 
@@ -114,131 +115,156 @@ def layer_tensors(model, il: int, runner: GgmlRunner) -> _LayerTensors:
     return got
 
 
+def kv_span(s_len: int) -> int:
+    """How many cache positions a sequence of ``s_len`` attends over: ``s_len`` rounded up to
+    ``KV_PAD``, the positions past it masked to -inf (as llama.cpp pads its KV view). Why: the
+    attention graph's shapes then change once per ``KV_PAD`` steps, not every step, so a decode
+    step's graph is kept and run again (:meth:`~p2pswarm.engine.ggml_kernel.GgmlRunner.graph`). A
+    masked position's softmax weight is exactly 0, and the cache is zero (or an older, finite
+    value) there, so it adds exact zeros to the values' dot products; the span depends only on
+    the sequence's own length, so a sequence gets the same bits alone or in any batch."""
+    return -(-s_len // KV_PAD) * KV_PAD
+
+
 def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
                     with_ffn_input: bool = False):
     """``h + gated_attention(attn_norm(h))`` of layer ``il`` for every segment's rows, one graph.
 
     ``segs``: ``(kv, pos0, n)`` per sequence, in the order of ``h``'s rows (kv: its KVCache of this
     layer, updated: its ``n`` grows by the segment's rows). Returns the new h (T, E) float32, and
-    with ``with_ffn_input`` also ``post_attention_norm(h)``."""
+    with ``with_ffn_input`` also ``post_attention_norm(h)``.
+
+    A decode step's graph (one row per sequence) is kept and reused while the step's shape
+    repeats: its key is the rows, each cache's memory and capacity and its :func:`kv_span`. The
+    step's new keys and values go in by ``ggml_set_rows`` at positions that are input data (as
+    llama.cpp writes its cache), not by copies onto views whose offsets would be part of the graph."""
     lib = runner.lib
     lt = layer_tensors(model, il, runner)
     T, E = h.shape
     H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
     q_w = H * hd
     kv_w = Hkv * hd
-    for kv, _, n in segs:  # room first: the graph writes into the caches' memory as it is now
-        kv.reserve(n)
-    S = [kv.n + n for kv, _, n in segs]
+    spans = [kv_span(kv.n + n) for kv, _, n in segs]
+    for (kv, _, n), b in zip(segs, spans):  # room first: the graph reads and writes the caches' memory as it is now
+        kv.reserve(b - kv.n)
     n_seq = len(segs)
     # activations of the graph (every non-view tensor), in floats, with slack per tensor
-    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 4)
-            + sum(s * n * (1 + 2 * H) + 2 * n * q_w for s, (_, _, n) in zip(S, segs)))
-    n_tensors = 40 + 24 * n_seq
-    macs = T * E * (3 * q_w + 2 * kv_w) + sum(2 * s * n * q_w for s, (_, _, n) in zip(S, segs))
-    with runner.lock:
-        ctx = runner.context(4 * acts + 64 * n_tensors, n_tensors)
-        # the caches' tensors: metadata only, placed on the caches' own memory with tensor_alloc
-        meta = lib.init(_InitParams((3 * n_seq + 2) * (lib.tensor_overhead_bytes + 16) + 1024, None, True))
-        if not meta:
-            raise MemoryError("ggml_init failed")
-        buffers = []
-        try:
-            graph = lib.new_graph_custom(ctx, runner.graph_size(n_tensors), False)
-            ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
-            f32_view(lib, ht, (T, E))[...] = h
-            pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T)
-            p = np.concatenate([np.arange(p0, p0 + n) for _, p0, n in segs]).astype(np.int32)
-            # IMROPE's four position streams (t, h, w, e), each T long: text is (p, p, p, 0)
-            _i32_view(lib, pos, 4 * T)[...] = np.concatenate([p, p, p, np.zeros_like(p)])
+    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5)
+            + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
+    n_tensors = 40 + 28 * n_seq
+    macs = T * E * (3 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
+    key = (("attention", il, T, with_ffn_input,
+            tuple((kv.k.ctypes.data, kv.vt.ctypes.data, kv.k.shape[0], b) for (kv, _, _), b in zip(segs, spans)))
+           if all(n == 1 for _, _, n in segs) else None)
+    caps = [kv.k.shape[0] for kv, _, _ in segs]  # the caches' capacities (reserved above)
 
-            x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["attn_norm"])
-            qg = lib.mul_mat(ctx, lt.t["attn_q"], x)  # [2 hd, H, T] head by head: q | gate
-            kc = lib.mul_mat(ctx, lt.t["attn_k"], x)
-            vc = lib.mul_mat(ctx, lt.t["attn_v"], x)
-            f = 4
-            q = lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, 0)
-            gate = lib.cont_2d(ctx, lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, f * hd), q_w, T)
-            q = lib.mul(ctx, lib.rms_norm(ctx, q, model.eps), lt.t["attn_q_norm"])
-            k = lib.mul(ctx, lib.rms_norm(ctx, lib.reshape_3d(ctx, kc, hd, Hkv, T), model.eps), lt.t["attn_k_norm"])
-            v = lib.reshape_3d(ctx, vc, hd, Hkv, T)
-            sections = (ctypes.c_int * 4)(*model.rope_sections)
-            rope_args = (model.n_rot, sections, GGML_ROPE_TYPE_IMROPE, int(model.n_ctx_train), model.rope_base,
-                         1.0, 0.0, 1.0, 32.0, 1.0)  # freq_scale, ext_factor, attn_factor, beta_fast/slow
-            q = lib.rope_multi(ctx, q, pos, None, *rope_args)  # [hd, H, T]
-            k = lib.rope_multi(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
-            # every sequence's attention, in row order, on memory of our own (``scratch``): a decode
-            # row's result is placed straight into its row, so it needs no copy node
-            scratch = aligned_zeros((T, q_w))
-            buf_att = lib.backend_cpu_buffer_from_ptr(scratch.ctypes.data, scratch.nbytes)
-            if not buf_att:
-                raise MemoryError("ggml could not wrap the attention rows")
-            buffers.append(buf_att)
-            att = lib.new_tensor_2d(meta, GGML_TYPE_F32, q_w, T)
-            _place(lib, buf_att, att, scratch.ctypes.data)
-            scale = 1.0 / math.sqrt(hd)
-            masks, at = [], 0
-            for (kv, p0, n), s_len in zip(segs, S):
-                cap = kv.k.shape[0]
-                buf_k = lib.backend_cpu_buffer_from_ptr(kv.k.ctypes.data, kv.k.nbytes)
-                buf_v = lib.backend_cpu_buffer_from_ptr(kv.vt.ctypes.data, kv.vt.nbytes)
-                for b in (buf_k, buf_v):
-                    if not b:
-                        raise MemoryError("ggml could not wrap a KV cache")
-                    buffers.append(b)
-                ck = lib.new_tensor_3d(meta, GGML_TYPE_F32, hd, Hkv, cap)  # k (cap, Hkv, hd)
-                cvt = lib.new_tensor_2d(meta, GGML_TYPE_F32, cap, kv_w)  # vt (Hkv, hd, cap)
-                _place(lib, buf_k, ck, kv.k.ctypes.data)
-                _place(lib, buf_v, cvt, kv.vt.ctypes.data)
-                row = f * kv_w  # bytes per cached key position
-                # 1. this sequence's new keys and values into its cache, before anything reads it
-                #    (values transposed: one strided copy, as llama.cpp writes its V^T cache)
-                new_k = lib.view_3d(ctx, k, hd, Hkv, n, f * hd, row, at * row)
-                lib.build_forward_expand(graph, lib.cpy(ctx, new_k, lib.view_3d(ctx, ck, hd, Hkv, n, f * hd, row,
-                                                                                   kv.n * row)))
-                new_v = lib.transpose(ctx, lib.view_2d(ctx, v, kv_w, n, row, at * row))  # [n, kv_w]
-                lib.build_forward_expand(graph, lib.cpy(ctx, new_v, lib.view_2d(ctx, cvt, n, kv_w, f * cap, f * kv.n)))
-                # 2. attention over positions 0..s_len-1, keys [hd, S, Hkv] and values^T [S, hd, Hkv]
-                #    as views of the cache
-                keys = lib.view_3d(ctx, ck, hd, s_len, Hkv, row, f * hd, 0)
-                vals_t = lib.view_3d(ctx, cvt, s_len, hd, Hkv, f * cap, f * cap * hd, 0)
-                qs = lib.permute(ctx, lib.view_3d(ctx, q, hd, H, n, f * hd, f * q_w, at * f * q_w), 0, 2, 1, 3)
-                mask = None
-                if p0 + n < s_len or n > 1:  # else (a decode row at the cache's end) it sees every key
-                    mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, s_len, n)
-                    masks.append((mask, p0, n, s_len))
-                kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, keys, qs), mask, scale, 0.0)  # [S, n, H]
-                if n == 1:  # [hd, 1, H] is row ``at``'s layout: computed in place
-                    kqv = lib.mul_mat(meta, vals_t, kq)
-                    _place(lib, buf_att, kqv, scratch.ctypes.data + at * f * q_w)
-                    lib.build_forward_expand(graph, kqv)
-                else:  # [hd, n, H] -> rows [hd, H, n]
-                    kqv = lib.mul_mat(ctx, vals_t, kq)
-                    out = lib.view_3d(ctx, att, hd, H, n, f * hd, f * q_w, at * f * q_w)
-                    lib.build_forward_expand(graph, lib.cpy(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), out))
-                at += n
-            gated = lib.mul(ctx, att, lib.sigmoid(ctx, gate))
-            res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output"], gated), ht)
-            lib.build_forward_expand(graph, res)
-            cur = None
-            if with_ffn_input:
-                cur = lib.mul(ctx, lib.rms_norm(ctx, res, model.eps), lt.t["post_attention_norm"])
-                lib.build_forward_expand(graph, cur)
-            for mask, p0, n, s_len in masks:  # causal: key j is visible to query row i iff j <= p0 + i
-                m = f32_view(lib, mask, (n, s_len))
-                m[...] = np.where(np.arange(s_len)[None, :] > (p0 + np.arange(n))[:, None], F32(-np.inf), F32(0))
-            runner.compute(graph, macs)
+    def build(g):
+        ctx = g.ctx
+        f = 4
+        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T)
+        x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["attn_norm"])
+        qg = lib.mul_mat(ctx, lt.t["attn_q"], x)  # [2 hd, H, T] head by head: q | gate
+        kc = lib.mul_mat(ctx, lt.t["attn_k"], x)
+        vc = lib.mul_mat(ctx, lt.t["attn_v"], x)
+        q = lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, 0)
+        gate = lib.cont_2d(ctx, lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, f * hd), q_w, T)
+        q = lib.mul(ctx, lib.rms_norm(ctx, q, model.eps), lt.t["attn_q_norm"])
+        k = lib.mul(ctx, lib.rms_norm(ctx, lib.reshape_3d(ctx, kc, hd, Hkv, T), model.eps), lt.t["attn_k_norm"])
+        v = lib.reshape_3d(ctx, vc, hd, Hkv, T)
+        sections = (ctypes.c_int * 4)(*model.rope_sections)
+        rope_args = (model.n_rot, sections, GGML_ROPE_TYPE_IMROPE, int(model.n_ctx_train), model.rope_base,
+                     1.0, 0.0, 1.0, 32.0, 1.0)  # freq_scale, ext_factor, attn_factor, beta_fast/slow
+        q = lib.rope_multi(ctx, q, pos, None, *rope_args)  # [hd, H, T]
+        k = lib.rope_multi(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
+        # every sequence's attention, in row order, on memory of our own (``scratch``): a decode
+        # row's result is placed straight into its row, so it needs no copy node
+        scratch = aligned_zeros((T, q_w))
+        g.keep.append(scratch)
+        buf_att = g.wrap(scratch)
+        att = lib.new_tensor_2d(g.meta, GGML_TYPE_F32, q_w, T)
+        g.place(buf_att, att, scratch.ctypes.data)
+        scale = 1.0 / math.sqrt(hd)
+        per_seq, at = [], 0
+        for (kv, _, n), b, cap in zip(segs, spans, caps):
+            ck = lib.new_tensor_3d(g.meta, GGML_TYPE_F32, hd, Hkv, cap)  # k (cap, Hkv, hd)
+            cvt = lib.new_tensor_2d(g.meta, GGML_TYPE_F32, cap, kv_w)  # vt (Hkv, hd, cap)
+            g.place(g.wrap(kv.k), ck, kv.k.ctypes.data)
+            g.place(g.wrap(kv.vt), cvt, kv.vt.ctypes.data)
+            row = f * kv_w  # bytes per cached key position
+            # 1. this sequence's new keys and values into its cache, before anything reads it: rows
+            #    of k at its positions; values transposed, one element per index (llama.cpp's cpy_v)
+            k_idx = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n)
+            v_idx = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n * kv_w)
+            new_k = lib.view_2d(ctx, k, kv_w, n, row, at * row)
+            lib.build_forward_expand(g.graph, lib.set_rows(ctx, lib.reshape_2d(ctx, ck, kv_w, cap), new_k, k_idx))
+            new_v = lib.reshape_2d(ctx, lib.view_2d(ctx, v, kv_w, n, row, at * row), 1, n * kv_w)
+            lib.build_forward_expand(g.graph, lib.set_rows(ctx, lib.reshape_2d(ctx, cvt, 1, cap * kv_w), new_v, v_idx))
+            # 2. attention over its span, keys [hd, b, Hkv] and values^T [b, hd, Hkv] as views of
+            #    the cache; the positions after its own (and its later rows') masked
+            keys = lib.view_3d(ctx, ck, hd, b, Hkv, row, f * hd, 0)
+            vals_t = lib.view_3d(ctx, cvt, b, hd, Hkv, f * cap, f * cap * hd, 0)
+            qs = lib.permute(ctx, lib.view_3d(ctx, q, hd, H, n, f * hd, f * q_w, at * f * q_w), 0, 2, 1, 3)
+            mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, b, n)
+            kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, keys, qs), mask, scale, 0.0)  # [b, n, H]
+            if n == 1:  # [hd, 1, H] is row ``at``'s layout: computed in place
+                kqv = lib.mul_mat(g.meta, vals_t, kq)
+                g.place(buf_att, kqv, scratch.ctypes.data + at * f * q_w)
+                lib.build_forward_expand(g.graph, kqv)
+            else:  # [hd, n, H] -> rows [hd, H, n]
+                kqv = lib.mul_mat(ctx, vals_t, kq)
+                out = lib.view_3d(ctx, att, hd, H, n, f * hd, f * q_w, at * f * q_w)
+                lib.build_forward_expand(g.graph, lib.cpy(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), out))
+            per_seq.append((f32_view(lib, mask, (n, b)), _i32_view(lib, k_idx, n),
+                            _i32_view(lib, v_idx, n * kv_w).reshape(n, kv_w),
+                            np.arange(kv_w, dtype=np.int32) * np.int32(cap)))  # v's index of position 0
+            at += n
+        gated = lib.mul(ctx, att, lib.sigmoid(ctx, gate))
+        res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output"], gated), ht)
+        lib.build_forward_expand(g.graph, res)
+        cur = None
+        if with_ffn_input:
+            cur = lib.mul(ctx, lib.rms_norm(ctx, res, model.eps), lt.t["post_attention_norm"])
+            lib.build_forward_expand(g.graph, cur)
+        return (f32_view(lib, ht, (T, E)), _i32_view(lib, pos, 4 * T), per_seq, f32_view(lib, res, (T, E)),
+                f32_view(lib, cur, (T, E)) if cur is not None else None)
+
+    with runner.lock:
+        g = runner.graph(key, 4 * acts + 64 * n_tensors, n_tensors, build, meta_tensors=3 * n_seq + 2)
+        try:
+            h_in, pos_in, per_seq, h_res, h_cur = g.t
+            h_in[...] = h
+            if key is not None:  # a decode step: one position per sequence
+                p = np.array([p0 for _, p0, _ in segs], dtype=np.int32)
+            else:
+                p = np.concatenate([np.arange(p0, p0 + n) for _, p0, n in segs]).astype(np.int32)
+            # IMROPE's four position streams (t, h, w, e), each T long: text is (p, p, p, 0)
+            pos_in[:T] = p
+            pos_in[T:2 * T] = p
+            pos_in[2 * T:3 * T] = p
+            pos_in[3 * T:] = 0
+            for (kv, p0, n), b, (mask, k_idx, v_idx, v_base) in zip(segs, spans, per_seq):
+                # causal: key j is visible to query row i iff j <= p0 + i; nothing past the cache's end
+                if n == 1:
+                    k_idx[0] = kv.n
+                    np.add(v_base, kv.n, out=v_idx[0])
+                    seen = min(p0 + 1, kv.n + 1)
+                    mask[0, :seen] = 0
+                    mask[0, seen:] = -np.inf
+                    continue
+                new = kv.n + np.arange(n, dtype=np.int32)
+                k_idx[...] = new
+                v_idx[...] = v_base[None, :] + new[:, None]
+                j = np.arange(b)[None, :]
+                mask[...] = np.where((j > (p0 + np.arange(n))[:, None]) | (j >= kv.n + n), F32(-np.inf), F32(0))
+            runner.compute(g.graph, macs)
             for kv, _, n in segs:
                 kv.n += n
-            h_out = f32_view(lib, res, (T, E)).copy()
-            cur_out = f32_view(lib, cur, (T, E)).copy() if cur is not None else None
-            runner.done()
+            h_out = h_res.copy()
+            cur_out = h_cur.copy() if h_cur is not None else None
         finally:
-            lib.free(meta)
-            for b in buffers:
-                lib.backend_buffer_free(b)
+            runner.release(g)
     return (h_out, cur_out) if with_ffn_input else h_out
-
 
 
 def post_attention_norm(model, runner: GgmlRunner, il: int, h: np.ndarray) -> np.ndarray:

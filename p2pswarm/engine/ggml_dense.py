@@ -11,6 +11,7 @@ import ctypes
 
 import numpy as np
 
+from p2pswarm import settings
 from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib,
                                          GgmlRunner, MappedWeights, f32_view, load_libggml)
 
@@ -87,16 +88,22 @@ class QuantisedMatrix:
             x2 = np.concatenate([x2, np.repeat(x2[-1:], self.min_rows - n, axis=0)])
         rows, n = n, x2.shape[0]
         lib, r = self.runner.lib, self.runner
-        with r.lock:
-            ctx = r.context(4 * n * (in_n + out_n) + 256, 3)
-            graph = lib.new_graph_custom(ctx, r.graph_size(3), False)
-            xt = lib.new_tensor_2d(ctx, GGML_TYPE_F32, in_n, n)
-            f32_view(lib, xt, (n, in_n))[...] = x2
-            out = lib.mul_mat(ctx, self.tensor, xt)
-            lib.build_forward_expand(graph, out)
-            r.compute(graph, n * in_n * out_n)
-            result = f32_view(lib, out, (n, out_n))[:rows].copy()
-            r.done()
+
+        def build(g):
+            xt = lib.new_tensor_2d(g.ctx, GGML_TYPE_F32, in_n, n)
+            out = lib.mul_mat(g.ctx, self.tensor, xt)
+            lib.build_forward_expand(g.graph, out)
+            return f32_view(lib, xt, (n, in_n)), f32_view(lib, out, (n, out_n))
+
+        with r.lock:  # kept per row count (GgmlRunner.graph): a decode step multiplies the same n each step
+            g = r.graph(("matmul", self.tensor, n), 4 * n * (in_n + out_n) + 256, 3, build)
+            try:
+                x_in, y = g.t
+                x_in[...] = x2
+                r.compute(g.graph, n * in_n * out_n)
+                result = y[:rows].copy()
+            finally:
+                r.release(g)
         return result.reshape(*lead, out_n)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
@@ -147,21 +154,29 @@ def _dense_graph(x: np.ndarray, mats: list[QuantisedMatrix], swiglu: bool) -> li
         return [np.zeros((*lead, o), np.float32) for o in out_ns]
     inner = 3 * mats[0].shape[0] if swiglu else 0
     macs = n * sum(m.shape[0] * m.shape[1] for m in mats)
-    with r.lock:
-        ctx = r.context(4 * n * (in_n + inner + sum(out_ns)) + 64 * (len(mats) + 4), len(mats) + 4)
-        graph = lib.new_graph_custom(ctx, r.graph_size(len(mats) + 4), False)
+
+    def build(gr):
+        ctx = gr.ctx
         xt = lib.new_tensor_2d(ctx, GGML_TYPE_F32, in_n, n)
-        f32_view(lib, xt, (n, in_n))[...] = x2
         if swiglu:
             g, u, d = (m.tensor for m in mats)
             outs = [lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, xt), lib.mul_mat(ctx, u, xt)))]
         else:
             outs = [lib.mul_mat(ctx, m.tensor, xt) for m in mats]
         for o in outs:
-            lib.build_forward_expand(graph, o)
-        r.compute(graph, macs)
-        result = [f32_view(lib, o, (n, on)).reshape(*lead, on).copy() for o, on in zip(outs, out_ns)]
-        r.done()
+            lib.build_forward_expand(gr.graph, o)
+        return f32_view(lib, xt, (n, in_n)), [f32_view(lib, o, (n, on)) for o, on in zip(outs, out_ns)]
+
+    with r.lock:  # kept per row count, as rmatmul_t's
+        gr = r.graph(("dense", tuple(m.tensor for m in mats), swiglu, n),
+                     4 * n * (in_n + inner + sum(out_ns)) + 64 * (len(mats) + 4), len(mats) + 4, build)
+        try:
+            x_in, ys = gr.t
+            x_in[...] = x2
+            r.compute(gr.graph, macs)
+            result = [y.reshape(*lead, on).copy() for y, on in zip(ys, out_ns)]
+        finally:
+            r.release(gr)
     return result
 
 
@@ -219,7 +234,8 @@ class GgmlDense:
         self.lib = lib or load_libggml()
         self.kernel = self.lib.kernel_id
         self.layout = layout
-        self.runner = GgmlRunner(self.lib, threads)
+        # the dense path's graphs of a decode step are kept (GgmlRunner.graph); an expert bank's are not
+        self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20)
         self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
         self._to_float32 = to_float32
 

@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_deltanet import _place
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, _InitParams, f32_view
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, f32_view
 from p2pswarm.errors import ModelFormatError
 
 F32 = np.float32
@@ -160,88 +159,91 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         len(sts) * ((K - 1 + n) * C + n * C + 2 * n * Hk * d + (n * Hv * dv + Hv * dv * d if n > 1 else 0))
         for _, n, sts in runs)
     macs = T * E * (C + 2 * Hv * dv + 2 * Hv) + 4 * T * Hv * dv * d
+    # kept for the next step when it is a decode step (one row per sequence: the same shape every
+    # step); the key names each sequence's state memory, which the graph's tensors are placed on
+    key = (("deltanet", il, T, tuple((st.conv.ctypes.data, st.conv.nbytes, st.buf.ctypes.data, st.buf.nbytes,
+                                      st.head) for st, _ in segs))
+           if all(n == 1 for _, n in segs) else None)
+
+    def build(g):
+        ctx = g.ctx
+        graph = g.graph
+
+        def expand(node):
+            lib.build_forward_expand(graph, node)
+
+        hin = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        x = lib.mul_inplace(ctx, lib.rms_norm(ctx, hin, eps), t["attn_norm"])
+        m = lib.mul_mat(ctx, t["attn_qkv"], x)  # [C, T]
+        z = lib.mul_mat(ctx, t["attn_gate"], x)  # [Hv dv, T]
+        beta = lib.sigmoid_inplace(ctx, lib.mul_mat(ctx, t["ssm_beta"], x))  # [Hv, T]
+        alpha = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_alpha"], x), t["ssm_dt"])
+        gt = lib.mul_inplace(ctx, lib.softplus_inplace(ctx, alpha), t["ssm_a"])  # [Hv, T]; ssm_a = -exp(A_log)
+        o_all = lib.new_tensor_3d(ctx, GGML_TYPE_F32, dv, Hv, T) if S > 1 else None
+        o = None
+        for at, n, sts in runs:
+            ns = len(sts)
+            xb1, xb2 = 4 * (K - 1 + n), 4 * (K - 1 + n) * C
+            convs = []
+            for st in sts:
+                conv = lib.new_tensor_2d(g.meta, GGML_TYPE_F32, C, K - 1)  # numpy (K-1, C)
+                g.place(g.wrap(st.conv), conv, st.conv.ctypes.data)
+                convs.append(conv)
+            m_run = lib.view_3d(ctx, m, C, n, ns, 4 * C, 4 * C * n, 4 * C * at)
+            if ns == 1:
+                X = lib.concat(ctx, lib.transpose(ctx, convs[0]), lib.transpose(ctx, m_run), 0)
+            else:  # each sequence's carried rows into its slice of X, then all new rows at once
+                X = lib.new_tensor_3d(ctx, GGML_TYPE_F32, K - 1 + n, C, ns)
+                for j, conv in enumerate(convs):
+                    expand(lib.cpy(ctx, lib.transpose(ctx, conv), lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2)))
+                expand(lib.cpy(ctx, lib.transpose(ctx, m_run),
+                               lib.view_3d(ctx, X, n, C, ns, xb1, xb2, 4 * (K - 1))))
+            for j, conv in enumerate(convs):  # its last K-1 inputs become its conv rows
+                rows = lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2 + 4 * n)
+                expand(lib.cpy(ctx, lib.transpose(ctx, rows), conv))
+            c = lib.silu_inplace(ctx, lib.ssm_conv(ctx, X, t["ssm_conv1d"]))  # [C, n, ns]
+            # q and k heads side by side in c: one l2-norm over all 2 Hk of them
+            qk = _l2(lib, ctx, lib.view_4d(ctx, c, d, 2 * Hk, n, ns, 4 * d, 4 * C, 4 * C * n, 0), d, eps)
+            for j, st in enumerate(sts):
+                row = at + j * n
+                q_j = lib.view_3d(ctx, qk, d, Hk, n, 4 * d, 8 * d * Hk, 8 * d * Hk * n * j)
+                k_j = lib.view_3d(ctx, qk, d, Hk, n, 4 * d, 8 * d * Hk, 8 * d * Hk * n * j + 4 * d * Hk)
+                v_j = lib.view_3d(ctx, c, dv, Hv, n, 4 * dv, 4 * C, 4 * C * n * j + 8 * Hk * d)
+                g_j = lib.view_3d(ctx, gt, 1, Hv, n, 4, 4 * Hv, 4 * Hv * row)
+                b_j = lib.view_3d(ctx, beta, 1, Hv, n, 4, 4 * Hv, 4 * Hv * row)
+                sbuf = g.wrap(st.buf)
+                s_in = lib.new_tensor_3d(g.meta, GGML_TYPE_F32, d, dv, Hv)
+                g.place(sbuf, s_in, st.buf.ctypes.data + 4 * st.head)
+                if n == 1:  # [o | new state] straight onto [head | S]: the state in place
+                    res = lib.gated_delta_net(g.meta, q_j, k_j, v_j, g_j, b_j, s_in, 1)
+                    g.place(sbuf, res, st.buf.ctypes.data)
+                    expand(res)
+                else:  # prefill: the result's state part copied onto S inside the graph
+                    res = lib.gated_delta_net(ctx, q_j, k_j, v_j, g_j, b_j, s_in, 1)
+                    expand(lib.cpy(ctx, lib.view_2d(ctx, res, Hv * dv, dv, 4 * Hv * dv, 4 * n * Hv * dv), s_in))
+                o_j = lib.view_3d(ctx, res, dv, Hv, n, 4 * dv, 4 * Hv * dv, 0)
+                if o_all is None:
+                    o = o_j
+                else:  # the rows of all sequences side by side for the row-wise rest
+                    dst = lib.view_3d(ctx, o_all, dv, Hv, n, 4 * dv, 4 * Hv * dv, 4 * Hv * dv * row)
+                    expand(lib.cpy(ctx, o_j, dst))
+        o = o_all if o_all is not None else o
+        # silu(z) * (rms_norm(o) * w) as one swiglu node (ggml's silu, and a product either way round)
+        y = lib.swiglu_split(ctx, lib.reshape_3d(ctx, z, dv, Hv, T),
+                             lib.mul_inplace(ctx, lib.rms_norm(ctx, o, eps), t["ssm_norm"]))
+        out = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_out"], lib.reshape_2d(ctx, y, Hv * dv, T)), hin)
+        expand(out)
+        return f32_view(lib, hin, (T, E)), f32_view(lib, out, (T, E))
+
     with r.lock:
-        ctx = r.context(4 * floats + 64 * n_tensors, n_tensors)
-        # tensors on the sequences' own memory: metadata only, placed with tensor_alloc
-        meta = lib.init(_InitParams(4 * S * (lib.tensor_overhead_bytes + 16) + 1024, None, True))
-        if not meta:
-            raise MemoryError("ggml_init failed")
-        buffers = []
+        g = r.graph(key, 4 * floats + 64 * n_tensors, n_tensors, build, meta_tensors=4 * S)
         try:
-            graph = lib.new_graph_custom(ctx, r.graph_size(n_tensors), False)
-
-            def expand(node):
-                lib.build_forward_expand(graph, node)
-
-            hin = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
-            f32_view(lib, hin, (T, E))[...] = h
-            x = lib.mul_inplace(ctx, lib.rms_norm(ctx, hin, eps), t["attn_norm"])
-            m = lib.mul_mat(ctx, t["attn_qkv"], x)  # [C, T]
-            z = lib.mul_mat(ctx, t["attn_gate"], x)  # [Hv dv, T]
-            beta = lib.sigmoid_inplace(ctx, lib.mul_mat(ctx, t["ssm_beta"], x))  # [Hv, T]
-            alpha = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_alpha"], x), t["ssm_dt"])
-            g = lib.mul_inplace(ctx, lib.softplus_inplace(ctx, alpha), t["ssm_a"])  # [Hv, T]; ssm_a = -exp(A_log)
-            o_all = lib.new_tensor_3d(ctx, GGML_TYPE_F32, dv, Hv, T) if S > 1 else None
-            o = None
-            for at, n, sts in runs:
-                ns = len(sts)
-                xb1, xb2 = 4 * (K - 1 + n), 4 * (K - 1 + n) * C
-                convs = []
-                for st in sts:
-                    conv = lib.new_tensor_2d(meta, GGML_TYPE_F32, C, K - 1)  # numpy (K-1, C)
-                    _place(lib, _wrap(lib, st.conv, buffers), conv, st.conv.ctypes.data)
-                    convs.append(conv)
-                m_run = lib.view_3d(ctx, m, C, n, ns, 4 * C, 4 * C * n, 4 * C * at)
-                if ns == 1:
-                    X = lib.concat(ctx, lib.transpose(ctx, convs[0]), lib.transpose(ctx, m_run), 0)
-                else:  # each sequence's carried rows into its slice of X, then all new rows at once
-                    X = lib.new_tensor_3d(ctx, GGML_TYPE_F32, K - 1 + n, C, ns)
-                    for j, conv in enumerate(convs):
-                        expand(lib.cpy(ctx, lib.transpose(ctx, conv), lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2)))
-                    expand(lib.cpy(ctx, lib.transpose(ctx, m_run),
-                                   lib.view_3d(ctx, X, n, C, ns, xb1, xb2, 4 * (K - 1))))
-                for j, conv in enumerate(convs):  # its last K-1 inputs become its conv rows
-                    rows = lib.view_2d(ctx, X, K - 1, C, xb1, j * xb2 + 4 * n)
-                    expand(lib.cpy(ctx, lib.transpose(ctx, rows), conv))
-                c = lib.silu_inplace(ctx, lib.ssm_conv(ctx, X, t["ssm_conv1d"]))  # [C, n, ns]
-                # q and k heads side by side in c: one l2-norm over all 2 Hk of them
-                qk = _l2(lib, ctx, lib.view_4d(ctx, c, d, 2 * Hk, n, ns, 4 * d, 4 * C, 4 * C * n, 0), d, eps)
-                for j, st in enumerate(sts):
-                    row = at + j * n
-                    q_j = lib.view_3d(ctx, qk, d, Hk, n, 4 * d, 8 * d * Hk, 8 * d * Hk * n * j)
-                    k_j = lib.view_3d(ctx, qk, d, Hk, n, 4 * d, 8 * d * Hk, 8 * d * Hk * n * j + 4 * d * Hk)
-                    v_j = lib.view_3d(ctx, c, dv, Hv, n, 4 * dv, 4 * C, 4 * C * n * j + 8 * Hk * d)
-                    g_j = lib.view_3d(ctx, g, 1, Hv, n, 4, 4 * Hv, 4 * Hv * row)
-                    b_j = lib.view_3d(ctx, beta, 1, Hv, n, 4, 4 * Hv, 4 * Hv * row)
-                    sbuf = _wrap(lib, st.buf, buffers)
-                    s_in = lib.new_tensor_3d(meta, GGML_TYPE_F32, d, dv, Hv)
-                    _place(lib, sbuf, s_in, st.buf.ctypes.data + 4 * st.head)
-                    if n == 1:  # [o | new state] straight onto [head | S]: the state in place
-                        res = lib.gated_delta_net(meta, q_j, k_j, v_j, g_j, b_j, s_in, 1)
-                        _place(lib, sbuf, res, st.buf.ctypes.data)
-                        expand(res)
-                    else:  # prefill: the result's state part copied onto S inside the graph
-                        res = lib.gated_delta_net(ctx, q_j, k_j, v_j, g_j, b_j, s_in, 1)
-                        expand(lib.cpy(ctx, lib.view_2d(ctx, res, Hv * dv, dv, 4 * Hv * dv, 4 * n * Hv * dv), s_in))
-                    o_j = lib.view_3d(ctx, res, dv, Hv, n, 4 * dv, 4 * Hv * dv, 0)
-                    if o_all is None:
-                        o = o_j
-                    else:  # the rows of all sequences side by side for the row-wise rest
-                        dst = lib.view_3d(ctx, o_all, dv, Hv, n, 4 * dv, 4 * Hv * dv, 4 * Hv * dv * row)
-                        expand(lib.cpy(ctx, o_j, dst))
-            o = o_all if o_all is not None else o
-            # silu(z) * (rms_norm(o) * w) as one swiglu node (ggml's silu, and a product either way round)
-            y = lib.swiglu_split(ctx, lib.reshape_3d(ctx, z, dv, Hv, T),
-                                 lib.mul_inplace(ctx, lib.rms_norm(ctx, o, eps), t["ssm_norm"]))
-            out = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_out"], lib.reshape_2d(ctx, y, Hv * dv, T)), hin)
-            expand(out)
-            r.compute(graph, macs)
-            out_h = f32_view(lib, out, (T, E)).copy()
-            r.done()
+            h_in, h_out = g.t
+            h_in[...] = h
+            r.compute(g.graph, macs)
+            out_h = h_out.copy()
         finally:
-            lib.free(meta)
-            for buf in buffers:
-                lib.backend_buffer_free(buf)
+            r.release(g)
     return out_h
 
 
@@ -254,13 +256,3 @@ def placeable(st) -> bool:
     """Whether a DeltaNetState's memory can carry ggml tensors: aligned C-contiguous float32
     (``ggml_backend_cpu_buffer_from_ptr`` aborts the process on a misaligned pointer)."""
     return all(a.dtype == F32 and a.flags.c_contiguous and a.ctypes.data % 32 == 0 for a in (st.conv, st.buf))
-
-
-def _wrap(lib, arr: np.ndarray, buffers: list):
-    if arr.dtype != F32 or not arr.flags.c_contiguous or arr.ctypes.data % 32:
-        raise ValueError("DeltaNet state memory must be aligned C-contiguous float32")
-    buf = lib.backend_cpu_buffer_from_ptr(arr.ctypes.data, arr.nbytes)
-    if not buf:
-        raise MemoryError("ggml could not wrap a DeltaNet state")
-    buffers.append(buf)
-    return buf

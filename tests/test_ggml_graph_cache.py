@@ -1,0 +1,177 @@
+"""Kept ggml graphs (GgmlRunner.graph): a decode step's graphs are built once and run again.
+
+* A batched decode loop through a qwen35moe model (DeltaNet and attention layers as one graph each,
+  the router, the shared expert, the lm head) reuses its graphs from the second step on, and its
+  logits and every sequence's state are the bits of the same loop with the cache off; a sequence
+  replaced by a new one mid-run (new state memory) gets graphs of its own, and the same bits.
+* Attention spans come in multiples of KV_PAD: a sequence decoding across a span boundary gets one
+  new graph there, and the bits of the uncached run.
+* Room: a graph in use is never dropped for a new one (the new one is built per call instead); a
+  graph unused for STALE_CALLS calls makes room; a prefill's layer graphs (many rows per sequence)
+  are not kept; the kept bytes stay within the cap.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from p2pswarm.backbone.runner import combine, expert_groups
+from p2pswarm.engine import ggml_attention
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GgmlRunner, f32_view, load_libggml
+from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.synth import make_model
+
+from helpers.ggml import needs_ggml
+
+pytestmark = needs_ggml
+
+
+def _open(models_dir, cache: bool):
+    path = models_dir / "q35-graph-cache-q8_0.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", seed=23, qtype="q8_0")
+    layout = ModelLayout.open(path)
+    model = load_dense(layout)
+    use_kernel_for_dense(model, "ggml")
+    runner = model.w.ggml_dense.runner
+    if not cache:
+        runner.graph_cache_bytes = 0
+    return model, make_bank(layout, "ggml"), runner
+
+
+def _step(model, bank, segs, tokens):
+    """One step of the layer loop (the backbone's, synchronously) for ``segs`` = (state, pos0, n)."""
+    h = model.embed(np.asarray(tokens))
+    for il in range(model.n_layer):
+        h = model.pre_moe_batch(il, h, segs)
+        cur = model.ffn_input(il, h)
+        ids, w = model.route(il, cur)
+        groups = expert_groups(ids)
+        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
+        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
+    for st, _, n in segs:
+        st.n_past += n
+    return model.output(h)
+
+
+def _prefill(model, bank, tokens):
+    st = model.new_state()
+    _step(model, bank, [(st, 0, len(tokens))], tokens)
+    return st
+
+
+def _state_bits(model, st) -> list[bytes]:
+    out = []
+    for il in range(model.n_layer):
+        if model.recurrent[il]:
+            out += [st.extra[il].conv.tobytes(), st.extra[il].buf.tobytes()]
+        else:
+            kv = st.kv[il]
+            out += [kv.k[:kv.n].tobytes(), kv.vt[..., :kv.n].tobytes()]
+    return out
+
+
+def _run(models_dir, cache: bool):
+    model, bank, runner = _open(models_dir, cache)
+    prompts = [[5, 211, 37, 90], [14, 14, 302, 8, 66], [129, 3, 250]]
+    states = [_prefill(model, bank, p) for p in prompts]
+    kept_after_prefill = [k for k in runner._graphs if k[0] in ("deltanet", "attention")]
+    logits, built = [], []
+    for step in range(6):
+        if step == 3:  # a sequence leaves, a new one joins: new state memory, a new key
+            states[1] = _prefill(model, bank, [41, 19, 180])
+        toks = [(7 * step + 31 * i + 3) % 256 for i in range(len(states))]
+        logits.append(_step(model, bank, [(st, st.n_past, 1) for st in states], toks))
+        built.append(runner.graph_stats["built"])
+    return model, runner, logits, [b for st in states for b in _state_bits(model, st)], built, kept_after_prefill
+
+
+def test_decode_steps_reuse_their_graphs_and_give_the_bits_of_fresh_ones(models_dir):
+    model, on, logits_on, states_on, built_on, kept_prefill = _run(models_dir, cache=True)
+    _, off, logits_off, states_off, _, _ = _run(models_dir, cache=False)
+    assert kept_prefill == [], "a prefill's layer graphs (several rows per sequence) were kept"
+    assert off.graph_stats["kept"] == 0 and off.graph_stats["reused"] == 0
+    # per decode step: every layer's one-graph layer, the router, the shared expert, the lm head
+    assert on.graph_stats["reused"] >= 4 * model.n_layer, on.graph_stats
+    # steps 2 and 3 (same sequences) build nothing new; step 4 (a new sequence) does
+    assert built_on[1] == built_on[0] and built_on[2] == built_on[1], built_on
+    assert built_on[3] > built_on[2], built_on
+    assert built_on[5] == built_on[4], built_on
+    assert 0 < on._graph_bytes <= on.graph_cache_bytes
+    for a, b in zip(logits_on, logits_off):
+        assert a.tobytes() == b.tobytes()
+    assert states_on == states_off
+
+
+def test_attention_span_boundary_gets_one_new_graph_and_the_same_bits(models_dir):
+    pad = ggml_attention.KV_PAD
+    prompt = [(13 * i + 7) % 256 for i in range(pad - 3)]
+    results = []
+    for cache in (True, False):
+        model, bank, runner = _open(models_dir, cache)
+        st = _prefill(model, bank, prompt)
+        builds, logits = [], []
+        for step in range(6):  # positions pad-3 .. pad+2: the span grows from pad to 2 pad at step 3
+            logits.append(_step(model, bank, [(st, st.n_past, 1)], [(5 * step + 1) % 256]))
+            builds.append(runner.graph_stats["built"])
+        results.append((logits, _state_bits(model, st)))
+        if cache:
+            new = np.diff(builds)
+            n_attn = sum(not r for r in model.recurrent)
+            assert list(new[:2]) == [0, 0] and list(new[3:]) == [0, 0], builds
+            assert new[2] == n_attn, f"the span boundary rebuilt {new[2]} graphs, expected {n_attn}: {builds}"
+    (la, sa), (lb, sb) = results
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(la, lb))
+    assert sa == sb
+
+
+def _tiny_graph(runner, key, n: int, value: float):
+    lib = runner.lib
+
+    def build(g):
+        x = lib.new_tensor_1d(g.ctx, GGML_TYPE_F32, n)
+        y = lib.scale(g.ctx, x, 2.0)
+        lib.build_forward_expand(g.graph, y)
+        return f32_view(lib, x, (n,)), f32_view(lib, y, (n,))
+
+    with runner.lock:
+        g = runner.graph(key, 8 * n, 4, build)
+        try:
+            x, y = g.t
+            x[...] = value
+            runner.compute(g.graph, 0)
+            out = y.copy()
+        finally:
+            runner.release(g)
+    return out, g.kept
+
+
+def test_a_graph_in_use_keeps_its_room_and_a_stale_one_gives_it_up():
+    lib = load_libggml()
+    if getattr(lib, "scale", None) is None:
+        pytest.skip("this libggml has no ggml_scale")
+    runner = GgmlRunner(lib, 1, graph_cache_bytes=0)
+    n = 1 << 16  # 256 KiB of floats per tensor
+    probe = runner._context_bytes(8 * n, 4)
+    runner.graph_cache_bytes = 2 * probe  # room for two
+    runner.STALE_CALLS = 5
+    try:
+        for i, key in enumerate(("a", "b")):
+            out, kept = _tiny_graph(runner, key, n, float(i))
+            assert kept and out[0] == 2.0 * i
+        out, kept = _tiny_graph(runner, "c", n, 3.0)  # full, a and b just used: c is built per call
+        assert not kept and out[0] == 6.0
+        assert set(runner._graphs) == {"a", "b"}
+        for _ in range(6):  # b stays in use, a goes stale
+            assert _tiny_graph(runner, "b", n, 1.0)[1]
+        out, kept = _tiny_graph(runner, "c", n, 4.0)
+        assert kept and out[0] == 8.0
+        assert set(runner._graphs) == {"b", "c"} and runner.graph_stats["dropped"] == 1
+        assert runner._graph_bytes <= runner.graph_cache_bytes
+        out, _ = _tiny_graph(runner, "b", n, 5.0)  # a kept graph runs on new input data
+        assert out[0] == 10.0 and runner.graph_stats["reused"] >= 7
+    finally:
+        runner.close()
+    assert runner._graphs == {} and runner._graph_bytes == 0
