@@ -154,3 +154,43 @@ def test_a_misaligned_state_takes_the_per_piece_path(q35_q8):
     h = _rows(np.random.default_rng(9), model, 1)[0][:2]
     out = model.pre_moe_batch(il, h, [(st, 0, 2)])
     assert model.layer_graph_calls == 0 and np.isfinite(out).all() and np.abs(st.extra[il].conv).max() > 0
+
+
+def test_norms_and_the_shared_gate_are_in_the_graphs(q35_q8, monkeypatch):
+    """Under the ggml kernel: a DeltaNet layer's post_attention_norm comes out of its layer graph
+    (ffn_input of that h, or of a slice of it, runs no graph of its own), the final norm is in the
+    lm head's graph and the shared expert's sigmoid gate in the shared expert's: one graph each,
+    numpy's formulas to float rounding (the activations are rounded to Q8_0 before each mat-mul)."""
+    from p2pswarm.engine import ops  # noqa: PLC0415
+
+    model = _model(q35_q8)
+    il = model.recurrent.index(True)
+    calls = _counting(monkeypatch)
+    rng = np.random.default_rng(7)
+    h_in = rng.standard_normal((5, model.n_embd)).astype(np.float32)
+    h = model.pre_moe_batch(il, h_in, [(model.new_state(), 0, 5)])
+    assert calls[0] == 1
+    cur = model.ffn_input(il, h)
+    part = model.ffn_input(il, h[2:4])
+    assert calls[0] == 1, "post_attention_norm was not served from the layer's graph"
+    assert np.array_equal(part, cur[2:4])
+    w = model.w
+    want = ops.rms_norm(h, np.asarray(w[f"blk.{il}.post_attention_norm.weight"]), model.eps)
+    assert np.allclose(cur, want, rtol=1e-5, atol=1e-6)
+
+    logits = model.output(h)
+    assert calls[0] == 2
+    x = ops.rms_norm(h, np.asarray(w["output_norm.weight"]), model.eps)
+    want = x @ np.asarray(w[model.output_name], dtype=np.float32).T
+    assert np.abs(logits - want).max() <= 2e-2 * np.abs(want).max()
+
+    sh = next(i for i in range(model.n_layer) if model.shared_expert[i])
+    got = model.shared(sh, cur)
+    assert calls[0] == 3
+    p = f"blk.{sh}."
+    dense = {n: np.asarray(w[p + n + ".weight"], dtype=np.float32) for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")}
+    g, u = cur @ dense["ffn_gate_shexp"].T, cur @ dense["ffn_up_shexp"].T
+    s = (g / (1 + np.exp(-g)) * u) @ dense["ffn_down_shexp"].T
+    gate = 1 / (1 + np.exp(-(cur @ np.asarray(w[p + "ffn_gate_inp_shexp.weight"], dtype=np.float32).reshape(-1))))
+    want = s * gate[:, None]
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()

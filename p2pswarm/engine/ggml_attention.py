@@ -267,20 +267,35 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
     return (h_out, cur_out) if with_ffn_input else h_out
 
 
-def post_attention_norm(model, runner: GgmlRunner, il: int, h: np.ndarray) -> np.ndarray:
-    """``post_attention_norm(h)`` of layer ``il`` by ggml (the ops the layer graph ends with, so the
-    same bits per row), for an ``h`` that did not just come out of :func:`gated_attention`."""
+def post_attention_norm(model, runner: GgmlRunner, il: int, h: np.ndarray) -> np.ndarray | None:
+    """``post_attention_norm(h)`` of layer ``il`` by ggml (the ops both layer graphs end with, so the
+    same bits per row), for an ``h`` that did not just come out of a layer graph; None where the
+    norm's weight is not an F32 tensor ggml can take from the file (numpy's then)."""
+    return rms_norm_rows(model, runner, f"blk.{il}.post_attention_norm.weight", h)
+
+
+def rms_norm_rows(model, runner: GgmlRunner, name: str, h: np.ndarray) -> np.ndarray | None:
+    """``rms_norm(h) * w`` by ggml (llama.cpp's ``build_norm``), ``w`` the file's F32 tensor ``name``
+    on the memory map; None where ``w`` is not F32."""
     lib = runner.lib
-    lt = layer_tensors(model, il, runner)
+    w = model.w.ggml_dense.f32_vector(name)
+    if w is None:
+        return None
     T, E = h.shape
+
+    def build(g):
+        ht = lib.new_tensor_2d(g.ctx, GGML_TYPE_F32, E, T)
+        cur = lib.mul(g.ctx, lib.rms_norm(g.ctx, ht, model.eps), w)
+        lib.build_forward_expand(g.graph, cur)
+        return f32_view(lib, ht, (T, E)), f32_view(lib, cur, (T, E))
+
     with runner.lock:
-        ctx = runner.context(4 * 4 * T * E, 8)
-        graph = lib.new_graph_custom(ctx, runner.graph_size(8), False)
-        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
-        f32_view(lib, ht, (T, E))[...] = h
-        cur = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["post_attention_norm"])
-        lib.build_forward_expand(graph, cur)
-        runner.compute(graph, 0)
-        out = f32_view(lib, cur, (T, E)).copy()
-        runner.done()
+        g = runner.graph(("rms_norm", name, T), 4 * 4 * T * E, 8, build)
+        try:
+            h_in, y = g.t
+            h_in[...] = h
+            runner.compute(g.graph, 0)
+            out = y.copy()
+        finally:
+            runner.release(g)
     return out

@@ -73,8 +73,10 @@ class QuantisedMatrix:
         return np.asarray(self)[key]
 
     # the two ops ---------------------------------------------------------------------------------
-    def rmatmul_t(self, x: np.ndarray) -> np.ndarray:
-        """x @ W.T for x (..., in) float32 -> (..., out) float32, by ggml_mul_mat(W, x)."""
+    def rmatmul_t(self, x: np.ndarray, *, norm=None, eps: float = 0.0) -> np.ndarray:
+        """x @ W.T for x (..., in) float32 -> (..., out) float32, by ggml_mul_mat(W, x); with ``norm``
+        (an F32 ggml tensor of ``in`` values) ``rms_norm(x) * norm @ W.T`` in the same graph (the
+        model's final norm and its lm head, as llama.cpp's graph ends)."""
         x = np.asarray(x, dtype=np.float32)
         out_n, in_n = self.shape
         if x.shape[-1] != in_n:
@@ -91,12 +93,13 @@ class QuantisedMatrix:
 
         def build(g):
             xt = lib.new_tensor_2d(g.ctx, GGML_TYPE_F32, in_n, n)
-            out = lib.mul_mat(g.ctx, self.tensor, xt)
+            y = xt if norm is None else lib.mul(g.ctx, lib.rms_norm(g.ctx, xt, eps), norm)
+            out = lib.mul_mat(g.ctx, self.tensor, y)
             lib.build_forward_expand(g.graph, out)
             return f32_view(lib, xt, (n, in_n)), f32_view(lib, out, (n, out_n))
 
         with r.lock:  # kept per row count (GgmlRunner.graph): a decode step multiplies the same n each step
-            g = r.graph(("matmul", self.tensor, n), 4 * n * (in_n + out_n) + 256, 3, build)
+            g = r.graph(("matmul", self.tensor, norm, eps, n), 4 * n * (3 * in_n + out_n) + 256, 5, build)
             try:
                 x_in, y = g.t
                 x_in[...] = x2
@@ -129,9 +132,11 @@ class QuantisedMatrix:
         return result
 
 
-def _dense_graph(x: np.ndarray, mats: list[QuantisedMatrix], swiglu: bool) -> list[np.ndarray]:
+def _dense_graph(x: np.ndarray, mats: list[QuantisedMatrix], swiglu: bool, gate_inp=None) -> list[np.ndarray]:
     """One ggml graph on one input: ``x @ W.T`` for every W (``swiglu`` False), or the whole
-    ``down(silu(gate x) * (up x))`` of a dense FFN (``swiglu`` True, mats = gate, up, down).
+    ``down(silu(gate x) * (up x))`` of a dense FFN (``swiglu`` True, mats = gate, up, down), with
+    ``gate_inp`` (an F32 ggml tensor of one row) scaled per row by ``sigmoid(gate_inp . x)``, as
+    llama.cpp gates Qwen3.5's shared expert.
 
     Why one graph: each graph run wakes the thread team and ends in barriers; a DeltaNet layer's
     four input projections (or attention's q/k/v) read the same rows, so they go in together.
@@ -160,7 +165,10 @@ def _dense_graph(x: np.ndarray, mats: list[QuantisedMatrix], swiglu: bool) -> li
         xt = lib.new_tensor_2d(ctx, GGML_TYPE_F32, in_n, n)
         if swiglu:
             g, u, d = (m.tensor for m in mats)
-            outs = [lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, xt), lib.mul_mat(ctx, u, xt)))]
+            out = lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, xt), lib.mul_mat(ctx, u, xt)))
+            if gate_inp is not None:  # [E, T] * sigmoid([1, T]), broadcast over each row
+                out = lib.mul(ctx, out, lib.sigmoid(ctx, lib.mul_mat(ctx, gate_inp, xt)))
+            outs = [out]
         else:
             outs = [lib.mul_mat(ctx, m.tensor, xt) for m in mats]
         for o in outs:
@@ -168,8 +176,8 @@ def _dense_graph(x: np.ndarray, mats: list[QuantisedMatrix], swiglu: bool) -> li
         return f32_view(lib, xt, (n, in_n)), [f32_view(lib, o, (n, on)) for o, on in zip(outs, out_ns)]
 
     with r.lock:  # kept per row count, as rmatmul_t's
-        gr = r.graph(("dense", tuple(m.tensor for m in mats), swiglu, n),
-                     4 * n * (in_n + inner + sum(out_ns)) + 64 * (len(mats) + 4), len(mats) + 4, build)
+        gr = r.graph(("dense", tuple(m.tensor for m in mats), swiglu, gate_inp, n),
+                     4 * n * (in_n + inner + 2 * sum(out_ns) + 2) + 64 * (len(mats) + 8), len(mats) + 8, build)
         try:
             x_in, ys = gr.t
             x_in[...] = x2
@@ -188,13 +196,14 @@ def fused_matmuls(x: np.ndarray, mats: list) -> list[np.ndarray] | None:
     return _dense_graph(x, list(mats), swiglu=False)
 
 
-def fused_swiglu(x: np.ndarray, gate, up, down) -> np.ndarray | None:
+def fused_swiglu(x: np.ndarray, gate, up, down, gate_inp=None) -> np.ndarray | None:
     """A dense SwiGLU FFN (the shared expert) in one ggml graph, with ggml's SwiGLU as llama.cpp
-    computes it; None unless all three weights are :class:`QuantisedMatrix` of one runner."""
+    computes it, and with ``gate_inp`` its per-row sigmoid gate; None unless all three weights are
+    :class:`QuantisedMatrix` of one runner."""
     mats = [gate, up, down]
     if not all(isinstance(m, QuantisedMatrix) and m.runner is gate.runner for m in mats):
         return None
-    return _dense_graph(x, mats, swiglu=True)[0]
+    return _dense_graph(x, mats, swiglu=True, gate_inp=gate_inp)[0]
 
 
 class _Transposed:
@@ -274,6 +283,14 @@ class GgmlDense:
         ne0 = int(t.shape[0])
         ne1 = int(np.prod([int(d) for d in t.shape[1:]])) if len(t.shape) > 1 else 1
         return self._mapped.tensor(int(t.tensor_type), ne0, ne1, int(t.data_offset), t.name)
+
+    def f32_vector(self, name: str):
+        """The file's F32 tensor ``name`` (a norm's weight) as a ggml tensor on the memory map, made
+        once and kept; None if it is not F32."""
+        vectors = self.__dict__.setdefault("_vectors", {})
+        if name not in vectors:
+            vectors[name] = self.mapped(name, types=(GGML_TYPE_F32,))
+        return vectors[name]
 
     def _tensors_by_name(self) -> dict:
         by_name = self.__dict__.get("_by_name")

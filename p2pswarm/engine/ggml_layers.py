@@ -31,11 +31,11 @@ from p2pswarm.errors import ModelFormatError
 F32 = np.float32
 
 #: the ops of the DeltaNet layer graph; all of ggml >= 0.25 (``_OPTIONAL_SIG`` in ggml_kernel)
-DELTANET_OPS = ("rms_norm", "mul_inplace", "add_inplace", "sigmoid_inplace", "silu_inplace", "softplus_inplace",
+DELTANET_OPS = ("rms_norm", "mul", "mul_inplace", "add_inplace", "sigmoid_inplace", "silu_inplace", "softplus_inplace",
                 "scale_inplace", "concat", "transpose", "ssm_conv", "cpy", "view_2d", "view_4d", "reshape_2d", "reshape_3d",
                 "gated_delta_net")
 _MATRICES = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
-_VECTORS = ("attn_norm", "ssm_norm", "ssm_a", "ssm_dt")
+_VECTORS = ("attn_norm", "ssm_norm", "ssm_a", "ssm_dt", "post_attention_norm")
 
 
 class DeltaNetLayerWeights:
@@ -116,9 +116,11 @@ def _runs(segs: list[tuple]) -> list[tuple[int, int, list]]:
 
 
 def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
-                     segs: list[tuple]) -> np.ndarray:
+                     segs: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
     """``h + DeltaNet(attn_norm(h))`` for the rows of every ``(DeltaNetState, n)`` segment, in one
-    graph, each sequence's conv rows and state updated in place.
+    graph, each sequence's conv rows and state updated in place; and ``post_attention_norm`` of
+    that (the experts' and the router's input), the graph's last node, as the attention layer's
+    graph ends too.
 
     The graph, as llama.cpp builds it (shapes in ggml's order, T rows in all)::
 
@@ -133,6 +135,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
             per sequence: o_seq, S = gated_delta_net(q, k, v, g_seq, beta_seq, S)   S in place
         y     = rms_norm(o) * ssm_norm * silu(z)          per head           [dv, Hv, T]
         out   = h + W_out y                                                  [E, T]
+        cur   = rms_norm(out) * post_attention_norm                          [E, T]
 
     Why runs: every non-view node of a graph ends in a barrier of all threads (an OpenMP barrier,
     ~10 us passive on an idle core, a timeslice when the other core is busy), so per-sequence
@@ -155,7 +158,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     runs = _runs(segs)
     n_tensors = 64 + 24 * S + 32 * len(runs)  # generous: running out aborts the process (GGML_ASSERT)
     # data of every tensor that owns memory (views, reshapes and in-place results own none), in floats
-    floats = T * (3 * E + C + 4 * Hv * dv + 2 * Hv) + sum(
+    floats = T * (5 * E + C + 4 * Hv * dv + 2 * Hv) + sum(
         len(sts) * ((K - 1 + n) * C + n * C + 2 * n * Hk * d + (n * Hv * dv + Hv * dv * d if n > 1 else 0))
         for _, n, sts in runs)
     macs = T * E * (C + 2 * Hv * dv + 2 * Hv) + 4 * T * Hv * dv * d
@@ -233,18 +236,20 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
                              lib.mul_inplace(ctx, lib.rms_norm(ctx, o, eps), t["ssm_norm"]))
         out = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_out"], lib.reshape_2d(ctx, y, Hv * dv, T)), hin)
         expand(out)
-        return f32_view(lib, hin, (T, E)), f32_view(lib, out, (T, E))
+        cur = lib.mul(ctx, lib.rms_norm(ctx, out, eps), t["post_attention_norm"])
+        expand(cur)
+        return f32_view(lib, hin, (T, E)), f32_view(lib, out, (T, E)), f32_view(lib, cur, (T, E))
 
     with r.lock:
         g = r.graph(key, 4 * floats + 64 * n_tensors, n_tensors, build, meta_tensors=4 * S)
         try:
-            h_in, h_out = g.t
+            h_in, h_out, h_cur = g.t
             h_in[...] = h
             r.compute(g.graph, macs)
-            out_h = h_out.copy()
+            out_h, cur_h = h_out.copy(), h_cur.copy()
         finally:
             r.release(g)
-    return out_h
+    return out_h, cur_h
 
 
 def _l2(lib, ctx, x, n: int, eps: float):

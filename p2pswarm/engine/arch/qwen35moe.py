@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_layers, ops
+from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_dense, ggml_layers, ops
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -140,7 +140,7 @@ class Qwen35MoE:
         self.conv_channels = 2 * self.ssm_hk * self.ssm_d + self.ssm_inner
 
         self.recurrent = self._layer_kinds(hp)
-        # (layer, h, post_attention_norm(h)) of the last one-graph attention layer call
+        # (layer, h, post_attention_norm(h)) of the last one-graph layer call (DeltaNet or attention)
         self._ffn_input_kept: tuple[int, np.ndarray, np.ndarray] | None = None
         self.w = _Weights(layout)
         tied = not self.w.has("output.weight")
@@ -256,10 +256,12 @@ class Qwen35MoE:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         if self.recurrent[il]:
             lw = self._layer_graph(il, segments)
-            if lw is not None:
+            if lw is not None:  # post_attention_norm too, served to ffn_input as the attention layer's
                 self.layer_graph_calls += 1
-                return ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
-                                                    [(st.extra[il], n) for st, _, n in segments])
+                h, cur = ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
+                                                      [(st.extra[il], n) for st, _, n in segments])
+                self._ffn_input_kept = (il, h, cur)
+                return h
         elif all(n > 0 for _, _, n in segments):
             runner = self._attention_graph_runner()
             if runner is not None:  # the ggml kernel: the whole layer as one graph, ffn_input's norm too
@@ -388,13 +390,25 @@ class Qwen35MoE:
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
         """post_attention_norm(h): the experts' and the router's input.
 
-        For an attention layer under the ggml kernel it is ggml's RMSNorm (see
-        :meth:`_graph_ffn_input`); otherwise numpy's."""
-        if not self.recurrent[il] and h.shape[0]:
-            runner = self._attention_graph_runner()
+        Under the ggml kernel, where the layer runs as one graph, it is ggml's RMSNorm, computed in
+        that graph (see :meth:`_graph_ffn_input`); otherwise numpy's."""
+        if h.shape[0]:
+            runner = self._ffn_input_runner(il)
             if runner is not None:
-                return self._graph_ffn_input(il, runner, h)
+                cur = self._graph_ffn_input(il, runner, h)
+                if cur is not None:
+                    return cur
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
+
+    def _ffn_input_runner(self, il: int):
+        """The ggml runner whose layer graph computes layer ``il``'s post_attention_norm, or None
+        (the per-piece paths: their norm is numpy's, as the rest of their numerics)."""
+        if not self.recurrent[il]:
+            return self._attention_graph_runner()
+        if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv
+                or getattr(self.w, "ggml_dense", None) is None or ggml_layers.deltanet_layer_weights(self, il) is None):
+            return None
+        return self.w.ggml_dense.runner
 
     def _graph_ffn_input(self, il: int, runner, h: np.ndarray) -> np.ndarray:
         """ggml's post_attention_norm of ``h``, computed once per layer call for all its rows.
@@ -409,7 +423,10 @@ class Qwen35MoE:
         kept = self._ffn_input_kept
         if kept is None or kept[0] != il or not _rows_of(h, kept[1]):
             base = h.base if isinstance(h.base, np.ndarray) and _rows_of(h, h.base) else h
-            kept = self._ffn_input_kept = (il, base, ggml_attention.post_attention_norm(self, runner, il, base))
+            normed = ggml_attention.post_attention_norm(self, runner, il, base)
+            if normed is None:
+                return None
+            kept = self._ffn_input_kept = (il, base, normed)
         _, full, cur = kept
         if h is full:
             return cur
@@ -421,6 +438,14 @@ class Qwen35MoE:
         if not self.shared_expert[il]:
             return np.zeros_like(cur)
         w, p = self.w, f"blk.{il}."
+        dense = getattr(w, "ggml_dense", None)
+        gate_inp = dense.f32_vector(p + "ffn_gate_inp_shexp.weight") if dense is not None else None
+        if gate_inp is not None:  # the ggml kernel: the FFN and its gate in one graph, llama.cpp's ops
+            got = ggml_dense.fused_swiglu(np.ascontiguousarray(cur, dtype=F32), w[p + "ffn_gate_shexp.weight"],
+                                          w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"],
+                                          gate_inp=gate_inp)
+            if got is not None:
+                return got
         s = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
                               w[p + "ffn_down_shexp.weight"])
         # The gate's dot product row by row (numpy reduces each row of a contiguous array alone, in

@@ -151,5 +151,11 @@ class Qwen3MoE:
         return h + moe
 
     def output(self, h: np.ndarray) -> np.ndarray:
+        W = self.w[self.output_name]
+        dense = getattr(self.w, "ggml_dense", None)
+        if dense is not None and getattr(W, "runner", None) is dense.runner:
+            norm = dense.f32_vector("output_norm.weight")
+            if norm is not None:  # the ggml kernel: the final norm and the lm head in one graph
+                return W.rmatmul_t(np.ascontiguousarray(h, dtype=F32), norm=norm, eps=float(self.eps))
         x = ops.rms_norm(h, self.w["output_norm.weight"], self.eps)
-        return ops.matmul(x, self.w[self.output_name]).astype(F32, copy=False)
+        return ops.matmul(x, W).astype(F32, copy=False)
