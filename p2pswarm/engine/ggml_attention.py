@@ -289,13 +289,4 @@ def rms_norm_rows(model, runner: GgmlRunner, name: str, h: np.ndarray) -> np.nda
         lib.build_forward_expand(g.graph, cur)
         return f32_view(lib, ht, (T, E)), f32_view(lib, cur, (T, E))
 
-    with runner.lock:
-        g = runner.graph(("rms_norm", name, T), 4 * 4 * T * E, 8, build)
-        try:
-            h_in, y = g.t
-            h_in[...] = h
-            runner.compute(g.graph, 0)
-            out = y.copy()
-        finally:
-            runner.release(g)
-    return out
+    return runner.run_one(("rms_norm", name, T), 4 * 4 * T * E, 8, build, h, 0)

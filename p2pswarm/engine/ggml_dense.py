@@ -98,16 +98,10 @@ class QuantisedMatrix:
             lib.build_forward_expand(g.graph, out)
             return f32_view(lib, xt, (n, in_n)), f32_view(lib, out, (n, out_n))
 
-        with r.lock:  # kept per row count (GgmlRunner.graph): a decode step multiplies the same n each step
-            g = r.graph(("matmul", self.tensor, norm, eps, n), 4 * n * (3 * in_n + out_n) + 256, 5, build)
-            try:
-                x_in, y = g.t
-                x_in[...] = x2
-                r.compute(g.graph, n * in_n * out_n)
-                result = y[:rows].copy()
-            finally:
-                r.release(g)
-        return result.reshape(*lead, out_n)
+        # kept per row count (GgmlRunner.graph): a decode step multiplies the same n each step
+        result = r.run_one(("matmul", self.tensor, norm, eps, n), 4 * n * (3 * in_n + out_n) + 256, 5, build, x2,
+                           n * in_n * out_n)
+        return result[:rows].reshape(*lead, out_n)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """W[ids] dequantised by ggml_get_rows (llama.cpp's embedding lookup)."""

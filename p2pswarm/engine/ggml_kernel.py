@@ -448,6 +448,19 @@ class GgmlRunner:
             self.graph_stats["kept"] += 1
         return g
 
+    def run_one(self, key, nbytes: int, n_tensors: int, build, x: np.ndarray, macs: int) -> np.ndarray:
+        """A graph of one input and one output (``build(g)`` returns numpy views of both): ``x`` in,
+        computed, a copy of the output back. Takes ``self.lock``."""
+        with self.lock:
+            g = self.graph(key, nbytes, n_tensors, build)
+            try:
+                x_in, y = g.t
+                x_in[...] = x
+                self.compute(g.graph, macs)
+                return y.copy()
+            finally:
+                self.release(g)
+
     def release(self, g: "Graph") -> None:
         """After a :meth:`graph`'s outputs are read: a graph built per call frees its metadata and
         wrapped buffers (a kept one keeps them for the next step)."""
