@@ -350,6 +350,8 @@ class GgmlRunner:
     GRAPH_ENTRY_BYTES = 32 << 20
     #: a kept graph not used in this many graph calls may be dropped to make room for a new one
     STALE_CALLS = 2048
+    #: how many keys built once are remembered (a key is kept on its second build)
+    SEEN_KEYS = 4096
 
     def __init__(self, lib: GgmlLib, threads: int | None = None, *, graph_cache_bytes: int = 0):
         self.lib = lib
@@ -363,6 +365,7 @@ class GgmlRunner:
         #: kept graphs (:meth:`graph`): key -> Graph, least recently used first
         self.graph_cache_bytes = graph_cache_bytes
         self._graphs: collections.OrderedDict = collections.OrderedDict()
+        self._seen: collections.OrderedDict = collections.OrderedDict()  # keys built once, newest last
         self._graph_bytes = 0
         self._calls = 0
         self.graph_stats = {"reused": 0, "built": 0, "kept": 0, "dropped": 0}
@@ -406,10 +409,11 @@ class GgmlRunner:
         ``build(g)`` makes the tensors in ``g.ctx`` (allocated) and ``g.meta`` (metadata only,
         ``meta_tensors`` of them, for tensors placed on outside memory with :meth:`Graph.wrap`),
         adds the outputs to ``g.graph``, and returns what the caller needs (kept as ``g.t``). A
-        graph is kept when the cache has room (``graph_cache_bytes``, graphs up to
-        ``GRAPH_ENTRY_BYTES``): the least recently used graph not used for ``STALE_CALLS`` calls
-        makes room, a graph still in use never does; what does not fit is built per call in the
-        scratch context. A kept graph computes the same bits as a fresh one: same ops, same
+        graph is kept on its key's second build (a one-off shape, a prompt's length, is never
+        kept: it would only hold memory), when the cache has room (``graph_cache_bytes``, graphs
+        up to ``GRAPH_ENTRY_BYTES``): the least recently used graph not used for ``STALE_CALLS``
+        calls makes room, a graph still in use never does; what is not kept is built per call in
+        the scratch context. A kept graph computes the same bits as a fresh one: same ops, same
         shapes, same thread count. Call :meth:`release` after reading the outputs. Hold
         ``self.lock``."""
         self._calls += 1
@@ -422,7 +426,14 @@ class GgmlRunner:
         lib = self.lib
         need = self._context_bytes(nbytes, n_tensors)
         meta_bytes = meta_tensors * (lib.tensor_overhead_bytes + 16) + 1024 if meta_tensors else 0
-        keep = key is not None and need + meta_bytes <= self.GRAPH_ENTRY_BYTES and self._make_room(need + meta_bytes)
+        keep = False
+        if key is not None and self.graph_cache_bytes:
+            if key in self._seen:  # its second build: the shape recurs
+                keep = need + meta_bytes <= self.GRAPH_ENTRY_BYTES and self._make_room(need + meta_bytes)
+            else:
+                self._seen[key] = None
+                if len(self._seen) > self.SEEN_KEYS:
+                    self._seen.popitem(last=False)
         if keep:
             ctx = lib.init(_InitParams(need, None, False))
             if not ctx:
@@ -490,6 +501,7 @@ class GgmlRunner:
         """Drop every kept graph (their memory too). Hold ``self.lock``."""
         for key in list(self._graphs):
             self._drop(key)
+        self._seen.clear()
 
     def compute(self, graph, macs: int) -> None:
         n = max(1, min(self.threads, macs // MIN_MACS_PER_THREAD))
