@@ -7,13 +7,12 @@ were arrays (:func:`p2pswarm.engine.kernels.use_kernel_for_dense` installs them)
 """
 from __future__ import annotations
 
-import ctypes
 
 import numpy as np
 
 from p2pswarm import settings
 from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib,
-                                         GgmlRunner, MappedWeights, f32_view, load_libggml)
+                                         GgmlRunner, MappedWeights, _i32_view, f32_view, load_libggml)
 
 
 class QuantisedMatrix:
@@ -113,17 +112,14 @@ class QuantisedMatrix:
         if n == 0:
             return np.zeros((0, in_n), np.float32)
         lib, r = self.runner.lib, self.runner
-        with r.lock:
-            ctx = r.context(4 * n * (in_n + 1) + 256, 3)
-            graph = lib.new_graph_custom(ctx, r.graph_size(3), False)
-            it = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n)
-            np.ctypeslib.as_array(ctypes.cast(lib.get_data(it), ctypes.POINTER(ctypes.c_int32)), shape=(n,))[...] = ids
-            out = lib.get_rows(ctx, self.tensor, it)
-            lib.build_forward_expand(graph, out)
-            r.compute(graph, 0)
-            result = f32_view(lib, out, (n, in_n)).copy()
-            r.done()
-        return result
+
+        def build(g):
+            it = lib.new_tensor_1d(g.ctx, GGML_TYPE_I32, n)
+            out = lib.get_rows(g.ctx, self.tensor, it)
+            lib.build_forward_expand(g.graph, out)
+            return _i32_view(lib, it, n), f32_view(lib, out, (n, in_n))
+
+        return r.run_one(("get_rows", self.tensor, n), 4 * n * (in_n + 1) + 256, 3, build, ids.reshape(-1), 0)
 
 
 def _dense_graph(x: np.ndarray, mats: list[QuantisedMatrix], swiglu: bool, gate_inp=None) -> list[np.ndarray]:
