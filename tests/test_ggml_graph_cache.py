@@ -1,7 +1,7 @@
 """Kept ggml graphs (GgmlRunner.graph): a decode step's graphs are built once and run again.
 
 * A batched decode loop through a qwen35moe model (DeltaNet and attention layers as one graph each,
-  the router, the shared expert, the lm head) reuses its graphs from the second step on, and its
+  the router, the shared expert, the lm head, the replica's routed experts) reuses its graphs from the second step on, and its
   logits and every sequence's state are the bits of the same loop with the cache off; a sequence
   replaced by a new one mid-run (new state memory) gets graphs of its own, and the same bits.
 * Attention spans come in multiples of KV_PAD: a sequence decoding across a span boundary gets one
@@ -38,7 +38,7 @@ def _open(models_dir, cache: bool):
     runner = model.w.ggml_dense.runner
     if not cache:
         runner.graph_cache_bytes = 0
-    return model, make_bank(layout, "ggml"), runner
+    return model, make_bank(layout, "ggml", graph_cache_bytes=(64 << 20) if cache else 0), runner
 
 
 def _step(model, bank, segs, tokens):
@@ -85,6 +85,7 @@ def _run(models_dir, cache: bool):
         toks = [(7 * step + 31 * i + 3) % 256 for i in range(len(states))]
         logits.append(_step(model, bank, [(st, st.n_past, 1) for st in states], toks))
         built.append(runner.graph_stats["built"])
+    model.bank_stats = bank.runner.graph_stats  # the replica's graphs (routed experts)
     return model, runner, logits, [b for st in states for b in _state_bits(model, st)], built, kept_after_prefill
 
 
@@ -101,6 +102,7 @@ def test_decode_steps_reuse_their_graphs_and_give_the_bits_of_fresh_ones(models_
     assert built_on[4] > built_on[3], built_on
     assert built_on[6] == built_on[5], built_on
     assert 0 < on._graph_bytes <= on.graph_cache_bytes
+    assert model.bank_stats["reused"] > 0, model.bank_stats  # the routed experts' mul_mat_id graphs too
     for a, b in zip(logits_on, logits_off):
         assert a.tobytes() == b.tobytes()
     assert states_on == states_off

@@ -24,7 +24,7 @@ class GgmlExpertBank:
 
     cache = None
 
-    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None):
+    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None, graph_cache_bytes: int = 0):
         self.lib = lib or load_libggml()
         self.kernel = self.lib.kernel_id
         self.layout = layout
@@ -32,7 +32,9 @@ class GgmlExpertBank:
         self.expert_begin = layout.expert_begin
         self.expert_end = layout.expert_end
         self.n_embd = int(layout.hparam("embedding_length", required=True))
-        self.runner = GgmlRunner(self.lib, threads)
+        # graph_cache_bytes: the backbone's replica keeps its graphs (a decode step of one sequence
+        # sends the same number of rows every step); a worker keeps none (GgmlRunner.graph)
+        self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=graph_cache_bytes)
         self.threads = self.runner.threads
         self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
         self._experts: dict[tuple[int, int], tuple] = {}
@@ -171,29 +173,37 @@ class GgmlExpertBank:
         if P == 0:
             return [np.zeros((0, E), np.float32) for _ in experts]
         lib = self.lib
-        with self.runner.lock:
+        r = self.runner
+        local = np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
+        with r.lock:
             gate, up, down, ff = self._layer(layer)
-            ctx = self.runner.context(4 * P * (2 * E + 3 * ff + 1) + 8 * 64, 10)
-            graph = lib.new_graph_custom(ctx, self.runner.graph_size(10), False)
-            x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
-            np.take(rows, np.concatenate(idxs), axis=0, out=f32_view(lib, x, (P, E)))
-            ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
-            local = np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
-            _i32_view(lib, ids, P)[...] = local
-            if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
-                g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
-            else:
-                g_w, u_w = gate, up
-            h = lib.swiglu_split(ctx, lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids))
-            out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
-            lib.build_forward_expand(graph, out)
-            self.runner.compute(graph, P * 3 * ff * E)
-            flat = f32_view(lib, out, (P, E))
-            result, at = [], 0
-            for n in sizes:
-                result.append(flat[at:at + n].copy())
-                at += n
-            self.runner.done()
+
+            def build(g):
+                ctx = g.ctx
+                x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
+                ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
+                if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
+                    g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
+                else:
+                    g_w, u_w = gate, up
+                h = lib.swiglu_split(ctx, lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids))
+                out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
+                lib.build_forward_expand(g.graph, out)
+                return f32_view(lib, x, (P, E)), _i32_view(lib, ids, P), f32_view(lib, out, (P, E))
+
+            # kept by (layer, P) where the runner keeps graphs: ids and rows are input data
+            g = r.graph(("experts", layer, P), 4 * P * (2 * E + 3 * ff + 1) + 8 * 64, 10, build)
+            try:
+                x_in, ids_in, flat = g.t
+                np.take(rows, np.concatenate(idxs), axis=0, out=x_in)
+                ids_in[...] = local
+                r.compute(g.graph, P * 3 * ff * E)
+                result, at = [], 0
+                for n in sizes:
+                    result.append(flat[at:at + n].copy())
+                    at += n
+            finally:
+                r.release(g)
         return result
 
     def close(self) -> None:

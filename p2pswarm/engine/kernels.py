@@ -118,12 +118,14 @@ def compatible(a: str | None, b: str | None) -> bool:
 
 
 def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = None,
-              threads: int | None = None) -> ExpertBankProtocol:
+              threads: int | None = None, graph_cache_bytes: int = 0) -> ExpertBankProtocol:
     """An expert bank over ``layout`` computed by ``kernel``.
 
     Options belong to one kernel and are ignored by the other (so a caller can pass both):
     ``cache_bytes`` bounds the numpy kernel's dequantised cache; ``threads`` is ggml's thread count
-    (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8), also the portable kernel's.
+    (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8), also the portable kernel's;
+    ``graph_cache_bytes`` lets the ggml kernel keep its graphs across calls (the backbone's replica;
+    :meth:`~p2pswarm.engine.ggml_kernel.GgmlRunner.graph`).
     """
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
@@ -134,7 +136,7 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
         return ExpertBank(layout, cache_bytes=default_cache_bytes() if cache_bytes is None else cache_bytes)
     from p2pswarm.engine.ggml_experts import GgmlExpertBank  # noqa: PLC0415
 
-    return GgmlExpertBank(layout, threads=threads)
+    return GgmlExpertBank(layout, threads=threads, graph_cache_bytes=graph_cache_bytes)
 
 
 def _single_threaded_blas() -> None:
