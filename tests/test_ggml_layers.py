@@ -157,10 +157,11 @@ def test_a_misaligned_state_takes_the_per_piece_path(q35_q8):
 
 
 def test_norms_and_the_shared_gate_are_in_the_graphs(q35_q8, monkeypatch):
-    """Under the ggml kernel: a DeltaNet layer's post_attention_norm comes out of its layer graph
-    (ffn_input of that h, or of a slice of it, runs no graph of its own), the final norm is in the
-    lm head's graph and the shared expert's sigmoid gate in the shared expert's: one graph each,
-    numpy's formulas to float rounding (the activations are rounded to Q8_0 before each mat-mul)."""
+    """Under the ggml kernel: a DeltaNet layer's post_attention_norm, router logits and shared expert
+    (with its sigmoid gate) come out of its layer graph (ffn_input, route and shared of that h's cur,
+    or of rows of it, run no graph of their own, and give the bits a graph of their own gives), and
+    the final norm is in the lm head's graph: numpy's formulas to float rounding (the activations
+    are rounded to Q8_0 before each mat-mul)."""
     from p2pswarm.engine import ops  # noqa: PLC0415
 
     model = _model(q35_q8)
@@ -184,9 +185,16 @@ def test_norms_and_the_shared_gate_are_in_the_graphs(q35_q8, monkeypatch):
     want = x @ np.asarray(w[model.output_name], dtype=np.float32).T
     assert np.abs(logits - want).max() <= 2e-2 * np.abs(want).max()
 
-    sh = next(i for i in range(model.n_layer) if model.shared_expert[i])
-    got = model.shared(sh, cur)
-    assert calls[0] == 3
+    assert model.shared_expert[il]
+    sh = il
+    got = model.shared(sh, cur)  # computed in the layer's graph for this cur
+    ids, wts = model.route(il, cur)
+    assert calls[0] == 2, "the router or the shared expert ran a graph of its own"
+    alone = model.shared(sh, cur.copy())  # another array: its own graph, the same op and bits
+    ids2, wts2 = model.route(il, cur.copy())
+    assert calls[0] == 4
+    assert np.array_equal(got, alone) and np.array_equal(ids, ids2) and np.array_equal(wts, wts2)
+    assert np.array_equal(model.shared(sh, cur[1:3]), got[1:3]) and calls[0] == 4  # rows of it: served too
     p = f"blk.{sh}."
     dense = {n: np.asarray(w[p + n + ".weight"], dtype=np.float32) for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")}
     g, u = cur @ dense["ffn_gate_shexp"].T, cur @ dense["ffn_up_shexp"].T

@@ -36,6 +36,7 @@ import math
 
 import numpy as np
 
+from p2pswarm.engine import ggml_layers
 from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlRunner, _InitParams, _i32_view, f32_view
 from p2pswarm.engine.state import aligned_zeros
@@ -132,7 +133,8 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
 
     ``segs``: ``(kv, pos0, n)`` per sequence, in the order of ``h``'s rows (kv: its KVCache of this
     layer, updated: its ``n`` grows by the segment's rows). Returns the new h (T, E) float32, and
-    with ``with_ffn_input`` also ``post_attention_norm(h)``.
+    with ``with_ffn_input`` also ``post_attention_norm(h)`` and what that feeds besides the routed
+    experts (:func:`~p2pswarm.engine.ggml_layers.moe_inputs`: ``{"logits", "shared"}``).
 
     A decode step's graph (one row per sequence) is kept and reused while the step's shape
     repeats: its key is the rows, each cache's memory and capacity and its :func:`kv_span`. The
@@ -222,17 +224,21 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
         gated = lib.mul(ctx, att, lib.sigmoid(ctx, gate))
         res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output"], gated), ht)
         lib.build_forward_expand(g.graph, res)
-        cur = None
+        cur, extras = None, {}
         if with_ffn_input:
             cur = lib.mul(ctx, lib.rms_norm(ctx, res, model.eps), lt.t["post_attention_norm"])
             lib.build_forward_expand(g.graph, cur)
+            extras = ggml_layers.moe_inputs(model, il, runner, ctx, g.graph, cur, T)
         return (f32_view(lib, ht, (T, E)), _i32_view(lib, pos, 4 * T), per_seq, f32_view(lib, res, (T, E)),
-                f32_view(lib, cur, (T, E)) if cur is not None else None)
+                f32_view(lib, cur, (T, E)) if cur is not None else None, extras)
 
+    if with_ffn_input:
+        acts += ggml_layers.moe_input_floats(model, il, T)
+        n_tensors += 24
     with runner.lock:
         g = runner.graph(key, 4 * acts + 64 * n_tensors, n_tensors, build, meta_tensors=3 * n_seq + 2)
         try:
-            h_in, pos_in, per_seq, h_res, h_cur = g.t
+            h_in, pos_in, per_seq, h_res, h_cur, extras = g.t
             h_in[...] = h
             if key is not None:  # a decode step: one position per sequence
                 p = np.array([p0 for _, p0, _ in segs], dtype=np.int32)
@@ -262,9 +268,10 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
                 kv.n += n
             h_out = h_res.copy()
             cur_out = h_cur.copy() if h_cur is not None else None
+            more = {k: v.copy() for k, v in extras.items()}
         finally:
             runner.release(g)
-    return (h_out, cur_out) if with_ffn_input else h_out
+    return (h_out, cur_out, more) if with_ffn_input else h_out
 
 
 def post_attention_norm(model, runner: GgmlRunner, il: int, h: np.ndarray) -> np.ndarray | None:

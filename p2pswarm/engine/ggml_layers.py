@@ -116,11 +116,11 @@ def _runs(segs: list[tuple]) -> list[tuple[int, int, list]]:
 
 
 def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
-                     segs: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+                     segs: list[tuple]) -> tuple[np.ndarray, np.ndarray, dict]:
     """``h + DeltaNet(attn_norm(h))`` for the rows of every ``(DeltaNetState, n)`` segment, in one
     graph, each sequence's conv rows and state updated in place; and ``post_attention_norm`` of
-    that (the experts' and the router's input), the graph's last node, as the attention layer's
-    graph ends too.
+    that (the experts' and the router's input), as the attention layer's graph ends too, with
+    what it feeds besides the routed experts (:func:`moe_inputs`: router logits, shared expert).
 
     The graph, as llama.cpp builds it (shapes in ggml's order, T rows in all)::
 
@@ -238,18 +238,65 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         expand(out)
         cur = lib.mul(ctx, lib.rms_norm(ctx, out, eps), t["post_attention_norm"])
         expand(cur)
-        return f32_view(lib, hin, (T, E)), f32_view(lib, out, (T, E)), f32_view(lib, cur, (T, E))
+        extras = moe_inputs(model, il, r, ctx, graph, cur, T)
+        return f32_view(lib, hin, (T, E)), f32_view(lib, out, (T, E)), f32_view(lib, cur, (T, E)), extras
 
+    floats += moe_input_floats(model, il, T)
+    n_tensors += 24
     with r.lock:
         g = r.graph(key, 4 * floats + 64 * n_tensors, n_tensors, build, meta_tensors=4 * S)
         try:
-            h_in, h_out, h_cur = g.t
+            h_in, h_out, h_cur, extras = g.t
             h_in[...] = h
             r.compute(g.graph, macs)
             out_h, cur_h = h_out.copy(), h_cur.copy()
+            more = {k: v.copy() for k, v in extras.items()}
         finally:
             r.release(g)
-    return out_h, cur_h
+    return out_h, cur_h, more
+
+
+def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
+    """Nodes for what the layer's ``cur`` (post_attention_norm) feeds besides the routed experts:
+    the router's logits and the shared expert (gated), added to the layer's graph, so a decode
+    step runs one graph per layer instead of three. Returns ``{"logits" | "shared": numpy view}``
+    for those it could add: the router where it is ggml's F32 mat-mul (a quantised model), the
+    shared expert where its three matrices are quantised and its gate F32 on the file.
+
+    The same ops on the same rows as the stand-alone graphs (:meth:`QuantisedMatrix.rmatmul_t`,
+    :func:`~p2pswarm.engine.ggml_dense.fused_swiglu`), so the same bits: a lone row is multiplied
+    by the F32 router padded to two rows (the single-row kernel is 1 ulp off), as there."""
+    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # noqa: PLC0415 - avoids an import cycle
+
+    lib = runner.lib
+    w = model.w
+    p = f"blk.{il}."
+    out = {}
+    router = w[p + "ffn_gate_inp.weight"]
+    if isinstance(router, QuantisedMatrix) and router.runner is runner:
+        x = cur
+        for _ in range(router.min_rows - T):  # the stand-alone path's pad: copies of the last row
+            x = lib.concat(ctx, x, lib.view_2d(ctx, cur, router.shape[1], 1, 4 * router.shape[1], 4 * router.shape[1] * (T - 1)), 1)
+        logits = lib.mul_mat(ctx, router.tensor, x)
+        lib.build_forward_expand(graph, logits)
+        out["logits"] = f32_view(lib, logits, (T, router.shape[0]))
+    if model.shared_expert[il]:
+        mats = [w[p + n + ".weight"] for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
+        gate_inp = w.ggml_dense.f32_vector(p + "ffn_gate_inp_shexp.weight")
+        if gate_inp is not None and all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in mats):
+            g, u, d = (m.tensor for m in mats)
+            s = lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, cur), lib.mul_mat(ctx, u, cur)))
+            s = lib.mul(ctx, s, lib.sigmoid(ctx, lib.mul_mat(ctx, gate_inp, cur)))
+            lib.build_forward_expand(graph, s)
+            out["shared"] = f32_view(lib, s, (T, mats[2].shape[0]))
+    return out
+
+
+def moe_input_floats(model, il: int, T: int) -> int:
+    """Room (floats) the nodes of :func:`moe_inputs` take in a graph of ``T`` rows, generously."""
+    E = model.n_embd
+    ff = model.w[f"blk.{il}.ffn_gate_shexp.weight"].shape[0] if model.shared_expert[il] else 0
+    return max(T, 2) * (3 * E + 2 * model.n_expert + 4 * ff + 8)
 
 
 def _l2(lib, ctx, x, n: int, eps: float):

@@ -140,8 +140,9 @@ class Qwen35MoE:
         self.conv_channels = 2 * self.ssm_hk * self.ssm_d + self.ssm_inner
 
         self.recurrent = self._layer_kinds(hp)
-        # (layer, h, post_attention_norm(h)) of the last one-graph layer call (DeltaNet or attention)
-        self._ffn_input_kept: tuple[int, np.ndarray, np.ndarray] | None = None
+        # (layer, h, post_attention_norm(h), {"logits", "shared": computed from it}) of the last few
+        # one-graph layer calls (DeltaNet or attention), newest first: see _kept_for
+        self._kept: list[tuple[int, np.ndarray, np.ndarray, dict]] = []
         self.w = _Weights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
@@ -230,7 +231,6 @@ class Qwen35MoE:
     # Identical to qwen3moe's: shared, not copied (they read only w, n_vocab, eps, output_name,
     # n_expert_used).
     embed = Qwen3MoE.embed
-    route = Qwen3MoE.route
     output = Qwen3MoE.output
 
     def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
@@ -258,17 +258,17 @@ class Qwen35MoE:
             lw = self._layer_graph(il, segments)
             if lw is not None:  # post_attention_norm too, served to ffn_input as the attention layer's
                 self.layer_graph_calls += 1
-                h, cur = ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
-                                                      [(st.extra[il], n) for st, _, n in segments])
-                self._ffn_input_kept = (il, h, cur)
+                h, cur, extras = ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
+                                                              [(st.extra[il], n) for st, _, n in segments])
+                self._keep(il, h, cur, extras)
                 return h
         elif all(n > 0 for _, _, n in segments):
             runner = self._attention_graph_runner()
             if runner is not None:  # the ggml kernel: the whole layer as one graph, ffn_input's norm too
-                h, cur = ggml_attention.gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
-                                                        [(st.kv[il], p0, n) for st, p0, n in segments],
-                                                        with_ffn_input=True)
-                self._ffn_input_kept = (il, h, cur)
+                h, cur, extras = ggml_attention.gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
+                                                                [(st.kv[il], p0, n) for st, p0, n in segments],
+                                                                with_ffn_input=True)
+                self._keep(il, h, cur, extras)
                 return h
         x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
         if self.recurrent[il]:
@@ -419,24 +419,45 @@ class Qwen35MoE:
         (e.g. the per-sequence pre_moe results concatenated) are normed by one graph over the whole
         array they are a slice of, kept in turn. The op is row-wise, so a row's bits do not depend
         on which rows were normed with it. One pair is kept (the last layer call's)."""
-        E = h.shape[1]
-        kept = self._ffn_input_kept
-        if kept is None or kept[0] != il or not _rows_of(h, kept[1]):
+        kept = self._kept_for(il, h, 1)
+        if kept is None:
             base = h.base if isinstance(h.base, np.ndarray) and _rows_of(h, h.base) else h
             normed = ggml_attention.post_attention_norm(self, runner, il, base)
             if normed is None:
                 return None
-            kept = self._ffn_input_kept = (il, base, normed)
-        _, full, cur = kept
-        if h is full:
-            return cur
-        start = (h.ctypes.data - full.ctypes.data) // (4 * E)
-        return cur[start:start + h.shape[0]].copy()
+            self._keep(il, base, normed, {})
+            kept = self._kept[0]
+        return _rows_in(h, kept[1], kept[2], copy=True)
+
+    #: how many layer calls' results are kept (pipelined micro-batches interleave their layers)
+    KEPT_CALLS = 4
+
+    def _keep(self, il: int, h: np.ndarray, cur: np.ndarray, extras: dict) -> None:
+        self._kept = [(il, h, cur, extras), *self._kept[: self.KEPT_CALLS - 1]]
+
+    def _kept_for(self, il: int, x: np.ndarray, which: int):
+        """The kept layer call of layer ``il`` whose ``h`` (``which`` 1) or ``cur`` (2) ``x`` is, or
+        holds whole rows of; None if there is none (then the caller computes it alone)."""
+        for kept in self._kept:
+            if kept[0] == il and _rows_of(x, kept[which]):
+                return kept
+        return None
+
+    def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The router's top-k; its logits come from the layer's graph where that computed them for
+        this ``cur`` (:func:`~p2pswarm.engine.ggml_layers.moe_inputs`: the same op, the same bits)."""
+        kept = self._kept_for(il, cur, 2) if self._kept else None
+        if kept is not None and "logits" in kept[3]:
+            return ops.route_topk(_rows_in(cur, kept[2], kept[3]["logits"]), self.n_expert_used)
+        return Qwen3MoE.route(self, il, cur)
 
     def shared(self, il: int, cur: np.ndarray) -> np.ndarray:
         """The shared expert, scaled by its per-token sigmoid gate; zeros if the layer has none."""
         if not self.shared_expert[il]:
             return np.zeros_like(cur)
+        kept = self._kept_for(il, cur, 2) if self._kept else None
+        if kept is not None and "shared" in kept[3]:  # computed in the layer's graph, for this cur
+            return _rows_in(cur, kept[2], kept[3]["shared"])
         w, p = self.w, f"blk.{il}."
         dense = getattr(w, "ggml_dense", None)
         gate_inp = dense.f32_vector(p + "ffn_gate_inp_shexp.weight") if dense is not None else None
@@ -459,6 +480,16 @@ class Qwen35MoE:
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
         """h + (routed + shared), added in llama.cpp's order."""
         return h + (moe + self.shared(il, cur))
+
+
+def _rows_in(x: np.ndarray, full: np.ndarray, values: np.ndarray, copy: bool = False) -> np.ndarray:
+    """The rows of ``values`` (one per row of ``full``) that belong to ``x``, a run of rows of
+    ``full`` (see :func:`_rows_of`)."""
+    if x is full:
+        return values
+    start = (x.ctypes.data - full.ctypes.data) // (4 * full.shape[1])
+    got = values[start:start + x.shape[0]]
+    return got.copy() if copy else got
 
 
 def _rows_of(h: np.ndarray, full: np.ndarray) -> bool:
