@@ -7,7 +7,6 @@ were arrays (:func:`p2pswarm.engine.kernels.use_kernel_for_dense` installs them)
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from p2pswarm import settings
@@ -233,7 +232,8 @@ class GgmlDense:
         self.lib = lib or load_libggml()
         self.kernel = self.lib.kernel_id
         self.layout = layout
-        # the dense path's graphs of a decode step are kept (GgmlRunner.graph); an expert bank's are not
+        # the dense path's graphs of a decode step are kept (GgmlRunner.graph); so are the backbone's
+        # expert replica's (its own runner, session.open_backbone), a worker's never
         self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20)
         self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
         self._to_float32 = to_float32

@@ -418,7 +418,7 @@ class Qwen35MoE:
         each sequence's slice of it: both are served from what was kept. Rows of any other array
         (e.g. the per-sequence pre_moe results concatenated) are normed by one graph over the whole
         array they are a slice of, kept in turn. The op is row-wise, so a row's bits do not depend
-        on which rows were normed with it. One pair is kept (the last layer call's)."""
+        on which rows were normed with it. The last ``KEPT_CALLS`` layer calls' results are kept."""
         kept = self._kept_for(il, h, 1)
         if kept is None:
             base = h.base if isinstance(h.base, np.ndarray) and _rows_of(h, h.base) else h
