@@ -41,7 +41,7 @@ def prompts(n: int) -> list[str]:
     return [f"client {i} asks" for i in range(n)]
 
 
-def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
+def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
     """n concurrent requests against the running swarm: tokens/s, requests/token, CPU/token."""
     h0 = httpx.get(sw.base_url + "/health", timeout=60).json()
     cpu0 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid))
@@ -75,7 +75,12 @@ def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
     h1 = httpx.get(sw.base_url + "/health", timeout=60).json()
     cpu1 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid))
     gen = sum(done)
+    layer_steps = max(1, (h1["steps"] - h0["steps"]) * layers)
     return {"tps": gen / wall, "wall": wall, "tokens": gen,
+            # the backbone's dense time per layer of a step (all micro-batches), and its dispatch
+            # wait per layer of a step summed over micro-batches: what the micro-batch rule reads
+            "dense_ms_layer": 1000 * (h1["dense_s"] - h0["dense_s"]) / layer_steps,
+            "wait_ms_layer": 1000 * (h1["dispatch_wait_s"] - h0["dispatch_wait_s"]) / layer_steps,
             "req_per_tok": (h1["expert_requests"] - h0["expert_requests"]) / gen,
             "steps": h1["steps"] - h0["steps"], "micro_batches": h1["micro_batches"],
             "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen}
@@ -146,11 +151,12 @@ def main() -> None:
             best: dict[int, dict] = {}
             for _ in range(args.rounds):
                 for n in conc:
-                    r = measure(sw, n, args.tokens)
+                    r = measure(sw, n, args.tokens, L)
                     if n not in best or r["tps"] > best[n]["tps"]:
                         best[n] = r
             results[rtt] = best
-            print(rtt, {n: (round(r["tps"], 1), r["micro_batches"]) for n, r in best.items()}, flush=True)
+            print(rtt, {n: (round(r["tps"], 1), r["micro_batches"], f'dense {r["dense_ms_layer"]:.2f} ms',
+                            f'wait {r["wait_ms_layer"]:.2f} ms') for n, r in best.items()}, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"bound": bound, "results": {str(k): v for k, v in results.items()}}))
     lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | expert requests / token | steps / micro-batches | "

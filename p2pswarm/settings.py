@@ -107,6 +107,9 @@ THREADS = Var("P2PSWARM_THREADS", _positive_int, None,
               "ggml/portable threads per process (default: the CPUs available, at most 8)")
 GRAPH_CACHE_MB = Var("P2PSWARM_GRAPH_CACHE_MB", _non_negative_int, 256,
                      "the backbone's kept ggml graphs of decode steps (reused while a step's shape repeats), in MiB; 0: off")
+INLINE_MS = Var("P2PSWARM_INLINE_MS", _non_negative_float, 1.5,
+                "a compute call expected to take at most this many ms runs on the event loop, not in a thread "
+                "(0: always a thread)")
 EXPERT_CACHE_MB = Var("P2PSWARM_EXPERT_CACHE_MB", _positive_int, 2048,
                       "the numpy kernel's cache of dequantised experts, in MiB")
 POPULATE = Var("P2PSWARM_POPULATE", _switch, True,

@@ -207,6 +207,11 @@ def test_micro_batch_rule():
     assert choose_micro_batches(0.05, 0.05, 1) == 1
     # dense-bound (local, fast owners): more micro-batches cost overhead for nothing
     assert choose_micro_batches(0.05, 0.0, 64) == 1
+    # measured at 0 ms RTT, 64 sequences on 2 shared cores (~5.5 ms dense per layer, ~10 ms wait):
+    # M = 2-3 ran 10-50% slower than M = 1 (docs/benchmarks.md, "Inline compute of small requests")
+    assert choose_micro_batches(0.0055, 0.010, 64) == 1
+    # ... and at 25 ms (5.5 ms dense, 39 ms wait): M = 2 was no faster
+    assert choose_micro_batches(0.0055, 0.039, 64) == 1
 
 
 def test_token_budget_rule():

@@ -39,6 +39,7 @@ import trio
 
 from p2pswarm.contracts import ExpertBank, Groups, Owner
 from p2pswarm.errors import WorkerError, WorkerSlow, first_error
+from p2pswarm.offload import Offload
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -55,19 +56,25 @@ def peer_of(owner: "Owner") -> str:
 
 
 class LocalOwner(Owner):
-    """The backbone's own replica: every expert, computed in a thread of this process."""
+    """The backbone's own replica: every expert, computed in this process: inline on the event loop
+    when measured to take less than the offload bound (a verification sample of a few rows, a
+    decode step's hot experts: the thread hop costs more), else in a thread (:mod:`p2pswarm.offload`).
+    ``offload`` is shared with the backbone's dense path (one policy per process, so the loop
+    never waits on a kernel lock a thread holds)."""
 
     name = "local"
     remote = False
 
-    def __init__(self, bank: ExpertBank):
+    def __init__(self, bank: ExpertBank, offload: Offload | None = None):
         self.bank = bank
+        self.offload = Offload() if offload is None else offload
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.bank.holds(layer, expert)
 
     async def compute(self, layer, cur, groups):
-        return await trio.to_thread.run_sync(partial(self.bank.forward_groups, layer, cur, groups))
+        n = sum(len(idx) for _, idx in groups)
+        return await self.offload.run(partial(self.bank.forward_groups, layer, cur, groups), n, "experts")
 
 
 class InProcessOwner(Owner):
@@ -82,7 +89,7 @@ class InProcessOwner(Owner):
 
     async def compute(self, layer, cur, groups, family=None):
         rows, local_groups = pack_rows(cur, groups)
-        return await trio.to_thread.run_sync(partial(self.worker.compute, layer, rows, local_groups, family))
+        return await self.worker.compute_async(layer, rows, local_groups, family)
 
 
 @dataclass
@@ -154,7 +161,10 @@ class Dispatcher:
 
     def __init__(self, local: ExpertBank, owners: list[Owner] | None = None, *, fallback: bool = True,
                  backoff_s: float = 30.0, slow_backoff_s: float = 5.0, hot_experts: bool = False):
-        self.local = LocalOwner(local)
+        #: inline-or-thread policy of this process's compute (the local replica's and, through
+        #: the Backbone, the dense path's): p2pswarm.offload
+        self.offload = Offload()
+        self.local = LocalOwner(local, self.offload)
         self.owners = list(owners or [])
         self.fallback = fallback
         self.backoff_s = backoff_s

@@ -10,8 +10,10 @@
     logits = output(h)
 
 ``combine`` sums the weighted expert outputs in top-k order, never in arrival order: that is what
-makes the split run bit-identical to the monolithic one whatever the timing. The numpy work runs in
-a thread (``trio.to_thread``) so the event loop keeps streams flowing.
+makes the split run bit-identical to the monolithic one whatever the timing. The dense work between
+two dispatches runs in a thread (``trio.to_thread``) so the event loop keeps streams flowing, unless
+it is measured to take less than ``$P2PSWARM_INLINE_MS`` (a decode step of a few sequences): then it
+runs inline, because the hop costs more than the work (:mod:`p2pswarm.offload`).
 
 :meth:`Backbone.forward_batch` runs one step for many sequences (the continuous-batching step the
 :mod:`p2pswarm.backbone.scheduler` drives): the dense path of all rows together (norms and
@@ -37,6 +39,7 @@ import trio
 from p2pswarm.backbone.dispatch import Dispatcher, Groups
 from p2pswarm.contracts import DenseModel
 from p2pswarm.engine.state import SequenceState
+from p2pswarm.offload import Offload
 
 F32 = np.float32
 log = logging.getLogger("p2pswarm.backbone")
@@ -242,6 +245,9 @@ class Backbone:
         self.dispatcher = dispatcher
         self.batch_invariant = batch_invariant
         self.timing = LayerTiming()
+        #: inline-or-thread policy for the dense pieces between dispatches, shared with the
+        #: dispatcher's local replica where it has one (p2pswarm.offload)
+        self.offload = getattr(dispatcher, "offload", None) or Offload()
         self.replays = ReplayStats()  # replay on ban: by the scheduler and by logits()
         #: record which positions used a remote worker's unverified outputs (SequenceState.taint), so
         #: a ban can replay them; off, a ban fixes nothing already computed (benchmarks, tests)
@@ -396,7 +402,11 @@ class Backbone:
             timing.dense_s += time.perf_counter() - t0
             timing.layers += L
         else:
-            res = await trio.to_thread.run_sync(first)
+            # each piece inline on the event loop when measured shorter than the offload bound
+            # (a few rows: the hop costs more than the work), else in a thread (p2pswarm.offload)
+            off = self.offload
+            n_rows = int(bounds[-1])
+            res = await off.run(first, n_rows, ("first", invariant))
             timing.dense_s += time.perf_counter() - t0
             taint = {} if self.replay_on_ban else None  # peer -> rows computed from its unverified outputs
             for il in range(L):
@@ -404,7 +414,8 @@ class Backbone:
                 t1 = time.perf_counter()
                 outs = await disp.run_groups(il, cur, groups, taint)
                 t2 = time.perf_counter()
-                res = await trio.to_thread.run_sync(partial(after, il, h, cur, ids, w, groups, outs))
+                res = await off.run(partial(after, il, h, cur, ids, w, groups, outs), n_rows,
+                                    ("after", il, invariant, last_only))
                 timing.dense_s += time.perf_counter() - t2
                 timing.wait_s += t2 - t1
                 timing.layers += 1

@@ -102,7 +102,13 @@ class SchedulerStats:
 
 
 EWMA = 0.3  # weight of the newest step in the timing estimates
-MICRO_OVERHEAD_S = 0.002  # fixed cost of one more micro-batch per layer (thread hops, one more request)
+#: fixed cost of one more micro-batch per layer: one more request per owner (~1.1-1.5 ms of CPU per
+#: round trip through py-libp2p, both ends, docs/benchmarks.md "per-request transport cost") times the
+#: owners of a layer (4 in bench_throughput), plus its thread hops. 2 ms picked M = 2-3 at 0 ms RTT for
+#: 64 sequences on 2 shared cores, 10-50% slower than M = 1 in each of three alternating pairs
+#: (docs/benchmarks.md, "Inline compute of small requests", 2026-12-01); 5 ms picks M = 1 there and
+#: still splits when the dense work is tens of ms per layer (a big model), where pipelining pays.
+MICRO_OVERHEAD_S = 0.005
 
 
 AUTO_BUDGET_FLOOR = 256  # rows of an "auto" step whatever the timing (the fixed default before)
@@ -143,7 +149,9 @@ def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead
     so the last micro-batch's request waits behind the others' framing, proxy and worker hops.
     (Measured 2026-12-01, 64 sequences behind 50 ms links on 2 shared cores: the earlier model,
     without that term, picked M = 4-5; M = 1 gave the same tokens/s within noise with a third of the
-    expert requests and 35% less backbone CPU: docs/benchmarks.md.) With R >> C pipelining hides at
+    expert requests and 35% less backbone CPU: docs/benchmarks.md. At 0 ms RTT, o = 2 ms still
+    picked M = 2-3, 10-50% slower than M = 1: each extra request costs its owner and this process
+    CPU on the same cores the dense work needs; hence ``MICRO_OVERHEAD_S`` = 5 ms.) With R >> C pipelining hides at
     most C: M stays 1-2; with C ~ R it approaches a 2x gain. We take the *smallest* M within
     ``slack`` (5%) of the best time. M <= the number of sequences and ``max_m``."""
     ms = range(1, max(1, min(max_m, n_seqs)) + 1)

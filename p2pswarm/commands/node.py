@@ -224,6 +224,8 @@ async def _worker(args) -> None:
             log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes; stored %d receipts "
                      "in %s", served.requests, served.rows, len(served.peers), served.refused, receipts.stored,
                      receipts.dir)
+            log.info("computed %d requests inline on the event loop and %d in a thread (P2PSWARM_INLINE_MS %g)",
+                     worker.offload.inline_calls, worker.offload.thread_calls, 1000 * worker.offload.inline_s)
             log.info("withdrew my records; bye")
 
 

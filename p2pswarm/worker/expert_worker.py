@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from p2pswarm.engine.kernels import answer_families, family, kernel_id, make_ban
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
+from p2pswarm.offload import Offload
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,17 @@ class ExpertWorker:
         self._threads = bank_options.get("threads")
         self._portable = None  # the portable bank, built on the first request that asks for it
         self._portable_lock = threading.Lock()
+        #: where each request's math runs: inline on the event loop when measured short, else in
+        #: a thread (p2pswarm.offload; one per worker: its bank's lock is the one to not wait on)
+        self.offload = Offload()
+
+    async def compute_async(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]],
+                            family: str | None = None) -> list[np.ndarray]:
+        """:meth:`compute` from the event loop: inline when its expected time (seconds per routed
+        row, measured per kernel family) is below the offload bound, else in a thread, so a big
+        request never holds up the other connections. The same bits either way."""
+        n = sum(len(idx) for _, idx in groups)
+        return await self.offload.run(partial(self.compute, layer, rows, groups, family), n, ("compute", family))
 
     def bank_for(self, family_name: str | None = None):
         """The bank that answers in ``family_name`` (None: this worker's own kernel); a UserError

@@ -3,8 +3,10 @@
 One connection (or libp2p stream) carries a handshake, then any number of requests answered in
 order. :func:`handle_connection` is transport-agnostic: it needs only ``receive_some``,
 ``send_all``, ``send_eof`` and ``aclose`` (a trio TCP stream, or
-:class:`p2pswarm.net.host.StreamAdapter` over a libp2p stream). The math runs in a worker thread
-(``trio.to_thread``) so the event loop keeps other connections flowing. A malformed or oversized
+:class:`p2pswarm.net.host.StreamAdapter` over a libp2p stream). The math of a request measured to
+take more than ``$P2PSWARM_INLINE_MS`` (1.5 ms) runs in a thread (``trio.to_thread``) so the event
+loop keeps other connections flowing; a smaller one (a decode step's few rows) runs inline, because
+the thread hop costs more than the work (:mod:`p2pswarm.offload`). A malformed or oversized
 frame closes *that* connection with an error message; the server keeps serving every other one.
 """
 from __future__ import annotations
@@ -135,8 +137,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     return
                 try:
                     req = proto.ComputeRequest.from_msg(msg)
-                    outputs = await trio.to_thread.run_sync(partial(worker.compute, req.layer, req.rows, req.groups,
-                                                                    req.family or conn_family))
+                    outputs = await worker.compute_async(req.layer, req.rows, req.groups, req.family or conn_family)
                     reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd)
                     log.debug("computed layer %d for %s: %d experts, %d rows", req.layer, peer, len(req.groups),
                               len(req.rows))
