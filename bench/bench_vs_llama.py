@@ -224,11 +224,13 @@ def run_side(a, side: str) -> dict | str:
            "--threads", str(a.threads), "--decode", str(a.decode), "--prefill", str(a.prefill),
            "--seqs", str(a.seqs), "--batch-steps", str(a.batch_steps)]
     tree = a.ours_tree if side == "ours-tree" else REPO
-    if side in ("ours-tree", "llama-passive"):
-        cmd[cmd.index(side)] = "ours" if side == "ours-tree" else "llama"
+    if side in ("ours-tree", "llama-passive", "ours-spinning"):
+        cmd[cmd.index(side)] = "llama" if side == "llama-passive" else "ours"
     env = dict(os.environ, PYTHONPATH=str(tree), BENCH_OURS_TREE=str(tree), P2PSWARM_THREADS=str(a.threads))
     if side == "llama-passive":  # the OpenMP wait policy our engine sets for itself
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if side == "ours-spinning":  # llama.cpp's default policy, which ours keeps when the user set one
+        env["OMP_WAIT_POLICY"] = "ACTIVE"
     subprocess.run(["cat", str(a.model)], stdout=subprocess.DEVNULL, check=True)  # page cache, not the disk
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
@@ -286,6 +288,8 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a note for the table title (e.g. 'before')")
     ap.add_argument("--llama-passive", action="store_true",
                     help="also run llama.cpp (in place) with OMP_WAIT_POLICY=PASSIVE, the policy p2pswarm sets")
+    ap.add_argument("--ours-spinning", action="store_true",
+                    help="also run p2pswarm with OMP_WAIT_POLICY=ACTIVE, llama.cpp's default (threads spin)")
     ap.add_argument("--ours-tree", type=Path,
                     help="also run p2pswarm from this source tree (e.g. the main branch: before/after)")
     ap.add_argument("--child", choices=("ours", "llama", "llama-default"), help=argparse.SUPPRESS)
@@ -298,6 +302,7 @@ def main() -> None:
     sides = (["ours-tree"] if a.ours_tree else []) + ["ours", "llama"]
     sides += ["llama-default"] if a.llama_bufts == "both" else []
     sides += ["llama-passive"] if a.llama_passive else []
+    sides += ["ours-spinning"] if a.ours_spinning else []
     if a.llama_bufts == "default":
         sides[sides.index("llama")] = "llama-default"
     results: dict[str, list] = {s: [] for s in sides}
@@ -312,11 +317,12 @@ def main() -> None:
         med[s] = {m: statistics.median(x.get(m, math.nan) for x in ok) for m in METRICS} if ok else None
     base = "llama" if "llama" in sides else "llama-default"
     names = {"ours": "p2pswarm", "ours-tree": f"p2pswarm ({a.ours_tree})", "llama": "llama.cpp (in place)",
-             "llama-default": "llama.cpp (default bufts)", "llama-passive": "llama.cpp (in place, OMP passive)"}
+             "llama-default": "llama.cpp (default bufts)", "llama-passive": "llama.cpp (in place, OMP passive)",
+             "ours-spinning": "p2pswarm (OMP spinning)"}
     cmd = (f"python bench/bench_vs_llama.py --layers {a.layers} --threads {a.threads} --rounds {a.rounds} "
            f"--type {a.type} --llama-bufts {a.llama_bufts} --decode {a.decode} --prefill {a.prefill} "
            f"--seqs {a.seqs} --batch-steps {a.batch_steps}" + (" --llama-passive" if a.llama_passive else "")
-           + (f" --ours-tree {a.ours_tree}" if a.ours_tree else ""))
+           + (" --ours-spinning" if a.ours_spinning else "") + (f" --ours-tree {a.ours_tree}" if a.ours_tree else ""))
     text = header(f"Backbone engine vs llama.cpp, geometry-122b qwen35moe {a.layers} layers"
                   + (f" ({a.label})" if a.label else ""), cmd)
     text += (f"`{Path(a.model).name}` ({Path(a.model).stat().st_size / 2**30:.2f} GiB), {a.threads} threads both "
@@ -336,7 +342,7 @@ def main() -> None:
         text += f"| {names[s]} | " + " | ".join(fmt(med[s][m], m) for m in METRICS) + " |"
         text += (f" ({len(fails)} of {a.rounds} rounds failed: {fails[0]})\n" if fails else "\n")
     bases = [base] + (["llama-passive"] if med.get("llama-passive") else [])
-    for s, bs in [(s, bs) for bs in bases for s in ("ours-tree", "ours")]:
+    for s, bs in [(s, bs) for bs in bases for s in ("ours-tree", "ours", "ours-spinning")]:
         if med.get(s) and med.get(bs):
             o, b, base = med[s], med[bs], bs
             ref = {**b, "batchx_tps": b["batch_tps"], "batchx_cpu": b["batch_cpu"]}  # llama: one batch
