@@ -27,6 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import time_compute  # noqa: E402
+
 from p2pswarm.engine.arch import load_dense  # noqa: E402
 from p2pswarm.engine.kernels import use_kernel_for_dense  # noqa: E402
 from p2pswarm.model.layout import ModelLayout  # noqa: E402
@@ -49,15 +51,7 @@ def main() -> None:
     use_kernel_for_dense(model, "ggml", threads=a.threads)
     il = next(i for i in range(model.n_layer) if not model.recurrent[i])
     runner = model.w.ggml_dense.runner
-    in_compute = [0.0]
-    compute = runner.compute
-
-    def timed_compute(graph, macs):
-        t = time.perf_counter()
-        compute(graph, macs)
-        in_compute[0] += time.perf_counter() - t
-
-    runner.compute = timed_compute
+    in_compute = time_compute(runner)
     rng = np.random.default_rng(0)
     E = model.n_embd
 

@@ -22,6 +22,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from common import time_compute  # noqa: E402
+
 from p2pswarm.engine.arch import load_dense  # noqa: E402
 from p2pswarm.engine.kernels import use_kernel_for_dense  # noqa: E402
 from p2pswarm.model.layout import ModelLayout  # noqa: E402
@@ -39,15 +41,7 @@ def main() -> None:
     use_kernel_for_dense(model, "ggml", threads=a.threads)
     runner = model.w.ggml_dense.runner
     cache_bytes = runner.graph_cache_bytes
-    compute_s = [0.0]
-    real = runner.compute
-
-    def timed(graph, macs):
-        t = time.perf_counter()
-        real(graph, macs)
-        compute_s[0] += time.perf_counter() - t
-
-    runner.compute = timed
+    compute_s = time_compute(runner)
     rng = np.random.default_rng(0)
     E = model.n_embd
     states = [model.new_state() for _ in range(a.seqs)]

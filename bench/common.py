@@ -24,6 +24,21 @@ def median_time(fn, repeat: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def time_compute(runner) -> list[float]:
+    """Wrap ``runner.compute`` (a ggml GgmlRunner) so that the seconds spent in it accumulate in the
+    returned one-item list (reset it to 0 before a timed call)."""
+    spent = [0.0]
+    real = runner.compute
+
+    def timed(graph, macs):
+        t = time.perf_counter()
+        real(graph, macs)
+        spent[0] += time.perf_counter() - t
+
+    runner.compute = timed
+    return spent
+
+
 def header(title: str, command: str) -> str:
     return (f"\n## {title}\n\n`{command}` — {datetime.date.today().isoformat()}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}\n\n")
