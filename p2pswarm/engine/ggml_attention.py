@@ -15,12 +15,13 @@ IMROPE's positions, the causal masks); no arithmetic of the layer is left to it.
 
 Memory: the KV cache (:class:`~p2pswarm.engine.state.KVCache`: aligned, values transposed as
 llama.cpp keeps them without flash attention) is wrapped in place
-(``ggml_backend_cpu_buffer_from_ptr``): the graph writes the step's k/v rows into it (``ggml_cpy``
-onto a view, ordered before the attention that reads them, as llama.cpp's KV writes are) and reads
-keys and values^T from it, with no copy. A decode row's attention result is placed straight into
-its row of the layer's attention tensor, so a decode sequence costs 5 nodes (k copy, v copy,
-``mul_mat``, ``soft_max_ext``, ``mul_mat``), each ending in a barrier of ggml's threads: what a
-step of many sequences pays per sequence. The quantised projections are the memory map's tensors
+(``ggml_backend_cpu_buffer_from_ptr``): the graph writes the step's k/v rows into it
+(``ggml_set_rows`` at positions that are input data, ordered before the attention that reads them,
+as llama.cpp's KV writes are) and reads keys and values^T from it over the sequence's
+:func:`kv_span`, with no copy. A decode row's attention result is placed straight into its row of
+the layer's attention tensor, so a decode sequence costs 5 nodes (k write, v write, ``mul_mat``,
+``soft_max_ext``, ``mul_mat``), each ending in a barrier of ggml's threads: what a step of many
+sequences pays per sequence. The quantised projections are the memory map's tensors
 (:class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`), and so are float ones and the norm
 weights (wrapped once per layer, :meth:`~p2pswarm.engine.ggml_dense.GgmlDense.mapped`).
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GgmlRunner, _InitParams, f32_view
+from p2pswarm.engine.ggml_kernel import place_tensor as _place
 
 F32 = np.float32
 
@@ -91,9 +92,3 @@ def gated_delta_net(runner: GgmlRunner, segs: list[tuple[np.ndarray, ...]]) -> l
             for buf in buffers:
                 lib.backend_buffer_free(buf)
     return outs
-
-
-def _place(lib, buffer, tensor, addr: int) -> None:
-    status = lib.backend_tensor_alloc(buffer, tensor, addr)
-    if status != 0:
-        raise RuntimeError(f"ggml_backend_tensor_alloc failed ({status})")

@@ -565,9 +565,7 @@ class Graph:
 
     def place(self, buf, tensor, addr: int) -> None:
         """Put metadata tensor ``tensor`` at ``addr`` inside wrapped buffer ``buf``."""
-        status = self.lib.backend_tensor_alloc(buf, tensor, addr)
-        if status != 0:
-            raise RuntimeError(f"ggml_backend_tensor_alloc failed ({status})")
+        place_tensor(self.lib, buf, tensor, addr)
 
     def close(self, *, free_ctx: bool) -> None:
         lib = self.lib
@@ -581,6 +579,13 @@ class Graph:
         if free_ctx and self.ctx:
             lib.free(self.ctx)
         self.ctx = None
+
+
+def place_tensor(lib: GgmlLib, buffer, tensor, addr: int) -> None:
+    """Put a metadata-only tensor at ``addr`` inside ``buffer`` (a CPU buffer wrapping outside memory)."""
+    status = lib.backend_tensor_alloc(buffer, tensor, addr)
+    if status != 0:
+        raise RuntimeError(f"ggml_backend_tensor_alloc failed ({status})")
 
 
 def f32_view(lib: GgmlLib, tensor, shape: tuple[int, ...]) -> np.ndarray:
