@@ -44,6 +44,8 @@ def test_every_variable_is_documented():
     (settings.EXPERT_CACHE_MB, "lots", "is not an integer"),
     (settings.KERNEL, "cuda", "unknown kernel"),
     (settings.PROGRESS_AFTER, "-1", "must be >= 0"),
+    (settings.GRAPH_CACHE_MB, "-5", "P2PSWARM_GRAPH_CACHE_MB='-5': must be >= 0"),
+    (settings.GRAPH_CACHE_MB, "lots", "is not an integer"),
 ])
 def test_malformed_values_are_one_line_errors(monkeypatch, var, text, match):
     monkeypatch.setenv(var.name, text)
@@ -74,3 +76,11 @@ def test_bad_value_through_the_cli(tiny_f32):
     proc = run_cli("logits", str(tiny_f32), "--tokens", "1,2", "--out", str(tiny_f32.parent / "never.npy"), env={"P2PSWARM_THREADS": "many",
                                                                              "P2PSWARM_KERNEL": "ggml"})
     assert_one_line_error(proc, "P2PSWARM_THREADS='many': is not an integer")
+
+
+def test_bad_graph_cache_size_through_the_cli(tiny_f32):
+    out = tiny_f32.parent / "never-graphs.npy"
+    proc = run_cli("logits", str(tiny_f32), "--tokens", "1,2", "--out", str(out),
+                   env={"P2PSWARM_GRAPH_CACHE_MB": "-1", "P2PSWARM_KERNEL": "ggml"})
+    assert_one_line_error(proc, "P2PSWARM_GRAPH_CACHE_MB='-1': must be >= 0")
+    assert not out.exists()
