@@ -6,8 +6,12 @@ worker ``--announce`` s the proxy), and a backbone node serving ``/v1/completion
 
 * aggregate generated tokens/s (all tokens / wall time from the first request to the last reply);
 * the ratio to the bound min(compute bound(N), N / (L * RTT)), where the compute bound is the same
-  N requests through a monolithic in-process backbone (no network at all), measured in this run;
-* expert requests per generated token (from the backbone's /health counters);
+  N requests, from the same client, to the backbone node *alone* (no workers: its replica computes
+  every expert, with all cores), measured in this run: like for like, the swarm's HTTP serving and
+  the load generator's CPU are in both. The earlier bound, the same requests through an in-process
+  scheduler (no HTTP, no client), is reported beside it;
+* expert requests per generated token (from the backbone's /health counters), and the requests
+  that fell back to the backbone's replica (0: the workers computed every group);
 * CPU seconds per generated token of the backbone process and of one worker (from /proc).
 
 Rounds alternate the concurrencies (1 4 16 64 1 4 16 64 ...) and keep the best of ``--rounds``;
@@ -20,13 +24,14 @@ This machine is shared (2 cores, other jobs): absolute numbers are noisy, the ra
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
-import httpx
 import trio
 from common import header
 from wan_swarm import WanSwarm, cpu_seconds
@@ -41,39 +46,54 @@ def prompts(n: int) -> list[str]:
     return [f"client {i} asks" for i in range(n)]
 
 
-def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
-    """n concurrent requests against the running swarm: tokens/s, requests/token, CPU/token."""
-    h0 = httpx.get(sw.base_url + "/health", timeout=60).json()
-    cpu0 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid))
+def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
+    """n concurrent greedy ``/v1/completions`` requests, one thread and connection each (the
+    standard library's ``http.client``): completion tokens of each, and the wall time from the
+    first request to the last reply. Why not httpx: on this 2-core machine the load generator's
+    CPU is taken from the swarm it measures, and httpx costs 4-8 ms of CPU per request here
+    (100 ms for a lone one), ``http.client`` 0.6-0.8 ms (measured 2026-12-02, docs/benchmarks.md)."""
+    host = base_url.split("://", 1)[-1]
+    bodies = [json.dumps({"prompt": p, "max_tokens": tokens, "temperature": 0}) for p in prompts(n)]
     done: list[int] = []
     errors: list[str] = []
 
-    # One client (connection pool of n) shared by the n request threads, made before the clock
-    # starts: an httpx.Client per request builds an SSL context each time (~30 ms of CPU), and on
-    # this 2-core machine the load generator's CPU is taken from the swarm it measures.
-    http = httpx.Client(base_url=sw.base_url, timeout=600,
-                        limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
-
     def client(i: int) -> None:
         try:
-            r = http.post("/v1/completions", json={"prompt": prompts(n)[i], "max_tokens": tokens, "temperature": 0})
-            r.raise_for_status()
-            done.append(r.json()["usage"]["completion_tokens"])
+            c = http.client.HTTPConnection(host, timeout=600)
+            try:
+                c.request("POST", "/v1/completions", bodies[i], {"Content-Type": "application/json"})
+                r = c.getresponse()
+                body = r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {body[:200]!r}")
+                done.append(json.loads(body)["usage"]["completion_tokens"])
+            finally:
+                c.close()
         except Exception as exc:  # noqa: BLE001 - reported
             errors.append(repr(exc))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    with http:
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
     if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-    h1 = httpx.get(sw.base_url + "/health", timeout=60).json()
-    cpu1 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid))
+        raise RuntimeError(f"{len(errors)} of {n} requests failed: {errors[0]}")
+    return done, wall
+
+
+def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
+    """n concurrent requests against the running swarm: tokens/s, requests/token, CPU/token, and
+    how many expert groups the backbone computed itself (fallbacks, or all of them when alone)."""
+    h0 = _get(sw.base_url + "/health")
+    d0 = sw.swarm()["dispatch"]
+    cpu0 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid) if sw.workers else 0.0)
+    done, wall = post_all(sw.base_url, n, tokens)
+    h1 = _get(sw.base_url + "/health")
+    d1 = sw.swarm()["dispatch"]
+    cpu1 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid) if sw.workers else 0.0)
     gen = sum(done)
     layer_steps = max(1, (h1["steps"] - h0["steps"]) * layers)
     return {"tps": gen / wall, "wall": wall, "tokens": gen,
@@ -82,8 +102,16 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "dense_ms_layer": 1000 * (h1["dense_s"] - h0["dense_s"]) / layer_steps,
             "wait_ms_layer": 1000 * (h1["dispatch_wait_s"] - h0["dispatch_wait_s"]) / layer_steps,
             "req_per_tok": (h1["expert_requests"] - h0["expert_requests"]) / gen,
+            "fallbacks": d1["fallbacks"] - d0["fallbacks"],
+            "local_groups": d1["local_groups"] - d0["local_groups"],
+            "remote_groups": d1["remote_groups"] - d0["remote_groups"],
             "steps": h1["steps"] - h0["steps"], "micro_batches": h1["micro_batches"],
             "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen}
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.load(r)
 
 
 async def compute_bound(model: Path, kernel: str, n: int, tokens: int) -> float:
@@ -133,14 +161,23 @@ def main() -> None:
     model = work / "tiny-q8.gguf"
     make_model(model, preset="tiny", qtype="q8_0", seed=2, layers=args.layers)
     L = args.layers
-    bound = {}
-    for _ in range(0 if args.no_bound else args.rounds):
-        for n in conc:
-            v = trio.run(compute_bound, model, args.kernel, n, args.tokens)
-            bound[n] = max(bound.get(n, 0.0), v)
-    if args.no_bound:
-        bound = {n: float("inf") for n in conc}
-    print("compute bound", {n: round(v, 1) for n, v in bound.items()}, flush=True)
+    bound: dict[int, float] = {}  # the backbone alone through its HTTP API: the ratios' bound
+    inproc: dict[int, float] = {}  # the same N requests through an in-process scheduler (no HTTP)
+    if not args.no_bound:
+        with WanSwarm(model, ranges=[], rtt_ms=0, workdir=work / "alone", kernel=args.kernel, timeout_s=30,
+                      threads=None, backbone_args=["--token-budget", args.token_budget]) as alone:
+            measure(alone, 2, 2)  # warm-up
+            for _ in range(args.rounds):
+                for n in conc:
+                    r = measure(alone, n, args.tokens, L)
+                    if r["remote_groups"]:
+                        raise RuntimeError("the backbone-alone baseline sent expert work to a worker")
+                    bound[n] = max(bound.get(n, 0.0), r["tps"])
+                    inproc[n] = max(inproc.get(n, 0.0), trio.run(compute_bound, model, args.kernel, n, args.tokens))
+    else:
+        bound = inproc = {n: float("inf") for n in conc}
+    print("backbone alone (HTTP)", {n: round(v, 1) for n, v in bound.items()},
+          "in-process", {n: round(v, 1) for n, v in inproc.items()}, flush=True)
     results: dict[float, dict[int, dict]] = {}
     for rtt in rtts:
         with WanSwarm(model, ranges=RANGES, rtt_ms=rtt, workdir=work / f"rtt{rtt:g}", kernel=args.kernel,
@@ -156,16 +193,21 @@ def main() -> None:
                         best[n] = r
             results[rtt] = best
             print(rtt, {n: (round(r["tps"], 1), r["micro_batches"], f'dense {r["dense_ms_layer"]:.2f} ms',
-                            f'wait {r["wait_ms_layer"]:.2f} ms') for n, r in best.items()}, flush=True)
+                            f'wait {r["wait_ms_layer"]:.2f} ms', f'fallbacks {r["fallbacks"]}')
+                        for n, r in best.items()}, flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"bound": bound, "results": {str(k): v for k, v in results.items()}}))
-    lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | expert requests / token | steps / micro-batches | "
-             "backbone CPU ms / token | worker CPU ms / token |", "|---|---|---|---|---|---|---|---|---|---|"]
+        Path(args.json).write_text(json.dumps({"bound": bound, "inproc": inproc,
+                                               "results": {str(k): v for k, v in results.items()}}))
+    lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | ratio, in-process bound | "
+             "expert requests / token | fallback requests | steps / micro-batches | "
+             "backbone CPU ms / token | worker CPU ms / token |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rtt, best in results.items():
         for n, r in best.items():
-            b = min(bound[n], n / (L * rtt / 1000)) if rtt > 0 else bound[n]
+            net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
+            b, bi = min(bound[n], net), min(inproc[n], net)
             lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
-                         f"{r['tps'] / b:.2f} | {r['req_per_tok']:.2f} | {r['steps']} / {r['micro_batches']} | "
+                         f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['req_per_tok']:.2f} | {r['fallbacks']} | "
+                         f"{r['steps']} / {r['micro_batches']} | "
                          f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} |")
     text = header("Throughput: continuous batching under WAN latency",
                   f"python bench/bench_throughput.py --tokens {args.tokens} --rounds {args.rounds} "
@@ -173,8 +215,10 @@ def main() -> None:
         f"Synthetic tiny q8_0 model ({L} layers, 16 experts, top-8), kernel {args.kernel}, bootstrap + 4 worker "
         f"processes (4 experts each) behind WAN proxies + backbone HTTP API, all on this 2-core machine. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
-        f"Bound = min(compute bound, N/(L*RTT)); compute bound = the same N requests through a monolithic "
-        f"in-process backbone: {', '.join(f'N={n}: {v:.1f}' for n, v in bound.items())} tokens/s.\n\n"
+        f"Bound = min(compute bound, N/(L*RTT)); compute bound = the same N requests, same client, to the "
+        f"backbone node alone (no workers: it computes every expert; all cores): "
+        f"{', '.join(f'N={n}: {v:.1f}' for n, v in bound.items())} tokens/s; through an in-process scheduler "
+        f"(no HTTP, the bound of earlier runs): {', '.join(f'N={n}: {v:.1f}' for n, v in inproc.items())} tokens/s.\n\n"
     ) + "\n".join(lines) + "\n"
     if args.plot:
         import matplotlib
@@ -185,7 +229,7 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for rtt, best in results.items():
             ax.plot(list(best), [r["tps"] for r in best.values()], marker="o", label=f"{rtt:g} ms RTT")
-        ax.plot(list(bound), list(bound.values()), "k--", label="compute bound (monolithic)")
+        ax.plot(list(bound), list(bound.values()), "k--", label="compute bound (backbone alone)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("concurrent requests")

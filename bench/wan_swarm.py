@@ -13,9 +13,11 @@ address, so every expert request the backbone sends crosses the emulated link bo
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from p2pswarm.model.slicer import slice_experts
@@ -36,9 +38,12 @@ def cpu_seconds(pid: int) -> float:
 class WanSwarm:
     def __init__(self, model: Path, *, ranges: list[tuple[int, int]], rtt_ms: float, workdir: Path,
                  kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0,
-                 wrapper: str | None = None):
+                 wrapper: str | None = None, threads: int | None = 1):
         """``wrapper``: a script run instead of ``-m MODULE`` as ``python WRAPPER MODULE args`` for every
-        node and proxy (bench/trace_entry.py: per-hop timestamps)."""
+        node and proxy (bench/trace_entry.py: per-hop timestamps). ``threads``: every node's kernel
+        threads (``P2PSWARM_THREADS``; 1: ten processes share this machine's cores; ``None``: the
+        default, all cores, for a backbone alone). ``ranges=[]``: no workers, the backbone computes
+        every expert itself (the backbone-alone baseline, through the same HTTP API)."""
         self.model = Path(model)
         self.ranges = ranges
         self.rtt_ms = rtt_ms
@@ -46,8 +51,11 @@ class WanSwarm:
         self.kernel = kernel
         self.backbone_args = backbone_args or []
         self.timeout_s = timeout_s
-        self.env = dict(os.environ, P2PSWARM_KERNEL=kernel, P2PSWARM_HOME=str(self.dir / "home"),
-                        P2PSWARM_THREADS="1")
+        self.env = dict(os.environ, P2PSWARM_KERNEL=kernel, P2PSWARM_HOME=str(self.dir / "home"))
+        if threads is None:
+            self.env.pop("P2PSWARM_THREADS", None)
+        else:
+            self.env["P2PSWARM_THREADS"] = str(threads)
         self.procs: list[Proc] = []
         self.workers: list[Proc] = []
         self.proxies: list[Proc] = []
@@ -91,14 +99,25 @@ class WanSwarm:
             raise
         return self
 
+    def swarm(self) -> dict:
+        """The backbone's ``GET /v1/swarm``: coverage units, the workers it sees, dispatch counters."""
+        with urllib.request.urlopen(self.base_url + "/v1/swarm", timeout=30) as r:
+            return json.load(r)
+
     def wait_covered(self, timeout_s: float = 60.0) -> None:
-        """Until the backbone's resolver sees every worker (its log says how many remote owners)."""
+        """Until the backbone sees every unit covered by a remote replica and every worker, read from
+        its ``/v1/swarm`` (not its start-up log line: a first coverage map that misses a worker whose
+        records were not in the DHT yet is completed by a later refresh, which logs nothing)."""
         deadline = time.monotonic() + timeout_s
+        seen = None
         while time.monotonic() < deadline:
-            if "0 missing" in self.backbone.log.read_text():
+            seen = self.swarm()
+            if seen["covered_units"] == len(seen["units"]) and len(seen["workers"]) >= len(self.ranges):
                 return
             time.sleep(0.2)
-        raise RuntimeError("the backbone never saw full coverage: " + self.backbone.log.read_text()[-2000:])
+        raise RuntimeError(f"the backbone never saw full coverage: {seen and seen['covered_units']} of "
+                           f"{seen and len(seen['units'])} units, {seen and len(seen['workers'])} workers; "
+                           + self.backbone.log.read_text()[-2000:])
 
     def __exit__(self, *exc) -> None:
         for p in reversed(self.procs):
