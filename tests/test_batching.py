@@ -127,6 +127,50 @@ async def test_scheduler_batches_and_each_request_equals_alone(tiny_f32):
     assert swarm.backbone.dispatcher.stats.requests - req_alone < req_alone / 2
 
 
+async def test_an_idle_scheduler_gathers_a_burst_before_its_first_step(tiny_f32):
+    """Requests that arrive a few ms apart (as an HTTP server parses a burst) share the first step:
+    every one of 6 gets its first token from step 1, so 4 tokens take 4 steps, not 5. A stream
+    that never pauses still starts by the most the scheduler waits."""
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        sched = Scheduler(mono.backbone, gather=(0.05, 1.0))
+        first_step: dict[int, int] = {}
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.run)
+
+            async def one(i, prompt):
+                async with sched.submit(prompt, Params(max_tokens=4)) as req:
+                    async for step in req:
+                        first_step.setdefault(i, sched.stats.steps)
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as clients:
+                    for i, prompt in enumerate(PROMPTS):
+                        clients.start_soon(one, i, prompt)
+                        await trio.sleep(0.005)
+            assert sched.stats.steps == 4 and set(first_step.values()) == {1}, first_step
+            # a stream of arrivals 10 ms apart for 0.6 s, gathered for at most 0.1 s: the first
+            # request's first token comes before the stream ends
+            sched.gather_gap_s, sched.gather_max_s = 0.05, 0.1
+            first_token_at: list[float] = []
+            t0 = trio.current_time()
+
+            async def early():
+                async with sched.submit(PROMPTS[0], Params(max_tokens=2)) as req:
+                    async for _ in req:
+                        first_token_at.append(trio.current_time() - t0)
+                        break
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as clients:
+                    clients.start_soon(early)
+                    for i in range(60):
+                        await trio.sleep(0.01)
+                        clients.start_soon(_collect, sched, PROMPTS[i % len(PROMPTS)], 1)
+                    stream_end = trio.current_time() - t0
+            nursery.cancel_scope.cancel()
+    assert first_token_at and first_token_at[0] < stream_end, (first_token_at, stream_end)
+
+
 async def test_scheduler_cancel_and_refusals(tiny_f32):
     async with open_backbone(tiny_f32, workers=0) as mono:
         sched = Scheduler(mono.backbone)
