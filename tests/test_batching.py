@@ -150,7 +150,7 @@ async def test_an_idle_scheduler_gathers_a_burst_before_its_first_step(tiny_f32)
             assert sched.stats.steps == 4 and set(first_step.values()) == {1}, first_step
             # a stream of arrivals 10 ms apart for 0.6 s, gathered for at most 0.1 s: the first
             # request's first token comes before the stream ends
-            sched.gather_gap_s, sched.gather_max_s = 0.05, 0.1
+            sched.gather = (0.05, 0.1)
             first_token_at: list[float] = []
             t0 = trio.current_time()
 
@@ -169,6 +169,23 @@ async def test_an_idle_scheduler_gathers_a_burst_before_its_first_step(tiny_f32)
                     stream_end = trio.current_time() - t0
             nursery.cancel_scope.cancel()
     assert first_token_at and first_token_at[0] < stream_end, (first_token_at, stream_end)
+
+
+async def test_the_automatic_gather_window_follows_the_step_time(tiny_f32):
+    """``auto``: before any step a fixed small window; then a quarter of the steps' time, capped;
+    bad fixed windows are refused."""
+    from p2pswarm.backbone.scheduler import GATHER_FIRST, GATHER_MAX_S
+
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        sched = Scheduler(mono.backbone)
+        assert sched.gather_window() == GATHER_FIRST
+        sched.step_s = 0.2  # e.g. 4 layers at 50 ms RTT
+        assert sched.gather_window() == pytest.approx((0.01, 0.05))
+        sched.step_s = 10.0
+        assert sched.gather_window()[1] == GATHER_MAX_S
+        for bad in ((-1, 0.1), (0.1,), "soon"):
+            with pytest.raises(ValueError, match="gather"):
+                Scheduler(mono.backbone, gather=bad)
 
 
 async def test_scheduler_cancel_and_refusals(tiny_f32):

@@ -110,15 +110,18 @@ EWMA = 0.3  # weight of the newest step in the timing estimates
 #: still splits when the dense work is tens of ms per layer (a big model), where pipelining pays.
 MICRO_OVERHEAD_S = 0.005
 
-#: Gathering a burst. An idle backbone that gets a request waits, before its first step, until no
-#: other request has come for GATHER_GAP_S, and at most GATHER_MAX_S. Why: requests sent together
-#: (a client's batch, many users at once) reach the scheduler one by one as the HTTP server parses
-#: them on the event loop (~0.3-1 ms each, more on a busy host); without waiting, the first step
-#: took the first one or two and every later one joined a step later: one more step for the whole
-#: burst, L round trips (measured 2026-12-02: 9-10 steps instead of 8 for 8 tokens of 4-64
-#: concurrent requests). A lone request pays the gap once, ~1% of an 8-token reply at 0 ms RTT.
-GATHER_GAP_S = 0.002
-GATHER_MAX_S = 0.025
+#: Gathering a burst. An idle backbone that gets a request waits before its first step while more
+#: keep coming: at most GATHER_FRACTION of a recent step's time (an EWMA), and it starts as soon as
+#: a fifth of that passes with no new request (before any step was timed: GATHER_FIRST, gap and
+#: most, in seconds). Why: requests sent together (a client's batch, many users at once) reach the
+#: scheduler one by one as the HTTP server parses them on the event loop (~0.5-2 ms each on a busy
+#: host); without waiting, the first step took the first one or two and every later one joined a
+#: step later: one more step, L round trips, for the whole burst (measured 2026-12-02: 9 steps
+#: instead of 8 for 8 tokens of 4-64 concurrent requests). Waiting costs the burst at most a
+#: quarter of one step, once; a lone request pays the gap, a twentieth of a step.
+GATHER_FRACTION = 0.25
+GATHER_FIRST = (0.002, 0.025)
+GATHER_MAX_S = 0.25  # never longer, however slow the steps
 
 
 AUTO_BUDGET_FLOOR = 256  # rows of an "auto" step whatever the timing (the fixed default before)
@@ -240,9 +243,10 @@ class Scheduler:
 
     def __init__(self, backbone: Backbone, tokenizer=None, *, token_budget: int | str = 256, prefill_chunk: int = 32,
                  max_active: int = 256, micro_batches: int | str = "auto",
-                 gather: tuple[float, float] = (GATHER_GAP_S, GATHER_MAX_S)):
-        """``gather``: (gap, most) seconds an idle scheduler waits for a burst of requests before its
-        first step (:data:`GATHER_GAP_S`); ``(0, 0)`` starts at once."""
+                 gather: str | tuple[float, float] = "auto"):
+        """``gather``: how long an idle scheduler waits for a burst of requests before its first
+        step: ``auto`` (:data:`GATHER_FRACTION`), or fixed (gap, most) seconds; ``(0, 0)`` starts
+        at once."""
         if token_budget != "auto" and (not isinstance(token_budget, int) or token_budget < 1):
             raise ValueError("token_budget must be 'auto' or an integer >= 1")
         if prefill_chunk < 1 or max_active < 1:
@@ -250,7 +254,10 @@ class Scheduler:
         if micro_batches != "auto" and (not isinstance(micro_batches, int) or micro_batches < 1):
             raise ValueError("micro_batches must be 'auto' or an integer >= 1")
         self.micro_batches = micro_batches
-        self.gather_gap_s, self.gather_max_s = gather
+        if gather != "auto" and not (len(gather) == 2 and 0 <= gather[0] and 0 <= gather[1]):
+            raise ValueError("gather must be 'auto' or (gap, most) seconds >= 0")
+        self.gather = gather
+        self.step_s: float | None = None  # EWMA: wall seconds of a step
         self.dense_s: float | None = None  # EWMA: dense seconds per layer of a whole step
         self.wait_s: float | None = None  # EWMA: dispatch wait per layer of one micro-batch
         self.last_micro_batches = 1
@@ -335,17 +342,26 @@ class Scheduler:
     def _on_ban(self, peer: str) -> None:
         self._wake.set()
 
+    def gather_window(self) -> tuple[float, float]:
+        """(gap, most) seconds :meth:`_gather` waits now (see :data:`GATHER_FRACTION`)."""
+        if self.gather != "auto":
+            return self.gather
+        if self.step_s is None:
+            return GATHER_FIRST
+        most = min(GATHER_MAX_S, GATHER_FRACTION * self.step_s)
+        return most / 5, most
+
     async def _gather(self) -> None:
-        """Wait while requests keep arriving less than ``gather_gap_s`` apart, at most
-        ``gather_max_s`` in all (see :data:`GATHER_GAP_S`); a wake-up that brings no request (a
-        cancel, a ban) ends it."""
-        if self.gather_gap_s <= 0 or not self._pending:
+        """Wait while requests keep arriving less than the gap apart, at most the window in all
+        (:meth:`gather_window`); a wake-up that brings no request (a cancel, a ban) ends it."""
+        gap, most = self.gather_window()
+        if gap <= 0 or most <= 0 or not self._pending:
             return
-        deadline = trio.current_time() + self.gather_max_s
+        deadline = trio.current_time() + most
         while trio.current_time() < deadline:
             seen = len(self._pending)
             self._wake = trio.Event()
-            with trio.move_on_at(min(deadline, trio.current_time() + self.gather_gap_s)):
+            with trio.move_on_at(min(deadline, trio.current_time() + gap)):
                 await self._wake.wait()
             if len(self._pending) == seen:
                 return
@@ -415,9 +431,12 @@ class Scheduler:
             for i, o in zip(idx, out):
                 results[i] = o
 
+        t_step = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for idx in parts:
                 nursery.start_soon(run_part, idx)
+        took = time.perf_counter() - t_step
+        self.step_s = took if self.step_s is None else (1 - EWMA) * self.step_s + EWMA * took
         t = self.backbone.timing
         layers = t.layers - t_before.layers
         if layers:
