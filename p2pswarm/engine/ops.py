@@ -85,21 +85,26 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int) -> np.nd
 
     q: (T, H, hd) for positions q_pos0..q_pos0+T-1; k, v: (S, Hkv, hd) for positions 0..S-1.
     Query head j reads KV head j // (H / Hkv). Returns (T, H, hd).
+
+    The query heads that share a KV head are one matrix (their rows stacked), multiplied by that
+    head's keys and values as they lie in the cache (strided views, no copy): no repeat of the cache
+    per query head, and no mask where every key is visible (a decode row). Why: this runs once per
+    sequence per attention layer on the backbone; the form with ``np.repeat`` and an explicit
+    mask took 44 us (5 cached positions) to 2 ms (1,000) per decode row, this one 19-140 us
+    (2026-12-02).
     """
     T, H, hd = q.shape
     S, Hkv, _ = k.shape
     group = H // Hkv
     scale = F32(1.0 / np.sqrt(hd))
-    kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # (H, S, hd)
-    vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
-    qh = q.transpose(1, 0, 2)  # (H, T, hd)
-    scores = (qh @ kh.transpose(0, 2, 1)) * scale  # (H, T, S)
-    qpos = q_pos0 + np.arange(T)[:, None]
-    mask = np.arange(S)[None, :] > qpos  # (T, S): future keys
-    scores = np.where(mask[None, :, :], F32(-np.inf), scores)
+    qh = q.reshape(T, Hkv, group, hd).transpose(1, 2, 0, 3).reshape(Hkv, group * T, hd)  # rows (head, t)
+    scores = (qh @ k.transpose(1, 2, 0)) * scale  # (Hkv, group * T, S)
+    if q_pos0 + T < S or T > 1:  # some key lies after some query's position
+        qpos = q_pos0 + np.tile(np.arange(T), group)
+        scores = np.where((np.arange(S)[None, :] > qpos[:, None])[None], F32(-np.inf), scores)
     probs = softmax(scores, axis=-1)
-    out = probs @ vh  # (H, T, hd)
-    return out.transpose(1, 0, 2)
+    out = probs @ v.transpose(1, 0, 2)  # (Hkv, group * T, hd)
+    return out.reshape(Hkv, group, T, hd).transpose(2, 0, 1, 3).reshape(T, H, hd)
 
 
 def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
