@@ -114,12 +114,13 @@ MICRO_OVERHEAD_S = 0.005
 #: keep coming: at most GATHER_FRACTION of a recent step's time (an EWMA), and it starts as soon as
 #: a fifth of that passes with no new request (before any step was timed: GATHER_FIRST, gap and
 #: most, in seconds). Why: requests sent together (a client's batch, many users at once) reach the
-#: scheduler one by one as the HTTP server parses them on the event loop (~0.5-2 ms each on a busy
-#: host); without waiting, the first step took the first one or two and every later one joined a
-#: step later: one more step, L round trips, for the whole burst (measured 2026-12-02: 9 steps
-#: instead of 8 for 8 tokens of 4-64 concurrent requests). Waiting costs the burst at most a
-#: quarter of one step, once; a lone request pays the gap, a twentieth of a step.
-GATHER_FRACTION = 0.25
+#: scheduler one by one as the HTTP server parses them on the event loop (~1-1.5 ms each on a busy
+#: 2-core host: 64 at once took 80-100 ms); without waiting, the first step took the first one or
+#: two and every later one joined a step later: one more step, L round trips, for the whole burst
+#: (measured 2026-12-02: 9 steps instead of 8 for 8 tokens of 4-64 concurrent requests; a quarter
+#: of a step still missed 11 of 64). Waiting costs the burst at most half of one step, once, where
+#: the stragglers would lose a whole one; a lone request pays the gap, a tenth of a step.
+GATHER_FRACTION = 0.5
 GATHER_FIRST = (0.002, 0.025)
 GATHER_MAX_S = 0.25  # never longer, however slow the steps
 
@@ -343,7 +344,8 @@ class Scheduler:
         self._wake.set()
 
     def gather_window(self) -> tuple[float, float]:
-        """(gap, most) seconds :meth:`_gather` waits now (see :data:`GATHER_FRACTION`)."""
+        """(gap, most) seconds :meth:`_gather` waits now (see :data:`GATHER_FRACTION`): most a
+        fraction of the recent step time, capped at :data:`GATHER_MAX_S`, the gap a fifth of it."""
         if self.gather != "auto":
             return self.gather
         if self.step_s is None:
