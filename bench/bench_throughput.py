@@ -212,7 +212,7 @@ def main() -> None:
     text = header("Throughput: continuous batching under WAN latency",
                   f"python bench/bench_throughput.py --tokens {args.tokens} --rounds {args.rounds} "
                   + " ".join(f"--rtt {r:g}" for r in rtts)) + (
-        f"Synthetic tiny q8_0 model ({L} layers, 16 experts, top-8), kernel {args.kernel}, bootstrap + 4 worker "
+        f"Synthetic tiny q8_0 model ({L} layers, 16 experts, top-4), kernel {args.kernel}, bootstrap + 4 worker "
         f"processes (4 experts each) behind WAN proxies + backbone HTTP API, all on this 2-core machine. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
         f"Bound = min(compute bound, N/(L*RTT)); compute bound = the same N requests, same client, to the "
