@@ -50,8 +50,9 @@ def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
     """n concurrent greedy ``/v1/completions`` requests, one thread and connection each (the
     standard library's ``http.client``): completion tokens of each, and the wall time from the
     first request to the last reply. Why not httpx: on this 2-core machine the load generator's
-    CPU is taken from the swarm it measures, and httpx costs 4-8 ms of CPU per request here
-    (100 ms for a lone one), ``http.client`` 0.6-0.8 ms (measured 2026-12-02, docs/benchmarks.md)."""
+    CPU is taken from the swarm it measures; httpx (one shared client, threads) costs 1.9-2.2 ms
+    of CPU per request here, ``http.client`` 0.6 ms (``python bench/bench_load_client.py``,
+    2026-12-02, docs/benchmarks.md)."""
     host = base_url.split("://", 1)[-1]
     bodies = [json.dumps({"prompt": p, "max_tokens": tokens, "temperature": 0}) for p in prompts(n)]
     done: list[int] = []
