@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import httpx
-from bench_throughput import post_all, prompts
+from bench_throughput import post_all, prompts, run_threads
 from common import header
 from wan_swarm import WanSwarm
 
@@ -35,13 +33,7 @@ def post_all_httpx(http: httpx.Client, n: int, tokens: int) -> tuple[list[int], 
         r.raise_for_status()
         done.append(r.json()["usage"]["completion_tokens"])
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_threads(client, n)
     if len(done) != n:
         raise RuntimeError(f"{n - len(done)} of {n} requests failed")
     return done, wall

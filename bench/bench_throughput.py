@@ -73,16 +73,22 @@ def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
         except Exception as exc:  # noqa: BLE001 - reported
             errors.append(repr(exc))
 
+    wall = run_threads(client, n)
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} requests failed: {errors[0]}")
+    return done, wall
+
+
+def run_threads(client, n: int) -> float:
+    """``client(i)`` for i in 0..n-1, each in its own thread, all at once: the wall time from the
+    first start to the last join."""
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {n} requests failed: {errors[0]}")
-    return done, wall
+    return time.perf_counter() - t0
 
 
 def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
