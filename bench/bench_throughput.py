@@ -29,7 +29,6 @@ import json
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import trio
@@ -94,11 +93,11 @@ def run_threads(client, n: int) -> float:
 def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
     """n concurrent requests against the running swarm: tokens/s, requests/token, CPU/token, and
     how many expert groups the backbone computed itself (fallbacks, or all of them when alone)."""
-    h0 = _get(sw.base_url + "/health")
+    h0 = sw.get("/health")
     d0 = sw.swarm()["dispatch"]
     cpu0 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid) if sw.workers else 0.0)
     done, wall = post_all(sw.base_url, n, tokens)
-    h1 = _get(sw.base_url + "/health")
+    h1 = sw.get("/health")
     d1 = sw.swarm()["dispatch"]
     cpu1 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid) if sw.workers else 0.0)
     gen = sum(done)
@@ -114,11 +113,6 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "remote_groups": d1["remote_groups"] - d0["remote_groups"],
             "steps": h1["steps"] - h0["steps"], "micro_batches": h1["micro_batches"],
             "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen}
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.load(r)
 
 
 async def compute_bound(model: Path, kernel: str, n: int, tokens: int) -> float:

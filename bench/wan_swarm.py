@@ -99,10 +99,14 @@ class WanSwarm:
             raise
         return self
 
+    def get(self, path: str) -> dict:
+        """The backbone's JSON answer to ``GET path`` (``/health``, ``/v1/swarm``, ...)."""
+        with urllib.request.urlopen(self.base_url + path, timeout=60) as r:
+            return json.load(r)
+
     def swarm(self) -> dict:
         """The backbone's ``GET /v1/swarm``: coverage units, the workers it sees, dispatch counters."""
-        with urllib.request.urlopen(self.base_url + "/v1/swarm", timeout=30) as r:
-            return json.load(r)
+        return self.get("/v1/swarm")
 
     def wait_covered(self, timeout_s: float = 60.0) -> None:
         """Until the backbone sees every unit covered by a remote replica and every worker, read from
