@@ -3,23 +3,45 @@
 A worker process stopped with SIGSTOP keeps its connection open and answers nothing. Every request
 has a deadline learnt from that worker's recent round trips, so the step that meets the hung worker
 is late by at most its deadline plus the local recomputation of its groups -- not the 30 s
-timeout -- and the steps after it skip the worker (a short back-off). After SIGCONT the worker is
-used again. The logits stay bit-equal to the monolithic run throughout.
+timeout -- and the steps after it skip the worker (a short back-off). After SIGCONT its late reply
+arrives and ends the back-off: the worker is used again at once. The logits stay bit-equal to the
+monolithic run throughout.
+
+A backbone that is itself stalled (its event loop blocked: a lazy import, a loaded machine) must
+not call a worker that answered in time hung: the stall is credited to the deadline
+(p2pswarm/backbone/loop_watch.py).
 """
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import statistics
+import threading
 import time
 
 import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.dispatch import pack_rows
+from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.net.host import open_host
+from p2pswarm.net.identity import Identity
+from p2pswarm.worker.expert_worker import ExpertWorker
+
+from helpers.owners import libp2p_owner, served
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def shards2(tiny_f32, tmp_path, monkeypatch):
+    monkeypatch.setenv("P2PSWARM_KERNEL", "numpy")  # the same kernel on both sides
+    layout = ModelLayout.open(tiny_f32)
+    return ensure_shards(layout, model_fingerprint(layout), 2, tmp_path / "shards")
 TOKENS = [5, 17, 42, 99, 100, 7, 256, 300, 12, 64, 128, 31, 2, 77, 500, 9, 33, 45, 88, 301, 6, 51, 97, 140,
           12, 260, 33, 71, 2, 118, 199, 45, 88, 301, 5, 211, 37, 90, 14, 14]
 
@@ -60,10 +82,64 @@ async def test_sigstop_costs_a_step_at_most_its_deadline_and_sigcont_brings_it_b
             assert d.stats.per_owner.get(hung.name, 0) - served_before <= bb.model.n_expert_used
         finally:
             os.kill(pid, signal.SIGCONT)
-        await trio.sleep(d.slow_backoff_s + 0.5)
+        # Its late reply ends the back-off: it is used again at once, not after slow_backoff_s.
+        t_cont = time.monotonic()
+        while not d.healthy(hung):
+            assert time.monotonic() - t_cont < d.slow_backoff_s - 1.0, "no recovery by the late reply"
+            await trio.sleep(0.02)
+        assert d.stats.recoveries == 1 and hung.late_rows >= 1 and hung.recovered_at is not None
         misses, served = d.stats.deadline_misses, d.stats.per_owner.get(hung.name, 0)
         rows += await _decode(bb, TOKENS[20:], state, [])
         assert d.stats.per_owner.get(hung.name, 0) > served + 4, "the worker was not used again after SIGCONT"
         assert d.stats.deadline_misses == misses
         assert d.stats.per_owner.get(other.name, 0) > 0
     assert np.array_equal(np.concatenate(rows, axis=0), want)
+
+
+async def test_a_backbone_stall_is_not_blamed_on_the_worker(shards2):
+    """The worker (its own trio loop, in a thread) answers at once; our loop is blocked past the
+    learnt deadline while the request is in flight. Over libp2p the reply then sits in a buffer
+    that only our (stalled) read-ahead task would deliver: without the stall credit the deadline
+    fires first and the worker is called hung."""
+    worker = ExpertWorker(shards2[0])
+    ready, stop = queue.Queue(), threading.Event()
+
+    def serve() -> None:
+        async def main() -> None:
+            async with served(worker) as wnet:
+                ready.put(wnet)
+                while not stop.is_set():
+                    await trio.sleep(0.01)
+        trio.run(main)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        wnet = await trio.to_thread.run_sync(ready.get, True, 60)
+        rng = np.random.default_rng(3)
+        layer = worker.info.layer_begin
+        groups = [(worker.info.expert_begin, np.arange(4))]
+        async with open_host(Identity.generate()) as bnet:
+            owner = libp2p_owner(bnet, wnet, worker, timeout_s=30.0)
+            cur = rng.standard_normal((4, worker.info.n_embd)).astype(np.float32)
+            want = worker.compute(layer, *pack_rows(cur, groups))
+            for _ in range(12):  # learn the deadline
+                await owner.compute(layer, cur, groups)
+            deadline = owner.deadline_s(4)
+            assert deadline < 5.0, deadline
+            got = {}
+
+            async def ask() -> None:
+                got["out"] = await owner.compute(layer, cur, groups)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                while owner._sent == owner._served:  # until the request is on the wire
+                    await trio.sleep(0)
+                time.sleep(deadline + 0.5)  # block the event loop: our stall, not the worker's
+            assert all(np.array_equal(g, w) for g, w in zip(got["out"], want))  # no WorkerSlow raised
+            assert owner.recovered_at is None and owner.late_rows == 0
+            await owner.aclose()
+    finally:
+        stop.set()
+        thread.join(30)

@@ -78,7 +78,7 @@ def test_dishonest_worker_is_caught_banned_everywhere_and_its_receipts_voided(ti
                      "--kernel", "numpy", "--swarm", boot.addr, "--trust-bans", b1_id, "--receipt-period", "0.3",
                      env=env, check=True)
         assert f"honouring the ban of worker {liar_id} by backbone {b1_id}" in b2.stderr, b2.stderr[-3000:]
-        assert " 0 fallbacks" in b2.stdout and "BANNED" not in b2.stderr
+        assert "BANNED" not in b2.stderr and not re.search(rf"worker {liar_id[-10:]}/\w+ (failed|answered)", b2.stderr)
         assert np.array_equal(np.load(mono), np.load(tmp_path / "b2.npy"))
         deadline = time.time() + 30
         while f"honouring the ban of worker {liar_id} by backbone {b1_id}" not in b3.log.read_text():
@@ -88,7 +88,11 @@ def test_dishonest_worker_is_caught_banned_everywhere_and_its_receipts_voided(ti
         honest.stop()
         log = liar.log.read_text()
         total = int(re.search(r"DISHONEST: served (\d+) rows", log).group(1))
-        assert total == served, (total, served)  # nothing after the ban, from either backbone
+        # replies that came after their deadline (a loaded machine) were computed but recomputed
+        # locally, not used: backbone 1 logs them
+        late = sum(int(n) for n in re.findall(rf"worker {liar_id[-10:]}/\w+ answered its request of (\d+) rows",
+                                              b1.stderr))
+        assert total == served + late, (total, served, late)  # nothing after the ban, from either backbone
         # The honest worker's receipts from both backbones verify and add up.
         good = run_cli("rewards", "--dir", str(tmp_path / "honest-r"), "--json", env=env)
         assert good.returncode == 0, good.stderr

@@ -6,7 +6,8 @@ The backbone hands :meth:`Dispatcher.run` the rows ``cur`` of one layer and the 
 1. assigns each group to an owner that holds the expert (a worker, or the local bank);
 2. sends *one* request per owner with all its groups, to all owners concurrently;
 3. on an owner's error or timeout, recomputes that owner's groups on the local replica (the
-   backbone holds every expert) and avoids the owner for a back-off period;
+   backbone holds every expert) and avoids the owner for a back-off period (one that only
+   missed its deadline is used again as soon as its late reply arrives: it was late, not hung);
 4. returns ``{expert: outputs}``; the caller combines them in top-k order, so arrival order never
    matters and the result is bit-identical whoever computed what.
 
@@ -107,11 +108,12 @@ class DispatchStats:
     deadline_misses: int = 0  # fallbacks because a worker missed its learnt deadline (hung, not dead)
     verified_groups: int = 0  # remote groups recomputed locally to check them (Dispatcher.verifier)
     mismatches: int = 0  # checked groups whose outputs differed from the local replica's (each bans)
+    recoveries: int = 0  # back-offs ended early: the worker's late reply came (it was late, not hung)
 
     def snapshot(self) -> "DispatchStats":
         return DispatchStats(self.layers, self.requests, self.remote_rows, self.local_groups, self.remote_groups,
                              self.fallbacks, self.seconds, dict(self.per_owner), self.deadline_misses,
-                             self.verified_groups, self.mismatches)
+                             self.verified_groups, self.mismatches, self.recoveries)
 
     def since(self, before: "DispatchStats") -> "DispatchStats":
         return DispatchStats(
@@ -121,6 +123,7 @@ class DispatchStats:
             {k: v - before.per_owner.get(k, 0) for k, v in self.per_owner.items()},
             self.deadline_misses - before.deadline_misses,
             self.verified_groups - before.verified_groups, self.mismatches - before.mismatches,
+            self.recoveries - before.recoveries,
         )
 
 
@@ -170,6 +173,7 @@ class Dispatcher:
         self.backoff_s = backoff_s
         self.slow_backoff_s = slow_backoff_s  # after a missed deadline (WorkerSlow), not a failure
         self._down_until: dict[str, float] = {}
+        self._slow_since: dict[str, float] = {}  # owner -> when it last missed a deadline (backed off)
         self.stats = DispatchStats()
         self.demand = DemandCounter()
         #: compute locally whatever a slow owner would take longer to return (see _keep_hot_local)
@@ -201,7 +205,20 @@ class Dispatcher:
         """False while ``owner`` is banned or backed off (it failed or missed its deadline recently)."""
         if self.banned and peer_of(owner) in self.banned:
             return False
-        return time.monotonic() >= self._down_until.get(owner.name, 0.0)
+        until = self._down_until.get(owner.name)
+        if until is None:
+            return True
+        if time.monotonic() >= until:
+            return True
+        since = self._slow_since.get(owner.name)
+        recovered = getattr(owner, "recovered_at", None)
+        if since is not None and recovered is not None and recovered > since:
+            # it missed a deadline, then its late reply came: it is not hung, use it again now
+            self._down_until.pop(owner.name, None)
+            self._slow_since.pop(owner.name, None)
+            self.stats.recoveries += 1
+            return True
+        return False
 
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
         return {o: [groups[i] for i in idx] for o, idx in self._assign(layer, groups).items()}
@@ -277,6 +294,10 @@ class Dispatcher:
                 # a hung worker may come back (SIGCONT, a phone waking up): try it again soon
                 backoff = min(self.slow_backoff_s, self.backoff_s) if isinstance(exc, WorkerSlow) else self.backoff_s
                 self._down_until[owner.name] = time.monotonic() + backoff
+                if isinstance(exc, WorkerSlow):
+                    self._slow_since[owner.name] = time.monotonic()
+                else:
+                    self._slow_since.pop(owner.name, None)  # a real failure: no late reply ends it
                 self.stats.fallbacks += 1
                 if isinstance(exc, WorkerSlow):
                     self.stats.deadline_misses += 1

@@ -15,10 +15,19 @@ rows than any recent one) + :data:`DEADLINE_MARGIN_S`, at least :data:`DEADLINE_
 known. A miss raises :class:`WorkerSlow`: the dispatcher recomputes on the local replica at once
 and avoids the worker for a short back-off. A step's extra delay from one hung worker is thus at
 most its deadline plus the local recomputation of its groups, once: later layers skip it.
+
+Two things keep a worker that was only *late* from being treated as hung. Time this process's own
+event loop spent stalled is credited back to the deadline (:mod:`p2pswarm.backbone.loop_watch`):
+we could not have read the reply then. And a missed request keeps its place on the connection: a
+background task reads its reply when it comes (dropped: its outputs were recomputed), widens the
+deadline by that round trip (up to :data:`LATE_REMEMBER` deadlines) and sets :attr:`recovered_at`,
+which ends the dispatcher's back-off; only a reply that never comes within ``timeout_s`` drops the
+connection.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import time
@@ -27,6 +36,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.dispatch import Groups, Owner, pack_rows
+from p2pswarm.backbone.loop_watch import loop_watch
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip
 from p2pswarm.net import expert_protocol as proto
@@ -39,6 +49,7 @@ DEADLINE_MARGIN_S = 0.25
 DEADLINE_MIN_S = 0.5
 DEADLINE_SAMPLES = 8  # answered requests before the learnt deadline replaces the fixed timeout
 LATENCY_WINDOW = 64
+LATE_REMEMBER = 4.0  # a late reply within this many deadlines counts as a round trip (widens the deadline)
 
 
 def reply_families(reply: dict) -> tuple[str, ...]:
@@ -75,6 +86,10 @@ class SocketOwner(Owner):
         self._served = 0  # replies read on this connection
         self._turn = trio.Event()
         self._latency: collections.deque[tuple[float, int]] = collections.deque(maxlen=LATENCY_WINDOW)
+        #: time.monotonic() of the last late reply read (after a missed deadline): the dispatcher
+        #: ends the worker's back-off then, instead of waiting it out
+        self.recovered_at: float | None = None
+        self.late_rows = 0  # rows of late replies read and dropped (recomputed locally instead)
 
     def deadline_s(self, rows: int = 0) -> float:
         """How long a request of ``rows`` rows may take before we call the worker hung."""
@@ -124,11 +139,17 @@ class SocketOwner(Owner):
 
     async def request(self, msg_bytes: bytes, rid: int, rows: int = 0) -> dict:
         """Send one framed request (connecting first if needed) and wait for its reply, while other
-        requests may be in flight on the same connection; ``rows`` sizes its deadline."""
-        sent = done = False
+        requests may be in flight on the same connection; ``rows`` sizes its deadline.
+
+        The deadline is credited with this process's own loop stalls (:mod:`loop_watch`): a reply
+        we could not read because we were stalled is not the worker's lateness. A request that
+        misses its deadline keeps its place on the connection: :meth:`_finish_late` reads its
+        reply when it comes, and then the worker is used again (:attr:`recovered_at`)."""
+        sent = on_wire = done = handed_off = False
         gen = None
         deadline = self.deadline_s(rows)
         t0 = time.perf_counter()
+        watch = loop_watch()
         try:
             with trio.fail_after(deadline):
                 async with self._lock:
@@ -141,14 +162,15 @@ class SocketOwner(Owner):
                     sent = True  # from here a failure leaves the connection out of step: drop it
                     await send_frame(self._stream, msg_bytes, self.max_frame)
                     self._sent += 1
-                while gen == self._gen and self._served != ticket:
-                    await self._turn.wait()
-                if gen != self._gen:
-                    raise WorkerError(f"{self.name}: the connection dropped while a request was in flight")
-                payload = await reader.read_frame()
-                self._served += 1
-                self._turn.set()
-                self._turn = trio.Event()
+                    on_wire = True
+            got = False
+            while not got:  # waiting for the reply is cancel-safe: it may be resumed (or handed off)
+                left = min(t0 + deadline + watch.stalled_since(t0), t0 + self.timeout_s) - time.perf_counter()
+                if left <= 0:
+                    raise trio.TooSlowError
+                with trio.move_on_after(left):
+                    payload = await self._await_reply(gen, reader, ticket)
+                    got = True
             if payload is None:
                 raise WorkerError(f"{self.name} closed the connection")
             reply = proto.unpack(payload)
@@ -161,14 +183,58 @@ class SocketOwner(Owner):
             return reply
         except trio.TooSlowError:
             if deadline < self.timeout_s:
+                if on_wire and gen == self._gen and getattr(self._stream, "cancel_safe_reads", True):
+                    handed_off = True
+                    trio.lowlevel.spawn_system_task(self._finish_late, gen, reader, ticket, rid, t0, rows,
+                                                    deadline, name=f"late reply of {self.name}")
                 raise WorkerSlow(f"{self.name} did not answer within its deadline of {deadline:.2f} s "
                                  f"({DEADLINE_FACTOR:.0f}x its recent p99 round trip): hung or overloaded") from None
             raise WorkerError(f"{self.name} timed out after {self.timeout_s:.0f} s") from None
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise WorkerError(f"{self.name} unreachable: {exc or type(exc).__name__}") from None
         finally:
-            if sent and not done and gen == self._gen:  # not yet dropped by another request
+            if sent and not done and not handed_off and gen == self._gen:  # not yet dropped by another request
                 await self._drop()
+
+    async def _await_reply(self, gen: int, reader: FrameReader, ticket: int) -> bytes | None:
+        """The payload of request ``ticket`` of connection ``gen``: replies come in send order, so
+        wait for our turn, then read one frame. Cancel-safe: a partly read frame stays buffered."""
+        while gen == self._gen and self._served != ticket:
+            await self._turn.wait()
+        if gen != self._gen:
+            raise WorkerError(f"{self.name}: the connection dropped while a request was in flight")
+        payload = await reader.read_frame()
+        self._served += 1
+        self._turn.set()
+        self._turn = trio.Event()
+        return payload
+
+    async def _finish_late(self, gen: int, reader: FrameReader, ticket: int, rid: int, t0: float, rows: int,
+                           deadline: float) -> None:
+        """A request that missed its deadline: read its reply when it comes (its outputs were
+        recomputed locally, so they are dropped) and mark the worker recovered; drop the connection
+        if nothing comes within ``timeout_s``. Why not drop at once: a worker that was only late
+        (a busy phone, a loaded machine) would be avoided for seconds, and every request queued
+        behind this one on the connection would fail too."""
+        ok = False
+        try:
+            with trio.move_on_after(max(0.0, t0 + self.timeout_s - time.perf_counter())):
+                payload = await self._await_reply(gen, reader, ticket)
+                ok = payload is not None and proto.unpack(payload).get("id") == rid
+        except Exception:  # noqa: BLE001 - whatever went wrong, the connection is no longer trusted
+            ok = False
+        if not ok:
+            if gen == self._gen:  # (an exception here would end the whole trio run: a system task)
+                with contextlib.suppress(Exception):
+                    await self._drop()
+            return
+        late = time.perf_counter() - t0
+        if late <= LATE_REMEMBER * deadline:  # a hiccup widens the deadline; a long hang must not
+            self._latency.append((late, rows))
+        self.recovered_at = time.monotonic()
+        self.late_rows += rows
+        log.info("worker %s answered its request of %d rows %.2f s after it was sent (deadline %.2f s; "
+                 "its outputs were recomputed here): using it again", self.name, rows, late, deadline)
 
     async def compute(self, layer: int, cur: np.ndarray, groups: Groups, family: str | None = None) -> list[np.ndarray]:
         """The worker's outputs for ``groups`` (as the local replica's ``forward_groups``).

@@ -30,6 +30,12 @@ class StreamAdapter:
 
     supports_at_least = True  # receive_some(..., at_least=n): see there
 
+    @property
+    def cancel_safe_reads(self) -> bool:
+        """Whether a cancelled :meth:`receive_some` loses no bytes (so a late reply can still be
+        read): with read-ahead, yes (bytes wait in our buffer); py-libp2p's own read, unknown."""
+        return self._pumping
+
     def __init__(self, stream, *, read_ahead: int = DEFAULT_READ_AHEAD):
         self.stream = stream
         self.read_ahead = max(read_ahead, YAMUX_MAX_READ)
