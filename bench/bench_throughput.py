@@ -19,7 +19,7 @@ the ratios N=16 / N=1 and N=64 / N=1 at one RTT are the issue's goals (>= 12x an
 This machine is shared (2 cores, other jobs): absolute numbers are noisy, the ratios less so.
 
     python bench/bench_throughput.py [--rtt 0 --rtt 25 --rtt 50 --rtt 100] [--tokens 8] [--rounds 2]
-        [--out docs/benchmarks.md --plot docs/throughput.png]
+        [--direct] [--out docs/benchmarks.md --plot docs/throughput.png]
 """
 from __future__ import annotations
 
@@ -155,6 +155,9 @@ def main() -> None:
     ap.add_argument("--plot")
     ap.add_argument("--json")
     ap.add_argument("--no-bound", action="store_true", help="skip the compute-bound measurement (quick runs)")
+    ap.add_argument("--direct", action="store_true",
+                    help="workers offer direct lanes (--direct, each behind its own proxy of the same RTT): "
+                         "expert requests skip py-libp2p")
     args = ap.parse_args()
     rtts = args.rtt or [0.0, 25.0, 50.0, 100.0]
     conc = args.concurrency or list(CONCURRENCY)
@@ -182,10 +185,13 @@ def main() -> None:
     results: dict[float, dict[int, dict]] = {}
     for rtt in rtts:
         with WanSwarm(model, ranges=RANGES, rtt_ms=rtt, workdir=work / f"rtt{rtt:g}", kernel=args.kernel,
-                      timeout_s=30, backbone_args=["--micro-batches", args.micro_batches,
-                                                   "--token-budget", args.token_budget]) as sw:
+                      timeout_s=30, direct=args.direct, backbone_args=["--micro-batches", args.micro_batches,
+                                                                       "--token-budget", args.token_budget]) as sw:
             sw.wait_covered()
             measure(sw, 2, 2)  # warm-up: connections, caches
+            lanes = sw.backbone.log.read_text().count("direct lane to worker")
+            if args.direct and lanes < len(RANGES):
+                raise RuntimeError(f"only {lanes} of {len(RANGES)} workers' direct lanes were taken")
             best: dict[int, dict] = {}
             for _ in range(args.rounds):
                 for n in conc:
@@ -212,9 +218,10 @@ def main() -> None:
                          f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} |")
     text = header("Throughput: continuous batching under WAN latency",
                   f"python bench/bench_throughput.py --tokens {args.tokens} --rounds {args.rounds} "
-                  + " ".join(f"--rtt {r:g}" for r in rtts)) + (
+                  + " ".join(f"--rtt {r:g}" for r in rtts) + (" --direct" if args.direct else "")) + (
         f"Synthetic tiny q8_0 model ({L} layers, 16 experts, top-4), kernel {args.kernel}, bootstrap + 4 worker "
-        f"processes (4 experts each) behind WAN proxies + backbone HTTP API, all on this 2-core machine. "
+        f"processes (4 experts each) behind WAN proxies + backbone HTTP API, all on this 2-core machine"
+        f"{'; expert requests on the workers direct lanes (each behind a proxy of the same RTT)' if args.direct else ''}. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
         f"Bound = min(compute bound, N/(L*RTT)); compute bound = the same N requests, same client, to the "
         f"backbone node alone (no workers: it computes every expert; all cores): "

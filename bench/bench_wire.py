@@ -1,6 +1,7 @@
-"""CPU and wall time of one expert request over libp2p (Noise + yamux), both ends in one process.
+"""CPU and wall time of one expert request over libp2p (Noise + yamux) or the direct lane, both ends in one process.
 
     python bench/bench_wire.py [--rows 64] [--requests 200 --blocks 5] [--depth 1 --depth 4] [--profile OUT]
+                               [--transport libp2p|direct]
 
 A real worker (``ExpertWorker`` on a tiny q8_0 shard, the ggml kernel) served by the real
 ``handle_connection`` on its own libp2p host, and a real ``Libp2pOwner`` on another host, on
@@ -77,9 +78,16 @@ async def run(args) -> list[dict]:
         groups = [(int(e), np.nonzero((pick == e).any(axis=1))[0]) for e in experts]
         return cur, [(e, idx) for e, idx in groups if len(idx)]
 
+    from p2pswarm.net.direct import DirectLane  # noqa: PLC0415
+    from p2pswarm.net.framing import DEFAULT_MAX_FRAME  # noqa: PLC0415
+
     results = []
-    async with served(worker) as wnet, open_host(Identity.generate()) as bnet:
-        owner = libp2p_owner(bnet, wnet, worker, timeout_s=60)
+    lane = DirectLane("127.0.0.1", 0, max_frame=DEFAULT_MAX_FRAME) if args.transport == "direct" else None
+    async with trio.open_nursery() as lanes, served(worker, direct=lane) as wnet, \
+            open_host(Identity.generate()) as bnet:
+        if lane is not None:
+            await lanes.start(lane.serve)
+        owner = libp2p_owner(bnet, wnet, worker, timeout_s=60, direct=lane is not None)
         reqs = [request(args.rows) for _ in range(16)]
         for _ in range(20):  # warm-up: connection, handshake, caches
             await owner.compute(info.layer_begin, *reqs[0])
@@ -132,7 +140,9 @@ async def run(args) -> list[dict]:
             spy.send_signal(2)
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(spy.wait)
+        assert owner.lane == ("direct" if lane is not None else "libp2p"), owner.lane
         await owner.aclose()
+        lanes.cancel_scope.cancel()
     return results
 
 
@@ -145,12 +155,15 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5, help="blocks per depth; the median block is reported")
     ap.add_argument("--depth", type=int, action="append", default=None, help="requests in flight (repeatable)")
     ap.add_argument("--profile", help="py-spy collapsed stacks of the measured part to this file")
+    ap.add_argument("--transport", choices=["libp2p", "direct"], default="libp2p",
+                    help="libp2p: the yamux + Noise stream; direct: the worker's direct lane, a sealed TCP "
+                         "connection keyed through that stream (p2pswarm/net/direct.py)")
     args = ap.parse_args()
     args.depth = args.depth or [1, 4]
     os.environ.setdefault("P2PSWARM_KERNEL", "ggml")
     os.environ.setdefault("P2PSWARM_THREADS", "1")
     for r in trio.run(run, args):
-        print(f"rows {r['rows']:3d} (out {r['out_rows']:3d}) depth {r['depth']}: wall {r['wall_ms']:.3f} ms/request, "
+        print(f"{args.transport:6s} rows {r['rows']:3d} (out {r['out_rows']:3d}) depth {r['depth']}: wall {r['wall_ms']:.3f} ms/request, "
               f"CPU {r['cpu_ms']:.3f} ms/request (expert math alone {r['compute_ms']:.3f}, "
               f"transport {r['cpu_ms'] - r['compute_ms']:.3f}), round trip median {r['rtt_median_ms']:.3f} ms, "
               f"{r['steps']:.1f} trio task steps/request", flush=True)

@@ -38,12 +38,14 @@ def cpu_seconds(pid: int) -> float:
 class WanSwarm:
     def __init__(self, model: Path, *, ranges: list[tuple[int, int]], rtt_ms: float, workdir: Path,
                  kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0,
-                 wrapper: str | None = None, threads: int | None = 1):
+                 wrapper: str | None = None, threads: int | None = 1, direct: bool = False):
         """``wrapper``: a script run instead of ``-m MODULE`` as ``python WRAPPER MODULE args`` for every
         node and proxy (bench/trace_entry.py: per-hop timestamps). ``threads``: every node's kernel
         threads (``P2PSWARM_THREADS``; 1: ten processes share this machine's cores; ``None``: the
         default, all cores, for a backbone alone). ``ranges=[]``: no workers, the backbone computes
-        every expert itself (the backbone-alone baseline, through the same HTTP API)."""
+        every expert itself (the backbone-alone baseline, through the same HTTP API). ``direct``:
+        every worker also offers a direct lane (``--direct``), behind a proxy of its own with the
+        same RTT (``--direct-announce`` names it), so expert requests skip py-libp2p but not the link."""
         self.model = Path(model)
         self.ranges = ranges
         self.rtt_ms = rtt_ms
@@ -60,6 +62,7 @@ class WanSwarm:
         self.workers: list[Proc] = []
         self.proxies: list[Proc] = []
         self.wrapper = wrapper
+        self.direct = direct
 
     def _entry(self, module: str) -> list[str]:
         return [self.wrapper, module] if self.wrapper else ["-m", module]
@@ -84,10 +87,19 @@ class WanSwarm:
                 self.procs.append(proxy)
                 self.proxies.append(proxy)
                 pport = proxy.ready[0].rsplit(":", 1)[1]
+                lane = []
+                if self.direct:
+                    dport = free_port()
+                    dproxy = Proc(["--target", f"127.0.0.1:{dport}", "--rtt-ms", str(self.rtt_ms)],
+                                  self.dir / f"dproxy{i}.log", self.env, entry=self._entry("p2pswarm.net.wanproxy"))
+                    self.procs.append(dproxy)
+                    self.proxies.append(dproxy)
+                    lane = ["--direct", f"127.0.0.1:{dport}",
+                            "--direct-announce", f"127.0.0.1:{dproxy.ready[0].rsplit(':', 1)[1]}"]
                 self.workers.append(self._node(f"w{i}", [
                     "node", "--role", "worker", "--shard", str(shard), "--bootstrap", self.boot.ready[0],
                     "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--announce", f"/ip4/127.0.0.1/tcp/{pport}",
-                    "--identity", str(self.dir / f"w{i}.key"), "--ttl", "300", "--kernel", self.kernel]))
+                    "--identity", str(self.dir / f"w{i}.key"), "--ttl", "300", "--kernel", self.kernel, *lane]))
             self.backbone = self._node("backbone", [
                 "node", "--role", "backbone", "--model", str(self.model), "--bootstrap", self.boot.ready[0],
                 "--http", "127.0.0.1:0", "--identity", str(self.dir / "backbone.key"), "--kernel", self.kernel,

@@ -150,3 +150,16 @@ def engine_trace(path, tokens) -> tuple[np.ndarray, dict[str, list]]:
         stats["topk_w"].append(w)
         stats["margin"].append(router[:, k - 1] - router[:, k])
     return model.output(h), stats
+
+
+@pytest.fixture
+def shards(tiny_f32, tmp_path, monkeypatch):
+    """The tiny f32 model cut into two expert shards, for in-process workers; the numpy kernel on
+    every side (bit-equality needs one kernel, and the handshake insists on it)."""
+    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import model_fingerprint
+
+    monkeypatch.setenv("P2PSWARM_KERNEL", "numpy")
+    layout = ModelLayout.open(tiny_f32)
+    return ensure_shards(layout, model_fingerprint(layout), 2, tmp_path / "shards")

@@ -25,9 +25,7 @@ import pytest
 import trio
 
 from p2pswarm.backbone.dispatch import pack_rows
-from p2pswarm.backbone.session import ensure_shards, open_backbone
-from p2pswarm.model.layout import ModelLayout
-from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.backbone.session import open_backbone
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.worker.expert_worker import ExpertWorker
@@ -35,13 +33,6 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 from helpers.owners import libp2p_owner, served
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def shards2(tiny_f32, tmp_path, monkeypatch):
-    monkeypatch.setenv("P2PSWARM_KERNEL", "numpy")  # the same kernel on both sides
-    layout = ModelLayout.open(tiny_f32)
-    return ensure_shards(layout, model_fingerprint(layout), 2, tmp_path / "shards")
 TOKENS = [5, 17, 42, 99, 100, 7, 256, 300, 12, 64, 128, 31, 2, 77, 500, 9, 33, 45, 88, 301, 6, 51, 97, 140,
           12, 260, 33, 71, 2, 118, 199, 45, 88, 301, 5, 211, 37, 90, 14, 14]
 
@@ -96,12 +87,12 @@ async def test_sigstop_costs_a_step_at_most_its_deadline_and_sigcont_brings_it_b
     assert np.array_equal(np.concatenate(rows, axis=0), want)
 
 
-async def test_a_backbone_stall_is_not_blamed_on_the_worker(shards2):
+async def test_a_backbone_stall_is_not_blamed_on_the_worker(shards):
     """The worker (its own trio loop, in a thread) answers at once; our loop is blocked past the
     learnt deadline while the request is in flight. Over libp2p the reply then sits in a buffer
     that only our (stalled) read-ahead task would deliver: without the stall credit the deadline
     fires first and the worker is called hung."""
-    worker = ExpertWorker(shards2[0])
+    worker = ExpertWorker(shards[0])
     ready, stop = queue.Queue(), threading.Event()
 
     def serve() -> None:

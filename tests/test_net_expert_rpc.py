@@ -17,7 +17,7 @@ import trio
 
 from p2pswarm.backbone.dispatch import Dispatcher, pack_rows
 from p2pswarm.backbone.libp2p_owner import SwarmOwners
-from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.backbone.session import open_backbone
 from p2pswarm.errors import WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
@@ -39,12 +39,6 @@ TOKENS = list(range(3, 19))
 def _numpy_kernel(monkeypatch):
     # The same kernel on every side: bit-equality needs it, and the handshake insists on it.
     monkeypatch.setenv("P2PSWARM_KERNEL", "numpy")
-
-
-@pytest.fixture
-def shards(tiny_f32, tmp_path):
-    layout = ModelLayout.open(tiny_f32)
-    return ensure_shards(layout, model_fingerprint(layout), 2, tmp_path / "shards")
 
 
 async def test_expert_request_bit_identical_to_direct_compute(shards):

@@ -29,14 +29,16 @@ import trio
 
 from p2pswarm.backbone.socket_owner import SocketOwner, reply_families
 from p2pswarm.engine import kernels
-from p2pswarm.errors import UserError, WorkerError
+from p2pswarm.errors import FrameError, UserError, WorkerError
 from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.direct import open_direct
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.host import PROTOCOL_EXPERT, NetHost
 
 log = logging.getLogger("p2pswarm.backbone")
 
 RTT_EWMA = 0.3  # weight of the newest sample in the round-trip estimate
+DIRECT_TIMEOUT_S = 3.0  # to connect and say hello on a worker's direct lane, else stay on libp2p
 KEEPALIVE_S = 30.0  # echo on expert streams idle this long (CDN WebSocket proxies cut idle ones at ~100 s)
 
 
@@ -45,7 +47,7 @@ class Libp2pOwner(SocketOwner):
 
     def __init__(self, net: NetHost, info, *, model_fingerprint: str, kernel: str, timeout_s: float = 30.0,
                  connect_timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME, on_failure=None,
-                 name: str | None = None, family: str | None = None):
+                 name: str | None = None, family: str | None = None, direct: bool = True):
         super().__init__(name or f"{info.peer[-10:]}/{info.shard.shard[:6]}", "", 0,
                          model_fingerprint=model_fingerprint, kernel=kernel, layers=info.shard.layers,
                          experts=info.shard.experts, timeout_s=timeout_s, max_frame=max_frame, family=family)
@@ -63,6 +65,11 @@ class Libp2pOwner(SocketOwner):
         self.last_used = time.monotonic()
         self.refused: str | None = None  # why the handshake failed; cleared by a record saying something new
         self.on_refused = None  # called (owner, reason) on a refused handshake; default: log a warning
+        #: take the worker's direct lane when it offers one (p2pswarm/net/direct.py); why the last
+        #: try failed (not tried again until its record changes)
+        self.direct = direct
+        self.direct_failed: str | None = None
+        self.lane: str | None = None  # "libp2p" or "direct" once connected
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.refused is None and super().holds(layer, expert)
@@ -83,8 +90,10 @@ class Libp2pOwner(SocketOwner):
         self.layers, self.experts = info.shard.layers, info.shard.experts
         if not info.record.same_content(old.record):
             self.refused = None  # a restart with a new build or shard: try the handshake again
+            self.direct_failed = None
         if tuple(info.addrs) != tuple(old.addrs):
             self._stale = True
+            self.direct_failed = None
             self.rtt_s = None  # a new instance: measure it afresh (unmeasured owners sort first)
 
     async def _connect(self) -> None:
@@ -95,6 +104,8 @@ class Libp2pOwner(SocketOwner):
             raise WorkerError(f"{self.name} unreachable: {exc}") from None
         reader = FrameReader(stream, self.max_frame)
         hello = dict(self.hello(), shard=self.shard)
+        if self.direct and self.direct_failed is None:
+            hello["direct"] = True
         try:
             await send_frame(stream, proto.pack(hello), self.max_frame)
             payload = await reader.read_frame()
@@ -112,7 +123,65 @@ class Libp2pOwner(SocketOwner):
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
+        offer = reply.get("direct")
+        if self.direct and self.direct_failed is None and offer is not None:
+            try:
+                sealed = await self._open_direct(offer, dict(hello, direct=False))
+            except BaseException:  # cancelled (the request's deadline): no direct lane from this worker
+                self.direct_failed = "cut short"
+                await trio.aclose_forcefully(stream)
+                raise
+            if sealed is not None:
+                await trio.aclose_forcefully(stream)  # the direct connection replaces the stream
+                self._stream, self._reader = sealed, FrameReader(sealed, self.max_frame)
+                self.lane = "direct"
+                return
         self._stream, self._reader = stream, reader
+        self.lane = "libp2p"
+
+    async def _open_direct(self, offer, hello: dict):
+        """The worker's direct lane (p2pswarm/net/direct.py) from its hello's offer, handshaken, or
+        None (logged once: unreachable, refused, malformed): the libp2p stream stays then."""
+        try:
+            if not (isinstance(offer, dict) and isinstance(offer.get("ticket"), bytes)
+                    and isinstance(offer.get("key"), bytes) and len(offer["key"]) == 32
+                    and isinstance(offer.get("port"), int) and 0 < offer["port"] < 65536
+                    and isinstance(offer.get("host", ""), str)):
+                raise WorkerError("a malformed direct-lane offer")
+            host = offer.get("host") or self._dialled_host()
+            if host is None:
+                raise WorkerError("no IP address of it to dial (relayed)")
+            wait = min(DIRECT_TIMEOUT_S, self.connect_timeout_s)
+            sealed = await open_direct(host, offer["port"], offer["ticket"], offer["key"], max_frame=self.max_frame,
+                                       timeout_s=wait)
+            try:
+                with trio.fail_after(wait):
+                    await send_frame(sealed, proto.pack(hello), self.max_frame)
+                    payload = await FrameReader(sealed, self.max_frame).read_frame()
+                reply = proto.unpack(payload) if payload is not None else {}
+                if not reply.get("ok"):
+                    raise WorkerError(f"its hello on the direct lane: {reply.get('error', 'closed')}")
+            except BaseException:
+                await trio.aclose_forcefully(sealed)
+                raise
+            log.info("direct lane to worker %s at %s:%d", self.name, host, offer["port"])
+            return sealed
+        except (WorkerError, FrameError, OSError, trio.TooSlowError, trio.BrokenResourceError,
+                trio.ClosedResourceError) as exc:
+            self.direct_failed = f"{exc or type(exc).__name__}"
+            log.info("no direct lane to worker %s (%s): its requests stay on libp2p", self.name, self.direct_failed)
+            return None
+
+    def _dialled_host(self) -> str | None:
+        """The IP (or DNS name) of the worker's first non-relayed TCP address in its record."""
+        for addr in self.info.addrs:
+            parts = str(addr).split("/")
+            if "p2p-circuit" in parts:
+                continue
+            for proto_name in ("ip4", "ip6", "dns", "dns4", "dns6"):
+                if proto_name in parts and "tcp" in parts:
+                    return parts[parts.index(proto_name) + 1]
+        return None
 
     def _refused(self, reason: str) -> None:
         self.refused = reason
@@ -214,8 +283,10 @@ class SwarmOwners:
     and a restarted or replacement one is found without waiting for the periodic refresh."""
 
     def __init__(self, net: NetHost, *, model_fingerprint: str, kernel: str, timeout_s: float = 30.0,
-                 connect_timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME, resolver=None):
+                 connect_timeout_s: float = 10.0, max_frame: int = DEFAULT_MAX_FRAME, resolver=None,
+                 direct: bool = True):
         self.net = net
+        self.direct = direct  # take workers' direct lanes (Libp2pOwner.direct)
         self.model_fingerprint = model_fingerprint
         self.kernel = kernel
         self.timeout_s = timeout_s
@@ -259,7 +330,7 @@ class SwarmOwners:
             if owner is None:
                 owner = Libp2pOwner(self.net, info, model_fingerprint=self.model_fingerprint, kernel=self.kernel,
                                     timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
-                                    max_frame=self.max_frame, on_failure=self._failed)
+                                    max_frame=self.max_frame, on_failure=self._failed, direct=self.direct)
                 owner._order_changed = self.resort
                 owner.on_refused = self._refused
                 owner.on_latency = self._latency

@@ -61,13 +61,14 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                               refresh_s: float = 30.0, dht_server: bool = True,
                               verify_rate: float = DEFAULT_VERIFY_RATE, verify_seed: int | None = None,
                               trust_bans: list[str] = (), receipt_period_s: float = 60.0,
-                              ban_refresh_s: float = 30.0, demand_ttl_s: float | None = None):
+                              ban_refresh_s: float = 30.0, demand_ttl_s: float | None = None, direct: bool = True):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
     things up but does not join other nodes' routing tables, where it would linger as a dead or
     unresponsive entry after it exits. ``verify_rate``: the fraction of remote output rows
     recomputed locally (0 turns verification off); ``trust_bans``: backbones whose ban records
     we honour besides our own. ``demand_ttl_s``: lifetime of the published demand record
-    (re-published every third of it; default 120 s); a short-lived backbone publishes none."""
+    (re-published every third of it; default 120 s); a short-lived backbone publishes none.
+    ``direct``: take the direct lanes workers offer (p2pswarm/net/direct.py)."""
     async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads) as local:
         layout = ModelLayout.open(model_path)
         bank = local.backbone.dispatcher.local.bank
@@ -79,7 +80,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                             protocol=proto.PROTOCOL_VERSION, kernel=bank.kernel,
                                             refresh_s=refresh_s)
                 pool = SwarmOwners(net, model_fingerprint=local.fingerprint, kernel=bank.kernel,
-                                   timeout_s=timeout_s, resolver=resolver)
+                                   timeout_s=timeout_s, resolver=resolver, direct=direct)
                 dispatcher = local.backbone.dispatcher
                 ledger = ContributionLedger(identity, local.fingerprint)
                 dispatcher.ledger = ledger

@@ -121,6 +121,15 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batches", type=_auto_or_positive, default="auto",
                    help="backbone: split each step into this many concurrently dispatched micro-batches, or "
                         "'auto' (from measured dense time and round trip; docs/architecture.md)")
+    p.add_argument("--direct", metavar="HOST:PORT", default=None,
+                   help="worker: also serve expert requests on this TCP address, a direct lane that backbones "
+                        "key through the authenticated libp2p stream (sealed ChaCha20-Poly1305; ~3x less CPU per "
+                        "request than py-libp2p; port 0 picks one; docs/protocol.md)")
+    p.add_argument("--direct-announce", metavar="HOST:PORT", default=None,
+                   help="worker: the address backbones dial for the direct lane (a proxy, a port forward); "
+                        "default: the --direct port on the address they reached us at")
+    p.add_argument("--no-direct", dest="use_direct", action="store_false",
+                   help="backbone: keep every worker's requests on libp2p, even where it offers a direct lane")
     p.add_argument("--hot-experts", action="store_true",
                    help="backbone: compute an owner's experts locally when its measured round trip is longer "
                         "than computing them here (same bits; docs/architecture.md)")
@@ -203,7 +212,8 @@ async def _worker(args) -> None:
             served = ServeStats()
             receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str,
                                     identity.peer_id_str)
-            serve_libp2p(net, worker, stats=served, receipts=receipts)
+            lane = args.direct_lane
+            serve_libp2p(net, worker, stats=served, receipts=receipts, direct=lane)
             adv = ShardAdvertiser(dht, identity, shards=[entry], protocol=proto.PROTOCOL_VERSION,
                                   kernel=info.kernel, block_size=args.block_size, ttl_s=args.ttl)
             async with trio.open_nursery() as nursery:
@@ -216,6 +226,8 @@ async def _worker(args) -> None:
 
                     keeper.on_reserved = rejoin
                     nursery.start_soon(keeper.keep)
+                if lane is not None:
+                    await _start_direct(nursery, lane)
                 await nursery.start(adv.run)
                 log.info("serving %s with kernel %s", info.describe(), info.kernel)
                 await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(net)[0]}")
@@ -227,6 +239,38 @@ async def _worker(args) -> None:
             log.info("computed %d requests inline on the event loop and %d in a thread (P2PSWARM_INLINE_MS %g)",
                      worker.offload.inline_calls, worker.offload.thread_calls, 1000 * worker.offload.inline_s)
             log.info("withdrew my records; bye")
+
+
+def _direct_lane(args):
+    """The worker's direct lane from ``--direct`` / ``--direct-announce``, or None."""
+    from p2pswarm.net.direct import DirectLane
+    from p2pswarm.net.framing import DEFAULT_MAX_FRAME
+
+    if args.direct is None:
+        if args.direct_announce is not None:
+            raise UserError("--direct-announce needs --direct HOST:PORT (the address to listen on)")
+        return None
+    host, port = _host_port(args.direct, "--direct")
+    lane = DirectLane(host, port, max_frame=DEFAULT_MAX_FRAME)
+    if args.direct_announce is not None:
+        lane.announce_host, lane.announce_port = _host_port(args.direct_announce, "--direct-announce")
+        if lane.announce_port == 0:
+            raise UserError("--direct-announce needs a real port, not 0")
+    return lane
+
+
+def _host_port(text: str, flag: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise UserError(f"{flag} {text!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+async def _start_direct(nursery, lane) -> None:
+    host, port = await nursery.start(lane.serve)
+    log.info("direct lane listening on %s:%d%s", host, port,
+             f", announced as {lane.announce_host or '<our address>'}:{lane.announce_port}" if lane.announce_port
+             else "")
 
 
 async def _auto_worker(args, net, dht, identity, keeper) -> None:
@@ -245,8 +289,11 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
                       model=args.model, ttl_s=args.ttl, period_s=args.enrol_period)
     served = ServeStats()
     receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str, identity.peer_id_str)
-    serve_libp2p_shards(net, auto.shards, stats=served, receipts=receipts)
+    lane = args.direct_lane
+    serve_libp2p_shards(net, auto.shards, stats=served, receipts=receipts, direct=lane)
     async with trio.open_nursery() as nursery:
+        if lane is not None:
+            await _start_direct(nursery, lane)
         if keeper is not None:
             async def rejoin() -> None:
                 await dht.bootstrap([keeper.relay_addr])
@@ -359,7 +406,8 @@ async def _backbone(args) -> None:
                                    listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
                                    block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout,
-                                   demand_ttl_s=args.demand_ttl, **market_kwargs(args)) as swarm:
+                                   demand_ttl_s=args.demand_ttl, direct=args.use_direct,
+                                   **market_kwargs(args)) as swarm:
         # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
                  swarm.local.fingerprint, swarm.resolver.kernel)
@@ -488,8 +536,13 @@ def run(args) -> int:
     args.http_socket = None
     if args.role == "worker":
         _check_worker_source(args)
+        args.direct_lane = _direct_lane(args)  # a malformed --direct or a taken port: one line now
+        if args.direct_lane is not None:
+            args.direct_lane.bind()
     elif args.auto:
         raise UserError("--auto is for --role worker")
+    elif args.direct is not None or args.direct_announce is not None:
+        raise UserError("--direct is for --role worker (a backbone takes the lanes workers offer; --no-direct: never)")
     _check_dht_mode(args)
     if args.role == "backbone" and not args.model:
         raise UserError("--role backbone needs --model MODEL.gguf")

@@ -71,7 +71,7 @@ async def _probe_all(net, infos: dict, model: str, kernel: str, timeout_s: float
     limiter = trio.CapacityLimiter(PROBE_CONCURRENCY)
 
     async def one(key: str, info) -> None:
-        owner = Libp2pOwner(net, info, model_fingerprint=model, kernel=kernel, timeout_s=timeout_s,
+        owner = Libp2pOwner(net, info, model_fingerprint=model, kernel=kernel, timeout_s=timeout_s, direct=False,
                             connect_timeout_s=timeout_s, name=info.peer)
         owner.on_refused = lambda _owner, _reason: None  # reported in the table, not logged
         async with limiter:

@@ -70,13 +70,17 @@ def _shard_of(worker: ExpertWorker) -> str:
 
 async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int = DEFAULT_MAX_FRAME,
                             shard: str | None = None, stats: ServeStats | None = None,
-                            shards: dict[str, ExpertWorker] | None = None, receipts=None) -> None:
+                            shards: dict[str, ExpertWorker] | None = None, receipts=None, direct=None) -> None:
     """Serve one connection/stream until the peer closes it. ``shard``: our shard hash for the
     hello (default: derived from the worker's shard file). ``shards``: a node serving several
     shards (``node --auto``): shard hash -> worker, read at each hello (so shards can come and go);
     the peer's hello names the shard it wants, and the stream is served by that worker.
     ``receipts``: a :class:`p2pswarm.market.receipts.ReceiptStore` keeping the contribution
-    receipts backbones send."""
+    receipts backbones send. ``direct``: a :class:`p2pswarm.net.direct.DirectLane`: a hello that
+    asks for it (on this authenticated stream) gets a ticket for a direct connection, served by
+    this same function as the same peer."""
+    again = partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard, stats=stats, shards=shards,
+                    receipts=receipts)
     if shards is not None:
         worker = shard = None
     elif shard is None:
@@ -120,6 +124,8 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     log.warning("refused %s at handshake: %s", peer, reason)
                     if stats is not None:
                         stats.refused += 1
+                if not reason and direct is not None and msg.get("direct") is True:
+                    reply["direct"] = direct.offer(peer, again)
                 await send_frame(stream, proto.pack(reply), max_frame)
                 if reason:
                     return
@@ -187,8 +193,8 @@ async def _refuse_and_close(stream, payload: bytes, max_frame: int, linger_s: fl
             await stream.send_eof()
             while await stream.receive_some(1 << 16):
                 pass
-        except (trio.BrokenResourceError, trio.ClosedResourceError, AttributeError):
-            pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, AttributeError, FrameError):
+            pass  # (FrameError: a sealed direct-lane record that does not authenticate: stop reading)
 
 
 async def _try_send(stream, payload: bytes, max_frame: int) -> None:
@@ -219,17 +225,17 @@ async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, m
 
 
 def serve_libp2p_shards(net, shards: dict[str, ExpertWorker], *, max_frame: int = DEFAULT_MAX_FRAME,
-                        stats: ServeStats | None = None, receipts=None) -> None:
+                        stats: ServeStats | None = None, receipts=None, direct=None) -> None:
     """Serve every worker of ``shards`` (shard hash -> worker; the dict may change while serving)
     on ``/p2pswarm/expert/1.0.0``: each stream's hello picks its shard."""
     from p2pswarm.net.host import PROTOCOL_EXPERT  # noqa: PLC0415 - keeps socket workers free of libp2p
 
     net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=None, max_frame=max_frame, stats=stats,
-                                             shards=shards, receipts=receipts))
+                                             shards=shards, receipts=receipts, direct=direct))
 
 
 def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None,
-                 stats: ServeStats | None = None, receipts=None) -> None:
+                 stats: ServeStats | None = None, receipts=None, direct=None) -> None:
     """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
     (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
     connection of :func:`handle_connection`."""
@@ -237,4 +243,4 @@ def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAM
 
     shard = _shard_of(worker) if shard is None else shard
     net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
-                                             stats=stats, receipts=receipts))
+                                             stats=stats, receipts=receipts, direct=direct))
