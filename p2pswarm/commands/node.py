@@ -123,7 +123,7 @@ def add_parser(sub) -> None:
                         "'auto' (from measured dense time and round trip; docs/architecture.md)")
     p.add_argument("--direct", metavar="HOST:PORT", default=None,
                    help="worker: also serve expert requests on this TCP address, a direct lane that backbones "
-                        "key through the authenticated libp2p stream (sealed ChaCha20-Poly1305; ~3x less CPU per "
+                        "key through the authenticated libp2p stream (sealed ChaCha20-Poly1305; about half the CPU per "
                         "request than py-libp2p; port 0 picks one; docs/protocol.md)")
     p.add_argument("--direct-announce", metavar="HOST:PORT", default=None,
                    help="worker: the address backbones dial for the direct lane (a proxy, a port forward); "
