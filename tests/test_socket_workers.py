@@ -208,3 +208,29 @@ async def test_hung_worker_times_out_and_falls_back(tiny_f32):
             os.kill(swarm.workers[0].proc.pid, signal.SIGCONT)
         assert swarm.backbone.dispatcher.stats.fallbacks >= 1
     assert np.array_equal(got, want)
+
+
+def test_the_learnt_deadline_is_3x_the_p99_of_the_last_64_round_trips():
+    """deadline_s keeps its window sorted as it moves (no sort per request): the same numbers as
+    sorting the last 64 round trips each time, over a long random sequence."""
+    import collections
+    import random
+
+    from p2pswarm.backbone.socket_owner import (DEADLINE_FACTOR, DEADLINE_MARGIN_S, DEADLINE_MIN_S,
+                                                DEADLINE_SAMPLES, LATENCY_WINDOW, SocketOwner)
+
+    owner = SocketOwner("w", "127.0.0.1", 1, model_fingerprint="x", kernel="numpy", layers=(0, 1), experts=(0, 1))
+    window: collections.deque = collections.deque(maxlen=LATENCY_WINDOW)
+    rnd = random.Random(1)
+    for i in range(1000):
+        seconds, rows = rnd.choice([rnd.random(), 0.25, 0.5]), rnd.randint(1, 100)  # ties too
+        owner._record(seconds, rows)
+        window.append((seconds, rows))
+        if len(window) < DEADLINE_SAMPLES:
+            assert owner.deadline_s(50) == owner.timeout_s
+            continue
+        times = sorted(t for t, _ in window)
+        p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+        scale = max(1.0, 50 / max(n for _, n in window))
+        want = min(owner.timeout_s, max(DEADLINE_MIN_S, DEADLINE_FACTOR * p99 * scale + DEADLINE_MARGIN_S))
+        assert owner.deadline_s(50) == want, i

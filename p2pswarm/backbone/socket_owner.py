@@ -26,6 +26,7 @@ connection.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import itertools
@@ -86,6 +87,8 @@ class SocketOwner(Owner):
         self._served = 0  # replies read on this connection
         self._turn = trio.Event()
         self._latency: collections.deque[tuple[float, int]] = collections.deque(maxlen=LATENCY_WINDOW)
+        self._sorted_s: list[float] = []  # the window's round trips, sorted (deadline_s)
+        self._sorted_rows: list[int] = []  # and its request sizes
         #: time.monotonic() of the last late reply read (after a missed deadline): the dispatcher
         #: ends the worker's back-off then, instead of waiting it out
         self.recovered_at: float | None = None
@@ -95,10 +98,20 @@ class SocketOwner(Owner):
         """How long a request of ``rows`` rows may take before we call the worker hung."""
         if len(self._latency) < DEADLINE_SAMPLES:
             return self.timeout_s
-        times = sorted(t for t, _ in self._latency)
+        times = self._sorted_s  # kept sorted as the window moves: sorting it per request was ~3% of a backbone's CPU
         p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
-        scale = max(1.0, rows / max(1, max(n for _, n in self._latency)))
+        scale = max(1.0, rows / max(1, self._sorted_rows[-1]))
         return min(self.timeout_s, max(DEADLINE_MIN_S, DEADLINE_FACTOR * p99 * scale + DEADLINE_MARGIN_S))
+
+    def _record(self, seconds: float, rows: int) -> None:
+        """One answered round trip into the deadline's window."""
+        if len(self._latency) == self._latency.maxlen:
+            old_s, old_rows = self._latency[0]
+            del self._sorted_s[bisect.bisect_left(self._sorted_s, old_s)]
+            del self._sorted_rows[bisect.bisect_left(self._sorted_rows, old_rows)]
+        self._latency.append((seconds, rows))
+        bisect.insort(self._sorted_s, seconds)
+        bisect.insort(self._sorted_rows, rows)
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.layers[0] <= layer < self.layers[1] and self.experts[0] <= expert < self.experts[1]
@@ -179,7 +192,7 @@ class SocketOwner(Owner):
             if reply.get("id") != rid:
                 raise WorkerError(f"{self.name} answered request {reply.get('id')} to our {rid}")
             done = True
-            self._latency.append((time.perf_counter() - t0, rows))
+            self._record(time.perf_counter() - t0, rows)
             return reply
         except trio.TooSlowError:
             if deadline < self.timeout_s:
@@ -230,7 +243,7 @@ class SocketOwner(Owner):
             return
         late = time.perf_counter() - t0
         if late <= LATE_REMEMBER * deadline:  # a hiccup widens the deadline; a long hang must not
-            self._latency.append((late, rows))
+            self._record(late, rows)
         self.recovered_at = time.monotonic()
         self.late_rows += rows
         log.info("worker %s answered its request of %d rows %.2f s after it was sent (deadline %.2f s; "
