@@ -72,6 +72,14 @@ class WanSwarm:
         self.procs.append(p)
         return p
 
+    def _proxy(self, name: str, target_port: int) -> str:
+        """A WAN proxy of this swarm's RTT in front of 127.0.0.1:target_port; its port."""
+        proxy = Proc(["--target", f"127.0.0.1:{target_port}", "--rtt-ms", str(self.rtt_ms)],
+                     self.dir / f"{name}.log", self.env, entry=self._entry("p2pswarm.net.wanproxy"))
+        self.procs.append(proxy)
+        self.proxies.append(proxy)
+        return proxy.ready[0].rsplit(":", 1)[1]
+
     def __enter__(self) -> "WanSwarm":
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -82,20 +90,12 @@ class WanSwarm:
                 if not shard.exists():
                     slice_experts(self.model, shard, None, (e0, e1))
                 port = free_port()
-                proxy = Proc(["--target", f"127.0.0.1:{port}", "--rtt-ms", str(self.rtt_ms)],
-                             self.dir / f"proxy{i}.log", self.env, entry=self._entry("p2pswarm.net.wanproxy"))
-                self.procs.append(proxy)
-                self.proxies.append(proxy)
-                pport = proxy.ready[0].rsplit(":", 1)[1]
+                pport = self._proxy(f"proxy{i}", port)
                 lane = []
                 if self.direct:
                     dport = free_port()
-                    dproxy = Proc(["--target", f"127.0.0.1:{dport}", "--rtt-ms", str(self.rtt_ms)],
-                                  self.dir / f"dproxy{i}.log", self.env, entry=self._entry("p2pswarm.net.wanproxy"))
-                    self.procs.append(dproxy)
-                    self.proxies.append(dproxy)
                     lane = ["--direct", f"127.0.0.1:{dport}",
-                            "--direct-announce", f"127.0.0.1:{dproxy.ready[0].rsplit(':', 1)[1]}"]
+                            "--direct-announce", f"127.0.0.1:{self._proxy(f'dproxy{i}', dport)}"]
                 self.workers.append(self._node(f"w{i}", [
                     "node", "--role", "worker", "--shard", str(shard), "--bootstrap", self.boot.ready[0],
                     "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--announce", f"/ip4/127.0.0.1/tcp/{pport}",

@@ -31,6 +31,7 @@ from p2pswarm.backbone.socket_owner import SocketOwner, reply_families
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, UserError, WorkerError
 from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.addrs import is_circuit_addr
 from p2pswarm.net.direct import open_direct
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.host import PROTOCOL_EXPERT, NetHost
@@ -175,9 +176,9 @@ class Libp2pOwner(SocketOwner):
     def _dialled_host(self) -> str | None:
         """The IP (or DNS name) of the worker's first non-relayed TCP address in its record."""
         for addr in self.info.addrs:
-            parts = str(addr).split("/")
-            if "p2p-circuit" in parts:
+            if is_circuit_addr(addr):
                 continue
+            parts = str(addr).split("/")
             for proto_name in ("ip4", "ip6", "dns", "dns4", "dns6"):
                 if proto_name in parts and "tcp" in parts:
                     return parts[parts.index(proto_name) + 1]

@@ -131,6 +131,14 @@ def open_model(args):
                          timeout_s=args.timeout, kernel=args.kernel, threads=args.threads)
 
 
+def parse_hostport(text: str, flag: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host may be bracketed) for ``flag``, or a one-line UserError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host or int(port) > 65535:
+        raise UserError(f"bad {flag} {text!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
 def parse_ids(text: str, what: str = "--tokens") -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]

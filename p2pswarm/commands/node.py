@@ -25,7 +25,7 @@ import trio
 
 from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
-from p2pswarm.commands.common import add_kernel_args, add_market_args, market_kwargs, positive_int
+from p2pswarm.commands.common import add_kernel_args, add_market_args, market_kwargs, parse_hostport, positive_int
 from p2pswarm.errors import UserError
 from p2pswarm.lifecycle import until_signal
 
@@ -250,20 +250,13 @@ def _direct_lane(args):
         if args.direct_announce is not None:
             raise UserError("--direct-announce needs --direct HOST:PORT (the address to listen on)")
         return None
-    host, port = _host_port(args.direct, "--direct")
+    host, port = parse_hostport(args.direct, "--direct")
     lane = DirectLane(host, port, max_frame=DEFAULT_MAX_FRAME)
     if args.direct_announce is not None:
-        lane.announce_host, lane.announce_port = _host_port(args.direct_announce, "--direct-announce")
+        lane.announce_host, lane.announce_port = parse_hostport(args.direct_announce, "--direct-announce")
         if lane.announce_port == 0:
             raise UserError("--direct-announce needs a real port, not 0")
     return lane
-
-
-def _host_port(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise UserError(f"{flag} {text!r}: expected HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 async def _start_direct(nursery, lane) -> None:

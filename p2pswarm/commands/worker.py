@@ -11,7 +11,7 @@ import sys
 
 import trio
 
-from p2pswarm.commands.common import add_kernel_args
+from p2pswarm.commands.common import add_kernel_args, parse_hostport
 from p2pswarm.errors import UserError
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME
 from p2pswarm.worker.expert_worker import ExpertWorker
@@ -28,13 +28,6 @@ def add_parser(sub) -> None:
                    help=f"largest frame accepted, in bytes (default {DEFAULT_MAX_FRAME})")
     add_kernel_args(p)
     p.set_defaults(func=run)
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise UserError(f"bad --listen {text!r}: expected HOST:PORT")
-    return host, int(port)
 
 
 async def _main(worker: ExpertWorker, host: str, port: int, max_frame: int) -> None:

@@ -182,21 +182,12 @@ class DirectLane:
 
     async def _connection(self, stream) -> None:
         who = _addr(stream)
-        got = b""
-        with trio.move_on_after(HANDSHAKE_TIMEOUT_S):
-            try:
-                while len(got) < TICKET_BYTES:
-                    chunk = await stream.receive_some(TICKET_BYTES - len(got))
-                    if not chunk:
-                        break
-                    got += chunk
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        got = await _read_ticket(stream)
         t = self._tickets.pop(got, None) if len(got) == TICKET_BYTES else None
         if t is None or t.expires < time.monotonic():
             self.refused += 1
             log.warning("refused a direct connection from %s: %s", who,
-                        "no ticket within %.0f s" % HANDSHAKE_TIMEOUT_S if len(got) < TICKET_BYTES
+                        "no ticket (closed, or silent for %.0f s)" % HANDSHAKE_TIMEOUT_S if len(got) < TICKET_BYTES
                         else "unknown, used or expired ticket")
             await trio.aclose_forcefully(stream)
             return
@@ -207,6 +198,19 @@ class DirectLane:
         except Exception as exc:  # noqa: BLE001 - one bad connection must not end the listener
             log.warning("direct lane from %s closed: %s", who, clip(exc))
             await trio.aclose_forcefully(stream)
+
+
+async def _read_ticket(stream) -> bytes:
+    """The connection's first TICKET_BYTES bytes; fewer when the peer closes or breaks the
+    connection or is silent for HANDSHAKE_TIMEOUT_S (then it is refused like a wrong ticket)."""
+    got = b""
+    with trio.move_on_after(HANDSHAKE_TIMEOUT_S):
+        try:
+            while len(got) < TICKET_BYTES and (chunk := await stream.receive_some(TICKET_BYTES - len(got))):
+                got += chunk
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return got
+    return got
 
 
 def _addr(stream) -> str:

@@ -79,8 +79,8 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
     receipts backbones send. ``direct``: a :class:`p2pswarm.net.direct.DirectLane`: a hello that
     asks for it (on this authenticated stream) gets a ticket for a direct connection, served by
     this same function as the same peer."""
-    again = partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard, stats=stats, shards=shards,
-                    receipts=receipts)
+    again = None if direct is None else partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
+                                                stats=stats, shards=shards, receipts=receipts)
     if shards is not None:
         worker = shard = None
     elif shard is None:
