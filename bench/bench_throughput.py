@@ -12,7 +12,8 @@ worker ``--announce`` s the proxy), and a backbone node serving ``/v1/completion
   scheduler (no HTTP, no client), is reported beside it;
 * expert requests per generated token (from the backbone's /health counters), and the requests
   that fell back to the backbone's replica (0: the workers computed every group);
-* CPU seconds per generated token of the backbone process and of one worker (from /proc).
+* CPU seconds per generated token of the backbone process, of one worker, of the WAN proxies, and
+  of everything the run uses (all its processes and the load generator; from /proc).
 
 Rounds alternate the concurrencies (1 4 16 64 1 4 16 64 ...) and keep the best of ``--rounds``;
 the ratios N=16 / N=1 and N=64 / N=1 at one RTT are the issue's goals (>= 12x and >= 40x at 50 ms).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import resource
 import tempfile
 import threading
 import time
@@ -95,11 +97,11 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
     how many expert groups the backbone computed itself (fallbacks, or all of them when alone)."""
     h0 = sw.get("/health")
     d0 = sw.swarm()["dispatch"]
-    cpu0 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid) if sw.workers else 0.0)
+    cpu0 = cpu_split(sw)
     done, wall = post_all(sw.base_url, n, tokens)
     h1 = sw.get("/health")
     d1 = sw.swarm()["dispatch"]
-    cpu1 = (cpu_seconds(sw.backbone.pid), cpu_seconds(sw.workers[0].pid) if sw.workers else 0.0)
+    cpu1 = cpu_split(sw)
     gen = sum(done)
     layer_steps = max(1, (h1["steps"] - h0["steps"]) * layers)
     return {"tps": gen / wall, "wall": wall, "tokens": gen,
@@ -112,7 +114,20 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "local_groups": d1["local_groups"] - d0["local_groups"],
             "remote_groups": d1["remote_groups"] - d0["remote_groups"],
             "steps": h1["steps"] - h0["steps"], "micro_batches": h1["micro_batches"],
-            "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen}
+            "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen,
+            "cpu_proxies": (cpu1[2] - cpu0[2]) / gen, "cpu_total": (cpu1[3] - cpu0[3]) / gen}
+
+
+def cpu_split(sw: WanSwarm) -> tuple[float, float, float, float]:
+    """CPU seconds so far of the backbone, of one worker, of all WAN proxies, and of everything the
+    run uses (every process of the swarm plus this load generator): on 2 shared cores the total
+    per token is what caps the swarm's tokens/s, whichever process spends it."""
+    backbone = cpu_seconds(sw.backbone.pid)
+    worker = cpu_seconds(sw.workers[0].pid) if sw.workers else 0.0
+    proxies = sum(cpu_seconds(p.pid) for p in sw.proxies)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    total = sum(cpu_seconds(p.pid) for p in sw.procs) + ru.ru_utime + ru.ru_stime
+    return backbone, worker, proxies, total
 
 
 async def compute_bound(model: Path, kernel: str, n: int, tokens: int) -> float:
@@ -207,7 +222,8 @@ def main() -> None:
                                                "results": {str(k): v for k, v in results.items()}}))
     lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | ratio, in-process bound | "
              "expert requests / token | fallback requests | steps / micro-batches | "
-             "backbone CPU ms / token | worker CPU ms / token |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "backbone CPU ms / token | worker CPU ms / token | proxies CPU ms / token | all CPU ms / token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rtt, best in results.items():
         for n, r in best.items():
             net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
@@ -215,7 +231,8 @@ def main() -> None:
             lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
                          f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['req_per_tok']:.2f} | {r['fallbacks']} | "
                          f"{r['steps']} / {r['micro_batches']} | "
-                         f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} |")
+                         f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} | "
+                         f"{r['cpu_proxies'] * 1000:.1f} | {r['cpu_total'] * 1000:.1f} |")
     text = header("Throughput: continuous batching under WAN latency",
                   f"python bench/bench_throughput.py --tokens {args.tokens} --rounds {args.rounds} "
                   + " ".join(f"--rtt {r:g}" for r in rtts) + (" --direct" if args.direct else "")) + (

@@ -110,8 +110,10 @@ def _patch_backbone() -> None:
 def _patch_proxy() -> None:
     import trio
 
+    from p2pswarm.net import wanproxy
+
     due_of: dict = {}
-    orig_sleep_until = trio.sleep_until
+    orig_sleep_until = wanproxy.sleep_until_precise
     orig_send = trio.SocketStream.send_all
     orig_recv = trio.SocketStream.receive_some
 
@@ -136,7 +138,7 @@ def _patch_proxy() -> None:
         _log("p_in", port(self), len(data))
         return data
 
-    trio.sleep_until = sleep_until
+    wanproxy.sleep_until_precise = sleep_until
     trio.SocketStream.send_all = send_all
     trio.SocketStream.receive_some = receive_some
 

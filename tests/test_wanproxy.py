@@ -62,3 +62,42 @@ def test_cli_refuses_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "127.0.0.1:1",
                            "--rtt-ms", "-5"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and ">= 0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def test_a_zero_delay_link_forwards_everything_and_closes():
+    """No delay, jitter or cap: the reader forwards inline (no timer, no channel); every byte still
+    arrives in order, and the client's EOF reaches the target and comes back as the close."""
+    async with trio.open_nursery() as nursery:
+        target = await _echo_server(nursery)
+        async with open_wan_proxy(("127.0.0.1", target)) as proxy:
+            stream = await trio.open_tcp_stream("127.0.0.1", proxy.port)
+            want = bytes(range(256)) * 2000  # 512 kB: many chunks, both ways at once
+            got = bytearray()
+
+            async def read_all() -> None:
+                while data := await stream.receive_some(65536):
+                    got.extend(data)
+
+            with trio.fail_after(10):  # read_all ends only if the close comes back through the proxy
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(read_all)
+                    for i in range(0, len(want), 5000):
+                        await stream.send_all(want[i:i + 5000])
+                    await stream.send_eof()
+            assert bytes(got) == want
+            assert proxy.stats.bytes_up == len(want) == proxy.stats.bytes_down
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_delayed_chunk_is_never_early():
+    """The delivery timer wakes up to a grain early on the loop and sleeps the rest: never before
+    the chunk's due time (a link shorter than its nominal RTT would flatter every benchmark)."""
+    import random
+
+    from p2pswarm.net.wanproxy import sleep_until_precise
+
+    rng = random.Random(3)
+    for _ in range(30):
+        due = trio.current_time() + rng.uniform(0.0, 0.004)
+        await sleep_until_precise(due)
+        assert trio.current_time() >= due
