@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -407,3 +408,21 @@ def test_the_f32_router_on_ggml_gives_a_row_alone_its_bits_in_a_batch(tiny_q8):
     for a, b in ((0, 1), (7, 8), (3, 5), (10, 27)):
         assert np.array_equal(ops.matmul(x[a:b], w), batched[a:b]), (a, b)
     assert np.allclose(batched, x @ np.asarray(w).T, rtol=1e-5, atol=1e-5)
+
+
+def test_numpy_nodes_multiply_on_one_blas_thread(tiny_f32):
+    """numpy's OpenBLAS gives a row different bits on 1 and 2 threads (5+ rows, measured), so
+    every process that builds a numpy expert bank runs BLAS on one thread: a numpy backbone and
+    numpy worker processes agree whatever their core counts, and whatever the process did
+    before (this file's ggml tests used to leave it on one thread, and the numpy split run after
+    them differed from the monolithic by 5.7e-6)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from threadpoolctl import threadpool_info; from p2pswarm.engine.experts import ExpertBank; "
+            "from p2pswarm.model.layout import ModelLayout; ExpertBank(ModelLayout.open(sys.argv[1])); "
+            "print(sorted({i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas'}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_f32)], capture_output=True, text=True, env=env,
+                         timeout=120, check=True).stdout
+    assert out.strip() == "[1]", out

@@ -16,6 +16,7 @@ import numpy as np
 
 from p2pswarm import settings
 from p2pswarm.engine import ops
+from p2pswarm.engine.blas import single_threaded_blas
 from p2pswarm.engine.weights import ByteBoundedCache, to_float32
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
@@ -42,6 +43,7 @@ class ExpertBank:
     kernel = "numpy"
 
     def __init__(self, layout: ModelLayout, *, cache_bytes: int | None = None):
+        single_threaded_blas()  # the bits of numpy's products must not depend on a node's cores
         self.layout = layout
         self.cache = ByteBoundedCache(default_cache_bytes() if cache_bytes is None else cache_bytes)
         self.layers = frozenset(layout.expert_layers)

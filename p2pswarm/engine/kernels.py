@@ -23,11 +23,11 @@ The default kernel is ``$P2PSWARM_KERNEL`` when set (the CLI's ``--kernel`` sets
 from __future__ import annotations
 
 import logging
-import os
 
 from p2pswarm import settings
 from p2pswarm.contracts import DenseModel, DenseWeights
 from p2pswarm.contracts import ExpertBank as ExpertBankProtocol
+from p2pswarm.engine.blas import single_threaded_blas
 from p2pswarm.engine.experts import ExpertBank, default_cache_bytes
 from p2pswarm.errors import UserError
 
@@ -139,27 +139,6 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
     return GgmlExpertBank(layout, threads=threads, graph_cache_bytes=graph_cache_bytes)
 
 
-def _single_threaded_blas() -> None:
-    """numpy's BLAS on one thread once ggml computes the dense path (unless OPENBLAS_NUM_THREADS or
-    OMP_NUM_THREADS says otherwise).
-
-    Why: what numpy still multiplies then is small (the F32 router, attention scores, the chunked
-    DeltaNet's 64x64 blocks), and OpenBLAS's own thread pool spins beside ggml's on the same cores.
-    Measured (bench/profile_decode.py --prefill 64, geometry-122b qwen35moe, a loaded 2-core
-    machine, alternating): 3.1 and 1.9 tok/s with OpenBLAS's 2 threads, 4.2 and 5.1 with one.
-    OpenBLAS partitions a product by output blocks, never along the summed axis, so the bits do
-    not depend on its thread count. Process-wide, done through threadpoolctl.
-    """
-    if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
-        return
-    try:
-        from threadpoolctl import threadpool_limits  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - a pinned dependency
-        log.debug("threadpoolctl missing: numpy's BLAS keeps its threads")
-        return
-    threadpool_limits(1, user_api="blas")
-
-
 def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, threads: int | None = None) -> int:
     """Let ``kernel`` compute the dense path's quantised mat-muls; returns how many tensors it took.
 
@@ -171,7 +150,7 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
     call); an all-float file keeps numpy's dense path whole. Other F32/F16/BF16 tensors and the
     norms are untouched. Returns the number of quantised tensors taken. With ``numpy`` nothing changes, nor
     with ``portable``: the dense path runs only on the backbone, outside what must agree across ISAs.
-    With ``ggml`` numpy's BLAS is also limited to one thread (see :func:`_single_threaded_blas`), and
+    With ``ggml`` numpy's BLAS is also limited to one thread (see :mod:`p2pswarm.engine.blas`), and
     every page of the model file is mapped now, as llama.cpp's loader does
     (:func:`~p2pswarm.engine.ggml_kernel.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
 
@@ -188,7 +167,7 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
         log.warning("dense weights of %s cannot take kernel matrices; dense path stays on numpy", type(model).__name__)
         return 0
     dense = GgmlDense(model.layout, threads=threads)
-    _single_threaded_blas()
+    single_threaded_blas()
     if settings.POPULATE.get():
         populate(model.layout.reader.data)
     n = 0
