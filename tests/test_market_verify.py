@@ -24,6 +24,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import run_cli
 from helpers.dishonest_worker import DishonestWorker
+from helpers.ggml import needs_ggml
 
 MODEL = "ab" * 32
 
@@ -227,3 +228,50 @@ async def test_every_row_checked_means_outputs_stay_exact_throughout(tiny_f32, t
     assert BanRecord.verify(rec.signed, key=rec.key).voids_from_seq == 1 and rec.voids_epoch == ledger.epoch
     assert ledger.accounts["liar"].banned and ledger.pending().get("liar") is None  # voided, none sent
     assert "h" in ledger.pending() or ledger.accounts["h"].requests > 0
+
+
+@needs_ggml
+async def test_checks_cost_the_rate_where_rows_are_exact_alone(tiny_q8, tmp_path):
+    """With libggml on Q8_0 the backbone's probe finds the experts row-invariant, so the verifier
+    recomputes only the sampled rows of a group, not every row of a group one row of which was
+    drawn: the rows recomputed are about ``rate`` of those served (whole groups of ~16 rows were
+    ~15% at rate 1%), an honest worker is never banned for it, and a worker lying on one row is
+    still caught on the check that draws that row."""
+    from p2pswarm.backbone.runner import PROBE_ROWS, Backbone
+    from p2pswarm.engine.arch import load_dense
+
+    layout = ModelLayout.open(tiny_q8)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    bank = make_bank(layout, "ggml")
+    liar = DishonestWorker(shards[1], kernel="ggml", fraction=0.02, delta=1e-3, seed=5, honest_rows=3000)
+    disp = Dispatcher(bank, [InProcessOwner(ExpertWorker(shards[0], kernel="ggml"), "h"), InProcessOwner(liar, "liar")])
+    assert disp.exact_rows == 1  # nothing measured yet: whole groups
+    Backbone(load_dense(layout), disp)._probe_row_invariance()
+    assert disp.exact_rows == PROBE_ROWS
+    r = 0.05
+    disp.verifier = Verifier(r, seed=7)
+    seen = []
+    disp.on_mismatch = lambda peer, ev: seen.append(ev)
+    rng = np.random.default_rng(8)
+    local_rows = []
+    real = disp.local.compute
+
+    async def counted(layer, cur, groups):
+        local_rows.append(sum(len(idx) for _, idx in groups))
+        return await real(layer, cur, groups)
+
+    disp.local.compute = counted
+    while not seen:
+        cur = rng.standard_normal((64, 256)).astype(np.float32)  # a 64-sequence decode step (n_embd 256)
+        picks = np.stack([rng.choice(layout.n_expert, 4, replace=False) for _ in range(64)])
+        groups = [(int(e), np.flatnonzero((picks == e).any(axis=1)).astype(np.int64)) for e in np.unique(picks)]
+        layer = int(rng.integers(0, len(layout.expert_layers)))
+        outs = await disp.run_groups(layer, cur, groups)
+        if seen:  # the detecting step uses the replica's outputs for every group of the liar
+            assert all(np.array_equal(o, w) for o, w in zip(outs, bank.forward_groups(layer, cur, groups)))
+        assert disp.stats.layers < 2000, "the liar was never caught"
+    v = disp.verifier
+    assert seen[0].rows_in_group < 16 and disp.banned.keys() == {"liar"} and "h" not in disp.banned
+    served, checked = v.rows_served["h"], v.rows_checked["h"]
+    assert served > 1000 and 0.5 * r < checked / served < 2 * r, (checked, served)  # whole groups: ~0.5
+    assert sum(local_rows[:-1]) < 3 * r * (v.rows_served["h"] + v.rows_served["liar"])

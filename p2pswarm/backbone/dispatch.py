@@ -34,6 +34,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -41,6 +42,9 @@ import trio
 from p2pswarm.contracts import ExpertBank, Groups, Owner
 from p2pswarm.errors import WorkerError, WorkerSlow, first_error
 from p2pswarm.offload import Offload
+
+if TYPE_CHECKING:
+    from p2pswarm.market.verify import Check
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -183,6 +187,11 @@ class Dispatcher:
         #: (ContributionLedger) counts the work used per worker peer; on_mismatch(peer, evidence)
         #: is told of a worker caught returning wrong numbers (after it is banned here)
         self.verifier = None
+        #: groups of at most this many rows may be checked on their selected rows alone: the local
+        #: replica's kernel gives such a row the bits it gets in a call of all of them. 1 (every
+        #: row of a group recomputed, unless the group is one row) until the Backbone's probe
+        #: measures more (runner.Backbone._probe_row_invariance)
+        self.exact_rows = 1
         self.ledger = None
         self.on_mismatch = None
         self.banned: dict[str, str] = {}  # worker peer id -> why it gets no requests
@@ -271,7 +280,8 @@ class Dispatcher:
 
         async def one(owner: Owner, which: list[int]) -> None:
             owner_groups = [groups[i] for i in which]
-            picked = self.verifier.pick(peer_of(owner), owner_groups) if owner.remote and self.verifier is not None else []
+            picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
+                      if owner.remote and self.verifier is not None else [])
             used = owner.remote
             try:
                 tc = time.perf_counter()
@@ -308,7 +318,8 @@ class Dispatcher:
             if used:
                 outs, trusted = await self._accept(owner, layer, cur, owner_groups, outs, picked,
                                                    refs if picked else [])
-                if trusted and taint is not None and len(picked) < len(owner_groups):
+                if trusted and taint is not None and sum(len(at) for _, at in picked) < sum(
+                        len(idx) for _, idx in owner_groups):
                     self._mark(taint, peer_of(owner), len(cur), owner_groups, picked)
             for i, out in zip(which, outs):
                 results[i] = out
@@ -333,16 +344,16 @@ class Dispatcher:
         return results
 
     async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
-                               picked: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """The owner's outputs and the local replica's for the picked groups, computed side by side
-        (the check costs the step max(round trip, local compute), not their sum)."""
+                               picked: list[Check]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The owner's outputs and the local replica's for the picked rows of the picked groups,
+        computed side by side (the check costs the step max(round trip, local compute), not their sum)."""
         got: dict[str, list[np.ndarray]] = {}
 
         async def remote() -> None:
             got["outs"] = await owner.compute(layer, cur, groups)
 
         async def local() -> None:
-            got["refs"] = await self.local.compute(layer, cur, [groups[i] for i in picked])
+            got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at]) for i, at in picked])
 
         try:
             async with trio.open_nursery() as nursery:
@@ -353,22 +364,25 @@ class Dispatcher:
         return got["outs"], got["refs"]
 
     @staticmethod
-    def _mark(taint: dict[str, np.ndarray], peer: str, n_rows: int, groups: Groups, picked: list[int]) -> None:
-        """Mark the rows of ``groups`` not in ``picked`` (used unverified) in ``taint[peer]``."""
+    def _mark(taint: dict[str, np.ndarray], peer: str, n_rows: int, groups: Groups, picked: list[Check]) -> None:
+        """Mark the rows of ``groups`` used unverified (all but the ``picked`` rows) in ``taint[peer]``."""
         mask = taint.get(peer)
         if mask is None:
             mask = taint[peer] = np.zeros(n_rows, dtype=bool)
-        if picked:
-            skip = set(picked)
-            idx = [g[1] for j, g in enumerate(groups) if j not in skip]
-        else:
-            idx = [g[1] for g in groups]
-        mask[np.concatenate(idx) if len(idx) > 1 else idx[0]] = True
+        checked = dict(picked)
+        for j, (_, idx) in enumerate(groups):
+            at = checked.get(j)
+            if at is None:
+                mask[idx] = True
+            elif len(at) < len(idx):
+                keep = np.ones(len(idx), dtype=bool)
+                keep[at] = False
+                mask[idx[keep]] = True
 
     async def _accept(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups, outs: list[np.ndarray],
-                      picked: list[int], refs: list[np.ndarray]) -> tuple[list[np.ndarray], bool]:
-        """Check a remote answer's sampled groups; on a mismatch ban the worker and use the local
-        replica's outputs for *all* its groups; otherwise count the work for its receipts.
+                      picked: list[Check], refs: list[np.ndarray]) -> tuple[list[np.ndarray], bool]:
+        """Check a remote answer's sampled rows (``picked``: Verifier.pick's); on a mismatch ban the
+        worker and use the local replica's outputs for *all* its groups; otherwise count the work for its receipts.
         Returns (outputs, whether they are the worker's). A worker banned while its answer was on
         the way (another request caught it, or a ban record arrived) is not used either."""
         peer = peer_of(owner)
@@ -384,11 +398,8 @@ class Dispatcher:
                     self.on_mismatch(peer, evidence)
                 else:
                     log.warning("BANNED worker %s: %s", peer, evidence.summary())
-                rest = [j for j in range(len(groups)) if j not in set(picked)]
-                fixed = dict(zip(picked, refs))
-                if rest:
-                    fixed.update(zip(rest, await self.local.compute(layer, cur, [groups[j] for j in rest])))
-                return [fixed[j] for j in range(len(groups))], False
+                # checks may have covered some rows of a group only: recompute every group here
+                return await self.local.compute(layer, cur, groups), False
         if self.ledger is not None:
             self.ledger.add(peer, sum(len(idx) for _, idx in groups), sum(int(o.nbytes) for o in outs))
         return outs, True

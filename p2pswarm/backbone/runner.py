@@ -161,6 +161,10 @@ class DenseInvariance:
 
 
 ALL_BATCHED = DenseInvariance(True, True, True)
+#: rows of the one call the expert row-invariance probe compares smaller calls against: a prefill
+#: step's groups (64 prompts of 5 tokens route ~80 rows to each of 16 experts) lie within it, so
+#: the verifier may check those row by row too (measured: libggml's Q8_0 is invariant to 600 rows)
+PROBE_ROWS = 520
 
 # Probe layouts: segment sizes (sequences' row counts) of batched calls of 70, 16 and 64 rows. They
 # share their first segments, so each segment's alone result is computed once; together they put
@@ -273,15 +277,15 @@ class Backbone:
 
     def _probe_row_invariance(self) -> tuple[bool, bool, int]:
         """Whether the expert and lm-head mat-muls give a row the same bits whatever rows share the
-        call, *measured* here on this CPU and these tensor types (row counts 1-9, 15-17, 31-33, 63-65
-        against one 70-row call): OpenBLAS never does (its kernels depend on the row count), libggml
-        does for Q8_0 but switches kernels at 8 rows for K-quants. Where it holds, the
+        call, *measured* here on this CPU and these tensor types (row counts 1-9, 15-17, 31-33, 63-65,
+        127-129, 255-257, 511-512 against one PROBE_ROWS-row call): OpenBLAS never does (its kernels
+        depend on the row count), libggml does for Q8_0 but switches kernels at 8 rows for K-quants. Where it holds, the
         batch-invariant mode batches those mat-muls across sequences; where not, it runs them per
         sequence (the ``--no-batch-invariant`` mode never does)."""
         if self._row_invariant is None:
             bank, m = self.dispatcher.local.bank, self.model
-            x = np.random.default_rng(0).standard_normal((70, m.n_embd)).astype(F32)
-            sizes = [*range(1, 10), 15, 16, 17, 31, 32, 33, 63, 64, 65]
+            x = np.random.default_rng(0).standard_normal((PROBE_ROWS, m.n_embd)).astype(F32)
+            sizes = [*range(1, 10), 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512]
 
             def invariant(fn) -> bool:
                 full = fn(x)
@@ -326,6 +330,9 @@ class Backbone:
                 w_out = dense.leading_rows(m.output_name, 1024)  # the head's type and kernels, 1% of its rows
             output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T)
             self._row_invariant = (experts, output, small)
+            # the verifier may check a group on its sampled rows alone where that gives the same
+            # bits: any group the probe's call covers (PROBE_ROWS) if invariant, else a small call
+            self.dispatcher.exact_rows = PROBE_ROWS if experts else small
         return self._row_invariant
 
     def dense_invariance(self, il: int) -> "DenseInvariance":
@@ -378,6 +385,8 @@ class Backbone:
         L = m.n_layer
 
         def first():
+            if self._row_invariant is None and bounds[-1] > 1 and getattr(self.dispatcher, "verifier", None):
+                self._probe_row_invariance()  # once: which groups the verifier may check row by row
             return self._pre_batch(0, m.embed(np.concatenate(toks)), spans, states, pos0, invariant)
 
         def after(il, h, cur, ids, w, groups, outs):

@@ -6,15 +6,18 @@ equal the replica's *bit for bit*; any difference is a wrong answer, never round
 
 Sampling. Every output row a remote worker is asked for is selected with probability ``rate``
 (``--verify-rate``), by a seeded RNG per backbone (``--verify-seed``; default: fresh entropy, so a
-worker cannot predict it). A group with a selected row is recomputed *whole* on the local replica:
-mat-muls are not row-invariant under OpenBLAS (docs/architecture.md), so only the same rows in
-the same call give the same bits. The recomputation starts when the request is sent and runs in a
-thread beside it (the worker cannot tell a checked request from another), so a step waits for
-max(round trip, local check), not their sum; only selected groups are recomputed.
+worker cannot predict it). Where the replica's kernel gives a row the same bits whatever rows
+share its call (measured by the backbone's probe: libggml on Q8_0 for calls of up to 520 rows,
+K-quants up to 7; ``Dispatcher.exact_rows``), only the selected rows are recomputed, so a check
+costs about ``rate`` of the work; elsewhere (OpenBLAS is never row-invariant, docs/architecture.md)
+a group with a selected row is recomputed *whole*, since only the same rows in the same call give
+the same bits there. The recomputation starts when the request is sent and runs in a thread
+beside it (the worker cannot tell a checked request from another), so a step waits for
+max(round trip, local check), not their sum.
 
 Detection. A worker that falsifies a fraction ``p`` of its rows, each row checked with probability
-``r``: every row it serves is caught independently with probability at least ``r * p`` (whole
-groups are compared, so more when groups hold several rows), hence
+``r``: every row it serves is caught independently with probability at least ``r * p`` (where
+whole groups are compared, more when groups hold several rows), hence
 
     P(caught within n rows) >= 1 - (1 - r p)^n,   n_q = ln(1 - q) / ln(1 - r p) rows for confidence q.
 
@@ -46,6 +49,9 @@ log = logging.getLogger("p2pswarm.market")
 
 DEFAULT_VERIFY_RATE = 0.01
 
+#: one check of a remote request: (index of the group, positions of its rows to recompute)
+Check = tuple[int, np.ndarray]
+
 
 def rows_for_confidence(rate: float, falsified: float, confidence: float = 0.99) -> float:
     """Rows a worker falsifying a ``falsified`` fraction of its rows can serve before it is caught
@@ -66,11 +72,11 @@ class Evidence:
     layer: int
     expert: int
     row: int  # index of the row in the layer's input (the token's position in the batch)
-    max_abs_delta: float  # over the whole group
+    max_abs_delta: float  # over the checked rows of the group
     rows_differing: int
-    rows_in_group: int
-    input_sha256: str  # of the group's input rows
-    worker_sha256: str  # of the worker's outputs for the group
+    rows_in_group: int  # rows checked (the whole group, or its selected rows where that is exact)
+    input_sha256: str  # of the checked input rows
+    worker_sha256: str  # of the worker's outputs for those rows
     replica_sha256: str  # of the local replica's outputs
     rows_served: int  # rows this worker had served us when caught (this request included)
     rows_checked: int  # rows of this worker checked so far
@@ -107,7 +113,7 @@ def compare_group(worker: str, layer: int, expert: int, idx: np.ndarray, inputs:
 
 
 class Verifier:
-    """Picks which groups of each remote request to recompute, and keeps per-worker counts."""
+    """Picks which rows of each remote request to recompute, and keeps per-worker counts."""
 
     def __init__(self, rate: float = DEFAULT_VERIFY_RATE, seed: int | None = None):
         if not 0.0 <= rate <= 1.0:
@@ -129,33 +135,42 @@ class Verifier:
             rng = self._rngs[worker] = np.random.default_rng(key)
         return rng
 
-    def pick(self, worker: str, groups) -> list[int]:
-        """Indices of ``worker``'s groups to recompute: those with at least one row selected."""
+    def pick(self, worker: str, groups, exact_rows: int = 1) -> list[Check]:
+        """What of ``worker``'s groups to recompute: each group with a selected row, as
+        ``(group index, positions)``. ``positions`` are the selected rows only when the group holds
+        at most ``exact_rows`` rows (where the replica's kernel gives a row the same bits in a
+        call of any of its rows, :attr:`Dispatcher.exact_rows`), else every row of the group: a
+        check costs about ``rate`` of the work it checks, not every row of any group one row of
+        which was drawn (a decode step of 64 sequences on a 16-expert model routes ~16 rows to
+        each expert, and whole-group checks recomputed 15% of the work, not 1%)."""
         if self.rate <= 0 or not groups:
             return []
         if self.rate >= 1:
-            return list(range(len(groups)))
+            return [(i, np.arange(len(idx))) for i, (_, idx) in enumerate(groups)]
         draws = self._rng(worker).random(sum(len(idx) for _, idx in groups)) < self.rate
         picked, pos = [], 0
         for i, (_, idx) in enumerate(groups):
-            if draws[pos : pos + len(idx)].any():
-                picked.append(i)
+            sel = draws[pos : pos + len(idx)]
+            if sel.any():
+                picked.append((i, np.flatnonzero(sel) if len(idx) <= exact_rows else np.arange(len(idx))))
             pos += len(idx)
         return picked
 
-    def check(self, worker: str, layer: int, cur: np.ndarray, groups, outs, picked: list[int],
+    def check(self, worker: str, layer: int, cur: np.ndarray, groups, outs, picked: list[Check],
               refs: list[np.ndarray]) -> Evidence | None:
-        """Compare the picked groups' outputs with the replica's; Evidence for the first mismatch."""
+        """Compare the picked rows' outputs with the replica's (``refs``: one per pick, its rows);
+        Evidence for the first mismatch."""
         self.rows_served[worker] = self.rows_served.get(worker, 0) + sum(len(idx) for _, idx in groups)
-        self.rows_checked[worker] = self.rows_checked.get(worker, 0) + sum(len(groups[i][1]) for i in picked)
+        self.rows_checked[worker] = self.rows_checked.get(worker, 0) + sum(len(at) for _, at in picked)
         self.groups_checked += len(picked)
-        for i, want in zip(picked, refs):
+        for (i, at), want in zip(picked, refs):
             e, idx = groups[i]
-            diff = compare_group(worker, layer, e, idx, cur, outs[i], want)
+            idx, got = idx[at], outs[i][at]
+            diff = compare_group(worker, layer, e, idx, cur, got, want)
             if diff is None:
                 continue
             self.mismatches += 1
             row, md, n = diff
-            return Evidence(worker, layer, int(e), row, md, n, len(idx), _sha(cur[idx]), _sha(outs[i]), _sha(want),
+            return Evidence(worker, layer, int(e), row, md, n, len(idx), _sha(cur[idx]), _sha(got), _sha(want),
                             self.rows_served[worker], self.rows_checked[worker])
         return None
