@@ -174,6 +174,11 @@ def main() -> None:
                     help="workers offer direct lanes (--direct, each behind its own proxy of the same RTT): "
                          "expert requests skip py-libp2p")
     args = ap.parse_args()
+    if args.plot:
+        try:  # checked before the runs: finding out after twenty minutes of measuring loses them
+            import matplotlib  # noqa: F401, PLC0415
+        except ImportError:
+            ap.error("--plot needs matplotlib (pip install matplotlib)")
     rtts = args.rtt or [0.0, 25.0, 50.0, 100.0]
     conc = args.concurrency or list(CONCURRENCY)
     work = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
