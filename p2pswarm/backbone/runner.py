@@ -279,8 +279,8 @@ class Backbone:
         """Whether the expert and lm-head mat-muls give a row the same bits whatever rows share the
         call, *measured* here on this CPU and these tensor types (row counts 1-9, 15-17, 31-33, 63-65,
         127-129, 255-257, 511-512 against one PROBE_ROWS-row call): OpenBLAS never does (its kernels
-        depend on the row count), libggml does for Q8_0 but switches kernels at 8 rows for K-quants. Where it holds, the
-        batch-invariant mode batches those mat-muls across sequences; where not, it runs them per
+        depend on the row count), libggml does for Q8_0 but switches kernels at 8 rows for K-quants.
+        Where it holds, the batch-invariant mode batches those mat-muls across sequences; where not, it runs them per
         sequence (the ``--no-batch-invariant`` mode never does)."""
         if self._row_invariant is None:
             bank, m = self.dispatcher.local.bank, self.model

@@ -101,6 +101,10 @@ class WanProxy:
                 nursery.start_soon(self._pipe, client, target, self.up, "bytes_up", nursery.cancel_scope)
                 nursery.start_soon(self._pipe, target, client, self.down, "bytes_down", nursery.cancel_scope)
 
+    def _count(self, counter: str, data: bytes) -> None:
+        setattr(self.stats, counter, getattr(self.stats, counter) + len(data))
+        self.stats.chunks += 1
+
     async def _pipe(self, src, dst, spec: LinkSpec, counter: str, scope: trio.CancelScope) -> None:
         """Read from src as fast as it sends; deliver each chunk to dst at its due time, in order.
 
@@ -142,8 +146,7 @@ class WanProxy:
                         send.send_nowait((trio.current_time() + spec.delay_s, None))
                         break
                     jitter = self._rng.uniform(0, spec.jitter_s) if spec.jitter_s else 0.0
-                    setattr(self.stats, counter, getattr(self.stats, counter) + len(data))
-                    self.stats.chunks += 1
+                    self._count(counter, data)
                     send.send_nowait((trio.current_time() + spec.delay_s + jitter, data))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass  # broken: deliver drains what is in flight, then ends the connection
@@ -160,8 +163,7 @@ class WanProxy:
                 if not data:
                     await _half_close(dst, scope)
                     return
-                setattr(self.stats, counter, getattr(self.stats, counter) + len(data))
-                self.stats.chunks += 1
+                self._count(counter, data)
                 await dst.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             scope.cancel()
