@@ -6,6 +6,9 @@ import time
 import msgpack
 import pytest
 
+from p2pswarm.engine.ggml_kernel import _CPU_FEATURES
+from p2pswarm.engine.kernels import kernel_id
+from p2pswarm.net.expert_protocol import MAX_KERNEL_ID_CHARS
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import (DEFAULT_BLOCK_SIZE, MAX_RECORD_BYTES, SIGNING_DOMAIN, CoverageUnit, NodeRecord,
                                   NodeRecordValidator, RecordError, ShardEntry, model_key, node_record_key, units_for)
@@ -94,6 +97,7 @@ def _body(ident, **over):
     ({"protocol": "1"}, "protocol must be an integer"),
     ({"block_size": 0}, "block_size"),
     ({"kernel": ""}, "kernel"),
+    ({"kernel": "k" * (MAX_KERNEL_ID_CHARS + 1)}, "kernel"),
     ({"shards": [{"model": MODEL, "shard": "x", "layers": [3, 3], "experts": [0, 8]}]}, "empty layers"),
     ({"shards": [{"model": MODEL, "shard": "x", "layers": [0, 1]}]}, "experts must be"),
     ({"shards": ["x"]}, "not a map"),
@@ -107,6 +111,26 @@ def test_malformed_but_signed_records_rejected(over, needle):
     ident = Identity.generate()
     with pytest.raises(RecordError, match=needle):
         NodeRecord.verify(_resign(ident, _body(ident, **over)))
+
+
+def test_long_kernel_ids_fit_a_record():
+    """A ggml kernel id lists every SIMD path of its CPU build: 131 characters on a CPU with AVX-512
+    and AMX, past the 128 a record's kernel field once allowed; every worker on such a CPU had its
+    record refused by every peer (a swarm with no owners). Every feature at once must fit."""
+    ident = Identity.generate()
+    every = "ggml-0.25.3-0c1e570/x86_64+" + "+".join(_CPU_FEATURES)
+    for kid in (every, kernel_id("auto"), "portable-1/aarch64"):
+        rec = _record(ident, kernel=kid)
+        assert NodeRecord.verify(rec.signed, peer=ident.peer_id_str).kernel == kid
+    assert len(every) <= MAX_KERNEL_ID_CHARS
+
+
+def test_a_record_peers_would_refuse_fails_when_made():
+    """A node's own record is read back as a peer would read it before it is published: a
+    malformed one is a one-line error at start-up, not a record every DHT peer drops in silence."""
+    with pytest.raises(RecordError, match="kernel must be a short string") as info:
+        _record(Identity.generate(), kernel="k" * (MAX_KERNEL_ID_CHARS + 1))
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("data", [

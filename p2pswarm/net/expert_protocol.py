@@ -18,7 +18,13 @@ PROTOCOL_VERSION = 1
 #: transport needs no libp2p.
 PROTOCOL_EXPERT = "/p2pswarm/expert/1.0.0"
 ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
-MAX_FAMILY_CHARS = 200
+#: The longest kernel id a node record, a hello or a compute request's family may carry. A ggml id
+#: names the library and every SIMD code path its CPU build selects ("ggml-0.25.3-0c1e570/x86_64+
+#: sse3+...+amx_int8+llamafile"): 131 characters on a CPU with AVX-512 and AMX, 212 were every
+#: feature ggml 0.25 reports set at once. The old limit, 128, refused the records of every worker
+#: on such a CPU: a swarm of them found no owner at all.
+MAX_KERNEL_ID_CHARS = 512
+MAX_FAMILY_CHARS = MAX_KERNEL_ID_CHARS  # a family is a kernel id (or its portable-<version> prefix)
 
 
 def pack(msg: dict) -> bytes:

@@ -34,6 +34,7 @@ import msgpack
 import multiaddr
 
 from p2pswarm.errors import UserError
+from p2pswarm.net.expert_protocol import MAX_KERNEL_ID_CHARS
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.signed import SignedError, open_sealed
 
@@ -176,6 +177,9 @@ class NodeRecord:
         wire = msgpack.packb({"body": body, "sig": identity.sign(SIGNING_DOMAIN + body)}, use_bin_type=True)
         if len(wire) > MAX_RECORD_BYTES:
             raise RecordError(f"node record of {len(wire)} bytes exceeds {MAX_RECORD_BYTES}")
+        # Read back as every peer will: a record the DHT would refuse must fail here, at start-up,
+        # as one line, not be published and silently dropped by every peer (a worker nobody finds).
+        NodeRecord.verify(wire, peer=self.peer, now=self.issued, allow_expired=True)
         return NodeRecord(**{**self.__dict__, "signed": wire})
 
     # -- reading --------------------------------------------------------------------------------
@@ -190,7 +194,7 @@ class NodeRecord:
                 peer=rpeer,
                 addrs=tuple(_addrs(b.get("addrs"))),
                 protocol=_int(b.get("protocol"), "protocol"),
-                kernel=_str_field(b.get("kernel"), "kernel"),
+                kernel=_str_field(b.get("kernel"), "kernel", MAX_KERNEL_ID_CHARS),
                 block_size=_int(b.get("block_size"), "block_size", lo=1),
                 shards=tuple(ShardEntry.from_wire(s) for s in _list(b.get("shards"), "shards", MAX_SHARDS)),
                 seq=_int(b.get("seq"), "seq", hi=1 << 63),
@@ -390,8 +394,8 @@ def short_str(x: object, n: int = 128) -> bool:
     return isinstance(x, str) and 0 < len(x) <= n
 
 
-def _str_field(x: object, what: str) -> str:
-    if not short_str(x, 128):
+def _str_field(x: object, what: str, n: int = 128) -> str:
+    if not short_str(x, n):
         raise RecordError(f"malformed node record: {what} must be a short string")
     return x
 
