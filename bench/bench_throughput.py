@@ -1,7 +1,8 @@
 """Aggregate tokens/s of the swarm's HTTP API as concurrency grows, under emulated WAN latency.
 
 Per RTT: a bootstrap node, 4 worker processes each behind ``python -m p2pswarm.net.wanproxy`` (the
-worker ``--announce`` s the proxy), and a backbone node serving ``/v1/completions``. For N = 1, 4, 16,
+worker ``--announce`` s the proxy; at 0 ms no proxy unless ``--proxy-at-0``: the link is loopback),
+and a backbone node serving ``/v1/completions``. For N = 1, 4, 16,
 64 concurrent greedy requests (short prompts, ``--tokens`` generated each) it measures
 
 * aggregate generated tokens/s (all tokens / wall time from the first request to the last reply);
@@ -173,6 +174,11 @@ def main() -> None:
     ap.add_argument("--direct", action="store_true",
                     help="workers offer direct lanes (--direct, each behind its own proxy of the same RTT): "
                          "expert requests skip py-libp2p")
+    ap.add_argument("--proxies", choices=["shared", "per-link"], default="shared",
+                    help="the WAN links in one proxy process (default) or one process per link")
+    ap.add_argument("--proxy-at-0", action="store_true",
+                    help="a WAN proxy in front of each worker at 0 ms RTT too (by default a 0 ms link is "
+                         "loopback, no proxy: bench/wan_swarm.py)")
     args = ap.parse_args()
     if args.plot:
         try:  # checked before the runs: finding out after twenty minutes of measuring loses them
@@ -205,8 +211,8 @@ def main() -> None:
     results: dict[float, dict[int, dict]] = {}
     for rtt in rtts:
         with WanSwarm(model, ranges=RANGES, rtt_ms=rtt, workdir=work / f"rtt{rtt:g}", kernel=args.kernel,
-                      timeout_s=30, direct=args.direct, backbone_args=["--micro-batches", args.micro_batches,
-                                                                       "--token-budget", args.token_budget]) as sw:
+                      timeout_s=30, direct=args.direct, proxy_at_zero=args.proxy_at_0, proxies=args.proxies,
+                      backbone_args=["--micro-batches", args.micro_batches, "--token-budget", args.token_budget]) as sw:
             sw.wait_covered()
             measure(sw, 2, 2)  # warm-up: connections, caches
             lanes = sw.backbone.log.read_text().count("direct lane to worker")
@@ -240,9 +246,11 @@ def main() -> None:
                          f"{r['cpu_proxies'] * 1000:.1f} | {r['cpu_total'] * 1000:.1f} |")
     text = header("Throughput: continuous batching under WAN latency",
                   f"python bench/bench_throughput.py --tokens {args.tokens} --rounds {args.rounds} "
-                  + " ".join(f"--rtt {r:g}" for r in rtts) + (" --direct" if args.direct else "")) + (
+                  + " ".join(f"--rtt {r:g}" for r in rtts) + (" --direct" if args.direct else "")
+                  + (" --proxy-at-0" if args.proxy_at_0 else "")) + (
         f"Synthetic tiny q8_0 model ({L} layers, 16 experts, top-4), kernel {args.kernel}, bootstrap + 4 worker "
-        f"processes (4 experts each) behind WAN proxies + backbone HTTP API, all on this 2-core machine"
+        f"processes (4 experts each) behind WAN proxies"
+        f"{' (at 0 ms too)' if args.proxy_at_0 else ' (none at 0 ms: loopback)'} + backbone HTTP API, all on this 2-core machine"
         f"{'; expert requests on the workers direct lanes (each behind a proxy of the same RTT)' if args.direct else ''}. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
         f"Bound = min(compute bound, N/(L*RTT)); compute bound = the same N requests, same client, to the "

@@ -1,6 +1,6 @@
 """Where a batched layer's time goes: per-hop timestamps of every expert request at N sequences.
 
-    python bench/trace_layer.py --rtt 50 --n 64 [--micro-batches auto] [--tokens 8] [--rounds 2]
+    python bench/trace_layer.py --rtt 50 --n 64 [--micro-batches auto] [--tokens 8] [--rounds 2] [--direct]
 
 The swarm of bench/bench_throughput.py (bootstrap, 4 workers each behind a WAN proxy, backbone with
 the HTTP API), every process run through bench/trace_entry.py, which logs CLOCK_MONOTONIC
@@ -108,8 +108,9 @@ def analyse(tdir: Path, t0: float, t1: float, one_way_s: float) -> str:
         for r in rows:
             if r[1] == "p_out" and r[4] and t0 <= float(r[0]) <= t1:
                 lat_up.append(float(r[4]))
-    lines.append(f"| proxy lateness per chunk (sent - due) | {statistics.median(lat_up) * 1e3:.2f} | "
-                 f"{pct(lat_up, 0.9) * 1e3:.2f} |")
+    if lat_up:  # (no proxies at 0 ms)
+        lines.append(f"| proxy lateness per chunk (sent - due) | {statistics.median(lat_up) * 1e3:.2f} | "
+                     f"{pct(lat_up, 0.9) * 1e3:.2f} |")
     wall = t1 - t0
     lines += ["", "backbone dense path in the window: " + ", ".join(f"{k} {v:.2f} s" for k, v in dense.items())
               + f" of {wall:.2f} s wall"]
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--micro-batches", default="auto")
     ap.add_argument("--kernel", default="ggml")
+    ap.add_argument("--direct", action="store_true", help="expert requests on the workers' direct lanes")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="trace-layer-"))
     tdir = work / "trace"
@@ -131,7 +133,8 @@ def main() -> None:
     model = work / "tiny-q8.gguf"
     make_model(model, preset="tiny", qtype="q8_0", seed=2, layers=4)
     sw = WanSwarm(model, ranges=RANGES, rtt_ms=args.rtt, workdir=work / "swarm", kernel=args.kernel, timeout_s=30,
-                  backbone_args=["--micro-batches", args.micro_batches], wrapper=str(HERE / "trace_entry.py"))
+                  backbone_args=["--micro-batches", args.micro_batches], wrapper=str(HERE / "trace_entry.py"),
+                  direct=args.direct)
     sw.env["TRACE_DIR"] = str(tdir)
     with sw:
         sw.wait_covered()

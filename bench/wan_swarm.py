@@ -6,10 +6,11 @@ Used by tests/test_throughput_swarm.py and bench/bench_throughput.py:
         sw.base_url            # the backbone's HTTP API
         sw.workers[0].kill()   # kill -9
 
-Layout: a bootstrap node; per worker a ``python -m p2pswarm.net.wanproxy`` process in front of a
-``p2pswarm node --role worker`` that listens on a fixed local port and ``--announce`` s the proxy's
-address, so every expert request the backbone sends crosses the emulated link both ways; a
-``p2pswarm node --role backbone --http`` that finds the workers through the DHT.
+Layout: a bootstrap node; a ``python -m p2pswarm.net.wanproxy`` process emulating one WAN link in
+front of each ``p2pswarm node --role worker`` (one process for all links, or one per link), the
+worker listening on a fixed local port and ``--announce`` ing its link's port, so every expert
+request the backbone sends crosses the emulated link both ways (at 0 ms RTT no proxy: the worker
+announces itself); a ``p2pswarm node --role backbone --http`` that finds the workers through the DHT.
 """
 from __future__ import annotations
 
@@ -38,14 +39,21 @@ def cpu_seconds(pid: int) -> float:
 class WanSwarm:
     def __init__(self, model: Path, *, ranges: list[tuple[int, int]], rtt_ms: float, workdir: Path,
                  kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0,
-                 wrapper: str | None = None, threads: int | None = 1, direct: bool = False):
+                 wrapper: str | None = None, threads: int | None = 1, direct: bool = False,
+                 proxy_at_zero: bool = False, proxies: str = "shared"):
         """``wrapper``: a script run instead of ``-m MODULE`` as ``python WRAPPER MODULE args`` for every
         node and proxy (bench/trace_entry.py: per-hop timestamps). ``threads``: every node's kernel
         threads (``P2PSWARM_THREADS``; 1: ten processes share this machine's cores; ``None``: the
         default, all cores, for a backbone alone). ``ranges=[]``: no workers, the backbone computes
         every expert itself (the backbone-alone baseline, through the same HTTP API). ``direct``:
         every worker also offers a direct lane (``--direct``), behind a proxy of its own with the
-        same RTT (``--direct-announce`` names it), so expert requests skip py-libp2p but not the link."""
+        same RTT (``--direct-announce`` names it), so expert requests skip py-libp2p but not the link.
+        ``proxy_at_zero``: a proxy even at ``rtt_ms=0`` (by default a 0 ms swarm has none);
+        ``proxies``: ``"shared"`` (one proxy process for every link) or ``"per-link"`` (one each;
+        see :meth:`_proxies`)."""
+        if proxies not in ("shared", "per-link"):
+            raise ValueError("proxies must be 'shared' or 'per-link'")
+        self.proxy_mode = proxies
         self.model = Path(model)
         self.ranges = ranges
         self.rtt_ms = rtt_ms
@@ -63,6 +71,7 @@ class WanSwarm:
         self.proxies: list[Proc] = []
         self.wrapper = wrapper
         self.direct = direct
+        self.proxy_at_zero = proxy_at_zero
 
     def _entry(self, module: str) -> list[str]:
         return [self.wrapper, module] if self.wrapper else ["-m", module]
@@ -72,33 +81,48 @@ class WanSwarm:
         self.procs.append(p)
         return p
 
-    def _proxy(self, name: str, target_port: int) -> str:
-        """A WAN proxy of this swarm's RTT in front of 127.0.0.1:target_port; its port."""
-        proxy = Proc(["--target", f"127.0.0.1:{target_port}", "--rtt-ms", str(self.rtt_ms)],
-                     self.dir / f"{name}.log", self.env, entry=self._entry("p2pswarm.net.wanproxy"))
-        self.procs.append(proxy)
-        self.proxies.append(proxy)
-        return proxy.ready[0].rsplit(":", 1)[1]
+    def _proxies(self, target_ports: list[int]) -> list[int]:
+        """The ports at which the targets (127.0.0.1:port each) are reached: WAN links of this
+        swarm's RTT in front of them, all in one ``wanproxy`` process (``proxies="shared"``, the
+        default) or one process per link (``"per-link"``). At 0 ms (unless ``proxy_at_zero``)
+        none: the targets' own ports. The emulated network should cost the cores the swarm shares
+        as little as possible, as a real one costs the nodes nothing: a link with no delay is
+        loopback (a proxy there emulates nothing but costs every request two more process
+        wake-ups: an echo through a 0 ms proxy took 0.08 ms on one VM of this kind, 1.1 ms median
+        on another), and one process for every link wakes once for the chunks that cross several
+        links at the same moment (a layer's requests to every owner), not once per link."""
+        if not target_ports or (self.rtt_ms == 0 and not self.proxy_at_zero):
+            return list(target_ports)
+        groups = [target_ports] if self.proxy_mode == "shared" else [[p] for p in target_ports]
+        out: list[int] = []
+        for k, group in enumerate(groups):
+            args = [a for p in group for a in ("--target", f"127.0.0.1:{p}")]
+            proxy = Proc([*args, "--rtt-ms", str(self.rtt_ms)], self.dir / f"proxy{k}.log", self.env,
+                         entry=self._entry("p2pswarm.net.wanproxy"))
+            self.procs.append(proxy)
+            self.proxies.append(proxy)
+            out += [int(a.rsplit(":", 1)[1]) for a in proxy.ready]
+        return out
 
     def __enter__(self) -> "WanSwarm":
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
             self.boot = self._node("boot", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
                                             "--identity", str(self.dir / "boot.key")])
+            n = len(self.ranges)
+            ports = [free_port() for _ in range(n)]
+            dports = [free_port() for _ in range(n)] if self.direct else []
+            reach = self._proxies(ports + dports)
             for i, (e0, e1) in enumerate(self.ranges):
                 shard = self.dir / f"shard{i}-{e0}-{e1}.gguf"
                 if not shard.exists():
                     slice_experts(self.model, shard, None, (e0, e1))
-                port = free_port()
-                pport = self._proxy(f"proxy{i}", port)
                 lane = []
                 if self.direct:
-                    dport = free_port()
-                    lane = ["--direct", f"127.0.0.1:{dport}",
-                            "--direct-announce", f"127.0.0.1:{self._proxy(f'dproxy{i}', dport)}"]
+                    lane = ["--direct", f"127.0.0.1:{dports[i]}", "--direct-announce", f"127.0.0.1:{reach[n + i]}"]
                 self.workers.append(self._node(f"w{i}", [
                     "node", "--role", "worker", "--shard", str(shard), "--bootstrap", self.boot.ready[0],
-                    "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--announce", f"/ip4/127.0.0.1/tcp/{pport}",
+                    "--listen", f"/ip4/127.0.0.1/tcp/{ports[i]}", "--announce", f"/ip4/127.0.0.1/tcp/{reach[i]}",
                     "--identity", str(self.dir / f"w{i}.key"), "--ttl", "300", "--kernel", self.kernel, *lane]))
             self.backbone = self._node("backbone", [
                 "node", "--role", "backbone", "--model", str(self.model), "--bootstrap", self.boot.ready[0],

@@ -62,6 +62,46 @@ def test_cli_refuses_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "127.0.0.1:1",
                            "--rtt-ms", "-5"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and ">= 0" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "127.0.0.1:1",
+                           "--target", "127.0.0.1:2", "--listen", "127.0.0.1:4999"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "one --target" in proc.stderr and "Traceback" not in proc.stderr
+
+
+async def test_one_process_emulates_a_link_per_target():
+    """``--target A --target B``: one process, a port per target (READY lists them in order), each
+    forwarding to its own target with the link's delay."""
+    async with trio.open_nursery() as nursery:
+        targets = [await _echo_server(nursery) for _ in range(2)]
+
+        async def tagged(stream):  # a third server that says who it is: a link reaches its own target
+            async with stream:
+                await stream.send_all(b"third")
+
+        third = (await nursery.start(trio.serve_tcp, tagged, 0))[0].socket.getsockname()[1]
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "p2pswarm.net.wanproxy", "--rtt-ms", "40",
+             *[a for p in (*targets, third) for a in ("--target", f"127.0.0.1:{p}")]],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        try:
+            with trio.fail_after(30):
+                line = b""
+                while not line.endswith(b"\n"):
+                    line += await proc.stdout.receive_some(1024)
+            words = line.decode().split()
+            assert words[0] == "READY" and len(words) == 4, words
+            ports = [int(w.rsplit(":", 1)[1]) for w in words[1:]]
+            for port in ports[:2]:
+                dt, got = await _round_trip(port, b"ping")
+                assert got == b"ping" and 0.04 <= dt < 1.0, dt
+            stream = await trio.open_tcp_stream("127.0.0.1", ports[2])
+            async with stream:
+                with trio.fail_after(10):
+                    assert await stream.receive_some(100) == b"third"
+        finally:
+            proc.kill()
+            await proc.wait()
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_zero_delay_link_forwards_everything_and_closes():
