@@ -107,6 +107,9 @@ THREADS = Var("P2PSWARM_THREADS", _positive_int, None,
               "ggml/portable threads per process (default: the CPUs available, at most 8)")
 GRAPH_CACHE_MB = Var("P2PSWARM_GRAPH_CACHE_MB", _non_negative_int, 256,
                      "the backbone's kept ggml graphs of decode steps (reused while a step's shape repeats), in MiB; 0: off")
+WORKER_GRAPH_CACHE_MB = Var("P2PSWARM_WORKER_GRAPH_CACHE_MB", _non_negative_int, 16,
+                            "a worker's kept ggml graphs of requests whose shape recurs (a decode step's few rows), "
+                            "in MiB; 0: off")
 INLINE_MS = Var("P2PSWARM_INLINE_MS", _non_negative_float, 1.5,
                 "a compute call expected to take at most this many ms runs on the event loop, not in a thread "
                 "(0: always a thread)")

@@ -173,3 +173,31 @@ def test_a_graph_in_use_keeps_its_room_and_a_stale_one_gives_it_up():
     finally:
         runner.close()
     assert runner._graphs == {} and runner._graph_bytes == 0
+
+
+def test_a_worker_keeps_its_request_graphs_and_answers_the_same_bits(tiny_q8, tmp_path, monkeypatch):
+    """A worker keeps the graphs of request shapes that recur (a decode step's few rows) within
+    P2PSWARM_WORKER_GRAPH_CACHE_MB, and answers the bits of a worker that keeps none (0)."""
+    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.model.manifest import model_fingerprint
+    from p2pswarm.worker.expert_worker import ExpertWorker
+
+    layout = ModelLayout.open(tiny_q8)
+    shard = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path / "shards")[0]
+    keeping = ExpertWorker(shard, kernel="ggml")
+    monkeypatch.setenv("P2PSWARM_WORKER_GRAPH_CACHE_MB", "0")
+    building = ExpertWorker(shard, kernel="ggml")
+    assert keeping.bank.runner.graph_cache_bytes == 16 << 20 and building.bank.runner.graph_cache_bytes == 0
+    rng = np.random.default_rng(5)
+    info = keeping.info
+    for step in range(6):  # a decode step's shape (3 rows, 2 experts) again and again, then others
+        n = 3 if step < 4 else 5 + step
+        rows = rng.standard_normal((n, info.n_embd)).astype(np.float32)
+        groups = [(info.expert_begin, np.arange(n, dtype=np.int32)),
+                  (info.expert_begin + 1, np.arange(0, n, 2, dtype=np.int32))]
+        for layer in (info.layer_begin, info.layer_end - 1):
+            got, want = keeping.compute(layer, rows, groups), building.compute(layer, rows, groups)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want)), (step, layer)
+    stats = keeping.bank.runner.graph_stats
+    assert stats["reused"] >= 4 and stats["kept"] == 2, stats  # (layer, 3+2 rows) x 2 layers, kept on the 2nd build
+    assert building.bank.runner.graph_stats["reused"] == 0

@@ -49,7 +49,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2pswarm.backbone")
 
 def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
-    """The distinct rows an owner needs, once each, and the groups re-indexed into them."""
+    """The distinct rows an owner needs, once each, and the groups re-indexed into them.
+
+    A step of one row (a lone sequence decoding) needs no search: every group is that row."""
+    if len(cur) == 1 and groups:
+        return np.ascontiguousarray(cur), [(e, np.zeros(len(idx), np.int32)) for e, idx in groups]
     wanted = np.unique(np.concatenate([idx for _, idx in groups])) if groups else np.zeros(0, np.int64)
     rows = np.ascontiguousarray(cur[wanted])
     return rows, [(e, np.searchsorted(wanted, idx).astype(np.int32)) for e, idx in groups]

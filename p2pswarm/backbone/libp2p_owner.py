@@ -165,6 +165,7 @@ class Libp2pOwner(SocketOwner):
             except BaseException:
                 await trio.aclose_forcefully(sealed)
                 raise
+            sealed.peer_name = self.peer  # (logs name the worker's peer id, as on its libp2p stream)
             log.info("direct lane to worker %s at %s:%d", self.name, host, offer["port"])
             return sealed
         except (WorkerError, FrameError, OSError, trio.TooSlowError, trio.BrokenResourceError,

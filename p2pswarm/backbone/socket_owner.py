@@ -267,7 +267,11 @@ class SocketOwner(Owner):
         counts = [len(idx) for _, idx in groups]
         if out.ndim != 2 or out.shape != (sum(counts), cur.shape[1]) or out.dtype != np.float32:
             raise WorkerError(f"{self.name} returned an array of shape {out.shape}, expected ({sum(counts)}, {cur.shape[1]})")
-        return np.split(out, np.cumsum(counts)[:-1]) if counts else []
+        outs, at = [], 0
+        for n in counts:  # views of the one reply array, one per group (np.split: ~8 us more a call)
+            outs.append(out[at:at + n])
+            at += n
+        return outs
 
     async def echo(self, payload: bytes) -> bytes:
         rid = next(self._ids)

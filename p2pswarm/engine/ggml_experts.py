@@ -32,8 +32,9 @@ class GgmlExpertBank:
         self.expert_begin = layout.expert_begin
         self.expert_end = layout.expert_end
         self.n_embd = int(layout.hparam("embedding_length", required=True))
-        # graph_cache_bytes: the backbone's replica keeps its graphs (a decode step of one sequence
-        # sends the same number of rows every step); a worker keeps none (GgmlRunner.graph)
+        # graph_cache_bytes: kept graphs of recurring request shapes (a decode step of one sequence
+        # sends the same number of rows every step): the backbone's replica keeps up to its
+        # P2PSWARM_GRAPH_CACHE_MB, a worker a small P2PSWARM_WORKER_GRAPH_CACHE_MB (GgmlRunner.graph)
         self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=graph_cache_bytes)
         self.threads = self.runner.threads
         self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
@@ -149,7 +150,8 @@ class GgmlExpertBank:
         for e, _ in groups:
             check_held(self, layer, e)
         idxs = [np.asarray(idx, dtype=np.int64).reshape(-1) for _, idx in groups]
-        if any(len(i) and (i.min() < 0 or i.max() >= rows.shape[0]) for i in idxs):
+        every = np.concatenate(idxs)  # one bounds check for all groups (two reductions, not two per group)
+        if len(every) and (every.min() < 0 or every.max() >= rows.shape[0]):
             raise UserError(f"row index out of range 0..{rows.shape[0] - 1}")
         seen: dict[int, int] = {}
         rounds: list[list[int]] = []  # group positions per call: each expert at most once in a call

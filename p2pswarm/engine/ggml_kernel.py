@@ -342,7 +342,7 @@ class GgmlRunner:
     grown past ``KEEP_BYTES`` is released after the call so one long prefill does not pin its
     scratch memory forever. With ``graph_cache_bytes``, :meth:`graph` also keeps built graphs,
     each in a context of its own, for the steps that repeat their shapes (the backbone's dense
-    path and its expert replica; a worker's runner keeps none, its memory is a phone's).
+    path and its expert replica; a worker's runner a few MiB of them, its memory is a phone's).
     """
 
     KEEP_BYTES = 64 << 20

@@ -25,6 +25,7 @@ record changes. Nothing about exactness changes: the same frames, the same worke
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -45,6 +46,7 @@ KEY_BYTES = 32
 RECORD = struct.Struct("!I")  # ciphertext length (authenticated as associated data)
 TAG_BYTES = 16
 HANDSHAKE_TIMEOUT_S = 10.0
+RECV_BYTES = 256 << 10  # the most one socket read takes (a 64-row request of the 122B is ~0.8 MB: 4 reads)
 MAX_TICKETS = 4096  # outstanding tickets a worker keeps (oldest dropped first)
 
 
@@ -69,6 +71,7 @@ class SealedStream:
         self._raw = bytearray()
         self._plain = b""
         self.socket = getattr(stream, "socket", None)
+        self._into = None  # a receive buffer reused for every read (see _read)
 
     def _nonce(self, direction: bytes, n: int) -> bytes:
         return direction + n.to_bytes(11, "big")
@@ -101,15 +104,35 @@ class SealedStream:
                         if self._plain:
                             break
                         continue
-                chunk = await self.stream.receive_some(1 << 20)
-                if not chunk:
+                if not await self._read():
                     if self._raw:
                         raise FrameError(f"direct lane: the connection closed mid-record ({len(self._raw)} bytes)")
                     return b""
-                self._raw += chunk
         n = len(self._plain) if max_bytes is None else max_bytes
         out, self._plain = self._plain[:n], self._plain[n:]
         return out
+
+    async def _read(self) -> int:
+        """Append what the socket has (up to :data:`RECV_BYTES`) to the raw buffer; 0 at end of stream.
+
+        Why into a reused buffer: ``receive_some(n)`` allocates ``n`` bytes per call before the
+        kernel fills a few of them, and a fresh MiB cost ~20 us a call here (measured: a 2 KB
+        message sent and received 23.9 us with a 1 MiB ask, 4.1 us with 64 KiB), twice per expert
+        request. A stream without a socket (tests' memory streams) is read the plain way."""
+        if self.socket is None or not hasattr(self.socket, "recv_into"):
+            chunk = await self.stream.receive_some(RECV_BYTES)
+            self._raw += chunk
+            return len(chunk)
+        if self._into is None:
+            self._into = memoryview(bytearray(RECV_BYTES))
+        try:
+            n = await self.socket.recv_into(self._into)
+        except OSError as exc:  # reported as SocketStream.receive_some reports it
+            if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+                raise trio.ClosedResourceError("this socket was already closed") from None
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+        self._raw += self._into[:n]
+        return n
 
     async def send_eof(self) -> None:
         await self.stream.send_eof()

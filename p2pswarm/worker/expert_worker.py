@@ -14,6 +14,7 @@ from functools import partial
 
 import numpy as np
 
+from p2pswarm import settings
 from p2pswarm.engine.kernels import answer_families, family, kernel_id, make_bank, portable_family
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
@@ -55,8 +56,15 @@ class ExpertWorker:
     def __init__(self, shard_path: str | os.PathLike[str], *, kernel: str | None = None, **bank_options):
         """``kernel``: "auto" | "numpy" | "ggml" | "portable" (None: $P2PSWARM_KERNEL, else auto);
         ``bank_options`` go to :func:`make_bank` (``cache_bytes`` for numpy, ``threads`` for ggml
-        and portable)."""
+        and portable, ``graph_cache_bytes`` for ggml: default ``$P2PSWARM_WORKER_GRAPH_CACHE_MB``).
+
+        Why a worker keeps graphs too: a decode step sends it requests of a few rows whose shapes
+        recur every step, and building the request's ggml graph through ctypes cost about as much
+        as the math itself (tiny q8_0 model, 1 row, 1-2 experts: 57-72 us a call built, 28-38 us
+        kept). A small cache (16 MiB: a 122B-geometry request of 64 rows is ~2.4 MiB) holds the
+        recurring shapes; a kept graph computes the same bits as a fresh one."""
         layout = ModelLayout.open(shard_path)
+        bank_options.setdefault("graph_cache_bytes", settings.WORKER_GRAPH_CACHE_MB.get() << 20)
         self.bank = make_bank(layout, kernel, **bank_options)
         self.info = shard_info(layout, self.bank.kernel)
         #: the kernel families this worker answers in (its own, then portable): the hello says them
