@@ -172,17 +172,17 @@ async def test_an_idle_scheduler_gathers_a_burst_before_its_first_step(tiny_f32)
 
 
 async def test_the_automatic_gather_window_follows_the_step_time(tiny_f32):
-    """``auto``: before any step a fixed small window; then half the steps' time, capped;
-    bad fixed windows are refused."""
+    """``auto``: before any step a fixed small window; then up to a step's time while requests
+    keep coming a tenth of a step apart, capped; bad fixed windows are refused."""
     from p2pswarm.backbone.scheduler import GATHER_FIRST, GATHER_MAX_S
 
     async with open_backbone(tiny_f32, workers=0) as mono:
         sched = Scheduler(mono.backbone)
         assert sched.gather_window() == GATHER_FIRST
         sched.step_s = 0.2  # e.g. 4 layers at 50 ms RTT
-        assert sched.gather_window() == pytest.approx((0.02, 0.1))
+        assert sched.gather_window() == pytest.approx((0.02, 0.2))
         sched.step_s = 10.0
-        assert sched.gather_window()[1] == GATHER_MAX_S
+        assert sched.gather_window() == (GATHER_MAX_S, GATHER_MAX_S)
         for bad in ((-1, 0.1), (0.1,), "soon"):
             with pytest.raises(ValueError, match="gather"):
                 Scheduler(mono.backbone, gather=bad)
@@ -275,6 +275,21 @@ def test_micro_batch_rule():
     assert choose_micro_batches(0.0055, 0.039, 64) == 1
 
 
+async def test_a_burst_of_prompts_is_pipelined_by_its_own_dense_time(tiny_f32):
+    """The micro-batch rule is fed the dense time expected of *this* step: a decode step's as
+    measured, a prefill step of ten times the rows ten times that (its rows times the per-row
+    cost), so a burst's prefill is split into micro-batches while the decode steps are not."""
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        sched = Scheduler(mono.backbone, micro_batches="auto")
+        sched.dense_s, sched.dense_row_s, sched.wait_s = 0.0065, 0.0065 / 64, 0.032  # 64 decoding, 25 ms RTT
+        decode, prefill = [[1]] * 64, [[1] * 10] * 64
+        assert sched.step_dense_s(decode) == pytest.approx(0.0065)
+        assert sched.step_dense_s(prefill) == pytest.approx(0.065)
+        batch = [None] * 64
+        assert len(sched._split(batch, decode)) == 1
+        assert len(sched._split(batch, prefill)) >= 2
+
+
 def test_token_budget_rule():
     assert choose_token_budget(None, None) == AUTO_BUDGET_FLOOR  # unmeasured
     # local owners (no round trip to hide rows behind): the floor
@@ -290,6 +305,10 @@ async def test_auto_token_budget_grows_only_while_network_bound(tiny_f32):
         for i in range(60):
             sched.submit([1 + i % 50] * 8)
         sched._admit()
+        # a burst with nobody decoding yet: every prompt's chunk, whatever the budget (none to stall)
+        assert len(sched.plan()) == 60 and sched.last_token_budget == AUTO_BUDGET_CAP
+        first = sched._active[0]  # from now on one sequence decodes: the budget protects its row
+        first.fed, first.next_token = len(first.prompt), 1
         assert len(sched.plan()) == AUTO_BUDGET_FLOOR // 8  # nothing measured yet: the floor
         sched.dense_row_s, sched.wait_s = 1e-4, 0.06  # as measured behind a 50 ms link: 600 rows
         assert len(sched.plan()) == 60 and sched.last_token_budget == 600

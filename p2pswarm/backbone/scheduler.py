@@ -19,7 +19,12 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
   network-bound: up to the rows whose dense work per layer takes as long as one layer's measured
   dispatch wait (:func:`choose_token_budget`). Under WAN latency a row of prefill then costs next to
   nothing (the step waits on the round trip anyway), and 64 new prompts are absorbed in one step
-  instead of three round-trip-bound ones; on fast links it stays at the floor.
+  instead of three round-trip-bound ones; on fast links it stays at the floor. A step with no
+  sequence decoding (a burst of new requests) takes every pending chunk up to
+  :data:`AUTO_BUDGET_CAP`: the budget protects decoding sequences, and there are none to protect,
+  while a prompt left for the next step finishes one step after the rest of its burst (measured
+  2026-12-03, 64 prompts of 10 tokens at 25 ms: a budget of 350-470 rows left some out, and 9 steps
+  instead of 8 cost 10% of the burst's tokens/s).
 * A prompt is always cut into the same chunks (``prefill_chunk`` tokens, from its start), whatever
   else is running: with the backbone's ``batch_invariant`` mode its tokens are then bit-identical
   to the same request served alone.
@@ -112,15 +117,18 @@ MICRO_OVERHEAD_S = 0.005
 
 #: Gathering a burst. An idle backbone that gets a request waits before its first step while more
 #: keep coming: at most GATHER_FRACTION of a recent step's time (an EWMA), and it starts as soon as
-#: a fifth of that passes with no new request (before any step was timed: GATHER_FIRST, gap and
-#: most, in seconds). Why: requests sent together (a client's batch, many users at once) reach the
-#: scheduler one by one as the HTTP server parses them on the event loop (~1-1.5 ms each on a busy
-#: 2-core host: 64 at once took 80-100 ms); without waiting, the first step took the first one or
-#: two and every later one joined a step later: one more step, L round trips, for the whole burst
-#: (measured 2026-12-02: 9 steps instead of 8 for 8 tokens of 4-64 concurrent requests; a quarter
-#: of a step still missed 11 of 64). Waiting costs the burst at most half of one step, once, where
-#: the stragglers would lose a whole one; a lone request pays the gap, a tenth of a step.
-GATHER_FRACTION = 0.5
+#: GATHER_GAP of a step passes with no new request (before any step was timed: GATHER_FIRST, gap
+#: and most, in seconds). Why: requests sent together (a client's batch, many users at once) reach
+#: the scheduler one by one as the HTTP server parses them on the event loop (~1-1.5 ms each on a
+#: busy 2-core host: 64 at once took 80-100 ms); without waiting, the first step took the first one
+#: or two and every later one joined a step later: one more step, L round trips, for the whole
+#: burst (measured 2026-12-02: 9 steps instead of 8 for 8 tokens of 4-64 concurrent requests).
+#: While they keep coming, waiting up to a whole step is worth it: a straggler left out costs the
+#: burst one more step, and waiting costs it at most one, once. (Half a step gathered all 64 on one
+#: VM; on a slower one, 2026-12-03, it missed some at 25 ms and every N=64 run took 9 steps.) A
+#: lone request pays only the gap, a tenth of a step.
+GATHER_FRACTION = 1.0
+GATHER_GAP = 0.1
 GATHER_FIRST = (0.002, 0.025)
 GATHER_MAX_S = 0.25  # never longer, however slow the steps
 
@@ -345,13 +353,13 @@ class Scheduler:
 
     def gather_window(self) -> tuple[float, float]:
         """(gap, most) seconds :meth:`_gather` waits now (see :data:`GATHER_FRACTION`): most a
-        fraction of the recent step time, capped at :data:`GATHER_MAX_S`, the gap a fifth of it."""
+        fraction of the recent step time, capped at :data:`GATHER_MAX_S`; the gap :data:`GATHER_GAP` of it."""
         if self.gather != "auto":
             return self.gather
         if self.step_s is None:
             return GATHER_FIRST
         most = min(GATHER_MAX_S, GATHER_FRACTION * self.step_s)
-        return most / 5, most
+        return min(most, GATHER_GAP * self.step_s), most
 
     async def _gather(self) -> None:
         """Wait while requests keep arriving less than the gap apart, at most the window in all
@@ -392,7 +400,10 @@ class Scheduler:
         decode = [s for s in self._active if s.fed >= len(s.prompt)]
         prefill = [s for s in self._active if s.fed < len(s.prompt)]
         if self.token_budget == "auto":
-            self.last_token_budget = choose_token_budget(self.dense_row_s, self.wait_s)
+            # the budget keeps prefill from stalling decoding sequences; with none decoding there is
+            # nobody to stall, and a prompt left out finishes a step later than the burst it came in
+            self.last_token_budget = (choose_token_budget(self.dense_row_s, self.wait_s) if decode
+                                      else AUTO_BUDGET_CAP)
         budget = self.last_token_budget - len(decode)
         chosen = list(decode)
         for s in prefill:
@@ -405,7 +416,7 @@ class Scheduler:
     def _split(self, batch: list[_Sequence], chunks: list[list[int]]) -> list[list[int]]:
         """Indices of ``batch`` per micro-batch: contiguous, balanced by rows."""
         if self.micro_batches == "auto":
-            m = 1 if self.dense_s is None else choose_micro_batches(self.dense_s, self.wait_s, len(batch))
+            m = 1 if self.dense_s is None else choose_micro_batches(self.step_dense_s(chunks), self.wait_s, len(batch))
         else:
             m = min(self.micro_batches, len(batch))
         self.last_micro_batches = m
@@ -416,6 +427,17 @@ class Scheduler:
             parts[min(m - 1, acc * m // max(total, 1))].append(i)
             acc += len(c)
         return [p for p in parts if p]
+
+    def step_dense_s(self, chunks: list[list[int]]) -> float:
+        """The dense time per layer expected of a step feeding ``chunks``: the recent steps' (an
+        EWMA), or, for a step of more rows than they had (a burst of prompts), its rows times the
+        measured per-row cost. Why not the EWMA alone: it follows the decode steps, and a prefill
+        step of 64 ten-token prompts has ten times their rows; timed as a decode step it ran
+        unpipelined, 2.5x a decode step's time (25 ms RTT, 2026-12-03)."""
+        dense = self.dense_s or 0.0
+        if self.dense_row_s is not None:
+            dense = max(dense, self.dense_row_s * sum(len(c) for c in chunks))
+        return dense
 
     async def step(self) -> None:
         batch = self.plan()
