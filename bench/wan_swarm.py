@@ -24,9 +24,9 @@ from pathlib import Path
 from p2pswarm.model.slicer import slice_experts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.procs import Proc, free_port  # noqa: E402  (the one process helper; also the tests')
+from helpers.procs import Proc, free_port, free_ports  # noqa: E402  (the one process helper; also the tests')
 
-__all__ = ["Proc", "WanSwarm", "cpu_seconds", "free_port"]
+__all__ = ["Proc", "WanSwarm", "cpu_seconds", "free_port", "free_ports"]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -93,16 +93,18 @@ class WanSwarm:
         links at the same moment (a layer's requests to every owner), not once per link."""
         if not target_ports or (self.rtt_ms == 0 and not self.proxy_at_zero):
             return list(target_ports)
-        groups = [target_ports] if self.proxy_mode == "shared" else [[p] for p in target_ports]
-        out: list[int] = []
+        # the links' ports chosen with the targets' (all distinct), not left to the proxy's own
+        # port-0 binds: those may take a target port chosen but not yet bound by its worker
+        listen = self._ports[len(target_ports):]
+        pairs = list(zip(target_ports, listen))
+        groups = [pairs] if self.proxy_mode == "shared" else [[p] for p in pairs]
         for k, group in enumerate(groups):
-            args = [a for p in group for a in ("--target", f"127.0.0.1:{p}")]
+            args = [a for t, lp in group for a in ("--target", f"127.0.0.1:{t}", "--listen", f"127.0.0.1:{lp}")]
             proxy = Proc([*args, "--rtt-ms", str(self.rtt_ms)], self.dir / f"proxy{k}.log", self.env,
                          entry=self._entry("p2pswarm.net.wanproxy"))
             self.procs.append(proxy)
             self.proxies.append(proxy)
-            out += [int(a.rsplit(":", 1)[1]) for a in proxy.ready]
-        return out
+        return listen
 
     def __enter__(self) -> "WanSwarm":
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -110,8 +112,9 @@ class WanSwarm:
             self.boot = self._node("boot", ["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0",
                                             "--identity", str(self.dir / "boot.key")])
             n = len(self.ranges)
-            ports = [free_port() for _ in range(n)]
-            dports = [free_port() for _ in range(n)] if self.direct else []
+            links = n * (2 if self.direct else 1)
+            self._ports = free_ports(2 * links)  # each worker's port(s), then their links' ports
+            ports, dports = self._ports[:n], self._ports[n:links]
             reach = self._proxies(ports + dports)
             for i, (e0, e1) in enumerate(self.ranges):
                 shard = self.dir / f"shard{i}-{e0}-{e1}.gguf"

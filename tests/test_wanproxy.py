@@ -8,6 +8,8 @@ import trio
 
 from p2pswarm.net.wanproxy import open_wan_proxy
 
+from helpers.procs import free_port
+
 
 async def _echo_server(nursery) -> int:
     async def echo(stream):
@@ -65,7 +67,7 @@ def test_cli_refuses_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "127.0.0.1:1",
                            "--target", "127.0.0.1:2", "--listen", "127.0.0.1:4999"],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and "one --target" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode != 0 and "one --listen per target" in proc.stderr and "Traceback" not in proc.stderr
 
 
 async def test_one_process_emulates_a_link_per_target():
@@ -79,9 +81,11 @@ async def test_one_process_emulates_a_link_per_target():
                 await stream.send_all(b"third")
 
         third = (await nursery.start(trio.serve_tcp, tagged, 0))[0].socket.getsockname()[1]
+        fixed = free_port()  # the third link on a port given (--listen once per target)
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-m", "p2pswarm.net.wanproxy", "--rtt-ms", "40",
-             *[a for p in (*targets, third) for a in ("--target", f"127.0.0.1:{p}")]],
+             *[a for p in (*targets, third) for a in ("--target", f"127.0.0.1:{p}")],
+             "--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0", "--listen", f"127.0.0.1:{fixed}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:
             with trio.fail_after(30):
@@ -91,6 +95,7 @@ async def test_one_process_emulates_a_link_per_target():
             words = line.decode().split()
             assert words[0] == "READY" and len(words) == 4, words
             ports = [int(w.rsplit(":", 1)[1]) for w in words[1:]]
+            assert ports[2] == fixed
             for port in ports[:2]:
                 dt, got = await _round_trip(port, b"ping")
                 assert got == b"ping" and 0.04 <= dt < 1.0, dt

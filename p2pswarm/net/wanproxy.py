@@ -226,14 +226,20 @@ def main(argv: list[str] | None = None) -> int:
                                              "Prints READY HOST:PORT once listening.")
     ap.add_argument("--target", type=_hostport, action="append", required=True,
                     help="HOST:PORT to forward to (repeatable: one link per target, each on its own port)")
-    ap.add_argument("--listen", type=_hostport, default=("127.0.0.1", 0),
-                    help="HOST:PORT (default 127.0.0.1:0; with several targets the port must be 0)")
+    ap.add_argument("--listen", type=_hostport, action="append", default=None,
+                    help="HOST:PORT (default 127.0.0.1:0); with several targets, once with port 0 for "
+                         "all of them or once per target, in order")
     ap.add_argument("--rtt-ms", type=_nonneg, default=0.0, help="round-trip delay added, split evenly each way")
     ap.add_argument("--jitter-ms", type=_nonneg, default=0.0, help="extra one-way delay, uniform in [0, J]")
     ap.add_argument("--mbps", type=_nonneg, default=0.0, help="bandwidth cap per direction in Mbit/s (0: none)")
     args = ap.parse_args(argv)
-    if len(args.target) > 1 and args.listen[1] != 0:
-        ap.error("--listen with a fixed port takes one --target (several targets listen on ports of their own)")
+    listens = args.listen or [("127.0.0.1", 0)]
+    if len(listens) == 1 and len(args.target) > 1:
+        if listens[0][1] != 0:
+            ap.error("one --listen with a fixed port for several --target s: give one --listen per target")
+        listens = listens * len(args.target)
+    if len(listens) != len(args.target):
+        ap.error(f"{len(listens)} --listen for {len(args.target)} --target: give one per target (or one with port 0)")
     if args.mbps == 0:
         bps = None
     else:
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         async with AsyncExitStack() as stack:
             proxies = [await stack.enter_async_context(open_wan_proxy(
                 target, delay_s=args.rtt_ms / 2000, jitter_s=args.jitter_ms / 1000, bytes_per_s=bps,
-                host=args.listen[0], port=args.listen[1])) for target in args.target]
+                host=host, port=port)) for target, (host, port) in zip(args.target, listens)]
             print("READY " + " ".join(f"{p.host}:{p.port}" for p in proxies), flush=True)
             await trio.sleep_forever()
 

@@ -15,9 +15,21 @@ from p2pswarm.net.identity import Identity, load_or_create_identity
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free now (all bound at once, then released): for processes started
+    next that must know each other's ports. A process that binds port 0 meanwhile may still take
+    one of them; fewer such binds between choosing and using them, fewer collisions."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Proc:
