@@ -1,8 +1,9 @@
 """Aggregate tokens/s of the swarm's HTTP API as concurrency grows, under emulated WAN latency.
 
-Per RTT: a bootstrap node, 4 worker processes each behind ``python -m p2pswarm.net.wanproxy`` (the
-worker ``--announce`` s the proxy; at 0 ms no proxy unless ``--proxy-at-0``: the link is loopback),
-and a backbone node serving ``/v1/completions``. For N = 1, 4, 16,
+Per RTT: a bootstrap node, 4 worker processes each behind an emulated WAN link (``python -m
+p2pswarm.net.wanproxy``, one process for every link unless ``--proxies per-link``; the worker
+``--announce`` s its link; at 0 ms no link unless ``--proxy-at-0``: loopback), and a backbone node
+serving ``/v1/completions``. For N = 1, 4, 16,
 64 concurrent greedy requests (short prompts, ``--tokens`` generated each) it measures
 
 * aggregate generated tokens/s (all tokens / wall time from the first request to the last reply);
@@ -247,11 +248,12 @@ def main() -> None:
     text = header("Throughput: continuous batching under WAN latency",
                   f"python bench/bench_throughput.py --tokens {args.tokens} --rounds {args.rounds} "
                   + " ".join(f"--rtt {r:g}" for r in rtts) + (" --direct" if args.direct else "")
-                  + (" --proxy-at-0" if args.proxy_at_0 else "")) + (
+                  + (" --proxy-at-0" if args.proxy_at_0 else "")
+                  + (" --proxies per-link" if args.proxies == "per-link" else "")) + (
         f"Synthetic tiny q8_0 model ({L} layers, 16 experts, top-4), kernel {args.kernel}, bootstrap + 4 worker "
-        f"processes (4 experts each) behind WAN proxies"
-        f"{' (at 0 ms too)' if args.proxy_at_0 else ' (none at 0 ms: loopback)'} + backbone HTTP API, all on this 2-core machine"
-        f"{'; expert requests on the workers direct lanes (each behind a proxy of the same RTT)' if args.direct else ''}. "
+        f"processes (4 experts each) behind emulated WAN links ({'one proxy process for all' if args.proxies == 'shared' else 'a proxy process each'}"
+        f"{'; at 0 ms too' if args.proxy_at_0 else '; none at 0 ms: loopback'}) + backbone HTTP API, all on this 2-core machine"
+        f"{'; expert requests on the workers direct lanes (each behind a link of the same RTT)' if args.direct else ''}. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
         f"Bound = min(compute bound, N/(L*RTT)); compute bound = the same N requests, same client, to the "
         f"backbone node alone (no workers: it computes every expert; all cores): "
