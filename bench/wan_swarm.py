@@ -46,7 +46,7 @@ class WanSwarm:
         threads (``P2PSWARM_THREADS``; 1: ten processes share this machine's cores; ``None``: the
         default, all cores, for a backbone alone). ``ranges=[]``: no workers, the backbone computes
         every expert itself (the backbone-alone baseline, through the same HTTP API). ``direct``:
-        every worker also offers a direct lane (``--direct``), behind a proxy of its own with the
+        every worker also offers a direct lane (``--direct``), behind a link of its own with the
         same RTT (``--direct-announce`` names it), so expert requests skip py-libp2p but not the link.
         ``proxy_at_zero``: a proxy even at ``rtt_ms=0`` (by default a 0 ms swarm has none);
         ``proxies``: ``"shared"`` (one proxy process for every link) or ``"per-link"`` (one each;
