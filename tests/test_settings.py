@@ -46,6 +46,8 @@ def test_every_variable_is_documented():
     (settings.PROGRESS_AFTER, "-1", "must be >= 0"),
     (settings.GRAPH_CACHE_MB, "-5", "P2PSWARM_GRAPH_CACHE_MB='-5': must be >= 0"),
     (settings.GRAPH_CACHE_MB, "lots", "is not an integer"),
+    (settings.WORKER_GRAPH_CACHE_MB, "-2", "P2PSWARM_WORKER_GRAPH_CACHE_MB='-2': must be >= 0"),
+    (settings.WORKER_GRAPH_CACHE_MB, "16MB", "is not an integer"),
 ])
 def test_malformed_values_are_one_line_errors(monkeypatch, var, text, match):
     monkeypatch.setenv(var.name, text)
@@ -84,3 +86,9 @@ def test_bad_graph_cache_size_through_the_cli(tiny_f32):
                    env={"P2PSWARM_GRAPH_CACHE_MB": "-1", "P2PSWARM_KERNEL": "ggml"})
     assert_one_line_error(proc, "P2PSWARM_GRAPH_CACHE_MB='-1': must be >= 0")
     assert not out.exists()
+
+
+def test_bad_worker_graph_cache_size_through_the_cli(shards):
+    proc = run_cli("worker", "--shard", str(shards[0]), "--listen", "127.0.0.1:0",
+                   env={"P2PSWARM_WORKER_GRAPH_CACHE_MB": "lots", "P2PSWARM_KERNEL": "ggml"})
+    assert_one_line_error(proc, "P2PSWARM_WORKER_GRAPH_CACHE_MB='lots': is not an integer")

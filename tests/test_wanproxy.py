@@ -1,6 +1,7 @@
 """The WAN-emulating TCP proxy over real sockets: delay each way, jitter keeps order, bandwidth cap."""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -68,6 +69,15 @@ def test_cli_refuses_bad_arguments():
                            "--target", "127.0.0.1:2", "--listen", "127.0.0.1:4999"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "one --listen per target" in proc.stderr and "Traceback" not in proc.stderr
+    with socket.socket() as taken:  # a link's port already in use: one line, exit 1
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "127.0.0.1:1",
+                               "--target", "127.0.0.1:2", "--listen", "127.0.0.1:0", "--listen", f"127.0.0.1:{port}"],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.startswith("error:") and "in use" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 async def test_one_process_emulates_a_link_per_target():

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from p2pswarm.errors import first_error
+
 log = logging.getLogger("p2pswarm.wanproxy")
 
 #: the most one read of a link takes: a whole expert request of a 64-sequence step of the bench's
@@ -257,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         trio.run(run)
     except KeyboardInterrupt:
         return 0
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (OSError, BaseExceptionGroup) as exc:  # a taken port surfaces through the proxies' nurseries
+        err = first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        if not isinstance(err, OSError):
+            raise
+        print(f"error: {err}", file=sys.stderr)
         return 1
     return 0
 
