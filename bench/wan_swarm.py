@@ -81,7 +81,7 @@ class WanSwarm:
         self.procs.append(p)
         return p
 
-    def _proxies(self, target_ports: list[int]) -> list[int]:
+    def _proxies(self, target_ports: list[int], link_ports: list[int]) -> list[int]:
         """The ports at which the targets (127.0.0.1:port each) are reached: WAN links of this
         swarm's RTT in front of them, all in one ``wanproxy`` process (``proxies="shared"``, the
         default) or one process per link (``"per-link"``). At 0 ms (unless ``proxy_at_zero``)
@@ -93,10 +93,9 @@ class WanSwarm:
         links at the same moment (a layer's requests to every owner), not once per link."""
         if not target_ports or (self.rtt_ms == 0 and not self.proxy_at_zero):
             return list(target_ports)
-        # the links' ports chosen with the targets' (all distinct), not left to the proxy's own
-        # port-0 binds: those may take a target port chosen but not yet bound by its worker
-        listen = self._ports[len(target_ports):]
-        pairs = list(zip(target_ports, listen))
+        # the links' ports (``link_ports``) are chosen with the targets' (all distinct), not left to
+        # the proxy's own port-0 binds: those may take a target port chosen but not yet bound
+        pairs = list(zip(target_ports, link_ports))
         groups = [pairs] if self.proxy_mode == "shared" else [[p] for p in pairs]
         for k, group in enumerate(groups):
             args = [a for t, lp in group for a in ("--target", f"127.0.0.1:{t}", "--listen", f"127.0.0.1:{lp}")]
@@ -104,7 +103,7 @@ class WanSwarm:
                          entry=self._entry("p2pswarm.net.wanproxy"))
             self.procs.append(proxy)
             self.proxies.append(proxy)
-        return listen
+        return list(link_ports)
 
     def __enter__(self) -> "WanSwarm":
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -113,9 +112,9 @@ class WanSwarm:
                                             "--identity", str(self.dir / "boot.key")])
             n = len(self.ranges)
             links = n * (2 if self.direct else 1)
-            self._ports = free_ports(2 * links)  # each worker's port(s), then their links' ports
-            ports, dports = self._ports[:n], self._ports[n:links]
-            reach = self._proxies(ports + dports)
+            chosen = free_ports(2 * links)  # each worker's port(s), then their links' ports
+            ports, dports = chosen[:n], chosen[n:links]
+            reach = self._proxies(chosen[:links], chosen[links:])
             for i, (e0, e1) in enumerate(self.ranges):
                 shard = self.dir / f"shard{i}-{e0}-{e1}.gguf"
                 if not shard.exists():

@@ -71,6 +71,7 @@ class SealedStream:
         self._raw = bytearray()
         self._plain = b""
         self.socket = getattr(stream, "socket", None)
+        self._recv_into = getattr(self.socket, "recv_into", None)  # None: a stream without a socket
         self._into = None  # a receive buffer reused for every read (see _read)
 
     def _nonce(self, direction: bytes, n: int) -> bytes:
@@ -119,14 +120,14 @@ class SealedStream:
         kernel fills a few of them, and a fresh MiB cost ~20 us a call here (measured: a 2 KB
         message sent and received 23.9 us with a 1 MiB ask, 4.1 us with 64 KiB), twice per expert
         request. A stream without a socket (tests' memory streams) is read the plain way."""
-        if self.socket is None or not hasattr(self.socket, "recv_into"):
+        if self._recv_into is None:
             chunk = await self.stream.receive_some(RECV_BYTES)
             self._raw += chunk
             return len(chunk)
         if self._into is None:
             self._into = memoryview(bytearray(RECV_BYTES))
         try:
-            n = await self.socket.recv_into(self._into)
+            n = await self._recv_into(self._into)
         except OSError as exc:  # reported as SocketStream.receive_some reports it
             if exc.errno in (errno.EBADF, errno.ENOTSOCK):
                 raise trio.ClosedResourceError("this socket was already closed") from None
