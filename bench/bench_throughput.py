@@ -21,8 +21,15 @@ Rounds alternate the concurrencies (1 4 16 64 1 4 16 64 ...) and keep the best o
 the ratios N=16 / N=1 and N=64 / N=1 at one RTT are the issue's goals (>= 12x and >= 40x at 50 ms).
 This machine is shared (2 cores, other jobs): absolute numbers are noisy, the ratios less so.
 
+The model is synthetic (random weights, Q8_0): ``--preset tiny`` (the default; 4 layers, 256 wide,
+16 experts of 0.2 MB: an expert row costs ~15 us, so per-request overhead dominates at low RTT) or
+``--preset geometry-122b`` (2 layers with Qwen3.5-122B-A10B's expert and attention geometry: 256
+experts of 5.3 MB Q4_K, top-8, so its experts cost what the 122B's do: ~7 ms a layer for one
+decoding sequence here; 2.8 GB written to a temporary folder, 2.7 GB more of worker slices per RTT,
+all removed after).
+
     python bench/bench_throughput.py [--rtt 0 --rtt 25 --rtt 50 --rtt 100] [--tokens 8] [--rounds 2]
-        [--direct] [--out docs/benchmarks.md --plot docs/throughput.png]
+        [--direct] [--preset tiny|geometry-122b] [--out docs/benchmarks.md --plot docs/throughput.png]
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import argparse
 import http.client
 import json
 import resource
+import shutil
 import tempfile
 import threading
 import time
@@ -39,10 +47,16 @@ import trio
 from common import header
 from wan_swarm import WanSwarm, cpu_seconds
 
-from p2pswarm.model.synth import make_model
+from p2pswarm.model.synth import PRESETS, make_model
 
 CONCURRENCY = (1, 4, 16, 64)
-RANGES = [(0, 4), (4, 8), (8, 12), (12, 16)]
+RANGES = [(0, 4), (4, 8), (8, 12), (12, 16)]  # the tiny preset's 16 experts over 4 workers
+
+
+def worker_ranges(n_expert: int, workers: int = 4) -> list[tuple[int, int]]:
+    """``workers`` contiguous, equal expert ranges covering ``n_expert`` (RANGES for 16)."""
+    at = [n_expert * i // workers for i in range(workers + 1)]
+    return list(zip(at[:-1], at[1:]))
 
 
 def prompts(n: int) -> list[str]:
@@ -164,7 +178,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kernel", default="ggml")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                    help="the synthetic model's shape: tiny (the default: 256 wide, 16 experts of 0.2 MB) or "
+                         "geometry-122b (Qwen3.5-122B-A10B's expert and attention geometry, 2 layers, 2.8 GB)")
+    ap.add_argument("--layers", type=int, default=None, help="layers of the model (default: the preset's)")
     ap.add_argument("--micro-batches", default="auto", help="the backbone's --micro-batches")
     ap.add_argument("--token-budget", default="auto", help="the backbone's --token-budget")
     ap.add_argument("--concurrency", type=int, action="append", default=None)
@@ -189,9 +206,18 @@ def main() -> None:
     rtts = args.rtt or [0.0, 25.0, 50.0, 100.0]
     conc = args.concurrency or list(CONCURRENCY)
     work = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
-    model = work / "tiny-q8.gguf"
-    make_model(model, preset="tiny", qtype="q8_0", seed=2, layers=args.layers)
-    L = args.layers
+    try:
+        run(args, work, rtts, conc)
+    finally:  # the model and the workers' slices: 5.5 GB at geometry-122b
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
+    shape = PRESETS[args.preset]
+    L = args.layers or shape.n_layer
+    ranges = worker_ranges(shape.n_expert)
+    model = work / f"{args.preset}-q8.gguf"
+    make_model(model, preset=args.preset, qtype="q8_0", seed=2, layers=L)
     bound: dict[int, float] = {}  # the backbone alone through its HTTP API: the ratios' bound
     inproc: dict[int, float] = {}  # the same N requests through an in-process scheduler (no HTTP)
     if not args.no_bound:
@@ -211,14 +237,14 @@ def main() -> None:
           "in-process", {n: round(v, 1) for n, v in inproc.items()}, flush=True)
     results: dict[float, dict[int, dict]] = {}
     for rtt in rtts:
-        with WanSwarm(model, ranges=RANGES, rtt_ms=rtt, workdir=work / f"rtt{rtt:g}", kernel=args.kernel,
+        with WanSwarm(model, ranges=ranges, rtt_ms=rtt, workdir=work / f"rtt{rtt:g}", kernel=args.kernel,
                       timeout_s=30, direct=args.direct, proxy_at_zero=args.proxy_at_0, proxies=args.proxies,
                       backbone_args=["--micro-batches", args.micro_batches, "--token-budget", args.token_budget]) as sw:
             sw.wait_covered()
             measure(sw, 2, 2)  # warm-up: connections, caches
             lanes = sw.backbone.log.read_text().count("direct lane to worker")
-            if args.direct and lanes < len(RANGES):
-                raise RuntimeError(f"only {lanes} of {len(RANGES)} workers' direct lanes were taken")
+            if args.direct and lanes < len(ranges):
+                raise RuntimeError(f"only {lanes} of {len(ranges)} workers' direct lanes were taken")
             best: dict[int, dict] = {}
             for _ in range(args.rounds):
                 for n in conc:
@@ -229,6 +255,7 @@ def main() -> None:
             print(rtt, {n: (round(r["tps"], 1), r["micro_batches"], f'dense {r["dense_ms_layer"]:.2f} ms',
                             f'wait {r["wait_ms_layer"]:.2f} ms', f'fallbacks {r["fallbacks"]}')
                         for n, r in best.items()}, flush=True)
+        shutil.rmtree(work / f"rtt{rtt:g}", ignore_errors=True)  # its workers' slices (2.7 GB at geometry-122b)
     if args.json:
         Path(args.json).write_text(json.dumps({"bound": bound, "inproc": inproc,
                                                "results": {str(k): v for k, v in results.items()}}))
@@ -248,10 +275,13 @@ def main() -> None:
     text = header("Throughput: continuous batching under WAN latency",
                   f"python bench/bench_throughput.py --tokens {args.tokens} --rounds {args.rounds} "
                   + " ".join(f"--rtt {r:g}" for r in rtts) + (" --direct" if args.direct else "")
+                  + (f" --preset {args.preset}" if args.preset != "tiny" else "")
+                  + (f" --layers {args.layers}" if args.layers else "")
                   + (" --proxy-at-0" if args.proxy_at_0 else "")
                   + (" --proxies per-link" if args.proxies == "per-link" else "")) + (
-        f"Synthetic tiny q8_0 model ({L} layers, 16 experts, top-4), kernel {args.kernel}, bootstrap + 4 worker "
-        f"processes (4 experts each) behind emulated WAN links ({'one proxy process for all' if args.proxies == 'shared' else 'a proxy process each'}"
+        f"Synthetic {args.preset} q8_0 model ({L} layers, {shape.n_embd} wide, {shape.n_expert} experts of "
+        f"{shape.n_ff_exp} ({shape.expert_qtype or 'q8_0'}), top-{shape.n_expert_used}), kernel {args.kernel}, "
+        f"bootstrap + 4 worker processes ({shape.n_expert // 4} experts each) behind emulated WAN links ({'one proxy process for all' if args.proxies == 'shared' else 'a proxy process each'}"
         f"{'; at 0 ms too' if args.proxy_at_0 else '; none at 0 ms: loopback'}) + backbone HTTP API, all on this 2-core machine"
         f"{'; expert requests on the workers direct lanes (each behind a link of the same RTT)' if args.direct else ''}. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
