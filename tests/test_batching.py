@@ -290,6 +290,40 @@ async def test_a_burst_of_prompts_is_pipelined_by_its_own_dense_time(tiny_f32):
         assert len(sched._split(batch, prefill)) >= 2
 
 
+async def test_dense_busy_time_is_the_union_of_overlapping_pieces(tiny_f32):
+    """Micro-batches' dense pieces that overlap wait on each other for the cores and the GIL: the
+    time the backbone was busy is the union of the pieces, not their sum (LayerTiming.busy_s), and
+    the micro-batch rule reads the union. (With the sum, 3 micro-batches measured 3x the dense time
+    of 1 for the same work and kept choosing 3: docs/benchmarks.md, 2026-12-03.)"""
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        bb = mono.backbone
+        before = bb.timing.snapshot()
+
+        async def piece(delay: float) -> None:
+            with bb._dense_piece():
+                await trio.sleep(delay)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(piece, 0.2)
+            nursery.start_soon(piece, 0.2)
+        assert bb.timing.dense_s - before.dense_s >= 0.4  # summed
+        assert 0.2 <= bb.timing.busy_s - before.busy_s < 0.35  # at once: counted once
+        mid = bb.timing.snapshot()
+        await piece(0.05)  # alone: both grow by it
+        assert bb.timing.busy_s - mid.busy_s == pytest.approx(bb.timing.dense_s - mid.dense_s)
+
+        sched = Scheduler(bb, micro_batches=2)
+        for i in range(4):
+            sched.submit([1 + i, 2, 3])
+        sched._admit()
+        t0 = bb.timing.snapshot()
+        await sched.step()
+        layers = bb.model.n_layer
+        assert sched.last_micro_batches == 2
+        assert sched.dense_s == pytest.approx((bb.timing.busy_s - t0.busy_s) / layers)
+        assert sched.dense_s <= (bb.timing.dense_s - t0.dense_s) / layers + 1e-9
+
+
 def test_token_budget_rule():
     assert choose_token_budget(None, None) == AUTO_BUDGET_FLOOR  # unmeasured
     # local owners (no round trip to hide rows behind): the floor

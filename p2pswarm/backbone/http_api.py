@@ -153,6 +153,7 @@ class CompletionsApp:
                              "steps": sched.stats.steps if sched else None,
                              "micro_batches": sched.last_micro_batches if sched else None,
                              "dense_s": self.backbone.timing.dense_s,
+                             "dense_busy_s": self.backbone.timing.busy_s,
                              "dispatch_wait_s": self.backbone.timing.wait_s,
                              "banned_workers": len(self.backbone.dispatcher.banned),
                              "replays": self.backbone.replays.as_dict()})

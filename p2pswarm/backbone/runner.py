@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -138,14 +139,22 @@ def _fold_taint(taint: dict[str, np.ndarray], bounds: np.ndarray, states: list[S
 @dataclass
 class LayerTiming:
     """Wall time of batched layers, summed: the dense path (in threads) and the wait on the
-    dispatcher (network + remote compute). The scheduler reads it to size its micro-batches."""
+    dispatcher (network + remote compute). The scheduler reads it to size its micro-batches.
+
+    ``busy_s`` is the wall time during which *some* dense piece was running: the union of the
+    pieces' intervals, where ``dense_s`` sums them. They differ when micro-batches' dense pieces
+    overlap: each then waits for a core or the GIL while another computes, and the sum counts that
+    waiting once per micro-batch. Measured 2026-12-03 (geometry-122b, 100 ms, 16 sequences): a
+    decode step's dense sum was 83-102 ms with 3 micro-batches against 27-39 with 1, for the same
+    work; fed to the micro-batch rule, the inflated sum kept choosing 3."""
 
     dense_s: float = 0.0
     wait_s: float = 0.0
     layers: int = 0
+    busy_s: float = 0.0
 
     def snapshot(self) -> "LayerTiming":
-        return LayerTiming(self.dense_s, self.wait_s, self.layers)
+        return LayerTiming(self.dense_s, self.wait_s, self.layers, self.busy_s)
 
 
 @dataclass(frozen=True)
@@ -258,6 +267,25 @@ class Backbone:
         self.replay_on_ban = True
         self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
+        self._dense_running = 0  # dense pieces in progress, all micro-batches (LayerTiming.busy_s)
+        self._dense_since = 0.0
+
+    @contextmanager
+    def _dense_piece(self):
+        """Around one dense piece of a step (on the event loop): the pieces' wall time, summed into
+        ``timing.dense_s``, and the time any piece ran, into ``timing.busy_s``."""
+        t0 = time.perf_counter()
+        if self._dense_running == 0:
+            self._dense_since = t0
+        self._dense_running += 1
+        try:
+            yield
+        finally:
+            self._dense_running -= 1
+            t1 = time.perf_counter()
+            self.timing.dense_s += t1 - t0
+            if self._dense_running == 0:
+                self.timing.busy_s += t1 - self._dense_since
 
     @property
     def row_invariant_experts(self) -> bool:
@@ -398,7 +426,6 @@ class Backbone:
             return self._output_batch(h, spans, last_only, invariant)
 
         disp = self.dispatcher
-        t0 = time.perf_counter()
         if getattr(disp, "all_local", False):  # monolithic: the whole step in one thread hop
             def whole():
                 res = first()
@@ -407,26 +434,25 @@ class Backbone:
                     res = after(il, h, cur, ids, w, groups, disp.run_groups_local(il, cur, groups))
                 return res
 
-            res = await trio.to_thread.run_sync(whole)
-            timing.dense_s += time.perf_counter() - t0
+            with self._dense_piece():
+                res = await trio.to_thread.run_sync(whole)
             timing.layers += L
         else:
             # each piece inline on the event loop when measured shorter than the offload bound
             # (a few rows: the hop costs more than the work), else in a thread (p2pswarm.offload)
             off = self.offload
             n_rows = int(bounds[-1])
-            res = await off.run(first, n_rows, ("first", invariant))
-            timing.dense_s += time.perf_counter() - t0
+            with self._dense_piece():
+                res = await off.run(first, n_rows, ("first", invariant))
             taint = {} if self.replay_on_ban else None  # peer -> rows computed from its unverified outputs
             for il in range(L):
                 h, cur, ids, w, groups = res
                 t1 = time.perf_counter()
                 outs = await disp.run_groups(il, cur, groups, taint)
-                t2 = time.perf_counter()
-                res = await off.run(partial(after, il, h, cur, ids, w, groups, outs), n_rows,
-                                    ("after", il, invariant, last_only))
-                timing.dense_s += time.perf_counter() - t2
-                timing.wait_s += t2 - t1
+                timing.wait_s += time.perf_counter() - t1
+                with self._dense_piece():
+                    res = await off.run(partial(after, il, h, cur, ids, w, groups, outs), n_rows,
+                                        ("after", il, invariant, last_only))
                 timing.layers += 1
             if taint:
                 _fold_taint(taint, bounds, states, pos0)

@@ -267,7 +267,7 @@ class Scheduler:
             raise ValueError("gather must be 'auto' or (gap, most) seconds >= 0")
         self.gather = gather
         self.step_s: float | None = None  # EWMA: wall seconds of a step
-        self.dense_s: float | None = None  # EWMA: dense seconds per layer of a whole step
+        self.dense_s: float | None = None  # EWMA: seconds per layer the backbone's dense work is busy, a whole step
         self.wait_s: float | None = None  # EWMA: dispatch wait per layer of one micro-batch
         self.last_micro_batches = 1
         #: dense seconds per row and layer (token_budget="auto"): the least of the last steps' of at
@@ -465,7 +465,8 @@ class Scheduler:
         layers = t.layers - t_before.layers
         if layers:
             n_layer = layers / len(parts)
-            dense, wait = (t.dense_s - t_before.dense_s) / n_layer, (t.wait_s - t_before.wait_s) / layers
+            # busy, not summed: micro-batches' dense pieces that overlap wait on each other (LayerTiming)
+            dense, wait = (t.busy_s - t_before.busy_s) / n_layer, (t.wait_s - t_before.wait_s) / layers
             self.dense_s = dense if self.dense_s is None else (1 - EWMA) * self.dense_s + EWMA * dense
             self.wait_s = wait if self.wait_s is None else (1 - EWMA) * self.wait_s + EWMA * wait
             rows = sum(len(c) for c in chunks)
