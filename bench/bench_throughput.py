@@ -7,8 +7,12 @@ serving ``/v1/completions``. For N = 1, 4, 16,
 64 concurrent greedy requests (short prompts, ``--tokens`` generated each) it measures
 
 * aggregate generated tokens/s (all tokens / wall time from the first request to the last reply);
-* the ratio to the bound min(compute bound(N), N / (L * RTT)), where the compute bound is the same
-  N requests, from the same client, to the backbone node *alone* (no workers: its replica computes
+* the ratio to the bound min(compute bound(N), N / (L * RTT)) (the issue's yardstick) and to the
+  no-overlap bound 1 / (1 / compute bound(N) + L * RTT / N): where the two terms are close, one
+  cohort of sequences in one phase runs its dense work, round trips and remote work in series, and
+  the min() cannot be reached without hiding one behind the other (docs/benchmarks.md,
+  2026-12-03). The compute bound is the same N requests, from the same client, to the backbone
+  node *alone* (no workers: its replica computes
   every expert, with all cores), measured in this run: like for like, the swarm's HTTP serving and
   the load generator's CPU are in both. The earlier bound, the same requests through an in-process
   scheduler (no HTTP, no client), is reported beside it;
@@ -260,15 +264,17 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         Path(args.json).write_text(json.dumps({"bound": bound, "inproc": inproc,
                                                "results": {str(k): v for k, v in results.items()}}))
     lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | ratio, in-process bound | "
-             "expert requests / token | fallback requests | steps / micro-batches | "
+             "ratio, no-overlap bound | expert requests / token | fallback requests | steps / micro-batches | "
              "backbone CPU ms / token | worker CPU ms / token | proxies CPU ms / token | all CPU ms / token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rtt, best in results.items():
         for n, r in best.items():
             net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
             b, bi = min(bound[n], net), min(inproc[n], net)
+            serial = 1 / (1 / bound[n] + 1 / net)  # compute, then the round trips, never overlapped
             lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
-                         f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['req_per_tok']:.2f} | {r['fallbacks']} | "
+                         f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['tps'] / serial:.2f} | "
+                         f"{r['req_per_tok']:.2f} | {r['fallbacks']} | "
                          f"{r['steps']} / {r['micro_batches']} | "
                          f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} | "
                          f"{r['cpu_proxies'] * 1000:.1f} | {r['cpu_total'] * 1000:.1f} |")
@@ -285,7 +291,9 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         f"{'; at 0 ms too' if args.proxy_at_0 else '; none at 0 ms: loopback'}) + backbone HTTP API, all on this 2-core machine"
         f"{'; expert requests on the workers direct lanes (each behind a link of the same RTT)' if args.direct else ''}. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
-        f"Bound = min(compute bound, N/(L*RTT)); compute bound = the same N requests, same client, to the "
+        f"Bound = min(compute bound, N/(L*RTT)) (the issue's; the no-overlap bound 1 / (1/compute + "
+        f"L*RTT/N) is what a step of dense work, round trips and remote work in series allows: above 1, "
+        f"the pipelining hid some of them); compute bound = the same N requests, same client, to the "
         f"backbone node alone (no workers: it computes every expert; all cores): "
         f"{', '.join(f'N={n}: {v:.1f}' for n, v in bound.items())} tokens/s; through an in-process scheduler "
         f"(no HTTP, the bound of earlier runs): {', '.join(f'N={n}: {v:.1f}' for n, v in inproc.items())} tokens/s.\n\n"
