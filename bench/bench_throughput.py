@@ -293,7 +293,7 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
         f"Bound = min(compute bound, N/(L*RTT)) (the issue's; the no-overlap bound 1 / (1/compute + "
         f"L*RTT/N) is what a step of dense work, round trips and remote work in series allows: above 1, "
-        f"the pipelining hid some of them); compute bound = the same N requests, same client, to the "
+        f"some of them overlapped); compute bound = the same N requests, same client, to the "
         f"backbone node alone (no workers: it computes every expert; all cores): "
         f"{', '.join(f'N={n}: {v:.1f}' for n, v in bound.items())} tokens/s; through an in-process scheduler "
         f"(no HTTP, the bound of earlier runs): {', '.join(f'N={n}: {v:.1f}' for n, v in inproc.items())} tokens/s.\n\n"
