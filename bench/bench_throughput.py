@@ -27,9 +27,9 @@ This machine is shared (2 cores, other jobs): absolute numbers are noisy, the ra
 
 The model is synthetic (random weights, Q8_0): ``--preset tiny`` (the default; 4 layers, 256 wide,
 16 experts of 0.2 MB: an expert row costs ~15 us, so per-request overhead dominates at low RTT) or
-``--preset geometry-122b`` (2 layers with Qwen3.5-122B-A10B's expert and attention geometry: 256
-experts of 5.3 MB Q4_K, top-8, so its experts cost what the 122B's do: ~7 ms a layer for one
-decoding sequence here; 2.8 GB written to a temporary folder, 2.7 GB more of worker slices per RTT,
+``--preset geometry-122b`` (2 layers with Qwen3.5-122B-A10B's routed-expert geometry: 256
+experts of 5.3 MB Q4_K, top-8, so its experts cost what the 122B's do; plain qwen3moe attention of
+32 query / 2 KV heads of 128; ~7 ms a layer for one decoding sequence here; 2.8 GB written to a temporary folder, 2.7 GB more of worker slices per RTT,
 all removed after).
 
     python bench/bench_throughput.py [--rtt 0 --rtt 25 --rtt 50 --rtt 100] [--tokens 8] [--rounds 2]
@@ -54,13 +54,15 @@ from wan_swarm import WanSwarm, cpu_seconds
 from p2pswarm.model.synth import PRESETS, make_model
 
 CONCURRENCY = (1, 4, 16, 64)
-RANGES = [(0, 4), (4, 8), (8, 12), (12, 16)]  # the tiny preset's 16 experts over 4 workers
 
 
 def worker_ranges(n_expert: int, workers: int = 4) -> list[tuple[int, int]]:
-    """``workers`` contiguous, equal expert ranges covering ``n_expert`` (RANGES for 16)."""
+    """``workers`` contiguous, equal expert ranges covering ``n_expert``."""
     at = [n_expert * i // workers for i in range(workers + 1)]
     return list(zip(at[:-1], at[1:]))
+
+
+RANGES = worker_ranges(PRESETS["tiny"].n_expert)  # the tiny preset's 16 experts over 4 workers
 
 
 def prompts(n: int) -> list[str]:
@@ -184,7 +186,7 @@ def main() -> None:
     ap.add_argument("--kernel", default="ggml")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                     help="the synthetic model's shape: tiny (the default: 256 wide, 16 experts of 0.2 MB) or "
-                         "geometry-122b (Qwen3.5-122B-A10B's expert and attention geometry, 2 layers, 2.8 GB)")
+                         "geometry-122b (Qwen3.5-122B-A10B's routed-expert geometry, 2 layers, 2.8 GB)")
     ap.add_argument("--layers", type=int, default=None, help="layers of the model (default: the preset's)")
     ap.add_argument("--micro-batches", default="auto", help="the backbone's --micro-batches")
     ap.add_argument("--token-budget", default="auto", help="the backbone's --token-budget")
@@ -202,6 +204,8 @@ def main() -> None:
                     help="a WAN proxy in front of each worker at 0 ms RTT too (by default a 0 ms link is "
                          "loopback, no proxy: bench/wan_swarm.py)")
     args = ap.parse_args()
+    if args.layers is not None and args.layers < 1:
+        ap.error("--layers must be >= 1")
     if args.plot:
         try:  # checked before the runs: finding out after twenty minutes of measuring loses them
             import matplotlib  # noqa: F401, PLC0415
@@ -271,7 +275,8 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         for n, r in best.items():
             net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
             b, bi = min(bound[n], net), min(inproc[n], net)
-            serial = 1 / (1 / bound[n] + 1 / net)  # compute, then the round trips, never overlapped
+            inv = 1 / bound[n] + 1 / net  # compute, then the round trips, never overlapped
+            serial = 1 / inv if inv else float("inf")  # (--no-bound at 0 ms: no bound at all)
             lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
                          f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['tps'] / serial:.2f} | "
                          f"{r['req_per_tok']:.2f} | {r['fallbacks']} | "
@@ -287,7 +292,7 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
                   + (" --proxies per-link" if args.proxies == "per-link" else "")) + (
         f"Synthetic {args.preset} q8_0 model ({L} layers, {shape.n_embd} wide, {shape.n_expert} experts of "
         f"{shape.n_ff_exp} ({shape.expert_qtype or 'q8_0'}), top-{shape.n_expert_used}), kernel {args.kernel}, "
-        f"bootstrap + 4 worker processes ({shape.n_expert // 4} experts each) behind emulated WAN links ({'one proxy process for all' if args.proxies == 'shared' else 'a proxy process each'}"
+        f"bootstrap + {len(ranges)} worker processes ({shape.n_expert // len(ranges)} experts each) behind emulated WAN links ({'one proxy process for all' if args.proxies == 'shared' else 'a proxy process each'}"
         f"{'; at 0 ms too' if args.proxy_at_0 else '; none at 0 ms: loopback'}) + backbone HTTP API, all on this 2-core machine"
         f"{'; expert requests on the workers direct lanes (each behind a link of the same RTT)' if args.direct else ''}. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
