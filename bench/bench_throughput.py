@@ -21,6 +21,11 @@ serving ``/v1/completions``. For N = 1, 4, 16,
 * CPU seconds per generated token of the backbone process, of one worker, of the WAN proxies, and
   of everything the run uses (all its processes and the load generator; from /proc).
 
+``--hot-experts`` runs the backbone with the hot-expert path (issue 11 item 3): an owner whose
+measured round trip is longer than computing its groups on the backbone's replica gets no request,
+so the N / (L * RTT) term no longer bounds anything; read its ratios against the compute bound (the
+backbone alone), and the "local groups" column for how much the backbone computed itself.
+
 Rounds alternate the concurrencies (1 4 16 64 1 4 16 64 ...) and keep the best of ``--rounds``;
 the ratios N=16 / N=1 and N=64 / N=1 at one RTT are the issue's goals (>= 12x and >= 40x at 50 ms).
 This machine is shared (2 cores, other jobs): absolute numbers are noisy, the ratios less so.
@@ -33,7 +38,7 @@ experts of 5.3 MB Q4_K, top-8, so its experts cost what the 122B's do; plain qwe
 all removed after).
 
     python bench/bench_throughput.py [--rtt 0 --rtt 25 --rtt 50 --rtt 100] [--tokens 8] [--rounds 2]
-        [--direct] [--preset tiny|geometry-122b] [--out docs/benchmarks.md --plot docs/throughput.png]
+        [--direct] [--hot-experts] [--preset tiny|geometry-122b] [--out docs/benchmarks.md --plot docs/throughput.png]
 """
 from __future__ import annotations
 
@@ -135,9 +140,17 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "fallbacks": d1["fallbacks"] - d0["fallbacks"],
             "local_groups": d1["local_groups"] - d0["local_groups"],
             "remote_groups": d1["remote_groups"] - d0["remote_groups"],
+            "probes": d1.get("probes", 0) - d0.get("probes", 0),  # the hot-expert path's (--hot-experts)
             "steps": h1["steps"] - h0["steps"], "micro_batches": h1["micro_batches"],
             "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen,
             "cpu_proxies": (cpu1[2] - cpu0[2]) / gen, "cpu_total": (cpu1[3] - cpu0[3]) / gen}
+
+
+def local_share(r: dict) -> str:
+    """The share of the expert groups the backbone computed itself (its replica: the hot-expert
+    path's choices and any fallbacks), as a percentage."""
+    total = r["local_groups"] + r["remote_groups"]
+    return f"{100 * r['local_groups'] / total:.0f}%" if total else "-"
 
 
 def cpu_split(sw: WanSwarm) -> tuple[float, float, float, float]:
@@ -200,6 +213,10 @@ def main() -> None:
                          "expert requests skip py-libp2p")
     ap.add_argument("--proxies", choices=["shared", "per-link"], default="shared",
                     help="the WAN links in one proxy process (default) or one process per link")
+    ap.add_argument("--hot-experts", action="store_true",
+                    help="the backbone's --hot-experts (issue 11 item 3): an owner whose measured round trip is "
+                         "longer than computing its groups on the backbone's replica gets no request; the "
+                         "table's 'local groups' column says how much the backbone then computed itself")
     ap.add_argument("--proxy-at-0", action="store_true",
                     help="a WAN proxy in front of each worker at 0 ms RTT too (by default a 0 ms link is "
                          "loopback, no proxy: bench/wan_swarm.py)")
@@ -247,7 +264,8 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
     for rtt in rtts:
         with WanSwarm(model, ranges=ranges, rtt_ms=rtt, workdir=work / f"rtt{rtt:g}", kernel=args.kernel,
                       timeout_s=30, direct=args.direct, proxy_at_zero=args.proxy_at_0, proxies=args.proxies,
-                      backbone_args=["--micro-batches", args.micro_batches, "--token-budget", args.token_budget]) as sw:
+                      backbone_args=["--micro-batches", args.micro_batches, "--token-budget", args.token_budget,
+                                    *(["--hot-experts"] if args.hot_experts else [])]) as sw:
             sw.wait_covered()
             measure(sw, 2, 2)  # warm-up: connections, caches
             lanes = sw.backbone.log.read_text().count("direct lane to worker")
@@ -261,16 +279,16 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
                         best[n] = r
             results[rtt] = best
             print(rtt, {n: (round(r["tps"], 1), r["micro_batches"], f'dense {r["dense_ms_layer"]:.2f} ms',
-                            f'wait {r["wait_ms_layer"]:.2f} ms', f'fallbacks {r["fallbacks"]}')
+                            f'wait {r["wait_ms_layer"]:.2f} ms', f'fallbacks {r["fallbacks"]}', f'local {local_share(r)}', f'probes {r["probes"]}')
                         for n, r in best.items()}, flush=True)
         shutil.rmtree(work / f"rtt{rtt:g}", ignore_errors=True)  # its workers' slices (2.7 GB at geometry-122b)
     if args.json:
         Path(args.json).write_text(json.dumps({"bound": bound, "inproc": inproc,
                                                "results": {str(k): v for k, v in results.items()}}))
     lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | ratio, in-process bound | "
-             "ratio, no-overlap bound | expert requests / token | fallback requests | steps / micro-batches | "
+             "ratio, no-overlap bound | expert requests / token | fallback requests | local groups | steps / micro-batches | "
              "backbone CPU ms / token | worker CPU ms / token | proxies CPU ms / token | all CPU ms / token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rtt, best in results.items():
         for n, r in best.items():
             net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
@@ -279,7 +297,7 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
             serial = 1 / inv if inv else float("inf")  # (--no-bound at 0 ms: no bound at all)
             lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
                          f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['tps'] / serial:.2f} | "
-                         f"{r['req_per_tok']:.2f} | {r['fallbacks']} | "
+                         f"{r['req_per_tok']:.2f} | {r['fallbacks']} | {local_share(r)} | "
                          f"{r['steps']} / {r['micro_batches']} | "
                          f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} | "
                          f"{r['cpu_proxies'] * 1000:.1f} | {r['cpu_total'] * 1000:.1f} |")
@@ -289,6 +307,7 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
                   + (f" --preset {args.preset}" if args.preset != "tiny" else "")
                   + (f" --layers {args.layers}" if args.layers else "")
                   + (" --proxy-at-0" if args.proxy_at_0 else "")
+                  + (" --hot-experts" if args.hot_experts else "")
                   + (" --proxies per-link" if args.proxies == "per-link" else "")) + (
         f"Synthetic {args.preset} q8_0 model ({L} layers, {shape.n_embd} wide, {shape.n_expert} experts of "
         f"{shape.n_ff_exp} ({shape.expert_qtype or 'q8_0'}), top-{shape.n_expert_used}), kernel {args.kernel}, "

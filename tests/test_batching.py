@@ -407,6 +407,58 @@ async def test_hot_experts_computed_locally_when_the_owner_is_slower(tiny_f32, t
     assert d.top(1)[0][1] >= d.top(5)[-1][1]
 
 
+class _MovingOwner(InProcessOwner):
+    """A worker whose link changes: its round trip is whatever ``delay_s`` is when it answers (a
+    real owner's ``rtt_s`` learns from answered requests the same way)."""
+
+    def __init__(self, worker, name, delay_s):
+        super().__init__(worker, name)
+        self.delay_s = delay_s
+        self.rtt_s = None
+        self.asked = 0
+
+    async def compute(self, layer, cur, groups):
+        self.asked += 1
+        delay = self.delay_s
+        await trio.sleep(delay)
+        out = await super().compute(layer, cur, groups)
+        self.rtt_s = delay
+        return out
+
+
+async def test_hot_experts_probe_owners_kept_local_and_use_them_again_once_fast(tiny_f32, tmp_path):
+    """An owner the hot-expert path keeps local gets no requests, so its round trip is never
+    measured again: without probes a worker that was slow once stays unused for good. A probe (its
+    share, in the background, the outputs dropped) re-measures it; once fast it gets requests again."""
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    tokens = [17, 3, 250, 99, 4, 4, 301]
+    mono = Backbone(load_dense(layout), Dispatcher(make_bank(layout, "numpy")))
+    want = await mono.forward(tokens, mono.new_state())
+    for probe_s in (float("inf"), 0.05):
+        owners = [_MovingOwner(ExpertWorker(s, kernel="numpy"), f"w{i}", 0.05) for i, s in enumerate(shards)]
+        disp = Dispatcher(make_bank(layout, "numpy"), owners, hot_experts=True)
+        disp.hot_probe_s = float("inf")
+        bb = Backbone(load_dense(layout), disp)
+        for _ in range(3):  # measured slow, then kept local
+            assert np.array_equal(await bb.forward(tokens, bb.new_state()), want)
+        assert disp.stats.local_groups > 0 and all(o.rtt_s == 0.05 for o in owners)
+        for o in owners:
+            o.delay_s = 0.0  # the links got fast
+        disp.hot_probe_s = probe_s
+        await trio.sleep(0.1)
+        before = disp.stats.snapshot()
+        assert np.array_equal(await bb.forward(tokens, bb.new_state()), want)  # due: probed, outputs local
+        await trio.sleep(0.05)  # the probes answer
+        assert np.array_equal(await bb.forward(tokens, bb.new_state()), want)
+        d = disp.stats.since(before)
+        if probe_s == float("inf"):  # no probes: the fast owners are never asked again
+            assert d.probes == 0 and d.requests == 0 and all(o.rtt_s == 0.05 for o in owners)
+        else:
+            assert d.probes > 0 and all(o.rtt_s == 0.0 for o in owners)
+            assert d.requests > 0 and d.remote_groups > 0  # used again, and the same bits
+
+
 def test_demand_counter_decays():
     d = DemandCounter(half_life_s=10.0)
     d.add(0, [(3, np.arange(8))], now=100.0)

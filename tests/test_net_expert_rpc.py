@@ -55,6 +55,9 @@ async def test_expert_request_bit_identical_to_direct_compute(shards):
             want = worker.compute(layer, rows, local)
             assert len(got) == len(want)
             assert all(np.array_equal(g, w) and g.dtype == np.float32 for g, w in zip(got, want))
+            if layer == worker.info.layer_begin:  # it dialled: a dial is no round trip (the hot-expert path reads rtt_s)
+                assert owner.rtt_s is None
+        assert worker.info.layer_end - worker.info.layer_begin >= 2
         assert owner.requests == worker.info.layer_end - worker.info.layer_begin and owner.rtt_s > 0
         await owner.aclose()
 

@@ -48,6 +48,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2pswarm.backbone")
 
+#: the hot-expert path sends an owner it keeps local a probe (its share of the layer, in the
+#: background: the step does not wait for it) at most this often, so that its round trip is
+#: measured again: without requests an owner's estimate never changes, and a fast owner measured
+#: once slow (a congested link, a phone waking up) would stay unused for good
+HOT_PROBE_S = 2.0
+
 def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
     """The distinct rows an owner needs, once each, and the groups re-indexed into them.
 
@@ -117,11 +123,12 @@ class DispatchStats:
     verified_groups: int = 0  # remote groups recomputed locally to check them (Dispatcher.verifier)
     mismatches: int = 0  # checked groups whose outputs differed from the local replica's (each bans)
     recoveries: int = 0  # back-offs ended early: the worker's late reply came (it was late, not hung)
+    probes: int = 0  # background requests to owners the hot-expert path kept local (not in ``requests``)
 
     def snapshot(self) -> "DispatchStats":
         return DispatchStats(self.layers, self.requests, self.remote_rows, self.local_groups, self.remote_groups,
                              self.fallbacks, self.seconds, dict(self.per_owner), self.deadline_misses,
-                             self.verified_groups, self.mismatches, self.recoveries)
+                             self.verified_groups, self.mismatches, self.recoveries, self.probes)
 
     def since(self, before: "DispatchStats") -> "DispatchStats":
         return DispatchStats(
@@ -131,7 +138,7 @@ class DispatchStats:
             {k: v - before.per_owner.get(k, 0) for k, v in self.per_owner.items()},
             self.deadline_misses - before.deadline_misses,
             self.verified_groups - before.verified_groups, self.mismatches - before.mismatches,
-            self.recoveries - before.recoveries,
+            self.recoveries - before.recoveries, self.probes - before.probes,
         )
 
 
@@ -187,6 +194,9 @@ class Dispatcher:
         #: compute locally whatever a slow owner would take longer to return (see _keep_hot_local)
         self.hot_experts = hot_experts
         self.local_row_s: float | None = None  # EWMA: local seconds per (row, expert) computed
+        self.hot_probe_s = HOT_PROBE_S
+        self._asked_at: dict[str, float] = {}  # owner name -> time.monotonic() of its last request or probe
+        self._probing: set[str] = set()  # owners with a probe in flight
         #: the market (p2pswarm.market): a Verifier recomputes a sample of remote outputs; a ledger
         #: (ContributionLedger) counts the work used per worker peer; on_mismatch(peer, evidence)
         #: is told of a worker caught returning wrong numbers (after it is banned here)
@@ -236,20 +246,25 @@ class Dispatcher:
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
         return {o: [groups[i] for i in idx] for o, idx in self._assign(layer, groups).items()}
 
-    def _assign(self, layer: int, groups: Groups) -> dict[Owner, list[int]]:
-        """Owner -> indices of the groups it computes (an expert may have several groups)."""
+    def _assign(self, layer: int, groups: Groups, kept: dict[Owner, list[int]] | None = None) -> dict[Owner, list[int]]:
+        """Owner -> indices of the groups it computes (an expert may have several groups).
+        ``kept``, if given, receives the owners the hot-expert path kept local, with their groups."""
         plan: dict[Owner, list[int]] = {}
         for i, (e, _) in enumerate(groups):
             owner = next((o for o in self.owners if o.holds(layer, e) and self.healthy(o)), self.local)
             plan.setdefault(owner, []).append(i)
         if self.hot_experts:
-            self._keep_hot_local(plan, groups)
+            moved = self._keep_hot_local(plan, groups)
+            if kept is not None:
+                kept.update(moved)
         return plan
 
-    def _keep_hot_local(self, plan: dict[Owner, list[int]], groups: Groups) -> None:
+    def _keep_hot_local(self, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
         """The hot-expert path: an owner whose measured round trip is longer than computing its
         groups here (on top of what is already local this layer) gets no request; the local
-        replica computes them, with the same kernel, so the result is the same bits."""
+        replica computes them, with the same kernel, so the result is the same bits. Returns the
+        owners kept local, with their groups (:meth:`run_groups` probes them now and then)."""
+        moved: dict[Owner, list[int]] = {}
         rate = self.local_row_s
         local = plan.get(self.local, [])
         local_s = 0.0 if rate is None else rate * sum(len(groups[i][1]) for i in local)
@@ -262,12 +277,34 @@ class Dispatcher:
             else:
                 cost = rate * rows
             if local_s + cost < owner.rtt_s:
-                local = local + plan.pop(owner)
+                moved[owner] = plan.pop(owner)
+                local = local + moved[owner]
                 local_s += cost
                 if rate is None:
                     break
         if local:
             plan[self.local] = sorted(local)
+        return moved
+
+    def _probe(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups) -> None:
+        """Send ``owner`` its share of this layer in the background, only to measure its round trip
+        again (the owner's own estimate, ``rtt_s``, learns from every answered request); the
+        outputs are dropped - the local replica's are the ones used - so a probe is neither
+        verified nor credited. A failed probe is logged, nothing more: the owner gets no work."""
+        rows, local_groups = pack_rows(cur, groups)
+        rows = np.array(rows)  # a copy: the task runs after this layer, and the caller reuses its rows
+        self._probing.add(owner.name)
+        self.stats.probes += 1
+
+        async def probe() -> None:
+            try:
+                await owner.compute(layer, rows, local_groups)
+            except Exception as exc:  # noqa: BLE001 - a probe must never crash the run (a system task)
+                log.info("probe of worker %s on layer %d failed: %s", owner.name, layer, exc)
+            finally:
+                self._probing.discard(owner.name)
+
+        trio.lowlevel.spawn_system_task(probe, name=f"probe of {owner.name}")
 
     async def run(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[int, np.ndarray]:
         """``{expert: outputs}`` for groups with distinct experts (one sequence's layer)."""
@@ -279,7 +316,17 @@ class Dispatcher:
         ``taint``: see the module doc (rows computed from a remote worker's unverified outputs)."""
         t0 = time.perf_counter()
         self.demand.add(layer, groups)
-        plan = self._assign(layer, groups)
+        kept: dict[Owner, list[int]] = {}
+        plan = self._assign(layer, groups, kept)
+        now = time.monotonic()
+        for owner in plan:
+            if owner.remote:
+                self._asked_at[owner.name] = now
+        for owner, which in kept.items():
+            asked = self._asked_at.setdefault(owner.name, now)
+            if owner.name not in self._probing and now - asked >= self.hot_probe_s:
+                self._asked_at[owner.name] = now
+                self._probe(owner, layer, cur, [groups[i] for i in which])
         results: list[np.ndarray | None] = [None] * len(groups)
 
         async def one(owner: Owner, which: list[int]) -> None:

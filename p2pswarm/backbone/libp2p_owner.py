@@ -57,7 +57,7 @@ class Libp2pOwner(SocketOwner):
         self.connect_timeout_s = connect_timeout_s
         self.on_failure = on_failure
         self.on_latency = None  # (owner, seconds) after each answered request: the metrics histogram
-        self.rtt_s: float | None = None  # EWMA of request round trips (compute included)
+        self.rtt_s: float | None = None  # EWMA of request round trips (compute included; connecting not)
         self.inflight = 0
         self.requests = 0
         self.failures = 0
@@ -222,6 +222,7 @@ class Libp2pOwner(SocketOwner):
         self.last_used = time.monotonic()
         self._reorder()
         t0 = time.perf_counter()
+        gen = self._gen
         try:
             reply = await super().request(msg_bytes, rid, rows)
         except WorkerError:
@@ -232,7 +233,10 @@ class Libp2pOwner(SocketOwner):
         finally:
             self.inflight -= 1
         dt = time.perf_counter() - t0
-        self.rtt_s = dt if self.rtt_s is None else (1 - RTT_EWMA) * self.rtt_s + RTT_EWMA * dt
+        if self._gen == gen:  # not a request that (re)connected: a dial and handshake are no round trip
+            # (the hot-expert path compares rtt_s with local compute: one dial in it kept a fast
+            # owner local until it decayed, and an owner kept local gets no requests to decay it)
+            self.rtt_s = dt if self.rtt_s is None else (1 - RTT_EWMA) * self.rtt_s + RTT_EWMA * dt
         if self.on_latency is not None:
             self.on_latency(self, dt)
         self._reorder()

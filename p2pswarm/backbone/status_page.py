@@ -162,7 +162,8 @@ class SwarmView:
             "active_sequences": active,
             "tokens_per_s": rate.series(),
             "dispatch": {"expert_requests": s.requests, "fallbacks": s.fallbacks,
-                         "local_groups": s.local_groups, "remote_groups": s.remote_groups},
+                         "local_groups": s.local_groups, "remote_groups": s.remote_groups,
+                         "probes": s.probes},
             "resolver": ({"refreshes": self.resolver.stats.refreshes,
                           "last_refresh_s": round(self.resolver.stats.last_refresh_s, 3)}
                          if self.resolver is not None else None),
