@@ -12,6 +12,7 @@ from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.scheduler import AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, Params, Scheduler, choose_micro_batches, \
     choose_token_budget
 from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.errors import WorkerError
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
@@ -457,6 +458,21 @@ async def test_hot_experts_probe_owners_kept_local_and_use_them_again_once_fast(
         else:
             assert d.probes > 0 and all(o.rtt_s == 0.0 for o in owners)
             assert d.requests > 0 and d.remote_groups > 0  # used again, and the same bits
+    # a probe that fails (the worker died while kept local) backs the owner off: no probe every 2 s
+    owners[0].delay_s = 0.05
+    for _ in range(3):
+        await bb.forward(tokens, bb.new_state())
+    dead = next(o for o in owners if o.rtt_s == 0.05)
+
+    async def gone(*a, **k):
+        raise WorkerError("unreachable")
+    dead.compute = gone
+    await trio.sleep(0.1)
+    before = disp.stats.snapshot()
+    for _ in range(3):
+        assert np.array_equal(await bb.forward(tokens, bb.new_state()), want)
+        await trio.sleep(0.06)
+    assert disp.stats.since(before).probes == 1 and not disp.healthy(dead)
 
 
 def test_demand_counter_decays():

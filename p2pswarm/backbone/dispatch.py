@@ -290,7 +290,8 @@ class Dispatcher:
         """Send ``owner`` its share of this layer in the background, only to measure its round trip
         again (the owner's own estimate, ``rtt_s``, learns from every answered request); the
         outputs are dropped - the local replica's are the ones used - so a probe is neither
-        verified nor credited. A failed probe is logged, nothing more: the owner gets no work."""
+        verified nor credited. A failed probe backs the owner off like a failed request (no work,
+        no probes for ``backoff_s``: a dead worker is not dialled every 2 s), and is logged."""
         rows, local_groups = pack_rows(cur, groups)
         rows = np.array(rows)  # a copy: the task runs after this layer, and the caller reuses its rows
         self._probing.add(owner.name)
@@ -300,7 +301,9 @@ class Dispatcher:
             try:
                 await owner.compute(layer, rows, local_groups)
             except Exception as exc:  # noqa: BLE001 - a probe must never crash the run (a system task)
-                log.info("probe of worker %s on layer %d failed: %s", owner.name, layer, exc)
+                self._down_until[owner.name] = time.monotonic() + self.backoff_s
+                log.info("probe of worker %s on layer %d failed (%s): avoiding it for %.0f s",
+                         owner.name, layer, exc, self.backoff_s)
             finally:
                 self._probing.discard(owner.name)
 

@@ -132,7 +132,8 @@ def add_parser(sub) -> None:
                    help="backbone: keep every worker's requests on libp2p, even where it offers a direct lane")
     p.add_argument("--hot-experts", action="store_true",
                    help="backbone: compute an owner's experts locally when its measured round trip is longer "
-                        "than computing them here (same bits; docs/architecture.md)")
+                        "than computing them here (same bits; an owner kept local is probed in the background "
+                        "every 2 s to measure it again; docs/architecture.md)")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="backbone: batch rows of all sequences through one dense/router/expert/lm-head mat-mul "
                         "even where a probe found the kernel not row-invariant (a request's tokens may then "
