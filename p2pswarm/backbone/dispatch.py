@@ -54,6 +54,7 @@ log = logging.getLogger("p2pswarm.backbone")
 #: once slow (a congested link, a phone waking up) would stay unused for good
 HOT_PROBE_S = 2.0
 
+
 def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
     """The distinct rows an owner needs, once each, and the groups re-indexed into them.
 
