@@ -416,10 +416,8 @@ class _MovingOwner(InProcessOwner):
         super().__init__(worker, name)
         self.delay_s = delay_s
         self.rtt_s = None
-        self.asked = 0
 
     async def compute(self, layer, cur, groups):
-        self.asked += 1
         delay = self.delay_s
         await trio.sleep(delay)
         out = await super().compute(layer, cur, groups)
