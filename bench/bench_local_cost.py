@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="ggml threads (the swarm benches give every node 1)")
     ap.add_argument("--append", action="store_true", help="append the table to docs/benchmarks.md")
     args = ap.parse_args()
+    if args.threads < 1:
+        ap.error("--threads must be >= 1")
     work = Path(tempfile.mkdtemp(prefix="bench-local-cost-"))
     try:
         model = work / "geometry-122b.gguf"

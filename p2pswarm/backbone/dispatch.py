@@ -322,15 +322,16 @@ class Dispatcher:
         self.demand.add(layer, groups)
         kept: dict[Owner, list[int]] = {}
         plan = self._assign(layer, groups, kept)
-        now = time.monotonic()
-        for owner in plan:
-            if owner.remote:
-                self._asked_at[owner.name] = now
-        for owner, which in kept.items():
-            asked = self._asked_at.setdefault(owner.name, now)
-            if owner.name not in self._probing and now - asked >= self.hot_probe_s:
-                self._asked_at[owner.name] = now
-                self._probe(owner, layer, cur, [groups[i] for i in which])
+        if self.hot_experts:  # when each owner was last asked, and probes of those kept local
+            now = time.monotonic()
+            for owner in plan:
+                if owner.remote:
+                    self._asked_at[owner.name] = now
+            for owner, which in kept.items():
+                asked = self._asked_at.setdefault(owner.name, now)
+                if owner.name not in self._probing and now - asked >= self.hot_probe_s:
+                    self._asked_at[owner.name] = now
+                    self._probe(owner, layer, cur, [groups[i] for i in which])
         results: list[np.ndarray | None] = [None] * len(groups)
 
         async def one(owner: Owner, which: list[int]) -> None:
