@@ -127,7 +127,7 @@ def test_worker_killed_mid_generation_then_restarted_is_found_again(tiny_f32, tm
         # Hold the backbone while the worker comes back on a new port with the same identity, until
         # a fresh look-up finds its new record: the run (~50 tokens/s once resumed) cannot end
         # before the record is there to be found (it once did, with only READY awaited). What is
-        # left of the run after the resume (~470 steps, ~5 s) must still hold one of the
+        # left of the run after the resume (~470 steps, 5-10 s) must still hold one of the
         # backbone's own refreshes reading that record: every 0.5 s (one run of the suite at 1 s
         # ended without it, once in ~20 runs).
         backbone.send_signal(signal.SIGSTOP)
