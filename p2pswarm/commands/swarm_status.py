@@ -96,6 +96,7 @@ async def _status(args) -> dict:
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.coverage import NO_RECORD
     from p2pswarm.net.dht import CoverageResolver, open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import Identity
@@ -108,10 +109,12 @@ async def _status(args) -> dict:
                                     block_size=args.block_size, protocol=proto.PROTOCOL_VERSION, kernel=kernel)
         resolver.log_refusals = False
         cmap = await resolver.refresh()
-        if cmap.missing():
-            # Look once more before reporting a unit uncovered: a look-up right after a worker
-            # joined, or on a loaded host, can miss a provider the DHT does hold (the second pass
-            # re-reads every record found so far and looks the uncovered units up again).
+        if cmap.missing() or NO_RECORD in resolver.gone.values():
+            # Look once more before reporting a unit uncovered or a provider gone for want of its
+            # record: a look-up right after a worker joined, or on a loaded host, can miss a
+            # provider or a record the DHT does hold (one suite run showed a live worker as "gone:
+            # no node record found"). The second pass re-reads every record found so far, the
+            # providers' again, and looks the uncovered units up again.
             cmap = await resolver.refresh()
         infos = cmap.peers()
         probes = {} if args.no_probe else await _probe_all(net, infos, fp, kernel, args.probe_timeout)

@@ -19,6 +19,10 @@ from p2pswarm.net.records import CoverageUnit, NodeRecord, ShardEntry, model_key
 
 log = logging.getLogger("p2pswarm.net")
 
+#: The :attr:`CoverageResolver.gone` reason of a provider whose node record no look-up returned
+#: (one that failed on a loaded host, or a record the DHT no longer holds).
+NO_RECORD = "no node record found"
+
 
 @dataclass(frozen=True)
 class OwnerInfo:
@@ -252,7 +256,7 @@ class CoverageResolver:
                 if rec is not None:
                     self._bogus(f"record of {rec.peer[-12:]} offered for provider {peer[-12:]}")
                 else:
-                    self.gone[peer] = "no node record found"
+                    self.gone[peer] = NO_RECORD
                 continue
             if rec.withdrawn:
                 if old is None or not old.withdrawn:
