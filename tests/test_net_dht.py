@@ -491,6 +491,23 @@ async def test_bootstrap_errors_are_clear():
                 pass
 
 
+async def test_bootstrap_with_another_peer_id_says_so():
+    """A bootstrap address whose /p2p/ part names another peer than the one listening there (a
+    stale or mistyped address): the error names the id that answered and the address to use, not
+    py-libp2p's 'handshake failed'."""
+    from p2pswarm.errors import UserError
+
+    async with open_host(Identity.generate(), ["/ip4/127.0.0.1/tcp/0"]) as boot, open_host(Identity.generate()) as net:
+        real = boot.full_addrs()[0]
+        wrong = real.rsplit("/p2p/", 1)[0] + f"/p2p/{Identity.generate().peer_id_str}"
+        with pytest.raises(UserError) as err:
+            async with open_dht(net, bootstrap=[wrong], bootstrap_timeout_s=5):
+                pass
+        msg = str(err.value)
+        assert "has another peer id" in msg and boot.peer_id_str in msg, msg
+        assert real.rsplit("/p2p/", 1)[0] in msg and "handshake" not in msg, msg
+
+
 async def test_workaround_provide_sends_the_advertised_addresses_and_never_none(caplog):
     """py-libp2p acknowledges an ADD_PROVIDER with no addresses and drops it (the trap, shown on a
     raw message); our provide sends what the node advertises -- for a relayed node, its circuit

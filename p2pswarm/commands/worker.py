@@ -21,7 +21,8 @@ log = logging.getLogger("p2pswarm.worker")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("worker", help="serve an expert shard to a backbone over a local socket")
+    p = sub.add_parser("worker", help="the worker process that `logits`/`generate --workers N` start and connect to "
+                          "themselves (no other client); run a worker of your own with `node --role worker`")
     p.add_argument("--shard", required=True, help="expert shard GGUF cut by `p2pswarm slice`")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to listen on (default 127.0.0.1:0)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,

@@ -125,7 +125,26 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
         msg = clip(exc, 300) or type(exc).__name__
         if "magic" in msg.lower():
             raise ModelFormatError(f"{path}: not a valid GGUF file (bad magic)") from None
+        truncated = _truncation(path)
+        if truncated:
+            raise ModelFormatError(f"{path}: {truncated}") from None
         raise ModelFormatError(f"{path}: not a valid GGUF file (corrupt or truncated: {msg})") from None
+
+
+def _truncation(path: Path) -> str | None:
+    """Why a GGUF failed to open, said plainly when it is a cut-off file (an interrupted copy or
+    download): its header names the size the tensors need, larger than the file. None when the
+    header itself cannot be read or the size adds up (then the file is corrupt some other way)."""
+    actual = path.stat().st_size
+    try:
+        r = HeaderOnlyReader(path, "r")
+    except Exception:  # the header itself is cut or broken: reported by the caller as it is
+        return None
+    expected = max((t.data_offset + int(t.n_bytes) for t in r.tensors), default=r.data_offset)
+    if actual >= expected:
+        return None
+    return (f"GGUF file is truncated: its tensors need {expected:,} bytes, the file has {actual:,} "
+            "(an interrupted copy or download? copy or download it again)")
 
 
 def field_value(f) -> Any:

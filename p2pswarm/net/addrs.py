@@ -3,6 +3,8 @@ circuit (relayed) addresses, listen-address checks, and turning py-libp2p's nest
 one line. Nothing here needs a running host, so relay/, the CLI and the host share it."""
 from __future__ import annotations
 
+import re
+
 from typing import Sequence
 
 import multiaddr
@@ -81,6 +83,23 @@ def error_reason(exc: BaseException) -> str:
         exc = exc.__cause__ or (exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else None)
         seen += 1
     return ": ".join(parts)
+
+
+def id_mismatch(exc: BaseException) -> str | None:
+    """The peer id that actually answered, when a dial failed because the peer at the address has
+    another id than the address's ``/p2p/`` part (Noise proves the key; py-libp2p buries that
+    under four wrappers). Why: a mistyped or stale bootstrap address otherwise reads as
+    'handshake failed', which sends the user looking at the network."""
+    todo, seen = [exc], 0
+    while todo and seen < 16:
+        e = todo.pop()
+        seen += 1
+        if type(e).__name__ == "PeerIDMismatchesPubkey":
+            found = re.search(r"remote_peer_id_from_pubkey=(\w+)", str(e))
+            return found.group(1) if found else "another id"
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        todo += list(getattr(e, "errors", None) or getattr(e, "exceptions", None) or ())
+    return None
 
 
 

@@ -54,7 +54,7 @@ from p2pswarm.errors import UserError
 from p2pswarm.net import libp2p_patches
 # Re-exported: callers import these from p2pswarm.net.host.
 from p2pswarm.net.addrs import (DEFAULT_LISTEN, PROTOCOL_CIRCUIT, NetError, check_listen_addrs,  # noqa: F401
-                                circuit_addr, error_reason, is_circuit_addr, is_wildcard, parse_multiaddr,
+                                circuit_addr, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr,
                                 parse_peer_addr, single_error)
 # Every protocol id p2pswarm speaks lives under /p2pswarm/, is versioned (docs/protocol.md) and is
 # defined beside its protocol; re-exported here for the callers that open expert streams.
@@ -160,6 +160,12 @@ class NetHost:
         except NetError:
             raise
         except Exception as exc:
+            actual = id_mismatch(exc)
+            if actual:
+                where = ", ".join(str(a) for a in info.addrs)
+                raise NetError(f"the peer at {where} has another peer id ({actual}), not "
+                               f"{info.peer_id.to_base58()}: fix the /p2p/ part of the address "
+                               f"(e.g. {where}/p2p/{actual})") from None
             raise NetError(f"cannot dial {info.peer_id.to_base58()} at "
                            f"{', '.join(str(a) for a in info.addrs) or 'no address'}: {error_reason(exc)}") from None
         self.stats.connects += 1

@@ -160,13 +160,14 @@ class SwarmDHT:
     async def bootstrap(self, addrs: Sequence[str], *, timeout_s: float = 15.0) -> int:
         """Connect to bootstrap peers, seed the routing table and fill it with a self look-up.
         Returns how many bootstrap peers answered; UserError when none did."""
-        joined = 0
+        joined, why = 0, ""
         with trio.move_on_after(timeout_s):
             for text in addrs:
                 try:
                     pid = await self.net.connect(text, timeout_s=min(10.0, timeout_s))
                 except (NetError, UserError) as exc:
                     log.warning("bootstrap %s unreachable: %s", text, exc)
+                    why = why or str(exc)
                     continue
                 addrs_of = self.net.host.get_peerstore().addrs(pid)
                 await self.kad.routing_table.add_peer(PeerInfo(pid, addrs_of), skip_server_mode_check=True)
@@ -174,6 +175,8 @@ class SwarmDHT:
             if joined:
                 await self.refresh()
         if addrs and not joined:
+            if "has another peer id" in why:  # the one mistake the user can fix from the message
+                raise UserError(f"bootstrap: {why}")
             raise UserError(f"no bootstrap peer answered ({', '.join(a[:60] for a in addrs)})")
         return joined
 
