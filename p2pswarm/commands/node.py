@@ -242,6 +242,27 @@ async def _worker(args) -> None:
             log.info("withdrew my records; bye")
 
 
+def _check_own_token(args) -> None:
+    """A downloading worker's token that no source could accept: refused now, in one line, before
+    anything is logged (the key is read, not locked or created, to learn this node's id)."""
+    from p2pswarm.net.identity import default_identity_path, load_identity
+    from p2pswarm.net.tokens import NodeToken, check_own_token, shard_scope
+
+    if not (args.auto or args.fetch):
+        return
+    path = Path(args.identity or default_identity_path("worker"))
+    if not path.exists():
+        raise UserError(f"--token was issued to peer {NodeToken.decode(args.node_token).holder}, but identity key "
+                        f"{path} does not exist yet (a new key is a new peer id): start with --identity KEY, the "
+                        "key the token was issued to")
+    peer = load_identity(path).peer_id_str
+    if args.auto:
+        check_own_token(args.node_token, peer=peer, trusted_issuers=args.trust_issuer, model=args.model)
+    elif args.fetch:
+        check_own_token(args.node_token, peer=peer, trusted_issuers=args.trust_issuer,
+                        scope=shard_scope(args.model, args.layer_range, args.expert_range))
+
+
 def _direct_lane(args):
     """The worker's direct lane from ``--direct`` / ``--direct-announce``, or None."""
     from p2pswarm.net.direct import DirectLane
@@ -530,6 +551,7 @@ def run(args) -> int:
     args.http_socket = None
     if args.role == "worker":
         _check_worker_source(args)
+        _check_own_token(args)
         args.direct_lane = _direct_lane(args)  # a malformed --direct or a taken port: one line now
         if args.direct_lane is not None:
             args.direct_lane.bind()

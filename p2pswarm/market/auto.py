@@ -39,6 +39,7 @@ log = logging.getLogger("p2pswarm.market")
 
 DEMAND_RETRY_S = 2.0
 RETRY_S = 5.0  # after a failed download
+NO_SOURCE_REPEAT_S = 60.0  # how often a worker waiting for a shard source says so again
 
 
 def aggregate(records: list[DemandRecord], model: str | None) -> tuple[DemandRecord, np.ndarray]:
@@ -100,6 +101,7 @@ class AutoWorker:
         self.evaluations = 0
         self.last: Enrolment | None = None
         self.failed = 0
+        self.no_source_said = -math.inf  # monotonic time "no shard source" was last logged
         self.crowd = 1
         self.backbones: set[str] = set()  # peers whose demand records we have read
         self.sources: list[DemandRecord] = []  # their latest records (shard sources among them)
@@ -208,16 +210,25 @@ class AutoWorker:
         loaded: dict[int, tuple[ShardEntry, Path, object]] = {}
         limiter = trio.CapacityLimiter(2)
 
+        no_source: list[str] = []
+
         async def get(i: int) -> None:
             async with limiter:
                 try:
                     loaded[i] = await self._download(i)
                 except UserError as exc:
-                    log.warning("could not fetch %s: %s", self.units[i], exc)
+                    if str(exc).startswith("no shard source"):
+                        no_source.append(str(exc))
+                    else:
+                        log.warning("could not fetch %s: %s", self.units[i], exc)
 
         async with trio.open_nursery() as nursery:
             for i in choice.added:
                 nursery.start_soon(get, i)
+        if no_source and time.monotonic() - self.no_source_said >= NO_SOURCE_REPEAT_S:
+            # one line that says what to start, not one per unit per retry
+            self.no_source_said = time.monotonic()
+            log.warning("cannot download any unit (retrying every few seconds): %s", no_source[0])
         for i in choice.dropped:
             entry, path = self.held.pop(i)
             self.retiring.append((entry.shard, path))

@@ -42,6 +42,14 @@ class FetchStats:
     refusals: list[str] = field(default_factory=list)
 
 
+# What a user must start when no shard source is found: said in full, since a worker waiting on one
+# otherwise only ever reports that none exists.
+NO_SOURCE = ("no shard source for model {model} in the swarm: slices are downloaded from a backbone started "
+             "with --manifest M.manifest (`p2pswarm manifest --model M.gguf --key ISSUER.key --out M.manifest`) "
+             "or from `p2pswarm serve-shards --model M.gguf --manifest M.manifest --trust-issuer ISSUER_ID "
+             "--bootstrap ADDR`; start one of them on the same bootstrap")
+
+
 class _Session:
     """One stream to one source, past a successful hello."""
 
@@ -185,7 +193,7 @@ async def fetch_slice(net, *, sources: Sequence, model: str, layers: tuple[int, 
     if not out.parent.is_dir():
         raise ShardTransferError(f"{out.parent}: output directory does not exist")
     if not sources:
-        raise ShardTransferError(f"no source for model {model} (none found or given)")
+        raise ShardTransferError(NO_SOURCE.format(model=model))
     shard_scope(model, layers, experts)  # validates the ranges
     hello = {"op": "hello", "v": SHARD_PROTOCOL_VERSION, "model": model, "layers": list(layers),
              "experts": list(experts), "token": token}

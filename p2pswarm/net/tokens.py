@@ -286,6 +286,54 @@ def check_token(token: NodeToken | str | None, *, peer: str, scope: str, trusted
     return tok
 
 
+def check_own_token(token: str, *, peer: str, trusted_issuers: Collection[str], scope: str | None = None,
+                    model: str | None = None, now: float | None = None) -> NodeToken:
+    """A worker's start-up check of the token it will present: what no source could accept, said
+    now as one line (exit 2) instead of a refusal per download attempt, retried forever.
+
+    ``scope``: the exact download scope (a fixed slice); None for an ``--auto`` worker, which may
+    pick any unit and so needs ``shard:MODEL`` (or ``shard``/``shard:*``) without ranges. The
+    issuer must be a ``--trust-issuer``: the sources honour tokens of the issuer whose manifest
+    they serve, the one the worker checks the manifest against."""
+    now = time.time() if now is None else now
+    tok = NodeToken.decode(token)
+    if not tok.verify_signature():
+        raise TokenError(f"--token: its signature does not verify (it claims issuer {tok.issuer}): "
+                         "a damaged or edited token; issue a new one", "bad signature")
+    if tok.holder != str(peer):
+        raise TokenError(f"--token was issued to peer {tok.holder}, but this node is {peer}: issue one for this "
+                         f"node's id (`p2pswarm token issue --peer {peer} ...`), or start it with the key the "
+                         "token names (--identity)", "wrong holder")
+    if tok.issuer not in trusted_issuers:
+        raise TokenError(f"--token is signed by {tok.issuer}, which is not a --trust-issuer "
+                         f"({', '.join(trusted_issuers)}): sources honour the tokens of the issuer that signed "
+                         "the model's manifest; use a token from it, or trust this issuer", "untrusted issuer")
+    if now >= tok.expires_at:
+        raise TokenError(f"--token expired {human_duration(now - tok.expires_at)} ago: issue a new one", "expired")
+    if scope is not None:
+        if not tok.allows(scope):
+            raise TokenError(f"--token does not allow {scope} (it allows {', '.join(tok.allow)})", "wrong scope")
+        return tok
+    wanted = f"shard:{model}" if model else None
+    if not any(_whole_model_scope(a, wanted) for a in tok.allow):
+        raise TokenError(f"--token allows {', '.join(tok.allow)}: an --auto worker picks its units itself, so its "
+                         f"token needs shard:{model or 'FINGERPRINT'} (the whole model, no ranges; "
+                         "`p2pswarm token issue --allow shard:FINGERPRINT`)", "wrong scope")
+    return tok
+
+
+def _whole_model_scope(allowed: str, wanted: str | None) -> bool:
+    """Whether ``allowed`` lets its holder download any slice of a model (``wanted``:
+    ``shard:MODEL``, or None for whichever model the swarm serves)."""
+    if wanted is not None:
+        return scope_covers(allowed, wanted)
+    try:
+        kind, _model, layers, _experts = parse_scope(allowed)
+    except TokenError:
+        return False
+    return kind == SCOPE_SHARD and layers is None
+
+
 class TokenGate:
     """A service's door: checks tokens, logs one line per refusal, counts refusals by reason."""
 
@@ -334,6 +382,7 @@ __all__ = [
     "NodeToken",
     "TokenError",
     "TokenGate",
+    "check_own_token",
     "check_token",
     "human_duration",
     "issue_token",
