@@ -2,10 +2,13 @@
 app (both are Starlette apps; anyio runs them on trio), so HTTP shares the node's event loop."""
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 
 import trio
+
+from p2pswarm.errors import UserError
 
 
 async def serve_asgi(app, host, port: int | None = None, *, logger: str,
@@ -26,3 +29,31 @@ async def serve_asgi(app, host, port: int | None = None, *, logger: str,
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)
     await serve(app, config, task_status=task_status)
+
+
+def bind_http(text: str, flag: str = "--http") -> socket.socket | None:
+    """``--http HOST:PORT``: bind it now, before the node joins the swarm, so a taken port is one
+    line and exit 2 instead of a traceback after the node announced itself. The bound socket is
+    then served as is (no window in which another process could take the port)."""
+    if text == "off":
+        return None
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise UserError(f"bad {flag} {text!r}: expected HOST:PORT (e.g. 127.0.0.1:8000; port 0 picks one) or off")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError(f"{flag} {text}: cannot resolve host {host!r}: {exc.strerror}") from None
+    family, _type, _proto, _name, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn does: TIME_WAIT is no conflict
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        hint = (" (another backbone or program is listening there: choose another port with --http HOST:PORT, "
+                "port 0 for any free one, or --http off)") if exc.errno == errno.EADDRINUSE else ""
+        raise UserError(f"{flag} {text}: cannot listen there: {exc.strerror or exc}{hint}") from None
+    return sock

@@ -304,9 +304,12 @@ class SwarmOwners:
         self._by_key: dict[tuple[str, str], Libp2pOwner] = {}
         self.dispatcher = None
         self._refusals_logged: dict[str, str] = {}  # peer -> the reason last logged
+        self.on_refused = None  # (peer, reason): tell the worker (p2pswarm/backbone/refusal_notice.py)
 
     def _refused(self, owner: Libp2pOwner, reason: str) -> None:
         """Once per peer and reason: the refusal, and that the worker is not used until it changes."""
+        if self.on_refused is not None:
+            self.on_refused(owner.peer, reason)
         if self._refusals_logged.get(owner.peer) != reason:
             self._refusals_logged[owner.peer] = reason
             log.warning("refused worker %s at the handshake: %s (not used until its record changes; its "

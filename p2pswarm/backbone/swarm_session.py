@@ -98,9 +98,11 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
 
                 resolver.on_change = on_change
                 pool.attach(dispatcher)
+                notices = _refusal_notices(net, resolver, pool, dispatcher)
                 try:
                     async with trio.open_nursery() as nursery:
                         await nursery.start(bans.run, lambda: [o.peer for o in resolver.map.peers().values()])
+                        await nursery.start(notices.run)
                         await nursery.start(resolver.run)
                         nursery.start_soon(pool.keepalive)
                         nursery.start_soon(issuer.run)
@@ -127,3 +129,19 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                             if sent:
                                 log.info("sent %d contribution receipts on the way out", sent)
                         await pool.aclose()
+
+
+def _refusal_notices(net, resolver, pool, dispatcher):
+    """Every way this backbone stops using a worker (its record, its hello, a ban) tells the
+    worker why (p2pswarm/backbone/refusal_notice.py)."""
+    from p2pswarm.backbone.refusal_notice import RefusalNotices
+
+    def addrs_of(peer: str):
+        rec = resolver._known.get(peer) or resolver.refused.get(peer, (None, None))[1]
+        return rec.addrs if rec is not None else ()
+
+    notices = RefusalNotices(net, addrs_of)
+    resolver.on_refused = notices.note
+    pool.on_refused = notices.note
+    dispatcher.ban_listeners.append(lambda peer: notices.note(peer, f"banned: {dispatcher.banned.get(peer, '')}"))
+    return notices

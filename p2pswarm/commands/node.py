@@ -14,10 +14,8 @@ down cleanly on SIGINT/SIGTERM.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import re
-import socket
 import sys
 from pathlib import Path
 
@@ -27,7 +25,9 @@ from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.commands.common import add_kernel_args, add_market_args, market_kwargs, parse_hostport, positive_int
 from p2pswarm.errors import UserError
+from p2pswarm.http_server import bind_http
 from p2pswarm.lifecycle import until_signal
+from p2pswarm.worker.health import add_health_arg
 
 log = logging.getLogger("p2pswarm.node")
 
@@ -164,6 +164,7 @@ def add_parser(sub) -> None:
     p.add_argument("--receipts-dir", metavar="DIR",
                    help="worker: keep the contribution receipts backbones sign here (default "
                         "$P2PSWARM_HOME/receipts/<peer id>; `p2pswarm rewards` lists them)")
+    add_health_arg(p)
     add_market_args(p, "backbone: ")
     add_net_args(p)
     add_kernel_args(p)
@@ -231,7 +232,8 @@ async def _worker(args) -> None:
                     await _start_direct(nursery, lane)
                 await nursery.start(adv.run)
                 log.info("serving %s with kernel %s", info.describe(), info.kernel)
-                await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(net)[0]}")
+                ready = await _ready_line(args, nursery, net, served, lambda: [info.describe()])
+                await until_signal(nursery.cancel_scope, ready=ready)
             with trio.CancelScope(shield=True):
                 await adv.withdraw()
             log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes; stored %d receipts "
@@ -319,12 +321,24 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
             keeper.on_reserved = rejoin
             nursery.start_soon(keeper.keep)
         await nursery.start(auto.run)
-        await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(net)[0]}")
+        ready = await _ready_line(args, nursery, net, served, lambda: auto.describe().split(", "))
+        await until_signal(nursery.cancel_scope, ready=ready)
     with trio.CancelScope(shield=True):
         await auto.withdraw()
     log.info("served %d expert requests (%d rows) for %d peers in %d evaluations; stored %d receipts in %s; "
              "withdrew my records; bye", served.requests, served.rows, len(served.peers), auto.evaluations,
              receipts.stored, receipts.dir)
+
+
+async def _ready_line(args, nursery, net, served, shards) -> str:
+    """A worker's READY line; with --health, its /health served first and named in it."""
+    from p2pswarm.worker.health import start_health, worker_health
+
+    line = f"READY {dialable_addrs(net)[0]}"
+    if args.health_socket is None:
+        return line
+    url = await start_health(nursery, args.health_socket, lambda: worker_health(net.peer_id_str, served, shards()))
+    return f"{line} health={url}"
 
 
 async def _serve_shards(args, swarm, nursery) -> None:
@@ -448,34 +462,6 @@ async def _backbone(args) -> None:
             await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(swarm.net)[0]} http={http}")
 
 
-def bind_http(text: str) -> socket.socket | None:
-    """``--http HOST:PORT``: bind it now, before the node joins the swarm, so a taken port is one
-    line and exit 2 instead of a traceback after the node announced itself. The bound socket is
-    then served as is (no window in which another process could take the port)."""
-    if text == "off":
-        return None
-    host, _, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise UserError(f"bad --http {text!r}: expected HOST:PORT (e.g. 127.0.0.1:8000; port 0 picks one) or off")
-    try:
-        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise UserError(f"--http {text}: cannot resolve host {host!r}: {exc.strerror}") from None
-    family, _type, _proto, _name, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as hypercorn does: TIME_WAIT is no conflict
-        sock.bind(addr)
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        hint = (" (another backbone or program is listening there: choose another port with --http HOST:PORT, "
-                "port 0 for any free one, or --http off)") if exc.errno == errno.EADDRINUSE else ""
-        raise UserError(f"--http {text}: cannot listen there: {exc.strerror or exc}{hint}") from None
-    return sock
-
-
 def _check_worker_source(args) -> None:
     """A worker serves a shard file (--shard), or downloads its slice first (--model FINGERPRINT
     --layers --experts --token --trust-issuer; --shard then names where it goes), or enrols by
@@ -548,15 +534,17 @@ def _check_dht_mode(args) -> None:
 def run(args) -> int:
     args.fetch = False
     args.node_token = None
-    args.http_socket = None
+    args.http_socket = args.health_socket = None
     if args.role == "worker":
+        args.health_socket = bind_http(args.health, "--health") if args.health else None
         _check_worker_source(args)
         _check_own_token(args)
         args.direct_lane = _direct_lane(args)  # a malformed --direct or a taken port: one line now
         if args.direct_lane is not None:
             args.direct_lane.bind()
-    elif args.auto:
-        raise UserError("--auto is for --role worker")
+    elif args.auto or args.health:
+        raise UserError(f"{'--auto' if args.auto else '--health'} is for --role worker (a backbone's /health is on "
+                        "--http)")
     elif args.direct is not None or args.direct_announce is not None:
         raise UserError("--direct is for --role worker (a backbone takes the lanes workers offer; --no-direct: never)")
     _check_dht_mode(args)

@@ -152,6 +152,7 @@ class CoverageResolver:
         self.gone: dict[str, str] = {}
         self.log_refusals = True  # swarm-status shows them in its table instead
         self._refusals_logged: dict[str, str] = {}
+        self.on_refused: Callable[[str, str], None] | None = None  # (peer, reason): tell the worker
         self._round = 0
         self.on_change: Callable[[CoverageMap], Awaitable[None] | None] | None = None
 
@@ -177,6 +178,8 @@ class CoverageResolver:
         """Note a worker we cannot use; log it once per peer and reason, not every refresh."""
         self.stats.mismatched += 1
         self.refused[peer] = (reason, rec)
+        if self.on_refused is not None:
+            self.on_refused(peer, reason)
         if self._refusals_logged.get(peer) != reason:
             self._refusals_logged[peer] = reason
             if self.log_refusals:

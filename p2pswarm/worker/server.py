@@ -34,6 +34,8 @@ class ServeStats:
     rows: int = 0
     refused: int = 0
     peers: set = field(default_factory=set)
+    # backbone peer -> why it does not use this worker (its ``refused`` notice; /health shows it)
+    refused_by: dict = field(default_factory=dict)
 
 
 def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> str | None:
@@ -155,6 +157,10 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     log.warning("bad request from %s: %s", peer, exc)
                     reply = proto.error_to_wire(rid, str(exc))
                 await send_frame(stream, reply, max_frame)
+            elif op == "refused":  # a backbone saying it does not use us, and why (refusal_notice.py)
+                _note_refusal(peer, msg.get("reason"), stats)
+                await _try_send(stream, proto.pack({"op": "refused", "ok": True}), max_frame)
+                return
             elif op == "receipt":
                 await send_frame(stream, await _store_receipt(msg, rid, peer, receipts), max_frame)
             else:
@@ -163,6 +169,15 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
         log.info("connection from %s dropped", peer)
     finally:
         await trio.aclose_forcefully(stream)
+
+
+def _note_refusal(peer: str, reason: object, stats: ServeStats | None) -> None:
+    reason = clip(reason if isinstance(reason, str) and reason else "no reason given", 300)
+    if stats is not None:
+        if stats.refused_by.get(peer) == reason:
+            return
+        stats.refused_by[peer] = reason
+    log.warning("backbone %s does not use this worker: %s", peer, reason)
 
 
 async def _store_receipt(msg: dict, rid: int | None, peer: str, receipts) -> bytes:
