@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command runs (importing the commands takes a moment)
+        print("p2pswarm: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = "DEBUG" if args.verbose else settings.LOG_LEVEL.get()

@@ -13,6 +13,11 @@ Every route and parameter is documented in docs/api.md.
   events: one ``data: {...}`` chunk per piece of text, the last with ``finish_reason``, then the
   usage chunk if ``stream_options.include_usage``, then ``data: [DONE]``)
 
+Stopping (:meth:`CompletionsApp.drain`, on SIGINT/SIGTERM): new requests get a 503 at once; running
+ones get ``--drain-s`` seconds to finish; those still running then are cut: a streamed one ends
+with an error event in OpenAI's shape, a non-streamed one gets a 503. So a client always learns
+that its answer is incomplete, instead of reading a connection reset as an early end.
+
 Refused requests get OpenAI's error shape (:mod:`p2pswarm.backbone.openai_errors`), never a traceback.
 A streamed response whose client goes away is cancelled (Starlette watches for the disconnect),
 which ends its generation at the next step instead of running to ``max_tokens``.
@@ -78,6 +83,9 @@ class CompletionsApp:
                 view = SwarmView.for_backbone(backbone, layout)
         self.view = view
         self._generating = 0
+        self.in_flight = 0  # requests whose response is not finished (a stream: until its last event)
+        self.draining = False  # stopping: new requests are refused
+        self.cutting = False  # the drain period is over: running generations end at their next token
         self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active,
                                        getattr(backbone, "replays", None))
         self.app = Starlette(
@@ -111,15 +119,56 @@ class CompletionsApp:
 
             params = Params(max_tokens=max_tokens, sampler=sampler, request_id=request_id)
             async with self.scheduler.submit(prompt_ids, params, rewinds=True) as steps:
-                yield steps
+                yield self._cuttable(steps)
             return
         steps = generate(self.backbone, self.tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler)
         self._generating += 1
         try:
-            yield steps
+            yield self._cuttable(steps)
         finally:
             self._generating -= 1
             await steps.aclose()
+
+    async def _cuttable(self, steps):
+        """``steps``, ending with a 503 :class:`APIError` at the first token after the drain period
+        (streamed: the error event; whole: the response)."""
+        async for step in steps:
+            if self.cutting:
+                raise APIError(503, "the backbone is shutting down: this request was cut before it finished "
+                               "(its drain period ran out); retry it", type="server_error", code="shutting_down")
+            yield step
+
+    async def drain(self, drain_s: float) -> int:
+        """Stop taking requests, give the running ones ``drain_s`` seconds (a second SIGINT/SIGTERM
+        ends the wait), then cut the rest and wait a moment for their error responses to go out.
+        Returns how many requests were cut."""
+        import signal
+
+        self.draining = True
+        if self.in_flight:
+            log.info("draining: %d requests running, up to %g s for them to finish", self.in_flight, drain_s)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as again:
+            async def second_signal(scope) -> None:
+                async for _ in again:
+                    log.info("second signal: cutting the running requests now")
+                    scope.cancel()
+                    return
+
+            async with trio.open_nursery() as nursery:
+                with trio.move_on_after(drain_s) as wait:
+                    nursery.start_soon(second_signal, wait)
+                    while self.in_flight:
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+        cut = self.in_flight
+        if cut:
+            self.cutting = True
+            log.warning("cutting %d requests still running after the drain period: each gets an error", cut)
+            with trio.move_on_after(5):
+                while self.in_flight:
+                    await trio.sleep(0.05)
+            await trio.sleep(0.2)  # the last bytes of those responses on their way out
+        return cut
 
     # -- ASGI: Starlette routes; requests counted by route and status -----------------------------
     async def __call__(self, scope, receive, send):
@@ -146,7 +195,7 @@ class CompletionsApp:
     async def _health(self, request: Request) -> Response:
         stats = self.backbone.dispatcher.stats
         sched = self.scheduler
-        return JSONResponse({"status": "ok", "model": self.model_name, "fingerprint": self.fingerprint,
+        return JSONResponse({"status": "draining" if self.draining else "ok", "model": self.model_name, "fingerprint": self.fingerprint,
                              "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
                              "active_sequences": self.active, "chat_template": self.chat is not None,
                              "generated_tokens": sched.stats.generated if sched else self.metrics.total_tokens,
@@ -223,6 +272,9 @@ class CompletionsApp:
 
     async def _respond(self, ids: list[int], params: GenParams, *, chat: bool) -> Response:
         """Run one generation and answer it, whole or as server-sent events."""
+        if self.draining:
+            raise APIError(503, "the backbone is shutting down and takes no new requests; retry on another "
+                           "backbone or after its restart", type="server_error", code="shutting_down")
         if self.n_ctx and len(ids) + params.max_tokens > self.n_ctx:
             raise bad_request(f"this model's context is {self.n_ctx} tokens; the request asks for "
                               f"{len(ids) + params.max_tokens} ({len(ids)} in the prompt, {params.max_tokens} to "
@@ -235,21 +287,40 @@ class CompletionsApp:
         usage = Usage()
         pieces = generate_text(self.open_generation, ids, params, usage, on_token=self.metrics.generated,
                                hold=not params.stream, request_id=cid)
-        if not params.stream:
+        if params.stream:  # in flight from its first event to its last (_sse)
+            return StreamingResponse(_sse(head, pieces, usage, params, chat=chat, counter=self),
+                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self.in_flight += 1
+        try:
             text = "".join([p async for p in pieces])
-            if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                          "finish_reason": usage.finish_reason, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text, "finish_reason": usage.finish_reason, "logprobs": None}
-            return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                                 "choices": [choice], "usage": usage.as_dict()})
-        return StreamingResponse(_sse(head, pieces, usage, params, chat=chat), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache"})
+        finally:
+            self._finished()
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": usage.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": usage.finish_reason, "logprobs": None}
+        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
+                             "choices": [choice], "usage": usage.as_dict()})
+
+    def _finished(self) -> None:
+        self.in_flight -= 1
 
 
-async def _sse(head: dict, pieces, usage: Usage, params: GenParams, *, chat: bool):
-    """The server-sent events of one streamed completion (see the module doc for their order)."""
+async def _sse(head: dict, pieces, usage: Usage, params: GenParams, *, chat: bool, counter=None):
+    """The server-sent events of one streamed completion (see the module doc for their order);
+    ``counter.in_flight`` counts it from its first event to its last (``[DONE]``)."""
+    if counter is not None:
+        counter.in_flight += 1
+    try:
+        async for event in _events(head, pieces, usage, params, chat=chat):
+            yield event
+    finally:
+        if counter is not None:
+            counter._finished()
+
+
+async def _events(head: dict, pieces, usage: Usage, params: GenParams, *, chat: bool):
     extra = {"usage": None} if params.include_usage else {}
 
     def chunk(text: str | None, finish: str | None, *, role: bool = False) -> dict:

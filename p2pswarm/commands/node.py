@@ -165,6 +165,10 @@ def add_parser(sub) -> None:
                    help="worker: keep the contribution receipts backbones sign here (default "
                         "$P2PSWARM_HOME/receipts/<peer id>; `p2pswarm rewards` lists them)")
     add_health_arg(p)
+    p.add_argument("--drain-s", type=float, default=10.0, metavar="SECONDS",
+                   help="backbone: on SIGINT/SIGTERM, seconds running requests get to finish before they are cut "
+                        "with an error (new ones get 503 at once; a second signal cuts at once; exit status 1 when "
+                        "requests were cut) (default 10)")
     add_market_args(p, "backbone: ")
     add_net_args(p)
     add_kernel_args(p)
@@ -441,7 +445,7 @@ async def _backbone(args) -> None:
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
                  swarm.local.fingerprint, swarm.resolver.kernel)
         async with trio.open_nursery() as nursery:
-            http = "off"
+            http, app = "off", None
             if args.http_socket is not None:
                 swarm.backbone.batch_invariant = args.batch_invariant
                 swarm.backbone.dispatcher.hot_experts = args.hot_experts
@@ -459,7 +463,10 @@ async def _backbone(args) -> None:
                          "" if app.chat else "; no chat template: /v1/chat/completions refuses")
             if args.manifest:
                 await _serve_shards(args, swarm, nursery)
-            await until_signal(nursery.cancel_scope, ready=f"READY {dialable_addrs(swarm.net)[0]} http={http}")
+            await until_signal(trio.CancelScope(), ready=f"READY {dialable_addrs(swarm.net)[0]} http={http}")
+            if app is not None:  # running requests finish, or are cut with an error (http_api.py)
+                args.cut = await app.drain(args.drain_s)
+            nursery.cancel_scope.cancel()
 
 
 def _check_worker_source(args) -> None:
@@ -550,6 +557,8 @@ def run(args) -> int:
     _check_dht_mode(args)
     if args.role == "backbone" and not args.model:
         raise UserError("--role backbone needs --model MODEL.gguf")
+    if not args.drain_s >= 0:
+        raise UserError("--drain-s must be >= 0 seconds")
     if args.block_size < 1:
         raise UserError("--block-size must be >= 1")
     if args.demand_ttl is not None and not args.demand_ttl >= 3:
@@ -574,5 +583,9 @@ def run(args) -> int:
             parse_peer_addr(addr)
         args.relay_token = load_token(args.token) if args.token else None
     sys.stdout.reconfigure(line_buffering=True)
+    args.cut = 0
     trio.run(_worker if args.role == "worker" else _backbone, args)
+    if args.cut:
+        log.error("stopped with %d requests cut (each got an error); exit status 1", args.cut)
+        return 1
     return 0

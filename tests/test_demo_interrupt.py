@@ -1,0 +1,27 @@
+"""Ctrl-C during `p2pswarm demo`'s start-up (issue 33): one line, exit 130, no traceback of ours or
+of a child, whenever it lands (importing the commands, making the model, starting workers)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_s", [0.3, 1.5, 4.0])
+def test_ctrl_c_during_demo_start_up_is_one_line(tmp_path, after_s):
+    env = dict(os.environ, P2PSWARM_CACHE=str(tmp_path / "cache"), P2PSWARM_HOME=str(tmp_path / "home"))
+    # Ctrl-C at a terminal signals the whole foreground process group: the demo and its children
+    proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", "demo"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    time.sleep(after_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err, err[-3000:]
+    said = [ln for ln in err.splitlines() if "interrupted" in ln]
+    assert len(said) == 1 and said[0].startswith("p2pswarm"), err[-3000:]
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
