@@ -26,6 +26,7 @@ import trio
 from p2pswarm.backbone.libp2p_owner import SwarmOwners
 from p2pswarm.backbone.session import LocalSwarm, open_backbone
 from p2pswarm.market.bans import BanKeeper
+from p2pswarm.market.last_receipt import serve_receipt_requests
 from p2pswarm.market.receipts import ContributionLedger, ReceiptIssuer
 from p2pswarm.market.verify import DEFAULT_VERIFY_RATE, Verifier
 from p2pswarm.model.layout import ModelLayout
@@ -84,6 +85,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                 dispatcher = local.backbone.dispatcher
                 ledger = ContributionLedger(identity, local.fingerprint)
                 dispatcher.ledger = ledger
+                serve_receipt_requests(net, ledger)  # a worker leaving asks for its last receipts
                 if verify_rate > 0:
                     dispatcher.verifier = Verifier(verify_rate, verify_seed)
                 bans = BanKeeper(identity, local.fingerprint, dispatcher, dht=dht, trusted=trust_bans, ledger=ledger,

@@ -27,6 +27,7 @@ from p2pswarm.commands.common import add_kernel_args, add_market_args, market_kw
 from p2pswarm.errors import UserError
 from p2pswarm.http_server import bind_http
 from p2pswarm.lifecycle import until_signal
+from p2pswarm.market.last_receipt import collect_last_receipts
 from p2pswarm.worker.health import add_health_arg
 
 log = logging.getLogger("p2pswarm.node")
@@ -240,6 +241,7 @@ async def _worker(args) -> None:
                 await until_signal(nursery.cancel_scope, ready=ready)
             with trio.CancelScope(shield=True):
                 await adv.withdraw()
+                await collect_last_receipts(net, sorted(served.peers), receipts)
             log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes; stored %d receipts "
                      "in %s", served.requests, served.rows, len(served.peers), served.refused, receipts.stored,
                      receipts.dir)
@@ -329,6 +331,7 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
         await until_signal(nursery.cancel_scope, ready=ready)
     with trio.CancelScope(shield=True):
         await auto.withdraw()
+        await collect_last_receipts(net, sorted(served.peers), receipts)
     log.info("served %d expert requests (%d rows) for %d peers in %d evaluations; stored %d receipts in %s; "
              "withdrew my records; bye", served.requests, served.rows, len(served.peers), auto.evaluations,
              receipts.stored, receipts.dir)
