@@ -71,6 +71,7 @@ class Libp2pOwner(SocketOwner):
         self.direct = direct
         self.direct_failed: str | None = None
         self.lane: str | None = None  # "libp2p" or "direct" once connected
+        self.relayed = False  # the libp2p lane goes through a circuit relay (NetHost.via_relay)
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.refused is None and super().holds(layer, expert)
@@ -139,6 +140,7 @@ class Libp2pOwner(SocketOwner):
                 return
         self._stream, self._reader = stream, reader
         self.lane = "libp2p"
+        self.relayed = self.net.via_relay(self.info.peer_info().peer_id)
 
     async def _open_direct(self, offer, hello: dict):
         """The worker's direct lane (p2pswarm/net/direct.py) from its hello's offer, handshaken, or

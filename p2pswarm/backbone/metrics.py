@@ -15,7 +15,8 @@ read at scrape time by a custom collector, so they never drift from the source.
     p2pswarm_expert_fallbacks_total                   owner failures recomputed on the local replica
     p2pswarm_expert_groups_total{where}               expert groups computed locally / remotely
     p2pswarm_coverage_units{state}                    units with live remote replicas / only the local one
-    p2pswarm_workers                                  remote owners known
+    p2pswarm_workers                                  worker peers (once each, however many shards)
+    p2pswarm_worker_shards                            shards those workers serve
     p2pswarm_replayed_sequences_total                 sequences rewound: a banned worker's unchecked rows were in them
     p2pswarm_replayed_rows_total                      rows fed again by those replays
     p2pswarm_withdrawn_tokens_total                   tokens already delivered that a replay withdrew
@@ -28,6 +29,8 @@ from collections import deque
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from p2pswarm.backbone.status_page import worker_counts
 
 RATE_BIN_S = 5.0
 RATE_HISTORY_S = 300.0
@@ -82,12 +85,16 @@ class _SwarmCollector:
         groups.add_metric(["local"], s.local_groups)
         groups.add_metric(["remote"], s.remote_groups)
         yield groups
-        live, local_only, workers = self.coverage()
+        live, local_only, _peers = self.coverage()
         units = GaugeMetricFamily("p2pswarm_coverage_units", "Coverage units by state", labels=["state"])
         units.add_metric(["remote"], live)
         units.add_metric(["local_only"], local_only)
         yield units
-        yield GaugeMetricFamily("p2pswarm_workers", "Remote expert owners known", value=workers)
+        peers, shards = worker_counts(self.dispatcher.owners)
+        yield GaugeMetricFamily("p2pswarm_workers", "Worker peers this backbone routes to (once per peer, however "
+                                "many shards it serves; the status page and swarm-status count the same)", value=peers)
+        yield GaugeMetricFamily("p2pswarm_worker_shards", "Shards those workers serve (one expert owner each)",
+                                value=shards)
         r = self.replays
         if r is not None:
             for name, doc, value in (

@@ -6,8 +6,10 @@ The page (``static/status.html``, package data, no external assets so it works o
 * the coverage heat-map, one cell per coverage unit (layer x block of ``block_size`` experts):
   how many live remote replicas hold it (0 = only the backbone's own fallback replica computes
   it), and the routing demand once the dispatcher counts it;
-* the workers: short peer id, direct or relayed, round trip, in-flight requests, requests
-  served, failures, kernel, and what they hold;
+* the workers, state first (live, back-off, refused): short peer id, the path requests take
+  (direct lane, libp2p, or relayed: only when the connection really goes through a relay),
+  round trip, in-flight requests, requests served, failures, kernel (shortened; the full id on
+  hover), and what they hold; counted once, as peers and as shards (a peer may serve several);
 * tokens/s over the last five minutes and the sequences generating now.
 
 A replica is *live* when the dispatcher would send it work now: a worker that failed is in
@@ -29,6 +31,14 @@ from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 
 def status_html() -> bytes:
     return resources.files("p2pswarm.backbone").joinpath("static/status.html").read_bytes()
+
+
+def worker_counts(owners) -> tuple[int, int]:
+    """(worker peers, shards they serve): the one count of workers the page, /metrics and
+    swarm-status all show. A dispatcher owner is one (peer, shard): an --auto worker holding five
+    units is five owners but one worker."""
+    remote = [o for o in owners if o.remote]
+    return len({getattr(o, "peer", None) or o.name for o in remote}), len(remote)
 
 
 def _ranges(owner):
@@ -120,11 +130,14 @@ class SwarmView:
             peer = getattr(o, "peer", None)
             rtt = getattr(o, "rtt_s", None)
             record = getattr(info, "record", None)
+            refused = getattr(o, "refused", None)
             out.append({
+                "state": "refused" if refused is not None else ("live" if d.healthy(o) else "back-off"),
+                "refused": refused,
                 "name": o.name,
                 "peer": peer,
                 "short_id": (peer[-10:] if peer else o.name),
-                "relayed": any("/p2p-circuit" in a for a in addrs) if addrs else False,
+                "relayed": bool(getattr(o, "relayed", False)) and getattr(o, "lane", None) != "direct",
                 "addrs": addrs,
                 "rtt_ms": round(rtt * 1000, 2) if rtt is not None else None,
                 "load": getattr(o, "inflight", None),
@@ -139,10 +152,13 @@ class SwarmView:
         return out
 
     def coverage_counts(self) -> tuple[int, int, int]:
-        """(units with a live remote replica, units only the local replica covers, remote owners)."""
+        """(units with a live remote replica, units only the local replica covers, worker peers)."""
         units = self.units()
         live = sum(1 for u in units if u["replicas"] > 0)
-        return live, len(units) - live, sum(1 for o in self.dispatcher.owners if o.remote)
+        return live, len(units) - live, self.worker_counts()[0]
+
+    def worker_counts(self) -> tuple[int, int]:
+        return worker_counts(self.dispatcher.owners)
 
     def snapshot(self, *, model: str, fingerprint: str, active: int, rate, metrics_totals: dict) -> dict:
         s = self.dispatcher.stats
@@ -159,6 +175,8 @@ class SwarmView:
             "units": units,
             "covered_units": sum(1 for u in units if u["replicas"] > 0),
             "workers": self.workers(),
+            "worker_peers": self.worker_counts()[0],
+            "worker_shards": self.worker_counts()[1],
             "active_sequences": active,
             "tokens_per_s": rate.series(),
             "dispatch": {"expert_requests": s.requests, "fallbacks": s.fallbacks,

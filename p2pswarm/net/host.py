@@ -98,6 +98,7 @@ class NetHost:
         self.circuit = circuit  # CircuitV2Transport: dials /p2p-circuit addresses (see module doc)
         self._relay_addrs: list[str] = []
         self.relay_only = False
+        self._via_relay: set[ID] = set()  # peers our last dial reached through a circuit relay
         # shown to a relay before a circuit through it, for relays that want tokens of both ends
         # (``p2pswarm relay --circuits-need-token``); $P2PSWARM_RELAY_TOKEN: a token or a file
         self.relay_token: str | None = None
@@ -152,6 +153,8 @@ class NetHost:
         try:
             with trio.fail_after(timeout_s):
                 if self.is_connected(info.peer_id) or not circuits:
+                    if not self.is_connected(info.peer_id):
+                        self._via_relay.discard(info.peer_id)
                     await self.host.connect(PeerInfo(info.peer_id, direct) if circuits else info)
                 else:
                     await self._connect_direct_or_relayed(info.peer_id, direct, circuits)
@@ -179,6 +182,7 @@ class NetHost:
         if direct:
             try:
                 await self.host.connect(PeerInfo(peer, direct))
+                self._via_relay.discard(peer)
                 return
             except Exception as exc:
                 errors.append(error_reason(exc))
@@ -196,6 +200,7 @@ class NetHost:
                     await present_token(self, relay_part, self.relay_token)
                 await self.circuit.dial(multiaddr.Multiaddr(text))
                 if self.is_connected(peer):
+                    self._via_relay.add(peer)
                     return
                 errors.append("relayed connection did not register")
             except Exception as exc:
@@ -216,6 +221,11 @@ class NetHost:
 
     def is_connected(self, peer: ID) -> bool:
         return bool(self.host.get_network().connections.get(peer))
+
+    def via_relay(self, peer: ID) -> bool:
+        """Whether our connection to ``peer`` goes through a circuit relay (we dialled it there):
+        what the status page calls "relayed" - not whether its record lists a relayed address."""
+        return peer in self._via_relay and self.is_connected(peer)
 
     async def open_stream(self, peer: ID | PeerInfo | str, protocol: str, *, timeout_s: float = 10.0,
                           read_ahead: bool = True) -> StreamAdapter:
