@@ -19,6 +19,7 @@ tests are skipped with the reason, except under CI=true, where a missing test be
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -210,8 +211,10 @@ def test_aarch64_worker_serves_x86_backbone_bit_exact_and_ggml_worker_is_refused
                                   "--ttl", "300"], tmp_path / "arm-portable.log", root_env)
         nodes.append(worker)
         status = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(model), "--kernel", "portable",
-                         env=env, check=True)
-        assert "portable-1/aarch64 (family portable-1), answers in portable-1" in status.stdout, status.stdout
+                         "--json", env=env, check=True)
+        (seen,) = json.loads(status.stdout.strip().splitlines()[-1])["peers"].values()
+        assert (seen["status"], seen["kernel"], seen["family"], seen["answers_in"]) == \
+            ("live", "portable-1/aarch64", "portable-1", ["portable-1"]), seen
         for decode in (False, True):
             out = tmp_path / f"swarm{decode}.npy"
             t0 = time.monotonic()

@@ -400,9 +400,11 @@ def test_swarm_status_tells_the_truth(tiny_f32, tmp_path):
             human, out = pool.submit(status), pool.submit(status, "--json")
             human, out = human.result(), out.result()
         assert time.time() - killed < 40  # w1's record (signed <= 20 s before the kill) was live: only the probe tells
-        assert f"model {fp} " in human  # the whole 64-digit fingerprint
-        line = next(ln for ln in human.splitlines() if peer(w[1]) in ln)
-        assert ": unreachable: " in line, human
+        assert f"model {fp}\n" in human  # the whole 64-digit fingerprint
+        assert max(len(ln) for ln in human.splitlines()) <= 120, human  # a table for a terminal; --json for more
+        row = next(ln for ln in human.splitlines() if peer(w[1]) in ln)  # its row, then why
+        assert row.startswith("unreachable ") and f"  {peer(w[1])}: unreachable: " in human, human
+        assert next(ln for ln in human.splitlines() if peer(w[0]) in ln).startswith("live "), human
         assert f"{peer(liar)}: refused: kernel mismatch" in human and f"{peer(odd)}: refused: block size" in human
         st = json.loads(out.strip().splitlines()[-1])
         assert st["peers"][peer(w[1])]["status"] == "unreachable" and st["peers"][peer(w[0])]["status"] == "live"

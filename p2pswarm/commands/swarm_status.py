@@ -174,24 +174,89 @@ def _market(records, replicas: dict, layers, n_blocks: int, block_size: int) -> 
                       for i, (layer, b) in enumerate(keys)}}
 
 
-def _describe(peer: str, p: dict) -> str:
-    ranges = "; ".join(f"layers {s['layers'][0]}-{s['layers'][1] - 1}, experts {s['experts'][0]}-{s['experts'][1] - 1}"
-                       for s in p["shards"])
-    where = f" at {', '.join(p['addrs'])}" if p["addrs"] else ""
-    times = (f", record signed {p['record_age_s']} s ago, expires in {p['record_expires_in_s']} s"
-             if "record_age_s" in p else "")
-    if p["status"] == "live":
-        rtts = [s["rtt_ms"] for s in p["shards"] if s["rtt_ms"] is not None]
-        state = f"live (handshake + echo {max(rtts):.0f} ms)" if rtts else "live"
-    elif p["status"] == "unprobed":
-        state = "listed (not probed)"
-    else:
-        state = f"{p['status']}: {p['reason']}"
-    if p["status"] == "gone":
-        return f"  {peer}: {state}"
-    answers = f", answers in {', '.join(p['answers_in'])}" if p.get("answers_in") else ""
-    kernel = f"; kernel {p['kernel']} (family {p['family']}){answers}" if p.get("kernel") else ""
-    return f"  {peer}: {state}; {ranges or 'no shards'}{kernel}{where}{times}"
+WIDTH = 120  # the table fits a 120-column terminal; --json has everything (addresses, reasons in full)
+STATE_W, PEER_W, HOLDS_W, KERNEL_W, RTT_W = 11, 52, 20, 14, 7
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _holds(p: dict) -> str:
+    s = p["shards"]
+    if len(s) == 1:
+        return f"L{s[0]['layers'][0]}-{s[0]['layers'][1] - 1} E{s[0]['experts'][0]}-{s[0]['experts'][1] - 1}"
+    return f"{len(s)} shards" if s else "-"
+
+
+def _peer_rows(peer: str, p: dict) -> list[str]:
+    """A peer's row of the table; a second, indented line says why when it is not live."""
+    rtts = [s["rtt_ms"] for s in p["shards"] if s.get("rtt_ms") is not None]
+    state = {"unprobed": "listed"}.get(p["status"], p["status"])
+    family = p.get("family") or ""
+    answers = [a for a in p.get("answers_in") or () if a != family]
+    kernel = family + (f" +{len(answers)}" if answers else "")
+    expires = f"{p['record_expires_in_s']} s" if "record_expires_in_s" in p else "-"
+    row = (f"{state:<{STATE_W}} {peer:<{PEER_W}} {_fit(_holds(p), HOLDS_W):<{HOLDS_W}} "
+           f"{_fit(kernel or '-', KERNEL_W):<{KERNEL_W}} {(f'{max(rtts):.0f}' if rtts else '-'):>{RTT_W}} {expires:>8}")
+    rows = [row.rstrip()]
+    if p["status"] not in ("live", "unprobed"):
+        rows.append(_fit(f"  {peer}: {p['status']}: {p['reason']}", WIDTH))
+    return rows
+
+
+def _grid(label: str, cells: list[str]) -> list[str]:
+    """``label`` and its cells, wrapped at :data:`WIDTH` (a 122B layer has 32 blocks)."""
+    lines, line = [], f"{label:>5} "
+    for c in cells:
+        if len(line) + 1 + len(c) > WIDTH:
+            lines.append(line)
+            line = " " * 6
+        line += " " + c
+    return [*lines, line]
+
+
+def _print_table(st: dict) -> None:
+    print(f"model {st['model']}")
+    print(_fit(f"kernel {st['kernel']}", WIDTH))
+    who = "live worker" if st["probed"] else "worker with a live record"
+    print(f"{st['units']} units ({len(st['layers'])} layers x {st['blocks']} blocks of {st['block_size']} experts), "
+          f"{st['missing']} with an expert no {who} serves")
+    print(f"layer  replicas per block: its least-covered expert's {who}s ('.' = none: computed by the backbone)")
+    for layer in st["layers"]:
+        cells = [st["replicas"].get(f"{layer}/{b}", 0) for b in range(st["blocks"])]
+        print("\n".join(_grid(str(layer), ["." if c == 0 else str(min(c, 9)) for c in cells])))
+    m = st["market"]
+    print(f"demand per block ({m['backbones']} backbone demand record(s); x the mean unit's; '-' = no record)"
+          + (f"; {m['ignored']} of another block size ignored" if m["ignored"] else ""))
+    for layer in st["layers"]:
+        cells = [m["units"][f"{layer}/{b}"]["demand"] for b in range(st["blocks"])]
+        print("\n".join(_grid(str(layer), ["-" if not m["backbones"] else f"{c:.1f}" for c in cells])))
+    print("reward per block (log10 of f(demand, live replicas): 8+ = uncovered, 4+ = one replica; docs/market.md)")
+    for layer in st["layers"]:
+        cells = [m["units"][f"{layer}/{b}"]["reward"] for b in range(st["blocks"])]
+        print("\n".join(_grid(str(layer), [f"{math.log10(c):.1f}" for c in cells])))
+    order = ("live", "unprobed", "unreachable", "refused", "gone")
+    c = st["counts"]
+    shards = sum(len(p["shards"]) for p in st["peers"].values() if p["status"] in ("live", "unprobed"))
+    print(f"workers: {sum(c.values())} peers ("
+          + ", ".join(f"{c.get(s, 0)} {'listed' if s == 'unprobed' else s}" for s in order
+                      if c.get(s) or s in ("live", "refused"))
+          + f"), serving {shards} shards; --json for addresses and full reasons")
+    print(f"{'state':<{STATE_W}} {'peer':<{PEER_W}} {'holds':<{HOLDS_W}} {'kernel family':<{KERNEL_W}} "
+          f"{'rtt ms':>{RTT_W}} {'expires':>8}")
+    gone_shown = 0
+    for status in order:
+        for peer, p in st["peers"].items():
+            if p["status"] != status:
+                continue
+            if status == "gone":
+                gone_shown += 1
+                if gone_shown > GONE_SHOWN:
+                    continue
+            print("\n".join(_peer_rows(peer, p)))
+    if gone_shown > GONE_SHOWN:
+        print(f"  ... and {gone_shown - GONE_SHOWN} more gone (--json lists them all)")
 
 
 def run(args) -> int:
@@ -203,38 +268,5 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(st))
         return 0
-    print(f"model {st['model']} (kernel {st['kernel']}, block size {st['block_size']})")
-    who = "live worker" if st["probed"] else "worker with a live record"
-    print(f"{st['units']} units ({len(st['layers'])} layers x {st['blocks']} blocks of {st['block_size']} experts), "
-          f"{st['missing']} with an expert no {who} serves")
-    print(f"layer  replicas per block: its least-covered expert's {who}s ('.' = none: computed by the backbone)")
-    for layer in st["layers"]:
-        cells = [st["replicas"].get(f"{layer}/{b}", 0) for b in range(st["blocks"])]
-        print(f"{layer:>5}  " + " ".join("." if c == 0 else str(min(c, 9)) for c in cells))
-    m = st["market"]
-    print(f"demand per block ({m['backbones']} backbone demand record(s); x the mean unit's; "
-          f"'-' = no record)" + (f"; {m['ignored']} record(s) of another block size ignored" if m["ignored"] else ""))
-    for layer in st["layers"]:
-        cells = [m["units"][f"{layer}/{b}"]["demand"] for b in range(st["blocks"])]
-        print(f"{layer:>5}  " + " ".join("-" if not m["backbones"] else f"{c:.1f}" for c in cells))
-    print("reward per block (log10 of f(demand, live replicas): 8+ = uncovered, 4+ = one replica; docs/market.md)")
-    for layer in st["layers"]:
-        cells = [m["units"][f"{layer}/{b}"]["reward"] for b in range(st["blocks"])]
-        print(f"{layer:>5}  " + " ".join(f"{math.log10(c):.1f}" for c in cells))
-    order = ("live", "unprobed", "unreachable", "refused", "gone")
-    c = st["counts"]
-    print("peers: " + ", ".join(f"{c.get(s, 0)} {'listed' if s == 'unprobed' else s}" for s in order
-                                if c.get(s) or s in ("live", "refused")))
-    gone_shown = 0
-    for status in order:
-        for peer, p in st["peers"].items():
-            if p["status"] != status:
-                continue
-            if status == "gone":
-                gone_shown += 1
-                if gone_shown > GONE_SHOWN:
-                    continue
-            print(_describe(peer, p))
-    if gone_shown > GONE_SHOWN:
-        print(f"  ... and {gone_shown - GONE_SHOWN} more gone (--json lists them all)")
+    _print_table(st)
     return 0
