@@ -61,7 +61,7 @@ NINJA_PIN = "ninja==1.13.2"
 ENV_BUILD = "P2PSWARM_GGML_BUILD"
 ENV_SOURCE = "P2PSWARM_GGML_SOURCE"
 ENV_CACHE = "P2PSWARM_GGML_CACHE"
-BUILD_LOG = Path(tempfile.gettempdir()) / "p2pswarm-ggml-build.log"  # kept after a failure
+FAILED_LOG = "build-failed.log"  # kept in the cache folder after a failure, never after a success
 # The options that matter for the bits ggml computes: the same as llama-cpp-python's default build
 # (llama.cpp's CMakeLists turns llamafile's sgemm on for the ggml it adds; ggml alone defaults it off).
 CMAKE_OPTIONS = (
@@ -218,11 +218,11 @@ def _download_sdist(dest: Path) -> Path:
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_clean_env())
     if proc.returncode != 0:
-        BUILD_LOG.write_text("$ " + " ".join(cmd) + "\n" + proc.stdout + proc.stderr)
+        kept = _keep_failed_log("$ " + " ".join(cmd) + "\n" + proc.stdout + proc.stderr)
         lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR:") or ln.lower().startswith("error:")]
         raise BuildError(f"pip download of {SDIST_NAME}=={SDIST_VERSION} (ggml's source) failed: "
-                         f"{(errors or lines or [proc.returncode])[-1]}; full output: {BUILD_LOG}; set "
+                         f"{(errors or lines or [proc.returncode])[-1]}; full output: {kept}; set "
                          f"{ENV_SOURCE} to the sdist to build offline")
     tarballs = sorted(dest.glob("*.tar.gz"))
     if not tarballs:
@@ -304,9 +304,25 @@ def _run_logged(cmd: list[str], log: Path, what: str, env: dict) -> None:
                 say(f"{what}: {m.group(1)}/{m.group(2)} steps")
         rc = proc.wait()
     if rc != 0:
-        tail = [ln.rstrip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-15:]
+        text = log.read_text(errors="replace")
+        tail = [ln.rstrip() for ln in text.splitlines() if ln.strip()][-15:]
         errors = [ln for ln in tail if "error" in ln.lower()]
-        raise BuildError(f"{what} failed (exit {rc}): {(errors or tail or ['?'])[-1].strip()}; full log: {log}")
+        raise BuildError(f"{what} failed (exit {rc}): {(errors or tail or ['?'])[-1].strip()}; "
+                         f"full log: {_keep_failed_log(text)}")
+
+
+def _keep_failed_log(text: str) -> Path:
+    """A failed build's log, kept where the build's cache lives (``~/.cache/p2pswarm/libggml/``),
+    not at a fixed path in /tmp that another user's build would overwrite; a build that succeeds
+    leaves none (its log lives in the build's own temporary folder, removed after)."""
+    path = _cache_root() / FAILED_LOG
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:  # a read-only home: the temporary folder's copy is all there is
+        path = Path(tempfile.mkdtemp(prefix="p2pswarm-ggml-log-")) / FAILED_LOG
+        path.write_text(text)
+    return path
 
 
 def _children_cpu_s() -> float:
@@ -320,8 +336,9 @@ def _children_cpu_s() -> float:
 
 def _compile(src: Path, commit: str, work: Path, cc: str, cxx: str) -> Path:
     build = work / "build"
-    log = BUILD_LOG
+    log = work / "build.log"  # removed with ``work``; copied to the cache only if a step fails
     log.write_text("")
+    (_cache_root() / FAILED_LOG).unlink(missing_ok=True)  # an earlier failure's log is stale now
     env = dict(os.environ, CC=cc, CXX=cxx)
     cmake = shutil.which("cmake")
     if cmake is None:

@@ -216,3 +216,25 @@ async def test_backbone_and_workers_default_to_ggml(tiny_q8, tmp_path):
         await swarm.backbone.logits([1, 2, 3, 4])
         assert swarm.backbone.dispatcher.stats.fallbacks == 0  # both worker processes accepted ggml
 
+
+
+def test_build_log_is_kept_in_the_cache_only_on_failure(tmp_path, monkeypatch):
+    """A build step's log lives in the build's temporary folder; only a failure copies it into the
+    cache folder (never to a fixed /tmp path), and the error line names that copy."""
+    sys.path.insert(0, str(ROOT / "native"))
+    try:
+        import build_ggml
+    finally:
+        sys.path.remove(str(ROOT / "native"))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(build_ggml.ENV_CACHE, str(cache))
+    log = tmp_path / "work" / "build.log"
+    log.parent.mkdir()
+    build_ggml._run_logged([sys.executable, "-c", "print('[1/1] fine')"], log, "a good step", dict(os.environ))
+    assert not (cache / build_ggml.FAILED_LOG).exists()
+    with pytest.raises(build_ggml.BuildError) as err:
+        build_ggml._run_logged([sys.executable, "-c", "print('foo.c:1: error: boom'); raise SystemExit(3)"], log,
+                               "a bad step", dict(os.environ))
+    kept = cache / build_ggml.FAILED_LOG
+    assert f"full log: {kept}" in str(err.value) and "error: boom" in str(err.value), err.value
+    assert "error: boom" in kept.read_text() and "fine" in kept.read_text()
