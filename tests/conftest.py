@@ -87,12 +87,12 @@ def qwen35_path() -> Path:
     return Path(vocab.qwen35_vocab_path())
 
 
-def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bool = False):
-    """Run ``p2pswarm ARGS`` as a real process; returns the CompletedProcess (text)."""
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bool = False, cwd=None):
+    """Run ``p2pswarm ARGS`` as a real process (in ``cwd``); returns the CompletedProcess (text)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-m", "p2pswarm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, stdin=subprocess.DEVNULL)
+                          timeout=timeout, env=full_env, stdin=subprocess.DEVNULL, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"p2pswarm {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc

@@ -1,0 +1,58 @@
+"""docs/quickstart.md runs as written (issue 33): its ```bash blocks, in order, in one bash session
+(as a user pastes them into one terminal), in an empty folder with an empty home. Real processes
+throughout: bootstrap, three workers, a backbone with the OpenAI API and the official client."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "quickstart.md"
+
+
+def blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", PAGE.read_text(), re.S)
+
+
+def test_quickstart_is_linked_first_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    first_link = re.search(r"\]\(([^)]+\.md)\)", readme).group(1)
+    assert first_link == "docs/quickstart.md", first_link
+    assert len(blocks()) >= 8
+
+
+@pytest.mark.slow
+def test_quickstart_runs_as_written(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    bin_dir = tmp_path / "bin"  # `p2pswarm` and `python` as this checkout's (PYTHONPATH) and interpreter
+    bin_dir.mkdir()
+    (bin_dir / "p2pswarm").write_text(f'#!/bin/sh\nexec {sys.executable} -m p2pswarm.cli "$@"\n')
+    (bin_dir / "p2pswarm").chmod(0o755)
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("P2PSWARM_")}
+    env.update(HOME=str(home), PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(ROOT))
+    # stop whatever is still running if a step fails, so the test never leaves nodes behind
+    script = "set -eo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + "\n".join(blocks())
+    try:
+        proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=420, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        logs = "".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((tmp_path / "swarm").glob("*.log")))
+        raise AssertionError(f"the quickstart hung:\n{exc.stdout}\n{logs}") from None
+    logs = "".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((tmp_path / "swarm").glob("*.log")))
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}"
+    out = proc.stdout
+    assert "status page: http://127.0.0.1:" in out
+    assert re.search(r'"fallbacks":0', out), out  # /health after the workers were found
+    # the two workers, and the --auto one once the backbone's next refresh (every 30 s) has found it
+    assert re.search(r"^p2pswarm_workers [23]\.0$", out, re.M), out
+    assert re.search(r"^workers: 3 peers \(3 live", out, re.M), out  # swarm-status looks itself
+    assert "live" in out and "Traceback" not in proc.stderr + logs
+    assert "enrolled in" in out
+    assert len(re.findall(r" 1 +\d+ +\d+ ok$", out, re.M)) == 2, out  # a receipt for each worker that computed
