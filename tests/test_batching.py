@@ -53,7 +53,8 @@ async def _alone(backbone) -> dict[tuple[int, int], np.ndarray]:
     return res
 
 
-@pytest.mark.parametrize("transport,kernel", [("inproc", "numpy"), ("inproc", "ggml"),
+@pytest.mark.parametrize("transport,kernel", [("inproc", "numpy"),
+                                              pytest.param("inproc", "ggml", marks=pytest.mark.slow),
                                               pytest.param("socket", "auto", marks=pytest.mark.slow)])
 async def test_batched_swarm_equals_batched_monolithic(tiny_q8, transport, kernel):
     async with open_backbone(tiny_q8, workers=0, kernel=kernel) as mono:
@@ -102,6 +103,7 @@ PROMPTS = [[17, 3, 250], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
            [301, 12, 77, 5, 160, 42, 8, 200, 31], [64, 64]]
 
 
+@pytest.mark.slow
 async def test_scheduler_batches_and_each_request_equals_alone(tiny_f32):
     async with open_backbone(tiny_f32, workers=2, transport="inproc") as swarm:
         sched = Scheduler(swarm.backbone, token_budget=16, prefill_chunk=4)
@@ -128,6 +130,7 @@ async def test_scheduler_batches_and_each_request_equals_alone(tiny_f32):
     assert swarm.backbone.dispatcher.stats.requests - req_alone < req_alone / 2
 
 
+@pytest.mark.slow
 async def test_an_idle_scheduler_gathers_a_burst_before_its_first_step(tiny_f32):
     """Requests that arrive a few ms apart (as an HTTP server parses a burst) share the first step:
     every one of 6 gets its first token from step 1, so 4 tokens take 4 steps, not 5. A stream
@@ -425,6 +428,7 @@ class _MovingOwner(InProcessOwner):
         return out
 
 
+@pytest.mark.slow
 async def test_hot_experts_probe_owners_kept_local_and_use_them_again_once_fast(tiny_f32, tmp_path):
     """An owner the hot-expert path keeps local gets no requests, so its round trip is never
     measured again: without probes a worker that was slow once stays unused for good. A probe (its
@@ -482,6 +486,7 @@ def test_demand_counter_decays():
     assert d.value(1, 3, now=130.0) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["numpy", "ggml"])
 async def test_batched_qwen35moe_deltanet_and_shared_expert(models_dir, kernel):
     """The hybrid architecture: per-sequence DeltaNet conv + S state and KV, a shared expert in

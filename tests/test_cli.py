@@ -9,6 +9,7 @@ from conftest import assert_one_line_error, run_cli, start_cli
 TOKENS = "11,22,33,44,55,66,77,88,99,110,121,132,143,154,165,176,187,198,209,220"
 
 
+@pytest.mark.slow
 def test_logits_command_split_equals_monolithic(tiny_f32, tmp_path):
     outs = {}
     for workers, decode in ((0, False), (3, False), (0, True), (2, True)):
@@ -23,6 +24,7 @@ def test_logits_command_split_equals_monolithic(tiny_f32, tmp_path):
     assert not list(tmp_path.glob(".*partial*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--tokens", "1,x,3"], "bad --tokens"),
     (["--tokens", "1,2,999999"], "token id 999999 out of range"),
@@ -42,6 +44,7 @@ def test_logits_missing_model(tmp_path):
     assert_one_line_error(proc, "no such file")
 
 
+@pytest.mark.slow
 def test_generate_is_deterministic_and_equal_split(tiny_f32):
     texts = []
     for workers in (0, 3):
@@ -56,6 +59,7 @@ def test_generate_is_deterministic_and_equal_split(tiny_f32):
     assert sampled[0] == sampled[1]
 
 
+@pytest.mark.slow
 def test_generate_refusals(tiny_f32):
     assert_one_line_error(run_cli("generate", str(tiny_f32), "--prompt", "x", "--max-tokens", "0"), "--max-tokens")
     assert_one_line_error(run_cli("generate", str(tiny_f32), "--prompt", "x", "--top-p", "0"), "--top-p")
@@ -93,6 +97,7 @@ def expert_shard(tiny_f32, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [
     ["node", "--role", "backbone", "--http", "127.0.0.1:0", "--model", "{shard}"],
     ["logits", "{shard}", "--tokens", "1,2", "--out", "{tmp}/x.npy"],
@@ -107,6 +112,7 @@ def test_expert_shard_given_as_model_is_refused(expert_shard, tmp_path, command)
     assert not (tmp_path / "home").exists()  # refused before anything else: no identity made
 
 
+@pytest.mark.slow
 def test_backbone_on_a_taken_http_port_is_one_line_before_joining(tiny_f32, tmp_path):
     import socket
 
@@ -132,6 +138,7 @@ def _progress_lines(stderr: str, label: str) -> list[int]:
     return [int(m.group(1)) for m in map(pat.match, stderr.splitlines()) if m]
 
 
+@pytest.mark.slow
 def test_progress_off_a_terminal_is_periodic_lines(tiny_f32, tmp_path):
     """`slice` with stderr a pipe: whole lines, one per 10 % or so, done, total, rate and ETA; no
     carriage returns. Quick work prints none by default (P2PSWARM_PROGRESS_AFTER=0 shows them)."""
@@ -145,6 +152,7 @@ def test_progress_off_a_terminal_is_periodic_lines(tiny_f32, tmp_path):
     assert _progress_lines(quiet.stderr, "slice") == [], quiet.stderr
 
 
+@pytest.mark.slow
 def test_progress_on_a_terminal_is_a_bar(tiny_f32, tmp_path):
     """`manifest` with stderr a terminal (a pty of 100 x 24): tqdm's bar, redrawn in place."""
     import fcntl
@@ -203,6 +211,7 @@ def test_backbone_serves_http_on_the_socket_it_checked(tiny_f32, tmp_path):
         stop_process(proc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["zero", "0", "-3", "1.5"])
 def test_node_refuses_a_bad_token_budget(value):
     """`--token-budget` takes 'auto' (the default) or a positive integer; anything else is
@@ -212,6 +221,7 @@ def test_node_refuses_a_bad_token_budget(value):
     assert "--token-budget: expected 'auto' or a positive integer" in proc.stderr.strip().splitlines()[-1], proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["--role", "backbone", "--dht", "client"], "--dht is for --role worker"),
     (["--role", "worker", "--shard", "x.gguf", "--relay", "auto", "--bootstrap", "/ip4/127.0.0.1/tcp/1",

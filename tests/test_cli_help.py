@@ -6,6 +6,8 @@ import argparse
 import re
 from importlib import metadata
 
+import pytest
+
 from conftest import run_cli
 
 from p2pswarm.cli import COMMANDS, _no_default, build_parser
@@ -67,6 +69,7 @@ def test_every_default_is_stated():
         assert text in shown_for[key], (key, shown_for[key])
 
 
+@pytest.mark.slow
 def test_version_prints_the_package_version():
     proc = run_cli("--version", timeout=60)
     assert proc.returncode == 0, proc.stderr

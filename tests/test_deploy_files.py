@@ -382,6 +382,7 @@ def test_relay_toml_stated_values_fit_the_deployment():
     assert not s.open
 
 
+@pytest.mark.slow
 def test_unedited_relay_toml_is_refused_at_start(tmp_path):
     """The placeholder issuer stops the relay with one line, before any key or socket is made."""
     proc = run_cli("relay", "--config", str(RELAY_TOML), "--identity", str(tmp_path / "relay.key"),

@@ -209,6 +209,7 @@ def test_worker_processes_with_direct_lanes_serve_a_swarm_run_bit_for_bit(tiny_f
             p.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, needle", [
     (["--direct", "nonsense"], "--direct 'nonsense': expected HOST:PORT"),
     (["--direct-announce", "127.0.0.1:9"], "--direct-announce needs --direct"),
@@ -224,6 +225,7 @@ def test_bad_direct_flags_are_one_line_errors(tiny_f32, tmp_path, flags, needle)
     assert_one_line_error(proc, needle)
 
 
+@pytest.mark.slow
 def test_a_taken_direct_port_is_a_one_line_error(tiny_f32, tmp_path):
     import socket
 

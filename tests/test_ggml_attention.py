@@ -120,6 +120,7 @@ def test_alone_equals_batched_bit_for_bit(models_dir, monkeypatch):
     assert probe_dense_invariance(model, il).pre_moe
 
 
+@pytest.mark.slow
 @needs_llama
 @pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_k_m"])
 def test_layer_against_llama_cpp(models_dir, qtype):

@@ -193,6 +193,7 @@ def test_our_libggml_and_llama_cpps_never_bind_to_each_other(order, tmp_path):
     assert seen["ours->ours"] > 50 and seen["theirs->theirs"] > 50, seen
 
 
+@pytest.mark.slow
 async def test_backbone_and_workers_default_to_ggml(tiny_q8, tmp_path):
     ggml_id = gk.load_libggml().kernel_id
     assert kernels.default_kernel() == "auto" and kernels.resolve_kernel() == "ggml"

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.engine import ggml_attention
@@ -107,6 +108,7 @@ def test_decode_steps_reuse_their_graphs_and_give_the_bits_of_fresh_ones(models_
     assert states_on == states_off
 
 
+@pytest.mark.slow
 def test_attention_span_boundary_gets_one_new_graph_and_the_same_bits(models_dir):
     pad = ggml_attention.KV_PAD
     prompt = [(13 * i + 7) % 256 for i in range(pad - 3)]

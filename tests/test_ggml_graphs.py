@@ -72,6 +72,7 @@ def test_mul_mat_id_gives_the_per_expert_bits(request, qtype):
         assert np.array_equal(out, bank.forward(2, e, x[idx])), (e, idx)
 
 
+@pytest.mark.slow
 def test_fused_gate_up_views_give_the_separate_bits(models_dir):
     """Same weights stored as one ffn_gate_up_exps tensor or as gate + up: the same bits."""
     paths = {}

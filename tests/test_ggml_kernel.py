@@ -122,8 +122,8 @@ async def _logits(model, workers=0, transport="inproc", kernel="ggml"):
 
 
 @needs_ggml
-@pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_k_m"])
-@pytest.mark.parametrize("transport", ["inproc", "socket"])
+@pytest.mark.parametrize("qtype", ["f32", pytest.param("q8_0", marks=pytest.mark.slow), "q4_k_m"])
+@pytest.mark.parametrize("transport", ["inproc", pytest.param("socket", marks=pytest.mark.slow)])  # processes: slow
 async def test_split_equals_monolithic_with_ggml(request, qtype, transport):
     model = request.getfixturevalue(MODELS[qtype])
     if model not in _mono:
@@ -142,6 +142,7 @@ async def test_split_equals_monolithic_with_ggml(request, qtype, transport):
 
 
 # ---- the handshake -------------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_ggml
 async def test_numpy_backbone_and_ggml_worker_refuse_each_other(tiny_f32, tmp_path, caplog):
     layout = ModelLayout.open(tiny_f32)
@@ -185,6 +186,7 @@ async def test_numpy_backbone_and_ggml_worker_refuse_each_other(tiny_f32, tmp_pa
 
 
 # ---- ggml missing ----------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_without_ggml_numpy_is_used_with_one_log_line(tiny_f32, monkeypatch, caplog, tmp_path):
     monkeypatch.setenv(gk.ENV_DISABLE, "off")
     monkeypatch.setattr(kernels, "_warned_fallback", False)
@@ -357,6 +359,7 @@ async def test_worker_with_340mb_shard_stays_near_shard_size(tmp_path_factory):
     assert after["RssAnon"] < 250  # the weights are file pages of the map, not private copies
 
 
+@pytest.mark.slow
 @needs_ggml
 def test_cli_worker_kernel_flag(tiny_f32, tmp_path):
     layout = ModelLayout.open(tiny_f32)

@@ -134,6 +134,7 @@ def test_status_page_counts_replicas_per_expert(tiny_f32):
     assert {u["replicas"] for u in units} == {1} and {u["known"] for u in units} == {1}
     owners[1].refused = "kernel mismatch"  # refused at the handshake: known, never live
     assert {u["replicas"] for u in view.units()} == {0}
+@pytest.mark.slow
 async def test_concurrent_completions_through_the_scheduler_equal_one_at_a_time(tiny_f32):
     """With the continuous-batching scheduler (as `node --role backbone` runs it) concurrent
     requests share decode steps and each text equals the same request served alone; a client that

@@ -11,6 +11,7 @@ import pytest
 from tests.helpers.procs import Proc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_right_after_ready_is_a_clean_stop(tmp_path, sig):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

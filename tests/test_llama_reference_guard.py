@@ -17,6 +17,7 @@ from conftest import HAVE_LLAMA, needs_llama
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3]
 
 
+@pytest.mark.slow
 def test_a_crashed_reference_fails_the_test_and_the_next_call_works(tiny_f32):
     with pytest.raises(llama_ref.ReferenceCrashed, match="killed by SIGSEGV"):
         llama_ref.call("_ref_crash", signal.SIGSEGV)

@@ -179,6 +179,7 @@ def test_demand_vector_sums_experts_per_unit():
     assert vec == [0, 0, 0, 0, 0, 5.0, 0, 1.0]
 
 
+@pytest.mark.slow
 async def test_backbone_demand_is_found_through_the_market_key():
     async with dht_swarm(4) as nodes:
         ident = nodes[0].net.identity  # a backbone signs with its host key: the provider's peer id

@@ -10,6 +10,7 @@ import json
 
 import httpx
 import numpy as np
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -94,6 +95,7 @@ async def _run(backbone, *, short: bool = False):
     return got, rewinds, extra
 
 
+@pytest.mark.slow
 async def test_replay_on_ban_keeps_every_running_output_equal_to_monolithic(tiny_f32):
     async with open_backbone(tiny_f32, workers=0, kernel="numpy") as mono:
         want, _, _ = await _run(mono.backbone)
@@ -148,6 +150,7 @@ async def test_a_ban_while_idle_reports_the_finished_requests_it_spoiled(tiny_f3
     assert "1 requests that finished before worker liar was banned" in caplog.text and "cmpl-early" in caplog.text
 
 
+@pytest.mark.slow
 async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
     """`p2pswarm logits --decode --swarm`'s path (Backbone.logits): rows from the first tainted
     position on are recomputed after the ban, so all of them equal the monolithic run's."""
@@ -172,6 +175,7 @@ async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
         assert swarm.backbone.dispatcher.banned and np.array_equal(got, want_prefill)
 
 
+@pytest.mark.slow
 async def test_generate_replays_to_the_monolithic_tokens(tiny_f32):
     """`p2pswarm generate`'s path (one sequence, no scheduler): a ban mid-run (an honoured ban
     record; nobody checks here) yields a Rewind, and the tokens that follow end equal to monolithic,
@@ -226,6 +230,7 @@ async def test_dispatcher_reports_unverified_rows_only(tiny_f32, tmp_path):
     assert taint.keys() == {"w0"}
 
 
+@pytest.mark.slow
 async def test_http_non_streamed_completions_end_exact_and_a_rewound_stream_ends_with_an_error(tiny_f32):
     """Through /v1/completions with the scheduler (as `node --role backbone` serves): a liar no
     one checks (rate 0) is banned mid-run by a signed ban record of another backbone, honoured

@@ -85,6 +85,7 @@ def test_receipt_forgery_and_tampering_are_refused():
         Receipt.verify(ban.signed)
 
 
+@pytest.mark.slow
 def test_rewards_command_lists_verifies_and_reports_corrupt_files(tmp_path):
     w = Identity.generate().peer_id_str
     ledger, receipts = _ledger_with_receipts(w)
@@ -172,6 +173,7 @@ async def test_honest_workers_are_never_banned_over_10000_requests(tiny_f32, tmp
     assert sum(a.rows for a in ledger.accounts.values()) == s.remote_rows
 
 
+@pytest.mark.slow
 async def test_dishonest_worker_caught_as_the_sample_rate_predicts(tiny_f32, tmp_path):
     """P(caught within n rows) = 1 - (1 - r p)^n for one-row groups: 80 independent backbones
     (seeds) against a worker falsifying p = 5% of its rows, sampled at r = 0.2 (r p = 1%)."""
@@ -205,6 +207,7 @@ async def test_dishonest_worker_caught_as_the_sample_rate_predicts(tiny_f32, tmp
     assert within >= 0.75, (within, caught_at)
 
 
+@pytest.mark.slow
 async def test_every_row_checked_means_outputs_stay_exact_throughout(tiny_f32, tmp_path):
     layout = ModelLayout.open(tiny_f32)
     shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)

@@ -67,6 +67,7 @@ async def test_workaround_provide_rate_limit_raised():
         assert stored() == 40
 
 
+@pytest.mark.slow
 async def test_workaround_more_than_20_providers_per_key():
     """24 clients provide one key (the model index): a look-up must list all 24 (py-libp2p's
     server keeps the first 20 and drops the rest)."""
@@ -94,6 +95,7 @@ async def test_providers_per_key_trap_still_present(monkeypatch):
         assert len(ps.get_providers(_key(3))) == 20
 
 
+@pytest.mark.slow
 async def test_workaround_inbound_kad_stream_limit_raised():
     """Many look-ups at once against one server: none of its answers may be a reset."""
     async with dht_swarm(2, clients=1) as (server, provider, backbone):
@@ -106,6 +108,7 @@ async def test_workaround_inbound_kad_stream_limit_raised():
         assert backbone.dht.stats.rpc_failures == before
 
 
+@pytest.mark.slow
 async def test_workaround_client_mode_peers_stay_out_of_routing_tables():
     async with dht_swarm(3, clients=2) as nodes:
         servers, clients = nodes[:3], nodes[3:]
@@ -124,6 +127,7 @@ async def test_workaround_client_mode_peers_stay_out_of_routing_tables():
         assert [p.peer_id for p in await clients[0].dht.find_providers(_key(2))] == [servers[1].net.peer_id]
 
 
+@pytest.mark.slow
 async def test_workaround_node_records_are_never_read_from_a_stale_local_copy():
     # The reader is a client (a backbone behind NAT, swarm-status): no PUT ever reaches it, so
     # only its own look-ups can tell it that a record changed.
@@ -155,6 +159,7 @@ async def _fresh_node(boot: Node):
             yield Node(net, dht)
 
 
+@pytest.mark.slow
 async def test_workaround_records_reach_the_closest_peers_even_from_a_fresh_node():
     """A node that knows only the bootstrap puts its record: it must reach the K closest peers."""
     async with dht_swarm(8) as nodes:
@@ -176,6 +181,7 @@ async def test_workaround_records_reach_the_closest_peers_even_from_a_fresh_node
         assert holders(lib) < len(nodes)
 
 
+@pytest.mark.slow
 async def test_workaround_dead_connections_forgotten_and_redialled():
     """Fresh nodes put their records into a swarm, six times over: every put must reach every
     server. Guards the write shield (a look-up cancelling its in-flight queries used to kill
@@ -190,6 +196,7 @@ async def test_workaround_dead_connections_forgotten_and_redialled():
                 assert all(n.dht.kad.value_store.get(key.encode()) is not None for n in nodes)
 
 
+@pytest.mark.slow
 async def test_workaround_lookups_deduplicated():
     async with dht_swarm(6, clients=1) as nodes:
         p1, p2, client = nodes[1], nodes[2], nodes[-1]
@@ -252,6 +259,7 @@ async def test_twenty_nodes_every_units_owners_found():
         print(f"20 nodes: one unit look-up {(time.perf_counter() - t0) / 8 * 1000:.1f} ms")
 
 
+@pytest.mark.slow
 async def test_concurrent_index_resolution_matches_the_sequential_per_unit_one():
     """The default resolution (the model index: one model-key look-up, then every worker's record,
     all concurrent) must give exactly the map the sequential per-unit one gives (every unit looked
@@ -282,6 +290,7 @@ async def test_concurrent_index_resolution_matches_the_sequential_per_unit_one()
         assert fast.stats.records_fetched == len(workers)
 
 
+@pytest.mark.slow
 async def test_withdraw_on_clean_shutdown_and_expiry():
     async with dht_swarm(4) as nodes:
         a, b, backbone = nodes[1], nodes[2], nodes[3]
@@ -303,6 +312,7 @@ async def test_withdraw_on_clean_shutdown_and_expiry():
         assert res.owners(0, 0) == [] and len(res.map.missing()) == 16
 
 
+@pytest.mark.slow
 async def test_reprovide_refreshes_the_record_before_it_expires():
     """The record (the liveness signal) is re-signed every third of its TTL; the provider records,
     48 h claims, are not re-sent with it (DHT load independent of the record's short TTL)."""
@@ -355,6 +365,7 @@ def test_replicas_are_counted_per_expert():
     assert cmap([owner(0, 12)], n_expert=12).replicas() == {u: 1 for u in cmap([], n_expert=12).units}
 
 
+@pytest.mark.slow
 async def test_forged_and_malformed_records_ignored_and_counted(caplog):
     async with dht_swarm(4) as nodes:
         server, honest, rogue, backbone = nodes
@@ -404,6 +415,7 @@ async def test_forged_and_malformed_records_ignored_and_counted(caplog):
         assert [o.peer for o in res.owners(0, 0)] == [honest.net.peer_id_str]
 
 
+@pytest.mark.slow
 async def test_incompatible_builds_are_refused_once_with_the_reason(caplog):
     """Another kernel (found through the unit keys) and another block size (found only through the
     model key): neither is an owner, both are in ``refused`` with the reason, and each is logged
@@ -435,6 +447,7 @@ async def test_incompatible_builds_are_refused_once_with_the_reason(caplog):
         assert [o.peer for o in res.owners(0, 0)] == [k] and k not in res.refused
 
 
+@pytest.mark.slow
 async def test_resolver_refreshes_on_request():
     async with dht_swarm(3) as nodes:
         worker, backbone = nodes[1], nodes[2]
@@ -450,6 +463,7 @@ async def test_resolver_refreshes_on_request():
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_periodic_refresh_reuses_known_records_and_looks_up_a_rotating_part():
     """A refresh finds workers through the model index, re-reads each known owner's record (one
     look-up per peer, which covers all its units) and looks up only the uncovered units and (after

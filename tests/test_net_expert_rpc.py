@@ -138,6 +138,7 @@ async def test_build_mismatch_refused_on_both_sides(shards, tiny_q8, tmp_path, c
         await ok.aclose()
 
 
+@pytest.mark.slow
 async def test_failures_become_worker_errors(shards, monkeypatch):
     worker = ExpertWorker(shards[0])
     failures = []

@@ -130,6 +130,7 @@ async def test_workaround_read_ahead_keeps_a_stalled_reader_from_resetting_the_w
     assert results[False][0].startswith("broken"), results[False]
 
 
+@pytest.mark.slow
 async def test_workaround_cancelled_writers_do_not_kill_the_connection():
     """50 tasks writing on their own streams are cancelled at once, 8 times over: the shared
     connection must survive every time (without the write shield, ~40% of rounds break it: the
@@ -165,6 +166,7 @@ async def test_workaround_cancelled_writers_do_not_kill_the_connection():
             await stream.aclose()
 
 
+@pytest.mark.slow
 async def test_workaround_no_auto_connect_to_every_known_peer():
     """A peer we merely heard of (its address is in the peerstore, as after any DHT answer) must
     not be dialled behind our back when another connection drops."""
@@ -176,6 +178,7 @@ async def test_workaround_no_auto_connect_to_every_known_peer():
         assert not a.is_connected(c.peer_id)
 
 
+@pytest.mark.slow
 async def test_workaround_more_than_250_inbound_connections():
     """py-libp2p lets ``max_connections - min_connections`` peers dial in (its defaults: 300 - 50 =
     250; its resource manager: 256), then every further dial fails - a relay sized for 1,024

@@ -139,6 +139,7 @@ def test_two_live_workers_never_share_one_key(tiny_f32, tmp_path):
         again.wait(30)
 
 
+@pytest.mark.slow
 def test_lock_is_per_key_and_reentrant_in_one_process(tmp_path):
     a = load_or_create_identity(tmp_path / "a.key", exclusive=True)
     assert load_or_create_identity(tmp_path / "a.key", exclusive=True).peer_id_str == a.peer_id_str

@@ -209,6 +209,7 @@ def test_handshake_accepts_portable_of_another_isa_and_refuses_ggml(tiny_f32, tm
     assert why.startswith("kernel mismatch") and "ggml-0.3.36/aarch64+neon" in why
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m"])
 async def test_split_equals_monolithic_with_portable(request, qtype, monkeypatch):
     model = request.getfixturevalue(MODELS[qtype])
@@ -225,6 +226,7 @@ async def test_split_equals_monolithic_with_portable(request, qtype, monkeypatch
     assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.slow
 def test_unsupported_weight_type_is_one_line_error(tmp_path):
     from p2pswarm.model.synth import make_model
 

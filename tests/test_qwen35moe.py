@@ -78,6 +78,7 @@ def tolerance(ref: np.ndarray) -> float:
 # F32 logits against llama.cpp
 
 
+@pytest.mark.slow
 @needs_llama
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "separate"])
 async def test_f32_logits_match_llama_cpp(models_dir, variant):
@@ -96,6 +97,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant):
         assert np.array_equal(prefill, sep_prefill) and np.array_equal(decode, sep_decode)
 
 
+@pytest.mark.slow
 @needs_llama
 def test_f32_logits_command_matches_llama_cpp(models_dir, tmp_path):
     """`p2pswarm logits` itself (a real process), prefill and --decode, on the separate-experts model."""
@@ -250,7 +252,7 @@ def test_state_per_sequence(models_dir):
 
 
 @pytest.mark.parametrize("transport", ["inproc", pytest.param("socket", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("variant", ["separate", "fused"])
+@pytest.mark.parametrize("variant", [pytest.param("separate", marks=pytest.mark.slow), "fused"])
 async def test_split_equals_monolithic(models_dir, variant, transport):
     path = q35_model(models_dir, variant)
     mono_prefill, mono_decode, mono_stats = await our_logits(path, TOKENS[:24])
@@ -477,6 +479,7 @@ def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, drop_tensor: 
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drop", [
     ("key", "qwen35moe.ssm.state_size"),
     ("key", "qwen35moe.rope.dimension_sections"),
@@ -495,6 +498,7 @@ def test_missing_key_or_tensor_is_one_line(models_dir, tmp_path, drop):
     assert_one_line_error(proc, name)
 
 
+@pytest.mark.slow
 def test_layer_kinds_from_recurrent_layers_and_mtp_blocks(models_dir, tmp_path):
     """``attention.recurrent_layers`` overrides the interval; ``nextn_predict_layers`` trailing blocks
     (multi-token prediction) are not part of the forward pass."""
@@ -530,6 +534,7 @@ def _forward_path(path):
 # make-model --arch qwen35moe
 
 
+@pytest.mark.slow
 def test_make_model_qwen35moe_command(tmp_path):
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     proc = run_cli("make-model", "--arch", "qwen35moe", "-o", str(a), "--seed", "5", "--fused-experts",

@@ -219,6 +219,7 @@ def test_relay_restart_mid_generation(tiny_f32, tmp_path, env, issuer):
 
 
 # -- bad input: one line, non-zero exit -------------------------------------------------------------
+@pytest.mark.slow
 def test_relay_cli_errors(tmp_path, env):
     proc = run_cli("relay", "--listen", "/ip4/127.0.0.1/tcp/0/ws", env=env)
     assert_one_line_error(proc, "--trust-issuer", "--open")
@@ -239,6 +240,7 @@ def test_relay_cli_errors(tmp_path, env):
     assert_one_line_error(proc, "health")
 
 
+@pytest.mark.slow
 def test_worker_relay_errors(tiny_f32, tmp_path, env):
     shard = tmp_path / "shard.gguf"
     slice_experts(tiny_f32, shard, None, (0, 16))

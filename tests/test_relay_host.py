@@ -77,6 +77,7 @@ async def test_workaround_ws_and_wss_listeners_on_one_host(tmp_path, monkeypatch
                 await stream.aclose()
 
 
+@pytest.mark.slow
 async def test_ws_tls_trap_still_present(tmp_path, monkeypatch):
     """py-libp2p's own transport, given a TLS server context, makes a /ws listener that a plain
     WebSocket client cannot use."""
@@ -178,6 +179,7 @@ async def test_relay_sees_only_ciphertext(monkeypatch):
     assert b"PLAINTEXT-EXPERT" not in bytes(seen)
 
 
+@pytest.mark.slow
 async def test_workaround_two_circuits_from_one_peer_are_independent():
     """py-libp2p's HOP keys a circuit's streams by peer id: closing one circuit from a backbone
     closed the backbone's other circuit too. Ours keeps them apart."""
@@ -274,6 +276,7 @@ async def test_circuits_need_token_refuses_a_dialler_without_one():
         assert hops[0].stats.circuits_opened == 1
 
 
+@pytest.mark.slow
 async def test_keeper_renews_before_expiry():
     """A 10 s reservation is renewed at half its life, in place (no second grant), and the
     worker stays reachable past the first expiry."""

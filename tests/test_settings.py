@@ -74,6 +74,7 @@ def test_defaults_and_parsing(monkeypatch, tmp_path):
     assert settings.cache_dir("portable", create=False, per_user=True) == tmp_path / "xdg" / "p2pswarm" / "portable"
 
 
+@pytest.mark.slow
 def test_bad_value_through_the_cli(tiny_f32):
     proc = run_cli("logits", str(tiny_f32), "--tokens", "1,2", "--out", str(tiny_f32.parent / "never.npy"), env={"P2PSWARM_THREADS": "many",
                                                                              "P2PSWARM_KERNEL": "ggml"})
@@ -88,6 +89,7 @@ def test_bad_graph_cache_size_through_the_cli(tiny_f32):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_bad_worker_graph_cache_size_through_the_cli(shards):
     proc = run_cli("worker", "--shard", str(shards[0]), "--listen", "127.0.0.1:0",
                    env={"P2PSWARM_WORKER_GRAPH_CACHE_MB": "lots", "P2PSWARM_KERNEL": "ggml"})

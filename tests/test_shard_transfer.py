@@ -101,6 +101,7 @@ def test_manifest_refusals(manifest_q8, issuer):
             ModelManifest.decode(junk)
 
 
+@pytest.mark.slow
 def test_manifest_cli(tiny_f32, tmp_path):
     key = tmp_path / "iss.key"
     issuer = load_or_create_identity(key)
@@ -369,6 +370,7 @@ def test_fetch_bad_input_is_one_line_and_writes_nothing(setup, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 async def test_bad_source_is_avoided_and_a_hopeless_slab_aborts(tiny_f32, issuer, tmp_path):
     """A source that corrupts everything: with a good second source the download succeeds (bad
     slabs are fetched again from the other one); alone, it aborts after bounded retries with no
@@ -401,6 +403,7 @@ async def test_bad_source_is_avoided_and_a_hopeless_slab_aborts(tiny_f32, issuer
             bad.close()
 
 
+@pytest.mark.slow
 async def test_cancelled_download_resumes_and_a_damaged_part_is_caught(tiny_f32, issuer, tmp_path):
     """Cancel a (throttled) download midway: the journal keeps what is on disk. Damage a journaled
     slab in OUT.part: the resumed run's final re-read from disk catches it, fetches that slab again,

@@ -138,6 +138,7 @@ def _no_leftovers(tmp_path):
     return not any(p.name.startswith(("out.gguf", ".out.gguf")) for p in tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--layers", "0-9", "--experts", "0-3"], "layers 0-9 out of range"),
     (["--experts", "10-99"], "experts 10-99 out of range"),
@@ -151,6 +152,7 @@ def test_bad_ranges_refused(tiny_f32, tmp_path, args, needle):
     assert _no_leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_dense_model_refused(tmp_path):
     model = tmp_path / "dense.gguf"
     _dense_gguf(model)
@@ -159,6 +161,7 @@ def test_dense_model_refused(tmp_path):
     assert _no_leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_unknown_architecture_refused(tmp_path):
     model = tmp_path / "odd.gguf"
     _dense_gguf(model, arch="frobnicator")

@@ -180,6 +180,7 @@ async def _kill_during(swarm, victim: int, sig: int, decode: bool = True):
     return results["logits"]
 
 
+@pytest.mark.slow
 async def test_worker_killed_mid_generation_falls_back_exactly(tiny_f32, caplog):
     async with open_backbone(tiny_f32, workers=0) as mono:
         want = await mono.backbone.logits(TOKENS, decode=True)
@@ -191,12 +192,14 @@ async def test_worker_killed_mid_generation_falls_back_exactly(tiny_f32, caplog)
     assert any("fell back to the local replica" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 async def test_worker_killed_without_fallback_is_a_clear_error(tiny_f32):
     async with open_backbone(tiny_f32, workers=3, transport="socket", fallback=False) as swarm:
         with trio.fail_after(120), pytest.raises(WorkerError, match="worker1"):
             await _kill_during(swarm, 1, signal.SIGKILL)
 
 
+@pytest.mark.slow
 async def test_hung_worker_times_out_and_falls_back(tiny_f32):
     async with open_backbone(tiny_f32, workers=0) as mono:
         want = await mono.backbone.logits(TOKENS, decode=True)

@@ -44,7 +44,7 @@ def _model(request, name):
 
 
 @pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_k_m"])
-@pytest.mark.parametrize("transport", ["inproc", "socket"])
+@pytest.mark.parametrize("transport", ["inproc", pytest.param("socket", marks=pytest.mark.slow)])  # processes: slow
 async def test_split_equals_monolithic(request, qtype, transport):
     model = _model(request, qtype)
     mono_prefill, mono_decode, mono_stats = await _mono_logits(model)

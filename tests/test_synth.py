@@ -208,6 +208,7 @@ def test_header_reader_agrees_with_gguf_reader(models: dict[str, Path]) -> None:
         assert r.data_offset + ti.offset == t.data_offset
 
 
+@pytest.mark.slow
 def test_fast_reader_matches_gguf_py_part_by_part(models: dict[str, Path]) -> None:
     """The sped-up reader (p2pswarm.model.gguf_read) must build exactly gguf-py's fields: same
     types, same data indices, same parts (dtype, shape, bytes), for a model and for the 150k-token
@@ -305,6 +306,7 @@ def test_llama_cpp_runs_tiny_q8_0(models: dict[str, Path]) -> None:
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.99
 
 
+@pytest.mark.slow
 @needs_llama
 def test_llama_cpp_runs_tiny_q4_k_m(tmp_path: Path) -> None:
     p = synth.make_model(tmp_path / "q4km.gguf", qtype="q4_k_m")

@@ -255,6 +255,7 @@ def test_qwen35_bad_ids(qwen35):
         qwen35.encode("a\ud800b")
 
 
+@pytest.mark.slow
 def test_from_reader_equals_from_path(qwen35, qwen35_path):
     from p2pswarm.engine.tokenizer import open_gguf
 

@@ -164,6 +164,7 @@ def test_load_token_from_text_or_file(ids, tmp_path):
             load_token(arg)
 
 
+@pytest.mark.slow
 def test_cli_identity_issue_show(tmp_path):
     worker_key, issuer_key = tmp_path / "w.key", tmp_path / "iss.key"
     peer = run_cli("identity", "--path", str(worker_key), env=QUIET, check=True).stdout.strip()
@@ -198,6 +199,7 @@ def test_cli_garbage_is_one_line(args, needle, tmp_path):
     assert_one_line_error(proc, needle)
 
 
+@pytest.mark.slow
 def test_cli_bad_scope_and_holder(tmp_path):
     key = str(tmp_path / "iss.key")
     peer = run_cli("identity", "--path", str(tmp_path / "w.key"), env=QUIET, check=True).stdout.strip()

@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import trio
 
 from p2pswarm.net.wanproxy import open_wan_proxy
@@ -58,6 +59,7 @@ async def test_delay_jitter_and_bandwidth():
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 def test_cli_refuses_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "nohost", "--rtt-ms", "5"],
                           capture_output=True, text=True, timeout=60)

@@ -37,6 +37,7 @@ def test_auto_token_of_another_peer_is_refused_at_start(tmp_path, keys):
     assert_one_line_error(proc, f"issued to peer {other.peer_id_str}", f"this node is {me.peer_id_str}")
 
 
+@pytest.mark.slow
 def test_auto_token_for_a_key_not_made_yet_is_refused(tmp_path, keys):
     issuer, _me, other = keys
     tok = issue_token(issuer, other.peer_id_str, [f"shard:{FP}"], 3600).encode()
@@ -46,6 +47,7 @@ def test_auto_token_for_a_key_not_made_yet_is_refused(tmp_path, keys):
     assert not (tmp_path / "fresh.key").exists()
 
 
+@pytest.mark.slow
 def test_auto_token_of_an_untrusted_issuer_is_refused(tmp_path, keys):
     issuer, me, other = keys
     tok = issue_token(other, me.peer_id_str, [f"shard:{FP}"], 3600).encode()
@@ -54,6 +56,7 @@ def test_auto_token_of_an_untrusted_issuer_is_refused(tmp_path, keys):
     assert_one_line_error(proc, f"signed by {other.peer_id_str}", "not a --trust-issuer")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("allow,needle", [
     (["relay"], "needs shard:"),
     ([f"shard:{FP}:0-1:0-3"], "no ranges"),  # an --auto worker may pick any unit
@@ -67,6 +70,7 @@ def test_auto_token_of_the_wrong_scope_is_refused(tmp_path, keys, allow, needle)
     assert_one_line_error(proc, needle)
 
 
+@pytest.mark.slow
 def test_fetch_token_that_does_not_cover_the_slice_is_refused(tmp_path, keys):
     issuer, me, _other = keys
     tok = issue_token(issuer, me.peer_id_str, [f"shard:{FP}:0-1:0-3"], 3600).encode()
