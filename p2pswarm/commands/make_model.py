@@ -3,7 +3,9 @@ p2pswarm.model.synth)."""
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 from p2pswarm.commands.common import positive_int
 from p2pswarm.errors import UserError
@@ -73,6 +75,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
     q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
+    p.add_argument("--split-max-size", metavar="SIZE",
+                   help="write a split model, as llama.cpp's gguf-split does: parts of at most SIZE of "
+                        "tensor data (e.g. 200M, 2G) named M-00001-of-0000N.gguf for -o M.gguf; "
+                        "every command then takes the first part as the model")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
     return p
@@ -110,14 +116,19 @@ def _seed(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from p2pswarm.model import synth  # noqa: PLC0415
+    from p2pswarm.model.split_write import parse_size, split_prefix_of, write_split  # noqa: PLC0415
 
     if args.layers is not None and args.layers > 512:
         raise UserError(f"--layers must be at most 512, got {args.layers}")
+    split_bytes = parse_size(args.split_max_size) if getattr(args, "split_max_size", None) else None
     progress = None if getattr(args, "quiet", False) else ProgressBar("make-model", unit="B")
     t0 = time.monotonic()
+    # a split model is written whole to a hidden name first, then cut into its parts
+    out = Path(args.output)
+    target = out.with_name(f".{out.name}.unsplit-{os.getpid()}.gguf") if split_bytes else out
     try:
         path = synth.make_model(
-            args.output,
+            target,
             preset=args.preset,
             layers=args.layers,
             qtype=args.qtype,
@@ -129,10 +140,15 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             **_arch_options(args),
         )
+        info = synth.describe(path)
+        if split_bytes:
+            parts = write_split(path, split_prefix_of(out), split_bytes, progress=progress)
+            path = parts[0]
     finally:
+        if split_bytes:
+            target.unlink(missing_ok=True)
         if progress is not None:
             progress.close()
-    info = synth.describe(path)
     print(
         f"wrote {path}: {info['architecture']} {info['preset']}, {info['n_layer']} layers, n_embd "
         f"{info['n_embd']}, {info['n_expert']} experts (top-{info['n_expert_used']}) of "
@@ -141,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         f"{'/'.join(info['expert_types'])} "
         f"({info['bytes_per_expert']:,} bytes per expert), {info['file_bytes']:,} bytes, "
         f"seed {info['seed']}, {time.monotonic() - t0:.1f} s"
+        + (f"; in {len(parts)} parts (name the first: {path})" if split_bytes else "")
     )
     return 0
 

@@ -64,12 +64,11 @@ class ExpertBank:
     def _load(self, layer: int, expert: int):
         tensors = self.layout.expert_tensors[layer]
         local = expert - self.expert_begin
-        data = self.layout.reader.data
 
         def slab(kind: str) -> np.ndarray:
             t = tensors[kind]
             off, n = t.slab(local)
-            return to_float32(data[off : off + n], t.ggml_type, t.shape[1:], t.name)
+            return to_float32(self.layout.view(off, n), t.ggml_type, t.shape[1:], t.name)
 
         if "gate_up" in tensors:
             gu = slab("gate_up")

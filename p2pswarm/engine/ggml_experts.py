@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, GgmlRunner,
-                                         MappedWeights, _i32_view, f32_view, load_libggml)
+                                         _i32_view, f32_view, load_libggml)
 from p2pswarm.engine.experts import check_held
+from p2pswarm.engine.mapped_parts import map_layout
 from p2pswarm.errors import ModelFormatError, UserError
 
 
@@ -37,7 +38,7 @@ class GgmlExpertBank:
         # P2PSWARM_GRAPH_CACHE_MB, a worker a small P2PSWARM_WORKER_GRAPH_CACHE_MB (GgmlRunner.graph)
         self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=graph_cache_bytes)
         self.threads = self.runner.threads
-        self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
+        self._mapped = map_layout(self.lib, layout)
         self._experts: dict[tuple[int, int], tuple] = {}
         self._layers: dict[int, tuple] = {}
         self._check_types()

@@ -365,6 +365,9 @@ class PortableExpertBank:
         self.implementation = "numpy" if isinstance(self.ops, NumpyOps) else "c"
         self.threads = check_threads(threads)
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 and self.implementation == "c" else None
+        if layout.part_map is not None and layout.part_map.split:  # its C calls take one base address
+            raise UserError(f"{layout.path}: the portable kernel computes from one file, not a split model: "
+                            f"use --kernel ggml or numpy, or give it a shard cut with `p2pswarm slice`")
         self._data = layout.reader.data
         self._base = self._data.ctypes.data
         self._experts: dict[tuple[int, int], tuple] = {}
