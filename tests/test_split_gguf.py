@@ -1,0 +1,220 @@
+"""Split (multi-part) GGUF models, as llama.cpp's gguf-split writes them and big models are
+published: every command takes the first part, the result is the unsplit file's, byte for byte.
+
+The models are the tiny random-weight ones ``make-model`` writes, unsplit and cut into 3 parts by
+``make-model --split-max-size``'s own writer; every test runs for each architecture in
+:data:`SPLIT_ARCHES` (add one there, with its make_model options, to cover it)."""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint, read_manifest
+from p2pswarm.model.split_gguf import split_path
+from p2pswarm.model.split_write import plan_parts, write_split
+from p2pswarm.model.synth import make_model
+
+from conftest import assert_one_line_error, needs_llama, run_cli
+from helpers.llama_ref import llama_logits
+
+#: architecture -> make_model options of its tiny test model
+SPLIT_ARCHES = {
+    "qwen3moe": {},
+    "qwen35moe": {"arch": "qwen35moe"},
+}
+N_PARTS = 3
+TOKENS = [5, 17, 42, 99, 100, 7, 256, 300, 12]
+
+
+def _three_part_size(path: Path) -> int:
+    """A --split-max-size that cuts the model at ``path`` into exactly N_PARTS parts."""
+    lay = ModelLayout.open(path)
+    sizes = [int(t.n_bytes) for t in lay.reader.tensors]
+    align = int(lay.reader.alignment)
+    for max_bytes in range(sum(sizes) // N_PARTS, sum(sizes), 4096):
+        if len(plan_parts(sizes, max_bytes, align)) == N_PARTS:
+            return max_bytes
+    raise AssertionError("no size gives 3 parts")
+
+
+@pytest.fixture(scope="module", params=list(SPLIT_ARCHES))
+def pair(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(the unsplit model, the first of its 3 parts)."""
+    d = tmp_path_factory.mktemp(f"split-{request.param}")
+    whole = d / "whole.gguf"
+    make_model(whole, seed=7, **SPLIT_ARCHES[request.param])
+    parts = write_split(whole, str(d / "model"), _three_part_size(whole))
+    assert [p.name for p in parts] == [f"model-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    return whole, parts[0]
+
+
+def test_split_reads_as_the_unsplit_file(pair):
+    whole, first = pair
+    a, b = ModelLayout.open(whole), ModelLayout.open(first)
+    assert len(b.parts) == N_PARTS and len(a.parts) == 1
+    assert b.header_bytes() == a.header_bytes()
+    assert b.file_size == a.file_size == whole.stat().st_size
+    assert model_fingerprint(b) == model_fingerprint(a)
+    assert list(b.reader.fields) == list(a.reader.fields)
+    assert [(t.name, t.data_offset, t.n_bytes) for t in b.reader.tensors] == \
+           [(t.name, t.data_offset, t.n_bytes) for t in a.reader.tensors]
+    in_parts = {str(p.path) for t in b.reader.tensors for p, _ in [b.locate(int(t.data_offset), int(t.n_bytes))]}
+    assert len(in_parts) == N_PARTS  # every part holds tensors, and they are read from there
+    for ta, tb in zip(a.reader.tensors, b.reader.tensors):
+        assert np.array_equal(ta.data, tb.data), ta.name
+        assert b.view(int(tb.data_offset), int(tb.n_bytes)).tobytes() == \
+               a.view(int(ta.data_offset), int(ta.n_bytes)).tobytes()
+    for layer, kinds in a.expert_tensors.items():
+        assert b.expert_tensors[layer] == kinds
+
+
+@needs_llama
+def test_llama_cpp_loads_the_parts_and_computes_the_same_logits(pair):
+    whole, first = pair
+    assert np.array_equal(llama_logits(first, TOKENS), llama_logits(whole, TOKENS))
+
+
+def test_slices_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path):
+    whole, first = pair
+    for args in (["--layers", "1-2", "--experts", "3-9"], ["--backbone"]):
+        outs = []
+        for model in (whole, first):
+            out = tmp_path / f"{model.stem}-{args[0]}.gguf"
+            run_cli("slice", str(model), *args, "-o", str(out), check=True)
+            outs.append(out.read_bytes())
+        assert outs[0] == outs[1], args
+
+
+@pytest.mark.parametrize("kernel", ["ggml", "numpy"])
+def test_logits_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path, kernel):
+    whole, first = pair
+    got = []
+    for model in (whole, first):
+        out = tmp_path / f"{model.stem}.npy"
+        run_cli("logits", str(model), "--tokens", ",".join(map(str, TOKENS)), "--out", str(out), "--decode",
+                "--kernel", kernel, check=True)
+        got.append(np.load(out))
+    assert np.array_equal(got[0], got[1])
+
+
+def test_generate_from_a_split_model(pair):
+    whole, first = pair
+    texts = [run_cli("generate", str(m), "--prompt", "Hello swarm", "--max-tokens", "8", check=True).stdout
+             for m in (whole, first)]
+    assert texts[0] == texts[1] and texts[0].strip()
+
+
+def test_manifest_of_a_split_model_equals_the_unsplit_ones(pair, tmp_path):
+    whole, first = pair
+    key = tmp_path / "issuer.key"
+    run_cli("identity", "--path", str(key), check=True)
+    got = []
+    for model in (whole, first):
+        out = tmp_path / f"{model.stem}.manifest"
+        run_cli("manifest", "--model", str(model), "--key", str(key), "--out", str(out), check=True)
+        got.append(replace(read_manifest(out), issued_at=0, signature=b"", body=b""))
+    # the same model, the same bytes at the same offsets: only the signing time may differ
+    assert got[0] == got[1]
+    assert got[1].file_size == whole.stat().st_size
+
+
+def test_make_model_writes_parts_with_progress(tmp_path):
+    out = tmp_path / "m.gguf"
+    proc = run_cli("make-model", "-o", str(out), "--seed", "7", "--split-max-size", "10M", check=True,
+                   env={"P2PSWARM_PROGRESS_AFTER": "0"})
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(parts) > 1 and parts[0].name == f"m-00001-of-{len(parts):05d}.gguf", parts
+    assert str(parts[0]) in proc.stdout and f"{len(parts)} parts" in proc.stdout
+    assert "make-model" in proc.stderr and f"part {len(parts)} of {len(parts)}" in proc.stderr, proc.stderr
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no leftovers
+    whole = tmp_path / "whole.gguf"
+    make_model(whole, seed=7)
+    assert model_fingerprint(ModelLayout.open(parts[0])) == model_fingerprint(ModelLayout.open(whole))
+
+
+# ---- bad input: one line, exit 2, naming the part --------------------------------------------------
+
+
+@pytest.fixture
+def parts_copy(pair, tmp_path) -> list[Path]:
+    """A private copy of the 3 parts (the tests break them)."""
+    _whole, first = pair
+    prefix = str(first)[: -len("-00001-of-00003.gguf")]
+    out = []
+    for i in range(N_PARTS):
+        dst = split_path(tmp_path / "m", i, N_PARTS)
+        shutil.copyfile(split_path(prefix, i, N_PARTS), dst)
+        out.append(dst)
+    return out
+
+
+def _set_key(path: Path, key: str, fmt: str, value) -> None:
+    """Overwrite the value of integer key ``key`` in place."""
+    data = bytearray(path.read_bytes())
+    raw = struct.pack("<Q", len(key)) + key.encode()
+    at = data.index(raw) + len(raw) + 4
+    data[at: at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    path.write_bytes(bytes(data))
+
+
+def _refused(model: Path, *needles: str) -> None:
+    for cmd in (["slice", str(model), "--backbone", "-o", str(model.parent / "bb.gguf")],
+                ["logits", str(model), "--tokens", "1,2", "--out", str(model.parent / "l.npy")]):
+        proc = run_cli(*cmd)
+        assert_one_line_error(proc, *needles)
+        assert proc.returncode == 2, proc.stderr
+
+
+def test_missing_part(parts_copy):
+    parts_copy[2].unlink()
+    _refused(parts_copy[0], parts_copy[2].name, "part 3 of 3", "missing")
+
+
+def test_part_of_another_model(parts_copy, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    whole = other / "whole.gguf"
+    make_model(whole, seed=8, **SPLIT_ARCHES[ModelLayout.open(parts_copy[0]).arch])  # same shape, other weights
+    theirs = write_split(whole, str(other / "m"), _three_part_size(whole))
+    assert len(theirs) == N_PARTS
+    shutil.copyfile(theirs[1], parts_copy[1])
+    _refused(parts_copy[0], parts_copy[1].name, "another model")
+
+
+def test_part_given_first(parts_copy):
+    _refused(parts_copy[1], parts_copy[1].name, "part 2 of 3", "first part", "-00001-of-00003.gguf")
+
+
+def test_wrong_split_no(parts_copy):
+    _set_key(parts_copy[2], "split.no", "<H", 1)
+    _refused(parts_copy[0], parts_copy[2].name, "part 2 of 3", "expected part 3 of 3")
+
+
+def test_wrong_split_count(parts_copy):
+    _set_key(parts_copy[1], "split.count", "<H", 4)
+    _refused(parts_copy[0], parts_copy[1].name, "of 4", "expected part 2 of 3")
+
+
+def test_tensor_count_mismatch(parts_copy):
+    for p in parts_copy:
+        _set_key(p, "split.tensors.count", "<i", 1000)
+    _refused(parts_copy[0], parts_copy[0].name, "split.tensors.count is 1000")
+
+
+def test_first_part_misnamed(parts_copy):
+    renamed = parts_copy[0].with_name("model.gguf")
+    parts_copy[0].rename(renamed)
+    _refused(renamed, "model.gguf", "-00001-of-00003.gguf")
+
+
+def test_truncated_part(parts_copy):
+    with open(parts_copy[1], "r+b") as f:
+        f.truncate(os.path.getsize(parts_copy[1]) - 4096)
+    _refused(parts_copy[0], parts_copy[1].name)
