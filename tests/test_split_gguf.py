@@ -218,3 +218,68 @@ def test_truncated_part(parts_copy):
     with open(parts_copy[1], "r+b") as f:
         f.truncate(os.path.getsize(parts_copy[1]) - 4096)
     _refused(parts_copy[0], parts_copy[1].name)
+
+
+# ---- a swarm served from a split model (real processes) ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_backbone_node_serves_a_swarm_from_the_first_part(pair, tmp_path):
+    """`node --role backbone --model <first part>` with a manifest of the split model: a worker with
+    no shard downloads its slice from it (the shard server reads the parts) and gets the unsplit
+    model's slice byte for byte; with a second worker (a shard cut from the parts) the backbone
+    answers a completion through the swarm as the unsplit model does alone, no fallback."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from helpers.procs import Proc, assert_swarm_logits_exact, start_bootstrap, start_shard_workers, wait_until
+    from p2pswarm.model.slicer import slice_experts
+
+    whole, first = pair
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
+    lay = ModelLayout.open(first)
+    fp, last, half = model_fingerprint(lay), lay.n_layer - 1, lay.n_expert // 2
+    key = tmp_path / "issuer.key"
+    issuer = run_cli("identity", "--path", str(key), env=env, check=True).stdout.split()[-1]
+    worker_id = run_cli("identity", "--path", str(tmp_path / "w.key"), env=env, check=True).stdout.split()[-1]
+    manifest, token = tmp_path / "m.manifest", tmp_path / "w.token"
+    run_cli("manifest", "--model", str(first), "--key", str(key), "--out", str(manifest), env=env, check=True)
+    run_cli("token", "issue", "--key", str(key), "--peer", worker_id, "--allow",
+            f"shard:{fp}:0-{last}:{half}-{lay.n_expert - 1}", "--ttl", "1h", "--out", str(token), env=env, check=True)
+    nodes: list[Proc] = []
+    try:
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        bb = Proc(["node", "--role", "backbone", "--model", str(first), "--manifest", str(manifest),
+                   "--bootstrap", boot.addr, "--http", "127.0.0.1:0", "--identity", str(tmp_path / "bb.key")],
+                  tmp_path / "bb.log", env)
+        nodes.append(bb)
+        nodes.append(Proc(["node", "--role", "worker", "--model", fp, "--layers", f"0-{last}", "--experts",
+                           f"{half}-{lay.n_expert - 1}", "--token", str(token), "--trust-issuer", issuer,
+                           "--bootstrap", boot.addr, "--identity", str(tmp_path / "w.key")], tmp_path / "w.log", env))
+        downloaded = tmp_path / "home" / "shards" / f"{fp[:16]}-L0-{last}-E{half}-{lay.n_expert - 1}.gguf"
+        sliced = tmp_path / "sliced.gguf"
+        slice_experts(whole, sliced, None, (half, lay.n_expert))
+        assert downloaded.read_bytes() == sliced.read_bytes()
+        nodes += start_shard_workers(first, tmp_path, env, [(0, half)], boot.addr)
+
+        base = next(w for w in bb.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
+        with httpx.Client(base_url=base, timeout=120) as c:
+            wait_until(lambda: len(c.get("/v1/swarm").json()["workers"]) == 2, timeout=60, interval=0.5,
+                       what="both workers seen by the backbone")
+            r = c.post("/v1/completions", json={"prompt": "Hello swarm", "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["text"]
+            fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+        alone = run_cli("generate", str(whole), "--prompt", "Hello swarm", "--max-tokens", "8", env=env, check=True)
+        assert text and alone.stdout == "Hello swarm" + text + "\n"
+
+        def total(name: str) -> float:
+            return sum(s.value for s in fams[name].samples if s.name.endswith("_total"))
+
+        assert total("p2pswarm_expert_requests") > 0 and total("p2pswarm_expert_fallbacks") == 0
+        # and a backbone process of its own (`logits --swarm` on the first part): the monolithic bits
+        assert_swarm_logits_exact(first, ",".join(map(str, TOKENS)), boot.addr, tmp_path, env, decode=True)
+    finally:
+        for n in reversed(nodes):
+            n.stop()
