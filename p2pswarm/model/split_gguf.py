@@ -115,6 +115,16 @@ def is_split(reader: GGUFReader) -> bool:
     return KEY_SPLIT_COUNT in reader.fields
 
 
+def check_first_part(path: str | Path, reader: GGUFReader) -> None:
+    """A one-line :class:`ModelFormatError` when ``path`` is a split model's part other than the
+    first (for readers of metadata only, which the first part holds: the tokenizer)."""
+    no = _int_key(reader, KEY_SPLIT_NO, Path(path)) if is_split(reader) else None
+    if no:
+        count = _int_key(reader, KEY_SPLIT_COUNT, Path(path)) or 0
+        first = f"{split_prefix(path, no, count) or '<name>'}-00001-of-{count:05d}.gguf"
+        raise ModelFormatError(f"{path}: this is part {no + 1} of {count} of a split model: give its first part ({first})")
+
+
 class SplitGGUFReader(GGUFReader):
     """The merged view of a split model, with the :class:`gguf.GGUFReader` attributes p2pswarm
     reads: ``fields`` (the first part's, without the split keys), ``tensors`` (all parts', offsets
@@ -130,10 +140,9 @@ class SplitGGUFReader(GGUFReader):
         fingerprint = _str_key(first, KEY_SPLIT_FINGERPRINT)
         if count is None or count < 1:
             raise ModelFormatError(f"{path}: split.count is {count}: not a usable split model")
-        if no != 0:
-            want = f"{split_prefix(path, no, count) or '<name>'}-00001-of-{count:05d}.gguf" if no is not None else "its first part"
-            raise ModelFormatError(f"{path}: this is part {'?' if no is None else no + 1} of {count} of a split model: "
-                                   f"give its first part ({want})")
+        check_first_part(path, first)
+        if no is None:
+            raise ModelFormatError(f"{path}: split.count is {count} but split.no is missing")
         prefix = split_prefix(path, 0, count)
         if count > 1 and prefix is None:
             raise ModelFormatError(f"{path}: the first of {count} parts must be named <name>-00001-of-{count:05d}.gguf "
@@ -215,5 +224,5 @@ class SplitGGUFReader(GGUFReader):
 
 __all__ = [
     "GGUFPart", "KEY_SPLIT_COUNT", "KEY_SPLIT_FINGERPRINT", "KEY_SPLIT_NO", "KEY_SPLIT_TENSORS", "PartMap",
-    "SPLIT_KEYS", "SplitGGUFReader", "is_split", "split_path", "split_prefix",
+    "SPLIT_KEYS", "SplitGGUFReader", "check_first_part", "is_split", "split_path", "split_prefix",
 ]
