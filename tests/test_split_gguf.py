@@ -6,6 +6,7 @@ The models are the tiny random-weight ones ``make-model`` writes, unsplit and cu
 :data:`SPLIT_ARCHES` (add one there, with its make_model options, to cover it)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -16,10 +17,11 @@ import numpy as np
 import pytest
 
 from p2pswarm.model.layout import ModelLayout
-from p2pswarm.model.manifest import model_fingerprint, read_manifest
+from p2pswarm.model.manifest import build_manifest, model_fingerprint, read_manifest
 from p2pswarm.model.split_gguf import split_path
 from p2pswarm.model.split_write import plan_parts, write_split
 from p2pswarm.model.synth import make_model
+from p2pswarm.net.identity import Identity
 
 from conftest import assert_one_line_error, needs_llama, run_cli
 from helpers.llama_ref import llama_logits
@@ -44,15 +46,24 @@ def _three_part_size(path: Path) -> int:
     raise AssertionError("no size gives 3 parts")
 
 
-@pytest.fixture(scope="module", params=list(SPLIT_ARCHES))
-def pair(request, tmp_path_factory) -> tuple[Path, Path]:
-    """(the unsplit model, the first of its 3 parts)."""
-    d = tmp_path_factory.mktemp(f"split-{request.param}")
+def _make_pair(d: Path, arch: str) -> tuple[Path, Path]:
     whole = d / "whole.gguf"
-    make_model(whole, seed=7, **SPLIT_ARCHES[request.param])
+    make_model(whole, seed=7, **SPLIT_ARCHES[arch])
     parts = write_split(whole, str(d / "model"), _three_part_size(whole))
     assert [p.name for p in parts] == [f"model-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
     return whole, parts[0]
+
+
+@pytest.fixture(scope="module", params=list(SPLIT_ARCHES))
+def pair(request, tmp_path_factory) -> tuple[Path, Path]:
+    """(the unsplit model, the first of its 3 parts), for each architecture."""
+    return _make_pair(tmp_path_factory.mktemp(f"split-{request.param}"), request.param)
+
+
+@pytest.fixture(scope="module")
+def one_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """The same for one architecture: what a broken part does does not depend on it."""
+    return _make_pair(tmp_path_factory.mktemp("split-bad"), "qwen3moe")
 
 
 def test_split_reads_as_the_unsplit_file(pair):
@@ -73,12 +84,32 @@ def test_split_reads_as_the_unsplit_file(pair):
                a.view(int(ta.data_offset), int(ta.n_bytes)).tobytes()
     for layer, kinds in a.expert_tensors.items():
         assert b.expert_tensors[layer] == kinds
+    # the signed manifest (every byte hashed, offsets, header hash, size): the same, signature too
+    issuer = Identity.generate()
+    assert build_manifest(first, issuer, now=1).encode() == build_manifest(whole, issuer, now=1).encode()
 
 
 @needs_llama
 def test_llama_cpp_loads_the_parts_and_computes_the_same_logits(pair):
     whole, first = pair
     assert np.array_equal(llama_logits(first, TOKENS), llama_logits(whole, TOKENS))
+
+
+@needs_llama
+def test_quantised_split_model(tmp_path):
+    """Q8_0 (dense matrices on ggml's quantised kernels, mapped on the parts): llama.cpp and our
+    logits read the parts as the unsplit file."""
+    whole = tmp_path / "q8.gguf"
+    make_model(whole, qtype="q8_0", seed=9)
+    first = write_split(whole, str(tmp_path / "q8"), _three_part_size(whole))[0]
+    assert np.array_equal(llama_logits(first, TOKENS), llama_logits(whole, TOKENS))
+    got = []
+    for model in (whole, first):
+        out = tmp_path / f"{model.stem}.npy"
+        run_cli("logits", str(model), "--tokens", ",".join(map(str, TOKENS)), "--out", str(out), "--kernel", "ggml",
+                check=True)
+        got.append(np.load(out))
+    assert np.array_equal(got[0], got[1])
 
 
 def test_slices_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path):
@@ -111,6 +142,7 @@ def test_generate_from_a_split_model(pair):
     assert texts[0] == texts[1] and texts[0].strip()
 
 
+@pytest.mark.slow
 def test_manifest_of_a_split_model_equals_the_unsplit_ones(pair, tmp_path):
     whole, first = pair
     key = tmp_path / "issuer.key"
@@ -143,9 +175,9 @@ def test_make_model_writes_parts_with_progress(tmp_path):
 
 
 @pytest.fixture
-def parts_copy(pair, tmp_path) -> list[Path]:
+def parts_copy(one_pair, tmp_path) -> list[Path]:
     """A private copy of the 3 parts (the tests break them)."""
-    _whole, first = pair
+    _whole, first = one_pair
     prefix = str(first)[: -len("-00001-of-00003.gguf")]
     out = []
     for i in range(N_PARTS):
@@ -164,17 +196,24 @@ def _set_key(path: Path, key: str, fmt: str, value) -> None:
     path.write_bytes(bytes(data))
 
 
-def _refused(model: Path, *needles: str) -> None:
-    for cmd in (["slice", str(model), "--backbone", "-o", str(model.parent / "bb.gguf")],
-                ["logits", str(model), "--tokens", "1,2", "--out", str(model.parent / "l.npy")]):
-        proc = run_cli(*cmd)
-        assert_one_line_error(proc, *needles)
-        assert proc.returncode == 2, proc.stderr
+def _refused(model: Path, *needles: str, cmd: str = "slice") -> None:
+    """``cmd`` on ``model`` exits 2 with one line holding every needle (all commands open a model
+    the same way: ModelLayout.open)."""
+    args = {"slice": ["slice", str(model), "--backbone", "-o", str(model.parent / "bb.gguf")],
+            "logits": ["logits", str(model), "--tokens", "1,2", "--out", str(model.parent / "l.npy")],
+            "manifest": ["manifest", "--model", str(model), "--key", str(model.parent / "k.key"),
+                         "--out", str(model.parent / "m.manifest")]}[cmd]
+    if cmd == "manifest":
+        run_cli("identity", "--path", str(model.parent / "k.key"), check=True)
+    proc = run_cli(*args)
+    assert_one_line_error(proc, *needles)
+    assert proc.returncode == 2, proc.stderr
+    assert not (model.parent / "bb.gguf").exists() and not (model.parent / "m.manifest").exists()
 
 
 def test_missing_part(parts_copy):
     parts_copy[2].unlink()
-    _refused(parts_copy[0], parts_copy[2].name, "part 3 of 3", "missing")
+    _refused(parts_copy[0], parts_copy[2].name, "part 3 of 3", "missing", cmd="logits")
 
 
 def test_part_of_another_model(parts_copy, tmp_path):
@@ -185,7 +224,7 @@ def test_part_of_another_model(parts_copy, tmp_path):
     theirs = write_split(whole, str(other / "m"), _three_part_size(whole))
     assert len(theirs) == N_PARTS
     shutil.copyfile(theirs[1], parts_copy[1])
-    _refused(parts_copy[0], parts_copy[1].name, "another model")
+    _refused(parts_copy[0], parts_copy[1].name, "another model", cmd="manifest")
 
 
 def test_part_given_first(parts_copy):
@@ -205,7 +244,7 @@ def test_wrong_split_count(parts_copy):
 def test_tensor_count_mismatch(parts_copy):
     for p in parts_copy:
         _set_key(p, "split.tensors.count", "<i", 1000)
-    _refused(parts_copy[0], parts_copy[0].name, "split.tensors.count is 1000")
+    _refused(parts_copy[0], parts_copy[0].name, "split.tensors.count is 1000", cmd="logits")
 
 
 def test_first_part_misnamed(parts_copy):
@@ -278,6 +317,9 @@ def test_backbone_node_serves_a_swarm_from_the_first_part(pair, tmp_path):
             return sum(s.value for s in fams[name].samples if s.name.endswith("_total"))
 
         assert total("p2pswarm_expert_requests") > 0 and total("p2pswarm_expert_fallbacks") == 0
+        status = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(first), "--kernel", "numpy",
+                         "--json", env=env, check=True)
+        assert json.loads(status.stdout.strip().splitlines()[-1])["missing"] == 0
         # and a backbone process of its own (`logits --swarm` on the first part): the monolithic bits
         assert_swarm_logits_exact(first, ",".join(map(str, TOKENS)), boot.addr, tmp_path, env, decode=True)
     finally:
