@@ -365,10 +365,7 @@ class PortableExpertBank:
         self.implementation = "numpy" if isinstance(self.ops, NumpyOps) else "c"
         self.threads = check_threads(threads)
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 and self.implementation == "c" else None
-        if layout.part_map is not None and layout.part_map.split:  # its C calls take one base address
-            raise UserError(f"{layout.path}: the portable kernel computes from one file, not a split model: "
-                            f"use --kernel ggml or numpy, or give it a shard cut with `p2pswarm slice`")
-        self._data = layout.reader.data
+        self._data = layout.parts[0].data  # offsets below are from its address (a split model: other maps too)
         self._base = self._data.ctypes.data
         self._experts: dict[tuple[int, int], tuple] = {}
         self._check_types()
@@ -400,7 +397,7 @@ class PortableExpertBank:
             off, _ = t.slab(local)
             wtype, k = int(t.ggml_type), int(t.shape[2])
             rows = int(t.shape[1]) if rows is None else rows
-            return wtype, off + row0 * row_bytes(wtype, k), rows, k
+            return wtype, self._offset(off + row0 * row_bytes(wtype, k), rows * row_bytes(wtype, k)), rows, k
 
         if "gate_up" in tensors:
             ff = tensors["gate_up"].shape[1] // 2
@@ -410,6 +407,18 @@ class PortableExpertBank:
         self._experts[(layer, expert)] = got
         return got
 
+    def _offset(self, off: int, n: int) -> int:
+        """The model's bytes at ``off`` as an offset from ``self._base``: the same number for one
+        file; for a split model, the address in the part's map that holds them, less the base."""
+        part, part_off = self.layout.locate(off, n)
+        return part.data.ctypes.data + part_off - self._base
+
+    def _bytes(self, off: int, n: int) -> np.ndarray:
+        """``n`` bytes at ``_base + off`` (an offset :meth:`_offset` made), as a uint8 view."""
+        if 0 <= off and off + n <= self._data.nbytes:
+            return self._data[off: off + n]
+        return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(self._base + off))  # another part's map
+
     def _act(self, wtype: int, x: np.ndarray):
         if wtype in (F32, F16):
             return x
@@ -418,7 +427,7 @@ class PortableExpertBank:
     def _matmul(self, m, act, n: int) -> np.ndarray:
         wtype, off, rows, k = m
         if isinstance(self.ops, NumpyOps):
-            w = self._data[off: off + rows * row_bytes(wtype, k)]
+            w = self._bytes(off, rows * row_bytes(wtype, k))
             return self.ops.matmul(wtype, w, rows, k, act, n)
         out = np.empty((n, rows), np.float32)
         ptr = self._base + off
