@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from p2pswarm.model.gguf_read import read_gguf_kv
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import build_manifest, model_fingerprint, read_manifest
 from p2pswarm.model.split_gguf import split_path
@@ -87,6 +88,42 @@ def test_split_reads_as_the_unsplit_file(pair):
     # the signed manifest (every byte hashed, offsets, header hash, size): the same, signature too
     issuer = Identity.generate()
     assert build_manifest(first, issuer, now=1).encode() == build_manifest(whole, issuer, now=1).encode()
+
+
+def _split_with_gguf_py(whole: Path, out: Path, max_bytes: int) -> Path:
+    """``whole`` rewritten in parts by gguf-py's own writer (``GGUFWriter(split_max_size=)``, what
+    ``convert_hf_to_gguf.py --split-max-size`` writes published models with); the first part."""
+    import gguf
+
+    lay = ModelLayout.open(whole)
+    w = gguf.GGUFWriter(out, lay.arch, split_max_size=max_bytes)
+    for kv in read_gguf_kv(whole):
+        if kv.key != "general.architecture":  # the writer puts it first, as in the unsplit file
+            w.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
+    for t in lay.reader.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=[int(d) for d in reversed(t.shape.tolist())], raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    firsts = sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))
+    assert len(firsts) == 1, firsts
+    return firsts[0]
+
+
+def test_parts_written_by_gguf_py_read_as_the_unsplit_file(pair, tmp_path):
+    """Parts we did not write (gguf-py's writer: no fingerprint key of ours) read the same way."""
+    whole, _first = pair
+    first = _split_with_gguf_py(whole, tmp_path / "conv.gguf", _three_part_size(whole))
+    a, b = ModelLayout.open(whole), ModelLayout.open(first)
+    assert len(b.parts) > 1
+    assert b.header_bytes() == a.header_bytes() and model_fingerprint(b) == model_fingerprint(a)
+    got = []
+    for model in (whole, first):
+        out = tmp_path / f"{model.stem}.npy"
+        run_cli("logits", str(model), "--tokens", ",".join(map(str, TOKENS)), "--out", str(out), check=True)
+        got.append(np.load(out))
+    assert np.array_equal(got[0], got[1])
 
 
 @needs_llama
@@ -190,6 +227,10 @@ def test_make_model_writes_parts_with_progress(tmp_path):
     whole = tmp_path / "whole.gguf"
     make_model(whole, seed=7)
     assert model_fingerprint(ModelLayout.open(parts[0])) == model_fingerprint(ModelLayout.open(whole))
+    for bad in ("lots", "0", "-5M"):
+        proc = run_cli("make-model", "-o", str(tmp_path / "bad.gguf"), f"--split-max-size={bad}")
+        assert_one_line_error(proc, "size", repr(bad))
+        assert proc.returncode == 2 and not list(tmp_path.glob("bad*"))
 
 
 # ---- bad input: one line, exit 2, naming the part --------------------------------------------------
