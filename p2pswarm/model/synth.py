@@ -74,10 +74,14 @@ from p2pswarm.model.synth_tensors import (  # noqa: F401
     Q4_K_BLOCK_BYTES, QK_K, TensorPlan, _plan, _plan_qwen35, _tensor_chunks, _type_size, estimate_nbytes,
     q4_k_d_for_std, random_q4_k_blocks,
 )
+from p2pswarm.model.synth_gptoss import (ARCH_GPTOSS, PRESETS_GPTOSS, GptOssPreset, add_gptoss_keys,
+                                          plan_gptoss, validate_gptoss)
 from p2pswarm.model.synth_vocab import (  # noqa: F401
     BUILTIN_MERGES, BUILTIN_TEXT, CHATML_TEMPLATE, QWEN2_PRETOKENIZER_REGEX, SPECIAL_TOKENS, _n_vocab,
     builtin_tokenizer_kv, builtin_vocab, vocab_tokenizer_kv,
 )
+
+PRESETS_BY_ARCH[ARCH_GPTOSS] = PRESETS_GPTOSS
 
 # ---------------------------------------------------------------------------------------------
 # Writing
@@ -116,6 +120,8 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
             w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
             w.add_ssm_group_count(dims.ssm_group_count)
             w.add_full_attention_interval(dims.full_attention_interval)
+        if isinstance(dims, GptOssPreset):
+            add_gptoss_keys(w, dims)
         w.add_file_type(_file_type(qtype, expert_qtype))
         if any(p.gtype not in (g.GGMLQuantizationType.F32, g.GGMLQuantizationType.F16)
                for p in plans):
@@ -248,6 +254,7 @@ def make_model(
     full_attention_interval: int | None = None,
     n_ff_shexp: int | None = None,
     fused_experts: bool | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
 
@@ -278,11 +285,13 @@ def make_model(
                  ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
                  full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
                  fused_experts=fused_experts)
+    if sliding_window is not None and arch != ARCH_GPTOSS:
+        raise UserError("sliding_window applies only to --arch gpt-oss")
     if arch != "qwen35moe":
         given = [k for k, v in extra.items() if v is not None]
         if given:
             raise UserError(f"{given[0]} applies only to --arch qwen35moe")
-        extra = {}
+        extra = {} if sliding_window is None else {"sliding_window": sliding_window}
     p = _resolve(preset, layers, dict(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
         n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length, **extra),
@@ -297,6 +306,10 @@ def make_model(
     _validate(p, qtype, expert_qtype)
     if isinstance(p, Qwen35Preset):
         _validate_qwen35(p, qtype)
+    if isinstance(p, GptOssPreset):
+        validate_gptoss(p, qtype, expert_qtype)
+        if tied is None:
+            tied = False
 
     if out.is_dir():
         raise UserError(f"output {out} is a directory")
@@ -312,8 +325,11 @@ def make_model(
     if tied is None:
         tied = n_vocab > 32768
     dims = p
-    planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else _plan
-    plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
+    if isinstance(dims, GptOssPreset):
+        plans = plan_gptoss(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie, TensorPlan, _type_size)
+    else:
+        planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else _plan
+        plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
 
     need_bytes = estimate_nbytes(plans) * (2 if qtype == "q4_k_m" else 1) + (64 << 20)
     try:

@@ -19,14 +19,14 @@ def _gguf():
 
 
 ARCH = "qwen3moe"
-ARCHES = ("qwen3moe", "qwen35moe")
+ARCHES = ("qwen3moe", "qwen35moe", "gpt-oss")
 SYNTH_VERSION = 1  # bump when the bytes a given set of options produces change
 
 #: ``progress(done_bytes, total_bytes, what)``; called after every tensor and between chunks.
 Progress = Callable[[int, int, str], None]
 
 QTYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
-EXPERT_QTYPES = ("q4_k",)
+EXPERT_QTYPES = ("q4_k", "mxfp4")
 
 ROUTER_NEAR_TIE_SCALE = 0.01
 NORM_NOISE = 0.02
@@ -93,6 +93,7 @@ PRESETS_QWEN35: dict[str, Qwen35Preset] = {
 }
 
 PRESETS_BY_ARCH: dict[str, dict[str, Preset]] = {"qwen3moe": PRESETS, "qwen35moe": PRESETS_QWEN35}
+# gpt-oss's presets (p2pswarm.model.synth_gptoss) are added by p2pswarm.model.synth, which imports both
 
 # make_model keywords that only a qwen35moe shape has.
 QWEN35_OPTIONS = ("n_rot", "rope_sections", "ssm_state_size", "ssm_group_count", "ssm_time_step_rank",
@@ -132,6 +133,8 @@ def _validate(p: Preset, qtype: str, expert_qtype: str | None) -> None:
     block = 32
     if qtype == "q4_k_m" or expert_qtype == "q4_k":
         block = 256
+    elif expert_qtype == "mxfp4" and qtype in ("f32", "f16", "bf16"):
+        block = 32
     elif qtype in ("f32", "f16", "bf16"):
         block = 1
     for name in ("n_embd", "n_ff_exp"):
@@ -175,7 +178,9 @@ def _file_type(qtype: str, expert_qtype: str | None) -> int:
     g = _gguf()
     F = g.LlamaFileType
     if expert_qtype == "q4_k":
-        return int(F.MOSTLY_Q4_K_M)  # by bytes the file is almost all Q4_K experts
+        return int(F.MOSTLY_Q4_K_M)
+    if expert_qtype == "mxfp4":
+        return int(F.MOSTLY_MXFP4_MOE)  # by bytes the file is almost all Q4_K experts
     return int({"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0,
                 "q4_k_m": F.ALL_F32}[qtype])
 
