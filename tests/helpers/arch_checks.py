@@ -1,0 +1,87 @@
+"""Pieces the architecture tests share (qwen35moe, gpt-oss): the token ids every reference check
+feeds, the logits tolerance against llama.cpp, a monolithic forward pass through an arch object and
+a bank, a GGUF copy with keys changed or dropped, and the batching schedule (batched == alone)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFWriter
+
+from p2pswarm.backbone.runner import combine, expert_groups
+from p2pswarm.model.layout import field_value
+
+TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
+          33, 71, 2, 118, 199, 45, 88, 301]
+
+
+def tolerance(ref: np.ndarray) -> float:
+    return 1e-4 + 2e-5 * float(np.abs(ref).max())
+
+
+def forward(model, bank, tokens, state=None, pos0=0):
+    """Monolithic forward through the arch object and the bank, without the async backbone."""
+    state = state or model.new_state()
+    h = model.embed(np.asarray(tokens))
+    for il in range(model.n_layer):
+        h = model.pre_moe(il, h, state, pos0)
+        cur = model.ffn_input(il, h)
+        ids, w = model.route(il, cur)
+        groups = expert_groups(ids)
+        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
+        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
+    return model.output(h)
+
+
+def rewrite(src: Path, dst: Path, *, drop_key: str | None = None, drop_tensor: str | None = None,
+            set_keys: dict | None = None) -> Path:
+    """A copy of a GGUF without one key or tensor, or with keys added (``{key: (value, type, sub)}``)."""
+    r = GGUFReader(src)
+    arch = field_value(r.fields["general.architecture"])
+    w = GGUFWriter(dst, arch)
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", drop_key) or key in (set_keys or {}):
+            continue
+        w.add_key_value(key, field_value(f), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for key, (value, vtype, sub) in (set_keys or {}).items():
+        w.add_key_value(key, value, vtype, sub)
+    for t in r.tensors:
+        if t.name != drop_tensor:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+# (sequence, tokens) per step: prefill chunks of different lengths mixed with decode rows, sequences
+# joining late and one leaving early
+SCHEDULE = [
+    [(0, [17, 3, 250, 99, 4, 4, 301]), (1, [12, 77, 5])],
+    [(0, [160]), (1, [42, 8, 200, 31, 64]), (2, [9, 120, 2, 88])],
+    [(0, [270]), (1, [15]), (2, [6]), (3, [190, 11, 23, 47, 51, 302, 13, 7, 91])],
+    [(1, [33]), (2, [400]), (3, [1])],
+    [(0, [2]), (2, [8]), (3, [77, 78])],
+]
+
+
+async def run_schedule(backbone, invariant: bool) -> list[list[np.ndarray]]:
+    states = {}
+    out: list[list[np.ndarray]] = []
+    for step in SCHEDULE:
+        items = [(toks, states.setdefault(s, backbone.new_state())) for s, toks in step]
+        out.append(await backbone.forward_batch(items, batch_invariant=invariant))
+    return out
+
+
+async def alone(backbone) -> dict[tuple[int, int], np.ndarray]:
+    """Each sequence of SCHEDULE on its own, fed the same chunks: (step, sequence) -> logits."""
+    res = {}
+    for seq in range(4):
+        state = backbone.new_state()
+        for i, step in enumerate(SCHEDULE):
+            for s, toks in step:
+                if s == seq:
+                    res[(i, s)] = (await backbone.forward_batch([(toks, state)], batch_invariant=True))[0]
+    return res
