@@ -351,3 +351,37 @@ def test_missing_key_or_tensor_is_one_line(models_dir, tmp_path, drop):
                    drop_key=name if what == "key" else None, drop_tensor=name if what == "tensor" else None)
     proc = run_cli("logits", str(bad), "--tokens", "1,2,3", "--out", str(tmp_path / "x.npy"), "--workers", "0")
     assert_one_line_error(proc, name)
+
+
+@needs_llama
+@needs_ggml
+@pytest.mark.slow
+def test_geometry_gpt_oss_120b_loads_in_llama_cpp(tmp_path):
+    """gpt-oss-120b's layer geometry (2 layers, MXFP4 experts, Q8_0 dense): llama.cpp's loader takes
+    it, and on llama.cpp's own rows each layer routes as it does and the ggml kernel's experts give
+    its MoE output (128 experts, top-4, ff 2880, 64 heads of 64, window 128 on layer 0)."""
+    from p2pswarm.backbone.runner import combine, expert_groups
+
+    path = tmp_path / "g.gguf"
+    make_model(path, arch="gpt-oss", preset="geometry-gpt-oss-120b", layers=2, qtype="q8_0")
+    try:
+        info = describe(path)
+        assert info["bytes_per_expert"] == 13_253_760 and info["expert_types"] == ["F32", "MXFP4"]
+        layout = ModelLayout.open(path)
+        model = load_dense(layout)
+        assert (model.n_embd, model.n_head, model.n_head_kv, model.head_dim, model.n_expert, model.n_expert_used,
+                model.n_ff_exp, model.n_swa, model.swa) == (2880, 64, 8, 64, 128, 4, 2880, 128, [True, False])
+        assert model.freq_scale == 1 / 32 and model.ext_factor == 1.0 and model.n_ctx_orig == 4096
+        names = {f"{n}-{il}" for il in range(2) for n in ("attn_post_norm", "ffn_moe_topk", "ffn_moe_out")}
+        cap = llama_intermediates(path, TOKENS[:8], names)
+        bank = GgmlExpertBank(layout)
+        for il in range(2):
+            cur = np.ascontiguousarray(cap[f"attn_post_norm-{il}"])
+            ids, w = model.route(il, cur)
+            assert np.array_equal(ids, cap[f"ffn_moe_topk-{il}"]), il
+            groups = expert_groups(ids)
+            moe = combine(ids, w, groups, dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups))))
+            ref = cap[f"ffn_moe_out-{il}"]
+            assert float(np.linalg.norm(moe - ref) / np.linalg.norm(ref)) < 1e-5
+    finally:
+        path.unlink(missing_ok=True)
