@@ -325,6 +325,35 @@ def test_geometry_glm45_shape():
     assert _resolve("geometry-glm45", 10, {}, PRESETS_GLM4).n_dense == 3
 
 
+@needs_llama
+@needs_ggml
+@pytest.mark.slow
+async def test_geometry_glm45_runs_in_llama_cpp_and_routes_as_it_does(tmp_path):
+    """GLM-4.5's per-layer and per-expert size (--layers 2: a dense layer, a MoE layer and the
+    NextN block; Q4_K experts, Q8_0 dense; 5.0 GB): llama.cpp runs it, and a prefill under the
+    ggml kernel picks llama.cpp's 8 of 160 experts for every token."""
+    path = tmp_path / "g.gguf"
+    make_model(path, arch="glm4moe", preset="geometry-glm45", layers=2, qtype="q8_0")
+    try:
+        info = describe(path)
+        assert info["bytes_per_expert"] == 13_271_040 and info["expert_types"] == ["Q4_K"]
+        toks = TOKENS[:16]
+        free = llama_routing(path, toks)
+        ref = llama_logits(path, toks)
+        async with open_backbone(path, workers=0, kernel="ggml") as swarm:
+            model, seen = swarm.backbone.model, {}
+            assert (model.n_dense, model.n_layer, model.n_expert, model.router.scale) == (1, 2, 160, 2.5)
+            route = model.route
+            model.route = lambda il, cur: seen.setdefault(il, route(il, cur))
+            ours = await swarm.backbone.logits(toks)
+        assert sorted(free) == [1] and seen[0][0].shape == (16, 0) and np.array_equal(seen[1][0], free[1])
+        print(f"geometry-glm45 --layers 2: max |logit - llama.cpp| {np.abs(ours - ref).max():.3g} "
+              f"(max |logit| {np.abs(ref).max():.3g})")
+        assert (np.argmax(ours, axis=1) == np.argmax(ref, axis=1)).all()
+    finally:
+        path.unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("key, value, vtype, needle", [
     ("glm4moe.expert_group_count", 3, T.UINT32, "glm4moe.expert_group_count"),  # 16 % 3
     ("glm4moe.expert_gating_func", 4, T.UINT32, "glm4moe.expert_gating_func"),

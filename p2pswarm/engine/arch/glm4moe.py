@@ -22,7 +22,7 @@ NextN / MTP: GLM-4.5 files carry ``nextn_predict_layers`` (1) extra blocks after
 ``blk.{n_layer}.*``, with ``nextn.eh_proj``, ``nextn.enorm``, ``nextn.hnorm``, ``nextn.shared_head_norm``
 and a full MoE block. They serve speculative decoding (llama.cpp builds them in a separate MTP
 graph, never in the forward pass); here they are not loaded and never run. Their routed-expert
-tensors are still listed by the layout, so a worker slicing "all layers" holds them (1/93 of the
+tensors are still listed by the layout, so a worker slicing "all layers" holds them (1/90 of the
 experts at GLM-4.5's geometry) though no request ever asks for them.
 """
 from __future__ import annotations
