@@ -133,6 +133,8 @@ def test_q4_k_m_routing_matches_llama_cpp(models_dir):
     layout = ModelLayout.open(path)
     model = load_dense(layout)
     assert use_kernel_for_dense(model, "ggml") > 0  # the dense mat-muls on ggml's kernels
+    for name in ("blk.0.ffn_gate.weight", "blk.0.attn_q.weight", "blk.1.ffn_down_shexp.weight", "output.weight"):
+        assert type(model.w[name]).__name__ == "QuantisedMatrix", name  # dense FFN, attention, shared, head
     bank = make_bank(layout, "ggml")
     moe_layers = range(model.n_dense, model.n_layer)
     names = {f"{n}-{il}" for il in range(model.n_layer) for n in ("post_attn_norm", "l_out")}
