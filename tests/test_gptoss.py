@@ -36,11 +36,12 @@ from p2pswarm.model.slicer import slice_backbone, slice_experts
 from p2pswarm.model.synth import describe, make_model
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
-from helpers.arch_checks import SCHEDULE, TOKENS, tolerance
+from helpers.arch_checks import SCHEDULE, TOKENS
 from helpers.arch_checks import alone as _alone
 from helpers.arch_checks import forward as _forward
-from helpers.arch_checks import rewrite as _rewrite
 from helpers.arch_checks import run_schedule as _run_schedule
+from helpers.compare import tolerance
+from helpers.gguf_edit import rewrite as _rewrite
 from helpers.ggml import needs_ggml
 from helpers.llama_ref import llama_intermediates
 

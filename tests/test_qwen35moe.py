@@ -32,9 +32,10 @@ from p2pswarm.model.synth import describe, make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
-from helpers.arch_checks import TOKENS, tolerance
+from helpers.arch_checks import TOKENS
 from helpers.arch_checks import forward as _forward
-from helpers.arch_checks import rewrite as _rewrite
+from helpers.compare import assert_logits_close, tolerance
+from helpers.gguf_edit import rewrite as _rewrite
 from helpers.llama_ref import llama_intermediates
 
 F32 = np.float32
@@ -73,7 +74,6 @@ async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc"):
 
 
 
-
 # ---------------------------------------------------------------------------------------------
 # F32 logits against llama.cpp
 
@@ -84,13 +84,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant):
     path = q35_model(models_dir, variant)
     ref = llama_logits(path, TOKENS)
     prefill, decode, _ = await our_logits(path)
-    tol = tolerance(ref)
-    assert np.abs(ref).max() > 1.0  # real logits, not a degenerate model
-    for what, ours in (("prefill", prefill), ("decode", decode)):
-        diff = float(np.abs(ours - ref).max())
-        print(f"qwen35moe {variant} {what}: max |diff| vs llama.cpp {diff:.3g} (tolerance {tol:.3g})")
-        assert diff <= tol, f"{variant} {what}: max |diff| {diff} > {tol}"
-        assert (np.argmax(ours, axis=1) == np.argmax(ref, axis=1)).all()
+    assert_logits_close(f"qwen35moe {variant}", ref, prefill=prefill, decode=decode)
     if variant == "fused":  # same weights as "separate": the same function, bit for bit
         sep_prefill, sep_decode, _ = await our_logits(q35_model(models_dir, "separate"))
         assert np.array_equal(prefill, sep_prefill) and np.array_equal(decode, sep_decode)
@@ -442,7 +436,6 @@ def test_teacher_forced_f32_is_exact(models_dir):
 
 # ---------------------------------------------------------------------------------------------
 # Refusals: a qwen35moe GGUF missing what the forward pass needs
-
 
 
 

@@ -1,4 +1,4 @@
-"""``p2pswarm make-model``: write a seeded random-weight qwen3moe, qwen35moe or gpt-oss GGUF (see
+"""``p2pswarm make-model``: write a seeded random-weight qwen3moe, qwen35moe, gpt-oss or glm4moe GGUF (see
 p2pswarm.model.synth)."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     preset_names = sorted({name for presets in PRESETS_BY_ARCH.values() for name in presets})
     p = subparsers.add_parser(
         "make-model",
-        help="write a seeded random-weight qwen3moe, qwen35moe or gpt-oss GGUF (tests, demo, benchmarks)",
+        help="write a seeded random-weight qwen3moe, qwen35moe, gpt-oss or glm4moe GGUF (tests, demo, benchmarks)",
         description=(
             "Write a seeded random-weight MoE GGUF that llama.cpp loads and runs. The same "
             "options and seed always give the same bytes. "
@@ -33,15 +33,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("-o", "--output", required=True, metavar="M.gguf", help="file to write")
     p.add_argument("--arch", choices=list(ARCHES), default="qwen3moe",
                    help="architecture: qwen3moe (default), qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
-                        "+ gated attention + shared expert, the seed's own model) or gpt-oss (attention "
-                        "sinks, alternating sliding window, biased experts with a clamped SwiGLU)")
+                        "+ gated attention + shared expert, the seed's own model), gpt-oss (attention "
+                        "sinks, alternating sliding window, biased experts with a clamped SwiGLU) or glm4moe "
+                        "(GLM-4.5: leading dense layers, sigmoid router with a selection bias, shared expert, a "
+                        "NextN block)")
     p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (default: tiny)")
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="number of layers (default: the preset's)")
     p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
                    help="tensor type: f32 (default), f16, q8_0 (norms and router stay F32), "
                         "q4_k_m (llama.cpp's quantiser; needs p2pswarm[llama]). geometry-122b's "
-                        "experts are Q4_K whatever this says")
+                        "and geometry-glm45's experts are Q4_K whatever this says")
     p.add_argument("--vocab", metavar="FILE.gguf|qwen35",
                    help="copy the tokenizer.ggml.* vocabulary of this GGUF; 'qwen35': the real Qwen3.5 "
                         "vocabulary shipped with p2pswarm (p2pswarm/data/ggml-vocab-qwen35.gguf); default: a "

@@ -1,22 +1,15 @@
 """Pieces the architecture tests share (qwen35moe, gpt-oss): the token ids every reference check
-feeds, the logits tolerance against llama.cpp, a monolithic forward pass through an arch object and
-a bank, a GGUF copy with keys changed or dropped, and the batching schedule (batched == alone)."""
+feeds, a monolithic forward pass through an arch object and a bank, and the batching schedule
+(batched == alone). The logits tolerance is in helpers.compare, GGUF edits in helpers.gguf_edit."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
-from gguf import GGUFReader, GGUFWriter
 
 from p2pswarm.backbone.runner import combine, expert_groups
-from p2pswarm.model.layout import field_value
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
           33, 71, 2, 118, 199, 45, 88, 301]
-
-
-def tolerance(ref: np.ndarray) -> float:
-    return 1e-4 + 2e-5 * float(np.abs(ref).max())
 
 
 def forward(model, bank, tokens, state=None, pos0=0):
@@ -31,28 +24,6 @@ def forward(model, bank, tokens, state=None, pos0=0):
         partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
         h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
     return model.output(h)
-
-
-def rewrite(src: Path, dst: Path, *, drop_key: str | None = None, drop_tensor: str | None = None,
-            set_keys: dict | None = None) -> Path:
-    """A copy of a GGUF without one key or tensor, or with keys added (``{key: (value, type, sub)}``)."""
-    r = GGUFReader(src)
-    arch = field_value(r.fields["general.architecture"])
-    w = GGUFWriter(dst, arch)
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", drop_key) or key in (set_keys or {}):
-            continue
-        w.add_key_value(key, field_value(f), f.types[0], f.types[-1] if len(f.types) > 1 else None)
-    for key, (value, vtype, sub) in (set_keys or {}).items():
-        w.add_key_value(key, value, vtype, sub)
-    for t in r.tensors:
-        if t.name != drop_tensor:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 # (sequence, tokens) per step: prefill chunks of different lengths mixed with decode rows, sequences
