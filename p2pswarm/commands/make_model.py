@@ -1,4 +1,4 @@
-"""``p2pswarm make-model``: write a seeded random-weight qwen3moe or qwen35moe GGUF (see
+"""``p2pswarm make-model``: write a seeded random-weight qwen3moe, qwen35moe, gpt-oss or glm4moe GGUF (see
 p2pswarm.model.synth)."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     preset_names = sorted({name for presets in PRESETS_BY_ARCH.values() for name in presets})
     p = subparsers.add_parser(
         "make-model",
-        help="write a seeded random-weight qwen3moe or qwen35moe GGUF (tests, demo, benchmarks)",
+        help="write a seeded random-weight qwen3moe, qwen35moe, gpt-oss or glm4moe GGUF (tests, demo, benchmarks)",
         description=(
             "Write a seeded random-weight MoE GGUF that llama.cpp loads and runs. The same "
             "options and seed always give the same bytes. "
@@ -34,15 +34,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("-o", "--output", required=True, metavar="M.gguf", help="file to write")
     p.add_argument("--arch", choices=list(ARCHES), default="qwen3moe",
-                   help="architecture: qwen3moe (default) or qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
-                        "+ gated attention + shared expert, the seed's own model)")
+                   help="architecture: qwen3moe (default), qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
+                        "+ gated attention + shared expert, the seed's own model), gpt-oss (attention "
+                        "sinks, alternating sliding window, biased experts with a clamped SwiGLU) or glm4moe "
+                        "(GLM-4.5: leading dense layers, sigmoid router with a selection bias, shared expert, a "
+                        "NextN block)")
     p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (default: tiny)")
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="number of layers (default: the preset's)")
     p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
                    help="tensor type: f32 (default), f16, q8_0 (norms and router stay F32), "
                         "q4_k_m (llama.cpp's quantiser; needs p2pswarm[llama]). geometry-122b's "
-                        "experts are Q4_K whatever this says")
+                        "and geometry-glm45's experts are Q4_K whatever this says")
     p.add_argument("--vocab", metavar="FILE.gguf|qwen35",
                    help="copy the tokenizer.ggml.* vocabulary of this GGUF; 'qwen35': the real Qwen3.5 "
                         "vocabulary shipped with p2pswarm (p2pswarm/data/ggml-vocab-qwen35.gguf); default: a "
@@ -57,9 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                           "more than 32,768 tokens)")
     p.add_argument("--router-near-tie", action="store_true",
                    help="router weights 100x smaller: top-k margins small but never zero")
-    p.add_argument("--expert-type", dest="expert_qtype", choices=["q4_k"], default=None,
-                   help="write the routed experts directly as random Q4_K blocks "
-                        "(geometry-122b always does)")
+    p.add_argument("--expert-type", dest="expert_qtype", choices=["q4_k", "mxfp4"], default=None,
+                   help="write the routed experts directly as random Q4_K blocks (qwen; geometry-122b "
+                        "always does) or MXFP4 blocks (gpt-oss; geometry-gpt-oss-120b always does)")
     q35 = p.add_argument_group("qwen35moe only")
     q35.add_argument("--fused-experts", action="store_true", default=None,
                      help="store each layer's expert gate and up as one ffn_gate_up_exps tensor "
@@ -75,6 +78,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
     q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
+    oss = p.add_argument_group("gpt-oss only")
+    oss.add_argument("--sliding-window", type=positive_int, metavar="N",
+                     help="positions a sliding-window layer sees (every even layer; default: the preset's, "
+                          "128 as gpt-oss, 8 in tiny)")
     p.add_argument("--split-max-size", metavar="SIZE",
                    help="write a split model, as llama.cpp's gguf-split does: parts of at most SIZE of "
                         "tensor data (e.g. 200M, 2G) named M-00001-of-0000N.gguf for -o M.gguf; "
@@ -173,6 +180,7 @@ def _arch_options(args: argparse.Namespace) -> dict:
         "ssm_time_step_rank": getattr(args, "ssm_time_step_rank", None),
         "ssm_state_size": getattr(args, "ssm_state_size", None),
         "full_attention_interval": getattr(args, "full_attention_interval", None),
+        "sliding_window": getattr(args, "sliding_window", None),
     }
     opts = {k: v for k, v in opts.items() if v is not None}
     if arch == "qwen3moe" and not opts:

@@ -63,6 +63,23 @@ def kernel_id() -> str:
     return f"{FAMILY}/{platform.machine()}"
 
 
+def refusal(layout) -> str | None:
+    """Why the portable kernel cannot compute ``layout``'s experts, or None when it can.
+
+    gpt-oss experts are refused: their clamped SwiGLU (``swiglu_oai``: a sigmoid of 1.702 x) and
+    per-expert biases are not in this kernel's fixed-order integer arithmetic, and neither are
+    their MXFP4 weights (E8M0 scales, E2M1 codes); computing them some other way here would give
+    other bits than a portable peer on another ISA, which is the one thing this kernel promises.
+    A gpt-oss worker therefore answers only in its own kernel's family (see
+    :class:`p2pswarm.worker.expert_worker.ExpertWorker`)."""
+    from p2pswarm.engine.expert_fn import SWIGLU, activation  # noqa: PLC0415
+
+    if activation(layout) != SWIGLU:
+        return (f"the portable kernel does not compute {layout.arch} experts (swiglu_oai, expert biases, "
+                "MXFP4 weights are not in its bit-exact arithmetic); use --kernel ggml or numpy")
+    return None
+
+
 def row_bytes(wtype: int, k: int) -> int:
     values, nbytes = WEIGHT_BLOCK[wtype]
     return k // values * nbytes
@@ -347,6 +364,9 @@ class PortableExpertBank:
     def __init__(self, layout, *, threads: int | None = None, implementation: str | None = None):
         from p2pswarm.engine.ggml_kernel import check_threads  # noqa: PLC0415 - same rule as ggml's
 
+        why = refusal(layout)
+        if why is not None:
+            raise ModelFormatError(f"{layout.path}: {why}")
         self.layout = layout
         self.kernel = kernel_id()
         self.layers = frozenset(layout.expert_layers)
