@@ -162,7 +162,8 @@ def test_slices_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path):
         assert outs[0] == outs[1], args
 
 
-@pytest.mark.parametrize("kernel", ["ggml", "numpy", "portable"])
+@pytest.mark.parametrize("kernel", ["ggml", pytest.param("numpy", marks=pytest.mark.slow),
+                                    pytest.param("portable", marks=pytest.mark.slow)])
 def test_logits_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path, kernel):
     """Equal bits; where a kernel refuses the architecture (portable: gpt-oss), the same refusal."""
     whole, first = pair
