@@ -128,6 +128,21 @@ def test_parts_written_by_gguf_py_read_as_the_unsplit_file(pair, tmp_path):
     assert np.array_equal(got[0], got[1])
 
 
+@pytest.mark.parametrize("count", [1, 0])
+def test_one_part_and_merged_files_read_as_the_unsplit_file(one_pair, tmp_path, count):
+    """One part (split.count 1: gguf-split with a size above the model's) and a file
+    ``gguf-split --merge`` wrote (the split keys kept, split.count 0): the unsplit model, any name."""
+    whole, _first = one_pair
+    (part,) = write_split(whole, str(tmp_path / "one"), 1 << 40)
+    _set_key(part, "split.count", "<H", count)
+    merged = part.rename(tmp_path / "merged.gguf")
+    a, b = ModelLayout.open(whole), ModelLayout.open(merged)
+    assert b.header_bytes() == a.header_bytes() and model_fingerprint(b) == model_fingerprint(a)
+    for model in (whole, merged):
+        run_cli("slice", str(model), "--backbone", "-o", str(tmp_path / f"{model.stem}-bb.gguf"), check=True)
+    assert (tmp_path / "whole-bb.gguf").read_bytes() == (tmp_path / "merged-bb.gguf").read_bytes()
+
+
 @needs_llama
 def test_llama_cpp_loads_the_parts_and_computes_the_same_logits(pair):
     whole, first = pair

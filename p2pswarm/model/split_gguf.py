@@ -138,8 +138,10 @@ class SplitGGUFReader(GGUFReader):
         no = _int_key(first, KEY_SPLIT_NO, path)
         n_tensors = _int_key(first, KEY_SPLIT_TENSORS, path)
         fingerprint = _str_key(first, KEY_SPLIT_FINGERPRINT)
-        if count is None or count < 1:
+        if count is None or count < 0:
             raise ModelFormatError(f"{path}: split.count is {count}: not a usable split model")
+        # gguf-split --merge leaves the split keys in its output with split.count 0: one part, as 1 is
+        count = max(count, 1)
         check_first_part(path, first)
         if no is None:
             raise ModelFormatError(f"{path}: split.count is {count} but split.no is missing")
