@@ -142,6 +142,8 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "dense_ms_layer": 1000 * (h1["dense_s"] - h0["dense_s"]) / layer_steps,
             "wait_ms_layer": 1000 * (h1["dispatch_wait_s"] - h0["dispatch_wait_s"]) / layer_steps,
             "req_per_tok": (h1["expert_requests"] - h0["expert_requests"]) / gen,
+            # the backbone's expert-RPC bytes per generated token, both directions (/health "wire")
+            "bytes_per_tok": wire_total(h1, h0) / gen,
             "fallbacks": d1["fallbacks"] - d0["fallbacks"],
             "local_groups": d1["local_groups"] - d0["local_groups"],
             "remote_groups": d1["remote_groups"] - d0["remote_groups"],
@@ -149,6 +151,12 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "steps": h1["steps"] - h0["steps"], "micro_batches": h1["micro_batches"],
             "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen,
             "cpu_proxies": (cpu1[2] - cpu0[2]) / gen, "cpu_total": (cpu1[3] - cpu0[3]) / gen}
+
+
+def wire_total(h1: dict, h0: dict) -> int:
+    """Bytes the backbone sent to and received from its workers between two /health reads."""
+    w1, w0 = h1.get("wire") or {}, h0.get("wire") or {}
+    return sum(w1.get(k, 0) - w0.get(k, 0) for k in ("sent", "received"))
 
 
 def local_share(r: dict) -> str:
@@ -298,9 +306,9 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         Path(args.json).write_text(json.dumps({"bound": bound, "inproc": inproc,
                                                "results": {str(k): v for k, v in results.items()}}))
     lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | ratio, in-process bound | "
-             "ratio, no-overlap bound | expert requests / token | fallback requests | local groups | steps / micro-batches | "
+             "ratio, no-overlap bound | expert requests / token | wire kB / token | fallback requests | local groups | steps / micro-batches | "
              "backbone CPU ms / token | worker CPU ms / token | proxies CPU ms / token | all CPU ms / token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rtt, best in results.items():
         for n, r in best.items():
             net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
@@ -309,7 +317,7 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
             serial = 1 / inv if inv else float("inf")  # (--no-bound at 0 ms: no bound at all)
             lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
                          f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['tps'] / serial:.2f} | "
-                         f"{r['req_per_tok']:.2f} | {r['fallbacks']} | {local_share(r)} | "
+                         f"{r['req_per_tok']:.2f} | {r['bytes_per_tok'] / 1000:.1f} | {r['fallbacks']} | {local_share(r)} | "
                          f"{r['steps']} / {r['micro_batches']} | "
                          f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} | "
                          f"{r['cpu_proxies'] * 1000:.1f} | {r['cpu_total'] * 1000:.1f} |")

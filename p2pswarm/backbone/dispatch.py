@@ -41,6 +41,7 @@ import trio
 
 from p2pswarm.contracts import ExpertBank, Groups, Owner
 from p2pswarm.errors import WorkerError, WorkerSlow, first_error
+from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
 
 if TYPE_CHECKING:
@@ -185,6 +186,10 @@ class Dispatcher:
         self.offload = Offload()
         self.local = LocalOwner(local, self.offload)
         self.owners = list(owners or [])
+        #: bytes to and from every remote owner this dispatcher ever used (p2pswarm.net.wire_bytes)
+        self.wire = WireBytes()
+        for owner in self.owners:
+            self.adopt(owner)
         self.fallback = fallback
         self.backoff_s = backoff_s
         self.slow_backoff_s = slow_backoff_s  # after a missed deadline (WorkerSlow), not a failure
@@ -212,6 +217,13 @@ class Dispatcher:
         self.banned: dict[str, str] = {}  # worker peer id -> why it gets no requests
         self.ban_epoch = 0  # bumped by every new ban: sequences tainted by the peer must be replayed
         self.ban_listeners: list = []  # fn(peer) told of every new ban (the scheduler wakes up for it)
+
+    def adopt(self, owner: Owner) -> None:
+        """Count ``owner``'s wire bytes into :attr:`wire` too (an owner added after construction,
+        e.g. by :class:`~p2pswarm.backbone.libp2p_owner.SwarmOwners`)."""
+        wire = getattr(owner, "wire", None)
+        if wire is not None:
+            wire.parent = self.wire
 
     def ban(self, peer: str, reason: str) -> None:
         """Send ``peer`` nothing from now on (its experts go to another owner or the local replica)."""

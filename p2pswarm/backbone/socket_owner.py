@@ -42,6 +42,7 @@ from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.wire_bytes import CountingStream, WireBytes
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -93,6 +94,9 @@ class SocketOwner(Owner):
         #: ends the worker's back-off then, instead of waiting it out
         self.recovered_at: float | None = None
         self.late_rows = 0  # rows of late replies read and dropped (recomputed locally instead)
+        #: bytes sent to / received from this worker, every connection (p2pswarm.net.wire_bytes);
+        #: the dispatcher sets its parent (the backbone's total)
+        self.wire = WireBytes()
 
     def deadline_s(self, rows: int = 0) -> float:
         """How long a request of ``rows`` rows may take before we call the worker hung."""
@@ -117,7 +121,7 @@ class SocketOwner(Owner):
         return self.layers[0] <= layer < self.layers[1] and self.experts[0] <= expert < self.experts[1]
 
     async def _connect(self) -> None:
-        stream = await trio.open_tcp_stream(self.host, self.port)
+        stream = CountingStream(await trio.open_tcp_stream(self.host, self.port), self.wire)
         reader = FrameReader(stream, self.max_frame)
         await send_frame(stream, proto.pack(self.hello()), self.max_frame)
         payload = await reader.read_frame()

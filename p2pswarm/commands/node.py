@@ -237,6 +237,7 @@ async def _worker(args) -> None:
             log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes; stored %d receipts "
                      "in %s", served.requests, served.rows, len(served.peers), served.refused, receipts.stored,
                      receipts.dir)
+            log.info("wire: received %d bytes, sent %d bytes", served.wire.received, served.wire.sent)
             log.info("computed %d requests inline on the event loop and %d in a thread (P2PSWARM_INLINE_MS %g)",
                      worker.offload.inline_calls, worker.offload.thread_calls, 1000 * worker.offload.inline_s)
             log.info("withdrew my records; bye")
@@ -304,6 +305,7 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
     log.info("served %d expert requests (%d rows) for %d peers in %d evaluations; stored %d receipts in %s; "
              "withdrew my records; bye", served.requests, served.rows, len(served.peers), auto.evaluations,
              receipts.stored, receipts.dir)
+    log.info("wire: received %d bytes, sent %d bytes", served.wire.received, served.wire.sent)
 
 
 async def _serve_shards(args, swarm, nursery) -> None:
