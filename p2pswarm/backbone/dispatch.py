@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
+from p2pswarm import settings
 from p2pswarm.contracts import ExpertBank, Groups, Owner
 from p2pswarm.errors import WorkerError, WorkerSlow, first_error
 from p2pswarm.net.wire_bytes import WireBytes
@@ -224,6 +225,12 @@ class Dispatcher:
         wire = getattr(owner, "wire", None)
         if wire is not None:
             wire.parent = self.wire
+        # Our replica turns rows into the form the owner's kernel takes them in, when it is the
+        # same kernel (the same bytes; p2pswarm.engine.ggml_inputs) and P2PSWARM_WIRE_INPUTS is on.
+        bank = self.local.bank
+        if (hasattr(owner, "input_quantiser") and hasattr(bank, "quantise_input")
+                and getattr(owner, "kernel", None) == bank.kernel and settings.WIRE_INPUTS.get()):
+            owner.input_quantiser = bank
 
     def ban(self, peer: str, reason: str) -> None:
         """Send ``peer`` nothing from now on (its experts go to another owner or the local replica)."""

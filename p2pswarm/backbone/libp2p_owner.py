@@ -27,7 +27,7 @@ import time
 
 import trio
 
-from p2pswarm.backbone.socket_owner import SocketOwner, reply_families
+from p2pswarm.backbone.socket_owner import SocketOwner, reply_families, reply_input_forms
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, UserError, WorkerError
 from p2pswarm.net import expert_protocol as proto
@@ -123,6 +123,7 @@ class Libp2pOwner(SocketOwner):
                 self._refused(reason)
                 raise WorkerError(f"{self.name} refused by us at the handshake: {reason}")
             self.families = reply_families(reply)
+            self.input_forms = reply_input_forms(reply)
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise

@@ -54,6 +54,14 @@ LATENCY_WINDOW = 64
 LATE_REMEMBER = 4.0  # a late reply within this many deadlines counts as a round trip (widens the deadline)
 
 
+def reply_input_forms(reply: dict) -> frozenset[str]:
+    """The input forms a worker's hello reply says it takes rows in (older workers: none)."""
+    forms = reply.get("input_forms")
+    if isinstance(forms, list):
+        return frozenset(f for f in forms if isinstance(f, str) and f in proto.INPUT_FORMS)
+    return frozenset()
+
+
 def reply_families(reply: dict) -> tuple[str, ...]:
     """The kernel families a worker's hello reply says it answers in (older workers: its kernel's)."""
     fams = reply.get("families")
@@ -97,6 +105,11 @@ class SocketOwner(Owner):
         #: bytes sent to / received from this worker, every connection (p2pswarm.net.wire_bytes);
         #: the dispatcher sets its parent (the backbone's total)
         self.wire = WireBytes()
+        #: the worker's hello: the forms it takes input rows in besides float32; and the bank that
+        #: turns our rows into them (the backbone's replica, when it computes in the worker's
+        #: kernel: the dispatcher sets it), None: rows go as float32
+        self.input_forms: frozenset[str] = frozenset()
+        self.input_quantiser = None
 
     def deadline_s(self, rows: int = 0) -> float:
         """How long a request of ``rows`` rows may take before we call the worker hung."""
@@ -136,6 +149,7 @@ class SocketOwner(Owner):
             await trio.aclose_forcefully(stream)
             raise WorkerError(f"{self.name} serves another model ({clip(reply.get('model'), 80)}), not {self.model_fingerprint}")
         self.families = reply_families(reply)
+        self.input_forms = reply_input_forms(reply)
         self._stream, self._reader = stream, reader
 
     def hello(self) -> dict:
@@ -261,8 +275,12 @@ class SocketOwner(Owner):
         with its own portable replica gets the same bits from any honest worker, of any ISA);
         None: the connection's family. A worker that cannot raises WorkerError (an error reply)."""
         rows, local_groups = pack_rows(cur, groups)
+        form = None
+        q = self.input_quantiser
+        if q is not None and family is None and self.family is None and q.input_form(layer) in self.input_forms:
+            rows, form = q.quantise_input(layer, rows)  # what the worker's ggml would make of them
         rid = next(self._ids)
-        req = proto.ComputeRequest(rid, layer, rows, local_groups, family)
+        req = proto.ComputeRequest(rid, layer, rows, local_groups, family, form)
         try:
             reply = await self.request(req.to_wire(), rid, rows=int(sum(len(idx) for _, idx in local_groups)))
             out = proto.array_from_wire(reply.get("out"), "result")

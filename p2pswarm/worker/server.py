@@ -122,6 +122,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                 info = worker.info
                 reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
                          "model": info.model_fingerprint, "kernel": info.kernel, "families": list(worker.families),
+                         "input_forms": worker.input_forms(),  # rows it takes pre-quantised (issue 32)
                          "shard": shard, "layers": [info.layer_begin, info.layer_end],
                          "experts": [info.expert_begin, info.expert_end]}
                 if reason:
@@ -148,7 +149,8 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     return
                 try:
                     req = proto.ComputeRequest.from_msg(msg)
-                    outputs = await worker.compute_async(req.layer, req.rows, req.groups, req.family or conn_family)
+                    outputs = await worker.compute_async(req.layer, req.rows, req.groups, req.family or conn_family,
+                                                         req.form)
                     reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd)
                     log.debug("computed layer %d for %s: %d experts, %d rows", req.layer, peer, len(req.groups),
                               len(req.rows))
