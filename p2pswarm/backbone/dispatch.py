@@ -41,7 +41,8 @@ import trio
 
 from p2pswarm import settings
 from p2pswarm.contracts import ExpertBank, Groups, Owner
-from p2pswarm.errors import WorkerError, WorkerSlow, first_error
+from p2pswarm.errors import UserError, WorkerError, WorkerSlow, first_error
+from p2pswarm.net import wire_precision
 from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
 
@@ -86,13 +87,20 @@ class LocalOwner(Owner):
     def __init__(self, bank: ExpertBank, offload: Offload | None = None):
         self.bank = bank
         self.offload = Offload() if offload is None else offload
+        self.wire_precision: str | None = None  # the backbone's --wire-precision (p2pswarm.net.wire_precision)
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.bank.holds(layer, expert)
 
+    def forward_groups(self, layer, cur, groups) -> list[np.ndarray]:
+        """The bank's outputs, rounded as a worker's at the wire precision would be."""
+        outs = self.bank.forward_groups(layer, cur, groups)
+        p = self.wire_precision
+        return outs if p is None else [wire_precision.round_to(o, p) for o in outs]
+
     async def compute(self, layer, cur, groups):
         n = sum(len(idx) for _, idx in groups)
-        return await self.offload.run(partial(self.bank.forward_groups, layer, cur, groups), n, "experts")
+        return await self.offload.run(partial(self.forward_groups, layer, cur, groups), n, "experts")
 
 
 class InProcessOwner(Owner):
@@ -107,7 +115,9 @@ class InProcessOwner(Owner):
 
     async def compute(self, layer, cur, groups, family=None):
         rows, local_groups = pack_rows(cur, groups)
-        return await self.worker.compute_async(layer, rows, local_groups, family)
+        outs = await self.worker.compute_async(layer, rows, local_groups, family)
+        p = getattr(self, "wire_precision", None)  # as a worker process's would come back
+        return outs if p is None else [wire_precision.round_to(o, p) for o in outs]
 
 
 @dataclass
@@ -219,12 +229,25 @@ class Dispatcher:
         self.ban_epoch = 0  # bumped by every new ban: sequences tainted by the peer must be replayed
         self.ban_listeners: list = []  # fn(peer) told of every new ban (the scheduler wakes up for it)
 
+    def set_wire_precision(self, precision: str | None) -> None:
+        """``--wire-precision``: every expert output this backbone combines is rounded to
+        ``precision`` ("f16"/"bf16"; None: float32), whoever computed it, and workers send it in
+        16 bits (p2pswarm.net.wire_precision); the monolithic run with the same setting gives the
+        same bits."""
+        if precision is not None and precision not in wire_precision.PRECISIONS:
+            raise UserError(f"--wire-precision {precision!r}: choose one of {', '.join(wire_precision.PRECISIONS)}")
+        self.local.wire_precision = precision
+        for owner in self.owners:
+            self.adopt(owner)
+
     def adopt(self, owner: Owner) -> None:
         """Count ``owner``'s wire bytes into :attr:`wire` too (an owner added after construction,
         e.g. by :class:`~p2pswarm.backbone.libp2p_owner.SwarmOwners`)."""
         wire = getattr(owner, "wire", None)
         if wire is not None:
             wire.parent = self.wire
+        if owner.remote:
+            owner.wire_precision = self.local.wire_precision
         # Our replica turns rows into the form the owner's kernel takes them in, when it is the
         # same kernel (the same bytes; p2pswarm.engine.ggml_inputs) and P2PSWARM_WIRE_INPUTS is on.
         bank = self.local.bank
@@ -489,7 +512,7 @@ class Dispatcher:
         backbone then runs a whole step in one thread hop instead of two more per layer."""
         t0 = time.perf_counter()
         self.demand.add(layer, groups)
-        outs = self.local.bank.forward_groups(layer, cur, groups) if groups else []
+        outs = self.local.forward_groups(layer, cur, groups) if groups else []
         s = self.stats
         s.layers += 1
         s.seconds += time.perf_counter() - t0

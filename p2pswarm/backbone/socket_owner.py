@@ -41,6 +41,7 @@ from p2pswarm.backbone.loop_watch import loop_watch
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip
 from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net import wire_precision
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire_bytes import CountingStream, WireBytes
 
@@ -110,6 +111,9 @@ class SocketOwner(Owner):
         #: kernel: the dispatcher sets it), None: rows go as float32
         self.input_forms: frozenset[str] = frozenset()
         self.input_quantiser = None
+        #: the backbone's --wire-precision (the dispatcher sets it): outputs asked for in 16 bits,
+        #: and rounded here if a worker sends float32 anyway (p2pswarm.net.wire_precision)
+        self.wire_precision: str | None = None
 
     def deadline_s(self, rows: int = 0) -> float:
         """How long a request of ``rows`` rows may take before we call the worker hung."""
@@ -280,10 +284,12 @@ class SocketOwner(Owner):
         if q is not None and family is None and self.family is None and q.input_form(layer) in self.input_forms:
             rows, form = q.quantise_input(layer, rows)  # what the worker's ggml would make of them
         rid = next(self._ids)
-        req = proto.ComputeRequest(rid, layer, rows, local_groups, family, form)
+        req = proto.ComputeRequest(rid, layer, rows, local_groups, family, form, self.wire_precision)
         try:
             reply = await self.request(req.to_wire(), rid, rows=int(sum(len(idx) for _, idx in local_groups)))
-            out = proto.array_from_wire(reply.get("out"), "result")
+            out = proto.result_from_wire(reply.get("out"))
+            if self.wire_precision is not None and reply["out"].get("dtype") != self.wire_precision:
+                out = wire_precision.round_to(out, self.wire_precision)  # an older worker: float32
         except FrameError as exc:
             raise WorkerError(f"{self.name}: {exc}") from None
         counts = [len(idx) for _, idx in groups]

@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 
 from p2pswarm.errors import FrameError, clip
+from p2pswarm.net import wire_precision
 
 PROTOCOL_VERSION = 1
 #: The libp2p protocol id of these messages (docs/protocol.md); plain strings, so the socket
@@ -113,6 +114,9 @@ class ComputeRequest:
     #: None: ``rows`` are float32; else an :data:`INPUT_FORMS` name and ``rows`` (n, row bytes)
     #: uint8 in that form (the worker's layer must take exactly that form)
     form: str | None = None
+    #: None: outputs as float32; "f16"/"bf16": rounded to that and sent in 16 bits
+    #: (p2pswarm.net.wire_precision; an older worker ignores it and sends float32)
+    out: str | None = None
 
     def to_wire(self) -> bytes:
         counts = [int(len(idx)) for _, idx in self.groups]
@@ -124,6 +128,8 @@ class ComputeRequest:
         }
         if self.family is not None:
             msg["family"] = self.family
+        if self.out is not None:
+            msg["out"] = self.out
         return pack(msg)
 
     @classmethod
@@ -147,16 +153,28 @@ class ComputeRequest:
         family = msg.get("family")
         if family is not None and not (isinstance(family, str) and 0 < len(family) <= MAX_FAMILY_CHARS):
             raise FrameError(f"malformed compute request: family must be a string of 1-{MAX_FAMILY_CHARS} characters")
+        out = msg.get("out")
+        if out is not None and out not in wire_precision.PRECISIONS:
+            raise FrameError(f"malformed compute request: out must be one of {', '.join(wire_precision.PRECISIONS)}")
         groups, pos = [], 0
         for e, c in zip(experts, counts):
             groups.append((e, index[pos : pos + c]))
             pos += c
-        return cls(rid, layer, rows, groups, family, form)
+        return cls(rid, layer, rows, groups, family, form, out)
 
 
-def result_to_wire(rid: int, outputs: list[np.ndarray], n_embd: int) -> bytes:
+def result_to_wire(rid: int, outputs: list[np.ndarray], n_embd: int, precision: str | None = None) -> bytes:
     out = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, n_embd), np.float32)
-    return pack({"op": "result", "id": rid, "out": array_to_wire(out.astype(np.float32, copy=False))})
+    out = out.astype(np.float32, copy=False)
+    return pack({"op": "result", "id": rid,
+                 "out": array_to_wire(out) if precision is None else wire_precision.to_wire(out, precision)})
+
+
+def result_from_wire(d: object) -> np.ndarray:
+    """A result's ``out``: float32, or 16-bit values (``--wire-precision``) widened to float32."""
+    if isinstance(d, dict) and d.get("dtype") in wire_precision.PRECISIONS:
+        return wire_precision.from_wire(d, "result")
+    return array_from_wire(d, "result")
 
 
 def error_to_wire(rid: int | None, error: str) -> bytes:

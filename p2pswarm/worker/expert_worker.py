@@ -83,7 +83,7 @@ class ExpertWorker:
         row, measured per kernel family) is below the offload bound, else in a thread, so a big
         request never holds up the other connections. The same bits either way."""
         n = sum(len(idx) for _, idx in groups)
-        return await self.offload.run(partial(self.compute, layer, rows, groups, family, form), n, ("compute", family))
+        return await self.offload.run(partial(self.compute, layer, rows, groups, family, *([form] if form else [])), n, ("compute", family))
 
     def bank_for(self, family_name: str | None = None):
         """The bank that answers in ``family_name`` (None: this worker's own kernel); a UserError

@@ -151,7 +151,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     req = proto.ComputeRequest.from_msg(msg)
                     outputs = await worker.compute_async(req.layer, req.rows, req.groups, req.family or conn_family,
                                                          req.form)
-                    reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd)
+                    reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd, req.out)
                     log.debug("computed layer %d for %s: %d experts, %d rows", req.layer, peer, len(req.groups),
                               len(req.rows))
                     if stats is not None:
