@@ -79,6 +79,9 @@ def prompts(n: int) -> list[str]:
     return [f"client {i} asks" for i in range(n)]
 
 
+PROMPT_TOKENS: list[int] = []  # the prompt tokens of each request of the last post_all
+
+
 def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
     """n concurrent greedy ``/v1/completions`` requests, one thread and connection each (the
     standard library's ``http.client``): completion tokens of each, and the wall time from the
@@ -90,6 +93,7 @@ def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
     bodies = [json.dumps({"prompt": p, "max_tokens": tokens, "temperature": 0}) for p in prompts(n)]
     done: list[int] = []
     errors: list[str] = []
+    PROMPT_TOKENS.clear()
 
     def client(i: int) -> None:
         try:
@@ -100,7 +104,9 @@ def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
                 body = r.read()
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {body[:200]!r}")
-                done.append(json.loads(body)["usage"]["completion_tokens"])
+                usage = json.loads(body)["usage"]
+                done.append(usage["completion_tokens"])
+                PROMPT_TOKENS.append(usage["prompt_tokens"])
             finally:
                 c.close()
         except Exception as exc:  # noqa: BLE001 - reported
@@ -144,6 +150,8 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "req_per_tok": (h1["expert_requests"] - h0["expert_requests"]) / gen,
             # the backbone's expert-RPC bytes per generated token, both directions (/health "wire")
             "bytes_per_tok": wire_total(h1, h0) / gen,
+            # per token through the model (prompt + generated): what the per-layer formula counts
+            "bytes_per_fed": wire_total(h1, h0) / (gen + sum(PROMPT_TOKENS)),
             "sent_per_tok": wire_total(h1, h0, ("sent",)) / gen,
             "received_per_tok": wire_total(h1, h0, ("received",)) / gen,
             "fallbacks": d1["fallbacks"] - d0["fallbacks"],
@@ -337,9 +345,9 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         Path(args.json).write_text(json.dumps({"bound": bound, "inproc": inproc,
                                                "results": {str(k): v for k, v in results.items()}}))
     lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | ratio, in-process bound | "
-             "ratio, no-overlap bound | expert requests / token | wire kB / token | bandwidth bound | ratio to min(latency, bandwidth) | fallback requests | local groups | steps / micro-batches | "
+             "ratio, no-overlap bound | expert requests / token | wire kB / token | wire kB / token fed | bandwidth bound | ratio to min(latency, bandwidth) | fallback requests | local groups | steps / micro-batches | "
              "backbone CPU ms / token | worker CPU ms / token | proxies CPU ms / token | all CPU ms / token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rtt, best in results.items():
         for n, r in best.items():
             net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
@@ -349,7 +357,7 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
             serial = 1 / inv if inv else float("inf")  # (--no-bound at 0 ms: no bound at all)
             lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
                          f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['tps'] / serial:.2f} | "
-                         f"{r['req_per_tok']:.2f} | {r['bytes_per_tok'] / 1000:.1f} | {bw:.1f} | "
+                         f"{r['req_per_tok']:.2f} | {r['bytes_per_tok'] / 1000:.1f} | {r['bytes_per_fed'] / 1000:.1f} | {bw:.1f} | "
                          f"{r['tps'] / min(net, bw):.2f} | {r['fallbacks']} | {local_share(r)} | "
                          f"{r['steps']} / {r['micro_batches']} | "
                          f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} | "
@@ -379,7 +387,8 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
         f"Bandwidth bound = the tokens/s the capped links carry at the row's measured bytes per token "
         f"(the backbone's line each way, each worker's upload with its 1/{len(ranges)} share of the outputs; "
-        f"inf uncapped); wire kB / token: the backbone's expert-RPC bytes both ways per generated token. "
+        f"inf uncapped); wire kB / token: the backbone's expert-RPC bytes both ways per generated token "
+        f"(/health's wire counters), and per token fed (prompt + generated: what the per-layer formula counts). "
         f"Bound = min(compute bound, N/(L*RTT), bandwidth bound) (the issue's; the no-overlap bound 1 / (1/compute + "
         f"L*RTT/N) is what a step of dense work, round trips and remote work in series allows: above 1, "
         f"some of them overlapped); compute bound = the same N requests, same client, to the "
