@@ -154,6 +154,7 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "bytes_per_fed": wire_total(h1, h0) / (gen + sum(PROMPT_TOKENS)),
             "sent_per_tok": wire_total(h1, h0, ("sent",)) / gen,
             "received_per_tok": wire_total(h1, h0, ("received",)) / gen,
+            "busiest_worker_per_tok": busiest_upload(h1, h0) / gen,
             "fallbacks": d1["fallbacks"] - d0["fallbacks"],
             "local_groups": d1["local_groups"] - d0["local_groups"],
             "remote_groups": d1["remote_groups"] - d0["remote_groups"],
@@ -169,16 +170,22 @@ def wire_total(h1: dict, h0: dict, ways: tuple[str, ...] = ("sent", "received"))
     return sum(w1.get(k, 0) - w0.get(k, 0) for k in ways)
 
 
-def bandwidth_bound(r: dict, args, workers: int) -> float:
+def busiest_upload(h1: dict, h0: dict) -> int:
+    """The most bytes one worker sent the backbone between two /health reads."""
+    o1, o0 = (h1.get("wire") or {}).get("owners", {}), (h0.get("wire") or {}).get("owners", {})
+    return max((w["received"] - o0.get(name, {}).get("received", 0) for name, w in o1.items()), default=0)
+
+
+def bandwidth_bound(r: dict, args) -> float:
     """Tokens/s the capped links allow at this run's measured bytes per token: the backbone's line
-    (``--backbone-mbps``, each direction) and the workers' uploads (``--worker-up-mbps`` each; a
-    worker sends its share, 1/workers, of what the backbone receives); inf without caps."""
+    (``--backbone-mbps``, each direction) and the busiest worker's upload (``--worker-up-mbps``:
+    routing is not uniform, so one worker sends more than its share); inf without caps."""
     bounds = [float("inf")]
     if args.backbone_mbps:
         line = args.backbone_mbps * 1e6 / 8
         bounds += [line / r[k] for k in ("sent_per_tok", "received_per_tok") if r[k]]
-    if args.worker_up_mbps and r["received_per_tok"]:
-        bounds.append(args.worker_up_mbps * 1e6 / 8 / (r["received_per_tok"] / workers))
+    if args.worker_up_mbps and r["busiest_worker_per_tok"]:
+        bounds.append(args.worker_up_mbps * 1e6 / 8 / r["busiest_worker_per_tok"])
     return min(bounds)
 
 
@@ -351,7 +358,7 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
     for rtt, best in results.items():
         for n, r in best.items():
             net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
-            bw = bandwidth_bound(r, args, len(ranges))
+            bw = bandwidth_bound(r, args)
             b, bi = min(bound[n], net, bw), min(inproc[n], net, bw)
             inv = 1 / bound[n] + 1 / net  # compute, then the round trips, never overlapped
             serial = 1 / inv if inv else float("inf")  # (--no-bound at 0 ms: no bound at all)
@@ -386,7 +393,7 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         f"{'; expert requests on the workers direct lanes (each behind a link of the same RTT)' if args.direct else ''}. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
         f"Bandwidth bound = the tokens/s the capped links carry at the row's measured bytes per token "
-        f"(the backbone's line each way, each worker's upload with its 1/{len(ranges)} share of the outputs; "
+        f"(the backbone's line each way, and the upload of the worker that sent the most; "
         f"inf uncapped); wire kB / token: the backbone's expert-RPC bytes both ways per generated token "
         f"(/health's wire counters), and per token fed (prompt + generated: what the per-layer formula counts). "
         f"Bound = min(compute bound, N/(L*RTT), bandwidth bound) (the issue's; the no-overlap bound 1 / (1/compute + "
