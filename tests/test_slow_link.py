@@ -58,3 +58,44 @@ async def test_a_saturated_link_falls_back_within_the_deadline_and_stays_exact(t
     print(f"saturated: {len(slow_tokens)} steps took {took:.2f} s, bound {bound:.2f} s, deadlines {deadlines}, "
           f"{d.stats.deadline_misses} deadline misses")
     assert took < bound, (took, bound, deadlines)
+
+
+def test_an_owner_predicts_its_round_trip_by_request_size():
+    """SocketOwner.predict_s fits fixed + per-row seconds to its recent answers: on a capped link a
+    big request is predicted slower than a small one (the hot-expert path reads it)."""
+    from p2pswarm.backbone.socket_owner import SocketOwner
+
+    o = SocketOwner("w", "127.0.0.1", 1, model_fingerprint="m", kernel="k", layers=(0, 1), experts=(0, 1))
+    assert o.predict_s(10) is None  # nothing measured yet
+    for rows in [1, 2, 4, 8, 16, 32, 64, 128] * 2:
+        o._record(0.05 + 0.002 * rows, rows)  # 50 ms away, 2 ms per row on the wire
+    assert abs(o.predict_s(1) - 0.052) < 1e-9 and abs(o.predict_s(500) - 1.05) < 1e-9
+
+
+async def test_the_hot_expert_path_keeps_a_big_request_local_on_a_slow_link(tiny_f32, tmp_path):
+    """Same measured round trip for small requests, but a link whose time grows with the request's
+    size: the hot-expert path sends the small request and computes the big one locally."""
+    from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
+    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.engine.kernels import make_bank
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import model_fingerprint
+    from p2pswarm.worker.expert_worker import ExpertWorker
+
+    class CappedOwner(InProcessOwner):
+        rtt_s = 0.01  # what a small request measured
+
+        def predict_s(self, rows):
+            return 0.01 + 0.004 * rows  # 4 ms per row on its link
+
+    layout = ModelLayout.open(tiny_f32)
+    shard = ensure_shards(layout, model_fingerprint(layout), 1, tmp_path)[0]
+    owner = CappedOwner(ExpertWorker(shard, kernel="numpy"), "w0")
+    disp = Dispatcher(make_bank(layout, "numpy"), [owner], hot_experts=True)
+    small, big = [(0, np.arange(2))], [(0, np.arange(40))]  # remote: 18 ms / 170 ms on that link
+    disp.local_row_s = 0.02  # 20 ms per row here: the small request is cheaper remote (18 < 40 ms)
+    assert owner in disp._assign(0, small)
+    disp.local_row_s = 0.003  # 3 ms per row here: the big one is cheaper local (120 < 170 ms)
+    assert disp.local in disp._assign(0, big) and owner not in disp._assign(0, big)
+    owner.predict_s = lambda rows: 0.01  # a link with bandwidth to spare: the same big request goes remote
+    assert owner in disp._assign(0, big)

@@ -303,23 +303,33 @@ class Dispatcher:
         return plan
 
     def _keep_hot_local(self, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
-        """The hot-expert path: an owner whose measured round trip is longer than computing its
-        groups here (on top of what is already local this layer) gets no request; the local
+        """The hot-expert path: an owner whose expected round trip for this request (its measured
+        round trips, by request size where it fits them: a link's bandwidth makes a big request
+        slower, see ``remote_s``) is longer than computing its groups here (on top of what is
+        already local this layer) gets no request; the local
         replica computes them, with the same kernel, so the result is the same bits. Returns the
         owners kept local, with their groups (:meth:`run_groups` probes them now and then)."""
         moved: dict[Owner, list[int]] = {}
         rate = self.local_row_s
         local = plan.get(self.local, [])
         local_s = 0.0 if rate is None else rate * sum(len(groups[i][1]) for i in local)
-        remote = sorted((o for o in plan if o.remote and getattr(o, "rtt_s", None) is not None),
-                        key=lambda o: -o.rtt_s)
-        for owner in remote:
+
+        def remote_s(owner: Owner) -> float:
+            """The owner's expected round trip for this request: by its size where the owner fits
+            one to its recent requests (a capped link: SocketOwner.predict_s), else its EWMA."""
+            predict = getattr(owner, "predict_s", None)
+            est = predict(sum(len(groups[i][1]) for i in plan[owner])) if predict is not None else None
+            return owner.rtt_s if est is None else est
+
+        remote = sorted(((remote_s(o), o) for o in plan if o.remote and getattr(o, "rtt_s", None) is not None),
+                        key=lambda so: -so[0])
+        for wait_s, owner in remote:
             rows = sum(len(groups[i][1]) for i in plan[owner])
             if rate is None:  # never measured: compute one owner's share here once, and time it
                 cost = 0.0
             else:
                 cost = rate * rows
-            if local_s + cost < owner.rtt_s:
+            if local_s + cost < wait_s:
                 moved[owner] = plan.pop(owner)
                 local = local + moved[owner]
                 local_s += cost

@@ -124,6 +124,22 @@ class SocketOwner(Owner):
         scale = max(1.0, rows / max(1, self._sorted_rows[-1]))
         return min(self.timeout_s, max(DEADLINE_MIN_S, DEADLINE_FACTOR * p99 * scale + DEADLINE_MARGIN_S))
 
+    def predict_s(self, rows: int) -> float | None:
+        """The round trip a request of ``rows`` (expert, row) pairs should take, from a straight
+        line fitted to the recent window (None before :data:`DEADLINE_SAMPLES` answers): a fixed
+        part (latency, per-request costs) plus a part per row, which is where a link's bandwidth
+        shows: every pair is an output row on the wire and a share of an input row. On a saturated
+        link both grow; a big request then costs more than a small one (the hot-expert path reads
+        this: bytes as well as round trips)."""
+        if len(self._latency) < DEADLINE_SAMPLES:
+            return None
+        t = np.fromiter((x[0] for x in self._latency), float, len(self._latency))
+        n = np.fromiter((x[1] for x in self._latency), float, len(self._latency))
+        spread = n.var()
+        per_row = max(0.0, float(((n - n.mean()) * (t - t.mean())).mean() / spread)) if spread > 0 else 0.0
+        fixed = max(0.0, float(t.mean() - per_row * n.mean()))
+        return fixed + per_row * rows
+
     def _record(self, seconds: float, rows: int) -> None:
         """One answered round trip into the deadline's window."""
         if len(self._latency) == self._latency.maxlen:
