@@ -16,15 +16,16 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 from p2pswarm.net import expert_protocol as proto
 
-# (model qtype, expert qtype, the input form its experts take)
-FAMILIES = [("f32", None, None), ("q8_0", None, "q8_0"), ("q8_0", "q4_k", "q8_K"), ("f16", None, "f16")]
+# (model qtype, expert qtype, the input form its experts take, arch)
+FAMILIES = [("f32", None, None, None), ("q8_0", None, "q8_0", None), ("q8_0", "q4_k", "q8_K", None),
+            ("f16", None, "f16", None), ("f32", "mxfp4", "q8_0", "gpt-oss")]  # gpt-oss: biases, swiglu_oai
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f[1] or f[0])
 def bank(request, tmp_path_factory):
-    qtype, expert_qtype, form = request.param
+    qtype, expert_qtype, form, arch = request.param
     path = tmp_path_factory.mktemp("inputs") / f"tiny-{qtype}-{expert_qtype}.gguf"
-    make_model(path, preset="tiny", qtype=qtype, expert_qtype=expert_qtype, seed=5)
+    make_model(path, preset="tiny", qtype=qtype, expert_qtype=expert_qtype, seed=5, **({"arch": arch} if arch else {}))
     b = GgmlExpertBank(ModelLayout.open(path), lib=load_libggml())
     yield b, form
     b.close()
