@@ -132,6 +132,8 @@ _SIG = {  # name: (library, restype, argtypes)
 _OPTIONAL_SIG = {
     # q, k, v, g, beta, state, K (snapshot slots): llama.cpp's fused Gated DeltaNet (ggml >= 0.25)
     "ggml_gated_delta_net": ("base", _P, [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int64]),
+    # a type's CPU traits (from_float, vec_dot_type): expert inputs shipped pre-quantised (ggml_inputs)
+    "ggml_get_type_traits_cpu": ("cpu", _P, [ctypes.c_int]),
     # the ops of a whole layer in one graph (norms, activations, conv, views, RoPE, softmax), as
     # llama.cpp builds qwen35moe's layers; a libggml without one keeps the per-piece path
     **{f"ggml_{n}": ("base", _P, [_P, _P]) for n in (
