@@ -28,7 +28,7 @@ from p2pswarm.errors import ModelFormatError, UserError
 from p2pswarm.model.gguf_read import FastGGUFReader, field_value, get_str, open_gguf  # noqa: F401
 
 # Architectures whose routed experts follow the layout above.
-MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral", "deepseek2")
 
 # `blk.<layer>.ffn_<kind>_exps.<weight|bias>`; kind "gate_up" is the fused gate+up tensor
 # (gate rows first) some architectures use.

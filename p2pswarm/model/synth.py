@@ -74,6 +74,8 @@ from p2pswarm.model.synth_tensors import (  # noqa: F401
     Q4_K_BLOCK_BYTES, QK_K, TensorPlan, _plan, _plan_qwen35, _tensor_chunks, _type_size, estimate_nbytes,
     q4_k_d_for_std, random_q4_k_blocks,
 )
+from p2pswarm.model import synth_deepseek2
+from p2pswarm.model.synth_deepseek2 import DeepSeek2Preset
 from p2pswarm.model.synth_vocab import (  # noqa: F401
     BUILTIN_MERGES, BUILTIN_TEXT, CHATML_TEMPLATE, QWEN2_PRETOKENIZER_REGEX, SPECIAL_TOKENS, _n_vocab,
     builtin_tokenizer_kv, builtin_vocab, vocab_tokenizer_kv,
@@ -93,29 +95,32 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.add_type("model")
         w.add_name(f"p2pswarm synth {preset}")
         w.add_description(f"random-weight {arch} made by p2pswarm make-model (seed {seed})")
-        w.add_context_length(dims.context_length)
-        w.add_embedding_length(dims.n_embd)
-        w.add_block_count(dims.n_layer)
-        w.add_feed_forward_length(dims.n_ff_exp * dims.n_expert_used)
-        w.add_head_count(dims.n_head)
-        w.add_head_count_kv(dims.n_head_kv)
-        w.add_key_length(dims.head_dim)
-        w.add_value_length(dims.head_dim)
-        w.add_rope_freq_base(dims.rope_freq_base)
-        w.add_layer_norm_rms_eps(dims.rms_eps)
-        w.add_expert_count(dims.n_expert)
-        w.add_expert_used_count(dims.n_expert_used)
-        w.add_expert_feed_forward_length(dims.n_ff_exp)
-        if isinstance(dims, Qwen35Preset):
-            w.add_expert_shared_feed_forward_length(dims.n_ff_shexp)
-            w.add_rope_dimension_count(dims.n_rot)
-            w.add_rope_dimension_sections(list(dims.rope_sections))
-            w.add_ssm_conv_kernel(dims.ssm_conv_kernel)
-            w.add_ssm_inner_size(dims.ssm_time_step_rank * dims.ssm_state_size)
-            w.add_ssm_state_size(dims.ssm_state_size)
-            w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
-            w.add_ssm_group_count(dims.ssm_group_count)
-            w.add_full_attention_interval(dims.full_attention_interval)
+        if isinstance(dims, DeepSeek2Preset):
+            synth_deepseek2.write_keys(w, dims)
+        else:
+            w.add_context_length(dims.context_length)
+            w.add_embedding_length(dims.n_embd)
+            w.add_block_count(dims.n_layer)
+            w.add_feed_forward_length(dims.n_ff_exp * dims.n_expert_used)
+            w.add_head_count(dims.n_head)
+            w.add_head_count_kv(dims.n_head_kv)
+            w.add_key_length(dims.head_dim)
+            w.add_value_length(dims.head_dim)
+            w.add_rope_freq_base(dims.rope_freq_base)
+            w.add_layer_norm_rms_eps(dims.rms_eps)
+            w.add_expert_count(dims.n_expert)
+            w.add_expert_used_count(dims.n_expert_used)
+            w.add_expert_feed_forward_length(dims.n_ff_exp)
+            if isinstance(dims, Qwen35Preset):
+                w.add_expert_shared_feed_forward_length(dims.n_ff_shexp)
+                w.add_rope_dimension_count(dims.n_rot)
+                w.add_rope_dimension_sections(list(dims.rope_sections))
+                w.add_ssm_conv_kernel(dims.ssm_conv_kernel)
+                w.add_ssm_inner_size(dims.ssm_time_step_rank * dims.ssm_state_size)
+                w.add_ssm_state_size(dims.ssm_state_size)
+                w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
+                w.add_ssm_group_count(dims.ssm_group_count)
+                w.add_full_attention_interval(dims.full_attention_interval)
         w.add_file_type(_file_type(qtype, expert_qtype))
         if any(p.gtype not in (g.GGMLQuantizationType.F32, g.GGMLQuantizationType.F16)
                for p in plans):
@@ -248,6 +253,7 @@ def make_model(
     full_attention_interval: int | None = None,
     n_ff_shexp: int | None = None,
     fused_experts: bool | None = None,
+    deepseek2: dict[str, Any] | None = None,
 ) -> Path:
     """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
 
@@ -267,6 +273,10 @@ def make_model(
     Hk), ``ssm_conv_kernel``, ``full_attention_interval``, ``n_ff_shexp`` (shared expert) and
     ``fused_experts`` (one ``ffn_gate_up_exps`` per layer, same weights as the separate tensors).
 
+    ``arch="deepseek2"`` (presets ``tiny`` and ``geometry-671b``): ``deepseek2`` is a dict of
+    :class:`~p2pswarm.model.synth_deepseek2.DeepSeek2Preset` fields to override (MLA ranks, the
+    split or unsplit MLA tensors, gating, groups, YaRN, ...).
+
     The file appears atomically: it is written under a temporary name in the same directory and
     renamed at the end; a failure leaves nothing behind.
     """
@@ -278,6 +288,8 @@ def make_model(
                  ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
                  full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
                  fused_experts=fused_experts)
+    if deepseek2 is not None and arch != "deepseek2":
+        raise UserError("deepseek2 options apply only to --arch deepseek2")
     if arch != "qwen35moe":
         given = [k for k, v in extra.items() if v is not None]
         if given:
@@ -287,16 +299,20 @@ def make_model(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
         n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length, **extra),
         PRESETS_BY_ARCH[arch])
+    if isinstance(p, DeepSeek2Preset):
+        p = synth_deepseek2.resolve(p, layers, deepseek2 or {})
     if expert_qtype is None:
         expert_qtype = p.expert_qtype
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise UserError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    if preset == "geometry-122b" and qtype == "q4_k_m" and expert_qtype == "q4_k":
-        raise UserError("geometry-122b writes its experts as Q4_K directly; use --type f32, f16 or "
+    if preset.startswith("geometry-") and qtype == "q4_k_m" and expert_qtype == "q4_k":
+        raise UserError(f"{preset} writes its experts as Q4_K directly; use --type f32, f16 or "
                         "q8_0 for its dense tensors (q4_k_m would requantise the experts)")
     _validate(p, qtype, expert_qtype)
     if isinstance(p, Qwen35Preset):
         _validate_qwen35(p, qtype)
+    if isinstance(p, DeepSeek2Preset):
+        synth_deepseek2.validate(p, qtype)
 
     if out.is_dir():
         raise UserError(f"output {out} is a directory")
@@ -312,7 +328,8 @@ def make_model(
     if tied is None:
         tied = n_vocab > 32768
     dims = p
-    planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else _plan
+    planner = (_plan_qwen35 if isinstance(dims, Qwen35Preset) else synth_deepseek2.plan
+               if isinstance(dims, DeepSeek2Preset) else _plan)
     plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
 
     need_bytes = estimate_nbytes(plans) * (2 if qtype == "q4_k_m" else 1) + (64 << 20)
