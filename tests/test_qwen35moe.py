@@ -20,19 +20,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter
 
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.engine import deltanet, ops
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.experts import ExpertBank
-from p2pswarm.model.layout import ModelLayout, field_value
+from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import describe, make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
+from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_intermediates
 
 F32 = np.float32
@@ -458,23 +458,7 @@ def test_teacher_forced_f32_is_exact(models_dir):
 def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, drop_tensor: str | None = None,
              set_keys: dict | None = None) -> Path:
     """A copy of a GGUF without one key or tensor, or with keys added (``{key: (value, type, sub)}``)."""
-    r = GGUFReader(src)
-    arch = field_value(r.fields["general.architecture"])
-    w = GGUFWriter(dst, arch)
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", drop_key) or key in (set_keys or {}):
-            continue
-        w.add_key_value(key, field_value(f), f.types[0], f.types[-1] if len(f.types) > 1 else None)
-    for key, (value, vtype, sub) in (set_keys or {}).items():
-        w.add_key_value(key, value, vtype, sub)
-    for t in r.tensors:
-        if t.name != drop_tensor:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return rewrite(src, dst, drop_key=drop_key, drop_tensor=drop_tensor, set_keys=set_keys)
 
 
 @pytest.mark.parametrize("drop", [

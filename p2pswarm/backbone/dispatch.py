@@ -317,7 +317,12 @@ class Dispatcher:
     async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups,
                          taint: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Outputs per group, in group order: one request per owner with all the groups it holds.
-        ``taint``: see the module doc (rows computed from a remote worker's unverified outputs)."""
+        ``taint``: see the module doc (rows computed from a remote worker's unverified outputs).
+
+        No groups (a layer without routed experts: a leading dense-FFN layer routes to nothing)
+        is no work: no request, no demand, nothing counted."""
+        if not groups:
+            return []
         t0 = time.perf_counter()
         self.demand.add(layer, groups)
         kept: dict[Owner, list[int]] = {}
@@ -468,9 +473,11 @@ class Dispatcher:
     def run_groups_local(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
         """:meth:`run_groups` when :attr:`all_local`, synchronously in the caller's thread: the
         backbone then runs a whole step in one thread hop instead of two more per layer."""
+        if not groups:  # a layer without routed experts (see run_groups)
+            return []
         t0 = time.perf_counter()
         self.demand.add(layer, groups)
-        outs = self.local.bank.forward_groups(layer, cur, groups) if groups else []
+        outs = self.local.bank.forward_groups(layer, cur, groups)
         s = self.stats
         s.layers += 1
         s.seconds += time.perf_counter() - t0
