@@ -24,7 +24,7 @@ import numpy as np
 
 from p2pswarm.engine import mla, ops
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
-from p2pswarm.engine.routing import RouterSpec, route
+from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.state import SequenceState
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -220,7 +220,7 @@ class DeepSeek2:
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The routed experts' ids and weights (n, k); (n, 0) on a leading dense layer."""
         if il < self.n_dense_lead:
-            return np.zeros((cur.shape[0], 0), np.int64), np.zeros((cur.shape[0], 0), F32)
+            return no_experts(cur.shape[0])
         p = f"blk.{il}."
         logits = ops.matmul(cur, self.w[p + "ffn_gate_inp.weight"])
         bias = self.w[p + "exp_probs_b.bias"].reshape(-1) if self.w.has(p + "exp_probs_b.bias") else None
