@@ -88,11 +88,11 @@ OPTIONS = tuple(f.name for f in dataclasses.fields(DeepSeek2Preset) if f.name no
 
 def resolve(p: DeepSeek2Preset, layers: int | None, options: dict[str, Any]) -> DeepSeek2Preset:
     """The preset with ``--layers`` (keeping at least one MoE layer) and the options applied."""
-    bad = sorted(set(options) - set(OPTIONS))
+    bad = sorted(set(options) - set(OPTIONS) - {"n_layer"})
     if bad:
         raise UserError(f"unknown deepseek2 option {bad[0]!r}; known: {', '.join(OPTIONS)}")
-    if layers is not None and "n_dense_lead" not in options:
-        options = {**options, "n_dense_lead": min(p.n_dense_lead, max(0, layers - 1))}
+    if layers is not None:
+        options = {"n_layer": layers, "n_dense_lead": min(p.n_dense_lead, max(0, layers - 1)), **options}
     p = dataclasses.replace(p, **options)
     return dataclasses.replace(p, n_head_kv=p.n_head, head_dim=p.qk_nope + p.qk_rope)
 
