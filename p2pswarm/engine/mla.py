@@ -50,34 +50,37 @@ class Yarn:
 
     @classmethod
     def from_hparams(cls, hp, n_rot: int, n_ctx_train: int) -> "Yarn":
-        """From a layout's ``hparam(key, default)``, as llama.cpp's loader and context set it up."""
+        """From a layout's ``hparam(key, default)``, as llama.cpp's loader and context set it up, in
+        float32 arithmetic as there (the attention scale's last bit moves the softmax's)."""
+        f32, log = np.float32, _logf
+        one, tenth = f32(1.0), f32(0.1)
         base = float(hp("rope.freq_base", 10000.0))
         kind = str(hp("rope.scaling.type", "linear"))
-        factor = float(hp("rope.scaling.factor", 0.0) or 0.0)
-        freq_scale = 1.0 if factor == 0.0 or kind == "none" else 1.0 / factor
+        factor = f32(hp("rope.scaling.factor", 0.0) or 0.0)
+        freq_scale = one if factor == 0 or kind == "none" else one / factor
         n_ctx_orig = int(hp("rope.scaling.original_context_length", n_ctx_train) or n_ctx_train)
-        log_mul = float(hp("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        log_mul = f32(hp("rope.scaling.yarn_log_multiplier", 0.0)) / tenth
         ext = 1.0 if kind == "yarn" else 0.0
-        attn = 1.0
+        attn = one
         if ext != 0.0:
-            f = 1.0 / freq_scale
+            f = one / freq_scale
 
-            def get_mscale(scale: float, m: float) -> float:
-                return 1.0 if scale <= 1.0 else 0.1 * m * math.log(scale) + 1.0
+            def get_mscale(scale, m):
+                return one if scale <= one else tenth * m * log(scale) + one
 
-            if log_mul != 0.0:  # deepseek2: mscale = mscale_all_dim, so the ratio is 1
-                attn = get_mscale(f, log_mul) / get_mscale(f, log_mul)
-            else:
-                attn = get_mscale(f, 1.0)
-            attn *= 1.0 / (1.0 + 0.1 * math.log(f))
-        attn *= float(hp("rope.scaling.attn_factor", 1.0))
-        return cls(n_rot, base, freq_scale, ext, attn, n_ctx_orig, log_mul)
+            # deepseek2: mscale = mscale_all_dim (when not 1), so the ratio is 1; else get_mscale(f, 1)
+            attn = get_mscale(f, log_mul) / get_mscale(f, log_mul) if log_mul != 0 else get_mscale(f, one)
+            attn = attn * (one / (one + tenth * log(f)))
+        attn = attn * f32(hp("rope.scaling.attn_factor", 1.0))
+        return cls(n_rot, base, float(freq_scale), ext, float(attn), n_ctx_orig, float(log_mul))
 
     def kq_scale(self, head_k: int) -> float:
-        """The attention scale of deepseek2's graph: YaRN's magnitude correction, squared."""
-        org = self.attn_factor * (1.0 + 0.1 * math.log(1.0 / self.freq_scale))
-        mscale = org * (1.0 + 0.1 * self.log_mul * math.log(1.0 / self.freq_scale))
-        return mscale * mscale / math.sqrt(head_k)
+        """The attention scale of deepseek2's graph: YaRN's magnitude correction, squared (float32)."""
+        f32, one, tenth = np.float32, np.float32(1.0), np.float32(0.1)
+        inv = one / f32(self.freq_scale)
+        org = f32(self.attn_factor) * (one + tenth * _logf(inv))
+        mscale = org * (one + tenth * f32(self.log_mul) * _logf(inv))
+        return float(one * mscale * mscale / np.sqrt(f32(head_k)))
 
     def _corr_dims(self) -> tuple[float, float]:
         def dim(beta: float) -> float:
@@ -111,6 +114,11 @@ class Yarn:
         return out
 
 
+def _logf(x) -> np.float32:
+    """C's ``logf``: the float32 log of a float32."""
+    return np.log(np.float32(x))
+
+
 class LatentCache:
     """One sequence's MLA cache of one layer: the normed compressed KV ``c`` (S, Rkv) and the roped
     key part ``kpe`` (S, rope) of every position, side by side in one (S, Rkv + rope) array (the
@@ -131,12 +139,11 @@ class LatentCache:
         return self.rows[: self.n]
 
 
-def latent_attention(q_abs: np.ndarray, cache: np.ndarray, n_lat: int, wv_b: np.ndarray, kq_scale: float,
-                     q_pos0: int) -> np.ndarray:
-    """Causal MLA in the absorbed form for one sequence.
+def latent_attention(q_abs: np.ndarray, cache: np.ndarray, n_lat: int, kq_scale: float, q_pos0: int) -> np.ndarray:
+    """Causal MLA in the absorbed form for one sequence, up to the latent: ``sum_s p_hts c_s``.
 
     ``q_abs`` (T, H, Rkv + rope): each head's ``[k_b^T q_nope, q_pe]``; ``cache`` (S, Rkv + rope):
-    ``[c, kpe]`` of positions 0..S-1; ``wv_b`` (H, v, Rkv). Returns (T, H, v)."""
+    ``[c, kpe]`` of positions 0..S-1. Returns (H, T, Rkv); the caller applies each head's v_b."""
     T, H, _ = q_abs.shape
     S = cache.shape[0]
     qh = np.ascontiguousarray(q_abs.transpose(1, 0, 2))  # (H, T, Rkv + rope)
@@ -145,5 +152,4 @@ def latent_attention(q_abs: np.ndarray, cache: np.ndarray, n_lat: int, wv_b: np.
         qpos = q_pos0 + np.arange(T)
         scores = np.where((np.arange(S)[None, :] > qpos[:, None])[None], F32(-np.inf), scores)
     probs = ops.softmax(scores, axis=-1)
-    lat = probs @ cache[:, :n_lat]  # (H, T, Rkv)
-    return np.matmul(lat, wv_b.transpose(0, 2, 1)).transpose(1, 0, 2)  # (T, H, v)
+    return probs @ cache[:, :n_lat]  # (H, T, Rkv)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine import mla, ops
+from p2pswarm.engine import ggml_mla, mla, ops
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.state import SequenceState
@@ -167,14 +167,16 @@ class DeepSeek2:
     def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
         return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
 
-    def _kv_b_halves(self, il: int) -> tuple[np.ndarray, np.ndarray]:
-        """(k_b (H, Rkv, nope), v_b (H, v, Rkv)) float32 of layer ``il``, from either MLA form."""
+    def _kv_b_halves(self, il: int):
+        """(k_b (H, Rkv, nope), v_b (H, v, Rkv)) of layer ``il``, from either MLA form: the split
+        tensors on their quantised bytes under the ggml kernel (llama.cpp's per-head mat-muls and
+        their rounding, :mod:`~p2pswarm.engine.ggml_mla`), else float32 arrays."""
         got = self._kv_b.get(il)
         if got is None:
             p, H = f"blk.{il}.", self.n_head
             if self.split_kv_b:
-                k_b = np.asarray(self.w[p + "attn_k_b.weight"], dtype=F32)
-                v_b = np.asarray(self.w[p + "attn_v_b.weight"], dtype=F32)
+                k_b, v_b = (ggml_mla.head_matrices(self.w, p + n) or np.asarray(self.w[p + n], dtype=F32)
+                            for n in ("attn_k_b.weight", "attn_v_b.weight"))
             else:
                 kv_b = np.asarray(self.w[p + "attn_kv_b.weight"], dtype=F32).reshape(H, self.n_nope + self.head_v, -1)
                 k_b = np.ascontiguousarray(kv_b[:, : self.n_nope, :].transpose(0, 2, 1))
@@ -198,21 +200,41 @@ class DeepSeek2:
             q, ckv = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_kv_a_mqa.weight"]])
         q = q.reshape(T, H, nope + rope)
         pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
+        if self._ggml_core():  # llama.cpp's own ops, for its bits (see ggml_mla)
+            qcur, kcur = ggml_mla.qk_rows(self, il, q, ckv, pos.astype(np.int32))
+            segs, at = [], 0
+            for state, pos0, n in segments:
+                segs.append((state.extra[il].append(kcur[at:at + n]), pos0, n))
+                at += n
+            att = ggml_mla.attention_rows(self, il, qcur, segs)
+            return h + ops.matmul(att, w[p + "attn_output.weight"])
         q_pe = self.yarn.rope_norm(q[..., nope:], pos)
         k_pe = self.yarn.rope_norm(ckv[:, None, Rkv:], pos)[:, 0]
         c = ops.rms_norm(ckv[:, :Rkv], w[p + "attn_kv_a_norm.weight"], self.eps)
         k_b, v_b = self._kv_b_halves(il)
         q_abs = np.empty((T, H, Rkv + rope), F32)
-        q_abs[..., :Rkv] = np.matmul(q[..., :nope].transpose(1, 0, 2), k_b.transpose(0, 2, 1)).transpose(1, 0, 2)
+        q_abs[..., :Rkv] = ggml_mla.per_head_matmul(k_b, q[..., :nope].transpose(1, 0, 2)).transpose(1, 0, 2)
         q_abs[..., Rkv:] = q_pe
         rows = np.concatenate([c, k_pe], axis=1)
-        outs, at = [], 0
-        for state, pos0, n in segments:
+        lats, at = [], 0
+        for state, pos0, n in segments:  # per sequence: its cache
             cache = state.extra[il].append(rows[at:at + n])
-            outs.append(mla.latent_attention(q_abs[at:at + n], cache, Rkv, v_b, self.kq_scale, pos0))
+            lats.append(mla.latent_attention(q_abs[at:at + n], cache, Rkv, self.kq_scale, pos0))
             at += n
-        att = (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(T, H * self.head_v)
+        lat = lats[0] if len(lats) == 1 else np.concatenate(lats, axis=1)  # (H, T, Rkv)
+        att = ggml_mla.per_head_matmul(v_b, lat).transpose(1, 0, 2).reshape(T, H * self.head_v)
         return h + ops.matmul(np.ascontiguousarray(att, dtype=F32), w[p + "attn_output.weight"])
+
+    #: False keeps the numpy MLA core under the ggml kernel too (tests compare the two)
+    ggml_core = True
+
+    def _ggml_core(self) -> bool:
+        if not self.ggml_core:
+            return False
+        got = self.__dict__.get("_core")
+        if got is None:
+            got = self._core = ggml_mla.core_available(self)
+        return got
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.ffn_norm.weight"], self.eps))
