@@ -246,6 +246,13 @@ def run_side(a, side: str) -> dict | str:
 def make_model(a) -> Path:
     d = Path(a.dir)
     d.mkdir(parents=True, exist_ok=True)
+    if a.arch == "deepseek2":  # geometry-671b (DeepSeek-V3), Q4_K_M by llama.cpp's quantiser, built-in vocab
+        path = d / f"geometry-671b-deepseek2-{a.layers}l-q4_k_m.gguf"
+        if not path.exists():
+            subprocess.run([sys.executable, "-m", "p2pswarm.cli", "make-model", "-o", str(path), "--preset",
+                            "geometry-671b", "--arch", "deepseek2", "--layers", str(a.layers), "--type", "q4_k_m",
+                            "-q"], check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        return path
     path = d / f"geometry-122b-qwen35moe-{a.layers}l-{a.type}.gguf"
     if not path.exists():
         cmd = [sys.executable, "-m", "p2pswarm.cli", "make-model", "-o", str(path), "--preset", "geometry-122b",
@@ -269,6 +276,9 @@ def fmt(v: float, metric: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2, help="layers of the model made (2)")
+    ap.add_argument("--arch", choices=("qwen35moe", "deepseek2"), default="qwen35moe",
+                    help="the model made: geometry-122b qwen35moe (default) or geometry-671b deepseek2 "
+                         "(DeepSeek-V3's layer geometry, Q4_K_M; --type is then ignored)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--type", default="q8_0", choices=("q8_0", "f16", "f32"),
@@ -319,11 +329,12 @@ def main() -> None:
     names = {"ours": "p2pswarm", "ours-tree": f"p2pswarm ({a.ours_tree})", "llama": "llama.cpp (in place)",
              "llama-default": "llama.cpp (default bufts)", "llama-passive": "llama.cpp (in place, OMP passive)",
              "ours-spinning": "p2pswarm (OMP spinning)"}
-    cmd = (f"python bench/bench_vs_llama.py --layers {a.layers} --threads {a.threads} --rounds {a.rounds} "
+    cmd = (f"python bench/bench_vs_llama.py --arch {a.arch} --layers {a.layers} --threads {a.threads} --rounds {a.rounds} "
            f"--type {a.type} --llama-bufts {a.llama_bufts} --decode {a.decode} --prefill {a.prefill} "
            f"--seqs {a.seqs} --batch-steps {a.batch_steps}" + (" --llama-passive" if a.llama_passive else "")
            + (" --ours-spinning" if a.ours_spinning else "") + (f" --ours-tree {a.ours_tree}" if a.ours_tree else ""))
-    text = header(f"Backbone engine vs llama.cpp, geometry-122b qwen35moe {a.layers} layers"
+    what = "geometry-671b deepseek2" if a.arch == "deepseek2" else "geometry-122b qwen35moe"
+    text = header(f"Backbone engine vs llama.cpp, {what} {a.layers} layers"
                   + (f" ({a.label})" if a.label else ""), cmd)
     text += (f"`{Path(a.model).name}` ({Path(a.model).stat().st_size / 2**30:.2f} GiB), {a.threads} threads both "
              f"sides, {a.rounds} rounds alternating, medians. decode: {a.decode} steps after an {PROMPT}-token "

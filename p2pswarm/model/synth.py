@@ -172,7 +172,7 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.close()
 
 
-def _quantize_q4_k_m(src: Path, dst: Path) -> None:
+def _quantize_q4_k_m(src: Path, dst: Path, requantize: bool = False) -> None:
     try:
         import llama_cpp  # noqa: PLC0415
     except ImportError:
@@ -180,6 +180,7 @@ def _quantize_q4_k_m(src: Path, dst: Path) -> None:
             "--type q4_k_m needs llama.cpp's quantiser: pip install 'p2pswarm[llama]'") from None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = requantize  # experts written as Q4_K: copied, or moved to Q6_K where Q4_K_M wants
     params.nthread = min(4, os.cpu_count() or 1)
     with _quiet_stderr():
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(),
@@ -305,10 +306,13 @@ def make_model(
         expert_qtype = p.expert_qtype
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise UserError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    if preset.startswith("geometry-") and qtype == "q4_k_m" and expert_qtype == "q4_k":
+    # deepseek2's geometry: the dense tensors are quantised by llama.cpp from F32 and the Q4_K experts
+    # (45 GB per layer as F32) kept, or requantised to Q6_K where Q4_K_M puts them (ffn_down of some layers)
+    requantize = arch == "deepseek2" and qtype == "q4_k_m" and expert_qtype == "q4_k"
+    if preset.startswith("geometry-") and qtype == "q4_k_m" and expert_qtype == "q4_k" and not requantize:
         raise UserError(f"{preset} writes its experts as Q4_K directly; use --type f32, f16 or "
                         "q8_0 for its dense tensors (q4_k_m would requantise the experts)")
-    _validate(p, qtype, expert_qtype)
+    _validate(p, qtype, None if requantize else expert_qtype)
     if isinstance(p, Qwen35Preset):
         _validate_qwen35(p, qtype)
     if isinstance(p, DeepSeek2Preset):
@@ -351,7 +355,7 @@ def make_model(
         if qtype == "q4_k_m":
             if progress is not None:
                 progress(0, 1, "quantising to Q4_K_M with llama.cpp")
-            _quantize_q4_k_m(tmp_f32, tmp)
+            _quantize_q4_k_m(tmp_f32, tmp, requantize)
             tmp_f32.unlink()
         os.replace(tmp, out)
     except OSError as exc:
@@ -379,8 +383,10 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     n_expert = int(val(f"{arch}.expert_count") or 0)
     per_expert = 0
     types: set[str] = set()
+    # the first layer with routed experts (deepseek2's first layers are dense)
+    first = min((int(t.name.split(".")[1]) for t in tis if t.name.startswith("blk.") and "_exps." in t.name), default=0)
     for t in tis:
-        if t.name.startswith("blk.0.") and "_exps." in t.name and n_expert:
+        if t.name.startswith(f"blk.{first}.") and "_exps." in t.name and n_expert:
             gt = g.GGMLQuantizationType(t.gtype)
             per_expert += _type_size(gt, t.shape) // n_expert
             types.add(gt.name)
