@@ -225,6 +225,35 @@ async def test_split_equals_monolithic_and_batched_equals_alone(models_dir):
 
 
 @pytest.mark.slow
+async def test_ggml_mla_core_split_and_batched_exact(models_dir):
+    """Q4_K_M on the ggml kernel (the llama.cpp-ops MLA core): 3 workers == monolithic and
+    batched == alone, bit for bit."""
+    path = q4km_model(models_dir)
+    mono = await our_logits(path, TOKENS[:20], kernel="ggml")
+    split = await our_logits(path, TOKENS[:20], workers=3, kernel="ggml")
+    assert split[2].requests > 0 and split[2].fallbacks == 0 and split[2].local_groups == 0
+    assert np.array_equal(mono[0], split[0]) and np.array_equal(mono[1], split[1])
+    async with open_backbone(path, workers=3, transport="inproc", kernel="ggml") as swarm:
+        bb = swarm.backbone
+        assert bb.model._ggml_core()
+        seqs = [TOKENS[i:i + 4 + 2 * i] for i in range(3)]
+        batched = await bb.forward_batch([(s, bb.new_state()) for s in seqs])
+        alone = [await bb.forward(s, bb.new_state()) for s in seqs]
+        # and decode steps of all three together == each alone
+        states = [bb.new_state() for _ in seqs]
+        for s, st in zip(seqs, states):
+            await bb.forward(s, st)
+        step = await bb.forward_batch([([7], st) for st in states])
+        solo = []
+        for s in seqs:
+            st = bb.new_state()
+            await bb.forward(s, st)
+            solo.append(await bb.forward([7], st))
+    assert all(np.array_equal(a, b) for a, b in zip(batched, alone))
+    assert all(np.array_equal(a, b) for a, b in zip(step, solo))
+
+
+@pytest.mark.slow
 def test_split_equals_monolithic_through_the_libp2p_swarm(models_dir, tmp_path):
     """Three worker processes (experts 0-5, 6-10, 11-15 of every MoE layer) found through a
     bootstrap node's DHT; `logits --swarm` equals the monolithic run, prefill and decode."""
