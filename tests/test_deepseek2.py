@@ -300,6 +300,18 @@ def test_inconsistent_hyper_parameters_refused_at_load(models_dir, tmp_path, key
         load_dense(ModelLayout.open(bad))
 
 
+async def test_mtp_blocks_are_not_run(models_dir, tmp_path):
+    """A file whose last block is a multi-token-prediction block (``nextn_predict_layers`` 1): the
+    forward pass runs the blocks before it, so the 4-block v3 model computes what the 3-layer model
+    of the same seed computes (tensors are seeded by name: layers 0-2 are the same), bit for bit."""
+    mtp = rewrite(ds_model(models_dir, "v3"), tmp_path / "mtp.gguf",
+                  set_keys={"deepseek2.nextn_predict_layers": (1, GGUFValueType.UINT32, None)})
+    three = ds_model(models_dir, "v3-3layers", seed=41, layers=3)
+    assert load_dense(ModelLayout.open(mtp)).n_layer == 3
+    a, b = await our_logits(mtp, TOKENS[:8], kernel="numpy"), await our_logits(three, TOKENS[:8], kernel="numpy")
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
 def test_missing_key_or_tensor_is_one_line(models_dir, tmp_path):
     src = ds_model(models_dir, "v3")
     no_key = rewrite(src, tmp_path / "nokey.gguf", drop_key="deepseek2.attention.kv_lora_rank")

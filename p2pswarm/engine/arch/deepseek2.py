@@ -59,7 +59,12 @@ class DeepSeek2:
             except (TypeError, ValueError):
                 raise bad(f"key {self.arch}.{key} must be a number, got {v!r}") from None
 
-        self.n_layer = num("block_count")
+        # block_count includes any multi-token-prediction blocks appended at the end (GLM-4.7-Flash,
+        # converters run without skipping MTP): the forward pass runs the blocks before them, as
+        # llama.cpp does; their tensors stay in the file and in shards, never requested.
+        self.n_block = num("block_count")
+        self.n_layer_nextn = num("nextn_predict_layers", 0)
+        self.n_layer = self.n_block - self.n_layer_nextn
         self.n_embd = num("embedding_length")
         self.n_head = num("attention.head_count")
         self.eps = num("attention.layer_norm_rms_epsilon", kind=float)
@@ -79,6 +84,9 @@ class DeepSeek2:
         self.n_expert_used = num("expert_used_count")
         self.n_ff_exp = num("expert_feed_forward_length")
         self.n_expert_shared = num("expert_shared_count", 0)
+        if not 0 <= self.n_layer_nextn < self.n_block:
+            raise bad(f"key {self.arch}.nextn_predict_layers {self.n_layer_nextn} must be below block_count "
+                      f"{self.n_block}")
         for key, v in (("block_count", self.n_layer), ("embedding_length", self.n_embd),
                        ("attention.head_count", self.n_head), ("attention.kv_lora_rank", self.kv_lora_rank),
                        ("rope.dimension_count", self.n_rot), (k_key, self.head_k), (v_key, self.head_v),
