@@ -186,3 +186,38 @@ def attention_rows(model, il: int, qcur: np.ndarray, segs) -> np.ndarray:
         finally:
             runner.release(g)
 
+
+def gate_probs(W, cur: np.ndarray, gating: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """The router's logits and its gating function's output, ``(logits, probs)`` (n, n_expert), by
+    ggml as llama.cpp's build_moe_ffn computes them (``mul_mat`` then ``sigmoid`` or ``soft_max``);
+    None unless ``W`` is a ggml matrix (the ggml kernel's router) and libggml has the ops. Why:
+    ggml's sigmoid is the C library's ``expf`` (vectorised), 1 ulp from numpy's ``exp`` in ~1 value
+    of 6, and a weight 1 ulp off changes every routed output's last bits."""
+    runner = getattr(W, "runner", None)
+    lib = runner.lib if runner is not None else None
+    if lib is None or getattr(lib, "sigmoid", None) is None or getattr(lib, "soft_max_ext", None) is None:
+        return None
+    cur = np.ascontiguousarray(cur, dtype=np.float32)
+    n, n_in = cur.shape
+    n_out = W.shape[0]
+    if n == 0:
+        return None
+    rows = max(n, getattr(W, "min_rows", 1))  # the router's one-row kernel differs: pad as QuantisedMatrix does
+    x = cur if rows == n else np.concatenate([cur, np.repeat(cur[-1:], rows - n, axis=0)])
+
+    def build(g):
+        xt = lib.new_tensor_2d(g.ctx, GGML_TYPE_F32, n_in, rows)
+        logits = lib.mul_mat(g.ctx, W.tensor, xt)
+        probs = lib.sigmoid(g.ctx, logits) if gating == "sigmoid" else lib.soft_max_ext(g.ctx, logits, None, 1.0, 0.0)
+        lib.build_forward_expand(g.graph, probs)
+        return f32_view(lib, xt, (rows, n_in)), f32_view(lib, logits, (rows, n_out)), f32_view(lib, probs, (rows, n_out))
+
+    with runner.lock:
+        g = runner.graph(("gate_probs", W.tensor, gating, rows), 4 * rows * (n_in + 3 * n_out) + 1024, 8, build)
+        try:
+            x_in, lg, pr = g.t
+            x_in[...] = x
+            runner.compute(g.graph, rows * n_in * n_out)
+            return lg[:n].copy(), pr[:n].copy()
+        finally:
+            runner.release(g)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine import ggml_mla, mla, ops
+from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.state import SequenceState
@@ -199,11 +199,10 @@ class DeepSeek2:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         w, p = self.w, f"blk.{il}."
         T, H, Rkv, rope, nope = h.shape[0], self.n_head, self.kv_lora_rank, self.n_rot, self.n_nope
-        x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
+        x = self._rms_norm(p + "attn_norm.weight", h)
         if self.q_lora_rank > 0:
             qa, ckv = ops.matmuls(x, [w[p + "attn_q_a.weight"], w[p + "attn_kv_a_mqa.weight"]])
-            q = ops.matmul(np.ascontiguousarray(ops.rms_norm(qa, w[p + "attn_q_a_norm.weight"], self.eps)),
-                           w[p + "attn_q_b.weight"])
+            q = ops.matmul(self._rms_norm(p + "attn_q_a_norm.weight", qa), w[p + "attn_q_b.weight"])
         else:
             q, ckv = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_kv_a_mqa.weight"]])
         q = q.reshape(T, H, nope + rope)
@@ -245,16 +244,29 @@ class DeepSeek2:
         return got
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.ffn_norm.weight"], self.eps))
+        return self._rms_norm(f"blk.{il}.ffn_norm.weight", h)
+
+    def _rms_norm(self, name: str, x: np.ndarray) -> np.ndarray:
+        """``rms_norm(x) * w[name]``: ggml's op under the ggml kernel (numpy's is 1 ulp off in some
+        rows, which moves the 8-bit rounding of what the next mat-mul reads), numpy's otherwise."""
+        dense = getattr(self.w, "ggml_dense", None)
+        if dense is not None and x.shape[0]:
+            got = ggml_attention.rms_norm_rows(self, dense.runner, name, np.ascontiguousarray(x, dtype=F32))
+            if got is not None:
+                return got
+        return np.ascontiguousarray(ops.rms_norm(x, self.w[name], self.eps))
 
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The routed experts' ids and weights (n, k); (n, 0) on a leading dense layer."""
         if il < self.n_dense_lead:
             return no_experts(cur.shape[0])
         p = f"blk.{il}."
-        logits = ops.matmul(cur, self.w[p + "ffn_gate_inp.weight"])
+        W = self.w[p + "ffn_gate_inp.weight"]
         bias = self.w[p + "exp_probs_b.bias"].reshape(-1) if self.w.has(p + "exp_probs_b.bias") else None
-        return route(np.asarray(logits, dtype=F32), self.router, bias)
+        got = ggml_mla.gate_probs(W, cur, self.router.gating)  # llama.cpp's bits on the ggml kernel
+        if got is not None:
+            return route(got[0], self.router, bias, probs=got[1])
+        return route(np.asarray(ops.matmul(cur, W), dtype=F32), self.router, bias)
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
         """h + dense FFN (leading layers), or h + (routed + shared), in llama.cpp's order."""
