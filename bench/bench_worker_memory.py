@@ -7,6 +7,8 @@ layers), sends one request per layer touching every expert it holds, then reads 
 resident set (VmHWM) and what it is made of (RssAnon: private memory; RssFile: mapped file pages,
 the shard's among them). The numpy kernel keeps float32 copies: ~7.1x the Q4_K bytes. The ggml
 kernel computes on the mapped bytes: peak = shard + a fixed overhead (Python, numpy, trio, libggml).
+``--model`` cuts the shards from another model instead (e.g. ``make-model --arch gpt-oss --preset
+geometry-gpt-oss-120b --layers 2``: MXFP4 experts with their bias rows).
 """
 from __future__ import annotations
 
@@ -54,8 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernel", choices=("auto", "numpy", "ggml"), default="numpy")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--model", type=Path, help="cut the shards from this GGUF (e.g. a geometry-671b deepseek2) "
-                                               "instead of a geometry-122b made here")
+    ap.add_argument("--model", type=Path, help="cut the shards from this GGUF (default: geometry-122b, made)")
     args = ap.parse_args()
     kernel = resolve_kernel(args.kernel)
     d = Path("/tmp/p2pswarm-bench")
@@ -63,9 +64,9 @@ def main() -> None:
     model = args.model or d / f"geometry-122b-{args.layers}l.gguf"
     if not model.exists():
         make_model(model, preset="geometry-122b", layers=args.layers)
-    text = header(f"Worker memory vs shard size ({model.name}, {kernel} kernel)",
+    text = header(f"Worker memory vs shard size ({model.name if args.model else 'geometry-122b'}, {kernel} kernel)",
                   f"python bench/bench_worker_memory.py --kernel {args.kernel} --layers {args.layers}"
-                  + (f" --model {model}" if args.model else ""))
+                  + (f" --model {model.name}" if args.model else ""))
     text += (f"Kernel `{kernel_id(kernel)}`. MiB throughout.\n\n"
              "| experts/layer x layers | shard | idle peak RSS | peak RSS after touching every expert | "
              "peak - shard | peak / shard | RssAnon | RssFile |\n|---|---|---|---|---|---|---|---|\n")

@@ -32,12 +32,14 @@ from p2pswarm.model.synth import describe, make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
-from helpers.gguf_edit import rewrite
+from helpers.arch_checks import TOKENS
+from helpers.arch_checks import forward as _forward
+from helpers.compare import assert_logits_close, tolerance
+from helpers.gguf_edit import rewrite as _rewrite
 from helpers.llama_ref import llama_intermediates
 
 F32 = np.float32
-TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
-          33, 71, 2, 118, 199, 45, 88, 301]
+
 
 # Every variant is the tiny qwen35moe preset (3 DeltaNet layers + 1 gated-attention layer, Hk 2,
 # Hv 4, 16 experts top-4, shared expert) with one thing changed.
@@ -70,8 +72,6 @@ async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc"):
     return prefill, decode, stats
 
 
-def tolerance(ref: np.ndarray) -> float:
-    return 1e-4 + 2e-5 * float(np.abs(ref).max())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,13 +84,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant):
     path = q35_model(models_dir, variant)
     ref = llama_logits(path, TOKENS)
     prefill, decode, _ = await our_logits(path)
-    tol = tolerance(ref)
-    assert np.abs(ref).max() > 1.0  # real logits, not a degenerate model
-    for what, ours in (("prefill", prefill), ("decode", decode)):
-        diff = float(np.abs(ours - ref).max())
-        print(f"qwen35moe {variant} {what}: max |diff| vs llama.cpp {diff:.3g} (tolerance {tol:.3g})")
-        assert diff <= tol, f"{variant} {what}: max |diff| {diff} > {tol}"
-        assert (np.argmax(ours, axis=1) == np.argmax(ref, axis=1)).all()
+    assert_logits_close(f"qwen35moe {variant}", ref, prefill=prefill, decode=decode)
     if variant == "fused":  # same weights as "separate": the same function, bit for bit
         sep_prefill, sep_decode, _ = await our_logits(q35_model(models_dir, "separate"))
         assert np.array_equal(prefill, sep_prefill) and np.array_equal(decode, sep_decode)
@@ -126,18 +120,7 @@ async def test_wrong_section_rule_would_be_caught(models_dir):
     assert np.abs(right - ref).max() <= tolerance(ref) < np.abs(wrong - ref).max() / 10
 
 
-def _forward(model, bank, tokens, state=None, pos0=0):
-    """Monolithic forward through the arch object and the bank, without the async backbone."""
-    state = state or model.new_state()
-    h = model.embed(np.asarray(tokens))
-    for il in range(model.n_layer):
-        h = model.pre_moe(il, h, state, pos0)
-        cur = model.ffn_input(il, h)
-        ids, w = model.route(il, cur)
-        groups = expert_groups(ids)
-        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
-        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
-    return model.output(h)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,10 +438,6 @@ def test_teacher_forced_f32_is_exact(models_dir):
 # Refusals: a qwen35moe GGUF missing what the forward pass needs
 
 
-def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, drop_tensor: str | None = None,
-             set_keys: dict | None = None) -> Path:
-    """A copy of a GGUF without one key or tensor, or with keys added (``{key: (value, type, sub)}``)."""
-    return rewrite(src, dst, drop_key=drop_key, drop_tensor=drop_tensor, set_keys=set_keys)
 
 
 @pytest.mark.parametrize("drop", [

@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, GgmlRunner,
-                                         MappedWeights, _i32_view, f32_view, load_libggml)
+                                         _i32_view, f32_view, load_libggml)
+from p2pswarm.engine import expert_fn
 from p2pswarm.engine.experts import check_held
+from p2pswarm.engine.mapped_parts import map_layout
 from p2pswarm.errors import ModelFormatError, UserError
 
 
@@ -37,10 +39,15 @@ class GgmlExpertBank:
         # P2PSWARM_GRAPH_CACHE_MB, a worker a small P2PSWARM_WORKER_GRAPH_CACHE_MB (GgmlRunner.graph)
         self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=graph_cache_bytes)
         self.threads = self.runner.threads
-        self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
+        self._mapped = map_layout(self.lib, layout)
         self._experts: dict[tuple[int, int], tuple] = {}
         self._layers: dict[int, tuple] = {}
         self._check_types()
+        # gpt-oss: biases added by expert id (ggml_add_id) and ggml's swiglu_oai, as llama.cpp builds it
+        self.oai = expert_fn.activation(layout) == expert_fn.SWIGLU_OAI
+        if self.oai and (self.lib.add_id is None or self.lib.swiglu_oai is None):
+            raise ModelFormatError(f"{layout.path}: this libggml has no ggml_swiglu_oai/ggml_add_id, which "
+                                   f"{layout.arch} experts need (use a newer ggml or --kernel numpy)")
 
     def _check_types(self) -> None:
         for layer, tensors in self.layout.expert_tensors.items():
@@ -121,9 +128,24 @@ class GgmlExpertBank:
         else:
             ff = tensors["gate"].shape[1]
             gate, up = make("gate"), make("up")
-        got = (gate, up, make("down"), ff)
+        got = (gate, up, make("down"), ff, self._biases(layer) if self.oai else None)
         self._layers[layer] = got
         return got
+
+    def _biases(self, layer: int) -> tuple:
+        """(gate, up, down) bias rows of every expert of ``layer`` held here: 2-D F32 tensors over
+        the mapped bytes (one row per local expert) that ``ggml_add_id`` picks from."""
+        tensors = self.layout.expert_tensors[layer]
+        out = []
+        for kind in ("gate_bias", "up_bias", "down_bias"):
+            t = tensors.get(kind)
+            if t is None or int(t.ggml_type) != GGML_TYPE_F32:
+                raise ModelFormatError(f"{self.layout.path}: layer {layer} needs an F32 "
+                                       f"ffn_{kind[:-5]}_exps.bias for {self.layout.arch} experts")
+            off, _ = t.slab(0)
+            out.append(self._mapped.tensor(GGML_TYPE_F32, t.shape[1], t.n_expert, off,
+                                           f"{t.name}[{self.expert_begin}:]"))
+        return tuple(out)
 
     def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
         """Every (expert, row indices) group of one layer: rows[idx] through that expert, in order.
@@ -178,7 +200,7 @@ class GgmlExpertBank:
         r = self.runner
         local = np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
         with r.lock:
-            gate, up, down, ff = self._layer(layer)
+            gate, up, down, ff, biases = self._layer(layer)
 
             def build(g):
                 ctx = g.ctx
@@ -188,13 +210,20 @@ class GgmlExpertBank:
                     g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
                 else:
                     g_w, u_w = gate, up
-                h = lib.swiglu_split(ctx, lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids))
-                out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
+                g_out, u_out = lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids)
+                if biases is None:
+                    h = lib.swiglu_split(ctx, g_out, u_out)
+                    out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
+                else:  # gpt-oss: llama.cpp's build_moe_ffn order (bias, swiglu_oai, down, bias)
+                    g_out, u_out = lib.add_id(ctx, g_out, biases[0], ids), lib.add_id(ctx, u_out, biases[1], ids)
+                    h = lib.swiglu_oai(ctx, g_out, u_out, expert_fn.SWIGLU_OAI_ALPHA, expert_fn.SWIGLU_OAI_LIMIT)
+                    out = lib.add_id(ctx, lib.mul_mat_id(ctx, down, h, ids), biases[2], ids)
                 lib.build_forward_expand(g.graph, out)
                 return f32_view(lib, x, (P, E)), _i32_view(lib, ids, P), f32_view(lib, out, (P, E))
 
             # kept by (layer, P) where the runner keeps graphs: ids and rows are input data
-            g = r.graph(("experts", layer, P), 4 * P * (2 * E + 3 * ff + 1) + 8 * 64, 10, build)
+            extra = 0 if biases is None else 4 * P * (2 * ff + E)  # the three bias sums
+            g = r.graph(("experts", layer, P), 4 * P * (2 * E + 3 * ff + 1) + extra + 8 * 64, 14, build)
             try:
                 x_in, ids_in, flat = g.t
                 np.take(rows, np.concatenate(idxs), axis=0, out=x_in)

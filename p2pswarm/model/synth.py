@@ -70,16 +70,22 @@ from p2pswarm.model.synth_presets import (  # noqa: F401
     QWEN35_OPTIONS, ROUTER_NEAR_TIE_SCALE, SYNTH_VERSION, Preset, Progress, Qwen35Preset, _file_type, _gguf,
     _resolve, _validate, _validate_qwen35,
 )
+from p2pswarm.model.synth_glm4moe import plan_glm4, validate_glm4, write_glm4_keys
+from p2pswarm.model.synth_presets import PRESETS_GLM4, Glm4Preset  # noqa: F401
 from p2pswarm.model.synth_tensors import (  # noqa: F401
     Q4_K_BLOCK_BYTES, QK_K, TensorPlan, _plan, _plan_qwen35, _tensor_chunks, _type_size, estimate_nbytes,
     q4_k_d_for_std, random_q4_k_blocks,
 )
+from p2pswarm.model.synth_gptoss import (ARCH_GPTOSS, PRESETS_GPTOSS, GptOssPreset, add_gptoss_keys,
+                                          plan_gptoss, validate_gptoss)
 from p2pswarm.model import synth_deepseek2
 from p2pswarm.model.synth_deepseek2 import DeepSeek2Preset
 from p2pswarm.model.synth_vocab import (  # noqa: F401
     BUILTIN_MERGES, BUILTIN_TEXT, CHATML_TEMPLATE, QWEN2_PRETOKENIZER_REGEX, SPECIAL_TOKENS, _n_vocab,
     builtin_tokenizer_kv, builtin_vocab, vocab_tokenizer_kv,
 )
+
+PRESETS_BY_ARCH[ARCH_GPTOSS] = PRESETS_GPTOSS
 
 # ---------------------------------------------------------------------------------------------
 # Writing
@@ -95,13 +101,13 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.add_type("model")
         w.add_name(f"p2pswarm synth {preset}")
         w.add_description(f"random-weight {arch} made by p2pswarm make-model (seed {seed})")
-        if isinstance(dims, DeepSeek2Preset):
+        if isinstance(dims, DeepSeek2Preset):  # its own keys: MLA sizes, dense FFN, YaRN, router
             synth_deepseek2.write_keys(w, dims)
         else:
             w.add_context_length(dims.context_length)
             w.add_embedding_length(dims.n_embd)
-            w.add_block_count(dims.n_layer)
-            w.add_feed_forward_length(dims.n_ff_exp * dims.n_expert_used)
+            w.add_block_count(dims.n_layer + getattr(dims, "n_nextn", 0))
+            w.add_feed_forward_length(getattr(dims, "n_ff", None) or dims.n_ff_exp * dims.n_expert_used)
             w.add_head_count(dims.n_head)
             w.add_head_count_kv(dims.n_head_kv)
             w.add_key_length(dims.head_dim)
@@ -121,6 +127,10 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
                 w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
                 w.add_ssm_group_count(dims.ssm_group_count)
                 w.add_full_attention_interval(dims.full_attention_interval)
+            if isinstance(dims, GptOssPreset):
+                add_gptoss_keys(w, dims)
+            if isinstance(dims, Glm4Preset):
+                write_glm4_keys(w, dims)
         w.add_file_type(_file_type(qtype, expert_qtype))
         if any(p.gtype not in (g.GGMLQuantizationType.F32, g.GGMLQuantizationType.F16)
                for p in plans):
@@ -254,6 +264,7 @@ def make_model(
     full_attention_interval: int | None = None,
     n_ff_shexp: int | None = None,
     fused_experts: bool | None = None,
+    sliding_window: int | None = None,
     deepseek2: dict[str, Any] | None = None,
 ) -> Path:
     """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
@@ -289,13 +300,15 @@ def make_model(
                  ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
                  full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
                  fused_experts=fused_experts)
+    if sliding_window is not None and arch != ARCH_GPTOSS:
+        raise UserError("sliding_window applies only to --arch gpt-oss")
     if deepseek2 is not None and arch != "deepseek2":
         raise UserError("deepseek2 options apply only to --arch deepseek2")
     if arch != "qwen35moe":
         given = [k for k, v in extra.items() if v is not None]
         if given:
             raise UserError(f"{given[0]} applies only to --arch qwen35moe")
-        extra = {}
+        extra = {} if sliding_window is None else {"sliding_window": sliding_window}
     p = _resolve(preset, layers, dict(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
         n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length, **extra),
@@ -315,6 +328,12 @@ def make_model(
     _validate(p, qtype, None if requantize else expert_qtype)
     if isinstance(p, Qwen35Preset):
         _validate_qwen35(p, qtype)
+    if isinstance(p, GptOssPreset):
+        validate_gptoss(p, qtype, expert_qtype)
+        if tied is None:
+            tied = False
+    if isinstance(p, Glm4Preset):
+        validate_glm4(p, qtype)
     if isinstance(p, DeepSeek2Preset):
         synth_deepseek2.validate(p, qtype)
 
@@ -332,9 +351,13 @@ def make_model(
     if tied is None:
         tied = n_vocab > 32768
     dims = p
-    planner = (_plan_qwen35 if isinstance(dims, Qwen35Preset) else synth_deepseek2.plan
-               if isinstance(dims, DeepSeek2Preset) else _plan)
-    plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
+    if isinstance(dims, DeepSeek2Preset):
+        plans = synth_deepseek2.plan(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
+    elif isinstance(dims, GptOssPreset):
+        plans = plan_gptoss(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie, TensorPlan, _type_size)
+    else:
+        planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else plan_glm4 if isinstance(dims, Glm4Preset) else _plan
+        plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
 
     need_bytes = estimate_nbytes(plans) * (2 if qtype == "q4_k_m" else 1) + (64 << 20)
     try:
@@ -383,8 +406,9 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     n_expert = int(val(f"{arch}.expert_count") or 0)
     per_expert = 0
     types: set[str] = set()
-    # the first layer with routed experts (deepseek2's first layers are dense)
-    first = min((int(t.name.split(".")[1]) for t in tis if t.name.startswith("blk.") and "_exps." in t.name), default=0)
+    # the first layer with routed experts (glm4moe's and deepseek2's first layers are dense)
+    first = min((int(t.name.split(".")[1]) for t in tis if t.name.startswith("blk.") and "_exps." in t.name),
+                default=0)
     for t in tis:
         if t.name.startswith(f"blk.{first}.") and "_exps." in t.name and n_expert:
             gt = g.GGMLQuantizationType(t.gtype)

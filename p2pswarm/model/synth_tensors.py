@@ -255,6 +255,11 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
         if plan.gtype == Q.Q4_K:
             yield random_q4_k_blocks(rng, n * inner // QK_K, plan.std)
             continue
+        if plan.gtype == Q.MXFP4:  # gpt-oss experts (p2pswarm.model.synth_gptoss)
+            from p2pswarm.model.synth_gptoss import MXFP4_BLOCK, random_mxfp4_blocks  # noqa: PLC0415
+
+            yield random_mxfp4_blocks(rng, n * inner // MXFP4_BLOCK, plan.std)
+            continue
         a = _normal(rng, (n, *plan.shape[1:]), plan.std)
         if plan.gtype == Q.F32:
             yield a

@@ -16,6 +16,7 @@ import numpy as np
 
 from p2pswarm import settings
 from p2pswarm.engine.kernels import answer_families, family, kernel_id, make_bank, portable_family
+from p2pswarm.engine.portable_kernel import refusal as portable_refusal
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
@@ -69,6 +70,8 @@ class ExpertWorker:
         self.info = shard_info(layout, self.bank.kernel)
         #: the kernel families this worker answers in (its own, then portable): the hello says them
         self.families = answer_families(self.bank.kernel)
+        if portable_refusal(layout) is not None:  # gpt-oss: the portable kernel cannot answer
+            self.families = (family(self.bank.kernel),)
         self._layout = layout
         self._threads = bank_options.get("threads")
         self._portable = None  # the portable bank, built on the first request that asks for it
