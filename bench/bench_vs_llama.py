@@ -57,7 +57,8 @@ METRICS = ("decode_tps", "decode_cpu", "prefill_tps", "prefill_cpu", "batch_tps"
            "batchx_cpu", "rss_mb")
 
 
-PRESET = {"qwen35moe": "geometry-122b", "gpt-oss": "geometry-gpt-oss-120b"}  # --arch: the model made
+PRESET = {"qwen35moe": "geometry-122b", "gpt-oss": "geometry-gpt-oss-120b",  # --arch: the model made
+          "deepseek2": "geometry-671b"}
 VOCAB = [150_000]  # set by each side from its model (Qwen3.5's special tokens start above 150,000)
 
 
@@ -250,10 +251,11 @@ def make_model(a) -> Path:
     d = Path(a.dir)
     d.mkdir(parents=True, exist_ok=True)
     preset = PRESET[a.arch]
-    path = d / f"{preset}-{a.arch}-{a.layers}l-{a.type}.gguf"
+    qtype = "q4_k_m" if a.arch == "deepseek2" else a.type  # deepseek2: Q4_K_M by llama.cpp, Q4_K experts kept
+    path = d / f"{preset}-{a.arch}-{a.layers}l-{qtype}.gguf"
     if not path.exists():
         cmd = [sys.executable, "-m", "p2pswarm.cli", "make-model", "-o", str(path), "--preset", preset,
-               "--arch", a.arch, "--layers", str(a.layers), "--type", a.type, "-q"]
+               "--arch", a.arch, "--layers", str(a.layers), "--type", qtype, "-q"]
         if a.vocab and a.arch == "qwen35moe":
             cmd += ["--vocab", str(a.vocab)]
         subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -273,7 +275,8 @@ def fmt(v: float, metric: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=tuple(PRESET), default="qwen35moe",
-                    help="the model made: geometry-122b qwen35moe (default) or geometry-gpt-oss-120b gpt-oss")
+                    help="the model made: geometry-122b qwen35moe (default), geometry-gpt-oss-120b gpt-oss or "
+                         "geometry-671b deepseek2 (DeepSeek-V3's layer geometry, Q4_K_M: --type is then ignored)")
     ap.add_argument("--layers", type=int, default=2, help="layers of the model made (2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)

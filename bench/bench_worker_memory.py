@@ -22,6 +22,7 @@ from common import header, peak_rss_mb
 from p2pswarm.backbone.session import WorkerProcess
 from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.engine.kernels import kernel_id, resolve_kernel
+from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
@@ -44,7 +45,7 @@ async def touch_all(wp: WorkerProcess, shard: Path, kernel: str) -> float:
                         timeout_s=600)
     idle = peak_rss_mb(wp.proc.pid)
     rows = np.random.default_rng(0).standard_normal((4, info.n_embd)).astype(np.float32)
-    for layer in range(info.layer_begin, info.layer_end):
+    for layer in ModelLayout.open(shard).expert_layers:  # a dense layer (deepseek2's first) holds none
         groups = [(e, np.arange(4)) for e in range(info.expert_begin, info.expert_end)]
         await owner.compute(layer, rows, groups)
     await owner.aclose()

@@ -33,6 +33,7 @@ SPLIT_ARCHES = {
     "qwen35moe": {"arch": "qwen35moe"},
     "gpt-oss": {"arch": "gpt-oss"},
     "glm4moe": {"arch": "glm4moe"},
+    "deepseek2": {"arch": "deepseek2"},
 }
 N_PARTS = 3
 TOKENS = [5, 17, 42, 99, 100, 7, 256, 300, 12]

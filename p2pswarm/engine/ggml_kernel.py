@@ -166,6 +166,8 @@ _OPTIONAL_SIG = {
     # freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
     "ggml_rope_multi": ("base", _P, [_P, _P, _P, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int,
                                      ctypes.c_int] + [ctypes.c_float] * 6),
+    # a, positions, freq factors (NULL), n_dims, mode, n_ctx_orig, then the six floats above (deepseek2's YaRN)
+    "ggml_rope_ext": ("base", _P, [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_float] * 6),
 }
 
 

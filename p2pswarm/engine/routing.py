@@ -15,7 +15,8 @@ mat-mul's output, (n, n_expert) float32)::
         experts get -inf
     ids     = top n_expert_used of select, best first
     weights = probs[ids]
-    if norm_weights: weights /= max(sum(weights), 2^-14)    (llama.cpp's clamp: F16's smallest)
+    if norm_weights: weights /= max(sum(weights), 2^-14)    (llama.cpp's clamp: F16's smallest;
+                                                             the sum in float64, as ggml's sum_rows)
     if scale not in (0, 1): weights *= scale
 
 Ties: llama.cpp's CPU argsort is ``std::sort``, which leaves the order of equal values unspecified;
@@ -132,12 +133,17 @@ class RouterSpec:
                    scale=float(scale) if float(scale) != 0.0 else 1.0)
 
 
-def route(logits: np.ndarray, spec: RouterSpec, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def route(logits: np.ndarray, spec: RouterSpec, bias: np.ndarray | None = None, *,
+          probs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(ids int64 (n, k), weights float32 (n, k))`` for router ``logits`` (n, n_expert), best
-    first; ``bias`` is the layer's ``exp_probs_b`` (n_expert,) or None. See the module doc."""
+    first; ``bias`` is the layer's ``exp_probs_b`` (n_expert,) or None. See the module doc.
+    ``probs``: the gating function of ``logits`` already computed (by ggml's own sigmoid / softmax,
+    whose last bits numpy's ``exp`` does not always give), used instead of computing it here."""
     logits = logits.astype(F32, copy=False)
     n, k = logits.shape[0], spec.n_expert_used
-    if spec.gating == "softmax":
+    if probs is not None:
+        probs = probs.astype(F32, copy=False)
+    elif spec.gating == "softmax":
         probs = ops.softmax(logits, axis=-1)
     elif spec.gating == "sigmoid":
         with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x < -88: sigmoid 0, as in C
@@ -157,7 +163,10 @@ def route(logits: np.ndarray, spec: RouterSpec, bias: np.ndarray | None = None) 
     order = np.argsort(-select, axis=-1, kind="stable")[:, :k]
     weights = np.take_along_axis(probs, order, axis=-1)
     if spec.norm_weights:
-        weights = weights / np.maximum(np.sum(weights, axis=-1, keepdims=True), NORM_MIN)
+        # the sum in float64, rounded once, as ggml's sum_rows (ggml_vec_sum_f32) takes it: a float32
+        # sum of the k weights is 1 ulp off in ~1 row of 4, and then so is every routed output
+        total = np.sum(weights, axis=-1, keepdims=True, dtype=np.float64).astype(F32)
+        weights = weights / np.maximum(total, NORM_MIN)
     if spec.scale not in (0.0, 1.0):
         weights = weights * F32(spec.scale)
     return order.astype(np.int64), weights.astype(F32, copy=False)

@@ -29,7 +29,7 @@ from p2pswarm.model.gguf_read import FastGGUFReader, field_value, get_str, open_
 from p2pswarm.model.split_gguf import GGUFPart, PartMap, SplitGGUFReader, is_split
 
 # Architectures whose routed experts follow the layout above.
-MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral", "gpt-oss", "glm4moe")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral", "gpt-oss", "glm4moe", "deepseek2")
 
 # `blk.<layer>.ffn_<kind>_exps.<weight|bias>`; kind "gate_up" is the fused gate+up tensor
 # (gate rows first) some architectures use.

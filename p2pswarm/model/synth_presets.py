@@ -223,3 +223,9 @@ def _file_type(qtype: str, expert_qtype: str | None) -> int:
     return int({"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0,
                 "q4_k_m": F.ALL_F32}[qtype])
 
+
+# deepseek2's shapes live in their own module, which imports from this one: registered last.
+from p2pswarm.model.synth_deepseek2 import PRESETS_DEEPSEEK2  # noqa: E402
+
+ARCHES = (*ARCHES, "deepseek2")
+PRESETS_BY_ARCH["deepseek2"] = PRESETS_DEEPSEEK2
