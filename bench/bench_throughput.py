@@ -79,6 +79,9 @@ def prompts(n: int) -> list[str]:
     return [f"client {i} asks" for i in range(n)]
 
 
+PROMPT_TOKENS: list[int] = []  # the prompt tokens of each request of the last post_all
+
+
 def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
     """n concurrent greedy ``/v1/completions`` requests, one thread and connection each (the
     standard library's ``http.client``): completion tokens of each, and the wall time from the
@@ -90,6 +93,7 @@ def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
     bodies = [json.dumps({"prompt": p, "max_tokens": tokens, "temperature": 0}) for p in prompts(n)]
     done: list[int] = []
     errors: list[str] = []
+    PROMPT_TOKENS.clear()
 
     def client(i: int) -> None:
         try:
@@ -100,7 +104,9 @@ def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
                 body = r.read()
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}: {body[:200]!r}")
-                done.append(json.loads(body)["usage"]["completion_tokens"])
+                usage = json.loads(body)["usage"]
+                done.append(usage["completion_tokens"])
+                PROMPT_TOKENS.append(usage["prompt_tokens"])
             finally:
                 c.close()
         except Exception as exc:  # noqa: BLE001 - reported
@@ -142,6 +148,13 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "dense_ms_layer": 1000 * (h1["dense_s"] - h0["dense_s"]) / layer_steps,
             "wait_ms_layer": 1000 * (h1["dispatch_wait_s"] - h0["dispatch_wait_s"]) / layer_steps,
             "req_per_tok": (h1["expert_requests"] - h0["expert_requests"]) / gen,
+            # the backbone's expert-RPC bytes per generated token, both directions (/health "wire")
+            "bytes_per_tok": wire_total(h1, h0) / gen,
+            # per token through the model (prompt + generated): what the per-layer formula counts
+            "bytes_per_fed": wire_total(h1, h0) / (gen + sum(PROMPT_TOKENS)),
+            "sent_per_tok": wire_total(h1, h0, ("sent",)) / gen,
+            "received_per_tok": wire_total(h1, h0, ("received",)) / gen,
+            "busiest_worker_per_tok": busiest_upload(h1, h0) / gen,
             "fallbacks": d1["fallbacks"] - d0["fallbacks"],
             "local_groups": d1["local_groups"] - d0["local_groups"],
             "remote_groups": d1["remote_groups"] - d0["remote_groups"],
@@ -149,6 +162,31 @@ def measure(sw: WanSwarm, n: int, tokens: int, layers: int = 4) -> dict:
             "steps": h1["steps"] - h0["steps"], "micro_batches": h1["micro_batches"],
             "cpu_backbone": (cpu1[0] - cpu0[0]) / gen, "cpu_worker": (cpu1[1] - cpu0[1]) / gen,
             "cpu_proxies": (cpu1[2] - cpu0[2]) / gen, "cpu_total": (cpu1[3] - cpu0[3]) / gen}
+
+
+def wire_total(h1: dict, h0: dict, ways: tuple[str, ...] = ("sent", "received")) -> int:
+    """Bytes the backbone sent to and/or received from its workers between two /health reads."""
+    w1, w0 = h1.get("wire") or {}, h0.get("wire") or {}
+    return sum(w1.get(k, 0) - w0.get(k, 0) for k in ways)
+
+
+def busiest_upload(h1: dict, h0: dict) -> int:
+    """The most bytes one worker sent the backbone between two /health reads."""
+    o1, o0 = (h1.get("wire") or {}).get("owners", {}), (h0.get("wire") or {}).get("owners", {})
+    return max((w["received"] - o0.get(name, {}).get("received", 0) for name, w in o1.items()), default=0)
+
+
+def bandwidth_bound(r: dict, args) -> float:
+    """Tokens/s the capped links allow at this run's measured bytes per token: the backbone's line
+    (``--backbone-mbps``, each direction) and the busiest worker's upload (``--worker-up-mbps``:
+    routing is not uniform, so one worker sends more than its share); inf without caps."""
+    bounds = [float("inf")]
+    if args.backbone_mbps:
+        line = args.backbone_mbps * 1e6 / 8
+        bounds += [line / r[k] for k in ("sent_per_tok", "received_per_tok") if r[k]]
+    if args.worker_up_mbps and r["busiest_worker_per_tok"]:
+        bounds.append(args.worker_up_mbps * 1e6 / 8 / r["busiest_worker_per_tok"])
+    return min(bounds)
 
 
 def local_share(r: dict) -> str:
@@ -226,6 +264,16 @@ def main() -> None:
                     help="kernel threads of the swarm's backbone (default 1, as every node of the swarm: on "
                          "2 cores ten processes share them); more for a strong backbone on a machine with "
                          "cores to spare (the backbone-alone bound always uses the default: the CPUs, at most 8)")
+    ap.add_argument("--backbone-mbps", type=float, default=0.0,
+                    help="cap the backbone's own line at this many Mbit/s each way: every worker's links "
+                         "(libp2p and direct) through one limit (wanproxy --shared-up/down-mbps); 0: none")
+    ap.add_argument("--worker-up-mbps", type=float, default=0.0,
+                    help="cap each worker's upload (its link's worker -> backbone direction) in Mbit/s; 0: none")
+    ap.add_argument("--wire-precision", choices=("f32", "f16", "bf16"), default="f32",
+                    help="the backbone's --wire-precision (expert outputs in 16 bits; default f32)")
+    ap.add_argument("--wire-inputs", choices=("on", "off"), default="on",
+                    help="P2PSWARM_WIRE_INPUTS: expert inputs in the workers' own quantised form (on, the "
+                         "default) or float32 (off: the wire before issue 32)")
     ap.add_argument("--proxy-at-0", action="store_true",
                     help="a WAN proxy in front of each worker at 0 ms RTT too (by default a 0 ms link is "
                          "loopback, no proxy: bench/wan_swarm.py)")
@@ -239,6 +287,9 @@ def main() -> None:
             import matplotlib  # noqa: F401, PLC0415
         except ImportError:
             ap.error("--plot needs matplotlib (pip install matplotlib)")
+    if args.backbone_mbps and args.proxies != "shared":
+        ap.error("--backbone-mbps needs --proxies shared (one proxy process: one shared cap)")
+    os.environ["P2PSWARM_WIRE_INPUTS"] = args.wire_inputs  # the nodes inherit it
     rtts = args.rtt or [0.0, 25.0, 50.0, 100.0]
     conc = args.concurrency or list(CONCURRENCY)
     work = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
@@ -275,8 +326,11 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
     for rtt in rtts:
         with WanSwarm(model, ranges=ranges, rtt_ms=rtt, workdir=work / f"rtt{rtt:g}", kernel=args.kernel,
                       timeout_s=30, direct=args.direct, proxy_at_zero=args.proxy_at_0, proxies=args.proxies,
+                      proxy_args=[*(["--shared-up-mbps", str(args.backbone_mbps), "--shared-down-mbps",
+                                     str(args.backbone_mbps)] if args.backbone_mbps else []),
+                                  *(["--down-mbps", str(args.worker_up_mbps)] if args.worker_up_mbps else [])],
                       backbone_args=["--micro-batches", args.micro_batches, "--token-budget", args.token_budget,
-                                    "--threads", str(args.backbone_threads),
+                                    "--threads", str(args.backbone_threads), "--wire-precision", args.wire_precision,
                                     *(["--hot-experts"] if args.hot_experts else [])]) as sw:
             sw.wait_covered()
             measure(sw, 2, 2)  # warm-up: connections, caches
@@ -298,18 +352,20 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         Path(args.json).write_text(json.dumps({"bound": bound, "inproc": inproc,
                                                "results": {str(k): v for k, v in results.items()}}))
     lines = ["| RTT | N | tokens/s | vs N=1 | bound | ratio to bound | ratio, in-process bound | "
-             "ratio, no-overlap bound | expert requests / token | fallback requests | local groups | steps / micro-batches | "
+             "ratio, no-overlap bound | expert requests / token | wire kB / token | wire kB / token fed | bandwidth bound | ratio to min(latency, bandwidth) | fallback requests | local groups | steps / micro-batches | "
              "backbone CPU ms / token | worker CPU ms / token | proxies CPU ms / token | all CPU ms / token |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rtt, best in results.items():
         for n, r in best.items():
             net = n / (L * rtt / 1000) if rtt > 0 else float("inf")
-            b, bi = min(bound[n], net), min(inproc[n], net)
+            bw = bandwidth_bound(r, args)
+            b, bi = min(bound[n], net, bw), min(inproc[n], net, bw)
             inv = 1 / bound[n] + 1 / net  # compute, then the round trips, never overlapped
             serial = 1 / inv if inv else float("inf")  # (--no-bound at 0 ms: no bound at all)
             lines.append(f"| {rtt:g} ms | {n} | {r['tps']:.1f} | {r['tps'] / best[min(best)]['tps']:.1f}x | {b:.1f} | "
                          f"{r['tps'] / b:.2f} | {r['tps'] / bi:.2f} | {r['tps'] / serial:.2f} | "
-                         f"{r['req_per_tok']:.2f} | {r['fallbacks']} | {local_share(r)} | "
+                         f"{r['req_per_tok']:.2f} | {r['bytes_per_tok'] / 1000:.1f} | {r['bytes_per_fed'] / 1000:.1f} | {bw:.1f} | "
+                         f"{r['tps'] / min(net, bw):.2f} | {r['fallbacks']} | {local_share(r)} | "
                          f"{r['steps']} / {r['micro_batches']} | "
                          f"{r['cpu_backbone'] * 1000:.1f} | {r['cpu_worker'] * 1000:.1f} | "
                          f"{r['cpu_proxies'] * 1000:.1f} | {r['cpu_total'] * 1000:.1f} |")
@@ -321,7 +377,13 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
                   + (" --proxy-at-0" if args.proxy_at_0 else "")
                   + (" --hot-experts" if args.hot_experts else "")
                   + (" --proxies per-link" if args.proxies == "per-link" else "")
-                  + (f" --backbone-threads {args.backbone_threads}" if args.backbone_threads != 1 else "")) + (
+                  + (f" --backbone-threads {args.backbone_threads}" if args.backbone_threads != 1 else "")
+                  + (f" --backbone-mbps {args.backbone_mbps:g}" if args.backbone_mbps else "")
+                  + (f" --worker-up-mbps {args.worker_up_mbps:g}" if args.worker_up_mbps else "")
+                  + (f" --wire-precision {args.wire_precision}" if args.wire_precision != "f32" else "")
+                  + (" --wire-inputs off" if args.wire_inputs == "off" else "")
+                  + "".join(f" --concurrency {n}" for n in conc if args.concurrency)
+                  + (" --no-bound" if args.no_bound else "")) + (
         f"Synthetic {args.preset} q8_0 model ({L} layers, {shape.n_embd} wide, {shape.n_expert} experts of "
         f"{shape.n_ff_exp} ({shape.expert_qtype or 'q8_0'}), top-{shape.n_expert_used}), kernel {args.kernel}, "
         f"bootstrap + {len(ranges)} worker processes ({shape.n_expert // len(ranges)} experts each) behind emulated WAN links ({'one proxy process for all' if args.proxies == 'shared' else 'a proxy process each'}"
@@ -330,7 +392,11 @@ def run(args, work: Path, rtts: list[float], conc: list[int]) -> None:
         f"{f', the backbone {args.backbone_threads}' if args.backbone_threads != 1 else ''})"
         f"{'; expert requests on the workers direct lanes (each behind a link of the same RTT)' if args.direct else ''}. "
         f"N concurrent greedy requests, {args.tokens} tokens each; best of {args.rounds} alternating rounds. "
-        f"Bound = min(compute bound, N/(L*RTT)) (the issue's; the no-overlap bound 1 / (1/compute + "
+        f"Bandwidth bound = the tokens/s the capped links carry at the row's measured bytes per token "
+        f"(the backbone's line each way, and the upload of the worker that sent the most; "
+        f"inf uncapped); wire kB / token: the backbone's expert-RPC bytes both ways per generated token "
+        f"(/health's wire counters), and per token fed (prompt + generated: what the per-layer formula counts). "
+        f"Bound = min(compute bound, N/(L*RTT), bandwidth bound) (the issue's; the no-overlap bound 1 / (1/compute + "
         f"L*RTT/N) is what a step of dense work, round trips and remote work in series allows: above 1, "
         f"some of them overlapped); compute bound = the same N requests, same client, to the "
         f"backbone node alone (no workers: it computes every expert; all cores): "

@@ -1,6 +1,6 @@
 """The backbone engine against llama.cpp on the same file: decode, prefill, 16 sequences, CPU, RSS.
 
-    python bench/bench_vs_llama.py [--layers 2] [--threads 2] [--rounds 3] [--type q8_0]
+    python bench/bench_vs_llama.py [--arch qwen35moe|gpt-oss] [--layers 2] [--threads 2] [--rounds 3] [--type q8_0]
                                    [--decode 16] [--prefill 128] [--seqs 16] [--batch-steps 4]
                                    [--llama-bufts inplace|default|both] [--llama-passive]
                                    [--ours-tree SRC] [--model M.gguf] [--write]
@@ -10,7 +10,9 @@ The model is geometry-122b qwen35moe (``p2pswarm make-model --preset geometry-12
 the real 151,936-token Qwen3.5 vocabulary), made once under ``--dir``; it is read through before
 every run so the page cache holds it. Each side runs in its own OS process (a crash is a failed round, not a dead
 benchmark; peak RSS is that process's VmHWM), the sides alternating A B A B for ``--rounds``
-rounds; the table shows medians and ours / llama.cpp ratios.
+rounds; the table shows medians and ours / llama.cpp ratios. ``--arch gpt-oss`` makes
+``geometry-gpt-oss-120b`` instead (gpt-oss-120b's layer geometry: MXFP4 experts, 64 heads of 64,
+sliding window 128 on even layers; the built-in 540-token vocabulary, so the lm head is small).
 
 Each process measures, with the same thread count and the same token ids:
 
@@ -55,6 +57,8 @@ METRICS = ("decode_tps", "decode_cpu", "prefill_tps", "prefill_cpu", "batch_tps"
            "batchx_cpu", "rss_mb")
 
 
+PRESET = {"qwen35moe": "geometry-122b", "gpt-oss": "geometry-gpt-oss-120b",  # --arch: the model made
+          "deepseek2": "geometry-671b"}
 VOCAB = [150_000]  # set by each side from its model (Qwen3.5's special tokens start above 150,000)
 
 
@@ -246,11 +250,13 @@ def run_side(a, side: str) -> dict | str:
 def make_model(a) -> Path:
     d = Path(a.dir)
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"geometry-122b-qwen35moe-{a.layers}l-{a.type}.gguf"
+    preset = PRESET[a.arch]
+    qtype = "q4_k_m" if a.arch == "deepseek2" else a.type  # deepseek2: Q4_K_M by llama.cpp, Q4_K experts kept
+    path = d / f"{preset}-{a.arch}-{a.layers}l-{qtype}.gguf"
     if not path.exists():
-        cmd = [sys.executable, "-m", "p2pswarm.cli", "make-model", "-o", str(path), "--preset", "geometry-122b",
-               "--arch", "qwen35moe", "--layers", str(a.layers), "--type", a.type, "-q"]
-        if a.vocab:
+        cmd = [sys.executable, "-m", "p2pswarm.cli", "make-model", "-o", str(path), "--preset", preset,
+               "--arch", a.arch, "--layers", str(a.layers), "--type", qtype, "-q"]
+        if a.vocab and a.arch == "qwen35moe":
             cmd += ["--vocab", str(a.vocab)]
         subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     return path
@@ -268,11 +274,15 @@ def fmt(v: float, metric: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", choices=tuple(PRESET), default="qwen35moe",
+                    help="the model made: geometry-122b qwen35moe (default), geometry-gpt-oss-120b gpt-oss or "
+                         "geometry-671b deepseek2 (DeepSeek-V3's layer geometry, Q4_K_M: --type is then ignored)")
     ap.add_argument("--layers", type=int, default=2, help="layers of the model made (2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--type", default="q8_0", choices=("q8_0", "f16", "f32"),
-                    help="dense tensors (q8_0); the experts are Q4_K whatever this says")
+                    help="dense tensors (q8_0); the experts are Q4_K (qwen35moe) or MXFP4 (gpt-oss) whatever "
+                         "this says")
     ap.add_argument("--decode", type=int, default=16, help="decode steps of the single sequence (16)")
     ap.add_argument("--prefill", type=int, default=128, help="prefill length (128)")
     ap.add_argument("--seqs", type=int, default=16, help="sequences decoding together (16)")
@@ -319,11 +329,11 @@ def main() -> None:
     names = {"ours": "p2pswarm", "ours-tree": f"p2pswarm ({a.ours_tree})", "llama": "llama.cpp (in place)",
              "llama-default": "llama.cpp (default bufts)", "llama-passive": "llama.cpp (in place, OMP passive)",
              "ours-spinning": "p2pswarm (OMP spinning)"}
-    cmd = (f"python bench/bench_vs_llama.py --layers {a.layers} --threads {a.threads} --rounds {a.rounds} "
+    cmd = (f"python bench/bench_vs_llama.py --arch {a.arch} --layers {a.layers} --threads {a.threads} --rounds {a.rounds} "
            f"--type {a.type} --llama-bufts {a.llama_bufts} --decode {a.decode} --prefill {a.prefill} "
            f"--seqs {a.seqs} --batch-steps {a.batch_steps}" + (" --llama-passive" if a.llama_passive else "")
            + (" --ours-spinning" if a.ours_spinning else "") + (f" --ours-tree {a.ours_tree}" if a.ours_tree else ""))
-    text = header(f"Backbone engine vs llama.cpp, geometry-122b qwen35moe {a.layers} layers"
+    text = header(f"Backbone engine vs llama.cpp, {PRESET[a.arch]} {a.arch} {a.layers} layers"
                   + (f" ({a.label})" if a.label else ""), cmd)
     text += (f"`{Path(a.model).name}` ({Path(a.model).stat().st_size / 2**30:.2f} GiB), {a.threads} threads both "
              f"sides, {a.rounds} rounds alternating, medians. decode: {a.decode} steps after an {PROMPT}-token "

@@ -40,7 +40,7 @@ class WanSwarm:
     def __init__(self, model: Path, *, ranges: list[tuple[int, int]], rtt_ms: float, workdir: Path,
                  kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0,
                  wrapper: str | None = None, threads: int | None = 1, direct: bool = False,
-                 proxy_at_zero: bool = False, proxies: str = "shared"):
+                 proxy_at_zero: bool = False, proxies: str = "shared", proxy_args: list[str] | None = None):
         """``wrapper``: a script run instead of ``-m MODULE`` as ``python WRAPPER MODULE args`` for every
         node and proxy (bench/trace_entry.py: per-hop timestamps). ``threads``: every node's kernel
         threads (``P2PSWARM_THREADS``; 1: ten processes share this machine's cores; ``None``: the
@@ -50,7 +50,8 @@ class WanSwarm:
         same RTT (``--direct-announce`` names it), so expert requests skip py-libp2p but not the link.
         ``proxy_at_zero``: a proxy even at ``rtt_ms=0`` (by default a 0 ms swarm has none);
         ``proxies``: ``"shared"`` (one proxy process for every link) or ``"per-link"`` (one each;
-        see :meth:`_proxies`)."""
+        see :meth:`_proxies`); ``proxy_args``: more ``wanproxy`` arguments (bandwidth caps: with one
+        proxy process, ``--shared-*-mbps`` caps every link together, as the backbone's own line)."""
         if proxies not in ("shared", "per-link"):
             raise ValueError("proxies must be 'shared' or 'per-link'")
         self.proxy_mode = proxies
@@ -72,6 +73,7 @@ class WanSwarm:
         self.wrapper = wrapper
         self.direct = direct
         self.proxy_at_zero = proxy_at_zero
+        self.proxy_args = proxy_args or []
 
     def _entry(self, module: str) -> list[str]:
         return [self.wrapper, module] if self.wrapper else ["-m", module]
@@ -99,7 +101,7 @@ class WanSwarm:
         groups = [pairs] if self.proxy_mode == "shared" else [[p] for p in pairs]
         for k, group in enumerate(groups):
             args = [a for t, lp in group for a in ("--target", f"127.0.0.1:{t}", "--listen", f"127.0.0.1:{lp}")]
-            proxy = Proc([*args, "--rtt-ms", str(self.rtt_ms)], self.dir / f"proxy{k}.log", self.env,
+            proxy = Proc([*args, "--rtt-ms", str(self.rtt_ms), *self.proxy_args], self.dir / f"proxy{k}.log", self.env,
                          entry=self._entry("p2pswarm.net.wanproxy"))
             self.procs.append(proxy)
             self.proxies.append(proxy)

@@ -104,7 +104,10 @@ class DenseModel(Protocol):
         ...
 
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(expert ids, weights)``, each (n, n_expert_used): the router's final choice."""
+        """``(expert ids, weights)``, each (n, n_expert_used): the router's final choice; each
+        (n, 0) for a layer without routed experts (a leading dense-FFN layer, whose FFN
+        ``post_moe`` adds): the backbone then sends no request for it
+        (:func:`p2pswarm.engine.routing.no_experts`)."""
         ...
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:

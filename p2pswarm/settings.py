@@ -125,6 +125,9 @@ PORTABLE_NATIVE = Var("P2PSWARM_PORTABLE_NATIVE", _switch, True,
                       "off: the portable kernel uses its numpy implementation instead of C")
 PORTABLE_LIB = Var("P2PSWARM_PORTABLE_LIB", Path, None,
                    "a prebuilt portable-kernel .so (e.g. cross-compiled for a phone) instead of building one")
+WIRE_INPUTS = Var("P2PSWARM_WIRE_INPUTS", _switch, True,
+                  "off: a backbone sends expert input rows as float32 even to workers that take them "
+                  "pre-quantised in their kernel's own form (docs/protocol.md; same output bits either way)")
 LOG_LEVEL = Var("P2PSWARM_LOG_LEVEL", _level, "INFO", "log level of p2pswarm's loggers when -v is not given")
 LIBP2P_LOG = Var("P2PSWARM_LIBP2P_LOG", _level, "CRITICAL", "log level of py-libp2p's loggers")
 PROGRESS_AFTER = Var("P2PSWARM_PROGRESS_AFTER", _non_negative_float, None,

@@ -19,38 +19,18 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
 
+from helpers.arch_checks import SCHEDULE
+from helpers.arch_checks import alone as _alone
+from helpers.arch_checks import run_schedule as _run_schedule
 from helpers.ggml import needs_ggml
 
-# (sequence, tokens) per step: prefill chunks of different lengths mixed with decode rows, sequences
-# joining late and one leaving early
-SCHEDULE = [
-    [(0, [17, 3, 250, 99, 4, 4, 301]), (1, [12, 77, 5])],
-    [(0, [160]), (1, [42, 8, 200, 31, 64]), (2, [9, 120, 2, 88])],
-    [(0, [270]), (1, [15]), (2, [6]), (3, [190, 11, 23, 47, 51, 302, 13, 7, 91])],
-    [(1, [33]), (2, [400]), (3, [1])],
-    [(0, [2]), (2, [8]), (3, [77, 78])],
-]
 
 
-async def _run_schedule(backbone, invariant: bool) -> list[list[np.ndarray]]:
-    states = {}
-    out: list[list[np.ndarray]] = []
-    for step in SCHEDULE:
-        items = [(toks, states.setdefault(s, backbone.new_state())) for s, toks in step]
-        out.append(await backbone.forward_batch(items, batch_invariant=invariant))
-    return out
 
 
-async def _alone(backbone) -> dict[tuple[int, int], np.ndarray]:
-    """Each sequence of SCHEDULE on its own, fed the same chunks: (step, sequence) -> logits."""
-    res = {}
-    for seq in range(4):
-        state = backbone.new_state()
-        for i, step in enumerate(SCHEDULE):
-            for s, toks in step:
-                if s == seq:
-                    res[(i, s)] = (await backbone.forward_batch([(toks, state)], batch_invariant=True))[0]
-    return res
+
+
+
 
 
 @pytest.mark.parametrize("transport,kernel", [("inproc", "numpy"),

@@ -45,7 +45,7 @@ def test_every_bank_is_an_expert_bank(tiny_f32, kernel):
     assert one.shape == (3, 256) and np.array_equal(one, grouped)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe", "gpt-oss", "glm4moe", "deepseek2"])
 def test_every_architecture_is_a_dense_model(tmp_path, arch):
     model = load_dense(ModelLayout.open(make_model(tmp_path / "m.gguf", arch=arch, layers=1)))
     assert isinstance(model, contracts.DenseModel) and _implements(model, contracts.DenseModel) == []

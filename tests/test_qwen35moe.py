@@ -20,24 +20,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFWriter
 
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.engine import deltanet, ops
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.experts import ExpertBank
-from p2pswarm.model.layout import ModelLayout, field_value
+from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import describe, make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
+from helpers.arch_checks import TOKENS
+from helpers.arch_checks import forward as _forward
+from helpers.compare import assert_logits_close, tolerance
+from helpers.gguf_edit import rewrite as _rewrite
 from helpers.llama_ref import llama_intermediates
 
 F32 = np.float32
-TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
-          33, 71, 2, 118, 199, 45, 88, 301]
+
 
 # Every variant is the tiny qwen35moe preset (3 DeltaNet layers + 1 gated-attention layer, Hk 2,
 # Hv 4, 16 experts top-4, shared expert) with one thing changed.
@@ -70,8 +72,6 @@ async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc"):
     return prefill, decode, stats
 
 
-def tolerance(ref: np.ndarray) -> float:
-    return 1e-4 + 2e-5 * float(np.abs(ref).max())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,13 +85,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant):
     path = q35_model(models_dir, variant)
     ref = llama_logits(path, TOKENS)
     prefill, decode, _ = await our_logits(path)
-    tol = tolerance(ref)
-    assert np.abs(ref).max() > 1.0  # real logits, not a degenerate model
-    for what, ours in (("prefill", prefill), ("decode", decode)):
-        diff = float(np.abs(ours - ref).max())
-        print(f"qwen35moe {variant} {what}: max |diff| vs llama.cpp {diff:.3g} (tolerance {tol:.3g})")
-        assert diff <= tol, f"{variant} {what}: max |diff| {diff} > {tol}"
-        assert (np.argmax(ours, axis=1) == np.argmax(ref, axis=1)).all()
+    assert_logits_close(f"qwen35moe {variant}", ref, prefill=prefill, decode=decode)
     if variant == "fused":  # same weights as "separate": the same function, bit for bit
         sep_prefill, sep_decode, _ = await our_logits(q35_model(models_dir, "separate"))
         assert np.array_equal(prefill, sep_prefill) and np.array_equal(decode, sep_decode)
@@ -128,18 +122,7 @@ async def test_wrong_section_rule_would_be_caught(models_dir):
     assert np.abs(right - ref).max() <= tolerance(ref) < np.abs(wrong - ref).max() / 10
 
 
-def _forward(model, bank, tokens, state=None, pos0=0):
-    """Monolithic forward through the arch object and the bank, without the async backbone."""
-    state = state or model.new_state()
-    h = model.embed(np.asarray(tokens))
-    for il in range(model.n_layer):
-        h = model.pre_moe(il, h, state, pos0)
-        cur = model.ffn_input(il, h)
-        ids, w = model.route(il, cur)
-        groups = expert_groups(ids)
-        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
-        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
-    return model.output(h)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,26 +440,6 @@ def test_teacher_forced_f32_is_exact(models_dir):
 # Refusals: a qwen35moe GGUF missing what the forward pass needs
 
 
-def _rewrite(src: Path, dst: Path, *, drop_key: str | None = None, drop_tensor: str | None = None,
-             set_keys: dict | None = None) -> Path:
-    """A copy of a GGUF without one key or tensor, or with keys added (``{key: (value, type, sub)}``)."""
-    r = GGUFReader(src)
-    arch = field_value(r.fields["general.architecture"])
-    w = GGUFWriter(dst, arch)
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key in ("general.architecture", drop_key) or key in (set_keys or {}):
-            continue
-        w.add_key_value(key, field_value(f), f.types[0], f.types[-1] if len(f.types) > 1 else None)
-    for key, (value, vtype, sub) in (set_keys or {}).items():
-        w.add_key_value(key, value, vtype, sub)
-    for t in r.tensors:
-        if t.name != drop_tensor:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ def _browser(width: int):
 
 
 ROWS = """return [...document.querySelectorAll('#workers tr')].map(tr => {
-  const s = tr.children[0].getBoundingClientRect(), k = tr.children[8];
+  const s = tr.children[0].getBoundingClientRect(), k = tr.children[9];
   return {state: tr.children[0].textContent, left: s.left, right: s.right, width: window.innerWidth,
           kernel: k.textContent, kernel_title: k.title, path: tr.children[2].textContent, name: tr.dataset.name};
 });"""

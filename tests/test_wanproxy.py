@@ -8,7 +8,7 @@ import sys
 import pytest
 import trio
 
-from p2pswarm.net.wanproxy import open_wan_proxy
+from p2pswarm.net.wanproxy import SharedCap, open_wan_proxy
 
 from helpers.procs import free_port
 
@@ -57,6 +57,37 @@ async def test_delay_jitter_and_bandwidth():
             dt, got = await _round_trip(proxy.port, bytes(range(256)) * 1200)
             assert len(got) == 307200 and dt >= 0.15, dt
         nursery.cancel_scope.cancel()
+
+
+async def test_per_direction_and_shared_caps():
+    """A link capped 8 MB/s up and 1 MB/s down is as slow as its down side; two links sharing one
+    2 MB/s card (the backbone's line) carry their bytes at 2 MB/s together, not each."""
+    payload = bytes(range(256)) * 800  # 204.8 kB
+    async with trio.open_nursery() as nursery:
+        target = await _echo_server(nursery)
+        async with open_wan_proxy(("127.0.0.1", target), up_bytes_per_s=8e6, down_bytes_per_s=1e6) as proxy:
+            dt, got = await _round_trip(proxy.port, payload)
+            assert got == payload and 0.2 <= dt < 0.6, dt  # 0.205 s down; 0.026 s up overlapped
+        async with open_wan_proxy(("127.0.0.1", target), down_bytes_per_s=1e6, up_bytes_per_s=64e6) as proxy:
+            dt_alone, _ = await _round_trip(proxy.port, payload)
+        card = SharedCap(2e6)
+        async with open_wan_proxy(("127.0.0.1", target), shared_down=card) as a, \
+                open_wan_proxy(("127.0.0.1", target), shared_down=card) as b:
+            took = {}
+
+            async def one(name, port):
+                took[name], got = await _round_trip(port, payload)
+                assert got == payload
+
+            t0 = trio.current_time()
+            async with trio.open_nursery() as both:
+                both.start_soon(one, "a", a.port)
+                both.start_soon(one, "b", b.port)
+            together = trio.current_time() - t0
+            # 409.6 kB through one 2 MB/s card: >= 0.2 s, where independent 2 MB/s links take ~0.1 s
+            assert together >= 0.2 and max(took.values()) >= 0.2, took
+        nursery.cancel_scope.cancel()
+    assert dt_alone >= 0.2
 
 
 @pytest.mark.slow

@@ -39,8 +39,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
+from p2pswarm import settings
 from p2pswarm.contracts import ExpertBank, Groups, Owner
-from p2pswarm.errors import WorkerError, WorkerSlow, first_error
+from p2pswarm.errors import UserError, WorkerError, WorkerSlow, first_error
+from p2pswarm.net import wire_precision
+from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
 
 if TYPE_CHECKING:
@@ -84,13 +87,20 @@ class LocalOwner(Owner):
     def __init__(self, bank: ExpertBank, offload: Offload | None = None):
         self.bank = bank
         self.offload = Offload() if offload is None else offload
+        self.wire_precision: str | None = None  # the backbone's --wire-precision (p2pswarm.net.wire_precision)
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.bank.holds(layer, expert)
 
+    def forward_groups(self, layer, cur, groups) -> list[np.ndarray]:
+        """The bank's outputs, rounded as a worker's at the wire precision would be."""
+        outs = self.bank.forward_groups(layer, cur, groups)
+        p = self.wire_precision
+        return outs if p is None else [wire_precision.round_to(o, p) for o in outs]
+
     async def compute(self, layer, cur, groups):
         n = sum(len(idx) for _, idx in groups)
-        return await self.offload.run(partial(self.bank.forward_groups, layer, cur, groups), n, "experts")
+        return await self.offload.run(partial(self.forward_groups, layer, cur, groups), n, "experts")
 
 
 class InProcessOwner(Owner):
@@ -105,7 +115,9 @@ class InProcessOwner(Owner):
 
     async def compute(self, layer, cur, groups, family=None):
         rows, local_groups = pack_rows(cur, groups)
-        return await self.worker.compute_async(layer, rows, local_groups, family)
+        outs = await self.worker.compute_async(layer, rows, local_groups, family)
+        p = getattr(self, "wire_precision", None)  # as a worker process's would come back
+        return outs if p is None else [wire_precision.round_to(o, p) for o in outs]
 
 
 @dataclass
@@ -185,6 +197,10 @@ class Dispatcher:
         self.offload = Offload()
         self.local = LocalOwner(local, self.offload)
         self.owners = list(owners or [])
+        #: bytes to and from every remote owner this dispatcher ever used (p2pswarm.net.wire_bytes)
+        self.wire = WireBytes()
+        for owner in self.owners:
+            self.adopt(owner)
         self.fallback = fallback
         self.backoff_s = backoff_s
         self.slow_backoff_s = slow_backoff_s  # after a missed deadline (WorkerSlow), not a failure
@@ -212,6 +228,32 @@ class Dispatcher:
         self.banned: dict[str, str] = {}  # worker peer id -> why it gets no requests
         self.ban_epoch = 0  # bumped by every new ban: sequences tainted by the peer must be replayed
         self.ban_listeners: list = []  # fn(peer) told of every new ban (the scheduler wakes up for it)
+
+    def set_wire_precision(self, precision: str | None) -> None:
+        """``--wire-precision``: every expert output this backbone combines is rounded to
+        ``precision`` ("f16"/"bf16"; None: float32), whoever computed it, and workers send it in
+        16 bits (p2pswarm.net.wire_precision); the monolithic run with the same setting gives the
+        same bits."""
+        if precision is not None and precision not in wire_precision.PRECISIONS:
+            raise UserError(f"--wire-precision {precision!r}: choose one of {', '.join(wire_precision.PRECISIONS)}")
+        self.local.wire_precision = precision
+        for owner in self.owners:
+            self.adopt(owner)
+
+    def adopt(self, owner: Owner) -> None:
+        """Count ``owner``'s wire bytes into :attr:`wire` too (an owner added after construction,
+        e.g. by :class:`~p2pswarm.backbone.libp2p_owner.SwarmOwners`)."""
+        wire = getattr(owner, "wire", None)
+        if wire is not None:
+            wire.parent = self.wire
+        if owner.remote:
+            owner.wire_precision = self.local.wire_precision
+        # Our replica turns rows into the form the owner's kernel takes them in, when it is the
+        # same kernel (the same bytes; p2pswarm.engine.ggml_inputs) and P2PSWARM_WIRE_INPUTS is on.
+        bank = self.local.bank
+        if (hasattr(owner, "input_quantiser") and hasattr(bank, "quantise_input")
+                and getattr(owner, "kernel", None) == bank.kernel and settings.WIRE_INPUTS.get()):
+            owner.input_quantiser = bank
 
     def ban(self, peer: str, reason: str) -> None:
         """Send ``peer`` nothing from now on (its experts go to another owner or the local replica)."""
@@ -261,23 +303,33 @@ class Dispatcher:
         return plan
 
     def _keep_hot_local(self, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
-        """The hot-expert path: an owner whose measured round trip is longer than computing its
-        groups here (on top of what is already local this layer) gets no request; the local
+        """The hot-expert path: an owner whose expected round trip for this request (its measured
+        round trips, by request size where it fits them: a link's bandwidth makes a big request
+        slower, see ``remote_s``) is longer than computing its groups here (on top of what is
+        already local this layer) gets no request; the local
         replica computes them, with the same kernel, so the result is the same bits. Returns the
         owners kept local, with their groups (:meth:`run_groups` probes them now and then)."""
         moved: dict[Owner, list[int]] = {}
         rate = self.local_row_s
         local = plan.get(self.local, [])
         local_s = 0.0 if rate is None else rate * sum(len(groups[i][1]) for i in local)
-        remote = sorted((o for o in plan if o.remote and getattr(o, "rtt_s", None) is not None),
-                        key=lambda o: -o.rtt_s)
-        for owner in remote:
+
+        def remote_s(owner: Owner) -> float:
+            """The owner's expected round trip for this request: by its size where the owner fits
+            one to its recent requests (a capped link: SocketOwner.predict_s), else its EWMA."""
+            predict = getattr(owner, "predict_s", None)
+            est = predict(sum(len(groups[i][1]) for i in plan[owner])) if predict is not None else None
+            return owner.rtt_s if est is None else est
+
+        remote = sorted(((remote_s(o), o) for o in plan if o.remote and getattr(o, "rtt_s", None) is not None),
+                        key=lambda so: -so[0])
+        for wait_s, owner in remote:
             rows = sum(len(groups[i][1]) for i in plan[owner])
             if rate is None:  # never measured: compute one owner's share here once, and time it
                 cost = 0.0
             else:
                 cost = rate * rows
-            if local_s + cost < owner.rtt_s:
+            if local_s + cost < wait_s:
                 moved[owner] = plan.pop(owner)
                 local = local + moved[owner]
                 local_s += cost
@@ -317,7 +369,12 @@ class Dispatcher:
     async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups,
                          taint: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
         """Outputs per group, in group order: one request per owner with all the groups it holds.
-        ``taint``: see the module doc (rows computed from a remote worker's unverified outputs)."""
+        ``taint``: see the module doc (rows computed from a remote worker's unverified outputs).
+
+        No groups (a layer without routed experts: a leading dense-FFN layer routes to nothing)
+        is no work: no request, no demand, nothing counted."""
+        if not groups:
+            return []
         t0 = time.perf_counter()
         self.demand.add(layer, groups)
         kept: dict[Owner, list[int]] = {}
@@ -468,9 +525,11 @@ class Dispatcher:
     def run_groups_local(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
         """:meth:`run_groups` when :attr:`all_local`, synchronously in the caller's thread: the
         backbone then runs a whole step in one thread hop instead of two more per layer."""
+        if not groups:  # a layer without routed experts (see run_groups)
+            return []
         t0 = time.perf_counter()
         self.demand.add(layer, groups)
-        outs = self.local.bank.forward_groups(layer, cur, groups) if groups else []
+        outs = self.local.forward_groups(layer, cur, groups)
         s = self.stats
         s.layers += 1
         s.seconds += time.perf_counter() - t0

@@ -41,7 +41,7 @@ from starlette.routing import Route
 from p2pswarm.backbone.chat import ChatError, ChatTemplate, read_chat_template
 from p2pswarm.backbone.completion import GenParams, Usage, generate_text, parse_params
 from p2pswarm.backbone.generate import generate
-from p2pswarm.backbone.metrics import BackboneMetrics
+from p2pswarm.backbone.metrics import BackboneMetrics, wire_summary
 from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.status_page import SwarmView, status_html
@@ -195,17 +195,20 @@ class CompletionsApp:
     async def _health(self, request: Request) -> Response:
         stats = self.backbone.dispatcher.stats
         sched = self.scheduler
-        return JSONResponse({"status": "draining" if self.draining else "ok", "model": self.model_name, "fingerprint": self.fingerprint,
+        generated = sched.stats.generated if sched else self.metrics.total_tokens
+        return JSONResponse({"status": "draining" if self.draining else "ok", "model": self.model_name,
+                             "fingerprint": self.fingerprint,
                              "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
                              "active_sequences": self.active, "chat_template": self.chat is not None,
-                             "generated_tokens": sched.stats.generated if sched else self.metrics.total_tokens,
+                             "generated_tokens": generated,
                              "steps": sched.stats.steps if sched else None,
                              "micro_batches": sched.last_micro_batches if sched else None,
                              "dense_s": self.backbone.timing.dense_s,
                              "dense_busy_s": self.backbone.timing.busy_s,
                              "dispatch_wait_s": self.backbone.timing.wait_s,
                              "banned_workers": len(self.backbone.dispatcher.banned),
-                             "replays": self.backbone.replays.as_dict()})
+                             "replays": self.backbone.replays.as_dict(),
+                             "wire": wire_summary(self.backbone.dispatcher, generated)})
 
     async def _metrics(self, request: Request) -> Response:
         payload, ctype = self.metrics.render()
@@ -221,7 +224,8 @@ class CompletionsApp:
             raise APIError(404, "this backbone was started without its model file: no swarm view", code="not_found")
         return JSONResponse(self.view.snapshot(
             model=self.model_name, fingerprint=self.fingerprint, active=self.active, rate=self.metrics.rate,
-            metrics_totals={"tokens_generated": self.metrics.total_tokens}))
+            metrics_totals={"tokens_generated": self.metrics.total_tokens,
+                            "wire": wire_summary(self.backbone.dispatcher, self.metrics.total_tokens)}))
 
     # -- OpenAI routes ---------------------------------------------------------------------------
     def _model_card(self) -> dict:

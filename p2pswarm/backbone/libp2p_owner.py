@@ -27,7 +27,7 @@ import time
 
 import trio
 
-from p2pswarm.backbone.socket_owner import SocketOwner, reply_families
+from p2pswarm.backbone.socket_owner import SocketOwner, reply_families, reply_input_forms
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, UserError, WorkerError
 from p2pswarm.net import expert_protocol as proto
@@ -35,6 +35,7 @@ from p2pswarm.net.addrs import is_circuit_addr
 from p2pswarm.net.direct import open_direct
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.host import PROTOCOL_EXPERT, NetHost
+from p2pswarm.net.wire_bytes import CountingStream
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -104,6 +105,7 @@ class Libp2pOwner(SocketOwner):
                                                 timeout_s=self.connect_timeout_s)
         except UserError as exc:  # NetError, bad address
             raise WorkerError(f"{self.name} unreachable: {exc}") from None
+        stream = CountingStream(stream, self.wire)
         reader = FrameReader(stream, self.max_frame)
         hello = dict(self.hello(), shard=self.shard)
         if self.direct and self.direct_failed is None:
@@ -122,6 +124,7 @@ class Libp2pOwner(SocketOwner):
                 self._refused(reason)
                 raise WorkerError(f"{self.name} refused by us at the handshake: {reason}")
             self.families = reply_families(reply)
+            self.input_forms = reply_input_forms(reply)
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
@@ -155,8 +158,8 @@ class Libp2pOwner(SocketOwner):
             if host is None:
                 raise WorkerError("no IP address of it to dial (relayed)")
             wait = min(DIRECT_TIMEOUT_S, self.connect_timeout_s)
-            sealed = await open_direct(host, offer["port"], offer["ticket"], offer["key"], max_frame=self.max_frame,
-                                       timeout_s=wait)
+            sealed = CountingStream(await open_direct(host, offer["port"], offer["ticket"], offer["key"],
+                                                      max_frame=self.max_frame, timeout_s=wait), self.wire)
             try:
                 with trio.fail_after(wait):
                     await send_frame(sealed, proto.pack(hello), self.max_frame)
@@ -321,6 +324,8 @@ class SwarmOwners:
         """Make ``dispatcher`` use our live, re-sorted list (its constructor copies the list)."""
         dispatcher.owners = self.owners
         self.dispatcher = dispatcher
+        for owner in self.owners:
+            dispatcher.adopt(owner)
 
     def _failed(self, owner: Libp2pOwner) -> None:
         if self.resolver is not None:
@@ -345,6 +350,8 @@ class SwarmOwners:
                 owner._order_changed = self.resort
                 owner.on_refused = self._refused
                 owner.on_latency = self._latency
+                if self.dispatcher is not None:
+                    self.dispatcher.adopt(owner)
                 self._by_key[key] = owner
                 self.owners.append(owner)
                 log.info("found worker %s: layers %d-%d experts %d-%d", owner.name, info.shard.layers[0],

@@ -21,6 +21,11 @@ read at scrape time by a custom collector, so they never drift from the source.
     p2pswarm_replayed_rows_total                      rows fed again by those replays
     p2pswarm_withdrawn_tokens_total                   tokens already delivered that a replay withdrew
     p2pswarm_unfixable_finished_total                 requests that finished before such a ban (not replayable)
+    p2pswarm_wire_bytes_total{direction}              expert-RPC bytes to (sent) / from (received) all remote owners
+    p2pswarm_owner_wire_bytes_total{owner, direction} the same per remote owner now known
+
+Wire bytes are counted at the transport stream, frame headers and handshakes included
+(:mod:`p2pswarm.net.wire_bytes`).
 """
 from __future__ import annotations
 
@@ -95,6 +100,19 @@ class _SwarmCollector:
                                 "many shards it serves; the status page and swarm-status count the same)", value=peers)
         yield GaugeMetricFamily("p2pswarm_worker_shards", "Shards those workers serve (one expert owner each)",
                                 value=shards)
+        wire = CounterMetricFamily("p2pswarm_wire_bytes", "Expert-RPC bytes to/from all remote owners",
+                                   labels=["direction"])
+        wire.add_metric(["sent"], self.dispatcher.wire.sent)
+        wire.add_metric(["received"], self.dispatcher.wire.received)
+        yield wire
+        per = CounterMetricFamily("p2pswarm_owner_wire_bytes", "Expert-RPC bytes to/from each remote owner",
+                                  labels=["owner", "direction"])
+        for o in self.dispatcher.owners:
+            w = getattr(o, "wire", None)
+            if w is not None:
+                per.add_metric([o.name, "sent"], w.sent)
+                per.add_metric([o.name, "received"], w.received)
+        yield per
         r = self.replays
         if r is not None:
             for name, doc, value in (
@@ -137,3 +155,14 @@ class BackboneMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def wire_summary(dispatcher, generated: int) -> dict:
+    """The backbone's wire bytes for ``/health`` and the status page: totals, per expert request,
+    per generated token (both directions together) and per remote owner now known."""
+    w, requests = dispatcher.wire, dispatcher.stats.requests
+    total = w.sent + w.received
+    return {"sent": w.sent, "received": w.received,
+            "bytes_per_request": round(total / requests, 1) if requests else None,
+            "bytes_per_token": round(total / generated, 1) if generated else None,
+            "owners": {o.name: o.wire.as_dict() for o in dispatcher.owners if getattr(o, "wire", None) is not None}}

@@ -41,7 +41,9 @@ from p2pswarm.backbone.loop_watch import loop_watch
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip
 from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net import wire_precision
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.wire_bytes import CountingStream, WireBytes
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -51,6 +53,14 @@ DEADLINE_MIN_S = 0.5
 DEADLINE_SAMPLES = 8  # answered requests before the learnt deadline replaces the fixed timeout
 LATENCY_WINDOW = 64
 LATE_REMEMBER = 4.0  # a late reply within this many deadlines counts as a round trip (widens the deadline)
+
+
+def reply_input_forms(reply: dict) -> frozenset[str]:
+    """The input forms a worker's hello reply says it takes rows in (older workers: none)."""
+    forms = reply.get("input_forms")
+    if isinstance(forms, list):
+        return frozenset(f for f in forms if isinstance(f, str) and f in proto.INPUT_FORMS)
+    return frozenset()
 
 
 def reply_families(reply: dict) -> tuple[str, ...]:
@@ -93,6 +103,17 @@ class SocketOwner(Owner):
         #: ends the worker's back-off then, instead of waiting it out
         self.recovered_at: float | None = None
         self.late_rows = 0  # rows of late replies read and dropped (recomputed locally instead)
+        #: bytes sent to / received from this worker, every connection (p2pswarm.net.wire_bytes);
+        #: the dispatcher sets its parent (the backbone's total)
+        self.wire = WireBytes()
+        #: the worker's hello: the forms it takes input rows in besides float32; and the bank that
+        #: turns our rows into them (the backbone's replica, when it computes in the worker's
+        #: kernel: the dispatcher sets it), None: rows go as float32
+        self.input_forms: frozenset[str] = frozenset()
+        self.input_quantiser = None
+        #: the backbone's --wire-precision (the dispatcher sets it): outputs asked for in 16 bits,
+        #: and rounded here if a worker sends float32 anyway (p2pswarm.net.wire_precision)
+        self.wire_precision: str | None = None
 
     def deadline_s(self, rows: int = 0) -> float:
         """How long a request of ``rows`` rows may take before we call the worker hung."""
@@ -102,6 +123,22 @@ class SocketOwner(Owner):
         p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
         scale = max(1.0, rows / max(1, self._sorted_rows[-1]))
         return min(self.timeout_s, max(DEADLINE_MIN_S, DEADLINE_FACTOR * p99 * scale + DEADLINE_MARGIN_S))
+
+    def predict_s(self, rows: int) -> float | None:
+        """The round trip a request of ``rows`` (expert, row) pairs should take, from a straight
+        line fitted to the recent window (None before :data:`DEADLINE_SAMPLES` answers): a fixed
+        part (latency, per-request costs) plus a part per row, which is where a link's bandwidth
+        shows: every pair is an output row on the wire and a share of an input row. On a saturated
+        link both grow; a big request then costs more than a small one (the hot-expert path reads
+        this: bytes as well as round trips)."""
+        if len(self._latency) < DEADLINE_SAMPLES:
+            return None
+        t = np.fromiter((x[0] for x in self._latency), float, len(self._latency))
+        n = np.fromiter((x[1] for x in self._latency), float, len(self._latency))
+        spread = n.var()
+        per_row = max(0.0, float(((n - n.mean()) * (t - t.mean())).mean() / spread)) if spread > 0 else 0.0
+        fixed = max(0.0, float(t.mean() - per_row * n.mean()))
+        return fixed + per_row * rows
 
     def _record(self, seconds: float, rows: int) -> None:
         """One answered round trip into the deadline's window."""
@@ -117,7 +154,7 @@ class SocketOwner(Owner):
         return self.layers[0] <= layer < self.layers[1] and self.experts[0] <= expert < self.experts[1]
 
     async def _connect(self) -> None:
-        stream = await trio.open_tcp_stream(self.host, self.port)
+        stream = CountingStream(await trio.open_tcp_stream(self.host, self.port), self.wire)
         reader = FrameReader(stream, self.max_frame)
         await send_frame(stream, proto.pack(self.hello()), self.max_frame)
         payload = await reader.read_frame()
@@ -132,6 +169,7 @@ class SocketOwner(Owner):
             await trio.aclose_forcefully(stream)
             raise WorkerError(f"{self.name} serves another model ({clip(reply.get('model'), 80)}), not {self.model_fingerprint}")
         self.families = reply_families(reply)
+        self.input_forms = reply_input_forms(reply)
         self._stream, self._reader = stream, reader
 
     def hello(self) -> dict:
@@ -257,11 +295,17 @@ class SocketOwner(Owner):
         with its own portable replica gets the same bits from any honest worker, of any ISA);
         None: the connection's family. A worker that cannot raises WorkerError (an error reply)."""
         rows, local_groups = pack_rows(cur, groups)
+        form = None
+        q = self.input_quantiser
+        if q is not None and family is None and self.family is None and q.input_form(layer) in self.input_forms:
+            rows, form = q.quantise_input(layer, rows)  # what the worker's ggml would make of them
         rid = next(self._ids)
-        req = proto.ComputeRequest(rid, layer, rows, local_groups, family)
+        req = proto.ComputeRequest(rid, layer, rows, local_groups, family, form, self.wire_precision)
         try:
             reply = await self.request(req.to_wire(), rid, rows=int(sum(len(idx) for _, idx in local_groups)))
-            out = proto.array_from_wire(reply.get("out"), "result")
+            out = proto.result_from_wire(reply.get("out"))
+            if self.wire_precision is not None and reply["out"].get("dtype") != self.wire_precision:
+                out = wire_precision.round_to(out, self.wire_precision)  # an older worker: float32
         except FrameError as exc:
             raise WorkerError(f"{self.name}: {exc}") from None
         counts = [len(idx) for _, idx in groups]

@@ -143,6 +143,7 @@ class SwarmView:
                 "load": getattr(o, "inflight", None),
                 "requests": getattr(o, "requests", None),
                 "failures": getattr(o, "failures", None),
+                "wire": o.wire.as_dict() if getattr(o, "wire", None) is not None else None,  # bytes sent/received
                 "lane": getattr(o, "lane", None),  # "libp2p" or "direct" (docs/protocol.md), None before connecting
                 "kernel": getattr(record, "kernel", None) or getattr(o, "kernel", None) or self.kernel,
                 "layers": list(span[0]) if span else None,

@@ -1,9 +1,11 @@
-"""``p2pswarm make-model``: write a seeded random-weight qwen3moe or qwen35moe GGUF (see
+"""``p2pswarm make-model``: write a seeded random-weight qwen3moe, qwen35moe, gpt-oss or glm4moe GGUF (see
 p2pswarm.model.synth)."""
 from __future__ import annotations
 
 import argparse
+import os
 import time
+from pathlib import Path
 
 from p2pswarm.commands.common import positive_int
 from p2pswarm.errors import UserError
@@ -23,7 +25,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     preset_names = sorted({name for presets in PRESETS_BY_ARCH.values() for name in presets})
     p = subparsers.add_parser(
         "make-model",
-        help="write a seeded random-weight qwen3moe or qwen35moe GGUF (tests, demo, benchmarks)",
+        help="write a seeded random-weight qwen3moe, qwen35moe, gpt-oss or glm4moe GGUF (tests, demo, benchmarks)",
         description=(
             "Write a seeded random-weight MoE GGUF that llama.cpp loads and runs. The same "
             "options and seed always give the same bytes. "
@@ -32,15 +34,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("-o", "--output", required=True, metavar="M.gguf", help="file to write")
     p.add_argument("--arch", choices=list(ARCHES), default="qwen3moe",
-                   help="architecture: qwen3moe (default) or qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
-                        "+ gated attention + shared expert, the seed's own model)")
+                   help="architecture: qwen3moe (default), qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
+                        "+ gated attention + shared expert, the seed's own model), gpt-oss (attention "
+                        "sinks, alternating sliding window, biased experts with a clamped SwiGLU) or glm4moe "
+                        "(GLM-4.5: leading dense layers, sigmoid router with a selection bias, shared expert, a "
+                        "NextN block)")
     p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (default: tiny)")
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="number of layers (default: the preset's)")
     p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
                    help="tensor type: f32 (default), f16, q8_0 (norms and router stay F32), "
                         "q4_k_m (llama.cpp's quantiser; needs p2pswarm[llama]). geometry-122b's "
-                        "experts are Q4_K whatever this says")
+                        "and geometry-glm45's experts are Q4_K whatever this says")
     p.add_argument("--vocab", metavar="FILE.gguf|qwen35",
                    help="copy the tokenizer.ggml.* vocabulary of this GGUF; 'qwen35': the real Qwen3.5 "
                         "vocabulary shipped with p2pswarm (p2pswarm/data/ggml-vocab-qwen35.gguf); default: a "
@@ -55,9 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                           "more than 32,768 tokens)")
     p.add_argument("--router-near-tie", action="store_true",
                    help="router weights 100x smaller: top-k margins small but never zero")
-    p.add_argument("--expert-type", dest="expert_qtype", choices=["q4_k"], default=None,
-                   help="write the routed experts directly as random Q4_K blocks "
-                        "(geometry-122b always does)")
+    p.add_argument("--expert-type", dest="expert_qtype", choices=["q4_k", "mxfp4"], default=None,
+                   help="write the routed experts directly as random Q4_K blocks (qwen; geometry-122b "
+                        "always does) or MXFP4 blocks (gpt-oss; geometry-gpt-oss-120b always does)")
     q35 = p.add_argument_group("qwen35moe only")
     q35.add_argument("--fused-experts", action="store_true", default=None,
                      help="store each layer's expert gate and up as one ffn_gate_up_exps tensor "
@@ -73,6 +78,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
     q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
+    oss = p.add_argument_group("gpt-oss only")
+    oss.add_argument("--sliding-window", type=positive_int, metavar="N",
+                     help="positions a sliding-window layer sees (every even layer; default: the preset's, "
+                          "128 as gpt-oss, 8 in tiny)")
+    p.add_argument("--split-max-size", metavar="SIZE",
+                   help="write a split model, as llama.cpp's gguf-split does: parts of at most SIZE of "
+                        "tensor data (e.g. 200M, 2G) named M-00001-of-0000N.gguf for -o M.gguf; "
+                        "every command then takes the first part as the model")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
     return p
@@ -110,14 +123,19 @@ def _seed(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from p2pswarm.model import synth  # noqa: PLC0415
+    from p2pswarm.model.split_write import parse_size, split_prefix_of, write_split  # noqa: PLC0415
 
     if args.layers is not None and args.layers > 512:
         raise UserError(f"--layers must be at most 512, got {args.layers}")
+    split_bytes = parse_size(args.split_max_size) if getattr(args, "split_max_size", None) else None
     progress = None if getattr(args, "quiet", False) else ProgressBar("make-model", unit="B")
     t0 = time.monotonic()
+    # a split model is written whole to a hidden name first, then cut into its parts
+    out = Path(args.output)
+    target = out.with_name(f".{out.name}.unsplit-{os.getpid()}.gguf") if split_bytes else out
     try:
         path = synth.make_model(
-            args.output,
+            target,
             preset=args.preset,
             layers=args.layers,
             qtype=args.qtype,
@@ -129,10 +147,15 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             **_arch_options(args),
         )
+        info = synth.describe(path)
+        if split_bytes:
+            parts = write_split(path, split_prefix_of(out), split_bytes, progress=progress)
+            path = parts[0]
     finally:
+        if split_bytes:
+            target.unlink(missing_ok=True)
         if progress is not None:
             progress.close()
-    info = synth.describe(path)
     print(
         f"wrote {path}: {info['architecture']} {info['preset']}, {info['n_layer']} layers, n_embd "
         f"{info['n_embd']}, {info['n_expert']} experts (top-{info['n_expert_used']}) of "
@@ -141,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         f"{'/'.join(info['expert_types'])} "
         f"({info['bytes_per_expert']:,} bytes per expert), {info['file_bytes']:,} bytes, "
         f"seed {info['seed']}, {time.monotonic() - t0:.1f} s"
+        + (f"; in {len(parts)} parts (name the first: {path})" if split_bytes else "")
     )
     return 0
 
@@ -156,6 +180,7 @@ def _arch_options(args: argparse.Namespace) -> dict:
         "ssm_time_step_rank": getattr(args, "ssm_time_step_rank", None),
         "ssm_state_size": getattr(args, "ssm_state_size", None),
         "full_attention_interval": getattr(args, "full_attention_interval", None),
+        "sliding_window": getattr(args, "sliding_window", None),
     }
     opts = {k: v for k, v in opts.items() if v is not None}
     if arch == "qwen3moe" and not opts:

@@ -135,6 +135,10 @@ def add_parser(sub) -> None:
                    help="backbone: compute an owner's experts locally when its measured round trip is longer "
                         "than computing them here (same bits; an owner kept local is probed in the background "
                         "every 2 s to measure it again; docs/architecture.md)")
+    p.add_argument("--wire-precision", choices=("f32", "f16", "bf16"), default="f32",
+                   help="backbone: round every routed expert's output to 16 bits, whoever computes it (workers "
+                        "then send half the bytes; a backbone alone with the same setting gives the same bits; "
+                        "off by default: f32; the distance to llama.cpp is in docs/benchmarks.md)")
     p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                    help="backbone: batch rows of all sequences through one dense/router/expert/lm-head mat-mul "
                         "even where a probe found the kernel not row-invariant (a request's tokens may then "
@@ -245,6 +249,7 @@ async def _worker(args) -> None:
             log.info("served %d expert requests (%d rows) for %d peers; refused %d handshakes; stored %d receipts "
                      "in %s", served.requests, served.rows, len(served.peers), served.refused, receipts.stored,
                      receipts.dir)
+            log.info("wire: received %d bytes, sent %d bytes", served.wire.received, served.wire.sent)
             log.info("computed %d requests inline on the event loop and %d in a thread (P2PSWARM_INLINE_MS %g)",
                      worker.offload.inline_calls, worker.offload.thread_calls, 1000 * worker.offload.inline_s)
             log.info("withdrew my records; bye")
@@ -335,6 +340,7 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
     log.info("served %d expert requests (%d rows) for %d peers in %d evaluations; stored %d receipts in %s; "
              "withdrew my records; bye", served.requests, served.rows, len(served.peers), auto.evaluations,
              receipts.stored, receipts.dir)
+    log.info("wire: received %d bytes, sent %d bytes", served.wire.received, served.wire.sent)
 
 
 async def _ready_line(args, nursery, net, served, shards) -> str:
@@ -447,6 +453,7 @@ async def _backbone(args) -> None:
         # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
                  swarm.local.fingerprint, swarm.resolver.kernel)
+        swarm.backbone.dispatcher.set_wire_precision(None if args.wire_precision == "f32" else args.wire_precision)
         async with trio.open_nursery() as nursery:
             http, app = "off", None
             if args.http_socket is not None:

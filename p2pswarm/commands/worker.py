@@ -15,7 +15,7 @@ from p2pswarm.commands.common import add_kernel_args, parse_hostport
 from p2pswarm.errors import UserError
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME
 from p2pswarm.worker.expert_worker import ExpertWorker
-from p2pswarm.worker.server import serve_tcp
+from p2pswarm.worker.server import ServeStats, serve_tcp
 
 log = logging.getLogger("p2pswarm.worker")
 
@@ -36,13 +36,16 @@ async def _main(worker: ExpertWorker, host: str, port: int, max_frame: int) -> N
         log.info("serving %s on %s:%d", worker.info.describe(), h, p)
         print(f"READY {h}:{p}", flush=True)
 
+    served = ServeStats()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: serve_tcp(worker, host, port, ready=ready, max_frame=max_frame))
+            nursery.start_soon(lambda: serve_tcp(worker, host, port, ready=ready, max_frame=max_frame, stats=served))
             async for sig in signals:
                 log.info("signal %s: shutting down", signal.Signals(sig).name)
                 nursery.cancel_scope.cancel()
                 break
+    log.info("served %d expert requests (%d rows); wire: received %d bytes, sent %d bytes", served.requests,
+             served.rows, served.wire.received, served.wire.sent)
 
 
 def run(args) -> int:

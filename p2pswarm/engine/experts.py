@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from p2pswarm import settings
-from p2pswarm.engine import ops
+from p2pswarm.engine import expert_fn, ops
 from p2pswarm.engine.blas import single_threaded_blas
 from p2pswarm.engine.weights import ByteBoundedCache, to_float32
 from p2pswarm.errors import UserError
@@ -49,6 +49,7 @@ class ExpertBank:
         self.layers = frozenset(layout.expert_layers)
         self.expert_begin = layout.expert_begin
         self.expert_end = layout.expert_end
+        self.activation = expert_fn.activation(layout)  # gpt-oss: biases and swiglu_oai
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], **kw) -> "ExpertBank":
@@ -64,12 +65,11 @@ class ExpertBank:
     def _load(self, layer: int, expert: int):
         tensors = self.layout.expert_tensors[layer]
         local = expert - self.expert_begin
-        data = self.layout.reader.data
 
         def slab(kind: str) -> np.ndarray:
             t = tensors[kind]
             off, n = t.slab(local)
-            return to_float32(data[off : off + n], t.ggml_type, t.shape[1:], t.name)
+            return to_float32(self.layout.view(off, n), t.ggml_type, t.shape[1:], t.name)
 
         if "gate_up" in tensors:
             gu = slab("gate_up")
@@ -77,12 +77,19 @@ class ExpertBank:
             gate, up = gu[:ff], gu[ff:]
         else:
             gate, up = slab("gate"), slab("up")
+        if "down_bias" in tensors:  # gpt-oss: one bias row per expert and projection
+            return gate, up, slab("down"), slab("gate_bias"), slab("up_bias"), slab("down_bias")
         return gate, up, slab("down")
 
     def forward(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
-        """down(silu(gate x) * (up x)) for rows (n, n_embd) float32 -> (n, n_embd) float32."""
-        gate, up, down = self._weights(layer, expert)
-        return ops.swiglu_expert(rows, gate, up, down)
+        """down(silu(gate x) * (up x)) for rows (n, n_embd) float32 -> (n, n_embd) float32 (gpt-oss:
+        the biased, clamped form of :mod:`p2pswarm.engine.expert_fn`)."""
+        weights = self._weights(layer, expert)
+        if self.activation == expert_fn.SWIGLU_OAI:
+            return expert_fn.oai_expert(rows, *weights)
+        if len(weights) != 3:
+            raise UserError(f"the experts of layer {layer} have biases, which {self.layout.arch} experts do not use")
+        return ops.swiglu_expert(rows, *weights)
 
     def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
         """Every (expert, row indices) group of one layer: rows[idx] through that expert, in order."""

@@ -11,7 +11,8 @@ import numpy as np
 
 from p2pswarm import settings
 from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib,
-                                         GgmlRunner, MappedWeights, _i32_view, f32_view, load_libggml)
+                                         GgmlRunner, _i32_view, f32_view, load_libggml)
+from p2pswarm.engine.mapped_parts import map_layout
 
 
 class QuantisedMatrix:
@@ -235,7 +236,7 @@ class GgmlDense:
         # the dense path's graphs of a decode step are kept (GgmlRunner.graph); so are the backbone's
         # expert replica's (its own runner, session.open_backbone), a worker's never
         self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20)
-        self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
+        self._mapped = map_layout(self.lib, layout)
         self._to_float32 = to_float32
 
     def eligible(self, t) -> bool:

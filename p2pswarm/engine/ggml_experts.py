@@ -6,12 +6,24 @@ layer through one ``ggml_mul_mat_id`` per projection, as llama.cpp builds a MoE 
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, GgmlRunner,
-                                         MappedWeights, _i32_view, f32_view, load_libggml)
+                                         _i32_view, f32_view, load_libggml)
+from p2pswarm.engine import expert_fn
 from p2pswarm.engine.experts import check_held
+from p2pswarm.engine.ggml_inputs import InputQuantiser, form_for
+from p2pswarm.engine.mapped_parts import map_layout
 from p2pswarm.errors import ModelFormatError, UserError
+from p2pswarm.net.expert_protocol import INPUT_FORMS
+
+
+def _u8_view(lib: GgmlLib, tensor, shape: tuple[int, int]) -> np.ndarray:
+    """A numpy view of a tensor's bytes as (rows, row bytes) (an input already in a quantised form)."""
+    buf = (ctypes.c_char * (shape[0] * shape[1])).from_address(lib.get_data(tensor))
+    return np.frombuffer(buf, dtype=np.uint8).reshape(shape)
 
 
 class GgmlExpertBank:
@@ -37,10 +49,34 @@ class GgmlExpertBank:
         # P2PSWARM_GRAPH_CACHE_MB, a worker a small P2PSWARM_WORKER_GRAPH_CACHE_MB (GgmlRunner.graph)
         self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=graph_cache_bytes)
         self.threads = self.runner.threads
-        self._mapped = MappedWeights(self.lib, layout.reader.data, str(layout.path))
+        self._mapped = map_layout(self.lib, layout)
         self._experts: dict[tuple[int, int], tuple] = {}
         self._layers: dict[int, tuple] = {}
         self._check_types()
+        # gpt-oss: biases added by expert id (ggml_add_id) and ggml's swiglu_oai, as llama.cpp builds it
+        self.oai = expert_fn.activation(layout) == expert_fn.SWIGLU_OAI
+        if self.oai and (self.lib.add_id is None or self.lib.swiglu_oai is None):
+            raise ModelFormatError(f"{layout.path}: this libggml has no ggml_swiglu_oai/ggml_add_id, which "
+                                   f"{layout.arch} experts need (use a newer ggml or --kernel numpy)")
+        #: per layer, the form ggml turns this layer's expert inputs into (p2pswarm.engine.ggml_inputs)
+        self._forms = {layer: form_for(self.lib, [int(t[k].ggml_type) for k in (("gate_up",) if "gate_up" in t
+                                                                               else ("gate", "up"))], self.n_embd)
+                       for layer, t in layout.expert_tensors.items()}
+        self._quantise = InputQuantiser(self.lib)
+
+    def input_form(self, layer: int) -> str | None:
+        """The form this layer's input rows may arrive in instead of float32 (None: float32 only)."""
+        return self._forms.get(layer)
+
+    def input_forms(self) -> list[str]:
+        """Every form some layer held here takes (a worker's hello lists them)."""
+        return sorted({f for f in self._forms.values() if f is not None})
+
+    def quantise_input(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, str | None]:
+        """``rows`` as ggml would turn them into for ``layer``'s experts: (bytes, form), or the
+        float32 rows and None where the layer takes no other form."""
+        form = self._forms.get(layer)
+        return (rows, None) if form is None else (self._quantise(form, rows), form)
 
     def _check_types(self) -> None:
         for layer, tensors in self.layout.expert_tensors.items():
@@ -121,11 +157,27 @@ class GgmlExpertBank:
         else:
             ff = tensors["gate"].shape[1]
             gate, up = make("gate"), make("up")
-        got = (gate, up, make("down"), ff)
+        got = (gate, up, make("down"), ff, self._biases(layer) if self.oai else None)
         self._layers[layer] = got
         return got
 
-    def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+    def _biases(self, layer: int) -> tuple:
+        """(gate, up, down) bias rows of every expert of ``layer`` held here: 2-D F32 tensors over
+        the mapped bytes (one row per local expert) that ``ggml_add_id`` picks from."""
+        tensors = self.layout.expert_tensors[layer]
+        out = []
+        for kind in ("gate_bias", "up_bias", "down_bias"):
+            t = tensors.get(kind)
+            if t is None or int(t.ggml_type) != GGML_TYPE_F32:
+                raise ModelFormatError(f"{self.layout.path}: layer {layer} needs an F32 "
+                                       f"ffn_{kind[:-5]}_exps.bias for {self.layout.arch} experts")
+            off, _ = t.slab(0)
+            out.append(self._mapped.tensor(GGML_TYPE_F32, t.shape[1], t.n_expert, off,
+                                           f"{t.name}[{self.expert_begin}:]"))
+        return tuple(out)
+
+    def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]],
+                       form: str | None = None) -> list[np.ndarray]:
         """Every (expert, row indices) group of one layer: rows[idx] through that expert, in order.
 
         One ggml graph, one ``ggml_mul_mat_id`` per projection for all groups (llama.cpp's
@@ -140,11 +192,20 @@ class GgmlExpertBank:
         That holds only while each expert appears once per call: two groups of one expert (the
         batch-invariant scheduler sends one per sequence) would add up to another row count and
         maybe another kernel. So the k-th group of each expert goes in the k-th call.
+
+        ``form``: the rows are already in that input form (:meth:`quantise_input`), which must be
+        this layer's; the outputs are the bits the float32 rows would give.
         """
-        rows = np.asarray(rows, dtype=np.float32)
         E = self.n_embd
-        if rows.ndim != 2 or rows.shape[1] != E:
-            raise UserError(f"rows have shape {rows.shape}, expected (n, {E})")
+        if form is None:
+            rows = np.asarray(rows, dtype=np.float32)
+            width = E
+        else:
+            if form != self._forms.get(layer):
+                raise UserError(f"rows in form {form}: layer {layer} takes {self._forms.get(layer) or 'float32 only'}")
+            width = E // INPUT_FORMS[form][1] * INPUT_FORMS[form][2]
+        if rows.ndim != 2 or rows.shape[1] != width:
+            raise UserError(f"rows have shape {rows.shape}, expected (n, {width})")
         if not groups:
             return []
         for e, _ in groups:
@@ -163,11 +224,13 @@ class GgmlExpertBank:
             rounds[r].append(k)
         result: list[np.ndarray | None] = [None] * len(groups)
         for ks in rounds:
-            for k, out in zip(ks, self._forward_once(layer, rows, [groups[k][0] for k in ks], [idxs[k] for k in ks])):
+            for k, out in zip(ks, self._forward_once(layer, rows, [groups[k][0] for k in ks], [idxs[k] for k in ks],
+                                                     form)):
                 result[k] = out
         return result
 
-    def _forward_once(self, layer: int, rows: np.ndarray, experts: list[int], idxs: list[np.ndarray]) -> list[np.ndarray]:
+    def _forward_once(self, layer: int, rows: np.ndarray, experts: list[int], idxs: list[np.ndarray],
+                      form: str | None = None) -> list[np.ndarray]:
         """One graph: every (expert, rows) pair through its expert, each expert at most once."""
         E = self.n_embd
         sizes = [len(i) for i in idxs]
@@ -178,23 +241,31 @@ class GgmlExpertBank:
         r = self.runner
         local = np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
         with r.lock:
-            gate, up, down, ff = self._layer(layer)
+            gate, up, down, ff, biases = self._layer(layer)
 
             def build(g):
                 ctx = g.ctx
-                x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
+                x = lib.new_tensor_3d(ctx, GGML_TYPE_F32 if form is None else INPUT_FORMS[form][0], E, 1, P)
                 ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
                 if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
                     g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
                 else:
                     g_w, u_w = gate, up
-                h = lib.swiglu_split(ctx, lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids))
-                out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
+                g_out, u_out = lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids)
+                if biases is None:
+                    h = lib.swiglu_split(ctx, g_out, u_out)
+                    out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
+                else:  # gpt-oss: llama.cpp's build_moe_ffn order (bias, swiglu_oai, down, bias)
+                    g_out, u_out = lib.add_id(ctx, g_out, biases[0], ids), lib.add_id(ctx, u_out, biases[1], ids)
+                    h = lib.swiglu_oai(ctx, g_out, u_out, expert_fn.SWIGLU_OAI_ALPHA, expert_fn.SWIGLU_OAI_LIMIT)
+                    out = lib.add_id(ctx, lib.mul_mat_id(ctx, down, h, ids), biases[2], ids)
                 lib.build_forward_expand(g.graph, out)
-                return f32_view(lib, x, (P, E)), _i32_view(lib, ids, P), f32_view(lib, out, (P, E))
+                x_view = f32_view(lib, x, (P, E)) if form is None else _u8_view(lib, x, (P, rows.shape[1]))
+                return x_view, _i32_view(lib, ids, P), f32_view(lib, out, (P, E))
 
-            # kept by (layer, P) where the runner keeps graphs: ids and rows are input data
-            g = r.graph(("experts", layer, P), 4 * P * (2 * E + 3 * ff + 1) + 8 * 64, 10, build)
+            # kept by (layer, P, form) where the runner keeps graphs: ids and rows are input data
+            extra = 0 if biases is None else 4 * P * (2 * ff + E)  # the three bias sums
+            g = r.graph(("experts", layer, P, form), 4 * P * (2 * E + 3 * ff + 1) + extra + 8 * 64, 14, build)
             try:
                 x_in, ids_in, flat = g.t
                 np.take(rows, np.concatenate(idxs), axis=0, out=x_in)

@@ -61,7 +61,7 @@ GGML_TYPE_I32 = 26
 # Weight types the kernel accepts (ggml's enum values, the same numbers GGUF uses): the ones the
 # numpy kernel also reads, so the two kernels cover the same models.
 WEIGHT_TYPES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
-                10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+                10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 39: "MXFP4"}
 QUANTISED_TYPES = frozenset(WEIGHT_TYPES) - {0, 1, 30}
 TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT: buffers and tensor data must be aligned to it
 # Code paths compiled into libggml-cpu that select different SIMD code (and so possibly different
@@ -132,6 +132,8 @@ _SIG = {  # name: (library, restype, argtypes)
 _OPTIONAL_SIG = {
     # q, k, v, g, beta, state, K (snapshot slots): llama.cpp's fused Gated DeltaNet (ggml >= 0.25)
     "ggml_gated_delta_net": ("base", _P, [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int64]),
+    # a type's CPU traits (from_float, vec_dot_type): expert inputs shipped pre-quantised (ggml_inputs)
+    "ggml_get_type_traits_cpu": ("cpu", _P, [ctypes.c_int]),
     # the ops of a whole layer in one graph (norms, activations, conv, views, RoPE, softmax), as
     # llama.cpp builds qwen35moe's layers; a libggml without one keeps the per-piece path
     **{f"ggml_{n}": ("base", _P, [_P, _P]) for n in (
@@ -141,6 +143,9 @@ _OPTIONAL_SIG = {
     **{f"ggml_{n}_inplace": ("base", _P, [_P, _P]) for n in ("sigmoid", "silu", "softplus")},
     **{f"ggml_{n}_inplace": ("base", _P, [_P, _P, _P]) for n in ("mul", "add")},
     "ggml_scale_inplace": ("base", _P, [_P, _P, ctypes.c_float]),
+    # gpt-oss experts: a per-expert bias row picked by id, and the clamped SwiGLU (alpha, limit)
+    "ggml_add_id": ("base", _P, [_P, _P, _P, _P]),
+    "ggml_swiglu_oai": ("base", _P, [_P, _P, _P, ctypes.c_float, ctypes.c_float]),
     "ggml_rms_norm": ("base", _P, [_P, _P, ctypes.c_float]),
     "ggml_l2_norm": ("base", _P, [_P, _P, ctypes.c_float]),
     "ggml_scale": ("base", _P, [_P, _P, ctypes.c_float]),
@@ -161,6 +166,8 @@ _OPTIONAL_SIG = {
     # freq_scale, ext_factor, attn_factor, beta_fast, beta_slow
     "ggml_rope_multi": ("base", _P, [_P, _P, _P, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int,
                                      ctypes.c_int] + [ctypes.c_float] * 6),
+    # a, positions, freq factors (NULL), n_dims, mode, n_ctx_orig, then the six floats above (deepseek2's YaRN)
+    "ggml_rope_ext": ("base", _P, [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_float] * 6),
 }
 
 

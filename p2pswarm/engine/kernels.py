@@ -169,7 +169,8 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
     dense = GgmlDense(model.layout, threads=threads)
     single_threaded_blas()
     if settings.POPULATE.get():
-        populate(model.layout.reader.data)
+        for part in model.layout.parts:
+            populate(part.data)
     n = 0
     for t in model.layout.reader.tensors:
         if dense.eligible(t) and not w.is_loaded(t.name) and w.provide(t.name, dense.matrix(t)):

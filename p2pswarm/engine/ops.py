@@ -119,7 +119,8 @@ def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     probs = softmax(logits.astype(F32, copy=False), axis=-1)
     order = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     sel = np.take_along_axis(probs, order, axis=-1)
-    total = np.maximum(np.sum(sel, axis=-1, keepdims=True), F32(6.103515625e-5))
+    # summed in float64 and rounded once, as ggml's sum_rows does (llama.cpp's build_moe_ffn)
+    total = np.maximum(np.sum(sel, axis=-1, keepdims=True, dtype=np.float64).astype(F32), F32(6.103515625e-5))
     return order.astype(np.int64), (sel / total).astype(F32)
 
 

@@ -63,6 +63,23 @@ def kernel_id() -> str:
     return f"{FAMILY}/{platform.machine()}"
 
 
+def refusal(layout) -> str | None:
+    """Why the portable kernel cannot compute ``layout``'s experts, or None when it can.
+
+    gpt-oss experts are refused: their clamped SwiGLU (``swiglu_oai``: a sigmoid of 1.702 x) and
+    per-expert biases are not in this kernel's fixed-order integer arithmetic, and neither are
+    their MXFP4 weights (E8M0 scales, E2M1 codes); computing them some other way here would give
+    other bits than a portable peer on another ISA, which is the one thing this kernel promises.
+    A gpt-oss worker therefore answers only in its own kernel's family (see
+    :class:`p2pswarm.worker.expert_worker.ExpertWorker`)."""
+    from p2pswarm.engine.expert_fn import SWIGLU, activation  # noqa: PLC0415
+
+    if activation(layout) != SWIGLU:
+        return (f"the portable kernel does not compute {layout.arch} experts (swiglu_oai, expert biases, "
+                "MXFP4 weights are not in its bit-exact arithmetic); use --kernel ggml or numpy")
+    return None
+
+
 def row_bytes(wtype: int, k: int) -> int:
     values, nbytes = WEIGHT_BLOCK[wtype]
     return k // values * nbytes
@@ -347,6 +364,9 @@ class PortableExpertBank:
     def __init__(self, layout, *, threads: int | None = None, implementation: str | None = None):
         from p2pswarm.engine.ggml_kernel import check_threads  # noqa: PLC0415 - same rule as ggml's
 
+        why = refusal(layout)
+        if why is not None:
+            raise ModelFormatError(f"{layout.path}: {why}")
         self.layout = layout
         self.kernel = kernel_id()
         self.layers = frozenset(layout.expert_layers)
@@ -365,7 +385,7 @@ class PortableExpertBank:
         self.implementation = "numpy" if isinstance(self.ops, NumpyOps) else "c"
         self.threads = check_threads(threads)
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 and self.implementation == "c" else None
-        self._data = layout.reader.data
+        self._data = layout.parts[0].data  # offsets below are from its address (a split model: other maps too)
         self._base = self._data.ctypes.data
         self._experts: dict[tuple[int, int], tuple] = {}
         self._check_types()
@@ -397,7 +417,7 @@ class PortableExpertBank:
             off, _ = t.slab(local)
             wtype, k = int(t.ggml_type), int(t.shape[2])
             rows = int(t.shape[1]) if rows is None else rows
-            return wtype, off + row0 * row_bytes(wtype, k), rows, k
+            return wtype, self._offset(off + row0 * row_bytes(wtype, k), rows * row_bytes(wtype, k)), rows, k
 
         if "gate_up" in tensors:
             ff = tensors["gate_up"].shape[1] // 2
@@ -407,6 +427,18 @@ class PortableExpertBank:
         self._experts[(layer, expert)] = got
         return got
 
+    def _offset(self, off: int, n: int) -> int:
+        """The model's bytes at ``off`` as an offset from ``self._base``: the same number for one
+        file; for a split model, the address in the part's map that holds them, less the base."""
+        part, part_off = self.layout.locate(off, n)
+        return part.data.ctypes.data + part_off - self._base
+
+    def _bytes(self, off: int, n: int) -> np.ndarray:
+        """``n`` bytes at ``_base + off`` (an offset :meth:`_offset` made), as a uint8 view."""
+        if 0 <= off and off + n <= self._data.nbytes:
+            return self._data[off: off + n]
+        return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(self._base + off))  # another part's map
+
     def _act(self, wtype: int, x: np.ndarray):
         if wtype in (F32, F16):
             return x
@@ -415,7 +447,7 @@ class PortableExpertBank:
     def _matmul(self, m, act, n: int) -> np.ndarray:
         wtype, off, rows, k = m
         if isinstance(self.ops, NumpyOps):
-            w = self._data[off: off + rows * row_bytes(wtype, k)]
+            w = self._bytes(off, rows * row_bytes(wtype, k))
             return self.ops.matmul(wtype, w, rows, k, act, n)
         out = np.empty((n, rows), np.float32)
         ptr = self._base + off

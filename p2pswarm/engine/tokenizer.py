@@ -41,6 +41,7 @@ from p2pswarm.engine.vocab_rules import (ATTR_BYTE, ATTR_CONTROL, ATTR_NORMAL, A
 from p2pswarm.errors import ModelFormatError, UserError
 from p2pswarm.model.gguf_read import array_field as _array
 from p2pswarm.model.gguf_read import open_gguf
+from p2pswarm.model.split_gguf import check_first_part
 from p2pswarm.model.gguf_read import scalar as _scalar
 
 log = logging.getLogger(__name__)
@@ -211,6 +212,7 @@ class Tokenizer:
             where = "GGUF"
         else:
             reader, where = open_gguf(reader_or_path), str(reader_or_path)
+            check_first_part(reader_or_path, reader)  # a split model's tokenizer is in its first part
         try:
             return cls._from_reader(reader)
         except ModelFormatError as exc:

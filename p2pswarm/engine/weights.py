@@ -28,6 +28,7 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.MXFP4,  # gpt-oss experts
 }
 
 

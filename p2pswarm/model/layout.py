@@ -26,9 +26,10 @@ from gguf import GGMLQuantizationType, GGUFReader
 from p2pswarm.errors import ModelFormatError, UserError
 # The GGUF reader and its helpers live in gguf_read; importable from here as before.
 from p2pswarm.model.gguf_read import FastGGUFReader, field_value, get_str, open_gguf  # noqa: F401
+from p2pswarm.model.split_gguf import GGUFPart, PartMap, SplitGGUFReader, is_split
 
 # Architectures whose routed experts follow the layout above.
-MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral", "gpt-oss", "glm4moe", "deepseek2")
 
 # `blk.<layer>.ffn_<kind>_exps.<weight|bias>`; kind "gate_up" is the fused gate+up tensor
 # (gate rows first) some architectures use.
@@ -92,16 +93,28 @@ class ModelLayout:
     expert_end: int = 0
     shard_kind: str | None = None
     file_size: int = 0
+    # Where the bytes are: one file, or the parts of a split model (see split_gguf). Offsets
+    # everywhere else (tensors, expert slabs, manifests) are those of the one (merged) file.
+    part_map: PartMap | None = None
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, require_experts: bool = True, reader: GGUFReader | None = None,
              file_size: int | None = None) -> "ModelLayout":
-        """Map a GGUF file. ``reader``/``file_size`` describe a model known only by its header bytes
-        (a downloader builds its shard's header before holding any tensor: see slicer.header_layout)."""
+        """Map a GGUF file, or a split model named by its first part (the other parts are found
+        by name, as llama.cpp finds them: see split_gguf). ``reader``/``file_size`` describe a model
+        known only by its header bytes (a downloader builds its shard's header before holding any
+        tensor: see slicer.header_layout)."""
         path = Path(path)
-        reader = open_gguf(path) if reader is None else reader
-        file_size = path.stat().st_size if file_size is None else file_size
+        if reader is None:
+            reader = open_gguf(path)
+            if is_split(reader):
+                reader = SplitGGUFReader(path, reader, open_gguf)
+        if isinstance(reader, SplitGGUFReader):
+            file_size, part_map = reader.file_size, reader.part_map
+        else:
+            file_size = path.stat().st_size if file_size is None else file_size
+            part_map = PartMap([GGUFPart(path, reader.data, file_size)])
         arch = get_str(reader, "general.architecture")
         if arch is None:
             raise ModelFormatError(f"{path}: no general.architecture key: not a model GGUF")
@@ -123,7 +136,7 @@ class ModelLayout:
 
         layout = cls(
             path=path, reader=reader, arch=arch, hparams=hparams, n_layer=n_layer, n_expert=n_expert,
-            n_expert_used=n_used, shard_kind=shard_kind, file_size=file_size,
+            n_expert_used=n_used, shard_kind=shard_kind, file_size=file_size, part_map=part_map,
         )
         layout.expert_begin = int(field_value(reader.fields[KEY_EXPERT_BEGIN])) if KEY_EXPERT_BEGIN in reader.fields else 0
         layout.expert_end = (
@@ -160,6 +173,37 @@ class ModelLayout:
                     f"{path}: layer {layer} has expert tensors {sorted(kinds)}; need gate+up (or gate_up) and down"
                 )
         return layout
+
+    # ---- bytes ---------------------------------------------------------------------------
+    @property
+    def parts(self) -> list[GGUFPart]:
+        """The files this model's bytes are in: one, or each part of a split model."""
+        return self.part_map.parts
+
+    def locate(self, offset: int, n: int) -> tuple[GGUFPart, int]:
+        """(file, offset in it) of the model's bytes ``[offset, offset + n)`` (a tensor's range
+        or part of one): what a reader of a file descriptor needs."""
+        return self.part_map.locate(offset, n)
+
+    def view(self, offset: int, n: int):
+        """The model's bytes ``[offset, offset + n)`` as a uint8 view of the memory map holding
+        them (no copy): what every reader of tensor bytes uses, never ``reader.data``, so a split
+        model reads the right part."""
+        return self.part_map.view(offset, n)
+
+    def header_bytes(self) -> bytes:
+        """The bytes before the first tensor's data: the file's own, or for a split model those
+        of the merged file (what the fingerprint and the manifest hash)."""
+        if isinstance(self.reader, SplitGGUFReader):
+            return self.reader.header
+        data = self.reader.data
+        return data[: min((int(t.data_offset) for t in self.reader.tensors), default=len(data))].tobytes()
+
+    def field_bytes(self, f) -> bytes:
+        """A metadata field's exact bytes, to copy it into another file."""
+        if isinstance(self.reader, SplitGGUFReader):
+            return self.reader.field_bytes(f)
+        return self.reader.data[f.offset: f.offset + sum(int(p.nbytes) for p in f.parts)].tobytes()
 
     # ---- queries -------------------------------------------------------------------------
     @property

@@ -40,15 +40,13 @@ FINGERPRINT_VERSION = b"p2pswarm-fingerprint-v1"
 
 def model_fingerprint(layout: ModelLayout) -> str:
     """Hex sha256 fingerprint of a full model file (see module doc). Cheap: O(number of tensors)."""
-    reader = layout.reader
     h = hashlib.sha256(FINGERPRINT_VERSION)
-    data_start = min((t.data_offset for t in reader.tensors), default=len(reader.data))
-    h.update(reader.data[:data_start].tobytes())
-    for t in reader.tensors:
+    h.update(layout.header_bytes())  # a split model's: the merged file's, so both name one model
+    for t in layout.reader.tensors:
         n = int(t.n_bytes)
         start = int(t.data_offset)
-        head = reader.data[start : start + min(n, SAMPLE_BYTES)]
-        tail = reader.data[start + max(0, n - SAMPLE_BYTES) : start + n]
+        head = layout.view(start, min(n, SAMPLE_BYTES))
+        tail = layout.view(start + max(0, n - SAMPLE_BYTES), min(n, SAMPLE_BYTES))
         h.update(t.name.encode())
         h.update(head.tobytes())
         h.update(tail.tobytes())
@@ -231,8 +229,8 @@ def build_manifest(model_path, issuer, *, progress: Callable[[int, int], None] |
         raise UserError(f"{layout.path}: is a {layout.shard_kind} file, not a full model: a manifest "
                         f"describes the full model")
     reader = layout.reader
-    header_len = min((int(t.data_offset) for t in reader.tensors), default=len(reader.data))
-    header = reader.data[:header_len].tobytes()
+    header = layout.header_bytes()  # a split model is described as its merged file (split_gguf)
+    header_len = len(header)
     total = sum(int(t.n_bytes) for t in reader.tensors)
     done = [0]
     lock = threading.Lock()
@@ -249,14 +247,19 @@ def build_manifest(model_path, issuer, *, progress: Callable[[int, int], None] |
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         expert_nbytes = int(t.n_bytes) // shape[0] if m else 0
         jobs.append((t.name, int(t.tensor_type), shape, int(t.data_offset), int(t.n_bytes), expert_nbytes))
-    fd = os.open(layout.path, os.O_RDONLY)
+    fds = {}
     try:
+        for part in layout.parts:
+            fds[part.path] = os.open(part.path, os.O_RDONLY)
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="manifest-sha256") as pool:
-            futs = [pool.submit(_digest_tensor, fd, layout.path, off, nb, enb, tick)
-                    for (_n, _g, _s, off, nb, enb) in jobs]
+            futs = []
+            for (_n, _g, _s, off, nb, enb) in jobs:
+                part, part_off = layout.locate(off, nb)
+                futs.append(pool.submit(_digest_tensor, fds[part.path], part.path, part_off, nb, enb, tick))
             digests = [f.result() for f in futs]
     finally:
-        os.close(fd)
+        for fd in fds.values():
+            os.close(fd)
     tensors = tuple(TensorDigest(n, g, s, off, nb, whole, enb, slabs)
                     for (n, g, s, off, nb, enb), (whole, slabs) in zip(jobs, digests))
     m = ModelManifest(issuer="", issued_at=int(time.time() if now is None else now),

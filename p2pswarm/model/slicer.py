@@ -96,8 +96,7 @@ def _copied_fields(layout: ModelLayout, keep: Callable[[str], bool]) -> list[byt
     for key, f in layout.reader.fields.items():
         if key.startswith("GGUF.") or key.startswith("p2pswarm.") or not keep(key):
             continue
-        size = sum(int(p.nbytes) for p in f.parts)
-        out.append(layout.reader.data[f.offset : f.offset + size].tobytes())
+        out.append(layout.field_bytes(f))
     return out
 
 
@@ -144,20 +143,25 @@ def _write(
 
     total = sum(t.nbytes for t in g.tensors)
     tmp = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
-    src = os.open(layout.path, os.O_RDONLY)
+    srcs: dict[Path, int] = {}
     dst = -1
     pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="sha256")
     try:
+        for part in layout.parts:  # one file, or each part of a split model
+            srcs[part.path] = os.open(part.path, os.O_RDONLY)
+        # (fd, offset in its file, length, file) of each range: a split model's are in its parts
+        located = [[(srcs[p.path], o, length, p.path) for off, length in parts
+                    for p, o in [layout.locate(off, length)]] for parts in ranges]
         dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         _pwrite_all(dst, header, 0)
         # Hash every tensor (in threads, from the page cache) while the kernel copies the bytes:
         # sha256 and the copy both run without the GIL, so on 2 cores they overlap.
-        futures = [pool.submit(_hash_ranges, src, parts, layout.path) for parts in ranges]
+        futures = [pool.submit(_hash_ranges, parts) for parts in located]
         done = 0
-        for t, parts in zip(g.tensors, ranges):
+        for t, parts in zip(g.tensors, located):
             dst_off = len(header) + t.offset
-            for off, length in parts:
-                for n in _copy_range(src, dst, off, length, dst_off, layout.path):
+            for src, off, length, path in parts:
+                for n in _copy_range(src, dst, off, length, dst_off, path):
                     dst_off += n
                     done += n
                     if progress:
@@ -186,7 +190,8 @@ def _write(
         raise
     finally:
         pool.shutdown(wait=True)
-        os.close(src)
+        for src in srcs.values():
+            os.close(src)
     return hashes
 
 
@@ -215,11 +220,11 @@ def _copy_range(src: int, dst: int, off: int, length: int, dst_off: int, path: P
         yield got
 
 
-def _hash_ranges(src: int, parts: list[tuple[int, int]], path: Path) -> str:
-    """sha256 of the concatenated source ranges, read in bounded chunks."""
+def _hash_ranges(parts: list[tuple[int, int, int, Path]]) -> str:
+    """sha256 of the concatenated source ranges (fd, offset, length, path), read in bounded chunks."""
     h = hashlib.sha256()
     buf = bytearray(CHUNK_BYTES)
-    for off, length in parts:
+    for src, off, length, path in parts:
         while length > 0:
             n = min(length, CHUNK_BYTES)
             view = memoryview(buf)[:n]
@@ -231,9 +236,9 @@ def _hash_ranges(src: int, parts: list[tuple[int, int]], path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_output(out_path: Path, source: Path) -> Path:
+def _check_output(out_path: Path, layout: ModelLayout) -> Path:
     out_path = Path(out_path)
-    if out_path.exists() and out_path.resolve() == source.resolve():
+    if out_path.exists() and any(out_path.resolve() == p.path.resolve() for p in layout.parts):
         raise UserError(f"{out_path}: refusing to overwrite the source model")
     if not out_path.parent.exists():
         raise UserError(f"{out_path.parent}: output directory does not exist")
@@ -254,7 +259,7 @@ def slice_experts(
     """Write the experts ``[experts[0], experts[1])`` of layers ``[layers[0], layers[1])``."""
     layout = layout or ModelLayout.open(model_path)
     plan = plan_expert_shard(layout, layers, experts, fingerprint)
-    out_path = _check_output(Path(out_path), layout.path)
+    out_path = _check_output(Path(out_path), layout)
     hashes = _write(out_path, layout, plan.gguf, [[r] for r in plan.ranges], progress, fsync)
     return SliceResult(out_path, hashes, sum(t.nbytes for t in plan.gguf.tensors), plan.fingerprint)
 
@@ -333,7 +338,7 @@ def slice_backbone(
     layout = ModelLayout.open(model_path)
     if layout.shard_kind is not None:
         raise UserError(f"{layout.path}: is already {SHARD_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
-    out_path = _check_output(Path(out_path), layout.path)
+    out_path = _check_output(Path(out_path), layout)
     fingerprint = model_fingerprint(layout)
     g = GGUFLayout(_alignment(layout))
     for raw in _copied_fields(layout, lambda k: True):
@@ -362,7 +367,7 @@ def verify_shard(path: str | os.PathLike[str]) -> dict[str, str]:
         raise UserError(f"{path}: not a p2pswarm shard (no per-tensor sha256)")
     recorded = dict(zip(field_value(f_names), field_value(f_sha)))
     for t in layout.reader.tensors:
-        got = hashlib.sha256(layout.reader.data[t.data_offset : t.data_offset + t.n_bytes]).hexdigest()
+        got = hashlib.sha256(layout.view(int(t.data_offset), int(t.n_bytes))).hexdigest()
         if recorded.get(t.name) != got:
             raise UserError(f"{path}: tensor {t.name} does not match its recorded sha256")
     return recorded

@@ -70,14 +70,22 @@ from p2pswarm.model.synth_presets import (  # noqa: F401
     QWEN35_OPTIONS, ROUTER_NEAR_TIE_SCALE, SYNTH_VERSION, Preset, Progress, Qwen35Preset, _file_type, _gguf,
     _resolve, _validate, _validate_qwen35,
 )
+from p2pswarm.model.synth_glm4moe import plan_glm4, validate_glm4, write_glm4_keys
+from p2pswarm.model.synth_presets import PRESETS_GLM4, Glm4Preset  # noqa: F401
 from p2pswarm.model.synth_tensors import (  # noqa: F401
     Q4_K_BLOCK_BYTES, QK_K, TensorPlan, _plan, _plan_qwen35, _tensor_chunks, _type_size, estimate_nbytes,
     q4_k_d_for_std, random_q4_k_blocks,
 )
+from p2pswarm.model.synth_gptoss import (ARCH_GPTOSS, PRESETS_GPTOSS, GptOssPreset, add_gptoss_keys,
+                                          plan_gptoss, validate_gptoss)
+from p2pswarm.model import synth_deepseek2
+from p2pswarm.model.synth_deepseek2 import DeepSeek2Preset
 from p2pswarm.model.synth_vocab import (  # noqa: F401
     BUILTIN_MERGES, BUILTIN_TEXT, CHATML_TEMPLATE, QWEN2_PRETOKENIZER_REGEX, SPECIAL_TOKENS, _n_vocab,
     builtin_tokenizer_kv, builtin_vocab, vocab_tokenizer_kv,
 )
+
+PRESETS_BY_ARCH[ARCH_GPTOSS] = PRESETS_GPTOSS
 
 # ---------------------------------------------------------------------------------------------
 # Writing
@@ -93,29 +101,36 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.add_type("model")
         w.add_name(f"p2pswarm synth {preset}")
         w.add_description(f"random-weight {arch} made by p2pswarm make-model (seed {seed})")
-        w.add_context_length(dims.context_length)
-        w.add_embedding_length(dims.n_embd)
-        w.add_block_count(dims.n_layer)
-        w.add_feed_forward_length(dims.n_ff_exp * dims.n_expert_used)
-        w.add_head_count(dims.n_head)
-        w.add_head_count_kv(dims.n_head_kv)
-        w.add_key_length(dims.head_dim)
-        w.add_value_length(dims.head_dim)
-        w.add_rope_freq_base(dims.rope_freq_base)
-        w.add_layer_norm_rms_eps(dims.rms_eps)
-        w.add_expert_count(dims.n_expert)
-        w.add_expert_used_count(dims.n_expert_used)
-        w.add_expert_feed_forward_length(dims.n_ff_exp)
-        if isinstance(dims, Qwen35Preset):
-            w.add_expert_shared_feed_forward_length(dims.n_ff_shexp)
-            w.add_rope_dimension_count(dims.n_rot)
-            w.add_rope_dimension_sections(list(dims.rope_sections))
-            w.add_ssm_conv_kernel(dims.ssm_conv_kernel)
-            w.add_ssm_inner_size(dims.ssm_time_step_rank * dims.ssm_state_size)
-            w.add_ssm_state_size(dims.ssm_state_size)
-            w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
-            w.add_ssm_group_count(dims.ssm_group_count)
-            w.add_full_attention_interval(dims.full_attention_interval)
+        if isinstance(dims, DeepSeek2Preset):  # its own keys: MLA sizes, dense FFN, YaRN, router
+            synth_deepseek2.write_keys(w, dims)
+        else:
+            w.add_context_length(dims.context_length)
+            w.add_embedding_length(dims.n_embd)
+            w.add_block_count(dims.n_layer + getattr(dims, "n_nextn", 0))
+            w.add_feed_forward_length(getattr(dims, "n_ff", None) or dims.n_ff_exp * dims.n_expert_used)
+            w.add_head_count(dims.n_head)
+            w.add_head_count_kv(dims.n_head_kv)
+            w.add_key_length(dims.head_dim)
+            w.add_value_length(dims.head_dim)
+            w.add_rope_freq_base(dims.rope_freq_base)
+            w.add_layer_norm_rms_eps(dims.rms_eps)
+            w.add_expert_count(dims.n_expert)
+            w.add_expert_used_count(dims.n_expert_used)
+            w.add_expert_feed_forward_length(dims.n_ff_exp)
+            if isinstance(dims, Qwen35Preset):
+                w.add_expert_shared_feed_forward_length(dims.n_ff_shexp)
+                w.add_rope_dimension_count(dims.n_rot)
+                w.add_rope_dimension_sections(list(dims.rope_sections))
+                w.add_ssm_conv_kernel(dims.ssm_conv_kernel)
+                w.add_ssm_inner_size(dims.ssm_time_step_rank * dims.ssm_state_size)
+                w.add_ssm_state_size(dims.ssm_state_size)
+                w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
+                w.add_ssm_group_count(dims.ssm_group_count)
+                w.add_full_attention_interval(dims.full_attention_interval)
+            if isinstance(dims, GptOssPreset):
+                add_gptoss_keys(w, dims)
+            if isinstance(dims, Glm4Preset):
+                write_glm4_keys(w, dims)
         w.add_file_type(_file_type(qtype, expert_qtype))
         if any(p.gtype not in (g.GGMLQuantizationType.F32, g.GGMLQuantizationType.F16)
                for p in plans):
@@ -167,7 +182,7 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.close()
 
 
-def _quantize_q4_k_m(src: Path, dst: Path) -> None:
+def _quantize_q4_k_m(src: Path, dst: Path, requantize: bool = False) -> None:
     try:
         import llama_cpp  # noqa: PLC0415
     except ImportError:
@@ -175,6 +190,7 @@ def _quantize_q4_k_m(src: Path, dst: Path) -> None:
             "--type q4_k_m needs llama.cpp's quantiser: pip install 'p2pswarm[llama]'") from None
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = requantize  # experts written as Q4_K: copied, or moved to Q6_K where Q4_K_M wants
     params.nthread = min(4, os.cpu_count() or 1)
     with _quiet_stderr():
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(),
@@ -248,6 +264,8 @@ def make_model(
     full_attention_interval: int | None = None,
     n_ff_shexp: int | None = None,
     fused_experts: bool | None = None,
+    sliding_window: int | None = None,
+    deepseek2: dict[str, Any] | None = None,
 ) -> Path:
     """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
 
@@ -267,6 +285,10 @@ def make_model(
     Hk), ``ssm_conv_kernel``, ``full_attention_interval``, ``n_ff_shexp`` (shared expert) and
     ``fused_experts`` (one ``ffn_gate_up_exps`` per layer, same weights as the separate tensors).
 
+    ``arch="deepseek2"`` (presets ``tiny`` and ``geometry-671b``): ``deepseek2`` is a dict of
+    :class:`~p2pswarm.model.synth_deepseek2.DeepSeek2Preset` fields to override (MLA ranks, the
+    split or unsplit MLA tensors, gating, groups, YaRN, ...).
+
     The file appears atomically: it is written under a temporary name in the same directory and
     renamed at the end; a failure leaves nothing behind.
     """
@@ -278,25 +300,42 @@ def make_model(
                  ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
                  full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
                  fused_experts=fused_experts)
+    if sliding_window is not None and arch != ARCH_GPTOSS:
+        raise UserError("sliding_window applies only to --arch gpt-oss")
+    if deepseek2 is not None and arch != "deepseek2":
+        raise UserError("deepseek2 options apply only to --arch deepseek2")
     if arch != "qwen35moe":
         given = [k for k, v in extra.items() if v is not None]
         if given:
             raise UserError(f"{given[0]} applies only to --arch qwen35moe")
-        extra = {}
+        extra = {} if sliding_window is None else {"sliding_window": sliding_window}
     p = _resolve(preset, layers, dict(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
         n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length, **extra),
         PRESETS_BY_ARCH[arch])
+    if isinstance(p, DeepSeek2Preset):
+        p = synth_deepseek2.resolve(p, layers, deepseek2 or {})
     if expert_qtype is None:
         expert_qtype = p.expert_qtype
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise UserError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    if preset == "geometry-122b" and qtype == "q4_k_m" and expert_qtype == "q4_k":
-        raise UserError("geometry-122b writes its experts as Q4_K directly; use --type f32, f16 or "
+    # deepseek2's geometry: the dense tensors are quantised by llama.cpp from F32 and the Q4_K experts
+    # (45 GB per layer as F32) kept, or requantised to Q6_K where Q4_K_M puts them (ffn_down of some layers)
+    requantize = arch == "deepseek2" and qtype == "q4_k_m" and expert_qtype == "q4_k"
+    if preset.startswith("geometry-") and qtype == "q4_k_m" and expert_qtype == "q4_k" and not requantize:
+        raise UserError(f"{preset} writes its experts as Q4_K directly; use --type f32, f16 or "
                         "q8_0 for its dense tensors (q4_k_m would requantise the experts)")
-    _validate(p, qtype, expert_qtype)
+    _validate(p, qtype, None if requantize else expert_qtype)
     if isinstance(p, Qwen35Preset):
         _validate_qwen35(p, qtype)
+    if isinstance(p, GptOssPreset):
+        validate_gptoss(p, qtype, expert_qtype)
+        if tied is None:
+            tied = False
+    if isinstance(p, Glm4Preset):
+        validate_glm4(p, qtype)
+    if isinstance(p, DeepSeek2Preset):
+        synth_deepseek2.validate(p, qtype)
 
     if out.is_dir():
         raise UserError(f"output {out} is a directory")
@@ -312,8 +351,13 @@ def make_model(
     if tied is None:
         tied = n_vocab > 32768
     dims = p
-    planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else _plan
-    plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
+    if isinstance(dims, DeepSeek2Preset):
+        plans = synth_deepseek2.plan(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
+    elif isinstance(dims, GptOssPreset):
+        plans = plan_gptoss(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie, TensorPlan, _type_size)
+    else:
+        planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else plan_glm4 if isinstance(dims, Glm4Preset) else _plan
+        plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
 
     need_bytes = estimate_nbytes(plans) * (2 if qtype == "q4_k_m" else 1) + (64 << 20)
     try:
@@ -334,7 +378,7 @@ def make_model(
         if qtype == "q4_k_m":
             if progress is not None:
                 progress(0, 1, "quantising to Q4_K_M with llama.cpp")
-            _quantize_q4_k_m(tmp_f32, tmp)
+            _quantize_q4_k_m(tmp_f32, tmp, requantize)
             tmp_f32.unlink()
         os.replace(tmp, out)
     except OSError as exc:
@@ -362,8 +406,11 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
     n_expert = int(val(f"{arch}.expert_count") or 0)
     per_expert = 0
     types: set[str] = set()
+    # the first layer with routed experts (glm4moe's and deepseek2's first layers are dense)
+    first = min((int(t.name.split(".")[1]) for t in tis if t.name.startswith("blk.") and "_exps." in t.name),
+                default=0)
     for t in tis:
-        if t.name.startswith("blk.0.") and "_exps." in t.name and n_expert:
+        if t.name.startswith(f"blk.{first}.") and "_exps." in t.name and n_expert:
             gt = g.GGMLQuantizationType(t.gtype)
             per_expert += _type_size(gt, t.shape) // n_expert
             types.add(gt.name)

@@ -19,14 +19,14 @@ def _gguf():
 
 
 ARCH = "qwen3moe"
-ARCHES = ("qwen3moe", "qwen35moe")
+ARCHES = ("qwen3moe", "qwen35moe", "gpt-oss", "glm4moe")
 SYNTH_VERSION = 1  # bump when the bytes a given set of options produces change
 
 #: ``progress(done_bytes, total_bytes, what)``; called after every tensor and between chunks.
 Progress = Callable[[int, int, str], None]
 
 QTYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m")
-EXPERT_QTYPES = ("q4_k",)
+EXPERT_QTYPES = ("q4_k", "mxfp4")
 
 ROUTER_NEAR_TIE_SCALE = 0.01
 NORM_NOISE = 0.02
@@ -92,7 +92,47 @@ PRESETS_QWEN35: dict[str, Qwen35Preset] = {
                                   n_ff_shexp=1024),
 }
 
-PRESETS_BY_ARCH: dict[str, dict[str, Preset]] = {"qwen3moe": PRESETS, "qwen35moe": PRESETS_QWEN35}
+
+
+@dataclasses.dataclass(frozen=True)
+class Glm4Preset(Preset):
+    """A glm4moe shape (GLM-4.5): the qwen3moe fields plus partial NEOX RoPE, attention biases,
+    leading dense FFN layers, a shared expert, the sigmoid router's scale and the NextN blocks.
+
+    ``n_layer`` counts the trunk layers; ``n_nextn`` NextN/MTP blocks are written after them
+    (block_count = n_layer + n_nextn). At most ``n_layer - 1`` of the trunk layers are dense, so a
+    preset cut short with ``--layers`` keeps at least one layer with routed experts."""
+
+    n_rot: int = 32  # rotated dims per head (GLM-4.5: head_dim / 2)
+    n_ff: int = 512  # the dense layers' FFN size (feed_forward_length)
+    n_dense: int = 1  # leading dense FFN layers (leading_dense_block_count)
+    n_expert_shared: int = 1  # the shared expert is n_ff_exp * n_expert_shared wide
+    n_nextn: int = 1  # NextN / MTP blocks after the trunk (nextn_predict_layers)
+    weights_scale: float = 2.5  # expert_weights_scale (routed_scaling_factor)
+    bias_std: float = 0.1  # exp_probs_b: the router's selection bias
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_layer, int) and isinstance(self.n_dense, int) and self.n_dense >= self.n_layer:
+            object.__setattr__(self, "n_dense", max(0, self.n_layer - 1))
+
+
+PRESETS_GLM4: dict[str, Glm4Preset] = {
+    # Makes in about a second: 1 dense + 3 MoE layers + 1 NextN block, 8 query heads of 64
+    # (q 512 wide != n_embd 256), 2 KV heads, half the head rotated, q/k/v biases and q/k norms.
+    "tiny": Glm4Preset(n_embd=256, n_head=8, n_head_kv=2, head_dim=64, n_layer=4, n_expert=16,
+                       n_expert_used=4, n_ff_exp=256, context_length=512, rms_eps=1e-5),
+    # GLM-4.5 (355B-A32B) per layer and per expert: n_embd 5120, 96 query / 8 KV heads of 128, 64
+    # rotary dims, dense FFN 12288 on the first 3 layers, 160 routed experts (top-8, 1536, Q4_K) +
+    # 1 shared, sigmoid router scaled 2.5. The real model has 92 layers + 1 NextN; this preset
+    # writes 4 (3 dense + 1 MoE) + 1 NextN unless --layers says otherwise.
+    "geometry-glm45": Glm4Preset(n_embd=5120, n_head=96, n_head_kv=8, head_dim=128, n_layer=4, n_expert=160,
+                                 n_expert_used=8, n_ff_exp=1536, context_length=4096, rms_eps=1e-5,
+                                 expert_qtype="q4_k", n_rot=64, n_ff=12288, n_dense=3),
+}
+
+PRESETS_BY_ARCH: dict[str, dict[str, Preset]] = {"qwen3moe": PRESETS, "qwen35moe": PRESETS_QWEN35,
+                                                 "glm4moe": PRESETS_GLM4}
+# gpt-oss's presets (p2pswarm.model.synth_gptoss) are added by p2pswarm.model.synth, which imports both
 
 # make_model keywords that only a qwen35moe shape has.
 QWEN35_OPTIONS = ("n_rot", "rope_sections", "ssm_state_size", "ssm_group_count", "ssm_time_step_rank",
@@ -132,6 +172,8 @@ def _validate(p: Preset, qtype: str, expert_qtype: str | None) -> None:
     block = 32
     if qtype == "q4_k_m" or expert_qtype == "q4_k":
         block = 256
+    elif expert_qtype == "mxfp4" and qtype in ("f32", "f16", "bf16"):
+        block = 32
     elif qtype in ("f32", "f16", "bf16"):
         block = 1
     for name in ("n_embd", "n_ff_exp"):
@@ -175,7 +217,15 @@ def _file_type(qtype: str, expert_qtype: str | None) -> int:
     g = _gguf()
     F = g.LlamaFileType
     if expert_qtype == "q4_k":
-        return int(F.MOSTLY_Q4_K_M)  # by bytes the file is almost all Q4_K experts
+        return int(F.MOSTLY_Q4_K_M)
+    if expert_qtype == "mxfp4":
+        return int(F.MOSTLY_MXFP4_MOE)  # by bytes the file is almost all Q4_K experts
     return int({"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0,
                 "q4_k_m": F.ALL_F32}[qtype])
 
+
+# deepseek2's shapes live in their own module, which imports from this one: registered last.
+from p2pswarm.model.synth_deepseek2 import PRESETS_DEEPSEEK2  # noqa: E402
+
+ARCHES = (*ARCHES, "deepseek2")
+PRESETS_BY_ARCH["deepseek2"] = PRESETS_DEEPSEEK2

@@ -220,6 +220,16 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
     """The tensor's bytes, in order, a bounded chunk at a time. Chunking depends only on the shape."""
     g = _gguf()
     Q = g.GGMLQuantizationType
+    if plan.kind in ("kv_b_k", "kv_b_v"):  # deepseek2's split MLA tensors: cut from one attn_kv_b
+        from p2pswarm.model.synth_deepseek2 import kv_b_part  # noqa: PLC0415
+
+        name, shape, kind, std = plan.parts[0]
+        whole = np.concatenate([np.asarray(c) for c in _tensor_chunks(
+            TensorPlan(name, shape, kind, std, Q.F32, _type_size(Q.F32, shape)), seed)])
+        part = kv_b_part(plan, whole)
+        yield part if plan.gtype == Q.F32 else part.astype(np.float16) if plan.gtype == Q.F16 else \
+            g.quants.quantize(part, plan.gtype)
+        return
     if plan.parts:
         # Fused: expert by expert, the bytes of each part (each from its own generator, chunked as
         # if written alone), so the fused tensor holds exactly the separate tensors' weights.
@@ -244,6 +254,11 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
         n = min(per, outer - start)
         if plan.gtype == Q.Q4_K:
             yield random_q4_k_blocks(rng, n * inner // QK_K, plan.std)
+            continue
+        if plan.gtype == Q.MXFP4:  # gpt-oss experts (p2pswarm.model.synth_gptoss)
+            from p2pswarm.model.synth_gptoss import MXFP4_BLOCK, random_mxfp4_blocks  # noqa: PLC0415
+
+            yield random_mxfp4_blocks(rng, n * inner // MXFP4_BLOCK, plan.std)
             continue
         a = _normal(rng, (n, *plan.shape[1:]), plan.std)
         if plan.gtype == Q.F32:

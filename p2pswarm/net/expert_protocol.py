@@ -13,12 +13,20 @@ import msgpack
 import numpy as np
 
 from p2pswarm.errors import FrameError, clip
+from p2pswarm.net import wire_precision
 
 PROTOCOL_VERSION = 1
 #: The libp2p protocol id of these messages (docs/protocol.md); plain strings, so the socket
 #: transport needs no libp2p.
 PROTOCOL_EXPERT = "/p2pswarm/expert/1.0.0"
 ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
+#: Forms a compute request's input rows may take instead of float32 (issue 32): ggml's own
+#: quantised layouts, name -> (ggml type, values per block, bytes per block). A worker's hello
+#: lists those it takes ("input_forms"; an older worker none: it gets float32); a request's rows map
+#: then has that name as its "dtype", the shape in values (n, n_embd) and n * row bytes of data.
+#: Each is what ggml itself turns float32 rows into before the mat-mul (p2pswarm.engine.ggml_inputs).
+INPUT_FORMS = {"q8_K": (15, 256, 292), "q8_0": (8, 32, 34), "q8_1": (9, 32, 36), "f16": (1, 1, 2),
+               "bf16": (30, 1, 2)}
 #: The longest kernel id a node record, a hello or a compute request's family may carry. A ggml id
 #: names the library and every SIMD code path its CPU build selects ("ggml-0.25.3-0c1e570/x86_64+
 #: sse3+...+amx_int8+llamafile"): 131 characters on a CPU with AVX-512 and AMX, 212 were every
@@ -67,6 +75,31 @@ def array_from_wire(d: object, what: str) -> np.ndarray:
     return np.frombuffer(data, dtype=np_dtype).reshape(shape).copy()
 
 
+def rows_to_wire(rows: np.ndarray, form: str | None) -> dict:
+    """Input rows: float32 (``form`` None), or (n, row bytes) uint8 already in ``form``."""
+    if form is None:
+        return array_to_wire(rows)
+    _, block, block_bytes = INPUT_FORMS[form]
+    return {"dtype": form, "shape": [rows.shape[0], rows.shape[1] // block_bytes * block],
+            "data": np.ascontiguousarray(rows).tobytes()}
+
+
+def rows_from_wire(d: object) -> tuple[np.ndarray, str | None]:
+    """(rows, form): float32 (n, n_embd) and None, or (n, row bytes) uint8 and the form's name."""
+    form = d.get("dtype") if isinstance(d, dict) else None
+    if form not in INPUT_FORMS:
+        return array_from_wire(d, "rows"), None
+    shape, data = d.get("shape"), d.get("data")
+    _, block, block_bytes = INPUT_FORMS[form]
+    if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(s, int) and s >= 0 for s in shape)
+            and isinstance(data, bytes)) or shape[1] % block:
+        raise FrameError(f"malformed rows: bad shape/data for form {form}")
+    row_bytes = shape[1] // block * block_bytes
+    if shape[0] * row_bytes != len(data):
+        raise FrameError(f"malformed rows: {len(data)} bytes do not make {shape[0]} rows of {shape[1]} in {form}")
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape[0], row_bytes).copy(), form
+
+
 @dataclass
 class ComputeRequest:
     """All the rows one owner must compute for one layer."""
@@ -78,6 +111,12 @@ class ComputeRequest:
     #: The kernel family to answer in (one of the worker's hello "families", e.g. "portable-1");
     #: None: the connection's (the hello's "family", else the worker's own kernel).
     family: str | None = None
+    #: None: ``rows`` are float32; else an :data:`INPUT_FORMS` name and ``rows`` (n, row bytes)
+    #: uint8 in that form (the worker's layer must take exactly that form)
+    form: str | None = None
+    #: None: outputs as float32; "f16"/"bf16": rounded to that and sent in 16 bits
+    #: (p2pswarm.net.wire_precision; an older worker ignores it and sends float32)
+    out: str | None = None
 
     def to_wire(self) -> bytes:
         counts = [int(len(idx)) for _, idx in self.groups]
@@ -85,10 +124,12 @@ class ComputeRequest:
         msg = {
             "op": "compute", "id": self.id, "layer": self.layer,
             "experts": [int(e) for e, _ in self.groups], "counts": counts,
-            "index": array_to_wire(index), "rows": array_to_wire(self.rows),
+            "index": array_to_wire(index), "rows": rows_to_wire(self.rows, self.form),
         }
         if self.family is not None:
             msg["family"] = self.family
+        if self.out is not None:
+            msg["out"] = self.out
         return pack(msg)
 
     @classmethod
@@ -100,10 +141,11 @@ class ComputeRequest:
             raise FrameError("malformed compute request: experts and counts must be lists of one length")
         if not all(isinstance(x, int) and x >= 0 for x in experts + counts):
             raise FrameError("malformed compute request: experts and counts must be non-negative integers")
-        rows = array_from_wire(msg.get("rows"), "rows")
+        rows, form = rows_from_wire(msg.get("rows"))
         index = array_from_wire(msg.get("index"), "index")
-        if rows.ndim != 2 or rows.dtype != np.float32 or index.ndim != 1 or index.dtype != np.int32:
-            raise FrameError("malformed compute request: rows must be 2-D float32, index 1-D int32")
+        if rows.ndim != 2 or (form is None and rows.dtype != np.float32) or index.ndim != 1 \
+                or index.dtype != np.int32:
+            raise FrameError("malformed compute request: rows must be 2-D float32 (or an input form), index 1-D int32")
         if sum(counts) != len(index):
             raise FrameError("malformed compute request: counts do not add up to the index length")
         if len(index) and (index.min() < 0 or index.max() >= len(rows)):
@@ -111,16 +153,28 @@ class ComputeRequest:
         family = msg.get("family")
         if family is not None and not (isinstance(family, str) and 0 < len(family) <= MAX_FAMILY_CHARS):
             raise FrameError(f"malformed compute request: family must be a string of 1-{MAX_FAMILY_CHARS} characters")
+        out = msg.get("out")
+        if out is not None and out not in wire_precision.PRECISIONS:
+            raise FrameError(f"malformed compute request: out must be one of {', '.join(wire_precision.PRECISIONS)}")
         groups, pos = [], 0
         for e, c in zip(experts, counts):
             groups.append((e, index[pos : pos + c]))
             pos += c
-        return cls(rid, layer, rows, groups, family)
+        return cls(rid, layer, rows, groups, family, form, out)
 
 
-def result_to_wire(rid: int, outputs: list[np.ndarray], n_embd: int) -> bytes:
+def result_to_wire(rid: int, outputs: list[np.ndarray], n_embd: int, precision: str | None = None) -> bytes:
     out = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, n_embd), np.float32)
-    return pack({"op": "result", "id": rid, "out": array_to_wire(out.astype(np.float32, copy=False))})
+    out = out.astype(np.float32, copy=False)
+    return pack({"op": "result", "id": rid,
+                 "out": array_to_wire(out) if precision is None else wire_precision.to_wire(out, precision)})
+
+
+def result_from_wire(d: object) -> np.ndarray:
+    """A result's ``out``: float32, or 16-bit values (``--wire-precision``) widened to float32."""
+    if isinstance(d, dict) and d.get("dtype") in wire_precision.PRECISIONS:
+        return wire_precision.from_wire(d, "result")
+    return array_from_wire(d, "result")
 
 
 def error_to_wire(rid: int | None, error: str) -> bytes:

@@ -65,8 +65,7 @@ class ShardServer:
                 m = EXPERT_TENSOR_RE.match(t.name)
                 if m and t.expert_nbytes:
                     self._experts[t.name] = (int(m.group(1)), t.offset, t.expert_nbytes, 0)
-            with open(lay.path, "rb") as f:
-                self._header = f.read(manifest.header_len)
+            self._header = lay.header_bytes()  # a split model's: its merged file's (split_gguf)
         elif lay.shard_kind == "experts":
             fp = source_fingerprint(lay)
             if source_header is None:
@@ -89,12 +88,12 @@ class ShardServer:
             raise ManifestError(f"manifest is for model {manifest.fingerprint}, but {lay.path} is {fp}")
         if hashlib.sha256(self._header).hexdigest() != manifest.header_sha256:
             raise ManifestError(f"{lay.path}: source header does not match the manifest's sha256")
-        self._fd = os.open(lay.path, os.O_RDONLY)
+        self._fds = {str(p.path): os.open(p.path, os.O_RDONLY) for p in lay.parts}  # one, or a split model's
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
 
     async def handle(self, stream) -> None:
         """One client stream: hello (token check), then requests until the client closes."""
@@ -144,7 +143,8 @@ class ShardServer:
                     continue
                 if self.delay_s:
                     await trio.sleep(self.delay_s)
-                chunk = await trio.to_thread.run_sync(os.pread, self._fd, length, off)
+                part, part_off = self.layout.locate(off, length)
+                chunk = await trio.to_thread.run_sync(os.pread, self._fds[str(part.path)], length, part_off)
                 if len(chunk) != length:
                     await send_frame(stream, _pack({"ok": False, "error": "short read on the server"}))
                     return

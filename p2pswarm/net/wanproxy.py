@@ -6,6 +6,7 @@ and bandwidth cap. For tests and benchmarks (``tc netem`` does not exist on thes
 
     python -m p2pswarm.net.wanproxy --target 127.0.0.1:4001 --rtt-ms 50 [--jitter-ms 2] [--mbps 100]
     python -m p2pswarm.net.wanproxy --target 127.0.0.1:4001 --target 127.0.0.1:4002 --rtt-ms 50
+        [--up-mbps 100 --down-mbps 20] [--shared-up-mbps 100 --shared-down-mbps 100]
 
 With several ``--target`` s one process emulates one link per target, each on a listening port of
 its own (``READY HOST:PORT1 HOST:PORT2 ...``, in the order of the targets). Why offer that: the
@@ -17,6 +18,13 @@ Each accepted connection is paired with a fresh connection to the target; every 
 side is delivered to the other at ``arrival + delay (+ uniform jitter)``, never before the chunk
 ahead of it (a TCP stream is in order, so jitter only ever adds), and, with a bandwidth cap, no
 sooner than the link could have carried it. A 50 ms-RTT link is ``delay_s=0.025`` each way.
+
+Caps (Mbit/s): ``--mbps`` caps each link both ways; ``--up-mbps`` / ``--down-mbps`` each direction of
+each link ("up": from the connecting side to the target, e.g. backbone -> worker; "down": back,
+e.g. a worker's upload); ``--shared-up-mbps`` / ``--shared-down-mbps`` cap all the links of this
+process *together*, per direction, as one network card: the links are the workers', the connecting
+side is one backbone, so that is the backbone's own line (issue 32). A chunk leaves when both its
+link and the shared card have carried what was queued before it.
 """
 from __future__ import annotations
 
@@ -75,6 +83,16 @@ class LinkSpec:
             raise ValueError("delay and jitter must be >= 0 and a bandwidth cap > 0")
 
 
+class SharedCap:
+    """One direction of a link several emulated links share (a NIC): when it is next free."""
+
+    def __init__(self, bytes_per_s: float):
+        if not bytes_per_s > 0:
+            raise ValueError("a bandwidth cap must be > 0")
+        self.bytes_per_s = bytes_per_s
+        self.free_at = 0.0
+
+
 @dataclass
 class ProxyStats:
     connections: int = 0
@@ -92,6 +110,9 @@ class WanProxy:
     host: str = "127.0.0.1"
     port: int = 0
     stats: ProxyStats = field(default_factory=ProxyStats)
+    #: caps shared with other links, per direction (the backbone's line): SharedCap or None
+    shared_up: SharedCap | None = None
+    shared_down: SharedCap | None = None
 
     def __post_init__(self):
         self._rng = random.Random(self.seed)
@@ -112,22 +133,26 @@ class WanProxy:
         self.stats.connections += 1
         async with client, target:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pipe, client, target, self.up, "bytes_up", nursery.cancel_scope)
-                nursery.start_soon(self._pipe, target, client, self.down, "bytes_down", nursery.cancel_scope)
+                nursery.start_soon(self._pipe, client, target, self.up, "bytes_up", nursery.cancel_scope,
+                                   self.shared_up)
+                nursery.start_soon(self._pipe, target, client, self.down, "bytes_down", nursery.cancel_scope,
+                                   self.shared_down)
 
     def _count(self, counter: str, data: bytes) -> None:
         setattr(self.stats, counter, getattr(self.stats, counter) + len(data))
         self.stats.chunks += 1
 
-    async def _pipe(self, src, dst, spec: LinkSpec, counter: str, scope: trio.CancelScope) -> None:
+    async def _pipe(self, src, dst, spec: LinkSpec, counter: str, scope: trio.CancelScope,
+                    shared: SharedCap | None = None) -> None:
         """Read from src as fast as it sends; deliver each chunk to dst at its due time, in order.
 
         src's end of stream is passed on as a half-close once everything before it is delivered
         (what a TCP link does: the other direction may still be carrying data); a broken side
         ends the whole connection."""
-        if not (spec.delay_s or spec.jitter_s or spec.bytes_per_s):
+        if not (spec.delay_s or spec.jitter_s or spec.bytes_per_s or shared):
             await self._wire(src, dst, counter, scope)
             return
+        capped = bool(spec.bytes_per_s or shared)
         send, receive = trio.open_memory_channel(math.inf)
 
         async def deliver() -> None:
@@ -138,10 +163,15 @@ class WanProxy:
                     await sleep_until_precise(max(due, last_due))
                     await _half_close(dst, scope)
                     return
-                if spec.bytes_per_s:
-                    start = max(due, free_at)
-                    free_at = start + len(data) / spec.bytes_per_s
-                    due = free_at
+                if capped:  # carried by this link and the shared card, each in its queue's order
+                    start = max(due, free_at, shared.free_at if shared else 0.0)
+                    done = start
+                    if spec.bytes_per_s:
+                        free_at = done = start + len(data) / spec.bytes_per_s
+                    if shared:
+                        shared.free_at = start + len(data) / shared.bytes_per_s
+                        done = max(done, shared.free_at)
+                    due = done
                 due = max(due, last_due)
                 last_due = due
                 await sleep_until_precise(due)
@@ -155,7 +185,7 @@ class WanProxy:
             nursery.start_soon(deliver)
             try:
                 while True:
-                    data = await src.receive_some(CAPPED_CHUNK if spec.bytes_per_s else CHUNK)
+                    data = await src.receive_some(CAPPED_CHUNK if capped else CHUNK)
                     if not data:
                         send.send_nowait((trio.current_time() + spec.delay_s, None))
                         break
@@ -194,11 +224,19 @@ async def _half_close(dst, scope: trio.CancelScope) -> None:
 @asynccontextmanager
 async def open_wan_proxy(target: tuple[str, int], *, delay_s: float = 0.0, jitter_s: float = 0.0,
                          bytes_per_s: float | None = None, host: str = "127.0.0.1", port: int = 0,
-                         seed: int | None = None):
-    """A running :class:`WanProxy` (same link both ways) for the duration of the block."""
-    spec = LinkSpec(delay_s, jitter_s, bytes_per_s)
-    proxy = WanProxy(tuple(target), up=spec, down=LinkSpec(delay_s, jitter_s, bytes_per_s), seed=seed,
-                     host=host, port=port)
+                         seed: int | None = None, up_bytes_per_s: float | None = None,
+                         down_bytes_per_s: float | None = None, shared_up: SharedCap | None = None,
+                         shared_down: SharedCap | None = None):
+    """A running :class:`WanProxy` for the duration of the block: ``bytes_per_s`` caps both
+    directions, ``up_``/``down_bytes_per_s`` one (the tighter wins); ``shared_up``/``shared_down``
+    are caps it shares with other proxies (one :class:`SharedCap` passed to each)."""
+    def cap(a, b):
+        caps = [c for c in (a, b) if c]
+        return min(caps) if caps else None
+
+    proxy = WanProxy(tuple(target), up=LinkSpec(delay_s, jitter_s, cap(bytes_per_s, up_bytes_per_s)),
+                     down=LinkSpec(delay_s, jitter_s, cap(bytes_per_s, down_bytes_per_s)), seed=seed,
+                     host=host, port=port, shared_up=shared_up, shared_down=shared_down)
     async with trio.open_nursery() as nursery:
         await nursery.start(proxy.serve)
         yield proxy
@@ -234,6 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtt-ms", type=_nonneg, default=0.0, help="round-trip delay added, split evenly each way")
     ap.add_argument("--jitter-ms", type=_nonneg, default=0.0, help="extra one-way delay, uniform in [0, J]")
     ap.add_argument("--mbps", type=_nonneg, default=0.0, help="bandwidth cap per direction in Mbit/s (0: none)")
+    ap.add_argument("--up-mbps", type=_nonneg, default=0.0,
+                    help="cap of each link's up direction (connecting side -> target, e.g. backbone -> worker)")
+    ap.add_argument("--down-mbps", type=_nonneg, default=0.0,
+                    help="cap of each link's down direction (target -> connecting side, e.g. a worker's upload)")
+    ap.add_argument("--shared-up-mbps", type=_nonneg, default=0.0,
+                    help="one cap for the up direction of all the links together (the backbone's uplink)")
+    ap.add_argument("--shared-down-mbps", type=_nonneg, default=0.0,
+                    help="one cap for the down direction of all the links together (the backbone's downlink)")
     args = ap.parse_args(argv)
     listens = args.listen or [("127.0.0.1", 0)]
     if len(listens) == 1 and len(args.target) > 1:
@@ -242,16 +288,18 @@ def main(argv: list[str] | None = None) -> int:
         listens = listens * len(args.target)
     if len(listens) != len(args.target):
         ap.error(f"{len(listens)} --listen for {len(args.target)} --target: give one per target (or one with port 0)")
-    if args.mbps == 0:
-        bps = None
-    else:
-        bps = args.mbps * 1e6 / 8
+    def bps(mbps: float) -> float | None:
+        return mbps * 1e6 / 8 if mbps else None
+
+    shared_up = SharedCap(bps(args.shared_up_mbps)) if args.shared_up_mbps else None
+    shared_down = SharedCap(bps(args.shared_down_mbps)) if args.shared_down_mbps else None
 
     async def run() -> None:
         async with AsyncExitStack() as stack:
             proxies = [await stack.enter_async_context(open_wan_proxy(
-                target, delay_s=args.rtt_ms / 2000, jitter_s=args.jitter_ms / 1000, bytes_per_s=bps,
-                host=host, port=port)) for target, (host, port) in zip(args.target, listens)]
+                target, delay_s=args.rtt_ms / 2000, jitter_s=args.jitter_ms / 1000, bytes_per_s=bps(args.mbps),
+                up_bytes_per_s=bps(args.up_mbps), down_bytes_per_s=bps(args.down_mbps), shared_up=shared_up,
+                shared_down=shared_down, host=host, port=port)) for target, (host, port) in zip(args.target, listens)]
             print("READY " + " ".join(f"{p.host}:{p.port}" for p in proxies), flush=True)
             await trio.sleep_forever()
 

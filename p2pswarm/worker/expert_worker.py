@@ -16,6 +16,7 @@ import numpy as np
 
 from p2pswarm import settings
 from p2pswarm.engine.kernels import answer_families, family, kernel_id, make_bank, portable_family
+from p2pswarm.engine.portable_kernel import refusal as portable_refusal
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
@@ -69,6 +70,8 @@ class ExpertWorker:
         self.info = shard_info(layout, self.bank.kernel)
         #: the kernel families this worker answers in (its own, then portable): the hello says them
         self.families = answer_families(self.bank.kernel)
+        if portable_refusal(layout) is not None:  # gpt-oss: the portable kernel cannot answer
+            self.families = (family(self.bank.kernel),)
         self._layout = layout
         self._threads = bank_options.get("threads")
         self._portable = None  # the portable bank, built on the first request that asks for it
@@ -78,12 +81,12 @@ class ExpertWorker:
         self.offload = Offload()
 
     async def compute_async(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]],
-                            family: str | None = None) -> list[np.ndarray]:
+                            family: str | None = None, form: str | None = None) -> list[np.ndarray]:
         """:meth:`compute` from the event loop: inline when its expected time (seconds per routed
         row, measured per kernel family) is below the offload bound, else in a thread, so a big
         request never holds up the other connections. The same bits either way."""
         n = sum(len(idx) for _, idx in groups)
-        return await self.offload.run(partial(self.compute, layer, rows, groups, family), n, ("compute", family))
+        return await self.offload.run(partial(self.compute, layer, rows, groups, family, *([form] if form else [])), n, ("compute", family))
 
     def bank_for(self, family_name: str | None = None):
         """The bank that answers in ``family_name`` (None: this worker's own kernel); a UserError
@@ -106,14 +109,24 @@ class ExpertWorker:
         """What a shard holds, without loading it (``kernel``: what a worker started with it would use)."""
         return shard_info(ModelLayout.open(shard_path), kernel_id(kernel))
 
+    def input_forms(self) -> list[str]:
+        """The input forms (besides float32) this worker's own kernel takes rows in (issue 32)."""
+        forms = getattr(self.bank, "input_forms", None)
+        return forms() if forms is not None else []
+
     def compute(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]],
-                family: str | None = None) -> list[np.ndarray]:
+                family: str | None = None, form: str | None = None) -> list[np.ndarray]:
         """Outputs for each (expert, row indices) group, in the order given, computed in kernel
-        ``family`` (one of :attr:`families`; None: this worker's own kernel)."""
+        ``family`` (one of :attr:`families`; None: this worker's own kernel). ``form``: the rows
+        are already in that input form (only this worker's own kernel takes one)."""
         bank = self.bank_for(family)
-        if rows.ndim != 2 or rows.shape[1] != self.info.n_embd:
+        if form is not None and (bank is not self.bank or form not in self.input_forms()):
+            raise UserError(f"rows in form {form}: this worker takes them in float32 only"
+                            + (f" in kernel family {family}" if bank is not self.bank else ""))
+        if form is None and (rows.ndim != 2 or rows.shape[1] != self.info.n_embd):
             raise UserError(f"rows have shape {rows.shape}, expected (n, {self.info.n_embd})")
         for e, _ in groups:
             if not self.bank.holds(layer, e):
                 raise UserError(f"expert {e} of layer {layer} is not in this shard ({self.info.describe()})")
-        return bank.forward_groups(layer, rows, groups)
+        # (the bank checks a form's row width and that it is this layer's form)
+        return bank.forward_groups(layer, rows, groups) if form is None else bank.forward_groups(layer, rows, groups, form)

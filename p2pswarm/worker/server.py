@@ -21,6 +21,7 @@ from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.wire_bytes import CountingStream, WireBytes
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 log = logging.getLogger("p2pswarm.worker")
@@ -34,6 +35,8 @@ class ServeStats:
     rows: int = 0
     refused: int = 0
     peers: set = field(default_factory=set)
+    #: bytes received from / sent to backbones, every connection (p2pswarm.net.wire_bytes)
+    wire: WireBytes = field(default_factory=WireBytes)
     # backbone peer -> why it does not use this worker (its ``refused`` notice; /health shows it)
     refused_by: dict = field(default_factory=dict)
 
@@ -87,6 +90,8 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
         worker = shard = None
     elif shard is None:
         shard = _shard_of(worker)
+    if stats is not None:
+        stream = CountingStream(stream, stats.wire)
     reader = FrameReader(stream, max_frame)
     peer = _peer_name(stream)
     greeted = False
@@ -119,6 +124,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                 info = worker.info
                 reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
                          "model": info.model_fingerprint, "kernel": info.kernel, "families": list(worker.families),
+                         "input_forms": worker.input_forms(),  # rows it takes pre-quantised (issue 32)
                          "shard": shard, "layers": [info.layer_begin, info.layer_end],
                          "experts": [info.expert_begin, info.expert_end]}
                 if reason:
@@ -145,8 +151,9 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     return
                 try:
                     req = proto.ComputeRequest.from_msg(msg)
-                    outputs = await worker.compute_async(req.layer, req.rows, req.groups, req.family or conn_family)
-                    reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd)
+                    outputs = await worker.compute_async(req.layer, req.rows, req.groups, req.family or conn_family,
+                                                         req.form)
+                    reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd, req.out)
                     log.debug("computed layer %d for %s: %d experts, %d rows", req.layer, peer, len(req.groups),
                               len(req.rows))
                     if stats is not None:
@@ -230,13 +237,14 @@ def _peer_name(stream) -> str:
         return "peer"
 
 
-async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, max_frame: int = DEFAULT_MAX_FRAME):
+async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, max_frame: int = DEFAULT_MAX_FRAME,
+                    stats: ServeStats | None = None):
     """Serve until cancelled. ``ready(host, port)`` is called once listening (port 0 -> real port)."""
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     if ready is not None:
         ready(bound[0], bound[1])
-    await trio.serve_listeners(partial(handle_connection, worker=worker, max_frame=max_frame), listeners)
+    await trio.serve_listeners(partial(handle_connection, worker=worker, max_frame=max_frame, stats=stats), listeners)
 
 
 def serve_libp2p_shards(net, shards: dict[str, ExpertWorker], *, max_frame: int = DEFAULT_MAX_FRAME,

@@ -249,12 +249,44 @@ def _ref_routing(path, tokens, n_threads=2):
     return got, buffers
 
 
+def _ref_greedy(path, prompt, n_steps):
+    """llama.cpp's own greedy generation: the prompt in one batch, then ``n_steps`` single-token
+    decodes, each taking the argmax of the last logits. Returns (tokens, logits (n_steps, n_vocab))."""
+    llama_cpp = _llama()
+    model, buffers = _load(path)
+    try:
+        ctx = _context(model, len(prompt) + n_steps)
+        try:
+            n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+            _decode_all(ctx, list(prompt))
+            toks, rows = [], []
+            batch = llama_cpp.llama_batch_init(1, 0, 1)
+            try:
+                for i in range(n_steps):
+                    row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+                    rows.append(row)
+                    toks.append(int(np.argmax(row)))
+                    batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = toks[-1], len(prompt) + i, 1, 1
+                    batch.seq_id[0][0] = 0
+                    batch.n_tokens = 1
+                    if llama_cpp.llama_decode(ctx, batch) != 0:
+                        raise AssertionError("llama_decode failed")
+            finally:
+                llama_cpp.llama_batch_free(batch)
+        finally:
+            llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
+    return toks, np.stack(rows), buffers
+
+
 def _ref_crash(sig):
     """Test hook: the child dies of ``sig``, as llama.cpp's AMX path does (proves a crash fails)."""
     os.kill(os.getpid(), sig)
 
 
-_FUNCS = {f.__name__: f for f in (_ref_logits, _ref_tokenize_eval, _ref_intermediates, _ref_routing, _ref_crash)}
+_FUNCS = {f.__name__: f for f in (_ref_logits, _ref_tokenize_eval, _ref_intermediates, _ref_routing, _ref_greedy,
+                                   _ref_crash)}
 
 
 def _serve(conn) -> None:
@@ -354,3 +386,10 @@ def llama_routing(path, tokens, n_threads: int = 2) -> dict[int, np.ndarray]:
     got, buffers = call("_ref_routing", str(path), [int(t) for t in tokens], n_threads)
     check_in_place(buffers)
     return got
+
+
+def llama_greedy(path, prompt, n_steps: int) -> tuple[list[int], np.ndarray]:
+    """llama.cpp's greedy tokens after ``prompt`` and the logits each was picked from (see ``_ref_greedy``)."""
+    toks, logits, buffers = call("_ref_greedy", str(path), [int(t) for t in prompt], int(n_steps))
+    check_in_place(buffers)
+    return toks, logits

@@ -177,7 +177,8 @@ def start_shard_workers(model, tmp_path, env, ranges, bootstrap: str, extra=()) 
     return workers
 
 
-def assert_swarm_logits_exact(model, tokens: str, swarm: str, tmp_path, env, *, decode: bool) -> dict:
+def assert_swarm_logits_exact(model, tokens: str, swarm: str, tmp_path, env, *, decode: bool,
+                              kernel: str = "numpy") -> dict:
     """`logits --swarm` equals the monolithic run bit for bit, and the workers computed it (no
     fallback, remote requests made). Returns the swarm run's --json stats."""
     import numpy as np  # noqa: PLC0415
@@ -186,7 +187,7 @@ def assert_swarm_logits_exact(model, tokens: str, swarm: str, tmp_path, env, *, 
     mono, out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
     for path, where in ((mono, []), (out, ["--swarm", swarm])):
         proc = subprocess.run([sys.executable, "-m", "p2pswarm.cli", "logits", str(model), "--tokens", tokens,
-                               "--out", str(path), "--kernel", "numpy", "--json", *where, *flag],
+                               "--out", str(path), "--kernel", kernel, "--json", *where, *flag],
                               capture_output=True, text=True, env=env, timeout=300, stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads(proc.stdout)

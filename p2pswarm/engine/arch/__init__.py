@@ -10,10 +10,14 @@ from p2pswarm.model.layout import ModelLayout
 
 
 def load_dense(layout: ModelLayout) -> DenseModel:
+    from p2pswarm.engine.arch.deepseek2 import DeepSeek2
+    from p2pswarm.engine.arch.glm4moe import Glm4MoE
     from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
+    from p2pswarm.engine.arch.gptoss import GptOss
     from p2pswarm.engine.arch.qwen35moe import Qwen35MoE
 
-    archs = {"qwen3moe": Qwen3MoE, "qwen35moe": Qwen35MoE}
+    archs = {"qwen3moe": Qwen3MoE, "qwen35moe": Qwen35MoE, "gpt-oss": GptOss, "glm4moe": Glm4MoE,
+             "deepseek2": DeepSeek2}
     cls = archs.get(layout.arch)
     if cls is None:
         raise ModelFormatError(

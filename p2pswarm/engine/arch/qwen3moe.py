@@ -123,12 +123,7 @@ class Qwen3MoE:
         p = f"blk.{il}."
         T = h.shape[0]
         x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
-        q, k, v = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
-        q = q.reshape(T, self.n_head, self.head_dim)
-        k = k.reshape(T, self.n_head_kv, self.head_dim)
-        v = v.reshape(T, self.n_head_kv, self.head_dim)
-        q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
-        k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
+        q, k, v = self._qkv(il, x)
         pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
         q = ops.rope_neox(q, pos, self.n_rot, self.rope_base)
         k = ops.rope_neox(k, pos, self.n_rot, self.rope_base)
@@ -139,6 +134,18 @@ class Qwen3MoE:
             at += n
         att = (atts[0] if len(atts) == 1 else np.concatenate(atts)).reshape(T, self.n_head * self.head_dim)
         return h + ops.matmul(np.ascontiguousarray(att), w[p + "attn_output.weight"])
+
+    def _qkv(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q (T, H, hd), k and v (T, Hkv, hd) of layer ``il`` from the normed rows ``x``, before
+        RoPE: projections, then the per-head q/k RMSNorm (glm4moe adds its biases here)."""
+        w, p, T = self.w, f"blk.{il}.", x.shape[0]
+        q, k, v = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        q = q.reshape(T, self.n_head, self.head_dim)
+        k = k.reshape(T, self.n_head_kv, self.head_dim)
+        v = v.reshape(T, self.n_head_kv, self.head_dim)
+        q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
+        k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
+        return q, k, v
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.ffn_norm.weight"], self.eps))

@@ -1,0 +1,207 @@
+"""The dense path of ``glm4moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6): what llama.cpp's
+``src/models/glm4-moe.cpp`` computes, everything but the routed experts.
+
+Per layer ``il`` (of the ``block_count - nextn_predict_layers`` trunk layers)::
+
+    x    = attn_norm(h)
+    q, k, v = attn_q/k/v(x) (+ their biases when the file has them: GLM-4.5 does)
+    q, k = per-head RMSNorm (attn_q_norm / attn_k_norm, when present: GLM-4.5 yes, Air no)
+    q, k = NEOX RoPE on the first rope.dimension_count dims of each head (partial rotary: 64 of 128)
+    h    = h + attn_output(attention(q, k, v))          (GQA, scale 1/sqrt(head_dim))
+    cur  = post_attention_norm(h)                        (the rows the router and experts see)
+    il <  leading_dense_block_count:  h = h + ffn_down(silu(ffn_gate cur) * ffn_up cur)
+    else: h = h + (routed(cur) + shared_expert(cur))     (sigmoid router + exp_probs_b bias,
+                                                          expert_weights_norm / _scale)
+
+The first ``leading_dense_block_count`` layers have no routed experts: :meth:`route` gives them
+none (ids of shape (n, 0)), so the backbone sends no request for them and ``post_moe`` adds their
+dense FFN. The router is :func:`p2pswarm.engine.routing.route` with the file's
+:class:`~p2pswarm.engine.routing.RouterSpec`.
+
+NextN / MTP: GLM-4.5 files carry ``nextn_predict_layers`` (1) extra blocks after the trunk,
+``blk.{n_layer}.*``, with ``nextn.eh_proj``, ``nextn.enorm``, ``nextn.hnorm``, ``nextn.shared_head_norm``
+and a full MoE block. They serve speculative decoding (llama.cpp builds them in a separate MTP
+graph, never in the forward pass); here they are not loaded and never run. Their routed-expert
+tensors are still listed by the layout, so a worker slicing "all layers" holds them (1/90 of the
+experts at GLM-4.5's geometry) though no request ever asks for them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from p2pswarm.engine import ops, routing
+from p2pswarm.engine.arch.qwen35moe import _Weights  # DenseWeights that tell a shape without loading
+from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
+from p2pswarm.engine.state import KVCache, SequenceState
+from p2pswarm.errors import ModelFormatError
+from p2pswarm.model.layout import ModelLayout
+
+F32 = np.float32
+
+
+class Glm4MoE(Qwen3MoE):
+    """glm4moe: GQA with q/k/v biases, optional q/k norms and partial NEOX RoPE; leading dense FFN
+    layers; sigmoid-routed experts with a selection bias; one shared expert."""
+
+    arch = "glm4moe"
+
+    def __init__(self, layout: ModelLayout):  # noqa: PLR0915 - one check per key, in order
+        self.layout = layout
+        path = layout.path
+
+        def bad(msg: str) -> ModelFormatError:
+            return ModelFormatError(f"{path}: {msg}")
+
+        def as_int(key: str, default: int | None = None) -> int:
+            v = layout.hparam(key, default, required=default is None)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise bad(f"key {self.arch}.{key} must be an integer, got {v!r}")
+            return int(v)
+
+        def as_float(key: str, default: float | None = None) -> float:
+            v = layout.hparam(key, default, required=default is None)
+            if isinstance(v, (bool, list, str)):
+                raise bad(f"key {self.arch}.{key} must be a number, got {v!r}")
+            return float(v)
+
+        self.n_block = as_int("block_count")
+        self.n_layer_nextn = as_int("nextn_predict_layers", 0)
+        self.n_layer = self.n_block - self.n_layer_nextn
+        self.n_dense = as_int("leading_dense_block_count", 0)
+        self.n_embd = as_int("embedding_length")
+        self.n_head = as_int("attention.head_count")
+        self.n_head_kv = as_int("attention.head_count_kv", self.n_head)
+        self.head_dim = as_int("attention.key_length", self.n_embd // max(self.n_head, 1))
+        v_len = as_int("attention.value_length", self.head_dim)
+        self.n_rot = as_int("rope.dimension_count", self.head_dim)
+        self.rope_base = as_float("rope.freq_base", 10000.0)
+        self.eps = as_float("attention.layer_norm_rms_epsilon")
+        self.n_ctx_train = as_int("context_length", 4096)
+        self.n_expert_shared = as_int("expert_shared_count")
+        self.router = routing.RouterSpec.from_layout(layout)
+        self.n_expert = self.router.n_expert
+        self.n_expert_used = self.router.n_expert_used
+        for key, v in (("embedding_length", self.n_embd), ("attention.head_count", self.n_head),
+                       ("attention.head_count_kv", self.n_head_kv), ("attention.key_length", self.head_dim)):
+            if v <= 0:
+                raise bad(f"key {self.arch}.{key} must be positive, got {v}")
+        if not 0 <= self.n_layer_nextn < self.n_block:
+            raise bad(f"key {self.arch}.nextn_predict_layers {self.n_layer_nextn} must be below block_count "
+                      f"{self.n_block}")
+        if not 0 <= self.n_dense < self.n_layer:
+            raise bad(f"key {self.arch}.leading_dense_block_count {self.n_dense} must be below the "
+                      f"{self.n_layer} trunk layers (block_count - nextn_predict_layers)")
+        if self.n_expert_shared < 0:
+            raise bad(f"key {self.arch}.expert_shared_count must not be negative, got {self.n_expert_shared}")
+        if v_len != self.head_dim:
+            raise bad(f"key {self.arch}.attention.value_length {v_len} != attention.key_length {self.head_dim} "
+                      "(llama.cpp requires them equal)")
+        if self.n_head % self.n_head_kv:
+            raise bad(f"key {self.arch}.attention.head_count {self.n_head} is not a multiple of head_count_kv "
+                      f"{self.n_head_kv}")
+        if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
+            raise bad(f"key {self.arch}.rope.dimension_count {self.n_rot} must be even and at most the head "
+                      f"size {self.head_dim}")
+        sections = layout.hparam("rope.dimension_sections")
+        if isinstance(sections, list) and len(sections) >= 2 and sections[0] and sections[1]:
+            raise bad(f"key {self.arch}.rope.dimension_sections {sections!r}: multimodal M-RoPE is not supported")
+        scaling = layout.hparam("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise bad(f"key {self.arch}.rope.scaling.type {scaling!r}: RoPE scaling is not supported")
+
+        self.w = _Weights(layout)
+        tied = not self.w.has("output.weight")
+        self.output_name = "token_embd.weight" if tied else "output.weight"
+        self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
+        self.qk_norm = self.w.has("blk.0.attn_q_norm.weight")
+        self.qkv_bias = self.w.has("blk.0.attn_q.bias")
+        self._check_tensors()
+
+    def _check_tensors(self) -> None:
+        """Every tensor the forward pass reads, present and of the right shape (one line naming the
+        first that is not), and routed experts exactly on the MoE layers."""
+        E, V = self.n_embd, self.n_vocab
+        H, Hkv, hd, D = self.n_head, self.n_head_kv, self.head_dim, self.n_expert
+        need: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (V, E)), ("output_norm.weight", (E,))]
+        if self.output_name == "output.weight":
+            need.append(("output.weight", (V, E)))
+        for il in range(self.n_layer):
+            p = f"blk.{il}."
+            need += [(p + "attn_norm.weight", (E,)), (p + "attn_q.weight", (H * hd, E)),
+                     (p + "attn_k.weight", (Hkv * hd, E)), (p + "attn_v.weight", (Hkv * hd, E)),
+                     (p + "attn_output.weight", (E, H * hd)), (p + "post_attention_norm.weight", (E,))]
+            if self.qkv_bias:
+                need += [(p + "attn_q.bias", (H * hd,)), (p + "attn_k.bias", (Hkv * hd,)),
+                         (p + "attn_v.bias", (Hkv * hd,))]
+            if self.qk_norm:
+                need += [(p + "attn_q_norm.weight", (hd,)), (p + "attn_k_norm.weight", (hd,))]
+            has_experts = il in self.layout.expert_tensors
+            if il < self.n_dense:
+                if has_experts:
+                    raise ModelFormatError(f"{self.layout.path}: layer {il} has routed-expert tensors but "
+                                           f"{self.arch}.leading_dense_block_count {self.n_dense} makes it dense")
+                if not self.w.has(p + "ffn_gate.weight"):
+                    raise ModelFormatError(f"{self.layout.path}: required tensor {p + 'ffn_gate.weight'!r} is missing")
+                ff = self.w.shape(p + "ffn_gate.weight")[0]
+                need += [(p + "ffn_gate.weight", (ff, E)), (p + "ffn_up.weight", (ff, E)),
+                         (p + "ffn_down.weight", (E, ff))]
+                continue
+            if not has_experts:
+                raise ModelFormatError(f"{self.layout.path}: layer {il} has no routed-expert tensors "
+                                       f"(blk.{il}.ffn_*_exps.weight)")
+            need += [(p + "ffn_gate_inp.weight", (D, E)), (p + "exp_probs_b.bias", (D,))]
+            if self.n_expert_shared:
+                ffs = self.layout.expert_tensors[il]["down"].shape[2] * self.n_expert_shared
+                need += [(p + "ffn_gate_shexp.weight", (ffs, E)), (p + "ffn_up_shexp.weight", (ffs, E)),
+                         (p + "ffn_down_shexp.weight", (E, ffs))]
+        for name, shape in need:
+            if not self.w.has(name):
+                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
+            got = tuple(self.w.shape(name))
+            if got != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
+                raise ModelFormatError(f"{self.layout.path}: tensor {name!r} has shape {got}, expected {shape}")
+
+    # ---- per sequence -----------------------------------------------------------------------
+    def new_state(self) -> SequenceState:
+        return SequenceState(kv={il: KVCache(self.n_head_kv, self.head_dim) for il in range(self.n_layer)})
+
+    # ---- the layer pieces -------------------------------------------------------------------
+    def _qkv(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q, k, v before RoPE: projections, + biases (added as ggml_add does, after the mat-mul),
+        then the per-head RMSNorms where the model has them."""
+        w, p, T = self.w, f"blk.{il}.", x.shape[0]
+        q, k, v = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        if self.qkv_bias:
+            q = q + w[p + "attn_q.bias"].reshape(-1)
+            k = k + w[p + "attn_k.bias"].reshape(-1)
+            v = v + w[p + "attn_v.bias"].reshape(-1)
+        q = q.reshape(T, self.n_head, self.head_dim)
+        k = k.reshape(T, self.n_head_kv, self.head_dim)
+        v = v.reshape(T, self.n_head_kv, self.head_dim)
+        if self.qk_norm:
+            q = ops.rms_norm(q, w[p + "attn_q_norm.weight"], self.eps)
+            k = ops.rms_norm(k, w[p + "attn_k_norm.weight"], self.eps)
+        return q, k, v
+
+    def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
+
+    def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """No experts on a leading dense layer; else the sigmoid router with its selection bias."""
+        if il < self.n_dense:
+            return routing.no_experts(cur.shape[0])
+        p = f"blk.{il}."
+        logits = ops.matmul(cur, self.w[p + "ffn_gate_inp.weight"])
+        return routing.route(logits, self.router, self.w[p + "exp_probs_b.bias"])
+
+    def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
+        """A dense layer: h + its FFN (``moe`` is empty work, ignored). A MoE layer: h + (routed +
+        shared), added in llama.cpp's order."""
+        w, p = self.w, f"blk.{il}."
+        if il < self.n_dense:
+            return h + ops.swiglu_expert(cur, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+        if not self.n_expert_shared:
+            return h + moe
+        shared = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                                   w[p + "ffn_down_shexp.weight"])
+        return h + (moe + shared)

@@ -1,0 +1,168 @@
+"""Synthetic ``gpt-oss`` models (OpenAI's gpt-oss MoE, llama.cpp's ``LLM_ARCH_OPENAI_MOE``): the
+presets, the tensor plan and random but valid MXFP4 expert blocks.
+
+Kept apart from the qwen modules (:mod:`~p2pswarm.model.synth_tensors`, ``synth_presets``) so this
+architecture is added, not woven in. What a gpt-oss file holds beyond a qwen3moe one (names and
+shapes as llama.cpp's ``llama_model_openai_moe::load_arch_tensors`` creates them)::
+
+    blk.N.attn_{q,k,v}.bias, attn_output.bias      std 0.1 (F32)
+    blk.N.attn_sinks.weight (n_head)               std 1   (F32: one extra softmax logit per head)
+    blk.N.post_attention_norm.weight               the experts' input norm (there is no ffn_norm)
+    blk.N.ffn_gate_inp.bias (n_expert)             std 0.5 (F32)
+    blk.N.ffn_{gate,up}_exps.bias (n_expert, ff)   std 0.1 (F32: one row per expert)
+    blk.N.ffn_down_exps.bias (n_expert, n_embd)    std 0.1 (F32)
+    output.weight                                  always (llama.cpp requires it: never tied)
+
+No q/k norms. Keys: ``attention.sliding_window`` (every even layer slides, llama.cpp's pattern 2)
+and YaRN rope scaling (``rope.scaling.type`` yarn, ``factor``, ``original_context_length``).
+
+MXFP4 (``expert_qtype="mxfp4"``): blocks of 32 weights in 17 bytes, one E8M0 exponent byte ``e``
+then 16 bytes of 4-bit E2M1 codes (low nibbles are weights 0..15, high nibbles 16..31); a weight is
+``2^(e-128) * k`` with ``k`` in (0, 1, 2, 3, 4, 6, 8, 12) and their negatives (ggml-common.h's
+``block_mxfp4``, ``kvalues_mxfp4``; gguf-py's ``quants.MXFP4`` reads the same). Written here
+directly from a seeded generator (uniform codes, ``e`` chosen per block for the wanted std), as
+:func:`~p2pswarm.model.synth_tensors.random_q4_k_blocks` does for Q4_K: quantising 6e9 float32
+weights of the 120b geometry would take far longer than writing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from p2pswarm.errors import UserError
+from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, _gguf
+
+ARCH_GPTOSS = "gpt-oss"
+
+MXFP4_BLOCK = 32
+MXFP4_BLOCK_BYTES = 17
+# The E2M1 codes' values doubled (kvalues_mxfp4): uniform codes give rms sqrt(mean(k^2)).
+_MXFP4_K = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float64)
+_MXFP4_K_RMS = float(np.sqrt(np.mean(_MXFP4_K ** 2)))
+
+BIAS_STD = 0.1
+ROUTER_BIAS_STD = 0.5
+SINK_STD = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class GptOssPreset(Preset):
+    """A gpt-oss shape: the qwen3moe fields plus the sliding window and YaRN."""
+
+    sliding_window: int = 128
+    rope_scaling_factor: float = 32.0
+    rope_original_context: int = 4096
+
+
+PRESETS_GPTOSS: dict[str, GptOssPreset] = {
+    # Makes in about a second. The window is 8 positions so a 32-token test really slides;
+    # YaRN's factor and original context as the real model's.
+    "tiny": GptOssPreset(n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_layer=4, n_expert=16,
+                         n_expert_used=4, n_ff_exp=256, context_length=512, rope_freq_base=150000.0,
+                         rms_eps=1e-5, sliding_window=8, rope_original_context=64),
+    # gpt-oss-120b as its GGUF says (llama.cpp's loader, LLM_TYPE_120B at 36 layers): n_embd 2880,
+    # 64 heads of 64 (q 4096 wide, wider than n_embd), 8 KV heads, 128 experts top-4 of ff 2880,
+    # MXFP4 experts, window 128 on the even layers, YaRN x32 over 4096 positions, base 150000.
+    "geometry-gpt-oss-120b": GptOssPreset(
+        n_embd=2880, n_head=64, n_head_kv=8, head_dim=64, n_layer=36, n_expert=128, n_expert_used=4,
+        n_ff_exp=2880, context_length=131072, rope_freq_base=150000.0, rms_eps=1e-5,
+        expert_qtype="mxfp4", sliding_window=128),
+}
+
+GPTOSS_OPTIONS = ("sliding_window",)
+
+
+def validate_gptoss(p: GptOssPreset, qtype: str, expert_qtype: str | None) -> None:
+    """The gpt-oss-only constraints, each a one-line UserError."""
+    if not (isinstance(p.sliding_window, int) and not isinstance(p.sliding_window, bool) and p.sliding_window > 0):
+        raise UserError(f"sliding_window must be a positive integer, got {p.sliding_window!r}")
+    if expert_qtype == "mxfp4":
+        for name in ("n_embd", "n_ff_exp"):
+            if getattr(p, name) % MXFP4_BLOCK:
+                raise UserError(f"{name} ({getattr(p, name)}) must be a multiple of {MXFP4_BLOCK} for MXFP4 experts")
+    if expert_qtype == "q4_k":
+        raise UserError("gpt-oss experts are MXFP4 (--expert-type mxfp4) or follow --type")
+    if qtype == "q4_k_m":
+        raise UserError("--type q4_k_m is not offered for gpt-oss (its experts are MXFP4: use "
+                        "--expert-type mxfp4 with --type f32, f16 or q8_0)")
+
+
+def mxfp4_e_for_std(std: float) -> float:
+    """The (fractional) E8M0 exponent whose blocks have weights of standard deviation ``std``."""
+    return 128.0 + float(np.log2(std / _MXFP4_K_RMS))
+
+
+def random_mxfp4_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    """``n_blocks`` random valid MXFP4 blocks, uint8 (n_blocks, 17): uniform 4-bit codes, the
+    exponent byte the floor or the ceiling of :func:`mxfp4_e_for_std` (drawn so the mean square
+    matches ``std``)."""
+    e_real = mxfp4_e_for_std(std)
+    lo = np.floor(e_real)
+    # P(hi) such that E[4^(e-128)] matches std^2 / rms^2
+    p_hi = (2.0 ** (2 * (e_real - lo)) - 1.0) / 3.0
+    e = (lo + (rng.random(n_blocks) < p_hi)).astype(np.uint8)
+    out = np.empty((n_blocks, MXFP4_BLOCK_BYTES), dtype=np.uint8)
+    out[:, 0] = e
+    out[:, 1:] = np.frombuffer(rng.bytes(n_blocks * 16), dtype=np.uint8).reshape(n_blocks, 16)
+    return out
+
+
+def plan_gptoss(dims: GptOssPreset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
+                router_near_tie: bool, TensorPlan, type_size) -> list:
+    """The tensors of a gpt-oss model, in file order (llama.cpp's names and shapes)."""
+    if tied:
+        raise UserError("gpt-oss has no tied output (llama.cpp requires output.weight): drop --tied")
+    g = _gguf()
+    Q = g.GGMLQuantizationType
+    dense = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[qtype]
+    exp_t = Q.MXFP4 if expert_qtype == "mxfp4" else dense
+    E, D, F, V = dims.n_embd, dims.n_expert, dims.n_ff_exp, n_vocab
+    H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
+    plans: list = []
+
+    def add(name: str, shape: tuple[int, ...], kind: str, std: float) -> None:
+        if kind in ("norm", "router", "vector"):
+            t = Q.F32
+        elif kind == "experts":
+            t = exp_t
+        else:
+            t = dense
+        plans.append(TensorPlan(name, shape, kind, std, t, type_size(t, shape)))
+
+    add("token_embd.weight", (V, E), "embd", 1.0)
+    router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
+    for i in range(dims.n_layer):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (E,), "norm", NORM_NOISE)
+        add(p + "attn_q.weight", (H * hd, E), "matrix", 1 / np.sqrt(E))
+        add(p + "attn_q.bias", (H * hd,), "vector", BIAS_STD)
+        add(p + "attn_k.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
+        add(p + "attn_k.bias", (Hkv * hd,), "vector", BIAS_STD)
+        add(p + "attn_v.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
+        add(p + "attn_v.bias", (Hkv * hd,), "vector", BIAS_STD)
+        add(p + "attn_output.weight", (E, H * hd), "matrix", 1 / np.sqrt(H * hd))
+        add(p + "attn_output.bias", (E,), "vector", BIAS_STD)
+        add(p + "attn_sinks.weight", (H,), "vector", SINK_STD)
+        add(p + "post_attention_norm.weight", (E,), "norm", NORM_NOISE)
+        add(p + "ffn_gate_inp.weight", (D, E), "router", router_std)
+        add(p + "ffn_gate_inp.bias", (D,), "vector", ROUTER_BIAS_STD * router_std * np.sqrt(E))
+        add(p + "ffn_gate_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
+        add(p + "ffn_gate_exps.bias", (D, F), "vector", BIAS_STD)
+        add(p + "ffn_up_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
+        add(p + "ffn_up_exps.bias", (D, F), "vector", BIAS_STD)
+        add(p + "ffn_down_exps.weight", (D, E, F), "experts", 1 / np.sqrt(F))
+        add(p + "ffn_down_exps.bias", (D, E), "vector", BIAS_STD)
+    add("output_norm.weight", (E,), "norm", NORM_NOISE)
+    add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
+    return plans
+
+
+def add_gptoss_keys(w, dims: GptOssPreset) -> None:
+    """The keys only a gpt-oss file has (``w`` a gguf.GGUFWriter)."""
+    g = _gguf()
+    w.add_sliding_window(dims.sliding_window)
+    w.add_rope_scaling_type(g.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(dims.rope_scaling_factor)
+    w.add_rope_scaling_orig_ctx_len(dims.rope_original_context)
