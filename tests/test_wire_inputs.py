@@ -93,3 +93,14 @@ async def test_worker_processes_take_quantised_rows_and_the_logits_stay_exact(re
             sent[switch] = d.wire.sent
         assert np.array_equal(got, want) and np.array_equal(got_decode, want_decode), f"wire inputs {switch}"
     assert sent["on"] < 0.5 * sent["off"], sent
+
+
+@pytest.mark.parametrize("dtype", [{"a": 1}, [1, 2], 7, None])
+def test_rows_with_a_non_string_dtype_are_a_frame_error(dtype):
+    """A fuzzed request's rows may carry any msgpack value as their dtype: a FrameError (the stream
+    is closed with its reason), never a TypeError from looking a dict up in the forms table."""
+    from p2pswarm.errors import FrameError
+    from p2pswarm.net.expert_protocol import rows_from_wire
+
+    with pytest.raises(FrameError):
+        rows_from_wire({"dtype": dtype, "shape": [1, 4], "data": b"\0" * 16})
