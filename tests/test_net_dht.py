@@ -464,6 +464,36 @@ async def test_resolver_refreshes_on_request():
 
 
 @pytest.mark.slow
+async def test_a_failed_owner_whose_record_read_fails_is_kept(monkeypatch):
+    """A record read that fails is no evidence, for an owner that just failed too: its record is
+    still in the DHT until it expires. One suite run showed it: a backbone stalled for a few seconds
+    blamed two live workers (their deadlines ran out during its own stall), the refresh they asked
+    for read no record for either (its look-ups timed out the same way), and both were dropped from
+    the coverage map until a later refresh found them again."""
+    from p2pswarm.net.kademlia import SwarmDHT
+
+    async with dht_swarm(3) as nodes:
+        worker, backbone = nodes[1], nodes[2]
+        await _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))]).publish()
+        res = _resolver(backbone)
+        await res.refresh()
+        peer = worker.net.peer_id_str
+        assert [o.peer for o in res.owners(0, 0)] == [peer]
+        real, reads = SwarmDHT.get_node_record, []
+
+        async def fails_once(self, p, **kw):
+            reads.append(p)
+            return None if len(reads) == 1 else await real(self, p, **kw)
+
+        monkeypatch.setattr(SwarmDHT, "get_node_record", fails_once)
+        res.request_refresh(peer)  # the owner failed a request
+        await res.refresh()
+        assert reads == [peer] and [o.peer for o in res.owners(0, 0)] == [peer] and peer not in res.gone
+        await res.refresh()  # read again, and found
+        assert len(reads) == 2 and [o.peer for o in res.owners(0, 0)] == [peer]
+
+
+@pytest.mark.slow
 async def test_periodic_refresh_reuses_known_records_and_looks_up_a_rotating_part():
     """A refresh finds workers through the model index, re-reads each known owner's record (one
     look-up per peer, which covers all its units) and looks up only the uncovered units and (after
