@@ -464,6 +464,26 @@ async def test_resolver_refreshes_on_request():
 
 
 @pytest.mark.slow
+async def test_a_record_held_only_beyond_the_closest_peers_is_found():
+    """A record stored before closer peers joined sits outside the three closest peers a look-up
+    converges on: a read that found nothing there asks on to the K closest (a live worker's record
+    was once "none found" at a backbone's first refresh, and the worker was never used)."""
+    from libp2p.kad_dht.utils import sort_peer_ids_by_distance
+
+    async with dht_swarm(6) as nodes:
+        worker, reader = nodes[1], nodes[2]
+        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))])
+        key = node_record_key(worker.net.peer_id_str)
+        others = [n for n in nodes if n is not worker and n is not reader]
+        far = sort_peer_ids_by_distance(key.encode(), [n.net.host.get_id() for n in others])[-1]
+        # stored at the farthest peer only (as if it was the one peer the worker knew at the time)
+        assert await worker.dht.kad.value_store._store_at_peer(far, key.encode(), adv._record().signed)
+        rec = await reader.dht.get_node_record(worker.net.peer_id_str)
+        assert rec is not None and rec.peer == worker.net.peer_id_str
+        assert await reader.dht.get_node_record(reader.net.peer_id_str) is None  # none anywhere: still None
+
+
+@pytest.mark.slow
 async def test_a_failed_owner_whose_record_read_fails_is_kept(monkeypatch):
     """A record read that fails is no evidence, for an owner that just failed too: its record is
     still in the DHT until it expires. One suite run showed it: a backbone stalled for a few seconds
