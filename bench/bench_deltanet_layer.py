@@ -24,10 +24,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from p2pswarm.engine import ggml_kernel as gk  # noqa: E402
-from p2pswarm.engine.arch import load_dense  # noqa: E402
-from p2pswarm.engine.kernels import use_kernel_for_dense  # noqa: E402
-from p2pswarm.model.layout import ModelLayout  # noqa: E402
+from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.kernels import use_kernel_for_dense
+from p2pswarm.model.layout import ModelLayout
 
 SHAPES = {"decode 1": [1], "16 seqs x 1": [1] * 16, "prefill 128": [128]}
 

@@ -33,7 +33,7 @@ from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.verify import Verifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers.dishonest_worker import DishonestWorker  # noqa: E402
+from helpers.dishonest_worker import DishonestWorker
 
 BOOKKEEPING = [0.0]
 

@@ -109,7 +109,7 @@ def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
                 PROMPT_TOKENS.append(usage["prompt_tokens"])
             finally:
                 c.close()
-        except Exception as exc:  # noqa: BLE001 - reported
+        except Exception as exc:  # reported
             errors.append(repr(exc))
 
     wall = run_threads(client, n)
@@ -284,7 +284,7 @@ def main() -> None:
         ap.error("--layers must be >= 1")
     if args.plot:
         try:  # checked before the runs: finding out after twenty minutes of measuring loses them
-            import matplotlib  # noqa: F401, PLC0415
+            import matplotlib  # noqa: F401
         except ImportError:
             ap.error("--plot needs matplotlib (pip install matplotlib)")
     if args.backbone_mbps and args.proxies != "shared":

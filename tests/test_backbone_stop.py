@@ -67,7 +67,7 @@ def _in_thread(fn) -> dict:
     def run() -> None:
         try:
             out["result"] = fn()
-        except Exception as exc:  # noqa: BLE001 - the test looks at what the client raised
+        except Exception as exc:  # the test looks at what the client raised
             out["error"] = exc
         out["done"].set()
 

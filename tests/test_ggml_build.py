@@ -44,7 +44,7 @@ def _env(**extra) -> dict:
 
 
 def _llama_cpp_lib() -> Path:
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
     return Path(list(importlib.util.find_spec("llama_cpp").submodule_search_locations)[0]) / "lib"
 

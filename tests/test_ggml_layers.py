@@ -162,7 +162,7 @@ def test_norms_and_the_shared_gate_are_in_the_graphs(q35_q8, monkeypatch):
     or of rows of it, run no graph of their own, and give the bits a graph of their own gives), and
     the final norm is in the lm head's graph: numpy's formulas to float rounding (the activations
     are rounded to Q8_0 before each mat-mul)."""
-    from p2pswarm.engine import ops  # noqa: PLC0415
+    from p2pswarm.engine import ops
 
     model = _model(q35_q8)
     il = model.recurrent.index(True)

@@ -429,7 +429,7 @@ async def test_cancelled_download_resumes_and_a_damaged_part_is_caught(tiny_f32,
             lay_ref = ModelLayout.open(ref)
             t = lay_ref.reader.tensors[tensor]
             slab = int(t.n_bytes) // 16
-            with open(part, "r+b") as f:  # noqa: ASYNC230 - flip a byte inside that journaled slab
+            with open(part, "r+b") as f:  # flip a byte inside that journaled slab
                 pos = int(t.data_offset) + (expert - 0) * slab + 7
                 f.seek(pos)
                 b = f.read(1)

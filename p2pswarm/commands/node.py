@@ -72,7 +72,7 @@ def _auto_or_positive(text: str):
         return text
     try:
         return positive_int(text)
-    except Exception:  # noqa: BLE001 - argparse's error, with our wording
+    except Exception:  # argparse's error, with our wording
         import argparse
 
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}") from None

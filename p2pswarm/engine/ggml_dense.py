@@ -228,7 +228,7 @@ class GgmlDense:
     """The quantised 2-D tensors of a model's dense path as :class:`QuantisedMatrix` objects."""
 
     def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None):
-        from p2pswarm.engine.weights import to_float32  # noqa: PLC0415 - engine-internal, avoids a cycle
+        from p2pswarm.engine.weights import to_float32  # engine-internal, avoids a cycle
 
         self.lib = lib or load_libggml()
         self.kernel = self.lib.kernel_id

@@ -742,6 +742,6 @@ def __getattr__(name: str):
     module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib  # noqa: PLC0415 - on first use only
+    import importlib  # on first use only
 
     return getattr(importlib.import_module(f"p2pswarm.engine.{module}"), name)

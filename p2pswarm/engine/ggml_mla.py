@@ -137,7 +137,7 @@ def attention_rows(model, il: int, qcur: np.ndarray, segs) -> np.ndarray:
     ``(cache rows (S, Rkv + rope) incl. this call's, pos0, n)``, softmax(kq_scale * K Q) over the
     cache padded to :func:`~p2pswarm.engine.ggml_attention.kv_span` positions (masked), the values
     the cache's latent part, then each head's attn_v_b."""
-    from p2pswarm.engine.ggml_attention import kv_span  # noqa: PLC0415 - one padding rule for both
+    from p2pswarm.engine.ggml_attention import kv_span  # one padding rule for both
 
     dense = model.w.ggml_dense
     runner, lib = dense.runner, dense.runner.lib

@@ -48,7 +48,7 @@ def resolve_kernel(kernel: str | None = None) -> str:
     """``auto``/None -> ``ggml`` or ``numpy``; ``ggml`` -> ``ggml`` or a UserError saying why not;
     ``numpy`` and ``portable`` -> themselves (portable runs anywhere: C if it builds, else numpy)."""
     global _warned_fallback
-    from p2pswarm.engine.ggml_kernel import GgmlUnavailable, load_libggml  # noqa: PLC0415
+    from p2pswarm.engine.ggml_kernel import GgmlUnavailable, load_libggml
 
     kernel = default_kernel() if kernel is None else str(kernel).strip().lower()
     if kernel not in KERNELS:
@@ -69,11 +69,11 @@ def resolve_kernel(kernel: str | None = None) -> str:
 
 def kernel_id(kernel: str | None = None) -> str:
     """The string a bank of this kernel puts in the handshake, without building a bank."""
-    from p2pswarm.engine.ggml_kernel import load_libggml  # noqa: PLC0415
+    from p2pswarm.engine.ggml_kernel import load_libggml
 
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
-        from p2pswarm.engine import portable_kernel  # noqa: PLC0415
+        from p2pswarm.engine import portable_kernel
 
         return portable_kernel.kernel_id()
     return ExpertBank.kernel if resolved == "numpy" else load_libggml().kernel_id
@@ -90,7 +90,7 @@ def family(kernel_id: str) -> str:
 
 def portable_family() -> str:
     """The portable kernel's family (``portable-<version>``), which every worker can answer in."""
-    from p2pswarm.engine.portable_kernel import FAMILY  # noqa: PLC0415
+    from p2pswarm.engine.portable_kernel import FAMILY
 
     return FAMILY
 
@@ -129,12 +129,12 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
     """
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
-        from p2pswarm.engine.portable_kernel import PortableExpertBank  # noqa: PLC0415
+        from p2pswarm.engine.portable_kernel import PortableExpertBank
 
         return PortableExpertBank(layout, threads=threads)
     if resolved == "numpy":
         return ExpertBank(layout, cache_bytes=default_cache_bytes() if cache_bytes is None else cache_bytes)
-    from p2pswarm.engine.ggml_experts import GgmlExpertBank  # noqa: PLC0415
+    from p2pswarm.engine.ggml_experts import GgmlExpertBank
 
     return GgmlExpertBank(layout, threads=threads, graph_cache_bytes=graph_cache_bytes)
 
@@ -159,8 +159,8 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
     """
     if resolve_kernel(kernel) in ("numpy", "portable"):
         return 0
-    from p2pswarm.engine.ggml_dense import GgmlDense  # noqa: PLC0415
-    from p2pswarm.engine.ggml_kernel import populate  # noqa: PLC0415
+    from p2pswarm.engine.ggml_dense import GgmlDense
+    from p2pswarm.engine.ggml_kernel import populate
 
     w = model.w
     if not isinstance(w, DenseWeights):

@@ -185,7 +185,7 @@ class BanKeeper:
     async def check(self, peers, *, force: bool = False) -> int:
         """Look up the bans of ``peers`` by every trusted backbone (peers already checked are
         skipped unless ``force``); returns how many new bans are honoured."""
-        import trio  # noqa: PLC0415
+        import trio
 
         if self.dht is None:
             return 0
@@ -233,7 +233,7 @@ class BanKeeper:
     async def run(self, peers_of, *, task_status=None) -> None:
         """Publish our bans as they come, re-publish them every ``republish_s``, and check
         ``peers_of()`` (the coverage map's peers) every ``refresh_s``."""
-        import trio  # noqa: PLC0415
+        import trio
 
         self._wake = trio.Event()
         if task_status is not None:

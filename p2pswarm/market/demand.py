@@ -149,7 +149,7 @@ class DemandRecord:
     def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
                allow_expired: bool = False) -> "DemandRecord":
         """Decode and check; DemandError (one line) for anything not to be trusted."""
-        from p2pswarm.net.records import open_signed  # noqa: PLC0415 - records imports this module lazily
+        from p2pswarm.net.records import open_signed  # records imports this module lazily
 
         b, rpeer = open_signed(data, what="demand record", error=DemandError, max_bytes=MAX_DEMAND_BYTES,
                                version=DEMAND_VERSION, domain=SIGNING_DOMAIN, peer=peer)
@@ -202,7 +202,7 @@ class DemandValidator:
             raise
 
     def select(self, key: str, values: list[bytes]) -> int:
-        from p2pswarm.net.records import newest_index  # noqa: PLC0415 - records imports this module lazily
+        from p2pswarm.net.records import newest_index  # records imports this module lazily
 
         return newest_index(values, lambda v: DemandRecord.verify(v, peer=peer_of_demand_key(key),
                                                                   allow_expired=True).seq)

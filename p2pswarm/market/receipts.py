@@ -189,7 +189,7 @@ class ReceiptIssuer:
         return delivered
 
     async def run(self) -> None:
-        import trio  # noqa: PLC0415 - the module stays importable without trio for the CLI
+        import trio  # the module stays importable without trio for the CLI
 
         while True:
             await trio.sleep(self.period_s)

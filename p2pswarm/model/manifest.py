@@ -176,7 +176,7 @@ class ModelManifest:
                     tuple(tensors), bytes(sig), bytes(body))
         except ManifestError:
             raise
-        except Exception as exc:  # noqa: BLE001 - msgpack, key, type and unpacking errors: all mean malformed
+        except Exception as exc:  # msgpack, key, type and unpacking errors: all mean malformed
             raise ManifestError(f"malformed manifest ({type(exc).__name__})") from None
         return m
 

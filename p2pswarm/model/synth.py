@@ -184,7 +184,7 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
 
 def _quantize_q4_k_m(src: Path, dst: Path, requantize: bool = False) -> None:
     try:
-        import llama_cpp  # noqa: PLC0415
+        import llama_cpp
     except ImportError:
         raise UserError(
             "--type q4_k_m needs llama.cpp's quantiser: pip install 'p2pswarm[llama]'") from None

@@ -77,7 +77,7 @@ def builtin_vocab() -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
     Token ids: 0..255 are the bytes 0..255 (as GPT-2 byte-to-unicode characters), then one token
     per merge in merge order, then the special tokens. Deterministic.
     """
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([

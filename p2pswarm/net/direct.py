@@ -177,7 +177,7 @@ class DirectLane:
 
     def bind(self) -> None:
         """Take the port now (before joining a swarm): a taken one is a one-line error at start-up."""
-        import socket  # noqa: PLC0415
+        import socket
 
         if self._sock is not None:
             return
@@ -219,7 +219,7 @@ class DirectLane:
         log.info("direct lane from %s opened for peer %s", who, t.peer)
         try:
             await t.serve(SealedStream(stream, t.key, initiator=False, max_record=self.max_frame, peer_name=t.peer))
-        except Exception as exc:  # noqa: BLE001 - one bad connection must not end the listener
+        except Exception as exc:  # one bad connection must not end the listener
             log.warning("direct lane from %s closed: %s", who, clip(exc))
             await trio.aclose_forcefully(stream)
 
@@ -241,7 +241,7 @@ def _addr(stream) -> str:
     try:
         host, port = stream.socket.getpeername()[:2]
         return f"{host}:{port}"
-    except Exception:  # noqa: BLE001 - only for a log line
+    except Exception:  # only for a log line
         return "peer"
 
 

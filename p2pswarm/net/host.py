@@ -194,7 +194,7 @@ class NetHost:
                 text = f"{text}/p2p/{peer.to_base58()}"
             try:
                 if self.relay_token:
-                    from p2pswarm.net.relay_token import present_token  # noqa: PLC0415 - only for relayed dials
+                    from p2pswarm.net.relay_token import present_token  # only for relayed dials
 
                     relay_part = text.split("/p2p-circuit", 1)[0]
                     await present_token(self, relay_part, self.relay_token)
@@ -315,7 +315,7 @@ def tls_client_context() -> ssl.SSLContext:
 
 def _stop_only_protocol(host):
     """Circuit relay v2 without HOP: accepts relayed connections (STOP), relays nothing."""
-    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol  # noqa: PLC0415
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 
     return CircuitV2Protocol(host, allow_hop=False)
 
@@ -324,8 +324,8 @@ def _circuit_transport(host, protocol):
     """The dialler for /p2p-circuit addresses. STOP only, no CLIENT role: with CLIENT, every dial
     would first ask the relay for a reservation of our own (refused without a token, and
     pointless for a backbone)."""
-    from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole  # noqa: PLC0415
-    from libp2p.relay.circuit_v2.transport import CircuitV2Transport  # noqa: PLC0415
+    from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+    from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 
     return CircuitV2Transport(host, protocol, RelayConfig(roles=RelayRole.STOP))
 
@@ -383,7 +383,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                 net = NetHost(identity, host, nursery, announce_addrs, read_ahead,
                               circuit=_circuit_transport(host, circuit_proto))
                 if settings.RELAY_TOKEN.is_set:
-                    from p2pswarm.net.tokens import load_token  # noqa: PLC0415
+                    from p2pswarm.net.tokens import load_token
 
                     net.relay_token = load_token(settings.RELAY_TOKEN.raw())
                 if len(net.transport_addrs()) < len(listen_addrs):

@@ -72,10 +72,10 @@ class Identity:
                          created: bool = False) -> "Identity":
         # libp2p is imported here, not at module level: importing any libp2p module costs ~0.8 s,
         # and record checks (socket workers, tools) need only the pure-Python helpers below.
-        from libp2p.crypto.ed25519 import Ed25519PrivateKey as LibEd25519PrivateKey  # noqa: PLC0415
-        from libp2p.crypto.keys import KeyPair  # noqa: PLC0415
-        from libp2p.peer.id import ID  # noqa: PLC0415
-        from nacl.signing import SigningKey  # noqa: PLC0415
+        from libp2p.crypto.ed25519 import Ed25519PrivateKey as LibEd25519PrivateKey
+        from libp2p.crypto.keys import KeyPair
+        from libp2p.peer.id import ID
+        from nacl.signing import SigningKey
 
         seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                  serialization.NoEncryption())

@@ -234,7 +234,7 @@ def install_write_shield() -> None:
     leaves the nonce advanced and the message unsent; the peer fails to decrypt every later message
     ("Failed authentication of message") and the connection, with every stream on it, dies. We
     shield the write; a write stuck for WRITE_STALL_S closes the connection instead of hanging."""
-    from libp2p.stream_muxer.yamux.yamux import Yamux  # noqa: PLC0415
+    from libp2p.stream_muxer.yamux.yamux import Yamux
 
     if getattr(Yamux, "_p2pswarm_shielded", False):
         return
@@ -271,7 +271,7 @@ def install_window_update_batching() -> None:
     library did, on every read while the peer has less than half a window left (a backlogged or
     slow reader), so a sender is never left waiting on credit for bytes already read: py-libp2p's
     writer gives up after 5 s at a zero window."""
-    from libp2p.stream_muxer.yamux.yamux import YamuxStream  # noqa: PLC0415
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
     if getattr(YamuxStream, "_p2pswarm_batched_credit", False):
         return
@@ -302,7 +302,7 @@ def install_relayed_identify_fix() -> None:
     identify message, so a js peer never learns a relayed worker's protocols. go-libp2p and
     js-libp2p do not report observed addresses on relayed connections either; we send none there.
     Direct connections keep reporting the socket's remote address."""
-    from libp2p.identity.identify import identify as ident  # noqa: PLC0415
+    from libp2p.identity.identify import identify as ident
 
     if getattr(ident._prefer_circuit_addr, "_p2pswarm", False):
         return
@@ -336,7 +336,7 @@ def install_buffered_tcp_reads(chunk: int = TCP_READ_CHUNK) -> None:
     side. With a buffer, one ``recv`` usually brings several whole messages, and the reads between
     are plain slices. ``read(n)`` still returns at most ``n`` bytes, EOF and errors still come from
     the library's own read (its exception mapping is kept)."""
-    from libp2p.io.trio import TrioTCPStream  # noqa: PLC0415
+    from libp2p.io.trio import TrioTCPStream
 
     if getattr(TrioTCPStream, "_p2pswarm_buffered", False):
         return
@@ -380,9 +380,9 @@ def install_coalesced_writes(limit: int = COALESCE_WRITE_MAX) -> None:
     frames (same sizes, same flow control), carried in fewer, fuller Noise messages: a Noise message
     is only a piece of the secured byte stream, which yamux reads without regard to its
     boundaries, so any peer (go, js, rust) reads them alike."""
-    from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, BaseNoiseMsgReadWriter  # noqa: PLC0415
-    from libp2p.stream_muxer.exceptions import MuxedStreamError  # noqa: PLC0415
-    from libp2p.stream_muxer.yamux import yamux as ymod  # noqa: PLC0415
+    from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, BaseNoiseMsgReadWriter
+    from libp2p.stream_muxer.exceptions import MuxedStreamError
+    from libp2p.stream_muxer.yamux import yamux as ymod
 
     if getattr(ymod.YamuxStream, "_p2pswarm_coalesced", False):
         return
@@ -583,7 +583,7 @@ def check_port_free(ma: multiaddr.Multiaddr) -> None:
 def install_websocket(host, tls_server: ssl.SSLContext | None, tls_client: ssl.SSLContext) -> None:
     """Replace py-libp2p's WebSocket transport by ours (see module doc): a plain one that listens
     on /ws and dials /ws and /wss, and, with a certificate, one that only listens on /wss."""
-    from libp2p.transport.websocket.transport import WebsocketTransport  # noqa: PLC0415
+    from libp2p.transport.websocket.transport import WebsocketTransport
 
     class PlainWebsocket(WebsocketTransport):
         def can_listen(self, maddr) -> bool:

@@ -231,7 +231,7 @@ class NodeRecord:
         this (verified, live) peer, or None. The wording matches the handshake's refusals."""
         if self.protocol != protocol:
             return f"protocol version mismatch: worker speaks {self.protocol}, we {protocol}"
-        from p2pswarm.engine.kernels import compatible  # noqa: PLC0415 - records stay free of the engine at import
+        from p2pswarm.engine.kernels import compatible  # records stay free of the engine at import
 
         if not compatible(self.kernel, kernel):
             return f"kernel mismatch: worker computes with {self.kernel!r}, we with {kernel!r}"
@@ -288,8 +288,8 @@ def record_kinds() -> dict:
     """Other signed record kinds in the ``/p2pswarm/`` namespace, by key prefix -> validator (an
     object with ``validate(key, value)`` and ``select(key, values)``). Imported lazily: the market
     code imports this module."""
-    from p2pswarm.market.bans import BAN_PREFIX, BanValidator  # noqa: PLC0415
-    from p2pswarm.market.demand import DEMAND_PREFIX, DemandValidator  # noqa: PLC0415
+    from p2pswarm.market.bans import BAN_PREFIX, BanValidator
+    from p2pswarm.market.demand import DEMAND_PREFIX, DemandValidator
 
     global _RECORD_KINDS
     if _RECORD_KINDS is None:

@@ -238,7 +238,7 @@ def load_source_sidecar(shard_path) -> tuple[ModelManifest, bytes]:
         raise ManifestError(f"{side}: missing (fetch the shard with keep_source=True)") from None
     except ManifestError:
         raise
-    except Exception:  # noqa: BLE001 - any decoding failure: not our sidecar
+    except Exception:  # any decoding failure: not our sidecar
         raise ManifestError(f"{side}: not a shard source sidecar") from None
     if not isinstance(header, bytes) or hashlib.sha256(header).hexdigest() != manifest.header_sha256:
         raise ManifestError(f"{side}: header does not match its manifest")

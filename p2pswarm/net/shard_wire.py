@@ -38,7 +38,7 @@ def _unpack(data: bytes | None, what: str) -> dict:
         raise trio.BrokenResourceError(f"{what}: stream closed")
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception:  # noqa: BLE001 - any decoding failure of peer input means "not msgpack"
+    except Exception:  # any decoding failure of peer input means "not msgpack"
         raise FrameError(f"{what}: not msgpack") from None
     if not isinstance(msg, dict):
         raise FrameError(f"{what}: not a map")

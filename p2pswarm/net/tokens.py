@@ -180,7 +180,7 @@ class NodeToken:
                 raise TypeError
             b = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=MAX_TOKEN_CHARS,
                                 max_array_len=MAX_ALLOW, max_map_len=8)
-        except Exception:  # noqa: BLE001 - whatever msgpack or our shape checks raise, it is malformed
+        except Exception:  # whatever msgpack or our shape checks raise, it is malformed
             raise TokenError("malformed token: not a token's msgpack") from None
         if not isinstance(b, dict) or b.get("v") != TOKEN_VERSION:
             raise TokenError(f"malformed token: unknown version {b.get('v') if isinstance(b, dict) else None!r}")

@@ -99,7 +99,7 @@ class ExpertWorker:
                             f"(this worker answers in {', '.join(self.families)})")
         with self._portable_lock:
             if self._portable is None:
-                from p2pswarm.engine.portable_kernel import PortableExpertBank  # noqa: PLC0415
+                from p2pswarm.engine.portable_kernel import PortableExpertBank
 
                 self._portable = PortableExpertBank(self._layout, threads=self._threads)
             return self._portable

@@ -68,7 +68,7 @@ def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> st
 
 
 def _shard_of(worker: ExpertWorker) -> str:
-    from p2pswarm.net.records import worker_shard_hash  # noqa: PLC0415 - keeps socket workers free of libp2p
+    from p2pswarm.net.records import worker_shard_hash  # keeps socket workers free of libp2p
 
     return worker_shard_hash(worker)
 
@@ -189,7 +189,7 @@ def _note_refusal(peer: str, reason: object, stats: ServeStats | None) -> None:
 
 async def _store_receipt(msg: dict, rid: int | None, peer: str, receipts) -> bytes:
     """The reply to a ``receipt`` op: stored (durably, before we say so) or why not."""
-    from p2pswarm.net.signed import SignedError  # noqa: PLC0415 - only workers that keep receipts need it
+    from p2pswarm.net.signed import SignedError  # only workers that keep receipts need it
 
     if receipts is None:
         return proto.error_to_wire(rid, "this worker keeps no receipts")
@@ -251,7 +251,7 @@ def serve_libp2p_shards(net, shards: dict[str, ExpertWorker], *, max_frame: int 
                         stats: ServeStats | None = None, receipts=None, direct=None) -> None:
     """Serve every worker of ``shards`` (shard hash -> worker; the dict may change while serving)
     on ``/p2pswarm/expert/1.0.0``: each stream's hello picks its shard."""
-    from p2pswarm.net.host import PROTOCOL_EXPERT  # noqa: PLC0415 - keeps socket workers free of libp2p
+    from p2pswarm.net.host import PROTOCOL_EXPERT  # keeps socket workers free of libp2p
 
     net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=None, max_frame=max_frame, stats=stats,
                                              shards=shards, receipts=receipts, direct=direct))
@@ -262,7 +262,7 @@ def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAM
     """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
     (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
     connection of :func:`handle_connection`."""
-    from p2pswarm.net.host import PROTOCOL_EXPERT  # noqa: PLC0415 - keeps socket workers free of libp2p
+    from p2pswarm.net.host import PROTOCOL_EXPERT  # keeps socket workers free of libp2p
 
     shard = _shard_of(worker) if shard is None else shard
     net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
