@@ -22,7 +22,9 @@ import trio
 from common import header
 
 from p2pswarm.model.slicer import split_ranges
-from p2pswarm.net.dht import CoverageResolver, ShardAdvertiser, open_dht
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.coverage import CoverageResolver
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import ShardEntry

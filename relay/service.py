@@ -364,14 +364,14 @@ async def serve_health(app, host: str, port: int, *, task_status=trio.TASK_STATU
 
 async def run_relay(settings: RelaySettings) -> None:
     """Run until SIGINT/SIGTERM. Prints ``READY <first full address> health=<url|off>``."""
-    from p2pswarm.net.dht import open_dht
+    from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
     from p2pswarm.net.libp2p_patches import DEFAULT_MAX_CONNECTIONS
 
     gate = None
     if settings.trust_issuer:
-        from p2pswarm.net.identity import peer_public_key
+        from p2pswarm.signatures import peer_public_key
         from p2pswarm.net.tokens import TokenGate
 
         for issuer in settings.trust_issuer:

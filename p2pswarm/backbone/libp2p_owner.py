@@ -12,7 +12,7 @@ its signed DHT record announced (and we send it, so the worker refuses a backbon
 another shard), as well as our protocol version, model fingerprint and kernel.
 
 :class:`SwarmOwners` keeps one owner per (peer, shard) in step with a
-:class:`~p2pswarm.net.dht.CoverageResolver`'s map, and keeps the list it hands the dispatcher
+:class:`~p2pswarm.net.coverage.CoverageResolver`'s map, and keeps the list it hands the dispatcher
 sorted by load and measured round-trip time, so the dispatcher - which takes the first healthy
 owner holding an expert - picks the least busy, nearest replica.
 

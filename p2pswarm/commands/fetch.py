@@ -55,7 +55,7 @@ def _range(text: str, what: str) -> tuple[int, int]:
 
 
 async def _main(args, token: str, layers, experts) -> None:
-    from p2pswarm.net.dht import open_dht
+    from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
     from p2pswarm.net.shard_transfer import (

@@ -182,7 +182,8 @@ def add_parser(sub) -> None:
 
 async def _worker(args) -> None:
     from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.dht import ShardAdvertiser, open_dht
+    from p2pswarm.market.swarm_dht import open_dht
+    from p2pswarm.net.advertiser import ShardAdvertiser
     from p2pswarm.net.host import open_host
     from p2pswarm.market.receipts import ReceiptStore, default_receipts_dir
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
@@ -374,7 +375,8 @@ async def _serve_shards(args, swarm, nursery) -> None:
 
 
 def _load_shard(path, args):
-    from p2pswarm.net.records import ShardEntry, worker_shard_hash
+    from p2pswarm.net.records import ShardEntry
+    from p2pswarm.worker.expert_worker import worker_shard_hash
     from p2pswarm.worker.expert_worker import ExpertWorker
 
     worker = ExpertWorker(path, kernel=args.kernel, threads=args.threads)

@@ -4,7 +4,7 @@ Every ``period_s`` (jittered +-25 %, so workers started together drift apart) th
 
 1. reads every backbone's demand record through the DHT (:func:`p2pswarm.market.demand.find_demand`)
    and sums their per-unit demand for its model (``--model``, or the model most backbones serve);
-2. reads coverage exactly as a backbone does (:class:`p2pswarm.net.dht.CoverageResolver`): a
+2. reads coverage exactly as a backbone does (:class:`p2pswarm.net.coverage.CoverageResolver`): a
    unit's live replicas are the distinct peers whose signed, unexpired node record covers every
    expert of it - a killed worker drops out when its record expires (``--ttl``, 60 s by default);
 3. calls :func:`p2pswarm.market.enrol.choose_units` with its ``--memory`` budget and the units it
@@ -59,7 +59,7 @@ def aggregate(records: list[DemandRecord], model: str | None) -> tuple[DemandRec
 
 
 def lazy_resolver(dht, **kw):
-    """A :class:`~p2pswarm.net.dht.CoverageResolver` that re-reads a known peer's node record only
+    """A :class:`~p2pswarm.net.coverage.CoverageResolver` that re-reads a known peer's node record only
     once the copy it holds has expired (or the peer is suspect), not at every refresh.
 
     Why: a backbone re-reads every record each refresh to see withdrawals and new addresses at
@@ -67,7 +67,7 @@ def lazy_resolver(dht, **kw):
     expires whichever way it is read - so liveness is the same (one TTL), while the DHT load of a
     crowd of workers each re-reading every other worker's record every period is not (30 workers on
     two cores saturated them). A clean withdrawal shows within one TTL instead of at once."""
-    from p2pswarm.net.dht import CoverageResolver
+    from p2pswarm.net.coverage import CoverageResolver
 
     class LazyResolver(CoverageResolver):
         async def _fetch_record(self, peer: str):
@@ -248,7 +248,7 @@ class AutoWorker:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Enrol now (``task_status.started()`` once serving at least one unit), then re-evaluate
         every period; the node record is re-published every third of its TTL meanwhile."""
-        from p2pswarm.net.dht import ShardAdvertiser
+        from p2pswarm.net.advertiser import ShardAdvertiser
 
         geo, _ = await self._demand()
         self._setup(geo)

@@ -34,6 +34,7 @@ import numpy as np
 
 from p2pswarm.errors import UserError
 from p2pswarm.net.identity import Identity
+from p2pswarm.net.records import newest_index, open_signed
 
 log = logging.getLogger("p2pswarm.market")
 
@@ -149,8 +150,6 @@ class DemandRecord:
     def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
                allow_expired: bool = False) -> "DemandRecord":
         """Decode and check; DemandError (one line) for anything not to be trusted."""
-        from p2pswarm.net.records import open_signed  # records imports this module lazily
-
         b, rpeer = open_signed(data, what="demand record", error=DemandError, max_bytes=MAX_DEMAND_BYTES,
                                version=DEMAND_VERSION, domain=SIGNING_DOMAIN, peer=peer)
         try:
@@ -202,8 +201,6 @@ class DemandValidator:
             raise
 
     def select(self, key: str, values: list[bytes]) -> int:
-        from p2pswarm.net.records import newest_index  # records imports this module lazily
-
         return newest_index(values, lambda v: DemandRecord.verify(v, peer=peer_of_demand_key(key),
                                                                   allow_expired=True).seq)
 

@@ -32,7 +32,7 @@ from p2pswarm.model.layout import (
     ModelLayout,
     field_value,
 )
-from p2pswarm.net.identity import verify_peer_signature
+from p2pswarm.signatures import verify_peer_signature
 
 SAMPLE_BYTES = 4096
 FINGERPRINT_VERSION = b"p2pswarm-fingerprint-v1"

@@ -10,10 +10,10 @@ import functools
 import json
 import os
 
-from p2pswarm.engine.vocab_rules import bytes_to_unicode
 from p2pswarm.errors import UserError
 from p2pswarm.model.gguf_read import KV, read_gguf_kv
 from p2pswarm.model.synth_presets import _gguf
+from p2pswarm.model.vocab import bytes_to_unicode
 
 # Built-in vocabulary: 256 byte tokens, the merges BPE training finds in BUILTIN_TEXT (at most
 # BUILTIN_MERGES; pairs must occur twice: 281 with this text, so 540 tokens), 3 special tokens.

@@ -34,7 +34,7 @@ import random
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import multiaddr
 import trio
@@ -52,8 +52,9 @@ from p2pswarm.net import libp2p_patches
 from p2pswarm.net.addrs import NetError, error_reason, single_error
 from p2pswarm.net.host import NetHost
 # the kad protocol id is ours only because of the patch that rebinds the library's constant
-from p2pswarm.net.libp2p_patches import INBOUND_KAD_STREAMS, KAD_PROTOCOL, PROVIDE_RATE_MAX  # noqa: F401
-from p2pswarm.net.records import NAMESPACE, NodeRecord, NodeRecordValidator, RecordError, node_record_key
+from p2pswarm.net.libp2p_patches import KAD_PROTOCOL
+from p2pswarm.net.records import (NAMESPACE, NodeRecord, NodeRecordValidator, RecordError, RecordKind,
+                                  node_record_key)
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -85,12 +86,14 @@ class DHTStats:
 class SwarmDHT:
     """Our side of one node's DHT. Made by :func:`open_dht`."""
 
-    def __init__(self, net: NetHost, *, server: bool):
+    def __init__(self, net: NetHost, *, server: bool, kinds: Mapping[str, RecordKind]):
+        """``kinds``: the record kinds besides node records this DHT stores and reads (see
+        :class:`p2pswarm.net.records.NodeRecordValidator`)."""
         libp2p_patches.apply()  # our kad protocol id must be bound before a KadDHT is built
         self.net = net
         self.server = server
         self.kad = KadDHT(net.host, DHTMode.SERVER if server else DHTMode.CLIENT)
-        self.validator = NodeRecordValidator()
+        self.validator = NodeRecordValidator(kinds)
         self.kad.register_validator(NAMESPACE, self.validator)
         self.stats = DHTStats()
         self._outbound = trio.CapacityLimiter(OUTBOUND_KAD_STREAMS)
@@ -463,12 +466,13 @@ class SwarmDHT:
 
 
 @asynccontextmanager
-async def open_dht(net: NetHost, *, server: bool = True, bootstrap: Sequence[str] = (),
-                   bootstrap_timeout_s: float = 15.0, refresh_s: float = 300.0):
+async def open_dht(net: NetHost, *, kinds: Mapping[str, RecordKind], server: bool = True,
+                   bootstrap: Sequence[str] = (), bootstrap_timeout_s: float = 15.0, refresh_s: float = 300.0):
     """Run a DHT on ``net`` (server mode: we answer kad queries and store records) and bootstrap
-    from ``bootstrap`` peer addresses. Yields a :class:`SwarmDHT`; the routing table is refreshed
-    every ``refresh_s`` seconds."""
-    dht = SwarmDHT(net, server=server)
+    from ``bootstrap`` peer addresses. Yields a :class:`SwarmDHT` storing node records and
+    ``kinds``; the routing table is refreshed every ``refresh_s`` seconds. Nodes open theirs
+    through :func:`p2pswarm.market.swarm_dht.open_dht`, which gives the swarm's record kinds."""
+    dht = SwarmDHT(net, server=server, kinds=kinds)
     try:
         async with background_trio_service(dht.kad):
             async with trio.open_nursery() as nursery:

@@ -39,8 +39,9 @@ from pathlib import Path
 import msgpack
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.identity import Identity, peer_public_key, verify_peer_signature
+from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import short_str
+from p2pswarm.signatures import peer_public_key, verify_peer_signature
 
 log = logging.getLogger("p2pswarm.tokens")
 

@@ -22,7 +22,7 @@ from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire_bytes import CountingStream, WireBytes
-from p2pswarm.worker.expert_worker import ExpertWorker
+from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 
 log = logging.getLogger("p2pswarm.worker")
 
@@ -67,12 +67,6 @@ def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> st
     return None
 
 
-def _shard_of(worker: ExpertWorker) -> str:
-    from p2pswarm.net.records import worker_shard_hash  # keeps socket workers free of libp2p
-
-    return worker_shard_hash(worker)
-
-
 async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int = DEFAULT_MAX_FRAME,
                             shard: str | None = None, stats: ServeStats | None = None,
                             shards: dict[str, ExpertWorker] | None = None, receipts=None, direct=None) -> None:
@@ -89,7 +83,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
     if shards is not None:
         worker = shard = None
     elif shard is None:
-        shard = _shard_of(worker)
+        shard = worker_shard_hash(worker)
     if stats is not None:
         stream = CountingStream(stream, stats.wire)
     reader = FrameReader(stream, max_frame)
@@ -264,6 +258,6 @@ def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAM
     connection of :func:`handle_connection`."""
     from p2pswarm.net.host import PROTOCOL_EXPERT  # keeps socket workers free of libp2p
 
-    shard = _shard_of(worker) if shard is None else shard
+    shard = worker_shard_hash(worker) if shard is None else shard
     net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
                                              stats=stats, receipts=receipts, direct=direct))
