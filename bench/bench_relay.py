@@ -98,7 +98,7 @@ async def mbps(stream, size: int = 32 << 20, rounds: int = 3) -> float:
 
 async def part1(relay_addr: str, rounds: int) -> dict:
     async with open_host(Identity.generate()) as worker, open_host(Identity.generate()) as backbone:
-        from relay.client import RelayKeeper
+        from p2pswarm.net.relay_client import RelayKeeper
 
         await RelayKeeper(worker, relay_addr, None, relay_only=False).start()
         worker.set_handler(ECHO, echo)
@@ -128,7 +128,7 @@ async def workers_main(relay_addr: str, n: int) -> None:
     """Helper process: n relayed echo workers; prints their ids, then waits for stdin to close."""
     from contextlib import AsyncExitStack
 
-    from relay.client import RelayKeeper
+    from p2pswarm.net.relay_client import RelayKeeper
 
     async with AsyncExitStack() as stack:
         ids = []

@@ -26,10 +26,10 @@ from p2pswarm.net.host import circuit_addr, is_circuit_addr, open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecord, RecordError
 from p2pswarm.net.tokens import TokenGate, issue_token
-from relay.client import RelayKeeper
-from relay.config import RelaySettings
-from relay.protocol import PROTOCOL_TOKEN, RelayRefused
-from relay.service import GatedHop, token_handler
+from p2pswarm.net.relay_client import RelayKeeper
+from p2pswarm.relay.config import RelaySettings
+from p2pswarm.net.relay_token import PROTOCOL_TOKEN, RelayRefused
+from p2pswarm.relay.service import GatedHop, token_handler
 
 LOOP = "/ip4/127.0.0.1/tcp/0"
 ECHO = "/test/echo/1.0.0"

@@ -1,4 +1,4 @@
-"""Relay scale-out as OS processes: relays share nothing but the DHT (relay/discovery.py).
+"""Relay scale-out as OS processes: relays share nothing but the DHT (p2pswarm/net/relay_discovery.py).
 
 Two relay processes (the second bootstraps from the first); a worker behind them is given only the
 first. Killed with SIGKILL, the first relay takes the worker's reservation with it: the worker finds

@@ -424,8 +424,8 @@ async def _start_relay_keeper(args, net, dht_of: list):
     """Reserve on one of ``--relay`` (or a relay found in the DHT) now (one-line error if none takes
     us); returns the keeper, whose ``keep()`` then holds the reservation (renewals, reconnects after a
     relay restart, a move to another relay when this one is gone)."""
-    from relay.client import RelayKeeper
-    from relay.discovery import find_relays
+    from p2pswarm.net.relay_client import RelayKeeper
+    from p2pswarm.net.relay_discovery import find_relays
 
     async def discover(exclude: set[str]) -> list[str]:
         return await find_relays(dht_of[0], exclude=exclude) if dht_of else []

@@ -1,6 +1,6 @@
 """Addresses and one-line errors for the libp2p layer: parsing multiaddrs and peer addresses,
 circuit (relayed) addresses, listen-address checks, and turning py-libp2p's nested exceptions into
-one line. Nothing here needs a running host, so relay/, the CLI and the host share it."""
+one line. Nothing here needs a running host, so the relay service, the CLI and the host share it."""
 from __future__ import annotations
 
 import re

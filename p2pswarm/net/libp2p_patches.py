@@ -89,12 +89,12 @@ never send an empty address list. :class:`p2pswarm.net.stream.StreamAdapter` (re
 reads, EOF as ``b""``; tests/test_net_host.py::test_workaround_read_ahead_keeps_a_stalled_reader_from_resetting_the_writer
 and ``test_frames_cross_a_libp2p_stream_intact``) is an adapter, not a patch.
 
-Relay: ``relay.service.GatedHop`` overrides ``CircuitV2Protocol._handle_reserve``,
+Relay: ``p2pswarm.relay.service.GatedHop`` overrides ``CircuitV2Protocol._handle_reserve``,
 ``_handle_connect`` and ``_splice`` (reservations in another peer's name refused; one circuit's
 streams kept to itself; EOF ends a splice at once - tests/test_relay_host.py::
 test_workaround_reservation_in_another_peers_name_is_refused (control
 test_spoofed_reservation_trap_still_present), test_workaround_two_circuits_from_one_peer_are_independent,
-test_relay_sees_only_ciphertext). Those stay in relay/: they are a subclass's overrides that
+test_relay_sees_only_ciphertext). Those stay in p2pswarm/relay/: they are a subclass's overrides that
 implement the relay's own policy (token gate, limits) and change nothing for any other
 ``CircuitV2Protocol`` in the process - the class is ours, not the library's. :func:`apply` still
 checks that the private methods they override exist, so a py-libp2p upgrade that renames them fails
@@ -144,9 +144,9 @@ _TARGETS = (
     ("libp2p.kad_dht.common", "PROTOCOL_ID", "install_kad_protocol_id"),
     ("libp2p.kad_dht.kad_dht", "KadDHT.add_peer", "patch_kad"),
     ("libp2p.kad_dht.provider_store", "BUCKET_SIZE", "raise_providers_per_key"),
-    ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._handle_reserve", "relay.service.GatedHop"),
-    ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._handle_connect", "relay.service.GatedHop"),
-    ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._send_status", "relay.service.GatedHop"),
+    ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._handle_reserve", "p2pswarm.relay.service.GatedHop"),
+    ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._handle_connect", "p2pswarm.relay.service.GatedHop"),
+    ("libp2p.relay.circuit_v2.protocol", "CircuitV2Protocol._send_status", "p2pswarm.relay.service.GatedHop"),
     ("libp2p.transport.websocket.transport", "WebsocketTransport.can_listen", "install_websocket"),
     ("libp2p.network.swarm", "Swarm.set_resource_manager", "raise_connection_limits"),
 )

@@ -244,7 +244,7 @@ async def run_storm(model_path, workdir, env: dict, cases: int, *, concurrency: 
     from p2pswarm.net.identity import load_or_create_identity
     from p2pswarm.net.shard_transfer import PROTOCOL_SHARD
     from p2pswarm.net.tokens import issue_token
-    from relay.protocol import PROTOCOL_TOKEN
+    from p2pswarm.net.relay_token import PROTOCOL_TOKEN
 
     from helpers.procs import Proc, start_relay
 
