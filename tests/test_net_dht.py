@@ -17,7 +17,7 @@ from libp2p.kad_dht.common import PROTOCOL_ID as LIB_PROTOCOL_ID
 from p2pswarm.market.swarm_dht import open_dht
 from p2pswarm.net.advertiser import ShardAdvertiser
 from p2pswarm.net.coverage import CoverageResolver
-from p2pswarm.net.libp2p_patches import KAD_PROTOCOL
+from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecord, ShardEntry, node_record_key, units_for

@@ -86,7 +86,7 @@ async def test_ws_tls_trap_still_present(tmp_path, monkeypatch):
     cert, key = make_cert(tmp_path)
     monkeypatch.setenv("P2PSWARM_WSS_CA", cert)
     ws = free_port()
-    from p2pswarm.net import libp2p_patches
+    from p2pswarm.net import libp2p_host_patches
 
     def library_websocket(host, tls_server, tls_client):
         network = host.get_network()
@@ -95,7 +95,7 @@ async def test_ws_tls_trap_still_present(tmp_path, monkeypatch):
         tm.add_transport(WebsocketTransport(network.upgrader, tls_server_config=tls_server,
                                             tls_client_config=tls_client))
 
-    monkeypatch.setattr(libp2p_patches, "install_websocket", library_websocket)
+    monkeypatch.setattr(libp2p_host_patches, "install_websocket", library_websocket)
     async with open_host(Identity.generate(), [f"/ip4/127.0.0.1/tcp/{ws}/ws", f"/ip4/127.0.0.1/tcp/{free_port()}/wss"],
                          tls_cert=cert, tls_key=key) as server:
         monkeypatch.undo()

@@ -51,7 +51,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from p2pswarm import settings
 from p2pswarm.errors import UserError
-from p2pswarm.net import libp2p_patches
+from p2pswarm.net import libp2p_host_patches, libp2p_patches
 # Re-exported: callers import these from p2pswarm.net.host.
 from p2pswarm.net.addrs import (DEFAULT_LISTEN, PROTOCOL_CIRCUIT, NetError, check_listen_addrs,  # noqa: F401
                                 circuit_addr, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr,
@@ -60,7 +60,6 @@ from p2pswarm.net.addrs import (DEFAULT_LISTEN, PROTOCOL_CIRCUIT, NetError, chec
 # defined beside its protocol; re-exported here for the callers that open expert streams.
 from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT  # noqa: F401
 from p2pswarm.net.identity import Identity
-from p2pswarm.net.libp2p_patches import connection_config  # noqa: F401
 from p2pswarm.net.stream import DEFAULT_READ_AHEAD, YAMUX_MAX_READ, StreamAdapter  # noqa: F401
 
 log = logging.getLogger("p2pswarm.net")
@@ -210,14 +209,14 @@ class NetHost:
 
     def _replace_addrs(self, info: PeerInfo) -> None:
         """Make ``info.addrs`` the only addresses we know for the peer (see
-        :func:`~p2pswarm.net.libp2p_patches.forget_peer_addrs`); the caller dials them."""
-        libp2p_patches.forget_peer_addrs(self.host, info.peer_id)
+        :func:`~p2pswarm.net.libp2p_host_patches.forget_peer_addrs`); the caller dials them."""
+        libp2p_host_patches.forget_peer_addrs(self.host, info.peer_id)
 
     async def forget_dead_connections(self, peer: ID) -> bool:
         """Drop connections to ``peer`` that are closed but still registered; True if any were
-        (:func:`~p2pswarm.net.libp2p_patches.drop_dead_connections`). Callers retrying after a
+        (:func:`~p2pswarm.net.libp2p_host_patches.drop_dead_connections`). Callers retrying after a
         failed stream call this first."""
-        return await libp2p_patches.drop_dead_connections(self.host, peer)
+        return await libp2p_host_patches.drop_dead_connections(self.host, peer)
 
     def is_connected(self, peer: ID) -> bool:
         return bool(self.host.get_network().connections.get(peer))
@@ -335,7 +334,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                     announce: Sequence[str] | None = None, read_ahead: int = DEFAULT_READ_AHEAD,
                     dial_retries: int = 1, tls_cert: str | None = None, tls_key: str | None = None,
                     circuit_protocol: Callable | None = None,
-                    max_connections: int = libp2p_patches.DEFAULT_MAX_CONNECTIONS):
+                    max_connections: int = libp2p_host_patches.DEFAULT_MAX_CONNECTIONS):
     """Start a host listening on ``listen`` (multiaddrs; port 0 picks a free port) and yield a
     :class:`NetHost`. On exit: background tasks cancelled, listeners and connections closed.
 
@@ -358,7 +357,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
     check_listen_addrs(listen_addrs, tls=bool(tls_cert))
     tls_server = _tls_server_context(tls_cert, tls_key) if tls_cert else None
     for a in listen_addrs:
-        libp2p_patches.check_port_free(a)
+        libp2p_host_patches.check_port_free(a)
     announce_addrs = [parse_multiaddr(a, "announce address") for a in announce] if announce else None
     sec = {NOISE_PROTOCOL_ID: NoiseTransport(identity.key_pair, noise_privkey=new_x25519_key_pair().private_key)}
     host = new_host(
@@ -366,13 +365,13 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
         sec_opt=sec,
         muxer_preference="YAMUX",
         listen_addrs=listen_addrs,
-        connection_config=libp2p_patches.connection_config(max_connections),
+        connection_config=libp2p_host_patches.connection_config(max_connections),
         announce_addrs=announce_addrs,
         disable_identify_address_discovery=True,
     )
-    libp2p_patches.install_websocket(host, tls_server, tls_client_context())
-    libp2p_patches.disable_auto_connect(host, dial_retries=dial_retries)
-    libp2p_patches.raise_connection_limits(host, max_connections)
+    libp2p_host_patches.install_websocket(host, tls_server, tls_client_context())
+    libp2p_host_patches.disable_auto_connect(host, dial_retries=dial_retries)
+    libp2p_host_patches.raise_connection_limits(host, max_connections)
     started = False
     try:
         async with host.run(listen_addrs):
@@ -395,7 +394,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                 finally:
                     nursery.cancel_scope.cancel()
                     with trio.CancelScope(shield=True), trio.move_on_after(10):
-                        await libp2p_patches.close_connections(host)
+                        await libp2p_host_patches.close_connections(host)
     except BaseExceptionGroup as group:  # our nursery and py-libp2p's wrap the body's own error
         leaf = single_error(group)
         if leaf is group:

@@ -2,7 +2,7 @@
 
 The library serves the Kademlia wire protocol (routing table, FIND_NODE, ADD_PROVIDER,
 GET_PROVIDERS, PUT_VALUE, GET_VALUE); its private limits and ``add_peer`` are patched by
-:func:`p2pswarm.net.libp2p_patches.patch_kad` (the table there). Look-ups, provides and value puts
+:func:`p2pswarm.net.libp2p_kad_patches.patch_kad` (the table in :mod:`p2pswarm.net.libp2p_patches`). Look-ups, provides and value puts
 we do ourselves (:meth:`SwarmDHT.find_providers`, :meth:`SwarmDHT.get_values`,
 :meth:`SwarmDHT.provide`, :meth:`SwarmDHT.put_value`): a few dozen lines over the same wire
 protocol and the library's per-peer helpers, because the library's own versions are wrong for us.
@@ -48,11 +48,11 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from p2pswarm.errors import UserError
-from p2pswarm.net import libp2p_patches
+from p2pswarm.net import libp2p_kad_patches, libp2p_patches
 from p2pswarm.net.addrs import NetError, error_reason, single_error
 from p2pswarm.net.host import NetHost
 # the kad protocol id is ours only because of the patch that rebinds the library's constant
-from p2pswarm.net.libp2p_patches import KAD_PROTOCOL
+from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
 from p2pswarm.net.records import (NAMESPACE, NodeRecord, NodeRecordValidator, RecordError, RecordKind,
                                   node_record_key)
 
@@ -99,7 +99,7 @@ class SwarmDHT:
         self._outbound = trio.CapacityLimiter(OUTBOUND_KAD_STREAMS)
         self._admitting: set[ID] = set()
         # rate limits raised, client-mode peers kept out of the routing table (libp2p_patches)
-        self._library_add_peer = libp2p_patches.patch_kad(self.kad, self._add_peer_checked)
+        self._library_add_peer = libp2p_kad_patches.patch_kad(self.kad, self._add_peer_checked)
 
     @property
     def peer_id(self) -> ID:

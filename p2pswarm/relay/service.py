@@ -367,7 +367,7 @@ async def run_relay(settings: RelaySettings) -> None:
     from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
-    from p2pswarm.net.libp2p_patches import DEFAULT_MAX_CONNECTIONS
+    from p2pswarm.net.libp2p_host_patches import DEFAULT_MAX_CONNECTIONS
 
     gate = None
     if settings.trust_issuer:
