@@ -30,7 +30,8 @@ import trio
 from common import REPO, header, publish
 
 from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.host import circuit_addr, open_host
+from p2pswarm.net.addrs import circuit_addr
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 
 ECHO = "/bench/echo/1.0.0"

@@ -34,7 +34,8 @@ from bench_relay import ECHO, MAX, PAYLOAD, cpu_seconds, echo
 from common import REPO, header, publish
 
 from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.host import circuit_addr, open_host
+from p2pswarm.net.addrs import circuit_addr
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 
 RATE = 10.0

@@ -25,7 +25,8 @@ from p2pswarm.net import expert_protocol as proto
 from p2pswarm.market.swarm_dht import open_dht
 from p2pswarm.net.advertiser import ShardAdvertiser
 from p2pswarm.net.coverage import CoverageResolver
-from p2pswarm.net.host import PROTOCOL_EXPERT, open_host
+from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import ShardEntry
 from p2pswarm.worker.expert_worker import worker_shard_hash

@@ -26,7 +26,8 @@ from conftest import assert_one_line_error, run_cli
 
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.host import circuit_addr, open_host
+from p2pswarm.net.addrs import circuit_addr
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity, load_or_create_identity
 from p2pswarm.net.tokens import NodeToken, issue_token
 from p2pswarm.net.relay_client import RelayKeeper

@@ -22,7 +22,8 @@ from helpers.procs import free_port
 from helpers.tls import make_cert
 from p2pswarm.errors import UserError
 from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.host import circuit_addr, is_circuit_addr, open_host
+from p2pswarm.net.addrs import circuit_addr, is_circuit_addr
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecord, RecordError
 from p2pswarm.net.tokens import TokenGate, issue_token

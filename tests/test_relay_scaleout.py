@@ -16,7 +16,7 @@ import pytest
 from conftest import run_cli
 
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.net.host import circuit_addr
+from p2pswarm.net.addrs import circuit_addr
 from p2pswarm.net.identity import load_or_create_identity
 from p2pswarm.net.tokens import issue_token
 

@@ -34,7 +34,8 @@ from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.addrs import is_circuit_addr
 from p2pswarm.net.direct import open_direct
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.host import PROTOCOL_EXPERT, NetHost
+from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.host import NetHost
 from p2pswarm.net.wire_bytes import CountingStream
 
 log = logging.getLogger("p2pswarm.backbone")

@@ -584,7 +584,7 @@ def run(args) -> int:
     if args.relay:
         if args.role != "worker":
             raise UserError("--relay is for workers behind NAT (backbones dial relayed workers by themselves)")
-        from p2pswarm.net.host import parse_peer_addr
+        from p2pswarm.net.addrs import parse_peer_addr
         from p2pswarm.net.tokens import load_token
 
         args.relay_auto = "auto" in args.relay

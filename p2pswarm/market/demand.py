@@ -305,7 +305,7 @@ class DemandPublisher:
     async def run(self, *, task_status=None) -> None:
         import trio
 
-        from p2pswarm.net.host import error_reason
+        from p2pswarm.net.addrs import error_reason
 
         first = True
         while True:

@@ -52,15 +52,10 @@ from libp2p.tools.anyio_service import background_trio_service
 from p2pswarm import settings
 from p2pswarm.errors import UserError
 from p2pswarm.net import libp2p_host_patches, libp2p_patches
-# Re-exported: callers import these from p2pswarm.net.host.
-from p2pswarm.net.addrs import (DEFAULT_LISTEN, PROTOCOL_CIRCUIT, NetError, check_listen_addrs,  # noqa: F401
-                                circuit_addr, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr,
-                                parse_peer_addr, single_error)
-# Every protocol id p2pswarm speaks lives under /p2pswarm/, is versioned (docs/protocol.md) and is
-# defined beside its protocol; re-exported here for the callers that open expert streams.
-from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT  # noqa: F401
+from p2pswarm.net.addrs import (DEFAULT_LISTEN, NetError, check_listen_addrs, error_reason, id_mismatch,
+                                is_circuit_addr, is_wildcard, parse_multiaddr, parse_peer_addr, single_error)
 from p2pswarm.net.identity import Identity
-from p2pswarm.net.stream import DEFAULT_READ_AHEAD, YAMUX_MAX_READ, StreamAdapter  # noqa: F401
+from p2pswarm.net.stream import DEFAULT_READ_AHEAD, StreamAdapter
 
 log = logging.getLogger("p2pswarm.net")
 

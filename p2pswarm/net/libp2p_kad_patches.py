@@ -44,7 +44,7 @@ def install_kad_protocol_id(protocol: str = KAD_PROTOCOL) -> None:
     for name in KAD_MODULES:
         mod = importlib.import_module(name)
         if hasattr(mod, "PROTOCOL_ID"):
-            mod.PROTOCOL_ID = TProtocol(protocol)
+            setattr(mod, "PROTOCOL_ID", TProtocol(protocol))
 
 
 def patch_kad(kad, add_peer):

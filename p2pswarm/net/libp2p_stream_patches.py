@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from typing import cast
 
 import trio
 
@@ -18,6 +19,13 @@ from p2pswarm.net.addrs import is_circuit_addr
 log = logging.getLogger("p2pswarm.net")
 
 WRITE_STALL_S = 30.0  # a shielded frame write that takes longer than this: the connection is dead
+
+
+def _install(owner: object, **attrs: object) -> None:
+    """Set ``attrs`` on a library class or function: the one place a patch writes into
+    py-libp2p's objects (names a type checker cannot follow, on purpose)."""
+    for name, value in attrs.items():
+        setattr(owner, name, value)
 
 
 def install_write_shield() -> None:
@@ -48,8 +56,7 @@ def install_write_shield() -> None:
                     raise trio.BrokenResourceError("connection write stalled")
         await trio.lowlevel.checkpoint()
 
-    Yamux._write_frame = _write_frame
-    Yamux._p2pswarm_shielded = True
+    _install(Yamux, _write_frame=_write_frame, _p2pswarm_shielded=True)
 
 
 def install_window_update_batching() -> None:
@@ -82,9 +89,8 @@ def install_window_update_batching() -> None:
         if total > 0:
             await self.send_window_update(total, skip_lock=True)
 
-    YamuxStream._p2pswarm_library_credit = YamuxStream._auto_tune_and_send_window_update  # for the test
-    YamuxStream._auto_tune_and_send_window_update = _auto_tune_and_send_window_update
-    YamuxStream._p2pswarm_batched_credit = True
+    _install(YamuxStream, _p2pswarm_library_credit=YamuxStream._auto_tune_and_send_window_update,  # for the test
+             _auto_tune_and_send_window_update=_auto_tune_and_send_window_update, _p2pswarm_batched_credit=True)
 
 
 def install_relayed_identify_fix() -> None:
@@ -106,9 +112,8 @@ def install_relayed_identify_fix() -> None:
         addr = library(host, peer_id, fallback)
         return None if addr is not None and is_circuit_addr(addr) else addr
 
-    observed_addr._p2pswarm = True
-    observed_addr.library = library  # for the regression test's control
-    ident._prefer_circuit_addr = observed_addr
+    _install(observed_addr, _p2pswarm=True, library=library)  # library: for the regression test's control
+    _install(ident, _prefer_circuit_addr=observed_addr)
 
 
 #: Bytes one TCP read asks the kernel for (py-libp2p 0.8.1 asks for exactly what it needs: 2 bytes
@@ -156,9 +161,8 @@ def install_buffered_tcp_reads(chunk: int = TCP_READ_CHUNK) -> None:
             data = data[:n]
         return data
 
-    TrioTCPStream._p2pswarm_library_read = library  # for the regression test's control
-    TrioTCPStream.read = read
-    TrioTCPStream._p2pswarm_buffered = True
+    _install(TrioTCPStream, _p2pswarm_library_read=library,  # for the regression test's control
+             read=read, _p2pswarm_buffered=True)
 
 
 def install_coalesced_writes(limit: int = COALESCE_WRITE_MAX) -> None:
@@ -200,13 +204,14 @@ def install_coalesced_writes(limit: int = COALESCE_WRITE_MAX) -> None:
                         if self.send_window > 0:
                             n = min(self.send_window, limit, total - sent)
                             self.send_window -= n
-                            parts, pos, end = [], sent, sent + n
+                            parts: list[bytes | memoryview] = []
+                            pos, end = sent, sent + n
                             while pos < end:
                                 k = min(frame_payload, end - pos)
                                 parts.append(header.pack(0, ymod.TYPE_DATA, 0, self.stream_id, k))
                                 parts.append(view[pos : pos + k])
                                 pos += k
-                            out = parts[0] + parts[1] if len(parts) == 2 else b"".join(parts)
+                            out = cast(bytes, parts[0]) + parts[1] if len(parts) == 2 else b"".join(parts)
                 if out is not None:
                     break
                 self._zero_window_waits += 1
@@ -236,8 +241,6 @@ def install_coalesced_writes(limit: int = COALESCE_WRITE_MAX) -> None:
             out.append(enc)
         await self.read_writer.read_write_closer.write(b"".join(out))
 
-    ymod.YamuxStream._p2pswarm_library_write = ymod.YamuxStream.write  # for the regression test's control
-    ymod.YamuxStream.write = write
-    ymod.YamuxStream._p2pswarm_coalesced = True
-    BaseNoiseMsgReadWriter._p2pswarm_library_write_msg = library_noise_write
-    BaseNoiseMsgReadWriter.write_msg = write_msg
+    _install(ymod.YamuxStream, _p2pswarm_library_write=ymod.YamuxStream.write,  # for the regression test's control
+             write=write, _p2pswarm_coalesced=True)
+    _install(BaseNoiseMsgReadWriter, _p2pswarm_library_write_msg=library_noise_write, write_msg=write_msg)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections.abc import Collection
 
 import trio
 
-from p2pswarm.net.host import error_reason, is_circuit_addr
+from p2pswarm.net.addrs import error_reason, is_circuit_addr
 
 log = logging.getLogger("p2pswarm.relay")
 
@@ -42,7 +43,7 @@ async def advertise_relay(dht, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await trio.sleep(REPROVIDE_S * random.uniform(0.9, 1.0))
 
 
-async def find_relays(dht, *, exclude: set[str] = frozenset()) -> list[str]:
+async def find_relays(dht, *, exclude: Collection[str] = ()) -> list[str]:
     """Full addresses (``ADDR/p2p/ID``) of the relays the DHT knows, one per relay (its first direct
     address), in random order; peers in ``exclude`` (base58 ids) left out."""
     try:

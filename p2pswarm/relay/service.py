@@ -380,7 +380,7 @@ async def run_relay(settings: RelaySettings) -> None:
             except UserError:
                 raise UserError(f"--trust-issuer {issuer[:60]!r} is not an Ed25519 peer id") from None
         gate = TokenGate(settings.trust_issuer, what="relay")
-    from p2pswarm.net.host import check_listen_addrs, parse_multiaddr
+    from p2pswarm.net.addrs import check_listen_addrs, parse_multiaddr
 
     # bad addresses are refused before anything is created on disk
     check_listen_addrs([parse_multiaddr(a, "listen address") for a in settings.listen], tls=bool(settings.tls_cert))

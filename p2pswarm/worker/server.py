@@ -3,7 +3,7 @@
 One connection (or libp2p stream) carries a handshake, then any number of requests answered in
 order. :func:`handle_connection` is transport-agnostic: it needs only ``receive_some``,
 ``send_all``, ``send_eof`` and ``aclose`` (a trio TCP stream, or
-:class:`p2pswarm.net.host.StreamAdapter` over a libp2p stream). The math of a request measured to
+:class:`p2pswarm.net.stream.StreamAdapter` over a libp2p stream). The math of a request measured to
 take more than ``$P2PSWARM_INLINE_MS`` (1.5 ms) runs in a thread (``trio.to_thread``) so the event
 loop keeps other connections flowing; a smaller one (a decode step's few rows) runs inline, because
 the thread hop costs more than the work (:mod:`p2pswarm.offload`). A malformed or oversized
@@ -245,10 +245,8 @@ def serve_libp2p_shards(net, shards: dict[str, ExpertWorker], *, max_frame: int 
                         stats: ServeStats | None = None, receipts=None, direct=None) -> None:
     """Serve every worker of ``shards`` (shard hash -> worker; the dict may change while serving)
     on ``/p2pswarm/expert/1.0.0``: each stream's hello picks its shard."""
-    from p2pswarm.net.host import PROTOCOL_EXPERT  # keeps socket workers free of libp2p
-
-    net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=None, max_frame=max_frame, stats=stats,
-                                             shards=shards, receipts=receipts, direct=direct))
+    net.set_handler(proto.PROTOCOL_EXPERT, partial(handle_connection, worker=None, max_frame=max_frame, stats=stats,
+                                                   shards=shards, receipts=receipts, direct=direct))
 
 
 def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None,
@@ -256,8 +254,6 @@ def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAM
     """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
     (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
     connection of :func:`handle_connection`."""
-    from p2pswarm.net.host import PROTOCOL_EXPERT  # keeps socket workers free of libp2p
-
     shard = worker_shard_hash(worker) if shard is None else shard
-    net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
-                                             stats=stats, receipts=receipts, direct=direct))
+    net.set_handler(proto.PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame,
+                                                   shard=shard, stats=stats, receipts=receipts, direct=direct))

@@ -240,7 +240,8 @@ async def run_storm(model_path, workdir, env: dict, cases: int, *, concurrency: 
     from p2pswarm.model.manifest import build_manifest, write_manifest
     from p2pswarm.model.slicer import slice_experts
     from p2pswarm.net.framing import FrameReader
-    from p2pswarm.net.host import PROTOCOL_EXPERT, open_host
+    from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
+    from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import load_or_create_identity
     from p2pswarm.net.shard_transfer import PROTOCOL_SHARD
     from p2pswarm.net.tokens import issue_token
