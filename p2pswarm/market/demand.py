@@ -313,7 +313,7 @@ class DemandPublisher:
                 stored = await self.publish()
                 if first:
                     log.info("published demand for %d units of model %s (stored at %d peers; every %.0f s, "
-                             "TTL %.0f s)", len(self.record.demand), self.model[:12], stored, self.period_s, self.ttl_s)
+                             "TTL %.0f s)", len(self.record.demand) if self.record else 0, self.model[:12], stored, self.period_s, self.ttl_s)
             except (Exception, trio.TooSlowError) as exc:
                 log.warning("publishing demand failed: %s", error_reason(exc))
             if first and task_status is not None:

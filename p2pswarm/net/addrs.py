@@ -76,11 +76,12 @@ def circuit_addr(relay_addr: str | multiaddr.Multiaddr, peer: str | None = None)
 def error_reason(exc: BaseException) -> str:
     """One line out of py-libp2p's nested exceptions."""
     parts, seen = [], 0
-    while exc is not None and seen < 4:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    cur: BaseException | None = exc
+    while cur is not None and seen < 4:
+        text = str(cur).strip().splitlines()[0] if str(cur).strip() else type(cur).__name__
         if text not in parts:
             parts.append(clip(text, 200))
-        exc = exc.__cause__ or (exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else None)
+        cur = cur.__cause__ or (cur.exceptions[0] if isinstance(cur, BaseExceptionGroup) else None)
         seen += 1
     return ": ".join(parts)
 

@@ -85,7 +85,7 @@ def rows_to_wire(rows: np.ndarray, form: str | None) -> dict:
 def rows_from_wire(d: object) -> tuple[np.ndarray, str | None]:
     """(rows, form): float32 (n, n_embd) and None, or (n, row bytes) uint8 and the form's name."""
     form = d.get("dtype") if isinstance(d, dict) else None
-    if not isinstance(form, str) or form not in INPUT_FORMS:  # a fuzzed dtype may be any msgpack value
+    if not isinstance(d, dict) or not isinstance(form, str) or form not in INPUT_FORMS:  # fuzzed: any msgpack value
         return array_from_wire(d, "rows"), None
     shape, data = d.get("shape"), d.get("data")
     _, block, block_bytes = INPUT_FORMS[form]

@@ -350,7 +350,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
     if bool(tls_cert) != bool(tls_key):
         raise UserError("a TLS certificate needs its key and the other way round (--tls-cert and --tls-key)")
     check_listen_addrs(listen_addrs, tls=bool(tls_cert))
-    tls_server = _tls_server_context(tls_cert, tls_key) if tls_cert else None
+    tls_server = _tls_server_context(tls_cert, tls_key) if tls_cert and tls_key else None
     for a in listen_addrs:
         libp2p_host_patches.check_port_free(a)
     announce_addrs = [parse_multiaddr(a, "announce address") for a in announce] if announce else None
@@ -379,7 +379,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                 if settings.RELAY_TOKEN.is_set:
                     from p2pswarm.net.tokens import load_token
 
-                    net.relay_token = load_token(settings.RELAY_TOKEN.raw())
+                    net.relay_token = load_token(settings.RELAY_TOKEN.raw() or "")
                 if len(net.transport_addrs()) < len(listen_addrs):
                     raise UserError(f"could not listen on {', '.join(map(str, listen_addrs))} "
                                     f"(listening on {', '.join(map(str, net.transport_addrs())) or 'nothing'})")

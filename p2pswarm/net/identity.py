@@ -25,12 +25,17 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from p2pswarm import settings
 from p2pswarm.errors import UserError, clip
+
+if TYPE_CHECKING:  # libp2p is imported when an identity is made, not with this module (see from_private_key)
+    from libp2p.crypto.keys import KeyPair
+    from libp2p.peer.id import ID
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -48,8 +53,8 @@ class Identity:
     """An Ed25519 key pair and the libp2p peer id it defines."""
 
     private_key: ed25519.Ed25519PrivateKey
-    key_pair: object  # libp2p KeyPair: the same key in libp2p's types, for the host
-    peer_id: object  # libp2p peer ID
+    key_pair: KeyPair  # the same key in libp2p's types, for the host
+    peer_id: ID
     path: Path | None = None
     created: bool = False
 

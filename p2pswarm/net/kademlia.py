@@ -34,6 +34,7 @@ import random
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import cast
 from collections.abc import Callable, Mapping, Sequence
 
 import multiaddr
@@ -44,6 +45,7 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.records.validator import Validator
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
@@ -94,7 +96,8 @@ class SwarmDHT:
         self.server = server
         self.kad = KadDHT(net.host, DHTMode.SERVER if server else DHTMode.CLIENT)
         self.validator = NodeRecordValidator(kinds)
-        self.kad.register_validator(NAMESPACE, self.validator)
+        # (py-libp2p types it as its Validator base class; it calls only validate and select)
+        self.kad.register_validator(NAMESPACE, cast(Validator, self.validator))
         self.stats = DHTStats()
         self._outbound = trio.CapacityLimiter(OUTBOUND_KAD_STREAMS)
         self._admitting: set[ID] = set()

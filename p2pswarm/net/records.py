@@ -29,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import msgpack
 import multiaddr
@@ -354,7 +354,7 @@ def newest_index(values: list[bytes], seq_of: Callable[[bytes], int]) -> int:
 
 
 # -- field checks ---------------------------------------------------------------------------------
-def short_str(x: object, n: int = 128) -> bool:
+def short_str(x: object, n: int = 128) -> TypeGuard[str]:
     """A non-empty str of at most ``n`` characters (the shape check of every signed-message field)."""
     return isinstance(x, str) and 0 < len(x) <= n
 

@@ -77,11 +77,11 @@ class ShardServer:
             if layers != list(range(layers[0], layers[-1] + 1)):
                 raise UserError(f"{lay.path}: its layers are not contiguous")
             for il, kinds in lay.expert_tensors.items():
-                for t in kinds.values():
-                    d = manifest.tensor(t.name)
-                    if d.expert_nbytes != t.expert_nbytes:
-                        raise ManifestError(f"{lay.path}: {t.name} does not match the manifest")
-                    self._experts[t.name] = (il, t.data_offset, t.expert_nbytes, lay.expert_begin)
+                for et in kinds.values():
+                    d = manifest.tensor(et.name)
+                    if d.expert_nbytes != et.expert_nbytes:
+                        raise ManifestError(f"{lay.path}: {et.name} does not match the manifest")
+                    self._experts[et.name] = (il, et.data_offset, et.expert_nbytes, lay.expert_begin)
         else:
             raise UserError(f"{lay.path}: a {lay.shard_kind} file holds no experts to serve")
         if fp != manifest.fingerprint:

@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 from pathlib import Path
 
 import msgpack
@@ -117,9 +118,9 @@ def scope_covers(allowed: str, requested: str) -> bool:
         return True
     if amodel != "*" and (rmodel is None or rmodel == "*" or rmodel.lower() != amodel.lower()):
         return False
-    if alayers is None:
+    if alayers is None or aexperts is None:  # (a scope has both ranges or neither)
         return True
-    if rlayers is None:
+    if rlayers is None or rexperts is None:
         return False
     return (alayers[0] <= rlayers[0] and rlayers[1] <= alayers[1]
             and aexperts[0] <= rexperts[0] and rexperts[1] <= aexperts[1])
@@ -206,7 +207,7 @@ class NodeToken:
                 "signature_ok": self.verify_signature()}
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 40)
 
 

@@ -30,14 +30,14 @@ class WireBytes:
     parent: "WireBytes | None" = None
 
     def add_sent(self, n: int) -> None:
-        w = self
+        w: WireBytes | None = self
         while w is not None:
             w.sent += n
             w.writes += 1
             w = w.parent
 
     def add_received(self, n: int) -> None:
-        w = self
+        w: WireBytes | None = self
         while w is not None:
             w.received += n
             w.reads += 1
