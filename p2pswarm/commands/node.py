@@ -376,8 +376,7 @@ async def _serve_shards(args, swarm, nursery) -> None:
 
 def _load_shard(path, args):
     from p2pswarm.net.records import ShardEntry
-    from p2pswarm.worker.expert_worker import worker_shard_hash
-    from p2pswarm.worker.expert_worker import ExpertWorker
+    from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 
     worker = ExpertWorker(path, kernel=args.kernel, threads=args.threads)
     info = worker.info

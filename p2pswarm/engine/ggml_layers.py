@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, f32_view
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32
+from p2pswarm.engine.ggml_runner import f32_view
 from p2pswarm.errors import ModelFormatError
 
 F32 = np.float32

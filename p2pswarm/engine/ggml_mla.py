@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, _i32_view, f32_view
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES
+from p2pswarm.engine.ggml_runner import _i32_view, f32_view
 from p2pswarm.engine.mla import YARN_BETA_FAST, YARN_BETA_SLOW
 
 

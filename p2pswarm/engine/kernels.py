@@ -125,7 +125,7 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
     ``cache_bytes`` bounds the numpy kernel's dequantised cache; ``threads`` is ggml's thread count
     (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8), also the portable kernel's;
     ``graph_cache_bytes`` lets the ggml kernel keep its graphs across calls (the backbone's replica;
-    :meth:`~p2pswarm.engine.ggml_kernel.GgmlRunner.graph`).
+    :meth:`~p2pswarm.engine.ggml_runner.GgmlRunner.graph`).
     """
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
@@ -152,7 +152,7 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
     with ``portable``: the dense path runs only on the backbone, outside what must agree across ISAs.
     With ``ggml`` numpy's BLAS is also limited to one thread (see :mod:`p2pswarm.engine.blas`), and
     every page of the model file is mapped now, as llama.cpp's loader does
-    (:func:`~p2pswarm.engine.ggml_kernel.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
+    (:func:`~p2pswarm.engine.ggml_runner.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
 
     Works on any architecture whose weights object is a :class:`p2pswarm.contracts.DenseWeights`
     (the matrices are handed to its ``provide``, so the architecture code is not touched).
@@ -160,7 +160,7 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
     if resolve_kernel(kernel) in ("numpy", "portable"):
         return 0
     from p2pswarm.engine.ggml_dense import GgmlDense
-    from p2pswarm.engine.ggml_kernel import populate
+    from p2pswarm.engine.ggml_runner import populate
 
     w = model.w
     if not isinstance(w, DenseWeights):
