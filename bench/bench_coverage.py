@@ -1,4 +1,4 @@
-"""Time to resolve a full coverage map through the DHT (issue 3's benchmark).
+"""Time to resolve a full coverage map through the DHT.
 
     python bench/bench_coverage.py [--nodes 20] [--layers 48] [--blocks 32] [--block-size 8] [--workers 4]
 

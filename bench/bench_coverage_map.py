@@ -1,4 +1,4 @@
-"""Coverage map at scale (issue 14 item 8): a backbone resolves the 122B's full map through a
+"""Coverage map at scale: a backbone resolves the 122B's full map through a
 100-node DHT.
 
     python bench/bench_coverage_map.py [--nodes 100] [--procs 4] [--layers 49] [--blocks 32]

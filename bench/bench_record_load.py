@@ -1,4 +1,4 @@
-"""DHT load of a worker's advertising: short-lived records refreshed often vs the old cadence (issue 10).
+"""DHT load of a worker's advertising: short-lived records refreshed often vs the old cadence.
 
     python bench/bench_record_load.py [--nodes 10] [--layers 12] [--blocks 8] [--rounds 3]
 

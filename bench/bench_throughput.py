@@ -21,7 +21,7 @@ serving ``/v1/completions``. For N = 1, 4, 16,
 * CPU seconds per generated token of the backbone process, of one worker, of the WAN proxies, and
   of everything the run uses (all its processes and the load generator; from /proc).
 
-``--hot-experts`` runs the backbone with the hot-expert path (issue 11 item 3): an owner whose
+``--hot-experts`` runs the backbone with the hot-expert path: an owner whose
 measured round trip is longer than computing its groups on the backbone's replica gets no request,
 so the N / (L * RTT) term no longer bounds anything; read its ratios against the compute bound (the
 backbone alone), and the "local groups" column for how much the backbone computed itself.

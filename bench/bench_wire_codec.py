@@ -1,4 +1,4 @@
-"""Would a lossless codec pay on the expert RPC's float32 output rows? (issue 32 item 2)
+"""Would a lossless codec pay on the expert RPC's float32 output rows?
 
 Runs the backbone alone on a synthetic model (``--preset``; the geometry-122b one at 1 layer by
 default) over a prompt and decode steps, records every expert call's output rows (float32, as a

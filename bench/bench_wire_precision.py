@@ -1,4 +1,4 @@
-"""How far ``--wire-precision f16|bf16`` moves our logits from llama.cpp's (issue 32 item 2).
+"""How far ``--wire-precision f16|bf16`` moves our logits from llama.cpp's.
 
 For synthetic models (``--type``: f32, q8_0, q4_k_m; tiny preset, 32 tokens), the backbone alone at
 each precision against llama.cpp's all-position logits (tests/helpers/llama_ref.py: F32 KV cache,

@@ -1,4 +1,4 @@
-"""User docs hygiene (issue 33): an index that lists every page, links that resolve, and no
+"""User docs hygiene: an index that lists every page, links that resolve, and no
 internal jargon (the project's issue and stop numbers, "the seed's") in what a user reads."""
 from __future__ import annotations
 

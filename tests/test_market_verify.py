@@ -1,4 +1,4 @@
-"""Issue 14, items 6-7 in process: signed receipts (and `p2pswarm rewards`), ban records, and the
+"""The verification market in process: signed receipts (and `p2pswarm rewards`), ban records, and the
 dispatcher's sampled bit-exact verification against real worker objects (ExpertWorker on real
 shards; the dishonest one is tests/helpers/dishonest_worker.py's subclass)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workers answer portably on request: the verification path of issue 17.
+"""Workers answer portably on request: the path a backbone verifies any worker through.
 
 A ggml worker process (real socket, real GGUF shard) answers a request that names the portable
 family with the same bits as the backbone's own portable kernel, and its ordinary requests with

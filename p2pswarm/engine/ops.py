@@ -94,7 +94,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int) -> np.nd
     per query head, and no mask where every key is visible (a decode row). Why: this runs once per
     sequence per attention layer on the backbone; the form with ``np.repeat`` and an explicit
     mask took 44 us (5 cached positions) to 2 ms (1,000) per decode row, this one 19-140 us
-    (2026-12-02).
+    (docs/benchmarks.md, "ops.attention without np.repeat").
     """
     T, H, hd = q.shape
     S, Hkv, _ = k.shape

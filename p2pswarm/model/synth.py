@@ -63,7 +63,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from p2pswarm.errors import UserError
-# The pieces live in their own modules (issue 16); their public names stay importable from here.
+# The pieces live in their own modules; their public names stay importable from here.
 from p2pswarm.model.gguf_read import KV, TensorInfo, read_gguf_header, read_gguf_kv  # noqa: F401
 from p2pswarm.model.synth_presets import (  # noqa: F401
     ARCH, ARCHES, EXPERT_QTYPES, LOGIT_STD, NORM_NOISE, PRESETS, PRESETS_BY_ARCH, PRESETS_QWEN35, QTYPES,

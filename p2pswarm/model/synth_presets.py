@@ -1,7 +1,7 @@
 """The shapes :mod:`p2pswarm.model.synth` can write: presets for both architectures, the option
 checks (each a one-line :class:`~p2pswarm.errors.UserError`) and the file-type key.
 
-Split from ``synth.py`` (issue 16) so that adding a preset or a constraint touches only this file.
+Split from ``synth.py`` so that adding a preset or a constraint touches only this file.
 """
 
 from __future__ import annotations

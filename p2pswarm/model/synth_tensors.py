@@ -1,7 +1,7 @@
 """What a synthetic model's tensors are and their bytes: the plan of both architectures (name,
 shape, type, scale of every tensor), random but valid Q4_K blocks, and the seeded chunked generator.
 
-Split from ``synth.py`` (issue 16); the weight-scaling rule is in that module's docstring.
+Split from ``synth.py``; the weight-scaling rule is in that module's docstring.
 """
 
 from __future__ import annotations

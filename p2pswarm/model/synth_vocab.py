@@ -1,7 +1,7 @@
 """The vocabulary a synthetic model carries: a small byte-level BPE trained at first use on a
 fixed text (deterministic), or the ``tokenizer.*`` keys copied from another GGUF file.
 
-Split from ``synth.py`` (issue 16).
+Split from ``synth.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Messages of the expert RPC, one msgpack map per frame (see docs/protocol.md).
 
-Shared by every transport (local sockets now, libp2p streams later). Arrays travel as raw
+Shared by every transport (local sockets, libp2p streams, a direct lane). Arrays travel as raw
 little-endian bytes with their dtype and shape beside them; a row that several experts of one owner
 need is sent once (``rows`` holds the distinct rows, ``index`` says which rows each expert takes).
 """

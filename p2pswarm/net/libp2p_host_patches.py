@@ -34,7 +34,7 @@ def connection_config(max_connections: int = DEFAULT_MAX_CONNECTIONS) -> Connect
 
 
 def raise_connection_limits(host, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
-    """Let a host hold ``max_connections`` connections each way (issue 15's relay stall).
+    """Let a host hold ``max_connections`` connections each way (a relay stalled at 250 peers without it).
 
     py-libp2p 0.8.1 caps a host at 250 inbound connections (the swarm's inbound limiter is
     ``max_connections - min_connections`` = 300 - 50) and, in its default resource manager, at 256

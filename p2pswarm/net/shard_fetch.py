@@ -1,5 +1,5 @@
 """The downloading side of ``/p2pswarm/shard/1.0.0``: :func:`fetch_slice` and what it needs
-(sessions, the resume journal, verification on disk). Split from ``shard_transfer.py`` (issue 16);
+(sessions, the resume journal, verification on disk). Split from ``shard_transfer.py``;
 the module doc there says why the download is shaped as it is."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The serving side of ``/p2pswarm/shard/1.0.0``: :class:`ShardServer` answers token holders
 from a full model or from a worker's own slice, and the ``OUT.source`` sidecar that lets a worker
-serve its slice onwards. Split from ``shard_transfer.py`` (issue 16)."""
+serve its slice onwards. Split from ``shard_transfer.py``."""
 from __future__ import annotations
 
 import hashlib

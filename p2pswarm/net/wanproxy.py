@@ -23,7 +23,7 @@ Caps (Mbit/s): ``--mbps`` caps each link both ways; ``--up-mbps`` / ``--down-mbp
 each link ("up": from the connecting side to the target, e.g. backbone -> worker; "down": back,
 e.g. a worker's upload); ``--shared-up-mbps`` / ``--shared-down-mbps`` cap all the links of this
 process *together*, per direction, as one network card: the links are the workers', the connecting
-side is one backbone, so that is the backbone's own line (issue 32). A chunk leaves when both its
+side is one backbone, so that is the backbone's own line. A chunk leaves when both its
 link and the shared card have carried what was queued before it.
 """
 from __future__ import annotations

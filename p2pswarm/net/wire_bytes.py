@@ -1,6 +1,6 @@
 """Bytes on the wire of the expert RPC, counted where the framing hands them to the transport.
 
-Why: bandwidth, not round trips, bounds this design on real networks (issue 32): every routed
+Why: bandwidth, not round trips, bounds this design on real networks: every routed
 expert's input and output rows cross the wire each layer of each token. :class:`CountingStream`
 wraps the trio byte stream a connection's frames travel on (a TCP socket, a
 :class:`~p2pswarm.net.stream.StreamAdapter` over a libp2p stream, a direct lane's sealed stream)

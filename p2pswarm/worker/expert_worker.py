@@ -110,7 +110,8 @@ class ExpertWorker:
         return shard_info(ModelLayout.open(shard_path), kernel_id(kernel))
 
     def input_forms(self) -> list[str]:
-        """The input forms (besides float32) this worker's own kernel takes rows in (issue 32)."""
+        """The input forms (besides float32) this worker's own kernel takes rows in
+        (p2pswarm.engine.ggml_inputs: the bytes ggml would make of float32 rows anyway)."""
         forms = getattr(self.bank, "input_forms", None)
         return forms() if forms is not None else []
 

@@ -118,7 +118,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                 info = worker.info
                 reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
                          "model": info.model_fingerprint, "kernel": info.kernel, "families": list(worker.families),
-                         "input_forms": worker.input_forms(),  # rows it takes pre-quantised (issue 32)
+                         "input_forms": worker.input_forms(),  # rows it takes pre-quantised
                          "shard": shard, "layers": [info.layer_begin, info.layer_end],
                          "experts": [info.expert_begin, info.expert_end]}
                 if reason:

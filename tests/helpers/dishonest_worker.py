@@ -1,7 +1,7 @@
 """A worker node that returns wrong numbers for a fraction of its output rows (tests only).
 
 The fault is injected here, in a subclass launched as its own process, so production code has no
-"be dishonest" switch anywhere (issue 16). Everything else is the real thing: the shard, the signed
+"be dishonest" switch anywhere. Everything else is the real thing: the shard, the signed
 DHT record (truthful), the expert protocol server and the receipt store of `p2pswarm node --role
 worker`. Each output row is perturbed with probability ``--fraction`` (default 0.01, seeded by
 ``--seed``): one element moved by ``--delta``, small enough that the output still looks plausible.
