@@ -61,7 +61,8 @@ import trio
 from common import header
 from wan_swarm import WanSwarm, cpu_seconds
 
-from p2pswarm.model.synth import PRESETS, make_model
+from p2pswarm.model.synth import make_model
+from p2pswarm.model.synth_presets import PRESETS
 
 CONCURRENCY = (1, 4, 16, 64)
 

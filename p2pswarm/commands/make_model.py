@@ -13,7 +13,8 @@ from p2pswarm.progress import ProgressBar
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from p2pswarm.model.synth import ARCHES, PRESETS_BY_ARCH, QTYPES
+    from p2pswarm.model.synth import PRESETS_BY_ARCH
+    from p2pswarm.model.synth_presets import ARCHES, QTYPES
 
     def presets_text(arch: str) -> str:
         return "; ".join(

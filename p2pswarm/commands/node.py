@@ -393,7 +393,8 @@ def _default_slice_path(model: str, layers, experts) -> Path:
 async def _fetch_shard(args, net, dht, identity) -> Path:
     """Download this worker's slice from the swarm's shard sources (resumes an interrupted run;
     returns at once when the file is already complete)."""
-    from p2pswarm.net.shard_transfer import FetchStats, fetch_slice_from_swarm
+    from p2pswarm.net.shard_fetch import FetchStats
+    from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
     from p2pswarm.net.tokens import NodeToken
     from p2pswarm.progress import ProgressBar
 

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from p2pswarm.errors import ModelFormatError, UserError
 # The GGUF reader and its helpers live in gguf_read; importable from here as before.
-from p2pswarm.model.gguf_read import FastGGUFReader, field_value, get_str, open_gguf  # noqa: F401
+from p2pswarm.model.gguf_read import field_value, get_str, open_gguf
 from p2pswarm.model.split_gguf import GGUFPart, PartMap, SplitGGUFReader, is_split
 
 # Architectures whose routed experts follow the layout above.

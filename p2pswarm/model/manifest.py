@@ -26,12 +26,8 @@ from pathlib import Path
 import msgpack
 
 from p2pswarm.errors import UserError
-from p2pswarm.model.layout import (
-    EXPERT_TENSOR_RE,
-    KEY_SOURCE_FINGERPRINT,
-    ModelLayout,
-    field_value,
-)
+from p2pswarm.model.gguf_read import field_value
+from p2pswarm.model.layout import EXPERT_TENSOR_RE, KEY_SOURCE_FINGERPRINT, ModelLayout
 from p2pswarm.signatures import verify_peer_signature
 
 SAMPLE_BYTES = 4096

@@ -11,7 +11,7 @@ import multiaddr
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from p2pswarm.errors import UserError, clip, single_error  # noqa: F401  (single_error: re-exported)
+from p2pswarm.errors import UserError, clip
 
 PROTOCOL_CIRCUIT = "p2p-circuit"
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"

@@ -4,9 +4,9 @@ v2), explicit addresses, our framing.
 Everything in p2pswarm that touches libp2p goes through :func:`open_host` and :class:`NetHost`.
 The library's quirks are worked around in :mod:`p2pswarm.net.libp2p_patches` (its docstring has the
 table: trap -> patch -> regression test); ``open_host`` applies them (``libp2p_patches.apply()``,
-once per process) and uses its per-host helpers. Addresses and one-line errors live in
-:mod:`p2pswarm.net.addrs`, the trio view of a libp2p stream in :mod:`p2pswarm.net.stream`; both are
-re-exported here for existing callers.
+once per process) and uses its per-host helpers (:mod:`p2pswarm.net.libp2p_host_patches`).
+Addresses and one-line errors live in :mod:`p2pswarm.net.addrs`, the trio view of a libp2p stream
+in :mod:`p2pswarm.net.stream`.
 
 What the host itself does, and why:
 
@@ -52,8 +52,8 @@ from libp2p.tools.anyio_service import background_trio_service
 from p2pswarm import settings
 from p2pswarm.errors import UserError
 from p2pswarm.net import libp2p_host_patches, libp2p_patches
-from p2pswarm.net.addrs import (DEFAULT_LISTEN, NetError, check_listen_addrs, error_reason, id_mismatch,
-                                is_circuit_addr, is_wildcard, parse_multiaddr, parse_peer_addr, single_error)
+from p2pswarm.errors import single_error
+from p2pswarm.net.addrs import DEFAULT_LISTEN, NetError, check_listen_addrs, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr, parse_peer_addr
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.stream import DEFAULT_READ_AHEAD, StreamAdapter
 

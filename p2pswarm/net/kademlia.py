@@ -51,7 +51,8 @@ from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from p2pswarm.errors import UserError
 from p2pswarm.net import libp2p_kad_patches, libp2p_patches
-from p2pswarm.net.addrs import NetError, error_reason, single_error
+from p2pswarm.errors import single_error
+from p2pswarm.net.addrs import NetError, error_reason
 from p2pswarm.net.host import NetHost
 # the kad protocol id is ours only because of the patch that rebinds the library's constant
 from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL

@@ -243,7 +243,7 @@ async def run_storm(model_path, workdir, env: dict, cases: int, *, concurrency: 
     from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import load_or_create_identity
-    from p2pswarm.net.shard_transfer import PROTOCOL_SHARD
+    from p2pswarm.net.shard_wire import PROTOCOL_SHARD
     from p2pswarm.net.tokens import issue_token
     from p2pswarm.net.relay_token import PROTOCOL_TOKEN
 
