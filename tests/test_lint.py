@@ -1,4 +1,6 @@
-"""ruff (configured in pyproject.toml: pyflakes' checks and unused noqa) over the whole tree finds nothing; tests share code only through tests/helpers/."""
+"""ruff (configured in pyproject.toml: pyflakes' checks and unused noqa) over the whole tree finds
+nothing; tests share code only through tests/helpers/; every import follows the layer order
+docs/architecture.md draws (and the check that says so catches an upward import)."""
 from __future__ import annotations
 
 import subprocess
