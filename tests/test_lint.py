@@ -131,3 +131,18 @@ def test_layer_check_catches_an_upward_import(tmp_path):
     assert len(problems) == 2, problems
     assert problems[0].startswith("p2pswarm/model/upward.py:2: model imports p2pswarm.net.records (net: a higher"), problems
     assert problems[1].startswith("p2pswarm/worker/sideways.py:1: worker imports p2pswarm.relay.service (relay: its own"), problems
+
+
+def test_only_the_p2pswarm_package_is_installed():
+    """pip installs p2pswarm and its subpackages, nothing beside it: the relay service is
+    p2pswarm.relay (the top-level relay/ folder holds its deployment notes, no code), so no
+    top-level ``relay`` package lands in site-packages to shadow another project's."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = find_packages(str(REPO), include=include)
+    assert "p2pswarm.relay" in packages and "p2pswarm.net" in packages, packages
+    assert all(p == "p2pswarm" or p.startswith("p2pswarm.") for p in packages), packages
+    assert not list((REPO / "relay").glob("*.py")), "relay/ holds no code: the service is p2pswarm/relay"
