@@ -36,6 +36,8 @@ import numpy as np
 from common import header
 
 from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_experts
+from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.experts import ExpertBank
 from p2pswarm.model.gguf_out import GGUFLayout, kv_string, kv_uint32, pad
 from p2pswarm.model.layout import ModelLayout
@@ -114,7 +116,7 @@ class LlamaMoe:
             f = getattr(base, name)
             f.restype, f.argtypes = res, args
         self.base = base
-        self.runner = gk.GgmlRunner(lib, threads)
+        self.runner = ggml_runner.GgmlRunner(lib, threads)
         data = layout.reader.data
         tensors = layout.expert_tensors[0]
         self.wctx = lib.init(gk._InitParams(16 * lib.tensor_overhead_bytes, None, True))
@@ -136,7 +138,7 @@ class LlamaMoe:
                 off += sizes[k]
             self.w = made
         else:
-            self.mapped = gk.MappedWeights(lib, data, "bench")
+            self.mapped = ggml_runner.MappedWeights(lib, data, "bench")
             for k, t in tensors.items():
                 flat = self.mapped.tensor(int(t.ggml_type), t.shape[2], t.shape[1] * t.shape[0], t.data_offset, k)
                 self.w[k] = base.ggml_reshape_3d(self.mapped._ctxs[-1], flat, t.shape[2], t.shape[1], t.shape[0])
@@ -148,7 +150,7 @@ class LlamaMoe:
             ctx = r.context(4 * n * (3 * E + 3 * FF) + 4096, 16)
             graph = lib.new_graph_custom(ctx, 64, False)
             xt = b.ggml_new_tensor_3d(ctx, gk.GGML_TYPE_F32, E, 1, n)
-            gk.f32_view(lib, xt, (n, E))[...] = x
+            ggml_runner.f32_view(lib, xt, (n, E))[...] = x
             ids = lib.new_tensor_2d(ctx, gk.GGML_TYPE_I32, 1, n)
             ids_ptr = ctypes.cast(lib.get_data(ids), ctypes.POINTER(ctypes.c_int32))
             np.ctypeslib.as_array(ids_ptr, shape=(n,))[...] = expert
@@ -158,7 +160,7 @@ class LlamaMoe:
             out = b.ggml_mul_mat_id(ctx, self.w["down"], h, ids)
             lib.build_forward_expand(graph, out)
             r.compute(graph, 1 << 40)
-            res = gk.f32_view(lib, out, (n, E)).copy()
+            res = ggml_runner.f32_view(lib, out, (n, E)).copy()
         return res
 
 
@@ -200,7 +202,7 @@ def bench_file(path: Path, label: str, threads: int, repeat: int) -> str:
     layout = ModelLayout.open(path)
     experts = list(range(layout.n_expert))
     rng = np.random.default_rng(1)
-    ggml_bank = gk.GgmlExpertBank(layout, threads=threads)
+    ggml_bank = ggml_experts.GgmlExpertBank(layout, threads=threads)
     numpy_bank = ExpertBank(layout, cache_bytes=16 << 30)
     numpy_experts = experts[:8]  # 8 x 37.7 MB of float32: past the cache, and the RAM stays modest
     llama_plain = LlamaMoe(lib, layout, threads, repack=False)
@@ -249,7 +251,7 @@ def decode_section(path: Path, label: str, threads: int, rounds: int = 4) -> str
     layout = ModelLayout.open(path)
     experts = list(range(layout.n_expert))
     counts = sorted({1, threads})
-    banks = {t: gk.GgmlExpertBank(layout, threads=t) for t in counts}
+    banks = {t: ggml_experts.GgmlExpertBank(layout, threads=t) for t in counts}
     x = np.random.default_rng(0).standard_normal((1, E)).astype(np.float32)
     best: dict[str, float] = {}
     jobs = {"stream": lambda: stream_time(layout, experts, threads, 3)}

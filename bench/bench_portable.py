@@ -45,7 +45,7 @@ def per_call_cpu(fn, experts: list[int], repeat: int) -> tuple[float, float]:
         best_w = min(best_w, (time.perf_counter() - w) / len(experts))
         best_c = min(best_c, (time.process_time() - c) / len(experts))
     return best_w, best_c
-from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_experts
 from p2pswarm.engine.portable_kernel import PortableExpertBank
 from p2pswarm.model.layout import ModelLayout
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     for label, down in (("Q4_K gate/up/down", Q4_K), ("Q4_K gate/up, Q6_K down", Q6_K)):
         path = write_expert_file(tmp / f"experts-{down}-{args.experts}.gguf", down, args.experts)
         layout = ModelLayout.open(path)
-        g = gk.GgmlExpertBank(layout, threads=args.threads)
+        g = ggml_experts.GgmlExpertBank(layout, threads=args.threads)
         p = PortableExpertBank(layout, threads=args.threads, implementation="c")
         experts = list(range(args.experts))
         data = layout.reader.data

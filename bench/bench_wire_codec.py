@@ -1,4 +1,4 @@
-"""Would a lossless codec pay on the expert RPC's float32 output rows? (issue 32 item 2)
+"""Would a lossless codec pay on the expert RPC's float32 output rows?
 
 Runs the backbone alone on a synthetic model (``--preset``; the geometry-122b one at 1 layer by
 default) over a prompt and decode steps, records every expert call's output rows (float32, as a
@@ -40,7 +40,7 @@ def unplanes(b: bytes) -> bytes:
 def codecs() -> dict:
     out = {"zlib-1": (lambda b: zlib.compress(b, 1), zlib.decompress)}
     try:
-        import zstandard  # noqa: PLC0415
+        import zstandard
 
         c1, c3, d = zstandard.ZstdCompressor(level=1), zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
         out["zstd-1"] = (c1.compress, d.decompress)
@@ -48,7 +48,7 @@ def codecs() -> dict:
     except ImportError:
         pass
     try:
-        import lz4.frame  # noqa: PLC0415
+        import lz4.frame
 
         out["lz4"] = (lz4.frame.compress, lz4.frame.decompress)
     except ImportError:

@@ -14,7 +14,10 @@ import pytest
 import trio
 from libp2p.kad_dht.common import PROTOCOL_ID as LIB_PROTOCOL_ID
 
-from p2pswarm.net.dht import (KAD_PROTOCOL, CoverageResolver, ShardAdvertiser, open_dht)
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.coverage import CoverageResolver
+from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecord, ShardEntry, node_record_key, units_for
@@ -335,7 +338,7 @@ def test_replicas_are_counted_per_expert():
     """Workers holding experts 0-5, 6-10 and 11-15 touch both 8-expert blocks twice, yet every
     expert has one copy: each unit is covered once. A replica of 0-5 does not change that (experts
     6-7 still have one); a second copy of 6-15 makes block 1 twice covered."""
-    from p2pswarm.net.dht import CoverageMap, OwnerInfo
+    from p2pswarm.net.coverage import CoverageMap, OwnerInfo
     from p2pswarm.net.records import CoverageUnit
 
     def owner(e0: int, e1: int) -> OwnerInfo:

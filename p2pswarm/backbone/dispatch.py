@@ -353,7 +353,7 @@ class Dispatcher:
         async def probe() -> None:
             try:
                 await owner.compute(layer, rows, local_groups)
-            except Exception as exc:  # noqa: BLE001 - a probe must never crash the run (a system task)
+            except Exception as exc:  # a probe must never crash the run (a system task)
                 self._down_until[owner.name] = time.monotonic() + self.backoff_s
                 log.info("probe of worker %s on layer %d failed (%s): avoiding it for %.0f s",
                          owner.name, layer, exc, self.backoff_s)

@@ -12,7 +12,7 @@ its signed DHT record announced (and we send it, so the worker refuses a backbon
 another shard), as well as our protocol version, model fingerprint and kernel.
 
 :class:`SwarmOwners` keeps one owner per (peer, shard) in step with a
-:class:`~p2pswarm.net.dht.CoverageResolver`'s map, and keeps the list it hands the dispatcher
+:class:`~p2pswarm.net.coverage.CoverageResolver`'s map, and keeps the list it hands the dispatcher
 sorted by load and measured round-trip time, so the dispatcher - which takes the first healthy
 owner holding an expert - picks the least busy, nearest replica.
 
@@ -34,7 +34,8 @@ from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.addrs import is_circuit_addr
 from p2pswarm.net.direct import open_direct
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.host import PROTOCOL_EXPERT, NetHost
+from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.host import NetHost
 from p2pswarm.net.wire_bytes import CountingStream
 
 log = logging.getLogger("p2pswarm.backbone")

@@ -337,7 +337,7 @@ class Scheduler:
                     continue
                 try:
                     await self.step()
-                except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang every client
+                except Exception as exc:  # a bug in a step must not hang every client
                     log.exception("a scheduler step failed; failing its %d sequences", len(self._active))
                     for seq in self._active:
                         if not seq.done:
@@ -450,7 +450,7 @@ class Scheduler:
         async def run_part(idx: list[int]) -> None:
             try:
                 out = await self.backbone.forward_batch([(chunks[i], batch[i].state) for i in idx], last_only=True)
-            except Exception as exc:  # noqa: BLE001 - these requests get the error, the loop goes on
+            except Exception as exc:  # these requests get the error, the loop goes on
                 out = [exc] * len(idx)
             for i, o in zip(idx, out):
                 results[i] = o

@@ -272,7 +272,7 @@ class SocketOwner(Owner):
             with trio.move_on_after(max(0.0, t0 + self.timeout_s - time.perf_counter())):
                 payload = await self._await_reply(gen, reader, ticket)
                 ok = payload is not None and proto.unpack(payload).get("id") == rid
-        except Exception:  # noqa: BLE001 - whatever went wrong, the connection is no longer trusted
+        except Exception:  # whatever went wrong, the connection is no longer trusted
             ok = False
         if not ok:
             if gen == self._gen:  # (an exception here would end the whole trio run: a system task)

@@ -31,8 +31,10 @@ from p2pswarm.market.receipts import ContributionLedger, ReceiptIssuer
 from p2pswarm.market.verify import DEFAULT_VERIFY_RATE, Verifier
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.dht import CoverageResolver, open_dht
-from p2pswarm.net.host import DEFAULT_LISTEN, NetHost, open_host
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.coverage import CoverageResolver
+from p2pswarm.net.addrs import DEFAULT_LISTEN
+from p2pswarm.net.host import NetHost, open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 

@@ -72,7 +72,7 @@ def _auto_or_positive(text: str):
         return text
     try:
         return positive_int(text)
-    except Exception:  # noqa: BLE001 - argparse's error, with our wording
+    except Exception:  # argparse's error, with our wording
         import argparse
 
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}") from None
@@ -182,7 +182,8 @@ def add_parser(sub) -> None:
 
 async def _worker(args) -> None:
     from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.dht import ShardAdvertiser, open_dht
+    from p2pswarm.market.swarm_dht import open_dht
+    from p2pswarm.net.advertiser import ShardAdvertiser
     from p2pswarm.net.host import open_host
     from p2pswarm.market.receipts import ReceiptStore, default_receipts_dir
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
@@ -374,8 +375,8 @@ async def _serve_shards(args, swarm, nursery) -> None:
 
 
 def _load_shard(path, args):
-    from p2pswarm.net.records import ShardEntry, worker_shard_hash
-    from p2pswarm.worker.expert_worker import ExpertWorker
+    from p2pswarm.net.records import ShardEntry
+    from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 
     worker = ExpertWorker(path, kernel=args.kernel, threads=args.threads)
     info = worker.info
@@ -392,7 +393,8 @@ def _default_slice_path(model: str, layers, experts) -> Path:
 async def _fetch_shard(args, net, dht, identity) -> Path:
     """Download this worker's slice from the swarm's shard sources (resumes an interrupted run;
     returns at once when the file is already complete)."""
-    from p2pswarm.net.shard_transfer import FetchStats, fetch_slice_from_swarm
+    from p2pswarm.net.shard_fetch import FetchStats
+    from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
     from p2pswarm.net.tokens import NodeToken
     from p2pswarm.progress import ProgressBar
 
@@ -422,8 +424,8 @@ async def _start_relay_keeper(args, net, dht_of: list):
     """Reserve on one of ``--relay`` (or a relay found in the DHT) now (one-line error if none takes
     us); returns the keeper, whose ``keep()`` then holds the reservation (renewals, reconnects after a
     relay restart, a move to another relay when this one is gone)."""
-    from relay.client import RelayKeeper
-    from relay.discovery import find_relays
+    from p2pswarm.net.relay_client import RelayKeeper
+    from p2pswarm.net.relay_discovery import find_relays
 
     async def discover(exclude: set[str]) -> list[str]:
         return await find_relays(dht_of[0], exclude=exclude) if dht_of else []
@@ -582,7 +584,7 @@ def run(args) -> int:
     if args.relay:
         if args.role != "worker":
             raise UserError("--relay is for workers behind NAT (backbones dial relayed workers by themselves)")
-        from p2pswarm.net.host import parse_peer_addr
+        from p2pswarm.net.addrs import parse_peer_addr
         from p2pswarm.net.tokens import load_token
 
         args.relay_auto = "auto" in args.relay

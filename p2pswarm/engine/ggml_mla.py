@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, _i32_view, f32_view
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES
+from p2pswarm.engine.ggml_runner import _i32_view, f32_view
 from p2pswarm.engine.mla import YARN_BETA_FAST, YARN_BETA_SLOW
 
 
@@ -137,7 +138,7 @@ def attention_rows(model, il: int, qcur: np.ndarray, segs) -> np.ndarray:
     ``(cache rows (S, Rkv + rope) incl. this call's, pos0, n)``, softmax(kq_scale * K Q) over the
     cache padded to :func:`~p2pswarm.engine.ggml_attention.kv_span` positions (masked), the values
     the cache's latent part, then each head's attn_v_b."""
-    from p2pswarm.engine.ggml_attention import kv_span  # noqa: PLC0415 - one padding rule for both
+    from p2pswarm.engine.ggml_attention import kv_span  # one padding rule for both
 
     dense = model.w.ggml_dense
     runner, lib = dense.runner, dense.runner.lib

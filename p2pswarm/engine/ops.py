@@ -43,7 +43,7 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def matmuls(x: np.ndarray, ws: list) -> list[np.ndarray]:
     """``[matmul(x, W) for W in ws]``, with the weights ggml holds in the memory map multiplied in
     one ggml graph (:func:`~p2pswarm.engine.ggml_dense.fused_matmuls`; same bits as one by one)."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix, fused_matmuls  # noqa: PLC0415 - optional kernel
+    from p2pswarm.engine.ggml_dense import QuantisedMatrix, fused_matmuls  # optional kernel
 
     out: list = [None] * len(ws)
     by_runner: dict[int, list[int]] = {}
@@ -94,7 +94,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int) -> np.nd
     per query head, and no mask where every key is visible (a decode row). Why: this runs once per
     sequence per attention layer on the backbone; the form with ``np.repeat`` and an explicit
     mask took 44 us (5 cached positions) to 2 ms (1,000) per decode row, this one 19-140 us
-    (2026-12-02).
+    (docs/benchmarks.md, "ops.attention without np.repeat").
     """
     T, H, hd = q.shape
     S, Hkv, _ = k.shape
@@ -130,7 +130,7 @@ def swiglu_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: n
     Weights ggml holds in the memory map run as one ggml graph with ggml's SwiGLU (llama.cpp's
     numerics, as the routed experts already are); float32 arrays are multiplied here."""
     if type(w_gate).__name__ == "QuantisedMatrix":
-        from p2pswarm.engine.ggml_dense import fused_swiglu  # noqa: PLC0415 - optional kernel
+        from p2pswarm.engine.ggml_dense import fused_swiglu  # optional kernel
 
         got = fused_swiglu(x, w_gate, w_up, w_down)
         if got is not None:

@@ -82,7 +82,7 @@ async def collect_last_receipts(net, backbones, store, *, timeout_s: float = LAS
                 seqs.append(r.seq)
             await send_frame(stream, proto.pack({"op": "stored", "seqs": seqs}), DEFAULT_MAX_FRAME)
             stored += len(seqs)
-        except Exception as exc:  # noqa: BLE001 - a courtesy on the way out: never blocks the exit
+        except Exception as exc:  # a courtesy on the way out: never blocks the exit
             log.info("no last receipts from backbone %s: %s", peer, clip(exc, 200))
         finally:
             if stream is not None:

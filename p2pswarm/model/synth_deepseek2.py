@@ -172,7 +172,7 @@ def write_keys(w, p: DeepSeek2Preset) -> None:
 def plan(dims: DeepSeek2Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
          router_near_tie: bool) -> list:
     """The tensors of a deepseek2 model, in file order (llama.cpp's names and shapes)."""
-    from p2pswarm.model.synth_tensors import TensorPlan, _type_size  # noqa: PLC0415 (no import cycle)
+    from p2pswarm.model.synth_tensors import TensorPlan, _type_size  # no import cycle
 
     g = _gguf()
     Q = g.GGMLQuantizationType

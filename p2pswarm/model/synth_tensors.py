@@ -1,7 +1,7 @@
 """What a synthetic model's tensors are and their bytes: the plan of both architectures (name,
 shape, type, scale of every tensor), random but valid Q4_K blocks, and the seeded chunked generator.
 
-Split from ``synth.py`` (issue 16); the weight-scaling rule is in that module's docstring.
+Split from ``synth.py``; the weight-scaling rule is in that module's docstring.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
     g = _gguf()
     Q = g.GGMLQuantizationType
     if plan.kind in ("kv_b_k", "kv_b_v"):  # deepseek2's split MLA tensors: cut from one attn_kv_b
-        from p2pswarm.model.synth_deepseek2 import kv_b_part  # noqa: PLC0415
+        from p2pswarm.model.synth_deepseek2 import kv_b_part
 
         name, shape, kind, std = plan.parts[0]
         whole = np.concatenate([np.asarray(c) for c in _tensor_chunks(
@@ -256,7 +256,7 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
             yield random_q4_k_blocks(rng, n * inner // QK_K, plan.std)
             continue
         if plan.gtype == Q.MXFP4:  # gpt-oss experts (p2pswarm.model.synth_gptoss)
-            from p2pswarm.model.synth_gptoss import MXFP4_BLOCK, random_mxfp4_blocks  # noqa: PLC0415
+            from p2pswarm.model.synth_gptoss import MXFP4_BLOCK, random_mxfp4_blocks
 
             yield random_mxfp4_blocks(rng, n * inner // MXFP4_BLOCK, plan.std)
             continue

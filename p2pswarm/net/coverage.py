@@ -2,6 +2,7 @@
 :class:`CoverageMap`). Resolution rules: docs/protocol.md "Resolution (backbone)"."""
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -324,7 +325,7 @@ class CoverageResolver:
                       len(todo) + len(explicit or []), len(records), len(self._known), self.stats.last_refresh_s)
         if self.on_change is not None:
             res = self.on_change(self.map)
-            if hasattr(res, "__await__"):
+            if inspect.isawaitable(res):
                 await res
         return self.map
 

@@ -1,6 +1,6 @@
 """Messages of the expert RPC, one msgpack map per frame (see docs/protocol.md).
 
-Shared by every transport (local sockets now, libp2p streams later). Arrays travel as raw
+Shared by every transport (local sockets, libp2p streams, a direct lane). Arrays travel as raw
 little-endian bytes with their dtype and shape beside them; a row that several experts of one owner
 need is sent once (``rows`` holds the distinct rows, ``index`` says which rows each expert takes).
 """
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from p2pswarm.engine.ggml_inputs import INPUT_FORMS
 from p2pswarm.errors import FrameError, clip
 from p2pswarm.net import wire_precision
 
@@ -20,13 +21,10 @@ PROTOCOL_VERSION = 1
 #: transport needs no libp2p.
 PROTOCOL_EXPERT = "/p2pswarm/expert/1.0.0"
 ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
-#: Forms a compute request's input rows may take instead of float32 (issue 32): ggml's own
-#: quantised layouts, name -> (ggml type, values per block, bytes per block). A worker's hello
-#: lists those it takes ("input_forms"; an older worker none: it gets float32); a request's rows map
-#: then has that name as its "dtype", the shape in values (n, n_embd) and n * row bytes of data.
-#: Each is what ggml itself turns float32 rows into before the mat-mul (p2pswarm.engine.ggml_inputs).
-INPUT_FORMS = {"q8_K": (15, 256, 292), "q8_0": (8, 32, 34), "q8_1": (9, 32, 36), "f16": (1, 1, 2),
-               "bf16": (30, 1, 2)}
+# Input rows may also travel in one of ggml's quantised forms (:data:`INPUT_FORMS`, defined with
+# the kernel that makes them): a worker's hello lists those it takes ("input_forms"; an older worker
+# none: it gets float32); a request's rows map then has that name as its "dtype", the shape in
+# values (n, n_embd) and n * row bytes of data.
 #: The longest kernel id a node record, a hello or a compute request's family may carry. A ggml id
 #: names the library and every SIMD code path its CPU build selects ("ggml-0.25.3-0c1e570/x86_64+
 #: sse3+...+amx_int8+llamafile"): 131 characters on a CPU with AVX-512 and AMX, 212 were every
@@ -87,7 +85,7 @@ def rows_to_wire(rows: np.ndarray, form: str | None) -> dict:
 def rows_from_wire(d: object) -> tuple[np.ndarray, str | None]:
     """(rows, form): float32 (n, n_embd) and None, or (n, row bytes) uint8 and the form's name."""
     form = d.get("dtype") if isinstance(d, dict) else None
-    if not isinstance(form, str) or form not in INPUT_FORMS:  # a fuzzed dtype may be any msgpack value
+    if not isinstance(d, dict) or not isinstance(form, str) or form not in INPUT_FORMS:  # fuzzed: any msgpack value
         return array_from_wire(d, "rows"), None
     shape, data = d.get("shape"), d.get("data")
     _, block, block_bytes = INPUT_FORMS[form]

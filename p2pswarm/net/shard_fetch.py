@@ -1,5 +1,5 @@
 """The downloading side of ``/p2pswarm/shard/1.0.0``: :func:`fetch_slice` and what it needs
-(sessions, the resume journal, verification on disk). Split from ``shard_transfer.py`` (issue 16);
+(sessions, the resume journal, verification on disk). Split from ``shard_transfer.py``;
 the module doc there says why the download is shaped as it is."""
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import trio
 
 from p2pswarm.errors import FrameError, UserError, clip, leaves
-from p2pswarm.model.layout import ModelLayout, field_value
+from p2pswarm.model.gguf_read import field_value
+from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import ManifestError, ModelManifest
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.shard_server import _write_source_sidecar

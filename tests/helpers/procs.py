@@ -161,7 +161,7 @@ def start_shard_workers(model, tmp_path, env, ranges, bootstrap: str, extra=()) 
     """One `p2pswarm node --role worker` per expert range (all layers), each with its own shard
     cut from ``model`` and its own key, found through ``bootstrap``. Stops the started ones if a
     later one fails."""
-    from p2pswarm.model.slicer import slice_experts  # noqa: PLC0415
+    from p2pswarm.model.slicer import slice_experts
 
     workers: list[Proc] = []
     try:
@@ -181,7 +181,7 @@ def assert_swarm_logits_exact(model, tokens: str, swarm: str, tmp_path, env, *, 
                               kernel: str = "numpy") -> dict:
     """`logits --swarm` equals the monolithic run bit for bit, and the workers computed it (no
     fallback, remote requests made). Returns the swarm run's --json stats."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     flag = ["--decode"] if decode else []
     mono, out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"

@@ -45,7 +45,7 @@ class Glm4MoE(Qwen3MoE):
 
     arch = "glm4moe"
 
-    def __init__(self, layout: ModelLayout):  # noqa: PLR0915 - one check per key, in order
+    def __init__(self, layout: ModelLayout):  # one check per key, in order
         self.layout = layout
         path = layout.path
 
