@@ -45,7 +45,7 @@ from p2pswarm.backbone.metrics import BackboneMetrics, wire_summary
 from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.status_page import SwarmView, status_html
-from p2pswarm.errors import UserError
+from p2pswarm.errors import InternalError, PeerError, UserError
 from p2pswarm.http_server import serve_asgi
 
 log = logging.getLogger("p2pswarm.http")
@@ -99,7 +99,8 @@ class CompletionsApp:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             ],
-            exception_handlers={APIError: _api_error, UserError: _user_error, HTTPException: _http_error,
+            exception_handlers={APIError: _api_error, UserError: _user_error, PeerError: _peer_error,
+                                InternalError: _internal_error, HTTPException: _http_error,
                                 Exception: _server_error})
 
     # -- the one place generation starts ---------------------------------------------------------
@@ -360,6 +361,19 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 async def _user_error(request: Request, exc: UserError) -> Response:
     """Input the model cannot take (a lone surrogate in the text, a token id out of range): a 400."""
     return JSONResponse(bad_request(str(exc)).body(), status_code=400)
+
+
+async def _peer_error(request: Request, exc: PeerError) -> Response:
+    """A peer failed us where no fallback could (the client's request was fine): a 502, logged
+    with the peer."""
+    log.warning("%s %s failed: peer %s: %s", request.method, request.url.path, exc.peer or "?", exc)
+    return JSONResponse(APIError(502, f"a peer failed: {exc}", type="server_error").body(), status_code=502)
+
+
+async def _internal_error(request: Request, exc: InternalError) -> Response:
+    """Our fault or the installation's: a 500 that says what, logged."""
+    log.error("%s %s failed: %s", request.method, request.url.path, exc)
+    return JSONResponse(APIError(500, str(exc), type="server_error").body(), status_code=500)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

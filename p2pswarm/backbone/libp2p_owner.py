@@ -29,7 +29,7 @@ import trio
 
 from p2pswarm.backbone.socket_owner import SocketOwner, reply_families, reply_input_forms
 from p2pswarm.engine import kernels
-from p2pswarm.errors import FrameError, UserError, WorkerError
+from p2pswarm.errors import FrameError, SwarmError, WorkerError
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.addrs import is_circuit_addr
 from p2pswarm.net.direct import open_direct
@@ -103,7 +103,7 @@ class Libp2pOwner(SocketOwner):
         try:
             stream = await self.net.open_stream(self.info.peer_info(), PROTOCOL_EXPERT,
                                                 timeout_s=self.connect_timeout_s)
-        except UserError as exc:  # NetError, bad address
+        except SwarmError as exc:  # NetError, bad address
             raise WorkerError(f"{self.name} unreachable: {exc}") from None
         stream = CountingStream(stream, self.wire)
         reader = FrameReader(stream, self.max_frame)

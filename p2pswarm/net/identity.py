@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from p2pswarm import settings
-from p2pswarm.errors import UserError, clip
+from p2pswarm.errors import SwarmError, UserError, clip
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -240,5 +240,5 @@ def verify_peer_signature(peer_id, data: bytes, signature: bytes) -> bool:
     try:
         peer_public_key(peer_id).verify(signature, data)
         return True
-    except (InvalidSignature, UserError, ValueError, TypeError):
+    except (InvalidSignature, SwarmError, ValueError, TypeError):
         return False

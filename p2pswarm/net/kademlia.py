@@ -47,7 +47,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.net import libp2p_patches
 from p2pswarm.net.addrs import NetError, error_reason, single_error
 from p2pswarm.net.host import NetHost
@@ -165,7 +165,7 @@ class SwarmDHT:
             for text in addrs:
                 try:
                     pid = await self.net.connect(text, timeout_s=min(10.0, timeout_s))
-                except (NetError, UserError) as exc:
+                except (NetError, SwarmError) as exc:
                     log.warning("bootstrap %s unreachable: %s", text, exc)
                     why = why or str(exc)
                     continue

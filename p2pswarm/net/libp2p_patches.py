@@ -114,7 +114,7 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig, RetryConfig
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import InternalError, UserError
 from p2pswarm.net.addrs import error_reason, is_circuit_addr
 
 log = logging.getLogger("p2pswarm.net")
@@ -154,7 +154,7 @@ _TARGETS = (
 _applied = False
 
 
-class PatchError(UserError):
+class PatchError(InternalError):
     """The installed py-libp2p lacks something a workaround replaces: the patch needs updating."""
 
 
