@@ -40,7 +40,7 @@ from starlette.routing import Route
 
 from p2pswarm.backbone.chat import ChatError, ChatTemplate, read_chat_template
 from p2pswarm.backbone.completion import GenParams, Usage, generate_text, parse_params
-from p2pswarm.backbone.generate import generate
+from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.metrics import BackboneMetrics, wire_summary
 from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
 from p2pswarm.backbone.runner import Backbone
@@ -61,11 +61,11 @@ class CompletionsApp:
 
     def __init__(self, backbone: Backbone, tokenizer, model_name: str, fingerprint: str, *,
                  model_path=None, view: SwarmView | None = None, chat_template: str | None = None,
-                 scheduler=None):
+                 scheduler: Scheduler | None = None):
         self.backbone = backbone
-        # The continuous-batching Scheduler (p2pswarm.backbone.scheduler, the throughput work):
-        # every request of both endpoints then shares decode steps. None: one generate() each.
-        self.scheduler = scheduler
+        # The continuous-batching Scheduler: every request of both endpoints shares decode steps
+        # (and is replayed on a ban). Default: one with the default settings; serve_http runs it.
+        self.scheduler = scheduler if scheduler is not None else Scheduler(backbone, tokenizer)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.fingerprint = fingerprint
@@ -82,12 +82,11 @@ class CompletionsApp:
             if view is None:
                 view = SwarmView.for_backbone(backbone, layout)
         self.view = view
-        self._generating = 0
         self.in_flight = 0  # requests whose response is not finished (a stream: until its last event)
         self.draining = False  # stopping: new requests are refused
         self.cutting = False  # the drain period is over: running generations end at their next token
         self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active,
-                                       getattr(backbone, "replays", None))
+                                       backbone.replays)
         self.app = Starlette(
             routes=[
                 Route("/", self._status_page),
@@ -107,28 +106,17 @@ class CompletionsApp:
     @property
     def active(self) -> int:
         """Sequences generating now."""
-        return self.scheduler.active if self.scheduler is not None else self._generating
+        return self.scheduler.active
 
     @asynccontextmanager
     async def open_generation(self, prompt_ids: list[int], *, max_tokens: int, sampler, request_id=None):
-        """Token steps (``generate.Step``) for one request: through the scheduler when there is
-        one (``scheduler.submit``; leaving the block early cancels the sequence; a replay on ban
-        shows up as a ``Rewind`` among the steps), else a ``generate()`` of its own (no replay)."""
+        """Token steps (``generate.Step``) for one request, through the scheduler
+        (``scheduler.submit``; leaving the block early cancels the sequence; a replay on ban shows
+        up as a ``Rewind`` among the steps)."""
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        if self.scheduler is not None:
-            from p2pswarm.backbone.scheduler import Params  # the throughput work's module
-
-            params = Params(max_tokens=max_tokens, sampler=sampler, request_id=request_id)
-            async with self.scheduler.submit(prompt_ids, params, rewinds=True) as steps:
-                yield self._cuttable(steps)
-            return
-        steps = generate(self.backbone, self.tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler)
-        self._generating += 1
-        try:
+        params = Params(max_tokens=max_tokens, sampler=sampler, request_id=request_id)
+        async with self.scheduler.submit(prompt_ids, params, rewinds=True) as steps:
             yield self._cuttable(steps)
-        finally:
-            self._generating -= 1
-            await steps.aclose()
 
     async def _cuttable(self, steps):
         """``steps``, ending with a 503 :class:`APIError` at the first token after the drain period
@@ -196,14 +184,14 @@ class CompletionsApp:
     async def _health(self, request: Request) -> Response:
         stats = self.backbone.dispatcher.stats
         sched = self.scheduler
-        generated = sched.stats.generated if sched else self.metrics.total_tokens
+        generated = sched.stats.generated
         return JSONResponse({"status": "draining" if self.draining else "ok", "model": self.model_name,
                              "fingerprint": self.fingerprint,
                              "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
                              "active_sequences": self.active, "chat_template": self.chat is not None,
                              "generated_tokens": generated,
-                             "steps": sched.stats.steps if sched else None,
-                             "micro_batches": sched.last_micro_batches if sched else None,
+                             "steps": sched.stats.steps,
+                             "micro_batches": sched.last_micro_batches,
                              "dense_s": self.backbone.timing.dense_s,
                              "dense_busy_s": self.backbone.timing.busy_s,
                              "dispatch_wait_s": self.backbone.timing.wait_s,
@@ -408,11 +396,10 @@ async def _read_json(request: Request) -> dict:
 
 async def serve_http(app: CompletionsApp, host_or_socket, port: int | None = None, *,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` (and run its scheduler's step loop, if it has one) until cancelled on
+    """Serve ``app`` (and run its scheduler's step loop) until cancelled on
     ``host``:``port``, or on an already bound listening socket; ``task_status.started`` gets the
     bound addresses."""
     async with trio.open_nursery() as nursery:
-        if app.scheduler is not None:
-            await nursery.start(app.scheduler.run)
+        await nursery.start(app.scheduler.run)
         binds = await nursery.start(partial(serve_asgi, app, host_or_socket, port, logger="p2pswarm.http.server"))
         task_status.started(binds)

@@ -28,6 +28,7 @@ import time
 import trio
 
 from p2pswarm.backbone.socket_owner import SocketOwner, reply_families, reply_input_forms
+from p2pswarm.contracts import OwnerStatus
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, SwarmError, WorkerError
 from p2pswarm.net import expert_protocol as proto
@@ -84,6 +85,13 @@ class Libp2pOwner(SocketOwner):
     @property
     def shard(self) -> str:
         return self.info.shard.shard
+
+    def status(self) -> OwnerStatus:
+        return OwnerStatus(
+            peer=self.peer, addrs=list(self.info.addrs or ()), rtt_s=self.rtt_s, refused=self.refused,
+            relayed=self.relayed and self.lane != "direct", lane=self.lane, load=self.inflight,
+            requests=self.requests, failures=self.failures, wire=self.wire.as_dict(),
+            kernel=self.info.record.kernel or self.kernel)
 
     def update(self, info) -> None:
         """A newer record of the same (peer, shard): new addresses or ranges take effect at once;

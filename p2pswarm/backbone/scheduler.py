@@ -57,7 +57,6 @@ before the ban cannot be fixed: it is logged (request id, worker) and counted
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -68,9 +67,11 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from p2pswarm.backbone.generate import Rewind, Step
-from p2pswarm.backbone.runner import Backbone, banned_taint, tokens_kept
+from p2pswarm.backbone.generate import Step
+from p2pswarm.backbone.replay import Rewind, TokenReplay
+from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.engine.state import SequenceState
 
 log = logging.getLogger("p2pswarm.scheduler")
 __all__ = ["Params", "Request", "Rewind", "Scheduler", "SchedulerStats", "SequenceRewound", "Step"]
@@ -189,14 +190,13 @@ class _Sequence:
         self.prompt = prompt
         self.params = params
         self.sampler = params.sampler or Sampler(0.0)
-        self.sampler0 = copy.deepcopy(self.sampler)  # as it was before any draw: a replay restarts it
+        #: the tokens generated so far, the sampler's initial copy, and while a replay on ban runs,
+        #: the kept tokens still to be re-derived (p2pswarm.backbone.replay)
+        self.replay = TokenReplay(self.sampler, len(prompt))
         self.tokenizer = tokenizer
         self.send = send
         self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
-        self.tokens: list[int] = []  # every token generated so far (replay: the kept ones)
-        self.forced = 0  # replaying: tokens 0..forced-1 are re-derived, checked, not sent again
-        self.replay_peer = ""  # the banned worker the last replay was for
-        self.state = None
+        self.state: SequenceState | None = None
         self.fed = 0  # prompt tokens fed so far
         self.next_token: int | None = None  # the sampled token to feed next step
         self.n_out = 0
@@ -508,40 +508,33 @@ class Scheduler:
                 log.warning("%d requests that finished before worker %s was banned used its unverified outputs "
                             "and cannot be replayed (their output may differ from monolithic); latest: %s",
                             n, peer, ", ".join(ids))
-        rewound = set()
-        for s in self._active:
-            if s.done or s.cancelled or s.state is None:
-                continue
-            hit = banned_taint(s.state, disp.banned)
-            if hit is not None:
-                self._rewind(s, *hit)
-                rewound.add(s.sid)
-        return rewound
+        return {s.sid for s in self._active
+                if not (s.done or s.cancelled or s.state is None) and self._rewind(s)}
 
-    def _rewind(self, s: _Sequence, pos: int, peer: str) -> None:
-        """Back to the last clean point: keep the tokens produced from positions < ``pos``."""
-        sent = len(s.tokens)  # what the client has (a replay under way re-derives some of them)
-        keep = tokens_kept(pos, len(s.prompt), sent)
-        self.backbone.replays.note(f"request {s.request_id}", pos, peer, rows=len(s.prompt) + keep, kept=keep,
-                                   sent=sent)
-        s.replay_peer = peer
-        if sent > keep:
-            self._withdraw(s, keep, peer)
-        del s.tokens[keep:]
-        s.forced = keep
+    def _rewind(self, s: _Sequence) -> bool:
+        """Back to the last clean point (:meth:`TokenReplay.rewind`): keep the tokens produced from
+        clean positions; False when the sequence is clean."""
+        assert s.state is not None
+        rewound = s.replay.rewind(s.state, self.backbone.dispatcher.banned, self.backbone.replays,
+                                  f"request {s.request_id}")
+        if rewound is None:
+            return False
+        s.sampler, withdrawn = rewound
+        if withdrawn is not None:
+            self._withdraw(s, withdrawn)
         s.state = self.backbone.new_state()
         s.fed = 0
         s.next_token = None
         s.n_out = 0
-        s.sampler = copy.deepcopy(s.sampler0)
         s.decoder = s.tokenizer.stream_decoder() if s.tokenizer is not None else None
+        return True
 
     @staticmethod
-    def _withdraw(s: _Sequence, keep: int, peer: str) -> None:
-        """Tell the client that its tokens from ``keep`` on are withdrawn (a :class:`Rewind`); a
-        client that has gone away cancels the sequence."""
+    def _withdraw(s: _Sequence, rewind: Rewind) -> None:
+        """Tell the client that its tokens from ``rewind.keep`` on are withdrawn; a client that has
+        gone away cancels the sequence."""
         try:
-            s.send.send_nowait(Rewind(keep, len(s.tokens), peer))
+            s.send.send_nowait(rewind)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             s.cancelled = True
 
@@ -570,21 +563,15 @@ class Scheduler:
 
     def _emit(self, s: _Sequence, row: np.ndarray, dispatch) -> None:
         token = s.sampler(row)
-        if s.n_out < s.forced:  # replaying: a token the client already has, derived again
-            if token == s.tokens[s.n_out]:
-                if s.decoder is not None:
-                    s.decoder.push(token)  # (the decoder's state, not its text: that was sent)
-                s.n_out += 1
-                s.next_token = token
-                return
-            # the kept tokens were not what the clean run gives (never, with honest replicas): the
-            # new token stands, the client takes back the rest
-            log.warning("request %s: replay re-derived token %d as %d, not %d", s.request_id, s.n_out, token,
-                        s.tokens[s.n_out])
-            self.backbone.replays.tokens_withdrawn += len(s.tokens) - s.n_out
-            self._withdraw(s, s.n_out, s.replay_peer)
-            del s.tokens[s.n_out:]
-            s.forced = s.n_out
+        again, withdrawn = s.replay.rederive(s.n_out, token, self.backbone.replays, f"request {s.request_id}")
+        if again:  # replaying: a token the client already has, derived again
+            if s.decoder is not None:
+                s.decoder.push(token)  # (the decoder's state, not its text: that was sent)
+            s.n_out += 1
+            s.next_token = token
+            return
+        if withdrawn is not None:
+            self._withdraw(s, withdrawn)
         p = s.params
         tok = self.tokenizer
         end = bool(p.stop_at_eos and tok is not None and tok.is_eog(token))
@@ -597,7 +584,7 @@ class Scheduler:
         s.t_last = now
         s.n_out += 1
         s.next_token = token
-        s.tokens.append(token)
+        s.replay.tokens.append(token)
         self.stats.generated += 1
         try:
             s.send.send_nowait(step)

@@ -120,10 +120,11 @@ class LocalSwarm:
 @asynccontextmanager
 async def open_backbone(model_path, *, workers: int = 0, transport: str = "socket", shard_dir=None,
                         fallback: bool = True, timeout_s: float = 30.0, kernel: str | None = None,
-                        threads: int | None = None):
+                        threads: int | None = None, hot_experts: bool = False, verifier=None, ledger=None):
     """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers.
 
-    ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node."""
+    ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node.
+    ``hot_experts``, ``verifier``, ``ledger``: the dispatcher's (:class:`Dispatcher`)."""
     layout = ModelLayout.open(model_path).require_full_model()
     kernel = resolve_kernel(kernel)
     model = load_dense(layout)
@@ -157,7 +158,8 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
                     ))
                 else:
                     raise UserError(f"unknown transport {transport!r} (use socket or inproc)")
-        dispatcher = Dispatcher(bank, owners, fallback=fallback)
+        dispatcher = Dispatcher(bank, owners, fallback=fallback, hot_experts=hot_experts, verifier=verifier,
+                                ledger=ledger)
         yield LocalSwarm(Backbone(model, dispatcher), fingerprint, procs, owners)
     finally:
         for o in owners:

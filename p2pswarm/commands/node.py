@@ -449,6 +449,7 @@ async def _backbone(args) -> None:
                                    block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout,
                                    demand_ttl_s=args.demand_ttl, direct=args.use_direct,
+                                   hot_experts=args.hot_experts and args.http_socket is not None,
                                    **market_kwargs(args)) as swarm:
         # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
@@ -458,7 +459,6 @@ async def _backbone(args) -> None:
             http, app = "off", None
             if args.http_socket is not None:
                 swarm.backbone.batch_invariant = args.batch_invariant
-                swarm.backbone.dispatcher.hot_experts = args.hot_experts
                 scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
                                       prefill_chunk=args.prefill_chunk, max_active=args.max_active,
                                       micro_batches=args.micro_batches)
