@@ -30,6 +30,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import trio
 from starlette.applications import Starlette
@@ -98,9 +99,7 @@ class CompletionsApp:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             ],
-            exception_handlers={APIError: _api_error, UserError: _user_error, PeerError: _peer_error,
-                                InternalError: _internal_error, HTTPException: _http_error,
-                                Exception: _server_error})
+            exception_handlers=_EXCEPTION_HANDLERS)
 
     # -- the one place generation starts ---------------------------------------------------------
     @property
@@ -377,6 +376,13 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
     return JSONResponse(APIError(500, "internal error (see the backbone's log)", type="server_error").body(),
                         status_code=500)
+
+
+#: what each kind of error becomes (p2pswarm/errors.py: whose fault it is); typed loosely because
+#: Starlette types a handler as taking any Exception
+_EXCEPTION_HANDLERS: dict[Any, Any] = {
+    APIError: _api_error, UserError: _user_error, PeerError: _peer_error, InternalError: _internal_error,
+    HTTPException: _http_error, Exception: _server_error}
 
 
 async def _read_json(request: Request) -> dict:

@@ -64,8 +64,8 @@ def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: 
     n_embd = outs[0].shape[1]
     y = np.empty((k, T, n_embd), dtype=F32)
     for (e, rows), out in zip(groups, outs):
-        r, j = np.nonzero(ids[rows] == e)
-        y[j, rows[r]] = out[r]
+        r, slot = np.nonzero(ids[rows] == e)
+        y[slot, rows[r]] = out[r]
     y *= weights.T[:, :, None]
     acc = y[0].copy()
     for j in range(1, k):
@@ -267,7 +267,7 @@ class Backbone:
             experts = self.dispatcher.local.row_invariance(m.n_layer, m.n_embd)
             w_out = m.w[m.output_name]
             dense = getattr(m.w, "ggml_dense", None)
-            if not isinstance(w_out, np.ndarray) and hasattr(dense, "leading_rows"):
+            if not isinstance(w_out, np.ndarray) and dense is not None and hasattr(dense, "leading_rows"):
                 w_out = dense.leading_rows(m.output_name, 1024)  # the head's type and kernels, 1% of its rows
             output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T,
                                                                      probe_rows(m.n_embd))
@@ -356,7 +356,8 @@ class Backbone:
             n_rows = int(bounds[-1])
             with self._dense_piece():
                 res = await off.run(first, n_rows, ("first", invariant))
-            taint = {} if self.replay_on_ban else None  # peer -> rows computed from its unverified outputs
+            # peer -> rows computed from its unverified outputs
+            taint: dict[str, np.ndarray] | None = {} if self.replay_on_ban else None
             for il in range(L):
                 h, cur, ids, w, groups = res
                 t1 = time.perf_counter()
@@ -454,7 +455,8 @@ class Backbone:
             if hit is None:
                 return out
             self.replays.note("a prefill", hit[0], hit[1], rows=len(tokens))
-        state, rows, j, epoch = self.new_state(), [], 0, disp.ban_epoch
+        rows: list[np.ndarray] = []
+        state, j, epoch = self.new_state(), 0, disp.ban_epoch
         while j < len(tokens):
             row = await self.forward([tokens[j]], state)
             if j == len(rows):  # (a position fed again to rebuild the state keeps its clean row)

@@ -198,7 +198,7 @@ class _Sequence:
         self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self.state: SequenceState | None = None
         self.fed = 0  # prompt tokens fed so far
-        self.next_token: int | None = None  # the sampled token to feed next step
+        self.next_token = 0  # the sampled token to feed next step (once the prompt is fed)
         self.n_out = 0
         self.cancelled = False
         self.done = False
@@ -263,7 +263,9 @@ class Scheduler:
         if micro_batches != "auto" and (not isinstance(micro_batches, int) or micro_batches < 1):
             raise ValueError("micro_batches must be 'auto' or an integer >= 1")
         self.micro_batches = micro_batches
-        if gather != "auto" and not (len(gather) == 2 and 0 <= gather[0] and 0 <= gather[1]):
+        if not isinstance(gather, str) and not (len(gather) == 2 and 0 <= gather[0] and 0 <= gather[1]):
+            raise ValueError("gather must be 'auto' or (gap, most) seconds >= 0")
+        if isinstance(gather, str) and gather != "auto":
             raise ValueError("gather must be 'auto' or (gap, most) seconds >= 0")
         self.gather = gather
         self.step_s: float | None = None  # EWMA: wall seconds of a step
@@ -277,7 +279,7 @@ class Scheduler:
         self.backbone = backbone
         self.tokenizer = tokenizer
         self.token_budget = token_budget
-        self.last_token_budget = AUTO_BUDGET_FLOOR if token_budget == "auto" else token_budget
+        self.last_token_budget: int = token_budget if isinstance(token_budget, int) else AUTO_BUDGET_FLOOR
         self.prefill_chunk = min(prefill_chunk, self.last_token_budget)
         self.max_active = max_active
         self.stats = SchedulerStats()
@@ -302,8 +304,8 @@ class Scheduler:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
-        n_vocab = getattr(self.backbone.model, "n_vocab", None)
-        bad = [t for t in prompt if t < 0 or (n_vocab is not None and t >= n_vocab)]
+        n_vocab = self.backbone.model.n_vocab
+        bad = [t for t in prompt if t < 0 or t >= n_vocab]
         if bad:  # refused here: one bad prompt must not fail the step it would share with others
             raise ValueError(f"token id {bad[0]} out of range: the vocabulary has ids 0-{n_vocab - 1}")
         params = params or Params()
@@ -354,7 +356,7 @@ class Scheduler:
     def gather_window(self) -> tuple[float, float]:
         """(gap, most) seconds :meth:`_gather` waits now (see :data:`GATHER_FRACTION`): most a
         fraction of the recent step time, capped at :data:`GATHER_MAX_S`; the gap :data:`GATHER_GAP` of it."""
-        if self.gather != "auto":
+        if not isinstance(self.gather, str):
             return self.gather
         if self.step_s is None:
             return GATHER_FIRST
@@ -415,10 +417,12 @@ class Scheduler:
 
     def _split(self, batch: list[_Sequence], chunks: list[list[int]]) -> list[list[int]]:
         """Indices of ``batch`` per micro-batch: contiguous, balanced by rows."""
-        if self.micro_batches == "auto":
-            m = 1 if self.dense_s is None else choose_micro_batches(self.step_dense_s(chunks), self.wait_s, len(batch))
-        else:
+        if isinstance(self.micro_batches, int):
             m = min(self.micro_batches, len(batch))
+        elif self.dense_s is None or self.wait_s is None:
+            m = 1
+        else:
+            m = choose_micro_batches(self.step_dense_s(chunks), self.wait_s, len(batch))
         self.last_micro_batches = m
         total = sum(len(c) for c in chunks)
         parts: list[list[int]] = [[] for _ in range(m)]
@@ -445,11 +449,13 @@ class Scheduler:
         before = self.backbone.dispatcher.stats.snapshot()
         t_before = self.backbone.timing.snapshot()
         parts = self._split(batch, chunks)
-        results: list = [None] * len(batch)
+        results: list[np.ndarray | Exception | None] = [None] * len(batch)
 
         async def run_part(idx: list[int]) -> None:
+            out: list[np.ndarray | Exception]
             try:
-                out = await self.backbone.forward_batch([(chunks[i], batch[i].state) for i in idx], last_only=True)
+                items = [(chunks[i], batch[i].state) for i in idx]  # (an admitted sequence has a state)
+                out = list(await self.backbone.forward_batch(items, last_only=True))  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - these requests get the error, the loop goes on
                 out = [exc] * len(idx)
             for i, o in zip(idx, out):
@@ -492,6 +498,7 @@ class Scheduler:
                     continue  # more of the prompt to feed before the first token
             if s.cancelled:
                 continue
+            assert lg is not None
             self._emit(s, lg[-1], dispatch)
 
     # -- replay on ban (module doc) -------------------------------------------------------------
@@ -524,7 +531,7 @@ class Scheduler:
             self._withdraw(s, withdrawn)
         s.state = self.backbone.new_state()
         s.fed = 0
-        s.next_token = None
+        s.next_token = 0
         s.n_out = 0
         s.decoder = s.tokenizer.stream_decoder() if s.tokenizer is not None else None
         return True

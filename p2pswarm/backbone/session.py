@@ -65,7 +65,9 @@ def start_cli_process(args: list[str], what: str, timeout_s: float = 60.0, *, en
     proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, env=env, stderr=stderr)
     line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    out = proc.stdout
+    assert out is not None  # (stdout=PIPE)
+    reader = threading.Thread(target=lambda: line.append(out.readline()), daemon=True)
     reader.start()
     reader.join(timeout_s)
     if not line or not line[0].startswith("READY "):
