@@ -1,19 +1,18 @@
 """Token-by-token generation on a backbone, yielding each token with its text and dispatch stats.
 
-Replay on ban (docs/market.md): when a worker whose unverified outputs the sequence used is banned
-meanwhile, :func:`generate` rewinds it the way the scheduler does (the shared bookkeeping is
-:class:`p2pswarm.backbone.replay.TokenReplay`: fresh state, the prompt and the kept tokens fed
-again the way they were the first time, the sampler restarted from its initial copy) and yields a
-:class:`Rewind` before the tokens that replace the withdrawn ones.
+:func:`generate` is one request on the scheduler's path (one step per token its consumer asks
+for), so it shares the scheduler's replay on ban (docs/market.md): when a worker whose unverified
+outputs the sequence used is banned meanwhile, the sequence is rewound (fresh state, the prompt and
+the kept tokens fed again the way they were the first time, the sampler restarted from its initial
+copy) and a :class:`Rewind` comes before the tokens that replace the withdrawn ones.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from p2pswarm.backbone.dispatch import DispatchStats
-from p2pswarm.backbone.replay import Rewind, TokenReplay
+from p2pswarm.backbone.replay import Rewind
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
 
@@ -32,39 +31,23 @@ class Step:
 
 async def generate(backbone: Backbone, tokenizer, prompt_ids: list[int], *, max_tokens: int,
                    sampler: Sampler, stop_at_eos: bool = True) -> AsyncIterator[Step | Rewind]:
+    """One sequence's tokens, on the scheduler's path: a :class:`~p2pswarm.backbone.scheduler.Scheduler`
+    of its own, stepped (:meth:`~p2pswarm.backbone.scheduler.Scheduler.turn`) each time the
+    consumer wants more, so nothing runs ahead of it and a ban it causes between two tokens is
+    replayed before the next. The prompt goes in as one chunk, as a lone sequence's would."""
+    from p2pswarm.backbone.scheduler import Params, Scheduler  # (the scheduler imports Step from here)
+
     if not prompt_ids:
         raise ValueError("empty prompt")
-    disp = backbone.dispatcher
-    replay = TokenReplay(sampler, len(prompt_ids))
-    epoch = disp.ban_epoch
-    state, feed, i = backbone.new_state(), list(prompt_ids), 0
-    text = tokenizer.stream_decoder()  # never splits a UTF-8 character across two steps
-    while i < max_tokens:
-        t0 = time.perf_counter()
-        before = disp.stats.snapshot()
-        logits = await backbone.forward(feed, state)
-        if disp.ban_epoch != epoch:
-            epoch = disp.ban_epoch
-            rewound = replay.rewind(state, disp.banned, backbone.replays, "a generation")
-            if rewound is not None:
-                sampler, withdrawn = rewound
-                if withdrawn is not None:
-                    yield withdrawn
-                state, feed, i = backbone.new_state(), list(prompt_ids), 0
-                text = tokenizer.stream_decoder()
-                continue
-        token = sampler(logits[-1])
-        again, withdrawn = replay.rederive(i, token, backbone.replays, "a generation")
-        if again:
-            text.push(token)
-            feed, i = [token], i + 1
-            continue
-        if withdrawn is not None:
-            yield withdrawn
-        end = stop_at_eos and tokenizer.is_eog(token)
-        piece = text.push(token) + (text.flush() if end or i == max_tokens - 1 else "")
-        replay.tokens.append(token)
-        yield Step(i, token, piece, time.perf_counter() - t0, disp.stats.since(before), end)
-        if end:
-            break
-        feed, i = [token], i + 1
+    n = len(prompt_ids)
+    scheduler = Scheduler(backbone, tokenizer, token_budget=max(n, 256), prefill_chunk=n, max_active=1,
+                          micro_batches=1, gather=(0, 0))
+    async with scheduler.submit(prompt_ids, Params(max_tokens=max_tokens, sampler=sampler, stop_at_eos=stop_at_eos),
+                                rewinds=True) as request:
+        ended = False
+        while not ended:
+            got, ended = request.ready()
+            for item in got:
+                yield item
+            if not ended and not got and not await scheduler.turn():
+                break

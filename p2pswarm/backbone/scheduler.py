@@ -163,6 +163,21 @@ class Request:
     def __aiter__(self) -> AsyncIterator[Step]:
         return self._iter()
 
+    def ready(self) -> tuple[list[Step | Rewind], bool]:
+        """``(the steps already sampled, whether the request has ended)``, without waiting (for a
+        caller that drives the scheduler itself: :meth:`Scheduler.turn`); a failed step raises."""
+        got: list[Step | Rewind] = []
+        while True:
+            try:
+                item = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                return got, False
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return got, True
+            if isinstance(item, BaseException):
+                raise item
+            got.append(item)
+
     async def _iter(self) -> AsyncIterator[Step]:
         async for item in self._receive:
             if isinstance(item, BaseException):
@@ -256,27 +271,35 @@ class Scheduler:
         task_status.started()
         try:
             while True:
-                self._admit()
-                if self.backbone.dispatcher.ban_epoch != self._ban_epoch:
-                    self._replay_banned()  # a ban between steps (a ban record honoured); none in flight
-                if not self._active:
+                if not await self.turn():
                     self._wake = trio.Event()
                     if not self._pending:
                         await self._wake.wait()
                         await self._gather()
-                    continue
-                try:
-                    await self.step()
-                except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang every client
-                    log.exception("a scheduler step failed; failing its %d sequences", len(self._active))
-                    for seq in self._active:
-                        if not seq.done:
-                            self._fail(seq, exc)
         finally:
             self._running = False
             listeners.remove(self._on_ban)
             for seq in [*self._active, *self._pending]:
                 seq.send.close()
+
+    async def turn(self) -> bool:
+        """One turn of the step loop, without waiting for requests: admit, replay a ban that came
+        between steps, step the active sequences. False: nothing was active. :meth:`run` loops on
+        it; :func:`p2pswarm.backbone.generate.generate` drives a scheduler of its own with it, one
+        step each time its consumer wants the next token."""
+        self._admit()
+        if self.backbone.dispatcher.ban_epoch != self._ban_epoch:
+            self._replay_banned()  # a ban between steps (a ban record honoured); none in flight
+        if not self._active:
+            return False
+        try:
+            await self.step()
+        except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang every client
+            log.exception("a scheduler step failed; failing its %d sequences", len(self._active))
+            for seq in self._active:
+                if not seq.done:
+                    self._fail(seq, exc)
+        return True
 
     def _on_ban(self, peer: str) -> None:
         self._wake.set()
