@@ -64,7 +64,7 @@ def small_limit(fn: Rows, x: np.ndarray, cap: int = 16) -> int:
 def probe_expert_rows(bank: Any, n_layer: int, n_embd: int) -> RowInvariance:
     """Measure ``bank``'s experts, one probe per distinct set of expert tensor types (expert 0 of
     the first layer of each). The numpy kernel is never taken as invariant (OpenBLAS)."""
-    if getattr(bank, "kernel", "numpy") == "numpy":
+    if bank.kernel == "numpy":
         return RowInvariance(False, 1)
     layout = getattr(bank, "layout", None)
     kinds_of = getattr(layout, "expert_tensors", {})
