@@ -44,10 +44,5 @@ async def generate(backbone: Backbone, tokenizer, prompt_ids: list[int], *, max_
                           micro_batches=1, gather=(0, 0))
     async with scheduler.submit(prompt_ids, Params(max_tokens=max_tokens, sampler=sampler, stop_at_eos=stop_at_eos),
                                 rewinds=True) as request:
-        ended = False
-        while not ended:
-            got, ended = request.ready()
-            for item in got:
-                yield item
-            if not ended and not got and not await scheduler.turn():
-                break
+        async for item in scheduler.drive(request):
+            yield item  # type: ignore[misc]  # (Rows only for Params(rows=True))

@@ -38,7 +38,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.dispatch import Dispatcher, Groups
-from p2pswarm.backbone.replay import ReplayStats, banned_taint
+from p2pswarm.backbone.replay import ReplayStats
 from p2pswarm.backbone.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
 from p2pswarm.contracts import DenseModel
 from p2pswarm.engine.state import SequenceState
@@ -442,33 +442,31 @@ class Backbone:
         """All-position logits of a fresh sequence: one prefill, or token by token (``decode``).
         ``on_step(done, total)`` is called after each decode step (progress, long runs).
 
-        Replay on ban: when a worker whose unverified outputs the sequence used is banned meanwhile
-        (caught by this backbone's verification, or a ban record honoured), the rows from the first
-        tainted position on are thrown away and recomputed on a fresh state (the earlier positions
-        fed again the same way, to rebuild it), so the result equals the monolithic run's bits."""
-        disp = self.dispatcher
-        tokens = list(tokens)
-        while not decode:
-            state = self.new_state()
-            out = await self.forward(tokens, state)
-            hit = banned_taint(state, disp.banned)
-            if hit is None:
-                return out
-            self.replays.note("a prefill", hit[0], hit[1], rows=len(tokens))
-        rows: list[np.ndarray] = []
-        state, j, epoch = self.new_state(), 0, disp.ban_epoch
-        while j < len(tokens):
-            row = await self.forward([tokens[j]], state)
-            if j == len(rows):  # (a position fed again to rebuild the state keeps its clean row)
-                rows.append(row)
-                if on_step is not None:
-                    on_step(j + 1, len(tokens))
-            j += 1
-            if disp.ban_epoch != epoch:
-                epoch = disp.ban_epoch
-                hit = banned_taint(state, disp.banned)
-                if hit is not None:
-                    self.replays.note(f"a decode of {len(tokens)} tokens", hit[0], hit[1], rows=hit[0])
-                    del rows[hit[0]:]
-                    state, j = self.new_state(), 0
-        return np.concatenate(rows, axis=0)
+        On the scheduler's path: one ``Params(rows=True)`` request on a scheduler of its own (the
+        prompt as one chunk, or one token per step), stepped until it ends. Replay on ban is the
+        scheduler's: when a worker whose unverified outputs the sequence used is banned meanwhile
+        (caught by this backbone's verification, or a ban record honoured), the sequence is fed
+        again from position 0 on a fresh state the same way, and each position's new row replaces
+        the old one (the same bits where it was clean), so the result equals the monolithic run's."""
+        from p2pswarm.backbone.scheduler import Params, Rows, Scheduler  # (the scheduler imports this module)
+
+        tokens = [int(t) for t in tokens]
+        n = len(tokens)
+        scheduler = Scheduler(self, None, token_budget=max(n, 256), prefill_chunk=1 if decode else max(n, 1),
+                              max_active=1, micro_batches=1, gather=(0, 0), rows=True)
+        out: np.ndarray | None = None
+        done = 0
+        async with scheduler.submit(tokens, Params(max_tokens=1, rows=True)) as request:
+            async for item in scheduler.drive(request):
+                if not isinstance(item, Rows):
+                    continue  # (the one token sampled after the last position)
+                if out is None:
+                    out = np.empty((n, item.logits.shape[1]), item.logits.dtype)
+                end = item.pos0 + len(item.logits)
+                out[item.pos0:end] = item.logits
+                if end > done:
+                    done = end
+                    if decode and on_step is not None:
+                        on_step(done, n)
+        assert out is not None and done == n
+        return out

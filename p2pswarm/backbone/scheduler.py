@@ -75,9 +75,11 @@ from p2pswarm.backbone.replay import Rewind, TokenReplay
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.engine.state import SequenceState
+from p2pswarm.errors import UserError
 
 log = logging.getLogger("p2pswarm.scheduler")
-__all__ = ["Params", "Request", "Rewind", "Scheduler", "SchedulerStats", "SequenceRewound", "Step"]
+__all__ = ["Params", "Request", "Rewind", "Rows", "Scheduler", "SchedulerStats", "SequenceRewound", "Step",
+           "TokenOutOfRange"]
 
 
 @dataclass
@@ -88,6 +90,22 @@ class Params:
     sampler: Sampler | None = None
     stop_at_eos: bool = True
     request_id: str | None = None  # named in logs (e.g. the HTTP completion id); default seq-N
+    #: also hand out every step's logits rows, as :class:`Rows` (needs a scheduler with ``rows``)
+    rows: bool = False
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Logits of the positions ``pos0 .. pos0 + len(logits) - 1`` of a ``Params(rows=True)``
+    request. After a replay on ban the positions come again, from 0: a later :class:`Rows` for a
+    position replaces the earlier one (equal where the position was clean)."""
+
+    pos0: int
+    logits: np.ndarray
+
+
+class TokenOutOfRange(UserError, ValueError):
+    """A prompt token id outside the vocabulary: the caller's input (a 400, exit 2)."""
 
 
 class SequenceRewound(RuntimeError):
@@ -163,10 +181,10 @@ class Request:
     def __aiter__(self) -> AsyncIterator[Step]:
         return self._iter()
 
-    def ready(self) -> tuple[list[Step | Rewind], bool]:
+    def ready(self) -> tuple[list[Step | Rewind | Rows], bool]:
         """``(the steps already sampled, whether the request has ended)``, without waiting (for a
         caller that drives the scheduler itself: :meth:`Scheduler.turn`); a failed step raises."""
-        got: list[Step | Rewind] = []
+        got: list[Step | Rewind | Rows] = []
         while True:
             try:
                 item = self._receive.receive_nowait()
@@ -195,10 +213,12 @@ class Scheduler:
 
     def __init__(self, backbone: Backbone, tokenizer=None, *, token_budget: int | str = 256, prefill_chunk: int = 32,
                  max_active: int = 256, micro_batches: int | str = "auto",
-                 gather: str | tuple[float, float] = "auto"):
+                 gather: str | tuple[float, float] = "auto", rows: bool = False):
         """``gather``: how long an idle scheduler waits for a burst of requests before its first
         step: ``auto`` (:data:`GATHER_FRACTION`), or fixed (gap, most) seconds; ``(0, 0)`` starts
-        at once."""
+        at once. ``rows``: compute every position's logits, not only each sequence's last (for
+        ``Params(rows=True)`` requests: :meth:`Backbone.logits`)."""
+        self.rows = rows
         if token_budget != "auto" and (not isinstance(token_budget, int) or token_budget < 1):
             raise ValueError("token_budget must be 'auto' or an integer >= 1")
         if prefill_chunk < 1 or max_active < 1:
@@ -250,7 +270,7 @@ class Scheduler:
         n_vocab = self.backbone.model.n_vocab
         bad = [t for t in prompt if t < 0 or t >= n_vocab]
         if bad:  # refused here: one bad prompt must not fail the step it would share with others
-            raise ValueError(f"token id {bad[0]} out of range: the vocabulary has ids 0-{n_vocab - 1}")
+            raise TokenOutOfRange(f"token id {bad[0]} out of range: the vocabulary has ids 0-{n_vocab - 1}")
         params = params or Params()
         if params.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -300,6 +320,19 @@ class Scheduler:
                 if not seq.done:
                     self._fail(seq, exc)
         return True
+
+    async def drive(self, request: Request) -> AsyncIterator[Step | Rewind | Rows]:
+        """``request``'s items, stepping this scheduler (one nobody :meth:`run` s) only when the
+        caller wants more: nothing runs ahead of the consumer, so a ban it causes between two items
+        is replayed before the next (:func:`~p2pswarm.backbone.generate.generate`,
+        :meth:`~p2pswarm.backbone.runner.Backbone.logits`)."""
+        ended = False
+        while not ended:
+            got, ended = request.ready()
+            for item in got:
+                yield item
+            if not ended and not got and not await self.turn():
+                return
 
     def _on_ban(self, peer: str) -> None:
         self._wake.set()
@@ -406,7 +439,7 @@ class Scheduler:
             out: list[np.ndarray | Exception]
             try:
                 items = [(chunks[i], batch[i].state) for i in idx]  # (an admitted sequence has a state)
-                out = list(await self.backbone.forward_batch(items, last_only=True))  # type: ignore[arg-type]
+                out = list(await self.backbone.forward_batch(items, last_only=not self.rows))  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - these requests get the error, the loop goes on
                 out = [exc] * len(idx)
             for i, o in zip(idx, out):
@@ -443,6 +476,12 @@ class Scheduler:
                 continue
             if s.sid in rewound:
                 continue  # this step's rows are thrown away with the rest of its state
+            if s.params.rows:
+                assert lg is not None
+                try:  # (the prompt's positions: such a request samples nothing it feeds back)
+                    s.send.send_nowait(Rows(s.fed, lg))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    s.cancelled = True
             if s.fed < len(s.prompt):
                 s.fed += len(c)
                 if s.fed < len(s.prompt):
