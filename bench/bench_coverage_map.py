@@ -32,7 +32,7 @@ import time
 import trio
 from common import header, publish
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError
 from p2pswarm.model.slicer import split_ranges
 from p2pswarm.market.swarm_dht import open_dht
 from p2pswarm.net.advertiser import ShardAdvertiser
@@ -78,7 +78,7 @@ async def helper(args) -> None:
                     try:
                         await nursery.start(node, i, random.sample(boot, min(2, len(boot))))
                         return
-                    except UserError as exc:
+                    except SwarmError as exc:
                         print(f"node {i}: {exc} (attempt {attempt + 1})", file=sys.stderr, flush=True)
                 raise SystemExit(f"node {i} could not join the DHT")
 

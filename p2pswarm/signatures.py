@@ -12,7 +12,7 @@ import base58
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from p2pswarm.errors import UserError, clip
+from p2pswarm.errors import SwarmError, UserError, clip
 
 # An Ed25519 libp2p peer id is an identity multihash of the protobuf PublicKey
 # {Type: Ed25519 (1), Data: 32 bytes}: 00 24 | 08 01 12 20 | key.
@@ -46,5 +46,5 @@ def verify_peer_signature(peer_id, data: bytes, signature: bytes) -> bool:
     try:
         peer_public_key(peer_id).verify(signature, data)
         return True
-    except (InvalidSignature, UserError, ValueError, TypeError):
+    except (InvalidSignature, SwarmError, ValueError, TypeError):
         return False

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import trio
 
-from p2pswarm.backbone.socket_owner import SocketOwner, reply_families, reply_input_forms
+from p2pswarm.backbone.socket_owner import SocketOwner, close_now, reply_families, reply_input_forms
+from p2pswarm.contracts import OwnerStatus
 from p2pswarm.engine import kernels
-from p2pswarm.errors import FrameError, UserError, WorkerError
+from p2pswarm.errors import FrameError, SwarmError, WorkerError
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.addrs import is_circuit_addr
 from p2pswarm.net.direct import open_direct
@@ -58,16 +60,18 @@ class Libp2pOwner(SocketOwner):
         self.info = info
         self.connect_timeout_s = connect_timeout_s
         self.on_failure = on_failure
-        self.on_latency = None  # (owner, seconds) after each answered request: the metrics histogram
+        #: (owner, seconds) after each answered request: the metrics histogram
+        self.on_latency: Callable[[Libp2pOwner, float], None] | None = None
         self.rtt_s: float | None = None  # EWMA of request round trips (compute included; connecting not)
         self.inflight = 0
         self.requests = 0
         self.failures = 0
-        self._order_changed = None  # set by SwarmOwners
+        self._order_changed: Callable[[], None] | None = None  # set by SwarmOwners
         self._stale = False  # addresses changed: redial before the next request
         self.last_used = time.monotonic()
         self.refused: str | None = None  # why the handshake failed; cleared by a record saying something new
-        self.on_refused = None  # called (owner, reason) on a refused handshake; default: log a warning
+        #: called (owner, reason) on a refused handshake; default: log a warning
+        self.on_refused: Callable[[Libp2pOwner, str], None] | None = None
         #: take the worker's direct lane when it offers one (p2pswarm/net/direct.py); why the last
         #: try failed (not tried again until its record changes)
         self.direct = direct
@@ -86,6 +90,13 @@ class Libp2pOwner(SocketOwner):
     def shard(self) -> str:
         return self.info.shard.shard
 
+    def status(self) -> OwnerStatus:
+        return OwnerStatus(
+            peer=self.peer, addrs=list(self.info.addrs or ()), rtt_s=self.rtt_s, refused=self.refused,
+            relayed=self.relayed and self.lane != "direct", lane=self.lane, load=self.inflight,
+            requests=self.requests, failures=self.failures, wire=self.wire.as_dict(),
+            kernel=self.info.record.kernel or self.kernel)
+
     def update(self, info) -> None:
         """A newer record of the same (peer, shard): new addresses or ranges take effect at once;
         a changed address drops the stream so the next request redials."""
@@ -102,11 +113,11 @@ class Libp2pOwner(SocketOwner):
 
     async def _connect(self) -> None:
         try:
-            stream = await self.net.open_stream(self.info.peer_info(), PROTOCOL_EXPERT,
+            opened = await self.net.open_stream(self.info.peer_info(), PROTOCOL_EXPERT,
                                                 timeout_s=self.connect_timeout_s)
-        except UserError as exc:  # NetError, bad address
+        except SwarmError as exc:  # NetError, bad address
             raise WorkerError(f"{self.name} unreachable: {exc}") from None
-        stream = CountingStream(stream, self.wire)
+        stream = CountingStream(opened, self.wire)
         reader = FrameReader(stream, self.max_frame)
         hello = dict(self.hello(), shard=self.shard)
         if self.direct and self.direct_failed is None:
@@ -127,7 +138,7 @@ class Libp2pOwner(SocketOwner):
             self.families = reply_families(reply)
             self.input_forms = reply_input_forms(reply)
         except BaseException:
-            await trio.aclose_forcefully(stream)
+            await close_now(stream)
             raise
         offer = reply.get("direct")
         if self.direct and self.direct_failed is None and offer is not None:
@@ -135,10 +146,10 @@ class Libp2pOwner(SocketOwner):
                 sealed = await self._open_direct(offer, dict(hello, direct=False))
             except BaseException:  # cancelled (the request's deadline): no direct lane from this worker
                 self.direct_failed = "cut short"
-                await trio.aclose_forcefully(stream)
+                await close_now(stream)
                 raise
             if sealed is not None:
-                await trio.aclose_forcefully(stream)  # the direct connection replaces the stream
+                await close_now(stream)  # the direct connection replaces the stream
                 self._stream, self._reader = sealed, FrameReader(sealed, self.max_frame)
                 self.lane = "direct"
                 return
@@ -169,7 +180,7 @@ class Libp2pOwner(SocketOwner):
                 if not reply.get("ok"):
                     raise WorkerError(f"its hello on the direct lane: {reply.get('error', 'closed')}")
             except BaseException:
-                await trio.aclose_forcefully(sealed)
+                await close_now(sealed)
                 raise
             sealed.peer_name = self.peer  # (logs name the worker's peer id, as on its libp2p stream)
             log.info("direct lane to worker %s at %s:%d", self.name, host, offer["port"])

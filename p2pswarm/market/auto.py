@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.market.demand import DemandRecord, find_demand
 from p2pswarm.market.enrol import DEFAULT_HYSTERESIS, Enrolment, choose_units
 from p2pswarm.net.records import MAX_SHARDS, CoverageUnit, ShardEntry
@@ -231,7 +231,7 @@ class AutoWorker:
             async with limiter:
                 try:
                     loaded[i] = await self._download(i)
-                except UserError as exc:
+                except SwarmError as exc:
                     if str(exc).startswith("no shard source"):
                         no_source.append(str(exc))
                     else:
@@ -295,7 +295,7 @@ class AutoWorker:
                     await adv.publish()
                 else:
                     await adv.publish_record()
-            except (UserError, trio.TooSlowError) as exc:
+            except (SwarmError, trio.TooSlowError) as exc:
                 log.warning("record refresh failed: %s", exc)
 
     async def withdraw(self) -> None:

@@ -10,7 +10,7 @@ import functools
 import json
 import os
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.model.gguf_read import KV, read_gguf_kv
 from p2pswarm.model.synth_presets import _gguf
 from p2pswarm.model.vocab import bytes_to_unicode
@@ -133,7 +133,7 @@ def vocab_tokenizer_kv(path: str | os.PathLike[str]) -> list[KV]:
     """The ``tokenizer.ggml.*`` keys (and ``tokenizer.chat_template``) of another GGUF file."""
     try:
         all_kv = read_gguf_kv(path)
-    except UserError as exc:
+    except SwarmError as exc:
         raise UserError(f"vocabulary: {exc}") from None
     kvs = [kv for kv in all_kv
            if kv.key.startswith("tokenizer.ggml.") or kv.key == "tokenizer.chat_template"]

@@ -50,7 +50,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2pswarm import settings
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.net import libp2p_host_patches, libp2p_patches
 from p2pswarm.errors import single_error
 from p2pswarm.net.addrs import DEFAULT_LISTEN, NetError, check_listen_addrs, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr, parse_peer_addr
@@ -394,11 +394,11 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
         leaf = single_error(group)
         if leaf is group:
             raise
-        if not started and isinstance(leaf, Exception) and not isinstance(leaf, UserError):
+        if not started and isinstance(leaf, Exception) and not isinstance(leaf, SwarmError):
             raise UserError(f"cannot listen on {', '.join(map(str, listen_addrs))}: {error_reason(leaf)}") from None
         raise leaf from None
     except Exception as exc:
-        if started or isinstance(exc, UserError):
+        if started or isinstance(exc, SwarmError):
             raise
         raise UserError(f"cannot listen on {', '.join(map(str, listen_addrs))}: {error_reason(exc)}") from None
     finally:

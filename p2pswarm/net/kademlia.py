@@ -49,7 +49,7 @@ from libp2p.records.validator import Validator
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.net import libp2p_kad_patches, libp2p_patches
 from p2pswarm.errors import single_error
 from p2pswarm.net.addrs import NetError, error_reason
@@ -172,7 +172,7 @@ class SwarmDHT:
             for text in addrs:
                 try:
                     pid = await self.net.connect(text, timeout_s=min(10.0, timeout_s))
-                except (NetError, UserError) as exc:
+                except (NetError, SwarmError) as exc:
                     log.warning("bootstrap %s unreachable: %s", text, exc)
                     why = why or str(exc)
                     continue
@@ -290,7 +290,7 @@ class SwarmDHT:
             async with trio.open_nursery() as nursery:
                 busy, widened = 0, False
                 while True:
-                    if widened and found():
+                    if widened and found is not None and found():
                         break  # the further peers had it
                     order = sort_peer_ids_by_distance(key, [p for p, s in status.items() if s != "failed"])
                     closest = order[:beta]

@@ -118,7 +118,7 @@ import importlib.metadata
 import logging
 import types
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import InternalError
 from p2pswarm.net.libp2p_kad_patches import install_kad_protocol_id, raise_providers_per_key
 from p2pswarm.net.libp2p_stream_patches import (install_buffered_tcp_reads, install_coalesced_writes,
                                                 install_relayed_identify_fix, install_window_update_batching,
@@ -178,7 +178,7 @@ _TARGETS = (
 _applied = False
 
 
-class PatchError(UserError):
+class PatchError(InternalError):
     """The installed py-libp2p lacks something a workaround replaces: the patch needs updating."""
 
 

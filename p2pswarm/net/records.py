@@ -34,7 +34,7 @@ from typing import Protocol, TypeGuard
 import msgpack
 import multiaddr
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.net.expert_protocol import MAX_KERNEL_ID_CHARS
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.signed import SignedError, open_sealed
@@ -318,7 +318,7 @@ class NodeRecordValidator:
         if other is not None:
             try:
                 return other.validate(key, value)
-            except UserError:
+            except SwarmError:
                 self.rejected += 1
                 raise
         peer = peer_of_record_key(key)
@@ -346,7 +346,7 @@ def newest_index(values: list[bytes], seq_of: Callable[[bytes], int]) -> int:
     for i, v in enumerate(values):
         try:
             seq = seq_of(v)
-        except UserError:
+        except SwarmError:
             continue
         if seq > best_seq:
             best, best_seq = i, seq

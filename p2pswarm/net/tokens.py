@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgpack
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import short_str
 from p2pswarm.signatures import peer_public_key, verify_peer_signature
@@ -255,7 +255,7 @@ def issue_token(issuer: Identity, holder: str, allow: Sequence[str], ttl_s: floa
         parse_scope(a)
     try:
         peer_public_key(holder)
-    except UserError:
+    except SwarmError:
         raise TokenError(f"holder {str(holder)[:60]!r} is not an Ed25519 peer id "
                          f"(`p2pswarm identity --path KEY` prints a node's)", "bad holder") from None
     if not (0 < ttl_s <= MAX_TTL_S) or not math.isfinite(ttl_s):

@@ -18,7 +18,7 @@ from functools import partial
 import trio
 
 from p2pswarm.engine import kernels
-from p2pswarm.errors import FrameError, UserError, clip
+from p2pswarm.errors import FrameError, SwarmError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire_bytes import CountingStream, WireBytes
@@ -154,7 +154,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                         stats.requests += 1
                         stats.rows += sum(len(idx) for _, idx in req.groups)
                         stats.peers.add(peer)
-                except (FrameError, UserError) as exc:
+                except (FrameError, SwarmError) as exc:
                     log.warning("bad request from %s: %s", peer, exc)
                     reply = proto.error_to_wire(rid, str(exc))
                 await send_frame(stream, reply, max_frame)
