@@ -255,6 +255,40 @@ async def test_ggml_mla_core_split_and_batched_exact(models_dir):
 
 
 @pytest.mark.slow
+def test_ggml_mla_layer_is_one_graph_and_reuses_its_decode_graph(models_dir, monkeypatch):
+    """On the ggml kernel an MLA layer is ONE ggml compute, prefill or decode (no numpy between
+    pieces); a decode step's graph is kept and run again; the cache is written in place, grows
+    past its capacity and past the 256-position padding with the same bits as the per-piece numpy
+    cache would hold (within float32 noise of the numpy MLA, which rounds differently)."""
+    path = q4km_model(models_dir)
+    model = load_dense(ModelLayout.open(path))
+    assert use_kernel_for_dense(model, "ggml") > 0 and model._ggml_core()
+    runner = model.w.ggml_dense.runner
+    computes = []
+    real = runner.compute
+    monkeypatch.setattr(runner, "compute", lambda graph, macs: (computes.append(1), real(graph, macs))[1])
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((300, model.n_embd)).astype(np.float32)
+    st = model.new_state()
+    out = [model.pre_moe(1, h[:270], st, 0)]
+    assert len(computes) == 1  # a 270-row prefill: one graph
+    for i in range(270, 300):  # decode steps, past the cache's first capacity
+        computes.clear()
+        out.append(model.pre_moe(1, h[i:i + 1], st, i))
+        assert len(computes) == 1
+    assert runner.graph_stats["reused"] > 0
+    cache = st.extra[1]
+    assert cache.n == 300 and cache.rows.ctypes.data % 32 == 0
+    model.ggml_core = False  # the numpy MLA on the same rows: close, and its cache rows close
+    ref_state = model.new_state()
+    ref = model.pre_moe(1, h, ref_state, 0)
+    got = np.concatenate(out)
+    assert float(np.abs(got - ref).max()) < 1e-2 * float(np.abs(ref).max())
+    assert np.allclose(cache.rows[:300], ref_state.extra[1].rows[:300], rtol=1e-3, atol=1e-3)
+    assert not np.array_equal(got, ref)  # two different computations (the test would see a silent fallback)
+
+
+@pytest.mark.slow
 def test_split_equals_monolithic_through_the_libp2p_swarm(models_dir, tmp_path):
     """Three worker processes (experts 0-5, 6-10, 11-15 of every MoE layer) found through a
     bootstrap node's DHT; `logits --swarm` equals the monolithic run, prefill and decode."""

@@ -197,6 +197,8 @@ class DeepSeek2:
         order): projections, norms and RoPE over all rows, the cache and attention per sequence."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
+        if h.shape[0] and self._ggml_core():  # the whole layer as llama.cpp's one graph, for its bits (see ggml_mla)
+            return ggml_mla.mla_layer(self, il, h, [(st.extra[il], pos0, n) for st, pos0, n in segments])
         w, p = self.w, f"blk.{il}."
         T, H, Rkv, rope, nope = h.shape[0], self.n_head, self.kv_lora_rank, self.n_rot, self.n_nope
         x = self._rms_norm(p + "attn_norm.weight", h)
@@ -207,14 +209,6 @@ class DeepSeek2:
             q, ckv = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_kv_a_mqa.weight"]])
         q = q.reshape(T, H, nope + rope)
         pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
-        if self._ggml_core():  # llama.cpp's own ops, for its bits (see ggml_mla)
-            qcur, kcur = ggml_mla.qk_rows(self, il, q, ckv, pos.astype(np.int32))
-            segs, at = [], 0
-            for state, pos0, n in segments:
-                segs.append((state.extra[il].append(kcur[at:at + n]), pos0, n))
-                at += n
-            att = ggml_mla.attention_rows(self, il, qcur, segs)
-            return h + ops.matmul(att, w[p + "attn_output.weight"])
         q_pe = self.yarn.rope_norm(q[..., nope:], pos)
         k_pe = self.yarn.rope_norm(ckv[:, None, Rkv:], pos)[:, 0]
         c = ops.rms_norm(ckv[:, :Rkv], w[p + "attn_kv_a_norm.weight"], self.eps)
