@@ -139,6 +139,42 @@ def test_swa_pattern_and_window_mask():
         assert np.allclose(out[t], alone[0], atol=1e-6)
 
 
+def test_sliding_window_cache_stays_bounded_and_logits_unchanged(models_dir):
+    """A sliding layer's cache holds at most ~2 windows however long the sequence (a 24-token prefill,
+    then 56 decode steps with a window of 8; the full layers keep all 80), and the logits are
+    those of the untrimmed cache (the dropped keys were masked: the same function, float32 sums
+    over fewer zero terms at most a last bit apart)."""
+    from p2pswarm.engine.arch.gptoss import WindowKVCache
+    from p2pswarm.engine.state import KVCache, SequenceState
+
+    path = oss_model(models_dir, "f32")
+    layout = ModelLayout.open(path)
+    model, bank = load_dense(layout), ExpertBank(layout)
+    tokens = [(7 * i + 3) % 500 for i in range(80)]
+    untrimmed = SequenceState(kv={il: KVCache(model.n_head_kv, model.head_dim) for il in range(model.n_layer)})
+    state = model.new_state()
+    assert [isinstance(state.kv[il], WindowKVCache) for il in range(model.n_layer)] == model.swa
+    rows, ref = [_forward(model, bank, tokens[:24], state)], [_forward(model, bank, tokens[:24], untrimmed)]
+    held = []
+    for i in range(24, 80):
+        rows.append(_forward(model, bank, tokens[i:i + 1], state, pos0=i))
+        ref.append(_forward(model, bank, tokens[i:i + 1], untrimmed, pos0=i))
+        held.append(max(state.kv[il].k.shape[0] for il in range(model.n_layer) if model.swa[il]))
+    w = model.n_swa
+    for il in range(model.n_layer):
+        kv = state.kv[il]
+        if model.swa[il]:
+            assert kv.first + kv.n == 80 and w - 1 <= kv.n < 2 * w and kv.first > 0
+        else:
+            assert kv.n == 80 and untrimmed.kv[il].n == 80
+    assert max(held[8:]) <= 2 * w  # the prefill's buffer given back, then never grown past 2 windows
+    ours, theirs = np.concatenate(rows), np.concatenate(ref)
+    print(f"trimmed vs untrimmed: max |diff| {float(np.abs(ours - theirs).max()):.3g}, "
+          f"equal bits {np.array_equal(ours, theirs)}")
+    assert np.allclose(ours, theirs, rtol=1e-5, atol=1e-5 * float(np.abs(theirs).max()))
+    assert (np.argmax(ours, axis=1) == np.argmax(theirs, axis=1)).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # MXFP4 experts against llama.cpp
 
