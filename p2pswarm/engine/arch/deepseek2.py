@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
+from p2pswarm.engine.arch.common import check_tensors, number_reader
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.state import SequenceState
@@ -50,14 +51,7 @@ class DeepSeek2:
         def bad(msg: str) -> ModelFormatError:
             return ModelFormatError(f"{path}: {msg}")
 
-        def num(key: str, default=None, kind=int):
-            v = layout.hparam(key, default, required=default is None)
-            if isinstance(v, (bool, list, str)) and kind is not bool:
-                raise bad(f"key {self.arch}.{key} must be a number, got {v!r}")
-            try:
-                return kind(v)
-            except (TypeError, ValueError):
-                raise bad(f"key {self.arch}.{key} must be a number, got {v!r}") from None
+        num = number_reader(layout, self.arch)
 
         # block_count includes any multi-token-prediction blocks appended at the end (GLM-4.7-Flash,
         # converters run without skipping MTP): the forward pass runs the blocks before them, as
@@ -152,12 +146,7 @@ class DeepSeek2:
                 S = self.w.shape(p + "ffn_gate_shexp.weight")[0] if self.w.has(p + "ffn_gate_shexp.weight") else 0
                 need += [(p + "ffn_gate_shexp.weight", (S, E)), (p + "ffn_up_shexp.weight", (S, E)),
                          (p + "ffn_down_shexp.weight", (E, S))]
-        for name, shape in need:
-            if not self.w.has(name):
-                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
-            got = self.w.shape(name)
-            if tuple(got) != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
-                raise ModelFormatError(f"{self.layout.path}: tensor {name!r} has shape {tuple(got)}, expected {shape}")
+        check_tensors(self, need)
 
     def is_dense_layer(self, il: int) -> bool:
         return il < self.n_dense_lead

@@ -31,6 +31,7 @@ import numpy as np
 
 from p2pswarm.engine import ops, routing
 from p2pswarm.engine.arch.qwen35moe import _Weights  # DenseWeights that tell a shape without loading
+from p2pswarm.engine.arch.common import check_tensors
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -154,12 +155,7 @@ class Glm4MoE(Qwen3MoE):
                 ffs = self.layout.expert_tensors[il]["down"].shape[2] * self.n_expert_shared
                 need += [(p + "ffn_gate_shexp.weight", (ffs, E)), (p + "ffn_up_shexp.weight", (ffs, E)),
                          (p + "ffn_down_shexp.weight", (E, ffs))]
-        for name, shape in need:
-            if not self.w.has(name):
-                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
-            got = tuple(self.w.shape(name))
-            if got != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
-                raise ModelFormatError(f"{self.layout.path}: tensor {name!r} has shape {got}, expected {shape}")
+        check_tensors(self, need)
 
     # ---- per sequence -----------------------------------------------------------------------
     def new_state(self) -> SequenceState:

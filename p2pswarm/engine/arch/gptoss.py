@@ -28,6 +28,7 @@ import math
 import numpy as np
 
 from p2pswarm.engine import ops
+from p2pswarm.engine.arch.common import check_tensors, number_reader
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.arch.qwen35moe import _Weights
 from p2pswarm.engine.state import KVCache, SequenceState
@@ -53,13 +54,7 @@ class GptOss:
         def bad(msg: str) -> ModelFormatError:
             return ModelFormatError(f"{path}: {msg}")
 
-        def num(key: str, default=None, kind=int):
-            v = layout.hparam(key, default, required=default is None)
-            if isinstance(v, (bool, list, str, bytes)) or v is None:
-                raise bad(f"key {self.arch}.{key} must be a number, got {v!r}")
-            if kind is int and float(v) != int(v):
-                raise bad(f"key {self.arch}.{key} must be an integer, got {v!r}")
-            return kind(v)
+        num = number_reader(layout, self.arch)
 
         self.n_layer = num("block_count")
         self.n_embd = num("embedding_length")
@@ -164,12 +159,7 @@ class GptOss:
                 if kind not in kinds:
                     raise ModelFormatError(f"{self.layout.path}: required tensor "
                                            f"'blk.{il}.ffn_{kind[:-5]}_exps.bias' is missing")
-        for name, shape in need:
-            if not self.w.has(name):
-                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
-            got = tuple(self.w.shape(name))
-            if got != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
-                raise ModelFormatError(f"{self.layout.path}: tensor {name!r} has shape {got}, expected {shape}")
+        check_tensors(self, need)
 
     # ---- per sequence -----------------------------------------------------------------------
     def new_state(self) -> SequenceState:
