@@ -31,6 +31,7 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, needs_llama, run_cli
+from helpers.arch_checks import backbone_logits
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_greedy, llama_intermediates, llama_logits
 from helpers.procs import assert_swarm_logits_exact, start_bootstrap, start_shard_workers
@@ -58,12 +59,9 @@ def ds_model(models_dir: Path, name: str, **kw) -> Path:
     return path
 
 
-async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc", kernel=None):
-    async with open_backbone(path, workers=workers, transport=transport, kernel=kernel) as swarm:
-        prefill = await swarm.backbone.logits(tokens)
-        decode = await swarm.backbone.logits(tokens, decode=True)
-        stats = swarm.backbone.dispatcher.stats
-    return prefill, decode, stats
+async def our_logits(path, tokens=TOKENS, **kw):
+    prefill, decode, disp = await backbone_logits(path, tokens, **kw)
+    return prefill, decode, disp.stats
 
 
 def tolerance(ref: np.ndarray) -> float:

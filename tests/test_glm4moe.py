@@ -30,6 +30,7 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import describe, make_model
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
+from helpers.arch_checks import backbone_logits
 from helpers.ggml import needs_ggml
 from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite
@@ -64,12 +65,8 @@ def q4km(models_dir: Path) -> Path:
     return glm_model(models_dir, "q4_k_m", seed=42, qtype="q4_k_m")
 
 
-async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc", kernel=None):
-    async with open_backbone(path, workers=workers, transport=transport, kernel=kernel) as swarm:
-        prefill = await swarm.backbone.logits(tokens)
-        decode = await swarm.backbone.logits(tokens, decode=True)
-        disp = swarm.backbone.dispatcher
-    return prefill, decode, disp
+async def our_logits(path, tokens=TOKENS, **kw):
+    return await backbone_logits(path, tokens, **kw)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from p2pswarm.model.synth import describe, make_model
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
 from helpers.arch_checks import SCHEDULE, TOKENS
 from helpers.arch_checks import alone as _alone
+from helpers.arch_checks import backbone_logits
 from helpers.arch_checks import forward as _forward
 from helpers.arch_checks import run_schedule as _run_schedule
 from helpers.compare import tolerance
@@ -68,12 +69,9 @@ def oss_model(models_dir: Path, name: str, **kw) -> Path:
     return path
 
 
-async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc", kernel=None):
-    async with open_backbone(path, workers=workers, transport=transport, kernel=kernel) as swarm:
-        prefill = await swarm.backbone.logits(tokens)
-        decode = await swarm.backbone.logits(tokens, decode=True)
-        stats = swarm.backbone.dispatcher.stats
-    return prefill, decode, stats
+async def our_logits(path, tokens=TOKENS, **kw):
+    prefill, decode, disp = await backbone_logits(path, tokens, **kw)
+    return prefill, decode, disp.stats
 
 
 # ---------------------------------------------------------------------------------------------
