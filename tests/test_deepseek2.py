@@ -34,7 +34,7 @@ from conftest import assert_one_line_error, needs_llama, run_cli
 from helpers.arch_checks import backbone_logits
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_greedy, llama_intermediates, llama_logits
-from helpers.procs import assert_swarm_logits_exact, start_bootstrap, start_shard_workers
+from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm
 
 F32 = np.float32
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
@@ -292,18 +292,8 @@ def test_split_equals_monolithic_through_the_libp2p_swarm(models_dir, tmp_path):
     bootstrap node's DHT; `logits --swarm` equals the monolithic run, prefill and decode."""
     path = ds_model(models_dir, "v3")
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
-    boot, workers = None, []
-    try:
-        boot = start_bootstrap(tmp_path, env)
-        workers = start_shard_workers(path, tmp_path, env, [(0, 6), (6, 11), (11, 16)], boot.addr)
-        tokens = ",".join(map(str, TOKENS[:17]))
-        for decode in (False, True):
-            assert_swarm_logits_exact(path, tokens, boot.addr, tmp_path, env, decode=decode)
-    finally:
-        for w in reversed(workers):
-            w.stop()
-        if boot is not None:
-            boot.stop()
+    with shard_swarm(path, tmp_path, env, [(0, 6), (6, 11), (11, 16)]) as (boot, _):
+        assert_swarm_prefill_and_decode_exact(path, TOKENS[:17], boot.addr, tmp_path, env)
 
 
 def test_shards_hold_only_the_moe_layers(models_dir, tmp_path):

@@ -35,7 +35,7 @@ from helpers.ggml import needs_ggml
 from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_intermediates, llama_routing
-from helpers.procs import assert_swarm_logits_exact, start_bootstrap, start_shard_workers, wait_until
+from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm, wait_until
 
 F32 = np.float32
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
@@ -256,11 +256,7 @@ def test_swarm_processes_equal_monolithic(models_dir, tmp_path):
     --swarm` equals the monolithic run bit for bit, prefill and 16 decode steps."""
     path = glm_model(models_dir, "f32", seed=41)
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
-    boot, workers = None, []
-    try:
-        boot = start_bootstrap(tmp_path, env)
-        workers = start_shard_workers(path, tmp_path, env, [(0, 6), (6, 11), (11, 16)], boot.addr,
-                                      extra=["--ttl", "120"])
+    with shard_swarm(path, tmp_path, env, [(0, 6), (6, 11), (11, 16)], extra=["--ttl", "120"]) as (boot, _):
 
         def covered():
             proc = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(path), "--kernel", "numpy",
@@ -270,14 +266,7 @@ def test_swarm_processes_equal_monolithic(models_dir, tmp_path):
 
         st = wait_until(covered, timeout=60, interval=1, what="every unit covered by the 3 workers")
         assert 0 not in st["layers"]  # the dense layer is no one's work
-        tokens = ",".join(map(str, TOKENS[:17]))
-        for decode in (False, True):
-            assert_swarm_logits_exact(path, tokens, boot.addr, tmp_path, env, decode=decode)
-    finally:
-        for w in reversed(workers):
-            w.stop()
-        if boot is not None:
-            boot.stop()
+        assert_swarm_prefill_and_decode_exact(path, TOKENS[:17], boot.addr, tmp_path, env)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -274,22 +274,12 @@ def test_split_equals_monolithic_over_the_swarm(models_dir, tmp_path, variant, k
     """3 workers as OS processes, found through the libp2p DHT: `logits --swarm` == monolithic."""
     from p2pswarm.model.slicer import split_ranges
 
-    from helpers.procs import assert_swarm_logits_exact, start_bootstrap, start_shard_workers
+    from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm
 
     path = oss_model(models_dir, variant)
     env = dict(os.environ, P2PSWARM_KERNEL=kernel, P2PSWARM_HOME=str(tmp_path / "home"))
-    boot, workers = None, []
-    try:
-        boot = start_bootstrap(tmp_path, env)
-        workers = start_shard_workers(path, tmp_path, env, split_ranges(16, 3), boot.addr)
-        tokens = ",".join(map(str, TOKENS[:17]))
-        for decode in (False, True):
-            assert_swarm_logits_exact(path, tokens, boot.addr, tmp_path, env, decode=decode, kernel=kernel)
-    finally:
-        for w in reversed(workers):
-            w.stop()
-        if boot is not None:
-            boot.stop()
+    with shard_swarm(path, tmp_path, env, split_ranges(16, 3)) as (boot, _):
+        assert_swarm_prefill_and_decode_exact(path, TOKENS[:17], boot.addr, tmp_path, env, kernel=kernel)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,11 @@ import numpy as np
 from p2pswarm.errors import ModelFormatError
 
 
+def model_error(layout):
+    """``bad(msg)``: a :class:`~p2pswarm.errors.ModelFormatError` that names ``layout``'s file."""
+    return lambda msg: ModelFormatError(f"{layout.path}: {msg}")
+
+
 def number_reader(layout, arch: str):
     """``num(key, default=None, kind=int)``: hyper-parameter ``key`` of ``layout`` as ``kind``;
     required when ``default`` is None. A string, list, bool or missing value, or a fraction where

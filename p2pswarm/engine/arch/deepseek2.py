@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
-from p2pswarm.engine.arch.common import check_tensors, number_reader
+from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.state import SequenceState
@@ -46,12 +46,7 @@ class DeepSeek2:
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
-        path = layout.path
-
-        def bad(msg: str) -> ModelFormatError:
-            return ModelFormatError(f"{path}: {msg}")
-
-        num = number_reader(layout, self.arch)
+        bad, num = model_error(layout), number_reader(layout, self.arch)
 
         # block_count includes any multi-token-prediction blocks appended at the end (GLM-4.7-Flash,
         # converters run without skipping MTP): the forward pass runs the blocks before them, as

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from p2pswarm.engine import ops
-from p2pswarm.engine.arch.common import check_tensors, number_reader
+from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.arch.qwen35moe import _Weights
 from p2pswarm.engine.state import KVCache, SequenceState
@@ -49,12 +49,7 @@ class GptOss:
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
-        path = layout.path
-
-        def bad(msg: str) -> ModelFormatError:
-            return ModelFormatError(f"{path}: {msg}")
-
-        num = number_reader(layout, self.arch)
+        bad, num = model_error(layout), number_reader(layout, self.arch)
 
         self.n_layer = num("block_count")
         self.n_embd = num("embedding_length")
