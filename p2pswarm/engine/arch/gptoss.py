@@ -311,12 +311,10 @@ def attention_sinks(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int, si
 
     q: (T, H, hd) for positions q_pos0..; k, v: (S, Hkv, hd) for positions k_pos0..k_pos0+S-1 (a
     trimmed sliding-window cache starts after 0); sinks (H,)."""
-    T, H, hd = q.shape
+    T, H, _ = q.shape
     S, Hkv, _ = k.shape
     group = H // Hkv
-    scale = F32(1.0 / np.sqrt(hd))
-    qh = q.reshape(T, Hkv, group, hd).transpose(1, 2, 0, 3).reshape(Hkv, group * T, hd)  # rows (head, t)
-    scores = (qh @ k.transpose(1, 2, 0)) * scale  # (Hkv, group * T, S)
+    scores = ops.gqa_scores(q, k)  # (Hkv, group * T, S)
     qpos = q_pos0 + np.tile(np.arange(T), group)
     kpos = k_pos0 + np.arange(S)[None, :]
     masked = kpos > qpos[:, None]
@@ -328,5 +326,4 @@ def attention_sinks(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int, si
     m = np.maximum(scores.max(axis=-1, keepdims=True), sink)
     e = np.exp(scores - m)
     e /= e.sum(axis=-1, keepdims=True, dtype=np.float64).astype(F32) + np.exp(sink - m)
-    out = e @ v.transpose(1, 0, 2)  # (Hkv, group * T, hd)
-    return out.reshape(Hkv, group, T, hd).transpose(2, 0, 1, 3).reshape(T, H, hd)
+    return ops.gqa_values(e, v, T)
