@@ -32,6 +32,7 @@ from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, needs_llama, run_cli
 from helpers.arch_checks import backbone_logits
+from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_greedy, llama_intermediates, llama_logits
 from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm
@@ -64,10 +65,6 @@ async def our_logits(path, tokens=TOKENS, **kw):
     return prefill, decode, disp.stats
 
 
-def tolerance(ref: np.ndarray) -> float:
-    return 1e-4 + 2e-5 * float(np.abs(ref).max())
-
-
 # ---------------------------------------------------------------------------------------------
 # F32 logits against llama.cpp
 
@@ -78,13 +75,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant):
     path = ds_model(models_dir, variant)
     ref = llama_logits(path, TOKENS)
     prefill, decode, _ = await our_logits(path, kernel="numpy")
-    tol = tolerance(ref)
-    assert np.abs(ref).max() > 1.0
-    for what, ours in (("prefill", prefill), ("decode", decode)):
-        diff = float(np.abs(ours - ref).max())
-        print(f"deepseek2 {variant} {what}: max |diff| vs llama.cpp {diff:.3g} (tolerance {tol:.3g})")
-        assert diff <= tol, f"{variant} {what}: max |diff| {diff} > {tol}"
-        assert (np.argmax(ours, axis=1) == np.argmax(ref, axis=1)).all()
+    assert_logits_close(f"deepseek2 {variant}", ref, prefill=prefill, decode=decode)
 
 
 async def test_both_mla_forms_are_the_same_function(models_dir):
