@@ -5,7 +5,9 @@ by llama.cpp's quantiser), and llama.cpp multiplies them with ``ggml_mul_mat`` o
 (one matrix per head), which rounds the activations to the weight's dot-product type first. A
 float32 product with the dequantised weight moves a layer's output by ~0.5% -- enough to flip
 routing choices. This runs the same op on the same bytes, so the backbone's MLA rounds as llama.cpp
-does (tests/test_deepseek2.py, the Q4_K_M routing test)."""
+does (tests/test_deepseek2.py, the Q4_K_M routing test). On the ggml kernel the whole MLA layer is
+one graph of llama.cpp's ops (:func:`mla_layer`); :class:`HeadMatrices` also serves the numpy MLA.
+The router's gate (:func:`gate_probs`) is here too: the same reason, ggml's bits."""
 from __future__ import annotations
 
 import numpy as np
