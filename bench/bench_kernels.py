@@ -39,6 +39,7 @@ from p2pswarm.engine import ggml_kernel as gk
 from p2pswarm.engine import ggml_experts
 from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.mapped_parts import map_layout
 from p2pswarm.model.gguf_out import GGUFLayout, kv_string, kv_uint32, pad
 from p2pswarm.model.layout import ModelLayout
 
@@ -108,7 +109,6 @@ class LlamaMoe:
         P, I64 = ctypes.c_void_p, ctypes.c_int64
         for name, res, args in (("ggml_new_tensor_3d", P, [P, ctypes.c_int, I64, I64, I64]),
                                 ("ggml_mul_mat_id", P, [P, P, P, P]),
-                                ("ggml_reshape_3d", P, [P, P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]),
                                 ("ggml_backend_buft_alloc_buffer", P, [P, ctypes.c_size_t]),
                                 ("ggml_backend_buffer_get_base", P, [P]),
                                 ("ggml_backend_tensor_set", None, [P, P, ctypes.c_size_t, ctypes.c_size_t]),
@@ -117,7 +117,6 @@ class LlamaMoe:
             f.restype, f.argtypes = res, args
         self.base = base
         self.runner = ggml_runner.GgmlRunner(lib, threads)
-        data = layout.reader.data
         tensors = layout.expert_tensors[0]
         self.wctx = lib.init(gk._InitParams(16 * lib.tensor_overhead_bytes, None, True))
         self.w = {}
@@ -134,14 +133,13 @@ class LlamaMoe:
             off = 0
             for k, t in tensors.items():
                 assert lib.backend_tensor_alloc(self.buffer, made[k], ptr + off) == 0
-                base.ggml_backend_tensor_set(made[k], data.ctypes.data + t.data_offset, 0, t.nbytes)
+                base.ggml_backend_tensor_set(made[k], layout.view(t.data_offset, t.nbytes).ctypes.data, 0, t.nbytes)
                 off += sizes[k]
             self.w = made
         else:
-            self.mapped = ggml_runner.MappedWeights(lib, data, "bench")
+            self.mapped = map_layout(lib, layout)  # one file or a split model's parts
             for k, t in tensors.items():
-                flat = self.mapped.tensor(int(t.ggml_type), t.shape[2], t.shape[1] * t.shape[0], t.data_offset, k)
-                self.w[k] = base.ggml_reshape_3d(self.mapped._ctxs[-1], flat, t.shape[2], t.shape[1], t.shape[0])
+                self.w[k] = self.mapped.tensor(int(t.ggml_type), t.shape[2], t.shape[1], t.data_offset, k, t.shape[0])
 
     def forward(self, expert: int, x: np.ndarray) -> np.ndarray:
         lib, r, b = self.lib, self.runner, self.base
@@ -166,12 +164,11 @@ class LlamaMoe:
 
 def stream_time(layout: ModelLayout, experts: list[int], threads: int, repeat: int) -> float:
     """Seconds to read one expert's bytes (gate+up+down slabs), fastest of 1 and ``threads`` threads."""
-    data = layout.reader.data
     slabs = {e: [t.slab(e) for t in layout.expert_tensors[0].values()] for e in experts}
 
     def read1(e):
         for off, n in slabs[e]:
-            np.bitwise_or.reduce(data[off: off + n].view(np.uint64))
+            np.bitwise_or.reduce(layout.view(off, n).view(np.uint64))
 
     best = per_call(read1, experts, repeat)
     if threads > 1:
@@ -181,7 +178,7 @@ def stream_time(layout: ModelLayout, experts: list[int], threads: int, repeat: i
                 for off, n in slabs[e]:
                     step = (n // threads) // 64 * 64
                     parts += [(off + i * step, step if i < threads - 1 else n - i * step) for i in range(threads)]
-                list(pool.map(lambda p: np.bitwise_or.reduce(data[p[0]: p[0] + p[1]].view(np.uint64)), parts))
+                list(pool.map(lambda p: np.bitwise_or.reduce(layout.view(p[0], p[1]).view(np.uint64)), parts))
             best = min(best, per_call(readn, experts, repeat))
     return best
 

@@ -352,7 +352,7 @@ def make_model(
     if isinstance(dims, DeepSeek2Preset):
         plans = synth_deepseek2.plan(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
     elif isinstance(dims, GptOssPreset):
-        plans = plan_gptoss(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie, TensorPlan, _type_size)
+        plans = plan_gptoss(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
     else:
         planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else plan_glm4 if isinstance(dims, Glm4Preset) else _plan
         plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)

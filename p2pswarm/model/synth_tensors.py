@@ -91,6 +91,19 @@ class TensorPlan:
     parts: tuple["TensorPlan", ...] = ()
 
 
+def plan_adder(plans: list, dense: Any, exp_t: Any):
+    """``add(name, shape, kind, std, parts=())``, which appends a :class:`TensorPlan` to ``plans`` typed
+    by its kind: F32 for norms, routers and vectors, ``exp_t`` for the routed experts, ``dense`` for
+    the rest (what every architecture's plan does)."""
+    F32 = _gguf().GGMLQuantizationType.F32
+
+    def add(name: str, shape: tuple[int, ...], kind: str, std: float, parts=()) -> None:
+        t = F32 if kind in ("norm", "router", "vector") else exp_t if kind == "experts" else dense
+        plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape), parts))
+
+    return add
+
+
 def _type_size(gtype: Any, shape: Sequence[int]) -> int:
     g = _gguf()
     block, size = g.GGML_QUANT_SIZES[gtype]
@@ -113,14 +126,7 @@ def _plan(dims: Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied
     H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
     plans: list[TensorPlan] = []
 
-    def add(name: str, shape: tuple[int, ...], kind: str, std: float) -> None:
-        if kind in ("norm", "router"):
-            t = Q.F32
-        elif kind == "experts":
-            t = exp_t
-        else:
-            t = dense
-        plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape)))
+    add = plan_adder(plans, dense, exp_t)
 
     add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
     router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
