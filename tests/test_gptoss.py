@@ -131,6 +131,7 @@ def test_swa_pattern_and_window_mask():
         assert np.allclose(out[t], alone[0], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sliding_window_cache_stays_bounded_and_logits_unchanged(models_dir):
     """A sliding layer's cache holds at most ~2 windows however long the sequence (a 24-token prefill,
     then 56 decode steps with a window of 8; the full layers keep all 80), and the logits are
