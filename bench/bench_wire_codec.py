@@ -6,7 +6,9 @@ worker returns them), and reports for each coding: the bytes relative to raw, an
 encode + decode a MiB on this machine; then what that saves per token and the link speed below
 which it pays (when the bytes saved take longer on the link than the coding takes on the CPU).
 
-Codings: zlib (stdlib), zstandard and lz4 (PyPI; optional: ``pip install zstandard lz4``), each on
+Codings: what the wire ships (p2pswarm.net.wire_codec: four byte planes, each zstd-1 on its own),
+zlib (stdlib), zstandard, lz4 and blosc2 (PyPI; optional: ``pip install lz4 blosc2``), blosc2 with
+its own byte shuffle or bit shuffle, the others each on
 the raw bytes and on a byte-plane split (the 4 bytes of each float32 regrouped: sign+exponent
 bytes together, mantissa bytes together), which is what makes float data compressible if anything does.
 
@@ -21,12 +23,15 @@ import time
 import zlib
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import trio
 from common import header
 
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.model.synth import make_model
+from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net import wire_codec
 
 
 def planes(b: bytes) -> bytes:
@@ -48,9 +53,26 @@ def codecs() -> dict:
     except ImportError:
         pass
     try:
+        import lz4.block  # noqa: PLC0415
         import lz4.frame  # noqa: PLC0415
 
         out["lz4"] = (lz4.frame.compress, lz4.frame.decompress)
+        out["lz4 block"] = (lz4.block.compress, lz4.block.decompress)
+    except ImportError:
+        pass
+    if wire_codec.can_code():  # what the wire does (its array map, msgpack overhead included)
+        out["planes-zstd (shipped)"] = (
+            lambda b: proto.pack(wire_codec.encode_f32(np.frombuffer(b, np.float32))),
+            lambda c: wire_codec.decode_f32(msgpack.unpackb(c, raw=False), "bench").tobytes())
+    try:
+        import blosc2  # noqa: PLC0415
+
+        blosc2.set_nthreads(1)  # one core: what a phone's worker thread has to spare
+        for cname, codec in (("lz4", blosc2.Codec.LZ4), ("zstd-1", blosc2.Codec.ZSTD)):
+            for fname, filt in (("shuffle", blosc2.Filter.SHUFFLE), ("bitshuffle", blosc2.Filter.BITSHUFFLE)):
+                def enc(b, codec=codec, filt=filt):
+                    return blosc2.compress(b, typesize=4, clevel=1, filter=filt, codec=codec)
+                out[f"blosc2 {fname} + {cname}"] = (enc, blosc2.decompress)
     except ImportError:
         pass
     return out
@@ -75,26 +97,31 @@ async def capture(model: Path, tokens: list[int], steps: int) -> tuple[list[byte
 
 
 def measure(name: str, blobs: list[bytes]) -> list[str]:
+    """One table row per coding: size vs raw, encode and decode CPU ms per MiB, the break-even link."""
     raw = sum(len(b) for b in blobs)
     lines = []
     for cname, (enc, dec) in codecs().items():
-        for split in (False, True):
-            size, t0 = 0, time.process_time()
+        # blosc2 shuffles internally; a numpy byte-plane split in front of it would undo nothing useful
+        for split in ((False,) if cname.startswith(("blosc2", "planes")) else (False, True)):
+            size, t_enc, t_dec = 0, 0.0, 0.0
             for b in blobs:
-                data = planes(b) if split else b
-                c = enc(data)
+                t0 = time.process_time()
+                c = enc(planes(b) if split else b)
+                t1 = time.process_time()
                 back = dec(c)
-                if (unplanes(back) if split else back) != b:
+                back = unplanes(back) if split else back
+                t_enc, t_dec = t_enc + t1 - t0, t_dec + time.process_time() - t1
+                if bytes(back) != b:
                     raise RuntimeError(f"{cname} did not round-trip")
                 size += len(c)
-            cpu = time.process_time() - t0
-            ms_per_mib = 1000 * cpu / (raw / 2**20)
+            mib = raw / 2**20
+            ms_per_mib = 1000 * (t_enc + t_dec) / mib
             saved = 1 - size / raw
             # it pays when the bytes saved take longer on the link than the coding costs:
             # saved * 1 MiB * 8 / mbps > ms_per_mib / 1000  =>  mbps < saved * 8 * 2**20 / (ms_per_mib / 1000) / 1e6
             pays_below = saved * 8 * 2**20 / (ms_per_mib / 1000) / 1e6 if saved > 0 else 0.0
             lines.append(f"| {name} | {cname}{' + byte planes' if split else ''} | {size / raw:.3f} | "
-                         f"{ms_per_mib:.1f} | {pays_below:.0f} |")
+                         f"{1000 * t_enc / mib:.1f} | {1000 * t_dec / mib:.1f} | {pays_below:.0f} |")
     return lines
 
 
@@ -108,8 +135,8 @@ def main() -> None:
         model = Path(d) / "m.gguf"
         make_model(model, preset=args.preset, qtype="q8_0", seed=2, layers=args.layers)
         ins, outs = trio.run(capture, model, [17 + 7 * i for i in range(args.tokens)], args.tokens)
-    lines = ["| rows | coding | bytes vs raw | CPU ms per MiB (encode + decode, one core) | pays on links below (Mbit/s) |",
-             "|---|---|---|---|---|"]
+    lines = ["| rows | coding | bytes vs raw | encode CPU ms / MiB | decode CPU ms / MiB | pays on links below (Mbit/s) |",
+             "|---|---|---|---|---|---|"]
     lines += measure("outputs (f32)", outs)
     lines += measure("inputs (f32)", ins)
     text = header("Lossless coding of the expert RPC's float32 rows",
