@@ -69,6 +69,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.generate import Rewind, Step
+from p2pswarm.backbone.link_budget import LinkModel
 from p2pswarm.backbone.runner import Backbone, banned_taint, tokens_kept
 from p2pswarm.backbone.sampling import Sampler
 
@@ -158,10 +159,11 @@ def choose_token_budget(dense_row_s: float | None, wait_s: float | None, *, floo
 
 
 def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead_s: float = MICRO_OVERHEAD_S,
-                         max_m: int = 8, slack: float = 0.05) -> int:
+                         max_m: int = 8, slack: float = 0.05, link_s: float = 0.0) -> int:
     """The number of micro-batches M that minimises the time of one layer,
 
-        T(M) = max(C + (M - 1) * o,  C / M + R + (M - 1) * o)
+        T(M) = max(C + (M - 1) * o,  X,  C / M + R + X / M + (M - 1) * o)
+    (X: a known link's time for the step's bytes, R the rest of the wait: backbone/link_budget.py)
 
     with C the dense time of the whole step's rows, R the wait for the experts (network round trip
     + remote compute) and o the fixed cost of one more micro-batch. The first term is the backbone's
@@ -177,7 +179,7 @@ def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead
     most C: M stays 1-2; with C ~ R it approaches a 2x gain. We take the *smallest* M within
     ``slack`` (5%) of the best time. M <= the number of sequences and ``max_m``."""
     ms = range(1, max(1, min(max_m, n_seqs)) + 1)
-    times = [max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s + (m - 1) * overhead_s) for m in ms]
+    times = [max(dense_s + (m - 1) * overhead_s, link_s, dense_s / m + wait_s + link_s / m + (m - 1) * overhead_s) for m in ms]
     best = min(times)
     return next(m for m, t in zip(ms, times) if t <= best * (1 + slack))
 
@@ -269,6 +271,7 @@ class Scheduler:
         self.step_s: float | None = None  # EWMA: wall seconds of a step
         self.dense_s: float | None = None  # EWMA: seconds per layer the backbone's dense work is busy, a whole step
         self.wait_s: float | None = None  # EWMA: dispatch wait per layer of one micro-batch
+        self.links = LinkModel()  # the wait's link part, where the owners' links have a known cost per row
         self.last_micro_batches = 1
         #: dense seconds per row and layer (token_budget="auto"): the least of the last steps' of at
         #: least BUDGET_SAMPLE_ROWS rows - the step with the most rows amortises the fixed costs best
@@ -416,7 +419,8 @@ class Scheduler:
     def _split(self, batch: list[_Sequence], chunks: list[list[int]]) -> list[list[int]]:
         """Indices of ``batch`` per micro-batch: contiguous, balanced by rows."""
         if self.micro_batches == "auto":
-            m = 1 if self.dense_s is None else choose_micro_batches(self.step_dense_s(chunks), self.wait_s, len(batch))
+            wait, link = self.links.terms(self.backbone.dispatcher.owners, sum(map(len, chunks)), self.wait_s)
+            m = 1 if self.dense_s is None else choose_micro_batches(self.step_dense_s(chunks), wait, len(batch), link_s=link)
         else:
             m = min(self.micro_batches, len(batch))
         self.last_micro_batches = m
@@ -470,6 +474,7 @@ class Scheduler:
             self.dense_s = dense if self.dense_s is None else (1 - EWMA) * self.dense_s + EWMA * dense
             self.wait_s = wait if self.wait_s is None else (1 - EWMA) * self.wait_s + EWMA * wait
             rows = sum(len(c) for c in chunks)
+            self.links.observe(self.backbone.dispatcher.stats.since(before).per_owner_rows, n_layer, rows)
             if rows >= BUDGET_SAMPLE_ROWS:  # small steps' fixed per-layer costs would inflate the per-row cost
                 self._row_costs.append(dense / rows)
                 self.dense_row_s = min(self._row_costs)
