@@ -12,7 +12,7 @@ its own byte shuffle or bit shuffle, the others each on
 the raw bytes and on a byte-plane split (the 4 bytes of each float32 regrouped: sign+exponent
 bytes together, mantissa bytes together), which is what makes float data compressible if anything does.
 
-    python bench/bench_wire_codec.py [--preset geometry-122b] [--layers 1] [--tokens 16]
+    python bench/bench_wire_codec.py [--preset geometry-122b] [--layers 1] [--tokens 16] [--batch 64]
 """
 from __future__ import annotations
 
@@ -96,6 +96,42 @@ async def capture(model: Path, tokens: list[int], steps: int) -> tuple[list[byte
     return ins, outs
 
 
+async def capture_batch(model: Path, n: int, steps: int) -> tuple[list[bytes], list[bytes], float]:
+    """Expert calls' output rows of ``n`` sequences batched as bench_throughput.py sends them (its
+    prompts, one prefill step, then ``steps`` greedy decode steps): (prefill outputs, decode outputs,
+    the share of the prefill's output rows that repeat another row of the same call, byte for byte:
+    prompts that share a prefix share its hidden states, hence those rows)."""
+    from p2pswarm.engine.tokenizer import Tokenizer  # noqa: PLC0415
+
+    tok = Tokenizer.from_gguf(model)
+    pre, dec, dup = [], [], []
+    async with open_backbone(model) as swarm:
+        bb = swarm.backbone
+        bank = bb.dispatcher.local.bank
+        orig = bank.forward_groups
+        sink = pre
+
+        def recording(layer, rows, groups, *a):
+            res = orig(layer, rows, groups, *a)
+            out = np.concatenate(res).astype(np.float32) if res else np.zeros((0, 1), np.float32)
+            sink.append(out.tobytes())
+            if sink is pre and len(out):
+                dup.append(1 - len({x.tobytes() for x in out}) / len(out))
+            return res
+
+        # a first batch, not recorded: the runner's one-off invariance probes compute rows twice
+        await bb.forward_batch([(tok.encode("warm up"), bb.new_state()), (tok.encode("two"), bb.new_state())])
+        bank.forward_groups = recording
+        states = [bb.new_state() for _ in range(n)]
+        items = [(tok.encode(f"client {i} asks"), st) for i, st in enumerate(states)]  # bench_throughput's prompts
+        logits = await bb.forward_batch(items, last_only=True)
+        sink = dec
+        for _ in range(steps):
+            nxt = [[int(np.argmax(lg[-1]))] for lg in logits]
+            logits = await bb.forward_batch(list(zip(nxt, states)), last_only=True)
+    return pre, dec, float(np.mean(dup)) if dup else 0.0
+
+
 def measure(name: str, blobs: list[bytes]) -> list[str]:
     """One table row per coding: size vs raw, encode and decode CPU ms per MiB, the break-even link."""
     raw = sum(len(b) for b in blobs)
@@ -130,15 +166,24 @@ def main() -> None:
     ap.add_argument("--preset", default="geometry-122b")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=0,
+                    help="also N sequences batched as bench_throughput.py sends them (its prompts), "
+                         "prefill and decode apart")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="wire-codec-") as d:
         model = Path(d) / "m.gguf"
         make_model(model, preset=args.preset, qtype="q8_0", seed=2, layers=args.layers)
         ins, outs = trio.run(capture, model, [17 + 7 * i for i in range(args.tokens)], args.tokens)
+        batch = trio.run(capture_batch, model, args.batch, args.tokens) if args.batch else None
     lines = ["| rows | coding | bytes vs raw | encode CPU ms / MiB | decode CPU ms / MiB | pays on links below (Mbit/s) |",
              "|---|---|---|---|---|---|"]
     lines += measure("outputs (f32)", outs)
     lines += measure("inputs (f32)", ins)
+    if batch:
+        pre, dec, dup = batch
+        lines += measure(f"outputs, {args.batch} sequences' prefill ({100 * dup:.0f}% of a call's rows repeat "
+                         "another of its rows)", pre)
+        lines += measure(f"outputs, {args.batch} sequences' decode steps", dec)
     text = header("Lossless coding of the expert RPC's float32 rows",
                   f"python bench/bench_wire_codec.py --preset {args.preset} --layers {args.layers} --tokens {args.tokens}") + (
         f"{len(outs)} expert calls of a {args.preset} model ({args.layers} layer(s)), decode steps 1..{args.tokens}, "
