@@ -32,16 +32,16 @@ import trio
 from common import REPO, header
 
 sys.path.insert(0, str(REPO / "tests"))
-from helpers import arm64_root as bed  # noqa: E402
+from helpers import arm64_root as bed
 
-from p2pswarm.backbone.runner import combine, expert_groups  # noqa: E402
-from p2pswarm.backbone.socket_owner import SocketOwner  # noqa: E402
-from p2pswarm.engine.arch import load_dense  # noqa: E402
-from p2pswarm.engine.kernels import make_bank  # noqa: E402
-from p2pswarm.model.layout import ModelLayout  # noqa: E402
-from p2pswarm.model.manifest import model_fingerprint  # noqa: E402
-from p2pswarm.model.slicer import slice_experts  # noqa: E402
-from p2pswarm.model.synth import make_model  # noqa: E402
+from p2pswarm.backbone.runner import combine, expert_groups
+from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.kernels import make_bank
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.model.slicer import slice_experts
+from p2pswarm.model.synth import make_model
 
 
 def start_root_worker(root, inside, shard_in: str, kernel: str, env: dict) -> bed.RootProcess:

@@ -27,11 +27,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import time_compute  # noqa: E402
+from common import time_compute
 
-from p2pswarm.engine.arch import load_dense  # noqa: E402
-from p2pswarm.engine.kernels import use_kernel_for_dense  # noqa: E402
-from p2pswarm.model.layout import ModelLayout  # noqa: E402
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.kernels import use_kernel_for_dense
+from p2pswarm.model.layout import ModelLayout
 
 
 def main() -> None:

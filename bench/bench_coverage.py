@@ -1,4 +1,4 @@
-"""Time to resolve a full coverage map through the DHT (issue 3's benchmark).
+"""Time to resolve a full coverage map through the DHT.
 
     python bench/bench_coverage.py [--nodes 20] [--layers 48] [--blocks 32] [--block-size 8] [--workers 4]
 
@@ -22,7 +22,9 @@ import trio
 from common import header
 
 from p2pswarm.model.slicer import split_ranges
-from p2pswarm.net.dht import CoverageResolver, ShardAdvertiser, open_dht
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.coverage import CoverageResolver
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import ShardEntry

@@ -1,4 +1,4 @@
-"""Coverage map at scale (issue 14 item 8): a backbone resolves the 122B's full map through a
+"""Coverage map at scale: a backbone resolves the 122B's full map through a
 100-node DHT.
 
     python bench/bench_coverage_map.py [--nodes 100] [--procs 4] [--layers 49] [--blocks 32]
@@ -32,9 +32,11 @@ import time
 import trio
 from common import header, publish
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError
 from p2pswarm.model.slicer import split_ranges
-from p2pswarm.net.dht import CoverageResolver, ShardAdvertiser, open_dht
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.coverage import CoverageResolver
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import ShardEntry
@@ -76,7 +78,7 @@ async def helper(args) -> None:
                     try:
                         await nursery.start(node, i, random.sample(boot, min(2, len(boot))))
                         return
-                    except UserError as exc:
+                    except SwarmError as exc:
                         print(f"node {i}: {exc} (attempt {attempt + 1})", file=sys.stderr, flush=True)
                 raise SystemExit(f"node {i} could not join the DHT")
 

@@ -38,9 +38,9 @@ if _THREADS and _THREADS != "0":
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = _THREADS
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from p2pswarm.engine import deltanet  # noqa: E402
+from p2pswarm.engine import deltanet
 
 GEOMETRIES = {"tiny": (4, 32), "122b": (64, 128)}  # (Hv, d)
 

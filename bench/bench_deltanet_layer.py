@@ -24,10 +24,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from p2pswarm.engine import ggml_kernel as gk  # noqa: E402
-from p2pswarm.engine.arch import load_dense  # noqa: E402
-from p2pswarm.engine.kernels import use_kernel_for_dense  # noqa: E402
-from p2pswarm.model.layout import ModelLayout  # noqa: E402
+from p2pswarm.engine import ggml_runner
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.kernels import use_kernel_for_dense
+from p2pswarm.model.layout import ModelLayout
 
 SHAPES = {"decode 1": [1], "16 seqs x 1": [1] * 16, "prefill 128": [128]}
 
@@ -66,8 +66,8 @@ def main() -> None:
             g.append(timed("graph"))
             p.append(timed("pieces"))
         model._layer_graph = real_graph
-        real_compute = gk.GgmlRunner.compute
-        gk.GgmlRunner.compute = lambda self, graph, macs: None  # build + read back only
+        real_compute = ggml_runner.GgmlRunner.compute
+        ggml_runner.GgmlRunner.compute = lambda self, graph, macs: None  # build + read back only
         try:
             model.pre_moe_batch(il, h, segs)
             t = time.perf_counter()
@@ -75,7 +75,7 @@ def main() -> None:
                 model.pre_moe_batch(il, h, segs)
             build = (time.perf_counter() - t) / reps * 1e3
         finally:
-            gk.GgmlRunner.compute = real_compute
+            ggml_runner.GgmlRunner.compute = real_compute
         ratio = statistics.median(pi / gi for pi, gi in zip(p, g))
         print(f"| {shape} | {statistics.median(g):.2f} | {statistics.median(p):.2f} | {ratio:.2f}x | {build:.2f} |",
               flush=True)

@@ -23,11 +23,12 @@ CHILD = r"""
 import json, sys, time
 import numpy as np
 from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_experts
 from p2pswarm.model.layout import ModelLayout
 path, threads, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 lib = gk.load_libggml()
 layout = ModelLayout.open(path)
-bank = gk.GgmlExpertBank(layout, threads=threads)
+bank = ggml_experts.GgmlExpertBank(layout, threads=threads)
 experts = list(range(layout.n_expert))
 out = {"kernel": lib.kernel_id}
 rng = np.random.default_rng(1)

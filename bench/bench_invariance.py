@@ -1,4 +1,4 @@
-"""Batch invariance (issue 11, item 4): are a sequence's logits independent of what else is in its step?
+"""Batch invariance: are a sequence's logits independent of what else is in its step?
 
 For S sequences (random prompts, a prefill then decode steps), compare each sequence run alone with
 the same sequence stepped together with all the others, in both backbone modes:

@@ -36,7 +36,10 @@ import numpy as np
 from common import header
 
 from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_experts
+from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.mapped_parts import map_layout
 from p2pswarm.model.gguf_out import GGUFLayout, kv_string, kv_uint32, pad
 from p2pswarm.model.layout import ModelLayout
 
@@ -106,7 +109,6 @@ class LlamaMoe:
         P, I64 = ctypes.c_void_p, ctypes.c_int64
         for name, res, args in (("ggml_new_tensor_3d", P, [P, ctypes.c_int, I64, I64, I64]),
                                 ("ggml_mul_mat_id", P, [P, P, P, P]),
-                                ("ggml_reshape_3d", P, [P, P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]),
                                 ("ggml_backend_buft_alloc_buffer", P, [P, ctypes.c_size_t]),
                                 ("ggml_backend_buffer_get_base", P, [P]),
                                 ("ggml_backend_tensor_set", None, [P, P, ctypes.c_size_t, ctypes.c_size_t]),
@@ -114,8 +116,7 @@ class LlamaMoe:
             f = getattr(base, name)
             f.restype, f.argtypes = res, args
         self.base = base
-        self.runner = gk.GgmlRunner(lib, threads)
-        data = layout.reader.data
+        self.runner = ggml_runner.GgmlRunner(lib, threads)
         tensors = layout.expert_tensors[0]
         self.wctx = lib.init(gk._InitParams(16 * lib.tensor_overhead_bytes, None, True))
         self.w = {}
@@ -132,14 +133,13 @@ class LlamaMoe:
             off = 0
             for k, t in tensors.items():
                 assert lib.backend_tensor_alloc(self.buffer, made[k], ptr + off) == 0
-                base.ggml_backend_tensor_set(made[k], data.ctypes.data + t.data_offset, 0, t.nbytes)
+                base.ggml_backend_tensor_set(made[k], layout.view(t.data_offset, t.nbytes).ctypes.data, 0, t.nbytes)
                 off += sizes[k]
             self.w = made
         else:
-            self.mapped = gk.MappedWeights(lib, data, "bench")
+            self.mapped = map_layout(lib, layout)  # one file or a split model's parts
             for k, t in tensors.items():
-                flat = self.mapped.tensor(int(t.ggml_type), t.shape[2], t.shape[1] * t.shape[0], t.data_offset, k)
-                self.w[k] = base.ggml_reshape_3d(self.mapped._ctxs[-1], flat, t.shape[2], t.shape[1], t.shape[0])
+                self.w[k] = self.mapped.tensor(int(t.ggml_type), t.shape[2], t.shape[1], t.data_offset, k, t.shape[0])
 
     def forward(self, expert: int, x: np.ndarray) -> np.ndarray:
         lib, r, b = self.lib, self.runner, self.base
@@ -148,7 +148,7 @@ class LlamaMoe:
             ctx = r.context(4 * n * (3 * E + 3 * FF) + 4096, 16)
             graph = lib.new_graph_custom(ctx, 64, False)
             xt = b.ggml_new_tensor_3d(ctx, gk.GGML_TYPE_F32, E, 1, n)
-            gk.f32_view(lib, xt, (n, E))[...] = x
+            ggml_runner.f32_view(lib, xt, (n, E))[...] = x
             ids = lib.new_tensor_2d(ctx, gk.GGML_TYPE_I32, 1, n)
             ids_ptr = ctypes.cast(lib.get_data(ids), ctypes.POINTER(ctypes.c_int32))
             np.ctypeslib.as_array(ids_ptr, shape=(n,))[...] = expert
@@ -158,18 +158,17 @@ class LlamaMoe:
             out = b.ggml_mul_mat_id(ctx, self.w["down"], h, ids)
             lib.build_forward_expand(graph, out)
             r.compute(graph, 1 << 40)
-            res = gk.f32_view(lib, out, (n, E)).copy()
+            res = ggml_runner.f32_view(lib, out, (n, E)).copy()
         return res
 
 
 def stream_time(layout: ModelLayout, experts: list[int], threads: int, repeat: int) -> float:
     """Seconds to read one expert's bytes (gate+up+down slabs), fastest of 1 and ``threads`` threads."""
-    data = layout.reader.data
     slabs = {e: [t.slab(e) for t in layout.expert_tensors[0].values()] for e in experts}
 
     def read1(e):
         for off, n in slabs[e]:
-            np.bitwise_or.reduce(data[off: off + n].view(np.uint64))
+            np.bitwise_or.reduce(layout.view(off, n).view(np.uint64))
 
     best = per_call(read1, experts, repeat)
     if threads > 1:
@@ -179,7 +178,7 @@ def stream_time(layout: ModelLayout, experts: list[int], threads: int, repeat: i
                 for off, n in slabs[e]:
                     step = (n // threads) // 64 * 64
                     parts += [(off + i * step, step if i < threads - 1 else n - i * step) for i in range(threads)]
-                list(pool.map(lambda p: np.bitwise_or.reduce(data[p[0]: p[0] + p[1]].view(np.uint64)), parts))
+                list(pool.map(lambda p: np.bitwise_or.reduce(layout.view(p[0], p[1]).view(np.uint64)), parts))
             best = min(best, per_call(readn, experts, repeat))
     return best
 
@@ -200,7 +199,7 @@ def bench_file(path: Path, label: str, threads: int, repeat: int) -> str:
     layout = ModelLayout.open(path)
     experts = list(range(layout.n_expert))
     rng = np.random.default_rng(1)
-    ggml_bank = gk.GgmlExpertBank(layout, threads=threads)
+    ggml_bank = ggml_experts.GgmlExpertBank(layout, threads=threads)
     numpy_bank = ExpertBank(layout, cache_bytes=16 << 30)
     numpy_experts = experts[:8]  # 8 x 37.7 MB of float32: past the cache, and the RAM stays modest
     llama_plain = LlamaMoe(lib, layout, threads, repack=False)
@@ -249,7 +248,7 @@ def decode_section(path: Path, label: str, threads: int, rounds: int = 4) -> str
     layout = ModelLayout.open(path)
     experts = list(range(layout.n_expert))
     counts = sorted({1, threads})
-    banks = {t: gk.GgmlExpertBank(layout, threads=t) for t in counts}
+    banks = {t: ggml_experts.GgmlExpertBank(layout, threads=t) for t in counts}
     x = np.random.default_rng(0).standard_normal((1, E)).astype(np.float32)
     best: dict[str, float] = {}
     jobs = {"stream": lambda: stream_time(layout, experts, threads, 3)}

@@ -24,14 +24,14 @@ from common import REPO, header, publish
 
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests"))
-from helpers.procs import read_first_lines as _ready, spawn_cli as _spawn, stop_all  # noqa: E402
-from proc_cpu import sample  # noqa: E402
+from helpers.procs import read_first_lines as _ready, spawn_cli as _spawn, stop_all
+from proc_cpu import sample
 
-from p2pswarm.model.layout import ModelLayout  # noqa: E402
-from p2pswarm.model.manifest import source_fingerprint  # noqa: E402
-from p2pswarm.model.synth import make_model  # noqa: E402
-from p2pswarm.net.identity import load_or_create_identity  # noqa: E402
-from p2pswarm.net.tokens import issue_token  # noqa: E402
+from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import source_fingerprint
+from p2pswarm.model.synth import make_model
+from p2pswarm.net.identity import load_or_create_identity
+from p2pswarm.net.tokens import issue_token
 
 
 def one(mode: str, model: Path, n: int, block: int, window: float, settle: float, root: Path) -> dict:

@@ -45,15 +45,15 @@ def per_call_cpu(fn, experts: list[int], repeat: int) -> tuple[float, float]:
         best_w = min(best_w, (time.perf_counter() - w) / len(experts))
         best_c = min(best_c, (time.process_time() - c) / len(experts))
     return best_w, best_c
-from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_experts
 from p2pswarm.engine.portable_kernel import PortableExpertBank
 from p2pswarm.model.layout import ModelLayout
 
 
-def stream(data: np.ndarray, slabs: list[tuple[int, int]]):
+def stream(layout: ModelLayout, slabs: list[tuple[int, int]]):
     def one(i: int) -> None:
         off, n = slabs[i]
-        data[off:off + n].view(np.uint64).sum()
+        layout.view(off, n).view(np.uint64).sum()
     return one
 
 
@@ -73,10 +73,9 @@ def main(argv=None) -> int:
     for label, down in (("Q4_K gate/up/down", Q4_K), ("Q4_K gate/up, Q6_K down", Q6_K)):
         path = write_expert_file(tmp / f"experts-{down}-{args.experts}.gguf", down, args.experts)
         layout = ModelLayout.open(path)
-        g = gk.GgmlExpertBank(layout, threads=args.threads)
+        g = ggml_experts.GgmlExpertBank(layout, threads=args.threads)
         p = PortableExpertBank(layout, threads=args.threads, implementation="c")
         experts = list(range(args.experts))
-        data = layout.reader.data
         slabs = []
         for e in experts:
             offs = [t.slab(e) for t in layout.expert_tensors[0].values()]
@@ -85,7 +84,7 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(1)
         res: dict[tuple[str, int], float] = {}  # wall seconds per call
         cpu: dict[tuple[str, int], float] = {}  # CPU seconds per call
-        floor = min(per_call(stream(data, slabs), experts, args.repeat) for _ in range(args.rounds))
+        floor = min(per_call(stream(layout, slabs), experts, args.repeat) for _ in range(args.rounds))
         for n in ROWS:
             x = rng.standard_normal((n, 3072)).astype(np.float32)
             # the portable result is close to ggml's (same 8-bit activations and integer block sums)

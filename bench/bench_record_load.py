@@ -1,4 +1,4 @@
-"""DHT load of a worker's advertising: short-lived records refreshed often vs the old cadence (issue 10).
+"""DHT load of a worker's advertising: short-lived records refreshed often vs the old cadence.
 
     python bench/bench_record_load.py [--nodes 10] [--layers 12] [--blocks 8] [--rounds 3]
 
@@ -19,7 +19,9 @@ from contextlib import AsyncExitStack
 import trio
 from common import header
 
-from p2pswarm.net.dht import REPROVIDE_S, ShardAdvertiser, open_dht
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.kademlia import REPROVIDE_S
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import DEFAULT_RECORD_TTL_S, ShardEntry

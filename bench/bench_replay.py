@@ -1,4 +1,4 @@
-"""What replay on ban costs the hot path (issue 14): batched decode with taint tracking on vs off.
+"""What replay on ban costs the hot path: batched decode with taint tracking on vs off.
 
 Every step of a backbone with remote workers records, per worker, which rows it computed from
 outputs nobody checked (``Dispatcher.run_groups(..., taint)`` row masks, folded into each sequence's
@@ -33,7 +33,7 @@ from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.verify import Verifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers.dishonest_worker import DishonestWorker  # noqa: E402
+from helpers.dishonest_worker import DishonestWorker
 
 BOOKKEEPING = [0.0]
 

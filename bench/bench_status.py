@@ -17,13 +17,14 @@ import time
 
 from common import header, publish
 
-from p2pswarm.backbone.dispatch import DispatchStats
+from p2pswarm.backbone.dispatch import DemandCounter, DispatchStats
+from p2pswarm.contracts import Owner
 from p2pswarm.backbone.status_page import SwarmView
 
 LAYERS, N_EXPERT, BLOCK = 49, 256, 8
 
 
-class FakeOwner:
+class FakeOwner(Owner):
     remote = True
 
     def __init__(self, i: int, e0: int, n: int):
@@ -39,6 +40,7 @@ class FakeDispatcher:
     def __init__(self, owners):
         self.owners = owners
         self.stats = DispatchStats()
+        self.demand = DemandCounter()
         self.down = {o.name for o in owners[::10]}
 
     def healthy(self, o) -> bool:

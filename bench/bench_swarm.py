@@ -32,10 +32,13 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.model.synth import make_model
 from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.dht import OwnerInfo, ShardAdvertiser, open_dht
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.coverage import OwnerInfo
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import NodeRecord, ShardEntry, worker_shard_hash
+from p2pswarm.net.records import NodeRecord, ShardEntry
+from p2pswarm.worker.expert_worker import worker_shard_hash
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import serve_libp2p
 

@@ -21,7 +21,7 @@ serving ``/v1/completions``. For N = 1, 4, 16,
 * CPU seconds per generated token of the backbone process, of one worker, of the WAN proxies, and
   of everything the run uses (all its processes and the load generator; from /proc).
 
-``--hot-experts`` runs the backbone with the hot-expert path (issue 11 item 3): an owner whose
+``--hot-experts`` runs the backbone with the hot-expert path: an owner whose
 measured round trip is longer than computing its groups on the backbone's replica gets no request,
 so the N / (L * RTT) term no longer bounds anything; read its ratios against the compute bound (the
 backbone alone), and the "local groups" column for how much the backbone computed itself.
@@ -61,7 +61,8 @@ import trio
 from common import header
 from wan_swarm import WanSwarm, cpu_seconds
 
-from p2pswarm.model.synth import PRESETS, make_model
+from p2pswarm.model.synth import make_model
+from p2pswarm.model.synth_presets import PRESETS
 
 CONCURRENCY = (1, 4, 16, 64)
 
@@ -109,7 +110,7 @@ def post_all(base_url: str, n: int, tokens: int) -> tuple[list[int], float]:
                 PROMPT_TOKENS.append(usage["prompt_tokens"])
             finally:
                 c.close()
-        except Exception as exc:  # noqa: BLE001 - reported
+        except Exception as exc:  # reported
             errors.append(repr(exc))
 
     wall = run_threads(client, n)
@@ -287,7 +288,7 @@ def main() -> None:
         ap.error("--layers must be >= 1")
     if args.plot:
         try:  # checked before the runs: finding out after twenty minutes of measuring loses them
-            import matplotlib  # noqa: F401, PLC0415
+            import matplotlib  # noqa: F401
         except ImportError:
             ap.error("--plot needs matplotlib (pip install matplotlib)")
     if args.backbone_mbps and args.proxies != "shared":

@@ -1,4 +1,4 @@
-"""What sampled verification costs a step (issue 14, item 7): decode time at --verify-rate r vs off.
+"""What sampled verification costs a step: decode time at --verify-rate r vs off.
 
 A backbone decodes a token sequence with two in-process workers (real ExpertWorker objects on real
 shards) behind a simulated round trip (``--rtt-ms``: the request waits that long before the worker

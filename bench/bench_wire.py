@@ -51,7 +51,7 @@ class StepCounter(trio.abc.Instrument):
 
 
 async def run(args) -> list[dict]:
-    from helpers.owners import libp2p_owner, served  # noqa: PLC0415 - after sys.path
+    from helpers.owners import libp2p_owner, served  # after sys.path
 
     from p2pswarm.backbone.dispatch import pack_rows
     from p2pswarm.backbone.session import ensure_shards
@@ -78,8 +78,8 @@ async def run(args) -> list[dict]:
         groups = [(int(e), np.nonzero((pick == e).any(axis=1))[0]) for e in experts]
         return cur, [(e, idx) for e, idx in groups if len(idx)]
 
-    from p2pswarm.net.direct import DirectLane  # noqa: PLC0415
-    from p2pswarm.net.framing import DEFAULT_MAX_FRAME  # noqa: PLC0415
+    from p2pswarm.net.direct import DirectLane
+    from p2pswarm.net.framing import DEFAULT_MAX_FRAME
 
     results = []
     lane = DirectLane("127.0.0.1", 0, max_frame=DEFAULT_MAX_FRAME) if args.transport == "direct" else None

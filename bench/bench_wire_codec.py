@@ -1,4 +1,4 @@
-"""Would a lossless codec pay on the expert RPC's float32 output rows? (issue 32 item 2)
+"""Would a lossless codec pay on the expert RPC's float32 output rows?
 
 Runs the backbone alone on a synthetic model (``--preset``; the geometry-122b one at 1 layer by
 default) over a prompt and decode steps, records every expert call's output rows (float32, as a
@@ -45,7 +45,7 @@ def unplanes(b: bytes) -> bytes:
 def codecs() -> dict:
     out = {"zlib-1": (lambda b: zlib.compress(b, 1), zlib.decompress)}
     try:
-        import zstandard  # noqa: PLC0415
+        import zstandard
 
         c1, c3, d = zstandard.ZstdCompressor(level=1), zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
         out["zstd-1"] = (c1.compress, d.decompress)
@@ -53,8 +53,8 @@ def codecs() -> dict:
     except ImportError:
         pass
     try:
-        import lz4.block  # noqa: PLC0415
-        import lz4.frame  # noqa: PLC0415
+        import lz4.block
+        import lz4.frame
 
         out["lz4"] = (lz4.frame.compress, lz4.frame.decompress)
         out["lz4 block"] = (lz4.block.compress, lz4.block.decompress)
@@ -65,7 +65,7 @@ def codecs() -> dict:
             lambda b: proto.pack(wire_codec.encode_f32(np.frombuffer(b, np.float32))),
             lambda c: wire_codec.decode_f32(msgpack.unpackb(c, raw=False), "bench").tobytes())
     try:
-        import blosc2  # noqa: PLC0415
+        import blosc2
 
         blosc2.set_nthreads(1)  # one core: what a phone's worker thread has to spare
         for cname, codec in (("lz4", blosc2.Codec.LZ4), ("zstd-1", blosc2.Codec.ZSTD)):
@@ -101,7 +101,7 @@ async def capture_batch(model: Path, n: int, steps: int) -> tuple[list[bytes], l
     prompts, one prefill step, then ``steps`` greedy decode steps): (prefill outputs, decode outputs,
     the share of the prefill's output rows that repeat another row of the same call, byte for byte:
     prompts that share a prefix share its hidden states, hence those rows)."""
-    from p2pswarm.engine.tokenizer import Tokenizer  # noqa: PLC0415
+    from p2pswarm.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model)
     pre, dec, dup = [], [], []

@@ -1,4 +1,4 @@
-"""How far ``--wire-precision f16|bf16`` moves our logits from llama.cpp's (issue 32 item 2).
+"""How far ``--wire-precision f16|bf16`` moves our logits from llama.cpp's.
 
 For synthetic models (``--type``: f32, q8_0, q4_k_m; tiny preset, 32 tokens), the backbone alone at
 each precision against llama.cpp's all-position logits (tests/helpers/llama_ref.py: F32 KV cache,
@@ -21,10 +21,10 @@ from common import header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from helpers.llama_ref import llama_logits  # noqa: E402
+from helpers.llama_ref import llama_logits
 
-from p2pswarm.backbone.session import open_backbone  # noqa: E402
-from p2pswarm.model.synth import make_model  # noqa: E402
+from p2pswarm.backbone.session import open_backbone
+from p2pswarm.model.synth import make_model
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
           33, 71, 2, 118, 199, 45, 88, 301]

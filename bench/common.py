@@ -82,14 +82,14 @@ def tiny_in_process_parts(prefix: str, n_workers: int = 2):
     """What the in-process verification benchmarks start from: a fresh tiny F32 model in a temporary
     folder, its expert shards for ``n_workers`` workers, those workers (numpy kernel) and the dense
     weights. Returns ``(layout, shards, workers, dense)``."""
-    import tempfile  # noqa: PLC0415 - only these benchmarks need it
+    import tempfile  # only these benchmarks need it
 
-    from p2pswarm.backbone.session import ensure_shards  # noqa: PLC0415
-    from p2pswarm.engine.arch import load_dense  # noqa: PLC0415
-    from p2pswarm.model.layout import ModelLayout  # noqa: PLC0415
-    from p2pswarm.model.manifest import model_fingerprint  # noqa: PLC0415
-    from p2pswarm.model.synth import make_model  # noqa: PLC0415
-    from p2pswarm.worker.expert_worker import ExpertWorker  # noqa: PLC0415
+    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.engine.arch import load_dense
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import model_fingerprint
+    from p2pswarm.model.synth import make_model
+    from p2pswarm.worker.expert_worker import ExpertWorker
 
     d = Path(tempfile.mkdtemp(prefix=prefix))
     model = d / "tiny.gguf"

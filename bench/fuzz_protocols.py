@@ -22,9 +22,9 @@ from common import REPO, header, publish
 
 sys.path.insert(0, str(REPO / "tests"))
 
-from helpers import fuzz  # noqa: E402
+from helpers import fuzz
 
-from p2pswarm.model.synth import make_model  # noqa: E402
+from p2pswarm.model.synth import make_model
 
 
 def main() -> None:

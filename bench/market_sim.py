@@ -25,9 +25,9 @@ import time
 
 import numpy as np
 
-from common import REPO, header, publish  # noqa: E402 - puts the repo on sys.path
+from common import REPO, header, publish  # puts the repo on sys.path
 
-from p2pswarm.market.enrol import choose_units, random_units  # noqa: E402
+from p2pswarm.market.enrol import choose_units, random_units
 
 LAYERS, EXPERTS, BLOCK = 49, 256, 8
 EXPERT_MB = 5.25

@@ -62,7 +62,7 @@ def record(path: str, match: str = "", every: float = 5.0) -> None:
 
 def report(path: str, n: int, window: float = 60.0, skip: float = 30.0) -> None:
     rows = [json.loads(line) for line in open(path)]
-    workers = lambda r: {p for p, (role, _) in r["p"].items() if role == "auto-worker"}  # noqa: E731
+    workers = lambda r: {p for p, (role, _) in r["p"].items() if role == "auto-worker"}
     first = next((i for i, r in enumerate(rows) if len(workers(r)) >= n), None)
     if first is None:
         sys.exit(f"never {n} auto workers alive at once")

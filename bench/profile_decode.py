@@ -50,7 +50,7 @@ def child(a) -> None:
     import numpy as np
 
     from p2pswarm.backbone.runner import combine, expert_groups
-    from p2pswarm.engine import ggml_kernel as gk
+    from p2pswarm.engine import ggml_runner
     from p2pswarm.engine.arch import load_dense
     from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
     from p2pswarm.model.layout import ModelLayout
@@ -60,13 +60,13 @@ def child(a) -> None:
     use_kernel_for_dense(model, "ggml", threads=a.threads)
     bank = make_bank(layout, "ggml", threads=a.threads)
     graphs = [0]
-    real_compute = gk.GgmlRunner.compute
+    real_compute = ggml_runner.GgmlRunner.compute
 
     def counting(self, graph, macs):
         graphs[0] += 1
         return real_compute(self, graph, macs)
 
-    gk.GgmlRunner.compute = counting
+    ggml_runner.GgmlRunner.compute = counting
 
     def step(tokens, state):
         h = model.embed(np.asarray(tokens))

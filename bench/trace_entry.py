@@ -32,7 +32,7 @@ def _peek(payload: bytes) -> tuple[str, object]:
     try:
         msg = msgpack.unpackb(payload, raw=False)
         return str(msg.get("op")), msg.get("id")
-    except Exception:  # noqa: BLE001 - diagnostics only
+    except Exception:  # diagnostics only
         return "?", None
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from p2pswarm.model.slicer import slice_experts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.procs import Proc, free_port, free_ports  # noqa: E402  (the one process helper; also the tests')
+from helpers.procs import Proc, free_port, free_ports  # the one process helper; also the tests'
 
 __all__ = ["Proc", "WanSwarm", "cpu_seconds", "free_port", "free_ports"]
 

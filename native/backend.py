@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import *  # noqa: F401,F403 - every other hook is setuptools'
+from setuptools.build_meta import *  # noqa: F403  (every other hook is setuptools')
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_ggml  # noqa: E402
+import build_ggml
 
 
 def get_requires_for_build_wheel(config_settings=None):

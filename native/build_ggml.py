@@ -84,7 +84,7 @@ def _open_console():
     """pip captures a build backend's output and shows only a spinner (the output appears with -v or
     on failure), so progress goes to the terminal itself when there is one, else to stderr."""
     try:
-        return open("/dev/tty", "w", buffering=1)  # noqa: SIM115 - kept for the whole build
+        return open("/dev/tty", "w", buffering=1)  # kept for the whole build
     except OSError:
         return None
 
@@ -327,7 +327,7 @@ def _keep_failed_log(text: str) -> Path:
 
 def _children_cpu_s() -> float:
     try:
-        import resource  # noqa: PLC0415 - POSIX only
+        import resource  # POSIX only
     except ImportError:  # pragma: no cover - Windows
         return 0.0
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -410,7 +410,7 @@ def build_for_install() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse  # noqa: PLC0415
+    import argparse
 
     ap = argparse.ArgumentParser(description="Build libggml-base + libggml-cpu into p2pswarm/_native/ "
                                              "(what pip install does), for a checkout used with PYTHONPATH.")

@@ -2,8 +2,8 @@
 
 Each command lives in its own module under ``p2pswarm/commands/`` and exports
 ``add_parser(subparsers)`` and ``run(args) -> int``. This file only wires them up and turns the
-project's expected failures (:class:`p2pswarm.errors.UserError`) into one clear line on stderr and a
-non-zero exit, never a traceback.
+project's expected failures (:class:`p2pswarm.errors.SwarmError`) into one clear line on stderr and a
+non-zero exit (2 for the user's input, 1 for a peer's or our fault), never a traceback.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import logging
 import sys
 
 from p2pswarm import settings
-from p2pswarm.errors import UserError, first_error
+from p2pswarm.errors import PeerError, SwarmError, UserError, first_error
 
 # Order is the order `p2pswarm --help` lists them in.
 COMMANDS = [
@@ -108,14 +108,12 @@ def _main(argv: list[str] | None) -> int:
     logging.getLogger("p2pswarm").setLevel(level)
     try:
         return int(args.func(args) or 0)
-    except UserError as exc:
-        print(f"p2pswarm {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except SwarmError as exc:
+        return _one_line(args.command, exc)
     except BaseExceptionGroup as group:  # trio nurseries wrap errors; show the first one plainly
         leaf = first_error(group)
-        if isinstance(leaf, UserError):
-            print(f"p2pswarm {args.command}: error: {leaf}", file=sys.stderr)
-            return 2
+        if isinstance(leaf, SwarmError):
+            return _one_line(args.command, leaf)
         if isinstance(leaf, KeyboardInterrupt):
             print(f"p2pswarm {args.command}: interrupted", file=sys.stderr)
             return 130
@@ -125,6 +123,14 @@ def _main(argv: list[str] | None) -> int:
         return 130
     except BrokenPipeError:
         return 1
+
+
+def _one_line(command: str, exc: SwarmError) -> int:
+    """Print an expected failure as one line; exit 2 for the user's input, 1 for a peer's fault
+    (named) or ours (p2pswarm.errors)."""
+    peer = f" (peer {exc.peer})" if isinstance(exc, PeerError) and exc.peer and exc.peer not in str(exc) else ""
+    print(f"p2pswarm {command}: error: {exc}{peer}", file=sys.stderr)
+    return 2 if isinstance(exc, UserError) else 1
 
 
 if __name__ == "__main__":

@@ -1,20 +1,46 @@
-"""Errors the user can cause and fix: each is printed as one line, never as a traceback."""
+"""Expected failures, each explained in one line (never a traceback), sorted by whose fault they are.
+
+Why three kinds: the fix differs. An input error (:class:`UserError`: a bad flag, a file that is
+not a model, a request the model cannot take) is the caller's to fix: HTTP 400, CLI exit 2. A peer
+error (:class:`PeerError`: a worker that failed or lied about its frames) is nobody's input: the
+backbone falls back, and what reaches a client is a 502 naming the peer in the log. An internal
+error (:class:`InternalError`: the installed py-libp2p lacks what a patch replaces) is ours or the
+installation's: HTTP 500. The CLI prints every :class:`SwarmError` as one line; it exits 2 for
+input errors and 1 for the others.
+"""
 from __future__ import annotations
 
 
-class UserError(Exception):
-    """A problem with the input or the environment, explained in one line."""
+class SwarmError(Exception):
+    """An expected failure, explained in one line: the base of the three kinds below."""
+
+
+class UserError(SwarmError):
+    """A problem with the input or the environment the user controls: HTTP 400, CLI exit 2."""
+
+
+class PeerError(SwarmError):
+    """A peer (a worker, a backbone, whoever sent the frame) failed or misbehaved: HTTP 502, logged
+    with the peer. ``peer`` names it where the raiser knows it."""
+
+    def __init__(self, *args: object, peer: str | None = None):
+        super().__init__(*args)
+        self.peer = peer
+
+
+class InternalError(SwarmError):
+    """Our fault or the installation's (a dependency lacks what we rely on): HTTP 500."""
 
 
 class ModelFormatError(UserError):
     """A GGUF file that is corrupt, truncated, of an unknown architecture, or missing a key/tensor."""
 
 
-class FrameError(UserError):
+class FrameError(PeerError):
     """A wire frame that is malformed or larger than the configured maximum."""
 
 
-class WorkerError(UserError):
+class WorkerError(PeerError):
     """A worker that failed, died, timed out or refused us; the backbone may fall back."""
 
 

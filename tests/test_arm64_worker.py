@@ -117,7 +117,8 @@ async def _portable_request(boot_addr: str, model: Path, worker_kernel: str):
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.dht import CoverageResolver, open_dht
+    from p2pswarm.market.swarm_dht import open_dht
+    from p2pswarm.net.coverage import CoverageResolver
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import Identity
     from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
@@ -157,7 +158,8 @@ async def _direct_handshake(boot_addr: str, model: Path, worker_kernel: str) -> 
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.dht import CoverageResolver, open_dht
+    from p2pswarm.market.swarm_dht import open_dht
+    from p2pswarm.net.coverage import CoverageResolver
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import Identity
     from p2pswarm.net.records import DEFAULT_BLOCK_SIZE

@@ -1,4 +1,4 @@
-"""Stopping a backbone (issue 33): SIGTERM lets running requests finish within --drain-s while new
+"""Stopping a backbone: SIGTERM lets running requests finish within --drain-s while new
 ones get a 503; requests still running after it are cut with an error in OpenAI's shape (a streamed
 one an error event, a non-streamed one a 503) and the backbone exits non-zero. A real backbone
 process, a real worker behind an emulated 40 ms link (so a generation runs for seconds), and the
@@ -67,7 +67,7 @@ def _in_thread(fn) -> dict:
     def run() -> None:
         try:
             out["result"] = fn()
-        except Exception as exc:  # noqa: BLE001 - the test looks at what the client raised
+        except Exception as exc:  # the test looks at what the client raised
             out["error"] = exc
         out["done"].set()
 

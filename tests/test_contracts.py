@@ -64,3 +64,20 @@ def test_every_owner_implements_owner(cls):
         assert getattr(cls, name) is not getattr(contracts.Owner, name), f"{cls.__name__}.{name} is the stub"
     assert inspect.iscoroutinefunction(cls.compute) and inspect.iscoroutinefunction(cls.aclose)
     assert isinstance(cls.name, str) and isinstance(cls.remote, bool)
+
+
+def test_owner_members_have_defaults_the_dispatcher_reads():
+    """What the dispatcher's hot path and the status page read of an owner is on the Protocol, with
+    a default, so neither probes attributes: a socket worker has no peer id (its name stands in),
+    no round trip until measured, and its status says what it knows."""
+    from p2pswarm.backbone.dispatch import peer_of
+
+    o = SocketOwner("w0", "127.0.0.1", 1, model_fingerprint="x", kernel="numpy", layers=(0, 2), experts=(0, 4))
+    assert o.peer is None and peer_of(o) == "w0"
+    assert o.rtt_s is None and o.recovered_at is None and o.refused is None and o.predict_s(10) is None
+    st = o.status()
+    assert isinstance(st, contracts.OwnerStatus)
+    assert (st.peer, st.rtt_s, st.kernel, st.refused) == (None, None, "numpy", None)
+    assert st.wire == o.wire.as_dict()
+    o.refused = "kernel mismatch"
+    assert o.status().refused == "kernel mismatch"

@@ -1,4 +1,4 @@
-"""Ctrl-C during `p2pswarm demo`'s start-up (issue 33): one line, exit 130, no traceback of ours or
+"""Ctrl-C during `p2pswarm demo`'s start-up: one line, exit 130, no traceback of ours or
 of a child, whenever it lands (importing the commands, making the model, starting workers)."""
 from __future__ import annotations
 

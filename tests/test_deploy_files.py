@@ -5,7 +5,7 @@
   substituted; the relay's command lines also load their config file the way `p2pswarm relay` does;
 * the units carry the hardening keys, a capability only where a port below 1024 is bound, and
   `systemd-analyze verify` (where installed) has nothing to say about them;
-* bootstrap/relay.toml names every setting relay/config.py knows, loads, and holds the defaults
+* bootstrap/relay.toml names every setting p2pswarm/relay/config.py knows, loads, and holds the defaults
   except for the values it states; unedited, the relay refuses it (placeholder issuer);
 * the Containerfile's paths, ports and HEALTHCHECK agree with relay.toml;
 * the `p2pswarm ...` commands in docs/deploy.md parse;
@@ -39,7 +39,7 @@ from helpers.procs import Proc, free_port
 from helpers.tls import make_cert
 
 from p2pswarm.cli import build_parser
-from relay.config import RelaySettings, load_settings
+from p2pswarm.relay.config import RelaySettings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOT = ROOT / "bootstrap"
@@ -54,7 +54,7 @@ VENV_BIN = "/opt/p2pswarm/venv/bin/p2pswarm"
 STATE_DIR = "/var/lib/p2pswarm"
 # Deployed path -> the file in this repository.
 DEPLOYED = {"/etc/p2pswarm/relay.toml": RELAY_TOML}
-# Values relay.toml states on purpose (everything else must be relay/config.py's default).
+# Values relay.toml states on purpose (everything else must be p2pswarm/relay/config.py's default).
 STATED = {
     "announce": ["/dns4/relay.example.com/tcp/443/wss"],
     "identity": "/var/lib/p2pswarm/identity/relay.key",
@@ -326,7 +326,7 @@ def test_env_file_sets_only_what_the_units_use():
 
 def test_relay_instances_are_other_relays_that_join_the_first():
     """p2pswarm-relay@N: relay.toml's settings, but its own key, ports and public name, and the first
-    relay as DHT bootstrap (relays share nothing but the DHT: relay/discovery.py)."""
+    relay as DHT bootstrap (relays share nothing but the DHT: p2pswarm/net/relay_discovery.py)."""
     first = relay_settings(parse_cli(exec_start("p2pswarm-relay.service", read_unit(SYSTEMD / "p2pswarm-relay.service"))))
     unit = SYSTEMD / "p2pswarm-relay@.service"
     other = relay_settings(parse_cli(exec_start(unit.name, read_unit(unit))))

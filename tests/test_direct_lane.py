@@ -17,7 +17,8 @@ from p2pswarm.errors import FrameError
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.direct import DirectLane, SealedStream, open_direct
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.host import PROTOCOL_EXPERT, open_host
+from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.worker.expert_worker import ExpertWorker
 

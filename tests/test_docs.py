@@ -1,4 +1,4 @@
-"""User docs hygiene (issue 33): an index that lists every page, links that resolve, and no
+"""User docs hygiene: an index that lists every page, links that resolve, and no
 internal jargon (the project's issue and stop numbers, "the seed's") in what a user reads."""
 from __future__ import annotations
 
@@ -36,5 +36,5 @@ def test_license_matches_the_vendored_llama_cpp_notice():
     ours = (ROOT / "LICENSE").read_text()
     theirs = (ROOT / "p2pswarm" / "data" / "LICENSE-llama.cpp").read_text()
     assert ours.startswith("MIT License") and theirs.startswith("MIT License")
-    body = lambda t: t.split("Permission is hereby granted", 1)[1]  # noqa: E731
+    body = lambda t: t.split("Permission is hereby granted", 1)[1]
     assert body(ours) == body(theirs)

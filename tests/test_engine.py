@@ -8,7 +8,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.engine.experts import ExpertBank
 from p2pswarm.engine.weights import ByteBoundedCache
-from p2pswarm.model.layout import ModelLayout, field_value
+from p2pswarm.model.gguf_read import field_value
+from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import make_model
 

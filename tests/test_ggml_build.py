@@ -44,7 +44,7 @@ def _env(**extra) -> dict:
 
 
 def _llama_cpp_lib() -> Path:
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
     return Path(list(importlib.util.find_spec("llama_cpp").submodule_search_locations)[0]) / "lib"
 
@@ -101,12 +101,13 @@ _SAME_BITS = r"""
 import json, sys
 import numpy as np
 from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_experts
 from p2pswarm.model.layout import ModelLayout
 lib = gk.load_libggml()
 out = {}
 rng = np.random.default_rng(5)
 for i, path in enumerate(sys.argv[2:]):
-    bank = gk.GgmlExpertBank(ModelLayout.open(path), threads=1)
+    bank = ggml_experts.GgmlExpertBank(ModelLayout.open(path), threads=1)
     x = rng.standard_normal((64, bank.n_embd)).astype(np.float32)
     for n in (1, 8, 64):
         out[f"m{i}_{n}"] = bank.forward(1, 5, x[:n])

@@ -18,7 +18,8 @@ import pytest
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.engine import ggml_attention
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GgmlRunner, f32_view, load_libggml
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, load_libggml
+from p2pswarm.engine.ggml_runner import GgmlRunner, f32_view
 from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model

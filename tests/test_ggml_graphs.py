@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_dense
+from p2pswarm.engine import ggml_runner
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
@@ -38,11 +40,11 @@ def _per_expert_mul_mat(bank, layer, expert, x):
         ctx = r.context(4 * n * (2 * E + 3 * ff) + 1024, 8)
         graph = lib.new_graph_custom(ctx, r.graph_size(8), False)
         xt = lib.new_tensor_2d(ctx, gk.GGML_TYPE_F32, E, n)
-        gk.f32_view(lib, xt, (n, E))[...] = x
+        ggml_runner.f32_view(lib, xt, (n, E))[...] = x
         out = lib.mul_mat(ctx, down, lib.swiglu_split(ctx, lib.mul_mat(ctx, gate, xt), lib.mul_mat(ctx, up, xt)))
         lib.build_forward_expand(graph, out)
         r.compute(graph, 1)
-        got = gk.f32_view(lib, out, (n, E)).copy()
+        got = ggml_runner.f32_view(lib, out, (n, E)).copy()
         r.done()
     return got
 
@@ -93,7 +95,7 @@ def test_fused_dense_projections_give_one_by_one_bits(tiny_q8, rows):
     model = load_dense(ModelLayout.open(tiny_q8))
     assert use_kernel_for_dense(model, "ggml", threads=2) > 0
     w = [model.w[f"blk.1.attn_{n}.weight"] for n in ("q", "k", "v")]
-    assert all(isinstance(m, gk.QuantisedMatrix) for m in w)
+    assert all(isinstance(m, ggml_dense.QuantisedMatrix) for m in w)
     x = np.random.default_rng(6).standard_normal((rows, model.n_embd)).astype(np.float32)
     together = ops.matmuls(x, w + [np.asarray(w[0])])  # a float32 array among them: multiplied by numpy
     for got, m in zip(together, w):
@@ -107,12 +109,12 @@ def test_dense_swiglu_is_one_graph_close_to_numpy(tiny_q8):
     g, u, d = (model.w[f"blk.0.attn_{n}.weight"] for n in ("q", "q", "output"))  # the shapes of an FFN
     x = np.random.default_rng(7).standard_normal((5, model.n_embd)).astype(np.float32)
     graphs = []
-    real = gk.GgmlRunner.compute
-    gk.GgmlRunner.compute = lambda self, graph, macs: (graphs.append(1), real(self, graph, macs))[1]
+    real = ggml_runner.GgmlRunner.compute
+    ggml_runner.GgmlRunner.compute = lambda self, graph, macs: (graphs.append(1), real(self, graph, macs))[1]
     try:
         got = ops.swiglu_expert(x, g, u, d)
     finally:
-        gk.GgmlRunner.compute = real
+        ggml_runner.GgmlRunner.compute = real
     ref = ops.matmul(ops.silu(ops.matmul(x, g)) * ops.matmul(x, u), d)
     assert len(graphs) == 1
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
@@ -160,7 +162,8 @@ def test_ggml_gated_delta_net_is_the_recurrent_rule(T):
     updated in place, and each sequence's bits the same as when it runs alone."""
     from p2pswarm.engine import deltanet as dn
     from p2pswarm.engine import ggml_deltanet
-    from p2pswarm.engine.ggml_kernel import GgmlRunner, load_libggml
+    from p2pswarm.engine.ggml_kernel import load_libggml
+    from p2pswarm.engine.ggml_runner import GgmlRunner
 
     runner = GgmlRunner(load_libggml(), 2)
     assert ggml_deltanet.available(runner)
@@ -219,7 +222,7 @@ def test_populate_maps_the_whole_file(tmp_path):
 
     m = np.memmap(path, dtype=np.uint8, mode="r")
     before = rss_file_mb()
-    if not gk.populate(m):
+    if not ggml_runner.populate(m):
         pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14): only read-ahead is asked")
     assert rss_file_mb() - before >= 60
 

@@ -23,6 +23,7 @@ from p2pswarm.backbone.runner import Backbone, combine, expert_groups
 from p2pswarm.backbone.session import WorkerProcess, ensure_shards, open_backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_dense
 from p2pswarm.engine import kernels, ops
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.experts import ExpertBank
@@ -227,7 +228,7 @@ def test_dense_path_keeps_quantised_tensors_mapped(tiny_q8):
                  if int(t.tensor_type) in gk.QUANTISED_TYPES and len(t.shape) == 2]
     assert n == len(quantised) > 0 and "blk.0.attn_q.weight" in quantised
     w = model.w["blk.0.attn_q.weight"]
-    assert isinstance(w, gk.QuantisedMatrix)
+    assert isinstance(w, ggml_dense.QuantisedMatrix)
     x = np.random.default_rng(3).standard_normal((6, 256)).astype(np.float32)
     ref = ops.matmul(x, ref_model.w["blk.0.attn_q.weight"])
     got = ops.matmul(x, w)
@@ -383,7 +384,7 @@ async def test_qwen35moe_with_ggml_matches_llama_cpp_and_splits_exactly(models_d
     tokens = list(range(3, 27))
     ref = llama_logits(path, tokens)
     async with open_backbone(path, workers=0, kernel="ggml") as mono:
-        taken = sum(isinstance(v, gk.QuantisedMatrix) for v in mono.backbone.model.w.loaded().values())
+        taken = sum(isinstance(v, ggml_dense.QuantisedMatrix) for v in mono.backbone.model.w.loaded().values())
         ours = await mono.backbone.logits(tokens)
     async with open_backbone(path, workers=2, transport="inproc", kernel="ggml") as split:
         assert np.array_equal(await split.backbone.logits(tokens), ours)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
@@ -54,13 +54,13 @@ def _f32_model(path):
 
 def _counting(monkeypatch):
     calls = [0]
-    real = gk.GgmlRunner.compute
+    real = ggml_runner.GgmlRunner.compute
 
     def compute(self, graph, macs):
         calls[0] += 1
         return real(self, graph, macs)
 
-    monkeypatch.setattr(gk.GgmlRunner, "compute", compute)
+    monkeypatch.setattr(ggml_runner.GgmlRunner, "compute", compute)
     return calls
 
 
@@ -162,7 +162,7 @@ def test_norms_and_the_shared_gate_are_in_the_graphs(q35_q8, monkeypatch):
     or of rows of it, run no graph of their own, and give the bits a graph of their own gives), and
     the final norm is in the lm head's graph: numpy's formulas to float rounding (the activations
     are rounded to Q8_0 before each mat-mul)."""
-    from p2pswarm.engine import ops  # noqa: PLC0415
+    from p2pswarm.engine import ops
 
     model = _model(q35_q8)
     il = model.recurrent.index(True)

@@ -30,11 +30,12 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import describe, make_model
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
+from helpers.arch_checks import backbone_logits
 from helpers.ggml import needs_ggml
 from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_intermediates, llama_routing
-from helpers.procs import assert_swarm_logits_exact, start_bootstrap, start_shard_workers, wait_until
+from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm, wait_until
 
 F32 = np.float32
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
@@ -64,12 +65,8 @@ def q4km(models_dir: Path) -> Path:
     return glm_model(models_dir, "q4_k_m", seed=42, qtype="q4_k_m")
 
 
-async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc", kernel=None):
-    async with open_backbone(path, workers=workers, transport=transport, kernel=kernel) as swarm:
-        prefill = await swarm.backbone.logits(tokens)
-        decode = await swarm.backbone.logits(tokens, decode=True)
-        disp = swarm.backbone.dispatcher
-    return prefill, decode, disp
+async def our_logits(path, tokens=TOKENS, **kw):
+    return await backbone_logits(path, tokens, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,11 +256,7 @@ def test_swarm_processes_equal_monolithic(models_dir, tmp_path):
     --swarm` equals the monolithic run bit for bit, prefill and 16 decode steps."""
     path = glm_model(models_dir, "f32", seed=41)
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
-    boot, workers = None, []
-    try:
-        boot = start_bootstrap(tmp_path, env)
-        workers = start_shard_workers(path, tmp_path, env, [(0, 6), (6, 11), (11, 16)], boot.addr,
-                                      extra=["--ttl", "120"])
+    with shard_swarm(path, tmp_path, env, [(0, 6), (6, 11), (11, 16)], extra=["--ttl", "120"]) as (boot, _):
 
         def covered():
             proc = run_cli("swarm-status", "--bootstrap", boot.addr, "--model", str(path), "--kernel", "numpy",
@@ -273,14 +266,7 @@ def test_swarm_processes_equal_monolithic(models_dir, tmp_path):
 
         st = wait_until(covered, timeout=60, interval=1, what="every unit covered by the 3 workers")
         assert 0 not in st["layers"]  # the dense layer is no one's work
-        tokens = ",".join(map(str, TOKENS[:17]))
-        for decode in (False, True):
-            assert_swarm_logits_exact(path, tokens, boot.addr, tmp_path, env, decode=decode)
-    finally:
-        for w in reversed(workers):
-            w.stop()
-        if boot is not None:
-            boot.stop()
+        assert_swarm_prefill_and_decode_exact(path, TOKENS[:17], boot.addr, tmp_path, env)
 
 
 # ---------------------------------------------------------------------------------------------

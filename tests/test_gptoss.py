@@ -38,9 +38,10 @@ from p2pswarm.model.synth import describe, make_model
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
 from helpers.arch_checks import SCHEDULE, TOKENS
 from helpers.arch_checks import alone as _alone
+from helpers.arch_checks import backbone_logits
 from helpers.arch_checks import forward as _forward
 from helpers.arch_checks import run_schedule as _run_schedule
-from helpers.compare import tolerance
+from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite as _rewrite
 from helpers.ggml import needs_ggml
 from helpers.llama_ref import llama_intermediates
@@ -68,12 +69,9 @@ def oss_model(models_dir: Path, name: str, **kw) -> Path:
     return path
 
 
-async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc", kernel=None):
-    async with open_backbone(path, workers=workers, transport=transport, kernel=kernel) as swarm:
-        prefill = await swarm.backbone.logits(tokens)
-        decode = await swarm.backbone.logits(tokens, decode=True)
-        stats = swarm.backbone.dispatcher.stats
-    return prefill, decode, stats
+async def our_logits(path, tokens=TOKENS, **kw):
+    prefill, decode, disp = await backbone_logits(path, tokens, **kw)
+    return prefill, decode, disp.stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,13 +88,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant, kernel):
     assert model.swa == ([True] * 4 if variant == "f32-pattern0" else [True, False, True, False])
     ref = llama_logits(path, TOKENS)
     prefill, decode, _ = await our_logits(path, kernel=kernel)
-    tol = tolerance(ref)
-    assert np.abs(ref).max() > 1.0
-    for what, ours in (("prefill", prefill), ("decode", decode)):
-        diff = float(np.abs(ours - ref).max())
-        print(f"gpt-oss {variant} {kernel} {what}: max |diff| vs llama.cpp {diff:.3g} (tolerance {tol:.3g})")
-        assert diff <= tol, f"{variant} {what}: max |diff| {diff} > {tol}"
-        assert (np.argmax(ours, axis=1) == np.argmax(ref, axis=1)).all()
+    assert_logits_close(f"gpt-oss {variant} {kernel}", ref, prefill=prefill, decode=decode)
 
 
 @needs_llama
@@ -137,6 +129,43 @@ def test_swa_pattern_and_window_mask():
         lo = max(0, t - 2)
         alone = attention_sinks(q[t:t + 1], k[lo:t + 1], v[lo:t + 1], t - lo, sinks, window=None)
         assert np.allclose(out[t], alone[0], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_sliding_window_cache_stays_bounded_and_logits_unchanged(models_dir):
+    """A sliding layer's cache holds at most ~2 windows however long the sequence (a 24-token prefill,
+    then 56 decode steps with a window of 8; the full layers keep all 80), and the logits are
+    those of the untrimmed cache (the dropped keys were masked: the same function, float32 sums
+    over fewer zero terms at most a last bit apart)."""
+    from p2pswarm.engine.arch.gptoss import WindowKVCache
+    from p2pswarm.engine.state import KVCache, SequenceState
+
+    path = oss_model(models_dir, "f32")
+    layout = ModelLayout.open(path)
+    model, bank = load_dense(layout), ExpertBank(layout)
+    tokens = [(7 * i + 3) % 500 for i in range(80)]
+    untrimmed = SequenceState(kv={il: KVCache(model.n_head_kv, model.head_dim) for il in range(model.n_layer)})
+    state = model.new_state()
+    assert [isinstance(state.kv[il], WindowKVCache) for il in range(model.n_layer)] == model.swa
+    rows, ref = [_forward(model, bank, tokens[:24], state)], [_forward(model, bank, tokens[:24], untrimmed)]
+    held = []
+    for i in range(24, 80):
+        rows.append(_forward(model, bank, tokens[i:i + 1], state, pos0=i))
+        ref.append(_forward(model, bank, tokens[i:i + 1], untrimmed, pos0=i))
+        held.append(max(state.kv[il].k.shape[0] for il in range(model.n_layer) if model.swa[il]))
+    w = model.n_swa
+    for il in range(model.n_layer):
+        kv = state.kv[il]
+        if model.swa[il]:
+            assert kv.first + kv.n == 80 and w - 1 <= kv.n < 2 * w and kv.first > 0
+        else:
+            assert kv.n == 80 and untrimmed.kv[il].n == 80
+    assert max(held[8:]) <= 2 * w  # the prefill's buffer given back, then never grown past 2 windows
+    ours, theirs = np.concatenate(rows), np.concatenate(ref)
+    print(f"trimmed vs untrimmed: max |diff| {float(np.abs(ours - theirs).max()):.3g}, "
+          f"equal bits {np.array_equal(ours, theirs)}")
+    assert np.allclose(ours, theirs, rtol=1e-5, atol=1e-5 * float(np.abs(theirs).max()))
+    assert (np.argmax(ours, axis=1) == np.argmax(theirs, axis=1)).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,22 +269,12 @@ def test_split_equals_monolithic_over_the_swarm(models_dir, tmp_path, variant, k
     """3 workers as OS processes, found through the libp2p DHT: `logits --swarm` == monolithic."""
     from p2pswarm.model.slicer import split_ranges
 
-    from helpers.procs import assert_swarm_logits_exact, start_bootstrap, start_shard_workers
+    from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm
 
     path = oss_model(models_dir, variant)
     env = dict(os.environ, P2PSWARM_KERNEL=kernel, P2PSWARM_HOME=str(tmp_path / "home"))
-    boot, workers = None, []
-    try:
-        boot = start_bootstrap(tmp_path, env)
-        workers = start_shard_workers(path, tmp_path, env, split_ranges(16, 3), boot.addr)
-        tokens = ",".join(map(str, TOKENS[:17]))
-        for decode in (False, True):
-            assert_swarm_logits_exact(path, tokens, boot.addr, tmp_path, env, decode=decode, kernel=kernel)
-    finally:
-        for w in reversed(workers):
-            w.stop()
-        if boot is not None:
-            boot.stop()
+    with shard_swarm(path, tmp_path, env, split_ranges(16, 3)) as (boot, _):
+        assert_swarm_prefill_and_decode_exact(path, TOKENS[:17], boot.addr, tmp_path, env, kernel=kernel)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from p2pswarm.net import libp2p_patches
+from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,7 +34,7 @@ def test_apply_once_installs_every_process_wide_patch():
 
     assert TrioTCPStream._p2pswarm_buffered
     assert ident._prefer_circuit_addr._p2pswarm
-    assert common.PROTOCOL_ID == kad_dht.PROTOCOL_ID == libp2p_patches.KAD_PROTOCOL == "/p2pswarm/kad/1.0.0"
+    assert common.PROTOCOL_ID == kad_dht.PROTOCOL_ID == KAD_PROTOCOL == "/p2pswarm/kad/1.0.0"
 
 
 def test_other_libp2p_version_warns(monkeypatch, caplog):
@@ -49,8 +50,51 @@ def test_missing_private_target_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(libp2p_patches, "_applied", False)
     monkeypatch.setattr(libp2p_patches, "_TARGETS", libp2p_patches._TARGETS + (
         ("libp2p.stream_muxer.yamux.yamux", "Yamux._no_such_method", "install_write_shield"),))
-    with pytest.raises(libp2p_patches.PatchError, match=r"Yamux\._no_such_method, which install_write_shield replaces"):
+    with pytest.raises(libp2p_patches.PatchError, match=r"Yamux\._no_such_method, which install_write_shield relies on"):
         libp2p_patches.apply()
+
+
+def test_missing_constructor_attribute_is_a_clear_error(monkeypatch):
+    """An attribute the library only sets in a constructor (``Class().name``) is checked by the
+    names its ``__init__`` assigns: a rename fails loudly too, not as a patch writing to a dead
+    attribute (a KadDHT whose raised rate limit nobody reads)."""
+    libp2p_patches.check_targets()  # every real target is found
+    monkeypatch.setattr(libp2p_patches, "_TARGETS", libp2p_patches._TARGETS + (
+        ("libp2p.kad_dht.kad_dht", "KadDHT()._renamed_rate_max", "patch_kad"),))
+    with pytest.raises(libp2p_patches.PatchError, match=r"KadDHT\(\)\._renamed_rate_max, which patch_kad relies on"):
+        libp2p_patches.check_targets()
+
+
+def test_every_private_library_name_the_patches_touch_is_checked():
+    """Each private attribute of a py-libp2p object that our patch modules, the host, the DHT or the
+    relay's HOP subclass read or write appears in the checked list, so a patch added without
+    listing what it touches fails here. Ours are told apart by definition: a function defined in
+    these files, or (outside the patch modules, where ``self`` is a library object) an attribute
+    our own classes assign to ``self``. A private library method our HOP subclass overrides is
+    listed too."""
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+
+    from p2pswarm.relay.service import GatedHop
+
+    checked = {path.rsplit(".", 1)[-1] for _, path, _ in libp2p_patches._TARGETS}
+    patch_modules = ["p2pswarm/net/libp2p_stream_patches.py", "p2pswarm/net/libp2p_host_patches.py",
+                     "p2pswarm/net/libp2p_kad_patches.py"]
+    users = ["p2pswarm/net/host.py", "p2pswarm/net/kademlia.py", "p2pswarm/relay/service.py"]
+    trees = {path: ast.parse((REPO / path).read_text()) for path in patch_modules + users}
+    ours = {n.name for tree in trees.values() for n in ast.walk(tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    ours |= {n.attr for path in users for n in ast.walk(trees[path]) if isinstance(n, ast.Attribute)
+             and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    unlisted = {}
+    for path, tree in trees.items():
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
+                    and not n.attr.startswith("_p2pswarm") and n.attr not in ours | checked):
+                unlisted.setdefault(n.attr, f"{path}:{n.lineno}")
+    overrides = {name for name, value in vars(GatedHop).items() if name.startswith("_") and not name.startswith("__")
+                 and callable(value) and hasattr(CircuitV2Protocol, name)}
+    assert overrides and overrides <= checked, sorted(overrides - checked)
+    assert not unlisted, f"private names used but not in libp2p_patches._TARGETS: {unlisted}"
 
 
 def test_installed_libp2p_is_the_pinned_one():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2pswarm.backbone.link_budget import LinkModel
-from p2pswarm.backbone.scheduler import choose_micro_batches
+from p2pswarm.backbone.pacing import choose_micro_batches
 from p2pswarm.backbone.socket_owner import DEADLINE_SAMPLES, SocketOwner
 
 

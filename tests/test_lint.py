@@ -1,4 +1,6 @@
-"""ruff (configured in pyproject.toml: pyflakes' checks) over the whole tree finds nothing; tests share code only through tests/helpers/."""
+"""ruff (configured in pyproject.toml: pyflakes' checks and unused noqa) over the whole tree finds
+nothing; tests share code only through tests/helpers/; every import follows the layer order
+docs/architecture.md draws (and the check that says so catches an upward import)."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_ruff_finds_nothing():
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "p2pswarm", "relay", "tests", "bench"],
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "p2pswarm", "tests", "bench", "native"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
@@ -23,3 +25,124 @@ def test_no_test_module_imports_another():
                  for i, line in enumerate(p.read_text().splitlines(), 1)
                  if re.match(r"\s*(from|import) test_\w+", line)]
     assert not offenders, offenders
+
+
+# -- the layer order ------------------------------------------------------------------------------
+# docs/architecture.md draws it ("The layers"): a fenced block, top layer first, units of one layer
+# separated by "|", anything after two spaces a comment. A unit is a subpackage of p2pswarm or one of
+# its top-level modules. A module may import its own unit and any unit of a lower layer; never a
+# unit of its own layer or above. Function-level (lazy) imports count: a lazy import is still a
+# dependency, only a cheaper one.
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def layer_order(doc: Path = ARCHITECTURE) -> list[list[str]]:
+    """The layers as docs/architecture.md draws them, top first."""
+    import re
+
+    text = doc.read_text()
+    section = text.split("\n## The layers", 1)[1]
+    block = section.split("```", 2)[1]
+    layers = []
+    for line in block.splitlines():
+        picture = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+        if picture:
+            layers.append([u.strip() for u in picture.split("|")])
+    return layers
+
+
+def _unit(module: str, package: str) -> str | None:
+    """The unit (subpackage or top-level module of ``package``) a dotted module name belongs to."""
+    parts = module.split(".")
+    if parts[0] != package or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def _imported_modules(tree, module: str, is_package: bool):
+    """(line, dotted name) of every import in ``tree`` (module-level or not); ``from X import a``
+    yields X.a too, since ``a`` may be a module (``from p2pswarm import settings``)."""
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            yield node.lineno, name
+            for alias in node.names:
+                yield node.lineno, f"{name}.{alias.name}"
+
+
+def layer_violations(root: Path, layers: list[list[str]], package: str = "p2pswarm") -> list[str]:
+    """Every import under ``root/package`` that goes up the layer order or sideways to another unit
+    of the same layer; also every unit the picture does not place."""
+    import ast
+
+    rank = {u: i for i, layer in enumerate(layers) for u in layer}  # 0 = top
+    out, seen = [], set()
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root)
+        is_package = path.name == "__init__.py"
+        module = ".".join(rel.with_suffix("").parts[:-1] if is_package else rel.with_suffix("").parts)
+        src = _unit(module, package)
+        if src is None:
+            continue
+        if src not in rank:
+            out.append(f"{rel}: unit {src!r} is not in the layer picture")
+            continue
+        for line, name in _imported_modules(ast.parse(path.read_text(), str(rel)), module, is_package):
+            dst = _unit(name, package)
+            if dst is None or dst == src or (dst not in rank and not (root / package / dst).exists()):
+                continue  # outside the package, own unit, or a name imported from a module
+            if (rel, line, dst) in seen:
+                continue  # one report per import statement
+            seen.add((rel, line, dst))
+            if dst not in rank:
+                out.append(f"{rel}:{line}: imports {name}, whose unit {dst!r} is not in the layer picture")
+            elif rank[dst] <= rank[src]:
+                how = "its own layer" if rank[dst] == rank[src] else "a higher layer"
+                out.append(f"{rel}:{line}: {src} imports {name} ({dst}: {how})")
+    return sorted(out)
+
+
+def test_imports_follow_the_layer_order():
+    layers = layer_order()
+    assert len(layers) > 5 and ["cli"] == layers[0], layers
+    problems = layer_violations(REPO, layers)
+    assert not problems, "\n".join(problems)
+
+
+def test_layer_check_catches_an_upward_import(tmp_path):
+    """The check itself: on a copy of the tree with one upward import (model -> net) and one
+    sideways import (worker -> relay) added, it reports both and nothing else."""
+    import shutil
+
+    shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    (tmp_path / "p2pswarm" / "model" / "upward.py").write_text(
+        "def f():\n    from p2pswarm.net.records import NodeRecord\n    return NodeRecord\n")
+    (tmp_path / "p2pswarm" / "worker" / "sideways.py").write_text("import p2pswarm.relay.service\n")
+    problems = layer_violations(tmp_path, layer_order())
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("p2pswarm/model/upward.py:2: model imports p2pswarm.net.records (net: a higher"), problems
+    assert problems[1].startswith("p2pswarm/worker/sideways.py:1: worker imports p2pswarm.relay.service (relay: its own"), problems
+
+
+def test_only_the_p2pswarm_package_is_installed():
+    """pip installs p2pswarm and its subpackages, nothing beside it: the relay service is
+    p2pswarm.relay (the top-level relay/ folder holds its deployment notes, no code), so no
+    top-level ``relay`` package lands in site-packages to shadow another project's."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = find_packages(str(REPO), include=include)
+    assert "p2pswarm.relay" in packages and "p2pswarm.net" in packages, packages
+    assert all(p == "p2pswarm" or p.startswith("p2pswarm.") for p in packages), packages
+    assert not list((REPO / "relay").glob("*.py")), "relay/ holds no code: the service is p2pswarm/relay"

@@ -13,6 +13,7 @@ from p2pswarm.market.demand import (DEMAND_PREFIX, MAX_DEMAND_BYTES, DemandError
 from p2pswarm.market.enrol import KEEP, choose_units, random_units
 from p2pswarm.market.reward import SCARCITY, reward
 from p2pswarm.net.identity import Identity
+from p2pswarm.market.swarm_dht import record_kinds
 from p2pswarm.net.records import NodeRecordValidator
 from helpers.dht import dht_swarm
 
@@ -161,7 +162,7 @@ def test_demand_record_round_trip_and_refusals():
     with pytest.raises(DemandError, match="non-negative"):
         _record(ident, demand=[-1.0] + [0.0] * 15)
     # the DHT validator routes demand keys to the demand check
-    v = NodeRecordValidator()
+    v = NodeRecordValidator(record_kinds())
     v.validate(demand_key(ident.peer_id_str), rec.signed)
     with pytest.raises(DemandError):
         v.validate(demand_key(ident.peer_id_str), forged)
@@ -225,7 +226,7 @@ async def test_one_peer_serves_several_shards_each_stream_picks_by_hello(tiny_f3
     from p2pswarm.errors import WorkerError
     from p2pswarm.model.slicer import slice_experts
     from p2pswarm.net.host import open_host
-    from p2pswarm.net.records import worker_shard_hash
+    from p2pswarm.worker.expert_worker import worker_shard_hash
     from p2pswarm.worker.expert_worker import ExpertWorker
     from p2pswarm.worker.server import serve_libp2p_shards
 

@@ -1,4 +1,4 @@
-"""Issue 14's must-show, as real OS processes on 127.0.0.1: a dishonest worker (it falsifies 1% of
+"""The verification market's must-show, as real OS processes on 127.0.0.1: a dishonest worker (it falsifies 1% of
 its output rows) is caught by a backbone's sampled verification within the number of rows the
 sample rate predicts, banned swarm-wide by a signed DHT record that the other backbones honour (one
 started after the ban, one already running), and its unpaid receipts are voided; the honest

@@ -1,4 +1,4 @@
-"""Issue 14, "outputs stay bit-equal to monolithic throughout": replay on ban. A worker falsifying 1%
+"""The market's promise "outputs stay bit-equal to monolithic throughout": replay on ban. A worker falsifying 1%
 of its rows is checked at a sample rate well below 1, so some of its wrong rows are used before it is
 caught; every sequence still running at the catch is rewound to before the first position that used
 its unverified outputs and recomputed, and ends bit-equal to the monolithic run. Real worker objects

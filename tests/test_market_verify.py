@@ -1,4 +1,4 @@
-"""Issue 14, items 6-7 in process: signed receipts (and `p2pswarm rewards`), ban records, and the
+"""The verification market in process: signed receipts (and `p2pswarm rewards`), ban records, and the
 dispatcher's sampled bit-exact verification against real worker objects (ExpertWorker on real
 shards; the dishonest one is tests/helpers/dishonest_worker.py's subclass)."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ from p2pswarm.market.verify import Verifier, rows_for_confidence
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.net.identity import Identity
+from p2pswarm.market.swarm_dht import record_kinds
 from p2pswarm.net.records import NodeRecordValidator, RecordError
 from p2pswarm.worker.expert_worker import ExpertWorker
 
@@ -128,7 +129,7 @@ def test_ban_records_only_in_their_signers_name():
         v.validate(rec.key, b"not a record")
     assert v.rejected == 3
     # one DHT namespace, several record types: the DHT's validator sends each key to its own kind's
-    node_v = NodeRecordValidator()
+    node_v = NodeRecordValidator(record_kinds())
     node_v.validate(rec.key, rec.signed)
     with pytest.raises(RecordError):
         node_v.validate(f"/p2pswarm/node/{worker}", rec.signed)

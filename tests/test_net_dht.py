@@ -14,7 +14,10 @@ import pytest
 import trio
 from libp2p.kad_dht.common import PROTOCOL_ID as LIB_PROTOCOL_ID
 
-from p2pswarm.net.dht import (KAD_PROTOCOL, CoverageResolver, ShardAdvertiser, open_dht)
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.coverage import CoverageResolver
+from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecord, ShardEntry, node_record_key, units_for
@@ -335,7 +338,7 @@ def test_replicas_are_counted_per_expert():
     """Workers holding experts 0-5, 6-10 and 11-15 touch both 8-expert blocks twice, yet every
     expert has one copy: each unit is covered once. A replica of 0-5 does not change that (experts
     6-7 still have one); a second copy of 6-15 makes block 1 twice covered."""
-    from p2pswarm.net.dht import CoverageMap, OwnerInfo
+    from p2pswarm.net.coverage import CoverageMap, OwnerInfo
     from p2pswarm.net.records import CoverageUnit
 
     def owner(e0: int, e1: int) -> OwnerInfo:
@@ -461,6 +464,56 @@ async def test_resolver_refreshes_on_request():
                 while not res.owners(0, 0):
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+async def test_a_record_held_only_beyond_the_closest_peers_is_found():
+    """A record stored before closer peers joined sits outside the three closest peers a look-up
+    converges on: a read that found nothing there asks on to the K closest (a live worker's record
+    was once "none found" at a backbone's first refresh, and the worker was never used)."""
+    from libp2p.kad_dht.utils import sort_peer_ids_by_distance
+
+    async with dht_swarm(6) as nodes:
+        worker, reader = nodes[1], nodes[2]
+        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))])
+        key = node_record_key(worker.net.peer_id_str)
+        others = [n for n in nodes if n is not worker and n is not reader]
+        far = sort_peer_ids_by_distance(key.encode(), [n.net.host.get_id() for n in others])[-1]
+        # stored at the farthest peer only (as if it was the one peer the worker knew at the time)
+        assert await worker.dht.kad.value_store._store_at_peer(far, key.encode(), adv._record().signed)
+        rec = await reader.dht.get_node_record(worker.net.peer_id_str)
+        assert rec is not None and rec.peer == worker.net.peer_id_str
+        assert await reader.dht.get_node_record(reader.net.peer_id_str) is None  # none anywhere: still None
+
+
+@pytest.mark.slow
+async def test_a_failed_owner_whose_record_read_fails_is_kept(monkeypatch):
+    """A record read that fails is no evidence, for an owner that just failed too: its record is
+    still in the DHT until it expires. One suite run showed it: a backbone stalled for a few seconds
+    blamed two live workers (their deadlines ran out during its own stall), the refresh they asked
+    for read no record for either (its look-ups timed out the same way), and both were dropped from
+    the coverage map until a later refresh found them again."""
+    from p2pswarm.net.kademlia import SwarmDHT
+
+    async with dht_swarm(3) as nodes:
+        worker, backbone = nodes[1], nodes[2]
+        await _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))]).publish()
+        res = _resolver(backbone)
+        await res.refresh()
+        peer = worker.net.peer_id_str
+        assert [o.peer for o in res.owners(0, 0)] == [peer]
+        real, reads = SwarmDHT.get_node_record, []
+
+        async def fails_once(self, p, **kw):
+            reads.append(p)
+            return None if len(reads) == 1 else await real(self, p, **kw)
+
+        monkeypatch.setattr(SwarmDHT, "get_node_record", fails_once)
+        res.request_refresh(peer)  # the owner failed a request
+        await res.refresh()
+        assert reads == [peer] and [o.peer for o in res.owners(0, 0)] == [peer] and peer not in res.gone
+        await res.refresh()  # read again, and found
+        assert len(reads) == 2 and [o.peer for o in res.owners(0, 0)] == [peer]
 
 
 @pytest.mark.slow

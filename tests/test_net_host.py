@@ -21,7 +21,8 @@ from libp2p.security.noise.transport import Transport as Noise
 
 from p2pswarm.errors import UserError
 from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.host import NetError, open_host, parse_peer_addr
+from p2pswarm.net.addrs import NetError, parse_peer_addr
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 
 SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]

@@ -15,8 +15,8 @@ from libp2p.peer.id import ID
 from conftest import assert_one_line_error, run_cli, start_cli
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.identity import (Identity, default_identity_path, load_identity, load_or_create_identity,
-                                   peer_public_key, verify_peer_signature)
+from p2pswarm.net.identity import Identity, default_identity_path, load_identity, load_or_create_identity
+from p2pswarm.signatures import peer_public_key, verify_peer_signature
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -156,7 +156,7 @@ def test_expired_and_withdrawn():
 
 def test_dht_validator_checks_key_and_keeps_newest():
     a, b = Identity.generate(), Identity.generate()
-    v = NodeRecordValidator()
+    v = NodeRecordValidator({})  # node records only
     r1 = _record(a, seq=10)
     r2 = _record(a, seq=11, addrs=["/ip4/127.0.0.1/tcp/4002"])
     v.validate(node_record_key(a.peer_id_str), r1.signed)

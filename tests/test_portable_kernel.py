@@ -169,7 +169,7 @@ def test_bank_close_to_numpy_kernel_and_independent_of_threads(request, qtype):
 @pytest.mark.skipif(not HAVE_C, reason="needs the C build")
 @needs_llama
 def test_bank_close_to_ggml(tiny_q4km):
-    from p2pswarm.engine.ggml_kernel import GgmlExpertBank
+    from p2pswarm.engine.ggml_experts import GgmlExpertBank
 
     layout = ModelLayout.open(tiny_q4km)
     p, g = pk.PortableExpertBank(layout, threads=1), GgmlExpertBank(layout, threads=1)

@@ -1,4 +1,4 @@
-"""Workers answer portably on request: the verification path of issue 17.
+"""Workers answer portably on request: the path a backbone verifies any worker through.
 
 A ggml worker process (real socket, real GGUF shard) answers a request that names the portable
 family with the same bits as the backbone's own portable kernel, and its ordinary requests with
@@ -15,7 +15,7 @@ import pytest
 
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
-from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine import ggml_experts
 from p2pswarm.engine import kernels
 from p2pswarm.engine import portable_kernel as pk
 from p2pswarm.errors import FrameError, WorkerError
@@ -42,7 +42,7 @@ def test_answer_families_and_request_field():
 @needs_ggml
 async def test_ggml_worker_answers_portable_requests_bit_equal(tiny_q4km):
     layout = ModelLayout.open(tiny_q4km)
-    portable, ggml = pk.PortableExpertBank(layout, threads=1), gk.GgmlExpertBank(layout, threads=1)
+    portable, ggml = pk.PortableExpertBank(layout, threads=1), ggml_experts.GgmlExpertBank(layout, threads=1)
     rng = np.random.default_rng(23)
     x = rng.standard_normal((5, portable.n_embd)).astype(np.float32)
     groups = [(3, np.array([0, 2, 4])), (11, np.arange(5)), (6, np.array([1]))]

@@ -1,4 +1,4 @@
-"""docs/quickstart.md runs as written (issue 33): its ```bash blocks, in order, in one bash session
+"""docs/quickstart.md runs as written: its ```bash blocks, in order, in one bash session
 (as a user pastes them into one terminal), in an empty folder with an empty home. Real processes
 throughout: bootstrap, three workers, a backbone with the OpenAI API and the official client."""
 from __future__ import annotations

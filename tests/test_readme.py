@@ -1,4 +1,4 @@
-"""Every command in the README's command table is one the CLI takes as written (issue 33: the
+"""Every command in the README's command table is one the CLI takes as written (once the
 `slice --layers 0-47` example failed on the model the README had just made). The quick test parses
 each with the real argument parser (optional parts `[...]` included, the first of `a|b`); the slow
 one runs the file commands for real, in order, on the model `make-model` writes."""

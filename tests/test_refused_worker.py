@@ -1,4 +1,4 @@
-"""A worker the backbone does not use is told why (issue 33): its log and its /health say
+"""A worker the backbone does not use is told why: its log and its /health say
 "refused" with the backbone's reason, instead of "serving" for ever. Real processes: a bootstrap, a
 worker whose block size is not the backbone's, and a backbone; then a worker the backbone does use,
 whose /health says "serving"."""

@@ -26,10 +26,11 @@ from conftest import assert_one_line_error, run_cli
 
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.host import circuit_addr, open_host
+from p2pswarm.net.addrs import circuit_addr
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity, load_or_create_identity
 from p2pswarm.net.tokens import NodeToken, issue_token
-from relay.client import RelayKeeper
+from p2pswarm.net.relay_client import RelayKeeper
 
 from helpers.procs import (
     Proc, assert_swarm_logits_exact, free_port, get_health, start_relay, worker_args, worker_identity,
@@ -259,7 +260,7 @@ def test_worker_relay_errors(tiny_f32, tmp_path, env):
 
 
 def test_relay_config_file(tmp_path):
-    from relay.config import load_settings
+    from p2pswarm.relay.config import load_settings
 
     cfg = tmp_path / "relay.toml"
     cfg.write_text('[relay]\nlisten = "/ip4/0.0.0.0/tcp/8080/ws"\nopen = true\nmax-reservations = 50\n'

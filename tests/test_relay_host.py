@@ -22,14 +22,15 @@ from helpers.procs import free_port
 from helpers.tls import make_cert
 from p2pswarm.errors import UserError
 from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.host import circuit_addr, is_circuit_addr, open_host
+from p2pswarm.net.addrs import circuit_addr, is_circuit_addr
+from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecord, RecordError
 from p2pswarm.net.tokens import TokenGate, issue_token
-from relay.client import RelayKeeper
-from relay.config import RelaySettings
-from relay.protocol import PROTOCOL_TOKEN, RelayRefused
-from relay.service import GatedHop, token_handler
+from p2pswarm.net.relay_client import RelayKeeper
+from p2pswarm.relay.config import RelaySettings
+from p2pswarm.net.relay_token import PROTOCOL_TOKEN, RelayRefused
+from p2pswarm.relay.service import GatedHop, token_handler
 
 LOOP = "/ip4/127.0.0.1/tcp/0"
 ECHO = "/test/echo/1.0.0"
@@ -86,7 +87,7 @@ async def test_ws_tls_trap_still_present(tmp_path, monkeypatch):
     cert, key = make_cert(tmp_path)
     monkeypatch.setenv("P2PSWARM_WSS_CA", cert)
     ws = free_port()
-    from p2pswarm.net import libp2p_patches
+    from p2pswarm.net import libp2p_host_patches
 
     def library_websocket(host, tls_server, tls_client):
         network = host.get_network()
@@ -95,7 +96,7 @@ async def test_ws_tls_trap_still_present(tmp_path, monkeypatch):
         tm.add_transport(WebsocketTransport(network.upgrader, tls_server_config=tls_server,
                                             tls_client_config=tls_client))
 
-    monkeypatch.setattr(libp2p_patches, "install_websocket", library_websocket)
+    monkeypatch.setattr(libp2p_host_patches, "install_websocket", library_websocket)
     async with open_host(Identity.generate(), [f"/ip4/127.0.0.1/tcp/{ws}/ws", f"/ip4/127.0.0.1/tcp/{free_port()}/wss"],
                          tls_cert=cert, tls_key=key) as server:
         monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""p2pswarm/settings.py is the one reader of the P2PSWARM_* environment (issue 16).
+"""p2pswarm/settings.py is the one reader of the P2PSWARM_* environment.
 
 What is checked: no other module of the package reads a P2PSWARM_* variable from os.environ;
 docs/configuration.md lists every variable settings defines; a malformed value is a one-line

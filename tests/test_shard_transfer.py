@@ -38,13 +38,9 @@ from p2pswarm.model.slicer import (
 )
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity, load_or_create_identity
-from p2pswarm.net.shard_transfer import (
-    FetchStats,
-    ShardTransferError,
-    fetch_slice,
-    load_source_sidecar,
-    serve_shards,
-)
+from p2pswarm.net.shard_fetch import FetchStats, fetch_slice
+from p2pswarm.net.shard_server import load_source_sidecar, serve_shards
+from p2pswarm.net.shard_wire import ShardTransferError
 from p2pswarm.net.tokens import NodeToken, TokenGate, issue_token
 
 QUIET = {"P2PSWARM_LOG_LEVEL": "ERROR"}
@@ -429,7 +425,7 @@ async def test_cancelled_download_resumes_and_a_damaged_part_is_caught(tiny_f32,
             lay_ref = ModelLayout.open(ref)
             t = lay_ref.reader.tensors[tensor]
             slab = int(t.n_bytes) // 16
-            with open(part, "r+b") as f:  # noqa: ASYNC230 - flip a byte inside that journaled slab
+            with open(part, "r+b") as f:  # flip a byte inside that journaled slab
                 pos = int(t.data_offset) + (expert - 0) * slab + 7
                 f.seek(pos)
                 b = f.read(1)

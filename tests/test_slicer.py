@@ -10,7 +10,8 @@ import pytest
 from gguf import GGUFWriter
 
 from p2pswarm.errors import ModelFormatError
-from p2pswarm.model.layout import ModelLayout, field_value
+from p2pswarm.model.gguf_read import field_value
+from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint, source_fingerprint
 from p2pswarm.model.slicer import slice_backbone, slice_experts, split_ranges, verify_shard
 

@@ -1,4 +1,4 @@
-"""A link too slow for a request's deadline (issue 32): the backbone falls back to its replica
+"""A link too slow for a request's deadline: the backbone falls back to its replica
 within a bounded stall and every token stays exact.
 
 Worker processes behind the in-process WAN proxy (p2pswarm.net.wanproxy) on real sockets. Once the

@@ -1,4 +1,4 @@
-"""The status page tells the truth at a glance (issue 33), in headless Chromium at 1280 and 1920 px:
+"""The status page tells the truth at a glance, in headless Chromium at 1280 and 1920 px:
 each worker's state comes first and stays on screen (a dead worker must not look live because a
 100-character kernel id pushed its state cell off), the kernel id is shortened with the full id on
 hover, and the worker count is the same on the page, /metrics and /v1/swarm (peers, and shards

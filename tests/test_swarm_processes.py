@@ -253,8 +253,9 @@ async def test_malformed_frames_and_forged_records_against_node_processes(tiny_f
     from libp2p.peer.id import ID
     from libp2p.records.record import make_signed_put_record
 
-    from p2pswarm.net.dht import open_dht
-    from p2pswarm.net.host import PROTOCOL_EXPERT, open_host
+    from p2pswarm.market.swarm_dht import open_dht
+    from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
+    from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import Identity, load_identity
     from p2pswarm.net.records import SIGNING_DOMAIN, NodeRecord, ShardEntry, node_record_key
 

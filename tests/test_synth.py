@@ -23,6 +23,7 @@ import pytest
 from p2pswarm.commands import make_model as cmd
 from p2pswarm.errors import UserError
 from p2pswarm.model import synth
+from p2pswarm.model.gguf_read import read_gguf_kv
 from p2pswarm.model.vocab import sha256_file
 
 from conftest import HAVE_LLAMA, engine_trace, llama_logits, needs_llama
@@ -395,8 +396,8 @@ def test_vocab_qwen35(tmp_path: Path) -> None:
     info = synth.describe(p)
     assert info["n_vocab"] == 151_936
     assert info["tied"] is True  # default for a large vocabulary: keeps the demo model small
-    src = {kv.key: kv for kv in synth.read_gguf_kv(vocab) if kv.key.startswith("tokenizer.ggml.")}
-    dst = {kv.key: kv for kv in synth.read_gguf_kv(p) if kv.key.startswith("tokenizer.ggml.")}
+    src = {kv.key: kv for kv in read_gguf_kv(vocab) if kv.key.startswith("tokenizer.ggml.")}
+    dst = {kv.key: kv for kv in read_gguf_kv(p) if kv.key.startswith("tokenizer.ggml.")}
     assert src.keys() == dst.keys()
     for k in src:
         assert src[k].value == dst[k].value and src[k].vtype == dst[k].vtype, k
@@ -414,9 +415,9 @@ def test_make_model_vocab_qwen35_names_the_shipped_file(tmp_path: Path) -> None:
                           env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "n_vocab 151936" in proc.stdout
-    shipped = {kv.key: kv.value for kv in synth.read_gguf_kv(REPO / "p2pswarm" / "data" / "ggml-vocab-qwen35.gguf")
+    shipped = {kv.key: kv.value for kv in read_gguf_kv(REPO / "p2pswarm" / "data" / "ggml-vocab-qwen35.gguf")
                if kv.key == "tokenizer.ggml.pre"}
-    assert {kv.key: kv.value for kv in synth.read_gguf_kv(out) if kv.key == "tokenizer.ggml.pre"} == shipped
+    assert {kv.key: kv.value for kv in read_gguf_kv(out) if kv.key == "tokenizer.ggml.pre"} == shipped
 
 
 _NO_NETWORK_SCRIPT = textwrap.dedent("""
@@ -544,9 +545,9 @@ def test_bad_output_and_vocab(tmp_path: Path) -> None:
 
 def test_vocab_from_our_own_model_round_trips(models: dict[str, Path], tmp_path: Path) -> None:
     p = synth.make_model(tmp_path / "m.gguf", layers=1, vocab=models["f32"])
-    a = {kv.key: kv.value for kv in synth.read_gguf_kv(models["f32"])
+    a = {kv.key: kv.value for kv in read_gguf_kv(models["f32"])
          if kv.key.startswith("tokenizer.")}
-    b = {kv.key: kv.value for kv in synth.read_gguf_kv(p) if kv.key.startswith("tokenizer.")}
+    b = {kv.key: kv.value for kv in read_gguf_kv(p) if kv.key.startswith("tokenizer.")}
     assert a == b
 
 

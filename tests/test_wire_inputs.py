@@ -1,4 +1,4 @@
-"""Expert inputs shipped pre-quantised (issue 32): the same output bits as float32 rows.
+"""Expert inputs shipped pre-quantised: the same output bits as float32 rows.
 
 ggml quantises a K-quant / Q8_0 / F16 mat-mul's float32 input to the weight type's vec_dot_type
 itself; rows quantised on the backbone by the same libggml, handed to ``mul_mat_id`` already in

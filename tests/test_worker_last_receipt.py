@@ -1,4 +1,4 @@
-"""A worker stopped cleanly takes its last receipts with it (issue 33): the backbone signs the work
+"""A worker stopped cleanly takes its last receipts with it: the backbone signs the work
 done since its last receipt period when the leaving worker asks (/p2pswarm/receipt/1.0.0), so
 `p2pswarm rewards` counts every row. Real processes; the backbone's period (an hour) never comes."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A worker's start-up checks (issue 33): a token no shard source could accept is refused at
+"""A worker's start-up checks: a token no shard source could accept is refused at
 start with one line and exit 2 (it used to be retried forever), and an `--auto` worker with no shard
 source in the swarm says what to start instead of 'none found'."""
 from __future__ import annotations

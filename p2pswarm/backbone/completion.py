@@ -19,7 +19,7 @@ import numpy as np
 
 from p2pswarm.backbone.openai_errors import APIError, bad_request
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.generate import Rewind
+from p2pswarm.backbone.replay import Rewind
 from p2pswarm.backbone.stops import StopMatcher, parse_stop
 
 MAX_TOKENS_LIMIT = 4096

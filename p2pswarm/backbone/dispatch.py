@@ -1,14 +1,16 @@
 """Dispatch one layer's expert work to whoever owns each expert, with the local replica as fallback.
 
-The backbone hands :meth:`Dispatcher.run` the rows ``cur`` of one layer and the groups
+The backbone hands :meth:`Dispatcher.run_groups` the rows ``cur`` of one layer and the groups
 ``[(expert, token indices), ...]`` the router chose. The dispatcher
 
-1. assigns each group to an owner that holds the expert (a worker, or the local bank);
+1. routes: assigns each group to an owner that holds the expert (a worker, or the local bank;
+   :meth:`Dispatcher.route`);
 2. sends *one* request per owner with all its groups, to all owners concurrently;
 3. on an owner's error or timeout, recomputes that owner's groups on the local replica (the
    backbone holds every expert) and avoids the owner for a back-off period (one that only
    missed its deadline is used again as soon as its late reply arrives: it was late, not hung);
-4. returns ``{expert: outputs}``; the caller combines them in top-k order, so arrival order never
+4. verifies a sample of a remote answer (below; :meth:`Dispatcher._verified`);
+5. returns the outputs per group; the caller combines them in top-k order, so arrival order never
    matters and the result is bit-identical whoever computed what.
 
 With a :class:`~p2pswarm.market.verify.Verifier` it also recomputes a random sample of each
@@ -34,7 +36,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import trio
@@ -46,8 +48,11 @@ from p2pswarm.net import wire_precision
 from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
 
+from p2pswarm.backbone.row_probe import RowInvariance, probe_expert_rows
+
 if TYPE_CHECKING:
-    from p2pswarm.market.verify import Check
+    from p2pswarm.market.receipts import ContributionLedger
+    from p2pswarm.market.verify import Check, Verifier
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -71,7 +76,7 @@ def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
 
 def peer_of(owner: "Owner") -> str:
     """The identity an owner's work is credited to and banned by: a libp2p peer id where there is one."""
-    return getattr(owner, "peer", None) or owner.name
+    return owner.peer or owner.name
 
 
 class LocalOwner(Owner):
@@ -88,6 +93,21 @@ class LocalOwner(Owner):
         self.bank = bank
         self.offload = Offload() if offload is None else offload
         self.wire_precision: str | None = None  # the backbone's --wire-precision (p2pswarm.net.wire_precision)
+        self._rows: RowInvariance | None = None  # measured once (row_invariance)
+
+    def row_invariance(self, n_layer: int, n_embd: int) -> RowInvariance:
+        """Whether this replica's expert mat-muls give a row the same bits whatever rows share the
+        call (measured once, :func:`p2pswarm.backbone.row_probe.probe_expert_rows`)."""
+        if self._rows is None:
+            self._rows = probe_expert_rows(self.bank, n_layer, n_embd)
+        return self._rows
+
+    @property
+    def exact_rows(self) -> int:
+        """The most rows of a group the verifier may check on their selected rows alone: the
+        replica's kernel gives such a row the bits it gets in a call of all of them. 1 (every row
+        of a group recomputed, unless the group is one row) until :meth:`row_invariance` measured."""
+        return 1 if self._rows is None else self._rows.exact_rows
 
     def holds(self, layer: int, expert: int) -> bool:
         return self.bank.holds(layer, expert)
@@ -116,7 +136,7 @@ class InProcessOwner(Owner):
     async def compute(self, layer, cur, groups, family=None):
         rows, local_groups = pack_rows(cur, groups)
         outs = await self.worker.compute_async(layer, rows, local_groups, family)
-        p = getattr(self, "wire_precision", None)  # as a worker process's would come back
+        p = self.wire_precision  # as a worker process's would come back
         return outs if p is None else [wire_precision.round_to(o, p) for o in outs]
 
 
@@ -194,7 +214,14 @@ class Dispatcher:
     """Routes groups to owners; the local bank computes what no healthy owner holds."""
 
     def __init__(self, local: ExpertBank, owners: list[Owner] | None = None, *, fallback: bool = True,
-                 backoff_s: float = 30.0, slow_backoff_s: float = 5.0, hot_experts: bool = False):
+                 backoff_s: float = 30.0, slow_backoff_s: float = 5.0, hot_experts: bool = False,
+                 verifier: Verifier | None = None, ledger: ContributionLedger | None = None,
+                 on_mismatch: Callable[[str, Any], object] | None = None):
+        """The market's collaborators (p2pswarm.market): a ``verifier`` recomputes a sample of
+        remote outputs; a ``ledger`` counts the work used per worker peer (receipts);
+        ``on_mismatch(peer, evidence)`` is told of a worker caught returning wrong numbers, after
+        it is banned here (default: a warning in the log). The ban keeper that publishes such a
+        ban needs the DHT, which is opened after the dispatcher: it sets ``on_mismatch`` then."""
         #: inline-or-thread policy of this process's compute (the local replica's and, through
         #: the Backbone, the dense path's): p2pswarm.offload
         self.offload = Offload()
@@ -217,20 +244,19 @@ class Dispatcher:
         self.hot_probe_s = HOT_PROBE_S
         self._asked_at: dict[str, float] = {}  # owner name -> time.monotonic() of its last request or probe
         self._probing: set[str] = set()  # owners with a probe in flight
-        #: the market (p2pswarm.market): a Verifier recomputes a sample of remote outputs; a ledger
-        #: (ContributionLedger) counts the work used per worker peer; on_mismatch(peer, evidence)
-        #: is told of a worker caught returning wrong numbers (after it is banned here)
-        self.verifier = None
-        #: groups of at most this many rows may be checked on their selected rows alone: the local
-        #: replica's kernel gives such a row the bits it gets in a call of all of them. 1 (every
-        #: row of a group recomputed, unless the group is one row) until the Backbone's probe
-        #: measures more (runner.Backbone._probe_row_invariance)
-        self.exact_rows = 1
-        self.ledger = None
-        self.on_mismatch = None
+        self.verifier = verifier
+        self.ledger = ledger
+        self.on_mismatch = on_mismatch
         self.banned: dict[str, str] = {}  # worker peer id -> why it gets no requests
         self.ban_epoch = 0  # bumped by every new ban: sequences tainted by the peer must be replayed
-        self.ban_listeners: list = []  # fn(peer) told of every new ban (the scheduler wakes up for it)
+        #: fn(peer) told of every new ban (the scheduler wakes up for it)
+        self.ban_listeners: list[Callable[[str], object]] = []
+
+    @property
+    def exact_rows(self) -> int:
+        """Groups of at most this many rows may be checked on their selected rows alone (the local
+        replica's measurement: :attr:`LocalOwner.exact_rows`)."""
+        return self.local.exact_rows
 
     def set_wire_precision(self, precision: str | None) -> None:
         """``--wire-precision``: every expert output this backbone combines is rounded to
@@ -246,16 +272,15 @@ class Dispatcher:
     def adopt(self, owner: Owner) -> None:
         """Count ``owner``'s wire bytes into :attr:`wire` too (an owner added after construction,
         e.g. by :class:`~p2pswarm.backbone.libp2p_owner.SwarmOwners`)."""
-        wire = getattr(owner, "wire", None)
-        if wire is not None:
-            wire.parent = self.wire
+        if owner.wire is not None:
+            owner.wire.parent = self.wire
         if owner.remote:
             owner.wire_precision = self.local.wire_precision
         # Our replica turns rows into the form the owner's kernel takes them in, when it is the
         # same kernel (the same bytes; p2pswarm.engine.ggml_inputs) and P2PSWARM_WIRE_INPUTS is on.
         bank = self.local.bank
-        if (hasattr(owner, "input_quantiser") and hasattr(bank, "quantise_input")
-                and getattr(owner, "kernel", None) == bank.kernel and settings.WIRE_INPUTS.get()):
+        if (owner.remote and owner.kernel == bank.kernel and hasattr(bank, "quantise_input")
+                and settings.WIRE_INPUTS.get()):
             owner.input_quantiser = bank
 
     def ban(self, peer: str, reason: str) -> None:
@@ -280,7 +305,7 @@ class Dispatcher:
         if time.monotonic() >= until:
             return True
         since = self._slow_since.get(owner.name)
-        recovered = getattr(owner, "recovered_at", None)
+        recovered = owner.recovered_at
         if since is not None and recovered is not None and recovered > since:
             # it missed a deadline, then its late reply came: it is not hung, use it again now
             self._down_until.pop(owner.name, None)
@@ -320,11 +345,13 @@ class Dispatcher:
         def remote_s(owner: Owner) -> float:
             """The owner's expected round trip for this request: by its size where the owner fits
             one to its recent requests (a capped link: SocketOwner.predict_s), else its EWMA."""
-            predict = getattr(owner, "predict_s", None)
-            est = predict(sum(len(groups[i][1]) for i in plan[owner])) if predict is not None else None
-            return owner.rtt_s if est is None else est
+            est = owner.predict_s(sum(len(groups[i][1]) for i in plan[owner]))
+            if est is not None:
+                return est
+            assert owner.rtt_s is not None  # (only measured owners are considered)
+            return owner.rtt_s
 
-        remote = sorted(((remote_s(o), o) for o in plan if o.remote and getattr(o, "rtt_s", None) is not None),
+        remote = sorted(((remote_s(o), o) for o in plan if o.remote and o.rtt_s is not None),
                         key=lambda so: -so[0])
         for wait_s, owner in remote:
             rows = sum(len(groups[i][1]) for i in plan[owner])
@@ -356,7 +383,7 @@ class Dispatcher:
         async def probe() -> None:
             try:
                 await owner.compute(layer, rows, local_groups)
-            except Exception as exc:  # noqa: BLE001 - a probe must never crash the run (a system task)
+            except Exception as exc:  # a probe must never crash the run (a system task)
                 self._down_until[owner.name] = time.monotonic() + self.backoff_s
                 log.info("probe of worker %s on layer %d failed (%s): avoiding it for %.0f s",
                          owner.name, layer, exc, self.backoff_s)
@@ -365,13 +392,10 @@ class Dispatcher:
 
         trio.lowlevel.spawn_system_task(probe, name=f"probe of {owner.name}")
 
-    async def run(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[int, np.ndarray]:
-        """``{expert: outputs}`` for groups with distinct experts (one sequence's layer)."""
-        return {e: out for (e, _), out in zip(groups, await self.run_groups(layer, cur, groups))}
-
     async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups,
                          taint: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
-        """Outputs per group, in group order: one request per owner with all the groups it holds.
+        """Outputs per group, in group order: one request per owner with all the groups it holds
+        (:meth:`route`), each answer verified on a sample (:meth:`_verified`).
         ``taint``: see the module doc (rows computed from a remote worker's unverified outputs).
 
         No groups (a layer without routed experts: a leading dense-FFN layer routes to nothing)
@@ -379,6 +403,28 @@ class Dispatcher:
         if not groups:
             return []
         t0 = time.perf_counter()
+        plan = self.route(layer, cur, groups)
+        results: list[np.ndarray | None] = [None] * len(groups)
+
+        async def one(owner: Owner, which: list[int]) -> None:
+            outs = await self._owner_outputs(owner, layer, cur, [groups[i] for i in which], taint)
+            for i, out in zip(which, outs):
+                results[i] = out
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for owner, which in plan.items():
+                    nursery.start_soon(one, owner, which)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        self._count(plan, groups, time.perf_counter() - t0)
+        return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
+
+    def route(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[Owner, list[int]]:
+        """Routing: which owner computes which groups (indices into ``groups``): the first healthy
+        owner that holds the expert, the local replica for the rest, and with ``hot_experts`` the
+        local replica also for what a slow owner would take longer to return (those owners are
+        probed now and then in the background). Counts the demand."""
         self.demand.add(layer, groups)
         kept: dict[Owner, list[int]] = {}
         plan = self._assign(layer, groups, kept)
@@ -392,63 +438,60 @@ class Dispatcher:
                 if owner.name not in self._probing and now - asked >= self.hot_probe_s:
                     self._asked_at[owner.name] = now
                     self._probe(owner, layer, cur, [groups[i] for i in which])
-        results: list[np.ndarray | None] = [None] * len(groups)
+        return plan
 
-        async def one(owner: Owner, which: list[int]) -> None:
-            owner_groups = [groups[i] for i in which]
-            picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
-                      if owner.remote and self.verifier is not None else [])
-            used = owner.remote
-            try:
-                tc = time.perf_counter()
-                if picked:
-                    outs, refs = await self._compute_checked(owner, layer, cur, owner_groups, picked)
-                else:
-                    outs = await owner.compute(layer, cur, owner_groups)
-                if not owner.remote:
-                    rows = sum(len(idx) for _, idx in owner_groups)
-                    if rows:
-                        r = (time.perf_counter() - tc) / rows
-                        self.local_row_s = r if self.local_row_s is None else 0.7 * self.local_row_s + 0.3 * r
-                if len(outs) != len(owner_groups) or any(
-                    o.shape != (len(idx), cur.shape[1]) for o, (_, idx) in zip(outs, owner_groups)
-                ):
-                    raise WorkerError(f"{owner.name} returned outputs of the wrong shape")
-            except WorkerError as exc:
-                if not owner.remote or not self.fallback:
-                    raise
-                # a hung worker may come back (SIGCONT, a phone waking up): try it again soon
-                backoff = min(self.slow_backoff_s, self.backoff_s) if isinstance(exc, WorkerSlow) else self.backoff_s
-                self._down_until[owner.name] = time.monotonic() + backoff
-                if isinstance(exc, WorkerSlow):
-                    self._slow_since[owner.name] = time.monotonic()
-                else:
-                    self._slow_since.pop(owner.name, None)  # a real failure: no late reply ends it
-                self.stats.fallbacks += 1
-                if isinstance(exc, WorkerSlow):
-                    self.stats.deadline_misses += 1
-                log.warning("worker %s failed on layer %d (%s): fell back to the local replica for %d experts;"
-                            " avoiding it for %.0f s", owner.name, layer, exc, len(owner_groups), backoff)
-                outs = await self.local.compute(layer, cur, owner_groups)
-                used = False
-            if used:
-                outs, trusted = await self._accept(owner, layer, cur, owner_groups, outs, picked,
-                                                   refs if picked else [])
-                if trusted and taint is not None and sum(len(at) for _, at in picked) < sum(
-                        len(idx) for _, idx in owner_groups):
-                    self._mark(taint, peer_of(owner), len(cur), owner_groups, picked)
-            for i, out in zip(which, outs):
-                results[i] = out
-
+    async def _owner_outputs(self, owner: Owner, layer: int, cur: np.ndarray, owner_groups: Groups,
+                             taint: dict[str, np.ndarray] | None) -> list[np.ndarray]:
+        """One owner's outputs for its groups: its answer, verified on a sample where it is remote
+        (:meth:`_verified`), or the local replica's after it failed (:meth:`_fall_back`)."""
+        picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
+                  if owner.remote and self.verifier is not None else [])
+        refs: list[np.ndarray] = []
         try:
-            async with trio.open_nursery() as nursery:
-                for owner, which in plan.items():
-                    nursery.start_soon(one, owner, which)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
+            tc = time.perf_counter()
+            if picked:
+                outs, refs = await self._compute_checked(owner, layer, cur, owner_groups, picked)
+            else:
+                outs = await owner.compute(layer, cur, owner_groups)
+            if not owner.remote:
+                rows = sum(len(idx) for _, idx in owner_groups)
+                if rows:
+                    r = (time.perf_counter() - tc) / rows
+                    self.local_row_s = r if self.local_row_s is None else 0.7 * self.local_row_s + 0.3 * r
+            if len(outs) != len(owner_groups) or any(
+                o.shape != (len(idx), cur.shape[1]) for o, (_, idx) in zip(outs, owner_groups)
+            ):
+                raise WorkerError(f"{owner.name} returned outputs of the wrong shape", peer=owner.peer)
+        except WorkerError as exc:
+            if not owner.remote or not self.fallback:
+                raise
+            return await self._fall_back(owner, layer, cur, owner_groups, exc)
+        if not owner.remote:
+            return outs
+        return await self._verified(owner, layer, cur, owner_groups, outs, picked, refs, taint)
+
+    async def _fall_back(self, owner: Owner, layer: int, cur: np.ndarray, owner_groups: Groups,
+                         exc: WorkerError) -> list[np.ndarray]:
+        """The local replica's outputs for a remote owner that failed; the owner is backed off."""
+        # a hung worker may come back (SIGCONT, a phone waking up): try it again soon
+        slow = isinstance(exc, WorkerSlow)
+        backoff = min(self.slow_backoff_s, self.backoff_s) if slow else self.backoff_s
+        self._down_until[owner.name] = time.monotonic() + backoff
+        if slow:
+            self._slow_since[owner.name] = time.monotonic()
+        else:
+            self._slow_since.pop(owner.name, None)  # a real failure: no late reply ends it
+        self.stats.fallbacks += 1
+        if slow:
+            self.stats.deadline_misses += 1
+        log.warning("worker %s failed on layer %d (%s): fell back to the local replica for %d experts;"
+                    " avoiding it for %.0f s", owner.name, layer, exc, len(owner_groups), backoff)
+        return await self.local.compute(layer, cur, owner_groups)
+
+    def _count(self, plan: dict[Owner, list[int]], groups: Groups, seconds: float) -> None:
         s = self.stats
         s.layers += 1
-        s.seconds += time.perf_counter() - t0
+        s.seconds += seconds
         for owner, which in plan.items():
             if owner.remote:
                 s.requests += 1
@@ -459,7 +502,18 @@ class Dispatcher:
             else:
                 s.local_groups += len(which)
             s.per_owner[owner.name] = s.per_owner.get(owner.name, 0) + len(which)
-        return results
+
+    # -- verification (module doc; p2pswarm.market.verify) ----------------------------------------
+    async def _verified(self, owner: Owner, layer: int, cur: np.ndarray, owner_groups: Groups,
+                        outs: list[np.ndarray], picked: list[Check], refs: list[np.ndarray],
+                        taint: dict[str, np.ndarray] | None) -> list[np.ndarray]:
+        """A remote owner's answer after its sampled rows were checked (:meth:`_accept`); the rows
+        used unverified are marked in ``taint``."""
+        outs, trusted = await self._accept(owner, layer, cur, owner_groups, outs, picked, refs)
+        if trusted and taint is not None and sum(len(at) for _, at in picked) < sum(
+                len(idx) for _, idx in owner_groups):
+            self._mark(taint, peer_of(owner), len(cur), owner_groups, picked)
+        return outs
 
     async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
                                picked: list[Check]) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -30,6 +30,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import trio
 from starlette.applications import Starlette
@@ -40,12 +41,12 @@ from starlette.routing import Route
 
 from p2pswarm.backbone.chat import ChatError, ChatTemplate, read_chat_template
 from p2pswarm.backbone.completion import GenParams, Usage, generate_text, parse_params
-from p2pswarm.backbone.generate import generate
+from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.metrics import BackboneMetrics, wire_summary
 from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.status_page import SwarmView, status_html
-from p2pswarm.errors import UserError
+from p2pswarm.errors import InternalError, PeerError, UserError
 from p2pswarm.http_server import serve_asgi
 
 log = logging.getLogger("p2pswarm.http")
@@ -61,11 +62,11 @@ class CompletionsApp:
 
     def __init__(self, backbone: Backbone, tokenizer, model_name: str, fingerprint: str, *,
                  model_path=None, view: SwarmView | None = None, chat_template: str | None = None,
-                 scheduler=None):
+                 scheduler: Scheduler | None = None):
         self.backbone = backbone
-        # The continuous-batching Scheduler (p2pswarm.backbone.scheduler, the throughput work):
-        # every request of both endpoints then shares decode steps. None: one generate() each.
-        self.scheduler = scheduler
+        # The continuous-batching Scheduler: every request of both endpoints shares decode steps
+        # (and is replayed on a ban). Default: one with the default settings; serve_http runs it.
+        self.scheduler = scheduler if scheduler is not None else Scheduler(backbone, tokenizer)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.fingerprint = fingerprint
@@ -82,12 +83,11 @@ class CompletionsApp:
             if view is None:
                 view = SwarmView.for_backbone(backbone, layout)
         self.view = view
-        self._generating = 0
         self.in_flight = 0  # requests whose response is not finished (a stream: until its last event)
         self.draining = False  # stopping: new requests are refused
         self.cutting = False  # the drain period is over: running generations end at their next token
         self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active,
-                                       getattr(backbone, "replays", None))
+                                       backbone.replays)
         self.app = Starlette(
             routes=[
                 Route("/", self._status_page),
@@ -99,35 +99,23 @@ class CompletionsApp:
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
             ],
-            exception_handlers={APIError: _api_error, UserError: _user_error, HTTPException: _http_error,
-                                Exception: _server_error})
+            exception_handlers=_EXCEPTION_HANDLERS)
 
     # -- the one place generation starts ---------------------------------------------------------
     @property
     def active(self) -> int:
         """Sequences generating now."""
-        return self.scheduler.active if self.scheduler is not None else self._generating
+        return self.scheduler.active
 
     @asynccontextmanager
     async def open_generation(self, prompt_ids: list[int], *, max_tokens: int, sampler, request_id=None):
-        """Token steps (``generate.Step``) for one request: through the scheduler when there is
-        one (``scheduler.submit``; leaving the block early cancels the sequence; a replay on ban
-        shows up as a ``Rewind`` among the steps), else a ``generate()`` of its own (no replay)."""
+        """Token steps (``generate.Step``) for one request, through the scheduler
+        (``scheduler.submit``; leaving the block early cancels the sequence; a replay on ban shows
+        up as a ``Rewind`` among the steps)."""
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        if self.scheduler is not None:
-            from p2pswarm.backbone.scheduler import Params  # the throughput work's module
-
-            params = Params(max_tokens=max_tokens, sampler=sampler, request_id=request_id)
-            async with self.scheduler.submit(prompt_ids, params, rewinds=True) as steps:
-                yield self._cuttable(steps)
-            return
-        steps = generate(self.backbone, self.tokenizer, prompt_ids, max_tokens=max_tokens, sampler=sampler)
-        self._generating += 1
-        try:
+        params = Params(max_tokens=max_tokens, sampler=sampler, request_id=request_id)
+        async with self.scheduler.submit(prompt_ids, params, rewinds=True) as steps:
             yield self._cuttable(steps)
-        finally:
-            self._generating -= 1
-            await steps.aclose()
 
     async def _cuttable(self, steps):
         """``steps``, ending with a 503 :class:`APIError` at the first token after the drain period
@@ -195,14 +183,14 @@ class CompletionsApp:
     async def _health(self, request: Request) -> Response:
         stats = self.backbone.dispatcher.stats
         sched = self.scheduler
-        generated = sched.stats.generated if sched else self.metrics.total_tokens
+        generated = sched.stats.generated
         return JSONResponse({"status": "draining" if self.draining else "ok", "model": self.model_name,
                              "fingerprint": self.fingerprint,
                              "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
                              "active_sequences": self.active, "chat_template": self.chat is not None,
                              "generated_tokens": generated,
-                             "steps": sched.stats.steps if sched else None,
-                             "micro_batches": sched.last_micro_batches if sched else None,
+                             "steps": sched.stats.steps,
+                             "micro_batches": sched.last_micro_batches,
                              "dense_s": self.backbone.timing.dense_s,
                              "dense_busy_s": self.backbone.timing.busy_s,
                              "dispatch_wait_s": self.backbone.timing.wait_s,
@@ -362,6 +350,19 @@ async def _user_error(request: Request, exc: UserError) -> Response:
     return JSONResponse(bad_request(str(exc)).body(), status_code=400)
 
 
+async def _peer_error(request: Request, exc: PeerError) -> Response:
+    """A peer failed us where no fallback could (the client's request was fine): a 502, logged
+    with the peer."""
+    log.warning("%s %s failed: peer %s: %s", request.method, request.url.path, exc.peer or "?", exc)
+    return JSONResponse(APIError(502, f"a peer failed: {exc}", type="server_error").body(), status_code=502)
+
+
+async def _internal_error(request: Request, exc: InternalError) -> Response:
+    """Our fault or the installation's: a 500 that says what, logged."""
+    log.error("%s %s failed: %s", request.method, request.url.path, exc)
+    return JSONResponse(APIError(500, str(exc), type="server_error").body(), status_code=500)
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own refusals (no such route, wrong method) in OpenAI's shape."""
     if exc.status_code == 404:
@@ -375,6 +376,13 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
     return JSONResponse(APIError(500, "internal error (see the backbone's log)", type="server_error").body(),
                         status_code=500)
+
+
+#: what each kind of error becomes (p2pswarm/errors.py: whose fault it is); typed loosely because
+#: Starlette types a handler as taking any Exception
+_EXCEPTION_HANDLERS: dict[Any, Any] = {
+    APIError: _api_error, UserError: _user_error, PeerError: _peer_error, InternalError: _internal_error,
+    HTTPException: _http_error, Exception: _server_error}
 
 
 async def _read_json(request: Request) -> dict:
@@ -394,11 +402,10 @@ async def _read_json(request: Request) -> dict:
 
 async def serve_http(app: CompletionsApp, host_or_socket, port: int | None = None, *,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` (and run its scheduler's step loop, if it has one) until cancelled on
+    """Serve ``app`` (and run its scheduler's step loop) until cancelled on
     ``host``:``port``, or on an already bound listening socket; ``task_status.started`` gets the
     bound addresses."""
     async with trio.open_nursery() as nursery:
-        if app.scheduler is not None:
-            await nursery.start(app.scheduler.run)
+        await nursery.start(app.scheduler.run)
         binds = await nursery.start(partial(serve_asgi, app, host_or_socket, port, logger="p2pswarm.http.server"))
         task_status.started(binds)

@@ -12,7 +12,7 @@ its signed DHT record announced (and we send it, so the worker refuses a backbon
 another shard), as well as our protocol version, model fingerprint and kernel.
 
 :class:`SwarmOwners` keeps one owner per (peer, shard) in step with a
-:class:`~p2pswarm.net.dht.CoverageResolver`'s map, and keeps the list it hands the dispatcher
+:class:`~p2pswarm.net.coverage.CoverageResolver`'s map, and keeps the list it hands the dispatcher
 sorted by load and measured round-trip time, so the dispatcher - which takes the first healthy
 owner holding an expert - picks the least busy, nearest replica.
 
@@ -24,17 +24,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import trio
 
-from p2pswarm.backbone.socket_owner import SocketOwner, reply_families, reply_input_forms
+from p2pswarm.backbone.socket_owner import SocketOwner, close_now, reply_families, reply_input_forms
+from p2pswarm.contracts import OwnerStatus
 from p2pswarm.engine import kernels
-from p2pswarm.errors import FrameError, UserError, WorkerError
+from p2pswarm.errors import FrameError, SwarmError, WorkerError
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.addrs import is_circuit_addr
 from p2pswarm.net.direct import open_direct
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.host import PROTOCOL_EXPERT, NetHost
+from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.host import NetHost
 from p2pswarm.net.wire_bytes import CountingStream
 
 log = logging.getLogger("p2pswarm.backbone")
@@ -57,16 +60,18 @@ class Libp2pOwner(SocketOwner):
         self.info = info
         self.connect_timeout_s = connect_timeout_s
         self.on_failure = on_failure
-        self.on_latency = None  # (owner, seconds) after each answered request: the metrics histogram
+        #: (owner, seconds) after each answered request: the metrics histogram
+        self.on_latency: Callable[[Libp2pOwner, float], None] | None = None
         self.rtt_s: float | None = None  # EWMA of request round trips (compute included; connecting not)
         self.inflight = 0
         self.requests = 0
         self.failures = 0
-        self._order_changed = None  # set by SwarmOwners
+        self._order_changed: Callable[[], None] | None = None  # set by SwarmOwners
         self._stale = False  # addresses changed: redial before the next request
         self.last_used = time.monotonic()
         self.refused: str | None = None  # why the handshake failed; cleared by a record saying something new
-        self.on_refused = None  # called (owner, reason) on a refused handshake; default: log a warning
+        #: called (owner, reason) on a refused handshake; default: log a warning
+        self.on_refused: Callable[[Libp2pOwner, str], None] | None = None
         #: take the worker's direct lane when it offers one (p2pswarm/net/direct.py); why the last
         #: try failed (not tried again until its record changes)
         self.direct = direct
@@ -85,6 +90,13 @@ class Libp2pOwner(SocketOwner):
     def shard(self) -> str:
         return self.info.shard.shard
 
+    def status(self) -> OwnerStatus:
+        return OwnerStatus(
+            peer=self.peer, addrs=list(self.info.addrs or ()), rtt_s=self.rtt_s, refused=self.refused,
+            relayed=self.relayed and self.lane != "direct", lane=self.lane, load=self.inflight,
+            requests=self.requests, failures=self.failures, wire=self.wire.as_dict(),
+            kernel=self.info.record.kernel or self.kernel)
+
     def update(self, info) -> None:
         """A newer record of the same (peer, shard): new addresses or ranges take effect at once;
         a changed address drops the stream so the next request redials."""
@@ -101,11 +113,11 @@ class Libp2pOwner(SocketOwner):
 
     async def _connect(self) -> None:
         try:
-            stream = await self.net.open_stream(self.info.peer_info(), PROTOCOL_EXPERT,
+            opened = await self.net.open_stream(self.info.peer_info(), PROTOCOL_EXPERT,
                                                 timeout_s=self.connect_timeout_s)
-        except UserError as exc:  # NetError, bad address
+        except SwarmError as exc:  # NetError, bad address
             raise WorkerError(f"{self.name} unreachable: {exc}") from None
-        stream = CountingStream(stream, self.wire)
+        stream = CountingStream(opened, self.wire)
         reader = FrameReader(stream, self.max_frame)
         hello = dict(self.hello(), shard=self.shard)
         if self.direct and self.direct_failed is None:
@@ -127,7 +139,7 @@ class Libp2pOwner(SocketOwner):
             self.input_forms = reply_input_forms(reply)
             self.output_coding = proto.reply_output_coding(reply)
         except BaseException:
-            await trio.aclose_forcefully(stream)
+            await close_now(stream)
             raise
         offer = reply.get("direct")
         if self.direct and self.direct_failed is None and offer is not None:
@@ -135,10 +147,10 @@ class Libp2pOwner(SocketOwner):
                 sealed = await self._open_direct(offer, dict(hello, direct=False))
             except BaseException:  # cancelled (the request's deadline): no direct lane from this worker
                 self.direct_failed = "cut short"
-                await trio.aclose_forcefully(stream)
+                await close_now(stream)
                 raise
             if sealed is not None:
-                await trio.aclose_forcefully(stream)  # the direct connection replaces the stream
+                await close_now(stream)  # the direct connection replaces the stream
                 self._stream, self._reader = sealed, FrameReader(sealed, self.max_frame)
                 self.lane = "direct"
                 return
@@ -169,7 +181,7 @@ class Libp2pOwner(SocketOwner):
                 if not reply.get("ok"):
                     raise WorkerError(f"its hello on the direct lane: {reply.get('error', 'closed')}")
             except BaseException:
-                await trio.aclose_forcefully(sealed)
+                await close_now(sealed)
                 raise
             sealed.peer_name = self.peer  # (logs name the worker's peer id, as on its libp2p stream)
             log.info("direct lane to worker %s at %s:%d", self.name, host, offer["port"])

@@ -1,6 +1,6 @@
 """Bytes in the micro-batch rule: the wait of a layer split into latency and link time.
 
-Why: the micro-batch rule (``scheduler.choose_micro_batches``) weighs the backbone's dense work C
+Why: the micro-batch rule (``pacing.choose_micro_batches``) weighs the backbone's dense work C
 against the wait R for the experts. Measured as one number, R hides what a capped link does: a
 micro-batch's request waits for the link to carry *its* bytes (less with more micro-batches)
 behind the other micro-batches' bytes (more with more micro-batches), so the measured R moved with
@@ -22,7 +22,7 @@ class LinkModel:
     """Per remote owner, the (expert, row) pairs it got per layer and per row of a step (the last
     step that used it), and from them and its fit, the next step's link terms."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pairs_per_row: dict[str, float] = {}
 
     def observe(self, per_owner_rows: dict[str, int], layers: float, rows: int) -> None:
@@ -33,23 +33,22 @@ class LinkModel:
             if pairs > 0:
                 self.pairs_per_row[name] = pairs / layers / rows
 
-    def terms(self, owners, rows: int, wait_s: float | None) -> tuple[float | None, float]:
+    def terms(self, owners, rows: int, wait_s: float) -> tuple[float, float]:
         """(wait, link) seconds per layer for a step of ``rows`` rows: the busiest owner's fixed
         round-trip part and its link time for the whole step's pairs, where every owner the recent
         steps used has a fit and the link part is at least :data:`LINK_SHARE` of ``wait_s``; else
         (``wait_s``, 0): the measured wait alone."""
-        if wait_s is None or not self.pairs_per_row:
+        if not self.pairs_per_row:
             return wait_s, 0.0
         best: tuple[float, float] | None = None
         for owner in owners:
             share = self.pairs_per_row.get(owner.name)
             if not share or not owner.remote:
                 continue
-            predict = getattr(owner, "predict_s", None)
-            fixed = predict(0) if predict is not None else None
+            fixed = owner.predict_s(0)
             if fixed is None:  # an owner without a fit yet: the link cost is not known
                 return wait_s, 0.0
-            link = max(0.0, predict(1) - fixed) * share * rows
+            link = max(0.0, owner.predict_s(1) - fixed) * share * rows
             if best is None or fixed + link > sum(best):
                 best = (fixed, link)
         if best is None or best[1] < LINK_SHARE * wait_s:

@@ -108,7 +108,7 @@ class _SwarmCollector:
         per = CounterMetricFamily("p2pswarm_owner_wire_bytes", "Expert-RPC bytes to/from each remote owner",
                                   labels=["owner", "direction"])
         for o in self.dispatcher.owners:
-            w = getattr(o, "wire", None)
+            w = o.wire
             if w is not None:
                 per.add_metric([o.name, "sent"], w.sent)
                 per.add_metric([o.name, "received"], w.received)
@@ -165,4 +165,4 @@ def wire_summary(dispatcher, generated: int) -> dict:
     return {"sent": w.sent, "received": w.received,
             "bytes_per_request": round(total / requests, 1) if requests else None,
             "bytes_per_token": round(total / generated, 1) if generated else None,
-            "owners": {o.name: o.wire.as_dict() for o in dispatcher.owners if getattr(o, "wire", None) is not None}}
+            "owners": {o.name: o.wire.as_dict() for o in dispatcher.owners if o.wire is not None}}

@@ -20,7 +20,7 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from p2pswarm.errors import UserError, clip
+from p2pswarm.errors import SwarmError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 
@@ -68,7 +68,7 @@ class RefusalNotices:
             ok = reply is not None and proto.unpack(reply).get("ok") is True
             self.sent += ok
             log.info("told worker %s why it is not used%s", peer, "" if ok else " (it did not acknowledge)")
-        except (UserError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, ValueError) as exc:
+        except (SwarmError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, ValueError) as exc:
             self.failed += 1
             log.info("could not tell worker %s why it is not used: %s", peer, clip(exc, 200))
         finally:

@@ -5,7 +5,7 @@
         h   = pre_moe(h)                 attention + residual (KV cache)
         cur = ffn_input(h)               the rows the experts see
         ids, w = route(cur)              authoritative, once, here
-        partials = await dispatcher.run(layer, cur, groups(ids))
+        partials = await dispatcher.run_groups(layer, cur, groups(ids))
         h   = post_moe(h, combine(ids, w, partials))
     logits = output(h)
 
@@ -38,9 +38,10 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.dispatch import Dispatcher, Groups
+from p2pswarm.backbone.replay import ReplayStats
+from p2pswarm.backbone.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
 from p2pswarm.contracts import DenseModel
 from p2pswarm.engine.state import SequenceState
-from p2pswarm.offload import Offload
 
 F32 = np.float32
 log = logging.getLogger("p2pswarm.backbone")
@@ -63,58 +64,13 @@ def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: 
     n_embd = outs[0].shape[1]
     y = np.empty((k, T, n_embd), dtype=F32)
     for (e, rows), out in zip(groups, outs):
-        r, j = np.nonzero(ids[rows] == e)
-        y[j, rows[r]] = out[r]
+        r, slot = np.nonzero(ids[rows] == e)
+        y[slot, rows[r]] = out[r]
     y *= weights.T[:, :, None]
     acc = y[0].copy()
     for j in range(1, k):
         acc += y[j]
     return acc
-
-
-def banned_taint(state: SequenceState, banned) -> tuple[int, str] | None:
-    """``(position, peer)``: the first position of ``state`` computed from the unverified outputs of
-    a peer in ``banned`` (the earliest over such peers), or None when the sequence is clean."""
-    hit = None
-    for peer, pos in state.taint.items():
-        if peer in banned and (hit is None or pos < hit[0]):
-            hit = (pos, peer)
-    return hit
-
-
-@dataclass
-class ReplayStats:
-    """Replay on ban (docs/market.md): sequences rewound because a worker whose unverified rows they
-    used was banned, the rows fed again to get back to where their taint began, the tokens already
-    handed to a client that the replay withdrew, and sequences that had *finished* before the ban
-    (nothing left to rewind: their output may differ from monolithic; logged with request id)."""
-
-    sequences: int = 0
-    rows: int = 0
-    tokens_withdrawn: int = 0
-    finished_unfixable: int = 0
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    def note(self, who: str, pos: int, peer: str, *, rows: int, kept: int | None = None, sent: int = 0) -> None:
-        """Count one sequence rewound to ``pos`` (``rows`` fed again to get back there; of the
-        ``sent`` tokens a client had, those from ``kept`` on withdrawn) and log it."""
-        self.sequences += 1
-        self.rows += rows
-        tail = ""
-        if kept is not None:
-            self.tokens_withdrawn += max(0, sent - kept)
-            tail = f" (keeping {kept} of its {sent} tokens)"
-        log.warning("replaying %s from position %d%s: worker %s, whose unverified outputs it used, was banned",
-                    who, pos, tail, peer)
-
-
-def tokens_kept(pos: int, n_prompt: int, n_tokens: int) -> int:
-    """How many of a sequence's ``n_tokens`` generated tokens stand when its first tainted position
-    is ``pos``: token k is sampled from the row of position ``n_prompt - 1 + k`` (the last prompt
-    token's row gives token 0), so the tokens from rows before ``pos`` are kept."""
-    return max(0, min(n_tokens, pos - n_prompt + 1))
 
 
 def _fold_taint(taint: dict[str, np.ndarray], bounds: np.ndarray, states: list[SequenceState],
@@ -170,10 +126,6 @@ class DenseInvariance:
 
 
 ALL_BATCHED = DenseInvariance(True, True, True)
-#: rows of the one call the expert row-invariance probe compares smaller calls against: a prefill
-#: step's groups (64 prompts of 5 tokens route ~80 rows to each of 16 experts) lie within it, so
-#: the verifier may check those row by row too (measured: libggml's Q8_0 is invariant to 600 rows)
-PROBE_ROWS = 520
 
 # Probe layouts: segment sizes (sequences' row counts) of batched calls of 70, 16 and 64 rows. They
 # share their first segments, so each segment's alone result is computed once; together they put
@@ -260,7 +212,7 @@ class Backbone:
         self.timing = LayerTiming()
         #: inline-or-thread policy for the dense pieces between dispatches, shared with the
         #: dispatcher's local replica where it has one (p2pswarm.offload)
-        self.offload = getattr(dispatcher, "offload", None) or Offload()
+        self.offload = dispatcher.offload
         self.replays = ReplayStats()  # replay on ban: by the scheduler and by logits()
         #: record which positions used a remote worker's unverified outputs (SequenceState.taint), so
         #: a ban can replay them; off, a ban fixes nothing already computed (benchmarks, tests)
@@ -311,56 +263,16 @@ class Backbone:
         Where it holds, the batch-invariant mode batches those mat-muls across sequences; where not, it runs them per
         sequence (the ``--no-batch-invariant`` mode never does)."""
         if self._row_invariant is None:
-            bank, m = self.dispatcher.local.bank, self.model
-            x = np.random.default_rng(0).standard_normal((PROBE_ROWS, m.n_embd)).astype(F32)
-            sizes = [*range(1, 10), 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512]
-
-            def invariant(fn) -> bool:
-                full = fn(x)
-                return all(np.array_equal(fn(x[3 : 3 + n]), full[3 : 3 + n]) for n in sizes)
-
-            def small_limit(fn, cap: int = 16) -> int:
-                alone = np.concatenate([fn(x[i:i + 1]) for i in range(cap)])
-                limit = 1
-                for n in range(2, cap + 1):
-                    if not (np.array_equal(fn(x[:n]), alone[:n]) and np.array_equal(fn(x[cap - n:cap]), alone[cap - n:])):
-                        break
-                    limit = n
-                return limit
-
-            experts = getattr(bank, "kernel", "numpy") != "numpy"
-            small = 1
-            if experts:
-                layout = getattr(bank, "layout", None)
-                seen = set()
-                for il in range(m.n_layer):  # one probe per distinct set of expert tensor types
-                    kinds = getattr(layout, "expert_tensors", {}).get(il, {})
-                    key = tuple(sorted((k, getattr(t, "ggml_type", None)) for k, t in kinds.items()))
-                    if key in seen or not bank.holds(il, 0):
-                        continue
-                    seen.add(key)
-                    if not invariant(partial(bank.forward, il, 0)):
-                        experts = False
-                        break
-                if not experts:  # the failing tensor types (and any others) decide the small-call size
-                    seen, small = set(), 1 << 30
-                    for il in range(m.n_layer):
-                        kinds = getattr(layout, "expert_tensors", {}).get(il, {})
-                        key = tuple(sorted((k, getattr(t, "ggml_type", None)) for k, t in kinds.items()))
-                        if key in seen or not bank.holds(il, 0):
-                            continue
-                        seen.add(key)
-                        small = min(small, small_limit(partial(bank.forward, il, 0)))
-                    small = 1 if small == 1 << 30 else small
+            m = self.model
+            experts = self.dispatcher.local.row_invariance(m.n_layer, m.n_embd)
             w_out = m.w[m.output_name]
             dense = getattr(m.w, "ggml_dense", None)
-            if not isinstance(w_out, np.ndarray) and hasattr(dense, "leading_rows"):
+            if not isinstance(w_out, np.ndarray) and dense is not None and hasattr(dense, "leading_rows"):
                 w_out = dense.leading_rows(m.output_name, 1024)  # the head's type and kernels, 1% of its rows
-            output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T)
-            self._row_invariant = (experts, output, small)
-            # the verifier may check a group on its sampled rows alone where that gives the same
-            # bits: any group the probe's call covers (PROBE_ROWS) if invariant, else a small call
-            self.dispatcher.exact_rows = PROBE_ROWS if experts else small
+            output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T,
+                                                                     probe_rows(m.n_embd))
+            # (the verifier's exact_rows follows the replica's own measurement: LocalOwner.exact_rows)
+            self._row_invariant = (experts.invariant, output, experts.small)
         return self._row_invariant
 
     def dense_invariance(self, il: int) -> "DenseInvariance":
@@ -413,7 +325,7 @@ class Backbone:
         L = m.n_layer
 
         def first():
-            if self._row_invariant is None and bounds[-1] > 1 and getattr(self.dispatcher, "verifier", None):
+            if self._row_invariant is None and bounds[-1] > 1 and self.dispatcher.verifier:
                 self._probe_row_invariance()  # once: which groups the verifier may check row by row
             return self._pre_batch(0, m.embed(np.concatenate(toks)), spans, states, pos0, invariant)
 
@@ -426,7 +338,7 @@ class Backbone:
             return self._output_batch(h, spans, last_only, invariant)
 
         disp = self.dispatcher
-        if getattr(disp, "all_local", False):  # monolithic: the whole step in one thread hop
+        if disp.all_local:  # monolithic: the whole step in one thread hop
             def whole():
                 res = first()
                 for il in range(L):
@@ -444,7 +356,8 @@ class Backbone:
             n_rows = int(bounds[-1])
             with self._dense_piece():
                 res = await off.run(first, n_rows, ("first", invariant))
-            taint = {} if self.replay_on_ban else None  # peer -> rows computed from its unverified outputs
+            # peer -> rows computed from its unverified outputs
+            taint: dict[str, np.ndarray] | None = {} if self.replay_on_ban else None
             for il in range(L):
                 h, cur, ids, w, groups = res
                 t1 = time.perf_counter()
@@ -529,32 +442,31 @@ class Backbone:
         """All-position logits of a fresh sequence: one prefill, or token by token (``decode``).
         ``on_step(done, total)`` is called after each decode step (progress, long runs).
 
-        Replay on ban: when a worker whose unverified outputs the sequence used is banned meanwhile
-        (caught by this backbone's verification, or a ban record honoured), the rows from the first
-        tainted position on are thrown away and recomputed on a fresh state (the earlier positions
-        fed again the same way, to rebuild it), so the result equals the monolithic run's bits."""
-        disp = self.dispatcher
-        tokens = list(tokens)
-        while not decode:
-            state = self.new_state()
-            out = await self.forward(tokens, state)
-            hit = banned_taint(state, disp.banned)
-            if hit is None:
-                return out
-            self.replays.note("a prefill", hit[0], hit[1], rows=len(tokens))
-        state, rows, j, epoch = self.new_state(), [], 0, disp.ban_epoch
-        while j < len(tokens):
-            row = await self.forward([tokens[j]], state)
-            if j == len(rows):  # (a position fed again to rebuild the state keeps its clean row)
-                rows.append(row)
-                if on_step is not None:
-                    on_step(j + 1, len(tokens))
-            j += 1
-            if disp.ban_epoch != epoch:
-                epoch = disp.ban_epoch
-                hit = banned_taint(state, disp.banned)
-                if hit is not None:
-                    self.replays.note(f"a decode of {len(tokens)} tokens", hit[0], hit[1], rows=hit[0])
-                    del rows[hit[0]:]
-                    state, j = self.new_state(), 0
-        return np.concatenate(rows, axis=0)
+        On the scheduler's path: one ``Params(rows=True)`` request on a scheduler of its own (the
+        prompt as one chunk, or one token per step), stepped until it ends. Replay on ban is the
+        scheduler's: when a worker whose unverified outputs the sequence used is banned meanwhile
+        (caught by this backbone's verification, or a ban record honoured), the sequence is fed
+        again from position 0 on a fresh state the same way, and each position's new row replaces
+        the old one (the same bits where it was clean), so the result equals the monolithic run's."""
+        from p2pswarm.backbone.scheduler import Params, Rows, Scheduler  # (the scheduler imports this module)
+
+        tokens = [int(t) for t in tokens]
+        n = len(tokens)
+        scheduler = Scheduler(self, None, token_budget=max(n, 256), prefill_chunk=1 if decode else max(n, 1),
+                              max_active=1, micro_batches=1, gather=(0, 0), rows=True)
+        out: np.ndarray | None = None
+        done = 0
+        async with scheduler.submit(tokens, Params(max_tokens=1, rows=True)) as request:
+            async for item in scheduler.drive(request):
+                if not isinstance(item, Rows):
+                    continue  # (the one token sampled after the last position)
+                if out is None:
+                    out = np.empty((n, item.logits.shape[1]), item.logits.dtype)
+                end = item.pos0 + len(item.logits)
+                out[item.pos0:end] = item.logits
+                if end > done:
+                    done = end
+                    if decode and on_step is not None:
+                        on_step(done, n)
+        assert out is not None and done == n
+        return out

@@ -57,7 +57,6 @@ before the ban cannot be fixed: it is logged (request id, worker) and counted
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -68,13 +67,20 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
-from p2pswarm.backbone.generate import Rewind, Step
+from p2pswarm.backbone.generate import Step
 from p2pswarm.backbone.link_budget import LinkModel
-from p2pswarm.backbone.runner import Backbone, banned_taint, tokens_kept
+from p2pswarm.backbone.pacing import (AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, BUDGET_SAMPLE_ROWS, BUDGET_WINDOW,
+                                      GATHER_FIRST, GATHER_FRACTION, GATHER_GAP, GATHER_MAX_S, choose_micro_batches,
+                                      choose_token_budget)
+from p2pswarm.backbone.replay import Rewind, TokenReplay
+from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.engine.state import SequenceState
+from p2pswarm.errors import UserError
 
 log = logging.getLogger("p2pswarm.scheduler")
-__all__ = ["Params", "Request", "Rewind", "Scheduler", "SchedulerStats", "SequenceRewound", "Step"]
+__all__ = ["Params", "Request", "Rewind", "Rows", "Scheduler", "SchedulerStats", "SequenceRewound", "Step",
+           "TokenOutOfRange"]
 
 
 @dataclass
@@ -85,6 +91,22 @@ class Params:
     sampler: Sampler | None = None
     stop_at_eos: bool = True
     request_id: str | None = None  # named in logs (e.g. the HTTP completion id); default seq-N
+    #: also hand out every step's logits rows, as :class:`Rows` (needs a scheduler with ``rows``)
+    rows: bool = False
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Logits of the positions ``pos0 .. pos0 + len(logits) - 1`` of a ``Params(rows=True)``
+    request. After a replay on ban the positions come again, from 0: a later :class:`Rows` for a
+    position replaces the earlier one (equal where the position was clean)."""
+
+    pos0: int
+    logits: np.ndarray
+
+
+class TokenOutOfRange(UserError, ValueError):
+    """A prompt token id outside the vocabulary: the caller's input (a 400, exit 2)."""
 
 
 class SequenceRewound(RuntimeError):
@@ -108,82 +130,6 @@ class SchedulerStats:
 
 
 EWMA = 0.3  # weight of the newest step in the timing estimates
-#: fixed cost of one more micro-batch per layer: one more request per owner (~1.1-1.5 ms of CPU per
-#: round trip through py-libp2p, both ends, docs/benchmarks.md "per-request transport cost") times the
-#: owners of a layer (4 in bench_throughput), plus its thread hops. 2 ms picked M = 2-3 at 0 ms RTT for
-#: 64 sequences on 2 shared cores, 10-50% slower than M = 1 in each of three alternating pairs
-#: (docs/benchmarks.md, "Inline compute of small requests", 2026-12-01); 5 ms picks M = 1 there and
-#: still splits when the dense work is tens of ms per layer (a big model), where pipelining pays.
-MICRO_OVERHEAD_S = 0.005
-
-#: Gathering a burst. An idle backbone that gets a request waits before its first step while more
-#: keep coming: at most GATHER_FRACTION of a recent step's time (an EWMA), and it starts as soon as
-#: GATHER_GAP of a step passes with no new request (before any step was timed: GATHER_FIRST, gap
-#: and most, in seconds). Why: requests sent together (a client's batch, many users at once) reach
-#: the scheduler one by one as the HTTP server parses them on the event loop (~1-1.5 ms each on a
-#: busy 2-core host: 64 at once took 80-100 ms); without waiting, the first step took the first one
-#: or two and every later one joined a step later: one more step, L round trips, for the whole
-#: burst (measured 2026-12-02: 9 steps instead of 8 for 8 tokens of 4-64 concurrent requests).
-#: While they keep coming, waiting up to a whole step is worth it: a straggler left out costs the
-#: burst one more step, and waiting costs it at most one, once. (Half a step gathered all 64 on one
-#: VM; on a slower one, 2026-12-03, it missed some at 25 ms and every N=64 run took 9 steps.) A
-#: lone request pays only the gap, a tenth of a step.
-GATHER_FRACTION = 1.0
-GATHER_GAP = 0.1
-GATHER_FIRST = (0.002, 0.025)
-GATHER_MAX_S = 0.25  # never longer, however slow the steps
-
-
-AUTO_BUDGET_FLOOR = 256  # rows of an "auto" step whatever the timing (the fixed default before)
-AUTO_BUDGET_CAP = 4096  # and never more: bounds one step's dense work and memory
-BUDGET_SAMPLE_ROWS = 64  # steps of fewer rows do not update the per-row dense cost
-BUDGET_WINDOW = 32  # the per-row dense cost is the least of the last this many such steps
-
-
-def choose_token_budget(dense_row_s: float | None, wait_s: float | None, *, floor: int = AUTO_BUDGET_FLOOR,
-                        cap: int = AUTO_BUDGET_CAP) -> int:
-    """Rows per step for ``token_budget="auto"``: ``max(floor, R / c)`` capped at ``cap``, with c the
-    measured dense seconds per row and layer (the least over the last :data:`BUDGET_WINDOW` steps of at
-    least :data:`BUDGET_SAMPLE_ROWS` rows: a step's fixed per-layer and per-micro-batch costs inflate
-    its per-row cost, least so in the step with the most rows) and R the measured dispatch wait per
-    layer (network round trip + remote compute).
-
-    Why: a layer of a step costs about ``rows * c + R``. While ``rows * c < R`` the step is
-    network-bound, and feeding more prefill rows into it costs a fraction of what one more step
-    would (``L * R``); past that point the extra rows would slow every decoding sequence's step by
-    more than a round trip, so the budget stops growing there. A step may thus take up to about
-    twice its round-trip time while prompts are being absorbed, never more. Unmeasured: ``floor``."""
-    if dense_row_s is None or wait_s is None or dense_row_s <= 0:
-        return floor
-    return int(min(cap, max(floor, wait_s / dense_row_s)))
-
-
-def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead_s: float = MICRO_OVERHEAD_S,
-                         max_m: int = 8, slack: float = 0.05, link_s: float = 0.0) -> int:
-    """The number of micro-batches M that minimises the time of one layer,
-
-        T(M) = max(C + (M - 1) * o,  X,  C / M + R + X / M + (M - 1) * o)
-    (X: a known link's time for the step's bytes, R the rest of the wait: backbone/link_budget.py)
-
-    with C the dense time of the whole step's rows, R the wait for the experts (network round trip
-    + remote compute) and o the fixed cost of one more micro-batch. The first term is the backbone's
-    CPU (busy on all M micro-batches in turn), the second one micro-batch's critical path (its share
-    of the dense work, then its round trip). The overhead is on that path too: every micro-batch is
-    one more request per owner and layer, and each owner answers one connection's requests in order,
-    so the last micro-batch's request waits behind the others' framing, proxy and worker hops.
-    (Measured 2026-12-01, 64 sequences behind 50 ms links on 2 shared cores: the earlier model,
-    without that term, picked M = 4-5; M = 1 gave the same tokens/s within noise with a third of the
-    expert requests and 35% less backbone CPU: docs/benchmarks.md. At 0 ms RTT, o = 2 ms still
-    picked M = 2-3, 10-50% slower than M = 1: each extra request costs its owner and this process
-    CPU on the same cores the dense work needs; hence ``MICRO_OVERHEAD_S`` = 5 ms.) With R >> C pipelining hides at
-    most C: M stays 1-2; with C ~ R it approaches a 2x gain. We take the *smallest* M within
-    ``slack`` (5%) of the best time. M <= the number of sequences and ``max_m``."""
-    ms = range(1, max(1, min(max_m, n_seqs)) + 1)
-    times = [max(dense_s + (m - 1) * overhead_s, link_s, dense_s / m + wait_s + link_s / m + (m - 1) * overhead_s) for m in ms]
-    best = min(times)
-    return next(m for m, t in zip(ms, times) if t <= best * (1 + slack))
-
-
 class _Sequence:
     def __init__(self, sid: int, prompt: list[int], params: Params, send, tokenizer):
         self.sid = sid
@@ -191,16 +137,15 @@ class _Sequence:
         self.prompt = prompt
         self.params = params
         self.sampler = params.sampler or Sampler(0.0)
-        self.sampler0 = copy.deepcopy(self.sampler)  # as it was before any draw: a replay restarts it
+        #: the tokens generated so far, the sampler's initial copy, and while a replay on ban runs,
+        #: the kept tokens still to be re-derived (p2pswarm.backbone.replay)
+        self.replay = TokenReplay(self.sampler, len(prompt))
         self.tokenizer = tokenizer
         self.send = send
         self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
-        self.tokens: list[int] = []  # every token generated so far (replay: the kept ones)
-        self.forced = 0  # replaying: tokens 0..forced-1 are re-derived, checked, not sent again
-        self.replay_peer = ""  # the banned worker the last replay was for
-        self.state = None
+        self.state: SequenceState | None = None
         self.fed = 0  # prompt tokens fed so far
-        self.next_token: int | None = None  # the sampled token to feed next step
+        self.next_token = 0  # the sampled token to feed next step (once the prompt is fed)
         self.n_out = 0
         self.cancelled = False
         self.done = False
@@ -237,6 +182,21 @@ class Request:
     def __aiter__(self) -> AsyncIterator[Step]:
         return self._iter()
 
+    def ready(self) -> tuple[list[Step | Rewind | Rows], bool]:
+        """``(the steps already sampled, whether the request has ended)``, without waiting (for a
+        caller that drives the scheduler itself: :meth:`Scheduler.turn`); a failed step raises."""
+        got: list[Step | Rewind | Rows] = []
+        while True:
+            try:
+                item = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                return got, False
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return got, True
+            if isinstance(item, BaseException):
+                raise item
+            got.append(item)
+
     async def _iter(self) -> AsyncIterator[Step]:
         async for item in self._receive:
             if isinstance(item, BaseException):
@@ -254,10 +214,12 @@ class Scheduler:
 
     def __init__(self, backbone: Backbone, tokenizer=None, *, token_budget: int | str = 256, prefill_chunk: int = 32,
                  max_active: int = 256, micro_batches: int | str = "auto",
-                 gather: str | tuple[float, float] = "auto"):
+                 gather: str | tuple[float, float] = "auto", rows: bool = False):
         """``gather``: how long an idle scheduler waits for a burst of requests before its first
         step: ``auto`` (:data:`GATHER_FRACTION`), or fixed (gap, most) seconds; ``(0, 0)`` starts
-        at once."""
+        at once. ``rows``: compute every position's logits, not only each sequence's last (for
+        ``Params(rows=True)`` requests: :meth:`Backbone.logits`)."""
+        self.rows = rows
         if token_budget != "auto" and (not isinstance(token_budget, int) or token_budget < 1):
             raise ValueError("token_budget must be 'auto' or an integer >= 1")
         if prefill_chunk < 1 or max_active < 1:
@@ -265,7 +227,9 @@ class Scheduler:
         if micro_batches != "auto" and (not isinstance(micro_batches, int) or micro_batches < 1):
             raise ValueError("micro_batches must be 'auto' or an integer >= 1")
         self.micro_batches = micro_batches
-        if gather != "auto" and not (len(gather) == 2 and 0 <= gather[0] and 0 <= gather[1]):
+        if not isinstance(gather, str) and not (len(gather) == 2 and 0 <= gather[0] and 0 <= gather[1]):
+            raise ValueError("gather must be 'auto' or (gap, most) seconds >= 0")
+        if isinstance(gather, str) and gather != "auto":
             raise ValueError("gather must be 'auto' or (gap, most) seconds >= 0")
         self.gather = gather
         self.step_s: float | None = None  # EWMA: wall seconds of a step
@@ -280,7 +244,7 @@ class Scheduler:
         self.backbone = backbone
         self.tokenizer = tokenizer
         self.token_budget = token_budget
-        self.last_token_budget = AUTO_BUDGET_FLOOR if token_budget == "auto" else token_budget
+        self.last_token_budget: int = token_budget if isinstance(token_budget, int) else AUTO_BUDGET_FLOOR
         self.prefill_chunk = min(prefill_chunk, self.last_token_budget)
         self.max_active = max_active
         self.stats = SchedulerStats()
@@ -305,10 +269,10 @@ class Scheduler:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("empty prompt")
-        n_vocab = getattr(self.backbone.model, "n_vocab", None)
-        bad = [t for t in prompt if t < 0 or (n_vocab is not None and t >= n_vocab)]
+        n_vocab = self.backbone.model.n_vocab
+        bad = [t for t in prompt if t < 0 or t >= n_vocab]
         if bad:  # refused here: one bad prompt must not fail the step it would share with others
-            raise ValueError(f"token id {bad[0]} out of range: the vocabulary has ids 0-{n_vocab - 1}")
+            raise TokenOutOfRange(f"token id {bad[0]} out of range: the vocabulary has ids 0-{n_vocab - 1}")
         params = params or Params()
         if params.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -329,27 +293,48 @@ class Scheduler:
         task_status.started()
         try:
             while True:
-                self._admit()
-                if self.backbone.dispatcher.ban_epoch != self._ban_epoch:
-                    self._replay_banned()  # a ban between steps (a ban record honoured); none in flight
-                if not self._active:
+                if not await self.turn():
                     self._wake = trio.Event()
                     if not self._pending:
                         await self._wake.wait()
                         await self._gather()
-                    continue
-                try:
-                    await self.step()
-                except Exception as exc:  # noqa: BLE001 - a bug in a step must not hang every client
-                    log.exception("a scheduler step failed; failing its %d sequences", len(self._active))
-                    for seq in self._active:
-                        if not seq.done:
-                            self._fail(seq, exc)
         finally:
             self._running = False
             listeners.remove(self._on_ban)
             for seq in [*self._active, *self._pending]:
                 seq.send.close()
+
+    async def turn(self) -> bool:
+        """One turn of the step loop, without waiting for requests: admit, replay a ban that came
+        between steps, step the active sequences. False: nothing was active. :meth:`run` loops on
+        it; :func:`p2pswarm.backbone.generate.generate` drives a scheduler of its own with it, one
+        step each time its consumer wants the next token."""
+        self._admit()
+        if self.backbone.dispatcher.ban_epoch != self._ban_epoch:
+            self._replay_banned()  # a ban between steps (a ban record honoured); none in flight
+        if not self._active:
+            return False
+        try:
+            await self.step()
+        except Exception as exc:
+            log.exception("a scheduler step failed; failing its %d sequences", len(self._active))
+            for seq in self._active:
+                if not seq.done:
+                    self._fail(seq, exc)
+        return True
+
+    async def drive(self, request: Request) -> AsyncIterator[Step | Rewind | Rows]:
+        """``request``'s items, stepping this scheduler (one nobody :meth:`run` s) only when the
+        caller wants more: nothing runs ahead of the consumer, so a ban it causes between two items
+        is replayed before the next (:func:`~p2pswarm.backbone.generate.generate`,
+        :meth:`~p2pswarm.backbone.runner.Backbone.logits`)."""
+        ended = False
+        while not ended:
+            got, ended = request.ready()
+            for item in got:
+                yield item
+            if not ended and not got and not await self.turn():
+                return
 
     def _on_ban(self, peer: str) -> None:
         self._wake.set()
@@ -357,7 +342,7 @@ class Scheduler:
     def gather_window(self) -> tuple[float, float]:
         """(gap, most) seconds :meth:`_gather` waits now (see :data:`GATHER_FRACTION`): most a
         fraction of the recent step time, capped at :data:`GATHER_MAX_S`; the gap :data:`GATHER_GAP` of it."""
-        if self.gather != "auto":
+        if not isinstance(self.gather, str):
             return self.gather
         if self.step_s is None:
             return GATHER_FIRST
@@ -418,11 +403,13 @@ class Scheduler:
 
     def _split(self, batch: list[_Sequence], chunks: list[list[int]]) -> list[list[int]]:
         """Indices of ``batch`` per micro-batch: contiguous, balanced by rows."""
-        if self.micro_batches == "auto":
-            wait, link = self.links.terms(self.backbone.dispatcher.owners, sum(map(len, chunks)), self.wait_s)
-            m = 1 if self.dense_s is None else choose_micro_batches(self.step_dense_s(chunks), wait, len(batch), link_s=link)
-        else:
+        if isinstance(self.micro_batches, int):
             m = min(self.micro_batches, len(batch))
+        elif self.dense_s is None or self.wait_s is None:
+            m = 1
+        else:
+            wait, link = self.links.terms(self.backbone.dispatcher.owners, sum(map(len, chunks)), self.wait_s)
+            m = choose_micro_batches(self.step_dense_s(chunks), wait, len(batch), link_s=link)
         self.last_micro_batches = m
         total = sum(len(c) for c in chunks)
         parts: list[list[int]] = [[] for _ in range(m)]
@@ -449,12 +436,14 @@ class Scheduler:
         before = self.backbone.dispatcher.stats.snapshot()
         t_before = self.backbone.timing.snapshot()
         parts = self._split(batch, chunks)
-        results: list = [None] * len(batch)
+        results: list[np.ndarray | Exception | None] = [None] * len(batch)
 
         async def run_part(idx: list[int]) -> None:
+            out: list[np.ndarray | Exception]
             try:
-                out = await self.backbone.forward_batch([(chunks[i], batch[i].state) for i in idx], last_only=True)
-            except Exception as exc:  # noqa: BLE001 - these requests get the error, the loop goes on
+                items = [(chunks[i], batch[i].state) for i in idx]  # (an admitted sequence has a state)
+                out = list(await self.backbone.forward_batch(items, last_only=not self.rows))  # type: ignore[arg-type]
+            except Exception as exc:  # these requests get the error, the loop goes on
                 out = [exc] * len(idx)
             for i, o in zip(idx, out):
                 results[i] = o
@@ -491,12 +480,19 @@ class Scheduler:
                 continue
             if s.sid in rewound:
                 continue  # this step's rows are thrown away with the rest of its state
+            if s.params.rows:
+                assert lg is not None
+                try:  # (the prompt's positions: such a request samples nothing it feeds back)
+                    s.send.send_nowait(Rows(s.fed, lg))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    s.cancelled = True
             if s.fed < len(s.prompt):
                 s.fed += len(c)
                 if s.fed < len(s.prompt):
                     continue  # more of the prompt to feed before the first token
             if s.cancelled:
                 continue
+            assert lg is not None
             self._emit(s, lg[-1], dispatch)
 
     # -- replay on ban (module doc) -------------------------------------------------------------
@@ -513,40 +509,33 @@ class Scheduler:
                 log.warning("%d requests that finished before worker %s was banned used its unverified outputs "
                             "and cannot be replayed (their output may differ from monolithic); latest: %s",
                             n, peer, ", ".join(ids))
-        rewound = set()
-        for s in self._active:
-            if s.done or s.cancelled or s.state is None:
-                continue
-            hit = banned_taint(s.state, disp.banned)
-            if hit is not None:
-                self._rewind(s, *hit)
-                rewound.add(s.sid)
-        return rewound
+        return {s.sid for s in self._active
+                if not (s.done or s.cancelled or s.state is None) and self._rewind(s)}
 
-    def _rewind(self, s: _Sequence, pos: int, peer: str) -> None:
-        """Back to the last clean point: keep the tokens produced from positions < ``pos``."""
-        sent = len(s.tokens)  # what the client has (a replay under way re-derives some of them)
-        keep = tokens_kept(pos, len(s.prompt), sent)
-        self.backbone.replays.note(f"request {s.request_id}", pos, peer, rows=len(s.prompt) + keep, kept=keep,
-                                   sent=sent)
-        s.replay_peer = peer
-        if sent > keep:
-            self._withdraw(s, keep, peer)
-        del s.tokens[keep:]
-        s.forced = keep
+    def _rewind(self, s: _Sequence) -> bool:
+        """Back to the last clean point (:meth:`TokenReplay.rewind`): keep the tokens produced from
+        clean positions; False when the sequence is clean."""
+        assert s.state is not None
+        rewound = s.replay.rewind(s.state, self.backbone.dispatcher.banned, self.backbone.replays,
+                                  f"request {s.request_id}")
+        if rewound is None:
+            return False
+        s.sampler, withdrawn = rewound
+        if withdrawn is not None:
+            self._withdraw(s, withdrawn)
         s.state = self.backbone.new_state()
         s.fed = 0
-        s.next_token = None
+        s.next_token = 0
         s.n_out = 0
-        s.sampler = copy.deepcopy(s.sampler0)
         s.decoder = s.tokenizer.stream_decoder() if s.tokenizer is not None else None
+        return True
 
     @staticmethod
-    def _withdraw(s: _Sequence, keep: int, peer: str) -> None:
-        """Tell the client that its tokens from ``keep`` on are withdrawn (a :class:`Rewind`); a
-        client that has gone away cancels the sequence."""
+    def _withdraw(s: _Sequence, rewind: Rewind) -> None:
+        """Tell the client that its tokens from ``rewind.keep`` on are withdrawn; a client that has
+        gone away cancels the sequence."""
         try:
-            s.send.send_nowait(Rewind(keep, len(s.tokens), peer))
+            s.send.send_nowait(rewind)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             s.cancelled = True
 
@@ -575,21 +564,15 @@ class Scheduler:
 
     def _emit(self, s: _Sequence, row: np.ndarray, dispatch) -> None:
         token = s.sampler(row)
-        if s.n_out < s.forced:  # replaying: a token the client already has, derived again
-            if token == s.tokens[s.n_out]:
-                if s.decoder is not None:
-                    s.decoder.push(token)  # (the decoder's state, not its text: that was sent)
-                s.n_out += 1
-                s.next_token = token
-                return
-            # the kept tokens were not what the clean run gives (never, with honest replicas): the
-            # new token stands, the client takes back the rest
-            log.warning("request %s: replay re-derived token %d as %d, not %d", s.request_id, s.n_out, token,
-                        s.tokens[s.n_out])
-            self.backbone.replays.tokens_withdrawn += len(s.tokens) - s.n_out
-            self._withdraw(s, s.n_out, s.replay_peer)
-            del s.tokens[s.n_out:]
-            s.forced = s.n_out
+        again, withdrawn = s.replay.rederive(s.n_out, token, self.backbone.replays, f"request {s.request_id}")
+        if again:  # replaying: a token the client already has, derived again
+            if s.decoder is not None:
+                s.decoder.push(token)  # (the decoder's state, not its text: that was sent)
+            s.n_out += 1
+            s.next_token = token
+            return
+        if withdrawn is not None:
+            self._withdraw(s, withdrawn)
         p = s.params
         tok = self.tokenizer
         end = bool(p.stop_at_eos and tok is not None and tok.is_eog(token))
@@ -602,7 +585,7 @@ class Scheduler:
         s.t_last = now
         s.n_out += 1
         s.next_token = token
-        s.tokens.append(token)
+        s.replay.tokens.append(token)
         self.stats.generated += 1
         try:
             s.send.send_nowait(step)

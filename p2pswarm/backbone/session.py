@@ -65,7 +65,9 @@ def start_cli_process(args: list[str], what: str, timeout_s: float = 60.0, *, en
     proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True, env=env, stderr=stderr)
     line: list[str] = []
-    reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
+    out = proc.stdout
+    assert out is not None  # (stdout=PIPE)
+    reader = threading.Thread(target=lambda: line.append(out.readline()), daemon=True)
     reader.start()
     reader.join(timeout_s)
     if not line or not line[0].startswith("READY "):
@@ -120,10 +122,11 @@ class LocalSwarm:
 @asynccontextmanager
 async def open_backbone(model_path, *, workers: int = 0, transport: str = "socket", shard_dir=None,
                         fallback: bool = True, timeout_s: float = 30.0, kernel: str | None = None,
-                        threads: int | None = None):
+                        threads: int | None = None, hot_experts: bool = False, verifier=None, ledger=None):
     """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers.
 
-    ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node."""
+    ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node.
+    ``hot_experts``, ``verifier``, ``ledger``: the dispatcher's (:class:`Dispatcher`)."""
     layout = ModelLayout.open(model_path).require_full_model()
     kernel = resolve_kernel(kernel)
     model = load_dense(layout)
@@ -157,7 +160,8 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
                     ))
                 else:
                     raise UserError(f"unknown transport {transport!r} (use socket or inproc)")
-        dispatcher = Dispatcher(bank, owners, fallback=fallback)
+        dispatcher = Dispatcher(bank, owners, fallback=fallback, hot_experts=hot_experts, verifier=verifier,
+                                ledger=ledger)
         yield LocalSwarm(Backbone(model, dispatcher), fingerprint, procs, owners)
     finally:
         for o in owners:

@@ -33,6 +33,8 @@ import itertools
 import logging
 import time
 
+from typing import Any
+
 import numpy as np
 import trio
 
@@ -71,7 +73,16 @@ def reply_families(reply: dict) -> tuple[str, ...]:
     return (kernels.family(reply["kernel"]),) if isinstance(reply.get("kernel"), str) else ()
 
 
+async def close_now(stream: Any) -> None:
+    """:func:`trio.aclose_forcefully` for the trio-style streams we wrap (CountingStream,
+    StreamAdapter, a direct lane): duck-typed, not subclasses of trio.abc.AsyncResource."""
+    await trio.aclose_forcefully(stream)
+
+
 class SocketOwner(Owner):
+    layers: tuple[int, int]  # (always known: the shard it was started or found with)
+    experts: tuple[int, int]
+
     def __init__(self, name: str, host: str, port: int, *, model_fingerprint: str, kernel: str,
                  layers: tuple[int, int], experts: tuple[int, int], timeout_s: float = 30.0,
                  max_frame: int = DEFAULT_MAX_FRAME, family: str | None = None):
@@ -88,7 +99,8 @@ class SocketOwner(Owner):
         self.experts = experts
         self.timeout_s = timeout_s
         self.max_frame = max_frame
-        self._stream = None
+        #: the connection: a duck-typed trio stream (CountingStream over TCP, libp2p or a direct lane)
+        self._stream: Any = None
         self._reader: FrameReader | None = None
         self._lock = trio.Lock()  # held while connecting and sending
         self._ids = itertools.count(1)
@@ -164,11 +176,11 @@ class SocketOwner(Owner):
             raise WorkerError(f"{self.name} closed the connection during the handshake")
         reply = proto.unpack(payload)
         if reply.get("op") == "error" or not reply.get("ok"):
-            await trio.aclose_forcefully(stream)
+            await close_now(stream)
             raise WorkerError(f"{self.name} refused the handshake: {reply.get('error', 'no reason given')}")
         # The worker says what it holds; trust only the intersection with what we were told.
         if reply.get("model") != self.model_fingerprint:
-            await trio.aclose_forcefully(stream)
+            await close_now(stream)
             raise WorkerError(f"{self.name} serves another model ({clip(reply.get('model'), 80)}), not {self.model_fingerprint}")
         self.families = reply_families(reply)
         self.input_forms = reply_input_forms(reply)
@@ -184,7 +196,7 @@ class SocketOwner(Owner):
 
     async def _drop(self) -> None:
         if self._stream is not None:
-            await trio.aclose_forcefully(self._stream)
+            await close_now(self._stream)
         self._stream, self._reader = None, None
         self._gen += 1
         self._sent = self._served = 0
@@ -212,6 +224,7 @@ class SocketOwner(Owner):
                         self._gen += 1
                         self._sent = self._served = 0
                     gen, reader = self._gen, self._reader
+                    assert reader is not None  # (connected just now, or before)
                     ticket = self._sent
                     sent = True  # from here a failure leaves the connection out of step: drop it
                     await send_frame(self._stream, msg_bytes, self.max_frame)
@@ -275,7 +288,7 @@ class SocketOwner(Owner):
             with trio.move_on_after(max(0.0, t0 + self.timeout_s - time.perf_counter())):
                 payload = await self._await_reply(gen, reader, ticket)
                 ok = payload is not None and proto.unpack(payload).get("id") == rid
-        except Exception:  # noqa: BLE001 - whatever went wrong, the connection is no longer trusted
+        except Exception:  # whatever went wrong, the connection is no longer trusted
             ok = False
         if not ok:
             if gen == self._gen:  # (an exception here would end the whole trio run: a system task)
@@ -324,7 +337,7 @@ class SocketOwner(Owner):
             at += n
         return outs
 
-    async def echo(self, payload: bytes) -> bytes:
+    async def echo(self, payload: bytes) -> bytes | None:
         rid = next(self._ids)
         try:
             reply = await self.request(proto.pack({"op": "echo", "id": rid, "payload": payload}), rid)

@@ -38,14 +38,13 @@ def worker_counts(owners) -> tuple[int, int]:
     swarm-status all show. A dispatcher owner is one (peer, shard): an --auto worker holding five
     units is five owners but one worker."""
     remote = [o for o in owners if o.remote]
-    return len({getattr(o, "peer", None) or o.name for o in remote}), len(remote)
+    return len({o.peer or o.name for o in remote}), len(remote)
 
 
 def _ranges(owner):
     """``((l0, l1), (e0, e1))`` half-open ranges an owner holds, or None when it only answers holds()."""
-    layers, experts = getattr(owner, "layers", None), getattr(owner, "experts", None)
-    if layers is not None and experts is not None:
-        return tuple(layers), tuple(experts)
+    if owner.layers is not None and owner.experts is not None:
+        return tuple(owner.layers), tuple(owner.experts)
     return None
 
 
@@ -67,7 +66,7 @@ class SwarmView:
     def for_backbone(cls, backbone, layout, *, block_size: int = DEFAULT_BLOCK_SIZE, resolver=None) -> "SwarmView":
         d = backbone.dispatcher
         return cls(d, layers=layout.expert_layers, n_expert=layout.n_expert, block_size=block_size,
-                   kernel=getattr(d.local.bank, "kernel", None), resolver=resolver)
+                   kernel=d.local.bank.kernel, resolver=resolver)
 
     def _cover(self, grid: np.ndarray, owner, span) -> None:
         """Add 1 to ``grid[row, expert]`` for every expert the owner holds: one slice from its
@@ -103,9 +102,9 @@ class SwarmView:
             if o.remote:
                 span = _ranges(o)
                 self._cover(known, o, span)
-                if d.healthy(o) and getattr(o, "refused", None) is None:
+                if d.healthy(o) and o.refused is None:
                     self._cover(live, o, span)
-        demand = getattr(d, "demand", None)
+        demand = d.demand
         now = time.monotonic()
         live_l, known_l = self._per_unit(live).tolist(), self._per_unit(known).tolist()
         out = []
@@ -114,8 +113,7 @@ class SwarmView:
                 e0, e1 = b * bs, min((b + 1) * bs, self.n_expert)
                 out.append({"layer": layer, "block": b, "experts": [e0, e1], "replicas": live_l[row][b],
                             "known": known_l[row][b],
-                            "demand": (round(sum(demand.value(layer, e, now) for e in range(e0, e1)), 3)
-                                       if demand is not None else None)})
+                            "demand": round(sum(demand.value(layer, e, now) for e in range(e0, e1)), 3)})
         return out
 
     def workers(self) -> list[dict]:
@@ -124,31 +122,27 @@ class SwarmView:
         for o in d.owners:
             if not o.remote:
                 continue
-            info = getattr(o, "info", None)
+            st = o.status()
             span = _ranges(o)
-            addrs = list(getattr(info, "addrs", ()) or ())
-            peer = getattr(o, "peer", None)
-            rtt = getattr(o, "rtt_s", None)
-            record = getattr(info, "record", None)
-            refused = getattr(o, "refused", None)
+            healthy = d.healthy(o)
             out.append({
-                "state": "refused" if refused is not None else ("live" if d.healthy(o) else "back-off"),
-                "refused": refused,
+                "state": "refused" if st.refused is not None else ("live" if healthy else "back-off"),
+                "refused": st.refused,
                 "name": o.name,
-                "peer": peer,
-                "short_id": (peer[-10:] if peer else o.name),
-                "relayed": bool(getattr(o, "relayed", False)) and getattr(o, "lane", None) != "direct",
-                "addrs": addrs,
-                "rtt_ms": round(rtt * 1000, 2) if rtt is not None else None,
-                "load": getattr(o, "inflight", None),
-                "requests": getattr(o, "requests", None),
-                "failures": getattr(o, "failures", None),
-                "wire": o.wire.as_dict() if getattr(o, "wire", None) is not None else None,  # bytes sent/received
-                "lane": getattr(o, "lane", None),  # "libp2p" or "direct" (docs/protocol.md), None before connecting
-                "kernel": getattr(record, "kernel", None) or getattr(o, "kernel", None) or self.kernel,
+                "peer": st.peer,
+                "short_id": (st.peer[-10:] if st.peer else o.name),
+                "relayed": st.relayed,
+                "addrs": st.addrs,
+                "rtt_ms": round(st.rtt_s * 1000, 2) if st.rtt_s is not None else None,
+                "load": st.load,
+                "requests": st.requests,
+                "failures": st.failures,
+                "wire": st.wire,  # bytes sent/received
+                "lane": st.lane,  # "libp2p" or "direct" (docs/protocol.md), None before connecting
+                "kernel": st.kernel or self.kernel,
                 "layers": list(span[0]) if span else None,
                 "experts": list(span[1]) if span else None,
-                "healthy": d.healthy(o),
+                "healthy": healthy,
             })
         return out
 

@@ -24,15 +24,19 @@ from dataclasses import dataclass
 import trio
 
 from p2pswarm.backbone.libp2p_owner import SwarmOwners
+from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.session import LocalSwarm, open_backbone
 from p2pswarm.market.bans import BanKeeper
 from p2pswarm.market.last_receipt import serve_receipt_requests
 from p2pswarm.market.receipts import ContributionLedger, ReceiptIssuer
 from p2pswarm.market.verify import DEFAULT_VERIFY_RATE, Verifier
 from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.dht import CoverageResolver, open_dht
-from p2pswarm.net.host import DEFAULT_LISTEN, NetHost, open_host
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.coverage import CoverageResolver
+from p2pswarm.net.addrs import DEFAULT_LISTEN
+from p2pswarm.net.host import NetHost, open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
 
@@ -50,7 +54,7 @@ class SwarmBackbone:
     demand: object = None  # its DemandPublisher (None for a short-lived backbone)
 
     @property
-    def backbone(self):
+    def backbone(self) -> Backbone:
         return self.local.backbone
 
 
@@ -61,19 +65,24 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                               kernel: str | None = None, threads: int | None = None, timeout_s: float = 30.0,
                               refresh_s: float = 30.0, dht_server: bool = True,
                               verify_rate: float = DEFAULT_VERIFY_RATE, verify_seed: int | None = None,
-                              trust_bans: list[str] = (), receipt_period_s: float = 60.0,
-                              ban_refresh_s: float = 30.0, demand_ttl_s: float | None = None, direct: bool = True):
+                              trust_bans: tuple[str, ...] | list[str] = (), receipt_period_s: float = 60.0,
+                              ban_refresh_s: float = 30.0, demand_ttl_s: float | None = None, direct: bool = True,
+                              hot_experts: bool = False):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
     things up but does not join other nodes' routing tables, where it would linger as a dead or
     unresponsive entry after it exits. ``verify_rate``: the fraction of remote output rows
     recomputed locally (0 turns verification off); ``trust_bans``: backbones whose ban records
     we honour besides our own. ``demand_ttl_s``: lifetime of the published demand record
     (re-published every third of it; default 120 s); a short-lived backbone publishes none.
-    ``direct``: take the direct lanes workers offer (p2pswarm/net/direct.py)."""
-    async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads) as local:
-        layout = ModelLayout.open(model_path)
+    ``direct``: take the direct lanes workers offer (p2pswarm/net/direct.py). ``hot_experts``:
+    compute locally what a slow owner would take longer to return (:class:`Dispatcher`)."""
+    layout = ModelLayout.open(model_path)
+    identity = identity or Identity.generate()
+    ledger = ContributionLedger(identity, model_fingerprint(layout))
+    verifier = Verifier(verify_rate, verify_seed) if verify_rate > 0 else None
+    async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads, hot_experts=hot_experts,
+                             verifier=verifier, ledger=ledger) as local:
         bank = local.backbone.dispatcher.local.bank
-        identity = identity or Identity.generate()
         async with open_host(identity, listen or [DEFAULT_LISTEN], announce=announce) as net:
             async with open_dht(net, server=dht_server, bootstrap=bootstrap) as dht:
                 resolver = CoverageResolver(dht, model=local.fingerprint, layers=layout.expert_layers,
@@ -83,14 +92,10 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                 pool = SwarmOwners(net, model_fingerprint=local.fingerprint, kernel=bank.kernel,
                                    timeout_s=timeout_s, resolver=resolver, direct=direct)
                 dispatcher = local.backbone.dispatcher
-                ledger = ContributionLedger(identity, local.fingerprint)
-                dispatcher.ledger = ledger
                 serve_receipt_requests(net, ledger)  # a worker leaving asks for its last receipts
-                if verify_rate > 0:
-                    dispatcher.verifier = Verifier(verify_rate, verify_seed)
                 bans = BanKeeper(identity, local.fingerprint, dispatcher, dht=dht, trusted=trust_bans, ledger=ledger,
                                  refresh_s=ban_refresh_s)
-                dispatcher.on_mismatch = bans.ban
+                dispatcher.on_mismatch = bans.ban  # (it needs the DHT, opened after the dispatcher)
                 issuer = ReceiptIssuer(ledger, pool.send_receipt, period_s=receipt_period_s)
 
                 async def on_change(cmap) -> None:

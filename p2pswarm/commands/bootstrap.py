@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 
 async def _main(args) -> None:
-    from p2pswarm.net.dht import open_dht
+    from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 

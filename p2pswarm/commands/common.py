@@ -64,7 +64,7 @@ def add_market_args(p, prefix: str = "") -> None:
 def market_kwargs(args) -> dict:
     if not args.receipt_period > 0 or not args.ban_refresh > 0:
         raise UserError("--receipt-period and --ban-refresh must be > 0 seconds")
-    from p2pswarm.net.identity import peer_id_bytes, peer_public_key
+    from p2pswarm.signatures import peer_id_bytes, peer_public_key
 
     for peer in args.trust_bans:
         peer_id_bytes(peer)  # one line for a malformed id, before joining the swarm

@@ -55,14 +55,11 @@ def _range(text: str, what: str) -> tuple[int, int]:
 
 
 async def _main(args, token: str, layers, experts) -> None:
-    from p2pswarm.net.dht import open_dht
+    from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
-    from p2pswarm.net.shard_transfer import (
-        FetchStats,
-        fetch_slice,
-        fetch_slice_from_swarm,
-    )
+    from p2pswarm.net.shard_fetch import FetchStats, fetch_slice
+    from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
     from p2pswarm.net.tokens import NodeToken
     from p2pswarm.progress import ProgressBar
 

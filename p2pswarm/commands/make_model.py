@@ -13,7 +13,8 @@ from p2pswarm.progress import ProgressBar
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from p2pswarm.model.synth import ARCHES, PRESETS_BY_ARCH, QTYPES  # noqa: PLC0415
+    from p2pswarm.model.synth import PRESETS_BY_ARCH
+    from p2pswarm.model.synth_presets import ARCHES, QTYPES
 
     def presets_text(arch: str) -> str:
         return "; ".join(
@@ -94,7 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def _vocab(name: str | None):
     """``--vocab qwen35`` names the shipped vocabulary; anything else is a file path."""
     if name == "qwen35":
-        from p2pswarm.model.vocab import qwen35_vocab_path  # noqa: PLC0415
+        from p2pswarm.model.vocab import qwen35_vocab_path
 
         return qwen35_vocab_path()
     return name
@@ -122,8 +123,8 @@ def _seed(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from p2pswarm.model import synth  # noqa: PLC0415
-    from p2pswarm.model.split_write import parse_size, split_prefix_of, write_split  # noqa: PLC0415
+    from p2pswarm.model import synth
+    from p2pswarm.model.split_write import parse_size, split_prefix_of, write_split
 
     if args.layers is not None and args.layers > 512:
         raise UserError(f"--layers must be at most 512, got {args.layers}")

@@ -15,7 +15,6 @@ down cleanly on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import trio
 from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.commands.common import add_kernel_args, add_market_args, market_kwargs, parse_hostport, positive_int
+from p2pswarm.commands.node_args import check_dht_mode, check_worker_source
 from p2pswarm.errors import UserError
 from p2pswarm.http_server import bind_http
 from p2pswarm.lifecycle import until_signal
@@ -72,7 +72,7 @@ def _auto_or_positive(text: str):
         return text
     try:
         return positive_int(text)
-    except Exception:  # noqa: BLE001 - argparse's error, with our wording
+    except Exception:  # argparse's error, with our wording
         import argparse
 
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}") from None
@@ -182,7 +182,8 @@ def add_parser(sub) -> None:
 
 async def _worker(args) -> None:
     from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.dht import ShardAdvertiser, open_dht
+    from p2pswarm.market.swarm_dht import open_dht
+    from p2pswarm.net.advertiser import ShardAdvertiser
     from p2pswarm.net.host import open_host
     from p2pswarm.market.receipts import ReceiptStore, default_receipts_dir
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
@@ -374,8 +375,8 @@ async def _serve_shards(args, swarm, nursery) -> None:
 
 
 def _load_shard(path, args):
-    from p2pswarm.net.records import ShardEntry, worker_shard_hash
-    from p2pswarm.worker.expert_worker import ExpertWorker
+    from p2pswarm.net.records import ShardEntry
+    from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 
     worker = ExpertWorker(path, kernel=args.kernel, threads=args.threads)
     info = worker.info
@@ -392,7 +393,8 @@ def _default_slice_path(model: str, layers, experts) -> Path:
 async def _fetch_shard(args, net, dht, identity) -> Path:
     """Download this worker's slice from the swarm's shard sources (resumes an interrupted run;
     returns at once when the file is already complete)."""
-    from p2pswarm.net.shard_transfer import FetchStats, fetch_slice_from_swarm
+    from p2pswarm.net.shard_fetch import FetchStats
+    from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
     from p2pswarm.net.tokens import NodeToken
     from p2pswarm.progress import ProgressBar
 
@@ -422,8 +424,8 @@ async def _start_relay_keeper(args, net, dht_of: list):
     """Reserve on one of ``--relay`` (or a relay found in the DHT) now (one-line error if none takes
     us); returns the keeper, whose ``keep()`` then holds the reservation (renewals, reconnects after a
     relay restart, a move to another relay when this one is gone)."""
-    from relay.client import RelayKeeper
-    from relay.discovery import find_relays
+    from p2pswarm.net.relay_client import RelayKeeper
+    from p2pswarm.net.relay_discovery import find_relays
 
     async def discover(exclude: set[str]) -> list[str]:
         return await find_relays(dht_of[0], exclude=exclude) if dht_of else []
@@ -449,6 +451,7 @@ async def _backbone(args) -> None:
                                    block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout,
                                    demand_ttl_s=args.demand_ttl, direct=args.use_direct,
+                                   hot_experts=args.hot_experts and args.http_socket is not None,
                                    **market_kwargs(args)) as swarm:
         # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
@@ -458,7 +461,6 @@ async def _backbone(args) -> None:
             http, app = "off", None
             if args.http_socket is not None:
                 swarm.backbone.batch_invariant = args.batch_invariant
-                swarm.backbone.dispatcher.hot_experts = args.hot_experts
                 scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
                                       prefill_chunk=args.prefill_chunk, max_active=args.max_active,
                                       micro_batches=args.micro_batches)
@@ -479,82 +481,13 @@ async def _backbone(args) -> None:
             nursery.cancel_scope.cancel()
 
 
-def _check_worker_source(args) -> None:
-    """A worker serves a shard file (--shard), or downloads its slice first (--model FINGERPRINT
-    --layers --experts --token --trust-issuer; --shard then names where it goes), or enrols by
-    itself (--auto --memory SIZE --token TOKEN --trust-issuer PEER_ID)."""
-    if args.auto:
-        from p2pswarm.market.auto import parse_size
-        from p2pswarm.net.tokens import load_token
-
-        clash = [f for f, v in (("--shard", args.shard), ("--layers", args.layers), ("--experts", args.experts))
-                 if v]
-        if clash:
-            raise UserError(f"--auto picks its own units: drop {', '.join(clash)}")
-        missing = [f for f, v in (("--memory", args.memory), ("--token", args.token),
-                                  ("--trust-issuer", args.trust_issuer)) if not v]
-        if missing:
-            raise UserError(f"--auto needs {', '.join(missing)} (the token with a shard:FINGERPRINT scope)")
-        if args.model is not None:
-            if not re.fullmatch(r"[0-9a-fA-F]{64}", args.model):
-                raise UserError(f"--model {args.model[:70]!r}: with --auto, a model fingerprint (64 hex digits)")
-            args.model = args.model.lower()
-        if not args.enrol_period > 0:
-            raise UserError("--enrol-period must be > 0 seconds")
-        args.memory_bytes = parse_size(args.memory)
-        args.node_token = load_token(args.token)
-        return
-    if args.memory:
-        raise UserError("--memory is for --auto workers")
-    if not args.model:
-        if not args.shard:
-            raise UserError("--role worker needs --shard SHARD.gguf, or --model FINGERPRINT --layers A-B "
-                            "--experts C-D --token TOKEN --trust-issuer PEER_ID to download its slice")
-        return
-    from p2pswarm.model.slicer import parse_range
-    from p2pswarm.net.tokens import load_token
-
-    if not re.fullmatch(r"[0-9a-fA-F]{64}", args.model):
-        raise UserError(f"--model {args.model[:70]!r}: a worker takes a model fingerprint (64 hex digits) "
-                        f"to download its slice of; serve a local file with --shard")
-    missing = [f for f, v in (("--layers", args.layers), ("--experts", args.experts), ("--token", args.token),
-                              ("--trust-issuer", args.trust_issuer)) if not v]
-    if missing:
-        raise UserError(f"downloading a slice needs {', '.join(missing)}")
-    args.model = args.model.lower()
-    args.layer_range = parse_range(args.layers, "layer")
-    args.expert_range = parse_range(args.experts, "expert")
-    args.node_token = load_token(args.token)
-    args.fetch = True
-
-
-def _check_dht_mode(args) -> None:
-    """Resolve a worker's ``--dht``: client by default for ``--auto`` and ``--relay`` workers.
-
-    Why an --auto worker is a client: 30 of them as servers saturated 2 cores (docs/benchmarks.md,
-    "Coverage market: 30 --auto workers, before/after"): each answered the others' look-ups and
-    record puts, was one more hop in every iterative look-up (each touching ~20 peers) and
-    refreshed its routing table at start-up; as clients an idle one costs 0.19x the CPU. A phone
-    should not carry the DHT's load. Records then live at the DHT servers (bootstrap and backbone
-    nodes), where backbones look them up anyway."""
-    relayed = bool(args.relay)  # `--relay auto` too
-    if args.role != "worker":
-        if args.dht_mode is not None:
-            raise UserError("--dht is for --role worker (a backbone always serves the DHT)")
-        return
-    if args.dht_mode == "server" and relayed:
-        raise UserError("--dht server needs a dialable worker: behind a --relay nobody can reach its kad; drop --dht")
-    if args.dht_mode is None:
-        args.dht_mode = "client" if args.auto or relayed else "server"
-
-
 def run(args) -> int:
     args.fetch = False
     args.node_token = None
     args.http_socket = args.health_socket = None
     if args.role == "worker":
         args.health_socket = bind_http(args.health, "--health") if args.health else None
-        _check_worker_source(args)
+        check_worker_source(args)
         _check_own_token(args)
         args.direct_lane = _direct_lane(args)  # a malformed --direct or a taken port: one line now
         if args.direct_lane is not None:
@@ -564,7 +497,7 @@ def run(args) -> int:
                         "--http)")
     elif args.direct is not None or args.direct_announce is not None:
         raise UserError("--direct is for --role worker (a backbone takes the lanes workers offer; --no-direct: never)")
-    _check_dht_mode(args)
+    check_dht_mode(args)
     if args.role == "backbone" and not args.model:
         raise UserError("--role backbone needs --model MODEL.gguf")
     if not args.drain_s >= 0:
@@ -582,7 +515,7 @@ def run(args) -> int:
     if args.relay:
         if args.role != "worker":
             raise UserError("--relay is for workers behind NAT (backbones dial relayed workers by themselves)")
-        from p2pswarm.net.host import parse_peer_addr
+        from p2pswarm.net.addrs import parse_peer_addr
         from p2pswarm.net.tokens import load_token
 
         args.relay_auto = "auto" in args.relay

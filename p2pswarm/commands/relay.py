@@ -6,7 +6,7 @@
 Reservations only for peers that show a node token (``p2pswarm token issue --allow relay``) of a
 trusted issuer; ``--open`` runs an open relay instead. Limits come from flags or ``--config
 relay.toml`` (flags win). Prints ``READY <multiaddr> health=<url|off>``; stops cleanly on
-SIGINT/SIGTERM. See relay/service.py and docs/protocol.md.
+SIGINT/SIGTERM. See p2pswarm/relay/service.py and docs/protocol.md.
 """
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from relay.config import load_settings
-    from relay.service import run_relay
+    from p2pswarm.relay.config import load_settings
+    from p2pswarm.relay.service import run_relay
 
     overrides = {k: getattr(args, k) for k in (
         "listen", "announce", "identity", "tls_cert", "tls_key", "trust_issuer", "open", "circuits_need_token",

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
 async def _bans(bootstrap: list[str], pairs: list[tuple[str, str]]) -> dict[tuple[str, str], object]:
     from p2pswarm.market.bans import BanRecord, ban_key
     from p2pswarm.net.signed import SignedError
-    from p2pswarm.net.dht import open_dht
+    from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import Identity
 

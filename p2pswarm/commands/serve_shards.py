@@ -40,7 +40,7 @@ async def _main(args, **server_options) -> None:
     from p2pswarm.commands.node import dialable_addrs
     from p2pswarm.lifecycle import until_signal
     from p2pswarm.model.manifest import read_manifest
-    from p2pswarm.net.dht import open_dht
+    from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
     from p2pswarm.net.shard_transfer import run_shard_source

@@ -97,7 +97,8 @@ async def _status(args) -> dict:
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.net import expert_protocol as proto
     from p2pswarm.net.coverage import NO_RECORD
-    from p2pswarm.net.dht import CoverageResolver, open_dht
+    from p2pswarm.market.swarm_dht import open_dht
+    from p2pswarm.net.coverage import CoverageResolver
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import Identity
 

@@ -37,7 +37,7 @@ def single_threaded_blas() -> None:
     if os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS"):
         return
     try:
-        from threadpoolctl import threadpool_limits  # noqa: PLC0415
+        from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - a pinned dependency
         log.debug("threadpoolctl missing: numpy's BLAS keeps its threads")
         return

@@ -39,7 +39,8 @@ import numpy as np
 
 from p2pswarm.engine import ggml_layers
 from p2pswarm.engine.ggml_dense import QuantisedMatrix
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlRunner, _InitParams, _i32_view, f32_view
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, _InitParams
+from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
 from p2pswarm.engine.state import aligned_zeros
 
 F32 = np.float32
@@ -121,7 +122,7 @@ def kv_span(s_len: int) -> int:
     """How many cache positions a sequence of ``s_len`` attends over: ``s_len`` rounded up to
     ``KV_PAD``, the positions past it masked to -inf (as llama.cpp pads its KV view). Why: the
     attention graph's shapes then change once per ``KV_PAD`` steps, not every step, so a decode
-    step's graph is kept and run again (:meth:`~p2pswarm.engine.ggml_kernel.GgmlRunner.graph`). A
+    step's graph is kept and run again (:meth:`~p2pswarm.engine.ggml_runner.GgmlRunner.graph`). A
     masked position's softmax weight is exactly 0, and the cache is zero (or an older, finite
     value) there, so it adds exact zeros to the values' dot products; the span depends only on
     the sequence's own length, so a sequence gets the same bits alone or in any batch."""

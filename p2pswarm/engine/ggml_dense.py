@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm import settings
-from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib,
-                                         GgmlRunner, _i32_view, f32_view, load_libggml)
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib, load_libggml
+from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
 from p2pswarm.engine.mapped_parts import map_layout
 
 
@@ -228,7 +228,7 @@ class GgmlDense:
     """The quantised 2-D tensors of a model's dense path as :class:`QuantisedMatrix` objects."""
 
     def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None):
-        from p2pswarm.engine.weights import to_float32  # noqa: PLC0415 - engine-internal, avoids a cycle
+        from p2pswarm.engine.weights import to_float32  # engine-internal, avoids a cycle
 
         self.lib = lib or load_libggml()
         self.kernel = self.lib.kernel_id

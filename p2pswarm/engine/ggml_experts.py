@@ -10,14 +10,13 @@ import ctypes
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import (GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, GgmlRunner,
-                                         _i32_view, f32_view, load_libggml)
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, load_libggml
+from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
 from p2pswarm.engine import expert_fn
 from p2pswarm.engine.experts import check_held
-from p2pswarm.engine.ggml_inputs import InputQuantiser, form_for
+from p2pswarm.engine.ggml_inputs import INPUT_FORMS, InputQuantiser, form_for
 from p2pswarm.engine.mapped_parts import map_layout
 from p2pswarm.errors import ModelFormatError, UserError
-from p2pswarm.net.expert_protocol import INPUT_FORMS
 
 
 def _u8_view(lib: GgmlLib, tensor, shape: tuple[int, int]) -> np.ndarray:

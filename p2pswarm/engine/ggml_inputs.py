@@ -1,4 +1,4 @@
-"""Expert input rows in the form ggml's mat-mul turns them into, made on the backbone (issue 32).
+"""Expert input rows in the form ggml's mat-mul turns them into, made on the backbone.
 
 Why: a worker's ggml ``mul_mat_id`` never multiplies a K-quant or Q8_0 weight by the float32 rows it
 is sent: it first quantises each row to the weight type's ``vec_dot_type`` (Q8_K for the K-quants,
@@ -19,8 +19,11 @@ import ctypes
 
 import numpy as np
 
-from p2pswarm.net.expert_protocol import INPUT_FORMS
-
+#: Forms input rows may take instead of float32: ggml's own quantised layouts, name -> (ggml type,
+#: values per block, bytes per block); each is what ggml itself turns float32 rows into before the
+#: mat-mul. The expert protocol carries rows in them (p2pswarm.net.expert_protocol).
+INPUT_FORMS = {"q8_K": (15, 256, 292), "q8_0": (8, 32, 34), "q8_1": (9, 32, 36), "f16": (1, 1, 2),
+               "bf16": (30, 1, 2)}
 _FORM_OF_TYPE = {t: name for name, (t, _, _) in INPUT_FORMS.items()}
 _FROM_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, f32_view
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32
+from p2pswarm.engine.ggml_runner import f32_view
 from p2pswarm.errors import ModelFormatError
 
 F32 = np.float32
@@ -54,7 +55,7 @@ def deltanet_layer_weights(model, il: int) -> DeltaNetLayerWeights | None:
     """Layer ``il``'s tensors as ggml tensors, made on first use and kept on the model's
     :class:`~p2pswarm.engine.ggml_dense.GgmlDense`; None where the one-graph layer cannot run
     (no ggml dense path, an op missing from the library, a tensor type ggml cannot map)."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # noqa: PLC0415 - avoids an import cycle
+    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # avoids an import cycle
 
     dense = getattr(model.w, "ggml_dense", None)
     if dense is None:
@@ -266,7 +267,7 @@ def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
     The same ops on the same rows as the stand-alone graphs (:meth:`QuantisedMatrix.rmatmul_t`,
     :func:`~p2pswarm.engine.ggml_dense.fused_swiglu`), so the same bits: a lone row is multiplied
     by the F32 router padded to two rows (the single-row kernel is 1 ulp off), as there."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # noqa: PLC0415 - avoids an import cycle
+    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # avoids an import cycle
 
     lib = runner.lib
     w = model.w

@@ -5,12 +5,15 @@ by llama.cpp's quantiser), and llama.cpp multiplies them with ``ggml_mul_mat`` o
 (one matrix per head), which rounds the activations to the weight's dot-product type first. A
 float32 product with the dequantised weight moves a layer's output by ~0.5% -- enough to flip
 routing choices. This runs the same op on the same bytes, so the backbone's MLA rounds as llama.cpp
-does (tests/test_deepseek2.py, the Q4_K_M routing test)."""
+does (tests/test_deepseek2.py, the Q4_K_M routing test). On the ggml kernel the whole MLA layer is
+one graph of llama.cpp's ops (:func:`mla_layer`); :class:`HeadMatrices` also serves the numpy MLA.
+The router's gate (:func:`gate_probs`) is here too: the same reason, ggml's bits."""
 from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, _i32_view, f32_view
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES
+from p2pswarm.engine.ggml_runner import _i32_view, f32_view
 from p2pswarm.engine.mla import YARN_BETA_FAST, YARN_BETA_SLOW
 
 
@@ -66,123 +69,160 @@ def per_head_matmul(W, x: np.ndarray) -> np.ndarray:
     return np.matmul(x, W.transpose(0, 2, 1))
 
 
-# ---- the whole MLA core as llama.cpp builds it -------------------------------------------------
-# Why: with quantised attn_k_b / attn_v_b, llama.cpp rounds the activations they multiply to 8 bits;
-# a last-bit difference upstream (numpy's RoPE, softmax or QK^T against ggml's) flips some of those
-# roundings and moves a layer's output by ~1e-4 relative, which over a few layers changes routing
-# choices and logits by ~0.1. These two graphs are llama.cpp's ops in llama.cpp's order
-# (src/models/deepseek2.cpp, llama-graph.cpp build_attn + build_attn_mha without flash attention),
-# so the backbone computes llama.cpp's bits (tests/test_deepseek2.py: teacher-forced layers equal).
-_OPS = ("rope_ext", "rms_norm", "mul", "permute", "concat", "view_2d", "view_3d", "reshape_3d", "soft_max_ext",
-        "cont", "transpose", "cont_2d")
+# ---- a whole MLA layer as ONE graph, as llama.cpp builds it ----------------------------------------
+# Why llama.cpp's ops: with quantised attn_k_b / attn_v_b, llama.cpp rounds the activations they
+# multiply to 8 bits; a last-bit difference upstream (numpy's RoPE, softmax or QK^T against ggml's)
+# flips some of those roundings and moves a layer's output by ~1e-4 relative, which over a few layers
+# changes routing choices and logits by ~0.1. Why one graph: the same ops as separate graphs (attn_norm,
+# the q_a/kv_a projections, q_a_norm, q_b, RoPE + absorption, attention, attn_output) cost a thread-team
+# wake-up, numpy copies of every intermediate and, for a prefill, a freshly allocated scratch context
+# each; llama.cpp runs the layer as one graph. The graph is llama.cpp's ops in llama.cpp's order
+# (src/models/deepseek2.cpp, llama-graph.cpp build_attn + build_attn_mha without flash attention), so
+# the backbone computes llama.cpp's bits (tests/test_deepseek2.py: teacher-forced layers equal).
+_OPS = ("rope_ext", "rms_norm", "mul", "add", "permute", "concat", "view_2d", "view_3d", "reshape_2d", "reshape_3d",
+        "soft_max_ext", "cont", "transpose", "cont_2d", "cpy", "set_rows")
+_NORMS = ("attn_norm", "attn_q_a_norm", "attn_kv_a_norm")
+
+
+def _projections(model) -> tuple[str, ...]:
+    q = ("attn_q_a", "attn_q_b") if model.q_lora_rank > 0 else ("attn_q",)
+    return (*q, "attn_kv_a_mqa", "attn_output")
 
 
 def core_available(model) -> bool:
-    """Whether the ggml MLA core runs for ``model``: the ggml kernel holds the dense path, the split
-    MLA tensors are quantised (:class:`HeadMatrices`), the norms are F32 and libggml has the ops."""
+    """Whether the one-graph MLA layer runs for ``model``: the ggml kernel holds the dense path, the
+    projections are its quantised matrices, the split MLA tensors are quantised
+    (:class:`HeadMatrices`), the norms are F32 and libggml has the ops. Otherwise the caller keeps
+    its numpy path (an F32 model: float32 math within llama.cpp's tolerance, not its bits)."""
+    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # avoids an import cycle
+
     dense = getattr(model.w, "ggml_dense", None)
     if dense is None or not model.split_kv_b or not all(getattr(dense.runner.lib, n, None) for n in _OPS):
         return False
-    k_b, v_b = model._kv_b_halves(0)
-    return isinstance(k_b, HeadMatrices) and isinstance(v_b, HeadMatrices) and \
-        dense.f32_vector("blk.0.attn_kv_a_norm.weight") is not None
+    for il in range(model.n_layer):
+        k_b, v_b = model._kv_b_halves(il)
+        mats = [model.w[f"blk.{il}.{n}.weight"] for n in _projections(model)]
+        norms = [n for n in _NORMS if n != "attn_q_a_norm" or model.q_lora_rank > 0]
+        if not (isinstance(k_b, HeadMatrices) and isinstance(v_b, HeadMatrices)
+                and all(isinstance(m, QuantisedMatrix) and m.runner is dense.runner and m.min_rows == 1 for m in mats)
+                and all(dense.f32_vector(f"blk.{il}.{n}.weight") is not None for n in norms)):
+            return False
+    return True
 
 
-def qk_rows(model, il: int, q: np.ndarray, ckv: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's ``Qcur`` (T, H, Rkv + rope) and ``Kcur`` (T, Rkv + rope) of layer ``il`` from the
-    projections ``q`` (T, H, nope + rope) and ``kv_a_mqa x`` (T, Rkv + rope): YaRN RoPE, the
-    compressed KV's norm, q_nope absorbed into the latent by attn_k_b."""
+def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
+    """``h + MLA(attn_norm(h))`` of layer ``il`` for every segment's rows, as one graph and one
+    ``compute``. ``segs``: ``(cache, pos0, n)`` per sequence in the order of ``h``'s rows (cache: its
+    :class:`~p2pswarm.engine.mla.LatentCache` of this layer; its ``n`` grows by the segment's rows).
+
+    The graph (shapes in ggml's order, T rows in all, W = Rkv + rope)::
+
+        x     = rms_norm(h) * attn_norm                                         [E, T]
+        q     = q_b(rms_norm(q_a x) * q_a_norm)  or  q x                        [nope + rope, H, T]
+        kv    = kv_a_mqa x                                                      [W, T]
+        Qcur  = [k_b^T q_nope, rope(q_pe)]   Kcur = [rms_norm(kv_c) * kv_a_norm, rope(kv_pe)]
+        per sequence: Kcur rows -> its cache (set_rows at positions that are input data), then
+            softmax(kq_scale * K Qcur + mask) over the cache's kv_span, times the latent part
+            of the cache, times attn_v_b per head -> its rows of att              [v H, n]
+        out   = h + attn_output att                                             [E, T]
+
+    The cache (aligned memory, reserved to the span first) is wrapped in place, as the qwen35moe
+    attention layer wraps its KV cache (:func:`~p2pswarm.engine.ggml_attention.gated_attention`):
+    a decode step copies nothing of it, and its graph (one row per sequence) is kept and run again
+    while the caches' memory and spans repeat. Positions past a sequence's end are masked to -inf:
+    a softmax weight of exactly 0 times a finite (zero or stale) cache value adds exact zeros."""
+    from p2pswarm.engine.ggml_attention import kv_span  # one padding rule for both
+
     dense = model.w.ggml_dense
-    runner, lib = dense.runner, dense.runner.lib
-    k_b, _ = model._kv_b_halves(il)
-    norm = dense.f32_vector(f"blk.{il}.attn_kv_a_norm.weight")
-    T, H, qk = q.shape
-    Rkv, rope, nope = model.kv_lora_rank, model.n_rot, model.n_nope
-    W, f, y = Rkv + rope, 4, model.yarn
+    runner = dense.runner
+    lib = runner.lib
+    w, p = model.w, f"blk.{il}."
+    mats = {n: w[p + n + ".weight"].tensor for n in _projections(model)}
+    norm = {n: dense.f32_vector(p + n + ".weight") for n in _NORMS if n != "attn_q_a_norm" or model.q_lora_rank > 0}
+    k_b, v_b = model._kv_b_halves(il)
+    T, E = h.shape
+    H, Rq, Rkv, rope, nope, hv = (model.n_head, model.q_lora_rank, model.kv_lora_rank, model.n_rot, model.n_nope,
+                                  model.head_v)
+    qk, W, f, y, eps = nope + rope, Rkv + rope, 4, model.yarn, model.eps
     rope_args = (rope, 0, int(y.n_ctx_orig), y.base, y.freq_scale, y.ext_factor, y.attn_factor, YARN_BETA_FAST,
                  YARN_BETA_SLOW)
+    spans = [kv_span(c.n + n) for c, _, n in segs]
+    for (c, _, n), b in zip(segs, spans):  # room first: the graph reads and writes the caches' memory as it is now
+        c.reserve(b - c.n)
+    caps = [c.rows.shape[0] for c, _, _ in segs]
+    n_seq = len(segs)
+    # every tensor that owns memory, in floats, generously
+    acts = (T * (5 * E + 3 * Rq + H * (qk + 2 * Rkv + 2 * rope + 3 * W + 3 * hv) + 4 * W)
+            + sum(b * (Rkv + n * (2 * H + 1)) + n * H * (Rkv + 2 * hv) for b, (_, _, n) in zip(spans, segs)))
+    n_tensors = 48 + 20 * n_seq
+    macs = T * (E * (Rq + W) + Rq * H * qk + H * hv * E + H * nope * Rkv) + sum(
+        b * n * H * (W + Rkv) + n * H * Rkv * hv for b, (_, _, n) in zip(spans, segs))
+    key = (("mla_layer", il, T, tuple((c.rows.ctypes.data, cap, b) for (c, _, _), cap, b in zip(segs, caps, spans)))
+           if all(n == 1 for _, _, n in segs) else None)
 
     def build(g):
         ctx = g.ctx
-        qt = lib.new_tensor_3d(ctx, GGML_TYPE_F32, qk, H, T)
-        kv = lib.new_tensor_2d(ctx, GGML_TYPE_F32, W, T)
+
+        def expand(node):
+            lib.build_forward_expand(g.graph, node)
+
+        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
         pt = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
-        q_nope = lib.view_3d(ctx, qt, nope, H, T, f * qk, f * qk * H, 0)
-        q_pe = lib.rope_ext(ctx, lib.view_3d(ctx, qt, rope, H, T, f * qk, f * qk * H, f * nope), pt, None, *rope_args)
+        x = lib.mul(ctx, lib.rms_norm(ctx, ht, eps), norm["attn_norm"])
+        if Rq > 0:
+            qa = lib.mul(ctx, lib.rms_norm(ctx, lib.mul_mat(ctx, mats["attn_q_a"], x), eps), norm["attn_q_a_norm"])
+            q = lib.mul_mat(ctx, mats["attn_q_b"], qa)
+        else:
+            q = lib.mul_mat(ctx, mats["attn_q"], x)
+        kv = lib.mul_mat(ctx, mats["attn_kv_a_mqa"], x)  # [W, T]
+        q_nope = lib.view_3d(ctx, q, nope, H, T, f * qk, f * qk * H, 0)
+        q_pe = lib.rope_ext(ctx, lib.view_3d(ctx, q, rope, H, T, f * qk, f * qk * H, f * nope), pt, None, *rope_args)
         q_abs = lib.permute(ctx, lib.mul_mat(ctx, k_b.tensor, lib.permute(ctx, q_nope, 0, 2, 1, 3)), 0, 2, 1, 3)
-        qcur = lib.concat(ctx, q_abs, q_pe, 0)  # [Rkv + rope, H, T]
-        c = lib.mul(ctx, lib.rms_norm(ctx, lib.view_2d(ctx, kv, Rkv, T, f * W, 0), model.eps), norm)
+        qcur = lib.concat(ctx, q_abs, q_pe, 0)  # [W, H, T]
+        c = lib.mul(ctx, lib.rms_norm(ctx, lib.view_2d(ctx, kv, Rkv, T, f * W, 0), eps), norm["attn_kv_a_norm"])
         k_pe = lib.rope_ext(ctx, lib.view_3d(ctx, kv, rope, 1, T, f * W, f * W, f * Rkv), pt, None, *rope_args)
-        kcur = lib.concat(ctx, lib.reshape_3d(ctx, c, Rkv, 1, T), k_pe, 0)  # [Rkv + rope, 1, T]
-        for t in (qcur, kcur):
-            lib.build_forward_expand(g.graph, t)
-        return (f32_view(lib, qt, (T, H, qk)), f32_view(lib, kv, (T, W)), _i32_view(lib, pt, T),
-                f32_view(lib, qcur, (T, H, W)), f32_view(lib, kcur, (T, W)))
-
-    with runner.lock:
-        g = runner.graph(("mla_qk", il, T), 4 * T * (H * (qk + 3 * Rkv + 4 * W) + 6 * W) + 4096, 24, build)
-        try:
-            q_in, kv_in, p_in, qcur, kcur = g.t
-            q_in[...] = q
-            kv_in[...] = ckv
-            p_in[...] = pos
-            runner.compute(g.graph, T * H * nope * Rkv)
-            return qcur.copy(), kcur.copy()
-        finally:
-            runner.release(g)
-
-
-def attention_rows(model, il: int, qcur: np.ndarray, segs) -> np.ndarray:
-    """llama.cpp's attention output rows (T, H * v) before ``attn_output``: per sequence
-    ``(cache rows (S, Rkv + rope) incl. this call's, pos0, n)``, softmax(kq_scale * K Q) over the
-    cache padded to :func:`~p2pswarm.engine.ggml_attention.kv_span` positions (masked), the values
-    the cache's latent part, then each head's attn_v_b."""
-    from p2pswarm.engine.ggml_attention import kv_span  # noqa: PLC0415 - one padding rule for both
-
-    dense = model.w.ggml_dense
-    runner, lib = dense.runner, dense.runner.lib
-    _, v_b = model._kv_b_halves(il)
-    T, H, W = qcur.shape
-    Rkv, hv, f = model.kv_lora_rank, model.head_v, 4
-    spans = [kv_span(rows.shape[0]) for rows, _, _ in segs]
-
-    def build(g):
-        ctx = g.ctx
-        qt = lib.new_tensor_3d(ctx, GGML_TYPE_F32, W, H, T)
-        ins, outs, at = [], [], 0
-        for (_, _, n), b in zip(segs, spans):
-            k = lib.new_tensor_3d(ctx, GGML_TYPE_F32, W, 1, b)
+        kcur = lib.reshape_2d(ctx, lib.concat(ctx, lib.reshape_3d(ctx, c, Rkv, 1, T), k_pe, 0), W, T)  # [W, T]
+        att = lib.new_tensor_2d(ctx, GGML_TYPE_F32, hv * H, T) if n_seq > 1 else None
+        per_seq, at, out = [], 0, None
+        for (cache, _, n), b, cap in zip(segs, spans, caps):
+            ck = lib.new_tensor_2d(g.meta, GGML_TYPE_F32, W, cap)  # the cache's rows (cap, W)
+            g.place(g.wrap(cache.rows), ck, cache.rows.ctypes.data)
+            idx = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n)
+            # 1. this sequence's new rows into its cache, before anything reads it
+            expand(lib.set_rows(ctx, ck, lib.view_2d(ctx, kcur, W, n, f * W, at * f * W), idx))
+            # 2. attention over its span: keys [W, b, 1], values^T [b, Rkv] from the cache
+            k = lib.view_3d(ctx, ck, W, b, 1, f * W, f * W * b, 0)
+            qs = lib.permute(ctx, lib.view_3d(ctx, qcur, W, H, n, f * W, f * W * H, at * f * W * H), 0, 2, 1, 3)
             mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, b, n)
-            q = lib.permute(ctx, lib.view_3d(ctx, qt, W, H, n, f * W, f * W * H, at * f * W * H), 0, 2, 1, 3)
-            kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, lib.permute(ctx, k, 0, 2, 1, 3), q), mask,
-                                  model.kq_scale, 0.0)  # [b, n, H]
-            v = lib.cont(ctx, lib.transpose(ctx, lib.permute(ctx, lib.view_3d(ctx, k, Rkv, 1, b, f * W, f * W, 0),
-                                                             0, 2, 1, 3)))  # [b, Rkv]
-            kqv = lib.mul_mat(ctx, v_b.tensor, lib.mul_mat(ctx, v, kq))  # [v, n, H]
-            out = lib.cont_2d(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), hv * H, n)
-            lib.build_forward_expand(g.graph, out)
-            ins.append((f32_view(lib, k, (b, W)), f32_view(lib, mask, (n, b))))
-            outs.append(f32_view(lib, out, (n, hv * H)))
+            kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, k, qs), mask, model.kq_scale, 0.0)  # [b, n, H]
+            v = lib.cont(ctx, lib.transpose(ctx, lib.view_2d(ctx, ck, Rkv, b, f * W, 0)))  # [b, Rkv]
+            kqv = lib.mul_mat(ctx, v_b.tensor, lib.mul_mat(ctx, v, kq))  # [hv, n, H]
+            if att is None:
+                out = lib.cont_2d(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), hv * H, n)
+            else:
+                dst = lib.view_3d(ctx, att, hv, H, n, f * hv, f * hv * H, at * f * hv * H)
+                expand(lib.cpy(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), dst))
+            per_seq.append((f32_view(lib, mask, (n, b)), _i32_view(lib, idx, n)))
             at += n
-        return f32_view(lib, qt, (T, H, W)), ins, outs
+        res = lib.add(ctx, lib.mul_mat(ctx, mats["attn_output"], att if att is not None else out), ht)
+        expand(res)
+        return f32_view(lib, ht, (T, E)), _i32_view(lib, pt, T), per_seq, f32_view(lib, res, (T, E))
 
-    acts = T * H * (2 * W + 3 * hv + 2 * Rkv) + sum(b * (2 * W + Rkv + n * (2 + 3 * H)) for b, (_, _, n) in
-                                                    zip(spans, segs))
-    key = ("mla_att", il, tuple((n, b) for b, (_, _, n) in zip(spans, segs)))
     with runner.lock:
-        g = runner.graph(key, 4 * acts + 4096 * len(segs), 4 + 14 * len(segs), build)
+        g = runner.graph(key, 4 * acts + 64 * n_tensors, n_tensors, build, meta_tensors=n_seq + 2)
         try:
-            q_in, ins, outs = g.t
-            q_in[...] = qcur
-            for (rows, p0, n), b, (k_in, mask) in zip(segs, spans, ins):
-                S = rows.shape[0]
-                k_in[:S] = rows
-                k_in[S:] = 0
-                j = np.arange(b)[None, :]
-                mask[...] = np.where((j > (p0 + np.arange(n))[:, None]) | (j >= S), np.float32(-np.inf),
+            h_in, pos_in, per_seq, h_res = g.t
+            h_in[...] = h
+            pos_in[...] = np.concatenate([np.arange(p0, p0 + n) for _, p0, n in segs])
+            for (cache, p0, n), b, (mask, idx) in zip(segs, spans, per_seq):
+                idx[...] = cache.n + np.arange(n, dtype=np.int32)
+                j = np.arange(b)[None, :]  # causal: key j is visible to row i iff j <= p0 + i, within the cache
+                mask[...] = np.where((j > (p0 + np.arange(n))[:, None]) | (j >= cache.n + n), np.float32(-np.inf),
                                      np.float32(0))
-            runner.compute(g.graph, sum(b * n * H * (W + Rkv) for b, (_, _, n) in zip(spans, segs)))
-            return np.concatenate([o.copy() for o in outs]) if len(outs) > 1 else outs[0].copy()
+            runner.compute(g.graph, macs)
+            for cache, _, n in segs:
+                cache.n += n
+            return h_res.copy()
         finally:
             runner.release(g)
 

@@ -48,7 +48,7 @@ def resolve_kernel(kernel: str | None = None) -> str:
     """``auto``/None -> ``ggml`` or ``numpy``; ``ggml`` -> ``ggml`` or a UserError saying why not;
     ``numpy`` and ``portable`` -> themselves (portable runs anywhere: C if it builds, else numpy)."""
     global _warned_fallback
-    from p2pswarm.engine.ggml_kernel import GgmlUnavailable, load_libggml  # noqa: PLC0415
+    from p2pswarm.engine.ggml_kernel import GgmlUnavailable, load_libggml
 
     kernel = default_kernel() if kernel is None else str(kernel).strip().lower()
     if kernel not in KERNELS:
@@ -69,11 +69,11 @@ def resolve_kernel(kernel: str | None = None) -> str:
 
 def kernel_id(kernel: str | None = None) -> str:
     """The string a bank of this kernel puts in the handshake, without building a bank."""
-    from p2pswarm.engine.ggml_kernel import load_libggml  # noqa: PLC0415
+    from p2pswarm.engine.ggml_kernel import load_libggml
 
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
-        from p2pswarm.engine import portable_kernel  # noqa: PLC0415
+        from p2pswarm.engine import portable_kernel
 
         return portable_kernel.kernel_id()
     return ExpertBank.kernel if resolved == "numpy" else load_libggml().kernel_id
@@ -90,7 +90,7 @@ def family(kernel_id: str) -> str:
 
 def portable_family() -> str:
     """The portable kernel's family (``portable-<version>``), which every worker can answer in."""
-    from p2pswarm.engine.portable_kernel import FAMILY  # noqa: PLC0415
+    from p2pswarm.engine.portable_kernel import FAMILY
 
     return FAMILY
 
@@ -125,16 +125,16 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
     ``cache_bytes`` bounds the numpy kernel's dequantised cache; ``threads`` is ggml's thread count
     (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8), also the portable kernel's;
     ``graph_cache_bytes`` lets the ggml kernel keep its graphs across calls (the backbone's replica;
-    :meth:`~p2pswarm.engine.ggml_kernel.GgmlRunner.graph`).
+    :meth:`~p2pswarm.engine.ggml_runner.GgmlRunner.graph`).
     """
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
-        from p2pswarm.engine.portable_kernel import PortableExpertBank  # noqa: PLC0415
+        from p2pswarm.engine.portable_kernel import PortableExpertBank
 
         return PortableExpertBank(layout, threads=threads)
     if resolved == "numpy":
         return ExpertBank(layout, cache_bytes=default_cache_bytes() if cache_bytes is None else cache_bytes)
-    from p2pswarm.engine.ggml_experts import GgmlExpertBank  # noqa: PLC0415
+    from p2pswarm.engine.ggml_experts import GgmlExpertBank
 
     return GgmlExpertBank(layout, threads=threads, graph_cache_bytes=graph_cache_bytes)
 
@@ -152,15 +152,15 @@ def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, thre
     with ``portable``: the dense path runs only on the backbone, outside what must agree across ISAs.
     With ``ggml`` numpy's BLAS is also limited to one thread (see :mod:`p2pswarm.engine.blas`), and
     every page of the model file is mapped now, as llama.cpp's loader does
-    (:func:`~p2pswarm.engine.ggml_kernel.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
+    (:func:`~p2pswarm.engine.ggml_runner.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
 
     Works on any architecture whose weights object is a :class:`p2pswarm.contracts.DenseWeights`
     (the matrices are handed to its ``provide``, so the architecture code is not touched).
     """
     if resolve_kernel(kernel) in ("numpy", "portable"):
         return 0
-    from p2pswarm.engine.ggml_dense import GgmlDense  # noqa: PLC0415
-    from p2pswarm.engine.ggml_kernel import populate  # noqa: PLC0415
+    from p2pswarm.engine.ggml_dense import GgmlDense
+    from p2pswarm.engine.ggml_runner import populate
 
     w = model.w
     if not isinstance(w, DenseWeights):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from p2pswarm.engine import ops
+from p2pswarm.engine.state import aligned_zeros
 
 F32 = np.float32
 #: ggml's defaults (llama.cpp reads no GGUF key for them)
@@ -122,18 +123,25 @@ def _logf(x) -> np.float32:
 class LatentCache:
     """One sequence's MLA cache of one layer: the normed compressed KV ``c`` (S, Rkv) and the roped
     key part ``kpe`` (S, rope) of every position, side by side in one (S, Rkv + rope) array (the
-    row llama.cpp's MLA cache holds), grown by doubling."""
+    row llama.cpp's MLA cache holds), grown by doubling. The rows sit on aligned memory, as
+    :class:`~p2pswarm.engine.state.KVCache`'s do: the ggml kernel's one-graph MLA layer
+    (:func:`~p2pswarm.engine.ggml_mla.mla_layer`) wraps them in place, writes a step's rows into
+    them and attends over them, with no copy."""
 
     def __init__(self, width: int, capacity: int = 64):
-        self.rows = np.zeros((capacity, width), F32)
+        self.rows = aligned_zeros((capacity, width))
         self.n = 0
+
+    def reserve(self, t: int) -> None:
+        """Room for ``t`` more positions (a new, larger buffer if needed; the old rows are kept)."""
+        if self.n + t > self.rows.shape[0]:
+            grown = aligned_zeros((max(self.n + t, 2 * self.rows.shape[0]), self.rows.shape[1]))
+            grown[: self.n] = self.rows[: self.n]
+            self.rows = grown
 
     def append(self, rows: np.ndarray) -> np.ndarray:
         t = rows.shape[0]
-        if self.n + t > self.rows.shape[0]:
-            grown = np.zeros((max(self.n + t, 2 * self.rows.shape[0]), self.rows.shape[1]), F32)
-            grown[: self.n] = self.rows[: self.n]
-            self.rows = grown
+        self.reserve(t)
         self.rows[self.n : self.n + t] = rows
         self.n += t
         return self.rows[: self.n]

@@ -43,7 +43,7 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 def matmuls(x: np.ndarray, ws: list) -> list[np.ndarray]:
     """``[matmul(x, W) for W in ws]``, with the weights ggml holds in the memory map multiplied in
     one ggml graph (:func:`~p2pswarm.engine.ggml_dense.fused_matmuls`; same bits as one by one)."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix, fused_matmuls  # noqa: PLC0415 - optional kernel
+    from p2pswarm.engine.ggml_dense import QuantisedMatrix, fused_matmuls  # optional kernel
 
     out: list = [None] * len(ws)
     by_runner: dict[int, list[int]] = {}
@@ -94,20 +94,34 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int) -> np.nd
     per query head, and no mask where every key is visible (a decode row). Why: this runs once per
     sequence per attention layer on the backbone; the form with ``np.repeat`` and an explicit
     mask took 44 us (5 cached positions) to 2 ms (1,000) per decode row, this one 19-140 us
-    (2026-12-02).
+    (docs/benchmarks.md, "ops.attention without np.repeat").
     """
-    T, H, hd = q.shape
+    T, H, _ = q.shape
     S, Hkv, _ = k.shape
-    group = H // Hkv
-    scale = F32(1.0 / np.sqrt(hd))
-    qh = q.reshape(T, Hkv, group, hd).transpose(1, 2, 0, 3).reshape(Hkv, group * T, hd)  # rows (head, t)
-    scores = (qh @ k.transpose(1, 2, 0)) * scale  # (Hkv, group * T, S)
+    scores = gqa_scores(q, k)
     if q_pos0 + T < S or T > 1:  # some key lies after some query's position
-        qpos = q_pos0 + np.tile(np.arange(T), group)
+        qpos = q_pos0 + np.tile(np.arange(T), H // Hkv)
         scores = np.where((np.arange(S)[None, :] > qpos[:, None])[None], F32(-np.inf), scores)
-    probs = softmax(scores, axis=-1)
+    return gqa_values(softmax(scores, axis=-1), v, T)
+
+
+def gqa_scores(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """``q . k / sqrt(hd)`` of GQA, q (T, H, hd), k (S, Hkv, hd): (Hkv, group * T, S), the query
+    heads that share a KV head stacked as one matrix, rows (head in group, t)."""
+    T, H, hd = q.shape
+    Hkv = k.shape[1]
+    group = H // Hkv
+    qh = q.reshape(T, Hkv, group, hd).transpose(1, 2, 0, 3).reshape(Hkv, group * T, hd)
+    return (qh @ k.transpose(1, 2, 0)) * F32(1.0 / np.sqrt(hd))
+
+
+def gqa_values(probs: np.ndarray, v: np.ndarray, T: int) -> np.ndarray:
+    """The attention weights ``probs`` (Hkv, group * T, S) of :func:`gqa_scores`' layout times the
+    values v (S, Hkv, hd): (T, H, hd)."""
+    Hkv, rows, _ = probs.shape
+    hd = v.shape[2]
     out = probs @ v.transpose(1, 0, 2)  # (Hkv, group * T, hd)
-    return out.reshape(Hkv, group, T, hd).transpose(2, 0, 1, 3).reshape(T, H, hd)
+    return out.reshape(Hkv, rows // T, T, hd).transpose(2, 0, 1, 3).reshape(T, rows // T * Hkv, hd)
 
 
 def route_topk(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -130,7 +144,7 @@ def swiglu_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: n
     Weights ggml holds in the memory map run as one ggml graph with ggml's SwiGLU (llama.cpp's
     numerics, as the routed experts already are); float32 arrays are multiplied here."""
     if type(w_gate).__name__ == "QuantisedMatrix":
-        from p2pswarm.engine.ggml_dense import fused_swiglu  # noqa: PLC0415 - optional kernel
+        from p2pswarm.engine.ggml_dense import fused_swiglu  # optional kernel
 
         got = fused_swiglu(x, w_gate, w_up, w_down)
         if got is not None:

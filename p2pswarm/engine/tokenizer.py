@@ -38,7 +38,7 @@ from tokenizers import pre_tokenizers as _hf_pre
 from p2pswarm.engine.vocab_rules import (ATTR_BYTE, ATTR_CONTROL, ATTR_NORMAL, ATTR_UNDEFINED, ATTR_UNKNOWN,
                                          ATTR_UNUSED, ATTR_USER_DEFINED, CHAR_TO_BYTE, EOG_TEXTS, EOM_TEXTS,
                                          EOT_TEXTS, FIM_TEXTS, SUPPORTED_PRE, TYPE_TO_ATTR, pin_unicode)
-from p2pswarm.errors import ModelFormatError, UserError
+from p2pswarm.errors import ModelFormatError, SwarmError, UserError
 from p2pswarm.model.gguf_read import array_field as _array
 from p2pswarm.model.gguf_read import open_gguf
 from p2pswarm.model.split_gguf import check_first_part
@@ -217,7 +217,7 @@ class Tokenizer:
             return cls._from_reader(reader)
         except ModelFormatError as exc:
             raise ModelFormatError(f"{where}: {exc}") from exc
-        except UserError:
+        except SwarmError:
             raise
         except Exception as exc:  # a corrupt field the reader let through
             raise ModelFormatError(f"{where}: unreadable tokenizer metadata ({type(exc).__name__}: {exc})") from exc

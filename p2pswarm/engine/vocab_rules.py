@@ -1,6 +1,7 @@
 """llama.cpp's vocabulary rules, as data: token types and attributes, the pre-tokenizer regexes
 per ``tokenizer.ggml.pre`` (with their Unicode classes pinned to llama.cpp's tables), the
-end-of-generation / fill-in-the-middle token texts, and GPT-2's byte map.
+end-of-generation / fill-in-the-middle token texts, and GPT-2's byte map
+(:func:`p2pswarm.model.vocab.bytes_to_unicode`) inverted.
 
 Split out of :mod:`p2pswarm.engine.tokenizer` (which applies them) because they change only when
 llama.cpp does: a newcomer adding a pre-tokenizer edits this file alone.
@@ -8,6 +9,8 @@ llama.cpp does: a newcomer adding a pre-tokenizer edits this file alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from p2pswarm.model.vocab import bytes_to_unicode  # the byte map lives below the engine: make-model writes it too
 
 # --- llama.cpp's token types (GGUF ``tokenizer.ggml.token_type``) and token attributes ---------
 TYPE_UNDEFINED, TYPE_NORMAL, TYPE_UNKNOWN, TYPE_CONTROL, TYPE_USER_DEFINED, TYPE_UNUSED, TYPE_BYTE = range(7)
@@ -179,19 +182,6 @@ EOG_TEXTS = frozenset((
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<｜end▁of▁sentence｜>", "[e~[",
 ))
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable-character map (the alphabet byte-level BPE tokens are written in)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in bytes_to_unicode().items()}

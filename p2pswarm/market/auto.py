@@ -4,7 +4,7 @@ Every ``period_s`` (jittered +-25 %, so workers started together drift apart) th
 
 1. reads every backbone's demand record through the DHT (:func:`p2pswarm.market.demand.find_demand`)
    and sums their per-unit demand for its model (``--model``, or the model most backbones serve);
-2. reads coverage exactly as a backbone does (:class:`p2pswarm.net.dht.CoverageResolver`): a
+2. reads coverage exactly as a backbone does (:class:`p2pswarm.net.coverage.CoverageResolver`): a
    unit's live replicas are the distinct peers whose signed, unexpired node record covers every
    expert of it - a killed worker drops out when its record expires (``--ttl``, 60 s by default);
 3. calls :func:`p2pswarm.market.enrol.choose_units` with its ``--memory`` budget and the units it
@@ -26,14 +26,19 @@ import random
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.market.demand import DemandRecord, find_demand
 from p2pswarm.market.enrol import DEFAULT_HYSTERESIS, Enrolment, choose_units
 from p2pswarm.net.records import MAX_SHARDS, CoverageUnit, ShardEntry
+
+if TYPE_CHECKING:  # both import py-libp2p (~0.8 s): loaded when a worker enrols, not with this module
+    from p2pswarm.net.advertiser import ShardAdvertiser
+    from p2pswarm.net.coverage import CoverageResolver
 
 log = logging.getLogger("p2pswarm.market")
 
@@ -59,7 +64,7 @@ def aggregate(records: list[DemandRecord], model: str | None) -> tuple[DemandRec
 
 
 def lazy_resolver(dht, **kw):
-    """A :class:`~p2pswarm.net.dht.CoverageResolver` that re-reads a known peer's node record only
+    """A :class:`~p2pswarm.net.coverage.CoverageResolver` that re-reads a known peer's node record only
     once the copy it holds has expired (or the peer is suspect), not at every refresh.
 
     Why: a backbone re-reads every record each refresh to see withdrawals and new addresses at
@@ -67,7 +72,7 @@ def lazy_resolver(dht, **kw):
     expires whichever way it is read - so liveness is the same (one TTL), while the DHT load of a
     crowd of workers each re-reading every other worker's record every period is not (30 workers on
     two cores saturated them). A clean withdrawal shows within one TTL instead of at once."""
-    from p2pswarm.net.dht import CoverageResolver
+    from p2pswarm.net.coverage import CoverageResolver
 
     class LazyResolver(CoverageResolver):
         async def _fetch_record(self, peer: str):
@@ -96,8 +101,8 @@ class AutoWorker:
         self.held: dict[int, tuple[ShardEntry, Path]] = {}  # unit index -> (entry, file)
         self.retiring: list[tuple[str, Path]] = []  # dropped last period: unloaded at the next
         self.geometry: DemandRecord | None = None
-        self.resolver = None
-        self.advertiser = None
+        self.resolver: CoverageResolver | None = None  # both made once the geometry is known
+        self.advertiser: ShardAdvertiser | None = None
         self.evaluations = 0
         self.last: Enrolment | None = None
         self.failed = 0
@@ -137,14 +142,21 @@ class AutoWorker:
         if self.memory < smallest:
             raise UserError(f"--memory {self.memory / 1e6:.1f} MB holds no unit of model {geo.model[:12]} "
                             f"(the smallest is {smallest / 1e6:.1f} MB)")
-        self.resolver = lazy_resolver(self.dht, model=geo.model, layers=geo.layers, n_expert=geo.n_expert,
-                                      block_size=geo.block_size, protocol=self.protocol, kernel=self.kernel)
-        self.resolver.log_refusals = False
+        resolver = lazy_resolver(self.dht, model=geo.model, layers=geo.layers, n_expert=geo.n_expert,
+                                 block_size=geo.block_size, protocol=self.protocol, kernel=self.kernel)
+        resolver.log_refusals = False
+        self.resolver = resolver
         log.info("market: model %s, %d units of %.1f MB in %d layers; memory %.1f MB", geo.model[:12], n_units,
                  self.sizes.max() / 1e6, len(geo.layers), self.memory / 1e6)
 
+    def _geo(self) -> DemandRecord:
+        """The model's geometry: known from the first evaluation on, before anything reads it."""
+        assert self.geometry is not None and self.model is not None, "no demand record read yet"
+        return self.geometry
+
     async def replicas(self) -> np.ndarray:
         """Live replicas per unit: other peers' from the DHT, plus one where we hold the unit."""
+        assert self.resolver is not None, "no demand record read yet"
         cmap = await self.resolver.refresh()
         me = self.identity.peer_id_str
         # workers deciding on this same map: every live provider we know, and us
@@ -155,7 +167,8 @@ class AutoWorker:
 
     # -- one evaluation ---------------------------------------------------------------------------
     async def evaluate(self) -> Enrolment:
-        geo, demand = await self._demand()
+        geo, found = await self._demand()
+        demand: np.ndarray | None = found
         if self.geometry is None:
             self._setup(geo)
         elif (geo.layers, geo.n_expert, geo.block_size) != (self.geometry.layers, self.geometry.n_expert,
@@ -175,10 +188,11 @@ class AutoWorker:
 
     def _path(self, unit: CoverageUnit) -> Path:
         e = unit.experts
-        stop = min(e.stop, self.geometry.n_expert)
+        geo = self._geo()
+        stop = min(e.stop, geo.n_expert)
         # per peer: several workers may share a home (and must not download into one file)
         return (self.home / "shards" / "auto" / self.identity.peer_id_str[-16:]
-                / f"{self.model[:16]}-L{unit.layer}-E{e.start}-{stop - 1}.gguf")
+                / f"{geo.model[:16]}-L{unit.layer}-E{e.start}-{stop - 1}.gguf")
 
     async def _download(self, index: int) -> tuple[ShardEntry, Path, object]:
         from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
@@ -186,11 +200,12 @@ class AutoWorker:
         unit = self.units[index]
         out = self._path(unit)
         out.parent.mkdir(parents=True, exist_ok=True)
-        experts = (unit.experts.start, min(unit.experts.stop, self.geometry.n_expert))
+        geo = self._geo()
+        experts = (unit.experts.start, min(unit.experts.stop, geo.n_expert))
         # The backbones whose demand records say they serve shards, beside the DHT's source look-up
         # (a source key provided long ago can sit at peers a look-up no longer reaches).
         extra = [s for s in (r.shard_source() for r in self.sources) if s is not None]
-        shard = await fetch_slice_from_swarm(self.net, self.dht, model=self.model, layers=(unit.layer, unit.layer + 1),
+        shard = await fetch_slice_from_swarm(self.net, self.dht, model=geo.model, layers=(unit.layer, unit.layer + 1),
                                              experts=experts, out_path=out, token=self.token,
                                              trusted_issuers=self.trusted, extra_sources=extra,
                                              find_timeout_s=5.0 if extra else 20.0)
@@ -216,7 +231,7 @@ class AutoWorker:
             async with limiter:
                 try:
                     loaded[i] = await self._download(i)
-                except UserError as exc:
+                except SwarmError as exc:
                     if str(exc).startswith("no shard source"):
                         no_source.append(str(exc))
                     else:
@@ -235,6 +250,7 @@ class AutoWorker:
         for i, (entry, path, worker) in loaded.items():
             self.held[i] = (entry, path)
             self.shards[entry.shard] = worker
+        assert self.advertiser is not None, "run() makes the advertiser before the first evaluation"
         await self.advertiser.set_shards([entry for entry, _ in self.held.values()])
         log.info("enrolled in %d units (%.1f MB of %.1f MB): %s%s%s", len(self.held),
                  sum(self.sizes[i] for i in self.held) / 1e6, self.memory / 1e6, self.describe(),
@@ -243,12 +259,12 @@ class AutoWorker:
 
     def describe(self) -> str:
         return ", ".join(f"L{self.units[i].layer}:E{self.units[i].experts.start}-"
-                         f"{min(self.units[i].experts.stop, self.geometry.n_expert) - 1}" for i in sorted(self.held))
+                         f"{min(self.units[i].experts.stop, self._geo().n_expert) - 1}" for i in sorted(self.held))
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Enrol now (``task_status.started()`` once serving at least one unit), then re-evaluate
         every period; the node record is re-published every third of its TTL meanwhile."""
-        from p2pswarm.net.dht import ShardAdvertiser
+        from p2pswarm.net.advertiser import ShardAdvertiser
 
         geo, _ = await self._demand()
         self._setup(geo)
@@ -271,6 +287,7 @@ class AutoWorker:
         """What :meth:`ShardAdvertiser.run` does after its first publication: the record every
         third of its TTL (the liveness signal), the provider records every ``reprovide_s``."""
         adv = self.advertiser
+        assert adv is not None, "run() makes the advertiser before it starts this task"
         while True:
             await trio.sleep(adv.refresh_s * random.uniform(0.9, 1.0))
             try:
@@ -278,7 +295,7 @@ class AutoWorker:
                     await adv.publish()
                 else:
                     await adv.publish_record()
-            except (UserError, trio.TooSlowError) as exc:
+            except (SwarmError, trio.TooSlowError) as exc:
                 log.warning("record refresh failed: %s", exc)
 
     async def withdraw(self) -> None:

@@ -22,10 +22,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from p2pswarm.net.signed import SignedError, field_int, field_str, open_sealed, seal
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NAMESPACE, RecordError
+
+if TYPE_CHECKING:  # for the annotation only: the async methods import trio where they run
+    import trio
 
 log = logging.getLogger("p2pswarm.market")
 
@@ -90,7 +94,7 @@ class BanRecord:
                   field_str(b, "evidence", what, 64), field_str(b, "reason", what, 300),
                   field_int(b, "issued", what, hi=1 << 40), field_int(b, "expires", what, hi=1 << 40),
                   field_int(b, "voids_epoch", what), field_int(b, "voids_from_seq", what, lo=1),
-                  signed=bytes(data))
+                  signed=bytes(cast(bytes, data)))  # (open_sealed refused anything but bytes)
         if key is not None and parse_ban_key(key) != (rec.banned, rec.backbone):
             raise SignedError(f"ban record of {rec.banned[-12:]} by {rec.backbone[-12:]} stored under another key")
         now = time.time() if now is None else now
@@ -146,7 +150,7 @@ class BanKeeper:
         self.honoured: dict[str, BanRecord] = {}  # banned peer -> the ban we act on
         self._checked: set[str] = set()
         self._publish_queue: list[BanRecord] = []
-        self._wake = None
+        self._wake: trio.Event | None = None  # set while run() waits: a new ban wakes it
         self.published = 0
 
     def ban(self, peer: str, evidence) -> BanRecord:
@@ -185,7 +189,7 @@ class BanKeeper:
     async def check(self, peers, *, force: bool = False) -> int:
         """Look up the bans of ``peers`` by every trusted backbone (peers already checked are
         skipped unless ``force``); returns how many new bans are honoured."""
-        import trio  # noqa: PLC0415
+        import trio
 
         if self.dht is None:
             return 0
@@ -233,7 +237,7 @@ class BanKeeper:
     async def run(self, peers_of, *, task_status=None) -> None:
         """Publish our bans as they come, re-publish them every ``republish_s``, and check
         ``peers_of()`` (the coverage map's peers) every ``refresh_s``."""
-        import trio  # noqa: PLC0415
+        import trio
 
         self._wake = trio.Event()
         if task_status is not None:

@@ -34,6 +34,7 @@ import numpy as np
 
 from p2pswarm.errors import UserError
 from p2pswarm.net.identity import Identity
+from p2pswarm.net.records import newest_index, open_signed
 
 log = logging.getLogger("p2pswarm.market")
 
@@ -149,8 +150,6 @@ class DemandRecord:
     def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
                allow_expired: bool = False) -> "DemandRecord":
         """Decode and check; DemandError (one line) for anything not to be trusted."""
-        from p2pswarm.net.records import open_signed  # noqa: PLC0415 - records imports this module lazily
-
         b, rpeer = open_signed(data, what="demand record", error=DemandError, max_bytes=MAX_DEMAND_BYTES,
                                version=DEMAND_VERSION, domain=SIGNING_DOMAIN, peer=peer)
         try:
@@ -202,8 +201,6 @@ class DemandValidator:
             raise
 
     def select(self, key: str, values: list[bytes]) -> int:
-        from p2pswarm.net.records import newest_index  # noqa: PLC0415 - records imports this module lazily
-
         return newest_index(values, lambda v: DemandRecord.verify(v, peer=peer_of_demand_key(key),
                                                                   allow_expired=True).seq)
 
@@ -308,7 +305,7 @@ class DemandPublisher:
     async def run(self, *, task_status=None) -> None:
         import trio
 
-        from p2pswarm.net.host import error_reason
+        from p2pswarm.net.addrs import error_reason
 
         first = True
         while True:
@@ -316,7 +313,7 @@ class DemandPublisher:
                 stored = await self.publish()
                 if first:
                     log.info("published demand for %d units of model %s (stored at %d peers; every %.0f s, "
-                             "TTL %.0f s)", len(self.record.demand), self.model[:12], stored, self.period_s, self.ttl_s)
+                             "TTL %.0f s)", len(self.record.demand) if self.record else 0, self.model[:12], stored, self.period_s, self.ttl_s)
             except (Exception, trio.TooSlowError) as exc:
                 log.warning("publishing demand failed: %s", error_reason(exc))
             if first and task_status is not None:

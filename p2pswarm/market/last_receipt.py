@@ -22,7 +22,7 @@ import logging
 
 import trio
 
-from p2pswarm.errors import UserError, clip
+from p2pswarm.errors import SwarmError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 
@@ -53,7 +53,7 @@ def serve_receipt_requests(net, ledger) -> None:
                 if isinstance(seq, int):
                     ledger.delivered(peer, seq)
             log.info("handed worker %s its last %d receipts as it left", peer, len(pending))
-        except (UserError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except (SwarmError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("worker %s asked for its receipts but the exchange failed: %s", peer, clip(exc, 200))
         finally:
             await trio.aclose_forcefully(stream)
@@ -82,7 +82,7 @@ async def collect_last_receipts(net, backbones, store, *, timeout_s: float = LAS
                 seqs.append(r.seq)
             await send_frame(stream, proto.pack({"op": "stored", "seqs": seqs}), DEFAULT_MAX_FRAME)
             stored += len(seqs)
-        except Exception as exc:  # noqa: BLE001 - a courtesy on the way out: never blocks the exit
+        except Exception as exc:  # a courtesy on the way out: never blocks the exit
             log.info("no last receipts from backbone %s: %s", peer, clip(exc, 200))
         finally:
             if stream is not None:

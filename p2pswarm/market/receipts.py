@@ -22,7 +22,9 @@ import logging
 import os
 import tempfile
 import time
+import builtins
 from dataclasses import dataclass, field
+from typing import cast
 from pathlib import Path
 
 from p2pswarm import settings
@@ -52,7 +54,7 @@ class Receipt:
     total_rows: int  # running totals over the epoch, this period included
     total_bytes: int
     total_requests: int
-    signed: bytes = field(default=b"", compare=False, repr=False)
+    signed: builtins.bytes = field(default=b"", compare=False, repr=False)  # (``bytes`` is a field here)
 
     def body(self) -> dict:
         return {"v": RECEIPT_VERSION, "backbone": self.backbone, "worker": self.worker, "model": self.model,
@@ -74,10 +76,12 @@ class Receipt:
         b = open_sealed(data, RECEIPT_DOMAIN, signer_field="backbone", what=what, max_bytes=MAX_RECEIPT_BYTES)
         if b.get("v") != RECEIPT_VERSION:
             raise SignedError(f"receipt version {b.get('v')!r} is not {RECEIPT_VERSION}")
+        n = {k: field_int(b, k, what) for k in ("epoch", "seq", "period_start", "period_end", "rows", "bytes",
+                                                "requests", "total_rows", "total_bytes", "total_requests")}
         r = cls(field_str(b, "backbone", what), field_str(b, "worker", what), field_str(b, "model", what),
-                *(field_int(b, k, what) for k in ("epoch", "seq", "period_start", "period_end", "rows", "bytes",
-                                                   "requests", "total_rows", "total_bytes", "total_requests")),
-                signed=bytes(data))
+                n["epoch"], n["seq"], n["period_start"], n["period_end"], n["rows"], n["bytes"], n["requests"],
+                n["total_rows"], n["total_bytes"], n["total_requests"],
+                signed=bytes(cast(bytes, data)))  # (open_sealed refused anything but bytes)
         if r.seq < 1 or r.period_end < r.period_start:
             raise SignedError(f"malformed receipt: seq {r.seq} or period [{r.period_start}, {r.period_end}]")
         if r.total_rows < r.rows or r.total_bytes < r.bytes or r.total_requests < r.requests:
@@ -189,7 +193,7 @@ class ReceiptIssuer:
         return delivered
 
     async def run(self) -> None:
-        import trio  # noqa: PLC0415 - the module stays importable without trio for the CLI
+        import trio  # the module stays importable without trio for the CLI
 
         while True:
             await trio.sleep(self.period_s)

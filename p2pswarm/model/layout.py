@@ -15,6 +15,7 @@ The file is memory-mapped by :class:`gguf.GGUFReader`; nothing here reads tensor
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from p2pswarm.errors import ModelFormatError, UserError
 # The GGUF reader and its helpers live in gguf_read; importable from here as before.
-from p2pswarm.model.gguf_read import FastGGUFReader, field_value, get_str, open_gguf  # noqa: F401
+from p2pswarm.model.gguf_read import field_value, get_str, open_gguf
 from p2pswarm.model.split_gguf import GGUFPart, PartMap, SplitGGUFReader, is_split
 
 # Architectures whose routed experts follow the layout above.
@@ -241,3 +242,24 @@ class ModelLayout:
         if required:
             raise ModelFormatError(f"{self.path}: required key {self.arch}.{key} is missing")
         return default
+
+
+def shard_hash(layout) -> str:
+    """Hex sha256 naming a shard file's exact contents, from what the slicer recorded in it: the
+    source fingerprint, the ranges, and every tensor's name and sha256. Two workers serving
+    byte-identical shards have the same hash; cheap (metadata only)."""
+    cached = getattr(layout, "_p2pswarm_shard_hash", None)
+    if isinstance(cached, str):
+        return cached
+    fields = layout.reader.fields
+    h = hashlib.sha256(b"p2pswarm-shard-v1\x00")
+    for key in (KEY_SOURCE_FINGERPRINT, KEY_LAYER_BEGIN, KEY_LAYER_END, KEY_EXPERT_BEGIN, KEY_EXPERT_END,
+                KEY_TENSOR_NAMES, KEY_TENSOR_SHA256):
+        f = fields.get(key)
+        h.update(key.encode() + b"=" + repr(field_value(f) if f is not None else None).encode() + b"\x00")
+    out = h.hexdigest()
+    try:
+        layout._p2pswarm_shard_hash = out
+    except (AttributeError, TypeError):
+        pass
+    return out

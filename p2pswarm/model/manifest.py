@@ -26,13 +26,9 @@ from pathlib import Path
 import msgpack
 
 from p2pswarm.errors import UserError
-from p2pswarm.model.layout import (
-    EXPERT_TENSOR_RE,
-    KEY_SOURCE_FINGERPRINT,
-    ModelLayout,
-    field_value,
-)
-from p2pswarm.net.identity import verify_peer_signature
+from p2pswarm.model.gguf_read import field_value
+from p2pswarm.model.layout import EXPERT_TENSOR_RE, KEY_SOURCE_FINGERPRINT, ModelLayout
+from p2pswarm.signatures import verify_peer_signature
 
 SAMPLE_BYTES = 4096
 FINGERPRINT_VERSION = b"p2pswarm-fingerprint-v1"
@@ -176,7 +172,7 @@ class ModelManifest:
                     tuple(tensors), bytes(sig), bytes(body))
         except ManifestError:
             raise
-        except Exception as exc:  # noqa: BLE001 - msgpack, key, type and unpacking errors: all mean malformed
+        except Exception as exc:  # msgpack, key, type and unpacking errors: all mean malformed
             raise ManifestError(f"malformed manifest ({type(exc).__name__})") from None
         return m
 

@@ -30,21 +30,8 @@ from p2pswarm.model.gguf_out import (
     kv_string_array,
     kv_uint32,
 )
-from p2pswarm.model.layout import (
-    EXPERT_TENSOR_RE,
-    KEY_EXPERT_BEGIN,
-    KEY_EXPERT_END,
-    KEY_LAYER_BEGIN,
-    KEY_LAYER_END,
-    KEY_SHARD_KIND,
-    KEY_SOURCE_FINGERPRINT,
-    KEY_TENSOR_NAMES,
-    KEY_TENSOR_SHA256,
-    SHARD_KIND_NAMES,
-    ExpertTensor,
-    ModelLayout,
-    field_value,
-)
+from p2pswarm.model.gguf_read import field_value
+from p2pswarm.model.layout import EXPERT_TENSOR_RE, KEY_EXPERT_BEGIN, KEY_EXPERT_END, KEY_LAYER_BEGIN, KEY_LAYER_END, KEY_SHARD_KIND, KEY_SOURCE_FINGERPRINT, KEY_TENSOR_NAMES, KEY_TENSOR_SHA256, SHARD_KIND_NAMES, ExpertTensor, ModelLayout
 from p2pswarm.model.gguf_read import HeaderOnlyReader
 from p2pswarm.model.manifest import model_fingerprint
 

@@ -132,7 +132,7 @@ class SplitGGUFReader(GGUFReader):
     ``header`` (the merged file's bytes before the first tensor), ``file_size`` (the merged file's)
     and ``part_map``. There is no single ``data``: read bytes through the part map."""
 
-    def __init__(self, first_path: str | Path, first: GGUFReader, open_part):  # noqa: D107 - see class
+    def __init__(self, first_path: str | Path, first: GGUFReader, open_part):  # see class
         path = Path(first_path)
         count = _int_key(first, KEY_SPLIT_COUNT, path)
         no = _int_key(first, KEY_SPLIT_NO, path)

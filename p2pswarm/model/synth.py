@@ -63,26 +63,24 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from p2pswarm.errors import UserError
-# The pieces live in their own modules (issue 16); their public names stay importable from here.
-from p2pswarm.model.gguf_read import KV, TensorInfo, read_gguf_header, read_gguf_kv  # noqa: F401
-from p2pswarm.model.synth_presets import (  # noqa: F401
-    ARCH, ARCHES, EXPERT_QTYPES, LOGIT_STD, NORM_NOISE, PRESETS, PRESETS_BY_ARCH, PRESETS_QWEN35, QTYPES,
-    QWEN35_OPTIONS, ROUTER_NEAR_TIE_SCALE, SYNTH_VERSION, Preset, Progress, Qwen35Preset, _file_type, _gguf,
+# The pieces live in their own modules (presets, tensor plans, vocabularies, per-arch keys).
+from p2pswarm.model.gguf_read import KV, read_gguf_header
+from p2pswarm.model.synth_presets import (
+    ARCH, ARCHES, PRESETS_BY_ARCH, SYNTH_VERSION, Preset, Progress, Qwen35Preset, _file_type, _gguf,
     _resolve, _validate, _validate_qwen35,
 )
 from p2pswarm.model.synth_glm4moe import plan_glm4, validate_glm4, write_glm4_keys
-from p2pswarm.model.synth_presets import PRESETS_GLM4, Glm4Preset  # noqa: F401
-from p2pswarm.model.synth_tensors import (  # noqa: F401
-    Q4_K_BLOCK_BYTES, QK_K, TensorPlan, _plan, _plan_qwen35, _tensor_chunks, _type_size, estimate_nbytes,
-    q4_k_d_for_std, random_q4_k_blocks,
+from p2pswarm.model.synth_presets import Glm4Preset
+from p2pswarm.model.synth_tensors import (
+    TensorPlan, _plan, _plan_qwen35, _tensor_chunks, _type_size, estimate_nbytes,
 )
 from p2pswarm.model.synth_gptoss import (ARCH_GPTOSS, PRESETS_GPTOSS, GptOssPreset, add_gptoss_keys,
                                           plan_gptoss, validate_gptoss)
 from p2pswarm.model import synth_deepseek2
 from p2pswarm.model.synth_deepseek2 import DeepSeek2Preset
-from p2pswarm.model.synth_vocab import (  # noqa: F401
-    BUILTIN_MERGES, BUILTIN_TEXT, CHATML_TEMPLATE, QWEN2_PRETOKENIZER_REGEX, SPECIAL_TOKENS, _n_vocab,
-    builtin_tokenizer_kv, builtin_vocab, vocab_tokenizer_kv,
+from p2pswarm.model.synth_vocab import (
+    _n_vocab,
+    builtin_tokenizer_kv, vocab_tokenizer_kv,
 )
 
 PRESETS_BY_ARCH[ARCH_GPTOSS] = PRESETS_GPTOSS
@@ -184,7 +182,7 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
 
 def _quantize_q4_k_m(src: Path, dst: Path, requantize: bool = False) -> None:
     try:
-        import llama_cpp  # noqa: PLC0415
+        import llama_cpp
     except ImportError:
         raise UserError(
             "--type q4_k_m needs llama.cpp's quantiser: pip install 'p2pswarm[llama]'") from None
@@ -354,7 +352,7 @@ def make_model(
     if isinstance(dims, DeepSeek2Preset):
         plans = synth_deepseek2.plan(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
     elif isinstance(dims, GptOssPreset):
-        plans = plan_gptoss(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie, TensorPlan, _type_size)
+        plans = plan_gptoss(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
     else:
         planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else plan_glm4 if isinstance(dims, Glm4Preset) else _plan
         plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)

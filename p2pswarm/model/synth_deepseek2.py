@@ -172,7 +172,7 @@ def write_keys(w, p: DeepSeek2Preset) -> None:
 def plan(dims: DeepSeek2Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
          router_near_tie: bool) -> list:
     """The tensors of a deepseek2 model, in file order (llama.cpp's names and shapes)."""
-    from p2pswarm.model.synth_tensors import TensorPlan, _type_size  # noqa: PLC0415 (no import cycle)
+    from p2pswarm.model.synth_tensors import plan_adder  # no import cycle
 
     g = _gguf()
     Q = g.GGMLQuantizationType
@@ -182,9 +182,7 @@ def plan(dims: DeepSeek2Preset, n_vocab: int, qtype: str, expert_qtype: str | No
     Rq, Rkv, rope, nope, v = dims.q_lora_rank, dims.kv_lora_rank, dims.qk_rope, dims.qk_nope, dims.v_head_dim
     plans: list = []
 
-    def add(name: str, shape: tuple[int, ...], kind: str, std: float, parts=()) -> None:
-        t = Q.F32 if kind in ("norm", "router", "vector") else exp_t if kind == "experts" else dense
-        plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape), parts))
+    add = plan_adder(plans, dense, exp_t)
 
     add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
     router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)

@@ -21,7 +21,7 @@ import numpy as np
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Glm4Preset, _gguf
-from p2pswarm.model.synth_tensors import TensorPlan, _type_size
+from p2pswarm.model.synth_tensors import TensorPlan, plan_adder
 
 def plan_glm4(dims: Glm4Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
               router_near_tie: bool) -> list[TensorPlan]:
@@ -33,9 +33,7 @@ def plan_glm4(dims: Glm4Preset, n_vocab: int, qtype: str, expert_qtype: str | No
     H, Hkv, hd, Fd, Fs = dims.n_head, dims.n_head_kv, dims.head_dim, dims.n_ff, dims.n_ff_exp * dims.n_expert_shared
     plans: list[TensorPlan] = []
 
-    def add(name: str, shape: tuple[int, ...], kind: str, std: float) -> None:
-        t = Q.F32 if kind in ("norm", "router", "vector") else exp_t if kind == "experts" else dense
-        plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape)))
+    add = plan_adder(plans, dense, exp_t)
 
     add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
     router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)

@@ -110,7 +110,7 @@ def random_mxfp4_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> 
 
 
 def plan_gptoss(dims: GptOssPreset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
-                router_near_tie: bool, TensorPlan, type_size) -> list:
+                router_near_tie: bool) -> list:
     """The tensors of a gpt-oss model, in file order (llama.cpp's names and shapes)."""
     if tied:
         raise UserError("gpt-oss has no tied output (llama.cpp requires output.weight): drop --tied")
@@ -122,14 +122,9 @@ def plan_gptoss(dims: GptOssPreset, n_vocab: int, qtype: str, expert_qtype: str 
     H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
     plans: list = []
 
-    def add(name: str, shape: tuple[int, ...], kind: str, std: float) -> None:
-        if kind in ("norm", "router", "vector"):
-            t = Q.F32
-        elif kind == "experts":
-            t = exp_t
-        else:
-            t = dense
-        plans.append(TensorPlan(name, shape, kind, std, t, type_size(t, shape)))
+    from p2pswarm.model.synth_tensors import plan_adder  # no import cycle
+
+    add = plan_adder(plans, dense, exp_t)
 
     add("token_embd.weight", (V, E), "embd", 1.0)
     router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)

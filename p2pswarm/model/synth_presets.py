@@ -1,7 +1,7 @@
 """The shapes :mod:`p2pswarm.model.synth` can write: presets for both architectures, the option
 checks (each a one-line :class:`~p2pswarm.errors.UserError`) and the file-type key.
 
-Split from ``synth.py`` (issue 16) so that adding a preset or a constraint touches only this file.
+Split from ``synth.py`` so that adding a preset or a constraint touches only this file.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from p2pswarm.errors import UserError
 
 
 def _gguf():
-    import gguf  # noqa: PLC0415 (import cost only when a model is made)
+    import gguf  # import cost only when a model is made
 
     return gguf
 
@@ -225,7 +225,7 @@ def _file_type(qtype: str, expert_qtype: str | None) -> int:
 
 
 # deepseek2's shapes live in their own module, which imports from this one: registered last.
-from p2pswarm.model.synth_deepseek2 import PRESETS_DEEPSEEK2  # noqa: E402
+from p2pswarm.model.synth_deepseek2 import PRESETS_DEEPSEEK2
 
 ARCHES = (*ARCHES, "deepseek2")
 PRESETS_BY_ARCH["deepseek2"] = PRESETS_DEEPSEEK2

@@ -1,7 +1,7 @@
 """What a synthetic model's tensors are and their bytes: the plan of both architectures (name,
 shape, type, scale of every tensor), random but valid Q4_K blocks, and the seeded chunked generator.
 
-Split from ``synth.py`` (issue 16); the weight-scaling rule is in that module's docstring.
+Split from ``synth.py``; the weight-scaling rule is in that module's docstring.
 """
 
 from __future__ import annotations
@@ -91,6 +91,19 @@ class TensorPlan:
     parts: tuple["TensorPlan", ...] = ()
 
 
+def plan_adder(plans: list, dense: Any, exp_t: Any):
+    """``add(name, shape, kind, std, parts=())``, which appends a :class:`TensorPlan` to ``plans`` typed
+    by its kind: F32 for norms, routers and vectors, ``exp_t`` for the routed experts, ``dense`` for
+    the rest (what every architecture's plan does)."""
+    F32 = _gguf().GGMLQuantizationType.F32
+
+    def add(name: str, shape: tuple[int, ...], kind: str, std: float, parts=()) -> None:
+        t = F32 if kind in ("norm", "router", "vector") else exp_t if kind == "experts" else dense
+        plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape), parts))
+
+    return add
+
+
 def _type_size(gtype: Any, shape: Sequence[int]) -> int:
     g = _gguf()
     block, size = g.GGML_QUANT_SIZES[gtype]
@@ -113,14 +126,7 @@ def _plan(dims: Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied
     H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
     plans: list[TensorPlan] = []
 
-    def add(name: str, shape: tuple[int, ...], kind: str, std: float) -> None:
-        if kind in ("norm", "router"):
-            t = Q.F32
-        elif kind == "experts":
-            t = exp_t
-        else:
-            t = dense
-        plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape)))
+    add = plan_adder(plans, dense, exp_t)
 
     add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
     router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
@@ -221,7 +227,7 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
     g = _gguf()
     Q = g.GGMLQuantizationType
     if plan.kind in ("kv_b_k", "kv_b_v"):  # deepseek2's split MLA tensors: cut from one attn_kv_b
-        from p2pswarm.model.synth_deepseek2 import kv_b_part  # noqa: PLC0415
+        from p2pswarm.model.synth_deepseek2 import kv_b_part
 
         name, shape, kind, std = plan.parts[0]
         whole = np.concatenate([np.asarray(c) for c in _tensor_chunks(
@@ -256,7 +262,7 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
             yield random_q4_k_blocks(rng, n * inner // QK_K, plan.std)
             continue
         if plan.gtype == Q.MXFP4:  # gpt-oss experts (p2pswarm.model.synth_gptoss)
-            from p2pswarm.model.synth_gptoss import MXFP4_BLOCK, random_mxfp4_blocks  # noqa: PLC0415
+            from p2pswarm.model.synth_gptoss import MXFP4_BLOCK, random_mxfp4_blocks
 
             yield random_mxfp4_blocks(rng, n * inner // MXFP4_BLOCK, plan.std)
             continue

@@ -1,7 +1,7 @@
 """The vocabulary a synthetic model carries: a small byte-level BPE trained at first use on a
 fixed text (deterministic), or the ``tokenizer.*`` keys copied from another GGUF file.
 
-Split from ``synth.py`` (issue 16).
+Split from ``synth.py``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import functools
 import json
 import os
 
-from p2pswarm.engine.vocab_rules import bytes_to_unicode
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.model.gguf_read import KV, read_gguf_kv
 from p2pswarm.model.synth_presets import _gguf
+from p2pswarm.model.vocab import bytes_to_unicode
 
 # Built-in vocabulary: 256 byte tokens, the merges BPE training finds in BUILTIN_TEXT (at most
 # BUILTIN_MERGES; pairs must occur twice: 281 with this text, so 540 tokens), 3 special tokens.
@@ -77,7 +77,7 @@ def builtin_vocab() -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
     Token ids: 0..255 are the bytes 0..255 (as GPT-2 byte-to-unicode characters), then one token
     per merge in merge order, then the special tokens. Deterministic.
     """
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers  # noqa: PLC0415
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -133,7 +133,7 @@ def vocab_tokenizer_kv(path: str | os.PathLike[str]) -> list[KV]:
     """The ``tokenizer.ggml.*`` keys (and ``tokenizer.chat_template``) of another GGUF file."""
     try:
         all_kv = read_gguf_kv(path)
-    except UserError as exc:
+    except SwarmError as exc:
         raise UserError(f"vocabulary: {exc}") from None
     kvs = [kv for kv in all_kv
            if kv.key.startswith("tokenizer.ggml.") or kv.key == "tokenizer.chat_template"]

@@ -9,6 +9,9 @@ dependency for an offline demo).
 
 The file is checked against a pinned SHA-256 once per process, so a damaged install is a clear
 one-line error instead of a tokenizer that silently differs.
+
+Also here, below both of its users: :func:`bytes_to_unicode`, the alphabet byte-level BPE tokens
+are written in (make-model writes vocabularies in it; the engine's tokenizer reads them back).
 """
 from __future__ import annotations
 
@@ -52,3 +55,16 @@ def qwen35_vocab_path() -> Path:
         raise UserError(f"the shipped vocabulary {path} has sha256 {digest}, expected {QWEN35_VOCAB_SHA256}: "
                         f"the p2pswarm install is damaged (reinstall it)")
     return path
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-character map (the alphabet byte-level BPE tokens are written in)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}

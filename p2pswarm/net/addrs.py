@@ -1,6 +1,6 @@
 """Addresses and one-line errors for the libp2p layer: parsing multiaddrs and peer addresses,
 circuit (relayed) addresses, listen-address checks, and turning py-libp2p's nested exceptions into
-one line. Nothing here needs a running host, so relay/, the CLI and the host share it."""
+one line. Nothing here needs a running host, so the relay service, the CLI and the host share it."""
 from __future__ import annotations
 
 import re
@@ -11,7 +11,7 @@ import multiaddr
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from p2pswarm.errors import UserError, clip, single_error  # noqa: F401  (single_error: re-exported)
+from p2pswarm.errors import UserError, clip
 
 PROTOCOL_CIRCUIT = "p2p-circuit"
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"
@@ -76,11 +76,12 @@ def circuit_addr(relay_addr: str | multiaddr.Multiaddr, peer: str | None = None)
 def error_reason(exc: BaseException) -> str:
     """One line out of py-libp2p's nested exceptions."""
     parts, seen = [], 0
-    while exc is not None and seen < 4:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    cur: BaseException | None = exc
+    while cur is not None and seen < 4:
+        text = str(cur).strip().splitlines()[0] if str(cur).strip() else type(cur).__name__
         if text not in parts:
             parts.append(clip(text, 200))
-        exc = exc.__cause__ or (exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else None)
+        cur = cur.__cause__ or (cur.exceptions[0] if isinstance(cur, BaseExceptionGroup) else None)
         seen += 1
     return ": ".join(parts)
 

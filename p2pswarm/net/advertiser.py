@@ -10,7 +10,7 @@ from typing import Sequence
 
 import trio
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.net.addrs import error_reason
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.kademlia import REPROVIDE_S, SwarmDHT
@@ -135,7 +135,7 @@ class ShardAdvertiser:
                         log.warning("re-provide: only %d of %d units reached the DHT", ok, len(self.units))
                 elif not await self.publish_record():
                     log.warning("record refresh reached no DHT peer; retrying in %.0f s", self.refresh_s)
-            except (UserError, RecordError) as exc:  # e.g. our listeners are gone: try again later
+            except (SwarmError, RecordError) as exc:  # e.g. our listeners are gone: try again later
                 log.warning("re-provide failed: %s", exc)
 
     async def withdraw(self, *, timeout_s: float = 10.0) -> bool:

@@ -2,6 +2,7 @@
 :class:`CoverageMap`). Resolution rules: docs/protocol.md "Resolution (backbone)"."""
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -239,7 +240,7 @@ class CoverageResolver:
                 nursery.start_soon(fetch, p)
         return records
 
-    def _apply_records(self, records: dict[str, NodeRecord | None], suspects: set[str]) -> None:
+    def _apply_records(self, records: dict[str, NodeRecord | None]) -> None:
         """Fold freshly read records into :attr:`_known`, :attr:`refused` and :attr:`gone`."""
         now = time.time()
         for peer, rec in records.items():
@@ -249,8 +250,13 @@ class CoverageResolver:
                 log.debug("record of %s: %s (was %s)", peer[-12:], "none found" if rec is None else
                           f"seq {rec.seq}{' withdrawn' if rec.withdrawn else ''}",
                           "unknown" if old is None else f"seq {old.seq}")
-            if rec is None and old is not None and old.live() and peer not in suspects:
-                self._known[peer] = old  # a look-up that failed this time; the record still holds
+            if rec is None and old is not None and old.live():
+                # A look-up that failed this time is no evidence: the record still holds. This goes
+                # for a suspect (an owner that just failed) too: a dead worker's record stays in the
+                # DHT until it expires, so "none found" is the look-up failing (a loaded or stalled
+                # host), and dropping a live worker there would cut it off until it is found again.
+                # A failing owner is avoided by the dispatcher's back-off, not by forgetting it.
+                self._known[peer] = old
                 continue
             if rec is None and was_refused is not None and was_refused[1].live():
                 self.refused[peer] = was_refused
@@ -300,16 +306,15 @@ class CoverageResolver:
             first = await self._find(limiter, explicit or [], index=explicit is None)
             peers = first | set(self._known) | set(self.refused) | self._suspects
             records = await self._read_records(limiter, peers)
-            suspects = self._suspects & peers
             self._suspects.difference_update(peers)
-            self._apply_records(records, suspects)
+            self._apply_records(records)
             self._rebuild()
             todo = self._lookup_set() if explicit is None else []
             if todo:
                 new = await self._find(limiter, todo, index=False) - set(records)
                 if new:
                     more = await self._read_records(limiter, new)
-                    self._apply_records(more, set())
+                    self._apply_records(more)
                     records.update(more)
                     self._rebuild()
             self.map.resolved_at = time.time()
@@ -320,7 +325,7 @@ class CoverageResolver:
                       len(todo) + len(explicit or []), len(records), len(self._known), self.stats.last_refresh_s)
         if self.on_change is not None:
             res = self.on_change(self.map)
-            if hasattr(res, "__await__"):
+            if inspect.isawaitable(res):
                 await res
         return self.map
 

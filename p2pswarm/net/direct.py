@@ -28,8 +28,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -72,7 +74,7 @@ class SealedStream:
         self._plain = b""
         self.socket = getattr(stream, "socket", None)
         self._recv_into = getattr(self.socket, "recv_into", None)  # None: a stream without a socket
-        self._into = None  # a receive buffer reused for every read (see _read)
+        self._into: memoryview | None = None  # a receive buffer reused for every read (see _read)
 
     def _nonce(self, direction: bytes, n: int) -> bytes:
         return direction + n.to_bytes(11, "big")
@@ -126,13 +128,14 @@ class SealedStream:
             return len(chunk)
         if self._into is None:
             self._into = memoryview(bytearray(RECV_BYTES))
+        into = self._into
         try:
-            n = await self._recv_into(self._into)
+            n = await self._recv_into(into)
         except OSError as exc:  # reported as SocketStream.receive_some reports it
             if exc.errno in (errno.EBADF, errno.ENOTSOCK):
                 raise trio.ClosedResourceError("this socket was already closed") from None
             raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-        self._raw += self._into[:n]
+        self._raw += into[:n]
         return n
 
     async def send_eof(self) -> None:
@@ -147,7 +150,7 @@ class _Ticket:
     key: bytes
     peer: str
     expires: float
-    serve: object  # async fn(stream): the expert-protocol handler, as the libp2p stream had it
+    serve: Callable[[SealedStream], Awaitable[None]]  # the expert-protocol handler, as the libp2p stream had it
 
 
 @dataclass
@@ -162,7 +165,7 @@ class DirectLane:
     _tickets: dict[bytes, _Ticket] = field(default_factory=dict)
     redeemed: int = 0
     refused: int = 0
-    _sock: object = None
+    _sock: socket.socket | None = None
 
     def offer(self, peer: str, serve) -> dict:
         """The ``direct`` field of a hello reply to ``peer``; ``serve(stream)`` will serve it."""
@@ -177,7 +180,6 @@ class DirectLane:
 
     def bind(self) -> None:
         """Take the port now (before joining a swarm): a taken one is a one-line error at start-up."""
-        import socket  # noqa: PLC0415
 
         if self._sock is not None:
             return
@@ -196,6 +198,7 @@ class DirectLane:
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled (``task_status.started((host, port))`` once bound)."""
         self.bind()
+        assert self._sock is not None
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
         bound = self._sock.getsockname()
         task_status.started((bound[0], bound[1]))
@@ -219,7 +222,7 @@ class DirectLane:
         log.info("direct lane from %s opened for peer %s", who, t.peer)
         try:
             await t.serve(SealedStream(stream, t.key, initiator=False, max_record=self.max_frame, peer_name=t.peer))
-        except Exception as exc:  # noqa: BLE001 - one bad connection must not end the listener
+        except Exception as exc:  # one bad connection must not end the listener
             log.warning("direct lane from %s closed: %s", who, clip(exc))
             await trio.aclose_forcefully(stream)
 
@@ -241,7 +244,7 @@ def _addr(stream) -> str:
     try:
         host, port = stream.socket.getpeername()[:2]
         return f"{host}:{port}"
-    except Exception:  # noqa: BLE001 - only for a log line
+    except Exception:  # only for a log line
         return "peer"
 
 

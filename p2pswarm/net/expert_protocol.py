@@ -1,6 +1,6 @@
 """Messages of the expert RPC, one msgpack map per frame (see docs/protocol.md).
 
-Shared by every transport (local sockets now, libp2p streams later). Arrays travel as raw
+Shared by every transport (local sockets, libp2p streams, a direct lane). Arrays travel as raw
 little-endian bytes with their dtype and shape beside them; a row that several experts of one owner
 need is sent once (``rows`` holds the distinct rows, ``index`` says which rows each expert takes).
 """
@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 
 from p2pswarm import settings
+from p2pswarm.engine.ggml_inputs import INPUT_FORMS
 from p2pswarm.errors import FrameError, clip
 from p2pswarm.net import wire_codec, wire_precision
 
@@ -21,13 +22,10 @@ PROTOCOL_VERSION = 1
 #: transport needs no libp2p.
 PROTOCOL_EXPERT = "/p2pswarm/expert/1.0.0"
 ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
-#: Forms a compute request's input rows may take instead of float32 (issue 32): ggml's own
-#: quantised layouts, name -> (ggml type, values per block, bytes per block). A worker's hello
-#: lists those it takes ("input_forms"; an older worker none: it gets float32); a request's rows map
-#: then has that name as its "dtype", the shape in values (n, n_embd) and n * row bytes of data.
-#: Each is what ggml itself turns float32 rows into before the mat-mul (p2pswarm.engine.ggml_inputs).
-INPUT_FORMS = {"q8_K": (15, 256, 292), "q8_0": (8, 32, 34), "q8_1": (9, 32, 36), "f16": (1, 1, 2),
-               "bf16": (30, 1, 2)}
+# Input rows may also travel in one of ggml's quantised forms (:data:`INPUT_FORMS`, defined with
+# the kernel that makes them): a worker's hello lists those it takes ("input_forms"; an older worker
+# none: it gets float32); a request's rows map then has that name as its "dtype", the shape in
+# values (n, n_embd) and n * row bytes of data.
 #: Wire-only forms of an input form (p2pswarm.net.wire_codec): name -> (the form it stands for, bytes
 #: per block on the wire, pack, unpack). A worker lists such a name in its hello's "input_forms" when it
 #: takes that form; the rows arrive as the full form after unpacking, the same bytes.
@@ -118,7 +116,7 @@ def rows_from_wire(d: object) -> tuple[np.ndarray, str | None]:
     """(rows, form): float32 (n, n_embd) and None, or (n, row bytes) uint8 and the form's name
     (a packed wire form unpacked into its form)."""
     name = d.get("dtype") if isinstance(d, dict) else None
-    if not isinstance(name, str) or (name not in INPUT_FORMS and name not in PACKED_FORMS):
+    if not isinstance(d, dict) or not isinstance(name, str) or (name not in INPUT_FORMS and name not in PACKED_FORMS):
         return array_from_wire(d, "rows"), None  # (a fuzzed dtype may be any msgpack value)
     form, unpack_rows = name, None
     if name in PACKED_FORMS:
@@ -232,7 +230,7 @@ def result_coded(d: object) -> bool:
 def result_from_wire(d: object) -> np.ndarray:
     """A result's ``out``: float32, coded float32, or 16-bit values (``--wire-precision``) widened
     to float32."""
-    if result_coded(d):
+    if isinstance(d, dict) and "coding" in d:
         return wire_codec.decode_f32(d, "result")
     if isinstance(d, dict) and d.get("dtype") in wire_precision.PRECISIONS:
         return wire_precision.from_wire(d, "result")

@@ -4,9 +4,9 @@ v2), explicit addresses, our framing.
 Everything in p2pswarm that touches libp2p goes through :func:`open_host` and :class:`NetHost`.
 The library's quirks are worked around in :mod:`p2pswarm.net.libp2p_patches` (its docstring has the
 table: trap -> patch -> regression test); ``open_host`` applies them (``libp2p_patches.apply()``,
-once per process) and uses its per-host helpers. Addresses and one-line errors live in
-:mod:`p2pswarm.net.addrs`, the trio view of a libp2p stream in :mod:`p2pswarm.net.stream`; both are
-re-exported here for existing callers.
+once per process) and uses its per-host helpers (:mod:`p2pswarm.net.libp2p_host_patches`).
+Addresses and one-line errors live in :mod:`p2pswarm.net.addrs`, the trio view of a libp2p stream
+in :mod:`p2pswarm.net.stream`.
 
 What the host itself does, and why:
 
@@ -50,18 +50,12 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2pswarm import settings
-from p2pswarm.errors import UserError
-from p2pswarm.net import libp2p_patches
-# Re-exported: callers import these from p2pswarm.net.host.
-from p2pswarm.net.addrs import (DEFAULT_LISTEN, PROTOCOL_CIRCUIT, NetError, check_listen_addrs,  # noqa: F401
-                                circuit_addr, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr,
-                                parse_peer_addr, single_error)
-# Every protocol id p2pswarm speaks lives under /p2pswarm/, is versioned (docs/protocol.md) and is
-# defined beside its protocol; re-exported here for the callers that open expert streams.
-from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT  # noqa: F401
+from p2pswarm.errors import SwarmError, UserError
+from p2pswarm.net import libp2p_host_patches, libp2p_patches
+from p2pswarm.errors import single_error
+from p2pswarm.net.addrs import DEFAULT_LISTEN, NetError, check_listen_addrs, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr, parse_peer_addr
 from p2pswarm.net.identity import Identity
-from p2pswarm.net.libp2p_patches import connection_config  # noqa: F401
-from p2pswarm.net.stream import DEFAULT_READ_AHEAD, YAMUX_MAX_READ, StreamAdapter  # noqa: F401
+from p2pswarm.net.stream import DEFAULT_READ_AHEAD, StreamAdapter
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -194,7 +188,7 @@ class NetHost:
                 text = f"{text}/p2p/{peer.to_base58()}"
             try:
                 if self.relay_token:
-                    from p2pswarm.net.relay_token import present_token  # noqa: PLC0415 - only for relayed dials
+                    from p2pswarm.net.relay_token import present_token  # only for relayed dials
 
                     relay_part = text.split("/p2p-circuit", 1)[0]
                     await present_token(self, relay_part, self.relay_token)
@@ -210,14 +204,14 @@ class NetHost:
 
     def _replace_addrs(self, info: PeerInfo) -> None:
         """Make ``info.addrs`` the only addresses we know for the peer (see
-        :func:`~p2pswarm.net.libp2p_patches.forget_peer_addrs`); the caller dials them."""
-        libp2p_patches.forget_peer_addrs(self.host, info.peer_id)
+        :func:`~p2pswarm.net.libp2p_host_patches.forget_peer_addrs`); the caller dials them."""
+        libp2p_host_patches.forget_peer_addrs(self.host, info.peer_id)
 
     async def forget_dead_connections(self, peer: ID) -> bool:
         """Drop connections to ``peer`` that are closed but still registered; True if any were
-        (:func:`~p2pswarm.net.libp2p_patches.drop_dead_connections`). Callers retrying after a
+        (:func:`~p2pswarm.net.libp2p_host_patches.drop_dead_connections`). Callers retrying after a
         failed stream call this first."""
-        return await libp2p_patches.drop_dead_connections(self.host, peer)
+        return await libp2p_host_patches.drop_dead_connections(self.host, peer)
 
     def is_connected(self, peer: ID) -> bool:
         return bool(self.host.get_network().connections.get(peer))
@@ -315,7 +309,7 @@ def tls_client_context() -> ssl.SSLContext:
 
 def _stop_only_protocol(host):
     """Circuit relay v2 without HOP: accepts relayed connections (STOP), relays nothing."""
-    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol  # noqa: PLC0415
+    from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 
     return CircuitV2Protocol(host, allow_hop=False)
 
@@ -324,8 +318,8 @@ def _circuit_transport(host, protocol):
     """The dialler for /p2p-circuit addresses. STOP only, no CLIENT role: with CLIENT, every dial
     would first ask the relay for a reservation of our own (refused without a token, and
     pointless for a backbone)."""
-    from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole  # noqa: PLC0415
-    from libp2p.relay.circuit_v2.transport import CircuitV2Transport  # noqa: PLC0415
+    from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+    from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 
     return CircuitV2Transport(host, protocol, RelayConfig(roles=RelayRole.STOP))
 
@@ -335,7 +329,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                     announce: Sequence[str] | None = None, read_ahead: int = DEFAULT_READ_AHEAD,
                     dial_retries: int = 1, tls_cert: str | None = None, tls_key: str | None = None,
                     circuit_protocol: Callable | None = None,
-                    max_connections: int = libp2p_patches.DEFAULT_MAX_CONNECTIONS):
+                    max_connections: int = libp2p_host_patches.DEFAULT_MAX_CONNECTIONS):
     """Start a host listening on ``listen`` (multiaddrs; port 0 picks a free port) and yield a
     :class:`NetHost`. On exit: background tasks cancelled, listeners and connections closed.
 
@@ -356,9 +350,9 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
     if bool(tls_cert) != bool(tls_key):
         raise UserError("a TLS certificate needs its key and the other way round (--tls-cert and --tls-key)")
     check_listen_addrs(listen_addrs, tls=bool(tls_cert))
-    tls_server = _tls_server_context(tls_cert, tls_key) if tls_cert else None
+    tls_server = _tls_server_context(tls_cert, tls_key) if tls_cert and tls_key else None
     for a in listen_addrs:
-        libp2p_patches.check_port_free(a)
+        libp2p_host_patches.check_port_free(a)
     announce_addrs = [parse_multiaddr(a, "announce address") for a in announce] if announce else None
     sec = {NOISE_PROTOCOL_ID: NoiseTransport(identity.key_pair, noise_privkey=new_x25519_key_pair().private_key)}
     host = new_host(
@@ -366,13 +360,13 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
         sec_opt=sec,
         muxer_preference="YAMUX",
         listen_addrs=listen_addrs,
-        connection_config=libp2p_patches.connection_config(max_connections),
+        connection_config=libp2p_host_patches.connection_config(max_connections),
         announce_addrs=announce_addrs,
         disable_identify_address_discovery=True,
     )
-    libp2p_patches.install_websocket(host, tls_server, tls_client_context())
-    libp2p_patches.disable_auto_connect(host, dial_retries=dial_retries)
-    libp2p_patches.raise_connection_limits(host, max_connections)
+    libp2p_host_patches.install_websocket(host, tls_server, tls_client_context())
+    libp2p_host_patches.disable_auto_connect(host, dial_retries=dial_retries)
+    libp2p_host_patches.raise_connection_limits(host, max_connections)
     started = False
     try:
         async with host.run(listen_addrs):
@@ -383,9 +377,9 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                 net = NetHost(identity, host, nursery, announce_addrs, read_ahead,
                               circuit=_circuit_transport(host, circuit_proto))
                 if settings.RELAY_TOKEN.is_set:
-                    from p2pswarm.net.tokens import load_token  # noqa: PLC0415
+                    from p2pswarm.net.tokens import load_token
 
-                    net.relay_token = load_token(settings.RELAY_TOKEN.raw())
+                    net.relay_token = load_token(settings.RELAY_TOKEN.raw() or "")
                 if len(net.transport_addrs()) < len(listen_addrs):
                     raise UserError(f"could not listen on {', '.join(map(str, listen_addrs))} "
                                     f"(listening on {', '.join(map(str, net.transport_addrs())) or 'nothing'})")
@@ -395,16 +389,16 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                 finally:
                     nursery.cancel_scope.cancel()
                     with trio.CancelScope(shield=True), trio.move_on_after(10):
-                        await libp2p_patches.close_connections(host)
+                        await libp2p_host_patches.close_connections(host)
     except BaseExceptionGroup as group:  # our nursery and py-libp2p's wrap the body's own error
         leaf = single_error(group)
         if leaf is group:
             raise
-        if not started and isinstance(leaf, Exception) and not isinstance(leaf, UserError):
+        if not started and isinstance(leaf, Exception) and not isinstance(leaf, SwarmError):
             raise UserError(f"cannot listen on {', '.join(map(str, listen_addrs))}: {error_reason(leaf)}") from None
         raise leaf from None
     except Exception as exc:
-        if started or isinstance(exc, UserError):
+        if started or isinstance(exc, SwarmError):
             raise
         raise UserError(f"cannot listen on {', '.join(map(str, listen_addrs))}: {error_reason(exc)}") from None
     finally:

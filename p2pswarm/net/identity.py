@@ -25,14 +25,17 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import base58
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from p2pswarm import settings
 from p2pswarm.errors import UserError, clip
+
+if TYPE_CHECKING:  # libp2p is imported when an identity is made, not with this module (see from_private_key)
+    from libp2p.crypto.keys import KeyPair
+    from libp2p.peer.id import ID
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -50,8 +53,8 @@ class Identity:
     """An Ed25519 key pair and the libp2p peer id it defines."""
 
     private_key: ed25519.Ed25519PrivateKey
-    key_pair: object  # libp2p KeyPair: the same key in libp2p's types, for the host
-    peer_id: object  # libp2p peer ID
+    key_pair: KeyPair  # the same key in libp2p's types, for the host
+    peer_id: ID
     path: Path | None = None
     created: bool = False
 
@@ -72,10 +75,10 @@ class Identity:
                          created: bool = False) -> "Identity":
         # libp2p is imported here, not at module level: importing any libp2p module costs ~0.8 s,
         # and record checks (socket workers, tools) need only the pure-Python helpers below.
-        from libp2p.crypto.ed25519 import Ed25519PrivateKey as LibEd25519PrivateKey  # noqa: PLC0415
-        from libp2p.crypto.keys import KeyPair  # noqa: PLC0415
-        from libp2p.peer.id import ID  # noqa: PLC0415
-        from nacl.signing import SigningKey  # noqa: PLC0415
+        from libp2p.crypto.ed25519 import Ed25519PrivateKey as LibEd25519PrivateKey
+        from libp2p.crypto.keys import KeyPair
+        from libp2p.peer.id import ID
+        from nacl.signing import SigningKey
 
         seed = key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
                                  serialization.NoEncryption())
@@ -208,37 +211,3 @@ def _load_or_create(path: Path) -> Identity:
     except OSError as exc:
         raise UserError(f"cannot create identity key {path}: {exc.strerror or exc}") from None
     return Identity.from_private_key(key, path, created=True)
-
-
-# An Ed25519 libp2p peer id is an identity multihash of the protobuf PublicKey
-# {Type: Ed25519 (1), Data: 32 bytes}: 00 24 | 08 01 12 20 | key.
-_ED25519_PEER_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
-
-
-def peer_id_bytes(peer_id) -> bytes:
-    if isinstance(peer_id, (bytes, bytearray)):
-        return bytes(peer_id)
-    if hasattr(peer_id, "to_bytes"):
-        return peer_id.to_bytes()
-    try:
-        return base58.b58decode(str(peer_id))
-    except Exception:
-        raise UserError(f"malformed peer id {clip(peer_id, 80)!r}") from None
-
-
-def peer_public_key(peer_id) -> ed25519.Ed25519PublicKey:
-    """The Ed25519 public key a peer id (base58 string, bytes or libp2p ID) embeds; UserError if
-    it embeds none (e.g. a hashed RSA id): only Ed25519 identities can sign our records."""
-    raw = peer_id_bytes(peer_id)
-    if len(raw) != len(_ED25519_PEER_PREFIX) + 32 or not raw.startswith(_ED25519_PEER_PREFIX):
-        raise UserError(f"peer id {clip(peer_id, 80)} does not embed an Ed25519 public key")
-    return ed25519.Ed25519PublicKey.from_public_bytes(raw[len(_ED25519_PEER_PREFIX):])
-
-
-def verify_peer_signature(peer_id, data: bytes, signature: bytes) -> bool:
-    """Whether ``signature`` over ``data`` was made by the key behind ``peer_id``."""
-    try:
-        peer_public_key(peer_id).verify(signature, data)
-        return True
-    except (InvalidSignature, UserError, ValueError, TypeError):
-        return False

@@ -2,7 +2,7 @@
 
 The library serves the Kademlia wire protocol (routing table, FIND_NODE, ADD_PROVIDER,
 GET_PROVIDERS, PUT_VALUE, GET_VALUE); its private limits and ``add_peer`` are patched by
-:func:`p2pswarm.net.libp2p_patches.patch_kad` (the table there). Look-ups, provides and value puts
+:func:`p2pswarm.net.libp2p_kad_patches.patch_kad` (the table in :mod:`p2pswarm.net.libp2p_patches`). Look-ups, provides and value puts
 we do ourselves (:meth:`SwarmDHT.find_providers`, :meth:`SwarmDHT.get_values`,
 :meth:`SwarmDHT.provide`, :meth:`SwarmDHT.put_value`): a few dozen lines over the same wire
 protocol and the library's per-peer helpers, because the library's own versions are wrong for us.
@@ -34,7 +34,8 @@ import random
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import cast
+from collections.abc import Callable, Mapping, Sequence
 
 import multiaddr
 import trio
@@ -44,16 +45,19 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.records.validator import Validator
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
-from p2pswarm.errors import UserError
-from p2pswarm.net import libp2p_patches
-from p2pswarm.net.addrs import NetError, error_reason, single_error
+from p2pswarm.errors import SwarmError, UserError
+from p2pswarm.net import libp2p_kad_patches, libp2p_patches
+from p2pswarm.errors import single_error
+from p2pswarm.net.addrs import NetError, error_reason
 from p2pswarm.net.host import NetHost
 # the kad protocol id is ours only because of the patch that rebinds the library's constant
-from p2pswarm.net.libp2p_patches import INBOUND_KAD_STREAMS, KAD_PROTOCOL, PROVIDE_RATE_MAX  # noqa: F401
-from p2pswarm.net.records import NAMESPACE, NodeRecord, NodeRecordValidator, RecordError, node_record_key
+from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
+from p2pswarm.net.records import (NAMESPACE, NodeRecord, NodeRecordValidator, RecordError, RecordKind,
+                                  node_record_key)
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -85,18 +89,21 @@ class DHTStats:
 class SwarmDHT:
     """Our side of one node's DHT. Made by :func:`open_dht`."""
 
-    def __init__(self, net: NetHost, *, server: bool):
+    def __init__(self, net: NetHost, *, server: bool, kinds: Mapping[str, RecordKind]):
+        """``kinds``: the record kinds besides node records this DHT stores and reads (see
+        :class:`p2pswarm.net.records.NodeRecordValidator`)."""
         libp2p_patches.apply()  # our kad protocol id must be bound before a KadDHT is built
         self.net = net
         self.server = server
         self.kad = KadDHT(net.host, DHTMode.SERVER if server else DHTMode.CLIENT)
-        self.validator = NodeRecordValidator()
-        self.kad.register_validator(NAMESPACE, self.validator)
+        self.validator = NodeRecordValidator(kinds)
+        # (py-libp2p types it as its Validator base class; it calls only validate and select)
+        self.kad.register_validator(NAMESPACE, cast(Validator, self.validator))
         self.stats = DHTStats()
         self._outbound = trio.CapacityLimiter(OUTBOUND_KAD_STREAMS)
         self._admitting: set[ID] = set()
         # rate limits raised, client-mode peers kept out of the routing table (libp2p_patches)
-        self._library_add_peer = libp2p_patches.patch_kad(self.kad, self._add_peer_checked)
+        self._library_add_peer = libp2p_kad_patches.patch_kad(self.kad, self._add_peer_checked)
 
     @property
     def peer_id(self) -> ID:
@@ -165,7 +172,7 @@ class SwarmDHT:
             for text in addrs:
                 try:
                     pid = await self.net.connect(text, timeout_s=min(10.0, timeout_s))
-                except (NetError, UserError) as exc:
+                except (NetError, SwarmError) as exc:
                     log.warning("bootstrap %s unreachable: %s", text, exc)
                     why = why or str(exc)
                     continue
@@ -250,12 +257,17 @@ class SwarmDHT:
                         pass
 
     async def _lookup(self, key: bytes, msg_type, on_response: Callable[[ID, Message], None],
-                      *, timeout_s: float = LOOKUP_TIMEOUT_S, beta: int = BETA) -> list[ID]:
+                      *, timeout_s: float = LOOKUP_TIMEOUT_S, beta: int = BETA,
+                      found: Callable[[], bool] | None = None) -> list[ID]:
         """Iterative Kademlia query of ``key``: ALPHA RPCs in flight, closer peers from each
         answer join the candidates, and the look-up ends when the BETA closest peers that have
-        not failed have all answered (``beta``: the K closest for an exhaustive one). Returns the
-        peers it learnt of that did not fail, closest
-        first (the K closest of them are where a value for ``key`` belongs)."""
+        not failed have all answered (``beta``: the K closest for an exhaustive one). With
+        ``found``: a look-up that converged while ``found()`` is still False goes on to the K
+        closest. A value is stored at the K closest peers its publisher knew *then*: in a young
+        or growing swarm peers that joined later can be closer and not hold it (measured: a live
+        worker's record "none found" by a backbone whose three closest peers had joined after
+        the worker published). Returns the peers it learnt of that did not fail, closest first
+        (the K closest of them are where a value for ``key`` belongs)."""
         t0 = time.perf_counter()
         self.stats.lookups += 1
         status: dict[ID, str] = {}  # "new" | "busy" | "ok" | "failed"
@@ -276,12 +288,17 @@ class SwarmDHT:
 
         with trio.move_on_after(timeout_s):
             async with trio.open_nursery() as nursery:
-                busy = 0
+                busy, widened = 0, False
                 while True:
+                    if widened and found is not None and found():
+                        break  # the further peers had it
                     order = sort_peer_ids_by_distance(key, [p for p, s in status.items() if s != "failed"])
                     closest = order[:beta]
                     if closest and all(status[p] == "ok" for p in closest):
-                        break  # converged; answers still in flight add nothing we need
+                        if found is None or beta >= K or found():
+                            break  # converged; answers still in flight add nothing we need
+                        beta, widened = K, True  # converged on nothing: ask further out (see the docstring)
+                        continue
                     for pid in [p for p in order[:K] if status[p] == "new"][: max(0, ALPHA - busy)]:
                         status[pid] = "busy"
                         busy += 1
@@ -442,7 +459,8 @@ class SwarmDHT:
         local = self.kad.value_store.get(kb)
         if local is not None and kb in self.kad.value_store.local_keys:
             values.append(bytes(local.value))  # our own record: authoritative
-        await self._lookup(kb, Message.MessageType.GET_VALUE, on_response, timeout_s=timeout_s)
+        await self._lookup(kb, Message.MessageType.GET_VALUE, on_response, timeout_s=timeout_s,
+                           found=lambda: bool(values))
         return values
 
     async def get_node_record(self, peer: ID | str, *, on_bogus: Callable[[str], None] | None = None) -> NodeRecord | None:
@@ -463,12 +481,13 @@ class SwarmDHT:
 
 
 @asynccontextmanager
-async def open_dht(net: NetHost, *, server: bool = True, bootstrap: Sequence[str] = (),
-                   bootstrap_timeout_s: float = 15.0, refresh_s: float = 300.0):
+async def open_dht(net: NetHost, *, kinds: Mapping[str, RecordKind], server: bool = True,
+                   bootstrap: Sequence[str] = (), bootstrap_timeout_s: float = 15.0, refresh_s: float = 300.0):
     """Run a DHT on ``net`` (server mode: we answer kad queries and store records) and bootstrap
-    from ``bootstrap`` peer addresses. Yields a :class:`SwarmDHT`; the routing table is refreshed
-    every ``refresh_s`` seconds."""
-    dht = SwarmDHT(net, server=server)
+    from ``bootstrap`` peer addresses. Yields a :class:`SwarmDHT` storing node records and
+    ``kinds``; the routing table is refreshed every ``refresh_s`` seconds. Nodes open theirs
+    through :func:`p2pswarm.market.swarm_dht.open_dht`, which gives the swarm's record kinds."""
+    dht = SwarmDHT(net, server=server, kinds=kinds)
     try:
         async with background_trio_service(dht.kad):
             async with trio.open_nursery() as nursery:

@@ -28,12 +28,13 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol, TypeGuard
 
 import msgpack
 import multiaddr
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.net.expert_protocol import MAX_KERNEL_ID_CHARS
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.signed import SignedError, open_sealed
@@ -120,7 +121,7 @@ class ShardEntry:
     """One shard a node serves: a rectangle of (layers x experts) of one model."""
 
     model: str
-    shard: str  # shard hash (see :func:`shard_hash`)
+    shard: str  # shard hash (see :func:`p2pswarm.model.layout.shard_hash`)
     layers: tuple[int, int]  # [begin, end)
     experts: tuple[int, int]  # [begin, end)
 
@@ -231,7 +232,7 @@ class NodeRecord:
         this (verified, live) peer, or None. The wording matches the handshake's refusals."""
         if self.protocol != protocol:
             return f"protocol version mismatch: worker speaks {self.protocol}, we {protocol}"
-        from p2pswarm.engine.kernels import compatible  # noqa: PLC0415 - records stay free of the engine at import
+        from p2pswarm.engine.kernels import compatible  # records stay free of the engine at import
 
         if not compatible(self.kernel, kernel):
             return f"kernel mismatch: worker computes with {self.kernel!r}, we with {kernel!r}"
@@ -284,41 +285,40 @@ def peer_of_record_key(key: str) -> str | None:
     return key[len(NODE_RECORD_PREFIX):] if key.startswith(NODE_RECORD_PREFIX) else None
 
 
-def record_kinds() -> dict:
-    """Other signed record kinds in the ``/p2pswarm/`` namespace, by key prefix -> validator (an
-    object with ``validate(key, value)`` and ``select(key, values)``). Imported lazily: the market
-    code imports this module."""
-    from p2pswarm.market.bans import BAN_PREFIX, BanValidator  # noqa: PLC0415
-    from p2pswarm.market.demand import DEMAND_PREFIX, DemandValidator  # noqa: PLC0415
+class RecordKind(Protocol):
+    """Another signed record kind in the ``/p2pswarm/`` namespace (the market's demand and ban
+    records): the two methods of a py-libp2p ``Validator``. ``validate`` raises a UserError for a
+    value not to be stored; ``select`` gives the index of the value to keep."""
 
-    global _RECORD_KINDS
-    if _RECORD_KINDS is None:
-        _RECORD_KINDS = {DEMAND_PREFIX: DemandValidator(), BAN_PREFIX: BanValidator()}
-    return _RECORD_KINDS
+    def validate(self, key: str, value: bytes) -> None: ...
 
-
-_RECORD_KINDS: dict | None = None
-
-
-def _other_kind(key: str):
-    return next((v for prefix, v in record_kinds().items() if key.startswith(prefix)), None)
+    def select(self, key: str, values: list[bytes]) -> int: ...
 
 
 class NodeRecordValidator:
-    """(A py-libp2p ``Validator``: it only needs these two methods.) The DHT-side check for ``/p2pswarm/...`` values: a DHT server running it refuses to store a
-    forged, malformed or foreign-keyed record, and ``select`` keeps the newest (highest seq).
-    ``rejected`` counts refusals (the resolver reports them). Keys of another kind
-    (:func:`record_kinds`: demand and ban records) go to that kind's validator."""
+    """(A py-libp2p ``Validator``: it only needs these two methods.) The DHT-side check for
+    ``/p2pswarm/...`` values: a DHT server running it refuses to store a forged, malformed or
+    foreign-keyed record, and ``select`` keeps the newest (highest seq). ``rejected`` counts
+    refusals (the resolver reports them).
 
-    def __init__(self) -> None:
+    ``kinds`` (key prefix -> :class:`RecordKind`): the other record kinds, each key starting with
+    a prefix going to that kind's validator. Given at construction because they are defined above
+    the network layer (:func:`p2pswarm.market.swarm_dht.record_kinds` is the swarm's set); a key
+    of no kind given and not a node record's is refused."""
+
+    def __init__(self, kinds: Mapping[str, RecordKind]) -> None:
         self.rejected = 0
+        self.kinds = dict(kinds)
+
+    def _other_kind(self, key: str) -> RecordKind | None:
+        return next((v for prefix, v in self.kinds.items() if key.startswith(prefix)), None)
 
     def validate(self, key: str, value: bytes) -> None:
-        other = _other_kind(key)
+        other = self._other_kind(key)
         if other is not None:
             try:
                 return other.validate(key, value)
-            except UserError:
+            except SwarmError:
                 self.rejected += 1
                 raise
         peer = peer_of_record_key(key)
@@ -332,7 +332,7 @@ class NodeRecordValidator:
             raise
 
     def select(self, key: str, values: list[bytes]) -> int:
-        other = _other_kind(key)
+        other = self._other_kind(key)
         if other is not None:
             return other.select(key, values)
         return newest_index(values, lambda v: NodeRecord.verify(v, peer=peer_of_record_key(key),
@@ -346,50 +346,15 @@ def newest_index(values: list[bytes], seq_of: Callable[[bytes], int]) -> int:
     for i, v in enumerate(values):
         try:
             seq = seq_of(v)
-        except UserError:
+        except SwarmError:
             continue
         if seq > best_seq:
             best, best_seq = i, seq
     return best
 
 
-def worker_shard_hash(worker) -> str:
-    """The shard hash of an ExpertWorker (its bank's layout), or "" when it cannot be known."""
-    explicit = getattr(worker, "shard_hash", None)
-    if isinstance(explicit, str):
-        return explicit
-    layout = getattr(getattr(worker, "bank", None), "layout", None)
-    if layout is None or not hasattr(layout, "reader"):
-        return ""
-    return shard_hash(layout)
-
-
-def shard_hash(layout) -> str:
-    """Hex sha256 naming a shard file's exact contents, from what the slicer recorded in it: the
-    source fingerprint, the ranges, and every tensor's name and sha256. Two workers serving
-    byte-identical shards have the same hash; cheap (metadata only)."""
-    cached = getattr(layout, "_p2pswarm_shard_hash", None)
-    if isinstance(cached, str):
-        return cached
-    from p2pswarm.model.layout import (KEY_EXPERT_BEGIN, KEY_EXPERT_END, KEY_LAYER_BEGIN, KEY_LAYER_END,
-                                       KEY_SOURCE_FINGERPRINT, KEY_TENSOR_NAMES, KEY_TENSOR_SHA256, field_value)
-
-    fields = layout.reader.fields
-    h = hashlib.sha256(b"p2pswarm-shard-v1\x00")
-    for key in (KEY_SOURCE_FINGERPRINT, KEY_LAYER_BEGIN, KEY_LAYER_END, KEY_EXPERT_BEGIN, KEY_EXPERT_END,
-                KEY_TENSOR_NAMES, KEY_TENSOR_SHA256):
-        f = fields.get(key)
-        h.update(key.encode() + b"=" + repr(field_value(f) if f is not None else None).encode() + b"\x00")
-    out = h.hexdigest()
-    try:
-        layout._p2pswarm_shard_hash = out
-    except (AttributeError, TypeError):
-        pass
-    return out
-
-
 # -- field checks ---------------------------------------------------------------------------------
-def short_str(x: object, n: int = 128) -> bool:
+def short_str(x: object, n: int = 128) -> TypeGuard[str]:
     """A non-empty str of at most ``n`` characters (the shape check of every signed-message field)."""
     return isinstance(x, str) and 0 < len(x) <= n
 

@@ -1,5 +1,5 @@
 """The downloading side of ``/p2pswarm/shard/1.0.0``: :func:`fetch_slice` and what it needs
-(sessions, the resume journal, verification on disk). Split from ``shard_transfer.py`` (issue 16);
+(sessions, the resume journal, verification on disk). Split from ``shard_transfer.py``;
 the module doc there says why the download is shaped as it is."""
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import trio
 
-from p2pswarm.errors import FrameError, UserError, clip, leaves
-from p2pswarm.model.layout import ModelLayout, field_value
+from p2pswarm.errors import FrameError, SwarmError, clip, leaves
+from p2pswarm.model.gguf_read import field_value
+from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import ManifestError, ModelManifest
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.shard_server import _write_source_sidecar
@@ -125,7 +126,7 @@ def _existing_shard_matches(out: Path, model: str, layers, experts) -> bool:
             return False
         verify_shard(out)
         return True
-    except (UserError, KeyError):
+    except (SwarmError, KeyError):
         return False
 
 
@@ -263,7 +264,7 @@ async def _connect_all(net, sources: Sequence, hello: dict, stats: FetchStats) -
     async def connect(src) -> None:
         try:
             first = await _open_session(net, src, hello)
-        except (UserError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
+        except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError) as exc:
             msg = str(exc) or type(exc).__name__
             stats.refusals.append(msg)
             log.warning("%s", msg)
@@ -293,7 +294,7 @@ async def _manifest_and_header(sessions: list[_Session], trusted_issuers: Collec
                     hashlib.sha256(hdr).hexdigest() != m.header_sha256:
                 raise ManifestError("header bytes do not match the manifest")
             return m, hdr
-        except (UserError, KeyError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+        except (SwarmError, KeyError, trio.BrokenResourceError, trio.TooSlowError) as exc:
             log.warning("source %s: %s", s.source, exc)
             stats.refusals.append(f"{s.source}: {exc}")
             sessions.remove(s)
@@ -472,7 +473,7 @@ async def _download(net, sessions: list[_Session], per_source: dict, hello: dict
                 for _ in range(max(0, streams_per_source - 1)):
                     try:
                         extra = await _open_session(net, per_source[sess.source], hello)
-                    except (UserError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+                    except (SwarmError, trio.BrokenResourceError, trio.TooSlowError) as exc:
                         log.debug("extra stream to %s: %s", sess.source, exc)
                         break
                     start(nursery, extra, True)
@@ -480,7 +481,7 @@ async def _download(net, sessions: list[_Session], per_source: dict, hello: dict
         # Several streams can give up at the same moment (a source that corrupts everything):
         # one error of ours says it; the others are the same failure on other slabs.
         found = leaves(group)
-        ours = [e for e in found if isinstance(e, UserError)]
+        ours = [e for e in found if isinstance(e, SwarmError)]
         if ours and len(ours) == len(found):
             if len(ours) > 1 and isinstance(ours[0], ShardTransferError):
                 raise ShardTransferError(f"{ours[0]} (and {len(ours) - 1} more failures like it)") from None

@@ -1,6 +1,6 @@
 """The serving side of ``/p2pswarm/shard/1.0.0``: :class:`ShardServer` answers token holders
 from a full model or from a worker's own slice, and the ``OUT.source`` sidecar that lets a worker
-serve its slice onwards. Split from ``shard_transfer.py`` (issue 16)."""
+serve its slice onwards. Split from ``shard_transfer.py``."""
 from __future__ import annotations
 
 import hashlib
@@ -77,11 +77,11 @@ class ShardServer:
             if layers != list(range(layers[0], layers[-1] + 1)):
                 raise UserError(f"{lay.path}: its layers are not contiguous")
             for il, kinds in lay.expert_tensors.items():
-                for t in kinds.values():
-                    d = manifest.tensor(t.name)
-                    if d.expert_nbytes != t.expert_nbytes:
-                        raise ManifestError(f"{lay.path}: {t.name} does not match the manifest")
-                    self._experts[t.name] = (il, t.data_offset, t.expert_nbytes, lay.expert_begin)
+                for et in kinds.values():
+                    d = manifest.tensor(et.name)
+                    if d.expert_nbytes != et.expert_nbytes:
+                        raise ManifestError(f"{lay.path}: {et.name} does not match the manifest")
+                    self._experts[et.name] = (il, et.data_offset, et.expert_nbytes, lay.expert_begin)
         else:
             raise UserError(f"{lay.path}: a {lay.shard_kind} file holds no experts to serve")
         if fp != manifest.fingerprint:
@@ -238,7 +238,7 @@ def load_source_sidecar(shard_path) -> tuple[ModelManifest, bytes]:
         raise ManifestError(f"{side}: missing (fetch the shard with keep_source=True)") from None
     except ManifestError:
         raise
-    except Exception:  # noqa: BLE001 - any decoding failure: not our sidecar
+    except Exception:  # any decoding failure: not our sidecar
         raise ManifestError(f"{side}: not a shard source sidecar") from None
     if not isinstance(header, bytes) or hashlib.sha256(header).hexdigest() != manifest.header_sha256:
         raise ManifestError(f"{side}: header does not match its manifest")

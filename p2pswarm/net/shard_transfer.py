@@ -25,7 +25,7 @@ of one tensor). Hashing and file I/O run in threads (``trio.to_thread``), off th
 The pieces: :mod:`~p2pswarm.net.shard_wire` (protocol id, limits, packing),
 :mod:`~p2pswarm.net.shard_server` (:class:`ShardServer`, the source sidecar) and
 :mod:`~p2pswarm.net.shard_fetch` (:func:`fetch_slice`, its journal); this module finds and
-advertises sources through the DHT and re-exports the public names.
+advertises sources through the DHT (callers import each name from the module that defines it).
 """
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ import trio
 
 from p2pswarm.model.manifest import ModelManifest
 from p2pswarm.net.shard_fetch import FetchStats, _existing_shard_matches, fetch_slice
-from p2pswarm.net.shard_server import ShardServer, ShardServerStats, load_source_sidecar, serve_shards  # noqa: F401
-from p2pswarm.net.shard_wire import (  # noqa: F401
-    CHUNK_MAX, MAX_ATTEMPTS, PROTOCOL_SHARD, SHARD_PROTOCOL_VERSION, SOURCE_KEY_PREFIX, STREAMS_PER_SOURCE, Progress,
+from p2pswarm.net.shard_server import ShardServer, load_source_sidecar, serve_shards
+from p2pswarm.net.shard_wire import (
+    PROTOCOL_SHARD, SOURCE_KEY_PREFIX, Progress,
     ShardTransferError,
 )
 from p2pswarm.net.tokens import TokenGate

@@ -1,5 +1,5 @@
 """The wire of ``/p2pswarm/shard/1.0.0`` shared by its server and client: the protocol id,
-limits, msgpack packing and the field checks. Split from ``shard_transfer.py`` (issue 16); the
+limits, msgpack packing and the field checks. Split from ``shard_transfer.py``; the
 protocol is described there and in docs/protocol.md."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _unpack(data: bytes | None, what: str) -> dict:
         raise trio.BrokenResourceError(f"{what}: stream closed")
     try:
         msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception:  # noqa: BLE001 - any decoding failure of peer input means "not msgpack"
+    except Exception:  # any decoding failure of peer input means "not msgpack"
         raise FrameError(f"{what}: not msgpack") from None
     if not isinstance(msg, dict):
         raise FrameError(f"{what}: not a map")

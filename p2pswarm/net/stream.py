@@ -63,6 +63,7 @@ class StreamAdapter:
             nursery.start_soon(self._pump)
 
     async def _pump(self) -> None:
+        assert self._pump_scope is not None, "start_reading makes the scope first"
         with self._pump_scope:
             try:
                 while True:

@@ -34,13 +34,15 @@ import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 from pathlib import Path
 
 import msgpack
 
-from p2pswarm.errors import UserError
-from p2pswarm.net.identity import Identity, peer_public_key, verify_peer_signature
+from p2pswarm.errors import SwarmError, UserError
+from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import short_str
+from p2pswarm.signatures import peer_public_key, verify_peer_signature
 
 log = logging.getLogger("p2pswarm.tokens")
 
@@ -116,9 +118,9 @@ def scope_covers(allowed: str, requested: str) -> bool:
         return True
     if amodel != "*" and (rmodel is None or rmodel == "*" or rmodel.lower() != amodel.lower()):
         return False
-    if alayers is None:
+    if alayers is None or aexperts is None:  # (a scope has both ranges or neither)
         return True
-    if rlayers is None:
+    if rlayers is None or rexperts is None:
         return False
     return (alayers[0] <= rlayers[0] and rlayers[1] <= alayers[1]
             and aexperts[0] <= rexperts[0] and rexperts[1] <= aexperts[1])
@@ -180,7 +182,7 @@ class NodeToken:
                 raise TypeError
             b = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=MAX_TOKEN_CHARS,
                                 max_array_len=MAX_ALLOW, max_map_len=8)
-        except Exception:  # noqa: BLE001 - whatever msgpack or our shape checks raise, it is malformed
+        except Exception:  # whatever msgpack or our shape checks raise, it is malformed
             raise TokenError("malformed token: not a token's msgpack") from None
         if not isinstance(b, dict) or b.get("v") != TOKEN_VERSION:
             raise TokenError(f"malformed token: unknown version {b.get('v') if isinstance(b, dict) else None!r}")
@@ -205,7 +207,7 @@ class NodeToken:
                 "signature_ok": self.verify_signature()}
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 40)
 
 
@@ -253,7 +255,7 @@ def issue_token(issuer: Identity, holder: str, allow: Sequence[str], ttl_s: floa
         parse_scope(a)
     try:
         peer_public_key(holder)
-    except UserError:
+    except SwarmError:
         raise TokenError(f"holder {str(holder)[:60]!r} is not an Ed25519 peer id "
                          f"(`p2pswarm identity --path KEY` prints a node's)", "bad holder") from None
     if not (0 < ttl_s <= MAX_TTL_S) or not math.isfinite(ttl_s):

@@ -23,7 +23,7 @@ Caps (Mbit/s): ``--mbps`` caps each link both ways; ``--up-mbps`` / ``--down-mbp
 each link ("up": from the connecting side to the target, e.g. backbone -> worker; "down": back,
 e.g. a worker's upload); ``--shared-up-mbps`` / ``--shared-down-mbps`` cap all the links of this
 process *together*, per direction, as one network card: the links are the workers', the connecting
-side is one backbone, so that is the backbone's own line (issue 32). A chunk leaves when both its
+side is one backbone, so that is the backbone's own line. A chunk leaves when both its
 link and the shared card have carried what was queued before it.
 """
 from __future__ import annotations
@@ -234,7 +234,7 @@ async def open_wan_proxy(target: tuple[str, int], *, delay_s: float = 0.0, jitte
         caps = [c for c in (a, b) if c]
         return min(caps) if caps else None
 
-    proxy = WanProxy(tuple(target), up=LinkSpec(delay_s, jitter_s, cap(bytes_per_s, up_bytes_per_s)),
+    proxy = WanProxy((target[0], target[1]), up=LinkSpec(delay_s, jitter_s, cap(bytes_per_s, up_bytes_per_s)),
                      down=LinkSpec(delay_s, jitter_s, cap(bytes_per_s, down_bytes_per_s)), seed=seed,
                      host=host, port=port, shared_up=shared_up, shared_down=shared_down)
     async with trio.open_nursery() as nursery:
@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     def bps(mbps: float) -> float | None:
         return mbps * 1e6 / 8 if mbps else None
 
-    shared_up = SharedCap(bps(args.shared_up_mbps)) if args.shared_up_mbps else None
-    shared_down = SharedCap(bps(args.shared_down_mbps)) if args.shared_down_mbps else None
+    shared_up = SharedCap(args.shared_up_mbps * 1e6 / 8) if args.shared_up_mbps else None
+    shared_down = SharedCap(args.shared_down_mbps * 1e6 / 8) if args.shared_down_mbps else None
 
     async def run() -> None:
         async with AsyncExitStack() as stack:

@@ -1,6 +1,6 @@
 """Bytes on the wire of the expert RPC, counted where the framing hands them to the transport.
 
-Why: bandwidth, not round trips, bounds this design on real networks (issue 32): every routed
+Why: bandwidth, not round trips, bounds this design on real networks: every routed
 expert's input and output rows cross the wire each layer of each token. :class:`CountingStream`
 wraps the trio byte stream a connection's frames travel on (a TCP socket, a
 :class:`~p2pswarm.net.stream.StreamAdapter` over a libp2p stream, a direct lane's sealed stream)
@@ -30,14 +30,14 @@ class WireBytes:
     parent: "WireBytes | None" = None
 
     def add_sent(self, n: int) -> None:
-        w = self
+        w: WireBytes | None = self
         while w is not None:
             w.sent += n
             w.writes += 1
             w = w.parent
 
     def add_received(self, n: int) -> None:
-        w = self
+        w: WireBytes | None = self
         while w is not None:
             w.received += n
             w.reads += 1

@@ -11,8 +11,8 @@ upload and a home line are. A plane that does not get smaller travels raw (the m
 byte usually). A byte-plane split in one zstd stream saves only ~8%: the planes' statistics differ,
 and one stream's entropy tables average them.
 
-Negotiated: a worker's hello lists :data:`OUTPUT_CODING` under ``output_codings`` when it can
-code (``zstandard`` importable and ``P2PSWARM_WIRE_CODEC`` not off); a backbone asks for it per
+Negotiated: a worker's hello lists :data:`OUTPUT_CODING` under ``output_codings`` when it codes
+(``P2PSWARM_WIRE_CODEC`` not off); a backbone asks for it per
 request (``"coding"``) when its own switch is on too. An older peer on either side: plain float32.
 
 Q8_K input rows (ggml's ``block_q8_K``: a float32 scale, 256 int8 quants, 16 int16 ``bsums``)
@@ -25,6 +25,7 @@ block instead of 292) and :func:`unpack_q8_K` recomputes them on the worker, the
 from __future__ import annotations
 
 import numpy as np
+import zstandard as _zstd
 
 from p2pswarm import settings
 from p2pswarm.errors import FrameError
@@ -34,15 +35,10 @@ Q8_K_PACKED = "q8_K-packed"
 _Q8K_BLOCK = 292  # float d, int8 qs[256], int16 bsums[16]
 _Q8K_PACKED_BLOCK = 260
 
-try:  # a pinned dependency; without it (an old install) the wire stays plain float32
-    import zstandard as _zstd
-except ImportError:  # pragma: no cover - the test environment has it
-    _zstd = None
-
 
 def can_code() -> bool:
-    """True when this process codes outputs (the package is there and the switch is on)."""
-    return _zstd is not None and settings.WIRE_CODEC.get()
+    """True when this process codes outputs (``P2PSWARM_WIRE_CODEC`` is not off)."""
+    return settings.WIRE_CODEC.get()
 
 
 def encode_f32(a: np.ndarray) -> dict:
@@ -68,8 +64,6 @@ def decode_f32(d: dict, what: str) -> np.ndarray:
             or not isinstance(coded, list) or len(data) != 4 or len(coded) != 4 \
             or not all(isinstance(p, bytes) for p in data) or not all(isinstance(c, bool) for c in coded):
         raise FrameError(f"malformed {what}: bad coded array map")
-    if _zstd is None:
-        raise FrameError(f"malformed {what}: coded with {OUTPUT_CODING}, which this node cannot decode")
     n = 1
     for s in shape:
         n *= s

@@ -1,7 +1,7 @@
 """``--wire-precision f16|bf16``: expert outputs rounded to 16 bits, on the wire and everywhere else.
 
 Why: the routed experts' float32 output rows are most of the bytes of the expert RPC (8 rows of
-n_embd x 4 bytes per token and layer, issue 32), and no lossless coding halves them
+n_embd x 4 bytes per token and layer), and no lossless coding halves them
 (bench/bench_wire_codec.py). Rounding them to 16 bits halves them, but would make a split run
 differ from a monolithic one. So the rounding is a property of the *backbone*, not of the wire:
 with a precision set, every expert output the backbone combines is rounded the same way, whoever

@@ -18,7 +18,7 @@ from p2pswarm import settings
 from p2pswarm.engine.kernels import answer_families, family, kernel_id, make_bank, portable_family
 from p2pswarm.engine.portable_kernel import refusal as portable_refusal
 from p2pswarm.errors import UserError
-from p2pswarm.model.layout import ModelLayout
+from p2pswarm.model.layout import ModelLayout, shard_hash
 from p2pswarm.model.manifest import source_fingerprint
 from p2pswarm.offload import Offload
 
@@ -99,7 +99,7 @@ class ExpertWorker:
                             f"(this worker answers in {', '.join(self.families)})")
         with self._portable_lock:
             if self._portable is None:
-                from p2pswarm.engine.portable_kernel import PortableExpertBank  # noqa: PLC0415
+                from p2pswarm.engine.portable_kernel import PortableExpertBank
 
                 self._portable = PortableExpertBank(self._layout, threads=self._threads)
             return self._portable
@@ -110,7 +110,8 @@ class ExpertWorker:
         return shard_info(ModelLayout.open(shard_path), kernel_id(kernel))
 
     def input_forms(self) -> list[str]:
-        """The input forms (besides float32) this worker's own kernel takes rows in (issue 32)."""
+        """The input forms (besides float32) this worker's own kernel takes rows in
+        (p2pswarm.engine.ggml_inputs: the bytes ggml would make of float32 rows anyway)."""
         forms = getattr(self.bank, "input_forms", None)
         return forms() if forms is not None else []
 
@@ -130,3 +131,12 @@ class ExpertWorker:
                 raise UserError(f"expert {e} of layer {layer} is not in this shard ({self.info.describe()})")
         # (the bank checks a form's row width and that it is this layer's form)
         return bank.forward_groups(layer, rows, groups) if form is None else bank.forward_groups(layer, rows, groups, form)
+
+
+def worker_shard_hash(worker: ExpertWorker) -> str:
+    """The shard hash (:func:`p2pswarm.model.layout.shard_hash`) of a worker's shard file, which its
+    node record and hello name; "" for a bank with no shard file behind it."""
+    layout = getattr(worker.bank, "layout", None)
+    if layout is None or not hasattr(layout, "reader"):
+        return ""
+    return shard_hash(layout)

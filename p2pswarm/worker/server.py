@@ -3,7 +3,7 @@
 One connection (or libp2p stream) carries a handshake, then any number of requests answered in
 order. :func:`handle_connection` is transport-agnostic: it needs only ``receive_some``,
 ``send_all``, ``send_eof`` and ``aclose`` (a trio TCP stream, or
-:class:`p2pswarm.net.host.StreamAdapter` over a libp2p stream). The math of a request measured to
+:class:`p2pswarm.net.stream.StreamAdapter` over a libp2p stream). The math of a request measured to
 take more than ``$P2PSWARM_INLINE_MS`` (1.5 ms) runs in a thread (``trio.to_thread``) so the event
 loop keeps other connections flowing; a smaller one (a decode step's few rows) runs inline, because
 the thread hop costs more than the work (:mod:`p2pswarm.offload`). A malformed or oversized
@@ -18,12 +18,12 @@ from functools import partial
 import trio
 
 from p2pswarm.engine import kernels
-from p2pswarm.errors import FrameError, UserError, clip
+from p2pswarm.errors import FrameError, SwarmError, clip
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net import wire_codec
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire_bytes import CountingStream, WireBytes
-from p2pswarm.worker.expert_worker import ExpertWorker
+from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 
 log = logging.getLogger("p2pswarm.worker")
 
@@ -68,12 +68,6 @@ def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> st
     return None
 
 
-def _shard_of(worker: ExpertWorker) -> str:
-    from p2pswarm.net.records import worker_shard_hash  # noqa: PLC0415 - keeps socket workers free of libp2p
-
-    return worker_shard_hash(worker)
-
-
 async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int = DEFAULT_MAX_FRAME,
                             shard: str | None = None, stats: ServeStats | None = None,
                             shards: dict[str, ExpertWorker] | None = None, receipts=None, direct=None) -> None:
@@ -90,7 +84,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
     if shards is not None:
         worker = shard = None
     elif shard is None:
-        shard = _shard_of(worker)
+        shard = worker_shard_hash(worker)
     if stats is not None:
         stream = CountingStream(stream, stats.wire)
     reader = FrameReader(stream, max_frame)
@@ -166,7 +160,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                         stats.requests += 1
                         stats.rows += sum(len(idx) for _, idx in req.groups)
                         stats.peers.add(peer)
-                except (FrameError, UserError) as exc:
+                except (FrameError, SwarmError) as exc:
                     log.warning("bad request from %s: %s", peer, exc)
                     reply = proto.error_to_wire(rid, str(exc))
                 await send_frame(stream, reply, max_frame)
@@ -195,7 +189,7 @@ def _note_refusal(peer: str, reason: object, stats: ServeStats | None) -> None:
 
 async def _store_receipt(msg: dict, rid: int | None, peer: str, receipts) -> bytes:
     """The reply to a ``receipt`` op: stored (durably, before we say so) or why not."""
-    from p2pswarm.net.signed import SignedError  # noqa: PLC0415 - only workers that keep receipts need it
+    from p2pswarm.net.signed import SignedError  # only workers that keep receipts need it
 
     if receipts is None:
         return proto.error_to_wire(rid, "this worker keeps no receipts")
@@ -257,10 +251,8 @@ def serve_libp2p_shards(net, shards: dict[str, ExpertWorker], *, max_frame: int 
                         stats: ServeStats | None = None, receipts=None, direct=None) -> None:
     """Serve every worker of ``shards`` (shard hash -> worker; the dict may change while serving)
     on ``/p2pswarm/expert/1.0.0``: each stream's hello picks its shard."""
-    from p2pswarm.net.host import PROTOCOL_EXPERT  # noqa: PLC0415 - keeps socket workers free of libp2p
-
-    net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=None, max_frame=max_frame, stats=stats,
-                                             shards=shards, receipts=receipts, direct=direct))
+    net.set_handler(proto.PROTOCOL_EXPERT, partial(handle_connection, worker=None, max_frame=max_frame, stats=stats,
+                                                   shards=shards, receipts=receipts, direct=direct))
 
 
 def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None,
@@ -268,8 +260,6 @@ def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAM
     """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
     (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
     connection of :func:`handle_connection`."""
-    from p2pswarm.net.host import PROTOCOL_EXPERT  # noqa: PLC0415 - keeps socket workers free of libp2p
-
-    shard = _shard_of(worker) if shard is None else shard
-    net.set_handler(PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
-                                             stats=stats, receipts=receipts, direct=direct))
+    shard = worker_shard_hash(worker) if shard is None else shard
+    net.set_handler(proto.PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame,
+                                                   shard=shard, stats=stats, receipts=receipts, direct=direct))

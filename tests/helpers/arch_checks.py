@@ -1,12 +1,13 @@
-"""Pieces the architecture tests share (qwen35moe, gpt-oss): the token ids every reference check
-feeds, a monolithic forward pass through an arch object and a bank, and the batching schedule
-(batched == alone). The logits tolerance is in helpers.compare, GGUF edits in helpers.gguf_edit."""
+"""Pieces the architecture tests share (qwen35moe, gpt-oss, glm4moe, deepseek2): the token ids every
+reference check feeds, a monolithic forward pass through an arch object and a bank, prefill and
+decode logits through a backbone, and the batching schedule (batched == alone). The logits tolerance is in helpers.compare, GGUF edits in helpers.gguf_edit."""
 from __future__ import annotations
 
 
 import numpy as np
 
 from p2pswarm.backbone.runner import combine, expert_groups
+from p2pswarm.backbone.session import open_backbone
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
           33, 71, 2, 118, 199, 45, 88, 301]
@@ -28,6 +29,16 @@ def forward(model, bank, tokens, state=None, pos0=0):
 
 # (sequence, tokens) per step: prefill chunks of different lengths mixed with decode rows, sequences
 # joining late and one leaving early
+async def backbone_logits(path, tokens, workers=0, transport="inproc", kernel=None):
+    """All-position logits of ``tokens`` by a backbone on ``path`` (``workers`` shard workers over
+    ``transport``), as one prefill and as one-token decode steps; and the backbone's dispatcher."""
+    async with open_backbone(path, workers=workers, transport=transport, kernel=kernel) as swarm:
+        prefill = await swarm.backbone.logits(tokens)
+        decode = await swarm.backbone.logits(tokens, decode=True)
+        disp = swarm.backbone.dispatcher
+    return prefill, decode, disp
+
+
 SCHEDULE = [
     [(0, [17, 3, 250, 99, 4, 4, 301]), (1, [12, 77, 5])],
     [(0, [160]), (1, [42, 8, 200, 31, 64]), (2, [9, 120, 2, 88])],

@@ -182,7 +182,7 @@ def ensure_root(log=print) -> Path:
 
 def cross_compile_portable(out: Path) -> Path:
     """Cross-compile p2pswarm/engine/portable_kernel.c for aarch64 into ``out`` (a .so path)."""
-    from p2pswarm.engine import portable_kernel as pk  # noqa: PLC0415
+    from p2pswarm.engine import portable_kernel as pk
 
     cmd = ["aarch64-linux-gnu-gcc", *pk.CFLAGS, "-march=armv8-a", str(pk.C_SOURCE), "-o", str(out), "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -281,7 +281,7 @@ class RootProcess:
 
     def __init__(self, root: Path, pythonpath: Path, args: list[str], *, env: dict | None = None,
                  log: Path | None = None, timeout_s: float = 400.0):
-        import threading  # noqa: PLC0415
+        import threading
 
         self.log = log
         self.proc = popen_in_root(root, ["/usr/bin/python3", "-m", "p2pswarm.cli", *args], pythonpath=pythonpath,

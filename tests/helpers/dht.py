@@ -5,7 +5,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from p2pswarm.net.dht import open_dht
+from p2pswarm.market.swarm_dht import open_dht
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 

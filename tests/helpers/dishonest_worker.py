@@ -1,7 +1,7 @@
 """A worker node that returns wrong numbers for a fraction of its output rows (tests only).
 
 The fault is injected here, in a subclass launched as its own process, so production code has no
-"be dishonest" switch anywhere (issue 16). Everything else is the real thing: the shard, the signed
+"be dishonest" switch anywhere. Everything else is the real thing: the shard, the signed
 DHT record (truthful), the expert protocol server and the receipt store of `p2pswarm node --role
 worker`. Each output row is perturbed with probability ``--fraction`` (default 0.01, seeded by
 ``--seed``): one element moved by ``--delta``, small enough that the output still looks plausible.
@@ -18,10 +18,12 @@ import trio
 
 from p2pswarm.market.receipts import ReceiptStore
 from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.dht import ShardAdvertiser, open_dht
+from p2pswarm.market.swarm_dht import open_dht
+from p2pswarm.net.advertiser import ShardAdvertiser
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import load_or_create_identity
-from p2pswarm.net.records import ShardEntry, worker_shard_hash
+from p2pswarm.net.records import ShardEntry
+from p2pswarm.worker.expert_worker import worker_shard_hash
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import ServeStats, serve_libp2p
 

@@ -222,7 +222,7 @@ class StormReport:
 
 
 async def _call(stream, reader, msg: dict) -> dict:
-    from p2pswarm.net.framing import send_frame  # noqa: PLC0415
+    from p2pswarm.net.framing import send_frame
 
     await send_frame(stream, msgpack.packb(msg, use_bin_type=True))
     return msgpack.unpackb(await reader.read_frame(), raw=False)
@@ -233,20 +233,21 @@ async def run_storm(model_path, workdir, env: dict, cases: int, *, concurrency: 
     """A worker, a shard source and a relay as processes; ``cases`` fuzz cases on each one's protocol,
     with a good stream (or, for the one-shot token protocol, a fresh valid token) probed every
     ``probe_every`` cases and each process's RSS read then."""
-    import time  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+    import time
+    from pathlib import Path
 
-    from p2pswarm.model.layout import ModelLayout  # noqa: PLC0415
-    from p2pswarm.model.manifest import build_manifest, write_manifest  # noqa: PLC0415
-    from p2pswarm.model.slicer import slice_experts  # noqa: PLC0415
-    from p2pswarm.net.framing import FrameReader  # noqa: PLC0415
-    from p2pswarm.net.host import PROTOCOL_EXPERT, open_host  # noqa: PLC0415
-    from p2pswarm.net.identity import load_or_create_identity  # noqa: PLC0415
-    from p2pswarm.net.shard_transfer import PROTOCOL_SHARD  # noqa: PLC0415
-    from p2pswarm.net.tokens import issue_token  # noqa: PLC0415
-    from relay.protocol import PROTOCOL_TOKEN  # noqa: PLC0415
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.manifest import build_manifest, write_manifest
+    from p2pswarm.model.slicer import slice_experts
+    from p2pswarm.net.framing import FrameReader
+    from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
+    from p2pswarm.net.host import open_host
+    from p2pswarm.net.identity import load_or_create_identity
+    from p2pswarm.net.shard_wire import PROTOCOL_SHARD
+    from p2pswarm.net.tokens import issue_token
+    from p2pswarm.net.relay_token import PROTOCOL_TOKEN
 
-    from helpers.procs import Proc, start_relay  # noqa: PLC0415
+    from helpers.procs import Proc, start_relay
 
     workdir = Path(workdir)
     issuer = load_or_create_identity(workdir / "issuer.key")

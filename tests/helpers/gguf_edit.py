@@ -10,7 +10,7 @@ from typing import Callable
 import numpy as np
 from gguf import GGUFReader, GGUFWriter
 
-from p2pswarm.model.layout import field_value
+from p2pswarm.model.gguf_read import field_value
 
 
 def rewrite(src: Path, dst: Path, *, drop_key: str | None = None, drop_tensor: str | Callable[[str], bool] | None = None,

@@ -1,6 +1,7 @@
 """Running `p2pswarm ...` processes in tests: start, wait for READY, read logs, stop."""
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -161,7 +162,7 @@ def start_shard_workers(model, tmp_path, env, ranges, bootstrap: str, extra=()) 
     """One `p2pswarm node --role worker` per expert range (all layers), each with its own shard
     cut from ``model`` and its own key, found through ``bootstrap``. Stops the started ones if a
     later one fails."""
-    from p2pswarm.model.slicer import slice_experts  # noqa: PLC0415
+    from p2pswarm.model.slicer import slice_experts
 
     workers: list[Proc] = []
     try:
@@ -181,7 +182,7 @@ def assert_swarm_logits_exact(model, tokens: str, swarm: str, tmp_path, env, *, 
                               kernel: str = "numpy") -> dict:
     """`logits --swarm` equals the monolithic run bit for bit, and the workers computed it (no
     fallback, remote requests made). Returns the swarm run's --json stats."""
-    import numpy as np  # noqa: PLC0415
+    import numpy as np
 
     flag = ["--decode"] if decode else []
     mono, out = tmp_path / f"mono{decode}.npy", tmp_path / f"swarm{decode}.npy"
@@ -194,6 +195,30 @@ def assert_swarm_logits_exact(model, tokens: str, swarm: str, tmp_path, env, *, 
     assert stats["fallbacks"] == 0 and stats["requests"] > 0 and stats["remote_groups"] > 0, stats
     assert np.array_equal(np.load(mono), np.load(out))
     return stats
+
+
+@contextlib.contextmanager
+def shard_swarm(model, tmp_path, env, ranges, extra=()):
+    """A bootstrap node and :func:`start_shard_workers`' workers found through it, as ``(boot,
+    workers)``; every one stopped on exit, workers first."""
+    boot, workers = None, []
+    try:
+        boot = start_bootstrap(tmp_path, env)
+        workers = start_shard_workers(model, tmp_path, env, ranges, boot.addr, extra)
+        yield boot, workers
+    finally:
+        for w in reversed(workers):
+            w.stop()
+        if boot is not None:
+            boot.stop()
+
+
+def assert_swarm_prefill_and_decode_exact(model, tokens: list[int], swarm: str, tmp_path, env,
+                                          kernel: str = "numpy") -> None:
+    """:func:`assert_swarm_logits_exact` for one prefill and for one-token decode steps."""
+    for decode in (False, True):
+        assert_swarm_logits_exact(model, ",".join(map(str, tokens)), swarm, tmp_path, env, decode=decode,
+                                  kernel=kernel)
 
 
 def start_relay(tmp_path, env, *, issuer=None, port=None, name="relay", host="127.0.0.1", extra=()) -> Proc:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
+from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.state import SequenceState
@@ -45,19 +46,7 @@ class DeepSeek2:
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
-        path = layout.path
-
-        def bad(msg: str) -> ModelFormatError:
-            return ModelFormatError(f"{path}: {msg}")
-
-        def num(key: str, default=None, kind=int):
-            v = layout.hparam(key, default, required=default is None)
-            if isinstance(v, (bool, list, str)) and kind is not bool:
-                raise bad(f"key {self.arch}.{key} must be a number, got {v!r}")
-            try:
-                return kind(v)
-            except (TypeError, ValueError):
-                raise bad(f"key {self.arch}.{key} must be a number, got {v!r}") from None
+        bad, num = model_error(layout), number_reader(layout, self.arch)
 
         # block_count includes any multi-token-prediction blocks appended at the end (GLM-4.7-Flash,
         # converters run without skipping MTP): the forward pass runs the blocks before them, as
@@ -152,12 +141,7 @@ class DeepSeek2:
                 S = self.w.shape(p + "ffn_gate_shexp.weight")[0] if self.w.has(p + "ffn_gate_shexp.weight") else 0
                 need += [(p + "ffn_gate_shexp.weight", (S, E)), (p + "ffn_up_shexp.weight", (S, E)),
                          (p + "ffn_down_shexp.weight", (E, S))]
-        for name, shape in need:
-            if not self.w.has(name):
-                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
-            got = self.w.shape(name)
-            if tuple(got) != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
-                raise ModelFormatError(f"{self.layout.path}: tensor {name!r} has shape {tuple(got)}, expected {shape}")
+        check_tensors(self, need)
 
     def is_dense_layer(self, il: int) -> bool:
         return il < self.n_dense_lead
@@ -197,6 +181,8 @@ class DeepSeek2:
         order): projections, norms and RoPE over all rows, the cache and attention per sequence."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
+        if h.shape[0] and self._ggml_core():  # the whole layer as llama.cpp's one graph, for its bits (see ggml_mla)
+            return ggml_mla.mla_layer(self, il, h, [(st.extra[il], pos0, n) for st, pos0, n in segments])
         w, p = self.w, f"blk.{il}."
         T, H, Rkv, rope, nope = h.shape[0], self.n_head, self.kv_lora_rank, self.n_rot, self.n_nope
         x = self._rms_norm(p + "attn_norm.weight", h)
@@ -207,14 +193,6 @@ class DeepSeek2:
             q, ckv = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_kv_a_mqa.weight"]])
         q = q.reshape(T, H, nope + rope)
         pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
-        if self._ggml_core():  # llama.cpp's own ops, for its bits (see ggml_mla)
-            qcur, kcur = ggml_mla.qk_rows(self, il, q, ckv, pos.astype(np.int32))
-            segs, at = [], 0
-            for state, pos0, n in segments:
-                segs.append((state.extra[il].append(kcur[at:at + n]), pos0, n))
-                at += n
-            att = ggml_mla.attention_rows(self, il, qcur, segs)
-            return h + ops.matmul(att, w[p + "attn_output.weight"])
         q_pe = self.yarn.rope_norm(q[..., nope:], pos)
         k_pe = self.yarn.rope_norm(ckv[:, None, Rkv:], pos)[:, 0]
         c = ops.rms_norm(ckv[:, :Rkv], w[p + "attn_kv_a_norm.weight"], self.eps)

@@ -31,6 +31,7 @@ import numpy as np
 
 from p2pswarm.engine import ops, routing
 from p2pswarm.engine.arch.qwen35moe import _Weights  # DenseWeights that tell a shape without loading
+from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -45,39 +46,24 @@ class Glm4MoE(Qwen3MoE):
 
     arch = "glm4moe"
 
-    def __init__(self, layout: ModelLayout):  # noqa: PLR0915 - one check per key, in order
+    def __init__(self, layout: ModelLayout):  # one check per key, in order
         self.layout = layout
-        path = layout.path
+        bad, num = model_error(layout), number_reader(layout, self.arch)
 
-        def bad(msg: str) -> ModelFormatError:
-            return ModelFormatError(f"{path}: {msg}")
-
-        def as_int(key: str, default: int | None = None) -> int:
-            v = layout.hparam(key, default, required=default is None)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise bad(f"key {self.arch}.{key} must be an integer, got {v!r}")
-            return int(v)
-
-        def as_float(key: str, default: float | None = None) -> float:
-            v = layout.hparam(key, default, required=default is None)
-            if isinstance(v, (bool, list, str)):
-                raise bad(f"key {self.arch}.{key} must be a number, got {v!r}")
-            return float(v)
-
-        self.n_block = as_int("block_count")
-        self.n_layer_nextn = as_int("nextn_predict_layers", 0)
+        self.n_block = num("block_count")
+        self.n_layer_nextn = num("nextn_predict_layers", 0)
         self.n_layer = self.n_block - self.n_layer_nextn
-        self.n_dense = as_int("leading_dense_block_count", 0)
-        self.n_embd = as_int("embedding_length")
-        self.n_head = as_int("attention.head_count")
-        self.n_head_kv = as_int("attention.head_count_kv", self.n_head)
-        self.head_dim = as_int("attention.key_length", self.n_embd // max(self.n_head, 1))
-        v_len = as_int("attention.value_length", self.head_dim)
-        self.n_rot = as_int("rope.dimension_count", self.head_dim)
-        self.rope_base = as_float("rope.freq_base", 10000.0)
-        self.eps = as_float("attention.layer_norm_rms_epsilon")
-        self.n_ctx_train = as_int("context_length", 4096)
-        self.n_expert_shared = as_int("expert_shared_count")
+        self.n_dense = num("leading_dense_block_count", 0)
+        self.n_embd = num("embedding_length")
+        self.n_head = num("attention.head_count")
+        self.n_head_kv = num("attention.head_count_kv", self.n_head)
+        self.head_dim = num("attention.key_length", self.n_embd // max(self.n_head, 1))
+        v_len = num("attention.value_length", self.head_dim)
+        self.n_rot = num("rope.dimension_count", self.head_dim)
+        self.rope_base = num("rope.freq_base", 10000.0, kind=float)
+        self.eps = num("attention.layer_norm_rms_epsilon", kind=float)
+        self.n_ctx_train = num("context_length", 4096)
+        self.n_expert_shared = num("expert_shared_count")
         self.router = routing.RouterSpec.from_layout(layout)
         self.n_expert = self.router.n_expert
         self.n_expert_used = self.router.n_expert_used
@@ -154,12 +140,7 @@ class Glm4MoE(Qwen3MoE):
                 ffs = self.layout.expert_tensors[il]["down"].shape[2] * self.n_expert_shared
                 need += [(p + "ffn_gate_shexp.weight", (ffs, E)), (p + "ffn_up_shexp.weight", (ffs, E)),
                          (p + "ffn_down_shexp.weight", (E, ffs))]
-        for name, shape in need:
-            if not self.w.has(name):
-                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
-            got = tuple(self.w.shape(name))
-            if got != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
-                raise ModelFormatError(f"{self.layout.path}: tensor {name!r} has shape {got}, expected {shape}")
+        check_tensors(self, need)
 
     # ---- per sequence -----------------------------------------------------------------------
     def new_state(self) -> SequenceState:

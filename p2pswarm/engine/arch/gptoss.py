@@ -10,7 +10,9 @@ llama.cpp's ``src/models/openai-moe.cpp`` and ``build_moe_ffn`` compute it):
 * Layers alternate sliding-window and full attention: with ``attention.sliding_window_pattern``
   absent, layer ``il`` slides when ``il % 2 == 0`` (llama.cpp's ``set_swa_pattern(2)``). A query at
   position ``p`` then sees keys ``j`` with ``p - j < n_swa`` (``is_masked_swa``, standard type).
-  The KV cache keeps every position; the window is applied in the mask, exactly as llama.cpp masks.
+  The window is applied in the mask, as llama.cpp masks; a sliding layer's cache
+  (:class:`WindowKVCache`) drops the positions no later query can see, so it stays bounded by about
+  twice the window however long the sequence (a full layer's keeps every position).
 * RoPE is NEOX with YaRN scaling (``rope.scaling.*``; :func:`rope_yarn_neox`), the same on both
   kinds of layer unless ``rope.freq_base_swa`` says otherwise.
 * The experts' input is ``post_attention_norm(h)``; there is no shared expert.
@@ -26,6 +28,7 @@ import math
 import numpy as np
 
 from p2pswarm.engine import ops
+from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.arch.qwen35moe import _Weights
 from p2pswarm.engine.state import KVCache, SequenceState
@@ -46,18 +49,7 @@ class GptOss:
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
-        path = layout.path
-
-        def bad(msg: str) -> ModelFormatError:
-            return ModelFormatError(f"{path}: {msg}")
-
-        def num(key: str, default=None, kind=int):
-            v = layout.hparam(key, default, required=default is None)
-            if isinstance(v, (bool, list, str, bytes)) or v is None:
-                raise bad(f"key {self.arch}.{key} must be a number, got {v!r}")
-            if kind is int and float(v) != int(v):
-                raise bad(f"key {self.arch}.{key} must be an integer, got {v!r}")
-            return kind(v)
+        bad, num = model_error(layout), number_reader(layout, self.arch)
 
         self.n_layer = num("block_count")
         self.n_embd = num("embedding_length")
@@ -162,16 +154,12 @@ class GptOss:
                 if kind not in kinds:
                     raise ModelFormatError(f"{self.layout.path}: required tensor "
                                            f"'blk.{il}.ffn_{kind[:-5]}_exps.bias' is missing")
-        for name, shape in need:
-            if not self.w.has(name):
-                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
-            got = tuple(self.w.shape(name))
-            if got != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
-                raise ModelFormatError(f"{self.layout.path}: tensor {name!r} has shape {got}, expected {shape}")
+        check_tensors(self, need)
 
     # ---- per sequence -----------------------------------------------------------------------
     def new_state(self) -> SequenceState:
-        return SequenceState(kv={il: KVCache(self.n_head_kv, self.head_dim) for il in range(self.n_layer)})
+        return SequenceState(kv={il: WindowKVCache(self.n_head_kv, self.head_dim, self.n_swa) if self.swa[il]
+                                 else KVCache(self.n_head_kv, self.head_dim) for il in range(self.n_layer)})
 
     # ---- the layer pieces -------------------------------------------------------------------
     embed = Qwen3MoE.embed
@@ -209,8 +197,12 @@ class GptOss:
         window = self.n_swa if self.swa[il] else None
         atts, at = [], 0
         for state, pos0, n in segments:
-            keys, values = state.kv[il].append(k[at:at + n], v[at:at + n])
-            atts.append(attention_sinks(q[at:at + n], keys, values, pos0, sinks, window))
+            kv = state.kv[il]
+            keys, values = kv.append(k[at:at + n], v[at:at + n])
+            atts.append(attention_sinks(q[at:at + n], keys, values, pos0, sinks, window,
+                                        k_pos0=getattr(kv, "first", 0)))
+            if window is not None and isinstance(kv, WindowKVCache):
+                kv.trim()
             at += n
         att = (atts[0] if len(atts) == 1 else np.concatenate(atts)).reshape(T, H * hd)
         out = ops.matmul(np.ascontiguousarray(att), w[p + "attn_output.weight"]) + self._vec(p + "attn_output.bias")
@@ -227,6 +219,38 @@ class GptOss:
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
         return h + moe
+
+
+class WindowKVCache(KVCache):
+    """A sliding-window layer's KV cache: only the positions a later query can still see.
+
+    Why: a query at position ``p`` sees keys ``j`` with ``p - j < window``, so once the cache holds
+    positions up to ``first + n - 1`` every later query needs only the last ``window - 1`` of them.
+    :meth:`trim` (after each call's attention) drops the rest once ``2 * window`` are held: a copy
+    of ``window - 1`` rows every ``window + 1`` positions, and memory bounded by about twice the
+    window (a long prefill's larger buffer is given back) instead of growing with the sequence.
+    ``first`` is the position of row 0 (:func:`attention_sinks`' ``k_pos0``). The masked-out keys
+    it drops had softmax weight exactly 0, so the attention is the same function; float32 sums
+    over fewer (zero) terms can round differently in the last bit."""
+
+    def __init__(self, n_head_kv: int, head_dim: int, window: int, capacity: int = 64):
+        super().__init__(n_head_kv, head_dim, capacity)
+        self.window = window
+        self.first = 0
+
+    def trim(self) -> None:
+        keep = self.window - 1
+        if self.n < 2 * self.window:
+            return
+        drop = self.n - keep  # > keep: the copy's source and destination do not overlap
+        k, vt = self.k, self.vt
+        if k.shape[0] > 4 * self.window:  # a long prefill grew the buffer: give it back
+            small = KVCache(k.shape[1], k.shape[2], 2 * self.window)
+            self.k, self.vt = small.k, small.vt
+        self.k[:keep] = k[drop:self.n]
+        self.vt[..., :keep] = vt[..., drop:self.n]
+        self.first += drop
+        self.n = keep
 
 
 # ---- the numerics -------------------------------------------------------------------------------
@@ -280,20 +304,19 @@ def rope_yarn_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float
 
 
 def attention_sinks(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int, sinks: np.ndarray,
-                    window: int | None) -> np.ndarray:
+                    window: int | None, k_pos0: int = 0) -> np.ndarray:
     """Causal GQA attention whose softmax rows each have one more logit, the head's sink (in the max
     and the denominator, no value: ggml's ``soft_max_add_sinks``), and, with ``window``, only the
     keys ``j`` with ``p - j < window`` for a query at position ``p`` (llama.cpp's SWA mask).
 
-    q: (T, H, hd) for positions q_pos0..; k, v: (S, Hkv, hd) for positions 0..S-1; sinks (H,)."""
-    T, H, hd = q.shape
+    q: (T, H, hd) for positions q_pos0..; k, v: (S, Hkv, hd) for positions k_pos0..k_pos0+S-1 (a
+    trimmed sliding-window cache starts after 0); sinks (H,)."""
+    T, H, _ = q.shape
     S, Hkv, _ = k.shape
     group = H // Hkv
-    scale = F32(1.0 / np.sqrt(hd))
-    qh = q.reshape(T, Hkv, group, hd).transpose(1, 2, 0, 3).reshape(Hkv, group * T, hd)  # rows (head, t)
-    scores = (qh @ k.transpose(1, 2, 0)) * scale  # (Hkv, group * T, S)
+    scores = ops.gqa_scores(q, k)  # (Hkv, group * T, S)
     qpos = q_pos0 + np.tile(np.arange(T), group)
-    kpos = np.arange(S)[None, :]
+    kpos = k_pos0 + np.arange(S)[None, :]
     masked = kpos > qpos[:, None]
     if window is not None:
         masked |= qpos[:, None] - kpos >= window
@@ -303,5 +326,4 @@ def attention_sinks(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int, si
     m = np.maximum(scores.max(axis=-1, keepdims=True), sink)
     e = np.exp(scores - m)
     e /= e.sum(axis=-1, keepdims=True, dtype=np.float64).astype(F32) + np.exp(sink - m)
-    out = e @ v.transpose(1, 0, 2)  # (Hkv, group * T, hd)
-    return out.reshape(Hkv, group, T, hd).transpose(2, 0, 1, 3).reshape(T, H, hd)
+    return ops.gqa_values(e, v, T)

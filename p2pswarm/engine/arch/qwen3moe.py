@@ -68,7 +68,7 @@ class Qwen3MoE:
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
-        hp = lambda k, d=None: layout.hparam(k, d, required=d is None)  # noqa: E731
+        hp = lambda k, d=None: layout.hparam(k, d, required=d is None)
         self.n_layer = int(hp("block_count"))
         self.n_embd = int(hp("embedding_length"))
         self.n_head = int(hp("attention.head_count"))

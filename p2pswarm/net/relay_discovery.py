@@ -4,7 +4,7 @@ Scale-out (one relay process carries ~25 relayed workers at 10 requests/s on Web
 docs/benchmarks.md) means adding relay processes, and adding one must be trivial: start it with
 ``--bootstrap`` pointing into the swarm and it provides :data:`RELAY_KEY` (re-provided every
 :data:`REPROVIDE_S`). A worker behind NAT asks the DHT for that key's providers to learn every
-relay's advertised address, picks among them (:class:`relay.client.RelayKeeper`: in random order,
+relay's advertised address, picks among them (:class:`p2pswarm.net.relay_client.RelayKeeper`: in random order,
 moving on when a relay is full or unreachable), and moves to another when its relay dies. No relay
 knows about any other; backbones dial each worker through the relay its signed record names.
 """
@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+from collections.abc import Collection
 
 import trio
 
-from p2pswarm.net.host import error_reason, is_circuit_addr
+from p2pswarm.net.addrs import error_reason, is_circuit_addr
 
 log = logging.getLogger("p2pswarm.relay")
 
@@ -42,7 +43,7 @@ async def advertise_relay(dht, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await trio.sleep(REPROVIDE_S * random.uniform(0.9, 1.0))
 
 
-async def find_relays(dht, *, exclude: set[str] = frozenset()) -> list[str]:
+async def find_relays(dht, *, exclude: Collection[str] = ()) -> list[str]:
     """Full addresses (``ADDR/p2p/ID``) of the relays the DHT knows, one per relay (its first direct
     address), in random order; peers in ``exclude`` (base58 ids) left out."""
     try:

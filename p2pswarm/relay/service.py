@@ -52,10 +52,10 @@ from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.http_server import serve_asgi
 from p2pswarm.lifecycle import until_signal
 from p2pswarm.net.framing import FrameReader, send_frame
-from relay.config import RelaySettings
-from relay.discovery import advertise_relay
-from relay.metrics import relay_metrics
-from relay.protocol import MAX_TOKEN_FRAME, PROTOCOL_TOKEN, TOKEN_TIMEOUT_S
+from p2pswarm.net.relay_discovery import advertise_relay
+from p2pswarm.net.relay_token import MAX_TOKEN_FRAME, PROTOCOL_TOKEN, TOKEN_TIMEOUT_S
+from p2pswarm.relay.config import RelaySettings
+from p2pswarm.relay.metrics import relay_metrics
 
 log = logging.getLogger("p2pswarm.relay")
 
@@ -335,7 +335,7 @@ def health(net, hop: GatedHop, dht=None) -> dict:
 
 class HealthApp:
     """The relay's health port: ``GET /health`` (and ``/``) its state as JSON, ``GET /metrics`` the
-    same numbers in Prometheus text format (:mod:`relay.metrics`). A Starlette app, like the
+    same numbers in Prometheus text format (:mod:`p2pswarm.relay.metrics`). A Starlette app, like the
     backbone's API."""
 
     def __init__(self, report):
@@ -364,14 +364,14 @@ async def serve_health(app, host: str, port: int, *, task_status=trio.TASK_STATU
 
 async def run_relay(settings: RelaySettings) -> None:
     """Run until SIGINT/SIGTERM. Prints ``READY <first full address> health=<url|off>``."""
-    from p2pswarm.net.dht import open_dht
+    from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
-    from p2pswarm.net.libp2p_patches import DEFAULT_MAX_CONNECTIONS
+    from p2pswarm.net.libp2p_host_patches import DEFAULT_MAX_CONNECTIONS
 
     gate = None
     if settings.trust_issuer:
-        from p2pswarm.net.identity import peer_public_key
+        from p2pswarm.signatures import peer_public_key
         from p2pswarm.net.tokens import TokenGate
 
         for issuer in settings.trust_issuer:
@@ -380,7 +380,7 @@ async def run_relay(settings: RelaySettings) -> None:
             except UserError:
                 raise UserError(f"--trust-issuer {issuer[:60]!r} is not an Ed25519 peer id") from None
         gate = TokenGate(settings.trust_issuer, what="relay")
-    from p2pswarm.net.host import check_listen_addrs, parse_multiaddr
+    from p2pswarm.net.addrs import check_listen_addrs, parse_multiaddr
 
     # bad addresses are refused before anything is created on disk
     check_listen_addrs([parse_multiaddr(a, "listen address") for a in settings.listen], tls=bool(settings.tls_cert))
@@ -417,7 +417,7 @@ async def run_relay(settings: RelaySettings) -> None:
                          "open" if gate is None else f"tokens of {len(settings.trust_issuer)} issuer(s)", url,
                          settings.max_reservations, settings.max_circuits)
                 nursery.start_soon(_report, net, hop, dht)
-                nursery.start_soon(advertise_relay, dht)  # how workers find this relay (relay/discovery.py)
+                nursery.start_soon(advertise_relay, dht)  # how workers find this relay (p2pswarm/net/relay_discovery.py)
                 await until_signal(nursery.cancel_scope,
                                    ready=f"READY {addrs[0] if addrs else net.peer_id_str} health={url}")
     log.info("relay stopped")

@@ -21,14 +21,15 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import trio
+from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.host import error_reason, circuit_addr, parse_peer_addr
-from relay.protocol import RelayRefused, present_token
+from p2pswarm.net.addrs import circuit_addr, error_reason, parse_peer_addr
+from p2pswarm.net.relay_token import RelayRefused, present_token
 
 log = logging.getLogger("p2pswarm.relay")
 
@@ -51,7 +52,7 @@ def _status_name(code: int) -> str:
 class RelayKeeper:
     """Holds a reservation on one relay out of ``relays`` (one address or several), moving to
     another when its relay dies, is full or refuses us. ``discover()``, when given, returns more
-    candidates (relays found in the DHT, :func:`relay.discovery.find_relays`): asked when no given
+    candidates (relays found in the DHT, :func:`p2pswarm.net.relay_discovery.find_relays`): asked when no given
     relay works, and when the current one is lost."""
 
     def __init__(self, net, relays: str | Sequence[str], token: str | None, *, on_reserved=None,
@@ -69,7 +70,9 @@ class RelayKeeper:
         self.token = token
         self.on_reserved = on_reserved
         self.relay_only = relay_only
-        self.relay_addr = self.relay_id = self.circuit = None
+        self.relay_addr: str | None = None  # the relay we use now, its id, our circuit address there
+        self.relay_id: ID | None = None
+        self.circuit: str | None = None
         if given:
             self._use(given[0])
         self.expires = 0
@@ -79,10 +82,12 @@ class RelayKeeper:
         self.known: list[str] = []  # other relays seen in the DHT (see learn_relays)
         self._learnt = time.monotonic()
 
-    def _use(self, addr: str) -> None:
+    def _use(self, addr: str) -> str:
+        """Make ``addr`` the relay we use; returns our circuit address through it."""
         self.relay_addr = addr
         self.relay_id = parse_peer_addr(addr).peer_id
-        self.circuit = circuit_addr(addr)
+        self.circuit = circuit = circuit_addr(addr)
+        return circuit
 
     def _short(self) -> str:
         return self.relay_id.to_base58() if self.relay_id is not None else "(none)"
@@ -146,20 +151,20 @@ class RelayKeeper:
         ones); none does: a one-line error with each one's reason. Returns our relayed address."""
         failures: list[tuple[str, BaseException]] = []
         for addr in await self._candidates(set()):
-            self._use(addr)
+            circuit = self._use(addr)
             try:
                 exp = await self.reserve_once()
             except trio.TooSlowError:
                 failures.append((self._short(), UserError(
-                    f"relay {self.relay_addr[:80]} did not answer within {RESERVE_TIMEOUT_S:.0f} s")))
+                    f"relay {addr[:80]} did not answer within {RESERVE_TIMEOUT_S:.0f} s")))
                 continue
             except (UserError, Exception) as exc:
                 failures.append((self._short(), exc))
                 log.info("relay %s did not take us: %s", self._short(), error_reason(exc)[:160])
                 continue
             log.info("reserved a slot on relay %s until %s; reachable at %s/p2p/%s", self._short(),
-                     time.strftime("%H:%M:%S UTC", time.gmtime(exp)), self.circuit, self.net.peer_id_str)
-            return self.circuit
+                     time.strftime("%H:%M:%S UTC", time.gmtime(exp)), circuit, self.net.peer_id_str)
+            return circuit
         if not failures:
             raise UserError("no relay to reserve on: none given and none found in the DHT")
         if len(failures) == 1:
@@ -212,7 +217,8 @@ class RelayKeeper:
             except (UserError, trio.TooSlowError, Exception) as exc:
                 log.info("attempt %d to reach relay %s failed: %s", attempt, self._short(), error_reason(exc)[:160])
                 refused = False
-            if (refused or attempt >= MOVE_AFTER) and (exp := await self._move(exclude={lost.to_base58()})):
+            if (refused or attempt >= MOVE_AFTER) and (exp := await self._move(
+                    exclude=set() if lost is None else {lost.to_base58()})):
                 break
             # refused by every relay (e.g. our token expired): only a new token helps, ask rarely
             await trio.sleep((REFUSED_RETRY_S if refused else delay) * random.uniform(0.8, 1.2))
@@ -240,5 +246,6 @@ class RelayKeeper:
             log.warning("moved to relay %s (the previous one is gone); reachable at %s/p2p/%s", self._short(),
                         self.circuit, self.net.peer_id_str)
             return exp
-        self._use(current)
+        if current is not None:
+            self._use(current)
         return 0

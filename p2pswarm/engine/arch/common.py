@@ -1,0 +1,45 @@
+"""What the dense paths of deepseek2, glm4moe and gpt-oss share: reading a numeric hyper-parameter
+with a one-line error, and checking the tensors a forward pass reads.
+
+Why here: each architecture's loader refuses a bad GGUF at load with the key or tensor named
+(never a numpy traceback mid-request); the rule for what counts as a bad key or a wrong shape is
+one rule, so it lives once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from p2pswarm.errors import ModelFormatError
+
+
+def model_error(layout):
+    """``bad(msg)``: a :class:`~p2pswarm.errors.ModelFormatError` that names ``layout``'s file."""
+    return lambda msg: ModelFormatError(f"{layout.path}: {msg}")
+
+
+def number_reader(layout, arch: str):
+    """``num(key, default=None, kind=int)``: hyper-parameter ``key`` of ``layout`` as ``kind``;
+    required when ``default`` is None. A string, list, bool or missing value, or a fraction where
+    an integer is wanted, is a :class:`~p2pswarm.errors.ModelFormatError` naming ``arch.key``."""
+
+    def num(key: str, default=None, kind=int):
+        v = layout.hparam(key, default, required=default is None)
+        if isinstance(v, (bool, list, str, bytes)) or v is None:
+            raise ModelFormatError(f"{layout.path}: key {arch}.{key} must be a number, got {v!r}")
+        if kind is int and float(v) != int(v):
+            raise ModelFormatError(f"{layout.path}: key {arch}.{key} must be an integer, got {v!r}")
+        return kind(v)
+
+    return num
+
+
+def check_tensors(model, need: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Every ``(name, shape)`` of ``need`` present in ``model.w`` with that shape (numpy order; a
+    1-D tensor may be stored with trailing unit dims), else a one-line error naming the first
+    that is not."""
+    for name, shape in need:
+        if not model.w.has(name):
+            raise ModelFormatError(f"{model.layout.path}: required tensor {name!r} is missing")
+        got = tuple(model.w.shape(name))
+        if got != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
+            raise ModelFormatError(f"{model.layout.path}: tensor {name!r} has shape {got}, expected {shape}")
