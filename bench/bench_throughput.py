@@ -275,6 +275,9 @@ def main() -> None:
     ap.add_argument("--wire-inputs", choices=("on", "off"), default="on",
                     help="P2PSWARM_WIRE_INPUTS: expert inputs in the workers' own quantised form (on, the "
                          "default) or float32 (off: the wire before issue 32)")
+    ap.add_argument("--wire-codec", choices=("on", "off"), default="on",
+                    help="P2PSWARM_WIRE_CODEC: lossless coding of float32 outputs and Q8_K inputs (on, the "
+                         "default, where both ends can) or none (off)")
     ap.add_argument("--proxy-at-0", action="store_true",
                     help="a WAN proxy in front of each worker at 0 ms RTT too (by default a 0 ms link is "
                          "loopback, no proxy: bench/wan_swarm.py)")
@@ -290,7 +293,8 @@ def main() -> None:
             ap.error("--plot needs matplotlib (pip install matplotlib)")
     if args.backbone_mbps and args.proxies != "shared":
         ap.error("--backbone-mbps needs --proxies shared (one proxy process: one shared cap)")
-    os.environ["P2PSWARM_WIRE_INPUTS"] = args.wire_inputs  # the nodes inherit it
+    os.environ["P2PSWARM_WIRE_INPUTS"] = args.wire_inputs  # the nodes inherit them
+    os.environ["P2PSWARM_WIRE_CODEC"] = args.wire_codec
     rtts = args.rtt or [0.0, 25.0, 50.0, 100.0]
     conc = args.concurrency or list(CONCURRENCY)
     work = Path(tempfile.mkdtemp(prefix="bench-throughput-"))

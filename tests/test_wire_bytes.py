@@ -93,7 +93,9 @@ async def test_wire_counters_equal_the_bytes_the_sockets_carried(shard):
                 assert all(np.array_equal(a, b) for a, b in zip(outs, want))
                 rid += 1
                 rows, local = pack_rows(cur, groups)
-                sent.append(len(proto.ComputeRequest(rid, info.layer_begin, rows, local).to_wire()))
+                # (the first request is built before the hello says the worker codes its outputs)
+                sent.append(len(proto.ComputeRequest(rid, info.layer_begin, rows, local,
+                                                     coding=owner.output_coding if rid > 1 else None).to_wire()))
             assert await owner.echo(b"x" * 1000) == b"x" * 1000
             rid += 1
             sent.append(len(proto.pack({"op": "echo", "id": rid, "payload": b"x" * 1000})))
@@ -149,3 +151,44 @@ async def test_health_metrics_and_status_page_report_the_wire(tiny_f32):
     workers = got["swarm"]["workers"]
     assert sum(w["wire"]["received"] for w in workers) == wire["received"]
     assert got["swarm"]["wire"]["sent"] == wire["sent"]
+
+
+async def test_worker_health_reports_its_wire_bytes(shard):
+    """A worker's ``--health`` JSON, served over HTTP, carries the bytes its connections carried:
+    the mirror image of the backbone-side owner's counters."""
+    import socket
+
+    import httpx
+
+    from p2pswarm.worker.health import start_health, worker_health
+
+    worker = ExpertWorker(shard)
+    info = worker.info
+    served = ServeStats()
+    async with trio.open_nursery() as nursery:
+        where, ready = {}, trio.Event()
+
+        def listening(h, p):
+            where["port"] = p
+            ready.set()
+
+        nursery.start_soon(partial(serve_tcp, worker, "127.0.0.1", 0, ready=listening, stats=served))
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        url = await start_health(nursery, sock, lambda: worker_health("me", served, ["s"]))
+        await ready.wait()
+        owner = SocketOwner("w", "127.0.0.1", where["port"], model_fingerprint=info.model_fingerprint,
+                            kernel=info.kernel, layers=(info.layer_begin, info.layer_end),
+                            experts=(info.expert_begin, info.expert_end))
+        async with httpx.AsyncClient() as client:
+            with trio.fail_after(30):
+                before = (await client.get(url)).json()["wire"]
+                cur = np.ones((5, info.n_embd), np.float32)
+                await owner.compute(info.layer_begin, cur, [(info.expert_begin, np.arange(5, dtype=np.int32))])
+                after = (await client.get(url)).json()["wire"]
+        await owner.aclose()
+        nursery.cancel_scope.cancel()
+    assert before == {"received": 0, "sent": 0, "bytes_per_request": None}
+    assert (after["received"], after["sent"]) == (owner.wire.sent, owner.wire.received), after
+    assert after["sent"] > 5 * info.n_embd  # the outputs crossed: 5 rows of n_embd values (coded or not)
+    assert after["bytes_per_request"] == after["received"] + after["sent"]  # one request

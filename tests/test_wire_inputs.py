@@ -73,26 +73,14 @@ async def test_worker_processes_take_quantised_rows_and_the_logits_stay_exact(re
     """Worker OS processes over sockets: with the switch on (the default) the rows go in the
     workers' form (fewer bytes sent), with P2PSWARM_WIRE_INPUTS=off as float32; the logits of
     both equal the monolithic run's bit for bit, and no group fell back to the backbone."""
-    from p2pswarm.backbone.session import open_backbone
+    from helpers.wire_switch import wire_by_switch
 
-    path = request.getfixturevalue(model)
-    tokens = [17, 3, 250, 99, 4, 4, 301, 12]
-    async with open_backbone(path) as mono:
-        want = await mono.backbone.logits(tokens)
-        want_decode = await mono.backbone.logits(tokens, decode=True)
-    sent = {}
-    for switch in ("on", "off"):
-        monkeypatch.setenv("P2PSWARM_WIRE_INPUTS", switch)
-        async with open_backbone(path, workers=2, transport="socket") as swarm:
-            d = swarm.backbone.dispatcher
-            assert all((o.input_quantiser is not None) == (switch == "on") for o in swarm.owners)
-            got = await swarm.backbone.logits(tokens)
-            got_decode = await swarm.backbone.logits(tokens, decode=True)
-            assert d.stats.fallbacks == 0 and d.stats.local_groups == 0 and d.stats.requests > 0
-            assert all(o.input_forms for o in swarm.owners)  # the workers said they take a form
-            sent[switch] = d.wire.sent
-        assert np.array_equal(got, want) and np.array_equal(got_decode, want_decode), f"wire inputs {switch}"
-    assert sent["on"] < 0.5 * sent["off"], sent
+    def check(swarm, on):
+        assert all((o.input_quantiser is not None) == on for o in swarm.owners)
+        assert all(o.input_forms for o in swarm.owners)  # the workers said they take a form
+
+    wire = await wire_by_switch(request.getfixturevalue(model), "P2PSWARM_WIRE_INPUTS", monkeypatch, check)
+    assert wire["on"][0] < 0.5 * wire["off"][0], wire
 
 
 @pytest.mark.parametrize("dtype", [{"a": 1}, [1, 2], 7, None])

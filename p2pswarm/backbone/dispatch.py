@@ -157,11 +157,13 @@ class DispatchStats:
     mismatches: int = 0  # checked groups whose outputs differed from the local replica's (each bans)
     recoveries: int = 0  # back-offs ended early: the worker's late reply came (it was late, not hung)
     probes: int = 0  # background requests to owners the hot-expert path kept local (not in ``requests``)
+    per_owner_rows: dict[str, int] = field(default_factory=dict)  # (expert, row) pairs sent to each remote owner
 
     def snapshot(self) -> "DispatchStats":
         return DispatchStats(self.layers, self.requests, self.remote_rows, self.local_groups, self.remote_groups,
                              self.fallbacks, self.seconds, dict(self.per_owner), self.deadline_misses,
-                             self.verified_groups, self.mismatches, self.recoveries, self.probes)
+                             self.verified_groups, self.mismatches, self.recoveries, self.probes,
+                             dict(self.per_owner_rows))
 
     def since(self, before: "DispatchStats") -> "DispatchStats":
         return DispatchStats(
@@ -172,6 +174,7 @@ class DispatchStats:
             self.deadline_misses - before.deadline_misses,
             self.verified_groups - before.verified_groups, self.mismatches - before.mismatches,
             self.recoveries - before.recoveries, self.probes - before.probes,
+            {k: v - before.per_owner_rows.get(k, 0) for k, v in self.per_owner_rows.items()},
         )
 
 
@@ -493,7 +496,9 @@ class Dispatcher:
             if owner.remote:
                 s.requests += 1
                 s.remote_groups += len(which)
-                s.remote_rows += sum(len(groups[i][1]) for i in which)
+                pairs = sum(len(groups[i][1]) for i in which)
+                s.remote_rows += pairs
+                s.per_owner_rows[owner.name] = s.per_owner_rows.get(owner.name, 0) + pairs
             else:
                 s.local_groups += len(which)
             s.per_owner[owner.name] = s.per_owner.get(owner.name, 0) + len(which)

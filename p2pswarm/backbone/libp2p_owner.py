@@ -137,6 +137,7 @@ class Libp2pOwner(SocketOwner):
                 raise WorkerError(f"{self.name} refused by us at the handshake: {reason}")
             self.families = reply_families(reply)
             self.input_forms = reply_input_forms(reply)
+            self.output_coding = proto.reply_output_coding(reply)
         except BaseException:
             await close_now(stream)
             raise

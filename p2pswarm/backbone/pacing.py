@@ -57,10 +57,11 @@ def choose_token_budget(dense_row_s: float | None, wait_s: float | None, *, floo
 
 
 def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead_s: float = MICRO_OVERHEAD_S,
-                         max_m: int = 8, slack: float = 0.05) -> int:
+                         max_m: int = 8, slack: float = 0.05, link_s: float = 0.0) -> int:
     """The number of micro-batches M that minimises the time of one layer,
 
-        T(M) = max(C + (M - 1) * o,  C / M + R + (M - 1) * o)
+        T(M) = max(C + (M - 1) * o,  X,  C / M + R + X / M + (M - 1) * o)
+    (X: a known link's time for the step's bytes, R the rest of the wait: backbone/link_budget.py)
 
     with C the dense time of the whole step's rows, R the wait for the experts (network round trip
     + remote compute) and o the fixed cost of one more micro-batch. The first term is the backbone's
@@ -76,6 +77,6 @@ def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead
     most C: M stays 1-2; with C ~ R it approaches a 2x gain. We take the *smallest* M within
     ``slack`` (5%) of the best time. M <= the number of sequences and ``max_m``."""
     ms = range(1, max(1, min(max_m, n_seqs)) + 1)
-    times = [max(dense_s + (m - 1) * overhead_s, dense_s / m + wait_s + (m - 1) * overhead_s) for m in ms]
+    times = [max(dense_s + (m - 1) * overhead_s, link_s, dense_s / m + wait_s + link_s / m + (m - 1) * overhead_s) for m in ms]
     best = min(times)
     return next(m for m, t in zip(ms, times) if t <= best * (1 + slack))

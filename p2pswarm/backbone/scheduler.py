@@ -68,6 +68,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.generate import Step
+from p2pswarm.backbone.link_budget import LinkModel
 from p2pswarm.backbone.pacing import (AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, BUDGET_SAMPLE_ROWS, BUDGET_WINDOW,
                                       GATHER_FIRST, GATHER_FRACTION, GATHER_GAP, GATHER_MAX_S, choose_micro_batches,
                                       choose_token_budget)
@@ -234,6 +235,7 @@ class Scheduler:
         self.step_s: float | None = None  # EWMA: wall seconds of a step
         self.dense_s: float | None = None  # EWMA: seconds per layer the backbone's dense work is busy, a whole step
         self.wait_s: float | None = None  # EWMA: dispatch wait per layer of one micro-batch
+        self.links = LinkModel()  # the wait's link part, where the owners' links have a known cost per row
         self.last_micro_batches = 1
         #: dense seconds per row and layer (token_budget="auto"): the least of the last steps' of at
         #: least BUDGET_SAMPLE_ROWS rows - the step with the most rows amortises the fixed costs best
@@ -406,7 +408,8 @@ class Scheduler:
         elif self.dense_s is None or self.wait_s is None:
             m = 1
         else:
-            m = choose_micro_batches(self.step_dense_s(chunks), self.wait_s, len(batch))
+            wait, link = self.links.terms(self.backbone.dispatcher.owners, sum(map(len, chunks)), self.wait_s)
+            m = choose_micro_batches(self.step_dense_s(chunks), wait, len(batch), link_s=link)
         self.last_micro_batches = m
         total = sum(len(c) for c in chunks)
         parts: list[list[int]] = [[] for _ in range(m)]
@@ -460,6 +463,7 @@ class Scheduler:
             self.dense_s = dense if self.dense_s is None else (1 - EWMA) * self.dense_s + EWMA * dense
             self.wait_s = wait if self.wait_s is None else (1 - EWMA) * self.wait_s + EWMA * wait
             rows = sum(len(c) for c in chunks)
+            self.links.observe(self.backbone.dispatcher.stats.since(before).per_owner_rows, n_layer, rows)
             if rows >= BUDGET_SAMPLE_ROWS:  # small steps' fixed per-layer costs would inflate the per-row cost
                 self._row_costs.append(dense / rows)
                 self.dense_row_s = min(self._row_costs)

@@ -61,7 +61,7 @@ def reply_input_forms(reply: dict) -> frozenset[str]:
     """The input forms a worker's hello reply says it takes rows in (older workers: none)."""
     forms = reply.get("input_forms")
     if isinstance(forms, list):
-        return frozenset(f for f in forms if isinstance(f, str) and f in proto.INPUT_FORMS)
+        return frozenset(f for f in forms if isinstance(f, str) and (f in proto.INPUT_FORMS or f in proto.PACKED_FORMS))
     return frozenset()
 
 
@@ -126,6 +126,8 @@ class SocketOwner(Owner):
         #: the backbone's --wire-precision (the dispatcher sets it): outputs asked for in 16 bits,
         #: and rounded here if a worker sends float32 anyway (p2pswarm.net.wire_precision)
         self.wire_precision: str | None = None
+        #: the lossless output coding both ends take (p2pswarm.net.wire_codec), None: plain
+        self.output_coding: str | None = None
 
     def deadline_s(self, rows: int = 0) -> float:
         """How long a request of ``rows`` rows may take before we call the worker hung."""
@@ -182,6 +184,7 @@ class SocketOwner(Owner):
             raise WorkerError(f"{self.name} serves another model ({clip(reply.get('model'), 80)}), not {self.model_fingerprint}")
         self.families = reply_families(reply)
         self.input_forms = reply_input_forms(reply)
+        self.output_coding = proto.reply_output_coding(reply)
         self._stream, self._reader = stream, reader
 
     def hello(self) -> dict:
@@ -313,10 +316,14 @@ class SocketOwner(Owner):
         if q is not None and family is None and self.family is None and q.input_form(layer) in self.input_forms:
             rows, form = q.quantise_input(layer, rows)  # what the worker's ggml would make of them
         rid = next(self._ids)
-        req = proto.ComputeRequest(rid, layer, rows, local_groups, family, form, self.wire_precision)
+        req = proto.ComputeRequest(rid, layer, rows, local_groups, family, form, self.wire_precision,
+                                   proto.wants_packed(form, self.input_forms), self.output_coding)
         try:
             reply = await self.request(req.to_wire(), rid, rows=int(sum(len(idx) for _, idx in local_groups)))
-            out = proto.result_from_wire(reply.get("out"))
+            if proto.result_coded(reply.get("out")):  # decoding: CPU work, off the loop
+                out = await trio.to_thread.run_sync(proto.result_from_wire, reply.get("out"))
+            else:
+                out = proto.result_from_wire(reply.get("out"))
             if self.wire_precision is not None and reply["out"].get("dtype") != self.wire_precision:
                 out = wire_precision.round_to(out, self.wire_precision)  # an older worker: float32
         except FrameError as exc:

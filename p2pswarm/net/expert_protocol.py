@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from p2pswarm import settings
 from p2pswarm.engine.ggml_inputs import INPUT_FORMS
 from p2pswarm.errors import FrameError, clip
-from p2pswarm.net import wire_precision
+from p2pswarm.net import wire_codec, wire_precision
 
 PROTOCOL_VERSION = 1
 #: The libp2p protocol id of these messages (docs/protocol.md); plain strings, so the socket
@@ -25,6 +26,12 @@ ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
 # the kernel that makes them): a worker's hello lists those it takes ("input_forms"; an older worker
 # none: it gets float32); a request's rows map then has that name as its "dtype", the shape in
 # values (n, n_embd) and n * row bytes of data.
+#: Wire-only forms of an input form (p2pswarm.net.wire_codec): name -> (the form it stands for, bytes
+#: per block on the wire, pack, unpack). A worker lists such a name in its hello's "input_forms" when it
+#: takes that form; the rows arrive as the full form after unpacking, the same bytes.
+PACKED_FORMS = {wire_codec.Q8_K_PACKED: ("q8_K", 260, wire_codec.pack_q8_K, wire_codec.unpack_q8_K)}
+#: input form -> its packed wire form
+PACKED_OF = {form: name for name, (form, *_) in PACKED_FORMS.items()}
 #: The longest kernel id a node record, a hello or a compute request's family may carry. A ggml id
 #: names the library and every SIMD code path its CPU build selects ("ggml-0.25.3-0c1e570/x86_64+
 #: sse3+...+amx_int8+llamafile"): 131 characters on a CPU with AVX-512 and AMX, 212 were every
@@ -32,6 +39,26 @@ ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
 #: on such a CPU: a swarm of them found no owner at all.
 MAX_KERNEL_ID_CHARS = 512
 MAX_FAMILY_CHARS = MAX_KERNEL_ID_CHARS  # a family is a kernel id (or its portable-<version> prefix)
+
+
+def hello_input_forms(forms: list[str]) -> list[str]:
+    """What a worker's hello lists as "input_forms": its kernel's forms, and their packed wire
+    forms unless ``P2PSWARM_WIRE_CODEC`` is off."""
+    packed = [PACKED_OF[f] for f in forms if f in PACKED_OF] if settings.WIRE_CODEC.get() else []
+    return list(forms) + packed
+
+
+def wants_packed(form: str | None, worker_forms) -> bool:
+    """Whether a backbone sends rows of ``form`` packed to a worker whose hello listed ``worker_forms``."""
+    return form in PACKED_OF and PACKED_OF[form] in worker_forms and settings.WIRE_CODEC.get()
+
+
+def reply_output_coding(reply: dict) -> str | None:
+    """The output coding a backbone asks a worker for, from the worker's hello reply: None when
+    either side cannot code (an older worker lists none) or ``P2PSWARM_WIRE_CODEC`` is off here."""
+    codings = reply.get("output_codings")
+    ok = isinstance(codings, list) and wire_codec.OUTPUT_CODING in codings and wire_codec.can_code()
+    return wire_codec.OUTPUT_CODING if ok else None
 
 
 def pack(msg: dict) -> bytes:
@@ -73,29 +100,38 @@ def array_from_wire(d: object, what: str) -> np.ndarray:
     return np.frombuffer(data, dtype=np_dtype).reshape(shape).copy()
 
 
-def rows_to_wire(rows: np.ndarray, form: str | None) -> dict:
-    """Input rows: float32 (``form`` None), or (n, row bytes) uint8 already in ``form``."""
+def rows_to_wire(rows: np.ndarray, form: str | None, packed: bool = False) -> dict:
+    """Input rows: float32 (``form`` None), or (n, row bytes) uint8 already in ``form``; ``packed``:
+    in that form's :data:`PACKED_FORMS` wire form where it has one."""
     if form is None:
         return array_to_wire(rows)
     _, block, block_bytes = INPUT_FORMS[form]
-    return {"dtype": form, "shape": [rows.shape[0], rows.shape[1] // block_bytes * block],
-            "data": np.ascontiguousarray(rows).tobytes()}
+    name = PACKED_OF.get(form) if packed else None
+    data = np.ascontiguousarray(rows) if name is None else PACKED_FORMS[name][2](rows)
+    return {"dtype": name or form, "shape": [rows.shape[0], rows.shape[1] // block_bytes * block],
+            "data": data.tobytes()}
 
 
 def rows_from_wire(d: object) -> tuple[np.ndarray, str | None]:
-    """(rows, form): float32 (n, n_embd) and None, or (n, row bytes) uint8 and the form's name."""
-    form = d.get("dtype") if isinstance(d, dict) else None
-    if not isinstance(d, dict) or not isinstance(form, str) or form not in INPUT_FORMS:  # fuzzed: any msgpack value
-        return array_from_wire(d, "rows"), None
-    shape, data = d.get("shape"), d.get("data")
+    """(rows, form): float32 (n, n_embd) and None, or (n, row bytes) uint8 and the form's name
+    (a packed wire form unpacked into its form)."""
+    name = d.get("dtype") if isinstance(d, dict) else None
+    if not isinstance(d, dict) or not isinstance(name, str) or (name not in INPUT_FORMS and name not in PACKED_FORMS):
+        return array_from_wire(d, "rows"), None  # (a fuzzed dtype may be any msgpack value)
+    form, unpack_rows = name, None
+    if name in PACKED_FORMS:
+        form, _, _, unpack_rows = PACKED_FORMS[name]
     _, block, block_bytes = INPUT_FORMS[form]
+    wire_bytes = PACKED_FORMS[name][1] if unpack_rows else block_bytes
+    shape, data = d.get("shape"), d.get("data")
     if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(s, int) and s >= 0 for s in shape)
             and isinstance(data, bytes)) or shape[1] % block:
-        raise FrameError(f"malformed rows: bad shape/data for form {form}")
-    row_bytes = shape[1] // block * block_bytes
+        raise FrameError(f"malformed rows: bad shape/data for form {name}")
+    row_bytes = shape[1] // block * wire_bytes
     if shape[0] * row_bytes != len(data):
-        raise FrameError(f"malformed rows: {len(data)} bytes do not make {shape[0]} rows of {shape[1]} in {form}")
-    return np.frombuffer(data, dtype=np.uint8).reshape(shape[0], row_bytes).copy(), form
+        raise FrameError(f"malformed rows: {len(data)} bytes do not make {shape[0]} rows of {shape[1]} in {name}")
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(shape[0], row_bytes)
+    return (rows.copy() if unpack_rows is None else unpack_rows(rows)), form
 
 
 @dataclass
@@ -115,6 +151,11 @@ class ComputeRequest:
     #: None: outputs as float32; "f16"/"bf16": rounded to that and sent in 16 bits
     #: (p2pswarm.net.wire_precision; an older worker ignores it and sends float32)
     out: str | None = None
+    #: send ``rows`` in the form's packed wire form (the worker's hello listed it)
+    packed: bool = False
+    #: None: float32 outputs plain; :data:`wire_codec.OUTPUT_CODING`: coded losslessly, if the
+    #: worker can (it may answer plain)
+    coding: str | None = None
 
     def to_wire(self) -> bytes:
         counts = [int(len(idx)) for _, idx in self.groups]
@@ -122,12 +163,14 @@ class ComputeRequest:
         msg = {
             "op": "compute", "id": self.id, "layer": self.layer,
             "experts": [int(e) for e, _ in self.groups], "counts": counts,
-            "index": array_to_wire(index), "rows": rows_to_wire(self.rows, self.form),
+            "index": array_to_wire(index), "rows": rows_to_wire(self.rows, self.form, self.packed),
         }
         if self.family is not None:
             msg["family"] = self.family
         if self.out is not None:
             msg["out"] = self.out
+        if self.coding is not None:
+            msg["coding"] = self.coding
         return pack(msg)
 
     @classmethod
@@ -154,22 +197,41 @@ class ComputeRequest:
         out = msg.get("out")
         if out is not None and out not in wire_precision.PRECISIONS:
             raise FrameError(f"malformed compute request: out must be one of {', '.join(wire_precision.PRECISIONS)}")
+        coding = msg.get("coding")
+        if coding is not None and not (isinstance(coding, str) and len(coding) <= 64):
+            raise FrameError("malformed compute request: coding must be a short string")
         groups, pos = [], 0
         for e, c in zip(experts, counts):
             groups.append((e, index[pos : pos + c]))
             pos += c
-        return cls(rid, layer, rows, groups, family, form, out)
+        return cls(rid, layer, rows, groups, family, form, out, coding=coding)
 
 
-def result_to_wire(rid: int, outputs: list[np.ndarray], n_embd: int, precision: str | None = None) -> bytes:
+def result_to_wire(rid: int, outputs: list[np.ndarray], n_embd: int, precision: str | None = None,
+                   coding: str | None = None) -> bytes:
+    """A result frame: float32 outputs plain, coded (``coding`` is :data:`wire_codec.OUTPUT_CODING`
+    and this node can code), or in 16 bits (``precision``; then uncoded)."""
     out = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, n_embd), np.float32)
     out = out.astype(np.float32, copy=False)
-    return pack({"op": "result", "id": rid,
-                 "out": array_to_wire(out) if precision is None else wire_precision.to_wire(out, precision)})
+    if precision is not None:
+        arr = wire_precision.to_wire(out, precision)
+    elif coding == wire_codec.OUTPUT_CODING and wire_codec.can_code():
+        arr = wire_codec.encode_f32(out)
+    else:
+        arr = array_to_wire(out)
+    return pack({"op": "result", "id": rid, "out": arr})
+
+
+def result_coded(d: object) -> bool:
+    """True when a result's ``out`` is losslessly coded (decoding it is worth a thread)."""
+    return isinstance(d, dict) and "coding" in d
 
 
 def result_from_wire(d: object) -> np.ndarray:
-    """A result's ``out``: float32, or 16-bit values (``--wire-precision``) widened to float32."""
+    """A result's ``out``: float32, coded float32, or 16-bit values (``--wire-precision``) widened
+    to float32."""
+    if isinstance(d, dict) and "coding" in d:
+        return wire_codec.decode_f32(d, "result")
     if isinstance(d, dict) and d.get("dtype") in wire_precision.PRECISIONS:
         return wire_precision.from_wire(d, "result")
     return array_from_wire(d, "result")

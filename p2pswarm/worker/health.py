@@ -4,7 +4,8 @@ Why: a worker that backbones do not use (its kernel family, block size or protoc
 or it is banned) used to look exactly like a working one, "serving" for ever. The backbones now
 say why (p2pswarm/backbone/refusal_notice.py); this endpoint shows it beside what was served:
 ``status`` is ``serving`` (no backbone refused it), ``refused`` (every backbone that spoke to it
-refused it) or ``partly refused``.
+refused it) or ``partly refused``. ``wire``: the bytes received from and sent to backbones (what a
+capped upload is spent on; the same counts as the stop log's).
 """
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ def worker_health(peer_id: str, stats, shards: list[str]) -> dict:
     refused = dict(stats.refused_by)
     users = set(stats.peers) - set(refused)
     status = "serving" if not refused else ("partly refused" if users else "refused")
+    w = stats.wire  # every connection's bytes, as the frames met the transport (p2pswarm.net.wire_bytes)
+    total = w.sent + w.received
     return {"status": status, "peer_id": peer_id, "shards": shards, "requests": stats.requests, "rows": stats.rows,
             "backbones_served": len(stats.peers), "refused_by": refused,
-            "handshakes_refused": stats.refused}
+            "handshakes_refused": stats.refused,
+            "wire": {"received": w.received, "sent": w.sent,
+                     "bytes_per_request": round(total / stats.requests, 1) if stats.requests else None}}
 
 
 async def start_health(nursery, sock, report) -> str:

@@ -20,6 +20,7 @@ import trio
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, SwarmError, clip
 from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net import wire_codec
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire_bytes import CountingStream, WireBytes
 from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
@@ -118,7 +119,8 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                 info = worker.info
                 reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
                          "model": info.model_fingerprint, "kernel": info.kernel, "families": list(worker.families),
-                         "input_forms": worker.input_forms(),  # rows it takes pre-quantised
+                         "input_forms": proto.hello_input_forms(worker.input_forms()),  # rows it takes pre-quantised
+                         "output_codings": [wire_codec.OUTPUT_CODING] if wire_codec.can_code() else [],
                          "shard": shard, "layers": [info.layer_begin, info.layer_end],
                          "experts": [info.expert_begin, info.expert_end]}
                 if reason:
@@ -147,7 +149,11 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     req = proto.ComputeRequest.from_msg(msg)
                     outputs = await worker.compute_async(req.layer, req.rows, req.groups, req.family or conn_family,
                                                          req.form)
-                    reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd, req.out)
+                    if req.coding is not None and req.out is None:  # coding: CPU work, off the loop
+                        reply = await trio.to_thread.run_sync(proto.result_to_wire, req.id, outputs,
+                                                              worker.info.n_embd, None, req.coding)
+                    else:
+                        reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd, req.out)
                     log.debug("computed layer %d for %s: %d experts, %d rows", req.layer, peer, len(req.groups),
                               len(req.rows))
                     if stats is not None:
