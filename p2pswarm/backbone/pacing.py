@@ -8,24 +8,22 @@ from __future__ import annotations
 
 #: fixed cost of one more micro-batch per layer: one more request per owner (~1.1-1.5 ms of CPU per
 #: round trip through py-libp2p, both ends, docs/benchmarks.md "per-request transport cost") times the
-#: owners of a layer (4 in bench_throughput), plus its thread hops. 2 ms picked M = 2-3 at 0 ms RTT for
-#: 64 sequences on 2 shared cores, 10-50% slower than M = 1 in each of three alternating pairs
-#: (docs/benchmarks.md, "Inline compute of small requests", 2026-12-01); 5 ms picks M = 1 there and
-#: still splits when the dense work is tens of ms per layer (a big model), where pipelining pays.
+#: owners of a layer, plus its thread hops. A smaller value split small steps into micro-batches
+#: that ran slower than one (docs/benchmarks.md, "Inline compute of small requests"); this one
+#: keeps one there and still splits when the dense work is tens of ms per layer (a big model),
+#: where pipelining pays.
 MICRO_OVERHEAD_S = 0.005
 
 #: Gathering a burst. An idle backbone that gets a request waits before its first step while more
 #: keep coming: at most GATHER_FRACTION of a recent step's time (an EWMA), and it starts as soon as
 #: GATHER_GAP of a step passes with no new request (before any step was timed: GATHER_FIRST, gap
 #: and most, in seconds). Why: requests sent together (a client's batch, many users at once) reach
-#: the scheduler one by one as the HTTP server parses them on the event loop (~1-1.5 ms each on a
-#: busy 2-core host: 64 at once took 80-100 ms); without waiting, the first step took the first one
-#: or two and every later one joined a step later: one more step, L round trips, for the whole
-#: burst (measured 2026-12-02: 9 steps instead of 8 for 8 tokens of 4-64 concurrent requests).
-#: While they keep coming, waiting up to a whole step is worth it: a straggler left out costs the
-#: burst one more step, and waiting costs it at most one, once. (Half a step gathered all 64 on one
-#: VM; on a slower one, 2026-12-03, it missed some at 25 ms and every N=64 run took 9 steps.) A
-#: lone request pays only the gap, a tenth of a step.
+#: the scheduler one by one as the HTTP server parses them on the event loop (a millisecond or so
+#: each); without waiting, the first step took the first one or two and every later one joined a
+#: step later: one more step, L round trips, for the whole burst (docs/benchmarks.md has the
+#: measurements). While they keep coming, waiting up to a whole step is worth it: a straggler left
+#: out costs the burst one more step, and waiting costs it at most one, once (half a step was too
+#: little on a slower machine). A lone request pays only the gap, a tenth of a step.
 GATHER_FRACTION = 1.0
 GATHER_GAP = 0.1
 GATHER_FIRST = (0.002, 0.025)
@@ -69,11 +67,10 @@ def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead
     of the dense work, then its round trip). The overhead is on that path too: every micro-batch is
     one more request per owner and layer, and each owner answers one connection's requests in order,
     so the last micro-batch's request waits behind the others' framing, proxy and worker hops.
-    (Measured 2026-12-01, 64 sequences behind 50 ms links on 2 shared cores: the earlier model,
-    without that term, picked M = 4-5; M = 1 gave the same tokens/s within noise with a third of the
-    expert requests and 35% less backbone CPU: docs/benchmarks.md. At 0 ms RTT, o = 2 ms still
-    picked M = 2-3, 10-50% slower than M = 1: each extra request costs its owner and this process
-    CPU on the same cores the dense work needs; hence ``MICRO_OVERHEAD_S`` = 5 ms.) With R >> C pipelining hides at
+    (Without that term the model picked several micro-batches where one gave the same tokens/s with
+    a fraction of the expert requests and less backbone CPU; each extra request costs its owner and
+    this process CPU on the same cores the dense work needs: docs/benchmarks.md, hence
+    ``MICRO_OVERHEAD_S``.) With R >> C pipelining hides at
     most C: M stays 1-2; with C ~ R it approaches a 2x gain. We take the *smallest* M within
     ``slack`` (5%) of the best time. M <= the number of sequences and ``max_m``."""
     ms = range(1, max(1, min(max_m, n_seqs)) + 1)

@@ -100,9 +100,9 @@ class LayerTiming:
     ``busy_s`` is the wall time during which *some* dense piece was running: the union of the
     pieces' intervals, where ``dense_s`` sums them. They differ when micro-batches' dense pieces
     overlap: each then waits for a core or the GIL while another computes, and the sum counts that
-    waiting once per micro-batch. Measured 2026-12-03 (geometry-122b, 100 ms, 16 sequences): a
-    decode step's dense sum was 83-102 ms with 3 micro-batches against 27-39 with 1, for the same
-    work; fed to the micro-batch rule, the inflated sum kept choosing 3."""
+    waiting once per micro-batch: a decode step's dense sum with 3 micro-batches was about three
+    times its sum with 1, for the same work, and fed to the micro-batch rule the inflated sum kept
+    choosing 3 (docs/benchmarks.md)."""
 
     dense_s: float = 0.0
     wait_s: float = 0.0

@@ -22,9 +22,8 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
   instead of three round-trip-bound ones; on fast links it stays at the floor. A step with no
   sequence decoding (a burst of new requests) takes every pending chunk up to
   :data:`AUTO_BUDGET_CAP`: the budget protects decoding sequences, and there are none to protect,
-  while a prompt left for the next step finishes one step after the rest of its burst (measured
-  2026-12-03, 64 prompts of 10 tokens at 25 ms: a budget of 350-470 rows left some out, and 9 steps
-  instead of 8 cost 10% of the burst's tokens/s).
+  while a prompt left for the next step finishes one step after the rest of its burst (a budget
+  that left some of 64 short prompts out cost the burst a whole step: docs/benchmarks.md).
 * A prompt is always cut into the same chunks (``prefill_chunk`` tokens, from its start), whatever
   else is running: with the backbone's ``batch_invariant`` mode its tokens are then bit-identical
   to the same request served alone.
@@ -424,7 +423,7 @@ class Scheduler:
         EWMA), or, for a step of more rows than they had (a burst of prompts), its rows times the
         measured per-row cost. Why not the EWMA alone: it follows the decode steps, and a prefill
         step of 64 ten-token prompts has ten times their rows; timed as a decode step it ran
-        unpipelined, 2.5x a decode step's time (25 ms RTT, 2026-12-03)."""
+        unpipelined, several times a decode step's time."""
         dense = self.dense_s or 0.0
         if self.dense_row_s is not None:
             dense = max(dense, self.dense_row_s * sum(len(c) for c in chunks))
