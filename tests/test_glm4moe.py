@@ -77,6 +77,7 @@ async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc", kernel=
 
 @needs_llama
 @pytest.mark.parametrize("variant", ["f32", "plain-attention", "tied"])
+@pytest.mark.slow
 async def test_f32_logits_match_llama_cpp(models_dir, variant):
     path = {"f32": lambda: glm_model(models_dir, "f32", seed=41),
             "plain-attention": lambda: plain_attention(models_dir),
@@ -90,6 +91,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant):
 
 
 @needs_llama
+@pytest.mark.slow
 async def test_bias_and_partial_rotary_have_teeth(models_dir):
     """Routing without the selection bias, or rotating every dim, misses llama.cpp by >> tolerance."""
     path = glm_model(models_dir, "f32", seed=41)
@@ -128,6 +130,7 @@ def _forward(model, bank, tokens):
 
 @needs_llama
 @needs_ggml
+@pytest.mark.slow
 def test_q4_k_m_routing_matches_llama_cpp(models_dir):
     path = q4km(models_dir)
     layout = ModelLayout.open(path)
@@ -173,6 +176,7 @@ def test_q4_k_m_routing_matches_llama_cpp(models_dir):
 
 @needs_llama
 @pytest.mark.parametrize("qtype", ["f32", pytest.param("q4_k_m", marks=needs_ggml)])
+@pytest.mark.slow
 async def test_greedy_tokens_match_llama_cpp(models_dir, qtype):
     """32 greedy steps of ours; llama.cpp, fed the same prefix, picks the same token at every step
     where its top two logits are further apart than twice our distance from its logits at that step
@@ -301,6 +305,7 @@ def test_nextn_block_is_skipped(models_dir, tmp_path):
     assert np.array_equal(with_block, without)
 
 
+@pytest.mark.slow
 def test_make_model_glm4moe_command(tmp_path):
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     for out in (a, b):
@@ -367,6 +372,7 @@ async def test_geometry_glm45_runs_in_llama_cpp_and_routes_as_it_does(tmp_path):
     ("glm4moe.attention.head_count_kv", 3, T.UINT32, "glm4moe.attention.head_count"),
     ("glm4moe.expert_shared_count", None, None, "glm4moe.expert_shared_count"),  # missing
 ])
+@pytest.mark.slow
 def test_inconsistent_hyper_parameter_is_one_line(models_dir, tmp_path, key, value, vtype, needle):
     src = glm_model(models_dir, "f32", seed=41)
     bad = rewrite(src, tmp_path / "bad.gguf", drop_key=key if value is None else None,
