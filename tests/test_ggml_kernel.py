@@ -122,7 +122,8 @@ async def _logits(model, workers=0, transport="inproc", kernel="ggml"):
 
 
 @needs_ggml
-@pytest.mark.parametrize("qtype", ["f32", pytest.param("q8_0", marks=pytest.mark.slow), "q4_k_m"])
+@pytest.mark.parametrize("qtype", [pytest.param("f32", marks=pytest.mark.slow), pytest.param("q8_0", marks=pytest.mark.slow),
+                                   "q4_k_m"])
 @pytest.mark.parametrize("transport", ["inproc", pytest.param("socket", marks=pytest.mark.slow)])  # processes: slow
 async def test_split_equals_monolithic_with_ggml(request, qtype, transport):
     model = request.getfixturevalue(MODELS[qtype])

@@ -237,7 +237,7 @@ async def test_split_equals_monolithic_socket_workers_q4_k_m(models_dir):
     assert np.array_equal(prefill, mono_prefill) and np.array_equal(decode, mono_decode)
 
 
-@pytest.mark.parametrize("kernel", ["numpy", pytest.param("ggml", marks=needs_ggml)])
+@pytest.mark.parametrize("kernel", ["numpy", pytest.param("ggml", marks=[needs_ggml, pytest.mark.slow])])
 async def test_batched_equals_alone(models_dir, kernel):
     path = glm_model(models_dir, "f32", seed=41) if kernel == "numpy" else q4km(models_dir)
     async with open_backbone(path, workers=2, transport="inproc", kernel=kernel) as swarm:
