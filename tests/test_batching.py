@@ -194,6 +194,7 @@ async def test_scheduler_cancel_and_refusals(tiny_f32):
     assert sched.stats.generated < 20
 
 
+@pytest.mark.slow
 async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km):
     """The batch-invariant mode batches a mat-mul across sequences only where a probe found it
     row-invariant: libggml on Q8_0 yes; libggml on K-quants no (it switches kernels at 8 rows, so

@@ -39,6 +39,7 @@ def test_logits_refusals(tiny_f32, tmp_path, args, needle):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_logits_missing_model(tmp_path):
     proc = run_cli("logits", str(tmp_path / "nope.gguf"), "--tokens", "1", "--out", str(tmp_path / "x.npy"))
     assert_one_line_error(proc, "no such file")

@@ -71,6 +71,7 @@ async def our_logits(path, tokens=TOKENS, **kw):
 
 @needs_llama
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.slow
 async def test_f32_logits_match_llama_cpp(models_dir, variant):
     path = ds_model(models_dir, variant)
     ref = llama_logits(path, TOKENS)
@@ -89,6 +90,7 @@ async def test_both_mla_forms_are_the_same_function(models_dir):
 
 
 @needs_llama
+@pytest.mark.slow
 async def test_yarn_is_what_makes_it_match(models_dir, monkeypatch):
     """The test has teeth: the same engine with plain RoPE and scale (YaRN ignored) misses by far."""
     path = ds_model(models_dir, "v3")
@@ -326,6 +328,7 @@ async def test_mtp_blocks_are_not_run(models_dir, tmp_path):
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
+@pytest.mark.slow
 def test_missing_key_or_tensor_is_one_line(models_dir, tmp_path):
     src = ds_model(models_dir, "v3")
     no_key = rewrite(src, tmp_path / "nokey.gguf", drop_key="deepseek2.attention.kv_lora_rank")
@@ -336,6 +339,7 @@ def test_missing_key_or_tensor_is_one_line(models_dir, tmp_path):
     assert_one_line_error(proc, "blk.2.attn_kv_a_mqa.weight")
 
 
+@pytest.mark.slow
 def test_make_model_deepseek2_command(tmp_path):
     out = tmp_path / "m.gguf"
     proc = run_cli("make-model", "-o", str(out), "--arch", "deepseek2", "--layers", "2", "-q", check=True)

@@ -291,6 +291,7 @@ def test_direct_443_drop_in_binds_443_with_tls():
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+@pytest.mark.slow
 def test_systemd_analyze_verify_has_nothing_to_say(tmp_path):
     """Unknown keys, bad values, misplaced sections: systemd's own parser. The ExecStart binary is
     pointed at this checkout's `p2pswarm` (verify insists that it exists)."""

@@ -86,6 +86,7 @@ def test_the_fallback_says_how_to_get_ggml(tmp_path, monkeypatch):
     assert f"python {ROOT / 'native' / 'build_ggml.py'}" in msg and f"pip install -e {ROOT}" in msg, msg
 
 
+@pytest.mark.slow
 def test_a_missing_compiler_is_one_clear_line(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "native" / "build_ggml.py"), "--out", str(tmp_path / "out")],
                           capture_output=True, text=True, timeout=120,
@@ -159,6 +160,7 @@ print(lib.kernel_id)
 
 @needs_llama
 @pytest.mark.parametrize("order", ["llama-first", "llama-global", "ours-first"])
+@pytest.mark.slow
 def test_our_libggml_and_llama_cpps_never_bind_to_each_other(order, tmp_path):
     """llama.cpp's libggml loaded before ours (as llama-cpp-python does, RTLD_LOCAL; or RTLD_GLOBAL,
     as another loader might) or after: ours must neither take its symbols nor lend it ours. LD_BIND_NOW makes the loader resolve every symbol at load, LD_DEBUG lists each binding;
@@ -220,6 +222,7 @@ async def test_backbone_and_workers_default_to_ggml(tiny_q8, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_build_log_is_kept_in_the_cache_only_on_failure(tmp_path, monkeypatch):
     """A build step's log lives in the build's temporary folder; only a failure copies it into the
     cache folder (never to a fixed /tmp path), and the error line names that copy."""

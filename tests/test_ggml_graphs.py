@@ -121,6 +121,7 @@ def test_dense_swiglu_is_one_graph_close_to_numpy(tiny_q8):
 
 
 @pytest.mark.parametrize("preset", [None, "ACTIVE"])
+@pytest.mark.slow
 def test_omp_threads_wait_passively_unless_told(preset):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if preset:
@@ -198,6 +199,7 @@ def test_ggml_gated_delta_net_is_the_recurrent_rule(T):
 
 
 @pytest.mark.parametrize("preset", [None, "2"])
+@pytest.mark.slow
 def test_ggml_dense_path_runs_numpy_blas_on_one_thread(tiny_q8, preset):
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
     if preset:

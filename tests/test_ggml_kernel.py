@@ -123,7 +123,8 @@ async def _logits(model, workers=0, transport="inproc", kernel="ggml"):
 
 
 @needs_ggml
-@pytest.mark.parametrize("qtype", ["f32", pytest.param("q8_0", marks=pytest.mark.slow), "q4_k_m"])
+@pytest.mark.parametrize("qtype", [pytest.param("f32", marks=pytest.mark.slow), pytest.param("q8_0", marks=pytest.mark.slow),
+                                   "q4_k_m"])
 @pytest.mark.parametrize("transport", ["inproc", pytest.param("socket", marks=pytest.mark.slow)])  # processes: slow
 async def test_split_equals_monolithic_with_ggml(request, qtype, transport):
     model = request.getfixturevalue(MODELS[qtype])
@@ -414,6 +415,7 @@ def test_the_f32_router_on_ggml_gives_a_row_alone_its_bits_in_a_batch(tiny_q8):
     assert np.allclose(batched, x @ np.asarray(w).T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_numpy_nodes_multiply_on_one_blas_thread(tiny_f32):
     """numpy's OpenBLAS gives a row different bits on 1 and 2 threads (5+ rows, measured), so
     every process that builds a numpy expert bank runs BLAS on one thread: a numpy backbone and

@@ -74,6 +74,7 @@ async def our_logits(path, tokens=TOKENS, **kw):
 
 @needs_llama
 @pytest.mark.parametrize("variant", ["f32", "plain-attention", "tied"])
+@pytest.mark.slow
 async def test_f32_logits_match_llama_cpp(models_dir, variant):
     path = {"f32": lambda: glm_model(models_dir, "f32", seed=41),
             "plain-attention": lambda: plain_attention(models_dir),
@@ -87,6 +88,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant):
 
 
 @needs_llama
+@pytest.mark.slow
 async def test_bias_and_partial_rotary_have_teeth(models_dir):
     """Routing without the selection bias, or rotating every dim, misses llama.cpp by >> tolerance."""
     path = glm_model(models_dir, "f32", seed=41)
@@ -125,6 +127,7 @@ def _forward(model, bank, tokens):
 
 @needs_llama
 @needs_ggml
+@pytest.mark.slow
 def test_q4_k_m_routing_matches_llama_cpp(models_dir):
     path = q4km(models_dir)
     layout = ModelLayout.open(path)
@@ -170,6 +173,7 @@ def test_q4_k_m_routing_matches_llama_cpp(models_dir):
 
 @needs_llama
 @pytest.mark.parametrize("qtype", ["f32", pytest.param("q4_k_m", marks=needs_ggml)])
+@pytest.mark.slow
 async def test_greedy_tokens_match_llama_cpp(models_dir, qtype):
     """32 greedy steps of ours; llama.cpp, fed the same prefix, picks the same token at every step
     where its top two logits are further apart than twice our distance from its logits at that step
@@ -230,7 +234,7 @@ async def test_split_equals_monolithic_socket_workers_q4_k_m(models_dir):
     assert np.array_equal(prefill, mono_prefill) and np.array_equal(decode, mono_decode)
 
 
-@pytest.mark.parametrize("kernel", ["numpy", pytest.param("ggml", marks=needs_ggml)])
+@pytest.mark.parametrize("kernel", ["numpy", pytest.param("ggml", marks=[needs_ggml, pytest.mark.slow])])
 async def test_batched_equals_alone(models_dir, kernel):
     path = glm_model(models_dir, "f32", seed=41) if kernel == "numpy" else q4km(models_dir)
     async with open_backbone(path, workers=2, transport="inproc", kernel=kernel) as swarm:
@@ -287,6 +291,7 @@ def test_nextn_block_is_skipped(models_dir, tmp_path):
     assert np.array_equal(with_block, without)
 
 
+@pytest.mark.slow
 def test_make_model_glm4moe_command(tmp_path):
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     for out in (a, b):
@@ -353,6 +358,7 @@ async def test_geometry_glm45_runs_in_llama_cpp_and_routes_as_it_does(tmp_path):
     ("glm4moe.attention.head_count_kv", 3, T.UINT32, "glm4moe.attention.head_count"),
     ("glm4moe.expert_shared_count", None, None, "glm4moe.expert_shared_count"),  # missing
 ])
+@pytest.mark.slow
 def test_inconsistent_hyper_parameter_is_one_line(models_dir, tmp_path, key, value, vtype, needle):
     src = glm_model(models_dir, "f32", seed=41)
     bad = rewrite(src, tmp_path / "bad.gguf", drop_key=key if value is None else None,

@@ -81,6 +81,7 @@ async def our_logits(path, tokens=TOKENS, **kw):
 @needs_llama
 @pytest.mark.parametrize("variant", ["f32", "f32-pattern0"])
 @pytest.mark.parametrize("kernel", ["numpy", pytest.param("ggml", marks=needs_ggml)])
+@pytest.mark.slow
 async def test_f32_logits_match_llama_cpp(models_dir, variant, kernel):
     path = oss_model(models_dir, variant)
     model = load_dense(ModelLayout.open(path))
@@ -92,6 +93,7 @@ async def test_f32_logits_match_llama_cpp(models_dir, variant, kernel):
 
 
 @needs_llama
+@pytest.mark.slow
 def test_window_and_sinks_are_what_match(models_dir):
     """The match has teeth: ignoring the window, or the sinks, or YaRN misses by >> the tolerance."""
     path = oss_model(models_dir, "f32")
@@ -182,6 +184,7 @@ def _captured(path, n_layer):
 
 @needs_llama
 @needs_ggml
+@pytest.mark.slow
 def test_mxfp4_routing_matches_llama_cpp_layer_by_layer(models_dir):
     path = oss_model(models_dir, "mxfp4")
     layout = ModelLayout.open(path)
@@ -332,6 +335,7 @@ def test_mxfp4_experts_have_the_planned_scale_and_size(models_dir):
     assert info["bytes_per_expert"] == 3 * 256 * 256 // 32 * 17 + 4 * (256 + 256 + 256)
 
 
+@pytest.mark.slow
 def test_make_model_gpt_oss_command(tmp_path):
     out = tmp_path / "m.gguf"
     proc = run_cli("make-model", "--arch", "gpt-oss", "-o", str(out), "--layers", "2", "--expert-type", "mxfp4",
@@ -351,6 +355,7 @@ def test_make_model_gpt_oss_command(tmp_path):
     ({"gpt-oss.attention.sliding_window_pattern": ("2", GGUFValueType.STRING, None)},
      "gpt-oss.attention.sliding_window_pattern"),
 ])
+@pytest.mark.slow
 def test_bad_hyper_parameters_are_refused_at_load(models_dir, tmp_path, change, needle):
     bad = _rewrite(oss_model(models_dir, "f32"), tmp_path / "bad.gguf", set_keys=change)
     proc = run_cli("logits", str(bad), "--tokens", "1,2,3", "--out", str(tmp_path / "x.npy"), "--workers", "0")
@@ -365,6 +370,7 @@ def test_bad_hyper_parameters_are_refused_at_load(models_dir, tmp_path, change, 
     ("tensor", "blk.2.attn_output.bias"),
     ("tensor", "blk.3.ffn_down_exps.bias"),
 ])
+@pytest.mark.slow
 def test_missing_key_or_tensor_is_one_line(models_dir, tmp_path, drop):
     what, name = drop
     bad = _rewrite(oss_model(models_dir, "f32"), tmp_path / "bad.gguf",

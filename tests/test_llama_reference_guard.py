@@ -38,6 +38,7 @@ def test_the_in_place_check_refuses_extra_buffers_and_an_unreadable_log():
 
 @needs_llama
 @pytest.mark.parametrize("model", ["tiny_q8", "tiny_q4km"])
+@pytest.mark.slow
 def test_quantised_reference_runs_with_weights_in_place(model, request):
     path = request.getfixturevalue(model)
     logits, buffers = llama_ref.call("_ref_logits", str(path), TOKENS)

@@ -91,10 +91,10 @@ async def _raw_exchange(net, peer, data: bytes) -> bytes:
 
 @pytest.mark.parametrize("frame", [
     struct.pack("!Q", 5) + b"\xc1\xc1\xc1\xc1\xc1",  # never-used msgpack byte
-    struct.pack("!Q", 3) + msgpack.packb([1, 2]),  # not a map
-    struct.pack("!Q", 1 << 62) + b"x",  # absurd length: refused before reading
-    struct.pack("!Q", 10) + b"short",  # closed mid-frame
-    struct.pack("!Q", 200_000) + b"y" * 200_000,  # over this worker's maximum
+    pytest.param(struct.pack("!Q", 3) + msgpack.packb([1, 2]), marks=pytest.mark.slow),  # not a map
+    pytest.param(struct.pack("!Q", 1 << 62) + b"x", marks=pytest.mark.slow),  # absurd length: refused before reading
+    pytest.param(struct.pack("!Q", 10) + b"short", marks=pytest.mark.slow),  # closed mid-frame
+    pytest.param(struct.pack("!Q", 200_000) + b"y" * 200_000, marks=pytest.mark.slow),  # over this worker's maximum
 ], ids=["bad-msgpack", "not-a-map", "absurd-length", "closed-mid-frame", "oversized"])
 async def test_malformed_or_oversized_frame_closes_only_that_stream(shards, frame, caplog):
     worker = ExpertWorker(shards[0])

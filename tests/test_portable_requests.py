@@ -40,6 +40,7 @@ def test_answer_families_and_request_field():
 
 
 @needs_ggml
+@pytest.mark.slow
 async def test_ggml_worker_answers_portable_requests_bit_equal(tiny_q4km):
     layout = ModelLayout.open(tiny_q4km)
     portable, ggml = pk.PortableExpertBank(layout, threads=1), ggml_experts.GgmlExpertBank(layout, threads=1)

@@ -110,6 +110,7 @@ def test_f32_logits_command_matches_llama_cpp(models_dir, tmp_path):
 
 
 @needs_llama
+@pytest.mark.slow
 async def test_wrong_section_rule_would_be_caught(models_dir):
     """The sections test has teeth: plain NEOX rope (ignoring the section rule) misses by >> tolerance."""
     path = q35_model(models_dir, "rope-sections")
@@ -425,6 +426,7 @@ def test_quantised_routing_matches_llama_cpp_layer_by_layer(models_dir, qtype, m
 
 
 @needs_llama
+@pytest.mark.slow
 def test_teacher_forced_f32_is_exact(models_dir):
     """The capture itself, on F32: every layer within float rounding of llama.cpp's."""
     path = q35_model(models_dir, "separate")

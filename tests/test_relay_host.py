@@ -216,7 +216,9 @@ async def test_workaround_reservation_in_another_peers_name_is_refused():
                                                      peer=CircuitPeerId(id=holder.peer_id.to_bytes())))
         resp = await read_delimited_msg(stream, HopMessage)
         assert resp.status == StatusCode.PERMISSION_DENIED
-        await trio.sleep(0.5)  # the relay's handler lingers 0.1 s after answering before it counts
+        with trio.fail_after(10):  # the relay's handlers linger 0.1 s after answering before they count
+            while not (hops[0].refused["other peer"] and hops[0].stats.reservations_granted):
+                await trio.sleep(0.01)
         assert hops[0].refused["other peer"] == 1 and hops[0].stats.reservations_granted == 1
 
 

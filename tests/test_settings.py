@@ -81,6 +81,7 @@ def test_bad_value_through_the_cli(tiny_f32):
     assert_one_line_error(proc, "P2PSWARM_THREADS='many': is not an integer")
 
 
+@pytest.mark.slow
 def test_bad_graph_cache_size_through_the_cli(tiny_f32):
     out = tiny_f32.parent / "never-graphs.npy"
     proc = run_cli("logits", str(tiny_f32), "--tokens", "1,2", "--out", str(out),

@@ -171,6 +171,7 @@ def test_unknown_architecture_refused(tmp_path):
     assert _no_leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_truncated_file_refused(tiny_f32, tmp_path):
     model = tmp_path / "cut.gguf"
     data = tiny_f32.read_bytes()
@@ -188,6 +189,7 @@ def test_truncated_file_refused(tiny_f32, tmp_path):
     (lambda d: d[:24] + b"\xff" * 64 + d[88:], "corrupt"),  # garbage in the first key
     (lambda d: b"GGUF", "too short"),
 ])
+@pytest.mark.slow
 def test_corrupt_file_refused(tiny_f32, tmp_path, mangle, needle):
     model = tmp_path / "bad.gguf"
     model.write_bytes(mangle(tiny_f32.read_bytes()[:1 << 20]))
@@ -209,6 +211,7 @@ def test_failed_slice_leaves_no_file(tiny_f32, tmp_path, monkeypatch):
     assert _no_leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_slicing_a_shard_is_refused(tiny_f32, tmp_path):
     shard = tmp_path / "s.gguf"
     slice_experts(tiny_f32, shard, None, (0, 4))

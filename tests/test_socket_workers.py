@@ -65,6 +65,7 @@ async def test_raw_frames_cross_a_tcp_socket_intact():
     assert all(a == b for a, b in zip(got, payloads))
 
 
+@pytest.mark.slow
 async def test_frames_cross_a_worker_process_intact(shard):
     wp = WorkerProcess.start(shard)
     try:
@@ -77,6 +78,7 @@ async def test_frames_cross_a_worker_process_intact(shard):
         wp.stop()
 
 
+@pytest.mark.slow
 async def test_oversize_frames_refused_both_ways(shard):
     wp = WorkerProcess.start(shard, extra_args=["--max-frame", "100000"])
     try:
@@ -113,6 +115,7 @@ def _raw_exchange(port: int, data: bytes) -> bytes:
     struct.pack("!Q", 1 << 62) + b"x",  # absurd length: refused before reading
     struct.pack("!Q", 10) + b"short",  # closed mid-frame
 ])
+@pytest.mark.slow
 async def test_malformed_frames_close_only_that_connection(shard, frame):
     wp = WorkerProcess.start(shard)
     try:
@@ -129,6 +132,7 @@ async def test_malformed_frames_close_only_that_connection(shard, frame):
         wp.stop()
 
 
+@pytest.mark.slow
 async def test_bad_compute_requests_get_error_replies(shard):
     wp = WorkerProcess.start(shard)
     try:
@@ -147,6 +151,7 @@ async def test_bad_compute_requests_get_error_replies(shard):
         wp.stop()
 
 
+@pytest.mark.slow
 async def test_wrong_model_refused_at_handshake(shard, tiny_q8, tmp_path, caplog):
     other_layout = ModelLayout.open(tiny_q8)
     other = ensure_shards(other_layout, model_fingerprint(other_layout), 2, tmp_path / "other")[0]

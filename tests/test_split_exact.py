@@ -43,7 +43,8 @@ def _model(request, name):
     return request.getfixturevalue({"f32": "tiny_f32", "q8_0": "tiny_q8", "q4_k_m": "tiny_q4km"}[name])
 
 
-@pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("qtype", ["f32", pytest.param("q8_0", marks=pytest.mark.slow),
+                                   pytest.param("q4_k_m", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transport", ["inproc", pytest.param("socket", marks=pytest.mark.slow)])  # processes: slow
 async def test_split_equals_monolithic(request, qtype, transport):
     model = _model(request, qtype)

@@ -58,9 +58,9 @@ def _make_pair(d: Path, arch: str) -> tuple[Path, Path]:
     return whole, parts[0]
 
 
-@pytest.fixture(scope="module", params=list(SPLIT_ARCHES))
+@pytest.fixture(scope="module", params=[a if a == "qwen3moe" else pytest.param(a, marks=pytest.mark.slow) for a in SPLIT_ARCHES])
 def pair(request, tmp_path_factory) -> tuple[Path, Path]:
-    """(the unsplit model, the first of its 3 parts), for each architecture."""
+    """(the unsplit model, the first of its 3 parts), for each architecture (qwen3moe in the quick subset)."""
     return _make_pair(tmp_path_factory.mktemp(f"split-{request.param}"), request.param)
 
 
@@ -114,6 +114,7 @@ def _split_with_gguf_py(whole: Path, out: Path, max_bytes: int) -> Path:
     return firsts[0]
 
 
+@pytest.mark.slow
 def test_parts_written_by_gguf_py_read_as_the_unsplit_file(pair, tmp_path):
     """Parts we did not write (gguf-py's writer: no fingerprint key of ours) read the same way."""
     whole, _first = pair
@@ -130,6 +131,7 @@ def test_parts_written_by_gguf_py_read_as_the_unsplit_file(pair, tmp_path):
 
 
 @pytest.mark.parametrize("count", [1, 0])
+@pytest.mark.slow
 def test_one_part_and_merged_files_read_as_the_unsplit_file(one_pair, tmp_path, count):
     """One part (split.count 1: gguf-split with a size above the model's) and a file
     ``gguf-split --merge`` wrote (the split keys kept, split.count 0): the unsplit model, any name."""
@@ -145,12 +147,14 @@ def test_one_part_and_merged_files_read_as_the_unsplit_file(one_pair, tmp_path, 
 
 
 @needs_llama
+@pytest.mark.slow
 def test_llama_cpp_loads_the_parts_and_computes_the_same_logits(pair):
     whole, first = pair
     assert np.array_equal(llama_logits(first, TOKENS), llama_logits(whole, TOKENS))
 
 
 @needs_llama
+@pytest.mark.slow
 def test_quantised_split_model(tmp_path):
     """Q8_0 (dense matrices on ggml's quantised kernels, mapped on the parts): llama.cpp and our
     logits read the parts as the unsplit file."""
@@ -167,6 +171,7 @@ def test_quantised_split_model(tmp_path):
     assert np.array_equal(got[0], got[1])
 
 
+@pytest.mark.slow
 def test_slices_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path):
     whole, first = pair
     for args in (["--layers", "1-2", "--experts", "3-9"], ["--backbone"]):
@@ -180,6 +185,7 @@ def test_slices_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path):
 
 @pytest.mark.parametrize("kernel", ["ggml", pytest.param("numpy", marks=pytest.mark.slow),
                                     pytest.param("portable", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_logits_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path, kernel):
     """Equal bits; where a kernel refuses the architecture (portable: gpt-oss), the same refusal."""
     whole, first = pair
@@ -226,6 +232,7 @@ def test_portable_kernel_on_the_parts(pair, implementation, threads):
             assert np.array_equal(a, b), (layer, expert)
 
 
+@pytest.mark.slow
 def test_generate_from_a_split_model(pair):
     whole, first = pair
     texts = [run_cli("generate", str(m), "--prompt", "Hello swarm", "--max-tokens", "8", check=True).stdout
@@ -248,6 +255,7 @@ def test_manifest_of_a_split_model_equals_the_unsplit_ones(pair, tmp_path):
     assert got[1].file_size == whole.stat().st_size
 
 
+@pytest.mark.slow
 def test_make_model_writes_parts_with_progress(tmp_path):
     out = tmp_path / "m.gguf"
     proc = run_cli("make-model", "-o", str(out), "--seed", "7", "--split-max-size", "10M", check=True,
@@ -306,11 +314,13 @@ def _refused(model: Path, *needles: str, cmd: str = "slice") -> None:
     assert not (model.parent / "bb.gguf").exists() and not (model.parent / "m.manifest").exists()
 
 
+@pytest.mark.slow
 def test_missing_part(parts_copy):
     parts_copy[2].unlink()
     _refused(parts_copy[0], parts_copy[2].name, "part 3 of 3", "missing", cmd="logits")
 
 
+@pytest.mark.slow
 def test_part_of_another_model(parts_copy, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
@@ -322,32 +332,38 @@ def test_part_of_another_model(parts_copy, tmp_path):
     _refused(parts_copy[0], parts_copy[1].name, "another model", cmd="manifest")
 
 
+@pytest.mark.slow
 def test_part_given_first(parts_copy):
     _refused(parts_copy[1], parts_copy[1].name, "part 2 of 3", "first part", "-00001-of-00003.gguf")
 
 
+@pytest.mark.slow
 def test_wrong_split_no(parts_copy):
     _set_key(parts_copy[2], "split.no", "<H", 1)
     _refused(parts_copy[0], parts_copy[2].name, "part 2 of 3", "expected part 3 of 3")
 
 
+@pytest.mark.slow
 def test_wrong_split_count(parts_copy):
     _set_key(parts_copy[1], "split.count", "<H", 4)
     _refused(parts_copy[0], parts_copy[1].name, "of 4", "expected part 2 of 3")
 
 
+@pytest.mark.slow
 def test_tensor_count_mismatch(parts_copy):
     for p in parts_copy:
         _set_key(p, "split.tensors.count", "<i", 1000)
     _refused(parts_copy[0], parts_copy[0].name, "split.tensors.count is 1000", cmd="logits")
 
 
+@pytest.mark.slow
 def test_first_part_misnamed(parts_copy):
     renamed = parts_copy[0].with_name("model.gguf")
     parts_copy[0].rename(renamed)
     _refused(renamed, "model.gguf", "-00001-of-00003.gguf")
 
 
+@pytest.mark.slow
 def test_truncated_part(parts_copy):
     with open(parts_copy[1], "r+b") as f:
         f.truncate(os.path.getsize(parts_copy[1]) - 4096)

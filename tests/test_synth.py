@@ -72,6 +72,7 @@ def test_same_seed_same_bytes_different_seed_different(tmp_path: Path) -> None:
     assert a.stat().st_size == c.stat().st_size
 
 
+@pytest.mark.slow
 def test_same_bytes_in_a_fresh_process(tmp_path: Path) -> None:
     """The built-in vocabulary (BPE training) and the weights do not depend on process state."""
     here = synth.make_model(tmp_path / "here.gguf", layers=1, seed=3, qtype="q8_0")
@@ -291,6 +292,7 @@ def test_router_near_tie_has_small_nonzero_margins(tmp_path: Path) -> None:
 
 
 @needs_llama
+@pytest.mark.slow
 def test_llama_cpp_runs_tiny_f32_and_matches_numpy(models: dict[str, Path]) -> None:
     got = llama_logits(models["f32"], TOKENS)
     assert np.isfinite(got).all() and got.std() > 1.0
@@ -300,6 +302,7 @@ def test_llama_cpp_runs_tiny_f32_and_matches_numpy(models: dict[str, Path]) -> N
 
 
 @needs_llama
+@pytest.mark.slow
 def test_llama_cpp_runs_tiny_q8_0(models: dict[str, Path]) -> None:
     got = llama_logits(models["q8_0"], TOKENS)
     assert np.isfinite(got).all() and got.std() > 1.0
@@ -328,6 +331,7 @@ def test_llama_cpp_runs_tiny_q4_k_m(tmp_path: Path) -> None:
 
 
 @needs_llama
+@pytest.mark.slow
 def test_llama_cpp_runs_router_near_tie(tmp_path: Path) -> None:
     p = synth.make_model(tmp_path / "tie.gguf", layers=2, router_near_tie=True)
     got = llama_logits(p, TOKENS)

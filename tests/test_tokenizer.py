@@ -215,6 +215,7 @@ def test_qwen35_vocab_facts(qwen35, qwen35_ref):
 
 
 @needs_llama
+@pytest.mark.slow
 def test_qwen35_every_piece_matches(qwen35, qwen35_ref):
     """token_bytes(id) is llama_token_to_piece(id) for every token, special or not."""
     for i in range(qwen35.n_vocab):

@@ -194,6 +194,7 @@ def test_cli_identity_issue_show(tmp_path):
     (["token", "issue", "--key", "/nonexistent/k", "--peer", "x", "--allow", "relay"], "does not exist"),
     (["token", "issue", "--key", "K", "--create-key", "--peer", "x", "--allow", "relay", "--ttl", "5y"], "bad ttl"),
 ])
+@pytest.mark.slow
 def test_cli_garbage_is_one_line(args, needle, tmp_path):
     proc = run_cli(*[a.replace("K", str(tmp_path / "k.key")) if a == "K" else a for a in args], env=QUIET)
     assert_one_line_error(proc, needle)

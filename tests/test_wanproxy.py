@@ -34,6 +34,7 @@ async def _round_trip(port: int, payload: bytes) -> tuple[float, bytes]:
         return trio.current_time() - t0, got
 
 
+@pytest.mark.slow
 async def test_delay_jitter_and_bandwidth():
     async with trio.open_nursery() as nursery:
         target = await _echo_server(nursery)
@@ -59,6 +60,7 @@ async def test_delay_jitter_and_bandwidth():
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_per_direction_and_shared_caps():
     """A link capped 8 MB/s up and 1 MB/s down is as slow as its down side; two links sharing one
     2 MB/s card (the backbone's line) carry their bytes at 2 MB/s together, not each."""
@@ -113,6 +115,7 @@ def test_cli_refuses_bad_arguments():
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 async def test_one_process_emulates_a_link_per_target():
     """``--target A --target B``: one process, a port per target (READY lists them in order), each
     forwarding to its own target with the link's delay."""

@@ -113,6 +113,7 @@ async def test_wire_counters_equal_the_bytes_the_sockets_carried(shard):
     assert w.sent == sum(sent) + HEADER.size * len(sent)
 
 
+@pytest.mark.slow
 async def test_health_metrics_and_status_page_report_the_wire(tiny_f32):
     """Worker processes over sockets: /health, /metrics and /v1/swarm give the same byte counts,
     per generated token and per expert request, and per worker."""

@@ -69,6 +69,7 @@ def test_a_form_the_layer_does_not_take_is_refused(bank):
 
 
 @pytest.mark.parametrize("model", ["tiny_q8", "tiny_q4km"])
+@pytest.mark.slow
 async def test_worker_processes_take_quantised_rows_and_the_logits_stay_exact(request, model, monkeypatch):
     """Worker OS processes over sockets: with the switch on (the default) the rows go in the
     workers' form (fewer bytes sent), with P2PSWARM_WIRE_INPUTS=off as float32; the logits of

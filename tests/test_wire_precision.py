@@ -32,6 +32,7 @@ def test_rounding_is_nearest_even_idempotent_and_survives_the_wire():
 
 
 @pytest.mark.parametrize("precision", ["f16", "bf16"])
+@pytest.mark.slow
 async def test_split_equals_monolithic_at_a_wire_precision(tiny_q8, precision):
     """Worker processes over sockets send 16-bit outputs; the logits equal a backbone alone at the
     same precision bit for bit, differ from float32's, and about half the output bytes came back."""

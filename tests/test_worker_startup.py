@@ -29,6 +29,7 @@ def _auto(tmp_path, token, issuer, *extra, key="w.key", timeout=60):
                    env=dict(os.environ, P2PSWARM_HOME=str(tmp_path / "home")))
 
 
+@pytest.mark.slow
 def test_auto_token_of_another_peer_is_refused_at_start(tmp_path, keys):
     issuer, me, other = keys
     tok = issue_token(issuer, other.peer_id_str, [f"shard:{FP}"], 3600).encode()
