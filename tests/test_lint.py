@@ -146,3 +146,15 @@ def test_only_the_p2pswarm_package_is_installed():
     assert "p2pswarm.relay" in packages and "p2pswarm.net" in packages, packages
     assert all(p == "p2pswarm" or p.startswith("p2pswarm.") for p in packages), packages
     assert not list((REPO / "relay").glob("*.py")), "relay/ holds no code: the service is p2pswarm/relay"
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_600_lines():
+    """One module per concept: a module that grows past 600 lines holds more than one and is split
+    by concept (the package, the tests, the benches and the build backend alike)."""
+    big = [f"{p.relative_to(REPO)}: {n} lines" for root in ("p2pswarm", "tests", "bench", "native")
+           for p in sorted((REPO / root).rglob("*.py"))
+           if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    assert not big, big

@@ -15,27 +15,12 @@ import trio
 from libp2p.kad_dht.common import PROTOCOL_ID as LIB_PROTOCOL_ID
 
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.advertiser import ShardAdvertiser
-from p2pswarm.net.coverage import CoverageResolver
 from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
 from p2pswarm.net.host import open_host
 from p2pswarm.net.identity import Identity
 from p2pswarm.net.records import NodeRecord, ShardEntry, node_record_key, units_for
 
-from helpers.dht import Node, dht_swarm
-
-MODEL = "ab" * 32
-OTHER_MODEL = "ef" * 32
-
-
-def _advertiser(node: Node, shards, *, block_size=4, ttl_s=120.0, **kw) -> ShardAdvertiser:
-    return ShardAdvertiser(node.dht, node.net.identity, shards=shards, protocol=1, kernel="numpy",
-                           block_size=block_size, ttl_s=ttl_s, **kw)
-
-
-def _resolver(node: Node, *, model=MODEL, layers=4, n_expert=16, block_size=4, **kw) -> CoverageResolver:
-    return CoverageResolver(node.dht, model=model, layers=range(layers), n_expert=n_expert, block_size=block_size,
-                            protocol=1, kernel="numpy", **kw)
+from helpers.dht import MODEL, OTHER_MODEL, Node, advertiser, dht_swarm, resolver
 
 
 def _key(i: int) -> bytes:
@@ -136,7 +121,7 @@ async def test_workaround_node_records_are_never_read_from_a_stale_local_copy():
     # only its own look-ups can tell it that a record changed.
     async with dht_swarm(3, clients=1) as nodes:
         worker, reader = nodes[2], nodes[3]
-        adv = _advertiser(worker, [ShardEntry(MODEL, "s1", (0, 4), (0, 8))])
+        adv = advertiser(worker, [ShardEntry(MODEL, "s1", (0, 4), (0, 8))])
         await adv.publish()
         first = await reader.dht.get_node_record(worker.net.peer_id)
         assert first is not None and first.seq == adv.record.seq
@@ -173,11 +158,11 @@ async def test_workaround_records_reach_the_closest_peers_even_from_a_fresh_node
         # the trap: py-libp2p's put_value, whose FIND_NODE of the 67-byte key is refused
         async with _fresh_node(nodes[0]) as lib:
             assert len(lib.dht.routing_peers()) == 1
-            rec = _advertiser(lib, [ShardEntry(MODEL, "s", (0, 1), (0, 4))])._record()
+            rec = advertiser(lib, [ShardEntry(MODEL, "s", (0, 1), (0, 4))])._record()
             await lib.dht.kad.put_value(node_record_key(lib.net.peer_id), rec.signed)
         async with _fresh_node(nodes[0]) as ours:
             assert len(ours.dht.routing_peers()) == 1
-            await _advertiser(ours, [ShardEntry(MODEL, "s", (0, 1), (0, 4))]).publish()
+            await advertiser(ours, [ShardEntry(MODEL, "s", (0, 1), (0, 4))]).publish()
         print(f"record holders (of 8) after a put from a fresh node: ours {holders(ours)}, "
               f"py-libp2p's put_value {holders(lib)}")
         assert holders(ours) == len(nodes)
@@ -194,7 +179,7 @@ async def test_workaround_dead_connections_forgotten_and_redialled():
         for _ in range(6):
             async with _fresh_node(nodes[0]) as fresh:
                 key = node_record_key(fresh.net.peer_id)
-                await fresh.dht.put_value(key, _advertiser(fresh, [ShardEntry(MODEL, "s", (0, 1), (0, 4))])
+                await fresh.dht.put_value(key, advertiser(fresh, [ShardEntry(MODEL, "s", (0, 1), (0, 4))])
                                           ._record().signed)
                 assert all(n.dht.kad.value_store.get(key.encode()) is not None for n in nodes)
 
@@ -226,7 +211,7 @@ async def test_twenty_nodes_every_units_owners_found():
         async with trio.open_nursery() as nursery:
             advs = []
             for node, (e0, e1) in zip(workers, ranges):
-                adv = _advertiser(node, [ShardEntry(MODEL, f"shard{e0}-{e1}", (0, layers), (e0, e1))], block_size=bs)
+                adv = advertiser(node, [ShardEntry(MODEL, f"shard{e0}-{e1}", (0, layers), (e0, e1))], block_size=bs)
                 advs.append(adv)
                 nursery.start_soon(adv.publish)
         t_adv = time.perf_counter() - t0
@@ -235,7 +220,7 @@ async def test_twenty_nodes_every_units_owners_found():
             for u in units_for(MODEL, (0, layers), (e0, e1), bs):
                 expect.setdefault(u, set()).add(node.net.peer_id_str)
         for looker in (nodes[3], nodes[-1]):
-            res = _resolver(looker, layers=layers, n_expert=n_expert, block_size=bs)
+            res = resolver(looker, layers=layers, n_expert=n_expert, block_size=bs)
             t0 = time.perf_counter()
             cmap = await res.refresh()
             dt = time.perf_counter() - t0
@@ -273,10 +258,10 @@ async def test_concurrent_index_resolution_matches_the_sequential_per_unit_one()
         workers = nodes[2:6]
         async with trio.open_nursery() as nursery:
             for node, (lr, er) in zip(workers, shards):
-                adv = _advertiser(node, [ShardEntry(MODEL, f"s{lr}{er}", lr, er)], block_size=bs)
+                adv = advertiser(node, [ShardEntry(MODEL, f"s{lr}{er}", lr, er)], block_size=bs)
                 nursery.start_soon(adv.publish)
-        fast = _resolver(nodes[7], layers=layers, n_expert=n_expert, block_size=bs)
-        slow = _resolver(nodes[6], layers=layers, n_expert=n_expert, block_size=bs, concurrency=1)
+        fast = resolver(nodes[7], layers=layers, n_expert=n_expert, block_size=bs)
+        slow = resolver(nodes[6], layers=layers, n_expert=n_expert, block_size=bs, concurrency=1)
         await fast.refresh()
         await slow.refresh(slow.units)
 
@@ -298,11 +283,11 @@ async def test_withdraw_on_clean_shutdown_and_expiry():
     async with dht_swarm(4) as nodes:
         a, b, backbone = nodes[1], nodes[2], nodes[3]
         shard = ShardEntry(MODEL, "s", (0, 4), (0, 16))
-        adv_a = _advertiser(a, [shard])
-        adv_b = _advertiser(b, [shard], ttl_s=4)
+        adv_a = advertiser(a, [shard])
+        adv_b = advertiser(b, [shard], ttl_s=4)
         await adv_a.publish()
         await adv_b.publish()
-        res = _resolver(backbone)
+        res = resolver(backbone)
         await res.refresh()
         assert {o.peer for o in res.owners(0, 0)} == {a.net.peer_id_str, b.net.peer_id_str}
         assert await adv_a.withdraw()
@@ -321,10 +306,10 @@ async def test_reprovide_refreshes_the_record_before_it_expires():
     48 h claims, are not re-sent with it (DHT load independent of the record's short TTL)."""
     async with dht_swarm(3) as nodes:
         worker, backbone = nodes[1], nodes[2]
-        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))], ttl_s=3)
+        adv = advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))], ttl_s=3)
         async with trio.open_nursery() as nursery:
             assert await nursery.start(adv.run) == 16
-            res = _resolver(backbone)
+            res = resolver(backbone)
             for _ in range(3):
                 await trio.sleep(1.5)  # past the first record's expiry, the re-published one is live
                 await res.refresh()
@@ -372,7 +357,7 @@ def test_replicas_are_counted_per_expert():
 async def test_forged_and_malformed_records_ignored_and_counted(caplog):
     async with dht_swarm(4) as nodes:
         server, honest, rogue, backbone = nodes
-        await _advertiser(honest, [ShardEntry(MODEL, "s", (0, 4), (0, 16))]).publish()
+        await advertiser(honest, [ShardEntry(MODEL, "s", (0, 4), (0, 16))]).publish()
         key = node_record_key(honest.net.peer_id)
         # the rogue signs a record naming the honest peer, with its own address and a huge seq
         body = NodeRecord.make(rogue.net.identity, addrs=["/ip4/6.6.6.6/tcp/1"], protocol=1, kernel="numpy",
@@ -399,7 +384,7 @@ async def test_forged_and_malformed_records_ignored_and_counted(caplog):
         # 2. a malicious server stores and serves a forged, then a malformed copy anyway
         for bogus in (forged, b"\x93garbage"):
             rogue.dht.kad.value_store.put(key.encode(), bogus)
-            res = _resolver(backbone)
+            res = resolver(backbone)
             await res.refresh()
             owners = res.owners(0, 0)
             assert [o.peer for o in owners] == [honest.net.peer_id_str]
@@ -407,145 +392,15 @@ async def test_forged_and_malformed_records_ignored_and_counted(caplog):
             assert res.stats.bogus_records >= 1
         assert any("ignored a DHT record" in r.getMessage() for r in caplog.records)
         # 3. provider records whose node record does not list the unit (here: another model)
-        await _advertiser(rogue, [ShardEntry(OTHER_MODEL, "x", (0, 4), (0, 16))]).publish()
+        await advertiser(rogue, [ShardEntry(OTHER_MODEL, "x", (0, 4), (0, 16))]).publish()
         for u in units_for(MODEL, (0, 1), (0, 4), 4):
             await rogue.dht.provide(u.key())
         # 4. a provider with no node record at all
         for u in units_for(MODEL, (0, 1), (0, 4), 4):
             await server.dht.provide(u.key())
-        res = _resolver(backbone)
+        res = resolver(backbone)
         await res.refresh()
         assert [o.peer for o in res.owners(0, 0)] == [honest.net.peer_id_str]
-
-
-@pytest.mark.slow
-async def test_incompatible_builds_are_refused_once_with_the_reason(caplog):
-    """Another kernel (found through the unit keys) and another block size (found only through the
-    model key): neither is an owner, both are in ``refused`` with the reason, and each is logged
-    once over several refreshes. Re-published with our kernel, the first becomes an owner."""
-    import logging
-
-    async with dht_swarm(4) as nodes:
-        other_kernel, other_bs, backbone = nodes[1], nodes[2], nodes[3]
-        shard = ShardEntry(MODEL, "s", (0, 4), (0, 16))
-        adv = ShardAdvertiser(other_kernel.dht, other_kernel.net.identity, shards=[shard], protocol=1,
-                              kernel="ggml-other", block_size=4)
-        await adv.publish()
-        await _advertiser(other_bs, [shard], block_size=8).publish()
-        res = _resolver(backbone)
-        with caplog.at_level(logging.WARNING, logger="p2pswarm.net"):
-            for _ in range(3):
-                await res.refresh()
-        assert res.owners(0, 0) == [] and res.stats.mismatched >= 2 and res.stats.model_lookups == 3
-        k, b = other_kernel.net.peer_id_str, other_bs.net.peer_id_str
-        assert res.refused[k][0] == "kernel mismatch: worker computes with 'ggml-other', we with 'numpy'"
-        assert res.refused[b][0].startswith("block size mismatch: worker provides units of 8 experts, we look up "
-                                            "units of 4")
-        for peer, why in ((k, "kernel mismatch"), (b, "block size mismatch")):
-            lines = [r.getMessage() for r in caplog.records if f"refused worker {peer}" in r.getMessage()]
-            assert len(lines) == 1 and why in lines[0], lines
-        adv.kernel = "numpy"
-        await adv.publish_record()
-        await res.refresh()
-        assert [o.peer for o in res.owners(0, 0)] == [k] and k not in res.refused
-
-
-@pytest.mark.slow
-async def test_resolver_refreshes_on_request():
-    async with dht_swarm(3) as nodes:
-        worker, backbone = nodes[1], nodes[2]
-        res = _resolver(backbone, refresh_s=3600)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(res.run)
-            assert res.owners(0, 0) == []
-            await _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))]).publish()
-            res.request_refresh(worker.net.peer_id_str)  # e.g. after a failure
-            with trio.fail_after(20):
-                while not res.owners(0, 0):
-                    await trio.sleep(0.05)
-            nursery.cancel_scope.cancel()
-
-
-@pytest.mark.slow
-async def test_a_record_held_only_beyond_the_closest_peers_is_found():
-    """A record stored before closer peers joined sits outside the three closest peers a look-up
-    converges on: a read that found nothing there asks on to the K closest (a live worker's record
-    was once "none found" at a backbone's first refresh, and the worker was never used)."""
-    from libp2p.kad_dht.utils import sort_peer_ids_by_distance
-
-    async with dht_swarm(6) as nodes:
-        worker, reader = nodes[1], nodes[2]
-        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))])
-        key = node_record_key(worker.net.peer_id_str)
-        others = [n for n in nodes if n is not worker and n is not reader]
-        far = sort_peer_ids_by_distance(key.encode(), [n.net.host.get_id() for n in others])[-1]
-        # stored at the farthest peer only (as if it was the one peer the worker knew at the time)
-        assert await worker.dht.kad.value_store._store_at_peer(far, key.encode(), adv._record().signed)
-        rec = await reader.dht.get_node_record(worker.net.peer_id_str)
-        assert rec is not None and rec.peer == worker.net.peer_id_str
-        assert await reader.dht.get_node_record(reader.net.peer_id_str) is None  # none anywhere: still None
-
-
-@pytest.mark.slow
-async def test_a_failed_owner_whose_record_read_fails_is_kept(monkeypatch):
-    """A record read that fails is no evidence, for an owner that just failed too: its record is
-    still in the DHT until it expires. One suite run showed it: a backbone stalled for a few seconds
-    blamed two live workers (their deadlines ran out during its own stall), the refresh they asked
-    for read no record for either (its look-ups timed out the same way), and both were dropped from
-    the coverage map until a later refresh found them again."""
-    from p2pswarm.net.kademlia import SwarmDHT
-
-    async with dht_swarm(3) as nodes:
-        worker, backbone = nodes[1], nodes[2]
-        await _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))]).publish()
-        res = _resolver(backbone)
-        await res.refresh()
-        peer = worker.net.peer_id_str
-        assert [o.peer for o in res.owners(0, 0)] == [peer]
-        real, reads = SwarmDHT.get_node_record, []
-
-        async def fails_once(self, p, **kw):
-            reads.append(p)
-            return None if len(reads) == 1 else await real(self, p, **kw)
-
-        monkeypatch.setattr(SwarmDHT, "get_node_record", fails_once)
-        res.request_refresh(peer)  # the owner failed a request
-        await res.refresh()
-        assert reads == [peer] and [o.peer for o in res.owners(0, 0)] == [peer] and peer not in res.gone
-        await res.refresh()  # read again, and found
-        assert len(reads) == 2 and [o.peer for o in res.owners(0, 0)] == [peer]
-
-
-@pytest.mark.slow
-async def test_periodic_refresh_reuses_known_records_and_looks_up_a_rotating_part():
-    """A refresh finds workers through the model index, re-reads each known owner's record (one
-    look-up per peer, which covers all its units) and looks up only the uncovered units and (after
-    the first) a rotating quarter of the rest; a change in a known owner's record shows in every unit at once."""
-    async with dht_swarm(3) as nodes:
-        worker, backbone = nodes[1], nodes[2]
-        adv = _advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 8))])
-        await adv.publish()
-        res = _resolver(backbone)  # 4 layers x 4 blocks of 4 = 16 units; the worker covers 8
-        await res.refresh()
-        # the model index found the worker; only the 8 units it leaves uncovered were looked up
-        assert res.stats.model_lookups == 1 and res.stats.lookups == 8 and len(res.map.missing()) == 8
-        before, missing = res.stats.lookups, set(res.map.missing())
-        await res.refresh()
-        # the uncovered units + this round's quarter of all units (every 4th, from the 2nd)
-        expect = missing | {u for i, u in enumerate(res.units) if i % 4 == 1}
-        assert res.stats.lookups - before == len(expect) == 12, res.stats
-        # the worker now serves all 16 experts, but provides no new unit: its record alone tells
-        adv.shards = (ShardEntry(MODEL, "s2", (0, 4), (0, 16)),)
-        rec = adv._record()
-        await worker.dht.put_value(node_record_key(worker.net.peer_id_str), rec.signed)
-        await res.refresh()
-        assert not res.map.missing()
-        assert [o.shard.shard for o in res.owners(3, 15)] == ["s2"]
-        # a full sweep every `rotation` refreshes: over 4 periodic refreshes every unit was looked up
-        before = res.stats.lookups
-        for _ in range(res.rotation):
-            await res.refresh()
-        assert res.stats.lookups - before == 16
 
 
 async def test_bootstrap_errors_are_clear():

@@ -26,10 +26,9 @@ sequence's state, so that when the worker is banned later - caught here, or by a
 backbone signed - the scheduler can rewind exactly the sequences that used its rows (docs/market.md,
 "Replay on ban"). ``ban_epoch`` counts bans, so a caller can notice a new one with one comparison.
 
-Owners (:class:`p2pswarm.contracts.Owner`) are transports: :class:`LocalOwner` (this process), :class:`InProcessOwner` (a worker object
-in this process, exercising the same row packing as a remote one) and
-:class:`p2pswarm.backbone.socket_owner.SocketOwner` (a worker process over a local socket).
-"""
+Owners (:class:`p2pswarm.contracts.Owner`) are transports: :class:`LocalOwner` (this process),
+:class:`InProcessOwner` (a worker object here, packing rows as a remote one) and
+``socket_owner.SocketOwner`` / ``libp2p_owner.Libp2pOwner`` (a worker process, over a socket)."""
 from __future__ import annotations
 
 import logging

@@ -7,7 +7,12 @@ import trio
 
 from p2pswarm.market.swarm_dht import open_dht
 from p2pswarm.net.host import open_host
+from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.coverage import CoverageResolver
 from p2pswarm.net.identity import Identity
+
+MODEL = "ab" * 32  # the model key the DHT tests advertise and resolve
+OTHER_MODEL = "ef" * 32
 
 
 class Node:
@@ -48,3 +53,13 @@ async def dht_swarm(n: int, *, clients: int = 0, refresh: bool = True):
             yield nodes
         finally:
             stop.set()
+
+
+def advertiser(node: Node, shards, *, block_size=4, ttl_s=120.0, **kw) -> ShardAdvertiser:
+    return ShardAdvertiser(node.dht, node.net.identity, shards=shards, protocol=1, kernel="numpy",
+                           block_size=block_size, ttl_s=ttl_s, **kw)
+
+
+def resolver(node: Node, *, model=MODEL, layers=4, n_expert=16, block_size=4, **kw) -> CoverageResolver:
+    return CoverageResolver(node.dht, model=model, layers=range(layers), n_expert=n_expert, block_size=block_size,
+                            protocol=1, kernel="numpy", **kw)
