@@ -67,7 +67,7 @@ WHEELS = (
     "prometheus_client", "trio-websocket", "wsproto", "zeroconf", "ifaddr",
     "tokenizers", "huggingface_hub", "click", "filelock", "fsspec", "hf-xet", "httpx2", "httpcore2", "truststore",
     "hypercorn", "h2", "hyperframe", "hpack", "priority", "typer", "shellingham", "rich", "markdown-it-py", "mdurl",
-    "pygments", "annotated-doc", "typing-inspection",
+    "pygments", "annotated-doc", "typing-inspection", "zstandard",
 )
 
 
