@@ -15,9 +15,12 @@ import pytest
 @pytest.mark.parametrize("after_s", [0.3, 1.5, 4.0])
 def test_ctrl_c_during_demo_start_up_is_one_line(tmp_path, after_s):
     env = dict(os.environ, P2PSWARM_CACHE=str(tmp_path / "cache"), P2PSWARM_HOME=str(tmp_path / "home"))
-    # Ctrl-C at a terminal signals the whole foreground process group: the demo and its children
+    # Ctrl-C at a terminal signals the whole foreground process group: the demo and its children.
+    # The demo starts with SIGINT as a terminal leaves it: a suite run as a background job (`cmd &`
+    # without job control) has SIGINT ignored, which a child inherits and rightly keeps.
     proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", "demo"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(after_s)
     os.killpg(proc.pid, signal.SIGINT)
     _out, err = proc.communicate(timeout=60)

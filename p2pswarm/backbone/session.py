@@ -13,6 +13,7 @@ compute the same way (the handshake refuses a worker that does not).
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -61,15 +62,30 @@ def ensure_shards(layout: ModelLayout, fingerprint: str, n_workers: int, shard_d
 def start_cli_process(args: list[str], what: str, timeout_s: float = 60.0, *, env: dict | None = None,
                       stderr=None) -> tuple[subprocess.Popen, str]:
     """Start ``p2pswarm ARGS`` and wait for its ``READY <where>`` line; returns (process, where).
-    ``env`` and ``stderr`` as for :class:`subprocess.Popen` (default: ours)."""
-    proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, text=True, env=env, stderr=stderr)
+    ``env`` and ``stderr`` as for :class:`subprocess.Popen` (default: ours).
+
+    The child starts with SIGINT blocked (a signal mask survives fork and exec): a Ctrl-C at a
+    terminal reaches the whole process group, and the command that started the child is the one to
+    report it and stop the child (SIGTERM, :func:`stop_process`). Without that, a Ctrl-C landing
+    while the child was still importing printed its own "interrupted" line, or the interpreter's
+    fatal-error traceback when it landed inside ``site``. SIGTERM and SIGHUP still reach it."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "p2pswarm.cli", *args], stdout=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, env=env, stderr=stderr)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     line: list[str] = []
     out = proc.stdout
     assert out is not None  # (stdout=PIPE)
-    reader = threading.Thread(target=lambda: line.append(out.readline()), daemon=True)
-    reader.start()
-    reader.join(timeout_s)
+    try:
+        reader = threading.Thread(target=lambda: line.append(out.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout_s)
+    except BaseException:  # interrupted while waiting: the child is not ours to leave behind
+        proc.kill()
+        proc.wait()
+        raise
     if not line or not line[0].startswith("READY "):
         proc.kill()
         proc.wait()
