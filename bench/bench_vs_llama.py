@@ -20,7 +20,10 @@ Each process measures, with the same thread count and the same token ids:
   process CPU seconds per token);
 * prefill: ``--prefill`` tokens of a fresh sequence in one call, logits for every position on both
   sides (``Backbone.forward`` returns all of them; llama.cpp is asked for all of them too, so both
-  do the same work);
+  do the same work), after one untimed prefill of the same length (other tokens) on each side: a
+  serving process's steady state, whose scratch memory a prefill of this size has already paged
+  in (llama.cpp reserves its compute buffer at context creation; ours keeps a call's scratch,
+  ``GgmlRunner``). ``--cold-prefill`` times the first one instead;
 * batch: ``--seqs`` sequences (a 4-token prompt each), then ``--batch-steps`` steps in which every
   sequence decodes one token: llama.cpp as one ``llama_decode`` of ``--seqs`` tokens (one per
   sequence), ours as ``--seqs`` concurrent ``Backbone.forward`` calls (each sequence on its own);
@@ -111,6 +114,8 @@ def child_ours(a) -> dict:
             w, c = clk.stop()
             out["decode_tps"], out["decode_cpu"] = a.decode / w, c / a.decode
             del st
+            if not a.cold_prefill:
+                await b.forward(tokens(a.prefill, 3), b.new_state())
             st = b.new_state()
             clk.start()
             await b.forward(tokens(a.prefill, 2), st)
@@ -200,6 +205,9 @@ def child_llama(a, extra_bufts: bool) -> dict:
     w, c = clk.stop()
     out["decode_tps"], out["decode_cpu"] = a.decode / w, c / a.decode
     L.llama_memory_clear(mem, True)
+    if not a.cold_prefill:
+        decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 3))], all_logits=True)
+        L.llama_memory_clear(mem, True)
     clk.start()
     decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 2))], all_logits=True)
     w, c = clk.stop()
@@ -226,7 +234,7 @@ def run_side(a, side: str) -> dict | str:
     """One side in a fresh process; its metrics, or a one-line reason it failed."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--model", str(a.model),
            "--threads", str(a.threads), "--decode", str(a.decode), "--prefill", str(a.prefill),
-           "--seqs", str(a.seqs), "--batch-steps", str(a.batch_steps)]
+           "--seqs", str(a.seqs), "--batch-steps", str(a.batch_steps)] + (["--cold-prefill"] if a.cold_prefill else [])
     tree = a.ours_tree if side == "ours-tree" else REPO
     if side in ("ours-tree", "llama-passive", "ours-spinning"):
         cmd[cmd.index(side)] = "llama" if side == "llama-passive" else "ours"
@@ -302,6 +310,8 @@ def main() -> None:
                     help="also run p2pswarm with OMP_WAIT_POLICY=ACTIVE, llama.cpp's default (threads spin)")
     ap.add_argument("--ours-tree", type=Path,
                     help="also run p2pswarm from this source tree (e.g. the main branch: before/after)")
+    ap.add_argument("--cold-prefill", action="store_true",
+                    help="time each side's first prefill of this length (no untimed one before it)")
     ap.add_argument("--child", choices=("ours", "llama", "llama-default"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -332,12 +342,14 @@ def main() -> None:
     cmd = (f"python bench/bench_vs_llama.py --arch {a.arch} --layers {a.layers} --threads {a.threads} --rounds {a.rounds} "
            f"--type {a.type} --llama-bufts {a.llama_bufts} --decode {a.decode} --prefill {a.prefill} "
            f"--seqs {a.seqs} --batch-steps {a.batch_steps}" + (" --llama-passive" if a.llama_passive else "")
-           + (" --ours-spinning" if a.ours_spinning else "") + (f" --ours-tree {a.ours_tree}" if a.ours_tree else ""))
+           + (" --ours-spinning" if a.ours_spinning else "") + (f" --ours-tree {a.ours_tree}" if a.ours_tree else "")
+           + (" --cold-prefill" if a.cold_prefill else ""))
     text = header(f"Backbone engine vs llama.cpp, {PRESET[a.arch]} {a.arch} {a.layers} layers"
                   + (f" ({a.label})" if a.label else ""), cmd)
     text += (f"`{Path(a.model).name}` ({Path(a.model).stat().st_size / 2**30:.2f} GiB), {a.threads} threads both "
              f"sides, {a.rounds} rounds alternating, medians. decode: {a.decode} steps after an {PROMPT}-token "
-             f"prompt; prefill: {a.prefill} tokens, all-position logits; batch: {a.seqs} sequences x "
+             f"prompt; prefill: {a.prefill} tokens, all-position logits, "
+             f"{'the first of its length' if a.cold_prefill else 'after an untimed one of the same length'}; batch: {a.seqs} sequences x "
              f"{a.batch_steps} steps. CPU = process CPU seconds per token. llama.cpp: llama-cpp-python "
              "low-level API, F32 KV, flash attention off.\n\n")
     cols = ["decode tok/s", "decode CPU s/tok", "prefill tok/s", "prefill CPU s/tok",

@@ -107,6 +107,9 @@ THREADS = Var("P2PSWARM_THREADS", _positive_int, None,
               "ggml/portable threads per process (default: the CPUs available, at most 8)")
 GRAPH_CACHE_MB = Var("P2PSWARM_GRAPH_CACHE_MB", _non_negative_int, 256,
                      "the backbone's kept ggml graphs of decode steps (reused while a step's shape repeats), in MiB; 0: off")
+SCRATCH_MB = Var("P2PSWARM_SCRATCH_MB", _non_negative_int, 2048,
+                 "the most ggml scratch (one graph call's activations) the backbone keeps between calls, per "
+                 "runner, in MiB; kept scratch unused for 10 s is freed (a worker keeps 64)")
 WORKER_GRAPH_CACHE_MB = Var("P2PSWARM_WORKER_GRAPH_CACHE_MB", _non_negative_int, 16,
                             "a worker's kept ggml graphs of requests whose shape recurs (a decode step's few rows), "
                             "in MiB; 0: off")

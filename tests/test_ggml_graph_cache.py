@@ -9,8 +9,14 @@
 * Room: a key's graph is kept on its second build; a graph in use is never dropped for a new one
   (the new one is built per call instead); a graph unused for STALE_CALLS calls makes room; a prefill's layer graphs (many rows per sequence)
   are not kept; the kept bytes stay within the cap.
+* Scratch: a call's scratch context above KEEP_BYTES is kept by a runner given ``keep_bytes``
+  (the backbone's) and the next such call pages nothing in; it is freed after IDLE_RELEASE_S
+  without one, and at once by a runner without ``keep_bytes`` (a worker's) or over it.
 """
 from __future__ import annotations
+
+import resource
+import time
 
 import numpy as np
 import pytest
@@ -176,6 +182,43 @@ def test_a_graph_in_use_keeps_its_room_and_a_stale_one_gives_it_up():
     finally:
         runner.close()
     assert runner._graphs == {} and runner._graph_bytes == 0
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_a_large_calls_scratch_is_kept_for_the_next_call_and_freed_when_idle():
+    lib = load_libggml()
+    n = 12 << 20  # 48 MiB of floats in, 48 out: a ~96 MiB scratch context, above KEEP_BYTES
+    keeping = GgmlRunner(lib, 1, keep_bytes=256 << 20)
+    keeping.IDLE_RELEASE_S = 0.5
+    plain, over = GgmlRunner(lib, 1), GgmlRunner(lib, 1, keep_bytes=80 << 20)
+    try:
+        f0 = _faults()
+        out, _ = _tiny_graph(keeping, None, n, 1.0)
+        f1 = _faults()
+        assert out[-1] == 2.0 and keeping._ctx_bytes > GgmlRunner.KEEP_BYTES
+        for value in (3.0, 4.0):  # calls within the idle period keep it (and re-arm the release)
+            time.sleep(0.3)
+            out, _ = _tiny_graph(keeping, None, n, value)
+            assert out[0] == 2.0 * value and keeping._ctx is not None
+        f2 = _faults()
+        # the first call paged ~24,000 pages in (its scratch, and numpy's input and output arrays);
+        # the kept scratch pages nothing in again (numpy's arrays still do)
+        assert f2 - f1 < 0.75 * 2 * (f1 - f0), (f1 - f0, f2 - f1)
+        deadline = time.monotonic() + 10
+        while keeping._ctx is not None:
+            assert time.monotonic() < deadline, "the idle scratch was never released"
+            time.sleep(0.05)
+        assert keeping._ctx_bytes == 0
+        assert _tiny_graph(keeping, None, 16, 5.0)[0][0] == 10.0  # and it runs again after
+        for runner in (plain, over):
+            out, _ = _tiny_graph(runner, None, n, 6.0)
+            assert out[0] == 12.0 and runner._ctx is None  # freed at once
+    finally:
+        for runner in (keeping, plain, over):
+            runner.close()
 
 
 def test_a_worker_keeps_its_request_graphs_and_answers_the_same_bits(tiny_q8, tmp_path, monkeypatch):

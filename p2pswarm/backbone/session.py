@@ -147,7 +147,8 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
     kernel = resolve_kernel(kernel)
     model = load_dense(layout)
     use_kernel_for_dense(model, kernel, threads=threads)
-    bank = make_bank(layout, kernel, threads=threads, graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20)
+    bank = make_bank(layout, kernel, threads=threads, graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20,
+                     scratch_keep_bytes=settings.SCRATCH_MB.get() << 20)
     # Workers on this host compute at the same time and share its CPUs; ggml's barriers spin, so
     # unless told otherwise each gets its share (the bits do not depend on the thread count).
     worker_threads = threads

@@ -235,7 +235,8 @@ class GgmlDense:
         self.layout = layout
         # the dense path's graphs of a decode step are kept (GgmlRunner.graph); so are the backbone's
         # expert replica's (its own runner, session.open_backbone), a worker's never
-        self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20)
+        self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20,
+                                 keep_bytes=settings.SCRATCH_MB.get() << 20)
         self._mapped = map_layout(self.lib, layout)
         self._to_float32 = to_float32
 

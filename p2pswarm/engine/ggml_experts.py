@@ -35,7 +35,8 @@ class GgmlExpertBank:
 
     cache = None
 
-    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None, graph_cache_bytes: int = 0):
+    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None, graph_cache_bytes: int = 0,
+                 scratch_keep_bytes: int | None = None):
         self.lib = lib or load_libggml()
         self.kernel = self.lib.kernel_id
         self.layout = layout
@@ -46,7 +47,9 @@ class GgmlExpertBank:
         # graph_cache_bytes: kept graphs of recurring request shapes (a decode step of one sequence
         # sends the same number of rows every step): the backbone's replica keeps up to its
         # P2PSWARM_GRAPH_CACHE_MB, a worker a small P2PSWARM_WORKER_GRAPH_CACHE_MB (GgmlRunner.graph)
-        self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=graph_cache_bytes)
+        # scratch_keep_bytes: the backbone's replica keeps a prefill's scratch (GgmlRunner), a worker 64 MB
+        self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=graph_cache_bytes,
+                                 keep_bytes=scratch_keep_bytes)
         self.threads = self.runner.threads
         self._mapped = map_layout(self.lib, layout)
         self._experts: dict[tuple[int, int], tuple] = {}

@@ -13,6 +13,7 @@ import ctypes
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -24,14 +25,25 @@ class GgmlRunner:
     """A CPU backend, a reusable compute context and a lock: build a graph, run it, read it back.
 
     Weights live elsewhere (in the memory map); this context only holds the activations of one
-    call. It is reset, not freed, between calls, and regrown when a call needs more; a context
-    grown past ``KEEP_BYTES`` is released after the call so one long prefill does not pin its
-    scratch memory forever. With ``graph_cache_bytes``, :meth:`graph` also keeps built graphs,
-    each in a context of its own, for the steps that repeat their shapes (the backbone's dense
+    call. It is reset, not freed, between calls, and regrown when a call needs more. A context
+    grown past ``keep_bytes`` is released after the call, so one long prefill does not pin its
+    scratch memory; one past ``KEEP_BYTES`` but within ``keep_bytes`` is kept while calls keep
+    needing it and released after ``IDLE_RELEASE_S`` without one. Why keep it: a ggml context
+    gives every node of a graph its own memory, so a 128-token prefill of DeepSeek-V3's layer needs
+    ~320 MB of scratch per graph call, and memory freed and allocated again arrives as fresh pages:
+    ~180,000 page faults and 0.3-0.5 CPU s of a 2.9 CPU s prefill when it was freed after every
+    call (docs/benchmarks.md). Kept, the peak is the same (the call needs it either way); only the
+    time it stays mapped grows. The backbone's runners keep up to ``P2PSWARM_SCRATCH_MB``; a
+    worker's keep ``KEEP_BYTES`` (its memory is a phone's).
+
+    With ``graph_cache_bytes``, :meth:`graph` also keeps built graphs, each in a context of its own, for the steps that repeat their shapes (the backbone's dense
     path and its expert replica; a worker's runner a few MiB of them, its memory is a phone's).
     """
 
+    #: scratch always kept between calls (a worker's whole allowance)
     KEEP_BYTES = 64 << 20
+    #: scratch above KEEP_BYTES (up to keep_bytes) is released after this many seconds unused
+    IDLE_RELEASE_S = 10.0
     #: a kept graph larger than this is not kept (a long prefill's: its shape rarely recurs)
     GRAPH_ENTRY_BYTES = 32 << 20
     #: a kept graph not used in this many graph calls may be dropped to make room for a new one
@@ -39,8 +51,12 @@ class GgmlRunner:
     #: how many keys built once are remembered (a key is kept on its second build)
     SEEN_KEYS = 4096
 
-    def __init__(self, lib: GgmlLib, threads: int | None = None, *, graph_cache_bytes: int = 0):
+    def __init__(self, lib: GgmlLib, threads: int | None = None, *, graph_cache_bytes: int = 0,
+                 keep_bytes: int | None = None):
         self.lib = lib
+        self.keep_bytes = max(self.KEEP_BYTES, keep_bytes or 0)
+        self._used_at = 0.0  # monotonic time of the last call that needed the scratch kept above KEEP_BYTES
+        self._idle_timer: threading.Timer | None = None
         self.threads = check_threads(threads)
         self._backend = lib.backend_cpu_init()
         if not self._backend:
@@ -64,7 +80,10 @@ class GgmlRunner:
             lib.reset(self._ctx)
             return self._ctx
         self._free_ctx()
-        size = max(need, 1 << 20)
+        # a quarter more than asked: the next call's rows may need a little more (a prefill's expert
+        # groups vary with the routing), and a regrown context is all fresh pages; pages never
+        # touched cost nothing
+        size = max(need + need // 4, 1 << 20)
         ctx = lib.init(_InitParams(size, None, False))
         if not ctx:
             raise MemoryError(f"ggml could not allocate a {size >> 20} MB compute context")
@@ -197,8 +216,30 @@ class GgmlRunner:
             raise RuntimeError(f"ggml graph compute failed (status {status})")
 
     def done(self) -> None:
-        if self._ctx_bytes > self.KEEP_BYTES:
+        """After a call's outputs are read (hold ``self.lock``): scratch over ``keep_bytes`` is
+        freed now, scratch over ``KEEP_BYTES`` after ``IDLE_RELEASE_S`` unused."""
+        if self._ctx_bytes > self.keep_bytes:
             self._free_ctx()
+        elif self._ctx_bytes > self.KEEP_BYTES:
+            self._used_at = time.monotonic()
+            if self._idle_timer is None:
+                self._arm_idle_release(self.IDLE_RELEASE_S)
+
+    def _arm_idle_release(self, after_s: float) -> None:
+        timer = self._idle_timer = threading.Timer(after_s, self._idle_release)
+        timer.daemon = True
+        timer.start()
+
+    def _idle_release(self) -> None:
+        with self.lock:
+            self._idle_timer = None
+            if self._ctx_bytes <= self.KEEP_BYTES or self._backend is None:
+                return
+            left = self._used_at + self.IDLE_RELEASE_S - time.monotonic()
+            if left > 0:  # used since the timer was armed
+                self._arm_idle_release(left)
+            else:
+                self._free_ctx()
 
     def _free_ctx(self) -> None:
         if self._ctx is not None:
@@ -207,6 +248,9 @@ class GgmlRunner:
 
     def close(self) -> None:
         with self.lock:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
             self.forget_graphs()
             self._free_ctx()
             if self._backend:

@@ -118,14 +118,16 @@ def compatible(a: str | None, b: str | None) -> bool:
 
 
 def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = None,
-              threads: int | None = None, graph_cache_bytes: int = 0) -> ExpertBankProtocol:
+              threads: int | None = None, graph_cache_bytes: int = 0,
+              scratch_keep_bytes: int | None = None) -> ExpertBankProtocol:
     """An expert bank over ``layout`` computed by ``kernel``.
 
     Options belong to one kernel and are ignored by the other (so a caller can pass both):
     ``cache_bytes`` bounds the numpy kernel's dequantised cache; ``threads`` is ggml's thread count
     (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8), also the portable kernel's;
     ``graph_cache_bytes`` lets the ggml kernel keep its graphs across calls (the backbone's replica;
-    :meth:`~p2pswarm.engine.ggml_runner.GgmlRunner.graph`).
+    :meth:`~p2pswarm.engine.ggml_runner.GgmlRunner.graph`), ``scratch_keep_bytes`` keep a large
+    call's scratch memory between calls (:class:`~p2pswarm.engine.ggml_runner.GgmlRunner`).
     """
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
@@ -136,7 +138,8 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
         return ExpertBank(layout, cache_bytes=default_cache_bytes() if cache_bytes is None else cache_bytes)
     from p2pswarm.engine.ggml_experts import GgmlExpertBank
 
-    return GgmlExpertBank(layout, threads=threads, graph_cache_bytes=graph_cache_bytes)
+    return GgmlExpertBank(layout, threads=threads, graph_cache_bytes=graph_cache_bytes,
+                          scratch_keep_bytes=scratch_keep_bytes)
 
 
 def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, threads: int | None = None) -> int:
