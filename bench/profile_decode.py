@@ -85,18 +85,18 @@ def child(a) -> None:
         batched(a, graphs)
         return
     state = model.new_state()
-    step([(7919 * i + 11) % 150_000 for i in range(8)], state)
+    step([(7919 * i + 11) % model.n_vocab for i in range(8)], state)
     for i in range(4):  # warm: the pages of the experts these tokens pick, caches
-        step([(104729 * i + 5) % 150_000], state)
+        step([(104729 * i + 5) % model.n_vocab], state)
     graphs[0] = 0
     print(f"READY {os.getpid()}", flush=True)
     sys.stdin.readline()  # the profiler is attached: only the timed steps are sampled
     t = time.perf_counter()
     if a.prefill:
-        step([(7919 * i + 3) % 150_000 for i in range(a.prefill)], model.new_state())
+        step([(7919 * i + 3) % model.n_vocab for i in range(a.prefill)], model.new_state())
     else:
         for i in range(a.steps):
-            step([(7919 * i + 3) % 150_000], state)
+            step([(7919 * i + 3) % model.n_vocab], state)
     dt = time.perf_counter() - t
     print(f"STEPS {a.prefill or a.steps} {dt:.3f} {graphs[0]}", flush=True)
 
@@ -107,12 +107,15 @@ def batched(a, graphs) -> None:
 
     from p2pswarm.backbone.session import open_backbone
 
+    vocab = [150_000]  # the model's, once it is open
+
     def toks(n, salt):
-        return [(7919 * i + 104729 * salt + 11) % 150_000 for i in range(n)]
+        return [(7919 * i + 104729 * salt + 11) % vocab[0] for i in range(n)]
 
     async def run():
         async with open_backbone(a.model, workers=0, kernel="ggml", threads=a.threads) as swarm:
             b = swarm.backbone
+            vocab[0] = b.model.n_vocab
             await b.forward_batch([(toks(2, 50 + i), b.new_state()) for i in range(2)], last_only=True)  # probes
             states = [b.new_state() for _ in range(a.seqs)]
             await b.forward_batch([(toks(4, 10 + i), s) for i, s in enumerate(states)], last_only=True)

@@ -1,0 +1,96 @@
+"""Where a backbone decode step's wall time goes, by engine call, without a profiler.
+
+    python bench/decode_stages.py M.gguf [--steps 64] [--threads 2]
+
+A synchronous loop over the calls ``Backbone.forward`` makes per layer (``pre_moe``,
+``ffn_input``, ``route``, the local bank's ``forward_groups``, ``combine``, ``post_moe``; then
+``output``), one token a step, ggml kernel for the dense path and the experts. It prints the
+milliseconds per step in each call, and inside them the time in ggml's graph compute, keyed by
+the function that called ``GgmlRunner.compute``. The difference between a call's time and its
+compute time is Python, numpy and ctypes around the graphs. The file is read through first, so
+the page cache holds it. Why not py-spy (``profile_decode.py``):
+this needs nothing installed and separates ggml compute from what surrounds it exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+
+import numpy as np
+
+from p2pswarm.backbone.runner import combine, expert_groups
+from p2pswarm.engine import ggml_runner
+from p2pswarm.engine.arch import load_dense
+from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+from p2pswarm.model.layout import ModelLayout
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+    with open(a.model, "rb") as f:  # into the page cache first: a step that reads an expert from disk times the disk
+        while f.read(64 << 20):
+            pass
+    layout = ModelLayout.open(a.model)
+    model = load_dense(layout)
+    use_kernel_for_dense(model, "ggml", threads=a.threads)
+    bank = make_bank(layout, "ggml", threads=a.threads, graph_cache_bytes=256 << 20)
+    spent: collections.Counter = collections.Counter()
+    graphs = [0]
+    real_compute = ggml_runner.GgmlRunner.compute
+
+    def timed_compute(self, graph, macs):
+        graphs[0] += 1
+        t = time.perf_counter()
+        try:
+            return real_compute(self, graph, macs)
+        finally:
+            spent["  ggml compute in " + sys._getframe(1).f_code.co_name] += time.perf_counter() - t
+
+    ggml_runner.GgmlRunner.compute = timed_compute
+
+    def timed(name, fn, *args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            spent[name] += time.perf_counter() - t
+
+    def step(tokens, state):
+        h = timed("embed", model.embed, np.asarray(tokens))
+        pos0 = state.n_past
+        for il in range(model.n_layer):
+            h = timed("pre_moe", model.pre_moe, il, h, state, pos0)
+            cur = timed("ffn_input", model.ffn_input, il, h)
+            ids, w = timed("route", model.route, il, cur)
+            groups = expert_groups(ids)
+            outs = timed("experts", bank.forward_groups, il, cur, groups)
+            moe = timed("combine", combine, ids, w, groups, dict(zip([e for e, _ in groups], outs)))
+            h = timed("post_moe", model.post_moe, il, h, cur, moe)
+        state.n_past += len(tokens)
+        return timed("output", model.output, h)
+
+    V = model.n_vocab
+    state = model.new_state()
+    step([(7919 * i + 11) % V for i in range(8)], state)
+    for i in range(8):  # warm: pages of the experts these tokens pick, kept graphs
+        step([(104729 * i + 5) % V], state)
+    spent.clear()
+    graphs[0] = 0
+    t = time.perf_counter()
+    for i in range(a.steps):
+        step([(7919 * i + 3) % V], state)
+    per = (time.perf_counter() - t) / a.steps
+    print(f"{per * 1e3:.2f} ms a step, {graphs[0] / a.steps:.1f} ggml graphs a step ({a.steps} steps)")
+    for name, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:40s} {sec / a.steps * 1e3:7.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
