@@ -36,8 +36,9 @@ class GgmlRunner:
     time it stays mapped grows. The backbone's runners keep up to ``P2PSWARM_SCRATCH_MB``; a
     worker's keep ``KEEP_BYTES`` (its memory is a phone's).
 
-    With ``graph_cache_bytes``, :meth:`graph` also keeps built graphs, each in a context of its own, for the steps that repeat their shapes (the backbone's dense
-    path and its expert replica; a worker's runner a few MiB of them, its memory is a phone's).
+    With ``graph_cache_bytes``, :meth:`graph` also keeps built graphs, each in a context of its
+    own, for the steps that repeat their shapes (the backbone's dense path and its expert replica;
+    a worker's runner a few MiB of them, its memory is a phone's).
     """
 
     #: scratch always kept between calls (a worker's whole allowance)
