@@ -107,10 +107,11 @@ def _ctrl_c_deferred():
 
     Why: a KeyboardInterrupt raised inside an import can surface in other shapes. Python 3.11 wraps
     one raised in a class's ``__set_name__`` (dataclasses) in a RuntimeError, which printed a
-    traceback. An extension module that runs Python code through ``PyRun_String`` while it
-    initialises (PyO3's ``py.run``; cryptography's bindings are PyO3) leaves CPython's
-    unhandled-interrupt flag set, so the interpreter killed itself with SIGINT at exit after our
-    one line (exit -2, not 130). Measured: 3 of 80 Ctrl-Cs 0.27-0.36 s into ``python -m
+    traceback. And the interpreter sometimes killed itself with SIGINT at exit after our one line
+    (exit -2, not 130; atexit ran, no exception was left): CPython's unhandled-interrupt flag was
+    set, most likely by an extension module that runs Python code through ``PyRun_String`` while
+    it initialises (PyO3's ``py.run``; cryptography's bindings are PyO3), which sets it when a
+    KeyboardInterrupt leaves that code, even if ours catches it later. Measured: 3 of 80 Ctrl-Cs 0.27-0.36 s into ``python -m
     p2pswarm.cli demo``. Blocked, the signal waits in the kernel and raises KeyboardInterrupt in
     our code once the imports are done (a second or less)."""
     block = (hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
