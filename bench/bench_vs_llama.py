@@ -52,7 +52,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, header, publish
+from common import REPO, header, publish, warm_page_cache
 
 DEFAULT_VOCAB = Path("/work/shared/vocab/ggml-vocab-qwen35.gguf")
 PROMPT = 8
@@ -243,7 +243,7 @@ def run_side(a, side: str) -> dict | str:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if side == "ours-spinning":  # llama.cpp's default policy, which ours keeps when the user set one
         env["OMP_WAIT_POLICY"] = "ACTIVE"
-    subprocess.run(["cat", str(a.model)], stdout=subprocess.DEVNULL, check=True)  # page cache, not the disk
+    warm_page_cache(a.model)
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, env=env)
     except subprocess.TimeoutExpired:

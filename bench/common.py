@@ -61,10 +61,17 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def warm_page_cache(path) -> None:
+    """Read ``path`` through once so the page cache holds it: a benchmark then times its work, not
+    the first read from disk."""
+    import subprocess
+
+    subprocess.run(["cat", str(path)], stdout=subprocess.DEVNULL, check=True)
+
+
 def geometry_model(bench_dir, layers: int):
     """The geometry-122b model with ``layers`` layers in ``bench_dir`` (made once, then reused),
-    read through once so the page cache holds it: benchmarks time copies, not the first disk read."""
-    import subprocess
+    read through once so the page cache holds it (:func:`warm_page_cache`)."""
     from pathlib import Path
 
     from p2pswarm.model.synth import make_model
@@ -74,7 +81,7 @@ def geometry_model(bench_dir, layers: int):
     model = d / f"geometry-122b-{layers}l.gguf"
     if not model.exists():
         make_model(model, preset="geometry-122b", layers=layers)
-    subprocess.run(["cat", str(model)], stdout=subprocess.DEVNULL, check=True)
+    warm_page_cache(model)
     return model
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 
 import numpy as np
+from common import warm_page_cache
 
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.engine import ggml_runner
@@ -33,9 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
-    with open(a.model, "rb") as f:  # into the page cache first: a step that reads an expert from disk times the disk
-        while f.read(64 << 20):
-            pass
+    warm_page_cache(a.model)  # a step that read an expert from disk would time the disk
     layout = ModelLayout.open(a.model)
     model = load_dense(layout)
     use_kernel_for_dense(model, "ggml", threads=a.threads)

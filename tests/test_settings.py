@@ -48,6 +48,8 @@ def test_every_variable_is_documented():
     (settings.GRAPH_CACHE_MB, "lots", "is not an integer"),
     (settings.WORKER_GRAPH_CACHE_MB, "-2", "P2PSWARM_WORKER_GRAPH_CACHE_MB='-2': must be >= 0"),
     (settings.WORKER_GRAPH_CACHE_MB, "16MB", "is not an integer"),
+    (settings.SCRATCH_MB, "-1", "P2PSWARM_SCRATCH_MB='-1': must be >= 0"),
+    (settings.SCRATCH_MB, "2GiB", "is not an integer"),
 ])
 def test_malformed_values_are_one_line_errors(monkeypatch, var, text, match):
     monkeypatch.setenv(var.name, text)
