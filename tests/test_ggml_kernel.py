@@ -328,11 +328,11 @@ def _status_mb(pid: int) -> dict[str, float]:
 
 @needs_ggml
 @pytest.mark.slow
-async def test_worker_with_340mb_shard_stays_near_shard_size(tmp_path_factory):
+async def test_worker_with_340mb_shard_stays_near_shard_size(tmp_path):
     """64 geometry-122b experts (Q4_K, 5.3 MB each) of one layer: a 340 MB shard. Every expert is
     computed once; the worker's peak resident set must stay under shard + 250 MB (generous: the
     overhead measured here is ~100 MB of Python, numpy, trio and libggml; see docs/kernels.md)."""
-    d = tmp_path_factory.mktemp("mem")
+    d = tmp_path
     model = make_model(d / "g122.gguf", preset="geometry-122b", layers=1, n_expert=64, qtype="q8_0")
     shard = d / "shard.gguf"
     slice_experts(model, shard, None, (0, 64))

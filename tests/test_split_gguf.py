@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,15 +60,20 @@ def _make_pair(d: Path, arch: str) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module", params=[a if a == "qwen3moe" else pytest.param(a, marks=pytest.mark.slow) for a in SPLIT_ARCHES])
-def pair(request, tmp_path_factory) -> tuple[Path, Path]:
-    """(the unsplit model, the first of its 3 parts), for each architecture (qwen3moe in the quick subset)."""
-    return _make_pair(tmp_path_factory.mktemp(f"split-{request.param}"), request.param)
+def pair(request, tmp_path_factory) -> Iterator[tuple[Path, Path]]:
+    """(the unsplit model, the first of its 3 parts), for each architecture (qwen3moe in the quick subset).
+    Removed after its module: five ~100 MB pairs would otherwise stay on disk for the whole run."""
+    d = tmp_path_factory.mktemp(f"split-{request.param}")
+    yield _make_pair(d, request.param)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def one_pair(tmp_path_factory) -> tuple[Path, Path]:
+def one_pair(tmp_path_factory) -> Iterator[tuple[Path, Path]]:
     """The same for one architecture: what a broken part does does not depend on it."""
-    return _make_pair(tmp_path_factory.mktemp("split-bad"), "qwen3moe")
+    d = tmp_path_factory.mktemp("split-bad")
+    yield _make_pair(d, "qwen3moe")
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_split_reads_as_the_unsplit_file(pair):
