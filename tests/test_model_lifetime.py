@@ -11,6 +11,8 @@ import gc
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.model.synth import make_model
 
+from helpers.ggml import needs_ggml
+
 
 def _mapped(path) -> int:
     with open("/proc/self/maps") as f:
@@ -28,6 +30,7 @@ async def _serve_with_a_cycle(path) -> None:
         assert gc.get_freeze_count() > 0 and _mapped(path) > 0
 
 
+@needs_ggml
 async def test_a_closed_backbone_frees_its_model_even_in_a_reference_cycle(tmp_path, monkeypatch):
     monkeypatch.delenv("P2PSWARM_NO_GC_FREEZE", raising=False)
     path = make_model(tmp_path / "m.gguf", arch="glm4moe")
