@@ -28,7 +28,7 @@ from p2pswarm import settings
 from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner, Owner
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
-from p2pswarm.engine.arch import load_dense, thaw_loaded_objects
+from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.ggml_kernel import default_threads
 from p2pswarm.engine.kernels import make_bank, resolve_kernel, use_kernel_for_dense
 from p2pswarm.errors import UserError
@@ -186,4 +186,3 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
                 await o.aclose()
         for wp in procs:
             wp.stop()
-        thaw_loaded_objects()

@@ -37,18 +37,10 @@ def _freeze_loaded_objects() -> None:
     Why: every full collection traverses those lists, 0.2 s each on the geometry-122b model, and a
     decode step allocates enough containers (ctypes, trio) to trigger them: 10% of a decode
     step's samples were ``gc_collect_main`` (bench/profile_decode.py). Garbage made later is still
-    collected as usual. :func:`thaw_loaded_objects` undoes it when the model's backbone closes."""
+    collected as usual. The cost: a model caught in a reference cycle is never freed, nor its memory
+    maps. Nothing in p2pswarm makes one, and a test that wraps a model's method must undo it (a
+    5 GB model a test had deleted stayed mapped, on disk, for the rest of the run). Unfreezing when
+    a backbone closes was tried: the next load's full collection then walks every object the
+    process holds, 11 s more over the quick test subset's ~100 backbones."""
     gc.collect()
     gc.freeze()
-
-
-def thaw_loaded_objects() -> None:
-    """Give what :func:`load_dense` froze back to the cyclic collector (its backbone has closed).
-
-    Why: a process that goes on after a backbone (the test-suite, a bench, a program that opens
-    another model) would otherwise never free a closed model caught in a reference cycle, nor the
-    memory maps it holds: a 5 GB geometry model a test had deleted stayed mapped, and on disk,
-    for the rest of the run. A backbone still open in the same process only pays full collections
-    over its objects again until the next load freezes them."""
-    if settings.GC_FREEZE.get():
-        gc.unfreeze()
