@@ -14,33 +14,27 @@ processes for its rows: a co-tenant such as a worker on the same host.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from common import header, publish, warm_page_cache
+from bench_vs_llama import run_side
+from common import header, publish
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-
-
-def decode_tps(model: Path, policy: str, decode: int, threads: int) -> float:
-    env = dict(os.environ, PYTHONPATH=str(REPO), P2PSWARM_THREADS=str(threads))
-    env.pop("OMP_WAIT_POLICY", None)
-    env.pop("GOMP_SPINCOUNT", None)
+def decode_tps(a, policy: str) -> float:
+    """One fresh ``bench_vs_llama.py --child ours`` process (its ``run_side``) under ``policy``."""
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        os.environ.pop(name, None)
     if policy == "passive":
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     else:
-        env["GOMP_SPINCOUNT"] = policy
-    cmd = [sys.executable, str(HERE / "bench_vs_llama.py"), "--child", "ours", "--model", str(model),
-           "--threads", str(threads), "--decode", str(decode), "--prefill", "16", "--seqs", "1", "--batch-steps", "1"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if p.returncode != 0:
-        raise SystemExit(f"bench_omp_wait: the child failed: {(p.stderr.strip().splitlines() or [''])[-1][:200]}")
-    return float(json.loads(p.stdout.strip().splitlines()[-1])["decode_tps"])
+        os.environ["GOMP_SPINCOUNT"] = policy
+    got = run_side(a, "ours")
+    if isinstance(got, str):
+        raise SystemExit(f"bench_omp_wait: the child failed: {got}")
+    return float(got["decode_tps"])
 
 
 def main(argv=None) -> int:
@@ -55,7 +49,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not a.model.is_file():
         raise SystemExit(f"bench_omp_wait: {a.model}: no such file")
-    warm_page_cache(a.model)
+    # what run_side reads: one sequence, a short prefill, no batch
+    a.prefill, a.seqs, a.batch_steps, a.cold_prefill, a.ours_tree, a.timeout = 16, 1, 1, False, None, 600
     policies = ["passive"] + a.spins
     rows = []
     for busy in a.busy:
@@ -64,7 +59,7 @@ def main(argv=None) -> int:
             runs: dict[str, list[float]] = {p: [] for p in policies}
             for _ in range(a.rounds):
                 for p in policies:
-                    runs[p].append(decode_tps(a.model, p, a.decode, a.threads))
+                    runs[p].append(decode_tps(a, p))
         finally:
             for h in hogs:
                 h.kill()
