@@ -3,8 +3,9 @@
     python bench/bench_omp_wait.py M.gguf [--rounds 6] [--busy 0 1 2] [--spins 2000 20000] [--write]
 
 Why: libggml-cpu's threads are libgomp's team, and the gap between two of our graphs is a libgomp
-wait. p2pswarm sets ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) unless the user chose a policy
-(``p2pswarm.engine.ggml_kernel._passive_omp_waits``); llama.cpp leaves libgomp's default, a spin.
+wait. p2pswarm sets ``GOMP_SPINCOUNT=1000`` (a ~25 us spin, then sleep) unless the user chose a
+policy (``p2pswarm.engine.ggml_kernel._short_omp_waits``), and runs each graph on the CPUs other
+processes leave free (``p2pswarm.engine.cpu_share``); llama.cpp leaves libgomp's default, a long spin.
 A spin wins when the cores are ours alone and loses when the thread we wait for needs the core we
 spin on: this measures both, so the default can be judged. Each run is one fresh process of
 ``bench_vs_llama.py --child ours`` (an 8-token prompt, ``--decode`` tokens one at a time); the

@@ -8,13 +8,15 @@ A synchronous loop over the calls ``Backbone.forward`` makes per layer (``pre_mo
 milliseconds per step in each call, and inside them the time in ggml's graph compute, keyed by
 the function that called ``GgmlRunner.compute``. The difference between a call's time and its
 compute time is Python, numpy and ctypes around the graphs. The file is read through first, so
-the page cache holds it. Why not py-spy (``profile_decode.py``):
+the page cache holds it. It also counts the step's minor page faults and its threads' sleeps
+(voluntary context switches: an OpenMP wait that slept, see bench_omp_barrier.py). Why not py-spy (``profile_decode.py``):
 this needs nothing installed and separates ggml compute from what surrounds it exactly.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import resource
 import sys
 import time
 
@@ -69,7 +71,8 @@ def main(argv=None) -> int:
             ids, w = timed("route", model.route, il, cur)
             groups = expert_groups(ids)
             outs = timed("experts", bank.forward_groups, il, cur, groups)
-            moe = timed("combine", combine, ids, w, groups, dict(zip([e for e, _ in groups], outs)))
+            moe = (timed("combine", combine, ids, w, groups, dict(zip([e for e, _ in groups], outs))) if groups
+                   else np.zeros_like(cur))  # a leading dense layer (deepseek2, glm4moe): no routed experts
             h = timed("post_moe", model.post_moe, il, h, cur, moe)
         state.n_past += len(tokens)
         return timed("output", model.output, h)
@@ -81,11 +84,15 @@ def main(argv=None) -> int:
         step([(104729 * i + 5) % V], state)
     spent.clear()
     graphs[0] = 0
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
     for i in range(a.steps):
         step([(7919 * i + 3) % V], state)
     per = (time.perf_counter() - t) / a.steps
-    print(f"{per * 1e3:.2f} ms a step, {graphs[0] / a.steps:.1f} ggml graphs a step ({a.steps} steps)")
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    faults, sleeps = ((getattr(ru1, k) - getattr(ru0, k)) / a.steps for k in ("ru_minflt", "ru_nvcsw"))
+    print(f"{per * 1e3:.2f} ms a step, {graphs[0] / a.steps:.1f} ggml graphs a step, {faults:.0f} page faults and "
+          f"{sleeps:.0f} thread sleeps (voluntary context switches) a step ({a.steps} steps)")
     for name, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name:40s} {sec / a.steps * 1e3:7.3f} ms")
     return 0

@@ -105,6 +105,9 @@ CACHE = Var("P2PSWARM_CACHE", Path, None,
 KERNEL = Var("P2PSWARM_KERNEL", _kernel, "auto", "expert kernel when --kernel is not given: auto, numpy, ggml, portable")
 THREADS = Var("P2PSWARM_THREADS", _positive_int, None,
               "ggml/portable threads per process (default: the CPUs available, at most 8)")
+ADAPT_THREADS = Var("P2PSWARM_ADAPT_THREADS", _switch, True,
+                    "off: every ggml graph uses the configured threads, even when other processes keep CPUs busy "
+                    "(on: at most the CPUs they left free over the last 0.5 s)")
 GRAPH_CACHE_MB = Var("P2PSWARM_GRAPH_CACHE_MB", _non_negative_int, 256,
                      "the backbone's kept ggml graphs of decode steps (reused while a step's shape repeats), in MiB; 0: off")
 SCRATCH_MB = Var("P2PSWARM_SCRATCH_MB", _non_negative_int, 2048,

@@ -120,17 +120,24 @@ def test_dense_swiglu_is_one_graph_close_to_numpy(tiny_q8):
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("preset", [None, "ACTIVE"])
+@pytest.mark.parametrize("preset", [None, ("OMP_WAIT_POLICY", "ACTIVE"), ("OMP_WAIT_POLICY", "PASSIVE"),
+                                    ("GOMP_SPINCOUNT", "0")])
 @pytest.mark.slow
-def test_omp_threads_wait_passively_unless_told(preset):
+def test_omp_threads_spin_briefly_then_sleep_unless_told(preset):
+    """Unset, loading libggml sets a short libgomp spin (GOMP_SPINCOUNT); a policy the user set is
+    kept as it is, and none is added to it."""
+    from p2pswarm.engine.ggml_kernel import SPIN_BEFORE_SLEEP
+
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if preset:
-        env["OMP_WAIT_POLICY"] = preset
+        env[preset[0]] = preset[1]
     code = ("import os; from p2pswarm.engine.ggml_kernel import load_libggml; load_libggml(); "
-            "print(os.environ.get('OMP_WAIT_POLICY'))")
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == (preset or "PASSIVE")
+    want = {None: f"None {SPIN_BEFORE_SLEEP}", ("OMP_WAIT_POLICY", "ACTIVE"): "ACTIVE None",
+            ("OMP_WAIT_POLICY", "PASSIVE"): "PASSIVE None", ("GOMP_SPINCOUNT", "0"): "None 0"}[preset]
+    assert out.stdout.strip() == want
 
 
 def test_decode_delta_rule_in_place_is_the_recurrent_rule():

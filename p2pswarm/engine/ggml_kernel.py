@@ -173,20 +173,30 @@ _OPTIONAL_SIG = {
 }
 
 
-def _passive_omp_waits() -> None:
-    """Let ggml's OpenMP threads sleep, not spin, while they wait (unless the user chose otherwise).
+#: libgomp spin iterations before a waiting ggml thread sleeps (``GOMP_SPINCOUNT``), p2pswarm's default
+SPIN_BEFORE_SLEEP = 1000
+
+
+def _short_omp_waits() -> None:
+    """Let ggml's OpenMP threads spin briefly, then sleep, while they wait (unless the user chose).
 
     Why: llama-cpp-python's libggml-cpu is built with OpenMP, so its threads are libgomp's team and
-    every barrier inside a graph (one per node) and the gap between graphs are libgomp waits,
-    which by default spin for ~300,000 iterations. A backbone runs many small graphs with numpy
-    work between them, and often shares its cores (workers on the same host): the spinning thread
-    then burns the timeslice the thread it waits for needs. Measured on a loaded 2-core machine
-    (bench/profile_decode.py, geometry-122b qwen35moe decode): 0.4-0.5 tok/s spinning, 1.8 tok/s
-    passive. libgomp reads the setting once, when it is loaded, so it is set before libggml-cpu
-    loads; a process that loaded libgomp earlier (e.g. imported llama_cpp first) keeps its policy.
+    every barrier inside a graph (one per node) and the gap between graphs are libgomp waits.
+    libgomp's default spins ~300,000 iterations (7.5 ms here) before it sleeps: a backbone that
+    shares its cores (workers on the same host, its own event loop) then burns the timeslice the
+    thread it waits for needs (measured on a loaded 2-core machine, geometry-122b qwen35moe decode:
+    0.4-0.5 tok/s spinning, 1.8 tok/s with no spin). No spin at all costs a sleep and a wake-up per
+    wait instead: ~22 us a barrier on this 2-core VM against ~4 us spinning, ~50 waits per gpt-oss
+    decode step (bench/bench_omp_wait.py, docs/benchmarks.md "Short spin"). So waits spin
+    ``SPIN_BEFORE_SLEEP`` iterations (25 ns each on this machine's EPYC: 25 us, about what a
+    sleep and wake-up cost), then sleep: the classic spin-then-block rule, which never wastes more
+    than about one wake-up's time per wait on a loaded machine and catches most waits on an idle
+    one. libgomp reads it once, when it is loaded, so it is set before libggml-cpu loads; a process
+    that loaded libgomp earlier (e.g. imported llama_cpp first) keeps its policy, and a user who
+    set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` keeps theirs.
     """
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["GOMP_SPINCOUNT"] = str(SPIN_BEFORE_SLEEP)
 
 
 class GgmlLib:
@@ -198,7 +208,7 @@ class GgmlLib:
 
     def __init__(self, lib_dir: Path, origin: str = "?"):
         self.lib_dir = lib_dir
-        _passive_omp_waits()
+        _short_omp_waits()
         self.origin = origin
         libs = {}
         self.paths: dict[str, Path] = {}

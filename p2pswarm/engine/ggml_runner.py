@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from p2pswarm.engine.cpu_share import free_cpus
 from p2pswarm.engine.ggml_kernel import (MIN_MACS_PER_THREAD, TENSOR_ALIGNMENT, WEIGHT_TYPES, GgmlLib, GgmlUnavailable,
                                          _InitParams, check_threads)
 from p2pswarm.errors import ModelFormatError
@@ -211,6 +212,9 @@ class GgmlRunner:
 
     def compute(self, graph, macs: int) -> None:
         n = max(1, min(self.threads, macs // MIN_MACS_PER_THREAD))
+        if n > 1:  # no more threads than the CPUs other processes leave free (p2pswarm.engine.cpu_share)
+            free = free_cpus()
+            n = n if free is None else min(n, free)
         self.lib.backend_cpu_set_n_threads(self._backend, n)
         status = self.lib.backend_graph_compute(self._backend, graph)
         if status != 0:

@@ -188,11 +188,9 @@ class GptOss:
         k = k.reshape(T, Hkv, hd)
         v = v.reshape(T, Hkv, hd)
         pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
-        base = self.rope_base_swa if self.swa[il] else self.rope_base
-        q = rope_yarn_neox(q, pos, self.n_rot, base, self.freq_scale, self.ext_factor, self.attn_factor,
-                           self.beta_fast, self.beta_slow, self.n_ctx_orig)
-        k = rope_yarn_neox(k, pos, self.n_rot, base, self.freq_scale, self.ext_factor, self.attn_factor,
-                           self.beta_fast, self.beta_slow, self.n_ctx_orig)
+        cos, sin = self._rope_tables(pos, self.rope_base_swa if self.swa[il] else self.rope_base)
+        q = rotate_neox_tables(q, cos, sin, self.n_rot)
+        k = rotate_neox_tables(k, cos, sin, self.n_rot)
         sinks = self._vec(p + "attn_sinks.weight")
         window = self.n_swa if self.swa[il] else None
         atts, at = [], 0
@@ -207,6 +205,19 @@ class GptOss:
         att = (atts[0] if len(atts) == 1 else np.concatenate(atts)).reshape(T, H * hd)
         out = ops.matmul(np.ascontiguousarray(att), w[p + "attn_output.weight"]) + self._vec(p + "attn_output.bias")
         return h + out
+
+    def _rope_tables(self, pos: np.ndarray, base: float) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`yarn_neox_tables` for these positions, made once for q and k and for every layer of
+        a step with the same base (a few memoised: the positions repeat across a step's layers)."""
+        memo = self.__dict__.setdefault("_rope_memo", {})
+        key = (pos.tobytes(), base)
+        got = memo.get(key)
+        if got is None:
+            if len(memo) >= 4:
+                memo.clear()
+            got = memo[key] = yarn_neox_tables(pos, self.n_rot, base, self.freq_scale, self.ext_factor,
+                                               self.attn_factor, self.beta_fast, self.beta_slow, self.n_ctx_orig)
+        return got
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
@@ -277,10 +288,20 @@ def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, 
 def rope_yarn_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, freq_scale: float,
                    ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float,
                    n_ctx_orig: int) -> np.ndarray:
-    """NEOX RoPE with YaRN (ggml's ``rope_yarn``): pair ``i`` turns by a blend of the interpolated
-    angle ``freq_scale * theta`` and the original ``theta`` (the ramp between the correction dims),
-    and cos/sin are scaled by ``attn_factor * (1 + 0.1 ln(1/freq_scale))`` when YaRN is on. With
-    ``freq_scale`` 1 and ``ext_factor`` 0 this is plain :func:`ops.rope_neox`."""
+    """NEOX RoPE with YaRN (ggml's ``rope_yarn``) of x (T, heads, head_dim) at ``positions``:
+    :func:`rotate_neox_tables` by :func:`yarn_neox_tables`."""
+    return rotate_neox_tables(x, *yarn_neox_tables(positions, n_rot, base, freq_scale, ext_factor, attn_factor,
+                                                   beta_fast, beta_slow, n_ctx_orig), n_rot)
+
+
+def yarn_neox_tables(positions: np.ndarray, n_rot: int, base: float, freq_scale: float, ext_factor: float,
+                     attn_factor: float, beta_fast: float, beta_slow: float,
+                     n_ctx_orig: int) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin), float32 (T, 1, n_rot / 2), of NEOX RoPE with YaRN: pair ``i`` turns by a blend of
+    the interpolated angle ``freq_scale * theta`` and the original ``theta`` (the ramp between the
+    correction dims), and cos/sin are scaled by ``attn_factor * (1 + 0.1 ln(1/freq_scale))`` when
+    YaRN is on. With ``freq_scale`` 1 and ``ext_factor`` 0 this is plain :func:`ops.rope_neox`'s.
+    Why apart from the rotation: q and k, and every layer of a step, turn by the same tables."""
     half = n_rot // 2
     inv = np.power(np.float64(base), -2.0 * np.arange(half, dtype=np.float64) / n_rot)
     extrap = positions.astype(np.float64)[:, None] * inv[None, :]  # (T, half)
@@ -292,10 +313,17 @@ def rope_yarn_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float
         ramp = (1.0 - np.clip(y, 0.0, 1.0)) * ext_factor
         theta = theta * (1.0 - ramp) + extrap * ramp
         mscale = float(F32(mscale) * (F32(1.0) + F32(0.1) * F32(math.log(1.0 / freq_scale))))
-    if mscale == 1.0:
-        return ops._rotate_neox(x, theta, n_rot)
-    cos = (np.cos(theta).astype(F32) * F32(mscale))[:, None, :]
-    sin = (np.sin(theta).astype(F32) * F32(mscale))[:, None, :]
+    cos, sin = np.cos(theta).astype(F32), np.sin(theta).astype(F32)
+    if mscale != 1.0:
+        cos *= F32(mscale)
+        sin *= F32(mscale)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def rotate_neox_tables(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
+    """x (T, heads, head_dim) with NEOX pairs (i, i + n_rot/2) turned by (cos, sin) (T, 1, n_rot/2);
+    dims >= n_rot pass through (:func:`ops._rotate_neox`'s arithmetic)."""
+    half = n_rot // 2
     x0, x1 = x[..., :half], x[..., half:n_rot]
     out = x.copy()
     out[..., :half] = x0 * cos - x1 * sin
@@ -315,12 +343,14 @@ def attention_sinks(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int, si
     S, Hkv, _ = k.shape
     group = H // Hkv
     scores = ops.gqa_scores(q, k)  # (Hkv, group * T, S)
-    qpos = q_pos0 + np.tile(np.arange(T), group)
-    kpos = k_pos0 + np.arange(S)[None, :]
-    masked = kpos > qpos[:, None]
-    if window is not None:
-        masked |= qpos[:, None] - kpos >= window
-    if masked.any():
+    # a key after the first query, or one out of the last query's window: else nothing is masked
+    # (a decode row at the cache's end sees every key), and the mask is not built
+    if k_pos0 + S - 1 > q_pos0 or (window is not None and q_pos0 + T - 1 - k_pos0 >= window):
+        qpos = q_pos0 + np.tile(np.arange(T), group)
+        kpos = k_pos0 + np.arange(S)[None, :]
+        masked = kpos > qpos[:, None]
+        if window is not None:
+            masked |= qpos[:, None] - kpos >= window
         scores = np.where(masked[None], F32(-np.inf), scores)
     sink = np.repeat(sinks.astype(F32).reshape(Hkv, group), T, axis=1)[:, :, None]  # (Hkv, group*T, 1)
     m = np.maximum(scores.max(axis=-1, keepdims=True), sink)
