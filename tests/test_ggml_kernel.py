@@ -23,7 +23,7 @@ from p2pswarm.backbone.runner import Backbone, combine, expert_groups
 from p2pswarm.backbone.session import WorkerProcess, ensure_shards, open_backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.engine import ggml_kernel as gk
-from p2pswarm.engine import ggml_dense
+from p2pswarm.engine import ggml_dense, ggml_runner
 from p2pswarm.engine import kernels, ops
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.experts import ExpertBank
@@ -97,7 +97,8 @@ def test_ggml_is_close_to_numpy_and_reads_the_mapped_bytes(request, qtype):
 @pytest.mark.parametrize("qtype", ["f32", "q8_0", "q4_k_m"])
 def test_bits_do_not_depend_on_threads_or_neighbours(request, qtype, monkeypatch):
     """What lets a 2-thread backbone and an 8-thread worker agree bit for bit."""
-    monkeypatch.setattr(gk, "MIN_MACS_PER_THREAD", 1)  # really use every thread, even on tiny experts
+    monkeypatch.setattr(ggml_runner, "MIN_MACS_PER_THREAD", 1)  # really use every thread, even on tiny experts
+    monkeypatch.setenv("P2PSWARM_ADAPT_THREADS", "off")  # ... and more threads than free CPUs (cpu_share)
     layout = ModelLayout.open(request.getfixturevalue(MODELS[qtype]))
     banks = [kernels.make_bank(layout, "ggml", threads=n) for n in (1, 2, 3)]
     x = np.random.default_rng(2).standard_normal((100, 256)).astype(np.float32)
