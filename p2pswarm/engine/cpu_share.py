@@ -36,7 +36,7 @@ def _allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def _busy_ticks(cpus: set[int]) -> int | None:
+def _busy_ticks(cpus: frozenset[int]) -> int | None:
     """Clock ticks the CPUs in ``cpus`` spent on anything but idle, I/O wait and steal, since boot."""
     try:
         with open("/proc/stat", "rb") as f:
@@ -68,7 +68,7 @@ class CpuShare:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._cpus = _allowed_cpus()
+        self._cpus = frozenset(_allowed_cpus())
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self._free = len(self._cpus)
         self._last: tuple[float, int, float] | None = None  # (monotonic time, busy ticks, own CPU s)
@@ -83,7 +83,7 @@ class CpuShare:
             last = self._last
             if last is not None and now - last[0] < INTERVAL_S:
                 return self._free
-            busy = _busy_ticks(set(self._cpus))
+            busy = _busy_ticks(self._cpus)
             if busy is None:
                 return self._free
             own = _own_seconds()

@@ -61,9 +61,14 @@ def matmuls(x: np.ndarray, ws: list) -> list[np.ndarray]:
 def _rotate_neox(x: np.ndarray, theta: np.ndarray, n_rot: int) -> np.ndarray:
     """Rotate NEOX pairs (i, i + n_rot/2) of each head by angles theta (T, n_rot/2); dims >= n_rot
     pass through. Shared by plain NEOX RoPE and IMROPE, which differ only in their angles."""
+    return rotate_neox_cs(x, np.cos(theta).astype(F32)[:, None, :], np.sin(theta).astype(F32)[:, None, :], n_rot)
+
+
+def rotate_neox_cs(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
+    """x (T, heads, head_dim) with NEOX pairs (i, i + n_rot/2) turned by float32 (cos, sin) of shape
+    (T, 1, n_rot/2); dims >= n_rot pass through. Apart from the angles so that tables made once
+    (gpt-oss's YaRN tables, shared by q, k and a step's layers) turn several tensors."""
     half = n_rot // 2
-    cos = np.cos(theta).astype(F32)[:, None, :]
-    sin = np.sin(theta).astype(F32)[:, None, :]
     x0 = x[..., :half]
     x1 = x[..., half:n_rot]
     out = x.copy()

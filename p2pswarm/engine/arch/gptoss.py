@@ -13,7 +13,7 @@ llama.cpp's ``src/models/openai-moe.cpp`` and ``build_moe_ffn`` compute it):
   The window is applied in the mask, as llama.cpp masks; a sliding layer's cache
   (:class:`WindowKVCache`) drops the positions no later query can see, so it stays bounded by about
   twice the window however long the sequence (a full layer's keeps every position).
-* RoPE is NEOX with YaRN scaling (``rope.scaling.*``; :func:`rope_yarn_neox`), the same on both
+* RoPE is NEOX with YaRN scaling (``rope.scaling.*``; :func:`yarn_neox_tables`), the same on both
   kinds of layer unless ``rope.freq_base_swa`` says otherwise.
 * The experts' input is ``post_attention_norm(h)``; there is no shared expert.
 * The router has a bias and gates by *softmax over the selected top-k logits*
@@ -85,6 +85,7 @@ class GptOss:
             raise bad(f"key {self.arch}.expert_used_count {self.n_expert_used} exceeds expert_count {self.n_expert}")
         self.swa = self._swa_layers()
         self._rope_params(num)
+        self._rope_memo: dict = {}  # (positions, base) -> yarn_neox_tables (_rope_tables)
 
         self.w = _Weights(layout)
         self.output_name = "output.weight"
@@ -189,8 +190,8 @@ class GptOss:
         v = v.reshape(T, Hkv, hd)
         pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
         cos, sin = self._rope_tables(pos, self.rope_base_swa if self.swa[il] else self.rope_base)
-        q = rotate_neox_tables(q, cos, sin, self.n_rot)
-        k = rotate_neox_tables(k, cos, sin, self.n_rot)
+        q = ops.rotate_neox_cs(q, cos, sin, self.n_rot)
+        k = ops.rotate_neox_cs(k, cos, sin, self.n_rot)
         sinks = self._vec(p + "attn_sinks.weight")
         window = self.n_swa if self.swa[il] else None
         atts, at = [], 0
@@ -209,7 +210,7 @@ class GptOss:
     def _rope_tables(self, pos: np.ndarray, base: float) -> tuple[np.ndarray, np.ndarray]:
         """:func:`yarn_neox_tables` for these positions, made once for q and k and for every layer of
         a step with the same base (a few memoised: the positions repeat across a step's layers)."""
-        memo = self.__dict__.setdefault("_rope_memo", {})
+        memo = self._rope_memo
         key = (pos.tobytes(), base)
         got = memo.get(key)
         if got is None:
@@ -285,15 +286,6 @@ def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, 
     return max(0.0, math.floor(dim(beta_fast))), min(n_dims - 1.0, math.ceil(dim(beta_slow)))
 
 
-def rope_yarn_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, freq_scale: float,
-                   ext_factor: float, attn_factor: float, beta_fast: float, beta_slow: float,
-                   n_ctx_orig: int) -> np.ndarray:
-    """NEOX RoPE with YaRN (ggml's ``rope_yarn``) of x (T, heads, head_dim) at ``positions``:
-    :func:`rotate_neox_tables` by :func:`yarn_neox_tables`."""
-    return rotate_neox_tables(x, *yarn_neox_tables(positions, n_rot, base, freq_scale, ext_factor, attn_factor,
-                                                   beta_fast, beta_slow, n_ctx_orig), n_rot)
-
-
 def yarn_neox_tables(positions: np.ndarray, n_rot: int, base: float, freq_scale: float, ext_factor: float,
                      attn_factor: float, beta_fast: float, beta_slow: float,
                      n_ctx_orig: int) -> tuple[np.ndarray, np.ndarray]:
@@ -318,17 +310,6 @@ def yarn_neox_tables(positions: np.ndarray, n_rot: int, base: float, freq_scale:
         cos *= F32(mscale)
         sin *= F32(mscale)
     return cos[:, None, :], sin[:, None, :]
-
-
-def rotate_neox_tables(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
-    """x (T, heads, head_dim) with NEOX pairs (i, i + n_rot/2) turned by (cos, sin) (T, 1, n_rot/2);
-    dims >= n_rot pass through (:func:`ops._rotate_neox`'s arithmetic)."""
-    half = n_rot // 2
-    x0, x1 = x[..., :half], x[..., half:n_rot]
-    out = x.copy()
-    out[..., :half] = x0 * cos - x1 * sin
-    out[..., half:n_rot] = x0 * sin + x1 * cos
-    return out
 
 
 def attention_sinks(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int, sinks: np.ndarray,
