@@ -370,7 +370,29 @@ def main() -> None:
             ref = {**b, "batchx_tps": b["batch_tps"], "batchx_cpu": b["batch_cpu"]}  # llama: one batch
             text += (f"| {names[s]} / {names[base]} | "
                      + " | ".join("n/a" if math.isnan(o[m]) else f"{o[m] / ref[m]:.2f}x" for m in METRICS) + " |\n")
+    for s in ("ours-tree", "ours"):
+        paired = paired_ratios(results.get(s, []), results.get(base, []))
+        if paired:
+            text += (f"| {names[s]} / {names[base]}, median of the rounds' own ratios | "
+                     + " | ".join(paired.get(m, "n/a") for m in METRICS) + " |\n")
     publish(text, a.write)
+
+
+def paired_ratios(ours: list, theirs: list) -> dict[str, str]:
+    """Per metric, the median over rounds of ours / theirs within the same round, with its range.
+
+    Why besides the ratio of medians: the two sides of a round run minutes apart at most, so a
+    slow spell of this shared machine (other tenants) hits both, and their ratio cancels it; the
+    median of those ratios is the steadier number when whole rounds move by 20%."""
+    pairs = [(o, t) for o, t in zip(ours, theirs) if isinstance(o, dict) and isinstance(t, dict)]
+    out = {}
+    for m in METRICS:
+        tm = "batch_" + m.split("_")[1] if m.startswith("batchx") else m  # llama: one batch
+        rs = [o[m] / t[tm] for o, t in pairs if m in o and tm in t and t[tm]]
+        rs = [r for r in rs if not math.isnan(r)]
+        if rs:
+            out[m] = f"{statistics.median(rs):.2f}x ({min(rs):.2f}-{max(rs):.2f})"
+    return out
 
 
 if __name__ == "__main__":

@@ -9,16 +9,22 @@ milliseconds per step in each call, and inside them the time in ggml's graph com
 the function that called ``GgmlRunner.compute``. The difference between a call's time and its
 compute time is Python, numpy and ctypes around the graphs. The file is read through first, so
 the page cache holds it. It also counts the step's minor page faults and its threads' sleeps
-(voluntary context switches: an OpenMP wait that slept, see bench_omp_barrier.py). Why not py-spy (``profile_decode.py``):
+(voluntary context switches: an OpenMP wait that slept, see bench_omp_barrier.py), and how much
+of the model its mapping holds in 2 MiB pages (smaps ``FilePmdMapped``): that follows how the page
+cache was filled (on this VM's Linux 6.18, a file read through, by ``cat`` or a mapping, sits in
+2 MiB folios, one just written in 4 KiB pages) and moves a cold one-row mat-vec ~1.7x, so a run
+that differs from another in it is not comparable. Why not py-spy (``profile_decode.py``):
 this needs nothing installed and separates ggml compute from what surrounds it exactly.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import re
 import resource
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from common import warm_page_cache
@@ -92,10 +98,23 @@ def main(argv=None) -> int:
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     faults, sleeps = ((getattr(ru1, k) - getattr(ru0, k)) / a.steps for k in ("ru_minflt", "ru_nvcsw"))
     print(f"{per * 1e3:.2f} ms a step, {graphs[0] / a.steps:.1f} ggml graphs a step, {faults:.0f} page faults and "
-          f"{sleeps:.0f} thread sleeps (voluntary context switches) a step ({a.steps} steps)")
+          f"{sleeps:.0f} thread sleeps (voluntary context switches) a step ({a.steps} steps); "
+          f"{pmd_mapped_mb(a.model):.0f} MB of the model mapped by 2 MiB pages")
     for name, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name:40s} {sec / a.steps * 1e3:7.3f} ms")
     return 0
+
+
+def pmd_mapped_mb(path) -> float:
+    """MB of this process's mappings of ``path`` mapped by 2 MiB page-table entries (smaps FilePmdMapped)."""
+    name, inside, kb = str(Path(path).resolve()), False, 0
+    with open("/proc/self/smaps") as f:
+        for ln in f:
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", ln):
+                inside = ln.rstrip().endswith(name)
+            elif inside and ln.startswith("FilePmdMapped:"):
+                kb += int(ln.split()[1])
+    return kb / 1024
 
 
 if __name__ == "__main__":

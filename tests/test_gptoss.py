@@ -117,6 +117,36 @@ def test_window_and_sinks_are_what_match(models_dir):
         assert np.abs(w - ref).max() > 10 * tolerance(ref)
 
 
+@needs_llama
+@needs_ggml
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["f32", "f32-pattern0", "mxfp4"])
+def test_layer_graph_matches_llama_cpp_past_the_window(models_dir, variant):
+    """Under the ggml kernel every attention layer is one ggml graph (llama.cpp's ops: biases, YaRN
+    RoPE, sinks by ``ggml_soft_max_add_sinks``, the window in the mask), and it is what ran (no
+    numpy attention). Over 48 tokens (a 20-token prefill, then 28 decode steps, past several
+    trims of the sliding caches: window 8) its logits are within the tolerance of llama.cpp's;
+    the MXFP4 model's too."""
+    from p2pswarm.engine.kernels import use_kernel_for_dense
+
+    path = oss_model(models_dir, variant)
+    layout = ModelLayout.open(path)
+    model = load_dense(layout)
+    use_kernel_for_dense(model, "ggml")
+    bank = make_bank(layout, "ggml")
+    tokens = [(7 * i + 3) % 500 for i in range(48)]
+    state = model.new_state()
+    rows = [_forward(model, bank, tokens[:20], state)]
+    rows += [_forward(model, bank, tokens[i:i + 1], state, pos0=i) for i in range(20, 48)]
+    assert model.layer_graph_calls == model.n_layer * 29
+    slid = [state.kv[il] for il in range(model.n_layer) if model.swa[il]]
+    assert slid and all(kv.first > 0 and kv.first + kv.n == 48 for kv in slid)
+    ours, ref = np.concatenate(rows), llama_logits(path, tokens)
+    print(f"gpt-oss {variant} layer graph vs llama.cpp: max |diff| {float(np.abs(ours - ref).max()):.3g}, "
+          f"tolerance {tolerance(ref):.3g}")
+    assert np.abs(ours - ref).max() <= tolerance(ref)
+
+
 def test_swa_pattern_and_window_mask():
     """llama.cpp's pattern 2 (dense_first false): even layers slide; a query at p sees p-n+1..p."""
     from p2pswarm.engine.arch.gptoss import attention_sinks

@@ -1,4 +1,6 @@
-"""A qwen35moe gated-attention layer's whole ``pre_moe`` as ONE ggml graph, for the ggml kernel.
+"""An attention layer's whole ``pre_moe`` as ONE ggml graph, for the ggml kernel: qwen35moe's gated
+attention (:func:`gated_attention`) and gpt-oss's attention with sinks and a sliding window
+(:func:`sink_attention`); both write and read their KV caches in place (:func:`cache_attention`).
 
 Why one graph: the per-piece path (:meth:`~p2pswarm.engine.arch.qwen35moe.Qwen35MoE._full_attention_rows`)
 runs the q/k/v projections as one ggml graph, then the attn_norm, the per-head q/k RMSNorms, IMROPE,
@@ -49,13 +51,18 @@ GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qw
 KV_PAD = 256
 _OPS = ("rms_norm", "mul", "add", "sigmoid", "rope_multi", "soft_max_ext", "permute", "transpose", "cont_2d", "cpy",
         "reshape_2d", "reshape_3d", "view_2d", "set_rows")
-_PROJ = ("attn_q", "attn_k", "attn_v", "attn_output")
-_NORMS = ("attn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm")
+#: what gpt-oss's layer graph needs besides (:func:`sink_attention`)
+_SINK_OPS = ("rope_ext", "soft_max_add_sinks")
+#: a gated-attention layer's weights (file names after ``blk.N.``): projections, then F32 vectors
+_PROJ = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+_NORMS = ("attn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight")
 
 
-def available(runner: GgmlRunner | None) -> bool:
-    """Whether ``runner``'s libggml has every op the layer graph uses (else the per-piece path)."""
-    return runner is not None and all(getattr(runner.lib, n, None) is not None for n in _OPS)
+def available(runner: GgmlRunner | None, sinks: bool = False) -> bool:
+    """Whether ``runner``'s libggml has every op the layer graph uses (``sinks``: gpt-oss's, see
+    :func:`sink_attention`), else the per-piece path."""
+    ops = _OPS + _SINK_OPS if sinks else _OPS
+    return runner is not None and all(getattr(runner.lib, n, None) is not None for n in ops)
 
 
 class _LayerTensors:
@@ -64,9 +71,10 @@ class _LayerTensors:
     :class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix` tensors; F32/F16/BF16 ones are wrapped the
     same way, so an F32 model is not held twice, and they are multiplied as llama.cpp multiplies
     them). Only a norm stored other than F32 (ggml_mul wants F32) is copied, into a small context
-    of its own."""
+    of its own. ``proj`` and ``vectors`` name them (after ``blk.N.``); a name the file does not
+    have (an optional bias) is left out of ``t``."""
 
-    def __init__(self, runner: GgmlRunner, w, il: int):
+    def __init__(self, runner: GgmlRunner, w, il: int, proj=_PROJ, vectors=_NORMS):
         lib = runner.lib
         dense = w.ggml_dense
         p = f"blk.{il}."
@@ -74,18 +82,20 @@ class _LayerTensors:
         self.ctx = None
         self.t: dict[str, int] = {}
         copies: dict[str, np.ndarray] = {}
-        for n in _PROJ:
-            m = w[p + n + ".weight"]
+        for n in proj:
+            m = w[p + n]
             if isinstance(m, QuantisedMatrix) and m.runner is runner:
                 self.t[n] = m.tensor
             else:
-                self.t[n] = dense.mapped(p + n + ".weight")
+                self.t[n] = dense.mapped(p + n)
                 if self.t[n] is None:  # pragma: no cover - every GGUF weight type is ggml's
                     copies[n] = np.ascontiguousarray(np.asarray(m, dtype=F32))
-        for n in _NORMS:
-            self.t[n] = dense.mapped(p + n + ".weight", types=(GGML_TYPE_F32,))
+        for n in vectors:
+            if not w.has(p + n):
+                continue
+            self.t[n] = dense.mapped(p + n, types=(GGML_TYPE_F32,))
             if self.t[n] is None:
-                copies[n] = np.ascontiguousarray(np.asarray(w[p + n + ".weight"], dtype=F32).reshape(1, -1))
+                copies[n] = np.ascontiguousarray(np.asarray(w[p + n], dtype=F32).reshape(1, -1))
         if copies:
             n_bytes = sum(a.nbytes for a in copies.values())
             self.ctx = lib.init(_InitParams(n_bytes + len(copies) * (lib.tensor_overhead_bytes + 64) + 1024,
@@ -109,12 +119,12 @@ class _LayerTensors:
             pass
 
 
-def layer_tensors(model, il: int, runner: GgmlRunner) -> _LayerTensors:
+def layer_tensors(model, il: int, runner: GgmlRunner, proj=_PROJ, vectors=_NORMS) -> _LayerTensors:
     """The layer's kept ggml weights (made on first use, cached on the model)."""
     cache = model.__dict__.setdefault("_ggml_attention_tensors", {})
     got = cache.get(il)
     if got is None:
-        got = cache[il] = _LayerTensors(runner, model.w, il)
+        got = cache[il] = _LayerTensors(runner, model.w, il, proj, vectors)
     return got
 
 
@@ -160,85 +170,133 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
     key = (("attention", il, T, with_ffn_input,
             tuple((kv.k.ctypes.data, kv.vt.ctypes.data, kv.k.shape[0], b) for (kv, _, _), b in zip(segs, spans)))
            if all(n == 1 for _, _, n in segs) else None)
-    caps = [kv.k.shape[0] for kv, _, _ in segs]  # the caches' capacities (reserved above)
 
     def build(g):
         ctx = g.ctx
         f = 4
         ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
         pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T)
-        x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["attn_norm"])
-        qg = lib.mul_mat(ctx, lt.t["attn_q"], x)  # [2 hd, H, T] head by head: q | gate
-        kc = lib.mul_mat(ctx, lt.t["attn_k"], x)
-        vc = lib.mul_mat(ctx, lt.t["attn_v"], x)
+        x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["attn_norm.weight"])
+        qg = lib.mul_mat(ctx, lt.t["attn_q.weight"], x)  # [2 hd, H, T] head by head: q | gate
+        kc = lib.mul_mat(ctx, lt.t["attn_k.weight"], x)
+        vc = lib.mul_mat(ctx, lt.t["attn_v.weight"], x)
         q = lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, 0)
         gate = lib.cont_2d(ctx, lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, f * hd), q_w, T)
-        q = lib.mul(ctx, lib.rms_norm(ctx, q, model.eps), lt.t["attn_q_norm"])
-        k = lib.mul(ctx, lib.rms_norm(ctx, lib.reshape_3d(ctx, kc, hd, Hkv, T), model.eps), lt.t["attn_k_norm"])
+        q = lib.mul(ctx, lib.rms_norm(ctx, q, model.eps), lt.t["attn_q_norm.weight"])
+        k = lib.mul(ctx, lib.rms_norm(ctx, lib.reshape_3d(ctx, kc, hd, Hkv, T), model.eps), lt.t["attn_k_norm.weight"])
         v = lib.reshape_3d(ctx, vc, hd, Hkv, T)
         sections = (ctypes.c_int * 4)(*model.rope_sections)
         rope_args = (model.n_rot, sections, GGML_ROPE_TYPE_IMROPE, int(model.n_ctx_train), model.rope_base,
                      1.0, 0.0, 1.0, 32.0, 1.0)  # freq_scale, ext_factor, attn_factor, beta_fast/slow
         q = lib.rope_multi(ctx, q, pos, None, *rope_args)  # [hd, H, T]
         k = lib.rope_multi(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
-        # every sequence's attention, in row order, on memory of our own (``scratch``): a decode
-        # row's result is placed straight into its row, so it needs no copy node
-        scratch = aligned_zeros((T, q_w))
-        g.keep.append(scratch)
-        buf_att = g.wrap(scratch)
-        att = lib.new_tensor_2d(g.meta, GGML_TYPE_F32, q_w, T)
-        g.place(buf_att, att, scratch.ctypes.data)
-        scale = 1.0 / math.sqrt(hd)
-        per_seq, at = [], 0
-        for (kv, _, n), b, cap in zip(segs, spans, caps):
-            ck = lib.new_tensor_3d(g.meta, GGML_TYPE_F32, hd, Hkv, cap)  # k (cap, Hkv, hd)
-            cvt = lib.new_tensor_2d(g.meta, GGML_TYPE_F32, cap, kv_w)  # vt (Hkv, hd, cap)
-            g.place(g.wrap(kv.k), ck, kv.k.ctypes.data)
-            g.place(g.wrap(kv.vt), cvt, kv.vt.ctypes.data)
-            row = f * kv_w  # bytes per cached key position
-            # 1. this sequence's new keys and values into its cache, before anything reads it: rows
-            #    of k at its positions; values transposed, one element per index (llama.cpp's cpy_v)
-            k_idx = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n)
-            v_idx = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n * kv_w)
-            new_k = lib.view_2d(ctx, k, kv_w, n, row, at * row)
-            lib.build_forward_expand(g.graph, lib.set_rows(ctx, lib.reshape_2d(ctx, ck, kv_w, cap), new_k, k_idx))
-            new_v = lib.reshape_2d(ctx, lib.view_2d(ctx, v, kv_w, n, row, at * row), 1, n * kv_w)
-            lib.build_forward_expand(g.graph, lib.set_rows(ctx, lib.reshape_2d(ctx, cvt, 1, cap * kv_w), new_v, v_idx))
-            # 2. attention over its span, keys [hd, b, Hkv] and values^T [b, hd, Hkv] as views of
-            #    the cache; the positions after its own (and its later rows') masked
-            keys = lib.view_3d(ctx, ck, hd, b, Hkv, row, f * hd, 0)
-            vals_t = lib.view_3d(ctx, cvt, b, hd, Hkv, f * cap, f * cap * hd, 0)
-            qs = lib.permute(ctx, lib.view_3d(ctx, q, hd, H, n, f * hd, f * q_w, at * f * q_w), 0, 2, 1, 3)
-            mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, b, n)
-            kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, keys, qs), mask, scale, 0.0)  # [b, n, H]
-            if n == 1:  # [hd, 1, H] is row ``at``'s layout: computed in place
-                kqv = lib.mul_mat(g.meta, vals_t, kq)
-                g.place(buf_att, kqv, scratch.ctypes.data + at * f * q_w)
-                lib.build_forward_expand(g.graph, kqv)
-            else:  # [hd, n, H] -> rows [hd, H, n]
-                kqv = lib.mul_mat(ctx, vals_t, kq)
-                out = lib.view_3d(ctx, att, hd, H, n, f * hd, f * q_w, at * f * q_w)
-                lib.build_forward_expand(g.graph, lib.cpy(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), out))
-            per_seq.append((f32_view(lib, mask, (n, b)), _i32_view(lib, k_idx, n),
-                            _i32_view(lib, v_idx, n * kv_w).reshape(n, kv_w),
-                            np.arange(kv_w, dtype=np.int32) * np.int32(cap)))  # v's index of position 0
-            at += n
+        att, per_seq = cache_attention(g, q, k, v, segs, spans, H, Hkv, hd, 1.0 / math.sqrt(hd))
         gated = lib.mul(ctx, att, lib.sigmoid(ctx, gate))
-        res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output"], gated), ht)
+        res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output.weight"], gated), ht)
         lib.build_forward_expand(g.graph, res)
-        cur, extras = None, {}
-        if with_ffn_input:
-            cur = lib.mul(ctx, lib.rms_norm(ctx, res, model.eps), lt.t["post_attention_norm"])
-            lib.build_forward_expand(g.graph, cur)
-            extras = ggml_layers.moe_inputs(model, il, runner, ctx, g.graph, cur, T)
+        cur, extras = _ffn_input_nodes(model, il, runner, g, res, lt, T) if with_ffn_input else (None, {})
         return (f32_view(lib, ht, (T, E)), _i32_view(lib, pos, 4 * T), per_seq, f32_view(lib, res, (T, E)),
-                f32_view(lib, cur, (T, E)) if cur is not None else None, extras)
+                cur, extras)
+
+    def positions(pos_in, p):  # IMROPE's four position streams (t, h, w, e), each T long: text is (p, p, p, 0)
+        pos_in[:3 * T] = np.tile(p, 3)
+        pos_in[3 * T:] = 0
 
     if with_ffn_input:
         acts += ggml_layers.moe_input_floats(model, il, T)
         n_tensors += 24
+    h_out, cur_out, more = _run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans,
+                                      positions, macs)
+    return (h_out, cur_out, more) if with_ffn_input else h_out
+
+
+#: gpt-oss's attention layer (after ``blk.N.``): projections, then the F32 vectors (q/k/v biases optional)
+_SINK_PROJ = _PROJ
+_SINK_VECTORS = ("attn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
+                 "attn_sinks.weight", "post_attention_norm.weight")
+GGML_ROPE_TYPE_NEOX = 2
+
+
+def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, window: int | None,
+                   rope_base: float):
+    """A gpt-oss attention layer for every segment's rows, one graph, and what its output feeds:
+    ``(h + attn_output(attention(attn_norm(h))) + bias, post_attention_norm(of that), extras)``.
+
+    llama.cpp's ops for the layer (``src/models/openai-moe.cpp``; ``build_attn_mha``):
+    attn_norm, q/k/v projections plus their biases, NEOX RoPE with YaRN (``ggml_rope_ext``,
+    ``rope_base`` the layer's base), per sequence its k/v written into its cache and attention over
+    it (``mul_mat`` + ``soft_max_ext`` with the causal mask, and with ``window`` the sliding-window
+    mask, + the head's sink logit, ``ggml_soft_max_add_sinks``, + ``mul_mat``), attn_output plus
+    its bias, the residual, post_attention_norm, and the router's logits (before its bias:
+    :func:`~p2pswarm.engine.ggml_layers.moe_inputs`). ``segs`` as :func:`gated_attention`'s; a
+    sliding layer's cache may start after position 0 (``first``), which the mask accounts for.
+    Why one graph: the per-piece path is ~10 graphs and numpy between them per decode step, and
+    numpy's attention grows with the context on one core (see gptoss.py)."""
+    lib = runner.lib
+    lt = layer_tensors(model, il, runner, _SINK_PROJ, _SINK_VECTORS)
+    T, E = h.shape
+    H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
+    q_w, kv_w = H * hd, Hkv * hd
+    spans = [kv_span(kv.n + n) for kv, _, n in segs]
+    for (kv, _, n), b in zip(segs, spans):  # room first: the graph reads and writes the caches' memory as it is now
+        kv.reserve(b - kv.n)
+    n_seq = len(segs)
+    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5) + ggml_layers.moe_input_floats(model, il, T)
+            + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
+    n_tensors = 64 + 28 * n_seq
+    macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
+    key = (("sink-attention", il, T,
+            tuple((kv.k.ctypes.data, kv.vt.ctypes.data, kv.k.shape[0], b) for (kv, _, _), b in zip(segs, spans)))
+           if all(n == 1 for _, _, n in segs) else None)
+    rope_args = (model.n_rot, GGML_ROPE_TYPE_NEOX, int(model.n_ctx_orig), rope_base, model.freq_scale,
+                 model.ext_factor, model.attn_factor, model.beta_fast, model.beta_slow)
+
+    def build(g):
+        ctx, t = g.ctx, lt.t
+        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
+        x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), t["attn_norm.weight"])
+        qkv = []
+        for n, heads in (("attn_q", H), ("attn_k", Hkv), ("attn_v", Hkv)):
+            y = lib.mul_mat(ctx, t[n + ".weight"], x)
+            if n + ".bias" in t:
+                y = lib.add(ctx, y, t[n + ".bias"])
+            qkv.append(lib.reshape_3d(ctx, y, hd, heads, T))
+        q, k, v = qkv
+        q = lib.rope_ext(ctx, q, pos, None, *rope_args)  # [hd, H, T]
+        k = lib.rope_ext(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
+        att, per_seq = cache_attention(g, q, k, v, segs, spans, H, Hkv, hd, 1.0 / math.sqrt(model.n_rot),
+                                       sinks=t["attn_sinks.weight"])
+        out = lib.add(ctx, lib.mul_mat(ctx, t["attn_output.weight"], att), t["attn_output.bias"])
+        res = lib.add(ctx, out, ht)
+        lib.build_forward_expand(g.graph, res)
+        cur, extras = _ffn_input_nodes(model, il, runner, g, res, lt, T)
+        return f32_view(lib, ht, (T, E)), _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras
+
+    def positions(pos_in, p):
+        pos_in[...] = p
+
+    return _run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans, positions, macs,
+                      window)
+
+
+def _ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTensors, T: int):
+    """post_attention_norm(res) and what it feeds besides the routed experts, added to the layer's
+    graph: ``(numpy view of the norm, {"logits" | "shared": numpy view})``."""
+    lib = runner.lib
+    cur = lib.mul(g.ctx, lib.rms_norm(g.ctx, res, model.eps), lt.t["post_attention_norm.weight"])
+    lib.build_forward_expand(g.graph, cur)
+    extras = ggml_layers.moe_inputs(model, il, runner, g.ctx, g.graph, cur, T)
+    return f32_view(lib, cur, (T, model.n_embd)), extras
+
+
+def _run_layer(runner: GgmlRunner, key, nbytes: int, n_tensors: int, build, h: np.ndarray, segs, spans,
+               positions, macs: int, window: int | None = None):
+    """Build (or take the kept) layer graph, fill its inputs (the rows, ``positions(pos_in, p)``
+    for the rows' positions ``p``, the caches' indices and masks), compute it, advance the caches;
+    returns copies of ``(h, cur or None, extras)``."""
     with runner.lock:
-        g = runner.graph(key, 4 * acts + 64 * n_tensors, n_tensors, build, meta_tensors=3 * n_seq + 2)
+        g = runner.graph(key, nbytes, n_tensors, build, meta_tensors=3 * len(segs) + 2, recurs=True)
         try:
             h_in, pos_in, per_seq, h_res, h_cur, extras = g.t
             h_in[...] = h
@@ -246,25 +304,8 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
                 p = np.array([p0 for _, p0, _ in segs], dtype=np.int32)
             else:
                 p = np.concatenate([np.arange(p0, p0 + n) for _, p0, n in segs]).astype(np.int32)
-            # IMROPE's four position streams (t, h, w, e), each T long: text is (p, p, p, 0)
-            pos_in[:T] = p
-            pos_in[T:2 * T] = p
-            pos_in[2 * T:3 * T] = p
-            pos_in[3 * T:] = 0
-            for (kv, p0, n), b, (mask, k_idx, v_idx, v_base) in zip(segs, spans, per_seq):
-                # causal: key j is visible to query row i iff j <= p0 + i; nothing past the cache's end
-                if n == 1:
-                    k_idx[0] = kv.n
-                    np.add(v_base, kv.n, out=v_idx[0])
-                    seen = min(p0 + 1, kv.n + 1)
-                    mask[0, :seen] = 0
-                    mask[0, seen:] = -np.inf
-                    continue
-                new = kv.n + np.arange(n, dtype=np.int32)
-                k_idx[...] = new
-                v_idx[...] = v_base[None, :] + new[:, None]
-                j = np.arange(b)[None, :]
-                mask[...] = np.where((j > (p0 + np.arange(n))[:, None]) | (j >= kv.n + n), F32(-np.inf), F32(0))
+            positions(pos_in, p)
+            fill_cache_inputs(segs, spans, per_seq, window)
             runner.compute(g.graph, macs)
             for kv, _, n in segs:
                 kv.n += n
@@ -273,7 +314,96 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
             more = {k: v.copy() for k, v in extras.items()}
         finally:
             runner.release(g)
-    return (h_out, cur_out, more) if with_ffn_input else h_out
+    return h_out, cur_out, more
+
+
+def cache_attention(g, q, k, v, segs, spans, H: int, Hkv: int, hd: int, scale: float, sinks=None):
+    """Nodes of every sequence's attention over its own KV cache, in row order (llama.cpp's
+    ``build_attn_mha`` without flash attention): its new keys and values written into its cache,
+    then ``mul_mat`` + ``soft_max_ext`` (masked, scaled; with ``sinks``, an F32 tensor of ``H``
+    logits, ``ggml_soft_max_add_sinks``) + ``mul_mat`` over its :func:`kv_span`, GQA by
+    ``mul_mat``'s broadcast over heads.
+
+    ``q`` [hd, H, T], ``k``/``v`` [hd, Hkv, T]: the step's rows after RoPE. ``segs``: ``(kv, pos0,
+    n)`` per sequence (caches with room for their spans already); ``spans``: their spans. Returns
+    ``(att, per_seq)``: ``att`` the [H * hd, T] result, on memory of its own (a decode row's result
+    is placed straight into its row, so it needs no copy node), and per sequence the inputs
+    :func:`fill_cache_inputs` fills (mask, key and value indices)."""
+    lib, ctx, f = g.lib, g.ctx, 4
+    T = sum(n for _, _, n in segs)
+    q_w, kv_w = H * hd, Hkv * hd
+    scratch = aligned_zeros((T, q_w))
+    g.keep.append(scratch)
+    buf_att = g.wrap(scratch)
+    att = lib.new_tensor_2d(g.meta, GGML_TYPE_F32, q_w, T)
+    g.place(buf_att, att, scratch.ctypes.data)
+    per_seq, at = [], 0
+    for (kv, _, n), b in zip(segs, spans):
+        cap = kv.k.shape[0]
+        ck = lib.new_tensor_3d(g.meta, GGML_TYPE_F32, hd, Hkv, cap)  # k (cap, Hkv, hd)
+        cvt = lib.new_tensor_2d(g.meta, GGML_TYPE_F32, cap, kv_w)  # vt (Hkv, hd, cap)
+        g.place(g.wrap(kv.k), ck, kv.k.ctypes.data)
+        g.place(g.wrap(kv.vt), cvt, kv.vt.ctypes.data)
+        row = f * kv_w  # bytes per cached key position
+        # 1. this sequence's new keys and values into its cache, before anything reads it: rows
+        #    of k at its positions; values transposed, one element per index (llama.cpp's cpy_v)
+        k_idx = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n)
+        v_idx = lib.new_tensor_1d(ctx, GGML_TYPE_I32, n * kv_w)
+        new_k = lib.view_2d(ctx, k, kv_w, n, row, at * row)
+        lib.build_forward_expand(g.graph, lib.set_rows(ctx, lib.reshape_2d(ctx, ck, kv_w, cap), new_k, k_idx))
+        new_v = lib.reshape_2d(ctx, lib.view_2d(ctx, v, kv_w, n, row, at * row), 1, n * kv_w)
+        lib.build_forward_expand(g.graph, lib.set_rows(ctx, lib.reshape_2d(ctx, cvt, 1, cap * kv_w), new_v, v_idx))
+        # 2. attention over its span, keys [hd, b, Hkv] and values^T [b, hd, Hkv] as views of
+        #    the cache; what a row may not see masked (fill_cache_inputs)
+        keys = lib.view_3d(ctx, ck, hd, b, Hkv, row, f * hd, 0)
+        vals_t = lib.view_3d(ctx, cvt, b, hd, Hkv, f * cap, f * cap * hd, 0)
+        qs = lib.permute(ctx, lib.view_3d(ctx, q, hd, H, n, f * hd, f * q_w, at * f * q_w), 0, 2, 1, 3)
+        mask = lib.new_tensor_2d(ctx, GGML_TYPE_F32, b, n)
+        kq = lib.soft_max_ext(ctx, lib.mul_mat(ctx, keys, qs), mask, scale, 0.0)  # [b, n, H]
+        if sinks is not None:
+            lib.soft_max_add_sinks(kq, sinks)
+        if n == 1:  # [hd, 1, H] is row ``at``'s layout: computed in place
+            kqv = lib.mul_mat(g.meta, vals_t, kq)
+            g.place(buf_att, kqv, scratch.ctypes.data + at * f * q_w)
+            lib.build_forward_expand(g.graph, kqv)
+        else:  # [hd, n, H] -> rows [hd, H, n]
+            kqv = lib.mul_mat(ctx, vals_t, kq)
+            out = lib.view_3d(ctx, att, hd, H, n, f * hd, f * q_w, at * f * q_w)
+            lib.build_forward_expand(g.graph, lib.cpy(ctx, lib.permute(ctx, kqv, 0, 2, 1, 3), out))
+        per_seq.append((f32_view(lib, mask, (n, b)), _i32_view(lib, k_idx, n),
+                        _i32_view(lib, v_idx, n * kv_w).reshape(n, kv_w),
+                        np.arange(kv_w, dtype=np.int32) * np.int32(cap)))  # v's index of position 0
+        at += n
+    return att, per_seq
+
+
+def fill_cache_inputs(segs, spans, per_seq, window: int | None = None) -> None:
+    """The inputs of :func:`cache_attention`'s nodes for this call: where each sequence's new keys
+    and values go (its cache's next rows), and its mask. A query at position ``p`` sees the cached
+    key at position ``j`` iff ``j <= p`` and, with ``window``, ``p - j < window`` (llama.cpp's
+    causal and standard sliding-window masks); cache row ``r`` holds position ``first + r``
+    (``first`` is 0 unless the cache dropped its oldest rows, see
+    :class:`~p2pswarm.engine.arch.gptoss.WindowKVCache`); nothing past the rows written is seen."""
+    for (kv, p0, n), b, (mask, k_idx, v_idx, v_base) in zip(segs, spans, per_seq):
+        first = getattr(kv, "first", 0)
+        if n == 1:
+            k_idx[0] = kv.n
+            np.add(v_base, kv.n, out=v_idx[0])
+            seen = min(p0 + 1 - first, kv.n + 1)
+            lo = 0 if window is None else max(0, p0 - window + 1 - first)
+            mask[0, :lo] = -np.inf
+            mask[0, lo:seen] = 0
+            mask[0, seen:] = -np.inf
+            continue
+        new = kv.n + np.arange(n, dtype=np.int32)
+        k_idx[...] = new
+        v_idx[...] = v_base[None, :] + new[:, None]
+        r = np.arange(b)[None, :]
+        kpos, qpos = first + r, (p0 + np.arange(n))[:, None]
+        masked = (kpos > qpos) | (r >= kv.n + n)
+        if window is not None:
+            masked |= qpos - kpos >= window
+        mask[...] = np.where(masked, F32(-np.inf), F32(0))
 
 
 def post_attention_norm(model, runner: GgmlRunner, il: int, h: np.ndarray) -> np.ndarray | None:

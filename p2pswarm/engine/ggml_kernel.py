@@ -154,6 +154,8 @@ _OPTIONAL_SIG = {
     "ggml_concat": ("base", _P, [_P, _P, _P, ctypes.c_int]),
     "ggml_set_rows": ("base", _P, [_P, _P, _P, _P]),
     "ggml_soft_max_ext": ("base", _P, [_P, _P, _P, ctypes.c_float, ctypes.c_float]),
+    # a soft_max node, the per-head sink logits (gpt-oss): one more logit in each row, no value
+    "ggml_soft_max_add_sinks": ("base", None, [_P, _P]),
     "ggml_new_tensor_4d": ("base", _P, [_P, ctypes.c_int] + [ctypes.c_int64] * 4),
     "ggml_view_1d": ("base", _P, [_P, _P, ctypes.c_int64, ctypes.c_size_t]),
     "ggml_view_2d": ("base", _P, [_P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t]),

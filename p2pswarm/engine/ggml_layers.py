@@ -245,7 +245,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     floats += moe_input_floats(model, il, T)
     n_tensors += 24
     with r.lock:
-        g = r.graph(key, 4 * floats + 64 * n_tensors, n_tensors, build, meta_tensors=4 * S)
+        g = r.graph(key, 4 * floats + 64 * n_tensors, n_tensors, build, meta_tensors=4 * S, recurs=True)
         try:
             h_in, h_out, h_cur, extras = g.t
             h_in[...] = h
@@ -281,7 +281,7 @@ def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
         logits = lib.mul_mat(ctx, router.tensor, x)
         lib.build_forward_expand(graph, logits)
         out["logits"] = f32_view(lib, logits, (T, router.shape[0]))
-    if model.shared_expert[il]:
+    if _has_shared(model, il):
         mats = [w[p + n + ".weight"] for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
         gate_inp = w.ggml_dense.f32_vector(p + "ffn_gate_inp_shexp.weight")
         if gate_inp is not None and all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in mats):
@@ -296,8 +296,14 @@ def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
 def moe_input_floats(model, il: int, T: int) -> int:
     """Room (floats) the nodes of :func:`moe_inputs` take in a graph of ``T`` rows, generously."""
     E = model.n_embd
-    ff = model.w[f"blk.{il}.ffn_gate_shexp.weight"].shape[0] if model.shared_expert[il] else 0
+    ff = model.w[f"blk.{il}.ffn_gate_shexp.weight"].shape[0] if _has_shared(model, il) else 0
     return max(T, 2) * (3 * E + 2 * model.n_expert + 4 * ff + 8)
+
+
+def _has_shared(model, il: int) -> bool:
+    """Whether layer ``il`` has a shared expert (an architecture without the attribute has none)."""
+    shared = getattr(model, "shared_expert", None)
+    return bool(shared and shared[il])
 
 
 def _l2(lib, ctx, x, n: int, eps: float):

@@ -209,7 +209,7 @@ def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
         return f32_view(lib, ht, (T, E)), _i32_view(lib, pt, T), per_seq, f32_view(lib, res, (T, E))
 
     with runner.lock:
-        g = runner.graph(key, 4 * acts + 64 * n_tensors, n_tensors, build, meta_tensors=n_seq + 2)
+        g = runner.graph(key, 4 * acts + 64 * n_tensors, n_tensors, build, meta_tensors=n_seq + 2, recurs=True)
         try:
             h_in, pos_in, per_seq, h_res = g.t
             h_in[...] = h

@@ -101,7 +101,8 @@ class GgmlRunner:
     def graph_size(n_tensors: int) -> int:
         return max(16, 2 * n_tensors)
 
-    def graph(self, key, nbytes: int, n_tensors: int, build, *, meta_tensors: int = 0) -> "Graph":
+    def graph(self, key, nbytes: int, n_tensors: int, build, *, meta_tensors: int = 0,
+              recurs: bool = False) -> "Graph":
         """A built graph for ``key``: the kept one if this key was built before, else ``build(g)``'s.
 
         Why: a decode step has the same shapes every step (the same sequences, one row each), so
@@ -120,7 +121,10 @@ class GgmlRunner:
         kept: it would only hold memory), when the cache has room (``graph_cache_bytes``, graphs
         up to ``GRAPH_ENTRY_BYTES``): the least recently used graph not used for ``STALE_CALLS``
         calls makes room, a graph still in use never does; what is not kept is built per call in
-        the scratch context. A kept graph computes the same bits as a fresh one: same ops, same
+        the scratch context. ``recurs``: the caller knows the key recurs (a decode step's layer
+        graph, keyed by live caches, runs again next step unless its sequences end), so it is kept
+        on its first build; a new sequence then pays one build per layer, not two. A kept graph
+        computes the same bits as a fresh one: same ops, same
         shapes, same thread count. Call :meth:`release` after reading the outputs. Hold
         ``self.lock``."""
         self._calls += 1
@@ -135,7 +139,7 @@ class GgmlRunner:
         meta_bytes = meta_tensors * (lib.tensor_overhead_bytes + 16) + 1024 if meta_tensors else 0
         keep = False
         if key is not None and self.graph_cache_bytes:
-            if key in self._seen:  # its second build: the shape recurs
+            if recurs or key in self._seen:  # its second build (or said to recur): the shape recurs
                 keep = need + meta_bytes <= self.GRAPH_ENTRY_BYTES and self._make_room(need + meta_bytes)
             else:
                 self._seen[key] = None

@@ -27,8 +27,9 @@ import math
 
 import numpy as np
 
-from p2pswarm.engine import ops
+from p2pswarm.engine import ggml_attention, ops
 from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
+from p2pswarm.engine.arch.kept import KeptLayerCalls
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.arch.qwen35moe import _Weights
 from p2pswarm.engine.state import KVCache, SequenceState
@@ -41,11 +42,20 @@ F32 = np.float32
 ROPE_SCALING = ("none", "linear", "yarn")
 
 
-class GptOss:
+class GptOss(KeptLayerCalls):
     """gpt-oss: GQA attention with biases and sinks, alternating sliding-window / full layers, YaRN
-    RoPE; biased router, softmax over the selected experts; no shared expert."""
+    RoPE; biased router, softmax over the selected experts; no shared expert.
+
+    Under the ggml kernel an attention layer is one ggml graph, llama.cpp's ops
+    (:func:`p2pswarm.engine.ggml_attention.sink_attention`), which also computes the experts'
+    input and the router's logits (kept, :class:`~p2pswarm.engine.arch.kept.KeptLayerCalls`);
+    otherwise numpy computes it (:func:`attention_sinks`), between the kernel's mat-muls."""
 
     arch = "gpt-oss"
+    #: False keeps the numpy path under the ggml kernel too (tests compare the two)
+    attention_graph = True
+    #: layer calls that ran as one graph (tests assert the graph path ran)
+    layer_graph_calls = 0
 
     def __init__(self, layout: ModelLayout):
         self.layout = layout
@@ -178,6 +188,9 @@ class GptOss:
         per sequence."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
+        runner = self._graph_runner()
+        if runner is not None and all(n > 0 for _, _, n in segments):
+            return self._graph_layer(runner, il, h, segments)
         w, p = self.w, f"blk.{il}."
         T, H, Hkv, hd = h.shape[0], self.n_head, self.n_head_kv, self.head_dim
         x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
@@ -207,6 +220,31 @@ class GptOss:
         out = ops.matmul(np.ascontiguousarray(att), w[p + "attn_output.weight"]) + self._vec(p + "attn_output.bias")
         return h + out
 
+    def _graph_runner(self):
+        """The ggml runner that computes an attention layer as one graph, or None (the numpy /
+        portable kernels, a libggml without the ops, or ``attention_graph`` off)."""
+        dense = getattr(self.w, "ggml_dense", None)
+        runner = dense.runner if dense is not None else None
+        return runner if self.attention_graph and ggml_attention.available(runner, sinks=True) else None
+
+    def _graph_layer(self, runner, il: int, h: np.ndarray, segments) -> np.ndarray:
+        """:meth:`pre_moe_batch` as one ggml graph; its post_attention_norm and router logits kept
+        for :meth:`ffn_input` and :meth:`route`. A sliding layer's caches are trimmed after it, as
+        on the numpy path."""
+        slides = self.swa[il]
+        caches = [st.kv[il] for st, _, _ in segments]
+        h, cur, extras = ggml_attention.sink_attention(
+            self, runner, il, np.ascontiguousarray(h, dtype=F32),
+            [(kv, p0, n) for kv, (_, p0, n) in zip(caches, segments)],
+            window=self.n_swa if slides else None, rope_base=self.rope_base_swa if slides else self.rope_base)
+        if slides:
+            for kv in caches:
+                if isinstance(kv, WindowKVCache):
+                    kv.trim()
+        self.layer_graph_calls += 1
+        self._keep(il, h, cur, extras)
+        return h
+
     def _rope_tables(self, pos: np.ndarray, base: float) -> tuple[np.ndarray, np.ndarray]:
         """:func:`yarn_neox_tables` for these positions, made once for q and k and for every layer of
         a step with the same base (a few memoised: the positions repeat across a step's layers)."""
@@ -221,12 +259,24 @@ class GptOss:
         return got
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
+        """post_attention_norm(h): ggml's, from the layer's graph, where that computed the layer
+        (:meth:`~p2pswarm.engine.arch.kept.KeptLayerCalls._graph_ffn_input`); numpy's otherwise."""
+        runner = self._graph_runner() if h.shape[0] else None
+        if runner is not None:
+            cur = self._graph_ffn_input(il, runner, h)
+            if cur is not None:
+                return cur
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
 
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k of the biased router logits, weights a softmax over those k (``SOFTMAX_WEIGHT``)."""
+        """Top-k of the biased router logits, weights a softmax over those k (``SOFTMAX_WEIGHT``).
+        The logits before the bias come from the layer's graph where it computed them for this
+        ``cur`` (the same op as ``ops.matmul`` here, so the same bits)."""
         p = f"blk.{il}."
-        logits = ops.matmul(cur, self.w[p + "ffn_gate_inp.weight"]) + self._vec(p + "ffn_gate_inp.bias")
+        logits = self._kept_extra(il, cur, "logits")
+        if logits is None:
+            logits = ops.matmul(cur, self.w[p + "ffn_gate_inp.weight"])
+        logits = logits + self._vec(p + "ffn_gate_inp.bias")
         return route_softmax_weight(logits.astype(F32, copy=False), self.n_expert_used, self.w_scale)
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:

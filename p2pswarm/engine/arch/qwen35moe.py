@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_dense, ggml_layers, ops
+from p2pswarm.engine.arch.kept import KeptLayerCalls
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -38,7 +39,7 @@ class _Weights(DenseWeights):
         return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-class Qwen35MoE:
+class Qwen35MoE(KeptLayerCalls):
     """qwen35moe: Gated DeltaNet + gated full attention, routed experts + a sigmoid-gated shared expert."""
 
     arch = "qwen35moe"
@@ -410,54 +411,21 @@ class Qwen35MoE:
             return None
         return self.w.ggml_dense.runner
 
-    def _graph_ffn_input(self, il: int, runner, h: np.ndarray) -> np.ndarray:
-        """ggml's post_attention_norm of ``h``, computed once per layer call for all its rows.
-
-        The layer's graph computes it with the layer (:meth:`pre_moe_batch` keeps the pair); the
-        backbone then asks for it for that ``h``, or, where the router is not row-invariant, for
-        each sequence's slice of it: both are served from what was kept. Rows of any other array
-        (e.g. the per-sequence pre_moe results concatenated) are normed by one graph over the whole
-        array they are a slice of, kept in turn. The op is row-wise, so a row's bits do not depend
-        on which rows were normed with it. The last ``KEPT_CALLS`` layer calls' results are kept."""
-        kept = self._kept_for(il, h, 1)
-        if kept is None:
-            base = h.base if isinstance(h.base, np.ndarray) and _rows_of(h, h.base) else h
-            normed = ggml_attention.post_attention_norm(self, runner, il, base)
-            if normed is None:
-                return None
-            self._keep(il, base, normed, {})
-            kept = self._kept[0]
-        return _rows_in(h, kept[1], kept[2], copy=True)
-
-    #: how many layer calls' results are kept (pipelined micro-batches interleave their layers)
-    KEPT_CALLS = 4
-
-    def _keep(self, il: int, h: np.ndarray, cur: np.ndarray, extras: dict) -> None:
-        self._kept = [(il, h, cur, extras), *self._kept[: self.KEPT_CALLS - 1]]
-
-    def _kept_for(self, il: int, x: np.ndarray, which: int):
-        """The kept layer call of layer ``il`` whose ``h`` (``which`` 1) or ``cur`` (2) ``x`` is, or
-        holds whole rows of; None if there is none (then the caller computes it alone)."""
-        for kept in self._kept:
-            if kept[0] == il and _rows_of(x, kept[which]):
-                return kept
-        return None
-
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The router's top-k; its logits come from the layer's graph where that computed them for
         this ``cur`` (:func:`~p2pswarm.engine.ggml_layers.moe_inputs`: the same op, the same bits)."""
-        kept = self._kept_for(il, cur, 2) if self._kept else None
-        if kept is not None and "logits" in kept[3]:
-            return ops.route_topk(_rows_in(cur, kept[2], kept[3]["logits"]), self.n_expert_used)
+        logits = self._kept_extra(il, cur, "logits")
+        if logits is not None:
+            return ops.route_topk(logits, self.n_expert_used)
         return Qwen3MoE.route(self, il, cur)
 
     def shared(self, il: int, cur: np.ndarray) -> np.ndarray:
         """The shared expert, scaled by its per-token sigmoid gate; zeros if the layer has none."""
         if not self.shared_expert[il]:
             return np.zeros_like(cur)
-        kept = self._kept_for(il, cur, 2) if self._kept else None
-        if kept is not None and "shared" in kept[3]:  # computed in the layer's graph, for this cur
-            return _rows_in(cur, kept[2], kept[3]["shared"])
+        shared = self._kept_extra(il, cur, "shared")
+        if shared is not None:  # computed in the layer's graph, for this cur
+            return shared
         w, p = self.w, f"blk.{il}."
         dense = getattr(w, "ggml_dense", None)
         gate_inp = dense.f32_vector(p + "ffn_gate_inp_shexp.weight") if dense is not None else None
@@ -481,24 +449,3 @@ class Qwen35MoE:
         """h + (routed + shared), added in llama.cpp's order."""
         return h + (moe + self.shared(il, cur))
 
-
-def _rows_in(x: np.ndarray, full: np.ndarray, values: np.ndarray, copy: bool = False) -> np.ndarray:
-    """The rows of ``values`` (one per row of ``full``) that belong to ``x``, a run of rows of
-    ``full`` (see :func:`_rows_of`)."""
-    if x is full:
-        return values
-    start = (x.ctypes.data - full.ctypes.data) // (4 * full.shape[1])
-    got = values[start:start + x.shape[0]]
-    return got.copy() if copy else got
-
-
-def _rows_of(h: np.ndarray, full: np.ndarray) -> bool:
-    """Whether ``h`` is ``full`` or a run of whole rows of it (both C-contiguous float32 (T, E))."""
-    if h is full:
-        return True
-    if (full.ndim != 2 or h.ndim != 2 or full.dtype != F32 or h.dtype != F32 or h.shape[1] != full.shape[1]
-            or not (h.flags.c_contiguous and full.flags.c_contiguous)):
-        return False
-    row = 4 * full.shape[1]
-    off = h.ctypes.data - full.ctypes.data
-    return off >= 0 and off % row == 0 and off // row + h.shape[0] <= full.shape[0]
