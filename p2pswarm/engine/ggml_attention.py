@@ -47,6 +47,7 @@ from p2pswarm.engine.state import aligned_zeros
 
 F32 = np.float32
 GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qwen3.5), NEOX pairing
+GGML_ROPE_TYPE_NEOX = 2  # ggml.h: NEOX pairing (gpt-oss)
 #: cache positions attended over come in multiples of this (llama.cpp pads its KV view to 256): see kv_span
 KV_PAD = 256
 _OPS = ("rms_norm", "mul", "add", "sigmoid", "rope_multi", "soft_max_ext", "permute", "transpose", "cont_2d", "cpy",
@@ -66,11 +67,11 @@ def available(runner: GgmlRunner | None, sinks: bool = False) -> bool:
 
 
 class _LayerTensors:
-    """One layer's weights as ggml tensors, made once and kept: the projections and norm weights
-    are the file's own bytes on the memory map (quantised ones are the dense path's
+    """One layer's weights as ggml tensors, made once and kept: the projections and the vectors
+    (norm weights; gpt-oss's biases and sinks) are the file's own bytes on the memory map (quantised ones are the dense path's
     :class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix` tensors; F32/F16/BF16 ones are wrapped the
     same way, so an F32 model is not held twice, and they are multiplied as llama.cpp multiplies
-    them). Only a norm stored other than F32 (ggml_mul wants F32) is copied, into a small context
+    them). Only a vector stored other than F32 (ggml_mul wants F32) is copied, into a small context
     of its own. ``proj`` and ``vectors`` name them (after ``blk.N.``); a name the file does not
     have (an optional bias) is left out of ``t``."""
 
@@ -214,7 +215,6 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
 _SINK_PROJ = _PROJ
 _SINK_VECTORS = ("attn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
                  "attn_sinks.weight", "post_attention_norm.weight")
-GGML_ROPE_TYPE_NEOX = 2
 
 
 def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, window: int | None,
