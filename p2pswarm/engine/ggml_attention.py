@@ -59,6 +59,15 @@ _PROJ = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"
 _NORMS = ("attn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight")
 
 
+def graph_runner(model, sinks: bool = False) -> GgmlRunner | None:
+    """The ggml runner that computes ``model``'s attention layers as one graph, or None (the numpy /
+    portable kernels, a libggml without the ops, or the model's ``attention_graph`` off): the
+    per-piece path then. ``sinks``: gpt-oss's graph (:func:`sink_attention`)."""
+    dense = getattr(model.w, "ggml_dense", None)
+    runner = dense.runner if dense is not None else None
+    return runner if model.attention_graph and available(runner, sinks) else None
+
+
 def available(runner: GgmlRunner | None, sinks: bool = False) -> bool:
     """Whether ``runner``'s libggml has every op the layer graph uses (``sinks``: gpt-oss's, see
     :func:`sink_attention`), else the per-piece path."""
@@ -140,6 +149,23 @@ def kv_span(s_len: int) -> int:
     return -(-s_len // KV_PAD) * KV_PAD
 
 
+def reserve_spans(segs) -> list[int]:
+    """Each sequence's :func:`kv_span` after this call's rows, its cache given room for it first
+    (the graph reads and writes the caches' memory as it is then)."""
+    spans = [kv_span(kv.n + n) for kv, _, n in segs]
+    for (kv, _, n), b in zip(segs, spans):
+        kv.reserve(b - kv.n)
+    return spans
+
+
+def decode_key(head: tuple, segs, spans):
+    """A decode step's graph key (one row per sequence): ``head`` and each cache's memory, capacity
+    and span; None for any other step (never kept: see :meth:`GgmlRunner.graph`)."""
+    if not all(n == 1 for _, _, n in segs):
+        return None
+    return (*head, tuple((kv.k.ctypes.data, kv.vt.ctypes.data, kv.k.shape[0], b) for (kv, _, _), b in zip(segs, spans)))
+
+
 def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
                     with_ffn_input: bool = False):
     """``h + gated_attention(attn_norm(h))`` of layer ``il`` for every segment's rows, one graph.
@@ -159,18 +185,14 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
     H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
     q_w = H * hd
     kv_w = Hkv * hd
-    spans = [kv_span(kv.n + n) for kv, _, n in segs]
-    for (kv, _, n), b in zip(segs, spans):  # room first: the graph reads and writes the caches' memory as it is now
-        kv.reserve(b - kv.n)
+    spans = reserve_spans(segs)
     n_seq = len(segs)
     # activations of the graph (every non-view tensor), in floats, with slack per tensor
     acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5)
             + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
     n_tensors = 40 + 28 * n_seq
     macs = T * E * (3 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
-    key = (("attention", il, T, with_ffn_input,
-            tuple((kv.k.ctypes.data, kv.vt.ctypes.data, kv.k.shape[0], b) for (kv, _, _), b in zip(segs, spans)))
-           if all(n == 1 for _, _, n in segs) else None)
+    key = decode_key(("attention", il, T, with_ffn_input), segs, spans)
 
     def build(g):
         ctx = g.ctx
@@ -237,17 +259,13 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     T, E = h.shape
     H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
     q_w, kv_w = H * hd, Hkv * hd
-    spans = [kv_span(kv.n + n) for kv, _, n in segs]
-    for (kv, _, n), b in zip(segs, spans):  # room first: the graph reads and writes the caches' memory as it is now
-        kv.reserve(b - kv.n)
+    spans = reserve_spans(segs)
     n_seq = len(segs)
     acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5) + ggml_layers.moe_input_floats(model, il, T)
             + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
     n_tensors = 64 + 28 * n_seq
     macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
-    key = (("sink-attention", il, T,
-            tuple((kv.k.ctypes.data, kv.vt.ctypes.data, kv.k.shape[0], b) for (kv, _, _), b in zip(segs, spans)))
-           if all(n == 1 for _, _, n in segs) else None)
+    key = decode_key(("sink-attention", il, T), segs, spans)
     rope_args = (model.n_rot, GGML_ROPE_TYPE_NEOX, int(model.n_ctx_orig), rope_base, model.freq_scale,
                  model.ext_factor, model.attn_factor, model.beta_fast, model.beta_slow)
 

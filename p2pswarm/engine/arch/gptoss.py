@@ -221,11 +221,7 @@ class GptOss(KeptLayerCalls):
         return h + out
 
     def _graph_runner(self):
-        """The ggml runner that computes an attention layer as one graph, or None (the numpy /
-        portable kernels, a libggml without the ops, or ``attention_graph`` off)."""
-        dense = getattr(self.w, "ggml_dense", None)
-        runner = dense.runner if dense is not None else None
-        return runner if self.attention_graph and ggml_attention.available(runner, sinks=True) else None
+        return ggml_attention.graph_runner(self, sinks=True)
 
     def _graph_layer(self, runner, il: int, h: np.ndarray, segments) -> np.ndarray:
         """:meth:`pre_moe_batch` as one ggml graph; its post_attention_norm and router logits kept

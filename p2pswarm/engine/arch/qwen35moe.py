@@ -283,11 +283,7 @@ class Qwen35MoE(KeptLayerCalls):
     attention_graph = True
 
     def _attention_graph_runner(self):
-        """The ggml runner that computes a gated-attention layer as one graph, or None (the numpy /
-        portable kernels, a libggml without the ops, or ``attention_graph`` off): the per-piece path."""
-        dense = getattr(self.w, "ggml_dense", None)
-        runner = dense.runner if dense is not None else None
-        return runner if self.attention_graph and ggml_attention.available(runner) else None
+        return ggml_attention.graph_runner(self)
 
     def _layer_graph(self, il: int, segments) -> "ggml_layers.DeltaNetLayerWeights | None":
         """Layer ``il``'s tensors for the one-graph DeltaNet layer (:mod:`p2pswarm.engine.ggml_layers`),
