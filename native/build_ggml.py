@@ -82,9 +82,17 @@ class BuildError(Exception):
 # ---- messages -------------------------------------------------------------------------------------
 def _open_console():
     """pip captures a build backend's output and shows only a spinner (the output appears with -v or
-    on failure), so progress goes to the terminal itself when there is one, else to stderr."""
+    on failure), so a minute of compiling looked like a hang. Progress goes to the terminal itself
+    when there is one; without one (a CI log, a redirected install), to pip's own stderr, which is
+    the user's log (Linux: /proc/<pip>/fd/2, pip being this hook process's parent). Returns (stream,
+    whether it is a terminal) or None."""
     try:
-        return open("/dev/tty", "w", buffering=1)  # kept for the whole build
+        return open("/dev/tty", "w", buffering=1), True  # kept for the whole build
+    except OSError:
+        pass
+    try:
+        # "a": a log file gets our lines at its end (a new open of a regular file starts at offset 0)
+        return open(f"/proc/{os.getppid()}/fd/2", "a", buffering=1), False
     except OSError:
         return None
 
@@ -98,9 +106,10 @@ def say(msg: str) -> None:
     if _console is None:
         _console = _open_console() or False
     if _console:
+        stream, tty = _console
         try:
-            _console.write("\r\033[K" + line + "\n")
-            _console.flush()
+            stream.write(("\r\033[K" if tty else "") + line + "\n")
+            stream.flush()
         except OSError:
             pass
     print(line, file=sys.stderr, flush=True)

@@ -53,7 +53,8 @@ def bind_http(text: str, flag: str = "--http") -> socket.socket | None:
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        hint = (" (another backbone or program is listening there: choose another port with --http HOST:PORT, "
-                "port 0 for any free one, or --http off)") if exc.errno == errno.EADDRINUSE else ""
+        hint = (f" (another node or program is listening there: choose another port with {flag} HOST:PORT, "
+                f"port 0 for any free one{', or ' + flag + ' off' if flag == '--http' else ''})"
+                if exc.errno == errno.EADDRINUSE else "")
         raise UserError(f"{flag} {text}: cannot listen there: {exc.strerror or exc}{hint}") from None
     return sock

@@ -10,13 +10,17 @@ import trio
 log = logging.getLogger("p2pswarm.node")
 
 
-async def until_signal(cancel_scope: trio.CancelScope, ready: str | None = None) -> None:
+async def until_signal(cancel_scope: trio.CancelScope, ready: str | None = None, *,
+                       task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Wait for SIGINT/SIGTERM, log it, and cancel ``cancel_scope``.
 
     ``ready`` (the ``READY ...`` line a parent process waits for) is printed only once the signal
     receiver is installed: a parent that sends SIGTERM the moment it reads READY must get a clean
-    shutdown, not the default action (exit -15 with nothing withdrawn)."""
+    shutdown, not the default action (exit -15 with nothing withdrawn). Started with
+    ``nursery.start``, it returns once the receiver is installed: a node whose start-up takes long
+    (an ``--auto`` worker waiting for a shard source) is stopped cleanly by either signal then too."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
         if ready is not None:
             print(ready, flush=True)
         async for sig in signals:

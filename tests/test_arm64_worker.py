@@ -4,7 +4,7 @@ The aarch64 side is a Debian bookworm arm64 root run under qemu-user (tests/help
 built on first use, ~12 min on a busy 2-core machine, then cached outside the repository at
 $P2PSWARM_ARM64_ROOT or ~/.cache/p2pswarm-arm64). Needs root and the Debian packages
 qemu-user-static, debootstrap, gcc/g++-aarch64-linux-gnu, cmake, ninja-build; without them these
-tests are skipped with the reason, except under CI=true, where a missing test bed fails.
+tests fail with the line that says what to install (``python tests/system_tools.py`` installs them).
 
 - every routed expert of three tiny models (F32, Q8_0, Q4_K_M = Q4_K + Q6_K) computed in the arm64
   root by the portable kernel (its aarch64 C build and its numpy implementation) equals, bit for
@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from helpers import arm64_root as bed
+from system_tools import require
 from p2pswarm.engine import kernels
 
 from conftest import run_cli
@@ -43,14 +44,13 @@ TOKENS = "5,17,42,99,100,7,256,300,12"  # prefill + 8 decode steps
 @pytest.fixture(scope="module")
 def arm64():
     """(root, staged project dir inside the root, libggml dir inside the root)."""
+    require("qemu-aarch64-static", "debootstrap", "aarch64-linux-gnu-gcc", "aarch64-linux-gnu-g++", "cmake", "ninja")
     try:
         t0 = time.monotonic()
         root = bed.ensure_root()
         ggml = bed.ensure_libggml(root)
     except bed.TestBedError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"aarch64 test bed unavailable: {exc}")
-        pytest.skip(f"aarch64 test bed unavailable: {exc}")
+        pytest.fail(f"aarch64 test bed unavailable: {exc}", pytrace=False)
     print(f"arm64 root ready in {time.monotonic() - t0:.0f} s")
     name = f"t-{uuid.uuid4().hex[:8]}"
     inside = bed.stage_project(root, name)

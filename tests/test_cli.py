@@ -1,6 +1,8 @@
 """The commands a user types, run as real processes: logits, generate, demo, and their refusals."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -53,6 +55,8 @@ def test_generate_is_deterministic_and_equal_split(tiny_f32):
                        "--workers", str(workers), "--stats", check=True)
         assert proc.stdout.startswith("the swarm")
         assert "tokens/s" in proc.stderr and "[step 11" in proc.stderr
+        # nothing after the text's stats line: the worker processes stop quietly
+        assert proc.stderr.rstrip().splitlines()[-1].startswith("12 tokens in"), proc.stderr[-2000:]
         texts.append(proc.stdout)
     assert texts[0] == texts[1]
     sampled = [run_cli("generate", str(tiny_f32), "--prompt", "the swarm", "--max-tokens", "12",
@@ -66,10 +70,17 @@ def test_generate_refusals(tiny_f32):
     assert_one_line_error(run_cli("generate", str(tiny_f32), "--prompt", "x", "--top-p", "0"), "--top-p")
 
 
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ", re.M)  # a timestamped log line
+
+
 @pytest.mark.slow
 def test_demo_runs_with_no_arguments(tmp_path):
-    proc = run_cli("demo", timeout=900)
+    """Cold (an empty cache: it makes the model and cuts the shards), as on a fresh machine: its
+    output is its own lines only, no timestamped log line of ours or of the worker processes."""
+    proc = run_cli("demo", timeout=900, env={"P2PSWARM_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "making the tiny qwen35moe model" in proc.stdout
+    assert not LOG_LINE.search(proc.stdout + proc.stderr), proc.stderr[-3000:]
     out = proc.stdout
     assert "worker3: pid" in out
     assert "exactness, prefill" in out and "exactness, decode" in out
@@ -132,6 +143,22 @@ def test_backbone_on_a_taken_http_port_is_one_line_before_joining(tiny_f32, tmp_
     assert not (tmp_path / "home").exists()  # checked before the node made or loaded its identity
 
 
+@pytest.mark.slow
+def test_worker_on_a_taken_health_port_names_health(tiny_f32, tmp_path):
+    """The worker's error names the flag it was given (--health), not the backbone's --http."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("node", "--role", "worker", "--shard", str(tiny_f32), "--health", f"127.0.0.1:{port}",
+                       env={"P2PSWARM_HOME": str(tmp_path / "home")}, timeout=120)
+    assert_one_line_error(proc, f"--health 127.0.0.1:{port}: cannot listen there", "address already in use",
+                          "with --health HOST:PORT")
+    assert "--http" not in proc.stderr and proc.returncode == 2
+
+
 def _progress_lines(stderr: str, label: str) -> list[int]:
     import re
 
@@ -151,6 +178,10 @@ def test_progress_off_a_terminal_is_periodic_lines(tiny_f32, tmp_path):
     assert "\r" not in proc.stderr
     quiet = run_cli("slice", str(tiny_f32), "--experts", "0-7", "-o", str(tmp_path / "q.gguf"), check=True)
     assert _progress_lines(quiet.stderr, "slice") == [], quiet.stderr
+    # -q: none even where they would show, as make-model -q; the result line stays
+    q = run_cli("slice", str(tiny_f32), "--experts", "0-7", "-q", "-o", str(tmp_path / "q2.gguf"),
+                env={"P2PSWARM_PROGRESS_AFTER": "0"}, check=True)
+    assert q.stderr == "" and q.stdout.startswith(f"wrote {tmp_path / 'q2.gguf'}"), (q.stdout, q.stderr)
 
 
 @pytest.mark.slow
@@ -234,3 +265,11 @@ def test_node_refuses_a_dht_mode_it_cannot_have(argv, message):
     proc = run_cli("node", *argv, timeout=60)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert message in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+def test_rewards_shows_each_chains_run_as_a_time():
+    """`rewards`' table shows a chain's epoch as when its backbone run started (UTC), not raw ms."""
+    from p2pswarm.commands.rewards import run_started
+
+    assert run_started(1_796_560_000_123) == "2026-12-06 12:26:40"
+    assert run_started(10 ** 30) == str(10 ** 30)  # a signed but absurd epoch is shown as it is

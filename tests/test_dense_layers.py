@@ -119,3 +119,14 @@ def test_dense_layer_changes_the_output(dense_lead, tiny_f32):
 
     ids, out, h = trio.run(first_layer, dense_lead)
     assert ids.shape == (len(TOKENS), 0) and not np.array_equal(out, h)
+
+
+def test_a_dense_layer_is_probed_apart_from_the_routed_ones(dense_lead):
+    """The invariance probe's memo key tells a layer without experts from one with them even when
+    their dense tensors have the same types: layer 0's route (no experts) is trivially invariant,
+    and that answer, reused for layers 1-3, let their router's batched GEMM (not row-invariant under
+    OpenBLAS's Haswell kernels, e.g. an AMD EPYC without AVX-512) break batched == alone."""
+    from p2pswarm.backbone.runner import _layer_signature
+
+    model = DenseLead(ModelLayout.open(dense_lead))
+    assert _layer_signature(model, 0) != _layer_signature(model, 1) == _layer_signature(model, 2)

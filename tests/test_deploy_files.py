@@ -129,11 +129,13 @@ def test_direct_443_drop_in_binds_443_with_tls():
     assert s.announce == STATED["announce"]
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 @pytest.mark.slow
 def test_systemd_analyze_verify_has_nothing_to_say(tmp_path):
     """Unknown keys, bad values, misplaced sections: systemd's own parser. The ExecStart binary is
     pointed at this checkout's `p2pswarm` (verify insists that it exists)."""
+    from system_tools import require
+
+    require("systemd-analyze")
     binary = shutil.which("p2pswarm") or sys.executable
     for path in SYSTEMD.rglob("*"):
         if path.is_file() and path.suffix in (".service", ".conf") and path.name != "p2pswarm.sysusers.conf":

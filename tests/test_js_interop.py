@@ -30,6 +30,7 @@ from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, CoverageUnit
 
 from helpers.procs import Proc, get_health, start_relay, worker_args
+from system_tools import require
 
 JS = Path(__file__).parent / "js"
 
@@ -43,7 +44,7 @@ def _node_cmd() -> list[str]:
     """node (with the flag Node 20 needs), js-libp2p installed from tests/js/package-lock.json first."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
-        pytest.fail("the js-libp2p interop test needs Node.js and npm (Debian: apt-get install nodejs npm)")
+        require("node", "npm")
     if not (JS / "node_modules" / "libp2p").is_dir():
         proc = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=JS,
                               capture_output=True, text=True, timeout=600)

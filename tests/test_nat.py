@@ -3,13 +3,13 @@ new connection and lets out only WebSocket to the relay. The backbone (in the ro
 cannot dial it - asserted at the TCP and libp2p level - yet logits through it, via the relay,
 are bit-equal to the monolithic run.
 
-Needs root, ``ip`` (iproute2) and ``nft`` (nftables); CI installs nftables (.ci/run).
+Needs root, ``ip`` (iproute2) and ``nft`` (nftables): ``python tests/system_tools.py`` installs them;
+without them the tests fail with the line that says what to install (never skip).
 """
 from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,6 +19,7 @@ import pytest
 import trio
 from conftest import run_cli
 from helpers.procs import Proc, free_port, get_health, start_relay, worker_identity
+from system_tools import require
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.slicer import slice_experts
@@ -30,13 +31,6 @@ pytestmark = pytest.mark.slow
 TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"
 
 
-def _why_no_netns() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root (run the NAT test as root, as CI does)"
-    for tool in ("ip", "nft"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed (apt-get install -y {'iproute2' if tool == 'ip' else 'nftables'})"
-    return None
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -67,16 +61,16 @@ table inet p2pswarm_nat {{
 def nat_netns():
     """A namespace ``ns`` joined to the root namespace by a veth pair, with the firewall above
     (installed by the test once the relay port is known). Removed even when the test fails."""
-    why = _why_no_netns()
-    if why:
-        pytest.skip(why)
+    require("ip", "nft")
+    if os.geteuid() != 0:
+        pytest.fail("network namespaces need root: run the NAT tests as root", pytrace=False)
     tag = f"{os.getpid() % 10000}{random.randrange(100, 999)}"
     ns, host_if, ns_if = f"p2ps-nat-{tag}", f"p2psh{tag}", f"p2psn{tag}"
     net = random.randrange(0, 250)
     host_ip, ns_ip = f"10.231.{net}.1", f"10.231.{net}.2"
     probe = sh("ip", "netns", "add", ns, check=False)
     if probe.returncode != 0:
-        pytest.skip(f"cannot create a network namespace here: {probe.stderr.strip()}")
+        pytest.fail(f"cannot create a network namespace here: {probe.stderr.strip()}", pytrace=False)
     try:
         sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
         sh("ip", "link", "set", ns_if, "netns", ns)

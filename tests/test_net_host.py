@@ -304,6 +304,16 @@ def test_bad_peer_addresses(text, needle):
         parse_peer_addr(text)
 
 
+def test_a_bad_peer_address_is_quoted_whole():
+    """A real-length address (here with a peer id one character short) is quoted whole, not cut
+    mid-peer-id, so the user sees which character is wrong."""
+    good = "/ip4/192.168.100.200/tcp/40001/p2p/" + Identity.generate().peer_id_str
+    for bad in (good[:-1], good[:-1] + "0"):
+        with pytest.raises(UserError) as info:
+            parse_peer_addr(bad)
+        assert repr(bad) in str(info.value), str(info.value)
+
+
 async def test_bad_listen_addresses_and_busy_port():
     with pytest.raises(UserError, match="bad listen address"):
         async with open_host(Identity.generate(), ["127.0.0.1:4001"]):

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.procs import Proc, start_bootstrap, start_shard_workers
+from system_tools import require
 
 pytestmark = pytest.mark.slow
 
@@ -176,9 +177,8 @@ def test_metrics_parse_with_prometheus_client(backbone, client):
 def test_status_page_in_headless_chromium(backbone, client):
     """The page draws one cell per unit; after worker 1 (sole owner of experts 8-15) is killed and
     a request hits it, exactly its cells drop to 0 live replicas."""
+    require("chromium", "chromedriver")
     chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_bin):
-        pytest.fail("headless Chromium is needed: apt-get install -y chromium chromium-driver (.ci/run does)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait

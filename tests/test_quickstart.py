@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,19 +27,61 @@ def test_quickstart_is_linked_first_from_the_readme():
     assert len(blocks()) >= 8
 
 
-@pytest.mark.slow
-def test_quickstart_runs_as_written(tmp_path):
+def page_env(tmp_path: Path) -> dict[str, str]:
+    """An empty home, and `p2pswarm` and `python` on PATH as this checkout's (PYTHONPATH) and this
+    interpreter: wrappers that exec ``sys.executable``, never a symlink to it, which would resolve
+    to the base interpreter outside the venv (and miss the venv's packages, `openai` among them)."""
     home = tmp_path / "home"
     home.mkdir()
-    bin_dir = tmp_path / "bin"  # `p2pswarm` and `python` as this checkout's (PYTHONPATH) and interpreter
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "p2pswarm").write_text(f'#!/bin/sh\nexec {sys.executable} -m p2pswarm.cli "$@"\n')
-    (bin_dir / "p2pswarm").chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    for name, args in (("p2pswarm", " -m p2pswarm.cli"), ("python", "")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("P2PSWARM_")}
     env.update(HOME=str(home), PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(ROOT))
-    # stop whatever is still running if a step fails, so the test never leaves nodes behind
-    script = "set -eo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + "\n".join(blocks())
+    return env
+
+
+# stop whatever is still running if a step fails, so the test never leaves nodes behind
+PRELUDE = "set -eo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n"
+
+
+def test_page_python_is_the_venvs(tmp_path):
+    """The page's `python` is this interpreter with its packages (the venv's, where there is one)."""
+    env = page_env(tmp_path)
+    out = subprocess.run(["bash", "-c", "python -c 'import sys; print(sys.prefix)'"], env=env, text=True,
+                         capture_output=True, check=True).stdout.strip()
+    assert out == sys.prefix
+
+
+@pytest.mark.slow
+def test_quickstart_gives_up_when_a_node_fails(tmp_path):
+    """A bootstrap that cannot start (here: a live one already holds its key, as after a first run
+    left running) ends the page's wait within its bound, with the node's own reason, never a hang."""
+    from helpers.procs import Proc
+
+    env = page_env(tmp_path)
+    swarm = tmp_path / "swarm"
+    swarm.mkdir()
+    live = Proc(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(swarm / "boot.key")],
+                tmp_path / "live-boot.log", env)
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.run(["bash", "-c", PRELUDE + "cd swarm\n" + blocks()[1]], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        took = time.monotonic() - t0
+    finally:
+        live.stop()
+    assert proc.returncode != 0 and took < 70, (took, proc.stdout, proc.stderr)
+    assert "boot did not start; the end of boot.log:" in proc.stderr, proc.stderr
+    assert "boot.key" in proc.stderr and "--identity" in proc.stderr, proc.stderr  # the node's one line
+
+
+@pytest.mark.slow
+def test_quickstart_runs_as_written(tmp_path):
+    env = page_env(tmp_path)
+    script = PRELUDE + "\n".join(blocks())
     try:
         proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=420, stdin=subprocess.DEVNULL)

@@ -20,7 +20,7 @@ import pytest
 from p2pswarm.model.gguf_read import read_gguf_kv
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import build_manifest, model_fingerprint, read_manifest
-from p2pswarm.model.split_gguf import split_path
+from p2pswarm.model.split_gguf import model_name, split_path
 from p2pswarm.model.split_write import plan_parts, write_split
 from p2pswarm.model.synth import make_model
 from p2pswarm.net.identity import Identity
@@ -261,6 +261,12 @@ def test_manifest_of_a_split_model_equals_the_unsplit_ones(pair, tmp_path):
     assert got[1].file_size == whole.stat().st_size
 
 
+def test_model_name_drops_the_part_suffix():
+    assert model_name("/x/dssplit-00001-of-00005.gguf") == "dssplit"
+    assert model_name("tiny.gguf") == "tiny" and model_name("a-1-of-2.gguf") == "a-1-of-2"
+    assert model_name("-00001-of-00002.gguf") == "-00001-of-00002"  # nothing left: the name as it is
+
+
 @pytest.mark.slow
 def test_make_model_writes_parts_with_progress(tmp_path):
     out = tmp_path / "m.gguf"
@@ -423,6 +429,8 @@ def test_backbone_node_serves_a_swarm_from_the_first_part(pair, tmp_path):
         with httpx.Client(base_url=base, timeout=120) as c:
             wait_until(lambda: len(c.get("/v1/swarm").json()["workers"]) == 2, timeout=60, interval=0.5,
                        what="both workers seen by the backbone")
+            # the served name is the model's, not its first part's (model, not model-00001-of-00003)
+            assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [model_name(first)] == ["model"]
             r = c.post("/v1/completions", json={"prompt": "Hello swarm", "max_tokens": 8, "temperature": 0})
             assert r.status_code == 200, r.text
             text = r.json()["choices"][0]["text"]

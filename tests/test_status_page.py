@@ -17,14 +17,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.procs import Proc, start_bootstrap, start_shard_workers, stop_all, wait_until
+from system_tools import require
 
 pytestmark = pytest.mark.slow
 
 
 def _browser(width: int):
+    require("chromium", "chromedriver")
     chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver_bin):
-        pytest.fail("headless Chromium is needed: apt-get install -y chromium chromium-driver (.ci/run does)")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

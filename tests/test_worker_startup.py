@@ -4,6 +4,7 @@ source in the swarm says what to start instead of 'none found'."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -101,11 +102,22 @@ def test_auto_worker_without_a_shard_source_says_what_to_start(tiny_f32, tmp_pat
                        "--enrol-period", "2"], tmp_path / "w.log", env, expect_ready=False)
         procs.append(worker)
         worker.wait_log("no shard source", timeout=60)
-        time.sleep(12)  # a few retries (every ~5 s) and enrolment periods
+        time.sleep(65)  # a dozen retries (every ~5 s) and enrolment periods, and the minute gone round
         text = worker.text()
+        worker.proc.send_signal(signal.SIGTERM)  # before READY, while it waits for a source
+        rc = worker.proc.wait(timeout=30)
+        text_after = worker.text()
     finally:
         stop_all([p.proc for p in procs])
-    said = [ln for ln in text.splitlines() if "no shard source" in ln]
+    lines = text.splitlines()
+    said = [ln for ln in lines if "no shard source" in ln]
     assert "--manifest" in said[0] and "serve-shards" in said[0], said[0]
-    assert len(said) == 1, said  # said once a minute, not per unit per retry
+    assert len(said) == 2, said  # said at once, then once a minute: not per unit per retry
+    # the warning is the first thing it says after joining the market, and nothing repeats between
+    market = next(i for i, ln in enumerate(lines) if "market: model" in ln)
+    assert "no shard source" in lines[market + 1], lines[market:market + 3]
+    assert not [ln for ln in lines if "shard source(s)" in ln or "enrolled in 0 units" in ln], text[-3000:]
     assert "none found or given" not in text and "could not fetch" not in text, text[-3000:]
+    # SIGTERM in that phase: a line and a clean exit, as SIGINT gives
+    assert rc == 0 and "signal SIGTERM: shutting down" in text_after, (rc, text_after[-2000:])
+    assert "Traceback" not in text_after

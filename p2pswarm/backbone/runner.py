@@ -136,8 +136,11 @@ _PROBE_LAYOUTS = ([1, 2, 8, 26, 33], [1, 2, 8, 5], [1, 2, 8, 17, 36])
 
 
 def _layer_signature(model, il: int) -> tuple:
-    """What decides a layer's dense kernels: its kind and the types of its dense tensors."""
-    kind = bool(getattr(model, "recurrent", [False] * (il + 1))[il])
+    """What decides a layer's dense kernels: its kind, whether it routes to experts at all (a
+    leading dense layer's route returns none: trivially invariant, which said nothing about the
+    router of the layers after it when their dense tensors had the same types) and the types of
+    its dense tensors."""
+    kind = (bool(getattr(model, "recurrent", [False] * (il + 1))[il]), il in model.layout.expert_tensors)
     prefix = f"blk.{il}."
     types = []
     for t in model.layout.reader.tensors:

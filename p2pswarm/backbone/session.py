@@ -54,7 +54,7 @@ def ensure_shards(layout: ModelLayout, fingerprint: str, n_workers: int, shard_d
         if not path.exists():
             slice_experts(layout.path, path, (layers[0], layers[-1] + 1), (e0, e1), layout=layout,
                           fingerprint=fingerprint)
-            log.info("cut shard %s", path.name)
+            log.debug("cut shard %s", path.name)
         paths.append(path)
     return paths
 

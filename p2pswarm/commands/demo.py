@@ -175,6 +175,9 @@ def run(args) -> int:
     if args.model:
         require_full_model(args.model)
     sys.stdout.reconfigure(line_buffering=True)
-    # Worker processes inherit this: their routine INFO lines would drown the demo's table.
-    os.environ.setdefault(settings.LOG_LEVEL.name, "WARNING")
+    # The demo's own output is the story: routine INFO lines (ours, and the worker processes', which
+    # inherit the variable) would drown its table. -v or P2PSWARM_LOG_LEVEL show them.
+    if settings.LOG_LEVEL.name not in os.environ and not getattr(args, "verbose", False):
+        os.environ[settings.LOG_LEVEL.name] = "WARNING"
+        logging.getLogger("p2pswarm").setLevel(logging.WARNING)
     return trio.run(_demo, args)

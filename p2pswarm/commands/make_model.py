@@ -1,4 +1,4 @@
-"""``p2pswarm make-model``: write a seeded random-weight qwen3moe, qwen35moe, gpt-oss or glm4moe GGUF (see
+"""``p2pswarm make-model``: write a seeded random-weight MoE GGUF of any architecture p2pswarm serves (see
 p2pswarm.model.synth)."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     preset_names = sorted({name for presets in PRESETS_BY_ARCH.values() for name in presets})
     p = subparsers.add_parser(
         "make-model",
-        help="write a seeded random-weight qwen3moe, qwen35moe, gpt-oss or glm4moe GGUF (tests, demo, benchmarks)",
+        help=f"write a seeded random-weight {', '.join(ARCHES)} GGUF (tests, demo, benchmarks)",
         description=(
             "Write a seeded random-weight MoE GGUF that llama.cpp loads and runs. The same "
             "options and seed always give the same bytes. "
@@ -37,9 +37,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--arch", choices=list(ARCHES), default="qwen3moe",
                    help="architecture: qwen3moe (default), qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
                         "+ gated attention + shared expert, the seed's own model), gpt-oss (attention "
-                        "sinks, alternating sliding window, biased experts with a clamped SwiGLU) or glm4moe "
+                        "sinks, alternating sliding window, biased experts with a clamped SwiGLU), glm4moe "
                         "(GLM-4.5: leading dense layers, sigmoid router with a selection bias, shared expert, a "
-                        "NextN block)")
+                        "NextN block) or deepseek2 (DeepSeek-V3/R1, Kimi K2: Multi-head Latent Attention, "
+                        "leading dense layers, group-limited routing, shared expert)")
     p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (default: tiny)")
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="number of layers (default: the preset's)")

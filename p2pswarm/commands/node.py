@@ -22,6 +22,7 @@ import trio
 
 from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
+from p2pswarm.net.tokens import AUTO_SCOPE
 from p2pswarm.commands.common import add_kernel_args, add_market_args, market_kwargs, parse_hostport, positive_int
 from p2pswarm.commands.node_args import check_dht_mode, check_worker_source
 from p2pswarm.errors import UserError
@@ -101,7 +102,8 @@ def add_parser(sub) -> None:
                                                           "page at /, /metrics (docs/api.md)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="backbone: the model id the OpenAI API answers to (default: the GGUF's file name "
-                        "without .gguf); requests naming another model get a 404")
+                        "without .gguf, and a split model's without -00001-of-0000N); requests naming "
+                        "another model get a 404")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help=f"experts per coverage unit; the same swarm-wide (default {DEFAULT_BLOCK_SIZE})")
     p.add_argument("--ttl", type=float, default=DEFAULT_RECORD_TTL_S,
@@ -151,11 +153,11 @@ def add_parser(sub) -> None:
                         "--bootstrap in the DHT")
     p.add_argument("--token", help="worker: node token (or a file holding it) to show the relay "
                                    "(`p2pswarm token issue --allow relay`) and/or the shard sources "
-                                   "(--allow shard:FINGERPRINT)")
+                                   "(--allow shard...)")
     p.add_argument("--auto", action="store_true",
                    help="worker: enrol by itself - read demand and coverage from the DHT, hold the highest-reward "
-                        "units that fit --memory, download only them (needs --token with a shard:FINGERPRINT scope "
-                        "and --trust-issuer), re-evaluate every --enrol-period (docs/market.md); --model "
+                        "units that fit --memory, download only them (needs --trust-issuer and --token, issued "
+                        f"with {AUTO_SCOPE}), re-evaluate every --enrol-period (docs/market.md); --model "
                         "FINGERPRINT picks the model when backbones serve several")
     p.add_argument("--memory", metavar="SIZE",
                    help="worker --auto: bytes of expert weights it may hold, e.g. 340MB, 1.5GB, 512MiB")
@@ -321,6 +323,8 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
     lane = args.direct_lane
     serve_libp2p_shards(net, auto.shards, stats=served, receipts=receipts, direct=lane)
     async with trio.open_nursery() as nursery:
+        # SIGTERM/SIGINT stop it cleanly from now on: enrolment can wait long (no shard source yet)
+        await nursery.start(until_signal, nursery.cancel_scope)
         if lane is not None:
             await _start_direct(nursery, lane)
         if keeper is not None:
@@ -333,8 +337,7 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
             keeper.on_reserved = rejoin
             nursery.start_soon(keeper.keep)
         await nursery.start(auto.run)
-        ready = await _ready_line(args, nursery, net, served, lambda: auto.describe().split(", "))
-        await until_signal(nursery.cancel_scope, ready=ready)
+        print(await _ready_line(args, nursery, net, served, lambda: auto.describe().split(", ")), flush=True)
     with trio.CancelScope(shield=True):
         await auto.withdraw()
         await collect_last_receipts(net, sorted(served.peers), receipts)
@@ -442,6 +445,7 @@ async def _backbone(args) -> None:
     from p2pswarm.backbone.swarm_session import open_swarm_backbone
     from p2pswarm.engine.tokenizer import Tokenizer
     from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.split_gguf import model_name
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 
     identity = load_or_create_identity(args.identity or default_identity_path("backbone"), exclusive=True)
@@ -466,7 +470,7 @@ async def _backbone(args) -> None:
                                       micro_batches=args.micro_batches)
                 view = SwarmView.for_backbone(swarm.backbone, ModelLayout.open(args.model),
                                               block_size=swarm.resolver.block_size, resolver=swarm.resolver)
-                app = CompletionsApp(swarm.backbone, tokenizer, args.served_model_name or Path(args.model).stem,
+                app = CompletionsApp(swarm.backbone, tokenizer, args.served_model_name or model_name(args.model),
                                      swarm.local.fingerprint, model_path=args.model, view=view, scheduler=scheduler)
                 swarm.pool.on_latency = app.metrics.observe_owner
                 binds = await nursery.start(serve_http, app, args.http_socket)

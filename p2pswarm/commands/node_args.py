@@ -24,7 +24,9 @@ def check_worker_source(args) -> None:
         missing = [f for f, v in (("--memory", args.memory), ("--token", args.token),
                                   ("--trust-issuer", args.trust_issuer)) if not v]
         if missing:
-            raise UserError(f"--auto needs {', '.join(missing)} (the token with a shard:FINGERPRINT scope)")
+            from p2pswarm.net.tokens import AUTO_SCOPE
+
+            raise UserError(f"--auto needs {', '.join(missing)} (a token issued with {AUTO_SCOPE})")
         if args.model is not None:
             if not re.fullmatch(r"[0-9a-fA-F]{64}", args.model):
                 raise UserError(f"--model {args.model[:70]!r}: with --auto, a model fingerprint (64 hex digits)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import trio
@@ -54,6 +55,14 @@ async def _bans(bootstrap: list[str], pairs: list[tuple[str, str]]) -> dict[tupl
     return found
 
 
+def run_started(epoch_ms: int) -> str:
+    """A receipt chain's epoch (its backbone run's start, ms since 1970) as a UTC time to the second."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(epoch_ms / 1000))
+    except (OverflowError, OSError, ValueError):
+        return str(epoch_ms)  # a signed but absurd epoch: shown as it is
+
+
 def run(args) -> int:
     from p2pswarm.market.receipts import check_receipts, default_receipts_dir, load_receipts
 
@@ -79,13 +88,15 @@ def run(args) -> int:
         print(json.dumps({"dir": str(root), "chains": [c.to_json() for c in chains], "errors": errors,
                           "problems": problems, "ok": not errors and not problems}))
     else:
-        print(f"{'worker':>14} {'backbone':>14} {'epoch':>13} {'receipts':>8} {'rows':>10} {'bytes':>12} status")
+        # a chain is one run of a backbone (its epoch, in JSON: ms since 1970 at the run's start)
+        print(f"{'worker':>14} {'backbone':>14} {'backbone run from (UTC)':>23} {'receipts':>8} {'rows':>10} "
+              f"{'bytes':>12} status")
         for c in chains:
             status = "ok" if not c.problems else "BAD TOTALS"
             if c.voided_from is not None:
                 status += f", void from seq {c.voided_from} (banned)"
-            print(f"{c.worker[-14:]:>14} {c.backbone[-14:]:>14} {c.epoch:>13} {c.receipts:>8} {c.rows:>10} "
-                  f"{c.bytes:>12} {status}")
+            print(f"{c.worker[-14:]:>14} {c.backbone[-14:]:>14} {run_started(c.epoch):>23} {c.receipts:>8} "
+                  f"{c.rows:>10} {c.bytes:>12} {status}")
         if not chains:
             print(f"no receipts under {root}")
     return 1 if errors or problems else 0

@@ -41,11 +41,14 @@ async def _main(worker: ExpertWorker, host: str, port: int, max_frame: int) -> N
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: serve_tcp(worker, host, port, ready=ready, max_frame=max_frame, stats=served))
             async for sig in signals:
-                log.info("signal %s: shutting down", signal.Signals(sig).name)
+                # Debug, not info: this process is a child of logits/generate/demo, which stop it
+                # after their output (their own stats say what the workers did); at info its lines
+                # came after the generated text.
+                log.debug("signal %s: shutting down", signal.Signals(sig).name)
                 nursery.cancel_scope.cancel()
                 break
-    log.info("served %d expert requests (%d rows); wire: received %d bytes, sent %d bytes", served.requests,
-             served.rows, served.wire.received, served.wire.sent)
+    log.debug("served %d expert requests (%d rows); wire: received %d bytes, sent %d bytes", served.requests,
+              served.rows, served.wire.received, served.wire.sent)
 
 
 def run(args) -> int:

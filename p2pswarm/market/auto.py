@@ -252,6 +252,8 @@ class AutoWorker:
             self.shards[entry.shard] = worker
         assert self.advertiser is not None, "run() makes the advertiser before the first evaluation"
         await self.advertiser.set_shards([entry for entry, _ in self.held.values()])
+        if not loaded and not choice.dropped:
+            return len(choice.added)  # nothing changed (every download failed): no "enrolled" line per retry
         log.info("enrolled in %d units (%.1f MB of %.1f MB): %s%s%s", len(self.held),
                  sum(self.sizes[i] for i in self.held) / 1e6, self.memory / 1e6, self.describe(),
                  f"; added {len(loaded)}" if loaded else "", f"; dropped {len(choice.dropped)}" if choice.dropped else "")

@@ -17,6 +17,7 @@ of the unsplit one. Only byte access differs: a merged-file offset is mapped to 
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,18 @@ def split_prefix(path: str | Path, no: int, count: int) -> str | None:
     s = str(path)
     tail = f"-{no + 1:05d}-of-{count:05d}.gguf"
     return s[: -len(tail)] if len(s) > len(tail) and s.endswith(tail) else None
+
+
+_PART_TAIL = re.compile(r"-\d{5}-of-\d{5}$")
+
+
+def model_name(path: str | Path) -> str:
+    """The name a model is known by (the OpenAI API's default model id): its file name without
+    ``.gguf`` and, for a split model's first part, without ``-00001-of-0000N`` (``dssplit``, not
+    ``dssplit-00001-of-00005``), so a model keeps its name whether it is published split or merged."""
+    stem = Path(path).name
+    stem = stem[:-len(".gguf")] if stem.endswith(".gguf") else Path(stem).stem
+    return _PART_TAIL.sub("", stem) or stem
 
 
 @dataclass

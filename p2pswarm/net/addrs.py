@@ -37,12 +37,12 @@ def parse_peer_addr(text: str) -> PeerInfo:
     except Exception:
         peer = None
     if not peer:
-        raise UserError(f"peer address {text[:80]!r} lacks its /p2p/PEERID part "
+        raise UserError(f"peer address {clip(text, 200)!r} lacks its /p2p/PEERID part "
                         f"(the bootstrap node prints its full address at start)")
     try:
         pid = ID.from_base58(peer)
     except Exception:
-        raise UserError(f"peer address {text[:80]!r}: malformed peer id {peer[:60]!r}") from None
+        raise UserError(f"peer address {clip(text, 200)!r}: malformed peer id {clip(peer, 120)!r}") from None
     base = ma.decapsulate(multiaddr.Multiaddr(f"/p2p/{peer}"))
     return PeerInfo(pid, [base])
 

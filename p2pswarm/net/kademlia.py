@@ -49,7 +49,7 @@ from libp2p.records.validator import Validator
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
-from p2pswarm.errors import SwarmError, UserError
+from p2pswarm.errors import SwarmError, UserError, clip
 from p2pswarm.net import libp2p_kad_patches, libp2p_patches
 from p2pswarm.errors import single_error
 from p2pswarm.net.addrs import NetError, error_reason
@@ -184,7 +184,7 @@ class SwarmDHT:
         if addrs and not joined:
             if "has another peer id" in why:  # the one mistake the user can fix from the message
                 raise UserError(f"bootstrap: {why}")
-            raise UserError(f"no bootstrap peer answered ({', '.join(a[:60] for a in addrs)})")
+            raise UserError(f"no bootstrap peer answered ({', '.join(clip(a, 200) for a in addrs)})")
         return joined
 
     async def refresh(self, *, timeout_s: float = 15.0) -> None:

@@ -27,7 +27,7 @@ from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-from p2pswarm.errors import UserError
+from p2pswarm.errors import UserError, clip
 from p2pswarm.net.addrs import circuit_addr, error_reason, parse_peer_addr
 from p2pswarm.net.relay_token import RelayRefused, present_token
 
@@ -60,7 +60,7 @@ class RelayKeeper:
         given = [relays] if isinstance(relays, str) else list(relays)
         for addr in given:
             if "p2p-circuit" in addr:
-                raise UserError(f"--relay {addr[:80]!r} is itself a relayed address: give the relay's own address")
+                raise UserError(f"--relay {clip(addr, 200)!r} is itself a relayed address: give the relay's own address")
             parse_peer_addr(addr)
         if not given and discover is None:
             raise UserError("a relayed node needs a relay address (--relay) or a DHT to find relays in")
@@ -156,7 +156,7 @@ class RelayKeeper:
                 exp = await self.reserve_once()
             except trio.TooSlowError:
                 failures.append((self._short(), UserError(
-                    f"relay {addr[:80]} did not answer within {RESERVE_TIMEOUT_S:.0f} s")))
+                    f"relay {clip(addr, 200)} did not answer within {RESERVE_TIMEOUT_S:.0f} s")))
                 continue
             except (UserError, Exception) as exc:
                 failures.append((self._short(), exc))

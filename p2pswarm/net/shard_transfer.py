@@ -108,7 +108,8 @@ async def fetch_slice_from_swarm(net, dht, *, model: str, layers: tuple[int, int
     sources = list(extra_sources)
     if dht is not None:
         found = await find_sources(dht, model, timeout_s=find_timeout_s)
-        log.info("found %d shard source(s) for model %s through the DHT", len(found), model[:12])
+        if found:  # none found: fetch_slice's error says what to start (an --auto worker says it once a minute)
+            log.info("found %d shard source(s) for model %s through the DHT", len(found), model[:12])
         sources += found
     return await fetch_slice(net, sources=sources, model=model, layers=layers, experts=experts, out_path=out,
                              token=token, trusted_issuers=trusted_issuers, progress=progress, stats=stats,

@@ -51,6 +51,8 @@ TOKEN_VERSION = 1
 SIGNING_DOMAIN = b"p2pswarm-token-v1\x00"
 SCOPE_RELAY = "relay"
 SCOPE_SHARD = "shard"
+#: The scope an --auto worker's token needs, said the same way in the docs, --help and errors.
+AUTO_SCOPE = "--allow shard (any model) or --allow shard:FINGERPRINT (one model), with no ranges"
 MAX_TOKEN_CHARS = 4096
 MAX_ALLOW = 32
 MAX_SCOPE_CHARS = 256
@@ -319,8 +321,8 @@ def check_own_token(token: str, *, peer: str, trusted_issuers: Collection[str], 
     wanted = f"shard:{model}" if model else None
     if not any(_whole_model_scope(a, wanted) for a in tok.allow):
         raise TokenError(f"--token allows {', '.join(tok.allow)}: an --auto worker picks its units itself, so its "
-                         f"token needs shard:{model or 'FINGERPRINT'} (the whole model, no ranges; "
-                         "`p2pswarm token issue --allow shard:FINGERPRINT`)", "wrong scope")
+                         f"token needs shard:{model or 'FINGERPRINT'} (`p2pswarm token issue {AUTO_SCOPE}`)",
+                         "wrong scope")
     return tok
 
 
