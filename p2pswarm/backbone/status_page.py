@@ -10,7 +10,12 @@ The page (``static/status.html``, package data, no external assets so it works o
   (direct lane, libp2p, or relayed: only when the connection really goes through a relay),
   round trip, in-flight requests, requests served, failures, kernel (shortened; the full id on
   hover), and what they hold; counted once, as peers and as shards (a peer may serve several);
-* tokens/s over the last five minutes and the sequences generating now.
+* tokens/s over the last five minutes and the sequences generating now;
+* the dispatch counters: expert requests, groups sent out / planned on the backbone's replica,
+  probes, the wire's totals, coverage-map refreshes, uptime.
+
+The panels fill the window (the heat-map's rows and the chart take the height the workers' table
+leaves), and the chart is drawn in the SVG's own pixels so its labels stay the body's size.
 
 A replica is *live* when the dispatcher would send it work now: a worker that failed is in
 back-off and stops counting at once, so a killed worker shows on the map at its next request,
