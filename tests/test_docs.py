@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+BENCH = ROOT / "bench"
 # What a user reads; benchmarks.md is a lab notebook whose entries name the work they measured.
 USER_DOCS = ["README.md", "docs/README.md", "docs/quickstart.md", "docs/api.md", "docs/configuration.md",
              "docs/deploy.md", "docs/market.md"]
@@ -30,6 +31,12 @@ def test_user_doc_has_no_internal_jargon_and_its_links_resolve(doc):
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
         if "://" not in target:
             assert (path.parent / target).exists(), (doc, target)
+
+
+def test_bench_readme_lists_every_script_once():
+    listed = re.findall(r"\]\(([\w.]+\.py)\)", (BENCH / "README.md").read_text())
+    assert sorted(listed) == sorted(p.name for p in BENCH.glob("*.py")), \
+        "bench/README.md: one line per bench/*.py, linked (a retired script: in Retired, unlinked)"
 
 
 def test_license_matches_the_vendored_llama_cpp_notice():
