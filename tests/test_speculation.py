@@ -19,7 +19,7 @@ from p2pswarm.model.synth import make_model
 from conftest import assert_one_line_error, run_cli
 from helpers.ggml import needs_ggml
 
-PROMPT = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66]
+PROMPT = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 19, 180]  # 12 + 5: gpt-oss's window of 8 trims mid-verification
 CONT = [129, 3, 250, 77, 41]  # the sampled token and four drafts after it
 
 
@@ -38,6 +38,21 @@ def model(request, q35, tiny_q8):
     if request.param == "qwen3moe-q4km":
         return request.getfixturevalue("tiny_q4km")
     return q35 if request.param == "qwen35moe" else tiny_q8
+
+
+@pytest.fixture(scope="session")
+def other_archs(models_dir):
+    paths = {}
+    for arch in ("gpt-oss", "deepseek2", "glm4moe"):
+        paths[arch] = models_dir / f"spec-{arch}.gguf"
+        if not paths[arch].exists():
+            make_model(paths[arch], arch=arch, preset="tiny", qtype="q8_0", seed=44)
+    return paths
+
+
+@pytest.fixture(params=["qwen35moe", "qwen3moe", "gpt-oss", "deepseek2", "glm4moe"])
+def any_arch(request, q35, tiny_q8, other_archs):
+    return {"qwen35moe": q35, "qwen3moe": tiny_q8}.get(request.param) or other_archs[request.param]
 
 
 # -- sampling: one random number per (seed, stream, position) -------------------------------------
@@ -92,6 +107,7 @@ def _layer_arrays(st):
     for il, kv in st.kv.items():
         out[("k", il)] = kv.k[: kv.n].copy()
         out[("v", il)] = kv.vt[..., : kv.n].copy()
+        out[("first", il)] = np.array(getattr(kv, "first", 0))
     for il, x in st.extra.items():
         if isinstance(x, DeltaNetState):
             out[("S", il)] = x.buf.copy()
@@ -110,8 +126,10 @@ def assert_same_state(a, b):
 
 
 @pytest.mark.parametrize("kernel", ["numpy", pytest.param("ggml", marks=needs_ggml)])
-async def test_verified_positions_equal_decode_steps_and_rollback_is_exact(model, kernel):
-    async with open_backbone(model, workers=0, kernel=kernel) as mono:
+async def test_verified_positions_equal_decode_steps_and_rollback_is_exact(any_arch, kernel):
+    """Every architecture: its KV caches (gpt-oss's sliding window trimmed mid-verification), MLA's
+    latent cache, qwen35moe's DeltaNet state."""
+    async with open_backbone(any_arch, workers=0, kernel=kernel) as mono:
         bb = mono.backbone
         ref = bb.new_state()
         await bb.forward(PROMPT, ref)
