@@ -258,8 +258,8 @@ def test_speculate_mtp_is_one_line_naming_what_the_file_has(tiny_q8, other_archs
 
 
 async def test_api_usage_health_and_metrics_report_drafts_and_the_text_is_unchanged(tiny_f32):
-    """The OpenAI API's usage counts the drafts (accepted / rejected prediction tokens), /health and
-    /metrics the acceptance; the texts, greedy and seeded, equal a backbone's without speculation."""
+    """The OpenAI API's usage counts the drafts (accepted / rejected prediction tokens), /health,
+    /v1/swarm (the status page) and /metrics the acceptance; the texts, greedy and seeded, equal a backbone's without speculation."""
     import httpx
     import trio
 
@@ -279,8 +279,10 @@ async def test_api_usage_health_and_metrics_report_drafts_and_the_text_is_unchan
             def client(base, key=spec is not None):
                 with httpx.Client(base_url=base, timeout=60) as c:
                     got = [c.post("/v1/completions", json=b).json() for b in bodies]
-                    seen[key] = ([g["choices"][0]["text"] for g in got], [g["usage"] for g in got],
-                                 c.get("/health").json()["speculation"], c.get("/metrics").text)
+                    health = c.get("/health").json()["speculation"]
+                    assert c.get("/v1/swarm").json()["speculation"] == health  # the status page's panel
+                    seen[key] = ([g["choices"][0]["text"] for g in got], [g["usage"] for g in got], health,
+                                 c.get("/metrics").text)
 
             async with trio.open_nursery() as nursery:
                 binds = await nursery.start(serve_http, app, "127.0.0.1", 0)

@@ -214,6 +214,7 @@ class CompletionsApp:
         return JSONResponse(self.view.snapshot(
             model=self.model_name, fingerprint=self.fingerprint, active=self.active, rate=self.metrics.rate,
             metrics_totals={"tokens_generated": self.metrics.total_tokens,
+                            "speculation": self.scheduler.spec.as_dict(self.scheduler.speculate),
                             "wire": wire_summary(self.backbone.dispatcher, self.metrics.total_tokens)}))
 
     # -- OpenAI routes ---------------------------------------------------------------------------
