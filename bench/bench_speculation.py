@@ -21,7 +21,10 @@ Goal of the issue: speed-up >= 0.9 x (1 + mean accepted drafts per step); at acc
 than 0.95x (it stops drafting).
 
     python bench/bench_speculation.py [--rtt 50] [--tokens 32] [--rounds 2] [--layers 2] [--draft-max 4]
-        [--out docs/benchmarks.md]
+        [--concurrent 64] [--out docs/benchmarks.md]
+
+``--concurrent N``: also N sequences at once, off against ngram alternating (aggregate tokens/s;
+a step of more than 8 decoding sequences drafts nothing, so this measures what asking costs).
 """
 from __future__ import annotations
 
@@ -69,6 +72,28 @@ async def _one(bb, spec, tokens: int) -> tuple[list[int], float, int, object]:
     return toks, took, sched.stats.steps - 1, sched.spec  # (the prompt's step is not a decode step)
 
 
+async def _many(bb, spec, n: int, tokens: int) -> tuple[float, int, object]:
+    """``n`` sequences at once (distinct prompts, greedy): wall seconds, tokens, the SpecStats."""
+    sched = Scheduler(bb, None, speculate=spec)
+    got = [0]
+
+    async def one(req):
+        async with req:
+            async for _ in req:
+                got[0] += 1
+
+    reqs = [sched.submit([(7 * i + 3 * j) % 500 + 1 for j in range(8)] + PROMPT[:6],
+                         Params(max_tokens=tokens, stop_at_eos=False)) for i in range(n)]
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as clients:
+            for r in reqs:
+                clients.start_soon(one, r)
+            await nursery.start(sched.run)
+        nursery.cancel_scope.cancel()
+    return time.perf_counter() - t0, got[0], sched.spec
+
+
 async def _bench(args, model: Path) -> list[str]:
     async with open_backbone(model, workers=4, transport="socket", kernel=args.kernel) as swarm:
         targets = [f"{o.host}:{o.port}" for o in swarm.owners]
@@ -94,6 +119,11 @@ async def _bench(args, model: Path) -> list[str]:
                     toks, took, steps, st = await _one(bb, spec, args.tokens)
                     assert toks == wanted, f"{name}: tokens differ from the run without speculation"
                     res[name].append((took, steps, st.accepted, st.drafted))
+            many: dict[str, list] = {"off": [], "ngram": []}
+            for _ in range(args.rounds if args.concurrent else 0):
+                for name in many:
+                    took, n_tok, st = await _many(bb, modes[name], args.concurrent, args.tokens)
+                    many[name].append((took, n_tok, st.drafted))
             stats = bb.dispatcher.stats.since(before)
             assert stats.local_groups == 0 and stats.fallbacks == 0, stats
         finally:
@@ -111,6 +141,11 @@ async def _bench(args, model: Path) -> list[str]:
         goal = f"{0.9 * (1 + per_step):.2f}" if drafted else "-"
         rows.append(f"| {name} | {acc} | {per_step:.2f} | {len(runs) * (args.tokens - 1) / max(steps, 1):.2f} | "
                     f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} |")
+    if args.concurrent:
+        rate = {m: statistics.median(n / t for t, n, _ in runs) for m, runs in many.items()}
+        rows += ["", f"{args.concurrent} concurrent sequences, {args.tokens} tokens each (aggregate tokens/s, "
+                     f"median of {args.rounds}): off {rate['off']:.1f}, ngram {rate['ngram']:.1f} "
+                     f"({rate['ngram'] / rate['off']:.2f}x; drafts {sum(d for _, _, d in many['ngram'])})"]
     return rows
 
 
@@ -122,6 +157,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--draft-max", type=int, default=4)
     ap.add_argument("--kernel", default="ggml")
+    ap.add_argument("--concurrent", type=int, default=0, metavar="N",
+                    help="also N sequences at once, speculation off against ngram (aggregate tokens/s)")
     ap.add_argument("--out", help="append the table to this markdown file (docs/benchmarks.md)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-spec-") as d:
