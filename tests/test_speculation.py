@@ -359,3 +359,40 @@ async def test_replay_on_ban_with_speculation_ends_equal_to_monolithic(tiny_f32)
     assert disp.banned.keys() == {"liar"} and replays.sequences >= 1, (disp.banned, replays)
     assert spec.accepted > 0
     assert got == want
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+async def test_concurrent_speculating_sequences_equal_each_alone(q35, micro_batches):
+    """Four sequences speculating in the same steps (split into pipelined micro-batches or not, the
+    ggml kernel's layer graphs and their kept results interleaving): each sequence's tokens equal
+    its own run alone without speculation (batch-invariant mode)."""
+    import trio
+
+    prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(4 + 2 * i)] for i in range(4)]
+    samplers = [lambda i: None if i % 2 == 0 else Sampler(0.8, 0.9, seed=i)][0]
+    n = 24
+    async with open_backbone(q35, workers=2, transport="inproc") as swarm:
+        bb = swarm.backbone
+        want = []
+        for i, p in enumerate(prompts):
+            toks, _ = (await _run(bb, [p], [samplers(i)], None, n))[0][0]
+            want.append(toks)
+        sched = Scheduler(bb, None, micro_batches=micro_batches,
+                          speculate=Speculation("ngram", 3, drafter=_oracle(prompts, want)))
+        got: dict[int, list[int]] = {}
+
+        async def one(i, req):
+            async with req:
+                got[i] = [s.token async for s in req]
+
+        reqs = [sched.submit(p, Params(max_tokens=n, sampler=samplers(i), stop_at_eos=False))
+                for i, p in enumerate(prompts)]
+        async with trio.open_nursery() as nursery:
+            async with trio.open_nursery() as clients:
+                for i, r in enumerate(reqs):
+                    clients.start_soon(one, i, r)
+                await nursery.start(sched.run)
+            nursery.cancel_scope.cancel()
+    assert [got[i] for i in range(4)] == want
+    assert sched.spec.accepted > 0 and sched.spec.accepted < sched.spec.drafted
+    assert sched.last_micro_batches == micro_batches
