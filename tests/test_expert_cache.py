@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -156,3 +157,89 @@ def test_backbone_file_through_the_libp2p_swarm(models_dir, arch, tmp_path):
             assert stats["fallbacks"] == 0 and stats["local_groups"] == 0 and stats["remote_groups"] > 0, stats
             assert stats["expert_cache"]["units"] == 0 and stats["expert_cache"]["misses"] > 0
             assert np.array_equal(np.load(mono), np.load(out))
+
+
+def _complete(base: str, prompt: str, n: int, *, on_piece=None) -> str:
+    """A greedy streamed completion's text; ``on_piece(i)`` after each piece."""
+    import httpx
+
+    pieces = []
+    with httpx.Client(base_url=base, timeout=180) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                        "stream": True}) as s:
+            for line in s.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                pieces.append(ev["choices"][0]["text"])
+                if on_piece is not None:
+                    on_piece(len(pieces))
+    return "".join(pieces)
+
+
+@pytest.mark.slow
+def test_every_replica_killed_mid_generation_then_no_holder(models_dir, tmp_path):
+    """A backbone from the backbone file with --expert-cache none, two workers (experts 0-7 and
+    8-15, one replica each) and a serve-shards seeder. The worker of 0-7 is killed mid-generation:
+    the backbone fetches those units' slabs from the seeder (checked against the manifest), caches
+    and computes them, and the text is the one the whole swarm gave. With the seeder gone too (the
+    cache trimmed back to none), a request ends with a 503 naming the missing units."""
+    import httpx
+
+    from conftest import run_cli
+    from helpers.procs import Proc, start_bootstrap, start_shard_workers
+    from p2pswarm.model.manifest import source_fingerprint
+
+    path = arch_model(models_dir, "qwen35moe")
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(ModelLayout.open(path))
+    issuer_key = tmp_path / "issuer.key"
+    issuer = run_cli("identity", "--path", str(issuer_key), env=env, check=True).stdout.split()[-1]
+    bb_id = run_cli("identity", "--path", str(tmp_path / "bb.key"), env=env, check=True).stdout.split()[-1]
+    manifest = tmp_path / "m.manifest"
+    run_cli("manifest", "--model", str(path), "--key", str(issuer_key), "--out", str(manifest), env=env, check=True)
+    token = tmp_path / "bb.token"
+    run_cli("token", "issue", "--key", str(issuer_key), "--peer", bb_id, "--allow", f"shard:{fp}", "--ttl", "1h",
+            "--out", str(token), env=env, check=True)
+    nodes: list = []
+    try:
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        seeder = Proc(["serve-shards", "--model", str(path), "--manifest", str(manifest), "--trust-issuer", issuer,
+                       "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")], tmp_path / "seed.log", env)
+        nodes.append(seeder)
+        w0, w1 = start_shard_workers(path, tmp_path, env, [(0, 8), (8, 16)], boot.addr, ("--ttl", "600"))
+        nodes += [w0, w1]
+        bb = Proc(["node", "--role", "backbone", "--model", str(bfile), "--expert-cache", "none", "--token",
+                   str(token), "--trust-issuer", issuer, "--bootstrap", boot.addr, "--http", "127.0.0.1:0",
+                   "--identity", str(tmp_path / "bb.key"), "--cache-refill", "1", "--verify-rate", "0"],
+                  tmp_path / "bb.log", env)
+        nodes.append(bb)
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        assert ", 0 missing" in bb.text(), bb.text()[-2000:]
+        whole = _complete(base, "hello swarm", 24)
+        assert "fetched" not in bb.text()  # the workers computed every expert
+
+        def kill_at(i: int) -> None:
+            if i == 4:
+                w0.kill()
+
+        assert _complete(base, "hello swarm", 24, on_piece=kill_at) == whole
+        log = bb.text()
+        assert "fetched" in log and "fails its manifest hash" not in log, log[-3000:]
+        seeder.stop()
+        time.sleep(2.5)  # two refills: the fetched units are dropped again (--expert-cache none)
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hello swarm", "max_tokens": 4, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 503, r.text
+        msg = r.json()["error"]["message"]
+        assert "no live owner holds expert(s)" in msg and "coverage units L" in msg
+        assert time.monotonic() - t0 < 45  # the stated bound (30 s) plus a step's own time
+    finally:
+        for n in reversed(nodes):
+            n.stop()

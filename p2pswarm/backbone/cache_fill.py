@@ -126,48 +126,56 @@ class CacheFiller:
             todo = [e for e in sorted(set(experts)) if not self.cache.holds(layer, e)]
             if not todo:
                 return 0
-            got = 0
-            sources = await self._find()
-            if not sources:
-                log.warning("expert cache: no shard source for model %s in the swarm (a `serve-shards` seeder or "
-                            "a backbone with --manifest): cannot fetch layer %d experts %s", self.model[:12], layer,
-                            todo)
-            for src in sources:
-                if not todo:
-                    break
-                name = _source_name(src)
-                try:
-                    sess = await self._session(src, layer, todo)
-                except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
-                        OSError, KeyError) as exc:
-                    log.warning("expert cache: source %s: %s", name, clip(exc, 300))
-                    continue
-                try:
-                    for e in list(todo):
-                        t0 = time.perf_counter()
-                        data = await self._unit(sess, layer, e)
-                        if data is None:
-                            break  # a lying source: the rest from another
-                        if not self._make_room(layer) and not over_capacity:
-                            todo.remove(e)
-                            continue
-                        await trio.to_thread.run_sync(self.store.put, layer, e, data)
-                        self.cache.add(layer, e)
-                        s = self.cache.stats
-                        s.fetches += 1
-                        s.fetch_bytes += sum(len(b) for b in data.values())
-                        s.fetch_seconds += time.perf_counter() - t0
+            pinned: list[tuple[int, int]] = []  # what this call fetched stays until the step uses it
+            try:
+                return await self._fetch(layer, todo, over_capacity, pinned)
+            finally:
+                self.cache.unpin(pinned)
+
+    async def _fetch(self, layer: int, todo: list[int], over_capacity: bool, pinned: list) -> int:
+        got = 0
+        sources = await self._find()
+        if not sources:
+            log.warning("expert cache: no shard source for model %s in the swarm (a `serve-shards` seeder or "
+                        "a backbone with --manifest): cannot fetch layer %d experts %s", self.model[:12], layer,
+                        todo)
+        for src in sources:
+            if not todo:
+                break
+            name = _source_name(src)
+            try:
+                sess = await self._session(src, layer, todo)
+            except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
+                    OSError, KeyError) as exc:
+                log.warning("expert cache: source %s: %s", name, clip(exc, 300))
+                continue
+            try:
+                for e in list(todo):
+                    t0 = time.perf_counter()
+                    data = await self._unit(sess, layer, e)
+                    if data is None:
+                        break  # a lying source: the rest from another
+                    if not over_capacity and not self._make_room(layer):
                         todo.remove(e)
-                        got += 1
-                except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
-                        OSError) as exc:
-                    log.warning("expert cache: fetching from %s failed: %s", name, clip(exc, 300))
-                finally:
-                    await sess.stream.aclose()
-            if got:
-                log.info("expert cache: fetched %d unit(s) of layer %d (%d cached, %.1f of %.1f MB)", got, layer,
-                         len(self.cache.held), self.cache.used / 1e6, self.cache.capacity / 1e6)
-            return got
+                        continue
+                    await trio.to_thread.run_sync(self.store.put, layer, e, data)
+                    self.cache.add(layer, e)
+                    pinned += self.cache.pin(layer, [e])
+                    s = self.cache.stats
+                    s.fetches += 1
+                    s.fetch_bytes += sum(len(b) for b in data.values())
+                    s.fetch_seconds += time.perf_counter() - t0
+                    todo.remove(e)
+                    got += 1
+            except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
+                    OSError) as exc:
+                log.warning("expert cache: fetching from %s failed: %s", name, clip(exc, 300))
+            finally:
+                await sess.stream.aclose()
+        if got:
+            log.info("expert cache: fetched %d unit(s) of layer %d (%d cached, %.1f of %.1f MB)", got, layer,
+                     len(self.cache.held), self.cache.used / 1e6, self.cache.capacity / 1e6)
+        return got
 
     async def refill(self) -> tuple[int, int]:
         """Move the cache towards the hottest units by demand: (units fetched, units dropped)."""

@@ -182,6 +182,9 @@ def add_parser(sub) -> None:
                         "requests were cut) (default 10)")
     add_market_args(p, "backbone: ")
     add_expert_cache_arg(p, "backbone: ")
+    p.add_argument("--cache-refill", type=float, default=30.0, metavar="SECONDS",
+                   help="backbone with --expert-cache below all: move the cache to the hottest experts by measured "
+                        "demand this often (fetched from the swarm for a backbone file; default 30)")
     add_net_args(p)
     add_kernel_args(p)
     p.set_defaults(func=run)
@@ -461,7 +464,8 @@ async def _backbone(args) -> None:
                                    demand_ttl_s=args.demand_ttl, direct=args.use_direct,
                                    hot_experts=args.hot_experts and args.http_socket is not None,
                                    expert_cache=args.expert_cache_size, shard_token=args.backbone_token,
-                                   trust_issuers=args.trust_issuer, **market_kwargs(args)) as swarm:
+                                   trust_issuers=args.trust_issuer, cache_refill_s=args.cache_refill,
+                                   **market_kwargs(args)) as swarm:
         # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
                  swarm.local.fingerprint, swarm.resolver.kernel)
@@ -524,6 +528,8 @@ def run(args) -> int:
         require_backbone_model(args.model)
         args.expert_cache_size = expert_cache_size(args)  # a bad value: one line now
         args.backbone_token = None
+        if not args.cache_refill > 0:
+            raise UserError("--cache-refill must be > 0 seconds")
         if args.token:  # a backbone file's cache is filled from the swarm's shard sources with it
             from p2pswarm.net.tokens import load_token
 
