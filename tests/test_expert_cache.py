@@ -243,3 +243,54 @@ def test_every_replica_killed_mid_generation_then_no_holder(models_dir, tmp_path
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+async def test_refill_by_demand_status_metrics_and_demand_record(models_dir):
+    """The cache moves to the hottest units by the dispatcher's measured demand (only what fits;
+    a pinned unit is never dropped); /metrics, the status snapshot and the signed demand record
+    show it (the record flags the units the backbone lacks)."""
+    from prometheus_client import generate_latest
+
+    from p2pswarm.backbone.dispatch import DemandCounter
+    from p2pswarm.backbone.metrics import BackboneMetrics
+    from p2pswarm.backbone.status_page import SwarmView
+    from p2pswarm.market.demand import DemandRecord
+    from p2pswarm.net.identity import Identity
+
+    path = arch_model(models_dir, "deepseek2")
+    async with open_backbone(path, workers=2, kernel="numpy", expert_cache=ec.parse_cache_size("25%")) as swarm:
+        cache, d = swarm.cache, swarm.backbone.dispatcher
+        assert d.hot_experts is False  # open_backbone's default; None would turn it on for a cache
+        layers = cache.layers
+        per_layer = cache.capacity // cache.unit_bytes[layers[0]] // len(layers)
+        demand = DemandCounter(half_life_s=1e9)
+        hot = [(layer, 15 - i) for layer in layers for i in range(per_layer)]  # the last experts: none cached
+        for layer, e in hot:
+            demand.add(layer, [(e, np.arange(5))])
+        pinned = cache.pin(layers[0], [0])
+        added, dropped = cache.rebalance(demand.top(1000))
+        assert (layers[0], 0) in cache.held  # pinned: kept through the refill
+        cache.unpin(pinned)
+        added2, dropped2 = cache.rebalance(demand.top(1000))
+        assert set(hot) <= cache.held and cache.used <= cache.capacity and added + added2 == len(hot)
+        await swarm.backbone.logits(TOKENS)  # hits and misses counted
+        st = cache.status()
+        assert st["hits"] + st["misses"] > 0 and st["units"] == len(cache.held)
+
+        metrics = BackboneMetrics(d, lambda: (0, 0, 0), lambda: 0)
+        text = generate_latest(metrics.registry).decode()
+        assert f'p2pswarm_expert_cache_lookups_total{{result="hit"}} {float(st["hits"])}' in text
+        assert f"p2pswarm_expert_cache_units {float(len(cache.held))}" in text
+        snap = SwarmView.for_backbone(swarm.backbone, swarm.layout).snapshot(
+            model="m", fingerprint="f", active=0, rate=metrics.rate, metrics_totals={})
+        assert snap["expert_cache"]["units"] == len(cache.held)
+
+        lacks = cache.lacks(layers, 8)
+        assert len(lacks) == 2 * len(layers) and any(lacks)
+        ident = Identity.generate()
+        rec = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
+                                unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks), lacks=lacks)
+        assert DemandRecord.verify(rec.signed).lacks == tuple(lacks)
+        plain = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
+                                  unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks))
+        assert DemandRecord.verify(plain.signed).lacks == ()

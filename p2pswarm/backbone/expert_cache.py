@@ -277,6 +277,13 @@ class ExpertCache:
                 added += 1
         return added, dropped
 
+    def lacks(self, layers, block_size: int) -> list[bool]:
+        """Per coverage unit (layer-major, ``block_size`` experts each): whether the cache misses
+        any of its experts - what the demand record tells workers this backbone needs them for."""
+        nb = -(-self.n_expert // block_size)
+        return [any((layer, e) not in self.held for e in range(b * block_size, min((b + 1) * block_size, self.n_expert)))
+                for layer in layers for b in range(nb)]
+
     def count(self, layer: int, groups: Groups) -> None:
         """Hits and misses of one layer's routed groups."""
         for e, _ in groups:

@@ -177,12 +177,13 @@ def local_experts(layout: ModelLayout, kernel: str, expert_cache: CacheSize | No
 @asynccontextmanager
 async def open_backbone(model_path, *, workers: int = 0, transport: str = "socket", shard_dir=None,
                         fallback: bool = True, timeout_s: float = 30.0, kernel: str | None = None,
-                        threads: int | None = None, hot_experts: bool = False, verifier=None, ledger=None,
+                        threads: int | None = None, hot_experts: bool | None = False, verifier=None, ledger=None,
                         expert_cache: CacheSize | None = None):
     """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers.
 
     ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node.
     ``hot_experts``, ``verifier``, ``ledger``: the dispatcher's (:class:`Dispatcher`).
+    ``hot_experts`` None: on when the backbone keeps only part of the experts (a cache), else off.
     ``expert_cache``: ``--expert-cache`` (None: the default, :func:`local_experts`); a backbone
     file (``slice --backbone``) as ``model_path`` holds no experts: the swarm computes them."""
     layout = ModelLayout.open(model_path)
@@ -224,6 +225,8 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
                     ))
                 else:
                     raise UserError(f"unknown transport {transport!r} (use socket or inproc)")
+        if hot_experts is None:
+            hot_experts = cache is not None
         dispatcher = Dispatcher(bank, owners, fallback=fallback, hot_experts=hot_experts, verifier=verifier,
                                 ledger=ledger)
         if cache is not None and cache.store is None:  # the full model: a unit nobody holds is here

@@ -67,7 +67,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                               verify_rate: float = DEFAULT_VERIFY_RATE, verify_seed: int | None = None,
                               trust_bans: tuple[str, ...] | list[str] = (), receipt_period_s: float = 60.0,
                               ban_refresh_s: float = 30.0, demand_ttl_s: float | None = None, direct: bool = True,
-                              hot_experts: bool = False, expert_cache=None, shard_token: str | None = None,
+                              hot_experts: bool | None = False, expert_cache=None, shard_token: str | None = None,
                               trust_issuers: list[str] | None = None, cache_refill_s: float = 30.0):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
     things up but does not join other nodes' routing tables, where it would linger as a dead or
@@ -130,6 +130,9 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                 layers=layout.expert_layers, n_expert=layout.n_expert, block_size=block_size,
                                 unit_bytes=[layout.expert_bytes(layer) * block_size for layer in layout.expert_layers],
                                 ttl_s=demand_ttl_s or DEFAULT_DEMAND_TTL_S)
+                            if local.cache is not None:  # workers learn which units we cannot compute
+                                cache = local.cache
+                                publisher.lacks = lambda: cache.lacks(layout.expert_layers, block_size)
                             nursery.start_soon(publisher.run)
                         _start_cache_fill(nursery, local, net, dht, shard_token, trust_issuers or [],
                                           cache_refill_s)

@@ -136,10 +136,13 @@ def add_parser(sub) -> None:
                         "default: the --direct port on the address they reached us at")
     p.add_argument("--no-direct", dest="use_direct", action="store_false",
                    help="backbone: keep every worker's requests on libp2p, even where it offers a direct lane")
-    p.add_argument("--hot-experts", action="store_true",
+    p.add_argument("--hot-experts", action="store_const", const=True, default=None,
                    help="backbone: compute an owner's experts locally when its measured round trip is longer "
                         "than computing them here (same bits; an owner kept local is probed in the background "
-                        "every 2 s to measure it again; docs/architecture.md)")
+                        "every 2 s to measure it again; docs/architecture.md). Default: on for a backbone whose "
+                        "--expert-cache is below all (only for owners whose experts are all cached), else off")
+    p.add_argument("--no-hot-experts", dest="hot_experts", action="store_const", const=False,
+                   help="backbone: never keep an owner's experts local (see --hot-experts)")
     p.add_argument("--wire-precision", choices=("f32", "f16", "bf16"), default="f32",
                    help="backbone: round every routed expert's output to 16 bits, whoever computes it (workers "
                         "then send half the bytes; a backbone alone with the same setting gives the same bits; "
@@ -462,7 +465,7 @@ async def _backbone(args) -> None:
                                    block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout,
                                    demand_ttl_s=args.demand_ttl, direct=args.use_direct,
-                                   hot_experts=args.hot_experts and args.http_socket is not None,
+                                   hot_experts=args.hot_experts if args.http_socket is not None else False,
                                    expert_cache=args.expert_cache_size, shard_token=args.backbone_token,
                                    trust_issuers=args.trust_issuer, cache_refill_s=args.cache_refill,
                                    **market_kwargs(args)) as swarm:
