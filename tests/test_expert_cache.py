@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,10 +182,11 @@ def _complete(base: str, prompt: str, n: int, *, on_piece=None) -> str:
 @pytest.mark.slow
 def test_every_replica_killed_mid_generation_then_no_holder(models_dir, tmp_path):
     """A backbone from the backbone file with --expert-cache none, two workers (experts 0-7 and
-    8-15, one replica each) and a serve-shards seeder. The worker of 0-7 is killed mid-generation:
-    the backbone fetches those units' slabs from the seeder (checked against the manifest), caches
-    and computes them, and the text is the one the whole swarm gave. With the seeder gone too (the
-    cache trimmed back to none), a request ends with a 503 naming the missing units."""
+    8-15, one replica each) and a serve-shards seeder that corrupts its first chunk. The worker of
+    0-7 is killed mid-generation: the backbone fetches those units' slabs from the seeder, checked
+    against the manifest (the corrupted slab is reported with its source, never cached; asked
+    again), caches and computes them, and the text is the one the whole swarm gave. With the
+    seeder gone too (the cache trimmed back to none), a request ends with a 503 naming the units."""
     import httpx
 
     from conftest import run_cli
@@ -209,8 +211,10 @@ def test_every_replica_killed_mid_generation_then_no_holder(models_dir, tmp_path
     try:
         boot = start_bootstrap(tmp_path, env)
         nodes.append(boot)
-        seeder = Proc(["serve-shards", "--model", str(path), "--manifest", str(manifest), "--trust-issuer", issuer,
-                       "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")], tmp_path / "seed.log", env)
+        seed_id = run_cli("identity", "--path", str(tmp_path / "seed.key"), env=env, check=True).stdout.split()[-1]
+        seeder = Proc(["--corrupt-chunks", "1", "serve-shards", "--model", str(path), "--manifest", str(manifest),
+                       "--trust-issuer", issuer, "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")],
+                      tmp_path / "seed.log", env, entry=[str(Path(__file__).parent / "helpers" / "faulty_serve_shards.py")])
         nodes.append(seeder)
         w0, w1 = start_shard_workers(path, tmp_path, env, [(0, 8), (8, 16)], boot.addr, ("--ttl", "600"))
         nodes += [w0, w1]
@@ -230,7 +234,11 @@ def test_every_replica_killed_mid_generation_then_no_holder(models_dir, tmp_path
 
         assert _complete(base, "hello swarm", 24, on_piece=kill_at) == whole
         log = bb.text()
-        assert "fetched" in log and "fails its manifest hash" not in log, log[-3000:]
+        assert "fetched" in log and f"source {seed_id} sent a slab" in log and "fails its manifest hash" in log, \
+            log[-3000:]
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        assert "p2pswarm_expert_cache_bad_slabs_total 1.0" in metrics
+        assert "p2pswarm_expert_cache_fetches_total 0.0" not in metrics
         seeder.stop()
         time.sleep(2.5)  # two refills: the fetched units are dropped again (--expert-cache none)
         t0 = time.monotonic()

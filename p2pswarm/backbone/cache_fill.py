@@ -102,7 +102,8 @@ class CacheFiller:
             if hashlib.sha256(data).digest() != want:
                 self.cache.stats.bad_slabs += 1
                 log.warning("expert cache: source %s sent a slab of %s expert %d that fails its manifest hash: "
-                            "not cached, not computed; asking another source", sess.source, slab.tensor, expert)
+                            "not cached, not computed; asking again (another source first)", sess.source,
+                            slab.tensor, expert)
                 return None
             out[slab.tensor] = data
         return out
@@ -139,7 +140,9 @@ class CacheFiller:
             log.warning("expert cache: no shard source for model %s in the swarm (a `serve-shards` seeder or "
                         "a backbone with --manifest): cannot fetch layer %d experts %s", self.model[:12], layer,
                         todo)
-        for src in sources:
+        # every source twice at most (a bad slab or a broken stream: the others first, then once again,
+        # as a worker's download does), so one corrupted chunk does not lose the unit
+        for src in sources + sources:
             if not todo:
                 break
             name = _source_name(src)
