@@ -298,6 +298,7 @@ class ExpertCache:
         return {"capacity_bytes": self.capacity, "used_bytes": self.used, "units": len(self.held),
                 "units_total": len(self.layers) * self.n_expert, "total_bytes": self.total_bytes,
                 "hit_rate": None if rate is None else round(rate, 4), "hits": s.hits, "misses": s.misses,
-                "fetches": s.fetches, "fetch_bytes": s.fetch_bytes, "bad_slabs": s.bad_slabs,
+                "fetches": s.fetches, "fetch_bytes": s.fetch_bytes, "fetch_seconds": round(s.fetch_seconds, 4),
+                "bad_slabs": s.bad_slabs,
                 "evictions": s.evictions, "no_owner_units": len(s.no_owner),
                 "disk_bytes": self.store.disk_bytes() if self.store is not None else None}
