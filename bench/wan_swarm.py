@@ -40,7 +40,8 @@ class WanSwarm:
     def __init__(self, model: Path, *, ranges: list[tuple[int, int]], rtt_ms: float, workdir: Path,
                  kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0,
                  wrapper: str | None = None, threads: int | None = 1, direct: bool = False,
-                 proxy_at_zero: bool = False, proxies: str = "shared", proxy_args: list[str] | None = None):
+                 proxy_at_zero: bool = False, proxies: str = "shared", proxy_args: list[str] | None = None,
+                 backbone_model: Path | None = None):
         """``wrapper``: a script run instead of ``-m MODULE`` as ``python WRAPPER MODULE args`` for every
         node and proxy (bench/trace_entry.py: per-hop timestamps). ``threads``: every node's kernel
         threads (``P2PSWARM_THREADS``; 1: ten processes share this machine's cores; ``None``: the
@@ -51,11 +52,14 @@ class WanSwarm:
         ``proxy_at_zero``: a proxy even at ``rtt_ms=0`` (by default a 0 ms swarm has none);
         ``proxies``: ``"shared"`` (one proxy process for every link) or ``"per-link"`` (one each;
         see :meth:`_proxies`); ``proxy_args``: more ``wanproxy`` arguments (bandwidth caps: with one
-        proxy process, ``--shared-*-mbps`` caps every link together, as the backbone's own line)."""
+        proxy process, ``--shared-*-mbps`` caps every link together, as the backbone's own line).
+        ``backbone_model``: the backbone's ``--model`` when not ``model`` (the backbone file of
+        `slice --backbone`, bench/bench_expert_cache.py); the workers' shards are cut from ``model``."""
         if proxies not in ("shared", "per-link"):
             raise ValueError("proxies must be 'shared' or 'per-link'")
         self.proxy_mode = proxies
         self.model = Path(model)
+        self.backbone_model = Path(backbone_model) if backbone_model is not None else self.model
         self.ranges = ranges
         self.rtt_ms = rtt_ms
         self.dir = Path(workdir)
@@ -129,7 +133,7 @@ class WanSwarm:
                     "--listen", f"/ip4/127.0.0.1/tcp/{ports[i]}", "--announce", f"/ip4/127.0.0.1/tcp/{reach[i]}",
                     "--identity", str(self.dir / f"w{i}.key"), "--ttl", "300", "--kernel", self.kernel, *lane]))
             self.backbone = self._node("backbone", [
-                "node", "--role", "backbone", "--model", str(self.model), "--bootstrap", self.boot.ready[0],
+                "node", "--role", "backbone", "--model", str(self.backbone_model), "--bootstrap", self.boot.ready[0],
                 "--http", "127.0.0.1:0", "--identity", str(self.dir / "backbone.key"), "--kernel", self.kernel,
                 "--timeout", str(self.timeout_s), *self.backbone_args])
             http = next(w for w in self.backbone.ready if w.startswith("http="))[5:]

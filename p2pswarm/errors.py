@@ -49,6 +49,16 @@ class WorkerSlow(WorkerError):
     overloaded, maybe not dead. The backbone falls back and tries it again soon."""
 
 
+class UnitsUnavailable(PeerError):
+    """Routed experts that no live owner holds and the backbone could not get into its expert cache
+    (every replica gone, no peer holding the bytes): HTTP 503, naming the units."""
+
+    def __init__(self, *args: object, layer: int = -1, experts: list[int] | None = None):
+        super().__init__(*args)
+        self.layer = layer
+        self.experts = list(experts or [])
+
+
 def clip(text: object, limit: int = 300) -> str:
     """``text`` on one line, cut to about ``limit`` characters at a word boundary with " [...]".
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -42,12 +40,18 @@ import trio
 
 from p2pswarm import settings
 from p2pswarm.contracts import ExpertBank, Groups, Owner
-from p2pswarm.errors import UserError, WorkerError, WorkerSlow, first_error
+from p2pswarm.errors import UnitsUnavailable, UserError, WorkerError, WorkerSlow, first_error
 from p2pswarm.net import wire_precision
 from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
 
-from p2pswarm.backbone.row_probe import RowInvariance, probe_expert_rows
+from p2pswarm.backbone.dispatch_stats import DemandCounter, DispatchStats
+from p2pswarm.backbone.expert_cache import ExpertCache
+from p2pswarm.backbone.local_owners import InProcessOwner, LocalOwner, UnheldOwner, pack_rows, peer_of
+
+# the owners and counters split into their own modules, importable from here as before
+__all__ = ["DemandCounter", "DispatchStats", "Dispatcher", "InProcessOwner", "LocalOwner", "UnheldOwner",
+           "pack_rows", "peer_of", "FETCH_BOUND_S", "HOT_PROBE_S"]
 
 if TYPE_CHECKING:
     from p2pswarm.market.receipts import ContributionLedger
@@ -61,152 +65,10 @@ log = logging.getLogger("p2pswarm.backbone")
 #: once slow (a congested link, a phone waking up) would stay unused for good
 HOT_PROBE_S = 2.0
 
-
-def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
-    """The distinct rows an owner needs, once each, and the groups re-indexed into them.
-
-    A step of one row (a lone sequence decoding) needs no search: every group is that row."""
-    if len(cur) == 1 and groups:
-        return np.ascontiguousarray(cur), [(e, np.zeros(len(idx), np.int32)) for e, idx in groups]
-    wanted = np.unique(np.concatenate([idx for _, idx in groups])) if groups else np.zeros(0, np.int64)
-    rows = np.ascontiguousarray(cur[wanted])
-    return rows, [(e, np.searchsorted(wanted, idx).astype(np.int32)) for e, idx in groups]
-
-
-def peer_of(owner: "Owner") -> str:
-    """The identity an owner's work is credited to and banned by: a libp2p peer id where there is one."""
-    return owner.peer or owner.name
-
-
-class LocalOwner(Owner):
-    """The backbone's own replica: every expert, computed in this process: inline on the event loop
-    when measured to take less than the offload bound (a verification sample of a few rows, a
-    decode step's hot experts: the thread hop costs more), else in a thread (:mod:`p2pswarm.offload`).
-    ``offload`` is shared with the backbone's dense path (one policy per process, so the loop
-    never waits on a kernel lock a thread holds)."""
-
-    name = "local"
-    remote = False
-
-    def __init__(self, bank: ExpertBank, offload: Offload | None = None):
-        self.bank = bank
-        self.offload = Offload() if offload is None else offload
-        self.wire_precision: str | None = None  # the backbone's --wire-precision (p2pswarm.net.wire_precision)
-        self._rows: RowInvariance | None = None  # measured once (row_invariance)
-
-    def row_invariance(self, n_layer: int, n_embd: int) -> RowInvariance:
-        """Whether this replica's expert mat-muls give a row the same bits whatever rows share the
-        call (measured once, :func:`p2pswarm.backbone.row_probe.probe_expert_rows`)."""
-        if self._rows is None:
-            self._rows = probe_expert_rows(self.bank, n_layer, n_embd)
-        return self._rows
-
-    @property
-    def exact_rows(self) -> int:
-        """The most rows of a group the verifier may check on their selected rows alone: the
-        replica's kernel gives such a row the bits it gets in a call of all of them. 1 (every row
-        of a group recomputed, unless the group is one row) until :meth:`row_invariance` measured."""
-        return 1 if self._rows is None else self._rows.exact_rows
-
-    def holds(self, layer: int, expert: int) -> bool:
-        return self.bank.holds(layer, expert)
-
-    def forward_groups(self, layer, cur, groups) -> list[np.ndarray]:
-        """The bank's outputs, rounded as a worker's at the wire precision would be."""
-        outs = self.bank.forward_groups(layer, cur, groups)
-        p = self.wire_precision
-        return outs if p is None else [wire_precision.round_to(o, p) for o in outs]
-
-    async def compute(self, layer, cur, groups):
-        n = sum(len(idx) for _, idx in groups)
-        return await self.offload.run(partial(self.forward_groups, layer, cur, groups), n, "experts")
-
-
-class InProcessOwner(Owner):
-    """A worker object in this process: same packing and same worker code as a remote one."""
-
-    def __init__(self, worker, name: str):
-        self.worker = worker
-        self.name = name
-
-    def holds(self, layer, expert):
-        return self.worker.bank.holds(layer, expert)
-
-    async def compute(self, layer, cur, groups, family=None):
-        rows, local_groups = pack_rows(cur, groups)
-        outs = await self.worker.compute_async(layer, rows, local_groups, family)
-        p = self.wire_precision  # as a worker process's would come back
-        return outs if p is None else [wire_precision.round_to(o, p) for o in outs]
-
-
-@dataclass
-class DispatchStats:
-    """Counters over the dispatcher's life; `snapshot()` and differences give per-step numbers."""
-
-    layers: int = 0
-    requests: int = 0
-    remote_rows: int = 0
-    local_groups: int = 0
-    remote_groups: int = 0
-    fallbacks: int = 0
-    seconds: float = 0.0
-    per_owner: dict[str, int] = field(default_factory=dict)
-    deadline_misses: int = 0  # fallbacks because a worker missed its learnt deadline (hung, not dead)
-    verified_groups: int = 0  # remote groups recomputed locally to check them (Dispatcher.verifier)
-    mismatches: int = 0  # checked groups whose outputs differed from the local replica's (each bans)
-    recoveries: int = 0  # back-offs ended early: the worker's late reply came (it was late, not hung)
-    probes: int = 0  # background requests to owners the hot-expert path kept local (not in ``requests``)
-    per_owner_rows: dict[str, int] = field(default_factory=dict)  # (expert, row) pairs sent to each remote owner
-
-    def snapshot(self) -> "DispatchStats":
-        return DispatchStats(self.layers, self.requests, self.remote_rows, self.local_groups, self.remote_groups,
-                             self.fallbacks, self.seconds, dict(self.per_owner), self.deadline_misses,
-                             self.verified_groups, self.mismatches, self.recoveries, self.probes,
-                             dict(self.per_owner_rows))
-
-    def since(self, before: "DispatchStats") -> "DispatchStats":
-        return DispatchStats(
-            self.layers - before.layers, self.requests - before.requests, self.remote_rows - before.remote_rows,
-            self.local_groups - before.local_groups, self.remote_groups - before.remote_groups,
-            self.fallbacks - before.fallbacks, self.seconds - before.seconds,
-            {k: v - before.per_owner.get(k, 0) for k, v in self.per_owner.items()},
-            self.deadline_misses - before.deadline_misses,
-            self.verified_groups - before.verified_groups, self.mismatches - before.mismatches,
-            self.recoveries - before.recoveries, self.probes - before.probes,
-            {k: v - before.per_owner_rows.get(k, 0) for k, v in self.per_owner_rows.items()},
-        )
-
-
-class DemandCounter:
-    """How often each (layer, expert) is routed, decayed exponentially with a half-life in seconds:
-    the demand signal a coverage market publishes (which experts are hot, and how hot).
-
-    Counts routed rows (token, expert pairs), not requests, so it measures the work an owner of the
-    expert would do. ``value(layer, expert)`` and ``top(n)`` read it as of now."""
-
-    def __init__(self, half_life_s: float = 60.0):
-        self.half_life_s = half_life_s
-        self._counts: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (value, at)
-
-    def _decay(self, value: float, at: float, now: float) -> float:
-        return value * 0.5 ** ((now - at) / self.half_life_s)
-
-    def add(self, layer: int, groups: Groups, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        for e, idx in groups:
-            key = (layer, int(e))
-            v, at = self._counts.get(key, (0.0, now))
-            self._counts[key] = (self._decay(v, at, now) + len(idx), now)
-
-    def value(self, layer: int, expert: int, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        v, at = self._counts.get((layer, expert), (0.0, now))
-        return self._decay(v, at, now)
-
-    def top(self, n: int = 10, now: float | None = None) -> list[tuple[tuple[int, int], float]]:
-        now = time.monotonic() if now is None else now
-        vals = [(k, self._decay(v, at, now)) for k, (v, at) in self._counts.items()]
-        return sorted(vals, key=lambda kv: -kv[1])[:n]
+#: how long a step waits for units no live owner holds to be fetched into the expert cache before
+#: the requests in it fail with :class:`UnitsUnavailable` (a slab of a 671B model's expert is ~7 MB
+#: per tensor: seconds on any link that can serve it)
+FETCH_BOUND_S = 30.0
 
 
 class Dispatcher:
@@ -250,6 +112,14 @@ class Dispatcher:
         self.ban_epoch = 0  # bumped by every new ban: sequences tainted by the peer must be replayed
         #: fn(peer) told of every new ban (the scheduler wakes up for it)
         self.ban_listeners: list[Callable[[str], object]] = []
+        #: the backbone's experts as a bounded cache (--expert-cache): units it lacks go to owners,
+        #: and a unit no live owner holds goes to :class:`UnheldOwner` (fetched, or a clear error)
+        self.cache: ExpertCache | None = local if isinstance(local, ExpertCache) else None
+        self.unheld = UnheldOwner(self)
+        #: ``await fetch(layer, experts)``: put units no live owner holds into the cache (the swarm
+        #: session's :class:`~p2pswarm.backbone.cache_fill.CacheFiller`); None: such a unit fails
+        self.fetch: Callable[[int, list[int]], Any] | None = None
+        self.fetch_bound_s = FETCH_BOUND_S
 
     @property
     def exact_rows(self) -> int:
@@ -320,21 +190,25 @@ class Dispatcher:
         """Owner -> indices of the groups it computes (an expert may have several groups).
         ``kept``, if given, receives the owners the hot-expert path kept local, with their groups."""
         plan: dict[Owner, list[int]] = {}
+        local = self.local
         for i, (e, _) in enumerate(groups):
-            owner = next((o for o in self.owners if o.holds(layer, e) and self.healthy(o)), self.local)
+            owner = next((o for o in self.owners if o.holds(layer, e) and self.healthy(o)), None)
+            if owner is None:  # the local replica, or (a unit the expert cache lacks) fetched first
+                owner = local if local.holds(layer, e) else self.unheld
             plan.setdefault(owner, []).append(i)
         if self.hot_experts:
-            moved = self._keep_hot_local(plan, groups)
+            moved = self._keep_hot_local(layer, plan, groups)
             if kept is not None:
                 kept.update(moved)
         return plan
 
-    def _keep_hot_local(self, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
+    def _keep_hot_local(self, layer: int, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
         """The hot-expert path: an owner whose expected round trip for this request (its measured
         round trips, by request size where it fits them: a link's bandwidth makes a big request
         slower, see ``remote_s``) is longer than computing its groups here (on top of what is
         already local this layer) gets no request; the local
-        replica computes them, with the same kernel, so the result is the same bits. Returns the
+        replica computes them, with the same kernel, so the result is the same bits (only an owner
+        whose groups are all in the local expert cache: the others need the owner anyway). Returns the
         owners kept local, with their groups (:meth:`run_groups` probes them now and then)."""
         moved: dict[Owner, list[int]] = {}
         rate = self.local_row_s
@@ -353,6 +227,8 @@ class Dispatcher:
         remote = sorted(((remote_s(o), o) for o in plan if o.remote and o.rtt_s is not None),
                         key=lambda so: -so[0])
         for wait_s, owner in remote:
+            if self.cache is not None and not all(self.local.holds(layer, groups[i][0]) for i in plan[owner]):
+                continue
             rows = sum(len(groups[i][1]) for i in plan[owner])
             if rate is None:  # never measured: compute one owner's share here once, and time it
                 cost = 0.0
@@ -404,6 +280,9 @@ class Dispatcher:
         t0 = time.perf_counter()
         plan = self.route(layer, cur, groups)
         results: list[np.ndarray | None] = [None] * len(groups)
+        cache = self.cache
+        # the cache's refill never drops a unit this layer may still compute (here, a fallback, a check)
+        pinned = cache.pin(layer, [e for e, _ in groups]) if cache is not None else []
 
         async def one(owner: Owner, which: list[int]) -> None:
             outs = await self._owner_outputs(owner, layer, cur, [groups[i] for i in which], taint)
@@ -416,6 +295,9 @@ class Dispatcher:
                     nursery.start_soon(one, owner, which)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
+        finally:
+            if cache is not None:
+                cache.unpin(pinned)
         self._count(plan, groups, time.perf_counter() - t0)
         return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
 
@@ -425,6 +307,8 @@ class Dispatcher:
         local replica also for what a slow owner would take longer to return (those owners are
         probed now and then in the background). Counts the demand."""
         self.demand.add(layer, groups)
+        if self.cache is not None:
+            self.cache.count(layer, groups)
         kept: dict[Owner, list[int]] = {}
         plan = self._assign(layer, groups, kept)
         if self.hot_experts:  # when each owner was last asked, and probes of those kept local
@@ -445,6 +329,8 @@ class Dispatcher:
         (:meth:`_verified`), or the local replica's after it failed (:meth:`_fall_back`)."""
         picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
                   if owner.remote and self.verifier is not None else [])
+        if picked and self.cache is not None:  # only a cached unit can be recomputed here
+            picked = [(i, at) for i, at in picked if self.local.holds(layer, owner_groups[i][0])]
         refs: list[np.ndarray] = []
         try:
             tc = time.perf_counter()
@@ -483,9 +369,51 @@ class Dispatcher:
         self.stats.fallbacks += 1
         if slow:
             self.stats.deadline_misses += 1
-        log.warning("worker %s failed on layer %d (%s): fell back to the local replica for %d experts;"
-                    " avoiding it for %.0f s", owner.name, layer, exc, len(owner_groups), backoff)
-        return await self.local.compute(layer, cur, owner_groups)
+        log.warning("worker %s failed on layer %d (%s): fell back to %s for %d experts;"
+                    " avoiding it for %.0f s", owner.name, layer, exc,
+                    "the local replica" if self.cache is None else "another replica or the expert cache",
+                    len(owner_groups), backoff)
+        return await self.recompute(layer, cur, owner_groups)
+
+    async def recompute(self, layer: int, cur: np.ndarray, groups: Groups,
+                        taint: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+        """Groups an owner failed (or lied) on, computed elsewhere: on the local replica where it
+        holds them all (always, without an expert cache), else routed again - the failed owner is
+        backed off or banned by now, so another replica, the cache or a fetch takes them."""
+        if all(self.local.holds(layer, e) for e, _ in groups):
+            return await self.local.compute(layer, cur, groups)
+        plan = self._assign(layer, groups)
+        results: list[np.ndarray | None] = [None] * len(groups)
+
+        async def one(owner: Owner, which: list[int]) -> None:
+            outs = await self._owner_outputs(owner, layer, cur, [groups[i] for i in which], taint)
+            for i, out in zip(which, outs):
+                results[i] = out
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for owner, which in plan.items():
+                    nursery.start_soon(one, owner, which)
+        except BaseExceptionGroup as group:
+            raise first_error(group) from None
+        return results  # type: ignore[return-value]  # (every slot filled)
+
+    async def obtain(self, layer: int, experts: list[int]) -> None:
+        """Units of ``layer`` no live owner holds, put into the expert cache (``fetch``) within
+        ``fetch_bound_s``; :class:`UnitsUnavailable` naming those it could not get."""
+        cache = self.cache
+        if cache is not None:
+            cache.stats.no_owner.update((layer, e) for e in experts)
+        if self.fetch is not None:
+            with trio.move_on_after(self.fetch_bound_s):
+                await self.fetch(layer, experts)
+        missing = [e for e in experts if not self.local.holds(layer, e)]
+        if missing:
+            how = (f"and none could be fetched within {self.fetch_bound_s:.0f} s" if self.fetch is not None
+                   else "and this backbone fetches none (no --token for shard downloads)")
+            raise UnitsUnavailable(f"no live owner holds expert(s) {', '.join(map(str, missing))} of layer {layer} "
+                                   f"(coverage units {', '.join(sorted({f'L{layer}/E{e}' for e in missing}))}), "
+                                   f"the backbone's expert cache lacks them {how}", layer=layer, experts=missing)
 
     def _count(self, plan: dict[Owner, list[int]], groups: Groups, seconds: float) -> None:
         s = self.stats
@@ -558,7 +486,7 @@ class Dispatcher:
         the way (another request caught it, or a ban record arrived) is not used either."""
         peer = peer_of(owner)
         if peer in self.banned:
-            return await self.local.compute(layer, cur, groups), False
+            return await self.recompute(layer, cur, groups), False
         self.stats.verified_groups += len(picked)
         if self.verifier is not None:
             evidence = self.verifier.check(peer, layer, cur, groups, outs, picked, refs)
@@ -570,7 +498,7 @@ class Dispatcher:
                 else:
                     log.warning("BANNED worker %s: %s", peer, evidence.summary())
                 # checks may have covered some rows of a group only: recompute every group here
-                return await self.local.compute(layer, cur, groups), False
+                return await self.recompute(layer, cur, groups), False
         if self.ledger is not None:
             self.ledger.add(peer, sum(len(idx) for _, idx in groups), sum(int(o.nbytes) for o in outs))
         return outs, True
@@ -578,7 +506,7 @@ class Dispatcher:
     @property
     def all_local(self) -> bool:
         """No owner but the local replica (a monolithic backbone): every layer is one local call."""
-        return not self.owners
+        return not self.owners and (self.cache is None or self.cache.complete)
 
     def run_groups_local(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
         """:meth:`run_groups` when :attr:`all_local`, synchronously in the caller's thread: the

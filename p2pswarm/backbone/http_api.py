@@ -46,7 +46,7 @@ from p2pswarm.backbone.metrics import BackboneMetrics, wire_summary
 from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.status_page import SwarmView, status_html
-from p2pswarm.errors import InternalError, PeerError, UserError
+from p2pswarm.errors import InternalError, PeerError, UnitsUnavailable, UserError
 from p2pswarm.http_server import serve_asgi
 
 log = logging.getLogger("p2pswarm.http")
@@ -338,7 +338,8 @@ async def _events(head: dict, pieces, usage: Usage, params: GenParams, *, chat: 
             yield event({**head, "choices": [], "usage": usage.as_dict()})
     except Exception as exc:  # the status line is out: report in-band, as OpenAI's stream does
         log.warning("stream %s failed: %s", head["id"], exc)
-        err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {exc}", type="server_error")
+        err = (exc if isinstance(exc, APIError) else units_unavailable(exc) if isinstance(exc, UnitsUnavailable)
+               else APIError(500, f"generation failed: {exc}", type="server_error"))
         yield event(err.body())
     yield "data: [DONE]\n\n"
 
@@ -357,6 +358,18 @@ async def _peer_error(request: Request, exc: PeerError) -> Response:
     with the peer."""
     log.warning("%s %s failed: peer %s: %s", request.method, request.url.path, exc.peer or "?", exc)
     return JSONResponse(APIError(502, f"a peer failed: {exc}", type="server_error").body(), status_code=502)
+
+
+def units_unavailable(exc: UnitsUnavailable) -> APIError:
+    """Routed experts nobody in the swarm could compute (every replica gone, no peer holding the
+    bytes): a 503 naming them - the request was fine, the swarm lacks part of the model now."""
+    return APIError(503, f"the swarm cannot compute part of the model now: {exc}", type="server_error",
+                    code="experts_unavailable")
+
+
+async def _units_unavailable(request: Request, exc: UnitsUnavailable) -> Response:
+    log.warning("%s %s failed: %s", request.method, request.url.path, exc)
+    return JSONResponse(units_unavailable(exc).body(), status_code=503)
 
 
 async def _internal_error(request: Request, exc: InternalError) -> Response:
@@ -383,7 +396,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 #: what each kind of error becomes (p2pswarm/errors.py: whose fault it is); typed loosely because
 #: Starlette types a handler as taking any Exception
 _EXCEPTION_HANDLERS: dict[Any, Any] = {
-    APIError: _api_error, UserError: _user_error, PeerError: _peer_error, InternalError: _internal_error,
+    APIError: _api_error, UserError: _user_error, UnitsUnavailable: _units_unavailable, PeerError: _peer_error,
+    InternalError: _internal_error,
     HTTPException: _http_error, Exception: _server_error}
 
 

@@ -25,6 +25,13 @@ read at scrape time by a custom collector, so they never drift from the source.
     p2pswarm_owner_wire_bytes_total{owner, direction} the same per remote owner now known
     p2pswarm_draft_tokens_total{outcome}              speculative decoding: drafts verified, by accepted / rejected
     p2pswarm_draft_acceptance                         accepted / drafted so far (NaN before any draft)
+    p2pswarm_expert_cache_bytes{kind}                 the expert cache (--expert-cache): capacity / used
+    p2pswarm_expert_cache_units                       units (layer, expert) cached now
+    p2pswarm_expert_cache_lookups_total{result}       routed groups whose unit was cached (hit) or not (miss)
+    p2pswarm_expert_cache_fetches_total               units fetched into the cache (slabs checked against the manifest)
+    p2pswarm_expert_cache_fetch_bytes_total           their bytes
+    p2pswarm_expert_cache_bad_slabs_total             slabs that failed their manifest hash (never cached)
+    p2pswarm_expert_cache_no_owner_units              units routed while no live owner held them
 
 Wire bytes are counted at the transport stream, frame headers and handshakes included
 (:mod:`p2pswarm.net.wire_bytes`).
@@ -126,6 +133,9 @@ class _SwarmCollector:
             yield GaugeMetricFamily("p2pswarm_draft_acceptance", "Accepted / drafted tokens so far (speculative "
                                     "decoding; NaN before any draft)",
                                     value=sp.acceptance if sp.acceptance is not None else float("nan"))
+        cache = self.dispatcher.cache
+        if cache is not None:
+            yield from _cache_metrics(cache)
         r = self.replays
         if r is not None:
             for name, doc, value in (
@@ -136,6 +146,31 @@ class _SwarmCollector:
                     ("unfixable_finished", "Requests finished before a ban of a worker whose unchecked rows they used",
                      r.finished_unfixable)):
                 yield CounterMetricFamily(f"p2pswarm_{name}", doc, value=value)
+
+
+def _cache_metrics(cache):
+    """The expert cache's numbers (backbone/expert_cache.py), read at scrape time."""
+    st = cache.stats
+    size = GaugeMetricFamily("p2pswarm_expert_cache_bytes", "Expert cache bytes: its bound and what it holds",
+                             labels=["kind"])
+    size.add_metric(["capacity"], cache.capacity)
+    size.add_metric(["used"], cache.used)
+    yield size
+    yield GaugeMetricFamily("p2pswarm_expert_cache_units", "Routed-expert units (layer, expert) cached now",
+                            value=len(cache.held))
+    look = CounterMetricFamily("p2pswarm_expert_cache_lookups", "Routed groups by whether their unit was cached",
+                               labels=["result"])
+    look.add_metric(["hit"], st.hits)
+    look.add_metric(["miss"], st.misses)
+    yield look
+    for name, doc, value in (
+            ("fetches", "Units fetched into the expert cache", st.fetches),
+            ("fetch_bytes", "Bytes of the units fetched into the expert cache", st.fetch_bytes),
+            ("bad_slabs", "Fetched slabs that failed their manifest hash (never cached or computed)", st.bad_slabs)):
+        yield CounterMetricFamily(f"p2pswarm_expert_cache_{name}", doc, value=value)
+    yield GaugeMetricFamily("p2pswarm_expert_cache_no_owner_units",
+                            "Units routed while no live owner held them (fetched, or their requests failed)",
+                            value=len(st.no_owner))
 
 
 class BackboneMetrics:

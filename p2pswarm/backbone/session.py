@@ -33,7 +33,8 @@ from p2pswarm.engine.ggml_kernel import default_threads
 from p2pswarm.engine.kernels import make_bank, resolve_kernel, use_kernel_for_dense
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
-from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.model.manifest import model_fingerprint, source_fingerprint
+from p2pswarm.backbone.expert_cache import CacheSize, ExpertCache, cache_bound
 from p2pswarm.model.slicer import slice_experts, split_ranges
 from p2pswarm.worker.expert_worker import ExpertWorker
 
@@ -133,28 +134,75 @@ class LocalSwarm:
     fingerprint: str
     workers: list[WorkerProcess]
     owners: list[Owner]
+    #: the model's map as the backbone sees it (for a backbone file: its routed experts described
+    #: from the source's header, their bytes in the expert store)
+    layout: ModelLayout | None = None
+    cache: ExpertCache | None = None
+    filler: object = None  # its CacheFiller, once the swarm session starts one (cache_fill.py)
+
+
+def local_experts(layout: ModelLayout, kernel: str, expert_cache: CacheSize | None, **bank_kw):
+    """(bank, fingerprint, cache) of a backbone: the full model's bank, bounded by ``--expert-cache``
+    (:class:`~p2pswarm.backbone.expert_cache.ExpertCache`) when it is not ``all``; or, from a
+    backbone file, a cache over the sparse expert store (empty at start: the swarm fills it).
+    A backbone file's ``layout.expert_tensors`` is set from the store's: the dense path reads
+    which layers route, and their shapes (never their bytes) there."""
+    total = sum(layout.expert_bytes(layer) for layer in layout.expert_layers) * layout.n_expert
+    if layout.shard_kind == "backbone":
+        from p2pswarm.model.expert_store import ExpertStore, source_header
+
+        fingerprint = source_fingerprint(layout)
+        source_header(layout)  # a backbone file cut without it: one line now
+        store = ExpertStore.for_backbone_file(layout, cache_dir("expert-store") / f"{fingerprint[:16]}.gguf")
+        layout.expert_tensors = store.layout.expert_tensors
+        total = sum(layout.expert_bytes(layer) for layer in layout.expert_layers) * layout.n_expert
+        bound = cache_bound(expert_cache, total, holds_experts=False, what=str(layout.path))
+        cache = ExpertCache(make_bank(store.layout, kernel, **bank_kw), bound, store=store)
+        log.info("backbone from the backbone file %s: no routed experts held; expert cache of %.1f MB of %.1f MB, "
+                 "in %s", layout.path.name, bound / 1e6, total / 1e6, store.path)
+        return cache, fingerprint, cache
+    layout.require_full_model()
+    bank = make_bank(layout, kernel, **bank_kw)
+    fingerprint = model_fingerprint(layout)
+    if expert_cache is None or expert_cache.kind == "all":
+        return bank, fingerprint, None
+    bound = cache_bound(expert_cache, total, holds_experts=True, what=str(layout.path))
+    cache = ExpertCache(bank, bound)
+    cache.fill_from_file()
+    log.info("expert cache: %d of %d units (%.1f of %.1f MB) computed here; the swarm's workers compute the rest",
+             len(cache.held), len(cache.layers) * cache.n_expert, cache.used / 1e6, total / 1e6)
+    return cache, fingerprint, cache
 
 
 @asynccontextmanager
 async def open_backbone(model_path, *, workers: int = 0, transport: str = "socket", shard_dir=None,
                         fallback: bool = True, timeout_s: float = 30.0, kernel: str | None = None,
-                        threads: int | None = None, hot_experts: bool = False, verifier=None, ledger=None):
+                        threads: int | None = None, hot_experts: bool | None = False, verifier=None, ledger=None,
+                        expert_cache: CacheSize | None = None):
     """Yield a :class:`LocalSwarm` whose backbone computes through ``workers`` expert workers.
 
     ``kernel``: None means $P2PSWARM_KERNEL, else auto; ``threads``: ggml threads per node.
-    ``hot_experts``, ``verifier``, ``ledger``: the dispatcher's (:class:`Dispatcher`)."""
-    layout = ModelLayout.open(model_path).require_full_model()
+    ``hot_experts``, ``verifier``, ``ledger``: the dispatcher's (:class:`Dispatcher`).
+    ``hot_experts`` None: on when the backbone keeps only part of the experts (a cache), else off.
+    ``expert_cache``: ``--expert-cache`` (None: the default, :func:`local_experts`); a backbone
+    file (``slice --backbone``) as ``model_path`` holds no experts: the swarm computes them."""
+    layout = ModelLayout.open(model_path)
+    if layout.shard_kind == "backbone" and workers > 0:
+        raise UserError(f"{layout.path} is a backbone file: local workers are cut from the full model; "
+                        "serve it with `node --role backbone` and the swarm's workers")
+    if layout.shard_kind != "backbone":
+        layout.require_full_model()
     kernel = resolve_kernel(kernel)
+    bank, fingerprint, cache = local_experts(layout, kernel, expert_cache, threads=threads,
+                                             graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20,
+                                             scratch_keep_bytes=settings.SCRATCH_MB.get() << 20)
     model = load_dense(layout)
     use_kernel_for_dense(model, kernel, threads=threads)
-    bank = make_bank(layout, kernel, threads=threads, graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20,
-                     scratch_keep_bytes=settings.SCRATCH_MB.get() << 20)
     # Workers on this host compute at the same time and share its CPUs; ggml's barriers spin, so
     # unless told otherwise each gets its share (the bits do not depend on the thread count).
     worker_threads = threads
     if worker_threads is None and workers > 0 and kernel == "ggml" and not settings.THREADS.is_set:
         worker_threads = max(1, default_threads() // workers)
-    fingerprint = model_fingerprint(layout)
     procs: list[WorkerProcess] = []
     owners: list[Owner] = []
     try:
@@ -177,10 +225,16 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
                     ))
                 else:
                     raise UserError(f"unknown transport {transport!r} (use socket or inproc)")
+        if hot_experts is None:
+            hot_experts = cache is not None
         dispatcher = Dispatcher(bank, owners, fallback=fallback, hot_experts=hot_experts, verifier=verifier,
                                 ledger=ledger)
-        yield LocalSwarm(Backbone(model, dispatcher), fingerprint, procs, owners)
+        if cache is not None and cache.store is None:  # the full model: a unit nobody holds is here
+            dispatcher.fetch = cache.fetch_from_file
+        yield LocalSwarm(Backbone(model, dispatcher), fingerprint, procs, owners, layout, cache)
     finally:
+        if cache is not None and cache.store is not None:
+            cache.store.close()
         for o in owners:
             with trio.CancelScope(shield=True):
                 await o.aclose()

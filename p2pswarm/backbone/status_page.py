@@ -182,6 +182,8 @@ class SwarmView:
             "dispatch": {"expert_requests": s.requests, "fallbacks": s.fallbacks,
                          "local_groups": s.local_groups, "remote_groups": s.remote_groups,
                          "probes": s.probes},
+            # the backbone's expert cache (--expert-cache), None when it holds every expert
+            "expert_cache": self.dispatcher.cache.status() if self.dispatcher.cache is not None else None,
             "resolver": ({"refreshes": self.resolver.stats.refreshes,
                           "last_refresh_s": round(self.resolver.stats.last_refresh_s, 3)}
                          if self.resolver is not None else None),

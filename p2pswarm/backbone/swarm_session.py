@@ -31,7 +31,7 @@ from p2pswarm.market.last_receipt import serve_receipt_requests
 from p2pswarm.market.receipts import ContributionLedger, ReceiptIssuer
 from p2pswarm.market.verify import DEFAULT_VERIFY_RATE, Verifier
 from p2pswarm.model.layout import ModelLayout
-from p2pswarm.model.manifest import model_fingerprint
+from p2pswarm.model.manifest import source_fingerprint
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.market.swarm_dht import open_dht
 from p2pswarm.net.coverage import CoverageResolver
@@ -67,7 +67,8 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                               verify_rate: float = DEFAULT_VERIFY_RATE, verify_seed: int | None = None,
                               trust_bans: tuple[str, ...] | list[str] = (), receipt_period_s: float = 60.0,
                               ban_refresh_s: float = 30.0, demand_ttl_s: float | None = None, direct: bool = True,
-                              hot_experts: bool = False):
+                              hot_experts: bool | None = False, expert_cache=None, shard_token: str | None = None,
+                              trust_issuers: list[str] | None = None, cache_refill_s: float = 30.0):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
     things up but does not join other nodes' routing tables, where it would linger as a dead or
     unresponsive entry after it exits. ``verify_rate``: the fraction of remote output rows
@@ -75,13 +76,20 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
     we honour besides our own. ``demand_ttl_s``: lifetime of the published demand record
     (re-published every third of it; default 120 s); a short-lived backbone publishes none.
     ``direct``: take the direct lanes workers offer (p2pswarm/net/direct.py). ``hot_experts``:
-    compute locally what a slow owner would take longer to return (:class:`Dispatcher`)."""
-    layout = ModelLayout.open(model_path)
+    compute locally what a slow owner would take longer to return (:class:`Dispatcher`).
+    ``expert_cache``: ``--expert-cache`` (:mod:`p2pswarm.backbone.expert_cache`); ``model_path``
+    may be the backbone file (`slice --backbone`), whose experts the swarm computes; then
+    ``shard_token`` (a node token for shard downloads, issued by one of ``trust_issuers``, who
+    also sign the manifest) lets it fetch units into its cache from the model's shard sources
+    (:mod:`p2pswarm.backbone.cache_fill`): the hottest by demand every ``cache_refill_s``, and
+    any unit no live owner holds, on demand."""
     identity = identity or Identity.generate()
-    ledger = ContributionLedger(identity, model_fingerprint(layout))
+    ledger = ContributionLedger(identity, source_fingerprint(ModelLayout.open(model_path)))
     verifier = Verifier(verify_rate, verify_seed) if verify_rate > 0 else None
     async with open_backbone(model_path, workers=0, kernel=kernel, threads=threads, hot_experts=hot_experts,
-                             verifier=verifier, ledger=ledger) as local:
+                             verifier=verifier, ledger=ledger, expert_cache=expert_cache) as local:
+        layout = local.layout
+        assert layout is not None  # (open_backbone always sets it)
         bank = local.backbone.dispatcher.local.bank
         async with open_host(identity, listen or [DEFAULT_LISTEN], announce=announce) as net:
             async with open_dht(net, server=dht_server, bootstrap=bootstrap) as dht:
@@ -122,7 +130,12 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                 layers=layout.expert_layers, n_expert=layout.n_expert, block_size=block_size,
                                 unit_bytes=[layout.expert_bytes(layer) * block_size for layer in layout.expert_layers],
                                 ttl_s=demand_ttl_s or DEFAULT_DEMAND_TTL_S)
+                            if local.cache is not None:  # workers learn which units we cannot compute
+                                cache = local.cache
+                                publisher.lacks = lambda: cache.lacks(layout.expert_layers, block_size)
                             nursery.start_soon(publisher.run)
+                        _start_cache_fill(nursery, local, net, dht, shard_token, trust_issuers or [],
+                                          cache_refill_s)
                         cmap = resolver.map
                         log.info("coverage: %d units, %d missing (computed locally), %d remote owners",
                                  len(cmap.units), len(cmap.missing()), len(pool.owners))
@@ -136,6 +149,38 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                             if sent:
                                 log.info("sent %d contribution receipts on the way out", sent)
                         await pool.aclose()
+
+
+def _start_cache_fill(nursery, local: LocalSwarm, net, dht, token: str | None, trusted: list[str],
+                      refill_s: float) -> None:
+    """The expert cache's refill by demand, and its on-demand fetch of units no live owner holds:
+    from the model's file where it is the full model, else from the swarm's shard sources
+    (only with a token to show them)."""
+    cache = local.cache
+    dispatcher = local.backbone.dispatcher
+    if cache is None:
+        return
+    if cache.store is None:
+        async def refill_loop() -> None:
+            while True:
+                await trio.sleep(refill_s)
+                cache.rebalance(dispatcher.demand.top(len(cache.layers) * cache.n_expert))
+
+        nursery.start_soon(refill_loop)
+        return
+    if token is None:
+        log.warning("expert cache: no --token for shard downloads: nothing will be fetched into the cache, and a "
+                    "unit whose every replica is gone fails its requests")
+        return
+    from p2pswarm.backbone.cache_fill import CacheFiller
+    from p2pswarm.model.expert_store import source_header
+
+    assert local.layout is not None
+    filler = CacheFiller(cache, net, dht, model=local.fingerprint, token=token, trusted_issuers=trusted,
+                         source_header=source_header(local.layout)[0], demand=dispatcher.demand, refill_s=refill_s)
+    dispatcher.fetch = filler.fetch
+    nursery.start_soon(filler.run)
+    local.filler = filler
 
 
 def _refusal_notices(net, resolver, pool, dispatcher):

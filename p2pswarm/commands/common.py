@@ -73,6 +73,23 @@ def market_kwargs(args) -> dict:
             "receipt_period_s": args.receipt_period, "ban_refresh_s": args.ban_refresh}
 
 
+def add_expert_cache_arg(p, prefix: str = "") -> None:
+    """``--expert-cache``: how many routed experts the backbone keeps (backbone/expert_cache.py)."""
+    p.add_argument("--expert-cache", metavar="SIZE|N%|all|none", default=None,
+                   help=f"{prefix}routed experts the backbone keeps and computes itself: all, none, a share "
+                        "(10%%) or a size (1.5GB); the workers compute the rest. Default: all when the model "
+                        "file holds them, for a backbone file (`slice --backbone`) what fits half the free "
+                        "memory (stated in the log). A size that does not fit free memory is refused")
+
+
+def expert_cache_size(args):
+    """The parsed ``--expert-cache`` (None: the default), or a one-line error."""
+    from p2pswarm.backbone.expert_cache import parse_cache_size
+
+    text = getattr(args, "expert_cache", None)
+    return None if text is None else parse_cache_size(text)
+
+
 def add_swarm_args(p) -> None:
     p.add_argument("--workers", type=int, default=0,
                    help="expert workers to split the experts among (0 = monolithic, the default)")
@@ -93,6 +110,7 @@ def add_swarm_args(p) -> None:
     add_market_args(p, "--swarm: ")
     p.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="--swarm: experts per coverage unit, as the swarm's nodes use (default 8)")
+    add_expert_cache_arg(p)
     add_kernel_args(p)
 
 
@@ -117,7 +135,8 @@ def speculation_from(args, model_path):
         raise UserError(f"--draft-max must be >= 1, not {args.draft_max}")
     if args.speculate == "off":
         return None
-    check_mode(args.speculate, ModelLayout.open(model_path))
+    if args.speculate == "mtp":  # (a backbone file holds the hyper-parameters too, not the experts)
+        check_mode(args.speculate, ModelLayout.open(model_path, require_experts=False))
     return Speculation(args.speculate, args.draft_max)
 
 
@@ -127,6 +146,16 @@ def require_full_model(path) -> None:
     from p2pswarm.model.layout import ModelLayout
 
     ModelLayout.open(path).require_full_model()
+
+
+def require_backbone_model(path) -> None:
+    """As :func:`require_full_model`, but a backbone file (`slice --backbone`) is welcome too: a
+    backbone started from it keeps no experts but its cache (backbone/expert_cache.py)."""
+    from p2pswarm.model.layout import ModelLayout
+
+    layout = ModelLayout.open(path)
+    if layout.shard_kind != "backbone":
+        layout.require_full_model()
 
 
 def open_model(args):
@@ -151,9 +180,11 @@ def open_model(args):
             raise UserError("--block-size must be >= 1")
         return open_swarm_backbone(args.model, bootstrap=args.swarm, kernel=args.kernel, threads=args.threads,
                                    timeout_s=args.timeout, refresh_s=args.refresh, dht_server=False,
-                                   identity=identity, block_size=block_size, **market_kwargs(args))
+                                   identity=identity, block_size=block_size, expert_cache=expert_cache_size(args),
+                                   **market_kwargs(args))
     return open_backbone(args.model, workers=args.workers, transport=args.transport, fallback=not args.no_fallback,
-                         timeout_s=args.timeout, kernel=args.kernel, threads=args.threads)
+                         timeout_s=args.timeout, kernel=args.kernel, threads=args.threads,
+                         expert_cache=expert_cache_size(args))
 
 
 def parse_hostport(text: str, flag: str = "--listen") -> tuple[str, int]:

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from p2pswarm.commands.common import add_swarm_args, check_workers, open_model, parse_ids, require_full_model
+from p2pswarm.commands.common import (add_swarm_args, check_workers, open_model, parse_ids, require_backbone_model,
+                                     require_full_model)
 from p2pswarm.errors import UserError
 from p2pswarm.progress import ProgressBar
 
@@ -48,23 +49,25 @@ async def compute_logits(args, tokens):
             logits = await swarm.backbone.logits(tokens, decode=args.decode, on_step=on_step)
         finally:
             bar.close()
-        return logits, swarm.backbone.dispatcher.stats
+        cache = swarm.backbone.dispatcher.cache
+        return logits, swarm.backbone.dispatcher.stats, None if cache is None else cache.status()
 
 
 def run(args) -> int:
     check_workers(args.workers)
     tokens = parse_ids(args.tokens)
-    require_full_model(args.model)
+    # through the swarm, the backbone file (`slice --backbone`) will do: the workers hold the experts
+    (require_backbone_model if args.swarm else require_full_model)(args.model)
     out = Path(args.out)
     if not out.parent.exists():
         raise UserError(f"{out.parent}: output directory does not exist")
-    logits, stats = trio.run(compute_logits, args, tokens)
+    logits, stats, cache = trio.run(compute_logits, args, tokens)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}.npy")
     np.save(tmp, logits.astype(np.float32, copy=False))
     os.replace(tmp, out)
     if args.json:  # for scripts and the tests: the numbers, not a sentence to parse
         print(json.dumps({"out": str(out), "shape": list(logits.shape), "decode": bool(args.decode),
-                          **dataclasses.asdict(stats)}))
+                          **dataclasses.asdict(stats), **({"expert_cache": cache} if cache else {})}))
         return 0
     print(f"wrote {out}: logits {logits.shape[0]} x {logits.shape[1]} float32 "
           f"({'decode' if args.decode else 'prefill'}, {'swarm' if args.swarm else f'{args.workers} workers'}, "

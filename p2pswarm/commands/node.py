@@ -23,8 +23,8 @@ import trio
 from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.net.tokens import AUTO_SCOPE
-from p2pswarm.commands.common import (add_kernel_args, add_market_args, add_speculate_args, market_kwargs, parse_hostport,
-                                      positive_int, speculation_from)
+from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, add_speculate_args,
+                                      expert_cache_size, market_kwargs, parse_hostport, positive_int, speculation_from)
 from p2pswarm.commands.node_args import check_dht_mode, check_worker_source
 from p2pswarm.errors import UserError
 from p2pswarm.http_server import bind_http
@@ -88,13 +88,15 @@ def add_parser(sub) -> None:
     p.add_argument("--bootstrap", action="append", default=[], help="bootstrap peer multiaddr (repeatable)")
     p.add_argument("--shard", help="worker: expert shard GGUF cut by `p2pswarm slice` (with --model "
                                    "FINGERPRINT: where the downloaded slice goes)")
-    p.add_argument("--model", help="backbone: the full model GGUF; worker without a shard file: the model "
+    p.add_argument("--model", help="backbone: the full model GGUF, or the backbone file (`slice --backbone`: "
+                                   "no routed experts; see --expert-cache); worker without a shard file: the model "
                                    "FINGERPRINT whose slice (--layers, --experts) it downloads from the swarm")
     p.add_argument("--layers", help="worker download: layer range A-B (inclusive)")
     p.add_argument("--experts", help="worker download: expert range C-D (inclusive)")
     p.add_argument("--trust-issuer", action="append", default=[], metavar="PEER_ID",
                    help="worker download: issuer whose signed manifest is trusted; backbone: issuer whose "
-                        "tokens may download shards (repeatable)")
+                        "tokens may download shards (with --manifest), or whose signed manifest the expert cache's "
+                        "fetched slabs are checked against (with --token) (repeatable)")
     p.add_argument("--manifest", help="backbone: the model's signed manifest (`p2pswarm manifest`): serve "
                                       "shard downloads to token holders")
     p.add_argument("--http", default="127.0.0.1:8000", help="backbone: HOST:PORT of the HTTP endpoint, checked "
@@ -135,10 +137,13 @@ def add_parser(sub) -> None:
                         "default: the --direct port on the address they reached us at")
     p.add_argument("--no-direct", dest="use_direct", action="store_false",
                    help="backbone: keep every worker's requests on libp2p, even where it offers a direct lane")
-    p.add_argument("--hot-experts", action="store_true",
+    p.add_argument("--hot-experts", action="store_const", const=True, default=None,
                    help="backbone: compute an owner's experts locally when its measured round trip is longer "
                         "than computing them here (same bits; an owner kept local is probed in the background "
-                        "every 2 s to measure it again; docs/architecture.md)")
+                        "every 2 s to measure it again; docs/architecture.md). Default: on for a backbone whose "
+                        "--expert-cache is below all (only for owners whose experts are all cached), else off")
+    p.add_argument("--no-hot-experts", dest="hot_experts", action="store_const", const=False,
+                   help="backbone: never keep an owner's experts local (see --hot-experts)")
     p.add_argument("--wire-precision", choices=("f32", "f16", "bf16"), default="f32",
                    help="backbone: round every routed expert's output to 16 bits, whoever computes it (workers "
                         "then send half the bytes; a backbone alone with the same setting gives the same bits; "
@@ -155,7 +160,8 @@ def add_parser(sub) -> None:
                         "--bootstrap in the DHT")
     p.add_argument("--token", help="worker: node token (or a file holding it) to show the relay "
                                    "(`p2pswarm token issue --allow relay`) and/or the shard sources "
-                                   "(--allow shard...)")
+                                   "(--allow shard...); backbone: the token its expert cache shows the shard "
+                                   "sources it fetches slabs from (--allow shard:FINGERPRINT)")
     p.add_argument("--auto", action="store_true",
                    help="worker: enrol by itself - read demand and coverage from the DHT, hold the highest-reward "
                         "units that fit --memory, download only them (needs --trust-issuer and --token, issued "
@@ -179,6 +185,10 @@ def add_parser(sub) -> None:
                         "with an error (new ones get 503 at once; a second signal cuts at once; exit status 1 when "
                         "requests were cut) (default 10)")
     add_market_args(p, "backbone: ")
+    add_expert_cache_arg(p, "backbone: ")
+    p.add_argument("--cache-refill", type=float, default=30.0, metavar="SECONDS",
+                   help="backbone with --expert-cache below all: move the cache to the hottest experts by measured "
+                        "demand this often (fetched from the swarm for a backbone file; default 30)")
     add_net_args(p)
     add_kernel_args(p)
     p.set_defaults(func=run)
@@ -446,7 +456,6 @@ async def _backbone(args) -> None:
     from p2pswarm.backbone.status_page import SwarmView
     from p2pswarm.backbone.swarm_session import open_swarm_backbone
     from p2pswarm.engine.tokenizer import Tokenizer
-    from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.split_gguf import model_name
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 
@@ -458,7 +467,9 @@ async def _backbone(args) -> None:
                                    block_size=args.block_size,
                                    kernel=args.kernel, threads=args.threads, timeout_s=args.timeout,
                                    demand_ttl_s=args.demand_ttl, direct=args.use_direct,
-                                   hot_experts=args.hot_experts and args.http_socket is not None,
+                                   hot_experts=args.hot_experts if args.http_socket is not None else False,
+                                   expert_cache=args.expert_cache_size, shard_token=args.backbone_token,
+                                   trust_issuers=args.trust_issuer, cache_refill_s=args.cache_refill,
                                    **market_kwargs(args)) as swarm:
         # Whole fingerprint and kernel id: what workers (--model) and swarm-status (--kernel) need.
         log.info("joined the swarm as %s, serving model %s with kernel %s", swarm.net.peer_id_str,
@@ -471,7 +482,7 @@ async def _backbone(args) -> None:
                 scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
                                       prefill_chunk=args.prefill_chunk, max_active=args.max_active,
                                       micro_batches=args.micro_batches, speculate=speculate)
-                view = SwarmView.for_backbone(swarm.backbone, ModelLayout.open(args.model),
+                view = SwarmView.for_backbone(swarm.backbone, swarm.local.layout,
                                               block_size=swarm.resolver.block_size, resolver=swarm.resolver)
                 app = CompletionsApp(swarm.backbone, tokenizer, args.served_model_name or model_name(args.model),
                                      swarm.local.fingerprint, model_path=args.model, view=view, scheduler=scheduler)
@@ -513,10 +524,27 @@ def run(args) -> int:
         raise UserError("--block-size must be >= 1")
     if args.demand_ttl is not None and not args.demand_ttl >= 3:
         raise UserError("--demand-ttl must be at least 3 seconds")
+    if args.expert_cache is not None and args.role != "backbone":
+        raise UserError("--expert-cache is for --role backbone (a worker holds its shard)")
     if args.role == "backbone":
-        from p2pswarm.commands.common import require_full_model
+        from p2pswarm.commands.common import require_backbone_model
+        from p2pswarm.model.layout import ModelLayout
 
-        require_full_model(args.model)
+        require_backbone_model(args.model)
+        args.expert_cache_size = expert_cache_size(args)  # a bad value: one line now
+        args.backbone_token = None
+        if not args.cache_refill > 0:
+            raise UserError("--cache-refill must be > 0 seconds")
+        if args.token:  # a backbone file's cache is filled from the swarm's shard sources with it
+            from p2pswarm.net.tokens import load_token
+
+            args.backbone_token = load_token(args.token)
+            if not args.trust_issuer:
+                raise UserError("--token on a backbone fetches experts into its cache: give --trust-issuer PEER_ID, "
+                                "the issuer whose signed manifest the slabs are checked against")
+        if args.manifest and ModelLayout.open(args.model).shard_kind == "backbone":
+            raise UserError("--manifest serves shard downloads from the full model; a backbone file holds no "
+                            "experts to serve (start `p2pswarm serve-shards` where the full model is)")
         market_kwargs(args)  # bad market options: one line now, not after joining the swarm
         args.http_socket = bind_http(args.http)
     if args.relay:

@@ -170,8 +170,12 @@ def _market(records, replicas: dict, layers, n_blocks: int, block_size: int) -> 
     by_unit = {(u.layer, u.block): n for u, n in replicas.items()}
     reps = np.array([by_unit.get(k, 0) for k in keys], dtype=np.float64)
     d_hat, w = normalised_demand(demand), reward(demand, reps)
-    return {"backbones": len(usable), "ignored": len(records) - len(usable),
-            "units": {f"{layer}/{b}": {"demand": round(float(d_hat[i]), 3), "reward": float(w[i])}
+    # backbones with an expert cache (--expert-cache) flag the units they cannot compute themselves
+    lacking = [r for r in usable if r.lacks]
+    lacked = np.sum([np.asarray(r.lacks, dtype=np.int64) for r in lacking], axis=0) if lacking else np.zeros(len(keys))
+    return {"backbones": len(usable), "ignored": len(records) - len(usable), "cached_backbones": len(lacking),
+            "units": {f"{layer}/{b}": {"demand": round(float(d_hat[i]), 3), "reward": float(w[i]),
+                                       "lacked_by": int(lacked[i])}
                       for i, (layer, b) in enumerate(keys)}}
 
 
@@ -233,6 +237,12 @@ def _print_table(st: dict) -> None:
     for layer in st["layers"]:
         cells = [m["units"][f"{layer}/{b}"]["demand"] for b in range(st["blocks"])]
         print("\n".join(_grid(str(layer), ["-" if not m["backbones"] else f"{c:.1f}" for c in cells])))
+    if m.get("cached_backbones"):
+        lacked = [k for k, u in m["units"].items() if u["lacked_by"]]
+        no_replica = [k for k in lacked if not st["replicas"].get(k, 0)]
+        print(f"expert caches: {m['cached_backbones']} backbone(s) hold part of the experts; {len(lacked)} unit(s) "
+              f"some backbone lacks, {len(no_replica)} of them with no live replica"
+              + (f" ({', '.join(no_replica[:8])}{' ...' if len(no_replica) > 8 else ''})" if no_replica else ""))
     print("reward per block (log10 of f(demand, live replicas): 8+ = uncovered, 4+ = one replica; docs/market.md)")
     for layer in st["layers"]:
         cells = [m["units"][f"{layer}/{b}"]["reward"] for b in range(st["blocks"])]

@@ -80,6 +80,10 @@ class DemandRecord:
     addrs: tuple[str, ...] = ()  # where to dial the backbone (no /p2p/)
     serves_shards: bool = False  # it serves /p2pswarm/shard/1.0.0 downloads to token holders
     signed: bytes = field(default=b"", compare=False, repr=False)
+    #: per unit (layer-major): True where the backbone does not hold every expert of the unit in its
+    #: expert cache (--expert-cache), so it needs a worker's replica; empty: it holds them all (a
+    #: record without the field, as before the cache)
+    lacks: tuple[bool, ...] = ()
 
     def shard_source(self):
         """A PeerInfo to download slices from, when this backbone serves them (else None)."""
@@ -109,19 +113,20 @@ class DemandRecord:
     @classmethod
     def make(cls, identity: Identity, *, model: str, layers, n_expert: int, block_size: int, unit_bytes,
              demand, ttl_s: float = DEFAULT_DEMAND_TTL_S, seq: int | None = None, addrs=(),
-             serves_shards: bool = False, now: float | None = None) -> "DemandRecord":
+             serves_shards: bool = False, now: float | None = None, lacks=()) -> "DemandRecord":
         now = time.time() if now is None else now
         rec = cls(identity.peer_id_str, model, tuple(int(x) for x in layers), int(n_expert), int(block_size),
                   tuple(int(x) for x in unit_bytes), tuple(float(x) for x in demand),
                   int(now * 1000) if seq is None else seq, int(now), int(now + ttl_s), tuple(addrs)[:MAX_ADDRS],
-                  bool(serves_shards))
+                  bool(serves_shards), lacks=tuple(bool(x) for x in lacks))
         return rec.sign(identity)
 
     def body(self) -> dict:
         return {"v": DEMAND_VERSION, "peer": self.peer, "model": self.model, "layers": list(self.layers),
                 "n_expert": self.n_expert, "block_size": self.block_size, "unit_bytes": list(self.unit_bytes),
                 "demand": np.asarray(self.demand, dtype="<f4").tobytes(), "seq": self.seq, "issued": self.issued,
-                "expires": self.expires, "addrs": list(self.addrs), "serves_shards": self.serves_shards}
+                "expires": self.expires, "addrs": list(self.addrs), "serves_shards": self.serves_shards,
+                **({"lacks": bytes(int(x) for x in self.lacks)} if self.lacks else {})}
 
     def sign(self, identity: Identity) -> "DemandRecord":
         if identity.peer_id_str != self.peer:
@@ -145,6 +150,8 @@ class DemandRecord:
             raise DemandError(f"malformed demand record: {len(self.demand)} demand values for {n} units")
         if not all(math.isfinite(d) and d >= 0 for d in self.demand):
             raise DemandError("malformed demand record: demand must be finite and non-negative")
+        if self.lacks and len(self.lacks) != n:
+            raise DemandError(f"malformed demand record: {len(self.lacks)} 'lacks' flags for {n} units")
 
     @classmethod
     def verify(cls, data: bytes, *, peer: str | None = None, now: float | None = None,
@@ -168,9 +175,12 @@ class DemandRecord:
             if (not isinstance(addrs, list) or len(addrs) > MAX_ADDRS or not isinstance(serves, bool)
                     or not all(isinstance(a, str) and 0 < len(a) <= 256 for a in addrs)):
                 raise ValueError
+            lacks = b.get("lacks", b"")
+            if not isinstance(lacks, bytes) or any(x > 1 for x in lacks):
+                raise ValueError
             rec = cls(rpeer, b["model"], tuple(b["layers"]), b["n_expert"], b["block_size"], tuple(b["unit_bytes"]),
                       tuple(float(x) for x in np.frombuffer(raw, dtype="<f4")), b["seq"], b["issued"], b["expires"],
-                      tuple(addrs), serves, bytes(data))
+                      tuple(addrs), serves, bytes(data), tuple(bool(x) for x in lacks))
         except (KeyError, TypeError, ValueError):
             raise DemandError(f"malformed demand record of {rpeer[-12:]}") from None
         rec._check_shape()
@@ -279,6 +289,9 @@ class DemandPublisher:
         self.reprovide_s = self.period_s * 0.9 if reprovide_s is None else reprovide_s
         self.record: DemandRecord | None = None
         self.serves_shards = False  # set once the backbone serves shard downloads (node --manifest)
+        #: () -> per-unit flags: the units the backbone's expert cache does not hold whole (None:
+        #: it holds every expert; the record then carries no flags)
+        self.lacks = None
         self.rounds = 0
         self._provided_at = -math.inf
 
@@ -288,7 +301,7 @@ class DemandPublisher:
                                  block_size=self.block_size, unit_bytes=self.unit_bytes,
                                  demand=demand_vector(self.counter, self.layers, self.n_expert, self.block_size),
                                  ttl_s=self.ttl_s, seq=seq, addrs=self.dht.net.addrs(),
-                                 serves_shards=self.serves_shards)
+                                 serves_shards=self.serves_shards, lacks=self.lacks() if self.lacks else ())
 
     async def publish(self) -> int:
         """Put a fresh record; provide the market key when due. Returns peers that stored the record."""

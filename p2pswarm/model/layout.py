@@ -47,6 +47,11 @@ KEY_EXPERT_BEGIN = "p2pswarm.shard.expert_begin"
 KEY_EXPERT_END = "p2pswarm.shard.expert_end"  # exclusive
 KEY_TENSOR_NAMES = "p2pswarm.shard.tensor_names"
 KEY_TENSOR_SHA256 = "p2pswarm.shard.tensor_sha256"
+# A backbone file's record of the source model's header (base64) and size: what the routed experts
+# it lacks look like, so a backbone started from it can lay out, fetch and compute them
+# (p2pswarm.model.expert_store).
+KEY_SOURCE_HEADER = "p2pswarm.source.header_b64"
+KEY_SOURCE_FILE_SIZE = "p2pswarm.source.file_size"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ and renamed at the end: a failed or interrupted slice leaves no file behind.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from p2pswarm.model.gguf_out import (
     kv_uint32,
 )
 from p2pswarm.model.gguf_read import field_value
-from p2pswarm.model.layout import EXPERT_TENSOR_RE, KEY_EXPERT_BEGIN, KEY_EXPERT_END, KEY_LAYER_BEGIN, KEY_LAYER_END, KEY_SHARD_KIND, KEY_SOURCE_FINGERPRINT, KEY_TENSOR_NAMES, KEY_TENSOR_SHA256, SHARD_KIND_NAMES, ExpertTensor, ModelLayout
+from p2pswarm.model.layout import EXPERT_TENSOR_RE, KEY_EXPERT_BEGIN, KEY_EXPERT_END, KEY_LAYER_BEGIN, KEY_LAYER_END, KEY_SHARD_KIND, KEY_SOURCE_FILE_SIZE, KEY_SOURCE_FINGERPRINT, KEY_SOURCE_HEADER, KEY_TENSOR_NAMES, KEY_TENSOR_SHA256, SHARD_KIND_NAMES, ExpertTensor, ModelLayout
 from p2pswarm.model.gguf_read import HeaderOnlyReader
 from p2pswarm.model.manifest import model_fingerprint
 
@@ -332,6 +333,10 @@ def slice_backbone(
         g.add_raw_kv(raw)
     g.add_raw_kv(kv_string(KEY_SHARD_KIND, "backbone"))
     g.add_raw_kv(kv_string(KEY_SOURCE_FINGERPRINT, fingerprint))
+    # The source's header (its experts' names, types, shapes and offsets): a backbone started from
+    # this file lays out the experts it lacks from it and fetches their slabs (expert_store.py).
+    g.add_raw_kv(kv_string(KEY_SOURCE_HEADER, base64.b64encode(layout.header_bytes()).decode()))
+    g.add_raw_kv(kv_string(KEY_SOURCE_FILE_SIZE, str(layout.file_size)))
     ranges = []
     for t in layout.reader.tensors:
         if EXPERT_TENSOR_RE.match(t.name):
