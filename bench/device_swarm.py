@@ -43,6 +43,7 @@ import http.client
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -146,6 +147,7 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
             # owner name -> worker index (its peer id, from the identity file WanSwarm gave it)
             index = {load_or_create_identity(d / f"w{i}.key").peer_id_str: i for i in range(len(ranges))}
             sw.owner_index = {w["name"]: index.get(w["peer"], -1) for w in sw.swarm()["workers"]}
+            spy = start_py_spy(args, sw, label)
             best: dict[int, dict] = {}
             for _ in range(args.rounds):
                 for n in conc:
@@ -154,6 +156,9 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
                         raise RuntimeError("the backbone-alone run sent expert work to a worker")
                     if n not in best or r["tps"] > best[n]["tps"]:
                         best[n] = r
+            if spy is not None:
+                spy.wait()
+                print(label, "backbone profile:", profile_summary(Path(args.py_spy) / f"{label}.txt"), flush=True)
             r_throttled = {g.path.name.rsplit("-", 1)[-1]: g.throttled() for g in made}
             for r in best.values():
                 r["throttled"] = r_throttled
@@ -164,6 +169,43 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
         for g in made:  # the swarm's processes are stopped by now
             groups.remove(g)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def start_py_spy(args, sw: WanSwarm, label: str):
+    """``--py-spy DIR``: py-spy samples the backbone's Python (``--gil``: the work the GIL
+    serialises, which is what a 0.3-core backbone runs out of) for ``--py-spy-s`` seconds from the
+    start of the measurements; raw stacks to DIR/LABEL.txt."""
+    if not args.py_spy:
+        return None
+    Path(args.py_spy).mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(sw.backbone.pid),
+                             "-d", str(args.py_spy_s), "-r", "50", "--gil", "-f", "raw", "--nonblocking",
+                             "-o", str(Path(args.py_spy) / f"{label}.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+BUCKETS = (("ggml compute (dense + experts)", "ggml"), ("noise/libp2p", "libp2p/"),
+           ("cryptography", "cryptography/"), ("msgpack", "msgpack"), ("wire framing", "p2pswarm/net/"),
+           ("expert inputs/outputs", "socket_owner"), ("dispatch", "dispatch.py"),
+           ("dense path (numpy)", "p2pswarm/engine/"), ("scheduler/runner", "p2pswarm/backbone/"),
+           ("HTTP", "starlette"), ("trio", "trio/"), ("numpy", "numpy/"))
+
+
+def profile_summary(path: Path) -> str:
+    """The samples by activity: the first bucket that matches a frame, from the leaf up."""
+    if not path.exists():
+        return "no samples (py-spy needs ptrace)"
+    counts: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        frames = stack.split(";")[::-1]
+        label = next((b for f in frames for b, key in BUCKETS if key in f), "other")
+        counts[label] = counts.get(label, 0) + int(n)
+        total += int(n)
+    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) or "-"
 
 
 def main() -> None:
@@ -186,6 +228,8 @@ def main() -> None:
                     help="comma-separated worker quotas (e.g. 0.1,0.2,0.4): replicas of every expert on unequal "
                          "devices, against the same total split evenly")
     ap.add_argument("--no-curve", action="store_true", help="only the --unequal run (and the backbone alone)")
+    ap.add_argument("--py-spy", metavar="DIR", help="py-spy the backbone in each configuration (raw stacks to DIR)")
+    ap.add_argument("--py-spy-s", type=int, default=20, help="seconds of each --py-spy recording (default 20)")
     ap.add_argument("--plot")
     ap.add_argument("--out")
     ap.add_argument("--json")
