@@ -147,7 +147,10 @@ class WanSwarm:
             self.backbone = self._node("backbone", [
                 "node", "--role", "backbone", "--model", str(self.backbone_model), "--bootstrap", self.boot.ready[0],
                 "--http", "127.0.0.1:0", "--identity", str(self.dir / "backbone.key"), "--kernel", self.kernel,
-                "--timeout", str(self.timeout_s), *self.backbone_args])
+                "--timeout", str(self.timeout_s),
+                # the load generators send every request from 127.0.0.1 (one client to the limits),
+                # up to 64 at once and more: the per-client and total caps must not refuse them
+                "--max-requests-per-client", "1024", "--max-requests", "1024", *self.backbone_args])
             http = next(w for w in self.backbone.ready if w.startswith("http="))[5:]
             self.base_url = "http://" + http.replace("0.0.0.0", "127.0.0.1").split("://")[-1]
         except BaseException:

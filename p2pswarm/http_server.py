@@ -11,10 +11,14 @@ import trio
 from p2pswarm.errors import UserError
 
 
-async def serve_asgi(app, host, port: int | None = None, *, logger: str,
-                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_asgi(app, host, port: int | None = None, *, logger: str, read_timeout_s: float = 60.0,
+                     keep_alive_s: float = 5.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` with hypercorn on trio until cancelled; ``task_status.started`` gets the
     bound addresses (``["http://127.0.0.1:PORT"]``), so port 0 works.
+
+    Slow clients: a connection silent for ``read_timeout_s`` is closed, and so is one idle for
+    ``keep_alive_s`` (hypercorn counts a connection idle until a request's headers are complete, so
+    this also bounds how long headers may trickle in: slowloris).
 
     ``host`` may instead be a bound, listening ``socket.socket`` (the caller checked the address
     before doing anything else): hypercorn then serves that very socket (``fd://``)."""
@@ -26,6 +30,8 @@ async def serve_asgi(app, host, port: int | None = None, *, logger: str,
         config.bind = [f"fd://{host.detach()}"]  # hypercorn's socket object owns the descriptor now
     else:
         config.bind = [f"{host}:{port}"]
+    config.read_timeout = read_timeout_s
+    config.keep_alive_timeout = keep_alive_s
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)
     await serve(app, config, task_status=task_status)

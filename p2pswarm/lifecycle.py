@@ -10,6 +10,19 @@ import trio
 log = logging.getLogger("p2pswarm.node")
 
 
+def trio_tasks() -> int:
+    """Tasks alive in the running trio loop: a soak samples it (bench/soak.py), since a count that
+    grows with the work done is a leak."""
+    stack = [trio.lowlevel.current_root_task()]
+    n = 0
+    while stack:
+        task = stack.pop()
+        n += 1
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return n
+
+
 async def until_signal(cancel_scope: trio.CancelScope, ready: str | None = None, *,
                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Wait for SIGINT/SIGTERM, log it, and cancel ``cancel_scope``.

@@ -92,7 +92,7 @@ def _refuse(body: dict, key: str, ok, why: str) -> None:
         raise bad_request(f"'{key}' {why}", param=key, code="unsupported_parameter")
 
 
-def parse_params(body: dict, *, chat: bool, n_vocab: int) -> GenParams:
+def parse_params(body: dict, *, chat: bool, n_vocab: int, max_tokens_limit: int = MAX_TOKENS_LIMIT) -> GenParams:
     """The generation parameters of a completions (``chat=False``) or chat request; APIError (400)
     on a bad or unsupported one."""
     _refuse(body, "n", lambda v: v == 1, "> 1 is not supported: this backbone returns one choice per request "
@@ -109,9 +109,9 @@ def parse_params(body: dict, *, chat: bool, n_vocab: int) -> GenParams:
     _refuse(body, "response_format", lambda v: isinstance(v, dict) and v.get("type") == "text",
             "other than {\"type\": \"text\"} is not supported")
     if chat and body.get("max_completion_tokens") is not None:
-        max_tokens = number(body, "max_completion_tokens", 16, int, 1, MAX_TOKENS_LIMIT)
+        max_tokens = number(body, "max_completion_tokens", 16, int, 1, max_tokens_limit)
     else:
-        max_tokens = number(body, "max_tokens", 16, int, 1, MAX_TOKENS_LIMIT)
+        max_tokens = number(body, "max_tokens", 16, int, 1, max_tokens_limit)
     seed = body.get("seed")
     seed = secrets.randbelow(SEED_MAX) if seed is None else number(body, "seed", 0, int, -SEED_MAX, SEED_MAX)
     try:

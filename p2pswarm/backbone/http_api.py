@@ -30,7 +30,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import trio
 from starlette.applications import Starlette
@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from p2pswarm.backbone.admission import Admission, HttpLimits
 from p2pswarm.backbone.chat import ChatError, ChatTemplate, read_chat_template
 from p2pswarm.backbone.completion import GenParams, Usage, generate_text, parse_params
 from p2pswarm.backbone.scheduler import Params, Scheduler
@@ -48,9 +49,11 @@ from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.status_page import SwarmView, status_html
 from p2pswarm.errors import InternalError, PeerError, UnitsUnavailable, UserError
 from p2pswarm.http_server import serve_asgi
+from p2pswarm.lifecycle import trio_tasks
 
 log = logging.getLogger("p2pswarm.http")
-MAX_BODY = 1 << 20
+#: the routes that start a generation: admitted (or refused with a 429) by :class:`Admission`
+_GENERATING = ("/v1/completions", "/v1/chat/completions")
 
 
 class CompletionsApp:
@@ -62,8 +65,12 @@ class CompletionsApp:
 
     def __init__(self, backbone: Backbone, tokenizer, model_name: str, fingerprint: str, *,
                  model_path=None, view: SwarmView | None = None, chat_template: str | None = None,
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None, limits: HttpLimits | None = None,
+                 extra_health: Callable[[], dict] | None = None):
         self.backbone = backbone
+        self.limits = limits or HttpLimits()
+        self.admission = Admission(self.limits)
+        self.extra_health = extra_health  # more /health fields (a swarm backbone: its DHT records held)
         # The continuous-batching Scheduler: every request of both endpoints shares decode steps
         # (and is replayed on a ban). Default: one with the default settings; serve_http runs it.
         self.scheduler = scheduler if scheduler is not None else Scheduler(backbone, tokenizer)
@@ -170,9 +177,21 @@ class CompletionsApp:
                 status[0] = msg["status"]
             await send(msg)
 
+        client = (scope.get("client") or ("?",))[0]
+        admitted = scope.get("method") == "POST" and scope.get("path") in _GENERATING
         try:
+            if admitted:
+                try:  # from the body's first byte to the stream's last: nothing outlives its slot
+                    self.admission.enter(client)
+                except APIError as exc:
+                    admitted = False
+                    await JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)(
+                        scope, receive, counted_send)
+                    return
             await self.app(scope, receive, counted_send)
         finally:
+            if admitted:
+                self.admission.leave(client)
             endpoint = getattr(scope.get("route"), "path", None) or "other"  # bounded label values
             self.metrics.http_requests.labels(endpoint, str(status[0])).inc()
 
@@ -188,6 +207,7 @@ class CompletionsApp:
                              "fingerprint": self.fingerprint,
                              "expert_requests": stats.requests, "fallbacks": stats.fallbacks,
                              "active_sequences": self.active, "chat_template": self.chat is not None,
+                             "http_running": self.admission.running, "http_refused": self.admission.refused,
                              "generated_tokens": generated,
                              "steps": sched.stats.steps,
                              "micro_batches": sched.last_micro_batches,
@@ -197,7 +217,8 @@ class CompletionsApp:
                              "banned_workers": len(self.backbone.dispatcher.banned),
                              "replays": self.backbone.replays.as_dict(),
                              "speculation": sched.spec.as_dict(sched.speculate),
-                             "wire": wire_summary(self.backbone.dispatcher, generated)})
+                             "wire": wire_summary(self.backbone.dispatcher, generated),
+                             "trio_tasks": trio_tasks(), **(self.extra_health() if self.extra_health else {})})
 
     async def _metrics(self, request: Request) -> Response:
         payload, ctype = self.metrics.render()
@@ -236,26 +257,28 @@ class CompletionsApp:
             raise model_not_found(model, self.model_name)
 
     async def _completions(self, request: Request) -> Response:
-        body = await _read_json(request)
+        body = await _read_json(request, self.limits)
         self._check_model(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]  # the openai client may send a one-string list
         if not isinstance(prompt, str) or not prompt:
             raise bad_request("'prompt' must be a non-empty string (one prompt per request)", param="prompt")
-        params = parse_params(body, chat=False, n_vocab=self.tokenizer.n_vocab)
+        params = parse_params(body, chat=False, n_vocab=self.tokenizer.n_vocab,
+                              max_tokens_limit=self.limits.max_tokens)
         ids = self.tokenizer.encode(prompt)
         if not ids:
             raise bad_request("the prompt tokenizes to nothing", param="prompt")
         return await self._respond(ids, params, chat=False)
 
     async def _chat_completions(self, request: Request) -> Response:
-        body = await _read_json(request)
+        body = await _read_json(request, self.limits)
         self._check_model(body)
         if self.chat is None:
             raise bad_request(f"the model '{self.model_name}' has no chat template (tokenizer.chat_template in "
                               f"its GGUF): use /v1/completions", param="messages", code="no_chat_template")
-        params = parse_params(body, chat=True, n_vocab=self.tokenizer.n_vocab)
+        params = parse_params(body, chat=True, n_vocab=self.tokenizer.n_vocab,
+                              max_tokens_limit=self.limits.max_tokens)
         try:
             ids = self.chat.encode(body.get("messages"))
         except ChatError as exc:
@@ -345,7 +368,7 @@ async def _events(head: dict, pieces, usage: Usage, params: GenParams, *, chat: 
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _user_error(request: Request, exc: UserError) -> Response:
@@ -401,12 +424,24 @@ _EXCEPTION_HANDLERS: dict[Any, Any] = {
     HTTPException: _http_error, Exception: _server_error}
 
 
-async def _read_json(request: Request) -> dict:
+async def _read_json(request: Request, limits: HttpLimits) -> dict:
+    """The body as a JSON object: at most ``limits.max_body_bytes`` (413), whole within
+    ``limits.body_timeout_s`` (408: a client trickling its body holds a slot no longer), else 400."""
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY:
-            raise bad_request(f"request body over {MAX_BODY} bytes")
+    cap = limits.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise APIError(413, f"request body of {declared} bytes is over the limit of {cap} (--max-body-bytes)",
+                       code="request_too_large")
+    with trio.move_on_after(limits.body_timeout_s) as waited:
+        async for part in request.stream():
+            body += part
+            if len(body) > cap:
+                raise APIError(413, f"request body over the limit of {cap} bytes (--max-body-bytes)",
+                               code="request_too_large")
+    if waited.cancelled_caught:
+        raise APIError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s "
+                       f"(--body-timeout-s)", code="request_timeout")
     try:
         data = json.loads(body or b"{}")
     except (ValueError, UnicodeDecodeError):
@@ -423,5 +458,7 @@ async def serve_http(app: CompletionsApp, host_or_socket, port: int | None = Non
     bound addresses."""
     async with trio.open_nursery() as nursery:
         await nursery.start(app.scheduler.run)
-        binds = await nursery.start(partial(serve_asgi, app, host_or_socket, port, logger="p2pswarm.http.server"))
+        lim = app.limits
+        binds = await nursery.start(partial(serve_asgi, app, host_or_socket, port, logger="p2pswarm.http.server",
+                                            read_timeout_s=lim.read_timeout_s, keep_alive_s=lim.keep_alive_s))
         task_status.started(binds)

@@ -13,8 +13,9 @@ class APIError(Exception):
     """A refused request: HTTP ``status`` and the OpenAI error body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers  # e.g. a 429's Retry-After
         self.status = status
         self.message = message
         self.type = type

@@ -25,7 +25,8 @@ from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.net.tokens import AUTO_SCOPE
 from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, add_speculate_args,
                                       expert_cache_size, market_kwargs, parse_hostport, positive_int, speculation_from)
-from p2pswarm.commands.node_args import check_dht_mode, check_worker_source
+from p2pswarm.commands.node_args import (add_http_limit_args, add_worker_limit_args, check_dht_mode,
+                                         check_worker_source, http_limits, peer_budget)
 from p2pswarm.errors import UserError
 from p2pswarm.http_server import bind_http
 from p2pswarm.lifecycle import until_signal
@@ -184,6 +185,8 @@ def add_parser(sub) -> None:
                    help="backbone: on SIGINT/SIGTERM, seconds running requests get to finish before they are cut "
                         "with an error (new ones get 503 at once; a second signal cuts at once; exit status 1 when "
                         "requests were cut) (default 10)")
+    add_http_limit_args(p)
+    add_worker_limit_args(p)
     add_market_args(p, "backbone: ")
     add_expert_cache_arg(p, "backbone: ")
     p.add_argument("--cache-refill", type=float, default=30.0, metavar="SECONDS",
@@ -239,7 +242,7 @@ async def _worker(args) -> None:
             receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str,
                                     identity.peer_id_str)
             lane = args.direct_lane
-            serve_libp2p(net, worker, stats=served, receipts=receipts, direct=lane)
+            serve_libp2p(net, worker, stats=served, receipts=receipts, direct=lane, budget=args.peer_budget)
             adv = ShardAdvertiser(dht, identity, shards=[entry], protocol=proto.PROTOCOL_VERSION,
                                   kernel=info.kernel, block_size=args.block_size, ttl_s=args.ttl)
             async with trio.open_nursery() as nursery:
@@ -256,7 +259,7 @@ async def _worker(args) -> None:
                     await _start_direct(nursery, lane)
                 await nursery.start(adv.run)
                 log.info("serving %s with kernel %s", info.describe(), info.kernel)
-                ready = await _ready_line(args, nursery, net, served, lambda: [info.describe()])
+                ready = await _ready_line(args, nursery, net, served, lambda: [info.describe()], dht)
                 await until_signal(nursery.cancel_scope, ready=ready)
             with trio.CancelScope(shield=True):
                 await adv.withdraw()
@@ -333,7 +336,7 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
     served = ServeStats()
     receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str, identity.peer_id_str)
     lane = args.direct_lane
-    serve_libp2p_shards(net, auto.shards, stats=served, receipts=receipts, direct=lane)
+    serve_libp2p_shards(net, auto.shards, stats=served, receipts=receipts, direct=lane, budget=args.peer_budget)
     async with trio.open_nursery() as nursery:
         # SIGTERM/SIGINT stop it cleanly from now on: enrolment can wait long (no shard source yet)
         await nursery.start(until_signal, nursery.cancel_scope)
@@ -349,7 +352,7 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
             keeper.on_reserved = rejoin
             nursery.start_soon(keeper.keep)
         await nursery.start(auto.run)
-        print(await _ready_line(args, nursery, net, served, lambda: auto.describe().split(", ")), flush=True)
+        print(await _ready_line(args, nursery, net, served, lambda: auto.describe().split(", "), dht), flush=True)
     with trio.CancelScope(shield=True):
         await auto.withdraw()
         await collect_last_receipts(net, sorted(served.peers), receipts)
@@ -359,14 +362,15 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
     log.info("wire: received %d bytes, sent %d bytes", served.wire.received, served.wire.sent)
 
 
-async def _ready_line(args, nursery, net, served, shards) -> str:
+async def _ready_line(args, nursery, net, served, shards, dht=None) -> str:
     """A worker's READY line; with --health, its /health served first and named in it."""
     from p2pswarm.worker.health import start_health, worker_health
 
     line = f"READY {dialable_addrs(net)[0]}"
     if args.health_socket is None:
         return line
-    url = await start_health(nursery, args.health_socket, lambda: worker_health(net.peer_id_str, served, shards()))
+    url = await start_health(nursery, args.health_socket,
+                             lambda: worker_health(net.peer_id_str, served, shards(), dht))
     return f"{line} health={url}"
 
 
@@ -485,7 +489,9 @@ async def _backbone(args) -> None:
                 view = SwarmView.for_backbone(swarm.backbone, swarm.local.layout,
                                               block_size=swarm.resolver.block_size, resolver=swarm.resolver)
                 app = CompletionsApp(swarm.backbone, tokenizer, args.served_model_name or model_name(args.model),
-                                     swarm.local.fingerprint, model_path=args.model, view=view, scheduler=scheduler)
+                                     swarm.local.fingerprint, model_path=args.model, view=view, scheduler=scheduler,
+                                     limits=args.http_limits,
+                                     extra_health=lambda: {"dht_records": swarm.resolver.dht.records_held()})
                 swarm.pool.on_latency = app.metrics.observe_owner
                 binds = await nursery.start(serve_http, app, args.http_socket)
                 http = binds[0]
@@ -504,6 +510,7 @@ def run(args) -> int:
     args.node_token = None
     args.http_socket = args.health_socket = None
     if args.role == "worker":
+        args.peer_budget = peer_budget(args)
         args.health_socket = bind_http(args.health, "--health") if args.health else None
         check_worker_source(args)
         _check_own_token(args)
@@ -546,6 +553,7 @@ def run(args) -> int:
             raise UserError("--manifest serves shard downloads from the full model; a backbone file holds no "
                             "experts to serve (start `p2pswarm serve-shards` where the full model is)")
         market_kwargs(args)  # bad market options: one line now, not after joining the swarm
+        args.http_limits = http_limits(args)
         args.http_socket = bind_http(args.http)
     if args.relay:
         if args.role != "worker":

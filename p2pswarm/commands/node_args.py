@@ -78,3 +78,60 @@ def check_dht_mode(args) -> None:
         raise UserError("--dht server needs a dialable worker: behind a --relay nobody can reach its kad; drop --dht")
     if args.dht_mode is None:
         args.dht_mode = "client" if args.auto or relayed else "server"
+
+
+def add_http_limit_args(p) -> None:
+    """The backbone's HTTP abuse limits (p2pswarm.backbone.admission.HttpLimits: defaults, why)."""
+    from p2pswarm.backbone.admission import HttpLimits
+
+    d = HttpLimits()
+    p.add_argument("--max-requests", type=int, default=d.max_requests, metavar="N",
+                   help="backbone: completions running at once, all clients; one more gets a 429 with Retry-After "
+                        f"(default {d.max_requests})")
+    p.add_argument("--max-requests-per-client", type=int, default=d.max_requests_per_client, metavar="N",
+                   help="backbone: completions running at once from one client IP address; one more gets a 429 "
+                        f"(default {d.max_requests_per_client}; behind a reverse proxy every client is the proxy)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="N",
+                   help=f"backbone: the largest request body; a larger one gets a 413 (default {d.max_body_bytes})")
+    p.add_argument("--max-tokens-limit", type=int, default=d.max_tokens, metavar="N",
+                   help="backbone: the largest max_tokens (or max_completion_tokens) a request may ask for; more is "
+                        f"a 400 (default {d.max_tokens})")
+    p.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s, metavar="SECONDS",
+                   help="backbone: a request body must arrive whole within this, else a 408 "
+                        f"(default {d.body_timeout_s:g})")
+    p.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s, metavar="SECONDS",
+                   help=f"backbone: an HTTP connection silent this long is closed (default {d.read_timeout_s:g})")
+    p.add_argument("--keep-alive-s", type=float, default=d.keep_alive_s, metavar="SECONDS",
+                   help="backbone: an idle HTTP connection, or one whose request headers are not complete, is "
+                        f"closed after this (slow clients; default {d.keep_alive_s:g})")
+
+
+def http_limits(args):
+    """The checked :class:`HttpLimits` of ``add_http_limit_args``' flags (one line on a bad value)."""
+    from p2pswarm.backbone.admission import HttpLimits
+
+    return HttpLimits(max_requests=args.max_requests, max_requests_per_client=args.max_requests_per_client,
+                      max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
+                      body_timeout_s=args.body_timeout_s, read_timeout_s=args.read_timeout_s,
+                      keep_alive_s=args.keep_alive_s).check()
+
+
+def add_worker_limit_args(p) -> None:
+    """A worker's caps per peer (p2pswarm.worker.peer_limits.PeerLimits: defaults, why)."""
+    from p2pswarm.worker.peer_limits import PeerLimits
+
+    d = PeerLimits()
+    p.add_argument("--max-streams-per-peer", type=int, default=d.max_streams_per_peer, metavar="N",
+                   help="worker: expert streams one peer may hold open at once; one more is refused with an error "
+                        f"frame (default {d.max_streams_per_peer})")
+    p.add_argument("--max-peer-mib", type=int, default=d.max_bytes_per_peer >> 20, metavar="MIB",
+                   help="worker: request bytes one peer may have in flight at once, all its streams; a frame over "
+                        f"it closes its stream with an error (default {d.max_bytes_per_peer >> 20})")
+
+
+def peer_budget(args):
+    """A fresh :class:`PeerBudget` of ``add_worker_limit_args``' flags (one line on a bad value)."""
+    from p2pswarm.worker.peer_limits import PeerBudget, PeerLimits
+
+    return PeerBudget(PeerLimits(max_streams_per_peer=args.max_streams_per_peer,
+                                 max_bytes_per_peer=args.max_peer_mib << 20).check())

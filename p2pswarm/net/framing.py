@@ -22,9 +22,12 @@ ONE_WRITE_MAX = 1 << 20  # frames up to this size go out as one write (header + 
 class FrameReader:
     """Reads whole frames from a stream exposing ``receive_some(max_bytes)`` (trio style)."""
 
-    def __init__(self, stream, max_frame: int = DEFAULT_MAX_FRAME):
+    def __init__(self, stream, max_frame: int = DEFAULT_MAX_FRAME, admit=None):
         self.stream = stream
         self.max_frame = max_frame
+        # admit(n): called with a frame's length before its body is read; may raise FrameError
+        # (a worker's per-peer budget of bytes in flight: p2pswarm.worker.peer_limits)
+        self.admit = admit
         self._buf = bytearray()
         # a libp2p StreamAdapter can wait for a whole frame; a trio socket stream cannot
         self._at_least = getattr(stream, "supports_at_least", False)
@@ -52,6 +55,8 @@ class FrameReader:
         (n,) = HEADER.unpack_from(self._buf, 0)
         if n > self.max_frame:
             raise FrameError(f"frame of {n} bytes exceeds the maximum of {self.max_frame}")
+        if self.admit is not None:
+            self.admit(n)
         if not await self._fill(HEADER.size + n):
             raise FrameError("connection closed mid-frame")
         payload = bytes(self._buf[HEADER.size : HEADER.size + n])

@@ -161,6 +161,11 @@ class SwarmDHT:
         self.stats.clients_kept_out += dropped
         return dropped
 
+    def records_held(self) -> int:
+        """Values and provider records this node stores for the swarm (a soak samples it: a count
+        that grows for ever is a leak; expired ones are dropped on their TTL)."""
+        return len(self.kad.value_store.store) + sum(len(p) for p in self.kad.provider_store.providers.values())
+
     def routing_peers(self) -> list[ID]:
         return list(self.kad.routing_table.get_peer_ids())
 

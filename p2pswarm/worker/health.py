@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import trio
 
+from p2pswarm.lifecycle import trio_tasks
+
 
 def add_health_arg(p) -> None:
     p.add_argument("--health", metavar="HOST:PORT",
                    help="worker: serve GET /health (JSON: serving or refused, and why; what it served) here")
 
 
-def worker_health(peer_id: str, stats, shards: list[str]) -> dict:
+def worker_health(peer_id: str, stats, shards: list[str], dht=None) -> dict:
     refused = dict(stats.refused_by)
     users = set(stats.peers) - set(refused)
     status = "serving" if not refused else ("partly refused" if users else "refused")
@@ -27,7 +29,9 @@ def worker_health(peer_id: str, stats, shards: list[str]) -> dict:
             "backbones_served": len(stats.peers), "refused_by": refused,
             "handshakes_refused": stats.refused,
             "wire": {"received": w.received, "sent": w.sent,
-                     "bytes_per_request": round(total / stats.requests, 1) if stats.requests else None}}
+                     "bytes_per_request": round(total / stats.requests, 1) if stats.requests else None},
+            # what a soak samples for leaks (bench/soak.py)
+            "trio_tasks": trio_tasks(), "dht_records": dht.records_held() if dht is not None else None}
 
 
 async def start_health(nursery, sock, report) -> str:

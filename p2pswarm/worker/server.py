@@ -24,6 +24,7 @@ from p2pswarm.net import wire_codec
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire_bytes import CountingStream, WireBytes
 from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
+from p2pswarm.worker.peer_limits import PeerBudget, PeerLimits
 
 log = logging.getLogger("p2pswarm.worker")
 
@@ -70,7 +71,8 @@ def check_hello(msg: dict, worker: ExpertWorker, shard: str | None = None) -> st
 
 async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int = DEFAULT_MAX_FRAME,
                             shard: str | None = None, stats: ServeStats | None = None,
-                            shards: dict[str, ExpertWorker] | None = None, receipts=None, direct=None) -> None:
+                            shards: dict[str, ExpertWorker] | None = None, receipts=None, direct=None,
+                            budget: PeerBudget | None = None) -> None:
     """Serve one connection/stream until the peer closes it. ``shard``: our shard hash for the
     hello (default: derived from the worker's shard file). ``shards``: a node serving several
     shards (``node --auto``): shard hash -> worker, read at each hello (so shards can come and go);
@@ -78,21 +80,43 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
     ``receipts``: a :class:`p2pswarm.market.receipts.ReceiptStore` keeping the contribution
     receipts backbones send. ``direct``: a :class:`p2pswarm.net.direct.DirectLane`: a hello that
     asks for it (on this authenticated stream) gets a ticket for a direct connection, served by
-    this same function as the same peer."""
+    this same function as the same peer. ``budget``: the per-peer caps (streams, bytes in flight)
+    shared by all of this worker's streams; None: none."""
     again = None if direct is None else partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
-                                                stats=stats, shards=shards, receipts=receipts)
+                                                stats=stats, shards=shards, receipts=receipts, budget=budget)
     if shards is not None:
         worker = shard = None
     elif shard is None:
         shard = worker_shard_hash(worker)
     if stats is not None:
         stream = CountingStream(stream, stats.wire)
-    reader = FrameReader(stream, max_frame)
     peer = _peer_name(stream)
+    # a libp2p peer is its peer id; a TCP one its address without the port (one per connection)
+    key = peer if isinstance(getattr(stream, "peer_name", None), str) else peer.rpartition(":")[0] or peer
+    held = [0]  # bytes of the frame being answered, reserved in budget
+
+    def admit(n: int) -> None:
+        if budget is not None:
+            budget.take(key, n)
+            held[0] = n
+
+    if budget is not None:
+        why = budget.open(key)
+        if why is not None:
+            log.warning("refused a stream from %s: %s", peer, why)
+            try:
+                await _refuse_and_close(stream, proto.error_to_wire(None, why), max_frame)
+            finally:
+                await trio.aclose_forcefully(stream)
+            return
+    reader = FrameReader(stream, max_frame, admit)
     greeted = False
     conn_family = None
     try:
         while True:
+            if budget is not None:  # the last frame is answered: its bytes are no longer in flight
+                budget.give(key, held[0])
+                held[0] = 0
             try:
                 payload = await reader.read_frame()
                 if payload is None:
@@ -175,6 +199,9 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         log.info("connection from %s dropped", peer)
     finally:
+        if budget is not None:
+            budget.give(key, held[0])
+            budget.close(key)
         await trio.aclose_forcefully(stream)
 
 
@@ -238,28 +265,37 @@ def _peer_name(stream) -> str:
 
 
 async def serve_tcp(worker: ExpertWorker, host: str, port: int, *, ready=None, max_frame: int = DEFAULT_MAX_FRAME,
-                    stats: ServeStats | None = None):
-    """Serve until cancelled. ``ready(host, port)`` is called once listening (port 0 -> real port)."""
+                    stats: ServeStats | None = None, budget: PeerBudget | None = None):
+    """Serve until cancelled. ``ready(host, port)`` is called once listening (port 0 -> real port).
+    ``budget``: per-peer caps (default :class:`PeerLimits`' defaults; a TCP peer is its address)."""
+    budget = budget if budget is not None else PeerBudget(PeerLimits(max_frame=max_frame))
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     if ready is not None:
         ready(bound[0], bound[1])
-    await trio.serve_listeners(partial(handle_connection, worker=worker, max_frame=max_frame, stats=stats), listeners)
+    await trio.serve_listeners(partial(handle_connection, worker=worker, max_frame=max_frame, stats=stats,
+                                       budget=budget), listeners)
 
 
 def serve_libp2p_shards(net, shards: dict[str, ExpertWorker], *, max_frame: int = DEFAULT_MAX_FRAME,
-                        stats: ServeStats | None = None, receipts=None, direct=None) -> None:
+                        stats: ServeStats | None = None, receipts=None, direct=None,
+                        budget: PeerBudget | None = None) -> None:
     """Serve every worker of ``shards`` (shard hash -> worker; the dict may change while serving)
     on ``/p2pswarm/expert/1.0.0``: each stream's hello picks its shard."""
+    budget = budget if budget is not None else PeerBudget(PeerLimits(max_frame=max_frame))
     net.set_handler(proto.PROTOCOL_EXPERT, partial(handle_connection, worker=None, max_frame=max_frame, stats=stats,
-                                                   shards=shards, receipts=receipts, direct=direct))
+                                                   shards=shards, receipts=receipts, direct=direct, budget=budget))
 
 
 def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None,
-                 stats: ServeStats | None = None, receipts=None, direct=None) -> None:
+                 stats: ServeStats | None = None, receipts=None, direct=None,
+                 budget: PeerBudget | None = None) -> None:
     """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
     (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
-    connection of :func:`handle_connection`."""
+    connection of :func:`handle_connection`; ``budget`` caps what one peer holds (default
+    :class:`PeerLimits`' defaults)."""
     shard = worker_shard_hash(worker) if shard is None else shard
+    budget = budget if budget is not None else PeerBudget(PeerLimits(max_frame=max_frame))
     net.set_handler(proto.PROTOCOL_EXPERT, partial(handle_connection, worker=worker, max_frame=max_frame,
-                                                   shard=shard, stats=stats, receipts=receipts, direct=direct))
+                                                   shard=shard, stats=stats, receipts=receipts, direct=direct,
+                                                   budget=budget))

@@ -1,0 +1,521 @@
+"""Soak: a swarm of real processes under load and a seeded fault schedule, every answer checked.
+
+    python bench/soak.py --duration-s 1800 --seed 1 [--model M.gguf] [--workdir DIR] [--json OUT]
+
+Jepsen-style, on 127.0.0.1 (one machine; no network namespaces):
+
+* **the swarm**: two bootstraps, a relay (``--open``), a backbone with ``--http`` and
+  ``--verify-rate``, seven honest workers (two direct, three behind WAN-emulating proxies of
+  different RTTs, one capped at 20 Mbit/s, two reachable only through the relay) and one dishonest
+  worker (tests/helpers/dishonest_worker.py: a wrong element in 5% of its rows).
+* **the load** (:class:`Load`): threads with the official ``openai`` client: chats streamed and
+  not, greedy and seeded, some clients that hang up mid-stream.
+* **the nemesis** (:class:`Nemesis`): one fault at a time from a seeded schedule: kill -9 and
+  restart of a worker, SIGSTOP/SIGCONT, the relay killed and restarted, a bootstrap killed and
+  restarted, a worker restarted on a corrupt (truncated) shard first, garbage on a worker's and the
+  backbone's ports (raw TCP) and garbage frames on an expert stream (libp2p).
+* **the checker** (:func:`check`): every completed response equals the monolithic reference (the
+  same request on a backbone computing alone: greedy, or the same seed) token for token; every
+  request completes or ends with an error in OpenAI's shape; none hangs; the dishonest worker is
+  banned; after each fault every honest worker is back in service within ``RECOVERY_BOUND_S``; the
+  backbone's and two never-faulted workers' resident memory, descriptors, trio tasks and DHT
+  records sampled over time, with their slopes after warm-up.
+
+tests/test_soak.py runs a 2-3 minute version with the same checker. Results: docs/benchmarks.md
+("Soak").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+from helpers.procs import Proc, free_ports  # the tests' process helper
+from soak_check import (LONG_LIVED, MAX_TOKENS, PROMPTS, RECOVERY_BOUND_S, SAMPLINGS, Load, _now, _request,
+                        check, summarise)
+
+HONEST = [  # (name, experts, how it is reached)
+    ("w0", (0, 8), "direct"), ("w1", (8, 16), "direct"),  # never faulted: their slopes are sampled
+    ("w2", (0, 8), "wan:20"), ("w3", (8, 16), "wan:60"), ("w4", (0, 16), "wan:120:20"),
+    ("w5", (0, 8), "relay"), ("w6", (8, 16), "relay"),
+]
+
+
+@dataclass
+class Node:
+    """A process the nemesis may kill and restart with the same arguments (same identity, same
+    port, so the same address)."""
+
+    name: str
+    args: list[str]
+    dir: Path
+    env: dict
+    entry: tuple = ("-m", "p2pswarm.cli")
+    proc: Proc | None = None
+    starts: int = 0
+
+    def start(self, args: list[str] | None = None, expect_ready: bool = True) -> Proc:
+        self.starts += 1
+        self.proc = Proc(args or self.args, self.dir / f"{self.name}.{self.starts}.log", self.env,
+                         entry=self.entry, expect_ready=expect_ready)
+        return self.proc
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal(self, sig) -> None:
+        if self.proc.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.signal(signal.SIGCONT)
+            self.proc.stop()
+
+
+class Swarm:
+    """Start (``__enter__``) and stop every process; the names of the nodes are fixed (HONEST)."""
+
+    def __init__(self, model: Path, workdir: Path, *, verify_rate: float, seed: int):
+        self.model, self.dir = Path(model), Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_THREADS="1",
+                        P2PSWARM_HOME=str(self.dir / "home"), P2PSWARM_CACHE=str(self.dir / "cache"))
+        self.verify_rate, self.seed = verify_rate, seed
+        self.nodes: dict[str, Node] = {}
+        self.shards: dict[str, Path] = {}
+        self.peer_ids: dict[str, str] = {}
+
+    def _node(self, name, args, entry=("-m", "p2pswarm.cli")) -> Node:
+        n = Node(name, args, self.dir, self.env, entry=entry)
+        self.nodes[name] = n
+        n.start()
+        return n
+
+    def __enter__(self) -> Swarm:
+        from p2pswarm.model.slicer import slice_experts
+
+        try:
+            ports = iter(free_ports(32))
+            d = self.dir
+            boots = []
+            for b in ("boot1", "boot2"):
+                n = self._node(b, ["bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}",
+                                   "--identity", str(d / f"{b}.key")])
+                boots.append(n.proc.ready[0])
+            self.boots = boots
+            relay = self._node("relay", ["relay", "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}/ws",
+                                         "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}", "--open",
+                                         "--identity", str(d / "relay.key"), "--bootstrap", boots[0]])
+            self.relay_addr = relay.proc.addr
+            wan = [(name, how) for name, _, how in HONEST if how.startswith("wan")]
+            listen = {name: next(ports) for name, _, _ in HONEST}
+            for name, how in wan:
+                _, rtt, *mbps = how.split(":")
+                link = next(ports)
+                self._node(f"proxy-{name}", ["--target", f"127.0.0.1:{listen[name]}", "--listen", f"127.0.0.1:{link}",
+                                             "--rtt-ms", rtt, *(["--mbps", mbps[0]] if mbps else [])],
+                           entry=("-m", "p2pswarm.net.wanproxy"))
+                listen[name] = (listen[name], link)
+            for name, (e0, e1), how in HONEST:
+                shard = self.shards[name] = d / f"shard-{e0}-{e1}.gguf"
+                if not shard.exists():
+                    slice_experts(self.model, shard, None, (e0, e1))
+                args = ["node", "--role", "worker", "--shard", str(shard), "--identity", str(d / f"{name}.key"),
+                        "--ttl", "60"]
+                if how == "relay":
+                    args += ["--relay", self.relay_addr]
+                elif how == "direct":
+                    args += ["--bootstrap", boots[0], "--bootstrap", boots[1],
+                             "--listen", f"/ip4/127.0.0.1/tcp/{listen[name]}"]
+                else:
+                    port, link = listen[name]
+                    args += ["--bootstrap", boots[0], "--bootstrap", boots[1], "--listen",
+                             f"/ip4/127.0.0.1/tcp/{port}", "--announce", f"/ip4/127.0.0.1/tcp/{link}"]
+                if name in LONG_LIVED:  # sampled: trio tasks and DHT records from its /health
+                    args += ["--health", f"127.0.0.1:{next(ports)}"]
+                n = self._node(name, args)
+                self.peer_ids[name] = n.proc.addr.rsplit("/p2p/", 1)[1]
+            liar_shard = self.shards["w0"]
+            liar = self._node("liar", [str(ROOT / "tests" / "helpers" / "dishonest_worker.py"), "--shard",
+                                       str(liar_shard), "--bootstrap", boots[1], "--identity", str(d / "liar.key"),
+                                       "--receipts-dir", str(d / "liar-receipts"), "--fraction", "0.05",
+                                       "--seed", str(self.seed)], entry=())
+            self.liar_id = liar.proc.addr.rsplit("/p2p/", 1)[1]
+            bb = self._node("backbone", [
+                "node", "--role", "backbone", "--model", str(self.model), "--bootstrap", boots[0],
+                "--bootstrap", boots[1], "--http", "127.0.0.1:0", "--identity", str(d / "backbone.key"),
+                "--timeout", "5", "--verify-rate", str(self.verify_rate), "--verify-seed", str(self.seed),
+                "--ban-refresh", "5", "--served-model-name", "tiny"])
+            self.base = next(w for w in bb.proc.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n in reversed(list(self.nodes.values())):
+            n.stop()
+
+    def get(self, path: str) -> dict:
+        import httpx
+
+        return httpx.get(self.base + path, timeout=30).json()
+
+    def served(self) -> dict[str, tuple[str, int]]:
+        """Each honest worker's state in the backbone's view (live, back-off, ...) and the expert
+        requests it answered (requests less failures)."""
+        by_peer = {w["peer"]: w for w in self.get("/v1/swarm")["workers"]}
+        out = {}
+        for name, pid in self.peer_ids.items():
+            w = by_peer.get(pid)
+            out[name] = ("absent", -1) if w is None else (w["state"], w["requests"] - w["failures"])
+        return out
+
+    def wait_full(self, timeout_s: float, targets: tuple[str, ...] = ()) -> float | None:
+        """Seconds until full worker service: every honest worker live in the backbone's view (none
+        in back-off after a failure, none missing), no fallback to the backbone's own replica
+        between two polls, and each of ``targets`` (the workers the fault hit) answering an expert
+        echo at the address it announced (through its WAN proxy or the relay, as a backbone dials
+        it). None: not within ``timeout_s``.
+
+        Not "the backbone sent it requests again": it ranks replicas by round trip and load, so a
+        slower replica may rightly get none while faster ones serve (measured: w4, 120 ms behind
+        its proxy, got no request for minutes after its restart)."""
+        t0 = _now()
+        fallbacks = None
+        answered: set[str] = set()
+        while _now() - t0 < timeout_s:
+            try:
+                now = self.served()
+                fb, fallbacks = fallbacks, self.get("/health")["fallbacks"]
+                for t in set(targets) - answered:
+                    if _echo(self.nodes[t].proc.addr):
+                        answered.add(t)
+                if fb == fallbacks and all(st == "live" for st, _ in now.values()) and answered == set(targets):
+                    return _now() - t0
+            except Exception:
+                pass
+            time.sleep(0.5)
+        return None
+
+
+def monolithic_references(model: Path, workdir: Path, env: dict) -> dict:
+    """Every (prompt, sampling, max_tokens) the load may send, answered by a backbone computing
+    alone (no swarm): the reference the checker compares against."""
+    import openai
+
+    mono = Proc(["node", "--role", "backbone", "--model", str(model), "--http", "127.0.0.1:0",
+                 "--identity", str(workdir / "mono.key"), "--served-model-name", "tiny"], workdir / "mono.log", env)
+    try:
+        base = next(w for w in mono.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        refs = {}
+        for p in range(len(PROMPTS)):
+            for s in SAMPLINGS:
+                for m in MAX_TOKENS:
+                    r = client.chat.completions.create(model="tiny", **_request(p, s, m))
+                    refs[(p, s, m)] = (r.choices[0].message.content, r.usage.completion_tokens,
+                                       r.choices[0].finish_reason)
+        return refs
+    finally:
+        mono.stop()
+
+
+class Nemesis:
+    """Faults from a seeded schedule, one at a time, each undone and its recovery timed."""
+
+    KINDS = ("kill9", "stop", "relay", "bootstrap", "corrupt_shard", "garbage")
+
+    def __init__(self, swarm: Swarm, seed: int, every_s: float):
+        self.swarm, self.every_s = swarm, every_s
+        self.rng = random.Random(seed)
+        self.faults: list[dict] = []
+        self.stop = threading.Event()
+        self.fault_windows: list[tuple[float, float]] = []
+
+    def schedule(self, n: int) -> list[str]:
+        """The kinds, in order: every kind once per round, shuffled (a short run still sees each)."""
+        kinds: list[str] = []
+        while len(kinds) < n:
+            round_ = list(self.KINDS)
+            self.rng.shuffle(round_)
+            kinds += round_
+        return kinds[:n]
+
+    def run(self) -> None:
+        for kind in self.schedule(10_000):
+            if self.stop.wait(self.every_s * self.rng.uniform(0.5, 1.0)):
+                return
+            victims = [n for n, _, _ in HONEST if n not in LONG_LIVED]
+            victim = self.rng.choice(victims)
+            t0 = _now()
+            fault = {"kind": kind, "t": round(t0, 1)}
+            try:
+                fault.update(getattr(self, f"_{kind}")(victim))
+            except Exception as exc:  # a fault that could not be injected is a finding, recorded
+                fault["inject_error"] = f"{type(exc).__name__}: {exc}"
+            undone = _now()
+            fault["recovery_s"] = self.swarm.wait_full(RECOVERY_BOUND_S, fault.get("hit", ()))
+            self.fault_windows.append((t0, _now()))
+            self.faults.append(fault)
+            print(f"[soak] fault {len(self.faults)}: {fault} (held {undone - t0:.1f} s)", flush=True)
+
+    def _kill9(self, victim: str) -> dict:
+        node = self.swarm.nodes[victim]
+        node.kill()
+        time.sleep(self.rng.uniform(2, 6))
+        node.start()
+        return {"target": victim, "hit": (victim,)}
+
+    def _stop(self, victim: str) -> dict:
+        node = self.swarm.nodes[victim]
+        held = self.rng.uniform(5, 15)
+        node.signal(signal.SIGSTOP)
+        time.sleep(held)
+        node.signal(signal.SIGCONT)
+        return {"target": victim, "held_s": round(held, 1), "hit": (victim,)}
+
+    def _relay(self, victim: str) -> dict:
+        node = self.swarm.nodes["relay"]
+        node.kill()
+        time.sleep(self.rng.uniform(2, 5))
+        node.start()
+        return {"target": "relay", "hit": tuple(n for n, _, how in HONEST if how == "relay")}
+
+    def _bootstrap(self, victim: str) -> dict:
+        node = self.swarm.nodes["boot2"]
+        node.kill()
+        time.sleep(self.rng.uniform(5, 10))
+        node.start()
+        return {"target": "boot2"}
+
+    def _corrupt_shard(self, victim: str) -> dict:
+        """kill -9, restart on a truncated copy of its shard (it must refuse with one line, no
+        traceback), then on the good shard."""
+        node = self.swarm.nodes[victim]
+        good = self.swarm.shards[victim]
+        bad = self.swarm.dir / f"corrupt-{victim}.gguf"
+        data = good.read_bytes()
+        bad.write_bytes(data[: len(data) * 2 // 3])
+        node.kill()
+        args = list(node.args)
+        args[args.index(str(good))] = str(bad)
+        p = node.start(args, expect_ready=False)
+        try:
+            rc = p.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = None
+        text = p.text()
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        node.start()
+        bad.unlink()
+        return {"target": victim, "hit": (victim,), "refused_rc": rc, "traceback": "Traceback" in text,
+                "error_line": lines[-1][-200:] if lines else ""}
+
+    def _garbage(self, victim: str) -> dict:
+        """Random bytes on a worker's libp2p port and the backbone's HTTP port (raw TCP), and garbage
+        frames on an expert stream (a real libp2p peer)."""
+        rng = random.Random(self.rng.randrange(1 << 30))
+        node = self.swarm.nodes[victim]
+        port = int(next(a for a in node.args if a.startswith("/ip4/127.0.0.1/tcp/")).split("/")[4]) \
+            if "--listen" in node.args else None
+        sent = 0
+        for target in [p for p in (port, int(self.swarm.base.rsplit(":", 1)[1])) if p]:
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", target), timeout=5) as s:
+                    blob = rng.randbytes(rng.randrange(1, 4096))
+                    try:
+                        s.sendall(blob)
+                        s.settimeout(2)
+                        s.recv(1024)
+                    except OSError:
+                        pass
+                    sent += len(blob)
+        frames = _garbage_frames(self.swarm.nodes[victim].proc.addr, rng)
+        return {"target": victim, "raw_bytes": sent, "frames": frames}
+
+
+def _echo(addr: str, timeout_s: float = 10) -> bool:
+    """Whether the worker at ``addr`` answers an expert ``echo`` (a libp2p peer of our own)."""
+    import trio
+
+    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.framing import FrameReader, send_frame
+    from p2pswarm.net.host import open_host
+    from p2pswarm.net.identity import Identity
+
+    async def main() -> bool:
+        with trio.move_on_after(timeout_s):
+            async with open_host(Identity.generate()) as net:
+                s = await net.open_stream(addr, proto.PROTOCOL_EXPERT)
+                await send_frame(s, proto.pack({"op": "echo", "id": 1, "payload": b"soak"}))
+                frame = await FrameReader(s).read_frame()
+                return frame is not None and proto.unpack(frame).get("payload") == b"soak"
+        return False
+
+    try:
+        return trio.run(main)
+    except Exception:
+        return False
+
+
+def _garbage_frames(addr: str, rng: random.Random) -> str:
+    """Open expert streams to ``addr`` and send a malformed message, an oversized length and random
+    bytes; returns what came back (each should be an error frame or a close, never a hang)."""
+    import trio
+
+    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.framing import HEADER, FrameReader
+    from p2pswarm.net.host import open_host
+    from p2pswarm.net.identity import Identity
+
+    answers = []
+
+    async def main() -> None:
+        async with open_host(Identity.generate()) as net:
+            for payload in (HEADER.pack(12) + rng.randbytes(12), HEADER.pack(1 << 40), rng.randbytes(300)):
+                with trio.move_on_after(10) as waited:
+                    s = await net.open_stream(addr, proto.PROTOCOL_EXPERT)
+                    await s.send_all(payload)
+                    try:
+                        frame = await FrameReader(s).read_frame()
+                        answers.append("closed" if frame is None else proto.unpack(frame).get("op", "?"))
+                    except Exception as exc:
+                        answers.append(type(exc).__name__)
+                    await s.aclose()
+                if waited.cancelled_caught:
+                    answers.append("HUNG")
+
+    trio.run(main)
+    return ",".join(answers)
+
+
+def _proc_sample(pid: int) -> dict:
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return {"rss_mb": rss / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+def sample(swarm: Swarm) -> dict:
+    """One sample of the backbone and the long-lived workers: RSS, descriptors, and (from their
+    /health) trio tasks and DHT records held."""
+    import httpx
+
+    out = {"t": _now()}
+    bb = swarm.nodes["backbone"]
+    h = swarm.get("/health")
+    out["backbone"] = {**_proc_sample(bb.pid), "tasks": h.get("trio_tasks"), "records": h.get("dht_records")}
+    for name in LONG_LIVED:
+        node = swarm.nodes[name]
+        s = _proc_sample(node.pid)
+        if node.proc.health:
+            wh = httpx.get(node.proc.health, timeout=10).json()
+            s.update(tasks=wh.get("trio_tasks"), records=wh.get("dht_records"))
+        out[name] = s
+    return out
+
+
+def make_tiny(workdir: Path) -> Path:
+    model = workdir / "tiny-f32.gguf"
+    if not model.exists():
+        subprocess.run([sys.executable, "-m", "p2pswarm.cli", "make-model", "--preset", "tiny", "--type", "f32", "-q",
+                        "--seed", "1", "-o", str(model)], check=True, stdout=subprocess.DEVNULL)
+    return model
+
+
+def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int, clients: int = 4,
+             fault_every_s: float = 20.0, verify_rate: float = 0.25, sample_every_s: float = 5.0,
+             warmup_s: float | None = None, min_faults: int = 0) -> dict:
+    """Run the soak for ``duration_s`` (longer until ``min_faults`` faults were injected, at most
+    four times as long) and return the checker's report (``report["problems"]``: empty if every
+    promise was kept)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = Path(model) if model else make_tiny(workdir)
+    swarm = Swarm(model, workdir / "swarm", verify_rate=verify_rate, seed=seed)
+    print("[soak] monolithic references ...", flush=True)
+    refs = monolithic_references(model, workdir, swarm.env)
+    print(f"[soak] {len(refs)} references; starting the swarm", flush=True)
+    with swarm:
+        if swarm.wait_full(120) is None:
+            raise RuntimeError(f"the swarm never reached full worker service: {swarm.get('/v1/swarm')['workers']}")
+        load = Load(swarm.base, clients, seed)
+        nemesis = Nemesis(swarm, seed, fault_every_s)
+        samples: list[dict] = []
+        started = _now()
+        threads = load.run()
+        nem = threading.Thread(target=nemesis.run, daemon=True)
+        nem.start()
+        while (_now() - started < duration_s or len(nemesis.faults) < min_faults) \
+                and _now() - started < 4 * duration_s:
+            try:
+                samples.append(sample(swarm))
+            except Exception as exc:
+                print(f"[soak] sample failed: {exc}", flush=True)
+            time.sleep(sample_every_s)
+        nemesis.stop.set()
+        nem.join(300)  # the fault in progress is undone and its recovery timed
+        load.stop.set()
+        for t in threads:
+            t.join(load.timeout_s + 30)
+        for o in load.outcomes:
+            if o.kind == "pending":
+                o.kind, o.error = "hung", "the client thread never returned"
+        ended = _now()
+        health = swarm.get("/health")
+        report = summarise(load.outcomes, refs, nemesis.faults, nemesis.fault_windows, samples,
+                           warmup_s if warmup_s is not None else min(120.0, duration_s / 4), health,
+                           swarm.liar_id, started, ended)
+    report["seed"], report["clients"], report["verify_rate"] = seed, clients, verify_rate
+    report["problems"] = check(report)
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="the model GGUF (default: make-model's tiny preset, f32)")
+    ap.add_argument("--workdir", default="/tmp/soak")
+    ap.add_argument("--duration-s", type=float, default=1800)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--fault-every-s", type=float, default=30)
+    ap.add_argument("--verify-rate", type=float, default=0.25)
+    ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    args = ap.parse_args()
+    workdir = Path(args.workdir)
+    try:
+        report = run_soak(args.model, workdir, duration_s=args.duration_s, seed=args.seed, clients=args.clients,
+                          fault_every_s=args.fault_every_s, verify_rate=args.verify_rate)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir / "swarm" / "cache", ignore_errors=True)
+    text = json.dumps(report, indent=1, default=str)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+    for p in report["problems"]:
+        print("PROBLEM:", p)
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

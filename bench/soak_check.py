@@ -1,0 +1,209 @@
+"""bench/soak.py's load generator and checker: the requests (the official ``openai`` client, streamed
+and not, greedy and seeded, some clients hanging up mid-stream), what became of each, and the
+verdict: every completed answer equal to the monolithic reference token for token, nothing lost
+or hung, the dishonest worker banned, full worker service back after every fault, and the slopes
+of the sampled memory, descriptors, trio tasks and DHT records."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+RECOVERY_BOUND_S = 60.0  # every honest worker live again this long after a fault is undone
+LONG_LIVED = ("w0", "w1")  # never faulted: their slopes are sampled
+PROMPTS = ["Tell me about experts.", "What is a swarm?", "Count to five.", "Name a colour.",
+           "Why is the sky blue?", "Say hello."]
+SAMPLINGS = [None, 1, 2, 3]  # None: greedy; else temperature 0.8 with this seed
+MAX_TOKENS = (6, 16)
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+def _request(p: int, seed, max_tokens: int) -> dict:
+    kw = {"messages": [{"role": "user", "content": PROMPTS[p]}], "max_tokens": max_tokens}
+    return {**kw, "temperature": 0} if seed is None else {**kw, "temperature": 0.8, "top_p": 0.95, "seed": seed}
+
+
+@dataclass
+class Outcome:
+    key: tuple
+    stream: bool
+    hangup: bool
+    t0: float
+    t1: float = 0.0
+    kind: str = "pending"  # ok | error | hung | lost | hangup
+    text: str = ""
+    tokens: int = 0
+    finish: str | None = None
+    error: str = ""
+    token_times: list = field(default_factory=list)  # seconds between streamed pieces
+
+
+class Load:
+    """``clients`` threads sending requests until ``stop`` is set; every outcome recorded."""
+
+    def __init__(self, base: str, clients: int, seed: int, timeout_s: float = 120):
+        self.base, self.clients, self.timeout_s = base, clients, timeout_s
+        self.rng = random.Random(seed)
+        self.outcomes: list[Outcome] = []
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    def run(self) -> list[threading.Thread]:
+        threads = [threading.Thread(target=self._client, args=(self.rng.randrange(1 << 30),), daemon=True)
+                   for _ in range(self.clients)]
+        for t in threads:
+            t.start()
+        return threads
+
+    def _client(self, seed: int) -> None:
+        import openai
+
+        rng = random.Random(seed)
+        client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=self.timeout_s)
+        while not self.stop.is_set():
+            key = (rng.randrange(len(PROMPTS)), rng.choice(SAMPLINGS), rng.choice(MAX_TOKENS))
+            stream = rng.random() < 0.5
+            o = Outcome(key, stream, hangup=stream and rng.random() < 0.15, t0=_now())
+            with self.lock:
+                self.outcomes.append(o)
+            try:
+                if stream:
+                    self._streamed(client, o)
+                else:
+                    r = client.chat.completions.create(model="tiny", **_request(*key))
+                    o.text, o.tokens = r.choices[0].message.content, r.usage.completion_tokens
+                    o.finish, o.kind = r.choices[0].finish_reason, "ok"
+            except openai.APITimeoutError:
+                o.kind, o.error = "hung", f"no answer within {self.timeout_s:g} s"
+            except openai.APIStatusError as exc:  # an HTTP error status: must be OpenAI's shape
+                body = exc.body if isinstance(exc.body, dict) else {}
+                shaped = isinstance(body.get("message"), str) or isinstance(body.get("error"), dict)
+                o.kind = "error" if shaped else "lost"
+                o.error = f"{exc.status_code}: {exc.message}"
+            except openai.APIError as exc:  # a stream's in-band error event, or the connection
+                shaped = getattr(exc, "body", None) is not None or "error" in str(exc).lower()
+                o.kind = "error" if shaped and not isinstance(exc, openai.APIConnectionError) else "lost"
+                o.error = f"{type(exc).__name__}: {exc}"
+            o.t1 = _now()
+
+    def _streamed(self, client, o: Outcome) -> None:
+        pieces, last = [], _now()
+        with client.chat.completions.create(model="tiny", stream=True, stream_options={"include_usage": True},
+                                            **_request(*o.key)) as s:
+            for chunk in s:
+                if chunk.usage is not None:
+                    o.tokens = chunk.usage.completion_tokens
+                if not chunk.choices:
+                    continue
+                ch = chunk.choices[0]
+                if ch.delta.content:
+                    pieces.append(ch.delta.content)
+                    now = _now()
+                    o.token_times.append(now - last)
+                    last = now
+                if ch.finish_reason:
+                    o.finish = ch.finish_reason
+                if o.hangup and len(pieces) >= 2:
+                    o.kind = "hangup"
+                    return  # leaving the block closes the connection mid-stream
+        o.text, o.kind = "".join(pieces), "ok"
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, value), per hour."""
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    return 3600 * sum((t - mt) * (v - mv) for t, v in points) / var if var else None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarise(outcomes: list[Outcome], refs: dict, faults: list[dict], windows, samples: list[dict],
+              warmup_s: float, swarm_health: dict, liar_id: str, started: float, ended: float) -> dict:
+    """The checker's numbers (see :func:`check` for the verdict)."""
+    wrong = [o for o in outcomes if o.kind == "ok" and (o.text, o.tokens, o.finish) != refs[o.key]]
+    kinds: dict[str, int] = {}
+    for o in outcomes:
+        kinds[o.kind] = kinds.get(o.kind, 0) + 1
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if o.kind in ("error", "lost", "hung"):
+            why = o.error[:120]
+            errors[why] = errors.get(why, 0) + 1
+
+    def in_fault(o: Outcome) -> bool:
+        return any(a <= o.t1 and o.t0 <= b for a, b in windows)
+
+    per_token = {"faults": [], "calm": []}
+    for o in outcomes:
+        if o.kind == "ok" and o.stream and len(o.token_times) > 1:
+            per_token["faults" if in_fault(o) else "calm"] += o.token_times[1:]
+    by_kind: dict[str, dict] = {}
+    for f in faults:
+        k = by_kind.setdefault(f["kind"], {"count": 0, "recovery_s": [], "unrecovered": 0})
+        k["count"] += 1
+        if f.get("recovery_s") is None:
+            k["unrecovered"] += 1
+        else:
+            k["recovery_s"].append(round(f["recovery_s"], 1))
+    slopes: dict[str, dict] = {}
+    late = [s for s in samples if s["t"] - started >= warmup_s]
+    for who in ("backbone", *LONG_LIVED):
+        slopes[who] = {}
+        for metric in ("rss_mb", "fds", "tasks", "records"):
+            pts = [(s["t"], s[who][metric]) for s in late if s.get(who, {}).get(metric) is not None]
+            if pts:
+                slopes[who][metric] = {"first": pts[0][1], "last": pts[-1][1],
+                                       "max": max(v for _, v in pts), "slope_per_h": slope_per_hour(pts)}
+    return {
+        "duration_s": round(ended - started, 1), "requests": len(outcomes), "outcomes": kinds,
+        "wrong": len(wrong), "wrong_examples": [(o.key, o.text, refs[o.key][0]) for o in wrong[:3]],
+        "errors": errors, "faults": faults, "faults_by_kind": by_kind,
+        "per_token_ms": {k: {"n": len(v), "p50": _ms(_pct(v, 0.5)), "p99": _ms(_pct(v, 0.99))}
+                         for k, v in per_token.items()},
+        "liar_banned": swarm_health.get("banned_workers", 0) >= 1, "liar": liar_id,
+        "replays": swarm_health.get("replays"), "fallbacks": swarm_health.get("fallbacks"),
+        "http_refused": swarm_health.get("http_refused"),
+        "slopes": slopes, "samples": len(samples)}
+
+
+def _ms(x):
+    return None if x is None else round(1000 * x, 1)
+
+
+def check(report: dict) -> list[str]:
+    """What the soak promises, as a list of broken promises (empty: all kept)."""
+    bad = []
+    if report["wrong"]:
+        bad.append(f"{report['wrong']} completed responses differ from the monolithic reference: "
+                   f"{report['wrong_examples']}")
+    for kind in ("lost", "hung"):
+        if report["outcomes"].get(kind):
+            bad.append(f"{report['outcomes'][kind]} requests {kind}: {report['errors']}")
+    if not report["outcomes"].get("ok"):
+        bad.append("no request completed")
+    if not report["liar_banned"]:
+        bad.append("the dishonest worker was not banned")
+    for f in report["faults"]:
+        if f.get("inject_error"):
+            bad.append(f"fault {f['kind']} could not be injected: {f['inject_error']}")
+        if f.get("recovery_s") is None:
+            bad.append(f"no full worker service within {RECOVERY_BOUND_S:g} s after {f}")
+        if f["kind"] == "corrupt_shard" and (f.get("traceback") or f.get("refused_rc") in (0, None)):
+            bad.append(f"a corrupt shard was not refused with one line: {f}")
+        if f["kind"] == "garbage" and "HUNG" in f.get("frames", ""):
+            bad.append(f"a garbage frame hung its stream: {f}")
+    return bad
