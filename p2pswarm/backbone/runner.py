@@ -453,12 +453,12 @@ class Backbone:
         calls: list[tuple[np.ndarray, np.ndarray]] = []
         n_rounds = max(sp.stop - sp.start for sp, v in zip(spans, verify) if v)
         for r in range(n_rounds):
-            segs = []  # (rows of h, state, position of its first row, verified?)
+            segs = []  # (rows of h, state, position of its first row, positions verified or 0)
             for sp, st, p, v in zip(spans, states, pos0, verify):
                 if v and r < sp.stop - sp.start:
-                    segs.append((np.arange(sp.start + r, sp.start + r + 1), st, p + r, True))
+                    segs.append((np.arange(sp.start + r, sp.start + r + 1), st, p + r, sp.stop - sp.start))
                 elif not v and r == 0:
-                    segs.append((np.arange(sp.start, sp.stop), st, p, False))
+                    segs.append((np.arange(sp.start, sp.stop), st, p, 0))
             if batched:
                 idx = np.concatenate([s[0] for s in segs])
                 got = m.pre_moe_batch(il, np.ascontiguousarray(h[idx]), [(st, p, len(rows)) for rows, st, p, _ in segs])
@@ -469,8 +469,10 @@ class Backbone:
                     got = m.pre_moe(il, np.ascontiguousarray(h[rows]), st, p)
                     out[rows] = got
                     calls.append((rows, got))
-            for _, st, _, v in segs:
-                if v:
+            for _, st, _, n in segs:
+                # after each position but the last (keeping every position restores nothing): a
+                # DeltaNet layer's checkpoint is a copy of its state (4 MiB at the 122B's geometry)
+                if r < n - 1:
                     st.checkpoints.setdefault(il, []).append(st.layer_state(il).checkpoint())
         if hasattr(m, "keep_rounds"):
             m.keep_rounds(il, before, calls, out)
