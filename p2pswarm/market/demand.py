@@ -27,6 +27,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgpack
@@ -291,7 +292,7 @@ class DemandPublisher:
         self.serves_shards = False  # set once the backbone serves shard downloads (node --manifest)
         #: () -> per-unit flags: the units the backbone's expert cache does not hold whole (None:
         #: it holds every expert; the record then carries no flags)
-        self.lacks = None
+        self.lacks: Callable[[], Sequence[bool]] | None = None
         self.rounds = 0
         self._provided_at = -math.inf
 
