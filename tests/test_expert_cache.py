@@ -39,9 +39,9 @@ def arch_model(models_dir, arch: str):
     return path
 
 
-async def logits_of(path, tokens=TOKENS, **kw):
+async def logits_of(path, tokens=TOKENS, kernel="numpy", **kw):
     """(prefill, decode) logits and the dispatcher of one backbone."""
-    async with open_backbone(path, kernel="numpy", **kw) as swarm:
+    async with open_backbone(path, kernel=kernel, **kw) as swarm:
         return await _both(swarm, tokens)
 
 
@@ -302,3 +302,29 @@ async def test_refill_by_demand_status_metrics_and_demand_record(models_dir):
         plain = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
                                   unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks))
         assert DemandRecord.verify(plain.signed).lacks == ()
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "ggml"])
+async def test_store_filled_from_slabs_is_the_model(models_dir, tmp_path, kernel):
+    """A backbone file's cache with every unit written into its sparse store (as fetched slabs are,
+    after the bank mapped the file) computes the monolithic logits bit for bit, on both kernels;
+    a dropped unit gives its blocks back and is never computed."""
+    path = arch_model(models_dir, "deepseek2")
+    mono_p, mono_d, _ = await logits_of(path, kernel=kernel)
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    full = ModelLayout.open(path)
+    async with open_backbone(bfile, kernel=kernel, expert_cache=ec.parse_cache_size("all")) as swarm:
+        cache = swarm.cache
+        for layer in cache.layers:
+            for e in range(cache.n_expert):
+                cache.store.copy_from(full, layer, e)
+                cache.add(layer, e)
+        assert cache.complete and cache.store.disk_bytes() >= cache.total_bytes
+        p, d, disp = await _both(swarm, TOKENS)
+        assert disp.stats.remote_groups == 0 and disp.stats.local_groups > 0
+        before = cache.store.disk_bytes()
+        assert cache.drop(cache.layers[0], 3) and not cache.holds(cache.layers[0], 3)
+        if cache.store.punch:
+            assert cache.store.disk_bytes() < before
+    assert np.array_equal(p, mono_p) and np.array_equal(d, mono_d)
