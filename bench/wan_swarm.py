@@ -41,7 +41,7 @@ class WanSwarm:
                  kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0,
                  wrapper: str | None = None, threads: int | None = 1, direct: bool = False,
                  proxy_at_zero: bool = False, proxies: str = "shared", proxy_args: list[str] | None = None,
-                 backbone_model: Path | None = None):
+                 backbone_model: Path | None = None, on_start=None):
         """``wrapper``: a script run instead of ``-m MODULE`` as ``python WRAPPER MODULE args`` for every
         node and proxy (bench/trace_entry.py: per-hop timestamps). ``threads``: every node's kernel
         threads (``P2PSWARM_THREADS``; 1: ten processes share this machine's cores; ``None``: the
@@ -54,7 +54,10 @@ class WanSwarm:
         see :meth:`_proxies`); ``proxy_args``: more ``wanproxy`` arguments (bandwidth caps: with one
         proxy process, ``--shared-*-mbps`` caps every link together, as the backbone's own line).
         ``backbone_model``: the backbone's ``--model`` when not ``model`` (the backbone file of
-        `slice --backbone`, bench/bench_expert_cache.py); the workers' shards are cut from ``model``."""
+        `slice --backbone`, bench/bench_expert_cache.py); the workers' shards are cut from ``model``.
+        ``on_start(name, proc)``: called once each node is READY ("boot", "w0", ..., "backbone"):
+        bench/device_swarm.py moves it into a CPU cgroup there. Workers of the same expert range
+        (replicas) share one slice file (a hard link): the 122B geometry's slices are GBs."""
         if proxies not in ("shared", "per-link"):
             raise ValueError("proxies must be 'shared' or 'per-link'")
         self.proxy_mode = proxies
@@ -78,6 +81,8 @@ class WanSwarm:
         self.direct = direct
         self.proxy_at_zero = proxy_at_zero
         self.proxy_args = proxy_args or []
+        self.on_start = on_start
+        self._slices: dict[tuple[int, int], Path] = {}
 
     def _entry(self, module: str) -> list[str]:
         return [self.wrapper, module] if self.wrapper else ["-m", module]
@@ -85,6 +90,8 @@ class WanSwarm:
     def _node(self, name: str, args: list[str]) -> Proc:
         p = Proc(args, self.dir / f"{name}.log", self.env, entry=self._entry("p2pswarm.cli"))
         self.procs.append(p)
+        if self.on_start is not None:
+            self.on_start(name, p)
         return p
 
     def _proxies(self, target_ports: list[int], link_ports: list[int]) -> list[int]:
@@ -124,7 +131,12 @@ class WanSwarm:
             for i, (e0, e1) in enumerate(self.ranges):
                 shard = self.dir / f"shard{i}-{e0}-{e1}.gguf"
                 if not shard.exists():
-                    slice_experts(self.model, shard, None, (e0, e1))
+                    same = self._slices.get((e0, e1))
+                    if same is not None:
+                        os.link(same, shard)
+                    else:
+                        slice_experts(self.model, shard, None, (e0, e1))
+                self._slices[(e0, e1)] = shard
                 lane = []
                 if self.direct:
                     lane = ["--direct", f"127.0.0.1:{dports[i]}", "--direct-announce", f"127.0.0.1:{reach[n + i]}"]

@@ -345,7 +345,10 @@ async def test_geometry_glm45_runs_in_llama_cpp_and_routes_as_it_does(tmp_path):
                 # model out of the cyclic collector: left in place, the 5 GB file (deleted
                 # below) stayed mapped, on disk and resident, for the rest of the test run.
                 del model.route
-        assert sorted(free) == [1] and seen[0][0].shape == (16, 0) and np.array_equal(seen[1][0], free[1])
+        assert sorted(free) == [1] and seen[0][0].shape == (16, 0)
+        # The same 8 experts for every token; their order is the top-k's, and two scores a
+        # rounding apart (scored by another CPU's kernels) may swap places (seen on CI).
+        assert np.array_equal(np.sort(seen[1][0], axis=1), np.sort(free[1], axis=1))
         print(f"geometry-glm45 --layers 2: max |logit - llama.cpp| {np.abs(ours - ref).max():.3g} "
               f"(max |logit| {np.abs(ref).max():.3g})")
         assert (np.argmax(ours, axis=1) == np.argmax(ref, axis=1)).all()

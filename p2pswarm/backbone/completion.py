@@ -43,7 +43,7 @@ class PenalizedSampler(Sampler):
         self.logit_bias = dict(logit_bias or {})
         self.counts: dict[int, int] = {}
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def __call__(self, logits: np.ndarray, position: int | None = None) -> int:
         if self.logit_bias or self.counts and (self.frequency_penalty or self.presence_penalty):
             logits = np.array(logits, dtype=np.float32, copy=True)
             for tok, b in self.logit_bias.items():
@@ -51,7 +51,7 @@ class PenalizedSampler(Sampler):
             if self.frequency_penalty or self.presence_penalty:
                 for tok, c in self.counts.items():
                     logits[tok] -= c * self.frequency_penalty + self.presence_penalty
-        tok = super().__call__(logits)
+        tok = super().__call__(logits, position)
         self.counts[tok] = self.counts.get(tok, 0) + 1
         return tok
 
@@ -160,13 +160,21 @@ def parse_params(body: dict, *, chat: bool, n_vocab: int) -> GenParams:
 
 @dataclass
 class Usage:
+    """The ``usage`` object. Speculative decoding's counts go where OpenAI reports its predicted
+    outputs': ``completion_tokens_details.accepted_prediction_tokens`` (drafts the model confirmed,
+    each a token gained) and ``rejected_prediction_tokens`` (drafts computed and dropped)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
+    drafted: int = 0
+    accepted: int = 0
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "completion_tokens_details": {"accepted_prediction_tokens": self.accepted,
+                                              "rejected_prediction_tokens": self.drafted - self.accepted}}
 
 
 class StreamRewound(APIError):
@@ -212,6 +220,8 @@ async def generate_text(open_generation, prompt_ids: list[int], params: GenParam
                 out = rebuilt
                 continue
             usage.completion_tokens += 1
+            usage.drafted += step.drafted
+            usage.accepted += step.accepted
             if on_token is not None:
                 on_token()
             texts.append(step.text)

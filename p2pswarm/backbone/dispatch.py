@@ -64,6 +64,8 @@ log = logging.getLogger("p2pswarm.backbone")
 #: measured again: without requests an owner's estimate never changes, and a fast owner measured
 #: once slow (a congested link, a phone waking up) would stay unused for good
 HOT_PROBE_S = 2.0
+#: weight of the newest request in an owner's seconds-per-pair estimate (Dispatcher._finish_s)
+OWNER_RATE_EWMA = 0.2
 
 #: how long a step waits for units no live owner holds to be fetched into the expert cache before
 #: the requests in it fail with :class:`UnitsUnavailable` (a slab of a 671B model's expert is ~7 MB
@@ -102,6 +104,9 @@ class Dispatcher:
         #: compute locally whatever a slow owner would take longer to return (see _keep_hot_local)
         self.hot_experts = hot_experts
         self.local_row_s: float | None = None  # EWMA: local seconds per (row, expert) computed
+        #: EWMA per remote owner: seconds of a round trip per (expert, row) pair it was sent, its
+        #: measured speed (link and compute together): replicas share a layer's groups by it (_assign)
+        self.owner_row_s: dict[str, float] = {}
         self.hot_probe_s = HOT_PROBE_S
         self._asked_at: dict[str, float] = {}  # owner name -> time.monotonic() of its last request or probe
         self._probing: set[str] = set()  # owners with a probe in flight
@@ -191,16 +196,44 @@ class Dispatcher:
         ``kept``, if given, receives the owners the hot-expert path kept local, with their groups."""
         plan: dict[Owner, list[int]] = {}
         local = self.local
-        for i, (e, _) in enumerate(groups):
-            owner = next((o for o in self.owners if o.holds(layer, e) and self.healthy(o)), None)
-            if owner is None:  # the local replica, or (a unit the expert cache lacks) fetched first
+        pairs: dict[Owner, int] = {}  # (expert, row) pairs given to each owner so far this layer
+        for i, (e, idx) in enumerate(groups):
+            holders = [o for o in self.owners if o.holds(layer, e) and self.healthy(o)]
+            if len(holders) > 1:
+                owner = min(holders, key=lambda o: self._finish_s(o, pairs.get(o, 0) + len(idx)))
+            elif holders:
+                owner = holders[0]
+            else:  # the local replica, or (a unit the expert cache lacks) fetched first
                 owner = local if local.holds(layer, e) else self.unheld
             plan.setdefault(owner, []).append(i)
+            pairs[owner] = pairs.get(owner, 0) + len(idx)
         if self.hot_experts:
             moved = self._keep_hot_local(layer, plan, groups)
             if kept is not None:
                 kept.update(moved)
         return plan
+
+    def _finish_s(self, owner: Owner, pairs: int) -> float:
+        """When ``owner`` would be done with ``pairs`` (expert, row) pairs this layer, at its measured
+        seconds per pair (:attr:`owner_row_s`), behind the requests it already has in flight.
+
+        Why: with replicas of a unit, the first holder used to take every group of it, so a second
+        replica added no throughput, and on unequal devices a slow one set the step time whenever
+        it was first. Giving each group to the replica that would finish it first shares a layer's
+        groups in proportion to measured speed: a device at 0.1 of a core gets about a quarter of
+        what one at 0.4 gets, and both finish about together. An owner not measured yet counts as
+        fast as the fastest one measured (0 when none is), so it gets work and is measured."""
+        rate = self.owner_row_s.get(owner.name)
+        if rate is None:
+            rate = min(self.owner_row_s.values(), default=0.0)
+        return rate * (pairs + getattr(owner, "inflight", 0) * max(1, pairs))
+
+    def _measured(self, owner: Owner, seconds: float, pairs: int) -> None:
+        """One answered remote request into the owner's seconds-per-pair EWMA (:meth:`_finish_s`)."""
+        if pairs:
+            r = seconds / pairs
+            old = self.owner_row_s.get(owner.name)
+            self.owner_row_s[owner.name] = r if old is None else (1 - OWNER_RATE_EWMA) * old + OWNER_RATE_EWMA * r
 
     def _keep_hot_local(self, layer: int, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
         """The hot-expert path: an owner whose expected round trip for this request (its measured
@@ -338,7 +371,9 @@ class Dispatcher:
                 outs, refs = await self._compute_checked(owner, layer, cur, owner_groups, picked)
             else:
                 outs = await owner.compute(layer, cur, owner_groups)
-            if not owner.remote:
+            if owner.remote:
+                self._measured(owner, time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
+            else:
                 rows = sum(len(idx) for _, idx in owner_groups)
                 if rows:
                     r = (time.perf_counter() - tc) / rows

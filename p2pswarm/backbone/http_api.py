@@ -87,7 +87,7 @@ class CompletionsApp:
         self.draining = False  # stopping: new requests are refused
         self.cutting = False  # the drain period is over: running generations end at their next token
         self.metrics = BackboneMetrics(backbone.dispatcher, self._coverage, lambda: self.active,
-                                       backbone.replays)
+                                       backbone.replays, spec=self.scheduler.spec)
         self.app = Starlette(
             routes=[
                 Route("/", self._status_page),
@@ -196,6 +196,7 @@ class CompletionsApp:
                              "dispatch_wait_s": self.backbone.timing.wait_s,
                              "banned_workers": len(self.backbone.dispatcher.banned),
                              "replays": self.backbone.replays.as_dict(),
+                             "speculation": sched.spec.as_dict(sched.speculate),
                              "wire": wire_summary(self.backbone.dispatcher, generated)})
 
     async def _metrics(self, request: Request) -> Response:
@@ -213,6 +214,7 @@ class CompletionsApp:
         return JSONResponse(self.view.snapshot(
             model=self.model_name, fingerprint=self.fingerprint, active=self.active, rate=self.metrics.rate,
             metrics_totals={"tokens_generated": self.metrics.total_tokens,
+                            "speculation": self.scheduler.spec.as_dict(self.scheduler.speculate),
                             "wire": wire_summary(self.backbone.dispatcher, self.metrics.total_tokens)}))
 
     # -- OpenAI routes ---------------------------------------------------------------------------

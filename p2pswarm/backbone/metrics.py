@@ -23,6 +23,8 @@ read at scrape time by a custom collector, so they never drift from the source.
     p2pswarm_unfixable_finished_total                 requests that finished before such a ban (not replayable)
     p2pswarm_wire_bytes_total{direction}              expert-RPC bytes to (sent) / from (received) all remote owners
     p2pswarm_owner_wire_bytes_total{owner, direction} the same per remote owner now known
+    p2pswarm_draft_tokens_total{outcome}              speculative decoding: drafts verified, by accepted / rejected
+    p2pswarm_draft_acceptance                         accepted / drafted so far (NaN before any draft)
     p2pswarm_expert_cache_bytes{kind}                 the expert cache (--expert-cache): capacity / used
     p2pswarm_expert_cache_units                       units (layer, expert) cached now
     p2pswarm_expert_cache_lookups_total{result}       routed groups whose unit was cached (hit) or not (miss)
@@ -82,8 +84,9 @@ class TokenRate:
 class _SwarmCollector:
     """Reads the dispatcher and the status snapshot at scrape time."""
 
-    def __init__(self, dispatcher, coverage, replays=None):
+    def __init__(self, dispatcher, coverage, replays=None, spec=None):
         self.dispatcher = dispatcher
+        self.spec = spec  # the scheduler's SpecStats (speculative decoding)
         self.coverage = coverage  # () -> (live units, local-only units, workers)
         self.replays = replays  # the backbone's ReplayStats (replay on ban)
 
@@ -120,6 +123,16 @@ class _SwarmCollector:
                 per.add_metric([o.name, "sent"], w.sent)
                 per.add_metric([o.name, "received"], w.received)
         yield per
+        sp = self.spec
+        if sp is not None:
+            drafts = CounterMetricFamily("p2pswarm_draft_tokens", "Drafted tokens verified (speculative decoding), by "
+                                         "outcome", labels=["outcome"])
+            drafts.add_metric(["accepted"], sp.accepted)
+            drafts.add_metric(["rejected"], sp.drafted - sp.accepted)
+            yield drafts
+            yield GaugeMetricFamily("p2pswarm_draft_acceptance", "Accepted / drafted tokens so far (speculative "
+                                    "decoding; NaN before any draft)",
+                                    value=sp.acceptance if sp.acceptance is not None else float("nan"))
         cache = self.dispatcher.cache
         if cache is not None:
             yield from _cache_metrics(cache)
@@ -161,10 +174,11 @@ def _cache_metrics(cache):
 
 
 class BackboneMetrics:
-    def __init__(self, dispatcher, coverage, active, replays=None):
+    def __init__(self, dispatcher, coverage, active, replays=None, spec=None):
         """``coverage()`` -> (units with a live remote replica, units only the local replica
         covers, remote owners); ``active()`` -> sequences generating now; ``replays``: the
-        backbone's :class:`~p2pswarm.backbone.runner.ReplayStats`."""
+        backbone's :class:`~p2pswarm.backbone.runner.ReplayStats`; ``spec``: the scheduler's
+        :class:`~p2pswarm.backbone.speculation.SpecStats`."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("p2pswarm_http_requests", "HTTP requests answered",
@@ -176,7 +190,7 @@ class BackboneMetrics:
         self.owner_latency = Histogram("p2pswarm_owner_request_seconds",
                                        "Expert request round trip per remote owner (compute included)",
                                        ["owner"], buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_SwarmCollector(dispatcher, coverage, replays))
+        r.register(_SwarmCollector(dispatcher, coverage, replays, spec))
         self.rate = TokenRate()
         self.total_tokens = 0
 

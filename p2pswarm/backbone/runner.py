@@ -73,6 +73,11 @@ def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: 
     return acc
 
 
+def _rows(sp: slice) -> list[slice]:
+    """``sp`` cut into one-row spans."""
+    return [slice(i, i + 1) for i in range(sp.start, sp.stop)]
+
+
 def _fold_taint(taint: dict[str, np.ndarray], bounds: np.ndarray, states: list[SequenceState],
                 pos0: list[int]) -> None:
     """Record in each sequence's state the first position whose computation used a remote peer's
@@ -300,7 +305,8 @@ class Backbone:
         return (await self.forward_batch([(tokens, state)]))[0]
 
     async def forward_batch(self, items: list[tuple[object, SequenceState]], *, last_only: bool = False,
-                            batch_invariant: bool | None = None) -> list[np.ndarray]:
+                            batch_invariant: bool | None = None,
+                            verify: list[bool] | None = None) -> list[np.ndarray]:
         """One step for many sequences: ``items`` = [(tokens, state), ...], each a prefill chunk or one
         decode token fed after what its state has seen (every state at most once). Returns each
         item's logits, (T_i, n_vocab), or only its last row (1, n_vocab) with ``last_only``.
@@ -310,10 +316,22 @@ class Backbone:
         call (one request per owner with every row it must compute, for all sequences), combine in
         top-k order, post_moe, rows split back. In the batch-invariant mode each of those dense
         pieces is batched only where :meth:`dense_invariance` measured it row-invariant, else run
-        per sequence."""
+        per sequence.
+
+        ``verify[i]``: item i's tokens are *decode* positions of one sequence (a speculative
+        decoding step: the sampled token and its drafts), each computed exactly as a one-token
+        decode step computes it: its layer state advanced one position per call (the attention /
+        DeltaNet part in rounds, one row of each such sequence per round), every other dense piece
+        per position where a probe did not find it row-invariant (the batch-invariant rules, with
+        each position as a sequence of its own), and all positions' logits returned. Each layer's
+        state is checkpointed after each position, so :meth:`keep_positions` can drop the rejected
+        ones with no trace. Their experts still go in the step's one request per owner per layer."""
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant
+        verify = list(verify) if verify is not None else [False] * len(items)
         if len(items) == 1:
             invariant = False  # one sequence: batched is alone, nothing to probe or split
+        if any(verify):
+            invariant = True  # each verified position must get the bits it gets alone
         m = self.model
         toks = [np.asarray(t, dtype=np.int64).reshape(-1) for t, _ in items]
         states = [st for _, st in items]
@@ -324,21 +342,27 @@ class Backbone:
         pos0 = [st.n_past for st in states]
         bounds = np.cumsum([0] + [len(t) for t in toks])
         spans = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        # the spans the per-sequence pieces see: a verified sequence's positions one by one
+        pspans = [s for sp, v in zip(spans, verify) for s in (_rows(sp) if v else [sp])]
+        ospans = [_rows(sp) if v else [slice(sp.stop - 1, sp.stop) if last_only else sp]
+                  for sp, v in zip(spans, verify)]
+        for st, v in zip(states, verify):
+            st.checkpoints, st.verified = {}, 0
         timing = self.timing
         L = m.n_layer
 
         def first():
             if self._row_invariant is None and bounds[-1] > 1 and self.dispatcher.verifier:
                 self._probe_row_invariance()  # once: which groups the verifier may check row by row
-            return self._pre_batch(0, m.embed(np.concatenate(toks)), spans, states, pos0, invariant)
+            return self._pre_batch(0, m.embed(np.concatenate(toks)), spans, states, pos0, invariant, verify, pspans)
 
         def after(il, h, cur, ids, w, groups, outs):
             """post_moe of layer il and pre_moe of the next in ONE thread hop (each hop is a
             wake-up; on a busy host those cost more than the arithmetic), or the lm head."""
-            h = self._post_batch(il, h, cur, ids, w, groups, outs, spans, invariant)
+            h = self._post_batch(il, h, cur, ids, w, groups, outs, pspans, invariant)
             if il + 1 < L:
-                return self._pre_batch(il + 1, h, spans, states, pos0, invariant)
-            return self._output_batch(h, spans, last_only, invariant)
+                return self._pre_batch(il + 1, h, spans, states, pos0, invariant, verify, pspans)
+            return self._output_batch(h, ospans, invariant)
 
         disp = self.dispatcher
         if disp.all_local:  # monolithic: the whole step in one thread hop
@@ -372,15 +396,34 @@ class Backbone:
                 timing.layers += 1
             if taint:
                 _fold_taint(taint, bounds, states, pos0)
-        for st, t in zip(states, toks):
+        for st, t, v in zip(states, toks, verify):
             st.n_past += len(t)
+            if v:
+                st.verified = len(t)
         return res
 
-    def _pre_batch(self, il, h, spans, states, pos0, invariant):
+    def keep_positions(self, state: SequenceState, keep: int) -> None:
+        """After a verification step (``forward_batch(..., verify=...)``) that fed ``state``
+        ``state.verified`` positions: keep the first ``keep`` of them, as if the others had never
+        been fed (every layer's KV rows / DeltaNet state back to its checkpoint after position
+        ``keep``). Exact: the state is then bit-identical to one that decoded only those."""
+        n = state.verified
+        if not 1 <= keep <= n:
+            raise ValueError(f"keep {keep} of {n} verified positions")
+        if keep < n:
+            for il, snaps in state.checkpoints.items():
+                state.layer_state(il).restore(snaps[keep - 1])
+            state.n_past -= n - keep
+        state.checkpoints, state.verified = {}, 0
+
+    def _pre_batch(self, il, h, spans, states, pos0, invariant, verify=None, pspans=None):
         m = self.model
         inv = self.dense_invariance(il) if invariant else ALL_BATCHED
         batch_fn = getattr(m, "pre_moe_batch", None)
-        if inv.pre_moe and batch_fn is not None:  # one set of dense mat-muls for every sequence's rows
+        if verify is not None and any(verify):
+            h = self._pre_rounds(il, h, spans, states, pos0, verify, inv.pre_moe and batch_fn is not None)
+            spans = pspans
+        elif inv.pre_moe and batch_fn is not None:  # one set of dense mat-muls for every sequence's rows
             h = batch_fn(il, h, [(st, p, sp.stop - sp.start) for sp, st, p in zip(spans, states, pos0)])
         else:
             h = np.concatenate([m.pre_moe(il, h[sp], st, p) for sp, st, p in zip(spans, states, pos0)])
@@ -398,6 +441,40 @@ class Backbone:
         else:
             groups = self._invariant_groups(ids, spans)
         return h, cur, ids, w, groups
+
+    def _pre_rounds(self, il, h, spans, states, pos0, verify, batched: bool) -> np.ndarray:
+        """Layer ``il``'s pre_moe in rounds: round r holds row r of every verified sequence (one
+        decode position on its state, checkpointed after it) and, in round 0, every other
+        sequence's rows; each round is one ``pre_moe_batch`` call (``batched``) or one call per
+        sequence, as a step of one-token decodes would make it."""
+        m = self.model
+        out = np.empty_like(h)
+        before = list(getattr(m, "_kept", ()))
+        calls: list[tuple[np.ndarray, np.ndarray]] = []
+        n_rounds = max(sp.stop - sp.start for sp, v in zip(spans, verify) if v)
+        for r in range(n_rounds):
+            segs = []  # (rows of h, state, position of its first row, verified?)
+            for sp, st, p, v in zip(spans, states, pos0, verify):
+                if v and r < sp.stop - sp.start:
+                    segs.append((np.arange(sp.start + r, sp.start + r + 1), st, p + r, True))
+                elif not v and r == 0:
+                    segs.append((np.arange(sp.start, sp.stop), st, p, False))
+            if batched:
+                idx = np.concatenate([s[0] for s in segs])
+                got = m.pre_moe_batch(il, np.ascontiguousarray(h[idx]), [(st, p, len(rows)) for rows, st, p, _ in segs])
+                out[idx] = got
+                calls.append((idx, got))
+            else:
+                for rows, st, p, _ in segs:
+                    got = m.pre_moe(il, np.ascontiguousarray(h[rows]), st, p)
+                    out[rows] = got
+                    calls.append((rows, got))
+            for _, st, _, v in segs:
+                if v:
+                    st.checkpoints.setdefault(il, []).append(st.layer_state(il).checkpoint())
+        if hasattr(m, "keep_rounds"):
+            m.keep_rounds(il, before, calls, out)
+        return out
 
     def _invariant_groups(self, ids, spans) -> Groups:
         """Expert groups for the batch-invariant mode where the experts are not row-invariant: one
@@ -430,16 +507,23 @@ class Backbone:
             return self.model.post_moe(il, h, cur, moe)
         return np.concatenate([self.model.post_moe(il, h[sp], cur[sp], moe[sp]) for sp in spans])
 
-    def _output_batch(self, h, spans, last_only, invariant):
+    def _output_batch(self, h, ospans, invariant):
+        """Logits of each item's ``ospans`` (its rows, in one or more spans), per item."""
         m = self.model
-        if last_only:
-            spans = [slice(sp.stop - 1, sp.stop) for sp in spans]
+        spans = [sp for item in ospans for sp in item]
         if invariant and not self.row_invariant_output:
-            return [m.output(h[sp]) for sp in spans]
-        rows = np.concatenate([np.arange(sp.start, sp.stop) for sp in spans])
-        logits = m.output(h[rows])
-        at = np.cumsum([0] + [sp.stop - sp.start for sp in spans])
-        return [logits[a:b] for a, b in zip(at[:-1], at[1:])]
+            flat = [m.output(h[sp]) for sp in spans]
+        else:
+            rows = np.concatenate([np.arange(sp.start, sp.stop) for sp in spans])
+            logits = m.output(h[rows])
+            at = np.cumsum([0] + [sp.stop - sp.start for sp in spans])
+            flat = [logits[a:b] for a, b in zip(at[:-1], at[1:])]
+        out, i = [], 0
+        for item in ospans:
+            got = flat[i:i + len(item)]
+            out.append(got[0] if len(got) == 1 else np.concatenate(got))
+            i += len(item)
+        return out
 
     async def logits(self, tokens, *, decode: bool = False, on_step=None) -> np.ndarray:
         """All-position logits of a fresh sequence: one prefill, or token by token (``decode``).

@@ -16,14 +16,8 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
 * Every active decode sequence contributes its one row; then prefill chunks (arrival order) fill the
   per-step ``token_budget``, so a long prompt never stalls the others for more than a chunk.
   ``"auto"`` (the node's default) is :data:`AUTO_BUDGET_FLOOR` rows, grown while the step is
-  network-bound: up to the rows whose dense work per layer takes as long as one layer's measured
-  dispatch wait (:func:`choose_token_budget`). Under WAN latency a row of prefill then costs next to
-  nothing (the step waits on the round trip anyway), and 64 new prompts are absorbed in one step
-  instead of three round-trip-bound ones; on fast links it stays at the floor. A step with no
-  sequence decoding (a burst of new requests) takes every pending chunk up to
-  :data:`AUTO_BUDGET_CAP`: the budget protects decoding sequences, and there are none to protect,
-  while a prompt left for the next step finishes one step after the rest of its burst (a budget
-  that left some of 64 short prompts out cost the burst a whole step: docs/benchmarks.md).
+  network-bound (:func:`choose_token_budget`; up to :data:`AUTO_BUDGET_CAP` in a step with no
+  sequence decoding: nobody to protect); docs/architecture.md "Continuous batching" says why.
 * A prompt is always cut into the same chunks (``prefill_chunk`` tokens, from its start), whatever
   else is running: with the backbone's ``batch_invariant`` mode its tokens are then bit-identical
   to the same request served alone.
@@ -31,28 +25,22 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
   concurrently, so while one waits on the network for layer l the backbone computes another's dense
   path. ``"auto"`` picks the number each step from the measured dense time C (per layer, whole step)
   and dispatch wait R (per layer): :func:`choose_micro_batches`.
-* Sampling is per request (its own :class:`~p2pswarm.backbone.sampling.Sampler` and seed).
+* Sampling is per request (its own :class:`~p2pswarm.backbone.sampling.Sampler` and seed; the
+  token at a position is drawn with that position's own random number).
+* Speculative decoding (``speculate``, :mod:`p2pswarm.backbone.speculation`): a decoding sequence
+  may feed drafted tokens after its sampled one; the step verifies them all and keeps the prefix
+  the model itself produces, exact (the same tokens as without).
 * A client that goes away (its ``async with`` exits, e.g. the HTTP connection closed) cancels its
   sequence; a step that fails (bad token id, or the dispatcher gave up) fails the requests in that
   step with the error and the scheduler goes on with new ones. Dead workers never hang a step: the
   dispatcher's timeout and local fallback bound every layer.
 
-Replay on ban. Sampled verification (:mod:`p2pswarm.market.verify`) catches a lying worker only
-after some of its unchecked rows were used. Every sequence's state records, per remote worker, the
-first position computed from that worker's unverified outputs (``SequenceState.taint``, filled by
-:meth:`Backbone.forward_batch`). After every step in which a worker was banned (caught here, or a
-ban record of a trusted backbone honoured), each active sequence tainted by it is rewound: a fresh
-state, the prompt fed again in the same chunks and the tokens generated from clean positions fed
-again one by one, as decode rows (the same schedule as the first time: exact whatever else runs in
-the batch-invariant mode), with the sampler restored to its initial copy so it draws the same
-numbers; its re-derived tokens are checked against the kept ones and not sent again. A token is
-produced by the row of the position before it, so with the taint at position p the tokens
-produced from positions < p are kept and later ones dropped. If the client already received some
-of the dropped tokens it gets a :class:`Rewind` (keep = how many of its tokens stand) before the
-replacements; ``submit(..., rewinds=False)`` (the default) makes that an error instead
-(:class:`SequenceRewound`), for callers that cannot take text back. A sequence that *finished*
-before the ban cannot be fixed: it is logged (request id, worker) and counted
-(``backbone.replays.finished_unfixable``). The counts are in ``backbone.replays`` and /health.
+Replay on ban (:mod:`p2pswarm.backbone.replay` says why and what is kept): after every step in
+which a worker was banned, each active sequence tainted by it gets a fresh state, its prompt fed
+again in the same chunks and its clean tokens fed again one by one as decode rows (the same
+schedule: exact), re-derived and checked, not sent again; a client that had dropped tokens gets a
+:class:`Rewind` (or, with ``submit(..., rewinds=False)``, :class:`SequenceRewound`). A sequence
+that finished before the ban is logged and counted (``backbone.replays.finished_unfixable``).
 """
 from __future__ import annotations
 
@@ -62,6 +50,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import trio
@@ -74,6 +63,7 @@ from p2pswarm.backbone.pacing import (AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, BUDGET
 from p2pswarm.backbone.replay import Rewind, TokenReplay
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.backbone.speculation import SpecStats, Speculation, accept, plan_drafts
 from p2pswarm.engine.state import SequenceState
 from p2pswarm.errors import UserError
 
@@ -143,6 +133,7 @@ class _Sequence:
         self.send = send
         self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self.state: SequenceState | None = None
+        self.adaptive = None  # its draft length (speculation.Adaptive), made when it first drafts
         self.fed = 0  # prompt tokens fed so far
         self.next_token = 0  # the sampled token to feed next step (once the prompt is fed)
         self.n_out = 0
@@ -213,12 +204,15 @@ class Scheduler:
 
     def __init__(self, backbone: Backbone, tokenizer=None, *, token_budget: int | str = 256, prefill_chunk: int = 32,
                  max_active: int = 256, micro_batches: int | str = "auto",
-                 gather: str | tuple[float, float] = "auto", rows: bool = False):
+                 gather: str | tuple[float, float] = "auto", rows: bool = False,
+                 speculate: Speculation | None = None):
         """``gather``: how long an idle scheduler waits for a burst of requests before its first
         step: ``auto`` (:data:`GATHER_FRACTION`), or fixed (gap, most) seconds; ``(0, 0)`` starts
         at once. ``rows``: compute every position's logits, not only each sequence's last (for
         ``Params(rows=True)`` requests: :meth:`Backbone.logits`)."""
         self.rows = rows
+        self.speculate = speculate  # speculative decoding settings; None or mode off: none
+        self.spec = SpecStats()
         if token_budget != "auto" and (not isinstance(token_budget, int) or token_budget < 1):
             raise ValueError("token_budget must be 'auto' or an integer >= 1")
         if prefill_chunk < 1 or max_active < 1:
@@ -431,7 +425,9 @@ class Scheduler:
 
     async def step(self) -> None:
         batch = self.plan()
-        chunks = [s.chunk(self.prefill_chunk) for s in batch]
+        drafts = plan_drafts(self.speculate, [s for s in batch if s.fed >= len(s.prompt)])
+        chunks = [s.chunk(self.prefill_chunk) + drafts.get(s.sid, []) for s in batch]
+        verify = [s.sid in drafts for s in batch]
         before = self.backbone.dispatcher.stats.snapshot()
         t_before = self.backbone.timing.snapshot()
         parts = self._split(batch, chunks)
@@ -441,7 +437,8 @@ class Scheduler:
             out: list[np.ndarray | Exception]
             try:
                 items = [(chunks[i], batch[i].state) for i in idx]  # (an admitted sequence has a state)
-                out = list(await self.backbone.forward_batch(items, last_only=not self.rows))  # type: ignore[arg-type]
+                out = list(await self.backbone.forward_batch(items, last_only=not self.rows,  # type: ignore[arg-type]
+                                                             verify=[verify[i] for i in idx]))
             except Exception as exc:  # these requests get the error, the loop goes on
                 out = [exc] * len(idx)
             for i, o in zip(idx, out):
@@ -479,20 +476,22 @@ class Scheduler:
                 continue
             if s.sid in rewound:
                 continue  # this step's rows are thrown away with the rest of its state
-            if s.params.rows:
-                assert lg is not None
-                try:  # (the prompt's positions: such a request samples nothing it feeds back)
-                    s.send.send_nowait(Rows(s.fed, lg))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    s.cancelled = True
+            assert lg is not None and s.state is not None
+            if s.params.rows and s.sid not in drafts:  # (a verification's rows: those kept, below)
+                self._send(s, Rows(s.state.n_past - len(c), lg))
             if s.fed < len(s.prompt):
                 s.fed += len(c)
                 if s.fed < len(s.prompt):
                     continue  # more of the prompt to feed before the first token
             if s.cancelled:
                 continue
-            assert lg is not None
-            self._emit(s, lg[-1], dispatch)
+            if s.sid in drafts:  # keep the positions whose drafts the model confirmed (each row's Rows first)
+                at = s.state.n_past - len(c)
+                on_row = (lambda i, s=s, at=at, lg=lg: self._send(s, Rows(at + i, lg[i:i + 1]))) if s.params.rows else None
+                self.backbone.keep_positions(s.state, accept(partial(self._emit, dispatch=dispatch), s, lg,
+                                                             drafts[s.sid], self.spec, on_row))
+            else:
+                self._emit(s, lg[-1], dispatch=dispatch)
 
     # -- replay on ban (module doc) -------------------------------------------------------------
     def _replay_banned(self) -> set[int]:
@@ -521,7 +520,7 @@ class Scheduler:
             return False
         s.sampler, withdrawn = rewound
         if withdrawn is not None:
-            self._withdraw(s, withdrawn)
+            self._send(s, withdrawn)
         s.state = self.backbone.new_state()
         s.fed = 0
         s.next_token = 0
@@ -530,11 +529,11 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _withdraw(s: _Sequence, rewind: Rewind) -> None:
-        """Tell the client that its tokens from ``rewind.keep`` on are withdrawn; a client that has
-        gone away cancels the sequence."""
+    def _send(s: _Sequence, item: Rewind | Rows) -> None:
+        """Hand ``item`` (a :class:`Rewind`: its tokens from ``keep`` on withdrawn; or a
+        :class:`Rows`) to the client; a client that has gone away cancels the sequence."""
         try:
-            s.send.send_nowait(rewind)
+            s.send.send_nowait(item)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             s.cancelled = True
 
@@ -561,8 +560,9 @@ class Scheduler:
             pass
         s.send.close()
 
-    def _emit(self, s: _Sequence, row: np.ndarray, dispatch) -> None:
-        token = s.sampler(row)
+    def _emit(self, s: _Sequence, row: np.ndarray, drafted: int = 0, expected: int | None = None, *,
+              dispatch) -> None:
+        token = s.sampler(row, len(s.prompt) + s.n_out)  # the position's own random number
         again, withdrawn = s.replay.rederive(s.n_out, token, self.backbone.replays, f"request {s.request_id}")
         if again:  # replaying: a token the client already has, derived again
             if s.decoder is not None:
@@ -571,7 +571,7 @@ class Scheduler:
             s.next_token = token
             return
         if withdrawn is not None:
-            self._withdraw(s, withdrawn)
+            self._send(s, withdrawn)
         p = s.params
         tok = self.tokenizer
         end = bool(p.stop_at_eos and tok is not None and tok.is_eog(token))
@@ -580,7 +580,8 @@ class Scheduler:
         if s.decoder is not None:
             text = s.decoder.push(token) + (s.decoder.flush() if last else "")
         now = time.perf_counter()
-        step = Step(s.n_out, token, text, now - s.t_last, dispatch, end=end)
+        step = Step(s.n_out, token, text, now - s.t_last, dispatch, end=end, drafted=drafted,
+                    accepted=token == expected)
         s.t_last = now
         s.n_out += 1
         s.next_token = token

@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import logging
 import time
+from functools import partial
 
 from typing import Any
 
@@ -46,6 +47,7 @@ from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net import wire_precision
 from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire_bytes import CountingStream, WireBytes
+from p2pswarm.offload import Offload
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -128,6 +130,11 @@ class SocketOwner(Owner):
         self.wire_precision: str | None = None
         #: the lossless output coding both ends take (p2pswarm.net.wire_codec), None: plain
         self.output_coding: str | None = None
+        #: decoding a coded reply: inline when measured short, else in a thread (p2pswarm.offload).
+        #: It was always a thread: with 8 workers a backbone made 8 thread hops a layer for replies
+        #: that decode in a fraction of the hop's cost, 10% of a 0.3-core backbone's GIL samples
+        #: (bench/device_swarm.py --py-spy, docs/benchmarks.md "Devices in CPU cgroups")
+        self._decode = Offload()
 
     def deadline_s(self, rows: int = 0) -> float:
         """How long a request of ``rows`` rows may take before we call the worker hung."""
@@ -320,8 +327,9 @@ class SocketOwner(Owner):
                                    proto.wants_packed(form, self.input_forms), self.output_coding)
         try:
             reply = await self.request(req.to_wire(), rid, rows=int(sum(len(idx) for _, idx in local_groups)))
-            if proto.result_coded(reply.get("out")):  # decoding: CPU work, off the loop
-                out = await trio.to_thread.run_sync(proto.result_from_wire, reply.get("out"))
+            if proto.result_coded(reply.get("out")):  # decoding: CPU work, off the loop unless short
+                pairs = int(sum(len(idx) for _, idx in local_groups))
+                out = await self._decode.run(partial(proto.result_from_wire, reply.get("out")), pairs, "decode")
             else:
                 out = proto.result_from_wire(reply.get("out"))
             if self.wire_precision is not None and reply["out"].get("dtype") != self.wire_precision:

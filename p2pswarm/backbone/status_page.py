@@ -181,7 +181,10 @@ class SwarmView:
             "tokens_per_s": rate.series(),
             "dispatch": {"expert_requests": s.requests, "fallbacks": s.fallbacks,
                          "local_groups": s.local_groups, "remote_groups": s.remote_groups,
-                         "probes": s.probes},
+                         "probes": s.probes,
+                         # seconds in expert dispatch (all local: the replica's compute), and the
+                         # (expert, row) pairs each remote owner was sent: bench/device_swarm.py
+                         "seconds": round(s.seconds, 4), "owner_rows": dict(s.per_owner_rows)},
             # the backbone's expert cache (--expert-cache), None when it holds every expert
             "expert_cache": self.dispatcher.cache.status() if self.dispatcher.cache is not None else None,
             "resolver": ({"refreshes": self.resolver.stats.refreshes,

@@ -114,6 +114,32 @@ def add_swarm_args(p) -> None:
     add_kernel_args(p)
 
 
+def add_speculate_args(p, prefix: str = "") -> None:
+    """``--speculate`` and ``--draft-max`` (speculative decoding; docs/configuration.md)."""
+    p.add_argument("--speculate", choices=("off", "ngram", "mtp"), default="off",
+                   help=prefix + "speculative decoding: draft tokens and verify them in the same step, exact "
+                        "(the same tokens as without); ngram: prompt lookup; mtp: the model's own MTP block "
+                        "(not implemented yet: refused); default off")
+    p.add_argument("--draft-max", type=int, default=4, metavar="K",
+                   help=prefix + "most tokens drafted per sequence and step, adapted to the recent acceptance "
+                        "(default 4)")
+
+
+def speculation_from(args, model_path):
+    """The scheduler's :class:`~p2pswarm.backbone.speculation.Speculation` from ``--speculate`` /
+    ``--draft-max``, or None (off); a mode the model cannot run or a bad K: one line, exit 2."""
+    from p2pswarm.backbone.speculation import Speculation, check_mode
+    from p2pswarm.model.layout import ModelLayout
+
+    if args.draft_max < 1:
+        raise UserError(f"--draft-max must be >= 1, not {args.draft_max}")
+    if args.speculate == "off":
+        return None
+    if args.speculate == "mtp":  # (a backbone file holds the hyper-parameters too, not the experts)
+        check_mode(args.speculate, ModelLayout.open(model_path, require_experts=False))
+    return Speculation(args.speculate, args.draft_max)
+
+
 def require_full_model(path) -> None:
     """Refuse (one line, exit 2) a file that is not a full model before any work starts: an expert
     shard or backbone file cut by `p2pswarm slice`, passed where the full model GGUF belongs."""

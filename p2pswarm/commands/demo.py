@@ -24,7 +24,7 @@ from p2pswarm import settings
 from p2pswarm.backbone.generate import generate
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import cache_dir, open_backbone
-from p2pswarm.commands.common import add_kernel_args, require_full_model
+from p2pswarm.commands.common import add_kernel_args, add_speculate_args, require_full_model, speculation_from
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 
@@ -44,6 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--swarm", action="store_true",
                    help="run the swarm instead: a bootstrap node and worker nodes as separate processes on "
                         "loopback, found by the backbone through the libp2p DHT")
+    add_speculate_args(p)
     add_kernel_args(p)
     p.set_defaults(func=run)
 
@@ -131,20 +132,25 @@ async def _demo(args) -> int:
     prompt_ids = tok.encode(args.prompt)
     print(f"model: {model}")
     print(f"prompt: {args.prompt!r} -> {len(prompt_ids)} tokens")
+    speculate = speculation_from(args, model)
 
     async with _open_split(args, model) as swarm:
         print()
         print(f"{'step':>4} {'token':>7}  {'text':<16} {'requests':>8} {'rows':>5} {'dispatch ms':>11} {'step ms':>8}")
         generated: list[int] = []
         t0 = time.perf_counter()
+        drafted = accepted = 0
         async for step in generate(swarm.backbone, tok, prompt_ids, max_tokens=args.max_tokens,
-                                   sampler=Sampler(0.0)):
+                                   sampler=Sampler(0.0), speculate=speculate):
+            drafted, accepted = drafted + step.drafted, accepted + step.accepted
             generated.append(step.token)
             d = step.dispatch
             print(f"{step.index:>4} {step.token:>7}  {step.text!r:<16.16} {d.requests:>8} {d.remote_rows:>5} "
                   f"{d.seconds * 1000:>11.1f} {step.seconds * 1000:>8.1f}")
         elapsed = time.perf_counter() - t0
         print(f"\ntext: {args.prompt}{tok.decode(generated)}")
+        if speculate is not None:
+            print(f"speculation ({speculate.mode}): {accepted} of {drafted} drafted tokens accepted")
         if not args.model:
             print("(the tiny model's weights are random, so its text is noise: what matters is where each\n"
                   " expert was computed, and that the result is exact)")

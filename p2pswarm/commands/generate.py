@@ -7,7 +7,8 @@ import trio
 
 from p2pswarm.backbone.generate import Rewind, generate
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.commands.common import add_swarm_args, check_workers, open_model, require_full_model
+from p2pswarm.commands.common import (add_speculate_args, add_swarm_args, check_workers, open_model, require_full_model,
+                                      speculation_from)
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 
@@ -24,11 +25,12 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="random seed of the sampler: the same seed gives the same text (default %(default)s)")
     p.add_argument("--stats", action="store_true", help="print per-step dispatch stats to stderr")
+    add_speculate_args(p)
     add_swarm_args(p)
     p.set_defaults(func=run)
 
 
-async def _run(args) -> None:
+async def _run(args, speculate) -> None:
     tok = Tokenizer.from_gguf(args.model)
     ids = tok.encode(args.prompt)
     if not ids:
@@ -37,8 +39,9 @@ async def _run(args) -> None:
     async with open_model(args) as swarm:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-        n, secs, pieces = 0, 0.0, []
-        async for step in generate(swarm.backbone, tok, ids, max_tokens=args.max_tokens, sampler=sampler):
+        n, secs, pieces, drafted, accepted = 0, 0.0, [], 0, 0
+        async for step in generate(swarm.backbone, tok, ids, max_tokens=args.max_tokens, sampler=sampler,
+                                   speculate=speculate):
             if isinstance(step, Rewind):  # replay on ban: what was printed cannot be taken back
                 del pieces[step.keep:]
                 print(f"\n[worker {step.worker} was banned for returning wrong numbers: tokens {step.keep}-"
@@ -46,6 +49,7 @@ async def _run(args) -> None:
                 sys.stdout.write("\n" + args.prompt + "".join(pieces))
                 n = step.keep
                 continue
+            drafted, accepted = drafted + step.drafted, accepted + step.accepted
             pieces.append(step.text)
             sys.stdout.write(step.text)
             sys.stdout.flush()
@@ -58,7 +62,8 @@ async def _run(args) -> None:
                       file=sys.stderr)
         sys.stdout.write("\n")
         where = "through the swarm" if args.swarm else f"{args.workers} workers"
-        print(f"{n} tokens in {secs:.2f} s ({n / max(secs, 1e-9):.1f} tokens/s), {where}",
+        spec = f"; {accepted} of {drafted} drafted tokens accepted" if speculate is not None else ""
+        print(f"{n} tokens in {secs:.2f} s ({n / max(secs, 1e-9):.1f} tokens/s), {where}{spec}",
               file=sys.stderr)
 
 
@@ -69,5 +74,5 @@ def run(args) -> int:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UserError("--temperature must be >= 0 and --top-p in (0, 1]")
     require_full_model(args.model)
-    trio.run(_run, args)
+    trio.run(_run, args, speculation_from(args, args.model))
     return 0

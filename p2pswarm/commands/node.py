@@ -23,8 +23,8 @@ import trio
 from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.net.tokens import AUTO_SCOPE
-from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, expert_cache_size,
-                                     market_kwargs, parse_hostport, positive_int)
+from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, add_speculate_args,
+                                      expert_cache_size, market_kwargs, parse_hostport, positive_int, speculation_from)
 from p2pswarm.commands.node_args import check_dht_mode, check_worker_source
 from p2pswarm.errors import UserError
 from p2pswarm.http_server import bind_http
@@ -127,6 +127,7 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batches", type=_auto_or_positive, default="auto",
                    help="backbone: split each step into this many concurrently dispatched micro-batches, or "
                         "'auto' (from measured dense time and round trip; docs/architecture.md)")
+    add_speculate_args(p, "backbone: ")
     p.add_argument("--direct", metavar="HOST:PORT", default=None,
                    help="worker: also serve expert requests on this TCP address, a direct lane that backbones "
                         "key through the authenticated libp2p stream (sealed ChaCha20-Poly1305; about half the CPU per "
@@ -458,6 +459,7 @@ async def _backbone(args) -> None:
     from p2pswarm.model.split_gguf import model_name
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 
+    speculate = speculation_from(args, args.model)  # (a mode the file cannot run: refused before anything starts)
     identity = load_or_create_identity(args.identity or default_identity_path("backbone"), exclusive=True)
     tokenizer = Tokenizer.from_gguf(args.model)
     async with open_swarm_backbone(args.model, bootstrap=args.bootstrap, identity=identity,
@@ -479,7 +481,7 @@ async def _backbone(args) -> None:
                 swarm.backbone.batch_invariant = args.batch_invariant
                 scheduler = Scheduler(swarm.backbone, tokenizer, token_budget=args.token_budget,
                                       prefill_chunk=args.prefill_chunk, max_active=args.max_active,
-                                      micro_batches=args.micro_batches)
+                                      micro_batches=args.micro_batches, speculate=speculate)
                 view = SwarmView.for_backbone(swarm.backbone, swarm.local.layout,
                                               block_size=swarm.resolver.block_size, resolver=swarm.resolver)
                 app = CompletionsApp(swarm.backbone, tokenizer, args.served_model_name or model_name(args.model),

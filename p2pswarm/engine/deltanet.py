@@ -235,6 +235,15 @@ class DeltaNetState:
         self.buf = _aligned_zeros((self.head + n_v_heads * dv * dk,))
         self.S = self.buf[self.head:].reshape(n_v_heads, dv, dk)
 
+    def checkpoint(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the recurrent state and the conv rows (speculative decoding's rollback)."""
+        return self.buf.copy(), self.conv.copy()
+
+    def restore(self, snap: tuple[np.ndarray, np.ndarray]) -> None:
+        """Back to a :meth:`checkpoint`, written in place (ggml graphs hold this memory)."""
+        np.copyto(self.buf, snap[0])
+        np.copyto(self.conv, snap[1])
+
     def set_state(self, S: np.ndarray) -> None:
         """Replace the state with ``S`` in the math's layout (H, dk, dv), any float dtype."""
         np.copyto(self.S, np.asarray(S).transpose(0, 2, 1), casting="same_kind")

@@ -146,6 +146,13 @@ class LatentCache:
         self.n += t
         return self.rows[: self.n]
 
+    def checkpoint(self) -> int:
+        """The position count: rows are only appended after it (speculative decoding's rollback)."""
+        return self.n
+
+    def restore(self, snap: int) -> None:
+        self.n = snap
+
 
 def latent_attention(q_abs: np.ndarray, cache: np.ndarray, n_lat: int, kq_scale: float, q_pos0: int) -> np.ndarray:
     """Causal MLA in the absorbed form for one sequence, up to the latent: ``sum_s p_hts c_s``.

@@ -51,6 +51,15 @@ class KVCache:
         self.n += t
         return self.k[: self.n], self.v[: self.n]
 
+    def checkpoint(self):
+        """What :meth:`restore` needs to return to this point (speculative decoding's rollback):
+        the position count alone, since positions are only ever appended after it."""
+        return self.n
+
+    def restore(self, snap) -> None:
+        """Back to :meth:`checkpoint`'s point: later rows are dropped (and written over later)."""
+        self.n = snap
+
 
 ALIGN = 64  # bytes: ggml's TENSOR_ALIGNMENT is 32, a cache line 64
 
@@ -73,3 +82,13 @@ class SequenceState:
     #: position from there on is suspect; earlier ones are not (the model is causal): the
     #: scheduler rewinds the sequence to there (p2pswarm.backbone.scheduler, "Replay on ban").
     taint: dict[str, int] = field(default_factory=dict)
+    #: after a verification step (speculative decoding): layer -> one checkpoint of that layer's
+    #: state after each verified position, so that the positions not accepted can be dropped
+    #: (:meth:`p2pswarm.backbone.runner.Backbone.keep_positions`); empty otherwise
+    checkpoints: dict[int, list] = field(default_factory=dict)
+    verified: int = 0  # positions the last verification step fed (their checkpoints above)
+
+    def layer_state(self, il: int):
+        """Layer ``il``'s own state object (a KV cache, a DeltaNet state, a latent cache)."""
+        got = self.kv.get(il)
+        return got if got is not None else self.extra.get(il)

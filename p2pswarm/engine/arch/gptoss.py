@@ -296,6 +296,19 @@ class WindowKVCache(KVCache):
         self.window = window
         self.first = 0
 
+    def checkpoint(self):
+        """A copy of the rows held (at most about two windows) and where they start: :meth:`trim`
+        moves rows, so the position count alone cannot undo a step."""
+        return self.n, self.first, self.k[: self.n].copy(), self.vt[..., : self.n].copy()
+
+    def restore(self, snap) -> None:
+        n, first, k, vt = snap
+        self.n = 0
+        self.reserve(n)
+        self.k[:n] = k
+        self.vt[..., :n] = vt
+        self.n, self.first = n, first
+
     def trim(self) -> None:
         keep = self.window - 1
         if self.n < 2 * self.window:

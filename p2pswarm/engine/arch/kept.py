@@ -27,6 +27,34 @@ class KeptLayerCalls:
     def _keep(self, il: int, h: np.ndarray, cur: np.ndarray, extras: dict) -> None:
         self._kept = [(il, h, cur, extras), *self._kept[: self.KEPT_CALLS - 1]]
 
+    def keep_rounds(self, il: int, before: list, calls: list[tuple[np.ndarray, np.ndarray]], h: np.ndarray) -> None:
+        """One layer's ``pre_moe_batch`` ran as several calls (a verification step's rounds,
+        :meth:`p2pswarm.backbone.runner.Backbone.forward_batch`): ``calls`` = (rows of ``h`` the call
+        computed, the ``h`` it returned). Keep their kept results as ONE call over ``h`` (each op
+        row-wise: the same bits), so ``ffn_input`` / ``route`` / the shared expert find them; the
+        rounds' own entries are dropped and the entries kept ``before`` them stay."""
+        parts = []
+        for idx, out in calls:
+            got = next((k for k in self._kept if k[0] == il and k[1] is out), None)
+            if got is None:
+                return  # a call without a layer graph (numpy): nothing to serve
+            parts.append((idx, got))
+        cur = np.empty(h.shape, F32)
+        names = set.intersection(*(set(k[3]) for _, k in parts))
+        extras = {n: None for n in names}
+        for idx, k in parts:
+            cur[idx] = k[2]
+            for n in names:
+                v = k[3][n]
+                if extras[n] is None:
+                    extras[n] = np.empty((h.shape[0], *v.shape[1:]), v.dtype)
+                extras[n][idx] = v
+        mine = {id(k) for _, k in parts}
+        rest = [k for k in [*self._kept, *before] if id(k) not in mine]
+        seen: set[int] = set()
+        rest = [k for k in rest if not (id(k) in seen or seen.add(id(k)))]
+        self._kept = [(il, h, cur, extras), *rest[: self.KEPT_CALLS - 1]]
+
     def _kept_for(self, il: int, x: np.ndarray, which: int):
         """The kept layer call of layer ``il`` whose ``h`` (``which`` 1) or ``cur`` (2) ``x`` is, or
         holds whole rows of; None if there is none (then the caller computes it alone)."""

@@ -1,0 +1,177 @@
+"""Speculative decoding behind a WAN: one sequence's tokens per step and tokens/s, speculation on
+against off, alternating in one run.
+
+Setup: a synthetic qwen35moe model (Gated DeltaNet + gated attention, ``--preset tiny``: 4 layers;
+``--layers`` cuts it), 4 expert worker processes (``p2pswarm worker`` on local sockets), each
+behind an emulated WAN link of ``--rtt`` ms (one ``python -m p2pswarm.net.wanproxy`` process for
+the four links), a backbone in this process that holds no expert it computes: every expert group
+goes to a worker (checked: no local group, no fallback). One greedy sequence generates
+``--tokens`` tokens, ``--rounds`` times per mode, the modes alternating (off, then each drafter,
+then off again ...).
+
+Drafters: ``ngram`` (the product's prompt lookup, on a prompt that repeats: what a random-weight
+model's acceptance is, usually near 0) and, to measure the mechanism at known acceptance rates, a
+*bench drafter* that drafts the sequence's own greedy continuation (from the off run) with each
+draft token wrong with probability 1 - a (a = 0.5, 0.8, 0.95, seeded): the issue's "agreement knob"
+without an MTP head (not implemented yet). Every run's tokens are checked equal to the off run's.
+
+Reported per mode: tokens per step (a step is L round trips: tokens per round trip of each layer),
+the acceptance (accepted / drafted), tokens/s, and the speed-up against off in the same round.
+Goal of the issue: speed-up >= 0.9 x (1 + mean accepted drafts per step); at acceptance ~0 no worse
+than 0.95x (it stops drafting).
+
+    python bench/bench_speculation.py [--rtt 50] [--tokens 32] [--rounds 2] [--layers 2] [--draft-max 4]
+        [--concurrent 64] [--out docs/benchmarks.md]
+
+``--concurrent N``: also N sequences at once, off against ngram alternating (aggregate tokens/s;
+a step of more than 8 decoding sequences drafts nothing, so this measures what asking costs).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+from common import header
+
+from p2pswarm.backbone.scheduler import Params, Scheduler
+from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.speculation import Speculation
+from p2pswarm.model.synth import make_model
+
+PROMPT = [5, 211, 37, 90, 14, 5, 211, 37, 90, 14, 5, 211, 37, 90, 14, 5, 211, 37]
+
+
+def knob_drafter(wanted: list[int], rate: float, seed: int = 0):
+    """Drafts ``wanted`` (the greedy continuation of PROMPT) from where the history is, each token
+    wrong with probability 1 - ``rate`` (decided by its position: the same every run)."""
+    def draft(history: list[int], k: int) -> list[int]:
+        n = len(history) - len(PROMPT)
+        out = []
+        for j, t in enumerate(wanted[n:n + k]):
+            ok = random.Random(seed * 1_000_003 + n + j).random() < rate
+            out.append(t if ok else (t + 1) % 500)
+        return out
+    return draft
+
+
+async def _one(bb, spec, tokens: int) -> tuple[list[int], float, int, object]:
+    sched = Scheduler(bb, None, micro_batches=1, gather=(0, 0), speculate=spec)
+    toks: list[int] = []
+    t0 = time.perf_counter()
+    async with sched.submit(PROMPT, Params(max_tokens=tokens, stop_at_eos=False)) as req:
+        async for item in sched.drive(req):
+            toks.append(item.token)
+    took = time.perf_counter() - t0
+    return toks, took, sched.stats.steps - 1, sched.spec  # (the prompt's step is not a decode step)
+
+
+async def _many(bb, spec, n: int, tokens: int) -> tuple[float, int, object]:
+    """``n`` sequences at once (distinct prompts, greedy): wall seconds, tokens, the SpecStats."""
+    sched = Scheduler(bb, None, speculate=spec)
+    got = [0]
+
+    async def one(req):
+        async with req:
+            async for _ in req:
+                got[0] += 1
+
+    reqs = [sched.submit([(7 * i + 3 * j) % 500 + 1 for j in range(8)] + PROMPT[:6],
+                         Params(max_tokens=tokens, stop_at_eos=False)) for i in range(n)]
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as clients:
+            for r in reqs:
+                clients.start_soon(one, r)
+            await nursery.start(sched.run)
+        nursery.cancel_scope.cancel()
+    return time.perf_counter() - t0, got[0], sched.spec
+
+
+async def _bench(args, model: Path) -> list[str]:
+    async with open_backbone(model, workers=4, transport="socket", kernel=args.kernel) as swarm:
+        targets = [f"{o.host}:{o.port}" for o in swarm.owners]
+        proxy = subprocess.Popen([sys.executable, "-m", "p2pswarm.net.wanproxy", "--rtt-ms", str(args.rtt),
+                                  *[a for t in targets for a in ("--target", t)]],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            line = proxy.stdout.readline().split()  # READY HOST:PORT ...
+            assert line and line[0] == "READY", line
+            for o, hp in zip(swarm.owners, line[1:]):  # before the first connection: through the links
+                host, port = hp.rsplit(":", 1)
+                o.host, o.port = host, int(port)
+            bb = swarm.backbone
+            before = bb.dispatcher.stats.snapshot()
+            wanted, _, _, _ = await _one(bb, None, args.tokens)  # warm-up, and the reference tokens
+            modes = {"off": None, "ngram": Speculation("ngram", args.draft_max)}
+            for rate in (0.5, 0.8, 0.95):
+                modes[f"knob {rate}"] = Speculation("ngram", args.draft_max, drafter=knob_drafter(wanted, rate))
+            modes["knob 0.8, K=1"] = Speculation("ngram", 1, drafter=knob_drafter(wanted, 0.8))
+            res: dict[str, list] = {m: [] for m in modes}
+            for _ in range(args.rounds):
+                for name, spec in modes.items():
+                    toks, took, steps, st = await _one(bb, spec, args.tokens)
+                    assert toks == wanted, f"{name}: tokens differ from the run without speculation"
+                    res[name].append((took, steps, st.accepted, st.drafted))
+            many: dict[str, list] = {"off": [], "ngram": []}
+            for _ in range(args.rounds if args.concurrent else 0):
+                for name in many:
+                    took, n_tok, st = await _many(bb, modes[name], args.concurrent, args.tokens)
+                    many[name].append((took, n_tok, st.drafted))
+            stats = bb.dispatcher.stats.since(before)
+            assert stats.local_groups == 0 and stats.fallbacks == 0, stats
+        finally:
+            proxy.terminate()
+            proxy.wait(10)
+    off_s = statistics.median(r[0] for r in res["off"])
+    rows = ["| mode | acceptance | drafts accepted per step | tokens per step | tokens/s | speed-up vs off | goal 0.9 x (1 + accepted per step) |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, runs in res.items():
+        took = statistics.median(r[0] for r in runs)
+        steps = sum(r[1] for r in runs)  # all rounds together (the same tokens each round)
+        accepted, drafted = sum(r[2] for r in runs), sum(r[3] for r in runs)
+        acc = f"{accepted / drafted:.2f} ({accepted}/{drafted})" if drafted else "-"
+        per_step = accepted / max(steps, 1)
+        goal = f"{0.9 * (1 + per_step):.2f}" if drafted else "-"
+        rows.append(f"| {name} | {acc} | {per_step:.2f} | {len(runs) * (args.tokens - 1) / max(steps, 1):.2f} | "
+                    f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} |")
+    if args.concurrent:
+        rate = {m: statistics.median(n / t for t, n, _ in runs) for m, runs in many.items()}
+        rows += ["", f"{args.concurrent} concurrent sequences, {args.tokens} tokens each (aggregate tokens/s, "
+                     f"median of {args.rounds}): off {rate['off']:.1f}, ngram {rate['ngram']:.1f} "
+                     f"({rate['ngram'] / rate['off']:.2f}x; drafts {sum(d for _, _, d in many['ngram'])})"]
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rtt", type=float, default=50.0, help="emulated round trip per worker link, ms")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--draft-max", type=int, default=4)
+    ap.add_argument("--kernel", default="ggml")
+    ap.add_argument("--concurrent", type=int, default=0, metavar="N",
+                    help="also N sequences at once, speculation off against ngram (aggregate tokens/s)")
+    ap.add_argument("--out", help="append the table to this markdown file (docs/benchmarks.md)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-spec-") as d:
+        model = Path(d) / "q35.gguf"
+        make_model(model, arch="qwen35moe", preset="tiny", layers=args.layers, qtype="q8_0", seed=43)
+        rows = trio.run(_bench, args, model)
+    text = "\n".join(rows)
+    print(text)
+    if args.out:
+        cmd = " ".join(["python bench/bench_speculation.py", *sys.argv[1:]])
+        with open(args.out, "a") as f:
+            f.write("\n" + header(f"Speculative decoding behind {args.rtt:g} ms links", cmd) + "\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
