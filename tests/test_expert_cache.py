@@ -299,6 +299,11 @@ async def test_refill_by_demand_status_metrics_and_demand_record(models_dir):
         rec = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
                                 unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks), lacks=lacks)
         assert DemandRecord.verify(rec.signed).lacks == tuple(lacks)
+        from p2pswarm.commands.swarm_status import _market  # what swarm-status counts of it
+
+        m = _market([DemandRecord.verify(rec.signed)], {}, layers, 2, 8)
+        assert m["cached_backbones"] == 1
+        assert [m["units"][f"{layer}/{b}"]["lacked_by"] for layer in layers for b in range(2)] == [int(x) for x in lacks]
         plain = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
                                   unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks))
         assert DemandRecord.verify(plain.signed).lacks == ()
