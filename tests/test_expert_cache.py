@@ -39,9 +39,9 @@ def arch_model(models_dir, arch: str):
     return path
 
 
-async def logits_of(path, tokens=TOKENS, **kw):
+async def logits_of(path, tokens=TOKENS, kernel="numpy", **kw):
     """(prefill, decode) logits and the dispatcher of one backbone."""
-    async with open_backbone(path, kernel="numpy", **kw) as swarm:
+    async with open_backbone(path, kernel=kernel, **kw) as swarm:
         return await _both(swarm, tokens)
 
 
@@ -299,6 +299,76 @@ async def test_refill_by_demand_status_metrics_and_demand_record(models_dir):
         rec = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
                                 unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks), lacks=lacks)
         assert DemandRecord.verify(rec.signed).lacks == tuple(lacks)
+        from p2pswarm.commands.swarm_status import _market  # what swarm-status counts of it
+
+        m = _market([DemandRecord.verify(rec.signed)], {}, layers, 2, 8)
+        assert m["cached_backbones"] == 1
+        assert [m["units"][f"{layer}/{b}"]["lacked_by"] for layer in layers for b in range(2)] == [int(x) for x in lacks]
         plain = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
                                   unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks))
         assert DemandRecord.verify(plain.signed).lacks == ()
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "ggml"])
+async def test_store_filled_from_slabs_is_the_model(models_dir, tmp_path, kernel):
+    """A backbone file's cache with every unit written into its sparse store (as fetched slabs are,
+    after the bank mapped the file) computes the monolithic logits bit for bit, on both kernels;
+    a dropped unit gives its blocks back and is never computed."""
+    path = arch_model(models_dir, "deepseek2")
+    mono_p, mono_d, _ = await logits_of(path, kernel=kernel)
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    full = ModelLayout.open(path)
+    async with open_backbone(bfile, kernel=kernel, expert_cache=ec.parse_cache_size("all")) as swarm:
+        cache = swarm.cache
+        for layer in cache.layers:
+            for e in range(cache.n_expert):
+                cache.store.copy_from(full, layer, e)
+                cache.add(layer, e)
+        assert cache.complete and cache.store.disk_bytes() >= cache.total_bytes
+        p, d, disp = await _both(swarm, TOKENS)
+        assert disp.stats.remote_groups == 0 and disp.stats.local_groups > 0
+        before = cache.store.disk_bytes()
+        assert cache.drop(cache.layers[0], 3) and not cache.holds(cache.layers[0], 3)
+        if cache.store.punch:
+            assert cache.store.disk_bytes() < before
+    assert np.array_equal(p, mono_p) and np.array_equal(d, mono_d)
+
+
+async def test_dishonest_worker_caught_with_a_partial_cache(tiny_f32, tmp_path):
+    """The cache holds experts 0-7 of every layer; a worker lying about some rows of experts 0-7
+    is caught by the checks (which recompute only cached units), banned, and its units computed by
+    the cache from then on: every step's outputs equal the full bank's. The honest worker of 8-15
+    (not cached) is never checked here - what a partial cache can verify is its hit share."""
+    from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
+    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.engine.kernels import make_bank
+    from p2pswarm.market.verify import Verifier
+    from p2pswarm.worker.expert_worker import ExpertWorker
+
+    from helpers.dishonest_worker import DishonestWorker
+
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    full = make_bank(layout, "numpy")
+    cache = ec.ExpertCache(make_bank(layout, "numpy"), 0)
+    cache.capacity = cache.total_bytes // 2
+    cache.fill_from_file()
+    assert {e for _, e in cache.held} == set(range(8))
+    liar = DishonestWorker(shards[0], kernel="numpy", fraction=0.05, delta=1e-3, seed=3)
+    disp = Dispatcher(cache, [InProcessOwner(liar, "liar"), InProcessOwner(ExpertWorker(shards[1], kernel="numpy"), "h")])
+    disp.verifier = Verifier(1.0, seed=0)
+    caught = []
+    disp.on_mismatch = lambda peer, ev: caught.append(peer)
+    rng = np.random.default_rng(4)
+    for step in range(200):
+        n = int(rng.integers(1, 6))
+        cur = rng.standard_normal((n, 256)).astype(np.float32)
+        picks = np.stack([rng.choice(16, 4, replace=False) for _ in range(n)])
+        groups = [(int(e), np.flatnonzero((picks == e).any(axis=1)).astype(np.int64)) for e in np.unique(picks)]
+        layer = int(rng.integers(0, len(layout.expert_layers)))
+        outs = await disp.run_groups(layer, cur, groups)
+        assert all(np.array_equal(o, w) for o, w in zip(outs, full.forward_groups(layer, cur, groups))), step
+    assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
+    assert disp.stats.fallbacks == 0 and disp.stats.per_owner.get("h", 0) > 0
+    assert disp.stats.per_owner.get("local", 0) > 0  # the cache computed the liar's units after the ban
