@@ -372,3 +372,78 @@ async def test_dishonest_worker_caught_with_a_partial_cache(tiny_f32, tmp_path):
     assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
     assert disp.stats.fallbacks == 0 and disp.stats.per_owner.get("h", 0) > 0
     assert disp.stats.per_owner.get("local", 0) > 0  # the cache computed the liar's units after the ban
+
+
+@pytest.mark.slow
+def test_cache_filled_from_workers_shards_with_no_seeder(models_dir, tmp_path):
+    """Workers serve their own downloaded shards' slabs onwards: two workers (experts 0-7 and
+    8-15) download their slices from a serve-shards seeder, which is then stopped, so no peer but
+    the workers holds an expert's bytes. A backbone from the backbone file with a partial cache
+    refills it by demand: every fetched unit comes from a worker's shard (logged per source, the
+    workers' shard servers served the chunks), checked against the manifest, and the text
+    computed with the fetched units cached (hot experts: computed locally) is the text the
+    workers gave alone."""
+    import httpx
+
+    from helpers.procs import Proc, start_bootstrap
+    from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
+    from p2pswarm.net.identity import Identity, load_or_create_identity
+    from p2pswarm.net.tokens import issue_token, shard_scope
+
+    path = arch_model(models_dir, "qwen35moe")
+    layers = ModelLayout.open(path).expert_layers
+    l0, l1 = layers[0], layers[-1] + 1
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(ModelLayout.open(path))
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    ids = {name: load_or_create_identity(tmp_path / f"{name}.key") for name in ("w0", "w1", "bb")}
+    nodes: list = []
+    try:
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        seeder = Proc(["serve-shards", "--model", str(path), "--manifest", str(manifest), "--trust-issuer",
+                       issuer.peer_id_str, "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")],
+                      tmp_path / "seed.log", env)
+        nodes.append(seeder)
+        workers = []
+        for name, (e0, e1) in (("w0", (0, 8)), ("w1", (8, 16))):
+            tok = issue_token(issuer, ids[name].peer_id_str, [shard_scope(fp, (l0, l1), (e0, e1))], 3600).encode()
+            workers.append(Proc(["node", "--role", "worker", "--model", fp, "--layers", f"{l0}-{l1 - 1}", "--experts",
+                                 f"{e0}-{e1 - 1}", "--token", tok, "--trust-issuer", issuer.peer_id_str, "--bootstrap",
+                                 boot.addr, "--identity", str(tmp_path / f"{name}.key"), "--ttl", "600"],
+                                tmp_path / f"{name}.log", env, timeout=180))
+            nodes.append(workers[-1])
+        for w in workers:
+            assert "serving my shard's expert slabs" in w.text(), w.text()[-2000:]
+        seeder.stop()  # from now on only the workers hold the experts' bytes
+        bb_tok = issue_token(issuer, ids["bb"].peer_id_str, [f"shard:{fp}"], 3600).encode()
+        bb = Proc(["node", "--role", "backbone", "--model", str(bfile), "--expert-cache", "50%", "--token", bb_tok,
+                   "--trust-issuer", issuer.peer_id_str, "--bootstrap", boot.addr, "--http", "127.0.0.1:0",
+                   "--identity", str(tmp_path / "bb.key"), "--cache-refill", "1", "--verify-rate", "0"],
+                  tmp_path / "bb.log", env)
+        nodes.append(bb)
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        whole = _complete(base, "hello swarm", 16)
+        deadline = time.monotonic() + 90
+        while "a worker's shard" not in bb.text() and time.monotonic() < deadline:
+            time.sleep(1)
+        log = bb.text()
+        wid = {ids[n].peer_id_str for n in ("w0", "w1")}
+        fetched = [ln for ln in log.splitlines() if "expert cache:" in ln and " unit(s) of layer " in ln
+                   and " from " in ln]
+        assert fetched and all(any(w in ln for w in wid) and "a worker's shard" in ln for ln in fetched), log[-3000:]
+        assert any("shard server: served" in w.text() and ids["bb"].peer_id_str in w.text() for w in workers)
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        assert "p2pswarm_expert_cache_fetches_total 0.0" not in metrics
+        assert "p2pswarm_expert_cache_bad_slabs_total 0.0" in metrics
+        assert _complete(base, "hello swarm", 16) == whole
+        hits = [ln for ln in httpx.get(base + "/metrics", timeout=30).text.splitlines()
+                if ln.startswith('p2pswarm_expert_cache_lookups_total{result="hit"}')]
+        assert hits and float(hits[0].split()[-1]) > 0, hits  # the fetched units computed the second text
+    finally:
+        for n in reversed(nodes):
+            n.stop()

@@ -238,6 +238,7 @@ async def _worker(args) -> None:
             if args.fetch:
                 shard = await _fetch_shard(args, net, dht, identity)
                 worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
+                _serve_own_shard(net, shard, args)
             served = ServeStats()
             receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str,
                                     identity.peer_id_str)
@@ -393,6 +394,25 @@ async def _serve_shards(args, swarm, nursery) -> None:
              ", ".join(trusted))
 
 
+def _serve_own_shard(net, shard: Path, args) -> None:
+    """A worker that downloaded its slice serves it onwards on `/p2pswarm/shard/1.0.0` to holders of
+    tokens by its ``--trust-issuer``s: other workers' downloads, and a backbone's expert cache (a
+    backbone file's cache fetches units from any worker whose shard holds them). The manifest and
+    the source header come from the ``.source`` sidecar the download kept; a shard downloaded
+    before there was one is not served (said once)."""
+    from p2pswarm.net.shard_server import load_source_sidecar, serve_shards
+    from p2pswarm.net.tokens import TokenGate
+
+    try:
+        manifest, header = load_source_sidecar(shard)
+        manifest.verify(trusted_issuers=args.trust_issuer, fingerprint=args.model)
+        serve_shards(net, shard, manifest, TokenGate(args.trust_issuer, what="shard server"), source_header=header)
+    except UserError as exc:  # a bad or missing sidecar: the worker still computes its experts
+        log.warning("not serving my shard's slabs to peers: %s", exc)
+        return
+    log.info("serving my shard's expert slabs to holders of tokens issued by %s", ", ".join(args.trust_issuer))
+
+
 def _load_shard(path, args):
     from p2pswarm.net.records import ShardEntry
     from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
@@ -428,7 +448,8 @@ async def _fetch_shard(args, net, dht, identity) -> Path:
     try:
         shard = await fetch_slice_from_swarm(net, dht, model=args.model, layers=args.layer_range,
                                              experts=args.expert_range, out_path=out, token=args.node_token,
-                                             trusted_issuers=args.trust_issuer, progress=bar.update, stats=stats)
+                                             trusted_issuers=args.trust_issuer, progress=bar.update, stats=stats,
+                                             keep_source=True)
     finally:
         bar.close()
     if stats.already_complete:
