@@ -447,3 +447,38 @@ def test_cache_filled_from_workers_shards_with_no_seeder(models_dir, tmp_path):
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+def test_rewards_follow_the_lacks_flags():
+    """A unit a backbone lacks locally (its demand record's ``lacks`` flag) is worth more to serve:
+    its demand counts LACKS_WEIGHT times in the sum workers enrol by (auto.aggregate), so with equal
+    raw demand and replicas the lacked unit pays more, and a worker with room for one unit takes
+    it; scarcity still comes first (a lacked unit with 2 replicas does not outbid an unlacked one
+    with none). Records without flags count as before."""
+    from p2pswarm.market.auto import aggregate
+    from p2pswarm.market.demand import DemandRecord
+    from p2pswarm.market.enrol import choose_units
+    from p2pswarm.market.reward import LACKS_WEIGHT, backbone_demand, reward
+    from p2pswarm.net.identity import Identity
+
+    def record(demand, lacks=()):
+        return DemandRecord.make(Identity.generate(), model="ab" * 32, layers=[0], n_expert=16, block_size=4,
+                                 unit_bytes=[1000], demand=demand, lacks=lacks)
+
+    full = record([3.0, 3.0, 1.0, 1.0])
+    cached = record([1.0, 1.0, 1.0, 1.0], lacks=[True, False, False, False])
+    _, summed = aggregate([full, cached], None)
+    assert summed.tolist() == [3.0 + LACKS_WEIGHT, 4.0, 2.0, 2.0]
+    _, plain = aggregate([full, record([1.0, 1.0, 1.0, 1.0])], None)
+    assert plain.tolist() == [4.0, 4.0, 2.0, 2.0]  # no flags: a plain sum, as before
+    assert backbone_demand([[1.0, 2.0]], [()]).tolist() == [1.0, 2.0]
+
+    w = reward(summed, np.array([1.0, 1.0, 1.0, 1.0]))
+    assert w[0] > w[1] > 0 and w[2] == w[3]
+    w_plain = reward(plain, np.array([1.0, 1.0, 1.0, 1.0]))
+    assert w_plain[0] == w_plain[1]
+    picks = [choose_units(demand=summed, replicas=np.ones(4), sizes=np.full(4, 1000.0), budget=1000,
+                          rng=np.random.default_rng(seed), crowd=1).units[0] for seed in range(200)]
+    assert picks.count(0) > picks.count(1)  # the weighted-random pick favours the lacked unit
+    scarce = reward(summed, np.array([2.0, 0.0, 2.0, 2.0]))
+    assert scarce[1] > scarce[0]  # scarcity first: an unserved unit outbids a lacked, covered one
