@@ -482,3 +482,78 @@ def test_rewards_follow_the_lacks_flags():
     assert picks.count(0) > picks.count(1)  # the weighted-random pick favours the lacked unit
     scarce = reward(summed, np.array([2.0, 0.0, 2.0, 2.0]))
     assert scarce[1] > scarce[0]  # scarcity first: an unserved unit outbids a lacked, covered one
+
+
+@pytest.mark.slow
+def test_backbone_downloads_its_slice_by_fingerprint(models_dir, tmp_path):
+    """``node --role backbone --model FINGERPRINT --token --trust-issuer`` downloads only the dense
+    part from a serve-shards seeder (checked against the signed manifest), byte for byte the file
+    ``slice --backbone`` cuts, starts from it with ``--expert-cache none`` and answers through the
+    workers the text a backbone on the full model gives; started again, it reuses the verified
+    file. A worker token (one range) is refused the dense part."""
+    import httpx
+
+    from helpers.procs import Proc, start_bootstrap, start_shard_workers
+    from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
+    from p2pswarm.net.identity import Identity, load_or_create_identity
+    from p2pswarm.net.tokens import issue_token, shard_scope
+
+    path = arch_model(models_dir, "qwen35moe")
+    sliced = tmp_path / "sliced.gguf"
+    slice_backbone(path, sliced)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(ModelLayout.open(path))
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    bb_id = load_or_create_identity(tmp_path / "bb.key").peer_id_str
+    out = tmp_path / "downloaded.gguf"
+    nodes: list = []
+
+    def backbone(model: str, token, log: str) -> Proc:
+        extra = ["--token", token.encode(), "--trust-issuer", issuer.peer_id_str, "--shard", str(out)] if token else []
+        return Proc(["node", "--role", "backbone", "--model", model, *extra, "--expert-cache", "none",
+                     "--bootstrap", boot.addr, "--http", "127.0.0.1:0", "--identity", str(tmp_path / "bb.key"),
+                     "--verify-rate", "0"], tmp_path / log, env, timeout=180)
+
+    try:
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        nodes.append(Proc(["serve-shards", "--model", str(path), "--manifest", str(manifest), "--trust-issuer",
+                           issuer.peer_id_str, "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")],
+                          tmp_path / "seed.log", env))
+        nodes += start_shard_workers(path, tmp_path, env, [(0, 8), (8, 16)], boot.addr, ("--ttl", "600"))
+        narrow = issue_token(issuer, bb_id, [shard_scope(fp, (0, 1), (0, 8))], 3600)
+        bad = run_cli_node(["node", "--role", "backbone", "--model", fp, "--token", narrow.encode(), "--trust-issuer",
+                            issuer.peer_id_str, "--shard", str(tmp_path / "narrow.gguf"), "--bootstrap", boot.addr,
+                            "--identity", str(tmp_path / "bb.key"), "--http", "off"], env)
+        assert bad.returncode != 0 and "Traceback" not in bad.stderr and not (tmp_path / "narrow.gguf").exists()
+        assert "token does not allow" in bad.stderr.splitlines()[-1], bad.stderr[-2000:]
+
+        token = issue_token(issuer, bb_id, [f"shard:{fp}"], 3600)
+        bb = backbone(fp, token, "bb.log")
+        nodes.append(bb)
+        assert "downloaded backbone slice" in bb.text(), bb.text()[-2000:]
+        assert out.read_bytes() == sliced.read_bytes()
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        text = _complete(base, "hello swarm", 12)
+        assert "expert cache: fetched" not in bb.text()  # the workers computed every expert
+        assert "p2pswarm_expert_fallbacks_total 0.0" in httpx.get(base + "/metrics", timeout=30).text
+        bb.stop()
+        nodes.remove(bb)
+        again = backbone(fp, token, "bb2.log")
+        nodes.append(again)
+        assert "already complete and verified" in again.text(), again.text()[-2000:]
+        again.stop()
+        nodes.remove(again)
+        full = backbone(str(path), None, "full.log")
+        nodes.append(full)
+        assert _complete(next(w for w in full.ready if w.startswith("http="))[5:], "hello swarm", 12) == text
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+def run_cli_node(args, env):
+    return subprocess.run([sys.executable, "-m", "p2pswarm.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)

@@ -15,6 +15,7 @@ down cleanly on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.net.tokens import AUTO_SCOPE
 from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, add_speculate_args,
-                                      expert_cache_size, market_kwargs, parse_hostport, positive_int, speculation_from)
+                                      expert_cache_size, market_kwargs, parse_hostport, positive_int,
+                                      require_backbone_model, speculation_from)
 from p2pswarm.commands.node_args import (add_http_limit_args, add_worker_limit_args, check_dht_mode,
                                          check_worker_source, http_limits, peer_budget)
 from p2pswarm.errors import UserError
@@ -90,7 +92,9 @@ def add_parser(sub) -> None:
     p.add_argument("--shard", help="worker: expert shard GGUF cut by `p2pswarm slice` (with --model "
                                    "FINGERPRINT: where the downloaded slice goes)")
     p.add_argument("--model", help="backbone: the full model GGUF, or the backbone file (`slice --backbone`: "
-                                   "no routed experts; see --expert-cache); worker without a shard file: the model "
+                                   "no routed experts; see --expert-cache), or a model FINGERPRINT whose backbone "
+                                   "slice it downloads from the swarm's shard sources (with --token and "
+                                   "--trust-issuer; --shard: where it goes); worker without a shard file: the model "
                                    "FINGERPRINT whose slice (--layers, --experts) it downloads from the swarm")
     p.add_argument("--layers", help="worker download: layer range A-B (inclusive)")
     p.add_argument("--experts", help="worker download: expert range C-D (inclusive)")
@@ -475,6 +479,38 @@ async def _start_relay_keeper(args, net, dht_of: list):
     return keeper
 
 
+async def _fetch_backbone(args, identity) -> Path:
+    """Download the backbone slice (the dense part) of model ``args.model`` (a fingerprint) from the
+    swarm's shard sources into ``--shard`` or a stable path under P2PSWARM_HOME (a restart resumes
+    or reuses it), on a host of its own that is closed before the backbone joins."""
+    from p2pswarm.market.swarm_dht import open_dht
+    from p2pswarm.net.backbone_fetch import fetch_backbone
+    from p2pswarm.net.host import open_host
+    from p2pswarm.net.shard_fetch import FetchStats
+    from p2pswarm.net.shard_transfer import find_sources
+    from p2pswarm.progress import ProgressBar
+
+    fp = args.model.lower()
+    out = Path(args.shard) if args.shard else settings.home_dir() / "backbones" / f"{fp[:16]}-backbone.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stats = FetchStats()
+    async with open_host(identity, ["/ip4/127.0.0.1/tcp/0"]) as net:
+        async with open_dht(net, server=False, bootstrap=args.bootstrap) as dht:
+            sources = await find_sources(dht, fp, timeout_s=20.0)
+            bar = ProgressBar("fetch", unit="B")
+            try:
+                path = await fetch_backbone(net, sources=sources, model=fp, out_path=out, token=args.backbone_token,
+                                            trusted_issuers=args.trust_issuer, progress=bar.update, stats=stats)
+            finally:
+                bar.close()
+    if stats.already_complete:
+        log.info("backbone slice %s already complete and verified", path)
+    else:
+        log.info("downloaded backbone slice %s: %d tensors, %.1f MB, %d reused, %d bad fetched again", path,
+                 stats.slabs_total, stats.bytes_fetched / 1e6, stats.slabs_reused, stats.bad_chunks)
+    return path
+
+
 async def _backbone(args) -> None:
     from p2pswarm.backbone.http_api import CompletionsApp, serve_http
     from p2pswarm.backbone.scheduler import Scheduler
@@ -484,8 +520,11 @@ async def _backbone(args) -> None:
     from p2pswarm.model.split_gguf import model_name
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 
-    speculate = speculation_from(args, args.model)  # (a mode the file cannot run: refused before anything starts)
     identity = load_or_create_identity(args.identity or default_identity_path("backbone"), exclusive=True)
+    if args.backbone_download:
+        args.model = str(await _fetch_backbone(args, identity))
+        require_backbone_model(args.model)
+    speculate = speculation_from(args, args.model)  # (a mode the file cannot run: refused before anything starts)
     tokenizer = Tokenizer.from_gguf(args.model)
     async with open_swarm_backbone(args.model, bootstrap=args.bootstrap, identity=identity,
                                    listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
@@ -528,6 +567,7 @@ async def _backbone(args) -> None:
 
 def run(args) -> int:
     args.fetch = False
+    args.backbone_download = False
     args.node_token = None
     args.http_socket = args.health_socket = None
     if args.role == "worker":
@@ -555,10 +595,18 @@ def run(args) -> int:
     if args.expert_cache is not None and args.role != "backbone":
         raise UserError("--expert-cache is for --role backbone (a worker holds its shard)")
     if args.role == "backbone":
-        from p2pswarm.commands.common import require_backbone_model
         from p2pswarm.model.layout import ModelLayout
 
-        require_backbone_model(args.model)
+        args.backbone_download = bool(re.fullmatch(r"[0-9a-fA-F]{64}", args.model)) and not Path(args.model).exists()
+        if args.backbone_download:
+            if not (args.token and args.trust_issuer and args.bootstrap):
+                raise UserError("--model FINGERPRINT on a backbone downloads its backbone slice from the swarm: give "
+                                "--token (issued with --allow shard:FINGERPRINT), --trust-issuer and --bootstrap")
+            if args.manifest:
+                raise UserError("--manifest serves shard downloads from the full model; a downloaded backbone slice "
+                                "holds no experts to serve")
+        else:
+            require_backbone_model(args.model)
         args.expert_cache_size = expert_cache_size(args)  # a bad value: one line now
         args.backbone_token = None
         if not args.cache_refill > 0:
@@ -570,7 +618,7 @@ def run(args) -> int:
             if not args.trust_issuer:
                 raise UserError("--token on a backbone fetches experts into its cache: give --trust-issuer PEER_ID, "
                                 "the issuer whose signed manifest the slabs are checked against")
-        if args.manifest and ModelLayout.open(args.model).shard_kind == "backbone":
+        if args.manifest and not args.backbone_download and ModelLayout.open(args.model).shard_kind == "backbone":
             raise UserError("--manifest serves shard downloads from the full model; a backbone file holds no "
                             "experts to serve (start `p2pswarm serve-shards` where the full model is)")
         market_kwargs(args)  # bad market options: one line now, not after joining the swarm
