@@ -557,3 +557,60 @@ def test_backbone_downloads_its_slice_by_fingerprint(models_dir, tmp_path):
 def run_cli_node(args, env):
     return subprocess.run([sys.executable, "-m", "p2pswarm.cli", *args], env=env, capture_output=True, text=True,
                           timeout=120)
+
+
+@pytest.mark.slow
+def test_backbone_slice_download_resumes_and_refuses_bad_bytes(models_dir, tmp_path):
+    """The backbone's download of its slice, killed (-9) halfway, resumes from its journal (the
+    tensors already on disk are not fetched again) and ends byte for byte ``slice --backbone``; a
+    chunk corrupted by the source fails the manifest's sha256 and is fetched again, never kept."""
+    from helpers.procs import Proc, start_bootstrap
+    from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
+    from p2pswarm.net.identity import Identity, load_or_create_identity
+    from p2pswarm.net.tokens import issue_token
+
+    path = arch_model(models_dir, "qwen35moe")
+    sliced = tmp_path / "sliced.gguf"
+    slice_backbone(path, sliced)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(ModelLayout.open(path))
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    token = issue_token(issuer, load_or_create_identity(tmp_path / "bb.key").peer_id_str, [f"shard:{fp}"], 3600)
+    out = tmp_path / "downloaded.gguf"
+    journal = tmp_path / "downloaded.gguf.part.journal"
+    nodes: list = []
+
+    def backbone(log: str, ready: bool) -> Proc:
+        return Proc(["node", "--role", "backbone", "--model", fp, "--token", token.encode(), "--trust-issuer",
+                     issuer.peer_id_str, "--shard", str(out), "--expert-cache", "none", "--bootstrap", boot.addr,
+                     "--http", "off", "--identity", str(tmp_path / "bb.key")], tmp_path / log, env,
+                    expect_ready=ready, timeout=180)
+
+    try:
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        nodes.append(Proc(["--delay-s", "0.15", "--corrupt-chunks", "3", "serve-shards", "--model", str(path),
+                           "--manifest", str(manifest), "--trust-issuer", issuer.peer_id_str, "--bootstrap", boot.addr,
+                           "--identity", str(tmp_path / "seed.key")], tmp_path / "seed.log", env,
+                          entry=[str(Path(__file__).parent / "helpers" / "faulty_serve_shards.py")]))
+        first = backbone("bb1.log", False)
+        nodes.append(first)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not journal.exists() or len(journal.read_text().splitlines()) < 6):
+            time.sleep(0.2)
+        first.kill()
+        nodes.remove(first)
+        on_disk = len(journal.read_text().splitlines()) - 1
+        assert 5 <= on_disk < 64 and not out.exists(), on_disk
+        assert "does not match the manifest's sha256" in first.text(), first.text()[-2000:]
+        second = backbone("bb2.log", True)
+        nodes.append(second)
+        log = second.text()
+        assert f"resuming {out}.part: {on_disk} of 64 tensors already on disk" in log, log[-2000:]
+        assert f"{on_disk} reused" in log, log[-2000:]
+        assert out.read_bytes() == sliced.read_bytes() and not journal.exists()
+    finally:
+        for n in reversed(nodes):
+            n.stop()
