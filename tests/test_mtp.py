@@ -118,3 +118,37 @@ def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
     assert_one_line_error(proc, "blk.4.nextn.hnorm.weight")
     proc = run_cli("generate", str(glm_f32), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+async def test_concurrent_mtp_speculating_sequences_equal_each_alone(glm_agreeing, micro_batches):
+    """Four sequences drafting with the MTP block in the same steps (in pipelined micro-batches or
+    not), prefills and decodes mixed: each one's tokens equal its own run alone without
+    speculation, and drafts are accepted."""
+    import trio
+
+    from p2pswarm.backbone.scheduler import Params, Scheduler
+
+    prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(4 + 2 * i)] for i in range(4)]
+    samplers = [None, Sampler(0.8, 0.9, seed=1), None, Sampler(1.1, 0.95, seed=3)]
+    n = 24
+    async with open_backbone(glm_agreeing, workers=2, transport="inproc") as swarm:
+        bb = swarm.backbone
+        want = [(await _run(bb, [p], [s], None, n))[0][0][0] for p, s in zip(prompts, samplers)]
+        sched = Scheduler(bb, None, micro_batches=micro_batches, speculate=Speculation("mtp", 3))
+        got: dict[int, list[int]] = {}
+
+        async def one(i, req):
+            async with req:
+                got[i] = [s.token async for s in req]
+
+        reqs = [sched.submit(p, Params(max_tokens=n, sampler=s, stop_at_eos=False))
+                for p, s in zip(prompts, samplers)]
+        async with trio.open_nursery() as nursery:
+            async with trio.open_nursery() as clients:
+                for i, r in enumerate(reqs):
+                    clients.start_soon(one, i, r)
+                await nursery.start(sched.run)
+            nursery.cancel_scope.cancel()
+    assert [got[i] for i in range(4)] == want
+    assert 0 < sched.spec.accepted < sched.spec.drafted, sched.spec
