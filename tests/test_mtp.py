@@ -103,8 +103,8 @@ async def test_greedy_and_seeded_mtp_spec_on_equals_off(glm_agreeing, workers):
 
 
 def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
-    """An architecture whose block is not run yet, and an MTP block with a tensor of the wrong
-    shape: one line each, naming the file's block or the tensor."""
+    """An architecture whose block is not run yet, an MTP block missing a tensor and one with a
+    tensor of the wrong shape: one line each, naming the file's block or the tensor."""
     from gguf import GGUFValueType as T
 
     from test_qwen35moe import q35_model
@@ -116,6 +116,10 @@ def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
     bad = rewrite(glm_f32, tmp_path / "bad-block.gguf", drop_tensor="blk.4.nextn.hnorm.weight")
     proc = run_cli("generate", str(bad), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
     assert_one_line_error(proc, "blk.4.nextn.hnorm.weight")
+    short = rewrite(glm_f32, tmp_path / "short-block.gguf",
+                    replace_tensor={"blk.4.nextn.enorm.weight": np.ones(64, np.float32)})
+    proc = run_cli("generate", str(short), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
+    assert_one_line_error(proc, "blk.4.nextn.enorm.weight", "shape")
     proc = run_cli("generate", str(glm_f32), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
     assert proc.returncode == 0, proc.stderr
 
