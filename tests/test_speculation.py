@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Params, Rows, Scheduler
+from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.speculation import Adaptive, Speculation, ngram_draft
 from p2pswarm.engine.deltanet import DeltaNetState
