@@ -17,9 +17,9 @@ generated tokens/s, the ratio to the backbone alone, and the bounds:
 * Amdahl: the share f of the backbone-alone step spent on routed experts (``/v1/swarm``
   ``dispatch.seconds`` over ``/health`` ``dense_busy_s``): offloading every expert for free gives
   at most alone / (1 - f);
-* the workers' compute: W workers of q cores do the alone run's expert work (its expert CPU
-  seconds per token at the backbone's quota b) at most W q / b times as fast: alone * W q / (b f)
-  ... in tokens/s: W q / (b * expert seconds per token);
+* the workers' compute: W workers of q cores do the alone run's expert work (its expert
+  seconds per token at the backbone's quota b) at most W q / b times as fast: W q / (b * expert
+  seconds per token) tokens/s;
 * the link: N / (L * RTT) at an RTT, and the busiest worker's upload cap at its measured bytes.
 
 ``--unequal 0.1,0.2,0.4`` adds the issue's unequal-devices run: one worker per quota, each holding
