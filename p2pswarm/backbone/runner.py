@@ -38,6 +38,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.dispatch import Dispatcher, Groups
+from p2pswarm.backbone.mtp import HiddenRows
 from p2pswarm.backbone.replay import ReplayStats
 from p2pswarm.backbone.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
 from p2pswarm.contracts import DenseModel
@@ -225,6 +226,7 @@ class Backbone:
         #: record which positions used a remote worker's unverified outputs (SequenceState.taint), so
         #: a ban can replay them; off, a ban fixes nothing already computed (benchmarks, tests)
         self.replay_on_ban = True
+        self.keep_hidden = False  # keep each sequence's last hidden states (SequenceState.hidden): --speculate mtp
         self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
         self._dense_running = 0  # dense pieces in progress, all micro-batches (LayerTiming.busy_s)
@@ -362,6 +364,10 @@ class Backbone:
             h = self._post_batch(il, h, cur, ids, w, groups, outs, pspans, invariant)
             if il + 1 < L:
                 return self._pre_batch(il + 1, h, spans, states, pos0, invariant, verify, pspans)
+            if self.keep_hidden:  # the MTP drafter reads the trunk's last hidden states (backbone.mtp)
+                for st, sp, p0 in zip(states, spans, pos0):
+                    st.hidden = st.hidden or HiddenRows()
+                    st.hidden.put(p0, h[sp])
             return self._output_batch(h, ospans, invariant)
 
         disp = self.dispatcher

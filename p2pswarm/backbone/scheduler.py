@@ -212,6 +212,8 @@ class Scheduler:
         ``Params(rows=True)`` requests: :meth:`Backbone.logits`)."""
         self.rows = rows
         self.speculate = speculate  # speculative decoding settings; None or mode off: none
+        if speculate is not None:
+            speculate.attach(backbone)  # (mode mtp: the model's block, and the hidden states it reads)
         self.spec = SpecStats()
         if token_budget != "auto" and (not isinstance(token_budget, int) or token_budget < 1):
             raise ValueError("token_budget must be 'auto' or an integer >= 1")
@@ -425,7 +427,8 @@ class Scheduler:
 
     async def step(self) -> None:
         batch = self.plan()
-        drafts = plan_drafts(self.speculate, [s for s in batch if s.fed >= len(s.prompt)])
+        plan = partial(plan_drafts, self.speculate, [s for s in batch if s.fed >= len(s.prompt)])
+        drafts = await trio.to_thread.run_sync(plan) if self.speculate and self.speculate.mtp else plan()  # (MTP: CPU)
         chunks = [s.chunk(self.prefill_chunk) + drafts.get(s.sid, []) for s in batch]
         verify = [s.sid in drafts for s in batch]
         before = self.backbone.dispatcher.stats.snapshot()

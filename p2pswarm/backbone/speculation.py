@@ -17,8 +17,9 @@ or off.
 
 Drafters: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n = 3, 2, 1: free, and good wherever the output repeats its input or
-itself). ``mtp`` (the model's own multi-token-prediction block) is refused with one line naming
-what the file has where the model has none (:func:`check_mode`).
+itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.backbone.mtp`;
+glm4moe), refused with one line naming what the file has where the model has none or its
+architecture's block is not implemented (:func:`check_mode`).
 
 Adaptive length (:class:`Adaptive`): each sequence drafts up to ``draft_max`` tokens, one more
 after a fully accepted draft and one more than it got accepted otherwise; when its recent
@@ -30,8 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from p2pswarm.errors import UserError
+
+if TYPE_CHECKING:
+    from p2pswarm.backbone.mtp import MtpBlock
 
 MODES = ("off", "ngram", "mtp")
 NGRAM_MAX = 3  # longest suffix looked up
@@ -47,18 +52,21 @@ class SpeculationUnsupported(UserError):
 
 def check_mode(mode: str, layout) -> None:
     """Refuse a mode the model cannot run, naming what its file has."""
+    from p2pswarm.backbone.mtp import ARCHS
+
     if mode not in MODES:
         raise UserError(f"--speculate must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "mtp":
         arch = layout.arch
         n = int(layout.hparams.get("nextn_predict_layers", 0) or 0)
-        if n:
+        if n and arch not in ARCHS:
             raise SpeculationUnsupported(
-                f"--speculate mtp: {layout.path} has {n} MTP (NextN) block(s) ({arch}), but running them is not "
-                f"implemented yet; use --speculate ngram")
-        raise SpeculationUnsupported(
-            f"--speculate mtp: {layout.path} ({arch}, {layout.n_layer} layers) has no MTP (NextN) block "
-            f"(no {arch}.nextn_predict_layers); use --speculate ngram or off")
+                f"--speculate mtp: {layout.path} has {n} MTP (NextN) block(s) ({arch}), but running them is "
+                f"implemented for {', '.join(ARCHS)} only; use --speculate ngram")
+        if not n:
+            raise SpeculationUnsupported(
+                f"--speculate mtp: {layout.path} ({arch}, {layout.n_layer} layers) has no MTP (NextN) block "
+                f"(no {arch}.nextn_predict_layers); use --speculate ngram or off")
 
 
 def ngram_draft(history: list[int], k: int, n_max: int = NGRAM_MAX) -> list[int]:
@@ -83,6 +91,7 @@ class Speculation:
     mode: str = "off"
     draft_max: int = 4
     drafter: Callable[[list[int], int], list[int]] | None = None
+    mtp: "MtpBlock | None" = None  # mode mtp: the model's block, set by :meth:`attach`
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -93,6 +102,21 @@ class Speculation:
     @property
     def on(self) -> bool:
         return self.mode != "off"
+
+    def attach(self, backbone) -> None:
+        """Mode mtp: build the model's MTP block (its routed experts from the backbone's file: one
+        line if it has none) and have the backbone keep the hidden states it reads."""
+        if self.mode != "mtp" or self.mtp is not None:
+            return
+        from p2pswarm.backbone.mtp import MtpBlock
+        from p2pswarm.engine.experts import ExpertBank
+
+        model = backbone.model
+        if model.n_layer not in model.layout.expert_tensors:
+            raise SpeculationUnsupported(f"--speculate mtp: {model.layout.path} holds no routed experts of the "
+                                         f"MTP block (blk.{model.n_layer}); give the backbone the full model file")
+        self.mtp = MtpBlock(model, ExpertBank(model.layout))
+        backbone.keep_hidden = True
 
 
 class Adaptive:
@@ -157,7 +181,12 @@ def plan_drafts(spec: Speculation | None, decoding: list) -> dict[int, list[int]
         if s.adaptive is None:
             s.adaptive = Adaptive(spec.draft_max)
         k = min(s.adaptive.length(), s.params.max_tokens - s.n_out - 1)
-        draft = (spec.drafter or ngram_draft)(toks, k) if k > 0 else []
+        if k <= 0:
+            draft = []
+        elif spec.drafter is None and spec.mtp is not None:
+            draft = spec.mtp.draft(s.state, toks, k)
+        else:
+            draft = (spec.drafter or ngram_draft)(toks, k)
         if draft:
             out[s.sid] = draft
     return out

@@ -80,6 +80,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
     q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
+    glm = p.add_argument_group("glm4moe only")
+    glm.add_argument("--mtp-agreement", type=float, metavar="A", default=None,
+                     help="0..1: write a model whose MTP (NextN) block agrees with the trunk (1: nearly always), "
+                          "to measure speculative decoding's acceptance on random weights")
     oss = p.add_argument_group("gpt-oss only")
     oss.add_argument("--sliding-window", type=positive_int, metavar="N",
                      help="positions a sliding-window layer sees (every even layer; default: the preset's, "
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             tied=args.tied,
             router_near_tie=args.router_near_tie,
             expert_qtype=args.expert_qtype,
+            mtp_agreement=args.mtp_agreement,
             progress=progress,
             **_arch_options(args),
         )

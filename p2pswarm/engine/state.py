@@ -87,6 +87,10 @@ class SequenceState:
     #: (:meth:`p2pswarm.backbone.runner.Backbone.keep_positions`); empty otherwise
     checkpoints: dict[int, list] = field(default_factory=dict)
     verified: int = 0  # positions the last verification step fed (their checkpoints above)
+    #: ``--speculate mtp`` only: the trunk's hidden states the MTP block has not read yet
+    #: (:class:`p2pswarm.backbone.mtp.HiddenRows`) and the block's own state (``MtpState``)
+    hidden: Any = None
+    mtp: Any = None
 
     def layer_state(self, il: int):
         """Layer ``il``'s own state object (a KV cache, a DeltaNet state, a latent cache)."""

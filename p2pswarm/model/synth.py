@@ -69,7 +69,7 @@ from p2pswarm.model.synth_presets import (
     ARCH, ARCHES, PRESETS_BY_ARCH, SYNTH_VERSION, Preset, Progress, Qwen35Preset, _file_type, _gguf,
     _resolve, _validate, _validate_qwen35,
 )
-from p2pswarm.model.synth_glm4moe import plan_glm4, validate_glm4, write_glm4_keys
+from p2pswarm.model.synth_glm4moe import agreeing_mtp, plan_glm4, validate_glm4, write_glm4_keys
 from p2pswarm.model.synth_presets import Glm4Preset
 from p2pswarm.model.synth_tensors import (
     TensorPlan, _plan, _plan_qwen35, _tensor_chunks, _type_size, estimate_nbytes,
@@ -264,6 +264,7 @@ def make_model(
     fused_experts: bool | None = None,
     sliding_window: int | None = None,
     deepseek2: dict[str, Any] | None = None,
+    mtp_agreement: float | None = None,
 ) -> Path:
     """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
 
@@ -286,6 +287,10 @@ def make_model(
     ``arch="deepseek2"`` (presets ``tiny`` and ``geometry-671b``): ``deepseek2`` is a dict of
     :class:`~p2pswarm.model.synth_deepseek2.DeepSeek2Preset` fields to override (MLA ranks, the
     split or unsplit MLA tensors, gating, groups, YaRN, ...).
+
+    ``mtp_agreement`` (glm4moe only, 0..1): a model whose MTP block agrees with the trunk, so
+    speculative decoding's acceptance can be measured on random weights
+    (:func:`~p2pswarm.model.synth_glm4moe.agreeing_mtp`).
 
     The file appears atomically: it is written under a temporary name in the same directory and
     renamed at the end; a failure leaves nothing behind.
@@ -356,6 +361,13 @@ def make_model(
     else:
         planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else plan_glm4 if isinstance(dims, Glm4Preset) else _plan
         plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
+    if mtp_agreement is not None:
+        if not isinstance(dims, Glm4Preset) or not dims.n_nextn:
+            raise UserError(f"--mtp-agreement needs an architecture whose MTP block make-model writes "
+                            f"(glm4moe), not {arch}")
+        if not 0.0 <= mtp_agreement <= 1.0:
+            raise UserError(f"--mtp-agreement must be between 0 and 1, got {mtp_agreement}")
+        plans = agreeing_mtp(plans, mtp_agreement)
 
     need_bytes = estimate_nbytes(plans) * (2 if qtype == "q4_k_m" else 1) + (64 << 20)
     try:

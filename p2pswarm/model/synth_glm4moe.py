@@ -17,6 +17,8 @@ forward pass never runs them (see :mod:`p2pswarm.engine.arch.glm4moe`).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from p2pswarm.errors import UserError
@@ -73,6 +75,30 @@ def plan_glm4(dims: Glm4Preset, n_vocab: int, qtype: str, expert_qtype: str | No
     if not tied:
         add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
     return plans
+
+
+RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+
+
+def agreeing_mtp(plans: list[TensorPlan], agreement: float) -> list[TensorPlan]:
+    """``make-model --mtp-agreement A``: a model whose MTP block predicts what the trunk will.
+
+    The construction: every block's writes into the residual stream (attention output, dense,
+    routed and shared expert down projections) are scaled by ``1 - A``, and the MTP block's
+    ``eh_proj`` is ``[I, 0]``. At ``A = 1`` the trunk's hidden state at a position is its token's
+    embedding, so its next token is a fixed function ``f`` of the current token (the output head of
+    the normed embedding), and the block, fed ``embed(t_{p+1})``, computes the same head of the
+    same normed embedding (up to the norms' weight noise): it predicts ``f(t_{p+1})``, the trunk's
+    next token. Below 1 the blocks' own contributions make the two differ more and more often;
+    the acceptance it gives is measured, not promised (docs/benchmarks.md)."""
+    out = []
+    for t in plans:
+        if t.name.endswith(RESIDUAL_WRITERS):
+            t = dataclasses.replace(t, std=t.std * (1.0 - agreement))
+        elif t.name.endswith("nextn.eh_proj.weight"):
+            t = dataclasses.replace(t, kind="eye_left")
+        out.append(t)
+    return out
 
 
 def write_glm4_keys(w, dims: Glm4Preset) -> None:

@@ -254,6 +254,12 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
         a = np.float32(1.0) + _normal(rng, plan.shape, plan.std)
         yield a.astype(np.float32)
         return
+    if plan.kind == "eye_left":  # (E, 2E): [I, 0], an MTP block's eh_proj that passes the embedding on
+        a = np.zeros(plan.shape, dtype=np.float32)
+        a[:, :plan.shape[0]] = np.eye(plan.shape[0], dtype=np.float32)
+        yield a if plan.gtype == Q.F32 else a.astype(np.float16) if plan.gtype == Q.F16 else \
+            g.quants.quantize(a, plan.gtype)
+        return
     outer, inner = plan.shape[0], int(np.prod(plan.shape[1:]))
     per = max(1, _CHUNK_ELEMS // inner)
     for start in range(0, outer, per):

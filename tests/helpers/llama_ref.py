@@ -280,13 +280,92 @@ def _ref_greedy(path, prompt, n_steps):
     return toks, np.stack(rows), buffers
 
 
+def _token_state_batch(llama_cpp, tokens, states, pos0):
+    """A classic llama_batch with BOTH token ids and rows of ``embd`` set: llama.cpp's MTP graph
+    (``llm_graph_input_embd_h``) takes the tokens for its embedding and the rows as the trunk's
+    hidden state (``llama_batch_ext_set_embd_state`` is a stub returning false in this build).
+    Returns (batch, the buffers it points into, to keep alive)."""
+    T = len(tokens)
+    keep = [(llama_cpp.llama_token * T)(*tokens), (llama_cpp.llama_pos * T)(*range(pos0, pos0 + T)),
+            (ctypes.c_int32 * T)(*[1] * T), (ctypes.c_int8 * T)(*[1] * T),
+            np.ascontiguousarray(states, dtype=np.float32)]
+    rows = [(llama_cpp.llama_seq_id * 1)(0) for _ in range(T)]
+    ptrs = (ctypes.POINTER(llama_cpp.llama_seq_id) * T)(*[ctypes.cast(r, ctypes.POINTER(llama_cpp.llama_seq_id))
+                                                          for r in rows])
+    keep += [rows, ptrs]
+    b = llama_cpp.llama_batch()
+    b.n_tokens = T
+    b.token = ctypes.cast(keep[0], ctypes.POINTER(llama_cpp.llama_token))
+    b.pos = ctypes.cast(keep[1], ctypes.POINTER(llama_cpp.llama_pos))
+    b.n_seq_id = ctypes.cast(keep[2], ctypes.POINTER(ctypes.c_int32))
+    b.logits = ctypes.cast(keep[3], ctypes.POINTER(ctypes.c_int8))
+    b.embd = keep[4].ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    b.seq_id = ctypes.cast(ptrs, ctypes.POINTER(ctypes.POINTER(llama_cpp.llama_seq_id)))
+    return b, keep
+
+
+def _ref_mtp(path, prompt, follow, chain):
+    """llama.cpp's MTP context (``LLAMA_CONTEXT_TYPE_MTP``, ``load_mtp``): the trunk's final-normed
+    hidden states of ``prompt`` (a default context's embeddings, llama.cpp's ``h_nextn``), then the
+    MTP block's logits fed ``follow[i]`` with the trunk's state at position i (all positions in one
+    batch), then, for each ``(token, state)`` of ``chain``, one more position (chained drafts)."""
+    llama_cpp = _llama()
+    mp_ = llama_cpp.llama_model_default_params()
+    mp_.use_extra_bufts = False
+    mp_.load_mtp = True
+    del _LOG[:]
+    model = llama_cpp.llama_model_load_from_file(path.encode(), mp_)
+    if not model:
+        raise AssertionError(f"llama.cpp could not load {path} with its MTP block")
+    buffers = sorted({m.group(1) for line in "".join(_LOG).splitlines() if (m := _BUFFER_RE.match(line))})
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    n_embd = llama_cpp.llama_model_n_embd(model)
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = cp.n_batch = cp.n_ubatch = max(128, len(prompt) + len(chain))
+    cp.type_k = cp.type_v = llama_cpp.GGML_TYPE_F32
+    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cp.n_threads = cp.n_threads_batch = 2
+    try:
+        cp.embeddings = True
+        cp.pooling_type = llama_cpp.LLAMA_POOLING_TYPE_NONE
+        ctx = llama_cpp.llama_init_from_model(model, cp)
+        try:
+            _decode_all(ctx, prompt)
+            trunk = np.stack([np.ctypeslib.as_array(llama_cpp.llama_get_embeddings_ith(ctx, i), shape=(n_embd,)).copy()
+                              for i in range(len(prompt))])
+        finally:
+            llama_cpp.llama_free(ctx)
+        cp.embeddings = False
+        cp.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+        ctx = llama_cpp.llama_init_from_model(model, cp)
+        if not ctx:
+            raise AssertionError("llama.cpp could not make an MTP context")
+        try:
+            out = []
+            steps = [(list(follow), trunk)] + [([int(t)], np.asarray(h, np.float32).reshape(1, -1)) for t, h in chain]
+            pos = 0
+            for toks, states in steps:
+                batch, _keep = _token_state_batch(llama_cpp, toks, states, pos)
+                rc = llama_cpp.llama_decode(ctx, batch)
+                if rc != 0:
+                    raise AssertionError(f"llama_decode (MTP) returned {rc}")
+                out += [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+                        for i in range(len(toks))]
+                pos += len(toks)
+        finally:
+            llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
+    return trunk, np.stack(out), buffers
+
+
 def _ref_crash(sig):
     """Test hook: the child dies of ``sig``, as llama.cpp's AMX path does (proves a crash fails)."""
     os.kill(os.getpid(), sig)
 
 
 _FUNCS = {f.__name__: f for f in (_ref_logits, _ref_tokenize_eval, _ref_intermediates, _ref_routing, _ref_greedy,
-                                   _ref_crash)}
+                                   _ref_mtp, _ref_crash)}
 
 
 def _serve(conn) -> None:
@@ -393,3 +472,12 @@ def llama_greedy(path, prompt, n_steps: int) -> tuple[list[int], np.ndarray]:
     toks, logits, buffers = call("_ref_greedy", str(path), [int(t) for t in prompt], int(n_steps))
     check_in_place(buffers)
     return toks, logits
+
+
+def llama_mtp(path, prompt, follow, chain=()) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's trunk hidden states (final-normed) of ``prompt`` and its MTP block's logits (see
+    ``_ref_mtp``)."""
+    trunk, logits, buffers = call("_ref_mtp", str(path), [int(t) for t in prompt], [int(t) for t in follow],
+                                  [(int(t), np.asarray(h, np.float32)) for t, h in chain])
+    check_in_place(buffers)
+    return trunk, logits
