@@ -156,6 +156,14 @@ def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
     assert_one_line_error(proc, "blk.4.nextn.enorm.weight", "shape")
     proc = run_cli("generate", str(glm_f32), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
     assert proc.returncode == 0, proc.stderr
+    q35mtp = tmp_path / "q35-block.gguf"
+    proc = run_cli("make-model", "--arch", "qwen35moe", "--mtp-blocks", "1", "-q", "-o", str(q35mtp))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("generate", str(q35mtp), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("make-model", "--arch", "qwen35moe", "--mtp-blocks", "2", "-q", "-o", str(tmp_path / "x.gguf"))
+    assert_one_line_error(proc, "--mtp-blocks (n_nextn) must be 0 or 1")
+    assert not (tmp_path / "x.gguf").exists()
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

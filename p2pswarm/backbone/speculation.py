@@ -18,7 +18,7 @@ or off.
 Drafters: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n = 3, 2, 1: free, and good wherever the output repeats its input or
 itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.backbone.mtp`;
-glm4moe), refused with one line naming what the file has where the model has none or its
+glm4moe, qwen35moe), refused with one line naming what the file has where the model has none or its
 architecture's block is not implemented (:func:`check_mode`).
 
 Adaptive length (:class:`Adaptive`): each sequence drafts up to ``draft_max`` tokens, one more

@@ -80,7 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
     q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
-    q35.add_argument("--mtp-blocks", type=int, metavar="N", choices=(0, 1), default=None,
+    q35.add_argument("--mtp-blocks", type=int, metavar="N", default=None,
                      help="MTP (NextN) blocks after the trunk, as Qwen3.5's files carry (0 or 1; default 0, "
                           "1 with --mtp-agreement)")
     glm = p.add_argument_group("glm4moe and qwen35moe")

@@ -198,7 +198,7 @@ def _validate_qwen35(p: Qwen35Preset, qtype: str) -> None:
         need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
              f"{name} must be a positive integer, got {v!r}")
     need(p.n_nextn in (0, 1) and not isinstance(p.n_nextn, bool),
-         f"n_nextn must be 0 or 1 (llama.cpp runs one qwen35moe MTP block), got {p.n_nextn!r}")
+         f"--mtp-blocks (n_nextn) must be 0 or 1 (llama.cpp runs one qwen35moe MTP block), got {p.n_nextn!r}")
     need(p.n_rot % 2 == 0 and p.n_rot <= p.head_dim,
          f"n_rot ({p.n_rot}) must be even and at most head_dim ({p.head_dim})")
     sec = p.rope_sections
