@@ -153,7 +153,9 @@ def run_config(name: str, model: Path, bfile: Path, work: Path, args, auth: dict
     d = work / "run"
     d.mkdir(exist_ok=True)
     out: dict = {"config": name}
-    with WanSwarm(model, ranges=ranges, rtt_ms=args.rtt_ms, workdir=d, kernel="ggml", threads=1,
+    # a worker's deadline of 60 s, not 5: on a loaded 2-core machine a prefill of 32 experts can take
+    # seconds, and a timed-out worker's fallback would measure the fallback, not the cache
+    with WanSwarm(model, ranges=ranges, rtt_ms=args.rtt_ms, workdir=d, kernel="ggml", threads=1, timeout_s=60,
                   backbone_args=["--verify-rate", "0", *extra], backbone_model=bb_model) as sw:
         seeder = None
         try:
@@ -189,7 +191,8 @@ def main() -> int:
     ap.add_argument("--rtt-ms", type=float, default=50.0)
     ap.add_argument("--tokens", type=int, default=8, help="tokens per completion")
     ap.add_argument("--seqs", default="1,16")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of all / 10%% / none")
+    ap.add_argument("--hot-rounds", type=int, default=2, help="rounds of --hot-experts on / off")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/p2pswarm-bench/expert-cache"))
     args = ap.parse_args()
     if args.dense_table:
@@ -222,7 +225,7 @@ def main() -> int:
         _cli("manifest", "--model", str(model), "--key", str(work / "issuer.key"), "--out", str(auth["manifest"]),
              env=env)
     _cli("token", "issue", "--key", str(work / "issuer.key"), "--peer", bb_id, "--allow", f"shard:{fp}",
-         "--ttl", "4h", "--out", str(auth["token"]), env=env)
+         "--ttl", "4h", "--out", str(auth["token"]), "--force", env=env)
     experts = sum(layout.expert_bytes(layer) for layer in layout.expert_layers) * layout.n_expert
     load = os.getloadavg()
     print(f"model {model.name}: {layout.file_size / 1e9:.2f} GB, routed experts {experts / 1e9:.2f} GB, "
@@ -234,7 +237,7 @@ def main() -> int:
             r = run_config(name, model, bfile, work, args, auth)
             results.setdefault(name, []).append(r)
             print(json.dumps(r), flush=True)
-    for _ in range(args.rounds):
+    for _ in range(args.hot_rounds):
         for name in ("hot-on", "hot-off"):
             r = run_config(name, model, bfile, work, args, auth)
             results.setdefault(name, []).append(r)

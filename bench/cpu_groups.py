@@ -66,7 +66,7 @@ class CpuGroups:
     @staticmethod
     def _controller() -> tuple[int, Path]:
         if hasattr(os, "geteuid") and os.geteuid() != 0:
-            raise CgroupError("CPU cgroups need root: run as root (or without --backbone-cpu/--worker-cpu)")
+            raise CgroupError("CPU cgroups need root: run as root")
         if (V1_ROOT / "cpu.cfs_quota_us").exists():
             return 1, V1_ROOT
         controllers = V2_ROOT / "cgroup.controllers"

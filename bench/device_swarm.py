@@ -17,9 +17,9 @@ generated tokens/s, the ratio to the backbone alone, and the bounds:
 * Amdahl: the share f of the backbone-alone step spent on routed experts (``/v1/swarm``
   ``dispatch.seconds`` over ``/health`` ``dense_busy_s``): offloading every expert for free gives
   at most alone / (1 - f);
-* the workers' compute: W workers of q cores do the alone run's expert work (its expert CPU
-  seconds per token at the backbone's quota b) at most W q / b times as fast: alone * W q / (b f)
-  ... in tokens/s: W q / (b * expert seconds per token);
+* the workers' compute: W workers of q cores do the alone run's expert work (its expert
+  seconds per token at the backbone's quota b) at most W q / b times as fast: W q / (b * expert
+  seconds per token) tokens/s;
 * the link: N / (L * RTT) at an RTT, and the busiest worker's upload cap at its measured bytes.
 
 ``--unequal 0.1,0.2,0.4`` adds the issue's unequal-devices run: one worker per quota, each holding
@@ -138,7 +138,7 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
     d = work / label
     try:
         with WanSwarm(model, ranges=ranges, rtt_ms=args.rtt, workdir=d, kernel=args.kernel, timeout_s=60,
-                      threads=1, proxies="per-link", proxy_args=proxy_args, on_start=place,
+                      threads=1, proxies="per-link", proxy_args=proxy_args, on_start=place, direct=args.direct,
                       backbone_args=["--micro-batches", args.micro_batches]) as sw:
             sw.named = {k: v for k, v in sw_named.items() if k != "boot"}
             if ranges:
@@ -224,6 +224,8 @@ def main() -> None:
     ap.add_argument("--rtt", type=float, default=0.0, help="each worker's link RTT in ms (WAN proxy; 0: loopback)")
     ap.add_argument("--worker-up-mbps", type=float, default=0.0, help="cap each worker's upload (Mbit/s; 0: none)")
     ap.add_argument("--micro-batches", default="auto")
+    ap.add_argument("--direct", action="store_true",
+                    help="workers offer direct lanes (--direct): expert requests skip py-libp2p's noise and yamux")
     ap.add_argument("--unequal", default=None,
                     help="comma-separated worker quotas (e.g. 0.1,0.2,0.4): replicas of every expert on unequal "
                          "devices, against the same total split evenly")
@@ -333,7 +335,7 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
            + f" --tokens {args.tokens} --rounds {args.rounds}"
            + (f" --rtt {args.rtt:g}" if args.rtt else "")
            + (f" --worker-up-mbps {args.worker_up_mbps:g}" if args.worker_up_mbps else "")
-           + (f" --unequal {args.unequal}" if args.unequal else "") + (" --no-curve" if args.no_curve else ""))
+           + (f" --unequal {args.unequal}" if args.unequal else "") + (" --direct" if args.direct else "") + (" --no-curve" if args.no_curve else ""))
     text = header("Devices in CPU cgroups: tokens/s against the number of workers", cmd) + (
         f"Synthetic {args.preset} q8_0 model ({L} layers, {shape.n_embd} wide, {shape.n_expert} experts of "
         f"{shape.n_ff_exp} ({shape.expert_qtype or 'q8_0'}), top-{shape.n_expert_used}), kernel {args.kernel}; "

@@ -39,9 +39,9 @@ def arch_model(models_dir, arch: str):
     return path
 
 
-async def logits_of(path, tokens=TOKENS, **kw):
+async def logits_of(path, tokens=TOKENS, kernel="numpy", **kw):
     """(prefill, decode) logits and the dispatcher of one backbone."""
-    async with open_backbone(path, kernel="numpy", **kw) as swarm:
+    async with open_backbone(path, kernel=kernel, **kw) as swarm:
         return await _both(swarm, tokens)
 
 
@@ -299,6 +299,261 @@ async def test_refill_by_demand_status_metrics_and_demand_record(models_dir):
         rec = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
                                 unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks), lacks=lacks)
         assert DemandRecord.verify(rec.signed).lacks == tuple(lacks)
+        from p2pswarm.commands.swarm_status import _market  # what swarm-status counts of it
+
+        m = _market([DemandRecord.verify(rec.signed)], {}, layers, 2, 8)
+        assert m["cached_backbones"] == 1
+        assert [m["units"][f"{layer}/{b}"]["lacked_by"] for layer in layers for b in range(2)] == [int(x) for x in lacks]
         plain = DemandRecord.make(ident, model="ab" * 32, layers=layers, n_expert=16, block_size=8,
                                   unit_bytes=[1000] * len(layers), demand=[1.0] * len(lacks))
         assert DemandRecord.verify(plain.signed).lacks == ()
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "ggml"])
+async def test_store_filled_from_slabs_is_the_model(models_dir, tmp_path, kernel):
+    """A backbone file's cache with every unit written into its sparse store (as fetched slabs are,
+    after the bank mapped the file) computes the monolithic logits bit for bit, on both kernels;
+    a dropped unit gives its blocks back and is never computed."""
+    path = arch_model(models_dir, "deepseek2")
+    mono_p, mono_d, _ = await logits_of(path, kernel=kernel)
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    full = ModelLayout.open(path)
+    async with open_backbone(bfile, kernel=kernel, expert_cache=ec.parse_cache_size("all")) as swarm:
+        cache = swarm.cache
+        for layer in cache.layers:
+            for e in range(cache.n_expert):
+                cache.store.copy_from(full, layer, e)
+                cache.add(layer, e)
+        assert cache.complete and cache.store.disk_bytes() >= cache.total_bytes
+        p, d, disp = await _both(swarm, TOKENS)
+        assert disp.stats.remote_groups == 0 and disp.stats.local_groups > 0
+        before = cache.store.disk_bytes()
+        assert cache.drop(cache.layers[0], 3) and not cache.holds(cache.layers[0], 3)
+        if cache.store.punch:
+            assert cache.store.disk_bytes() < before
+    assert np.array_equal(p, mono_p) and np.array_equal(d, mono_d)
+
+
+async def test_dishonest_worker_caught_with_a_partial_cache(tiny_f32, tmp_path):
+    """The cache holds experts 0-7 of every layer; a worker lying about some rows of experts 0-7
+    is caught by the checks (which recompute only cached units), banned, and its units computed by
+    the cache from then on: every step's outputs equal the full bank's. The honest worker of 8-15
+    (not cached) is never checked here - what a partial cache can verify is its hit share."""
+    from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
+    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.engine.kernels import make_bank
+    from p2pswarm.market.verify import Verifier
+    from p2pswarm.worker.expert_worker import ExpertWorker
+
+    from helpers.dishonest_worker import DishonestWorker
+
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    full = make_bank(layout, "numpy")
+    cache = ec.ExpertCache(make_bank(layout, "numpy"), 0)
+    cache.capacity = cache.total_bytes // 2
+    cache.fill_from_file()
+    assert {e for _, e in cache.held} == set(range(8))
+    liar = DishonestWorker(shards[0], kernel="numpy", fraction=0.05, delta=1e-3, seed=3)
+    disp = Dispatcher(cache, [InProcessOwner(liar, "liar"), InProcessOwner(ExpertWorker(shards[1], kernel="numpy"), "h")])
+    disp.verifier = Verifier(1.0, seed=0)
+    caught = []
+    disp.on_mismatch = lambda peer, ev: caught.append(peer)
+    rng = np.random.default_rng(4)
+    for step in range(200):
+        n = int(rng.integers(1, 6))
+        cur = rng.standard_normal((n, 256)).astype(np.float32)
+        picks = np.stack([rng.choice(16, 4, replace=False) for _ in range(n)])
+        groups = [(int(e), np.flatnonzero((picks == e).any(axis=1)).astype(np.int64)) for e in np.unique(picks)]
+        layer = int(rng.integers(0, len(layout.expert_layers)))
+        outs = await disp.run_groups(layer, cur, groups)
+        assert all(np.array_equal(o, w) for o, w in zip(outs, full.forward_groups(layer, cur, groups))), step
+    assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
+    assert disp.stats.fallbacks == 0 and disp.stats.per_owner.get("h", 0) > 0
+    assert disp.stats.per_owner.get("local", 0) > 0  # the cache computed the liar's units after the ban
+
+
+@pytest.mark.slow
+def test_cache_filled_from_workers_shards_with_no_seeder(models_dir, tmp_path):
+    """Workers serve their own downloaded shards' slabs onwards: two workers (experts 0-7 and
+    8-15) download their slices from a serve-shards seeder, which is then stopped, so no peer but
+    the workers holds an expert's bytes. A backbone from the backbone file with a partial cache
+    refills it by demand: every fetched unit comes from a worker's shard (logged per source, the
+    workers' shard servers served the chunks), checked against the manifest, and the text
+    computed with the fetched units cached (hot experts: computed locally) is the text the
+    workers gave alone."""
+    import httpx
+
+    from helpers.procs import Proc, start_bootstrap
+    from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
+    from p2pswarm.net.identity import Identity, load_or_create_identity
+    from p2pswarm.net.tokens import issue_token, shard_scope
+
+    path = arch_model(models_dir, "qwen35moe")
+    layers = ModelLayout.open(path).expert_layers
+    l0, l1 = layers[0], layers[-1] + 1
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(ModelLayout.open(path))
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    ids = {name: load_or_create_identity(tmp_path / f"{name}.key") for name in ("w0", "w1", "bb")}
+    nodes: list = []
+    try:
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        seeder = Proc(["serve-shards", "--model", str(path), "--manifest", str(manifest), "--trust-issuer",
+                       issuer.peer_id_str, "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")],
+                      tmp_path / "seed.log", env)
+        nodes.append(seeder)
+        workers = []
+        for name, (e0, e1) in (("w0", (0, 8)), ("w1", (8, 16))):
+            tok = issue_token(issuer, ids[name].peer_id_str, [shard_scope(fp, (l0, l1), (e0, e1))], 3600).encode()
+            workers.append(Proc(["node", "--role", "worker", "--model", fp, "--layers", f"{l0}-{l1 - 1}", "--experts",
+                                 f"{e0}-{e1 - 1}", "--token", tok, "--trust-issuer", issuer.peer_id_str, "--bootstrap",
+                                 boot.addr, "--identity", str(tmp_path / f"{name}.key"), "--ttl", "600"],
+                                tmp_path / f"{name}.log", env, timeout=180))
+            nodes.append(workers[-1])
+        for w in workers:
+            assert "serving my shard's expert slabs" in w.text(), w.text()[-2000:]
+        seeder.stop()  # from now on only the workers hold the experts' bytes
+        bb_tok = issue_token(issuer, ids["bb"].peer_id_str, [f"shard:{fp}"], 3600).encode()
+        bb = Proc(["node", "--role", "backbone", "--model", str(bfile), "--expert-cache", "50%", "--token", bb_tok,
+                   "--trust-issuer", issuer.peer_id_str, "--bootstrap", boot.addr, "--http", "127.0.0.1:0",
+                   "--identity", str(tmp_path / "bb.key"), "--cache-refill", "1", "--verify-rate", "0"],
+                  tmp_path / "bb.log", env)
+        nodes.append(bb)
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        whole = _complete(base, "hello swarm", 16)
+        deadline = time.monotonic() + 90
+        while "a worker's shard" not in bb.text() and time.monotonic() < deadline:
+            time.sleep(1)
+        log = bb.text()
+        wid = {ids[n].peer_id_str for n in ("w0", "w1")}
+        fetched = [ln for ln in log.splitlines() if "expert cache:" in ln and " unit(s) of layer " in ln
+                   and " from " in ln]
+        assert fetched and all(any(w in ln for w in wid) and "a worker's shard" in ln for ln in fetched), log[-3000:]
+        assert any("shard server: served" in w.text() and ids["bb"].peer_id_str in w.text() for w in workers)
+        metrics = httpx.get(base + "/metrics", timeout=30).text
+        assert "p2pswarm_expert_cache_fetches_total 0.0" not in metrics
+        assert "p2pswarm_expert_cache_bad_slabs_total 0.0" in metrics
+        assert _complete(base, "hello swarm", 16) == whole
+        hits = [ln for ln in httpx.get(base + "/metrics", timeout=30).text.splitlines()
+                if ln.startswith('p2pswarm_expert_cache_lookups_total{result="hit"}')]
+        assert hits and float(hits[0].split()[-1]) > 0, hits  # the fetched units computed the second text
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+def test_rewards_follow_the_lacks_flags():
+    """A unit a backbone lacks locally (its demand record's ``lacks`` flag) is worth more to serve:
+    its demand counts LACKS_WEIGHT times in the sum workers enrol by (auto.aggregate), so with equal
+    raw demand and replicas the lacked unit pays more, and a worker with room for one unit takes
+    it; scarcity still comes first (a lacked unit with 2 replicas does not outbid an unlacked one
+    with none). Records without flags count as before."""
+    from p2pswarm.market.auto import aggregate
+    from p2pswarm.market.demand import DemandRecord
+    from p2pswarm.market.enrol import choose_units
+    from p2pswarm.market.reward import LACKS_WEIGHT, backbone_demand, reward
+    from p2pswarm.net.identity import Identity
+
+    def record(demand, lacks=()):
+        return DemandRecord.make(Identity.generate(), model="ab" * 32, layers=[0], n_expert=16, block_size=4,
+                                 unit_bytes=[1000], demand=demand, lacks=lacks)
+
+    full = record([3.0, 3.0, 1.0, 1.0])
+    cached = record([1.0, 1.0, 1.0, 1.0], lacks=[True, False, False, False])
+    _, summed = aggregate([full, cached], None)
+    assert summed.tolist() == [3.0 + LACKS_WEIGHT, 4.0, 2.0, 2.0]
+    _, plain = aggregate([full, record([1.0, 1.0, 1.0, 1.0])], None)
+    assert plain.tolist() == [4.0, 4.0, 2.0, 2.0]  # no flags: a plain sum, as before
+    assert backbone_demand([[1.0, 2.0]], [()]).tolist() == [1.0, 2.0]
+
+    w = reward(summed, np.array([1.0, 1.0, 1.0, 1.0]))
+    assert w[0] > w[1] > 0 and w[2] == w[3]
+    w_plain = reward(plain, np.array([1.0, 1.0, 1.0, 1.0]))
+    assert w_plain[0] == w_plain[1]
+    picks = [choose_units(demand=summed, replicas=np.ones(4), sizes=np.full(4, 1000.0), budget=1000,
+                          rng=np.random.default_rng(seed), crowd=1).units[0] for seed in range(200)]
+    assert picks.count(0) > picks.count(1)  # the weighted-random pick favours the lacked unit
+    scarce = reward(summed, np.array([2.0, 0.0, 2.0, 2.0]))
+    assert scarce[1] > scarce[0]  # scarcity first: an unserved unit outbids a lacked, covered one
+
+
+@pytest.mark.slow
+def test_backbone_downloads_its_slice_by_fingerprint(models_dir, tmp_path):
+    """``node --role backbone --model FINGERPRINT --token --trust-issuer`` downloads only the dense
+    part from a serve-shards seeder (checked against the signed manifest), byte for byte the file
+    ``slice --backbone`` cuts, starts from it with ``--expert-cache none`` and answers through the
+    workers the text a backbone on the full model gives; started again, it reuses the verified
+    file. A worker token (one range) is refused the dense part."""
+    import httpx
+
+    from helpers.procs import Proc, start_bootstrap, start_shard_workers
+    from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
+    from p2pswarm.net.identity import Identity, load_or_create_identity
+    from p2pswarm.net.tokens import issue_token, shard_scope
+
+    path = arch_model(models_dir, "qwen35moe")
+    sliced = tmp_path / "sliced.gguf"
+    slice_backbone(path, sliced)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(ModelLayout.open(path))
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    bb_id = load_or_create_identity(tmp_path / "bb.key").peer_id_str
+    out = tmp_path / "downloaded.gguf"
+    nodes: list = []
+
+    def backbone(model: str, token, log: str) -> Proc:
+        extra = ["--token", token.encode(), "--trust-issuer", issuer.peer_id_str, "--shard", str(out)] if token else []
+        return Proc(["node", "--role", "backbone", "--model", model, *extra, "--expert-cache", "none",
+                     "--bootstrap", boot.addr, "--http", "127.0.0.1:0", "--identity", str(tmp_path / "bb.key"),
+                     "--verify-rate", "0"], tmp_path / log, env, timeout=180)
+
+    try:
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        nodes.append(Proc(["serve-shards", "--model", str(path), "--manifest", str(manifest), "--trust-issuer",
+                           issuer.peer_id_str, "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")],
+                          tmp_path / "seed.log", env))
+        nodes += start_shard_workers(path, tmp_path, env, [(0, 8), (8, 16)], boot.addr, ("--ttl", "600"))
+        narrow = issue_token(issuer, bb_id, [shard_scope(fp, (0, 1), (0, 8))], 3600)
+        bad = run_cli_node(["node", "--role", "backbone", "--model", fp, "--token", narrow.encode(), "--trust-issuer",
+                            issuer.peer_id_str, "--shard", str(tmp_path / "narrow.gguf"), "--bootstrap", boot.addr,
+                            "--identity", str(tmp_path / "bb.key"), "--http", "off"], env)
+        assert bad.returncode != 0 and "Traceback" not in bad.stderr and not (tmp_path / "narrow.gguf").exists()
+        assert "token does not allow" in bad.stderr.splitlines()[-1], bad.stderr[-2000:]
+
+        token = issue_token(issuer, bb_id, [f"shard:{fp}"], 3600)
+        bb = backbone(fp, token, "bb.log")
+        nodes.append(bb)
+        assert "downloaded backbone slice" in bb.text(), bb.text()[-2000:]
+        assert out.read_bytes() == sliced.read_bytes()
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        text = _complete(base, "hello swarm", 12)
+        assert "expert cache: fetched" not in bb.text()  # the workers computed every expert
+        assert "p2pswarm_expert_fallbacks_total 0.0" in httpx.get(base + "/metrics", timeout=30).text
+        bb.stop()
+        nodes.remove(bb)
+        again = backbone(fp, token, "bb2.log")
+        nodes.append(again)
+        assert "already complete and verified" in again.text(), again.text()[-2000:]
+        again.stop()
+        nodes.remove(again)
+        full = backbone(str(path), None, "full.log")
+        nodes.append(full)
+        assert _complete(next(w for w in full.ready if w.startswith("http="))[5:], "hello swarm", 12) == text
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+def run_cli_node(args, env):
+    return subprocess.run([sys.executable, "-m", "p2pswarm.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120)

@@ -20,7 +20,8 @@ from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, run_cli
 from helpers.gguf_edit import rewrite
-from test_speculation import PROMPT, REPEATING, _run
+from helpers.speculating import PROMPT, REPEATING
+from helpers.speculating import run_spec as _run
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +63,22 @@ def glm_agreeing(models_dir):
     path = models_dir / "mtp-glm-agree.gguf"
     if not path.exists():
         make_model(path, arch="glm4moe", preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
+    return path
+
+
+def _q35(models_dir):
+    """The tiny qwen35moe preset at 3 layers (no MTP block: the refusal test adds its key)."""
+    path = models_dir / "q35-mtp-trunk.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", seed=21, layers=3)
+    return path
+
+
+def _ds2(models_dir):
+    """The tiny deepseek2 preset (no MTP block: the refusal test adds its key)."""
+    path = models_dir / "ds2-mtp-trunk.gguf"
+    if not path.exists():
+        make_model(path, arch="deepseek2", preset="tiny", seed=22)
     return path
 
 
@@ -135,15 +152,12 @@ def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
     each, naming the file's block or the tensor."""
     from gguf import GGUFValueType as T
 
-    from test_deepseek2 import ds_model
-    from test_qwen35moe import q35_model
-
-    ds = rewrite(ds_model(models_dir, "v3"), tmp_path / "ds-mtp.gguf",
+    ds = rewrite(_ds2(models_dir), tmp_path / "ds-mtp.gguf",
                  set_keys={"deepseek2.nextn_predict_layers": (1, T.UINT32, None)})
     proc = run_cli("generate", str(ds), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
     assert_one_line_error(proc, "--speculate mtp", "1 MTP (NextN) block", "deepseek2",
                           "glm4moe, qwen35moe only")
-    q35 = rewrite(q35_model(models_dir, "separate-3-layers", seed=21, layers=3), tmp_path / "q35-mtp.gguf",
+    q35 = rewrite(_q35(models_dir), tmp_path / "q35-mtp.gguf",
                   set_keys={"qwen35moe.nextn_predict_layers": (1, T.UINT32, None)})
     proc = run_cli("generate", str(q35), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
     assert_one_line_error(proc, "MTP block tensor", "blk.2.nextn.eh_proj.weight", "missing")

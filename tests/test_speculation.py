@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Params, Rows, Scheduler
+from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.speculation import Adaptive, Speculation, ngram_draft
 from p2pswarm.engine.deltanet import DeltaNetState
@@ -18,8 +18,9 @@ from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, run_cli
 from helpers.ggml import needs_ggml
+from helpers.speculating import PROMPT, REPEATING
+from helpers.speculating import run_spec as _run
 
-PROMPT = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 19, 180]  # 12 + 5: gpt-oss's window of 8 trims mid-verification
 CONT = [129, 3, 250, 77, 41]  # the sampled token and four drafts after it
 
 
@@ -179,26 +180,6 @@ async def test_verification_batched_equals_alone(model, kernel):
 
 
 # -- the scheduler: spec on == spec off -----------------------------------------------------------
-REPEATING = [5, 211, 37, 90, 14, 5, 211, 37, 90, 14, 5, 211, 37]
-
-
-async def _run(bb, prompts, samplers, speculate, max_tokens):
-    sched = Scheduler(bb, None, micro_batches=1, gather=(0, 0), rows=True, speculate=speculate)
-    out = []
-    for prompt, sampler in zip(prompts, samplers):
-        toks, rows = [], {}
-        async with sched.submit(prompt, Params(max_tokens=max_tokens, sampler=sampler, stop_at_eos=False,
-                                                rows=True)) as req:
-            async for item in sched.drive(req):
-                if isinstance(item, Rows):
-                    for i, r in enumerate(item.logits):
-                        rows[item.pos0 + i] = r
-                else:
-                    toks.append(item.token)
-        out.append((toks, rows))
-    return out, sched.spec
-
-
 def _oracle(prompts, wanted):
     """A test drafter: the continuation the run without speculation produced, with every fifth
     position's draft wrong, so steps accept all, some and none of their drafts; nothing where

@@ -2,7 +2,9 @@
 
 Why: a backbone started from the backbone file holds no routed experts. What it caches, and any
 unit whose every replica is gone, comes from a peer that holds the bytes (a ``serve-shards``
-seeder, a backbone serving ``--manifest``) over ``/p2pswarm/shard/1.0.0`` - the protocol workers
+seeder, a backbone serving ``--manifest``, or a worker serving its own downloaded shard - any
+worker the backbone knows whose shard holds the unit, banned or backed off included: the bytes
+are checked, not the peer) over ``/p2pswarm/shard/1.0.0`` - the protocol workers
 download their slices with, so the same token gate and the same signed manifest apply: a
 unit's slabs are asked for by (tensor, expert, byte range), and each slab's sha256 must be the one
 the manifest lists before it is written into the store and the unit marked cached. A slab that
@@ -38,7 +40,7 @@ class CacheFiller:
 
     def __init__(self, cache: ExpertCache, net, dht, *, model: str, token: str,
                  trusted_issuers: Collection[str], source_header: bytes, extra_sources=(),
-                 demand=None, refill_s: float = 30.0):
+                 demand=None, refill_s: float = 30.0, holders=None):
         if cache.store is None:
             raise ValueError("a CacheFiller fills an expert store (a backbone started from the backbone file)")
         self.cache = cache
@@ -51,12 +53,30 @@ class CacheFiller:
         self.extra_sources = list(extra_sources)
         self.demand = demand  # the dispatcher's DemandCounter (refill)
         self.refill_s = refill_s
+        #: ``holders(layer)``: the workers known to hold experts of ``layer``, as
+        #: ``(source, (e0, e1))`` (a PeerInfo and its shard's half-open expert range); asked after
+        #: the model's full sources. None: full sources only.
+        self.holders = holders
         self.manifest: ModelManifest | None = None
+        self.fetched_from: dict[str, int] = {}  # source peer id -> units fetched from it
+        self._no_shard: dict[str, float] = {}  # worker peer id -> when it did not serve shards
         self._sources: list = []
         self._looked_up = -1e9
         self._lock = trio.Lock()  # one fill at a time: units are written once
 
-    async def _find(self) -> list:
+    async def _find(self, layer: int) -> list[tuple[object, tuple[int, int] | None]]:
+        """(source, expert range it holds or None for every expert): the model's full sources
+        first, then the workers holding experts of ``layer`` (not those that lately did not serve
+        the shard protocol, e.g. a worker started from a local shard file)."""
+        full = [(s, None) for s in await self._full_sources()]
+        workers = []
+        now = time.monotonic()
+        for src, rng in (self.holders(layer) if self.holders is not None else ()):
+            if now - self._no_shard.get(_source_name(src), -1e9) > SOURCES_REFRESH_S:
+                workers.append((src, rng))
+        return full + workers
+
+    async def _full_sources(self) -> list:
         now = time.monotonic()
         if self.dht is not None and (not self._sources or now - self._looked_up > SOURCES_REFRESH_S):
             self._looked_up = now
@@ -135,25 +155,29 @@ class CacheFiller:
 
     async def _fetch(self, layer: int, todo: list[int], over_capacity: bool, pinned: list) -> int:
         got = 0
-        sources = await self._find()
+        sources = await self._find(layer)
         if not sources:
-            log.warning("expert cache: no shard source for model %s in the swarm (a `serve-shards` seeder or "
-                        "a backbone with --manifest): cannot fetch layer %d experts %s", self.model[:12], layer,
-                        todo)
+            log.warning("expert cache: no shard source for model %s in the swarm (a `serve-shards` seeder, "
+                        "a backbone with --manifest or a worker that downloaded its shard): cannot fetch layer %d "
+                        "experts %s", self.model[:12], layer, todo)
         # every source twice at most (a bad slab or a broken stream: the others first, then once again,
         # as a worker's download does), so one corrupted chunk does not lose the unit
-        for src in sources + sources:
-            if not todo:
-                break
+        for src, rng in sources + sources:
+            mine = [e for e in todo if rng is None or rng[0] <= e < rng[1]]
+            if not mine:
+                continue
             name = _source_name(src)
             try:
-                sess = await self._session(src, layer, todo)
+                sess = await self._session(src, layer, mine)
             except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError,
                     OSError, KeyError) as exc:
+                if rng is not None:  # a worker that does not serve its shard: not asked again for a while
+                    self._no_shard[name] = time.monotonic()
                 log.warning("expert cache: source %s: %s", name, clip(exc, 300))
                 continue
+            n0 = got
             try:
-                for e in list(todo):
+                for e in mine:
                     t0 = time.perf_counter()
                     data = await self._unit(sess, layer, e)
                     if data is None:
@@ -175,6 +199,10 @@ class CacheFiller:
                 log.warning("expert cache: fetching from %s failed: %s", name, clip(exc, 300))
             finally:
                 await sess.stream.aclose()
+                if got > n0:
+                    self.fetched_from[name] = self.fetched_from.get(name, 0) + got - n0
+                    log.info("expert cache: %d unit(s) of layer %d from %s%s", got - n0, layer, name,
+                             "" if rng is None else f" (a worker's shard, experts {rng[0]}-{rng[1] - 1})")
         if got:
             log.info("expert cache: fetched %d unit(s) of layer %d (%d cached, %.1f of %.1f MB)", got, layer,
                      len(self.cache.held), self.cache.used / 1e6, self.cache.capacity / 1e6)

@@ -135,7 +135,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                 publisher.lacks = lambda: cache.lacks(layout.expert_layers, block_size)
                             nursery.start_soon(publisher.run)
                         _start_cache_fill(nursery, local, net, dht, shard_token, trust_issuers or [],
-                                          cache_refill_s)
+                                          cache_refill_s, pool)
                         cmap = resolver.map
                         log.info("coverage: %d units, %d missing (computed locally), %d remote owners",
                                  len(cmap.units), len(cmap.missing()), len(pool.owners))
@@ -152,10 +152,10 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
 
 
 def _start_cache_fill(nursery, local: LocalSwarm, net, dht, token: str | None, trusted: list[str],
-                      refill_s: float) -> None:
+                      refill_s: float, pool: SwarmOwners | None = None) -> None:
     """The expert cache's refill by demand, and its on-demand fetch of units no live owner holds:
-    from the model's file where it is the full model, else from the swarm's shard sources
-    (only with a token to show them)."""
+    from the model's file where it is the full model, else from the swarm's shard sources and the
+    workers in ``pool`` whose shards hold the unit (only with a token to show them)."""
     cache = local.cache
     dispatcher = local.backbone.dispatcher
     if cache is None:
@@ -177,10 +177,27 @@ def _start_cache_fill(nursery, local: LocalSwarm, net, dht, token: str | None, t
 
     assert local.layout is not None
     filler = CacheFiller(cache, net, dht, model=local.fingerprint, token=token, trusted_issuers=trusted,
-                         source_header=source_header(local.layout)[0], demand=dispatcher.demand, refill_s=refill_s)
+                         source_header=source_header(local.layout)[0], demand=dispatcher.demand, refill_s=refill_s,
+                         holders=_shard_holders(pool) if pool is not None else None)
     dispatcher.fetch = filler.fetch
     nursery.start_soon(filler.run)
     local.filler = filler
+
+
+def _shard_holders(pool: SwarmOwners):
+    """``holders(layer)`` for the cache filler: each known worker whose shard covers ``layer``, once
+    per (peer, expert range), with the range (a worker serves only its own shard's slabs)."""
+    def holders(layer: int) -> list:
+        seen, out = set(), []
+        for o in list(pool.owners):
+            shard = o.info.shard
+            key = (o.peer, shard.experts)
+            if shard.layers[0] <= layer < shard.layers[1] and key not in seen:
+                seen.add(key)
+                out.append((o.info.peer_info(), tuple(shard.experts)))
+        return out
+
+    return holders
 
 
 def _refusal_notices(net, resolver, pool, dispatcher):

@@ -15,6 +15,7 @@ down cleanly on SIGINT/SIGTERM.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -24,7 +25,9 @@ from p2pswarm import settings
 from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.net.tokens import AUTO_SCOPE
 from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, add_speculate_args,
-                                      expert_cache_size, market_kwargs, parse_hostport, positive_int, speculation_from)
+                                      expert_cache_size, market_kwargs, parse_hostport, positive_int,
+                                      require_backbone_model, speculation_from)
+from p2pswarm.commands.node_downloads import _fetch_backbone, _fetch_shard, _serve_own_shard
 from p2pswarm.commands.node_args import (add_http_limit_args, add_worker_limit_args, check_dht_mode,
                                          check_worker_source, http_limits, peer_budget)
 from p2pswarm.errors import UserError
@@ -90,7 +93,9 @@ def add_parser(sub) -> None:
     p.add_argument("--shard", help="worker: expert shard GGUF cut by `p2pswarm slice` (with --model "
                                    "FINGERPRINT: where the downloaded slice goes)")
     p.add_argument("--model", help="backbone: the full model GGUF, or the backbone file (`slice --backbone`: "
-                                   "no routed experts; see --expert-cache); worker without a shard file: the model "
+                                   "no routed experts; see --expert-cache), or a model FINGERPRINT whose backbone "
+                                   "slice it downloads from the swarm's shard sources (with --token and "
+                                   "--trust-issuer; --shard: where it goes); worker without a shard file: the model "
                                    "FINGERPRINT whose slice (--layers, --experts) it downloads from the swarm")
     p.add_argument("--layers", help="worker download: layer range A-B (inclusive)")
     p.add_argument("--experts", help="worker download: expert range C-D (inclusive)")
@@ -238,6 +243,7 @@ async def _worker(args) -> None:
             if args.fetch:
                 shard = await _fetch_shard(args, net, dht, identity)
                 worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
+                _serve_own_shard(net, shard, args)
             served = ServeStats()
             receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str,
                                     identity.peer_id_str)
@@ -404,41 +410,6 @@ def _load_shard(path, args):
     return worker, info, entry
 
 
-def _default_slice_path(model: str, layers, experts) -> Path:
-    """Where a downloaded slice lives by default: stable, so a restart resumes or reuses it."""
-    return settings.home_dir() / "shards" / f"{model[:16]}-L{layers[0]}-{layers[1] - 1}-E{experts[0]}-{experts[1] - 1}.gguf"
-
-
-async def _fetch_shard(args, net, dht, identity) -> Path:
-    """Download this worker's slice from the swarm's shard sources (resumes an interrupted run;
-    returns at once when the file is already complete)."""
-    from p2pswarm.net.shard_fetch import FetchStats
-    from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
-    from p2pswarm.net.tokens import NodeToken
-    from p2pswarm.progress import ProgressBar
-
-    holder = NodeToken.decode(args.node_token).holder
-    if holder != identity.peer_id_str:
-        raise UserError(f"the token is for peer {holder}, but this node is {identity.peer_id_str} "
-                        f"(pass the holder's key with --identity)")
-    out = Path(args.shard) if args.shard else _default_slice_path(args.model, args.layer_range, args.expert_range)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stats = FetchStats()
-    bar = ProgressBar("fetch", unit="B")
-    try:
-        shard = await fetch_slice_from_swarm(net, dht, model=args.model, layers=args.layer_range,
-                                             experts=args.expert_range, out_path=out, token=args.node_token,
-                                             trusted_issuers=args.trust_issuer, progress=bar.update, stats=stats)
-    finally:
-        bar.close()
-    if stats.already_complete:
-        log.info("slice %s already complete and verified", shard)
-    else:
-        log.info("downloaded slice %s: %d slabs, %.1f MB, %d reused, %d bad chunks fetched again", shard,
-                 stats.slabs_total, stats.bytes_fetched / 1e6, stats.slabs_reused, stats.bad_chunks)
-    return shard
-
-
 async def _start_relay_keeper(args, net, dht_of: list):
     """Reserve on one of ``--relay`` (or a relay found in the DHT) now (one-line error if none takes
     us); returns the keeper, whose ``keep()`` then holds the reservation (renewals, reconnects after a
@@ -463,8 +434,11 @@ async def _backbone(args) -> None:
     from p2pswarm.model.split_gguf import model_name
     from p2pswarm.net.identity import default_identity_path, load_or_create_identity
 
-    speculate = speculation_from(args, args.model)  # (a mode the file cannot run: refused before anything starts)
     identity = load_or_create_identity(args.identity or default_identity_path("backbone"), exclusive=True)
+    if args.backbone_download:
+        args.model = str(await _fetch_backbone(args, identity))
+        require_backbone_model(args.model)
+    speculate = speculation_from(args, args.model)  # (a mode the file cannot run: refused before anything starts)
     tokenizer = Tokenizer.from_gguf(args.model)
     async with open_swarm_backbone(args.model, bootstrap=args.bootstrap, identity=identity,
                                    listen=listen_addrs(args, "/ip4/127.0.0.1/tcp/0"), announce=args.announce,
@@ -507,6 +481,7 @@ async def _backbone(args) -> None:
 
 def run(args) -> int:
     args.fetch = False
+    args.backbone_download = False
     args.node_token = None
     args.http_socket = args.health_socket = None
     if args.role == "worker":
@@ -534,10 +509,18 @@ def run(args) -> int:
     if args.expert_cache is not None and args.role != "backbone":
         raise UserError("--expert-cache is for --role backbone (a worker holds its shard)")
     if args.role == "backbone":
-        from p2pswarm.commands.common import require_backbone_model
         from p2pswarm.model.layout import ModelLayout
 
-        require_backbone_model(args.model)
+        args.backbone_download = bool(re.fullmatch(r"[0-9a-fA-F]{64}", args.model)) and not Path(args.model).exists()
+        if args.backbone_download:
+            if not (args.token and args.trust_issuer and args.bootstrap):
+                raise UserError("--model FINGERPRINT on a backbone downloads its backbone slice from the swarm: give "
+                                "--token (issued with --allow shard:FINGERPRINT), --trust-issuer and --bootstrap")
+            if args.manifest:
+                raise UserError("--manifest serves shard downloads from the full model; a downloaded backbone slice "
+                                "holds no experts to serve")
+        else:
+            require_backbone_model(args.model)
         args.expert_cache_size = expert_cache_size(args)  # a bad value: one line now
         args.backbone_token = None
         if not args.cache_refill > 0:
@@ -549,7 +532,7 @@ def run(args) -> int:
             if not args.trust_issuer:
                 raise UserError("--token on a backbone fetches experts into its cache: give --trust-issuer PEER_ID, "
                                 "the issuer whose signed manifest the slabs are checked against")
-        if args.manifest and ModelLayout.open(args.model).shard_kind == "backbone":
+        if args.manifest and not args.backbone_download and ModelLayout.open(args.model).shard_kind == "backbone":
             raise UserError("--manifest serves shard downloads from the full model; a backbone file holds no "
                             "experts to serve (start `p2pswarm serve-shards` where the full model is)")
         market_kwargs(args)  # bad market options: one line now, not after joining the swarm

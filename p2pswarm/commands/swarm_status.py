@@ -158,15 +158,17 @@ async def _status(args) -> dict:
 
 
 def _market(records, replicas: dict, layers, n_blocks: int, block_size: int) -> dict:
-    """Demand (multiple of the mean unit's; summed over backbones) and reward of every unit."""
+    """Demand (multiple of the mean unit's; summed over backbones, a unit a backbone lacks weighted) and
+    reward of every unit."""
     import numpy as np
 
-    from p2pswarm.market.reward import normalised_demand, reward
+    from p2pswarm.market.reward import backbone_demand, normalised_demand, reward
 
     keys = [(layer, b) for layer in layers for b in range(n_blocks)]
     usable = [r for r in records if r.block_size == block_size and tuple(r.layers) == tuple(layers)
               and r.n_blocks == n_blocks]
-    demand = np.sum([np.asarray(r.demand) for r in usable], axis=0) if usable else np.zeros(len(keys))
+    # what workers' rewards follow: a unit's demand by a backbone lacking it counts LACKS_WEIGHT times
+    demand = backbone_demand([r.demand for r in usable], [r.lacks for r in usable]) if usable else np.zeros(len(keys))
     by_unit = {(u.layer, u.block): n for u, n in replicas.items()}
     reps = np.array([by_unit.get(k, 0) for k in keys], dtype=np.float64)
     d_hat, w = normalised_demand(demand), reward(demand, reps)

@@ -34,6 +34,7 @@ import trio
 from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.market.demand import DemandRecord, find_demand
 from p2pswarm.market.enrol import DEFAULT_HYSTERESIS, Enrolment, choose_units
+from p2pswarm.market.reward import backbone_demand
 from p2pswarm.net.records import MAX_SHARDS, CoverageUnit, ShardEntry
 
 if TYPE_CHECKING:  # both import py-libp2p (~0.8 s): loaded when a worker enrols, not with this module
@@ -49,7 +50,9 @@ NO_SOURCE_REPEAT_S = 60.0  # how often a worker waiting for a shard source says 
 
 def aggregate(records: list[DemandRecord], model: str | None) -> tuple[DemandRecord, np.ndarray]:
     """The geometry (newest record) and summed demand of ``model`` (None: the model most
-    backbones publish for). Records whose geometry disagrees with the newest are ignored."""
+    backbones publish for), a unit's demand by a backbone that lacks it weighted
+    (:func:`~p2pswarm.market.reward.backbone_demand`). Records whose geometry disagrees with the
+    newest are ignored."""
     if model is not None:
         records = [r for r in records if r.model == model]
     if not records:
@@ -60,7 +63,8 @@ def aggregate(records: list[DemandRecord], model: str | None) -> tuple[DemandRec
     ref = max(records, key=lambda r: r.issued)
     same = [r for r in records if (r.layers, r.n_expert, r.block_size, r.unit_bytes)
             == (ref.layers, ref.n_expert, ref.block_size, ref.unit_bytes)]
-    return ref, np.sum([np.asarray(r.demand) for r in same], axis=0)
+    # a backbone's demand for a unit it lacks locally (its expert cache's flags) counts more (reward.py)
+    return ref, backbone_demand([r.demand for r in same], [r.lacks for r in same])
 
 
 def lazy_resolver(dht, **kw):

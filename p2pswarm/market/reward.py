@@ -23,6 +23,13 @@ Why this shape:
   (demand records are decayed counts: "cold now" is not "never needed").
 * **DEMAND_CAP** (100): the Zipf head of a real router is ~1,000 times the mean; uncapped, one
   expert block would absorb every spare byte of the swarm.
+* **LACKS_WEIGHT** (4): a backbone with an expert cache (``--expert-cache``) flags in its demand
+  record the units it does not hold locally (``lacks``). Its demand for such a unit counts
+  LACKS_WEIGHT times (:func:`backbone_demand`): a backbone that holds a unit computes it itself
+  when no worker does (a local fallback, at local speed), one that lacks it must fetch the
+  unit's slabs from a peer first (megabytes, seconds) or fail the request when nobody holds them.
+  So among units of one scarcity tier a lacked one outbids a held one of up to 4x its demand;
+  the scarcity tiers themselves are unchanged (SCARCITY still dominates).
 
 Pure functions on numpy arrays, no I/O: the node (``market/enrol.py``) and ``bench/market_sim.py``
 call the same code.
@@ -35,6 +42,23 @@ TARGET = 2  # live replicas a unit should have before demand matters
 SCARCITY = 1e4  # reward multiplier per replica missing below TARGET
 FLOOR = 0.1  # demand floor (in units of the mean): cold units still pay
 DEMAND_CAP = 100.0  # no unit counts as more than 100 average units
+LACKS_WEIGHT = 4.0  # a backbone's demand for a unit it lacks locally counts this many times
+
+
+def backbone_demand(demands, lacks=None) -> np.ndarray:
+    """The summed demand of several backbones' records, per unit: ``demands[k][i]`` is backbone
+    k's demand for unit i, ``lacks[k]`` its ``lacks`` flags (empty or None: it holds every unit);
+    a lacked unit's demand counts :data:`LACKS_WEIGHT` times (see the module doc)."""
+    rows = [np.asarray(d, dtype=np.float64) for d in demands]
+    if not rows:
+        return np.zeros(0)
+    total = np.zeros_like(rows[0])
+    for k, d in enumerate(rows):
+        flags = lacks[k] if lacks is not None and k < len(lacks) else None
+        if flags is not None and len(flags) == len(d):
+            d = d * np.where(np.asarray(flags, dtype=bool), LACKS_WEIGHT, 1.0)
+        total = total + d
+    return total
 
 
 def normalised_demand(demand: np.ndarray) -> np.ndarray:

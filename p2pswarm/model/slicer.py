@@ -328,6 +328,17 @@ def slice_backbone(
         raise UserError(f"{layout.path}: is already {SHARD_KIND_NAMES.get(layout.shard_kind, layout.shard_kind)}; slice the full model")
     out_path = _check_output(Path(out_path), layout)
     fingerprint = model_fingerprint(layout)
+    g, ranges = plan_backbone(layout, fingerprint, layout.header_bytes())
+    hashes = _write(out_path, layout, g, ranges, progress)
+    return SliceResult(out_path, hashes, sum(t.nbytes for t in g.tensors), fingerprint)
+
+
+def plan_backbone(layout: ModelLayout, fingerprint: str, source_header: bytes
+                  ) -> tuple[GGUFLayout, list[list[tuple[int, int]]]]:
+    """The backbone file's layout (every tensor but the routed experts, all metadata) and, per
+    tensor, its source byte ranges. Shared by :func:`slice_backbone` and the backbone's download
+    of its slice (``p2pswarm/net/backbone_fetch.py``), which plans from the source header alone,
+    so both write the same bytes."""
     g = GGUFLayout(_alignment(layout))
     for raw in _copied_fields(layout, lambda k: True):
         g.add_raw_kv(raw)
@@ -335,7 +346,7 @@ def slice_backbone(
     g.add_raw_kv(kv_string(KEY_SOURCE_FINGERPRINT, fingerprint))
     # The source's header (its experts' names, types, shapes and offsets): a backbone started from
     # this file lays out the experts it lacks from it and fetches their slabs (expert_store.py).
-    g.add_raw_kv(kv_string(KEY_SOURCE_HEADER, base64.b64encode(layout.header_bytes()).decode()))
+    g.add_raw_kv(kv_string(KEY_SOURCE_HEADER, base64.b64encode(source_header).decode()))
     g.add_raw_kv(kv_string(KEY_SOURCE_FILE_SIZE, str(layout.file_size)))
     ranges = []
     for t in layout.reader.tensors:
@@ -344,8 +355,7 @@ def slice_backbone(
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         g.add_tensor(t.name, t.tensor_type, shape, int(t.n_bytes))
         ranges.append([(int(t.data_offset), int(t.n_bytes))])
-    hashes = _write(out_path, layout, g, ranges, progress)
-    return SliceResult(out_path, hashes, sum(t.nbytes for t in g.tensors), fingerprint)
+    return g, ranges
 
 
 def verify_shard(path: str | os.PathLike[str]) -> dict[str, str]:

@@ -108,6 +108,7 @@ class _Slab:
     sha256: bytes
     attempts: int = 0
     bad_sources: set = field(default_factory=set)
+    dense: bool = False  # a whole dense tensor (a backbone's slice, backbone_fetch.py): asked with expert None
 
 
 def _existing_shard_matches(out: Path, model: str, layers, experts) -> bool:
@@ -370,7 +371,7 @@ def _verify_part(fd: int, g, slabs: list[_Slab], header_len: int) -> tuple[list[
             data = os.pread(fd, s.length, s.dst)
             h.update(data)
             if len(data) != s.length or hashlib.sha256(data).digest() != s.sha256:
-                bad.append(_Slab(s.index, s.name, s.expert, s.dst, s.length, s.sha256))
+                bad.append(_Slab(s.index, s.name, s.expert, s.dst, s.length, s.sha256, dense=s.dense))
         hashes.append(h.hexdigest())
     return hashes, bad
 
@@ -405,8 +406,8 @@ async def _download(net, sessions: list[_Session], per_source: dict, hello: dict
         parts = []
         for off in range(0, slab.length, sess.chunk_max):
             n = min(sess.chunk_max, slab.length - off)
-            resp = await sess.call({"op": "chunk", "tensor": slab.name, "expert": slab.expert, "offset": off,
-                                    "length": n})
+            resp = await sess.call({"op": "chunk", "tensor": slab.name, "expert": None if slab.dense else slab.expert,
+                                    "offset": off, "length": n})
             data = resp.get("data")
             if not isinstance(data, bytes) or len(data) != n:
                 raise ShardTransferError(f"source {sess.source}: chunk of the wrong size")

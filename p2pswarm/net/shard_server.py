@@ -57,6 +57,9 @@ class ShardServer:
         self._manifest_bytes = manifest.encode()
         # name -> (layer, absolute offset of expert `first` in our file, expert_nbytes, first)
         self._experts: dict[str, tuple[int, int, int, int]] = {}
+        # name -> (absolute offset, nbytes): the dense part's tensors, served by a full model only,
+        # to a token that grants every layer and expert (a backbone downloading its slice)
+        self._dense: dict[str, tuple[int, int]] = {}
         lay = self.layout
         if lay.shard_kind is None:
             fp = model_fingerprint(lay)
@@ -65,6 +68,8 @@ class ShardServer:
                 m = EXPERT_TENSOR_RE.match(t.name)
                 if m and t.expert_nbytes:
                     self._experts[t.name] = (int(m.group(1)), t.offset, t.expert_nbytes, 0)
+                elif not m:
+                    self._dense[t.name] = (t.offset, t.nbytes)
             self._header = lay.header_bytes()  # a split model's: its merged file's (split_gguf)
         elif lay.shard_kind == "experts":
             fp = source_fingerprint(lay)
@@ -185,7 +190,18 @@ class ShardServer:
         return layers, experts
 
     def _chunk_range(self, req: dict, layers: tuple[int, int], experts: tuple[int, int]) -> tuple[int, int]:
+        """(absolute offset, length) of a chunk request: a piece of one expert's slab of a routed
+        tensor, or (``expert`` None) a piece of one dense tensor; ValueError says why not."""
         name, expert, off, length = req.get("tensor"), req.get("expert"), req.get("offset"), req.get("length")
+        if expert is None and isinstance(name, str) and name in self._dense:  # the dense part (a backbone's slice)
+            if tuple(layers) != self.held[0] or tuple(experts) != self.held[1]:
+                raise ValueError("the dense part is served only to a token granting every layer and expert")
+            base, nbytes = self._dense[name]
+            if not (isinstance(off, int) and isinstance(length, int) and 0 <= off and 0 < length <= self.chunk_max
+                    and off + length <= nbytes):
+                raise ValueError(f"bad chunk range {off}+{length} (tensor of {nbytes} bytes, "
+                                 f"at most {self.chunk_max} a chunk)")
+            return base + off, length
         t = self._experts.get(name) if isinstance(name, str) else None
         if t is None:
             raise ValueError(f"{str(name)[:60]!r} is not a routed-expert tensor of this model")
