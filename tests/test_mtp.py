@@ -195,7 +195,12 @@ async def test_concurrent_mtp_speculating_sequences_equal_each_alone(agreeing_mo
     async with open_backbone(agreeing_model, workers=2, transport="inproc") as swarm:
         bb = swarm.backbone
         want = [(await _run(bb, [p], [s], None, n))[0][0][0] for p, s in zip(prompts, samplers)]
-        sched = Scheduler(bb, None, micro_batches=micro_batches, speculate=Speculation("mtp", 3))
+        speculation = Speculation("mtp", 3)
+        sched = Scheduler(bb, None, micro_batches=micro_batches, speculate=speculation)
+        # the block's experts: a bank of its own, of the replica's kernel (numpy's first-use
+        # dequantisation would cost more than the drafts save at the 122B's geometry)
+        assert speculation.mtp is not None and speculation.mtp.bank is not bb.dispatcher.local.bank
+        assert speculation.mtp.bank.kernel == bb.dispatcher.local.bank.kernel
         got: dict[int, list[int]] = {}
 
         async def one(i, req):
