@@ -29,7 +29,8 @@ either. A replay starts from a fresh :class:`~p2pswarm.engine.state.SequenceStat
 empty block cache.
 
 Where its routed experts run: on the backbone's local copy of the block's experts (the file's
-``blk.{n_layer}.ffn_*_exps``), so a draft costs no round trip. A backbone file without them is
+``blk.{n_layer}.ffn_*_exps``), so a draft costs no round trip, in a bank of the replica's kernel
+(:meth:`~p2pswarm.backbone.speculation.Speculation.attach`). A backbone file without them is
 refused at start with one line.
 """
 from __future__ import annotations
