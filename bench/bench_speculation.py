@@ -13,7 +13,7 @@ Drafters: ``ngram`` (the product's prompt lookup, on a prompt that repeats: what
 model's acceptance is, usually near 0) and, to measure the mechanism at known acceptance rates, a
 *bench drafter* that drafts the sequence's own greedy continuation (from the off run) with each
 draft token wrong with probability 1 - a (a = 0.5, 0.8, 0.95, seeded): the issue's "agreement knob"
-without an MTP head (``--mtp-agreement``: with glm4moe's own). Every run's tokens are checked equal to the off run's.
+without an MTP head (``--mtp-agreement``: with the model's own). Every run's tokens are checked equal to the off run's.
 
 Reported per mode: tokens per step (a step is L round trips: tokens per round trip of each layer),
 the acceptance (accepted / drafted), tokens/s, and the speed-up against off in the same round.
@@ -21,11 +21,13 @@ Goal of the issue: speed-up >= 0.9 x (1 + mean accepted drafts per step); at acc
 than 0.95x (it stops drafting).
 
     python bench/bench_speculation.py [--rtt 50] [--tokens 32] [--rounds 2] [--layers 2] [--draft-max 4]
-        [--concurrent 64] [--preset tiny|geometry-122b] [--mtp-agreement A] [--out docs/benchmarks.md]
+        [--concurrent 64] [--preset tiny|geometry-122b] [--mtp-agreement A] [--mtp-arch glm4moe|qwen35moe]
+        [--out docs/benchmarks.md]
 
-``--mtp-agreement A``: instead, a glm4moe model (tiny) whose MTP block agrees with its trunk at
-knob A (``make-model --mtp-agreement``), off against ``--speculate mtp`` with K and with K=1: the
-model's own block drafts (its experts on the backbone's copy, so a draft costs no round trip).
+``--mtp-agreement A``: instead, a model (``--mtp-arch``: glm4moe, the default, or qwen35moe;
+``--preset`` applies to qwen35moe) whose MTP block agrees with its trunk at knob A
+(``make-model --mtp-agreement``), off against ``--speculate mtp`` with K and with K=1: the model's
+own block drafts (its experts on the backbone's copy, so a draft costs no round trip).
 
 ``--concurrent N``: also N sequences at once, off against ngram alternating (aggregate tokens/s;
 a step of more than 8 decoding sequences drafts nothing, so this measures what asking costs).
@@ -173,15 +175,17 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=0, metavar="N",
                     help="also N sequences at once, speculation off against ngram (aggregate tokens/s)")
     ap.add_argument("--mtp-agreement", type=float, default=None, metavar="A",
-                    help="instead: a glm4moe model whose MTP block agrees with its trunk at knob A "
+                    help="instead: a model whose MTP block agrees with its trunk at knob A "
                          "(make-model --mtp-agreement), off against --speculate mtp (K and K=1)")
+    ap.add_argument("--mtp-arch", default="glm4moe", choices=("glm4moe", "qwen35moe"),
+                    help="the architecture of --mtp-agreement's model (glm4moe: tiny; qwen35moe: --preset)")
     ap.add_argument("--out", help="append the table to this markdown file (docs/benchmarks.md)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-spec-") as d:
         model = Path(d) / "q35.gguf"
         if args.mtp_agreement is not None:
-            make_model(model, arch="glm4moe", preset="tiny", layers=args.layers, qtype="q8_0", seed=46,
-                       mtp_agreement=args.mtp_agreement)
+            make_model(model, arch=args.mtp_arch, preset="tiny" if args.mtp_arch == "glm4moe" else args.preset,
+                       layers=args.layers, qtype="q8_0", seed=46, mtp_agreement=args.mtp_agreement)
         else:
             make_model(model, arch="qwen35moe", preset=args.preset, layers=args.layers, qtype="q8_0", seed=43)
         rows = trio.run(_bench, args, model)

@@ -1,4 +1,5 @@
-"""The model's own MTP (NextN) block as the speculative drafter (issue 43, item 5): glm4moe.
+"""The model's own MTP (NextN) block as the speculative drafter (issue 43, item 5): glm4moe and
+qwen35moe.
 
 The block's draft logits equal llama.cpp's own MTP context (``LLAMA_CONTEXT_TYPE_MTP``) within
 1e-4 + 2e-5 * max|logit| on an F32 model, for a prefill of positions and two chained drafts; with
@@ -32,6 +33,32 @@ def glm_f32(models_dir):
 
 
 @pytest.fixture(scope="session")
+def q35_f32(models_dir):
+    path = models_dir / "mtp-q35-f32.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="f32", seed=45, n_nextn=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def q35_agreeing(models_dir):
+    path = models_dir / "mtp-q35-agree.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
+    return path
+
+
+@pytest.fixture(params=["glm4moe", "qwen35moe"])
+def f32_model(request):
+    return request.getfixturevalue({"glm4moe": "glm_f32", "qwen35moe": "q35_f32"}[request.param])
+
+
+@pytest.fixture(params=["glm4moe", "qwen35moe"])
+def agreeing_model(request):
+    return request.getfixturevalue({"glm4moe": "glm_agreeing", "qwen35moe": "q35_agreeing"}[request.param])
+
+
+@pytest.fixture(scope="session")
 def glm_agreeing(models_dir):
     path = models_dir / "mtp-glm-agree.gguf"
     if not path.exists():
@@ -47,20 +74,28 @@ def _q35(models_dir):
     return path
 
 
+def _ds2(models_dir):
+    """The tiny deepseek2 preset (no MTP block: the refusal test adds its key)."""
+    path = models_dir / "ds2-mtp-trunk.gguf"
+    if not path.exists():
+        make_model(path, arch="deepseek2", preset="tiny", seed=22)
+    return path
+
+
 def _close(got, ref, what):
     tol = 1e-4 + 2e-5 * float(np.abs(ref).max())
     err = float(np.abs(np.asarray(got, np.float64) - ref).max())
     assert err <= tol, f"{what}: max |diff| {err:.3g} > {tol:.3g}"
 
 
-async def test_draft_logits_match_llama_cpp_mtp_context(glm_f32):
+async def test_draft_logits_match_llama_cpp_mtp_context(f32_model):
     """Trunk hidden states (after the final norm), the block's logits over a prompt's positions,
     and two chained drafts (each fed the previous draft and the block's own normed output), against
     llama.cpp's MTP graph on the same file."""
     from helpers.llama_ref import llama_mtp
 
     prompt = PROMPT
-    async with open_backbone(glm_f32, workers=0) as swarm:
+    async with open_backbone(f32_model, workers=0) as swarm:
         bb = swarm.backbone
         bb.keep_hidden = True
         state = bb.new_state()
@@ -77,7 +112,7 @@ async def test_draft_logits_match_llama_cpp_mtp_context(glm_f32):
         chain.append((d, h[-1]))
         lg, h = block.forward(st, [d], h[-1:])
         rows.append(lg)
-    ref_trunk, ref = llama_mtp(glm_f32, prompt, follow, chain)
+    ref_trunk, ref = llama_mtp(f32_model, prompt, follow, chain)
     _close(trunk, ref_trunk, "trunk hidden state (h_nextn)")
     ours_all = np.concatenate(rows)
     assert ours_all.shape == ref.shape == (len(prompt) + 2, bb.model.n_vocab)
@@ -87,7 +122,7 @@ async def test_draft_logits_match_llama_cpp_mtp_context(glm_f32):
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(3, marks=pytest.mark.slow)])
-async def test_greedy_and_seeded_mtp_spec_on_equals_off(glm_agreeing, workers):
+async def test_greedy_and_seeded_mtp_spec_on_equals_off(agreeing_model, workers):
     """Greedy: tokens and every position's logits bit-identical with ``mtp`` speculation on and
     off; seeded sampling at two temperatures: the same text. Drafts are accepted (the block agrees
     with the trunk often, not always: accepted and rejected drafts both occur). Through 3 worker
@@ -95,7 +130,7 @@ async def test_greedy_and_seeded_mtp_spec_on_equals_off(glm_agreeing, workers):
     prompts = [REPEATING, PROMPT, PROMPT]
     samplers = [lambda: None, lambda: Sampler(0.6, 0.95, seed=11), lambda: Sampler(1.2, 0.8, seed=12)]
     n = 64
-    async with open_backbone(glm_agreeing, workers=workers, transport="socket") as swarm:
+    async with open_backbone(agreeing_model, workers=workers, transport="socket") as swarm:
         bb = swarm.backbone
         before = bb.dispatcher.stats.snapshot()
         off, _ = await _run(bb, prompts, [f() for f in samplers], None, n)
@@ -112,14 +147,20 @@ async def test_greedy_and_seeded_mtp_spec_on_equals_off(glm_agreeing, workers):
 
 
 def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
-    """An architecture whose block is not run yet, an MTP block missing a tensor and one with a
-    tensor of the wrong shape: one line each, naming the file's block or the tensor."""
+    """An architecture whose block is not run yet (deepseek2), a qwen35moe file that claims a block
+    it lacks, an MTP block missing a tensor and one with a tensor of the wrong shape: one line
+    each, naming the file's block or the tensor."""
     from gguf import GGUFValueType as T
 
+    ds = rewrite(_ds2(models_dir), tmp_path / "ds-mtp.gguf",
+                 set_keys={"deepseek2.nextn_predict_layers": (1, T.UINT32, None)})
+    proc = run_cli("generate", str(ds), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
+    assert_one_line_error(proc, "--speculate mtp", "1 MTP (NextN) block", "deepseek2",
+                          "glm4moe, qwen35moe only")
     q35 = rewrite(_q35(models_dir), tmp_path / "q35-mtp.gguf",
                   set_keys={"qwen35moe.nextn_predict_layers": (1, T.UINT32, None)})
     proc = run_cli("generate", str(q35), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "--speculate mtp", "1 MTP (NextN) block", "qwen35moe", "glm4moe only")
+    assert_one_line_error(proc, "MTP block tensor", "blk.2.nextn.eh_proj.weight", "missing")
     bad = rewrite(glm_f32, tmp_path / "bad-block.gguf", drop_tensor="blk.4.nextn.hnorm.weight")
     proc = run_cli("generate", str(bad), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
     assert_one_line_error(proc, "blk.4.nextn.hnorm.weight")
@@ -129,10 +170,18 @@ def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
     assert_one_line_error(proc, "blk.4.nextn.enorm.weight", "shape")
     proc = run_cli("generate", str(glm_f32), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
     assert proc.returncode == 0, proc.stderr
+    q35mtp = tmp_path / "q35-block.gguf"
+    proc = run_cli("make-model", "--arch", "qwen35moe", "--mtp-blocks", "1", "-q", "-o", str(q35mtp))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("generate", str(q35mtp), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("make-model", "--arch", "qwen35moe", "--mtp-blocks", "2", "-q", "-o", str(tmp_path / "x.gguf"))
+    assert_one_line_error(proc, "--mtp-blocks (n_nextn) must be 0 or 1")
+    assert not (tmp_path / "x.gguf").exists()
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
-async def test_concurrent_mtp_speculating_sequences_equal_each_alone(glm_agreeing, micro_batches):
+async def test_concurrent_mtp_speculating_sequences_equal_each_alone(agreeing_model, micro_batches):
     """Four sequences drafting with the MTP block in the same steps (in pipelined micro-batches or
     not), prefills and decodes mixed: each one's tokens equal its own run alone without
     speculation, and drafts are accepted."""
@@ -143,10 +192,15 @@ async def test_concurrent_mtp_speculating_sequences_equal_each_alone(glm_agreein
     prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(4 + 2 * i)] for i in range(4)]
     samplers = [None, Sampler(0.8, 0.9, seed=1), None, Sampler(1.1, 0.95, seed=3)]
     n = 24
-    async with open_backbone(glm_agreeing, workers=2, transport="inproc") as swarm:
+    async with open_backbone(agreeing_model, workers=2, transport="inproc") as swarm:
         bb = swarm.backbone
         want = [(await _run(bb, [p], [s], None, n))[0][0][0] for p, s in zip(prompts, samplers)]
-        sched = Scheduler(bb, None, micro_batches=micro_batches, speculate=Speculation("mtp", 3))
+        speculation = Speculation("mtp", 3)
+        sched = Scheduler(bb, None, micro_batches=micro_batches, speculate=speculation)
+        # the block's experts: a bank of its own, of the replica's kernel (numpy's first-use
+        # dequantisation would cost more than the drafts save at the 122B's geometry)
+        assert speculation.mtp is not None and speculation.mtp.bank is not bb.dispatcher.local.bank
+        assert speculation.mtp.bank.kernel == bb.dispatcher.local.bank.kernel
         got: dict[int, list[int]] = {}
 
         async def one(i, req):

@@ -1,5 +1,6 @@
 """The model's own multi-token-prediction (MTP / NextN) block as the speculative drafter
-(``--speculate mtp``): glm4moe, as llama.cpp's ``llama_model_glm4_moe::graph_mtp`` computes it.
+(``--speculate mtp``): glm4moe and qwen35moe, as llama.cpp's ``llama_model_glm4_moe::graph_mtp`` and
+``llama_model_qwen35moe::graph_mtp`` compute it.
 
 Per position ``p`` (the trunk's hidden state ``h_p`` after the final ``output_norm``, as llama.cpp's
 ``t_h_nextn``, and the token ``t_{p+1}`` that followed it)::
@@ -10,6 +11,11 @@ Per position ``p`` (the trunk's hidden state ``h_p`` after the final ``output_no
     x      = x + (routed(cur) + shared_expert(cur))               (sigmoid router, as every MoE layer)
     h'     = shared_head_norm(x)
     logits = output(h')                                           (the trunk's output head, no output_norm)
+
+qwen35moe's block is the same fusion and head around its own gated full-attention layer (whatever
+``full_attention_interval`` says of its index: llama.cpp marks only trunk layers recurrent): q and
+its sigmoid gate interleaved in ``attn_q``, q/k norms, IMROPE; softmax-routed experts plus the
+sigmoid-gated shared expert; ``shared_head_norm`` (else ``output_norm``) before the output head.
 
 Chained as llama.cpp chains it: draft 1 is the argmax of the logits at the sequence's last fed
 position ``n-1`` (fed the just-sampled token ``t_n``); draft j+1 feeds draft j with the block's own
@@ -23,7 +29,8 @@ either. A replay starts from a fresh :class:`~p2pswarm.engine.state.SequenceStat
 empty block cache.
 
 Where its routed experts run: on the backbone's local copy of the block's experts (the file's
-``blk.{n_layer}.ffn_*_exps``), so a draft costs no round trip. A backbone file without them is
+``blk.{n_layer}.ffn_*_exps``), so a draft costs no round trip, in a bank of the replica's kernel
+(:meth:`~p2pswarm.backbone.speculation.Speculation.attach`). A backbone file without them is
 refused at start with one line.
 """
 from __future__ import annotations
@@ -35,7 +42,7 @@ from p2pswarm.engine.state import KVCache
 from p2pswarm.errors import ModelFormatError, UserError
 
 F32 = np.float32
-ARCHS = ("glm4moe",)  # where running the block is implemented
+ARCHS = ("glm4moe", "qwen35moe")  # where running the block is implemented
 
 
 class HiddenRows:
@@ -75,7 +82,8 @@ class MtpState:
 
 
 class MtpBlock:
-    """The NextN block of a glm4moe model (module doc); ``bank``: where its routed experts run."""
+    """The NextN block of a glm4moe or qwen35moe model (module doc); ``bank``: where its routed
+    experts run."""
 
     def __init__(self, model, bank):
         if model.arch not in ARCHS:
@@ -87,22 +95,34 @@ class MtpBlock:
         self.il = il = model.n_layer
         self.p = p = f"blk.{il}."
         E, H, Hkv, hd, D = model.n_embd, model.n_head, model.n_head_kv, model.head_dim, model.n_expert
+        self.qwen35 = model.arch == "qwen35moe"
         need = [("nextn.eh_proj.weight", (E, 2 * E)), ("nextn.enorm.weight", (E,)), ("nextn.hnorm.weight", (E,)),
-                ("nextn.shared_head_norm.weight", (E,)), ("attn_norm.weight", (E,)),
-                ("attn_q.weight", (H * hd, E)), ("attn_k.weight", (Hkv * hd, E)), ("attn_v.weight", (Hkv * hd, E)),
+                ("attn_norm.weight", (E,)), ("attn_q.weight", ((2 if self.qwen35 else 1) * H * hd, E)),
+                ("attn_k.weight", (Hkv * hd, E)), ("attn_v.weight", (Hkv * hd, E)),
                 ("attn_output.weight", (E, H * hd)), ("post_attention_norm.weight", (E,)),
-                ("ffn_gate_inp.weight", (D, E)), ("exp_probs_b.bias", (D,))]
-        if model.qkv_bias:
+                ("ffn_gate_inp.weight", (D, E))]
+        # llama.cpp's qwen35moe block may leave out shared_head_norm (output_norm then); glm4moe's not
+        self.head_norm = p + "nextn.shared_head_norm.weight"
+        if self.qwen35:
+            need += [("attn_q_norm.weight", (hd,)), ("attn_k_norm.weight", (hd,)), ("ffn_gate_inp_shexp.weight", (E,)),
+                     ("ffn_gate_shexp.weight", None), ("ffn_up_shexp.weight", None), ("ffn_down_shexp.weight", None)]
+            if not model.w.has(self.head_norm):
+                self.head_norm = "output_norm.weight"
+            else:
+                need.append(("nextn.shared_head_norm.weight", (E,)))
+        else:
+            need += [("nextn.shared_head_norm.weight", (E,)), ("exp_probs_b.bias", (D,))]
+        if not self.qwen35 and model.qkv_bias:
             need += [("attn_q.bias", (H * hd,)), ("attn_k.bias", (Hkv * hd,)), ("attn_v.bias", (Hkv * hd,))]
-        if model.qk_norm:
+        if not self.qwen35 and model.qk_norm:
             need += [("attn_q_norm.weight", (hd,)), ("attn_k_norm.weight", (hd,))]
-        if model.n_expert_shared:
+        if not self.qwen35 and model.n_expert_shared:
             need += [("ffn_gate_shexp.weight", None), ("ffn_up_shexp.weight", None), ("ffn_down_shexp.weight", None)]
         for name, shape in need:
             if not model.w.has(p + name):
                 raise ModelFormatError(f"{model.layout.path}: MTP block tensor {p + name!r} is missing")
             got = tuple(model.w.shape(p + name))
-            if shape is not None and got != shape:
+            if shape is not None and got != shape and not (len(shape) == 1 and int(np.prod(got)) == shape[0]):
                 raise ModelFormatError(f"{model.layout.path}: MTP block tensor {p + name!r} has shape {got}, "
                                        f"expected {shape}")
         if il not in model.layout.expert_tensors:
@@ -120,6 +140,9 @@ class MtpBlock:
         hn = ops.rms_norm(hidden, w[p + "nextn.hnorm.weight"], m.eps)
         x = ops.matmul(np.ascontiguousarray(np.concatenate([e, hn], axis=1), dtype=F32), w[p + "nextn.eh_proj.weight"])
         a = ops.rms_norm(x, w[p + "attn_norm.weight"], m.eps)
+        if self.qwen35:
+            h = self._qwen35_layer(st, x, a, pos0)
+            return ops.matmul(np.ascontiguousarray(h), w[m.output_name]).astype(F32, copy=False), h
         q, k, v = m._qkv(il, a)
         pos = np.arange(pos0, pos0 + T)
         q = ops.rope_neox(q, pos, m.n_rot, m.rope_base)
@@ -135,6 +158,28 @@ class MtpBlock:
         x = m.post_moe(il, x, cur, moe)
         h = ops.rms_norm(x, w[p + "nextn.shared_head_norm.weight"], m.eps).astype(F32, copy=False)
         return ops.matmul(np.ascontiguousarray(h), w[m.output_name]).astype(F32, copy=False), h
+
+    def _qwen35_layer(self, st: MtpState, x: np.ndarray, a: np.ndarray, pos0: int) -> np.ndarray:
+        """qwen35moe's block after the fusion (``x``; ``a`` = attn_norm(x)): gated full attention on
+        the block's KV cache, post_attention_norm, softmax-routed + sigmoid-gated shared expert, the
+        head norm; returns h' (numpy's ops: a draft needs no bit-exactness, only llama.cpp's math)."""
+        from p2pswarm.backbone.runner import combine_outputs, expert_groups
+        from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
+
+        m, w, p, il = self.model, self.model.w, self.p, self.il
+        T = x.shape[0]
+        x = x + m._full_attention_rows(il, a, [(st.kv, pos0, T)])
+        st.fed += T
+        cur = np.ascontiguousarray(ops.rms_norm(x, w[p + "post_attention_norm.weight"], m.eps), dtype=F32)
+        ids, wts = Qwen3MoE.route(m, il, cur)
+        groups = expert_groups(ids)
+        moe = combine_outputs(ids, wts, groups, self.bank.forward_groups(il, cur, groups))
+        s = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                              w[p + "ffn_down_shexp.weight"])
+        wg = np.asarray(w[p + "ffn_gate_inp_shexp.weight"], dtype=F32).reshape(-1)
+        s = s * ops.sigmoid(np.sum(cur * wg, axis=-1, keepdims=True))
+        x = x + (moe + s)
+        return ops.rms_norm(x, w[self.head_norm], m.eps).astype(F32, copy=False)
 
     def trunk_hidden(self, rows: np.ndarray) -> np.ndarray:
         """What the block reads of the trunk: its last hidden states after the final norm."""

@@ -18,7 +18,7 @@ or off.
 Drafters: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n = 3, 2, 1: free, and good wherever the output repeats its input or
 itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.backbone.mtp`;
-glm4moe), refused with one line naming what the file has where the model has none or its
+glm4moe, qwen35moe), refused with one line naming what the file has where the model has none or its
 architecture's block is not implemented (:func:`check_mode`).
 
 Adaptive length (:class:`Adaptive`): each sequence drafts up to ``draft_max`` tokens, one more
@@ -109,13 +109,19 @@ class Speculation:
         if self.mode != "mtp" or self.mtp is not None:
             return
         from p2pswarm.backbone.mtp import MtpBlock
-        from p2pswarm.engine.experts import ExpertBank
+        from p2pswarm.engine.kernels import make_bank
 
         model = backbone.model
         if model.n_layer not in model.layout.expert_tensors:
             raise SpeculationUnsupported(f"--speculate mtp: {model.layout.path} holds no routed experts of the "
                                          f"MTP block (blk.{model.n_layer}); give the backbone the full model file")
-        self.mtp = MtpBlock(model, ExpertBank(model.layout))
+        # a bank of its own (drafting runs in a thread beside the step's), of the replica's kernel:
+        # numpy's dequantises each expert on first use, which at the 122B's geometry (256 experts
+        # of 3 x 1024 x 3072) costs more per draft than the drafts save
+        local = getattr(getattr(getattr(backbone, "dispatcher", None), "local", None), "bank", None)
+        kind = str(getattr(local, "kernel", "numpy"))
+        kernel = "ggml" if kind.startswith("ggml") else "portable" if kind.startswith("portable") else "numpy"
+        self.mtp = MtpBlock(model, make_bank(model.layout, kernel))
         backbone.keep_hidden = True
 
 

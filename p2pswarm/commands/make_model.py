@@ -80,7 +80,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
     q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
-    glm = p.add_argument_group("glm4moe only")
+    q35.add_argument("--mtp-blocks", type=int, metavar="N", default=None,
+                     help="MTP (NextN) blocks after the trunk, as Qwen3.5's files carry (0 or 1; default 0, "
+                          "1 with --mtp-agreement)")
+    glm = p.add_argument_group("glm4moe and qwen35moe")
     glm.add_argument("--mtp-agreement", type=float, metavar="A", default=None,
                      help="0..1: write a model whose MTP (NextN) block agrees with the trunk (1: nearly always), "
                           "to measure speculative decoding's acceptance on random weights")
@@ -187,6 +190,7 @@ def _arch_options(args: argparse.Namespace) -> dict:
         "ssm_time_step_rank": getattr(args, "ssm_time_step_rank", None),
         "ssm_state_size": getattr(args, "ssm_state_size", None),
         "full_attention_interval": getattr(args, "full_attention_interval", None),
+        "n_nextn": getattr(args, "mtp_blocks", None),
         "sliding_window": getattr(args, "sliding_window", None),
     }
     opts = {k: v for k, v in opts.items() if v is not None}

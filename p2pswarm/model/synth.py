@@ -125,6 +125,8 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
                 w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
                 w.add_ssm_group_count(dims.ssm_group_count)
                 w.add_full_attention_interval(dims.full_attention_interval)
+                if dims.n_nextn:
+                    w.add_nextn_predict_layers(dims.n_nextn)
             if isinstance(dims, GptOssPreset):
                 add_gptoss_keys(w, dims)
             if isinstance(dims, Glm4Preset):
@@ -265,6 +267,7 @@ def make_model(
     sliding_window: int | None = None,
     deepseek2: dict[str, Any] | None = None,
     mtp_agreement: float | None = None,
+    n_nextn: int | None = None,
 ) -> Path:
     """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
 
@@ -288,9 +291,11 @@ def make_model(
     :class:`~p2pswarm.model.synth_deepseek2.DeepSeek2Preset` fields to override (MLA ranks, the
     split or unsplit MLA tensors, gating, groups, YaRN, ...).
 
-    ``mtp_agreement`` (glm4moe only, 0..1): a model whose MTP block agrees with the trunk, so
-    speculative decoding's acceptance can be measured on random weights
-    (:func:`~p2pswarm.model.synth_glm4moe.agreeing_mtp`).
+    ``mtp_agreement`` (glm4moe and qwen35moe, 0..1): a model whose MTP block agrees with the trunk,
+    so speculative decoding's acceptance can be measured on random weights
+    (:func:`~p2pswarm.model.synth_glm4moe.agreeing_mtp`); for qwen35moe it implies ``n_nextn=1``.
+    ``n_nextn`` (qwen35moe only): MTP (NextN) blocks written after the trunk (default 0; llama.cpp
+    runs one).
 
     The file appears atomically: it is written under a temporary name in the same directory and
     renamed at the end; a failure leaves nothing behind.
@@ -302,7 +307,9 @@ def make_model(
                  ssm_state_size=ssm_state_size, ssm_group_count=ssm_group_count,
                  ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
                  full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
-                 fused_experts=fused_experts)
+                 fused_experts=fused_experts, n_nextn=n_nextn)
+    if arch == "qwen35moe" and mtp_agreement is not None and n_nextn is None:
+        extra["n_nextn"] = 1  # an agreeing MTP block needs a block
     if sliding_window is not None and arch != ARCH_GPTOSS:
         raise UserError("sliding_window applies only to --arch gpt-oss")
     if deepseek2 is not None and arch != "deepseek2":
@@ -362,9 +369,9 @@ def make_model(
         planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else plan_glm4 if isinstance(dims, Glm4Preset) else _plan
         plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
     if mtp_agreement is not None:
-        if not isinstance(dims, Glm4Preset) or not dims.n_nextn:
+        if not isinstance(dims, (Glm4Preset, Qwen35Preset)) or not dims.n_nextn:
             raise UserError(f"--mtp-agreement needs an architecture whose MTP block make-model writes "
-                            f"(glm4moe), not {arch}")
+                            f"(glm4moe, qwen35moe), not {arch}")
         if not 0.0 <= mtp_agreement <= 1.0:
             raise UserError(f"--mtp-agreement must be between 0 and 1, got {mtp_agreement}")
         plans = agreeing_mtp(plans, mtp_agreement)

@@ -77,7 +77,9 @@ def plan_glm4(dims: Glm4Preset, n_vocab: int, qtype: str, expert_qtype: str | No
     return plans
 
 
-RESIDUAL_WRITERS = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")
+# qwen35moe's DeltaNet layers write through ssm_out (the same construction serves both architectures)
+RESIDUAL_WRITERS = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight", "ffn_down_exps.weight",
+                    "ffn_down_shexp.weight")
 
 
 def agreeing_mtp(plans: list[TensorPlan], agreement: float) -> list[TensorPlan]:

@@ -73,6 +73,7 @@ class Qwen35Preset(Preset):
     full_attention_interval: int = 4  # every 4th layer is full attention, the others DeltaNet
     n_ff_shexp: int = 256  # shared expert's hidden size
     fused_experts: bool = False  # one ffn_gate_up_exps tensor instead of ffn_gate_exps + ffn_up_exps
+    n_nextn: int = 0  # MTP (NextN) blocks after the trunk (nextn_predict_layers; llama.cpp runs 1)
 
 
 PRESETS_QWEN35: dict[str, Qwen35Preset] = {
@@ -136,7 +137,7 @@ PRESETS_BY_ARCH: dict[str, dict[str, Preset]] = {"qwen3moe": PRESETS, "qwen35moe
 
 # make_model keywords that only a qwen35moe shape has.
 QWEN35_OPTIONS = ("n_rot", "rope_sections", "ssm_state_size", "ssm_group_count", "ssm_time_step_rank",
-                  "ssm_conv_kernel", "full_attention_interval", "n_ff_shexp", "fused_experts")
+                  "ssm_conv_kernel", "full_attention_interval", "n_ff_shexp", "fused_experts", "n_nextn")
 
 def _resolve(preset: str, layers: int | None, overrides: dict[str, Any],
              presets: dict[str, Preset] = PRESETS) -> Preset:
@@ -196,6 +197,8 @@ def _validate_qwen35(p: Qwen35Preset, qtype: str) -> None:
         v = getattr(p, name)
         need(isinstance(v, int) and not isinstance(v, bool) and v > 0,
              f"{name} must be a positive integer, got {v!r}")
+    need(p.n_nextn in (0, 1) and not isinstance(p.n_nextn, bool),
+         f"--mtp-blocks (n_nextn) must be 0 or 1 (llama.cpp runs one qwen35moe MTP block), got {p.n_nextn!r}")
     need(p.n_rot % 2 == 0 and p.n_rot <= p.head_dim,
          f"n_rot ({p.n_rot}) must be even and at most head_dim ({p.head_dim})")
     sec = p.rope_sections

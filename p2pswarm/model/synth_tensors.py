@@ -177,10 +177,12 @@ def _plan_qwen35(dims: Qwen35Preset, n_vocab: int, qtype: str, expert_qtype: str
 
     add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
     router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
-    for i in range(dims.n_layer):
+    for i in range(dims.n_layer + dims.n_nextn):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", (E,), "norm", NORM_NOISE)
-        if (i + 1) % dims.full_attention_interval != 0:  # Gated DeltaNet
+        # an MTP block (i >= n_layer) is gated full attention whatever the interval says: llama.cpp's
+        # loader marks only trunk layers recurrent (``is_recr_impl[i] = i < n_layer() && ...``)
+        if i < dims.n_layer and (i + 1) % dims.full_attention_interval != 0:  # Gated DeltaNet
             add(p + "attn_qkv.weight", (C, E), "matrix", 1 / np.sqrt(E))
             add(p + "attn_gate.weight", (Hv * d, E), "matrix", 1 / np.sqrt(E))
             add(p + "ssm_conv1d.weight", (C, K), "conv", 1 / np.sqrt(K))
@@ -212,6 +214,11 @@ def _plan_qwen35(dims: Qwen35Preset, n_vocab: int, qtype: str, expert_qtype: str
         add(p + "ffn_gate_shexp.weight", (Fs, E), "matrix", 1 / np.sqrt(E))
         add(p + "ffn_up_shexp.weight", (Fs, E), "matrix", 1 / np.sqrt(E))
         add(p + "ffn_down_shexp.weight", (E, Fs), "matrix", 1 / np.sqrt(Fs))
+        if i >= dims.n_layer:  # the NextN / MTP block: what llama.cpp's qwen35moe MTP graph reads besides it
+            add(p + "nextn.eh_proj.weight", (E, 2 * E), "matrix", 1 / np.sqrt(2 * E))
+            add(p + "nextn.enorm.weight", (E,), "norm", NORM_NOISE)
+            add(p + "nextn.hnorm.weight", (E,), "norm", NORM_NOISE)
+            add(p + "nextn.shared_head_norm.weight", (E,), "norm", NORM_NOISE)
     add("output_norm.weight", (E,), "norm", NORM_NOISE)
     if not tied:
         add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
