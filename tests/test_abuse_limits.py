@@ -49,6 +49,9 @@ def _recv_all(s: socket.socket, timeout: float) -> bytes:
     return out
 
 
+pytestmark = pytest.mark.slow  # real processes and floods: not in the quick subset
+
+
 @pytest.fixture
 def limited_backbone(tiny_f32, tmp_path):
     """A backbone computing locally (no workers: the limits are the HTTP layer's) with small caps."""

@@ -32,6 +32,7 @@ def groups():
         yield g
 
 
+@pytest.mark.slow
 def test_a_quota_caps_a_busy_process_and_the_groups_are_removed(groups):
     """Two busy processes, one at 0.1 and one at 0.3 of a core: each uses about its quota (wide
     bounds: 2 shared cores, other jobs), and neither group exists after close()."""

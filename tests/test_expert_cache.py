@@ -67,6 +67,7 @@ def test_bad_expert_cache_flag_is_one_line(tiny_f32, tmp_path):
     assert "--expert-cache 'lots'" in proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 async def test_cache_none_partial_all_exact_through_worker_processes(models_dir, arch):
     """none: 2 worker processes compute every routed expert; 50%: the cache holds experts 0-7 of

@@ -146,6 +146,7 @@ async def test_greedy_and_seeded_mtp_spec_on_equals_off(agreeing_model, workers)
         assert stats.fallbacks == 0 and stats.local_groups == 0 and stats.requests > 0
 
 
+@pytest.mark.slow
 def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
     """An architecture whose block is not run yet (deepseek2), a qwen35moe file that claims a block
     it lacks, an MTP block missing a tensor and one with a tensor of the wrong shape: one line
