@@ -14,7 +14,6 @@ so it is byte for byte ``slice --backbone`` of the full model.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -26,10 +25,7 @@ import trio
 from p2pswarm.errors import SwarmError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import ManifestError, ModelManifest
-from p2pswarm.net.shard_fetch import (
-    NO_SOURCE, FetchStats, _connect_all, _download, _finish_part, _fsync_dir, _Journal, _manifest_and_header,
-    _prepare_part, _Slab, _verify_part,
-)
+from p2pswarm.net.shard_fetch import NO_SOURCE, FetchStats, _connect_all, _manifest_and_header, _Slab, fetch_into
 from p2pswarm.net.shard_wire import SHARD_PROTOCOL_VERSION, Progress, ShardTransferError
 
 log = logging.getLogger("p2pswarm.shard")
@@ -77,8 +73,6 @@ async def fetch_backbone(net, *, sources: Sequence, model: str, out_path, token:
     """Download the dense part of model ``model`` (fingerprint) from ``sources`` into ``out_path``
     (see the module doc). Returns at once when ``out_path`` already is that file (verified);
     refuses to overwrite any other file; resumes an interrupted run of the same download."""
-    from p2pswarm.model.slicer import patch_header
-
     t0 = time.monotonic()
     stats = stats if stats is not None else FetchStats()
     model = model.lower()
@@ -108,46 +102,8 @@ async def fetch_backbone(net, *, sources: Sequence, model: str, out_path, token:
     hello = {**probe, "layers": [0, n_layer], "experts": [0, n_expert]}
     sessions, per_source = await _connect_all(net, sources, hello, stats)
     try:
-        part = out.with_name(out.name + ".part")
-        total_size = len(header) + max(t.offset + t.nbytes for t in g.tensors)
-        stats.slabs_total = len(slabs)
-        journal = _Journal(out.with_name(out.name + ".part.journal"),
-                           {"v": 1, "kind": "backbone", "model": model,
-                            "header_sha256": hashlib.sha256(header).hexdigest(), "size": total_size})
-        done = journal.load() if part.exists() else None
-        if done is None:
-            done = set()
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            journal.start()
-        else:
-            fd = os.open(part, os.O_RDWR)
-            log.info("resuming %s: %d of %d tensors already on disk", part, len(done), len(slabs))
-        try:
-            await trio.to_thread.run_sync(_prepare_part, fd, header, total_size)
-            todo = [s for s in slabs if (s.index, s.expert) not in done]
-            stats.slabs_reused = len(slabs) - len(todo)
-            total_bytes = sum(s.length for s in slabs)
-            state = {"done": sum(s.length for s in slabs if (s.index, s.expert) in done)}
-            for _round in range(2):
-                if todo:
-                    await _download(net, sessions, per_source, hello, todo, fd, journal, stats, progress, state,
-                                    total_bytes, 1, 3)
-                hashes, bad = await trio.to_thread.run_sync(_verify_part, fd, g, slabs, len(header))
-                if not bad:
-                    break
-                log.warning("%d tensors on disk do not match the manifest: fetching them again", len(bad))
-                stats.bad_chunks += len(bad)
-                todo = bad
-            else:
-                raise ShardTransferError(f"{len(bad)} tensors still do not verify after a second round")
-            await trio.to_thread.run_sync(_finish_part, fd, patch_header(header, slots, hashes))
-        finally:
-            os.close(fd)
-        if out.exists():
-            raise ShardTransferError(f"{out} appeared while downloading; left the result in {part}")
-        os.replace(part, out)
-        _fsync_dir(out.parent)
-        journal.path.unlink(missing_ok=True)
+        await fetch_into(out, net, sessions, per_source, hello, g, header, slots, slabs,
+                         {"v": 1, "kind": "backbone", "model": model}, stats, progress, 1, 3, "tensors")
     finally:
         for s in sessions:
             await s.stream.aclose()

@@ -179,8 +179,6 @@ async def fetch_slice(net, *, sources: Sequence, model: str, layers: tuple[int, 
     ``out_path`` existing already: returned as is if it is that very shard (verified), refused
     otherwise - never overwritten. ``keep_source``: also write ``OUT.source`` (manifest + source
     header), so this node can serve its slice onwards (:func:`load_source_sidecar`)."""
-    from p2pswarm.model.slicer import patch_header
-
     t0 = time.monotonic()
     stats = stats if stats is not None else FetchStats()
     model = model.lower()
@@ -203,57 +201,77 @@ async def fetch_slice(net, *, sources: Sequence, model: str, layers: tuple[int, 
     sessions, per_source = await _connect_all(net, sources, hello, stats)
     try:
         manifest, header_src = await _manifest_and_header(sessions, trusted_issuers, model, stats)
-        part = out.with_name(out.name + ".part")
         plan, header, slots, slabs = _plan_slabs(out, manifest, header_src, layers, experts)
-        total_size = len(header) + max(t.offset + t.nbytes for t in plan.gguf.tensors)
-        stats.slabs_total = len(slabs)
-        journal = _Journal(out.with_name(out.name + ".part.journal"), {"v": 1, "model": model, "layers": list(layers), "experts": list(experts),
-                                          "header_sha256": hashlib.sha256(header).hexdigest(), "size": total_size})
-        done = journal.load() if part.exists() else None
-        if done is None:
-            done = set()
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            journal.start()
-        else:
-            fd = os.open(part, os.O_RDWR)
-            log.info("resuming %s: %d of %d slabs already on disk", part, len(done), len(slabs))
-        try:
-            await trio.to_thread.run_sync(_prepare_part, fd, header, total_size)
-            todo = [s for s in slabs if (s.index, s.expert) not in done]
-            stats.slabs_reused = len(slabs) - len(todo)
-            total_bytes = sum(s.length for s in slabs)
-            progress_state = {"done": sum(s.length for s in slabs if (s.index, s.expert) in done)}
-            if progress:
-                progress(progress_state["done"], total_bytes)
-            for _round in range(2):
-                if todo:
-                    await _download(net, sessions, per_source, hello, todo, fd, journal, stats, progress,
-                                    progress_state, total_bytes, streams_per_source, max_attempts)
-                # Re-read everything from disk: the journal or the disk may lie after a crash.
-                hashes, bad = await trio.to_thread.run_sync(_verify_part, fd, plan.gguf, slabs, len(header))
-                if not bad:
-                    break
-                log.warning("%d slabs on disk do not match the manifest: fetching them again", len(bad))
-                stats.bad_chunks += len(bad)
-                todo = bad
-            else:
-                raise ShardTransferError(f"{len(bad)} slabs still do not verify after a second round")
-            final_header = patch_header(header, slots, hashes)
-            await trio.to_thread.run_sync(_finish_part, fd, final_header)
-        finally:
-            os.close(fd)
-        if out.exists():
-            raise ShardTransferError(f"{out} appeared while downloading; left the result in {part}")
-        if keep_source:
-            await trio.to_thread.run_sync(_write_source_sidecar, out, manifest, header_src)
-        os.replace(part, out)
-        _fsync_dir(out.parent)
-        journal.path.unlink(missing_ok=True)
+        meta = {"v": 1, "model": model, "layers": list(layers), "experts": list(experts)}
+
+        async def sidecar() -> None:
+            if keep_source:
+                await trio.to_thread.run_sync(_write_source_sidecar, out, manifest, header_src)
+
+        await fetch_into(out, net, sessions, per_source, hello, plan.gguf, header, slots, slabs, meta, stats,
+                         progress, streams_per_source, max_attempts, "slabs", sidecar)
     finally:
         for s in sessions:
             await s.stream.aclose()
     stats.seconds = time.monotonic() - t0
     return out
+
+
+async def fetch_into(out: Path, net, sessions: list, per_source: dict, hello: dict, gguf, header: bytes, slots,
+                     slabs: list, meta: dict, stats: FetchStats, progress: Progress | None,
+                     streams_per_source: int, max_attempts: int, what: str, before_replace=None) -> None:
+    """Fetch ``slabs`` from ``sessions`` into ``OUT.part`` behind ``header``, resumable by the
+    journal (``meta`` names what the part holds: a journal of anything else starts over), re-read
+    and verified against the manifest from disk (one more round for what fails), then renamed to
+    ``out``. Shared by a worker's slice (:func:`fetch_shard`) and a backbone's dense part
+    (:mod:`p2pswarm.net.backbone_fetch`). ``before_replace``: an async callable run just before the
+    rename (a slice's ``.source`` sidecar)."""
+    from p2pswarm.model.slicer import patch_header
+
+    part = out.with_name(out.name + ".part")
+    total_size = len(header) + max(t.offset + t.nbytes for t in gguf.tensors)
+    stats.slabs_total = len(slabs)
+    journal = _Journal(out.with_name(out.name + ".part.journal"),
+                       {**meta, "header_sha256": hashlib.sha256(header).hexdigest(), "size": total_size})
+    done = journal.load() if part.exists() else None
+    if done is None:
+        done = set()
+        fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        journal.start()
+    else:
+        fd = os.open(part, os.O_RDWR)
+        log.info("resuming %s: %d of %d %s already on disk", part, len(done), len(slabs), what)
+    try:
+        await trio.to_thread.run_sync(_prepare_part, fd, header, total_size)
+        todo = [s for s in slabs if (s.index, s.expert) not in done]
+        stats.slabs_reused = len(slabs) - len(todo)
+        total_bytes = sum(s.length for s in slabs)
+        progress_state = {"done": sum(s.length for s in slabs if (s.index, s.expert) in done)}
+        if progress:
+            progress(progress_state["done"], total_bytes)
+        for _round in range(2):
+            if todo:
+                await _download(net, sessions, per_source, hello, todo, fd, journal, stats, progress,
+                                progress_state, total_bytes, streams_per_source, max_attempts)
+            # Re-read everything from disk: the journal or the disk may lie after a crash.
+            hashes, bad = await trio.to_thread.run_sync(_verify_part, fd, gguf, slabs, len(header))
+            if not bad:
+                break
+            log.warning("%d %s on disk do not match the manifest: fetching them again", len(bad), what)
+            stats.bad_chunks += len(bad)
+            todo = bad
+        else:
+            raise ShardTransferError(f"{len(bad)} {what} still do not verify after a second round")
+        await trio.to_thread.run_sync(_finish_part, fd, patch_header(header, slots, hashes))
+    finally:
+        os.close(fd)
+    if out.exists():
+        raise ShardTransferError(f"{out} appeared while downloading; left the result in {part}")
+    if before_replace is not None:
+        await before_replace()
+    os.replace(part, out)
+    _fsync_dir(out.parent)
+    journal.path.unlink(missing_ok=True)
 
 
 async def _connect_all(net, sources: Sequence, hello: dict, stats: FetchStats) -> tuple[list[_Session], dict]:
