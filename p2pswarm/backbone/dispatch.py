@@ -312,10 +312,21 @@ class Dispatcher:
             return []
         t0 = time.perf_counter()
         plan = self.route(layer, cur, groups)
-        results: list[np.ndarray | None] = [None] * len(groups)
         cache = self.cache
         # the cache's refill never drops a unit this layer may still compute (here, a fallback, a check)
         pinned = cache.pin(layer, [e for e, _ in groups]) if cache is not None else []
+        try:
+            results = await self._run_plan(layer, cur, groups, plan, taint)
+        finally:
+            if cache is not None:
+                cache.unpin(pinned)
+        self._count(plan, groups, time.perf_counter() - t0)
+        return results
+
+    async def _run_plan(self, layer: int, cur: np.ndarray, groups: Groups, plan: dict[Owner, list[int]],
+                        taint: dict[str, np.ndarray] | None) -> list[np.ndarray]:
+        """Every owner's groups of ``plan`` at once; the outputs in group order (the first error raised)."""
+        results: list[np.ndarray | None] = [None] * len(groups)
 
         async def one(owner: Owner, which: list[int]) -> None:
             outs = await self._owner_outputs(owner, layer, cur, [groups[i] for i in which], taint)
@@ -328,10 +339,6 @@ class Dispatcher:
                     nursery.start_soon(one, owner, which)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
-        finally:
-            if cache is not None:
-                cache.unpin(pinned)
-        self._count(plan, groups, time.perf_counter() - t0)
         return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
 
     def route(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[Owner, list[int]]:
@@ -417,21 +424,7 @@ class Dispatcher:
         backed off or banned by now, so another replica, the cache or a fetch takes them."""
         if all(self.local.holds(layer, e) for e, _ in groups):
             return await self.local.compute(layer, cur, groups)
-        plan = self._assign(layer, groups)
-        results: list[np.ndarray | None] = [None] * len(groups)
-
-        async def one(owner: Owner, which: list[int]) -> None:
-            outs = await self._owner_outputs(owner, layer, cur, [groups[i] for i in which], taint)
-            for i, out in zip(which, outs):
-                results[i] = out
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for owner, which in plan.items():
-                    nursery.start_soon(one, owner, which)
-        except BaseExceptionGroup as group:
-            raise first_error(group) from None
-        return results  # type: ignore[return-value]  # (every slot filled)
+        return await self._run_plan(layer, cur, groups, self._assign(layer, groups), taint)
 
     async def obtain(self, layer: int, experts: list[int]) -> None:
         """Units of ``layer`` no live owner holds, put into the expert cache (``fetch``) within
