@@ -5,6 +5,7 @@ flags of the backbones' demand records. Real processes over the libp2p swarm."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -256,6 +257,88 @@ def test_backbone_slice_download_resumes_and_refuses_bad_bytes(models_dir, tmp_p
         assert f"resuming {out}.part: {on_disk} of 64 tensors already on disk" in log, log[-2000:]
         assert f"{on_disk} reused" in log, log[-2000:]
         assert out.read_bytes() == sliced.read_bytes() and not journal.exists()
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+@pytest.mark.slow
+def test_dishonest_worker_caught_with_no_cache_by_fetched_slabs(models_dir, tmp_path):
+    """Verification with no expert cache (issue 41, item 4): a backbone from the backbone file
+    with ``--expert-cache none`` holds no unit, so each check of a worker's answer fetches the
+    unit's slabs (manifest-checked) from a holder, recomputes the picked rows and drops them. No
+    seeder runs: the only holders are the workers, each serving its own shard - the honest one
+    started with a local ``--shard`` whose ``.source`` sidecar ``slice --manifest`` wrote, the liar
+    (experts 8-15) with its sidecar. The liar, honest for its first rows (used unverified), is
+    caught on a unit the backbone does not hold, banned, the sequences that used its rows are
+    replayed, its units are fetched on demand from then on, and the text equals the monolithic
+    run's."""
+    import httpx
+
+    from conftest import run_cli
+    from helpers.procs import Proc, start_bootstrap
+    from p2pswarm.model.manifest import source_fingerprint
+    from p2pswarm.net.identity import load_or_create_identity
+
+    path = arch_model(models_dir, "qwen35moe")
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(ModelLayout.open(path))
+    issuer_key = tmp_path / "issuer.key"
+    issuer = run_cli("identity", "--path", str(issuer_key), env=env, check=True).stdout.split()[-1]
+    ids = {n: load_or_create_identity(tmp_path / f"{n}.key").peer_id_str for n in ("bb", "honest", "liar")}
+    manifest = tmp_path / "m.manifest"
+    run_cli("manifest", "--model", str(path), "--key", str(issuer_key), "--out", str(manifest), env=env, check=True)
+    token = tmp_path / "bb.token"
+    run_cli("token", "issue", "--key", str(issuer_key), "--peer", ids["bb"], "--allow", f"shard:{fp}", "--ttl", "1h",
+            "--out", str(token), env=env, check=True)
+    for name, experts in (("lo", "0-7"), ("hi", "8-15")):
+        out = run_cli("slice", str(path), "--experts", experts, "-o", str(tmp_path / f"{name}.gguf"), "--manifest",
+                      str(manifest), "-q", env=env, check=True).stdout
+        assert f"{name}.gguf.source" in out, out
+    nodes: list = []
+    try:
+        mono = Proc(["node", "--role", "backbone", "--model", str(path), "--http", "127.0.0.1:0", "--identity",
+                     str(tmp_path / "mono.key")], tmp_path / "mono.log", env)
+        nodes.append(mono)
+        want = _complete(next(w for w in mono.ready if w.startswith("http="))[5:], "hello swarm", 40)
+        mono.stop()
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        honest = Proc(["node", "--role", "worker", "--shard", str(tmp_path / "lo.gguf"), "--trust-issuer", issuer,
+                       "--bootstrap", boot.addr, "--identity", str(tmp_path / "honest.key"), "--ttl", "600"],
+                      tmp_path / "honest.log", env)
+        nodes.append(honest)
+        assert "serving my shard's expert slabs (lo.gguf)" in honest.text(), honest.text()[-2000:]
+        liar = Proc([str(Path(__file__).parent / "helpers" / "dishonest_worker.py"), "--shard",
+                     str(tmp_path / "hi.gguf"), "--bootstrap", boot.addr, "--identity", str(tmp_path / "liar.key"), "--receipts-dir",
+                     str(tmp_path / "liar-r"), "--fraction", "0.2", "--seed", "5", "--honest-rows", "40",
+                     "--trust-issuer", issuer], tmp_path / "liar.log", env, entry=())
+        nodes.append(liar)
+        bb = Proc(["node", "--role", "backbone", "--model", str(bfile), "--expert-cache", "none", "--token", str(token),
+                   "--trust-issuer", issuer, "--bootstrap", boot.addr, "--http", "127.0.0.1:0", "--identity",
+                   str(tmp_path / "bb.key"), "--verify-rate", "0.3", "--verify-seed", "7"], tmp_path / "bb.log", env)
+        nodes.append(bb)
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        assert ", 0 missing" in bb.text(), bb.text()[-2000:]
+        got = _complete(base, "hello swarm", 40)
+        log = bb.text()
+        m = re.search(rf"BANNED worker {ids['liar']}: layer \d+ expert (\d+) ", log)
+        assert m and 8 <= int(m.group(1)) < 16, log[-4000:]
+        assert re.search(rf"replaying request \S+ from position \d+.*: worker {ids['liar']}", log), log[-4000:]
+        # the check fetches came from the workers' own shards: the liar's units from the liar, the
+        # honest worker's (a local --shard) from it
+        assert re.search(rf"unit\(s\) of layer \d+ from {ids['liar']} \(a worker's shard, experts 8-15\)", log), \
+            log[-4000:]
+        assert re.search(rf"unit\(s\) of layer \d+ from {ids['honest']} \(a worker's shard, experts 0-7\)", log), \
+            log[-4000:]
+        assert "shard server: served" in honest.text() and ids["bb"] in honest.text()
+        assert got == want
+        checks = httpx.get(base + "/v1/swarm", timeout=30).json()["expert_cache"]["check_fetches"]
+        assert checks["checks"] > 0 and checks["fetched_bytes"] > 0, checks
+        assert "Traceback" not in log
     finally:
         for n in reversed(nodes):
             n.stop()

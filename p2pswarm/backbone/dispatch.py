@@ -125,6 +125,9 @@ class Dispatcher:
         #: session's :class:`~p2pswarm.backbone.cache_fill.CacheFiller`); None: such a unit fails
         self.fetch: Callable[[int, list[int]], Any] | None = None
         self.fetch_bound_s = FETCH_BOUND_S
+        #: what checks of units the cache lacks may fetch (p2pswarm.market.verify.CheckFetchBudget;
+        #: the swarm session sets it with ``fetch``); None: such picks are not checked
+        self.check_budget: Any = None
 
     @property
     def exact_rows(self) -> int:
@@ -369,13 +372,14 @@ class Dispatcher:
         (:meth:`_verified`), or the local replica's after it failed (:meth:`_fall_back`)."""
         picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
                   if owner.remote and self.verifier is not None else [])
-        if picked and self.cache is not None:  # only a cached unit can be recomputed here
-            picked = [(i, at) for i, at in picked if self.local.holds(layer, owner_groups[i][0])]
+        for_check: list[int] = []  # units the cache lacks, fetched to check the picks on them
+        if picked and self.cache is not None:
+            picked, for_check = self._checkable(layer, owner_groups, picked)
         refs: list[np.ndarray] = []
         try:
             tc = time.perf_counter()
             if picked:
-                outs, refs = await self._compute_checked(owner, layer, cur, owner_groups, picked)
+                outs, refs, picked = await self._compute_checked(owner, layer, cur, owner_groups, picked, for_check)
             else:
                 outs = await owner.compute(layer, cur, owner_groups)
             if owner.remote:
@@ -470,17 +474,76 @@ class Dispatcher:
             self._mark(taint, peer_of(owner), len(cur), owner_groups, picked)
         return outs
 
+    def _checkable(self, layer: int, groups: Groups, picked: list[Check]) -> tuple[list[Check], list[int]]:
+        """With an expert cache: the picks that can be checked, and the units among them to fetch
+        for it (p2pswarm.market.verify, "With a partial expert cache"). A pick on a cached unit
+        stays; one on a unit the cache lacks stays where its bytes can be had: the model's file
+        holds them (no fetch), or ``fetch`` and :attr:`check_budget` allow one more unit's slabs."""
+        cache = self.cache
+        assert cache is not None
+        keep: list[Check] = []
+        fetch: list[int] = []
+        refused: set[int] = set()
+        for i, at in picked:
+            e = int(groups[i][0])
+            if self.local.holds(layer, e) or e in fetch:
+                keep.append((i, at))
+                continue
+            if e in refused or self.fetch is None:
+                continue
+            budget = self.check_budget
+            if cache.store is None or (budget is not None and budget.take(cache.unit_bytes[layer])):
+                fetch.append(e)
+                keep.append((i, at))
+            else:
+                refused.add(e)
+        return keep, fetch
+
+    async def _fetch_for_check(self, layer: int, experts: list[int]) -> list[tuple[int, int]]:
+        """Units of ``layer`` the cache lacks, fetched (``fetch``: by byte range, each slab checked
+        against the manifest) and pinned for a check; returns the pins (what :meth:`_compute_checked`
+        unpins and drops after). Bounded by ``fetch_bound_s``: what does not come is not checked."""
+        cache = self.cache
+        assert cache is not None and self.fetch is not None
+        with trio.move_on_after(self.fetch_bound_s):
+            await self.fetch(layer, experts)
+        pins = cache.pin(layer, experts)  # (no checkpoint since the fetch returned: nothing dropped them)
+        budget = self.check_budget
+        if budget is not None and cache.store is not None:
+            budget.checks += len(pins)
+            budget.fetched_bytes += len(pins) * cache.unit_bytes[layer]
+            budget.failed += len(experts) - len(pins)
+        return pins
+
     async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
-                               picked: list[Check]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                               picked: list[Check], for_check: list[int] | None = None
+                               ) -> tuple[list[np.ndarray], list[np.ndarray], list[Check]]:
         """The owner's outputs and the local replica's for the picked rows of the picked groups,
-        computed side by side (the check costs the step max(round trip, local compute), not their sum)."""
-        got: dict[str, list[np.ndarray]] = {}
+        computed side by side (the check costs the step max(round trip, local compute), not their
+        sum); the units in ``for_check`` are fetched first (:meth:`_fetch_for_check`), beside the
+        request too, and dropped after. Returns (outputs, references, the picks checked: those on
+        a unit that could not be fetched are left out)."""
+        got: dict[str, Any] = {"picked": picked}
+        cache = self.cache
 
         async def remote() -> None:
             got["outs"] = await owner.compute(layer, cur, groups)
 
         async def local() -> None:
-            got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at]) for i, at in picked])
+            pins: list[tuple[int, int]] = []
+            try:
+                if for_check:
+                    pins = await self._fetch_for_check(layer, for_check)
+                    got["picked"] = [(i, at) for i, at in picked if self.local.holds(layer, groups[i][0])]
+                got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at])
+                                                                    for i, at in got["picked"]])
+            finally:
+                if for_check and cache is not None:
+                    cache.unpin(pins)
+                    for _, e in pins:
+                        cache.drop(layer, e)  # the check's store is bounded: evicted once used
+                    if self.check_budget is not None and cache.store is not None:
+                        self.check_budget.release(len(for_check))
 
         try:
             async with trio.open_nursery() as nursery:
@@ -488,7 +551,7 @@ class Dispatcher:
                 nursery.start_soon(local)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
-        return got["outs"], got["refs"]
+        return got["outs"], got["refs"], got["picked"]
 
     @staticmethod
     def _mark(taint: dict[str, np.ndarray], peer: str, n_rows: int, groups: Groups, picked: list[Check]) -> None:
