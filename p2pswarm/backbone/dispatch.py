@@ -45,6 +45,7 @@ from p2pswarm.net import wire_precision
 from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
 
+from p2pswarm.backbone import check_fetch
 from p2pswarm.backbone.dispatch_stats import DemandCounter, DispatchStats
 from p2pswarm.backbone.expert_cache import ExpertCache
 from p2pswarm.backbone.local_owners import InProcessOwner, LocalOwner, UnheldOwner, pack_rows, peer_of
@@ -374,7 +375,7 @@ class Dispatcher:
                   if owner.remote and self.verifier is not None else [])
         for_check: list[int] = []  # units the cache lacks, fetched to check the picks on them
         if picked and self.cache is not None:
-            picked, for_check = self._checkable(layer, owner_groups, picked)
+            picked, for_check = check_fetch.checkable(self, layer, owner_groups, picked)
         refs: list[np.ndarray] = []
         try:
             tc = time.perf_counter()
@@ -474,57 +475,15 @@ class Dispatcher:
             self._mark(taint, peer_of(owner), len(cur), owner_groups, picked)
         return outs
 
-    def _checkable(self, layer: int, groups: Groups, picked: list[Check]) -> tuple[list[Check], list[int]]:
-        """With an expert cache: the picks that can be checked, and the units among them to fetch
-        for it (p2pswarm.market.verify, "With a partial expert cache"). A pick on a cached unit
-        stays; one on a unit the cache lacks stays where its bytes can be had: the model's file
-        holds them (no fetch), or ``fetch`` and :attr:`check_budget` allow one more unit's slabs."""
-        cache = self.cache
-        assert cache is not None
-        keep: list[Check] = []
-        fetch: list[int] = []
-        refused: set[int] = set()
-        for i, at in picked:
-            e = int(groups[i][0])
-            if self.local.holds(layer, e) or e in fetch:
-                keep.append((i, at))
-                continue
-            if e in refused or self.fetch is None:
-                continue
-            budget = self.check_budget
-            if cache.store is None or (budget is not None and budget.take(cache.unit_bytes[layer])):
-                fetch.append(e)
-                keep.append((i, at))
-            else:
-                refused.add(e)
-        return keep, fetch
-
-    async def _fetch_for_check(self, layer: int, experts: list[int]) -> list[tuple[int, int]]:
-        """Units of ``layer`` the cache lacks, fetched (``fetch``: by byte range, each slab checked
-        against the manifest) and pinned for a check; returns the pins (what :meth:`_compute_checked`
-        unpins and drops after). Bounded by ``fetch_bound_s``: what does not come is not checked."""
-        cache = self.cache
-        assert cache is not None and self.fetch is not None
-        with trio.move_on_after(self.fetch_bound_s):
-            await self.fetch(layer, experts)
-        pins = cache.pin(layer, experts)  # (no checkpoint since the fetch returned: nothing dropped them)
-        budget = self.check_budget
-        if budget is not None and cache.store is not None:
-            budget.checks += len(pins)
-            budget.fetched_bytes += len(pins) * cache.unit_bytes[layer]
-            budget.failed += len(experts) - len(pins)
-        return pins
-
     async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
                                picked: list[Check], for_check: list[int] | None = None
                                ) -> tuple[list[np.ndarray], list[np.ndarray], list[Check]]:
         """The owner's outputs and the local replica's for the picked rows of the picked groups,
         computed side by side (the check costs the step max(round trip, local compute), not their
-        sum); the units in ``for_check`` are fetched first (:meth:`_fetch_for_check`), beside the
+        sum); the units in ``for_check`` are fetched first (:func:`check_fetch.fetch_for_check`), beside the
         request too, and dropped after. Returns (outputs, references, the picks checked: those on
         a unit that could not be fetched are left out)."""
         got: dict[str, Any] = {"picked": picked}
-        cache = self.cache
 
         async def remote() -> None:
             got["outs"] = await owner.compute(layer, cur, groups)
@@ -533,17 +492,13 @@ class Dispatcher:
             pins: list[tuple[int, int]] = []
             try:
                 if for_check:
-                    pins = await self._fetch_for_check(layer, for_check)
+                    pins = await check_fetch.fetch_for_check(self, layer, for_check)
                     got["picked"] = [(i, at) for i, at in picked if self.local.holds(layer, groups[i][0])]
                 got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at])
                                                                     for i, at in got["picked"]])
             finally:
-                if for_check and cache is not None:
-                    cache.unpin(pins)
-                    for _, e in pins:
-                        cache.drop(layer, e)  # the check's store is bounded: evicted once used
-                    if self.check_budget is not None and cache.store is not None:
-                        self.check_budget.release(len(for_check))
+                if for_check:
+                    check_fetch.release(self, layer, pins, len(for_check))
 
         try:
             async with trio.open_nursery() as nursery:

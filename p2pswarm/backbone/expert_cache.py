@@ -18,11 +18,15 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from p2pswarm.contracts import Groups
 from p2pswarm.errors import InternalError, UserError
+
+if TYPE_CHECKING:
+    from p2pswarm.market.verify import CheckFetchBudget
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -147,7 +151,7 @@ class ExpertCache:
         self._pins: dict[tuple[int, int], int] = {}
         #: what verification checks of units not cached may fetch (market.verify.CheckFetchBudget;
         #: set by the swarm session where the cache is filled from the swarm), for status()
-        self.check_budget = None
+        self.check_budget: CheckFetchBudget | None = None
 
     # ---- ExpertBank ------------------------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ import os
 import threading
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,7 @@ class ExpertWorker:
             self.families = (family(self.bank.kernel),)
         self._layout = layout
         self._threads = bank_options.get("threads")
-        self._portable = None  # the portable bank, built on the first request that asks for it
+        self._portable: Any = None  # the portable bank, built on the first request that asks for it
         self._portable_lock = threading.Lock()
         #: where each request's math runs: inline on the event loop when measured short, else in
         #: a thread (p2pswarm.offload; one per worker: its bank's lock is the one to not wait on)
