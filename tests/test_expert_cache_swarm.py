@@ -347,3 +347,81 @@ def test_dishonest_worker_caught_with_no_cache_by_fetched_slabs(models_dir, tmp_
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+@pytest.mark.slow
+def test_auto_worker_serves_its_slabs_to_a_backbone_without_experts(models_dir, tmp_path):
+    """An ``--auto`` worker (its slices picked from the market and downloaded from a seeder, one
+    per unit) serves them onwards: once the seeder is gone it is the only holder of every unit,
+    and a backbone from the backbone file with ``--expert-cache none`` fetches the units its checks
+    pick from it (the log names the worker and its shard's range), and answers the full model's
+    text."""
+    import httpx
+
+    from helpers.procs import Proc, start_bootstrap
+    from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
+    from p2pswarm.net.identity import Identity, load_or_create_identity
+    from p2pswarm.net.tokens import issue_token
+
+    path = arch_model(models_dir, "qwen35moe")
+    layout = ModelLayout.open(path)
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(layout)
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    ids = {n: load_or_create_identity(tmp_path / f"{n}.key").peer_id_str for n in ("bb", "auto")}
+    experts = sum(layout.expert_bytes(layer) for layer in layout.expert_layers) * layout.n_expert
+    nodes: list = []
+    try:
+        mono = Proc(["node", "--role", "backbone", "--model", str(path), "--http", "127.0.0.1:0", "--identity",
+                     str(tmp_path / "mono.key")], tmp_path / "mono.log", env)
+        nodes.append(mono)
+        want = _complete(next(w for w in mono.ready if w.startswith("http="))[5:], "hello swarm", 16)
+        mono.stop()
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        seeder = Proc(["serve-shards", "--model", str(path), "--manifest", str(manifest), "--trust-issuer",
+                       issuer.peer_id_str, "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")],
+                      tmp_path / "seed.log", env)
+        nodes.append(seeder)
+        bb_tok = issue_token(issuer, ids["bb"], [f"shard:{fp}"], 3600).encode()
+        bb = Proc(["node", "--role", "backbone", "--model", str(bfile), "--expert-cache", "none", "--token", bb_tok,
+                   "--trust-issuer", issuer.peer_id_str, "--bootstrap", boot.addr, "--http", "127.0.0.1:0",
+                   "--identity", str(tmp_path / "bb.key"), "--verify-rate", "0.3", "--verify-seed", "3"],
+                  tmp_path / "bb.log", env)
+        nodes.append(bb)
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        auto_tok = issue_token(issuer, ids["auto"], [f"shard:{fp}"], 3600).encode()
+        auto = Proc(["node", "--role", "worker", "--auto", "--memory", f"{experts * 1.2 / 1e6 + 1:.1f}MB", "--token",
+                     auto_tok, "--trust-issuer", issuer.peer_id_str, "--bootstrap", boot.addr, "--identity",
+                     str(tmp_path / "auto.key"), "--ttl", "600", "--enrol-period", "600"], tmp_path / "auto.log", env,
+                    timeout=240)
+        nodes.append(auto)
+        assert "serving my shard's expert slabs" in auto.text(), auto.text()[-3000:]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the backbone sees the worker hold every unit
+            units = httpx.get(base + "/v1/swarm", timeout=30).json()["units"]
+            if units and all(u["replicas"] > 0 for u in units):
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"coverage incomplete: {units}")
+        seeder.stop()  # from now on only the --auto worker holds the experts' bytes
+        nodes.remove(seeder)
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hello swarm", "max_tokens": 16, "temperature": 0},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+        log = bb.text()
+        assert re.search(rf"unit\(s\) of layer \d+ from {ids['auto']} \(a worker's shard, experts \d+-\d+\)", log), \
+            log[-4000:]
+        assert "shard server: served" in auto.text() and ids["bb"] in auto.text()
+        checks = httpx.get(base + "/v1/swarm", timeout=30).json()["expert_cache"]["check_fetches"]
+        assert checks["checks"] > 0, checks
+        assert r.json()["choices"][0]["text"] == want
+        assert "BANNED" not in log and "Traceback" not in log
+    finally:
+        for n in reversed(nodes):
+            n.stop()
