@@ -33,19 +33,25 @@ def checkable(d: Dispatcher, layer: int, groups: Groups, picked: list[Check]) ->
     keep: list[Check] = []
     fetch: list[int] = []
     refused: set[int] = set()
+    budget = d.check_budget
     for i, at in picked:
         e = int(groups[i][0])
-        if d.local.holds(layer, e) or e in fetch:
+        if d.local.holds(layer, e):
             keep.append((i, at))
             continue
-        if e in refused or d.fetch is None:
-            continue
-        budget = d.check_budget
-        if cache.store is None or (budget is not None and budget.take(cache.unit_bytes[layer])):
-            fetch.append(e)
+        if e not in fetch and e not in refused:
+            if d.fetch is not None and (cache.store is None or (budget is not None
+                                                                and budget.take(cache.unit_bytes[layer]))):
+                fetch.append(e)
+            else:
+                refused.add(e)
+        if e in fetch:
             keep.append((i, at))
-        else:
-            refused.add(e)
+        if budget is not None:
+            if e in fetch:
+                budget.picks_fetched += 1
+            else:
+                budget.picks_refused += 1
     return keep, fetch
 
 

@@ -100,8 +100,10 @@ class CheckFetchBudget:
         self.held = 0  # units held for checking now
         self.checks = 0  # units fetched and checked
         self.fetched_bytes = 0  # slab bytes fetched for checks, in all
-        self.refused = 0  # picks not checked: over the budget or the bound
-        self.failed = 0  # fetches that did not bring the unit (no holder answered in time)
+        self.refused = 0  # units not fetched: over the budget or the bound
+        self.picks_fetched = 0  # picks on units the cache lacks, checked on fetched slabs
+        self.picks_refused = 0  # picks on units the cache lacks, left unchecked (budget or bound)
+        self.failed = 0  # units whose fetch did not bring them (no holder answered in time)
 
     def take(self, nbytes: int) -> bool:
         now = self.clock()
@@ -120,7 +122,7 @@ class CheckFetchBudget:
     def status(self) -> dict:
         return {"bytes_per_period": self.bytes_per_period, "period_s": self.period_s, "units_max": self.units_max,
                 "checks": self.checks, "fetched_bytes": self.fetched_bytes, "refused": self.refused,
-                "failed": self.failed}
+                "picks_fetched": self.picks_fetched, "picks_refused": self.picks_refused, "failed": self.failed}
 
 
 @dataclass(frozen=True)
