@@ -2,6 +2,7 @@
 ``--expert-cache all / 10% / none``, and the hot-expert rule on vs off for one sequence.
 
     python bench/bench_expert_cache.py [--model M.gguf] [--rtt-ms 50] [--tokens 8] [--seqs 1,16] [--rounds 2]
+                                       [--check-rate 0.01 | --no-checks]
     python bench/bench_expert_cache.py --dense-table      # the dense part of each architecture at real size
 
 The swarm (bench/wan_swarm.py): a bootstrap node, 4 worker processes holding every expert twice
@@ -20,9 +21,16 @@ greedy completions (the median of ``--rounds``, configurations alternated A B C 
 cache's hit rate and its fetches (time per unit fetched). Then ``all`` with ``--hot-experts`` vs
 ``--no-hot-experts`` for one sequence, alternated on off on off.
 
+Then one ``checks`` run: the backbone file with ``--expert-cache none`` and ``--verify-rate
+--check-rate`` (0.01), a seeder to fetch from: every check fetches its unit's slabs, within the
+default ``--verify-fetch-budget``; it prints the bytes per check and per generated token and the
+share of picks checked. Each figure comes with the load average when it was taken, and each
+configuration with the backbone's and the workers' RssAnon / RssFile (mapped model pages are
+file pages the kernel may drop and read again).
+
 Default model: deepseek2 ``geometry-671b`` with ``--layers 3`` (2 dense + 1 MoE layer at
-DeepSeek-V3's per-layer sizes, Q8_0 dense, Q4_K experts) but 64 routed experts instead of 256,
-so that four workers holding every unit twice fit this shared machine's memory; made on first use.
+DeepSeek-V3's per-layer sizes, Q8_0 dense, Q4_K experts) with all 256 routed experts
+(``--n-expert`` fewer); made on first use.
 """
 from __future__ import annotations
 
