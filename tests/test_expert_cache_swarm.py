@@ -425,3 +425,38 @@ def test_auto_worker_serves_its_slabs_to_a_backbone_without_experts(models_dir, 
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+def test_slice_manifest_writes_the_source_sidecar(models_dir, tmp_path):
+    """``slice --experts --manifest`` writes ``OUT.source`` (the manifest and the model's header),
+    what a worker started with that ``--shard`` serves its slabs by; a manifest of another model is
+    refused in one line before any file is written; ``--manifest`` with ``--backbone`` too."""
+    import argparse
+
+    from p2pswarm.commands import slice as slice_cmd
+    from p2pswarm.errors import UserError
+    from p2pswarm.model.manifest import build_manifest, write_manifest
+    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.shard_server import ShardServer, load_source_sidecar
+    from p2pswarm.net.tokens import TokenGate
+
+    path, other = arch_model(models_dir, "qwen35moe"), arch_model(models_dir, "deepseek2")
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    wrong = write_manifest(build_manifest(other, issuer), tmp_path / "o.manifest")
+
+    def args(out, man, backbone=False, experts="0-7"):
+        return argparse.Namespace(model=str(path), layers=None, experts=None if backbone else experts,
+                                  backbone=backbone, output=str(out), quiet=True, manifest=str(man))
+
+    with pytest.raises(UserError, match="the manifest is for model"):
+        slice_cmd.run(args(tmp_path / "bad.gguf", wrong))
+    assert not (tmp_path / "bad.gguf").exists() and not (tmp_path / "bad.gguf.source").exists()
+    with pytest.raises(UserError, match="--manifest is for an expert shard"):
+        slice_cmd.run(args(tmp_path / "bb.gguf", manifest, backbone=True))
+    assert slice_cmd.run(args(tmp_path / "lo.gguf", manifest)) == 0
+    m, header = load_source_sidecar(tmp_path / "lo.gguf")
+    m.verify(trusted_issuers=[issuer.peer_id_str])
+    server = ShardServer(tmp_path / "lo.gguf", m, TokenGate([issuer.peer_id_str], what="shard server"), source_header=header)
+    assert server.held[1] == (0, 8)
+    server.close()
