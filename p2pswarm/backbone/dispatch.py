@@ -45,6 +45,7 @@ from p2pswarm.net import wire_precision
 from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
 
+from p2pswarm.backbone import check_fetch
 from p2pswarm.backbone.dispatch_stats import DemandCounter, DispatchStats
 from p2pswarm.backbone.expert_cache import ExpertCache
 from p2pswarm.backbone.local_owners import InProcessOwner, LocalOwner, UnheldOwner, pack_rows, peer_of
@@ -125,6 +126,9 @@ class Dispatcher:
         #: session's :class:`~p2pswarm.backbone.cache_fill.CacheFiller`); None: such a unit fails
         self.fetch: Callable[[int, list[int]], Any] | None = None
         self.fetch_bound_s = FETCH_BOUND_S
+        #: what checks of units the cache lacks may fetch (p2pswarm.market.verify.CheckFetchBudget;
+        #: the swarm session sets it with ``fetch``); None: such picks are not checked
+        self.check_budget: Any = None
 
     @property
     def exact_rows(self) -> int:
@@ -369,13 +373,14 @@ class Dispatcher:
         (:meth:`_verified`), or the local replica's after it failed (:meth:`_fall_back`)."""
         picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
                   if owner.remote and self.verifier is not None else [])
-        if picked and self.cache is not None:  # only a cached unit can be recomputed here
-            picked = [(i, at) for i, at in picked if self.local.holds(layer, owner_groups[i][0])]
+        for_check: list[int] = []  # units the cache lacks, fetched to check the picks on them
+        if picked and self.cache is not None:
+            picked, for_check = check_fetch.checkable(self, layer, owner_groups, picked)
         refs: list[np.ndarray] = []
         try:
             tc = time.perf_counter()
             if picked:
-                outs, refs = await self._compute_checked(owner, layer, cur, owner_groups, picked)
+                outs, refs, picked = await self._compute_checked(owner, layer, cur, owner_groups, picked, for_check)
             else:
                 outs = await owner.compute(layer, cur, owner_groups)
             if owner.remote:
@@ -471,16 +476,29 @@ class Dispatcher:
         return outs
 
     async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
-                               picked: list[Check]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                               picked: list[Check], for_check: list[int] | None = None
+                               ) -> tuple[list[np.ndarray], list[np.ndarray], list[Check]]:
         """The owner's outputs and the local replica's for the picked rows of the picked groups,
-        computed side by side (the check costs the step max(round trip, local compute), not their sum)."""
-        got: dict[str, list[np.ndarray]] = {}
+        computed side by side (the check costs the step max(round trip, local compute), not their
+        sum); the units in ``for_check`` are fetched first (:func:`check_fetch.fetch_for_check`), beside the
+        request too, and dropped after. Returns (outputs, references, the picks checked: those on
+        a unit that could not be fetched are left out)."""
+        got: dict[str, Any] = {"picked": picked}
 
         async def remote() -> None:
             got["outs"] = await owner.compute(layer, cur, groups)
 
         async def local() -> None:
-            got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at]) for i, at in picked])
+            pins: list[tuple[int, int]] = []
+            try:
+                if for_check:
+                    pins = await check_fetch.fetch_for_check(self, layer, for_check)
+                    got["picked"] = [(i, at) for i, at in picked if self.local.holds(layer, groups[i][0])]
+                got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at])
+                                                                    for i, at in got["picked"]])
+            finally:
+                if for_check:
+                    check_fetch.release(self, layer, pins, len(for_check))
 
         try:
             async with trio.open_nursery() as nursery:
@@ -488,7 +506,7 @@ class Dispatcher:
                 nursery.start_soon(local)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
-        return got["outs"], got["refs"]
+        return got["outs"], got["refs"], got["picked"]
 
     @staticmethod
     def _mark(taint: dict[str, np.ndarray], peer: str, n_rows: int, groups: Groups, picked: list[Check]) -> None:

@@ -243,6 +243,8 @@ async def _worker(args) -> None:
                 shard = await _fetch_shard(args, net, dht, identity)
                 worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
                 _serve_own_shard(net, shard, args)
+            else:  # a local shard file: served onwards where a `.source` sidecar says what it is
+                _serve_own_shard(net, Path(args.shard), args, fingerprint=info.model_fingerprint)
             served = ServeStats()
             receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str,
                                     identity.peer_id_str)
@@ -338,6 +340,10 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
                       trusted_issuers=args.trust_issuer, load_shard=lambda path: _load_shard(path, args),
                       kernel=kernel_id(args.kernel), protocol=proto.PROTOCOL_VERSION, home=home,
                       model=args.model, ttl_s=args.ttl, period_s=args.enrol_period)
+    from p2pswarm.net.shard_server import ShardFiles
+    from p2pswarm.net.tokens import TokenGate
+
+    auto.shard_files = ShardFiles(net, TokenGate(args.trust_issuer, what="shard server"))
     served = ServeStats()
     receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str, identity.peer_id_str)
     lane = args.direct_lane

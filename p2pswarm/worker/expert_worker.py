@@ -11,6 +11,7 @@ import os
 import threading
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 
