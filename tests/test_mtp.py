@@ -1,17 +1,20 @@
-"""The model's own MTP (NextN) block as the speculative drafter (issue 43, item 5): glm4moe and
-qwen35moe.
+"""The model's own MTP (NextN) block as the speculative drafter (issue 43, item 5): glm4moe,
+qwen35moe and deepseek2.
 
 The block's draft logits equal llama.cpp's own MTP context (``LLAMA_CONTEXT_TYPE_MTP``) within
 1e-4 + 2e-5 * max|logit| on an F32 model, for a prefill of positions and two chained drafts; with
 ``--speculate mtp`` greedy tokens and every position's logits, and seeded texts, are the same as
 without speculation, and drafts are accepted on a model whose block agrees with its trunk
-(``make-model --mtp-agreement``), monolithic and through 3 worker processes."""
+(``make-model --mtp-agreement``), monolithic and through 3 worker processes; rejected drafts leave
+deepseek2's MLA caches (the trunk's and the block's) as never drafting; the block's experts go to
+the workers that own them where the backbone holds none (``--expert-cache none``)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.mtp import MtpBlock, MtpState
+from p2pswarm.backbone.expert_cache import parse_cache_size
+from p2pswarm.backbone.mtp import MtpBlock, MtpState, block_for
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.speculation import Speculation
@@ -48,14 +51,34 @@ def q35_agreeing(models_dir):
     return path
 
 
-@pytest.fixture(params=["glm4moe", "qwen35moe"])
+@pytest.fixture(scope="session")
+def ds2_f32(models_dir):
+    path = models_dir / "mtp-ds2-f32.gguf"
+    if not path.exists():
+        make_model(path, arch="deepseek2", preset="tiny", qtype="f32", seed=45, n_nextn=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ds2_agreeing(models_dir):
+    path = models_dir / "mtp-ds2-agree.gguf"
+    if not path.exists():
+        make_model(path, arch="deepseek2", preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
+    return path
+
+
+ARCHS = ["glm4moe", "qwen35moe", "deepseek2"]
+
+
+@pytest.fixture(params=ARCHS)
 def f32_model(request):
-    return request.getfixturevalue({"glm4moe": "glm_f32", "qwen35moe": "q35_f32"}[request.param])
+    return request.getfixturevalue({"glm4moe": "glm_f32", "qwen35moe": "q35_f32", "deepseek2": "ds2_f32"}[request.param])
 
 
-@pytest.fixture(params=["glm4moe", "qwen35moe"])
+@pytest.fixture(params=ARCHS)
 def agreeing_model(request):
-    return request.getfixturevalue({"glm4moe": "glm_agreeing", "qwen35moe": "q35_agreeing"}[request.param])
+    return request.getfixturevalue({"glm4moe": "glm_agreeing", "qwen35moe": "q35_agreeing",
+                                    "deepseek2": "ds2_agreeing"}[request.param])
 
 
 @pytest.fixture(scope="session")
@@ -134,30 +157,51 @@ async def test_greedy_and_seeded_mtp_spec_on_equals_off(agreeing_model, workers)
         bb = swarm.backbone
         before = bb.dispatcher.stats.snapshot()
         off, _ = await _run(bb, prompts, [f() for f in samplers], None, n)
-        on, spec = await _run(bb, prompts, [f() for f in samplers], Speculation("mtp", 3), n)
+        speculation = Speculation("mtp", 3)
+        on, spec = await _run(bb, prompts, [f() for f in samplers], speculation, n)
         stats = bb.dispatcher.stats.since(before)
+    _assert_same_runs(off, on, n)
+    assert 0 < spec.accepted < spec.drafted, spec
+    if workers:  # the block's experts: the backbone's copy where not slower than a round trip, else a worker
+        assert stats.fallbacks == 0 and stats.requests > 0
+        assert stats.local_groups <= speculation.mtp.bank.groups, "a trunk expert computed locally"
+
+
+def _assert_same_runs(off, on, n):
+    """Tokens and every emitted position's logits, bit for bit."""
     for (t0, r0), (t1, r1) in zip(off, on):
         assert t0 == t1 and len(t0) == n
         assert r0.keys() == r1.keys() == set(range(len(r0)))
         for p in r0:
             assert np.array_equal(r0[p], r1[p]), p
-    assert 0 < spec.accepted < spec.drafted, spec
-    if workers:
-        assert stats.fallbacks == 0 and stats.local_groups == 0 and stats.requests > 0
 
 
 @pytest.mark.slow
-def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
-    """An architecture whose block is not run yet (deepseek2), a qwen35moe file that claims a block
-    it lacks, an MTP block missing a tensor and one with a tensor of the wrong shape: one line
-    each, naming the file's block or the tensor."""
+def test_speculate_mtp_refusals(models_dir, glm_f32, ds2_f32, tmp_path):
+    """A deepseek2 file without a block (named with what it has), deepseek2 and qwen35moe files
+    that claim a block they lack, MTP blocks missing a tensor and with a tensor of the wrong shape:
+    one line each, naming the file's block or the tensor; make-model writes deepseek2's block."""
     from gguf import GGUFValueType as T
 
+    proc = run_cli("generate", str(_ds2(models_dir)), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
+    assert_one_line_error(proc, "--speculate mtp", "deepseek2, 4 layers", "no MTP (NextN) block",
+                          "deepseek2.nextn_predict_layers")
     ds = rewrite(_ds2(models_dir), tmp_path / "ds-mtp.gguf",
                  set_keys={"deepseek2.nextn_predict_layers": (1, T.UINT32, None)})
     proc = run_cli("generate", str(ds), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "--speculate mtp", "1 MTP (NextN) block", "deepseek2",
-                          "glm4moe, qwen35moe only")
+    assert_one_line_error(proc, "MTP block tensor", "blk.3.nextn.eh_proj.weight", "missing")
+    for name in ("blk.4.attn_kv_a_norm.weight", "blk.4.nextn.enorm.weight"):
+        short = rewrite(ds2_f32, tmp_path / "ds-short.gguf", replace_tensor={name: np.ones(64, np.float32)})
+        proc = run_cli("generate", str(short), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
+        assert_one_line_error(proc, "MTP block tensor", name, "shape")
+    ds_cli = tmp_path / "ds-block.gguf"
+    proc = run_cli("make-model", "--arch", "deepseek2", "--mtp-blocks", "1", "-q", "-o", str(ds_cli))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("generate", str(ds_cli), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli("make-model", "--arch", "deepseek2", "--mtp-blocks", "2", "-q", "-o", str(tmp_path / "y.gguf"))
+    assert_one_line_error(proc, "--mtp-blocks (n_nextn) must be 0 or 1")
+    assert not (tmp_path / "y.gguf").exists()
     q35 = rewrite(_q35(models_dir), tmp_path / "q35-mtp.gguf",
                   set_keys={"qwen35moe.nextn_predict_layers": (1, T.UINT32, None)})
     proc = run_cli("generate", str(q35), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
@@ -198,10 +242,8 @@ async def test_concurrent_mtp_speculating_sequences_equal_each_alone(agreeing_mo
         want = [(await _run(bb, [p], [s], None, n))[0][0][0] for p, s in zip(prompts, samplers)]
         speculation = Speculation("mtp", 3)
         sched = Scheduler(bb, None, micro_batches=micro_batches, speculate=speculation)
-        # the block's experts: a bank of its own, of the replica's kernel (numpy's first-use
-        # dequantisation would cost more than the drafts save at the 122B's geometry)
-        assert speculation.mtp is not None and speculation.mtp.bank is not bb.dispatcher.local.bank
-        assert speculation.mtp.bank.kernel == bb.dispatcher.local.bank.kernel
+        # the block's experts: where the backbone's dispatcher puts them (its replica, or a worker)
+        assert speculation.mtp is not None and speculation.mtp.bank.dispatcher is bb.dispatcher
         got: dict[int, list[int]] = {}
 
         async def one(i, req):
@@ -218,3 +260,80 @@ async def test_concurrent_mtp_speculating_sequences_equal_each_alone(agreeing_mo
             nursery.cancel_scope.cancel()
     assert [got[i] for i in range(4)] == want
     assert 0 < sched.spec.accepted < sched.spec.drafted, sched.spec
+
+
+async def test_rejected_mtp_drafts_leave_the_mla_caches_as_never_drafting(ds2_agreeing):
+    """deepseek2: rounds of MTP drafts verified greedily (the last draft of each round replaced by a
+    token the block did not pick, so drafts are rejected as well as accepted) leave every trunk
+    layer's MLA latent cache and the block's own latent cache bit-identical to a sequence that
+    decoded the same tokens one by one and drafted at the same points without verifying; each
+    round's drafts are the same on both."""
+    async with open_backbone(ds2_agreeing, workers=0) as swarm:
+        bb = swarm.backbone
+        bb.keep_hidden = True
+        block = block_for(bb)
+        spec, clean = bb.new_state(), bb.new_state()
+        nxt = int(np.argmax((await bb.forward(PROMPT, spec))[-1]))
+        await bb.forward(PROMPT, clean)
+        fed, accepted, rejected = list(PROMPT), 0, 0
+        for _ in range(6):
+            drafts = block.draft(spec, fed + [nxt], 3)
+            assert drafts == block.draft(clean, fed + [nxt], 3) and len(drafts) == 3
+            drafts[-1] = (drafts[-1] + 1) % bb.model.n_vocab
+            rows = (await bb.forward_batch([([nxt, *drafts], spec)], verify=[True]))[0]
+            keep = 1
+            while keep <= len(drafts) and int(np.argmax(rows[keep - 1])) == drafts[keep - 1]:
+                keep += 1
+            bb.keep_positions(spec, keep)
+            accepted, rejected = accepted + keep - 1, rejected + len(drafts) - (keep - 1)
+            for t in [nxt, *drafts[:keep - 1]]:
+                await bb.forward([t], clean)
+            fed += [nxt, *drafts[:keep - 1]]
+            nxt = int(np.argmax(rows[keep - 1]))
+        block.draft(spec, fed + [nxt], 1), block.draft(clean, fed + [nxt], 1)  # the settled positions into the block
+    assert accepted > 0 and rejected > 0
+    assert spec.n_past == clean.n_past == len(fed)
+    for il in range(bb.model.n_layer):
+        a, b = spec.extra[il], clean.extra[il]
+        assert a.n == b.n == len(fed) and np.array_equal(a.rows[:a.n], b.rows[:b.n]), il
+    a, b = spec.mtp.kv, clean.mtp.kv
+    assert spec.mtp.fed == clean.mtp.fed == len(fed) and a.n == b.n
+    assert np.array_equal(a.rows[:a.n], b.rows[:b.n])
+
+
+def test_shards_carry_the_mtp_blocks_experts(ds2_agreeing, tmp_path):
+    """``slice`` over all layers keeps the block's layer: a worker holds its experts like any layer's."""
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.slicer import slice_experts
+
+    layout = ModelLayout.open(ds2_agreeing)
+    assert layout.expert_layers == [1, 2, 3, 4]  # 1 dense + 3 MoE trunk layers, the block (4)
+    slice_experts(layout.path, tmp_path / "s.gguf", None, (4, 8))
+    shard = ModelLayout.open(tmp_path / "s.gguf")
+    assert shard.expert_layers == [1, 2, 3, 4] and shard.holds(4, 5) and not shard.holds(4, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek2", "qwen35moe"])
+async def test_mtp_experts_go_to_worker_processes_without_a_local_copy(arch, request):
+    """``--expert-cache none``: the backbone holds none of the block's experts, so its drafts'
+    experts are computed by the 3 worker processes, which advertise the block's layer: tokens and
+    every position's logits bit-identical to speculation off, drafts accepted, no fallback, no
+    expert computed on the backbone."""
+    model = request.getfixturevalue({"deepseek2": "ds2_agreeing", "qwen35moe": "q35_agreeing"}[arch])
+    prompts, n = [REPEATING, PROMPT], 64
+    async with open_backbone(model, workers=3, transport="socket", expert_cache=parse_cache_size("none")) as swarm:
+        bb = swarm.backbone
+        il, owners = bb.model.n_layer, bb.dispatcher.owners
+        assert len(owners) == 3 and all(o.remote for o in owners)
+        assert all(any(o.holds(il, e) for o in owners) for e in range(bb.model.n_expert))
+        assert not any(bb.dispatcher.local.holds(il, e) for e in range(bb.model.n_expert))
+        off, _ = await _run(bb, prompts, [None, None], None, n)
+        before = bb.dispatcher.stats.snapshot()
+        speculation = Speculation("mtp", 3)
+        on, spec = await _run(bb, prompts, [None, None], speculation, n)
+        stats = bb.dispatcher.stats.since(before)
+    _assert_same_runs(off, on, n)
+    assert 0 < spec.accepted < spec.drafted, spec
+    assert speculation.mtp.bank.groups > 0
+    assert stats.fallbacks == 0 and stats.local_groups == 0 and stats.remote_groups > 0

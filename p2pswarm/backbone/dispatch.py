@@ -191,9 +191,11 @@ class Dispatcher:
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
         return {o: [groups[i] for i in idx] for o, idx in self._assign(layer, groups).items()}
 
-    def _assign(self, layer: int, groups: Groups, kept: dict[Owner, list[int]] | None = None) -> dict[Owner, list[int]]:
+    def _assign(self, layer: int, groups: Groups, kept: dict[Owner, list[int]] | None = None,
+                hot: bool = False) -> dict[Owner, list[int]]:
         """Owner -> indices of the groups it computes (an expert may have several groups).
-        ``kept``, if given, receives the owners the hot-expert path kept local, with their groups."""
+        ``kept``, if given, receives the owners the hot-expert path kept local, with their groups;
+        ``hot``: that path for this call even where :attr:`hot_experts` is off (the MTP drafter)."""
         plan: dict[Owner, list[int]] = {}
         local = self.local
         pairs: dict[Owner, int] = {}  # (expert, row) pairs given to each owner so far this layer
@@ -207,7 +209,7 @@ class Dispatcher:
                 owner = local if local.holds(layer, e) else self.unheld
             plan.setdefault(owner, []).append(i)
             pairs[owner] = pairs.get(owner, 0) + len(idx)
-        if self.hot_experts:
+        if self.hot_experts or hot:
             moved = self._keep_hot_local(layer, plan, groups)
             if kept is not None:
                 kept.update(moved)
@@ -301,17 +303,19 @@ class Dispatcher:
         trio.lowlevel.spawn_system_task(probe, name=f"probe of {owner.name}")
 
     async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups,
-                         taint: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+                         taint: dict[str, np.ndarray] | None = None, *, hot: bool = False) -> list[np.ndarray]:
         """Outputs per group, in group order: one request per owner with all the groups it holds
         (:meth:`route`), each answer verified on a sample (:meth:`_verified`).
         ``taint``: see the module doc (rows computed from a remote worker's unverified outputs).
+        ``hot``: the hot-expert rule for this call whatever :attr:`hot_experts` says: the MTP
+        drafter's (:mod:`p2pswarm.backbone.mtp`), whose drafts wait for every round trip they make.
 
         No groups (a layer without routed experts: a leading dense-FFN layer routes to nothing)
         is no work: no request, no demand, nothing counted."""
         if not groups:
             return []
         t0 = time.perf_counter()
-        plan = self.route(layer, cur, groups)
+        plan = self.route(layer, cur, groups, hot=hot)
         cache = self.cache
         # the cache's refill never drops a unit this layer may still compute (here, a fallback, a check)
         pinned = cache.pin(layer, [e for e, _ in groups]) if cache is not None else []
@@ -341,17 +345,17 @@ class Dispatcher:
             raise first_error(group) from None
         return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
 
-    def route(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[Owner, list[int]]:
+    def route(self, layer: int, cur: np.ndarray, groups: Groups, *, hot: bool = False) -> dict[Owner, list[int]]:
         """Routing: which owner computes which groups (indices into ``groups``): the first healthy
-        owner that holds the expert, the local replica for the rest, and with ``hot_experts`` the
-        local replica also for what a slow owner would take longer to return (those owners are
-        probed now and then in the background). Counts the demand."""
+        owner that holds the expert, the local replica for the rest, and with ``hot_experts`` (or
+        ``hot``) the local replica also for what a slow owner would take longer to return (those
+        owners are probed now and then in the background). Counts the demand."""
         self.demand.add(layer, groups)
         if self.cache is not None:
             self.cache.count(layer, groups)
         kept: dict[Owner, list[int]] = {}
-        plan = self._assign(layer, groups, kept)
-        if self.hot_experts:  # when each owner was last asked, and probes of those kept local
+        plan = self._assign(layer, groups, kept, hot)
+        if self.hot_experts or hot:  # when each owner was last asked, and probes of those kept local
             now = time.monotonic()
             for owner in plan:
                 if owner.remote:
