@@ -233,6 +233,7 @@ class MtpBlock:
         pos = np.arange(pos0, pos0 + T)
         q = ops.rope_neox(q, pos, m.n_rot, m.rope_base)
         k = ops.rope_neox(k, pos, m.n_rot, m.rope_base)
+        assert isinstance(st.kv, KVCache)  # (deepseek2's is a latent cache: mla_rows)
         keys, values = st.kv.append(k, v)
         att = ops.attention(q, keys, values, pos0).reshape(T, m.n_head * m.head_dim)
         return ops.matmul(np.ascontiguousarray(att), m.w[self.p + "attn_output.weight"])
