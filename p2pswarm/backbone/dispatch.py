@@ -210,7 +210,7 @@ class Dispatcher:
             plan.setdefault(owner, []).append(i)
             pairs[owner] = pairs.get(owner, 0) + len(idx)
         if self.hot_experts or hot:
-            moved = self._keep_hot_local(layer, plan, groups)
+            moved = self._keep_hot_local(layer, plan, groups, predicted=hot)
             if kept is not None:
                 kept.update(moved)
         return plan
@@ -237,14 +237,17 @@ class Dispatcher:
             old = self.owner_row_s.get(owner.name)
             self.owner_row_s[owner.name] = r if old is None else (1 - OWNER_RATE_EWMA) * old + OWNER_RATE_EWMA * r
 
-    def _keep_hot_local(self, layer: int, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
+    def _keep_hot_local(self, layer: int, plan: dict[Owner, list[int]], groups: Groups,
+                        predicted: bool = False) -> dict[Owner, list[int]]:
         """The hot-expert path: an owner whose expected round trip for this request (its measured
         round trips, by request size where it fits them: a link's bandwidth makes a big request
         slower, see ``remote_s``) is longer than computing its groups here (on top of what is
         already local this layer) gets no request; the local
         replica computes them, with the same kernel, so the result is the same bits (only an owner
         whose groups are all in the local expert cache: the others need the owner anyway). Returns the
-        owners kept local, with their groups (:meth:`run_groups` probes them now and then)."""
+        owners kept local, with their groups (:meth:`run_groups` probes them now and then).
+        ``predicted``: an owner with no measured ``rtt_s`` counts too where its ``predict_s`` fits
+        its recent requests (a worker process on a socket: the MTP drafter's ``hot`` calls)."""
         moved: dict[Owner, list[int]] = {}
         rate = self.local_row_s
         local = plan.get(self.local, [])
@@ -256,11 +259,13 @@ class Dispatcher:
             est = owner.predict_s(sum(len(groups[i][1]) for i in plan[owner]))
             if est is not None:
                 return est
-            assert owner.rtt_s is not None  # (only measured owners are considered)
+            assert owner.rtt_s is not None  # (only measured owners are considered: predicted above)
             return owner.rtt_s
 
-        remote = sorted(((remote_s(o), o) for o in plan if o.remote and o.rtt_s is not None),
-                        key=lambda so: -so[0])
+        def measured(owner: Owner) -> bool:
+            return owner.rtt_s is not None or (predicted and owner.predict_s(1) is not None)
+
+        remote = sorted(((remote_s(o), o) for o in plan if o.remote and measured(o)), key=lambda so: -so[0])
         for wait_s, owner in remote:
             if self.cache is not None and not all(self.local.holds(layer, groups[i][0]) for i in plan[owner]):
                 continue
@@ -348,14 +353,16 @@ class Dispatcher:
     def route(self, layer: int, cur: np.ndarray, groups: Groups, *, hot: bool = False) -> dict[Owner, list[int]]:
         """Routing: which owner computes which groups (indices into ``groups``): the first healthy
         owner that holds the expert, the local replica for the rest, and with ``hot_experts`` (or
-        ``hot``) the local replica also for what a slow owner would take longer to return (those
-        owners are probed now and then in the background). Counts the demand."""
+        ``hot``) the local replica also for what a slow owner would take longer to return (with
+        ``hot_experts``, those owners are probed now and then in the background). Counts the demand."""
         self.demand.add(layer, groups)
         if self.cache is not None:
             self.cache.count(layer, groups)
         kept: dict[Owner, list[int]] = {}
         plan = self._assign(layer, groups, kept, hot)
-        if self.hot_experts or hot:  # when each owner was last asked, and probes of those kept local
+        # when each owner was last asked, and probes of those kept local (not for a ``hot`` call
+        # alone: the trunk's layers, computed by the same owners, keep measuring their round trips)
+        if self.hot_experts:
             now = time.monotonic()
             for owner in plan:
                 if owner.remote:
