@@ -162,9 +162,9 @@ async def test_greedy_and_seeded_mtp_spec_on_equals_off(agreeing_model, workers)
         stats = bb.dispatcher.stats.since(before)
     _assert_same_runs(off, on, n)
     assert 0 < spec.accepted < spec.drafted, spec
-    if workers:  # the block's experts: the backbone's copy where not slower than a round trip, else a worker
+    if workers:  # the block's experts: the backbone's copy where faster than a round trip (here), else a worker
         assert stats.fallbacks == 0 and stats.requests > 0
-        assert stats.local_groups <= speculation.mtp.bank.groups, "a trunk expert computed locally"
+        assert 0 < stats.local_groups <= speculation.mtp.bank.groups, "a trunk expert computed locally"
 
 
 def _assert_same_runs(off, on, n):
