@@ -27,66 +27,45 @@ from helpers.speculating import PROMPT, REPEATING
 from helpers.speculating import run_spec as _run
 
 
-@pytest.fixture(scope="session")
-def glm_f32(models_dir):
-    path = models_dir / "mtp-glm-f32.gguf"
-    if not path.exists():
-        make_model(path, arch="glm4moe", preset="tiny", qtype="f32", seed=45)
-    return path
-
-
-@pytest.fixture(scope="session")
-def q35_f32(models_dir):
-    path = models_dir / "mtp-q35-f32.gguf"
-    if not path.exists():
-        make_model(path, arch="qwen35moe", preset="tiny", qtype="f32", seed=45, n_nextn=1)
-    return path
-
-
-@pytest.fixture(scope="session")
-def q35_agreeing(models_dir):
-    path = models_dir / "mtp-q35-agree.gguf"
-    if not path.exists():
-        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
-    return path
-
-
-@pytest.fixture(scope="session")
-def ds2_f32(models_dir):
-    path = models_dir / "mtp-ds2-f32.gguf"
-    if not path.exists():
-        make_model(path, arch="deepseek2", preset="tiny", qtype="f32", seed=45, n_nextn=1)
-    return path
-
-
-@pytest.fixture(scope="session")
-def ds2_agreeing(models_dir):
-    path = models_dir / "mtp-ds2-agree.gguf"
-    if not path.exists():
-        make_model(path, arch="deepseek2", preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
-    return path
-
-
 ARCHS = ["glm4moe", "qwen35moe", "deepseek2"]
 
 
-@pytest.fixture(params=ARCHS)
-def f32_model(request):
-    return request.getfixturevalue({"glm4moe": "glm_f32", "qwen35moe": "q35_f32", "deepseek2": "ds2_f32"}[request.param])
-
-
-@pytest.fixture(params=ARCHS)
-def agreeing_model(request):
-    return request.getfixturevalue({"glm4moe": "glm_agreeing", "qwen35moe": "q35_agreeing",
-                                    "deepseek2": "ds2_agreeing"}[request.param])
-
-
-@pytest.fixture(scope="session")
-def glm_agreeing(models_dir):
-    path = models_dir / "mtp-glm-agree.gguf"
+def _mtp_model(models_dir, arch: str, kind: str):
+    """The tiny preset of ``arch`` with its MTP block, made once per session: ``f32`` (seed 45, for
+    the comparison with llama.cpp) or ``agree`` (Q8_0, seed 46, ``--mtp-agreement 0.9``: drafts
+    accepted often, not always)."""
+    path = models_dir / f"mtp-{arch}-{kind}.gguf"
     if not path.exists():
-        make_model(path, arch="glm4moe", preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
+        if kind == "f32":
+            make_model(path, arch=arch, preset="tiny", qtype="f32", seed=45, **({} if arch == "glm4moe" else {"n_nextn": 1}))
+        else:
+            make_model(path, arch=arch, preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
     return path
+
+
+@pytest.fixture(params=ARCHS)
+def f32_model(request, models_dir):
+    return _mtp_model(models_dir, request.param, "f32")
+
+
+@pytest.fixture(params=ARCHS)
+def agreeing_model(request, models_dir):
+    return _mtp_model(models_dir, request.param, "agree")
+
+
+@pytest.fixture
+def glm_f32(models_dir):
+    return _mtp_model(models_dir, "glm4moe", "f32")
+
+
+@pytest.fixture
+def ds2_f32(models_dir):
+    return _mtp_model(models_dir, "deepseek2", "f32")
+
+
+@pytest.fixture
+def ds2_agreeing(models_dir):
+    return _mtp_model(models_dir, "deepseek2", "agree")
 
 
 def _q35(models_dir):
@@ -183,46 +162,31 @@ def test_speculate_mtp_refusals(models_dir, glm_f32, ds2_f32, tmp_path):
     one line each, naming the file's block or the tensor; make-model writes deepseek2's block."""
     from gguf import GGUFValueType as T
 
-    proc = run_cli("generate", str(_ds2(models_dir)), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "--speculate mtp", "deepseek2, 4 layers", "no MTP (NextN) block",
-                          "deepseek2.nextn_predict_layers")
-    ds = rewrite(_ds2(models_dir), tmp_path / "ds-mtp.gguf",
-                 set_keys={"deepseek2.nextn_predict_layers": (1, T.UINT32, None)})
-    proc = run_cli("generate", str(ds), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "MTP block tensor", "blk.3.nextn.eh_proj.weight", "missing")
-    for name in ("blk.4.attn_kv_a_norm.weight", "blk.4.nextn.enorm.weight"):
-        short = rewrite(ds2_f32, tmp_path / "ds-short.gguf", replace_tensor={name: np.ones(64, np.float32)})
-        proc = run_cli("generate", str(short), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-        assert_one_line_error(proc, "MTP block tensor", name, "shape")
-    ds_cli = tmp_path / "ds-block.gguf"
-    proc = run_cli("make-model", "--arch", "deepseek2", "--mtp-blocks", "1", "-q", "-o", str(ds_cli))
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("generate", str(ds_cli), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("make-model", "--arch", "deepseek2", "--mtp-blocks", "2", "-q", "-o", str(tmp_path / "y.gguf"))
-    assert_one_line_error(proc, "--mtp-blocks (n_nextn) must be 0 or 1")
-    assert not (tmp_path / "y.gguf").exists()
-    q35 = rewrite(_q35(models_dir), tmp_path / "q35-mtp.gguf",
-                  set_keys={"qwen35moe.nextn_predict_layers": (1, T.UINT32, None)})
-    proc = run_cli("generate", str(q35), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "MTP block tensor", "blk.2.nextn.eh_proj.weight", "missing")
+    def generate(path, n: int = 2):
+        return run_cli("generate", str(path), "--prompt", "hello", "--max-tokens", str(n), "--speculate", "mtp")
+
+    assert_one_line_error(generate(_ds2(models_dir)), "--speculate mtp", "deepseek2, 4 layers",
+                          "no MTP (NextN) block", "deepseek2.nextn_predict_layers")
+    for trunk, key, il in ((_ds2(models_dir), "deepseek2", 3), (_q35(models_dir), "qwen35moe", 2)):
+        claims = rewrite(trunk, tmp_path / "claims.gguf", set_keys={f"{key}.nextn_predict_layers": (1, T.UINT32, None)})
+        assert_one_line_error(generate(claims), "MTP block tensor", f"blk.{il}.nextn.eh_proj.weight", "missing")
+    for src, name in ((ds2_f32, "blk.4.attn_kv_a_norm.weight"), (ds2_f32, "blk.4.nextn.enorm.weight"),
+                      (glm_f32, "blk.4.nextn.enorm.weight")):
+        short = rewrite(src, tmp_path / "short.gguf", replace_tensor={name: np.ones(64, np.float32)})
+        assert_one_line_error(generate(short), "MTP block tensor", name, "shape")
     bad = rewrite(glm_f32, tmp_path / "bad-block.gguf", drop_tensor="blk.4.nextn.hnorm.weight")
-    proc = run_cli("generate", str(bad), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "blk.4.nextn.hnorm.weight")
-    short = rewrite(glm_f32, tmp_path / "short-block.gguf",
-                    replace_tensor={"blk.4.nextn.enorm.weight": np.ones(64, np.float32)})
-    proc = run_cli("generate", str(short), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "blk.4.nextn.enorm.weight", "shape")
-    proc = run_cli("generate", str(glm_f32), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
+    assert_one_line_error(generate(bad), "blk.4.nextn.hnorm.weight")
+    proc = generate(glm_f32, 4)
     assert proc.returncode == 0, proc.stderr
-    q35mtp = tmp_path / "q35-block.gguf"
-    proc = run_cli("make-model", "--arch", "qwen35moe", "--mtp-blocks", "1", "-q", "-o", str(q35mtp))
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("generate", str(q35mtp), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("make-model", "--arch", "qwen35moe", "--mtp-blocks", "2", "-q", "-o", str(tmp_path / "x.gguf"))
-    assert_one_line_error(proc, "--mtp-blocks (n_nextn) must be 0 or 1")
-    assert not (tmp_path / "x.gguf").exists()
+    for arch in ("deepseek2", "qwen35moe"):  # make-model writes the block on request, generate drafts with it
+        made = tmp_path / f"{arch}-block.gguf"
+        proc = run_cli("make-model", "--arch", arch, "--mtp-blocks", "1", "-q", "-o", str(made))
+        assert proc.returncode == 0, proc.stderr
+        proc = generate(made, 4)
+        assert proc.returncode == 0, proc.stderr
+        proc = run_cli("make-model", "--arch", arch, "--mtp-blocks", "2", "-q", "-o", str(tmp_path / "x.gguf"))
+        assert_one_line_error(proc, "--mtp-blocks (n_nextn) must be 0 or 1")
+        assert not (tmp_path / "x.gguf").exists()
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -315,12 +279,12 @@ def test_shards_carry_the_mtp_blocks_experts(ds2_agreeing, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["deepseek2", "qwen35moe"])
-async def test_mtp_experts_go_to_worker_processes_without_a_local_copy(arch, request):
+async def test_mtp_experts_go_to_worker_processes_without_a_local_copy(arch, models_dir):
     """``--expert-cache none``: the backbone holds none of the block's experts, so its drafts'
     experts are computed by the 3 worker processes, which advertise the block's layer: tokens and
     every position's logits bit-identical to speculation off, drafts accepted, no fallback, no
     expert computed on the backbone."""
-    model = request.getfixturevalue({"deepseek2": "ds2_agreeing", "qwen35moe": "q35_agreeing"}[arch])
+    model = _mtp_model(models_dir, arch, "agree")
     prompts, n = [REPEATING, PROMPT], 64
     async with open_backbone(model, workers=3, transport="socket", expert_cache=parse_cache_size("none")) as swarm:
         bb = swarm.backbone
