@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import sys
 
 from p2pswarm import settings
 from p2pswarm.errors import UserError
@@ -208,3 +210,10 @@ def parse_ids(text: str, what: str = "--tokens") -> list[int]:
 def check_workers(n: int) -> None:
     if n < 0:
         raise UserError("--workers must be >= 0")
+
+
+def line_buffered_stdout() -> None:
+    """Flush stdout at each line: a node's READY line and progress reach whoever reads its pipe (a
+    test, a supervisor) at once, not when a block buffer fills."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from pathlib import Path
 
 import trio
@@ -26,7 +25,7 @@ from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.net.tokens import AUTO_SCOPE
 from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, add_speculate_args,
                                       expert_cache_size, market_kwargs, parse_hostport, positive_int,
-                                      require_backbone_model, speculation_from)
+                                      line_buffered_stdout, require_backbone_model, speculation_from)
 from p2pswarm.commands.node_downloads import _fetch_backbone, _fetch_shard, _serve_own_shard
 from p2pswarm.commands.node_args import (add_http_limit_args, add_worker_limit_args, check_dht_mode,
                                          check_worker_source, http_limits, peer_budget)
@@ -551,7 +550,7 @@ def run(args) -> int:
         for addr in args.relay:
             parse_peer_addr(addr)
         args.relay_token = load_token(args.token) if args.token else None
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     args.cut = 0
     trio.run(_worker if args.role == "worker" else _backbone, args)
     if args.cut:
