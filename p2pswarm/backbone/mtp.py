@@ -37,12 +37,12 @@ kept); the chained entries are dropped after drafting, so a rejected draft leave
 either. A replay starts from a fresh :class:`~p2pswarm.engine.state.SequenceState`, and so from an
 empty block cache.
 
-Where its routed experts run: ``experts`` (:class:`~p2pswarm.contracts.ExpertBank`-like,
-``forward_groups``), which :func:`block_for` makes :class:`DispatchedExperts`: per unit as the
-dispatcher routes any layer's, with its hot-expert rule (:meth:`~p2pswarm.backbone.dispatch.Dispatcher.
-run_groups` with ``hot``): on the backbone's own copy (its full file, or its expert cache) when that
-is not slower than the owner's round trip, so a draft then costs no round trip; else to the worker
-that owns it (shards and workers hold and advertise the block's layer like any other).
+Where its routed experts run: :attr:`MtpBlock.bank` (anything with ``forward_groups``), which
+:func:`block_for` makes a :class:`DispatchedExperts`: per unit as the dispatcher routes any layer's,
+with its hot-expert rule (``Dispatcher.run_groups(..., hot=True)``): on the backbone's own copy (its
+full file, or its expert cache) when that is faster than the owner's round trip, so a draft then
+costs no round trip; else on the worker that owns it (shards and workers hold and advertise the
+block's layer like any other). A draft whose units no live owner holds is skipped, never an error.
 """
 from __future__ import annotations
 
