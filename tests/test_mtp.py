@@ -301,3 +301,28 @@ async def test_mtp_experts_go_to_worker_processes_without_a_local_copy(arch, mod
     assert 0 < spec.accepted < spec.drafted, spec
     assert speculation.mtp.bank.groups > 0
     assert stats.fallbacks == 0 and stats.local_groups == 0 and stats.remote_groups > 0
+
+
+async def test_a_draft_whose_experts_no_one_holds_is_skipped(ds2_agreeing):
+    """A draft is optional: when the block's units have no live owner (every replica gone), the
+    step gets no draft, not an error, and the block's state is as before; once they are back it
+    drafts what a block that never failed drafts."""
+    from p2pswarm.errors import UnitsUnavailable
+
+    class Gone:
+        def forward_groups(self, layer, cur, groups):
+            raise UnitsUnavailable("no live owner holds them", layer=layer, experts=[e for e, _ in groups])
+
+    async with open_backbone(ds2_agreeing, workers=0) as swarm:
+        bb = swarm.backbone
+        bb.keep_hidden = True
+        st = bb.new_state()
+        nxt = int(np.argmax((await bb.forward(PROMPT, st))[-1]))
+        block = MtpBlock(bb.model, Gone())
+        assert block.draft(st, PROMPT + [nxt], 3) == []
+        assert st.mtp.fed == 0 and st.mtp.kv.n == 0
+        block.bank = ExpertBank(bb.model.layout)
+        got = block.draft(st, PROMPT + [nxt], 3)
+        ref = bb.new_state()
+        await bb.forward(PROMPT, ref)
+    assert len(got) == 3 and got == MtpBlock(bb.model, ExpertBank(bb.model.layout)).draft(ref, PROMPT + [nxt], 3)
