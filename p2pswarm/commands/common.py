@@ -137,7 +137,7 @@ def add_speculate_args(p, prefix: str = "") -> None:
     p.add_argument("--speculate", choices=("off", "ngram", "mtp"), default="off",
                    help=prefix + "speculative decoding: draft tokens and verify them in the same step, exact "
                         "(the same tokens as without); ngram: prompt lookup; mtp: the model's own MTP block "
-                        "(glm4moe, qwen35moe; other architectures refused); default off")
+                        "(glm4moe, qwen35moe, deepseek2; other architectures refused); default off")
     p.add_argument("--draft-max", type=int, default=4, metavar="K",
                    help=prefix + "most tokens drafted per sequence and step, adapted to the recent acceptance "
                         "(default 4)")
