@@ -22,19 +22,25 @@ than 0.95x (it stops drafting).
 
     python bench/bench_speculation.py [--rtt 50] [--tokens 32] [--rounds 2] [--layers 2] [--draft-max 4]
         [--concurrent 64] [--preset tiny|geometry-122b] [--mtp-agreement A] [--mtp-arch glm4moe|qwen35moe]
-        [--out docs/benchmarks.md]
+        [--scratch DIR] [--out docs/benchmarks.md]
 
 ``--mtp-agreement A``: instead, a model (``--mtp-arch``: glm4moe, the default, or qwen35moe;
 ``--preset`` applies to qwen35moe) whose MTP block agrees with its trunk at knob A
 (``make-model --mtp-agreement``), off against ``--speculate mtp`` with K and with K=1: the model's
 own block drafts (its experts on the backbone's copy, so a draft costs no round trip).
 
-``--concurrent N``: also N sequences at once, off against ngram alternating (aggregate tokens/s;
-a step of more than 8 decoding sequences drafts nothing, so this measures what asking costs).
+``--concurrent N``: also N sequences at once, off against ngram (``--mtp-agreement``: mtp)
+alternating (aggregate tokens/s; a step of more than 8 decoding sequences drafts nothing, so
+this measures what asking costs).
+
+Every row records the 1-minute load average at each of its runs (the machine is shared), and the
+end says how many layers of verification steps ran as one chunk and how many in rounds
+(``Backbone.verify_calls``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -130,20 +136,23 @@ async def _bench(args, model: Path) -> list[str]:
                 for name, spec in modes.items():
                     toks, took, steps, st = await _one(bb, spec, args.tokens)
                     assert toks == wanted, f"{name}: tokens differ from the run without speculation"
-                    res[name].append((took, steps, st.accepted, st.drafted))
-            many: dict[str, list] = {"off": [], "ngram": []}
+                    res[name].append((took, steps, st.accepted, st.drafted, os.getloadavg()[0]))
+            on = "mtp" if args.mtp_agreement is not None else "ngram"
+            many: dict[str, list] = {"off": [], on: []}
             for _ in range(args.rounds if args.concurrent else 0):
                 for name in many:
                     took, n_tok, st = await _many(bb, modes[name], args.concurrent, args.tokens)
-                    many[name].append((took, n_tok, st.drafted))
+                    many[name].append((took, n_tok, st.drafted, os.getloadavg()[0]))
             stats = bb.dispatcher.stats.since(before)
             assert stats.local_groups == 0 and stats.fallbacks == 0, stats
+            paths = dict(bb.verify_calls)
         finally:
             proxy.terminate()
             proxy.wait(10)
     off_s = statistics.median(r[0] for r in res["off"])
-    rows = ["| mode | acceptance | drafts accepted per step | tokens per step | tokens/s | speed-up vs off | goal 0.9 x (1 + accepted per step) |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| mode | acceptance | drafts accepted per step | tokens per step | tokens/s | speed-up vs off | "
+            "goal 0.9 x (1 + accepted per step) | load (1 min) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, runs in res.items():
         took = statistics.median(r[0] for r in runs)
         steps = sum(r[1] for r in runs)  # all rounds together (the same tokens each round)
@@ -152,12 +161,16 @@ async def _bench(args, model: Path) -> list[str]:
         per_step = accepted / max(steps, 1)
         goal = f"{0.9 * (1 + per_step):.2f}" if drafted else "-"
         rows.append(f"| {name} | {acc} | {per_step:.2f} | {len(runs) * (args.tokens - 1) / max(steps, 1):.2f} | "
-                    f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} |")
+                    f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} | "
+                    f"{'-'.join(f'{r[4]:.1f}' for r in runs)} |")
     if args.concurrent:
-        rate = {m: statistics.median(n / t for t, n, _ in runs) for m, runs in many.items()}
+        rate = {m: statistics.median(n / t for t, n, _, _ in runs) for m, runs in many.items()}
+        load = "-".join(f"{r[3]:.1f}" for runs in many.values() for r in runs)
         rows += ["", f"{args.concurrent} concurrent sequences, {args.tokens} tokens each (aggregate tokens/s, "
-                     f"median of {args.rounds}): off {rate['off']:.1f}, ngram {rate['ngram']:.1f} "
-                     f"({rate['ngram'] / rate['off']:.2f}x; drafts {sum(d for _, _, d in many['ngram'])})"]
+                     f"median of {args.rounds}): off {rate['off']:.1f}, {on} {rate[on]:.1f} "
+                     f"({rate[on] / rate['off']:.2f}x; drafts {sum(r[2] for r in many[on])}; load {load})"]
+    rows += ["", f"verification layers computed as one chunk: {paths['chunk']}, in rounds of one position: "
+                 f"{paths['rounds']} (Backbone.verify_calls)"]
     return rows
 
 
@@ -180,8 +193,10 @@ def main() -> None:
     ap.add_argument("--mtp-arch", default="glm4moe", choices=("glm4moe", "qwen35moe"),
                     help="the architecture of --mtp-agreement's model (glm4moe: tiny; qwen35moe: --preset)")
     ap.add_argument("--out", help="append the table to this markdown file (docs/benchmarks.md)")
+    ap.add_argument("--scratch", default=None, metavar="DIR",
+                    help="where the model file is written (and removed after); default the system's temp folder")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-spec-") as d:
+    with tempfile.TemporaryDirectory(prefix="bench-spec-", dir=args.scratch) as d:
         model = Path(d) / "q35.gguf"
         if args.mtp_agreement is not None:
             make_model(model, arch=args.mtp_arch, preset="tiny" if args.mtp_arch == "glm4moe" else args.preset,

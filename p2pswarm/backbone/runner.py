@@ -227,6 +227,9 @@ class Backbone:
         #: a ban can replay them; off, a ban fixes nothing already computed (benchmarks, tests)
         self.replay_on_ban = True
         self.keep_hidden = False  # keep each sequence's last hidden states (SequenceState.hidden): --speculate mtp
+        #: layers of verification steps computed as one chunk per layer, or in rounds of one
+        #: position each (forward_batch's ``verify``; tests and benchmarks read which ran)
+        self.verify_calls = {"chunk": 0, "rounds": 0}
         self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
         self._dense_running = 0  # dense pieces in progress, all micro-batches (LayerTiming.busy_s)
@@ -427,7 +430,19 @@ class Backbone:
         inv = self.dense_invariance(il) if invariant else ALL_BATCHED
         batch_fn = getattr(m, "pre_moe_batch", None)
         if verify is not None and any(verify):
-            h = self._pre_rounds(il, h, spans, states, pos0, verify, inv.pre_moe and batch_fn is not None)
+            chunk = getattr(m, "chunk_verify", None)
+            if inv.pre_moe and batch_fn is not None and chunk is not None and chunk(il):
+                # one call: a verified sequence's positions as one-row segments of its state (the
+                # model computes each as its decode step would and checkpoints it)
+                segs = []
+                for sp, st, p, v in zip(spans, states, pos0, verify):
+                    n = sp.stop - sp.start
+                    segs += [(st, p + r, 1) for r in range(n)] if v else [(st, p, n)]
+                h = batch_fn(il, h, segs)
+                self.verify_calls["chunk"] += 1
+            else:
+                h = self._pre_rounds(il, h, spans, states, pos0, verify, inv.pre_moe and batch_fn is not None)
+                self.verify_calls["rounds"] += 1
             spans = pspans
         elif inv.pre_moe and batch_fn is not None:  # one set of dense mat-muls for every sequence's rows
             h = batch_fn(il, h, [(st, p, sp.stop - sp.start) for sp, st, p in zip(spans, states, pos0)])
