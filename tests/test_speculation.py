@@ -283,6 +283,15 @@ def test_speculate_auto_is_mtp_where_the_file_has_a_block_else_off(tiny_q8, mode
         make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", layers=2, seed=43, mtp_agreement=1.0)
     mode, why = auto_mode(ModelLayout.open(path))
     assert mode == "mtp" and "1 MTP block" in why
+
+
+@pytest.mark.slow
+def test_generate_speculates_by_default_where_the_file_has_an_mtp_block(tiny_q8, models_dir):
+    """The CLI's default ``--speculate auto``, logged: off on a file without a block, mtp on one
+    with (and it drafts)."""
+    path = models_dir / "spec-q35-mtp.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", layers=2, seed=43, mtp_agreement=1.0)
     proc = run_cli("generate", str(tiny_q8), "--prompt", "hello", "--max-tokens", "2")
     assert proc.returncode == 0 and "--speculate auto: off" in proc.stderr, proc.stderr
     proc = run_cli("generate", str(path), "--prompt", "hello", "--max-tokens", "2")
