@@ -325,10 +325,15 @@ class Backbone:
 
         ``verify[i]``: item i's tokens are *decode* positions of one sequence (a speculative
         decoding step: the sampled token and its drafts), each computed exactly as a one-token
-        decode step computes it: its layer state advanced one position per call (the attention /
-        DeltaNet part in rounds, one row of each such sequence per round), every other dense piece
-        per position where a probe did not find it row-invariant (the batch-invariant rules, with
-        each position as a sequence of its own), and all positions' logits returned. Each layer's
+        decode step computes it: where the model takes a verification chunk
+        (``model.chunk_verify(il)``: qwen35moe's ggml layer graphs) and the probe found the layer's
+        dense path row-invariant, in ONE ``pre_moe_batch`` call per layer, the positions passed as
+        one-row segments of the sequence's state (the model steps the attention / DeltaNet part
+        per position inside that call, so the dense weights are streamed once, not once per
+        position); otherwise in rounds, one row of each such sequence per call
+        (:meth:`_pre_rounds`). Which ran is counted in ``verify_calls``. Every other dense piece
+        runs per position where a probe did not find it row-invariant (the batch-invariant rules,
+        with each position as a sequence of its own), and all positions' logits are returned. Each layer's
         state is checkpointed after each position, so :meth:`keep_positions` can drop the rejected
         ones with no trace. Their experts still go in the step's one request per owner per layer."""
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant

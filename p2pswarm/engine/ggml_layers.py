@@ -304,9 +304,9 @@ def _stepped_rule(g, qk, c, gt, beta, st, snaps: list, o_all, row: int, j: int, 
         v_i = lib.view_3d(ctx, c, dv, Hv, 1, 4 * dv, 4 * C, 4 * C * (n * j + i) + 8 * Hk * d)
         g_i = lib.view_3d(ctx, gt, 1, Hv, 1, 4, 4 * Hv, 4 * Hv * (row + i))
         b_i = lib.view_3d(ctx, beta, 1, Hv, 1, 4, 4 * Hv, 4 * Hv * (row + i))
-        src = st.buf if i == 0 else bufs[i - 1]
+        src = -1 if i == 0 else i - 1  # the sequence's own state first, then the previous position's
         s_in = lib.new_tensor_3d(g.meta, GGML_TYPE_F32, d, dv, Hv)
-        g.place(g.wrap(st.buf) if i == 0 else wrapped[i - 1], s_in, src.ctypes.data + 4 * st.head)
+        g.place(wrapped[src], s_in, bufs[src].ctypes.data + 4 * st.head)
         res = lib.gated_delta_net(g.meta, q_i, k_i, v_i, g_i, b_i, s_in, 1)
         g.place(wrapped[i], res, bufs[i].ctypes.data)
         lib.build_forward_expand(g.graph, res)
