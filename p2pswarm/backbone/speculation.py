@@ -15,6 +15,9 @@ The first mismatch ends the step: the positions after it are dropped from every 
 them. So greedy tokens and logits, and a seeded request's text, are the same with speculation on
 or off.
 
+``auto`` (the CLI's default) is ``mtp`` where the model has an MTP block, otherwise ``off``
+(:func:`auto_mode`; the log says which and why).
+
 Drafters: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n = 3, 2, 1: free, and good wherever the output repeats its input or
 itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.backbone.mtp`;
@@ -67,6 +70,26 @@ def check_mode(mode: str, layout) -> None:
             raise SpeculationUnsupported(
                 f"--speculate mtp: {layout.path} ({arch}, {layout.n_layer} layers) has no MTP (NextN) block "
                 f"(no {arch}.nextn_predict_layers); use --speculate ngram or off")
+
+
+def auto_mode(layout) -> tuple[str, str]:
+    """``--speculate auto`` (the default): ``mtp`` where the file has an MTP (NextN) block this
+    code runs and holds the block's routed experts, else ``off``; with the reason, for the log.
+    Why on by default: the block is in the file already, a draft costs no round trip (its experts
+    run on the backbone's copy) and the verification is exact, so the only cost is a rejected
+    draft's rows, which :class:`Adaptive` stops paying when the acceptance is low."""
+    from p2pswarm.backbone.mtp import ARCHS
+
+    n = int(layout.hparams.get("nextn_predict_layers", 0) or 0)
+    name = getattr(layout.path, "name", layout.path)
+    if not n:
+        return "off", f"{name} ({layout.arch}) has no MTP (NextN) block"
+    if layout.arch not in ARCHS:
+        return "off", (f"{name} has {n} MTP block(s) ({layout.arch}), but running them is implemented for "
+                       f"{', '.join(ARCHS)} only")
+    if layout.n_layer - n not in layout.expert_tensors:
+        return "off", f"{name} holds no routed experts of its MTP block (blk.{layout.n_layer - n}): a backbone file?"
+    return "mtp", f"{name} has {n} MTP block(s) ({layout.arch})"
 
 
 def ngram_draft(history: list[int], k: int, n_max: int = NGRAM_MAX) -> list[int]:
