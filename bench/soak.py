@@ -258,6 +258,19 @@ class Swarm:
             out[name] = ("absent", -1) if w is None else (w["state"], w["requests"] - w["failures"])
         return out
 
+    def nat_relayed(self) -> dict[str, dict[str, bool]]:
+        """Per backbone, whether its connection to each NATed worker goes through the relay (it
+        must: nothing can reach them directly; on loopback without a NAT a worker's own outbound
+        connection made it look direct, which a real NAT would not allow)."""
+        import httpx
+
+        out = {}
+        for name, base in zip(("backbone", "backbone2"), self.bases):
+            ws = httpx.get(base + "/v1/swarm", timeout=30).json()["workers"]
+            out[name] = {w: any(x["peer"] == self.peer_ids[w] and x["relayed"] for x in ws)
+                         for w in NAMESPACED if HOW[w] == "nat"}
+        return out
+
     def wait_full(self, timeout_s: float, targets: tuple[str, ...] = ()) -> float | None:
         """Seconds until full worker service: every honest worker live in the backbone's view (none
         in back-off after a failure, none missing), no fallback to the backbone's own replica
@@ -290,7 +303,7 @@ def _http(proc: Proc) -> str:
     return next(w for w in proc.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
 
 
-def monolithic_references(model: Path, workdir: Path, env: dict) -> dict:
+def monolithic_references(model: Path, workdir: Path, env: dict, prompts: int = len(PROMPTS)) -> dict:
     """Every (prompt, sampling, max_tokens) the load may send, answered by a backbone computing
     alone (no swarm): the reference the checker compares against."""
     import openai
@@ -301,7 +314,7 @@ def monolithic_references(model: Path, workdir: Path, env: dict) -> dict:
         base = next(w for w in mono.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         refs = {}
-        for p in range(len(PROMPTS)):
+        for p in range(prompts):
             for s in SAMPLINGS:
                 for m in MAX_TOKENS:
                     r = client.chat.completions.create(model="tiny", **_request(p, s, m))
@@ -317,12 +330,17 @@ class Nemesis:
 
     KINDS = ("kill9", "stop", "relay", "bootstrap", "corrupt_shard", "garbage", "partition", "slow")
 
-    def __init__(self, swarm: Swarm, seed: int, every_s: float, partition_s: tuple[float, float] = (20, 60)):
-        self.swarm, self.every_s, self.partition_s = swarm, every_s, partition_s
+    def __init__(self, swarm: Swarm, seed: int, every_s: float, hold_scale: float = 1.0):
+        self.swarm, self.every_s, self.hold_scale = swarm, every_s, hold_scale
         self.rng = random.Random(seed)
         self.faults: list[dict] = []
         self.stop = threading.Event()
         self.fault_windows: list[tuple[float, float]] = []
+
+    def _hold(self, lo: float, hi: float) -> float:
+        """How long a fault is held (or a killed node stays down): uniform in [lo, hi] seconds
+        times ``hold_scale`` (1 in the long run; the short test's is smaller)."""
+        return self.rng.uniform(lo, hi) * self.hold_scale
 
     def schedule(self, n: int) -> list[str]:
         """The kinds, in order: every kind once per round, shuffled (a short run still sees each)."""
@@ -354,13 +372,13 @@ class Nemesis:
     def _kill9(self, victim: str) -> dict:
         node = self.swarm.nodes[victim]
         node.kill()
-        time.sleep(self.rng.uniform(2, 6))
+        time.sleep(self._hold(2, 6))
         node.start()
         return {"target": victim, "hit": (victim,)}
 
     def _stop(self, victim: str) -> dict:
         node = self.swarm.nodes[victim]
-        held = self.rng.uniform(5, 15)
+        held = self._hold(5, 15)
         node.signal(signal.SIGSTOP)
         time.sleep(held)
         node.signal(signal.SIGCONT)
@@ -369,14 +387,14 @@ class Nemesis:
     def _relay(self, victim: str) -> dict:
         node = self.swarm.nodes["relay"]
         node.kill()
-        time.sleep(self.rng.uniform(2, 5))
+        time.sleep(self._hold(2, 5))
         node.start()
         return {"target": "relay", "hit": tuple(n for n, _, how in HONEST if how == "relay")}
 
     def _bootstrap(self, victim: str) -> dict:
         node = self.swarm.nodes["boot2"]
         node.kill()
-        time.sleep(self.rng.uniform(5, 10))
+        time.sleep(self._hold(5, 10))
         node.start()
         return {"target": "boot2"}
 
@@ -408,7 +426,7 @@ class Nemesis:
         """Every packet of the victim's link dropped (nftables in its namespace) for 20-60 s: its
         connections stall rather than close, so the backbones must notice by timeout; then healed."""
         ns = self.swarm.netns[victim]
-        held = self.rng.uniform(*self.partition_s)
+        held = self._hold(20, 60)
         ns.partition()
         try:
             time.sleep(held)
@@ -419,7 +437,7 @@ class Nemesis:
     def _slow(self, victim: str) -> dict:
         """The victim's link rate-limited (nftables, both ways) to 20-200 kB/s, as long as a partition."""
         ns = self.swarm.netns[victim]
-        held, rate = self.rng.uniform(*self.partition_s), self.rng.choice((20, 50, 200))
+        held, rate = self._hold(20, 60), self.rng.choice((20, 50, 200))
         ns.slow(rate)
         try:
             time.sleep(held)
@@ -438,7 +456,7 @@ class Nemesis:
             targets.insert(0, (listen[2], int(listen[4])))
         sent = 0
         for target in targets:
-            for _ in range(5):
+            for _ in range(5 if self.hold_scale >= 1 else 2):
                 with socket.create_connection(target, timeout=5) as s:
                     blob = rng.randbytes(rng.randrange(1, 4096))
                     try:
@@ -544,7 +562,7 @@ def make_tiny(workdir: Path) -> Path:
 def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int, clients: int = 4,
              fault_every_s: float = 20.0, verify_rate: float = 0.25, sample_every_s: float = 5.0,
              warmup_s: float | None = None, min_faults: int = 0,
-             partition_s: tuple[float, float] = (20, 60)) -> dict:
+             hold_scale: float = 1.0, prompts: int = len(PROMPTS)) -> dict:
     """Run the soak for ``duration_s`` (longer until ``min_faults`` faults were injected, at most
     four times as long) and return the checker's report (``report["problems"]``: empty if every
     promise was kept)."""
@@ -553,14 +571,18 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
     workdir.mkdir(parents=True, exist_ok=True)
     model = Path(model) if model else make_tiny(workdir)
     swarm = Swarm(model, workdir / "swarm", verify_rate=verify_rate, seed=seed)
+    t0 = _now()
     print("[soak] monolithic references ...", flush=True)
-    refs = monolithic_references(model, workdir, swarm.env)
-    print(f"[soak] {len(refs)} references; starting the swarm", flush=True)
+    refs = monolithic_references(model, workdir, swarm.env, prompts)
+    setup = {"references_s": round(_now() - t0, 1)}
+    print(f"[soak] {len(refs)} references in {setup['references_s']} s; starting the swarm", flush=True)
     with swarm:
         if swarm.wait_full(120) is None:
             raise RuntimeError(f"the swarm never reached full worker service: {swarm.get('/v1/swarm')['workers']}")
-        load = Load(swarm.bases, clients, seed)
-        nemesis = Nemesis(swarm, seed, fault_every_s, partition_s)
+        setup["swarm_s"] = round(_now() - t0 - setup["references_s"], 1)
+        print(f"[soak] full worker service {setup['swarm_s']} s after the first start", flush=True)
+        load = Load(swarm.bases, clients, seed, prompts=prompts)
+        nemesis = Nemesis(swarm, seed, fault_every_s, hold_scale)
         samples: list[dict] = []
         started = _now()
         threads = load.run()
@@ -586,7 +608,9 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
         report = summarise(load.outcomes, refs, nemesis.faults, nemesis.fault_windows, samples,
                            warmup_s if warmup_s is not None else min(120.0, duration_s / 4), health,
                            swarm.liar_id, started, ended)
+        report["nat_relayed"] = swarm.nat_relayed()
     report["seed"], report["clients"], report["verify_rate"] = seed, clients, verify_rate
+    report["setup"], report["wall_s"] = setup, round(_now() - t0, 1)
     report["problems"] = check(report)
     return report
 
@@ -600,7 +624,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--fault-every-s", type=float, default=30)
     ap.add_argument("--verify-rate", type=float, default=0.25)
-    ap.add_argument("--partition-s", default="20,60", help="MIN,MAX seconds a partition or slowed link is held")
+    ap.add_argument("--hold-scale", type=float, default=1.0,
+                    help="scale every fault's hold (partitions 20-60 s, SIGSTOP 5-15 s, ...) by this")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = ap.parse_args()
@@ -608,7 +633,7 @@ def main() -> int:
     try:
         report = run_soak(args.model, workdir, duration_s=args.duration_s, seed=args.seed, clients=args.clients,
                           fault_every_s=args.fault_every_s, verify_rate=args.verify_rate,
-                          partition_s=tuple(float(x) for x in args.partition_s.split(",")))
+                          hold_scale=args.hold_scale)
     finally:
         if not args.keep:
             shutil.rmtree(workdir / "swarm" / "cache", ignore_errors=True)

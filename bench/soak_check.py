@@ -47,8 +47,9 @@ class Load:
     """``clients`` threads sending requests until ``stop`` is set; every outcome recorded. Client
     ``i`` talks to ``bases[i % len(bases)]`` (several backbones: the load is spread over them)."""
 
-    def __init__(self, bases: list[str], clients: int, seed: int, timeout_s: float = 120):
-        self.bases, self.clients, self.timeout_s = list(bases), clients, timeout_s
+    def __init__(self, bases: list[str], clients: int, seed: int, timeout_s: float = 120,
+                 prompts: int = len(PROMPTS)):
+        self.bases, self.clients, self.timeout_s, self.prompts = list(bases), clients, timeout_s, prompts
         self.rng = random.Random(seed)
         self.outcomes: list[Outcome] = []
         self.stop = threading.Event()
@@ -68,7 +69,7 @@ class Load:
         rng = random.Random(seed)
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=self.timeout_s)
         while not self.stop.is_set():
-            key = (rng.randrange(len(PROMPTS)), rng.choice(SAMPLINGS), rng.choice(MAX_TOKENS))
+            key = (rng.randrange(self.prompts), rng.choice(SAMPLINGS), rng.choice(MAX_TOKENS))
             stream = rng.random() < 0.5
             o = Outcome(key, stream, hangup=stream and rng.random() < 0.15, t0=_now(), base=base)
             with self.lock:
@@ -209,6 +210,9 @@ def check(report: dict) -> list[str]:
         bad.append("no request completed")
     if not report["liar_banned"]:
         bad.append("the dishonest worker was not banned")
+    for bb, workers in report.get("nat_relayed", {}).items():
+        if not all(workers.values()):
+            bad.append(f"{bb} does not reach every NATed worker through the relay: {workers}")
     for f in report["faults"]:
         if f.get("inject_error"):
             bad.append(f"fault {f['kind']} could not be injected: {f['inject_error']}")
