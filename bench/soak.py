@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,8 +192,11 @@ class Swarm:
                              f"/ip4/127.0.0.1/tcp/{port}", "--announce", f"/ip4/127.0.0.1/tcp/{link}"]
                 if name in LONG_LIVED:  # sampled: trio tasks and DHT records from its /health
                     args += ["--health", f"127.0.0.1:{next(ports)}"]
-                n = self._node(name, args, prefix=prefix)
-                self.peer_ids[name] = n.proc.addr.rsplit("/p2p/", 1)[1]
+                self.nodes[name] = Node(name, args, self.dir, self.env, prefix=tuple(prefix))
+            with ThreadPoolExecutor(len(HONEST)) as pool:  # started together: the start-up is most of a short run
+                list(pool.map(lambda name: self.nodes[name].start(), [name for name, _, _ in HONEST]))
+            for name, _, _ in HONEST:
+                self.peer_ids[name] = self.nodes[name].proc.addr.rsplit("/p2p/", 1)[1]
             liar_shard = self.shards["w0"]
             liar = self._node("liar", [str(ROOT / "tests" / "helpers" / "dishonest_worker.py"), "--shard",
                                        str(liar_shard), "--bootstrap", boots[1], "--identity", str(d / "liar.key"),
@@ -536,7 +540,7 @@ def sample(swarm: Swarm) -> dict:
     /health) trio tasks and DHT records held."""
     import httpx
 
-    out = {"t": _now()}
+    out = {"t": _now(), "load1": os.getloadavg()[0]}
     for name, base in zip(("backbone", "backbone2"), swarm.bases):
         h = httpx.get(base + "/health", timeout=30).json()
         out[name] = {**_proc_sample(swarm.nodes[name].pid), "tasks": h.get("trio_tasks"),
@@ -611,6 +615,8 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
         report["nat_relayed"] = swarm.nat_relayed()
     report["seed"], report["clients"], report["verify_rate"] = seed, clients, verify_rate
     report["setup"], report["wall_s"] = setup, round(_now() - t0, 1)
+    loads = sorted(x["load1"] for x in samples) or [os.getloadavg()[0]]
+    report["load1"] = {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]}
     report["problems"] = check(report)
     return report
 

@@ -166,7 +166,7 @@ def summarise(outcomes: list[Outcome], refs: dict, faults: list[dict], windows, 
             k["recovery_s"].append(round(f["recovery_s"], 1))
     slopes: dict[str, dict] = {}
     late = [s for s in samples if s["t"] - started >= warmup_s]
-    for who in sorted({k for s in samples for k in s if k != "t"}):
+    for who in sorted({k for s in samples for k in s if k not in ("t", "load1")}):
         slopes[who] = {}
         for metric in ("rss_mb", "fds", "tasks", "records"):
             pts = [(s["t"], s[who][metric]) for s in late if s.get(who, {}).get(metric) is not None]
