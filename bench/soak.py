@@ -393,7 +393,7 @@ class Nemesis:
         node.kill()
         time.sleep(self._hold(2, 5))
         node.start()
-        return {"target": "relay", "hit": tuple(n for n, _, how in HONEST if how == "relay")}
+        return {"target": "relay", "hit": tuple(n for n, _, how in HONEST if how == "nat")}
 
     def _bootstrap(self, victim: str) -> dict:
         node = self.swarm.nodes["boot2"]
@@ -568,7 +568,7 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
              warmup_s: float | None = None, min_faults: int = 0,
              hold_scale: float = 1.0, prompts: int = len(PROMPTS)) -> dict:
     """Run the soak for ``duration_s`` (longer until ``min_faults`` faults were injected, at most
-    four times as long) and return the checker's report (``report["problems"]``: empty if every
+    four times as long or 120 s a fault) and return the checker's report (``report["problems"]``: empty if every
     promise was kept)."""
     import httpx
 
@@ -593,7 +593,7 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
         nem = threading.Thread(target=nemesis.run, daemon=True)
         nem.start()
         while (_now() - started < duration_s or len(nemesis.faults) < min_faults) \
-                and _now() - started < 4 * duration_s:
+                and _now() - started < max(4 * duration_s, duration_s + 120 * min_faults):
             try:
                 samples.append(sample(swarm))
             except Exception as exc:
