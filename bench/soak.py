@@ -151,7 +151,8 @@ class Swarm:
             relay_ws = {name: (ns.host_ip, next(ports)) for name, ns in self.netns.items()}
             relay = self._node("relay", ["relay", "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}/ws",
                                          "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}", "--open",
-                                         *[a for h, p in relay_ws.values() for a in ("--listen", f"/ip4/{h}/tcp/{p}/ws")],
+                                         *[a for h, p in relay_ws.values()
+                                           for a in ("--listen", f"/ip4/{h}/tcp/{p}/ws")],
                                          "--identity", str(d / "relay.key"), "--bootstrap", boots[0]])
             self.relay_addr = relay.proc.addr
             relay_id = relay.proc.addr.rsplit("/p2p/", 1)[1]
@@ -181,7 +182,8 @@ class Swarm:
                 elif how == "netns":  # its own namespace, dialled at its address there; bootstraps via the veth
                     ns = self.netns[name]
                     prefix = ns.prefix
-                    args += [a for bt in boots for a in ("--bootstrap", bt.replace("/ip4/127.0.0.1/", f"/ip4/{ns.host_ip}/"))]
+                    args += [a for bt in boots
+                             for a in ("--bootstrap", bt.replace("/ip4/127.0.0.1/", f"/ip4/{ns.host_ip}/"))]
                     args += ["--listen", f"/ip4/{ns.ns_ip}/tcp/{listen[name]}"]
                 elif how == "direct":
                     args += ["--bootstrap", boots[0], "--bootstrap", boots[1],
@@ -209,7 +211,8 @@ class Swarm:
             issuer = load_or_create_identity(d / "issuer.key")
             manifest = d / "model.manifest"
             if not manifest.exists():
-                self._cli("manifest", "--model", str(self.model), "--key", str(d / "issuer.key"), "--out", str(manifest))
+                self._cli("manifest", "--model", str(self.model), "--key", str(d / "issuer.key"),
+                          "--out", str(manifest))
             common = ["--bootstrap", boots[0], "--bootstrap", boots[1], "--http", "127.0.0.1:0", "--timeout", "5",
                       "--verify-rate", str(self.verify_rate), "--verify-seed", str(self.seed), "--ban-refresh", "5",
                       "--served-model-name", "tiny"]
@@ -568,8 +571,8 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
              warmup_s: float | None = None, min_faults: int = 0,
              hold_scale: float = 1.0, prompts: int = len(PROMPTS)) -> dict:
     """Run the soak for ``duration_s`` (longer until ``min_faults`` faults were injected, at most
-    four times as long or 120 s a fault) and return the checker's report (``report["problems"]``: empty if every
-    promise was kept)."""
+    four times as long or 120 s a fault) and return the checker's report (``report["problems"]``:
+    empty if every promise was kept)."""
     import httpx
 
     workdir.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,10 @@
 verifying a quarter of the rows - one holding only the dense part and a 10 % expert cache - eight
 honest workers: three behind WAN proxies, two in network namespaces behind a NAT reachable only
 through the relay, one in a namespace of its own; an ``--auto`` worker, a dishonest worker) under
-the openai client's load, one fault of each of the eight kinds from a seeded schedule (partitions
-and slowed links held 4-12 s rather than 20-60 s, every hold a fifth of the long run's), and the same checker as the long run: no wrong
-token, nothing lost or hung, the dishonest worker banned, full worker service back after every
-fault. Needs root, ``ip`` and ``nft`` (fails, never skips, without them)."""
+the openai client's load, one fault of each of the eight kinds from a seeded schedule (every hold
+a fifth of the long run's: partitions and slowed links 4-12 s rather than 20-60 s), and the same
+checker as the long run: no wrong token, nothing lost or hung, the dishonest worker banned, the
+NATed workers reached through the relay, full worker service back after every fault. Needs root, ``ip`` and ``nft`` (fails, never skips, without them)."""
 from __future__ import annotations
 
 import os
