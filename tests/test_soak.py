@@ -5,7 +5,8 @@ through the relay, one in a namespace of its own; an ``--auto`` worker, a dishon
 the openai client's load, one fault of each of the eight kinds from a seeded schedule (every hold
 a fifth of the long run's: partitions and slowed links 4-12 s rather than 20-60 s), and the same
 checker as the long run: no wrong token, nothing lost or hung, the dishonest worker banned, the
-NATed workers reached through the relay, full worker service back after every fault. Needs root, ``ip`` and ``nft`` (fails, never skips, without them)."""
+NATed workers reached through the relay, full worker service back after every fault. Needs root,
+``ip`` and ``nft`` (fails, never skips, without them)."""
 from __future__ import annotations
 
 import os
