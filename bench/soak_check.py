@@ -10,7 +10,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-RECOVERY_BOUND_S = 60.0  # every honest worker live again this long after a fault is undone
+RECOVERY_BOUND_S = 60.0  # every honest worker live again this long after a fault is undone, except:
+#: a partition longer than a worker's record TTL (60 s) makes its record expire and the backbones drop
+#: it ("left the coverage map"); after the heal it is back once its next record refresh (every 20 s)
+#: has landed and each backbone's coverage map refresh (every 30 s) has read it: 50 s on an idle
+#: machine plus the dial; 90 s leaves the 2 loaded cores their margin.
+RECOVERY_BOUNDS_S = {"partition": 90.0}
+RECOVERY_WAIT_S = 180.0  # how long the nemesis waits for full service (past a bound: measured, and a problem)
+
+
+def recovery_bound(kind: str) -> float:
+    return RECOVERY_BOUNDS_S.get(kind, RECOVERY_BOUND_S)
 LONG_LIVED = ("w0", "w1")  # never faulted: their slopes are sampled
 PROMPTS = ["Tell me about experts.", "What is a swarm?", "Count to five.", "Name a colour.",
            "Why is the sky blue?", "Say hello."]
@@ -158,11 +168,12 @@ def summarise(outcomes: list[Outcome], refs: dict, faults: list[dict], windows, 
             per_token["faults" if in_fault(o) else "calm"] += o.token_times[1:]
     by_kind: dict[str, dict] = {}
     for f in faults:
-        k = by_kind.setdefault(f["kind"], {"count": 0, "recovery_s": [], "unrecovered": 0})
+        k = by_kind.setdefault(f["kind"], {"count": 0, "recovery_s": [], "unrecovered": 0,
+                                           "bound_s": recovery_bound(f["kind"])})
         k["count"] += 1
-        if f.get("recovery_s") is None:
-            k["unrecovered"] += 1
-        else:
+        if f.get("recovery_s") is None or f["recovery_s"] > recovery_bound(f["kind"]):
+            k["unrecovered"] += 1  # past its bound (the recovery, if measured, is still listed)
+        if f.get("recovery_s") is not None:
             k["recovery_s"].append(round(f["recovery_s"], 1))
     slopes: dict[str, dict] = {}
     late = [s for s in samples if s["t"] - started >= warmup_s]
@@ -216,8 +227,8 @@ def check(report: dict) -> list[str]:
     for f in report["faults"]:
         if f.get("inject_error"):
             bad.append(f"fault {f['kind']} could not be injected: {f['inject_error']}")
-        if f.get("recovery_s") is None:
-            bad.append(f"no full worker service within {RECOVERY_BOUND_S:g} s after {f}")
+        if f.get("recovery_s") is None or f["recovery_s"] > recovery_bound(f["kind"]):
+            bad.append(f"no full worker service within {recovery_bound(f['kind']):g} s after {f}")
         if f["kind"] == "corrupt_shard" and (f.get("traceback") or f.get("refused_rc") in (0, None)):
             bad.append(f"a corrupt shard was not refused with one line: {f}")
         if f["kind"] == "garbage" and "HUNG" in f.get("frames", ""):
