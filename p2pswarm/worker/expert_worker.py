@@ -11,7 +11,6 @@ import os
 import threading
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import numpy as np
 
