@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -234,6 +235,12 @@ class Dispatcher:
             rate = min(self.owner_row_s.values(), default=0.0)
         return rate * (pairs + getattr(owner, "inflight", 0) * max(1, pairs))
 
+    def _local_measured(self, seconds: float, pairs: int) -> None:
+        """Local compute of ``pairs`` (expert, row) pairs into :attr:`local_row_s` (EWMA)."""
+        if pairs:
+            r = seconds / pairs
+            self.local_row_s = r if self.local_row_s is None else 0.7 * self.local_row_s + 0.3 * r
+
     def _measured(self, owner: Owner, seconds: float, pairs: int) -> None:
         """One answered remote request into the owner's seconds-per-pair EWMA (:meth:`_finish_s`)."""
         if pairs:
@@ -324,7 +331,11 @@ class Dispatcher:
         if not groups:
             return []
         t0 = time.perf_counter()
-        plan = self.route(layer, cur, groups, hot=hot)
+        return await self._run_routed(layer, cur, groups, self.route(layer, cur, groups, hot=hot), taint, t0)
+
+    async def _run_routed(self, layer: int, cur: np.ndarray, groups: Groups, plan: dict[Owner, list[int]],
+                          taint: dict[str, np.ndarray] | None, t0: float) -> list[np.ndarray]:
+        """:meth:`run_groups` after its routing: ``plan`` run, counted from ``t0``."""
         cache = self.cache
         # the cache's refill never drops a unit this layer may still compute (here, a fallback, a check)
         pinned = cache.pin(layer, [e for e, _ in groups]) if cache is not None else []
@@ -335,6 +346,26 @@ class Dispatcher:
                 cache.unpin(pinned)
         self._count(plan, groups, time.perf_counter() - t0)
         return results
+
+    def run_groups_from_thread(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
+        """:meth:`run_groups` with ``hot``, called from a worker thread trio started (the MTP
+        drafter's): routed on the event loop; a plan that is all the local replica's, on a backbone
+        holding every expert (no cache whose refill could drop a unit meanwhile), is computed here
+        in the calling thread, as :meth:`run_groups_local` computes it, so each chained draft costs
+        one wake-up of the loop and not also a hop to a compute thread and back; any other plan
+        runs on the loop. (Its counters are bumped from this thread: plain integers, a lost
+        increment at worst.)"""
+        if not groups:
+            return []
+        t0 = time.perf_counter()
+        plan = trio.from_thread.run_sync(partial(self.route, layer, cur, groups, hot=True))
+        if self.cache is not None or list(plan) != [self.local]:
+            return trio.from_thread.run(partial(self._run_routed, layer, cur, groups, plan, None, t0))
+        tc = time.perf_counter()
+        outs = self.local.forward_groups(layer, cur, groups)
+        self._local_measured(time.perf_counter() - tc, sum(len(idx) for _, idx in groups))
+        self._count(plan, groups, time.perf_counter() - t0)
+        return outs
 
     async def _run_plan(self, layer: int, cur: np.ndarray, groups: Groups, plan: dict[Owner, list[int]],
                         taint: dict[str, np.ndarray] | None) -> list[np.ndarray]:
@@ -397,10 +428,7 @@ class Dispatcher:
             if owner.remote:
                 self._measured(owner, time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
             else:
-                rows = sum(len(idx) for _, idx in owner_groups)
-                if rows:
-                    r = (time.perf_counter() - tc) / rows
-                    self.local_row_s = r if self.local_row_s is None else 0.7 * self.local_row_s + 0.3 * r
+                self._local_measured(time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
             if len(outs) != len(owner_groups) or any(
                 o.shape != (len(idx), cur.shape[1]) for o, (_, idx) in zip(outs, owner_groups)
             ):

@@ -47,10 +47,8 @@ block's layer like any other). A draft whose units no live owner holds is skippe
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 import numpy as np
-import trio
 
 from p2pswarm.engine import ops
 from p2pswarm.engine.mla import LatentCache
@@ -93,7 +91,8 @@ class HiddenRows:
 
 class DispatchedExperts:
     """The MTP block's routed experts through the backbone's dispatcher, from the drafting thread
-    (the scheduler drafts in a worker thread; :func:`trio.from_thread.run` reaches its event loop):
+    (the scheduler drafts in a worker thread: :meth:`~p2pswarm.backbone.dispatch.Dispatcher.
+    run_groups_from_thread` routes on its event loop and computes local plans in the thread):
     per unit, the backbone's own copy when it holds the unit and is not slower than the owner's
     round trip (the dispatcher's hot-expert rule, for this layer whatever ``--hot-experts`` says:
     every draft waits for the round trips it makes), else the worker that owns it. A monolithic
@@ -109,9 +108,7 @@ class DispatchedExperts:
             return []
         self.groups += len(groups)
         d = self.dispatcher
-        if d.all_local:
-            return d.run_groups_local(layer, cur, groups)
-        return trio.from_thread.run(partial(d.run_groups, layer, cur, groups, hot=True))
+        return d.run_groups_local(layer, cur, groups) if d.all_local else d.run_groups_from_thread(layer, cur, groups)
 
 
 def block_for(backbone) -> "MtpBlock":
