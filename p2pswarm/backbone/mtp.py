@@ -39,7 +39,7 @@ empty block cache.
 
 Where its routed experts run: :attr:`MtpBlock.bank` (anything with ``forward_groups``), which
 :func:`block_for` makes a :class:`DispatchedExperts`: per unit as the dispatcher routes any layer's,
-with its hot-expert rule (``Dispatcher.run_groups(..., hot=True)``): on the backbone's own copy (its
+with its hot-expert rule (``Dispatcher.run_groups_from_thread``): on the backbone's own copy (its
 full file, or its expert cache) when that is faster than the owner's round trip, so a draft then
 costs no round trip; else on the worker that owns it (shards and workers hold and advertise the
 block's layer like any other). A draft whose units no live owner holds is skipped, never an error.
