@@ -344,7 +344,7 @@ class Dispatcher:
         finally:
             if cache is not None:
                 cache.unpin(pinned)
-        self._count(plan, groups, time.perf_counter() - t0)
+        self.stats.add_plan(plan, groups, time.perf_counter() - t0)
         return results
 
     def run_groups_from_thread(self, layer: int, cur: np.ndarray, groups: Groups) -> list[np.ndarray]:
@@ -364,7 +364,7 @@ class Dispatcher:
         tc = time.perf_counter()
         outs = self.local.forward_groups(layer, cur, groups)
         self._local_measured(time.perf_counter() - tc, sum(len(idx) for _, idx in groups))
-        self._count(plan, groups, time.perf_counter() - t0)
+        self.stats.add_plan(plan, groups, time.perf_counter() - t0)
         return outs
 
     async def _run_plan(self, layer: int, cur: np.ndarray, groups: Groups, plan: dict[Owner, list[int]],
@@ -486,21 +486,6 @@ class Dispatcher:
             raise UnitsUnavailable(f"no live owner holds expert(s) {', '.join(map(str, missing))} of layer {layer} "
                                    f"(coverage units {', '.join(sorted({f'L{layer}/E{e}' for e in missing}))}), "
                                    f"the backbone's expert cache lacks them {how}", layer=layer, experts=missing)
-
-    def _count(self, plan: dict[Owner, list[int]], groups: Groups, seconds: float) -> None:
-        s = self.stats
-        s.layers += 1
-        s.seconds += seconds
-        for owner, which in plan.items():
-            if owner.remote:
-                s.requests += 1
-                s.remote_groups += len(which)
-                pairs = sum(len(groups[i][1]) for i in which)
-                s.remote_rows += pairs
-                s.per_owner_rows[owner.name] = s.per_owner_rows.get(owner.name, 0) + pairs
-            else:
-                s.local_groups += len(which)
-            s.per_owner[owner.name] = s.per_owner.get(owner.name, 0) + len(which)
 
     # -- verification (module doc; p2pswarm.market.verify) ----------------------------------------
     async def _verified(self, owner: Owner, layer: int, cur: np.ndarray, owner_groups: Groups,

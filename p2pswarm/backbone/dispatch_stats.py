@@ -28,6 +28,21 @@ class DispatchStats:
     probes: int = 0  # background requests to owners the hot-expert path kept local (not in ``requests``)
     per_owner_rows: dict[str, int] = field(default_factory=dict)  # (expert, row) pairs sent to each remote owner
 
+    def add_plan(self, plan: dict, groups: Groups, seconds: float) -> None:
+        """One routed layer: ``plan`` (owner -> indices into ``groups``) took ``seconds``."""
+        self.layers += 1
+        self.seconds += seconds
+        for owner, which in plan.items():
+            if owner.remote:
+                self.requests += 1
+                self.remote_groups += len(which)
+                pairs = sum(len(groups[i][1]) for i in which)
+                self.remote_rows += pairs
+                self.per_owner_rows[owner.name] = self.per_owner_rows.get(owner.name, 0) + pairs
+            else:
+                self.local_groups += len(which)
+            self.per_owner[owner.name] = self.per_owner.get(owner.name, 0) + len(which)
+
     def snapshot(self) -> "DispatchStats":
         return DispatchStats(self.layers, self.requests, self.remote_rows, self.local_groups, self.remote_groups,
                              self.fallbacks, self.seconds, dict(self.per_owner), self.deadline_misses,
