@@ -21,20 +21,30 @@ Goal of the issue: speed-up >= 0.9 x (1 + mean accepted drafts per step); at acc
 than 0.95x (it stops drafting).
 
     python bench/bench_speculation.py [--rtt 50] [--tokens 32] [--rounds 2] [--layers 2] [--draft-max 4]
-        [--concurrent 64] [--preset tiny|geometry-122b] [--mtp-agreement A] [--mtp-arch glm4moe|qwen35moe]
-        [--out docs/benchmarks.md]
+        [--concurrent 64] [--preset tiny|geometry-122b] [--mtp-agreement A]
+        [--mtp-arch glm4moe|qwen35moe|deepseek2] [--mtp-experts local|workers] [--scratch DIR] [--out docs/benchmarks.md]
 
-``--mtp-agreement A``: instead, a model (``--mtp-arch``: glm4moe, the default, or qwen35moe;
-``--preset`` applies to qwen35moe) whose MTP block agrees with its trunk at knob A
+``--mtp-agreement A``: instead, a model (``--mtp-arch``: glm4moe, the default, qwen35moe or
+deepseek2; ``--preset`` applies to qwen35moe) whose MTP block agrees with its trunk at knob A
 (``make-model --mtp-agreement``), off against ``--speculate mtp`` with K and with K=1: the model's
-own block drafts (its experts on the backbone's copy, so a draft costs no round trip).
+own block drafts. Its experts (``--mtp-experts``): ``local`` (default), on the backbone's copy where
+that is faster than a worker's round trip (the dispatcher's hot-expert rule for the block's layer:
+behind 50 ms links, always), so a draft costs no round trip; ``workers``: the backbone holds no
+expert (``--expert-cache none``), so every draft token costs one round trip to the block's owners.
 
-``--concurrent N``: also N sequences at once, off against ngram alternating (aggregate tokens/s;
-a step of more than 8 decoding sequences drafts nothing, so this measures what asking costs).
+``--concurrent N``: also N sequences at once, off against ngram (``--mtp-agreement``: mtp)
+alternating (aggregate tokens/s; a step of more than 8 decoding sequences drafts nothing, so
+this measures what asking costs).
+
+Every row records the seconds per step, of which drafting (the MTP block, serial before the
+step's layers), and the 1-minute load average at each of its runs (the machine is shared); the
+end says how many layers of verification steps ran as one chunk and how many in rounds
+(``Backbone.verify_calls``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import subprocess
@@ -46,6 +56,7 @@ from pathlib import Path
 import trio
 from common import header
 
+from p2pswarm.backbone.expert_cache import parse_cache_size
 from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.speculation import Speculation
@@ -67,15 +78,37 @@ def knob_drafter(wanted: list[int], rate: float, seed: int = 0):
     return draft
 
 
-async def _one(bb, spec, tokens: int) -> tuple[list[int], float, int, object]:
+DRAFT_S = [0.0]  # seconds spent in the MTP block's drafting (serial before each step's layers)
+
+
+def _timed_drafts() -> None:
+    """Count the MTP block's drafting time (:data:`DRAFT_S`): at ``--layers 4`` the block is one
+    of five blocks, at the 122B one of 49, so its share of a step is what a short model inflates."""
+    from p2pswarm.backbone.mtp import MtpBlock
+
+    plain = MtpBlock.draft
+
+    def draft(self, state, history, k):
+        t0 = time.perf_counter()
+        try:
+            return plain(self, state, history, k)
+        finally:
+            DRAFT_S[0] += time.perf_counter() - t0
+
+    MtpBlock.draft = draft  # type: ignore[method-assign]
+
+
+async def _one(bb, spec, tokens: int) -> tuple[list[int], float, int, object, float]:
     sched = Scheduler(bb, None, micro_batches=1, gather=(0, 0), speculate=spec)
     toks: list[int] = []
+    d0 = DRAFT_S[0]
     t0 = time.perf_counter()
     async with sched.submit(PROMPT, Params(max_tokens=tokens, stop_at_eos=False)) as req:
         async for item in sched.drive(req):
             toks.append(item.token)
     took = time.perf_counter() - t0
-    return toks, took, sched.stats.steps - 1, sched.spec  # (the prompt's step is not a decode step)
+    # (the prompt's step is not a decode step)
+    return toks, took, sched.stats.steps - 1, sched.spec, DRAFT_S[0] - d0
 
 
 async def _many(bb, spec, n: int, tokens: int) -> tuple[float, int, object]:
@@ -101,7 +134,8 @@ async def _many(bb, spec, n: int, tokens: int) -> tuple[float, int, object]:
 
 
 async def _bench(args, model: Path) -> list[str]:
-    async with open_backbone(model, workers=4, transport="socket", kernel=args.kernel) as swarm:
+    cache = parse_cache_size("none") if args.mtp_experts == "workers" else None
+    async with open_backbone(model, workers=4, transport="socket", kernel=args.kernel, expert_cache=cache) as swarm:
         targets = [f"{o.host}:{o.port}" for o in swarm.owners]
         proxy = subprocess.Popen([sys.executable, "-m", "p2pswarm.net.wanproxy", "--rtt-ms", str(args.rtt),
                                   *[a for t in targets for a in ("--target", t)]],
@@ -114,7 +148,7 @@ async def _bench(args, model: Path) -> list[str]:
                 o.host, o.port = host, int(port)
             bb = swarm.backbone
             before = bb.dispatcher.stats.snapshot()
-            wanted, _, _, _ = await _one(bb, None, args.tokens)  # warm-up, and the reference tokens
+            wanted = (await _one(bb, None, args.tokens))[0]  # warm-up, and the reference tokens
             modes = {"off": None, "ngram": Speculation("ngram", args.draft_max)}
             if args.mtp_agreement is not None:  # the model's MTP block drafts
                 modes = {"off": None, "mtp": Speculation("mtp", args.draft_max), "mtp, K=1": Speculation("mtp", 1)}
@@ -128,22 +162,29 @@ async def _bench(args, model: Path) -> list[str]:
             res: dict[str, list] = {m: [] for m in modes}
             for _ in range(args.rounds):
                 for name, spec in modes.items():
-                    toks, took, steps, st = await _one(bb, spec, args.tokens)
+                    toks, took, steps, st, drafting = await _one(bb, spec, args.tokens)
                     assert toks == wanted, f"{name}: tokens differ from the run without speculation"
-                    res[name].append((took, steps, st.accepted, st.drafted))
-            many: dict[str, list] = {"off": [], "ngram": []}
+                    res[name].append((took, steps, st.accepted, st.drafted, os.getloadavg()[0], drafting))
+            on = "mtp" if args.mtp_agreement is not None else "ngram"
+            many: dict[str, list] = {"off": [], on: []}
             for _ in range(args.rounds if args.concurrent else 0):
                 for name in many:
                     took, n_tok, st = await _many(bb, modes[name], args.concurrent, args.tokens)
-                    many[name].append((took, n_tok, st.drafted))
+                    many[name].append((took, n_tok, st.drafted, os.getloadavg()[0]))
             stats = bb.dispatcher.stats.since(before)
-            assert stats.local_groups == 0 and stats.fallbacks == 0, stats
+            # every trunk expert on a worker; the MTP block's where the dispatcher put them
+            block = sum(s.mtp.bank.groups for s in modes.values() if s is not None and s.mtp is not None)
+            assert stats.local_groups <= block and stats.fallbacks == 0, stats
+            if args.mtp_experts == "workers":
+                assert stats.local_groups == 0, stats
+            paths = dict(bb.verify_calls)
         finally:
             proxy.terminate()
             proxy.wait(10)
     off_s = statistics.median(r[0] for r in res["off"])
-    rows = ["| mode | acceptance | drafts accepted per step | tokens per step | tokens/s | speed-up vs off | goal 0.9 x (1 + accepted per step) |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = ["| mode | acceptance | drafts accepted per step | tokens per step | tokens/s | speed-up vs off | "
+            "goal 0.9 x (1 + accepted per step) | s per step: all / drafting | load (1 min) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, runs in res.items():
         took = statistics.median(r[0] for r in runs)
         steps = sum(r[1] for r in runs)  # all rounds together (the same tokens each round)
@@ -152,12 +193,17 @@ async def _bench(args, model: Path) -> list[str]:
         per_step = accepted / max(steps, 1)
         goal = f"{0.9 * (1 + per_step):.2f}" if drafted else "-"
         rows.append(f"| {name} | {acc} | {per_step:.2f} | {len(runs) * (args.tokens - 1) / max(steps, 1):.2f} | "
-                    f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} |")
+                    f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} | "
+                    f"{sum(r[0] for r in runs) / max(steps, 1):.3f} / {sum(r[5] for r in runs) / max(steps, 1):.3f} | "
+                    f"{'-'.join(f'{r[4]:.1f}' for r in runs)} |")
     if args.concurrent:
-        rate = {m: statistics.median(n / t for t, n, _ in runs) for m, runs in many.items()}
+        rate = {m: statistics.median(n / t for t, n, _, _ in runs) for m, runs in many.items()}
+        load = "-".join(f"{r[3]:.1f}" for runs in many.values() for r in runs)
         rows += ["", f"{args.concurrent} concurrent sequences, {args.tokens} tokens each (aggregate tokens/s, "
-                     f"median of {args.rounds}): off {rate['off']:.1f}, ngram {rate['ngram']:.1f} "
-                     f"({rate['ngram'] / rate['off']:.2f}x; drafts {sum(d for _, _, d in many['ngram'])})"]
+                     f"median of {args.rounds}): off {rate['off']:.1f}, {on} {rate[on]:.1f} "
+                     f"({rate[on] / rate['off']:.2f}x; drafts {sum(r[2] for r in many[on])}; load {load})"]
+    rows += ["", f"verification layers computed as one chunk: {paths['chunk']}, in rounds of one position: "
+                 f"{paths['rounds']} (Backbone.verify_calls)"]
     return rows
 
 
@@ -177,14 +223,20 @@ def main() -> None:
     ap.add_argument("--mtp-agreement", type=float, default=None, metavar="A",
                     help="instead: a model whose MTP block agrees with its trunk at knob A "
                          "(make-model --mtp-agreement), off against --speculate mtp (K and K=1)")
-    ap.add_argument("--mtp-arch", default="glm4moe", choices=("glm4moe", "qwen35moe"),
-                    help="the architecture of --mtp-agreement's model (glm4moe: tiny; qwen35moe: --preset)")
+    ap.add_argument("--mtp-arch", default="glm4moe", choices=("glm4moe", "qwen35moe", "deepseek2"),
+                    help="the architecture of --mtp-agreement's model (glm4moe, deepseek2: tiny; qwen35moe: --preset)")
+    ap.add_argument("--mtp-experts", default="local", choices=("local", "workers"),
+                    help="the MTP block's experts: local (the backbone's copy where faster than a round trip) "
+                         "or workers (the backbone holds no expert: --expert-cache none)")
     ap.add_argument("--out", help="append the table to this markdown file (docs/benchmarks.md)")
+    ap.add_argument("--scratch", default=None, metavar="DIR",
+                    help="where the model file is written (and removed after); default the system's temp folder")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-spec-") as d:
+    _timed_drafts()
+    with tempfile.TemporaryDirectory(prefix="bench-spec-", dir=args.scratch) as d:
         model = Path(d) / "q35.gguf"
         if args.mtp_agreement is not None:
-            make_model(model, arch=args.mtp_arch, preset="tiny" if args.mtp_arch == "glm4moe" else args.preset,
+            make_model(model, arch=args.mtp_arch, preset=args.preset if args.mtp_arch == "qwen35moe" else "tiny",
                        layers=args.layers, qtype="q8_0", seed=46, mtp_agreement=args.mtp_agreement)
         else:
             make_model(model, arch="qwen35moe", preset=args.preset, layers=args.layers, qtype="q8_0", seed=43)

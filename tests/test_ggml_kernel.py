@@ -433,3 +433,14 @@ def test_numpy_nodes_multiply_on_one_blas_thread(tiny_f32):
     out = subprocess.run([sys.executable, "-c", code, str(tiny_f32)], capture_output=True, text=True, env=env,
                          timeout=120, check=True).stdout
     assert out.strip() == "[1]", out
+
+
+def test_every_bound_function_is_declared_on_the_class():
+    """GgmlLib's class body declares each C function __init__ binds (for mypy): the two lists
+    must agree, or a new function in _SIG would be invisible to the type checker (or a declared
+    one would be missing at run time)."""
+    from p2pswarm.engine import ggml_kernel
+
+    bound = {n.removeprefix("ggml_") for n in (*ggml_kernel._SIG, *ggml_kernel._OPTIONAL_SIG)}
+    declared = set(ggml_kernel.GgmlLib.__annotations__)
+    assert bound == declared, (sorted(bound - declared), sorted(declared - bound))

@@ -154,6 +154,35 @@ async def test_verified_positions_equal_decode_steps_and_rollback_is_exact(any_a
                 assert np.array_equal(nxt[0], after)
             else:
                 assert np.array_equal(nxt[0], want[keep])  # the rejected position fed again: the same bits
+        # which path verified: one chunk per layer where the model's layer graphs take it (qwen35moe
+        # on the ggml kernel), position by position elsewhere (chunk_verify says why)
+        chunked = kernel == "ggml" and bb.model.arch == "qwen35moe"
+        assert bb.verify_calls["chunk" if chunked else "rounds"] == 3 * bb.model.n_layer, bb.verify_calls
+        assert bb.verify_calls["rounds" if chunked else "chunk"] == 0, bb.verify_calls
+
+
+@pytest.mark.parametrize("kernel", ["numpy", pytest.param("ggml", marks=needs_ggml)])
+async def test_chunked_verification_spec_on_equals_off_over_64_tokens(q35, kernel):
+    """qwen35moe, greedy, 64 tokens: the tokens and every emitted position's logits equal the run
+    without speculation, with drafts accepted whole, in part and not at all; on the ggml kernel
+    every verification ran as one chunk per layer (DeltaNet stepped per position inside the
+    layer's graph, each attention row a decode row), on numpy position by position."""
+    n = 64
+    async with open_backbone(q35, workers=0, kernel=kernel) as mono:
+        bb = mono.backbone
+        off, _ = await _run(bb, [REPEATING, PROMPT], [None, None], None, n)
+        calls = dict(bb.verify_calls)
+        assert calls == {"chunk": 0, "rounds": 0}
+        spec = Speculation("ngram", 4, drafter=_oracle([REPEATING, PROMPT], [t for t, _ in off]))
+        on, stats = await _run(bb, [REPEATING, PROMPT], [None, None], spec, n)
+    for (t0, r0), (t1, r1) in zip(off, on):
+        assert t0 == t1 and len(t0) == n
+        assert r0.keys() == r1.keys()
+        for p in r0:
+            assert np.array_equal(r0[p], r1[p]), p
+    assert 0 < stats.accepted < stats.drafted, stats
+    layers = stats.verifications * bb.model.n_layer
+    assert bb.verify_calls == ({"chunk": layers, "rounds": 0} if kernel == "ggml" else {"chunk": 0, "rounds": layers})
 
 
 @pytest.mark.parametrize("kernel", ["numpy", pytest.param("ggml", marks=needs_ggml)])
@@ -224,6 +253,50 @@ async def test_greedy_and_seeded_spec_on_equals_off(model, workers):
     assert 0.5 * oracle_stats.drafted < oracle_stats.accepted < oracle_stats.drafted, oracle_stats
     if workers:
         assert stats.fallbacks == 0 and stats.local_groups == 0 and stats.requests > 0
+
+
+async def test_token_budget_counts_a_speculating_sequence_as_its_rows(tiny_f32):
+    """A decoding sequence with k drafts takes 1 + k rows of the step's token budget: the rows the
+    step computes for it (and whose experts it sends), so prefill chunks fill only what is left."""
+    async with open_backbone(tiny_f32, workers=0) as mono:
+        sched = Scheduler(mono.backbone, token_budget=16, prefill_chunk=4)
+        for i in range(5):
+            sched.submit([1 + i] * 4)
+        sched._admit()
+        first = sched._active[0]
+        first.fed, first.next_token = len(first.prompt), 1  # decoding
+        assert len(sched.plan()) == 1 + 3  # 1 decode row + 3 chunks of 4 in 16 rows
+        assert len(sched.plan({first.sid: [7, 8, 9, 10]})) == 1 + 2  # 5 rows + 2 chunks of 4
+        assert len(sched.plan({first.sid: [7]})) == 1 + 3  # 2 rows + 3 chunks of 4
+
+
+def test_speculate_auto_is_mtp_where_the_file_has_a_block_else_off(tiny_q8, models_dir):
+    """``--speculate auto`` (the default): mtp on a model with an MTP block, off on one without,
+    the log saying which and why."""
+    from p2pswarm.backbone.speculation import auto_mode
+    from p2pswarm.model.layout import ModelLayout
+
+    mode, why = auto_mode(ModelLayout.open(tiny_q8))
+    assert mode == "off" and "no MTP" in why
+    path = models_dir / "spec-q35-mtp.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", layers=2, seed=43, mtp_agreement=1.0)
+    mode, why = auto_mode(ModelLayout.open(path))
+    assert mode == "mtp" and "1 MTP block" in why
+
+
+@pytest.mark.slow
+def test_generate_speculates_by_default_where_the_file_has_an_mtp_block(tiny_q8, models_dir):
+    """The CLI's default ``--speculate auto``, logged: off on a file without a block, mtp on one
+    with (and it drafts)."""
+    path = models_dir / "spec-q35-mtp.gguf"
+    if not path.exists():
+        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", layers=2, seed=43, mtp_agreement=1.0)
+    proc = run_cli("generate", str(tiny_q8), "--prompt", "hello", "--max-tokens", "2")
+    assert proc.returncode == 0 and "--speculate auto: off" in proc.stderr, proc.stderr
+    proc = run_cli("generate", str(path), "--prompt", "hello", "--max-tokens", "2")
+    assert proc.returncode == 0 and "--speculate auto: mtp" in proc.stderr, proc.stderr
+    assert "drafted tokens accepted" in proc.stdout + proc.stderr
 
 
 def test_speculate_mtp_is_one_line_naming_what_the_file_has(tiny_q8):

@@ -195,9 +195,11 @@ class Dispatcher:
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
         return {o: [groups[i] for i in idx] for o, idx in self._assign(layer, groups).items()}
 
-    def _assign(self, layer: int, groups: Groups, kept: dict[Owner, list[int]] | None = None) -> dict[Owner, list[int]]:
+    def _assign(self, layer: int, groups: Groups, kept: dict[Owner, list[int]] | None = None,
+                hot: bool = False) -> dict[Owner, list[int]]:
         """Owner -> indices of the groups it computes (an expert may have several groups).
-        ``kept``, if given, receives the owners the hot-expert path kept local, with their groups."""
+        ``kept``, if given, receives the owners the hot-expert path kept local, with their groups;
+        ``hot``: that path for this call even where :attr:`hot_experts` is off (the MTP drafter)."""
         plan: dict[Owner, list[int]] = {}
         local = self.local
         pairs: dict[Owner, int] = {}  # (expert, row) pairs given to each owner so far this layer
@@ -211,8 +213,8 @@ class Dispatcher:
                 owner = local if local.holds(layer, e) else self.unheld
             plan.setdefault(owner, []).append(i)
             pairs[owner] = pairs.get(owner, 0) + len(idx)
-        if self.hot_experts:
-            moved = self._keep_hot_local(layer, plan, groups)
+        if self.hot_experts or hot:
+            moved = self._keep_hot_local(layer, plan, groups, predicted=hot)
             if kept is not None:
                 kept.update(moved)
         return plan
@@ -239,14 +241,17 @@ class Dispatcher:
             old = self.owner_row_s.get(owner.name)
             self.owner_row_s[owner.name] = r if old is None else (1 - OWNER_RATE_EWMA) * old + OWNER_RATE_EWMA * r
 
-    def _keep_hot_local(self, layer: int, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
+    def _keep_hot_local(self, layer: int, plan: dict[Owner, list[int]], groups: Groups,
+                        predicted: bool = False) -> dict[Owner, list[int]]:
         """The hot-expert path: an owner whose expected round trip for this request (its measured
         round trips, by request size where it fits them: a link's bandwidth makes a big request
         slower, see ``remote_s``) is longer than computing its groups here (on top of what is
         already local this layer) gets no request; the local
         replica computes them, with the same kernel, so the result is the same bits (only an owner
         whose groups are all in the local expert cache: the others need the owner anyway). Returns the
-        owners kept local, with their groups (:meth:`run_groups` probes them now and then)."""
+        owners kept local, with their groups (:meth:`run_groups` probes them now and then).
+        ``predicted``: an owner with no measured ``rtt_s`` counts too where its ``predict_s`` fits
+        its recent requests (a worker process on a socket: the MTP drafter's ``hot`` calls)."""
         moved: dict[Owner, list[int]] = {}
         rate = self.local_row_s
         local = plan.get(self.local, [])
@@ -258,11 +263,13 @@ class Dispatcher:
             est = owner.predict_s(sum(len(groups[i][1]) for i in plan[owner]))
             if est is not None:
                 return est
-            assert owner.rtt_s is not None  # (only measured owners are considered)
+            assert owner.rtt_s is not None  # (only measured owners are considered: predicted above)
             return owner.rtt_s
 
-        remote = sorted(((remote_s(o), o) for o in plan if o.remote and o.rtt_s is not None),
-                        key=lambda so: -so[0])
+        def measured(owner: Owner) -> bool:
+            return owner.rtt_s is not None or (predicted and owner.predict_s(1) is not None)
+
+        remote = sorted(((remote_s(o), o) for o in plan if o.remote and measured(o)), key=lambda so: -so[0])
         for wait_s, owner in remote:
             if self.cache is not None and not all(self.local.holds(layer, groups[i][0]) for i in plan[owner]):
                 continue
@@ -305,17 +312,19 @@ class Dispatcher:
         trio.lowlevel.spawn_system_task(probe, name=f"probe of {owner.name}")
 
     async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups,
-                         taint: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+                         taint: dict[str, np.ndarray] | None = None, *, hot: bool = False) -> list[np.ndarray]:
         """Outputs per group, in group order: one request per owner with all the groups it holds
         (:meth:`route`), each answer verified on a sample (:meth:`_verified`).
         ``taint``: see the module doc (rows computed from a remote worker's unverified outputs).
+        ``hot``: the hot-expert rule for this call whatever :attr:`hot_experts` says: the MTP
+        drafter's (:mod:`p2pswarm.backbone.mtp`), whose drafts wait for every round trip they make.
 
         No groups (a layer without routed experts: a leading dense-FFN layer routes to nothing)
         is no work: no request, no demand, nothing counted."""
         if not groups:
             return []
         t0 = time.perf_counter()
-        plan = self.route(layer, cur, groups)
+        plan = self.route(layer, cur, groups, hot=hot)
         cache = self.cache
         # the cache's refill never drops a unit this layer may still compute (here, a fallback, a check)
         pinned = cache.pin(layer, [e for e, _ in groups]) if cache is not None else []
@@ -345,17 +354,19 @@ class Dispatcher:
             raise first_error(group) from None
         return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
 
-    def route(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[Owner, list[int]]:
+    def route(self, layer: int, cur: np.ndarray, groups: Groups, *, hot: bool = False) -> dict[Owner, list[int]]:
         """Routing: which owner computes which groups (indices into ``groups``): the first healthy
-        owner that holds the expert, the local replica for the rest, and with ``hot_experts`` the
-        local replica also for what a slow owner would take longer to return (those owners are
-        probed now and then in the background). Counts the demand."""
+        owner that holds the expert, the local replica for the rest, and with ``hot_experts`` (or
+        ``hot``) the local replica also for what a slow owner would take longer to return (with
+        ``hot_experts``, those owners are probed now and then in the background). Counts the demand."""
         self.demand.add(layer, groups)
         if self.cache is not None:
             self.cache.count(layer, groups)
         kept: dict[Owner, list[int]] = {}
-        plan = self._assign(layer, groups, kept)
-        if self.hot_experts:  # when each owner was last asked, and probes of those kept local
+        plan = self._assign(layer, groups, kept, hot)
+        # when each owner was last asked, and probes of those kept local (not for a ``hot`` call
+        # alone: the trunk's layers, computed by the same owners, keep measuring their round trips)
+        if self.hot_experts:
             now = time.monotonic()
             for owner in plan:
                 if owner.remote:

@@ -227,6 +227,9 @@ class Backbone:
         #: a ban can replay them; off, a ban fixes nothing already computed (benchmarks, tests)
         self.replay_on_ban = True
         self.keep_hidden = False  # keep each sequence's last hidden states (SequenceState.hidden): --speculate mtp
+        #: layers of verification steps computed as one chunk per layer, or in rounds of one
+        #: position each (forward_batch's ``verify``; tests and benchmarks read which ran)
+        self.verify_calls = {"chunk": 0, "rounds": 0}
         self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
         self._dense_running = 0  # dense pieces in progress, all micro-batches (LayerTiming.busy_s)
@@ -322,10 +325,15 @@ class Backbone:
 
         ``verify[i]``: item i's tokens are *decode* positions of one sequence (a speculative
         decoding step: the sampled token and its drafts), each computed exactly as a one-token
-        decode step computes it: its layer state advanced one position per call (the attention /
-        DeltaNet part in rounds, one row of each such sequence per round), every other dense piece
-        per position where a probe did not find it row-invariant (the batch-invariant rules, with
-        each position as a sequence of its own), and all positions' logits returned. Each layer's
+        decode step computes it: where the model takes a verification chunk
+        (``model.chunk_verify(il)``: qwen35moe's ggml layer graphs) and the probe found the layer's
+        dense path row-invariant, in ONE ``pre_moe_batch`` call per layer, the positions passed as
+        one-row segments of the sequence's state (the model steps the attention / DeltaNet part
+        per position inside that call, so the dense weights are streamed once, not once per
+        position); otherwise in rounds, one row of each such sequence per call
+        (:meth:`_pre_rounds`). Which ran is counted in ``verify_calls``. Every other dense piece
+        runs per position where a probe did not find it row-invariant (the batch-invariant rules,
+        with each position as a sequence of its own), and all positions' logits are returned. Each layer's
         state is checkpointed after each position, so :meth:`keep_positions` can drop the rejected
         ones with no trace. Their experts still go in the step's one request per owner per layer."""
         invariant = self.batch_invariant if batch_invariant is None else batch_invariant
@@ -427,7 +435,19 @@ class Backbone:
         inv = self.dense_invariance(il) if invariant else ALL_BATCHED
         batch_fn = getattr(m, "pre_moe_batch", None)
         if verify is not None and any(verify):
-            h = self._pre_rounds(il, h, spans, states, pos0, verify, inv.pre_moe and batch_fn is not None)
+            chunk = getattr(m, "chunk_verify", None)
+            if inv.pre_moe and batch_fn is not None and chunk is not None and chunk(il):
+                # one call: a verified sequence's positions as one-row segments of its state (the
+                # model computes each as its decode step would and checkpoints it)
+                segs = []
+                for sp, st, p, v in zip(spans, states, pos0, verify):
+                    n = sp.stop - sp.start
+                    segs += [(st, p + r, 1) for r in range(n)] if v else [(st, p, n)]
+                h = batch_fn(il, h, segs)
+                self.verify_calls["chunk"] += 1
+            else:
+                h = self._pre_rounds(il, h, spans, states, pos0, verify, inv.pre_moe and batch_fn is not None)
+                self.verify_calls["rounds"] += 1
             spans = pspans
         elif inv.pre_moe and batch_fn is not None:  # one set of dense mat-muls for every sequence's rows
             h = batch_fn(il, h, [(st, p, sp.stop - sp.start) for sp, st, p in zip(spans, states, pos0)])

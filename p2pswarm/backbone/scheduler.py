@@ -13,8 +13,8 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
 
 * Sequences join and leave only at step boundaries. A new request is admitted when fewer than
   ``max_active`` sequences are active; a finished, failed or cancelled one leaves after its step.
-* Every active decode sequence contributes its one row; then prefill chunks (arrival order) fill the
-  per-step ``token_budget``, so a long prompt never stalls the others for more than a chunk.
+* Every active decode sequence contributes its row (1 + its drafts); then prefill chunks (arrival
+  order) fill the per-step ``token_budget``, so a long prompt never stalls the others for more than a chunk.
   ``"auto"`` (the node's default) is :data:`AUTO_BUDGET_FLOOR` rows, grown while the step is
   network-bound (:func:`choose_token_budget`; up to :data:`AUTO_BUDGET_CAP` in a step with no
   sequence decoding: nobody to protect); docs/architecture.md "Continuous batching" says why.
@@ -377,9 +377,9 @@ class Scheduler:
             self._active.append(seq)
         self.stats.max_active = max(self.stats.max_active, len(self._active))
 
-    def plan(self) -> list[_Sequence]:
-        """This step's sequences: every decode row, then prefill chunks in arrival order while the
-        token budget lasts (at least one chunk, so a step always makes progress)."""
+    def plan(self, drafts: dict[int, list[int]] | None = None) -> list[_Sequence]:
+        """This step's sequences: every decode row (1 + its ``drafts``: the rows computed for it),
+        then prefill chunks in arrival order while the token budget lasts (at least one chunk)."""
         decode = [s for s in self._active if s.fed >= len(s.prompt)]
         prefill = [s for s in self._active if s.fed < len(s.prompt)]
         if self.token_budget == "auto":
@@ -387,7 +387,7 @@ class Scheduler:
             # nobody to stall, and a prompt left out finishes a step later than the burst it came in
             self.last_token_budget = (choose_token_budget(self.dense_row_s, self.wait_s) if decode
                                       else AUTO_BUDGET_CAP)
-        budget = self.last_token_budget - len(decode)
+        budget = self.last_token_budget - sum(1 + len((drafts or {}).get(s.sid, ())) for s in decode)
         chosen = list(decode)
         for s in prefill:
             n = len(s.chunk(self.prefill_chunk))
@@ -426,9 +426,9 @@ class Scheduler:
         return dense
 
     async def step(self) -> None:
-        batch = self.plan()
-        plan = partial(plan_drafts, self.speculate, [s for s in batch if s.fed >= len(s.prompt)])
+        plan = partial(plan_drafts, self.speculate, [s for s in self._active if s.fed >= len(s.prompt)])
         drafts = await trio.to_thread.run_sync(plan) if self.speculate and self.speculate.mtp else plan()  # (MTP: CPU)
+        batch = self.plan(drafts)  # (drafts first: they count against the token budget)
         chunks = [s.chunk(self.prefill_chunk) + drafts.get(s.sid, []) for s in batch]
         verify = [s.sid in drafts for s in batch]
         before = self.backbone.dispatcher.stats.snapshot()

@@ -15,11 +15,14 @@ The first mismatch ends the step: the positions after it are dropped from every 
 them. So greedy tokens and logits, and a seeded request's text, are the same with speculation on
 or off.
 
+``auto`` (the CLI's default) is ``mtp`` where the model has an MTP block, otherwise ``off``
+(:func:`auto_mode`; the log says which and why).
+
 Drafters: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n = 3, 2, 1: free, and good wherever the output repeats its input or
 itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.backbone.mtp`;
-glm4moe, qwen35moe), refused with one line naming what the file has where the model has none or its
-architecture's block is not implemented (:func:`check_mode`).
+glm4moe, qwen35moe, deepseek2), refused with one line naming what the file has where the model has
+none or its architecture's block is not implemented (:func:`check_mode`).
 
 Adaptive length (:class:`Adaptive`): each sequence drafts up to ``draft_max`` tokens, one more
 after a fully accepted draft and one more than it got accepted otherwise; when its recent
@@ -69,6 +72,26 @@ def check_mode(mode: str, layout) -> None:
                 f"(no {arch}.nextn_predict_layers); use --speculate ngram or off")
 
 
+def auto_mode(layout) -> tuple[str, str]:
+    """``--speculate auto`` (the default): ``mtp`` where the file has an MTP (NextN) block this
+    code runs and holds the block's routed experts, else ``off``; with the reason, for the log.
+    Why on by default: the block is in the file already, a draft costs no round trip (its experts
+    run on the backbone's copy) and the verification is exact, so the only cost is a rejected
+    draft's rows, which :class:`Adaptive` stops paying when the acceptance is low."""
+    from p2pswarm.backbone.mtp import ARCHS
+
+    n = int(layout.hparams.get("nextn_predict_layers", 0) or 0)
+    name = getattr(layout.path, "name", layout.path)
+    if not n:
+        return "off", f"{name} ({layout.arch}) has no MTP (NextN) block"
+    if layout.arch not in ARCHS:
+        return "off", (f"{name} has {n} MTP block(s) ({layout.arch}), but running them is implemented for "
+                       f"{', '.join(ARCHS)} only")
+    if layout.n_layer - n not in layout.expert_tensors:
+        return "off", f"{name} holds no routed experts of its MTP block (blk.{layout.n_layer - n}): a backbone file?"
+    return "mtp", f"{name} has {n} MTP block(s) ({layout.arch})"
+
+
 def ngram_draft(history: list[int], k: int, n_max: int = NGRAM_MAX) -> list[int]:
     """Up to ``k`` tokens: what followed the latest earlier occurrence of the last n tokens of
     ``history`` (the longest n <= ``n_max`` that occurred before), or none."""
@@ -104,24 +127,14 @@ class Speculation:
         return self.mode != "off"
 
     def attach(self, backbone) -> None:
-        """Mode mtp: build the model's MTP block (its routed experts from the backbone's file: one
-        line if it has none) and have the backbone keep the hidden states it reads."""
+        """Mode mtp: build the model's MTP block (its routed experts computed where the backbone's
+        dispatcher puts them: :func:`~p2pswarm.backbone.mtp.block_for`) and have the backbone keep
+        the hidden states it reads."""
         if self.mode != "mtp" or self.mtp is not None:
             return
-        from p2pswarm.backbone.mtp import MtpBlock
-        from p2pswarm.engine.kernels import make_bank
+        from p2pswarm.backbone.mtp import block_for
 
-        model = backbone.model
-        if model.n_layer not in model.layout.expert_tensors:
-            raise SpeculationUnsupported(f"--speculate mtp: {model.layout.path} holds no routed experts of the "
-                                         f"MTP block (blk.{model.n_layer}); give the backbone the full model file")
-        # a bank of its own (drafting runs in a thread beside the step's), of the replica's kernel:
-        # numpy's dequantises each expert on first use, which at the 122B's geometry (256 experts
-        # of 3 x 1024 x 3072) costs more per draft than the drafts save
-        local = getattr(getattr(getattr(backbone, "dispatcher", None), "local", None), "bank", None)
-        kind = str(getattr(local, "kernel", "numpy"))
-        kernel = "ggml" if kind.startswith("ggml") else "portable" if kind.startswith("portable") else "numpy"
-        self.mtp = MtpBlock(model, make_bank(model.layout, kernel))
+        self.mtp = block_for(backbone)
         backbone.keep_hidden = True
 
 

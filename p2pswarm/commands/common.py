@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import io
+import sys
+import logging
 
 from p2pswarm import settings
 from p2pswarm.errors import UserError
@@ -132,10 +135,11 @@ def add_swarm_args(p) -> None:
 
 def add_speculate_args(p, prefix: str = "") -> None:
     """``--speculate`` and ``--draft-max`` (speculative decoding; docs/configuration.md)."""
-    p.add_argument("--speculate", choices=("off", "ngram", "mtp"), default="off",
+    p.add_argument("--speculate", choices=("auto", "off", "ngram", "mtp"), default="auto",
                    help=prefix + "speculative decoding: draft tokens and verify them in the same step, exact "
                         "(the same tokens as without); ngram: prompt lookup; mtp: the model's own MTP block "
-                        "(glm4moe, qwen35moe; other architectures refused); default off")
+                         "(glm4moe, qwen35moe, deepseek2; other architectures refused); auto (default): mtp where the "
+                         "model file has an MTP block, otherwise off (the log says which)")
     p.add_argument("--draft-max", type=int, default=4, metavar="K",
                    help=prefix + "most tokens drafted per sequence and step, adapted to the recent acceptance "
                         "(default 4)")
@@ -143,17 +147,22 @@ def add_speculate_args(p, prefix: str = "") -> None:
 
 def speculation_from(args, model_path):
     """The scheduler's :class:`~p2pswarm.backbone.speculation.Speculation` from ``--speculate`` /
-    ``--draft-max``, or None (off); a mode the model cannot run or a bad K: one line, exit 2."""
-    from p2pswarm.backbone.speculation import Speculation, check_mode
+    ``--draft-max``, or None (off); a mode the model cannot run or a bad K: one line, exit 2.
+    ``auto``: :func:`~p2pswarm.backbone.speculation.auto_mode`, logged."""
+    from p2pswarm.backbone.speculation import Speculation, auto_mode, check_mode
     from p2pswarm.model.layout import ModelLayout
 
     if args.draft_max < 1:
         raise UserError(f"--draft-max must be >= 1, not {args.draft_max}")
-    if args.speculate == "off":
+    mode = args.speculate
+    if mode == "auto":  # (a backbone file holds the hyper-parameters too; auto_mode checks its experts)
+        mode, why = auto_mode(ModelLayout.open(model_path, require_experts=False))
+        logging.getLogger("p2pswarm.speculation").info("--speculate auto: %s (%s)", mode, why)
+    if mode == "off":
         return None
-    if args.speculate == "mtp":  # (a backbone file holds the hyper-parameters too, not the experts)
-        check_mode(args.speculate, ModelLayout.open(model_path, require_experts=False))
-    return Speculation(args.speculate, args.draft_max)
+    if mode == "mtp":
+        check_mode(mode, ModelLayout.open(model_path, require_experts=False))
+    return Speculation(mode, args.draft_max)
 
 
 def require_full_model(path) -> None:
@@ -224,3 +233,10 @@ def parse_ids(text: str, what: str = "--tokens") -> list[int]:
 def check_workers(n: int) -> None:
     if n < 0:
         raise UserError("--workers must be >= 0")
+
+
+def line_buffered_stdout() -> None:
+    """Flush stdout at each line: a node's READY line and progress reach whoever reads its pipe (a
+    test, a supervisor) at once, not when a block buffer fills."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)

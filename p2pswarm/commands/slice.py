@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.slicer import parse_range, slice_backbone, slice_experts
 from p2pswarm.progress import ProgressBar
+
+if TYPE_CHECKING:
+    from p2pswarm.model.manifest import ModelManifest
 
 
 def add_parser(sub) -> None:
@@ -31,9 +35,8 @@ def run(args) -> int:
         raise UserError("give --experts C-D (or --backbone)")
     if args.manifest and args.backbone:
         raise UserError("--manifest is for an expert shard (a worker serves its slabs onwards)")
-    manifest = header = None
-    if args.manifest:  # checked before anything is written: no shard without its sidecar
-        manifest, header = _source_of(args.model, args.manifest)
+    # (manifest, the model's header bytes), checked before anything is written: no shard without its sidecar
+    source = _source_of(args.model, args.manifest) if args.manifest else None
     with contextlib.nullcontext(None) if args.quiet else ProgressBar("slice", unit="B") as bar:
         progress = bar.update if bar is not None else None
         if args.backbone:
@@ -44,14 +47,14 @@ def run(args) -> int:
                                 progress=progress)
     print(f"wrote {res.path}: {len(res.tensors)} tensors, {res.nbytes / 1e6:.1f} MB of tensor data "
           f"(model {res.source_fingerprint})")
-    if manifest is not None:
+    if source is not None:
         from p2pswarm.net.shard_server import _write_source_sidecar
 
-        print(f"wrote {_write_source_sidecar(Path(args.output), manifest, header)}")
+        print(f"wrote {_write_source_sidecar(Path(args.output), *source)}")
     return 0
 
 
-def _source_of(model: str, manifest_path: str):
+def _source_of(model: str, manifest_path: str) -> tuple[ModelManifest, bytes]:
     """(manifest, the model's header bytes) for a shard's ``.source`` sidecar; a one-line error
     when the manifest is not this model's. (Its signature is checked by whoever uses it: the
     worker, against its --trust-issuer.)"""

@@ -138,6 +138,31 @@ def layer_tensors(model, il: int, runner: GgmlRunner, proj=_PROJ, vectors=_NORMS
     return got
 
 
+class KVAhead:
+    """A KV cache seen ``off`` positions ahead of its rows: what a one-token decode step would see
+    after ``off`` more positions. A speculative verification's chunk passes its ``n`` positions to
+    :func:`gated_attention` as ``n`` one-row segments on ``KVAhead(kv, 0 .. n-1)``: each row's
+    key/value write, :func:`kv_span`, mask and attention nodes are then the ones a decode step at
+    that position builds (the rows' writes come before any row's read of a later position only
+    where that position is masked). The caller advances ``kv.n`` by ``n`` afterwards; ``n`` here
+    is this view's own."""
+
+    def __init__(self, kv, off: int):
+        self.kv, self.off = kv, off
+        self.n = kv.n + off
+
+    @property
+    def k(self) -> np.ndarray:
+        return self.kv.k
+
+    @property
+    def vt(self) -> np.ndarray:
+        return self.kv.vt
+
+    def reserve(self, t: int) -> None:
+        self.kv.reserve(self.off + t)
+
+
 def kv_span(s_len: int) -> int:
     """How many cache positions a sequence of ``s_len`` attends over: ``s_len`` rounded up to
     ``KV_PAD``, the positions past it masked to -inf (as llama.cpp pads its KV view). Why: the

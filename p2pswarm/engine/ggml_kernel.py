@@ -45,6 +45,7 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +208,87 @@ class GgmlLib:
     ``origin`` says where they came from: "p2pswarm" (built by pip install), "llama-cpp-python",
     or "$P2PSWARM_GGML_LIB".
     """
+
+    # The C functions of _SIG and _OPTIONAL_SIG, without their ggml_ prefix, bound by __init__:
+    # declared here so a type checker sees them (tests/test_ggml_kernel.py checks both lists agree).
+    # Arguments are ctypes-converted (pointers as int, ctypes arrays), hence "...".
+    init: Callable[..., int | None]
+    free: Callable[..., None]
+    reset: Callable[..., None]
+    tensor_overhead: Callable[..., int]
+    graph_overhead_custom: Callable[..., int]
+    new_tensor_1d: Callable[..., int | None]
+    new_tensor_2d: Callable[..., int | None]
+    new_tensor_3d: Callable[..., int | None]
+    view_3d: Callable[..., int | None]
+    mul_mat_id: Callable[..., int | None]
+    mul_mat: Callable[..., int | None]
+    swiglu_split: Callable[..., int | None]
+    get_rows: Callable[..., int | None]
+    new_graph_custom: Callable[..., int | None]
+    build_forward_expand: Callable[..., None]
+    get_data: Callable[..., int | None]
+    nbytes: Callable[..., int]
+    row_size: Callable[..., int]
+    blck_size: Callable[..., int]
+    version: Callable[..., bytes | None]
+    commit: Callable[..., bytes | None]
+    quantize_chunk: Callable[..., int]
+    backend_cpu_buffer_from_ptr: Callable[..., int | None]
+    backend_buffer_free: Callable[..., None]
+    backend_tensor_alloc: Callable[..., int]
+    backend_graph_compute: Callable[..., int]
+    backend_free: Callable[..., None]
+    cpu_init: Callable[..., None]
+    backend_cpu_init: Callable[..., int | None]
+    backend_cpu_set_n_threads: Callable[..., None]
+    # optional: None where this libggml lacks them (their callers keep a numpy path)
+    gated_delta_net: Callable[..., int | None] | None
+    get_type_traits_cpu: Callable[..., int | None] | None
+    sigmoid: Callable[..., int | None] | None
+    silu: Callable[..., int | None] | None
+    softplus: Callable[..., int | None] | None
+    exp: Callable[..., int | None] | None
+    neg: Callable[..., int | None] | None
+    cont: Callable[..., int | None] | None
+    transpose: Callable[..., int | None] | None
+    sqr: Callable[..., int | None] | None
+    sqrt: Callable[..., int | None] | None
+    sum_rows: Callable[..., int | None] | None
+    mul: Callable[..., int | None] | None
+    add: Callable[..., int | None] | None
+    sub: Callable[..., int | None] | None
+    div: Callable[..., int | None] | None
+    cpy: Callable[..., int | None] | None
+    ssm_conv: Callable[..., int | None] | None
+    sigmoid_inplace: Callable[..., int | None] | None
+    silu_inplace: Callable[..., int | None] | None
+    softplus_inplace: Callable[..., int | None] | None
+    mul_inplace: Callable[..., int | None] | None
+    add_inplace: Callable[..., int | None] | None
+    scale_inplace: Callable[..., int | None] | None
+    add_id: Callable[..., int | None] | None
+    swiglu_oai: Callable[..., int | None] | None
+    rms_norm: Callable[..., int | None] | None
+    l2_norm: Callable[..., int | None] | None
+    scale: Callable[..., int | None] | None
+    concat: Callable[..., int | None] | None
+    set_rows: Callable[..., int | None] | None
+    soft_max_ext: Callable[..., int | None] | None
+    soft_max_add_sinks: Callable[..., None] | None
+    new_tensor_4d: Callable[..., int | None] | None
+    view_1d: Callable[..., int | None] | None
+    view_2d: Callable[..., int | None] | None
+    view_4d: Callable[..., int | None] | None
+    reshape_2d: Callable[..., int | None] | None
+    reshape_3d: Callable[..., int | None] | None
+    reshape_4d: Callable[..., int | None] | None
+    cont_2d: Callable[..., int | None] | None
+    cont_3d: Callable[..., int | None] | None
+    permute: Callable[..., int | None] | None
+    rope_multi: Callable[..., int | None] | None
+    rope_ext: Callable[..., int | None] | None
+
 
     def __init__(self, lib_dir: Path, origin: str = "?"):
         self.lib_dir = lib_dir

@@ -27,6 +27,7 @@ import numpy as np
 
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32
 from p2pswarm.engine.ggml_runner import f32_view
+from p2pswarm.engine.state import aligned_zeros
 from p2pswarm.errors import ModelFormatError
 
 F32 = np.float32
@@ -117,7 +118,7 @@ def _runs(segs: list[tuple]) -> list[tuple[int, int, list]]:
 
 
 def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
-                     segs: list[tuple]) -> tuple[np.ndarray, np.ndarray, dict]:
+                     segs: list[tuple], stepped: dict[int, list] | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """``h + DeltaNet(attn_norm(h))`` for the rows of every ``(DeltaNetState, n)`` segment, in one
     graph, each sequence's conv rows and state updated in place; and ``post_attention_norm`` of
     that (the experts' and the router's input), as the attention layer's graph ends too, with
@@ -146,7 +147,17 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     function to float rounding, and the one llama.cpp computes. In-place ops wherever an
     intermediate has one reader keep the scratch of a 128-token prefill under the runner's
     ``KEEP_BYTES`` (a context above it is reallocated, page faults and all, every call).
+
+    ``stepped``: segment index -> an empty list, for the segments whose ``n`` rows are successive
+    one-token *decode* positions of their sequence (a speculative verification's chunk): their
+    delta rule runs as ``n`` one-token ``gated_delta_net`` nodes chained through state buffers of
+    their own, each exactly the node a one-token decode step runs (the projections, conv, norms
+    and gates are row-wise: each position's column is computed alone, as in a decode step). Each
+    list gets, per position but the last, the layer's state after it as
+    :meth:`~p2pswarm.engine.deltanet.DeltaNetState.checkpoint` gives it (``(buf, conv)``), so the
+    positions after it can be dropped (speculative decoding's rollback).
     """
+    stepped = stepped or {}
     dense = model.w.ggml_dense
     r = dense.runner
     lib = r.lib
@@ -168,6 +179,13 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     key = (("deltanet", il, T, tuple((st.conv.ctypes.data, st.conv.nbytes, st.buf.ctypes.data, st.buf.nbytes,
                                       st.head) for st, _ in segs))
            if all(n == 1 for _, n in segs) else None)
+    # a stepped segment's states after each position but the last (fresh memory: never kept)
+    snaps = {j: [aligned_zeros(segs[j][0].buf.shape) for _ in range(segs[j][1] - 1)] for j in stepped}
+    n_tensors += 12 * sum(segs[j][1] for j in stepped)
+    floats += T * Hv * dv if stepped else 0  # o_all
+    first_seg = {}
+    for j, (at, n, sts) in enumerate(runs):  # segment index of each run's first sequence
+        first_seg[j] = sum(len(r[2]) for r in runs[:j])
 
     def build(g):
         ctx = g.ctx
@@ -183,9 +201,10 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         beta = lib.sigmoid_inplace(ctx, lib.mul_mat(ctx, t["ssm_beta"], x))  # [Hv, T]
         alpha = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_alpha"], x), t["ssm_dt"])
         gt = lib.mul_inplace(ctx, lib.softplus_inplace(ctx, alpha), t["ssm_a"])  # [Hv, T]; ssm_a = -exp(A_log)
-        o_all = lib.new_tensor_3d(ctx, GGML_TYPE_F32, dv, Hv, T) if S > 1 else None
+        o_all = lib.new_tensor_3d(ctx, GGML_TYPE_F32, dv, Hv, T) if S > 1 or stepped else None
         o = None
-        for at, n, sts in runs:
+        xs: list = []  # (stepped segment, its run's X, its index in the run, n): its conv rows' checkpoints
+        for ri, (at, n, sts) in enumerate(runs):
             ns = len(sts)
             xb1, xb2 = 4 * (K - 1 + n), 4 * (K - 1 + n) * C
             convs = []
@@ -210,6 +229,11 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
             qk = _l2(lib, ctx, lib.view_4d(ctx, c, d, 2 * Hk, n, ns, 4 * d, 4 * C, 4 * C * n, 0), d, eps)
             for j, st in enumerate(sts):
                 row = at + j * n
+                seg = first_seg[ri] + j
+                if seg in stepped:
+                    xs.append((seg, X, j, n, len(sts)))
+                    _stepped_rule(g, qk, c, gt, beta, st, snaps[seg], o_all, row, j, n, (d, Hk, Hv, dv, C))
+                    continue
                 q_j = lib.view_3d(ctx, qk, d, Hk, n, 4 * d, 8 * d * Hk, 8 * d * Hk * n * j)
                 k_j = lib.view_3d(ctx, qk, d, Hk, n, 4 * d, 8 * d * Hk, 8 * d * Hk * n * j + 4 * d * Hk)
                 v_j = lib.view_3d(ctx, c, dv, Hv, n, 4 * dv, 4 * C, 4 * C * n * j + 8 * Hk * d)
@@ -240,21 +264,54 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         cur = lib.mul(ctx, lib.rms_norm(ctx, out, eps), t["post_attention_norm"])
         expand(cur)
         extras = moe_inputs(model, il, r, ctx, graph, cur, T)
-        return f32_view(lib, hin, (T, E)), f32_view(lib, out, (T, E)), f32_view(lib, cur, (T, E)), extras
+        x_views = [(seg, f32_view(lib, X, (ns, C, K - 1 + n)), j, n) for seg, X, j, n, ns in xs]
+        return (f32_view(lib, hin, (T, E)), f32_view(lib, out, (T, E)), f32_view(lib, cur, (T, E)), extras,
+                x_views)
 
     floats += moe_input_floats(model, il, T)
     n_tensors += 24
     with r.lock:
-        g = r.graph(key, 4 * floats + 64 * n_tensors, n_tensors, build, meta_tensors=4 * S, recurs=True)
+        g = r.graph(key, 4 * floats + 64 * n_tensors, n_tensors, build, meta_tensors=4 * S + 2 * sum(segs[j][1] for j in stepped), recurs=True)
         try:
-            h_in, h_out, h_cur, extras = g.t
+            h_in, h_out, h_cur, extras, x_views = g.t
             h_in[...] = h
             r.compute(g.graph, macs)
             out_h, cur_h = h_out.copy(), h_cur.copy()
             more = {k: v.copy() for k, v in extras.items()}
+            for seg, xv, j, n in x_views:  # conv rows after position i: the K-1 inputs ending at it
+                x_seq = xv[j]  # (C, K-1+n): the carried rows, then the n new ones
+                stepped[seg].extend((snaps[seg][i], np.ascontiguousarray(x_seq[:, i + 1:i + K].T))
+                                    for i in range(n - 1))
         finally:
             r.release(g)
     return out_h, cur_h, more
+
+
+def _stepped_rule(g, qk, c, gt, beta, st, snaps: list, o_all, row: int, j: int, n: int, dims) -> None:
+    """The delta rule of a stepped segment (:func:`deltanet_pre_moe`): its ``n`` positions as ``n``
+    one-token ``gated_delta_net`` nodes, each the decode step's node: position ``i`` reads the
+    state position ``i - 1`` wrote (the sequence's own for ``i = 0``) and writes ``[o | new
+    state]`` onto ``snaps[i]`` (onto the sequence's own buffer for the last), its ``o`` copied
+    into its row of ``o_all``. Nodes run in the order they are added, so each reads its
+    predecessor's state."""
+    lib, ctx = g.lib, g.ctx
+    d, Hk, Hv, dv, C = dims
+    bufs = [*snaps, st.buf]
+    wrapped = [g.wrap(b) for b in bufs]
+    for i in range(n):
+        q_i = lib.view_3d(ctx, qk, d, Hk, 1, 4 * d, 8 * d * Hk, 8 * d * Hk * (n * j + i))
+        k_i = lib.view_3d(ctx, qk, d, Hk, 1, 4 * d, 8 * d * Hk, 8 * d * Hk * (n * j + i) + 4 * d * Hk)
+        v_i = lib.view_3d(ctx, c, dv, Hv, 1, 4 * dv, 4 * C, 4 * C * (n * j + i) + 8 * Hk * d)
+        g_i = lib.view_3d(ctx, gt, 1, Hv, 1, 4, 4 * Hv, 4 * Hv * (row + i))
+        b_i = lib.view_3d(ctx, beta, 1, Hv, 1, 4, 4 * Hv, 4 * Hv * (row + i))
+        src = -1 if i == 0 else i - 1  # the sequence's own state first, then the previous position's
+        s_in = lib.new_tensor_3d(g.meta, GGML_TYPE_F32, d, dv, Hv)
+        g.place(wrapped[src], s_in, bufs[src].ctypes.data + 4 * st.head)
+        res = lib.gated_delta_net(g.meta, q_i, k_i, v_i, g_i, b_i, s_in, 1)
+        g.place(wrapped[i], res, bufs[i].ctypes.data)
+        lib.build_forward_expand(g.graph, res)
+        dst = lib.view_3d(ctx, o_all, dv, Hv, 1, 4 * dv, 4 * Hv * dv, 4 * Hv * dv * (row + i))
+        lib.build_forward_expand(g.graph, lib.cpy(ctx, lib.view_3d(ctx, res, dv, Hv, 1, 4 * dv, 4 * Hv * dv, 0), dst))
 
 
 def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:

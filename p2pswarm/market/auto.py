@@ -38,6 +38,7 @@ from p2pswarm.market.reward import backbone_demand
 from p2pswarm.net.records import MAX_SHARDS, CoverageUnit, ShardEntry
 
 if TYPE_CHECKING:  # both import py-libp2p (~0.8 s): loaded when a worker enrols, not with this module
+    from p2pswarm.net.shard_server import ShardFiles
     from p2pswarm.net.advertiser import ShardAdvertiser
     from p2pswarm.net.coverage import CoverageResolver
 
@@ -94,7 +95,8 @@ class AutoWorker:
 
     def __init__(self, net, dht, identity, *, memory: int, token: str, trusted_issuers, load_shard, kernel: str,
                  protocol: int, home: Path, model: str | None = None, ttl_s: float = 60.0, period_s: float = 60.0,
-                 hysteresis: float = DEFAULT_HYSTERESIS, seed: int | None = None):
+                 hysteresis: float = DEFAULT_HYSTERESIS, seed: int | None = None,
+                 shard_files: ShardFiles | None = None):
         self.net, self.dht, self.identity = net, dht, identity
         self.memory, self.token, self.trusted = memory, token, list(trusted_issuers)
         self.load_shard = load_shard  # path -> (ExpertWorker, ShardInfo, ShardEntry), run in a thread
@@ -115,8 +117,8 @@ class AutoWorker:
         self.backbones: set[str] = set()  # peers whose demand records we have read
         self.sources: list[DemandRecord] = []  # their latest records (shard sources among them)
         #: where the held slices' slabs are served onwards (a backbone's expert cache fetches from
-        #: any worker whose shard holds a unit): p2pswarm.net.shard_server.ShardFiles; None: not served
-        self.shard_files = None
+        #: any worker whose shard holds a unit); None: not served
+        self.shard_files = shard_files
 
     # -- inputs -----------------------------------------------------------------------------------
     async def _demand(self) -> tuple[DemandRecord, np.ndarray]:

@@ -255,28 +255,56 @@ class Qwen35MoE(KeptLayerCalls):
         sequence's KV write and attention on its own cache, post_attention_norm included)."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
+        groups = _chunks(segments)
+        stepped = {j for j, (_, _, _, one_by_one) in enumerate(groups) if one_by_one}
         if self.recurrent[il]:
             lw = self._layer_graph(il, segments)
             if lw is not None:  # post_attention_norm too, served to ffn_input as the attention layer's
                 self.layer_graph_calls += 1
+                snaps: dict[int, list] = {j: [] for j in stepped}
                 h, cur, extras = ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
-                                                              [(st.extra[il], n) for st, _, n in segments])
+                                                              [(st.extra[il], n) for st, _, n, _ in groups], snaps)
+                for j, got in snaps.items():
+                    groups[j][0].checkpoints[il] = got
                 self._keep(il, h, cur, extras)
                 return h
         elif all(n > 0 for _, _, n in segments):
             runner = self._attention_graph_runner()
             if runner is not None:  # the ggml kernel: the whole layer as one graph, ffn_input's norm too
+                segs: list[tuple] = []
+                for st, p0, n, one_by_one in groups:  # a chunk's positions: one decode row each
+                    segs += ([(ggml_attention.KVAhead(st.kv[il], i), p0 + i, 1) for i in range(n)] if one_by_one
+                             else [(st.kv[il], p0, n)])
                 h, cur, extras = ggml_attention.gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
-                                                                [(st.kv[il], p0, n) for st, p0, n in segments],
-                                                                with_ffn_input=True)
+                                                                segs, with_ffn_input=True)
+                for st, _, n, one_by_one in groups:
+                    if one_by_one:
+                        kv = st.kv[il]
+                        st.checkpoints[il] = [kv.n + i + 1 for i in range(n - 1)]
+                        kv.n += n
                 self._keep(il, h, cur, extras)
                 return h
+        if stepped:
+            raise ValueError(f"layer {il}: a verification chunk needs the layer's ggml graph (see chunk_verify)")
         x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
         if self.recurrent[il]:
             out = self._linear_attention_rows(il, x, [(st.extra[il], n) for st, _, n in segments])
         else:
             out = self._full_attention_rows(il, x, [(st.kv[il], pos0, n) for st, pos0, n in segments])
         return h + out
+
+    def chunk_verify(self, il: int) -> bool:
+        """Whether :meth:`pre_moe_batch` of layer ``il`` takes a speculative verification's
+        positions in one call (consecutive one-row segments of one state: each position computed
+        as a one-token decode step computes it, its state checkpointed after it): where the
+        layer's ggml graph runs (:func:`~p2pswarm.engine.ggml_layers.deltanet_pre_moe`'s stepped
+        segments; :class:`~p2pswarm.engine.ggml_attention.KVAhead`). Not on the numpy/portable
+        per-piece path: there a chunk's attention would multiply all its rows by the cache in one
+        BLAS call (other bits than one row's) and its delta rule would take the chunked form, so
+        the backbone verifies position by position there (``Backbone._pre_rounds``)."""
+        if self.recurrent[il]:
+            return self._layer_graph(il, []) is not None
+        return self._attention_graph_runner() is not None
 
     #: False keeps the per-piece path (numpy between ggml graphs) under the ggml kernel too; tests
     #: compare the two.
@@ -445,3 +473,14 @@ class Qwen35MoE(KeptLayerCalls):
         """h + (routed + shared), added in llama.cpp's order."""
         return h + (moe + self.shared(il, cur))
 
+
+def _chunks(segments: list[tuple[SequenceState, int, int]]) -> list[tuple[SequenceState, int, int, bool]]:
+    """``segments`` with each run of consecutive one-row segments of one state (a verification
+    chunk: successive decode positions of one sequence) as one ``(state, pos0, n, True)``."""
+    out: list[tuple[SequenceState, int, int, bool]] = []
+    for st, p0, n in segments:
+        if out and out[-1][0] is st and n == 1 and out[-1][3] in (True, None) and out[-1][1] + out[-1][2] == p0:
+            out[-1] = (st, out[-1][1], out[-1][2] + 1, True)
+        else:
+            out.append((st, p0, n, None if n == 1 else False))  # type: ignore[arg-type]
+    return [(st, p0, n, bool(flag)) for st, p0, n, flag in out]
