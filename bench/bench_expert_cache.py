@@ -277,7 +277,7 @@ def main() -> int:
 
     print("\n| --expert-cache | backbone RSS | backbone disk | tokens/s, 1 seq | tokens/s, 16 seqs | cache hit rate "
           "| fetched units (s each) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name in ("all", "10%", "none"):
+    for name in [n for n in ("all", "10%", "none") if n in results]:
         c = results[name][-1]["cache"] or {}
         fetch = (f"{c['fetches']} ({c.get('fetch_seconds', 0) / c['fetches']:.3f} a unit of 3 slabs)"
                  if c.get("fetches") else "0")
@@ -285,7 +285,7 @@ def main() -> int:
         print(f"| {name} | {med(name, 'rss') / 1e9:.2f} GB | {med(name, 'disk') / 1e9:.2f} GB | "
               f"{med(name, 'tok_s_1'):.2f} | {med(name, 'tok_s_16'):.2f} | "
               f"{'-' if rate is None else f'{rate:.1%}'} | {fetch} |")
-    for name in ("all", "10%", "none"):
+    for name in [n for n in ("all", "10%", "none") if n in results]:
         for r in results[name]:
             wm = r["workers_mem"]
             print(f"{name}: backbone RSS {r['mem']['VmRSS'] / 1e9:.2f} GB (anon {r['mem']['RssAnon'] / 1e9:.2f}, file "
@@ -305,6 +305,8 @@ def main() -> int:
               f"{c.get('fetched_bytes', 0) / max(1, r['generated']) / 1e6:.2f} MB a generated token), "
               f"{c.get('refused', 0)} units refused by the budget; tokens/s {r.get('tok_s_16', 0):.2f} at 16 seqs "
               f"(load {r.get('load_16', 0):.1f}); fallbacks {r['fallbacks']}")
+    if "hot-on" not in results:
+        return 0
     on, off = med("hot-on", "tok_s_1"), med("hot-off", "tok_s_1")
     print(f"\nall cached, one sequence: --hot-experts {on:.2f} tokens/s, --no-hot-experts {off:.2f} "
           f"(on/off {on / off:.2f}x); model {layout.file_size / 1e9:.2f} GB")
