@@ -2,6 +2,7 @@
 ``--expert-cache all / 10% / none``, and the hot-expert rule on vs off for one sequence.
 
     python bench/bench_expert_cache.py [--model M.gguf] [--rtt-ms 50] [--tokens 8] [--seqs 1,16] [--rounds 2]
+                                       [--check-rate 0.01 | --no-checks]
     python bench/bench_expert_cache.py --dense-table      # the dense part of each architecture at real size
 
 The swarm (bench/wan_swarm.py): a bootstrap node, 4 worker processes holding every expert twice
@@ -20,9 +21,16 @@ greedy completions (the median of ``--rounds``, configurations alternated A B C 
 cache's hit rate and its fetches (time per unit fetched). Then ``all`` with ``--hot-experts`` vs
 ``--no-hot-experts`` for one sequence, alternated on off on off.
 
+Then one ``checks`` run: the backbone file with ``--expert-cache none`` and ``--verify-rate
+--check-rate`` (0.01), a seeder to fetch from: every check fetches its unit's slabs, within the
+default ``--verify-fetch-budget``; it prints the bytes per check and per generated token and the
+share of picks checked. Each figure comes with the load average when it was taken, and each
+configuration with the backbone's and the workers' RssAnon / RssFile (mapped model pages are
+file pages the kernel may drop and read again).
+
 Default model: deepseek2 ``geometry-671b`` with ``--layers 3`` (2 dense + 1 MoE layer at
-DeepSeek-V3's per-layer sizes, Q8_0 dense, Q4_K experts) but 64 routed experts instead of 256,
-so that four workers holding every unit twice fit this shared machine's memory; made on first use.
+DeepSeek-V3's per-layer sizes, Q8_0 dense, Q4_K experts) with all 256 routed experts
+(``--n-expert`` fewer); made on first use.
 """
 from __future__ import annotations
 
@@ -40,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan_swarm import Proc, WanSwarm
 
-DEFAULT_MODEL = Path("/tmp/p2pswarm-bench/ds671-l3-e64.gguf")
+DEFAULT_MODEL = Path("/tmp/p2pswarm-bench/ds671-l3-e256.gguf")
 
 
 # ---- the dense part of each architecture at its real size ------------------------------------------
@@ -120,12 +128,18 @@ def _cli(*args: str, env: dict) -> str:
     return proc.stdout
 
 
-def rss(pid: int) -> int:
+def rss(pid: int, field: str = "VmRSS") -> int:
+    """``VmRSS`` (or ``RssAnon``: private memory; ``RssFile``: mapped file pages, clean, which the
+    kernel may drop and read again) of a process, in bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def mem_of(pid: int) -> dict:
+    return {k: rss(pid, k) for k in ("VmRSS", "RssAnon", "RssFile")}
 
 
 def _complete(base: str, prompt: str, max_tokens: int) -> int:
@@ -145,10 +159,13 @@ def tokens_per_s(base: str, seqs: int, max_tokens: int) -> float:
 def run_config(name: str, model: Path, bfile: Path, work: Path, args, auth: dict) -> dict:
     n = args.n_expert
     ranges = [(0, n // 2), (n // 2, n), (0, n // 2), (n // 2, n)]
-    extra = {"all": [], "10%": ["--expert-cache", "10%", "--token", str(auth["token"]), "--trust-issuer",
-                                auth["issuer"], "--cache-refill", "3"],
+    fetching = ["--token", str(auth["token"]), "--trust-issuer", auth["issuer"]]
+    extra = {"all": [], "10%": ["--expert-cache", "10%", *fetching, "--cache-refill", "3"],
              "none": ["--expert-cache", "none"],
+             # verification at the default rate with no cache: every check fetches its unit's slabs
+             "checks": ["--expert-cache", "none", *fetching, "--verify-rate", str(args.check_rate)],
              "hot-on": ["--hot-experts"], "hot-off": ["--no-hot-experts"]}[name]
+    verify = [] if name == "checks" else ["--verify-rate", "0"]
     bb_model = model if name in ("all", "hot-on", "hot-off") else bfile
     d = work / "run"
     d.mkdir(exist_ok=True)
@@ -156,10 +173,10 @@ def run_config(name: str, model: Path, bfile: Path, work: Path, args, auth: dict
     # a worker's deadline of 60 s, not 5: on a loaded 2-core machine a prefill of 32 experts can take
     # seconds, and a timed-out worker's fallback would measure the fallback, not the cache
     with WanSwarm(model, ranges=ranges, rtt_ms=args.rtt_ms, workdir=d, kernel="ggml", threads=1, timeout_s=60,
-                  backbone_args=["--verify-rate", "0", *extra], backbone_model=bb_model) as sw:
+                  backbone_args=[*verify, *extra], backbone_model=bb_model) as sw:
         seeder = None
         try:
-            if name == "10%":
+            if name in ("10%", "checks"):
                 seeder = Proc(["serve-shards", "--model", str(model), "--manifest", str(auth["manifest"]),
                                "--trust-issuer", auth["issuer"], "--bootstrap", sw.boot.ready[0], "--identity",
                                str(work / "seed.key")], d / "seed.log", sw.env)
@@ -171,12 +188,16 @@ def run_config(name: str, model: Path, bfile: Path, work: Path, args, auth: dict
                 time.sleep(4)
             for s in args.seqs if not name.startswith("hot") else [1]:
                 out[f"tok_s_{s}"] = tokens_per_s(sw.base_url, s, args.tokens)
+                out[f"load_{s}"] = os.getloadavg()[0]
             out["rss"] = rss(sw.backbone.pid)
+            out["mem"] = mem_of(sw.backbone.pid)
+            out["workers_mem"] = [mem_of(w.pid) for w in sw.workers]
             st = sw.swarm()
             cache = st.get("expert_cache")
             out["cache"] = cache
             out["disk"] = os.path.getsize(bb_model) + ((cache or {}).get("disk_bytes") or 0)
             out["fallbacks"] = st["dispatch"]["fallbacks"]
+            out["generated"] = sw.get("/health")["generated_tokens"]
         finally:
             if seeder is not None:
                 seeder.stop()
@@ -187,7 +208,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dense-table", action="store_true", help="print the dense-part table and exit")
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    ap.add_argument("--n-expert", type=int, default=64, help="routed experts of the default model (made if missing)")
+    ap.add_argument("--n-expert", type=int, default=256, help="routed experts of the default model (made if missing)")
+    ap.add_argument("--check-rate", type=float, default=0.01,
+                    help="--verify-rate of the `checks` run (no cache: each check fetches its unit)")
+    ap.add_argument("--no-checks", action="store_true", help="skip the `checks` run")
     ap.add_argument("--rtt-ms", type=float, default=50.0)
     ap.add_argument("--tokens", type=int, default=8, help="tokens per completion")
     ap.add_argument("--seqs", default="1,16")
@@ -243,6 +267,11 @@ def main() -> int:
             results.setdefault(name, []).append(r)
             print(json.dumps(r), flush=True)
 
+    if not args.no_checks:
+        r = run_config("checks", model, bfile, work, args, auth)
+        results["checks"] = [r]
+        print(json.dumps(r), flush=True)
+
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
 
@@ -250,11 +279,32 @@ def main() -> int:
           "| fetched units (s each) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in ("all", "10%", "none"):
         c = results[name][-1]["cache"] or {}
-        fetch = (f"{c['fetches']} ({c.get('fetch_seconds', 0) / c['fetches']:.3f})" if c.get("fetches") else "0")
+        fetch = (f"{c['fetches']} ({c.get('fetch_seconds', 0) / c['fetches']:.3f} a unit of 3 slabs)"
+                 if c.get("fetches") else "0")
         rate = c.get("hit_rate")
         print(f"| {name} | {med(name, 'rss') / 1e9:.2f} GB | {med(name, 'disk') / 1e9:.2f} GB | "
               f"{med(name, 'tok_s_1'):.2f} | {med(name, 'tok_s_16'):.2f} | "
               f"{'-' if rate is None else f'{rate:.1%}'} | {fetch} |")
+    for name in ("all", "10%", "none"):
+        for r in results[name]:
+            wm = r["workers_mem"]
+            print(f"{name}: backbone RSS {r['mem']['VmRSS'] / 1e9:.2f} GB (anon {r['mem']['RssAnon'] / 1e9:.2f}, file "
+                  f"{r['mem']['RssFile'] / 1e9:.2f}); workers RSS {sum(m['VmRSS'] for m in wm) / 1e9:.2f} GB (anon "
+                  f"{sum(m['RssAnon'] for m in wm) / 1e9:.2f}, file {sum(m['RssFile'] for m in wm) / 1e9:.2f}); "
+                  f"load {r.get('load_1', 0):.1f} / {r.get('load_16', 0):.1f} at the 1- / 16-sequence figures")
+    if "checks" in results:
+        r = results["checks"][0]
+        c = (r["cache"] or {}).get("check_fetches") or {}
+        picks = c.get("picks_fetched", 0) + c.get("picks_refused", 0)
+        print(f"\nchecks with no cache (--verify-rate {args.check_rate}, --verify-fetch-budget default "
+              f"{c.get('bytes_per_period', 0) / 1e6:.0f} MB a minute): {r['generated']} tokens generated, "
+              f"{picks} picks on uncached units, {c.get('picks_fetched', 0)} checked "
+              f"({c.get('picks_fetched', 0) / max(1, picks):.1%}) on {c.get('checks', 0)} fetched units, "
+              f"{c.get('fetched_bytes', 0) / 1e6:.1f} MB fetched "
+              f"({c.get('fetched_bytes', 0) / max(1, c.get('checks', 0)) / 1e6:.1f} MB a check, "
+              f"{c.get('fetched_bytes', 0) / max(1, r['generated']) / 1e6:.2f} MB a generated token), "
+              f"{c.get('refused', 0)} units refused by the budget; tokens/s {r.get('tok_s_16', 0):.2f} at 16 seqs "
+              f"(load {r.get('load_16', 0):.1f}); fallbacks {r['fallbacks']}")
     on, off = med("hot-on", "tok_s_1"), med("hot-off", "tok_s_1")
     print(f"\nall cached, one sequence: --hot-experts {on:.2f} tokens/s, --no-hot-experts {off:.2f} "
           f"(on/off {on / off:.2f}x); model {layout.file_size / 1e9:.2f} GB")

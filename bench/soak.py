@@ -2,23 +2,30 @@
 
     python bench/soak.py --duration-s 1800 --seed 1 [--model M.gguf] [--workdir DIR] [--json OUT]
 
-Jepsen-style, on 127.0.0.1 (one machine; no network namespaces):
+Jepsen-style, on 127.0.0.1 and network namespaces of its own (``p2ps-soak-<pid><i>``; needs root,
+``ip`` and ``nft``; a killed run's namespaces are removed by the next run):
 
-* **the swarm**: two bootstraps, a relay (``--open``), a backbone with ``--http`` and
-  ``--verify-rate``, seven honest workers (two direct, three behind WAN-emulating proxies of
-  different RTTs, one capped at 20 Mbit/s, two reachable only through the relay) and one dishonest
+* **the swarm**: two bootstraps, a relay (``--open``), two backbones with ``--http`` and
+  ``--verify-rate`` (one holding the model and serving its bytes by a signed manifest, one holding
+  only the dense part with ``--expert-cache 10%`` filled from the swarm), eight honest workers (two
+  direct, three behind WAN-emulating proxies of different RTTs, one capped at 20 Mbit/s, two in
+  network namespaces behind a NAT - nothing in, out only to the relay's WebSocket, masqueraded -
+  reachable only through the relay, one in a namespace dialled directly), one ``--auto`` worker
+  (picks its units from the backbones' demand, downloads them by manifest) and one dishonest
   worker (tests/helpers/dishonest_worker.py: a wrong element in 5% of its rows).
 * **the load** (:class:`Load`): threads with the official ``openai`` client: chats streamed and
   not, greedy and seeded, some clients that hang up mid-stream.
 * **the nemesis** (:class:`Nemesis`): one fault at a time from a seeded schedule: kill -9 and
   restart of a worker, SIGSTOP/SIGCONT, the relay killed and restarted, a bootstrap killed and
   restarted, a worker restarted on a corrupt (truncated) shard first, garbage on a worker's and the
-  backbone's ports (raw TCP) and garbage frames on an expert stream (libp2p).
+  backbones' ports (raw TCP) and garbage frames on an expert stream (libp2p), a namespaced
+  worker's link dropped for 20-60 s (nftables: a partition) or rate-limited to 20-200 kB/s.
 * **the checker** (:func:`check`): every completed response equals the monolithic reference (the
   same request on a backbone computing alone: greedy, or the same seed) token for token; every
   request completes or ends with an error in OpenAI's shape; none hangs; the dishonest worker is
-  banned; after each fault every honest worker is back in service within ``RECOVERY_BOUND_S``; the
-  backbone's and two never-faulted workers' resident memory, descriptors, trio tasks and DHT
+  banned; after each fault every honest worker is back in service within its bound (60 s, 90 s
+  after a partition: soak_check.RECOVERY_BOUNDS_S); the
+  backbones' and two never-faulted workers' resident memory, descriptors, trio tasks and DHT
   records sampled over time, with their slopes after warm-up.
 
 tests/test_soak.py runs a 2-3 minute version with the same checker. Results: docs/benchmarks.md
@@ -37,21 +44,26 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
+from helpers.netns import Netns, cleanup_stale
 from helpers.procs import Proc, free_ports  # the tests' process helper
-from soak_check import (LONG_LIVED, MAX_TOKENS, PROMPTS, RECOVERY_BOUND_S, SAMPLINGS, Load, _now, _request,
+from soak_check import (LONG_LIVED, MAX_TOKENS, PROMPTS, RECOVERY_WAIT_S, SAMPLINGS, Load, _now, _request,
                         check, summarise)
 
 HONEST = [  # (name, experts, how it is reached)
     ("w0", (0, 8), "direct"), ("w1", (8, 16), "direct"),  # never faulted: their slopes are sampled
     ("w2", (0, 8), "wan:20"), ("w3", (8, 16), "wan:60"), ("w4", (0, 16), "wan:120:20"),
-    ("w5", (0, 8), "relay"), ("w6", (8, 16), "relay"),
+    ("w5", (0, 8), "nat"), ("w6", (8, 16), "nat"),  # each in a network namespace behind a NAT: relay only
+    ("w7", (0, 16), "netns"),  # in a namespace of its own, dialled directly: partitions and slow links
 ]
+HOW = {n: how for n, _, how in HONEST}
+NAMESPACED = tuple(n for n, _, how in HONEST if how in ("nat", "netns"))
 
 
 @dataclass
@@ -64,13 +76,14 @@ class Node:
     dir: Path
     env: dict
     entry: tuple = ("-m", "p2pswarm.cli")
+    prefix: tuple = ()  # ``ip netns exec NS``: a node in a network namespace
     proc: Proc | None = None
     starts: int = 0
 
     def start(self, args: list[str] | None = None, expect_ready: bool = True) -> Proc:
         self.starts += 1
         self.proc = Proc(args or self.args, self.dir / f"{self.name}.{self.starts}.log", self.env,
-                         entry=self.entry, expect_ready=expect_ready)
+                         entry=self.entry, expect_ready=expect_ready, prefix=list(self.prefix))
         return self.proc
 
     @property
@@ -103,28 +116,47 @@ class Swarm:
         self.shards: dict[str, Path] = {}
         self.peer_ids: dict[str, str] = {}
 
-    def _node(self, name, args, entry=("-m", "p2pswarm.cli")) -> Node:
-        n = Node(name, args, self.dir, self.env, entry=entry)
+    def _node(self, name, args, entry=("-m", "p2pswarm.cli"), prefix=()) -> Node:
+        n = Node(name, args, self.dir, self.env, entry=entry, prefix=tuple(prefix))
         self.nodes[name] = n
         n.start()
         return n
 
+    def _cli(self, *args: str) -> None:
+        subprocess.run([sys.executable, "-m", "p2pswarm.cli", *args], check=True, env=self.env,
+                       stdout=subprocess.DEVNULL)
+
     def __enter__(self) -> Swarm:
+        from p2pswarm.model.layout import ModelLayout
+        from p2pswarm.model.manifest import source_fingerprint
         from p2pswarm.model.slicer import slice_experts
+        from p2pswarm.net.identity import load_or_create_identity
+        from p2pswarm.net.tokens import issue_token
 
         try:
-            ports = iter(free_ports(32))
+            ports = iter(free_ports(40))
             d = self.dir
+            cleanup_stale()
+            self.netns = {name: Netns(f"{os.getpid()}{i}", (os.getpid() * 7 + i) % 250).create()
+                          for i, name in enumerate(NAMESPACED)}
+            part = [ns for name, ns in self.netns.items() if HOW[name] == "netns"]
             boots = []
             for b in ("boot1", "boot2"):
-                n = self._node(b, ["bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}",
+                port = next(ports)
+                extra = [a for ns in part for a in ("--listen", f"/ip4/{ns.host_ip}/tcp/{port}")]
+                n = self._node(b, ["bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{port}", *extra,
                                    "--identity", str(d / f"{b}.key")])
                 boots.append(n.proc.ready[0])
             self.boots = boots
+            # the relay also listens on each NAT namespace's side of its veth (WebSocket: all a NAT lets out)
+            relay_ws = {name: (ns.host_ip, next(ports)) for name, ns in self.netns.items()}
             relay = self._node("relay", ["relay", "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}/ws",
                                          "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}", "--open",
+                                         *[a for h, p in relay_ws.values()
+                                           for a in ("--listen", f"/ip4/{h}/tcp/{p}/ws")],
                                          "--identity", str(d / "relay.key"), "--bootstrap", boots[0]])
             self.relay_addr = relay.proc.addr
+            relay_id = relay.proc.addr.rsplit("/p2p/", 1)[1]
             wan = [(name, how) for name, _, how in HONEST if how.startswith("wan")]
             listen = {name: next(ports) for name, _, _ in HONEST}
             for name, how in wan:
@@ -140,8 +172,20 @@ class Swarm:
                     slice_experts(self.model, shard, None, (e0, e1))
                 args = ["node", "--role", "worker", "--shard", str(shard), "--identity", str(d / f"{name}.key"),
                         "--ttl", "60"]
-                if how == "relay":
-                    args += ["--relay", self.relay_addr]
+                prefix: list[str] = []
+                if how == "nat":  # in its namespace, nothing in, out only to the relay's WebSocket, masqueraded
+                    ns = self.netns[name]
+                    host, port = relay_ws[name]
+                    ns.nat([(host, port)])
+                    prefix = ns.prefix
+                    args += ["--relay", f"/ip4/{host}/tcp/{port}/ws/p2p/{relay_id}",
+                             "--listen", f"/ip4/{ns.ns_ip}/tcp/{listen[name]}"]
+                elif how == "netns":  # its own namespace, dialled at its address there; bootstraps via the veth
+                    ns = self.netns[name]
+                    prefix = ns.prefix
+                    args += [a for bt in boots
+                             for a in ("--bootstrap", bt.replace("/ip4/127.0.0.1/", f"/ip4/{ns.host_ip}/"))]
+                    args += ["--listen", f"/ip4/{ns.ns_ip}/tcp/{listen[name]}"]
                 elif how == "direct":
                     args += ["--bootstrap", boots[0], "--bootstrap", boots[1],
                              "--listen", f"/ip4/127.0.0.1/tcp/{listen[name]}"]
@@ -151,20 +195,51 @@ class Swarm:
                              f"/ip4/127.0.0.1/tcp/{port}", "--announce", f"/ip4/127.0.0.1/tcp/{link}"]
                 if name in LONG_LIVED:  # sampled: trio tasks and DHT records from its /health
                     args += ["--health", f"127.0.0.1:{next(ports)}"]
-                n = self._node(name, args)
-                self.peer_ids[name] = n.proc.addr.rsplit("/p2p/", 1)[1]
+                self.nodes[name] = Node(name, args, self.dir, self.env, prefix=tuple(prefix))
+            with ThreadPoolExecutor(len(HONEST)) as pool:  # started together: the start-up is most of a short run
+                list(pool.map(lambda name: self.nodes[name].start(), [name for name, _, _ in HONEST]))
+            for name, _, _ in HONEST:
+                self.peer_ids[name] = self.nodes[name].proc.addr.rsplit("/p2p/", 1)[1]
             liar_shard = self.shards["w0"]
             liar = self._node("liar", [str(ROOT / "tests" / "helpers" / "dishonest_worker.py"), "--shard",
                                        str(liar_shard), "--bootstrap", boots[1], "--identity", str(d / "liar.key"),
                                        "--receipts-dir", str(d / "liar-receipts"), "--fraction", "0.05",
                                        "--seed", str(self.seed)], entry=())
             self.liar_id = liar.proc.addr.rsplit("/p2p/", 1)[1]
-            bb = self._node("backbone", [
-                "node", "--role", "backbone", "--model", str(self.model), "--bootstrap", boots[0],
-                "--bootstrap", boots[1], "--http", "127.0.0.1:0", "--identity", str(d / "backbone.key"),
-                "--timeout", "5", "--verify-rate", str(self.verify_rate), "--verify-seed", str(self.seed),
-                "--ban-refresh", "5", "--served-model-name", "tiny"])
-            self.base = next(w for w in bb.proc.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
+            # a signed manifest: the first backbone serves the model's bytes by it (to the --auto
+            # worker and to the second backbone's expert cache), both trusting its issuer
+            fp = source_fingerprint(ModelLayout.open(self.model))
+            issuer = load_or_create_identity(d / "issuer.key")
+            manifest = d / "model.manifest"
+            if not manifest.exists():
+                self._cli("manifest", "--model", str(self.model), "--key", str(d / "issuer.key"),
+                          "--out", str(manifest))
+            common = ["--bootstrap", boots[0], "--bootstrap", boots[1], "--http", "127.0.0.1:0", "--timeout", "5",
+                      "--verify-rate", str(self.verify_rate), "--verify-seed", str(self.seed), "--ban-refresh", "5",
+                      "--served-model-name", "tiny"]
+            bb = self._node("backbone", ["node", "--role", "backbone", "--model", str(self.model), "--manifest",
+                                         str(manifest), "--identity", str(d / "backbone.key"), *common])
+            self.base = _http(bb.proc)
+            # a second backbone that does not hold the model: the dense part, a cache of 10 % of the
+            # experts filled from the swarm, the rest always from workers
+            dense = d / "backbone-dense.gguf"
+            if not dense.exists():
+                self._cli("slice", str(self.model), "--backbone", "-o", str(dense))
+            bb2_id = load_or_create_identity(d / "backbone2.key")
+            tok2 = d / "backbone2.token"
+            tok2.write_text(issue_token(issuer, bb2_id.peer_id_str, [f"shard:{fp}"], 30 * 86400).encode())
+            bb2 = self._node("backbone2", ["node", "--role", "backbone", "--model", str(dense), "--expert-cache", "10%",
+                                           "--token", str(tok2), "--trust-issuer", issuer.peer_id_str,
+                                           "--trust-bans", bb.proc.addr.rsplit("/p2p/", 1)[1],
+                                           "--identity", str(d / "backbone2.key"), *common])
+            self.bases = [self.base, _http(bb2.proc)]
+            # an --auto worker: reads the backbones' demand, picks its units, downloads them by manifest
+            auto_id = load_or_create_identity(d / "auto.key")
+            tok = issue_token(issuer, auto_id.peer_id_str, [f"shard:{fp}"], 30 * 86400).encode()
+            auto = self._node("auto", ["node", "--role", "worker", "--auto", "--memory", "64MB", "--token", tok,
+                                       "--trust-issuer", issuer.peer_id_str, "--bootstrap", boots[0],
+                                       "--bootstrap", boots[1], "--identity", str(d / "auto.key"), "--ttl", "60"])
+            self.peer_ids["auto"] = auto.proc.addr.rsplit("/p2p/", 1)[1]
         except BaseException:
             self.__exit__()
             raise
@@ -173,6 +248,8 @@ class Swarm:
     def __exit__(self, *exc) -> None:
         for n in reversed(list(self.nodes.values())):
             n.stop()
+        for ns in getattr(self, "netns", {}).values():
+            ns.delete()
 
     def get(self, path: str) -> dict:
         import httpx
@@ -187,6 +264,19 @@ class Swarm:
         for name, pid in self.peer_ids.items():
             w = by_peer.get(pid)
             out[name] = ("absent", -1) if w is None else (w["state"], w["requests"] - w["failures"])
+        return out
+
+    def nat_relayed(self) -> dict[str, dict[str, bool]]:
+        """Per backbone, whether its connection to each NATed worker goes through the relay (it
+        must: nothing can reach them directly; on loopback without a NAT a worker's own outbound
+        connection made it look direct, which a real NAT would not allow)."""
+        import httpx
+
+        out = {}
+        for name, base in zip(("backbone", "backbone2"), self.bases):
+            ws = httpx.get(base + "/v1/swarm", timeout=30).json()["workers"]
+            out[name] = {w: any(x["peer"] == self.peer_ids[w] and x["relayed"] for x in ws)
+                         for w in NAMESPACED if HOW[w] == "nat"}
         return out
 
     def wait_full(self, timeout_s: float, targets: tuple[str, ...] = ()) -> float | None:
@@ -217,7 +307,11 @@ class Swarm:
         return None
 
 
-def monolithic_references(model: Path, workdir: Path, env: dict) -> dict:
+def _http(proc: Proc) -> str:
+    return next(w for w in proc.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
+
+
+def monolithic_references(model: Path, workdir: Path, env: dict, prompts: int = len(PROMPTS)) -> dict:
     """Every (prompt, sampling, max_tokens) the load may send, answered by a backbone computing
     alone (no swarm): the reference the checker compares against."""
     import openai
@@ -228,7 +322,7 @@ def monolithic_references(model: Path, workdir: Path, env: dict) -> dict:
         base = next(w for w in mono.ready if w.startswith("http="))[5:].replace("0.0.0.0", "127.0.0.1")
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         refs = {}
-        for p in range(len(PROMPTS)):
+        for p in range(prompts):
             for s in SAMPLINGS:
                 for m in MAX_TOKENS:
                     r = client.chat.completions.create(model="tiny", **_request(p, s, m))
@@ -242,14 +336,19 @@ def monolithic_references(model: Path, workdir: Path, env: dict) -> dict:
 class Nemesis:
     """Faults from a seeded schedule, one at a time, each undone and its recovery timed."""
 
-    KINDS = ("kill9", "stop", "relay", "bootstrap", "corrupt_shard", "garbage")
+    KINDS = ("kill9", "stop", "relay", "bootstrap", "corrupt_shard", "garbage", "partition", "slow")
 
-    def __init__(self, swarm: Swarm, seed: int, every_s: float):
-        self.swarm, self.every_s = swarm, every_s
+    def __init__(self, swarm: Swarm, seed: int, every_s: float, hold_scale: float = 1.0):
+        self.swarm, self.every_s, self.hold_scale = swarm, every_s, hold_scale
         self.rng = random.Random(seed)
         self.faults: list[dict] = []
         self.stop = threading.Event()
         self.fault_windows: list[tuple[float, float]] = []
+
+    def _hold(self, lo: float, hi: float) -> float:
+        """How long a fault is held (or a killed node stays down): uniform in [lo, hi] seconds
+        times ``hold_scale`` (1 in the long run; the short test's is smaller)."""
+        return self.rng.uniform(lo, hi) * self.hold_scale
 
     def schedule(self, n: int) -> list[str]:
         """The kinds, in order: every kind once per round, shuffled (a short run still sees each)."""
@@ -264,7 +363,7 @@ class Nemesis:
         for kind in self.schedule(10_000):
             if self.stop.wait(self.every_s * self.rng.uniform(0.5, 1.0)):
                 return
-            victims = [n for n, _, _ in HONEST if n not in LONG_LIVED]
+            victims = NAMESPACED if kind in ("partition", "slow") else [n for n, _, _ in HONEST if n not in LONG_LIVED]
             victim = self.rng.choice(victims)
             t0 = _now()
             fault = {"kind": kind, "t": round(t0, 1)}
@@ -273,7 +372,7 @@ class Nemesis:
             except Exception as exc:  # a fault that could not be injected is a finding, recorded
                 fault["inject_error"] = f"{type(exc).__name__}: {exc}"
             undone = _now()
-            fault["recovery_s"] = self.swarm.wait_full(RECOVERY_BOUND_S, fault.get("hit", ()))
+            fault["recovery_s"] = self.swarm.wait_full(RECOVERY_WAIT_S, fault.get("hit", ()))
             self.fault_windows.append((t0, _now()))
             self.faults.append(fault)
             print(f"[soak] fault {len(self.faults)}: {fault} (held {undone - t0:.1f} s)", flush=True)
@@ -281,13 +380,13 @@ class Nemesis:
     def _kill9(self, victim: str) -> dict:
         node = self.swarm.nodes[victim]
         node.kill()
-        time.sleep(self.rng.uniform(2, 6))
+        time.sleep(self._hold(2, 6))
         node.start()
         return {"target": victim, "hit": (victim,)}
 
     def _stop(self, victim: str) -> dict:
         node = self.swarm.nodes[victim]
-        held = self.rng.uniform(5, 15)
+        held = self._hold(5, 15)
         node.signal(signal.SIGSTOP)
         time.sleep(held)
         node.signal(signal.SIGCONT)
@@ -296,14 +395,14 @@ class Nemesis:
     def _relay(self, victim: str) -> dict:
         node = self.swarm.nodes["relay"]
         node.kill()
-        time.sleep(self.rng.uniform(2, 5))
+        time.sleep(self._hold(2, 5))
         node.start()
-        return {"target": "relay", "hit": tuple(n for n, _, how in HONEST if how == "relay")}
+        return {"target": "relay", "hit": tuple(n for n, _, how in HONEST if how == "nat")}
 
     def _bootstrap(self, victim: str) -> dict:
         node = self.swarm.nodes["boot2"]
         node.kill()
-        time.sleep(self.rng.uniform(5, 10))
+        time.sleep(self._hold(5, 10))
         node.start()
         return {"target": "boot2"}
 
@@ -331,17 +430,42 @@ class Nemesis:
         return {"target": victim, "hit": (victim,), "refused_rc": rc, "traceback": "Traceback" in text,
                 "error_line": lines[-1][-200:] if lines else ""}
 
+    def _partition(self, victim: str) -> dict:
+        """Every packet of the victim's link dropped (nftables in its namespace) for 20-60 s: its
+        connections stall rather than close, so the backbones must notice by timeout; then healed."""
+        ns = self.swarm.netns[victim]
+        held = self._hold(20, 60)
+        ns.partition()
+        try:
+            time.sleep(held)
+        finally:
+            ns.heal()
+        return {"target": victim, "held_s": round(held, 1), "hit": (victim,)}
+
+    def _slow(self, victim: str) -> dict:
+        """The victim's link rate-limited (nftables, both ways) to 20-200 kB/s, as long as a partition."""
+        ns = self.swarm.netns[victim]
+        held, rate = self._hold(20, 60), self.rng.choice((20, 50, 200))
+        ns.slow(rate)
+        try:
+            time.sleep(held)
+        finally:
+            ns.heal()
+        return {"target": victim, "held_s": round(held, 1), "kbytes_s": rate, "hit": (victim,)}
+
     def _garbage(self, victim: str) -> dict:
         """Random bytes on a worker's libp2p port and the backbone's HTTP port (raw TCP), and garbage
         frames on an expert stream (a real libp2p peer)."""
         rng = random.Random(self.rng.randrange(1 << 30))
         node = self.swarm.nodes[victim]
-        port = int(next(a for a in node.args if a.startswith("/ip4/127.0.0.1/tcp/")).split("/")[4]) \
-            if "--listen" in node.args else None
+        listen = node.args[node.args.index("--listen") + 1].split("/") if "--listen" in node.args else None
+        targets = [("127.0.0.1", int(b.rsplit(":", 1)[1])) for b in self.swarm.bases]
+        if listen and HOW[victim] != "nat":  # a NATed worker's port cannot be reached: that is its point
+            targets.insert(0, (listen[2], int(listen[4])))
         sent = 0
-        for target in [p for p in (port, int(self.swarm.base.rsplit(":", 1)[1])) if p]:
-            for _ in range(5):
-                with socket.create_connection(("127.0.0.1", target), timeout=5) as s:
+        for target in targets:
+            for _ in range(5 if self.hold_scale >= 1 else 2):
+                with socket.create_connection(target, timeout=5) as s:
                     blob = rng.randbytes(rng.randrange(1, 4096))
                     try:
                         s.sendall(blob)
@@ -420,10 +544,11 @@ def sample(swarm: Swarm) -> dict:
     /health) trio tasks and DHT records held."""
     import httpx
 
-    out = {"t": _now()}
-    bb = swarm.nodes["backbone"]
-    h = swarm.get("/health")
-    out["backbone"] = {**_proc_sample(bb.pid), "tasks": h.get("trio_tasks"), "records": h.get("dht_records")}
+    out = {"t": _now(), "load1": os.getloadavg()[0]}
+    for name, base in zip(("backbone", "backbone2"), swarm.bases):
+        h = httpx.get(base + "/health", timeout=30).json()
+        out[name] = {**_proc_sample(swarm.nodes[name].pid), "tasks": h.get("trio_tasks"),
+                     "records": h.get("dht_records")}
     for name in LONG_LIVED:
         node = swarm.nodes[name]
         s = _proc_sample(node.pid)
@@ -444,28 +569,35 @@ def make_tiny(workdir: Path) -> Path:
 
 def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int, clients: int = 4,
              fault_every_s: float = 20.0, verify_rate: float = 0.25, sample_every_s: float = 5.0,
-             warmup_s: float | None = None, min_faults: int = 0) -> dict:
+             warmup_s: float | None = None, min_faults: int = 0,
+             hold_scale: float = 1.0, prompts: int = len(PROMPTS)) -> dict:
     """Run the soak for ``duration_s`` (longer until ``min_faults`` faults were injected, at most
-    four times as long) and return the checker's report (``report["problems"]``: empty if every
-    promise was kept)."""
+    four times as long or 120 s a fault) and return the checker's report (``report["problems"]``:
+    empty if every promise was kept)."""
+    import httpx
+
     workdir.mkdir(parents=True, exist_ok=True)
     model = Path(model) if model else make_tiny(workdir)
     swarm = Swarm(model, workdir / "swarm", verify_rate=verify_rate, seed=seed)
+    t0 = _now()
     print("[soak] monolithic references ...", flush=True)
-    refs = monolithic_references(model, workdir, swarm.env)
-    print(f"[soak] {len(refs)} references; starting the swarm", flush=True)
+    refs = monolithic_references(model, workdir, swarm.env, prompts)
+    setup = {"references_s": round(_now() - t0, 1)}
+    print(f"[soak] {len(refs)} references in {setup['references_s']} s; starting the swarm", flush=True)
     with swarm:
         if swarm.wait_full(120) is None:
             raise RuntimeError(f"the swarm never reached full worker service: {swarm.get('/v1/swarm')['workers']}")
-        load = Load(swarm.base, clients, seed)
-        nemesis = Nemesis(swarm, seed, fault_every_s)
+        setup["swarm_s"] = round(_now() - t0 - setup["references_s"], 1)
+        print(f"[soak] full worker service {setup['swarm_s']} s after the first start", flush=True)
+        load = Load(swarm.bases, clients, seed, prompts=prompts)
+        nemesis = Nemesis(swarm, seed, fault_every_s, hold_scale)
         samples: list[dict] = []
         started = _now()
         threads = load.run()
         nem = threading.Thread(target=nemesis.run, daemon=True)
         nem.start()
         while (_now() - started < duration_s or len(nemesis.faults) < min_faults) \
-                and _now() - started < 4 * duration_s:
+                and _now() - started < max(4 * duration_s, duration_s + 120 * min_faults):
             try:
                 samples.append(sample(swarm))
             except Exception as exc:
@@ -480,11 +612,15 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
             if o.kind == "pending":
                 o.kind, o.error = "hung", "the client thread never returned"
         ended = _now()
-        health = swarm.get("/health")
+        health = [swarm.get("/health"), *(httpx.get(b + "/health", timeout=30).json() for b in swarm.bases[1:])]
         report = summarise(load.outcomes, refs, nemesis.faults, nemesis.fault_windows, samples,
                            warmup_s if warmup_s is not None else min(120.0, duration_s / 4), health,
                            swarm.liar_id, started, ended)
+        report["nat_relayed"] = swarm.nat_relayed()
     report["seed"], report["clients"], report["verify_rate"] = seed, clients, verify_rate
+    report["setup"], report["wall_s"] = setup, round(_now() - t0, 1)
+    loads = sorted(x["load1"] for x in samples) or [os.getloadavg()[0]]
+    report["load1"] = {"min": loads[0], "median": loads[len(loads) // 2], "max": loads[-1]}
     report["problems"] = check(report)
     return report
 
@@ -498,13 +634,22 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--fault-every-s", type=float, default=30)
     ap.add_argument("--verify-rate", type=float, default=0.25)
+    ap.add_argument("--hold-scale", type=float, default=1.0,
+                    help="scale every fault's hold (partitions 20-60 s, SIGSTOP 5-15 s, ...) by this")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = ap.parse_args()
     workdir = Path(args.workdir)
+
+    def interrupted(signum, _frame):  # SIGTERM, or SIGINT in a background job (ignored there by default)
+        raise SystemExit(128 + signum)  # unwinds through Swarm.__exit__: processes stopped, namespaces deleted
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)
     try:
         report = run_soak(args.model, workdir, duration_s=args.duration_s, seed=args.seed, clients=args.clients,
-                          fault_every_s=args.fault_every_s, verify_rate=args.verify_rate)
+                          fault_every_s=args.fault_every_s, verify_rate=args.verify_rate,
+                          hold_scale=args.hold_scale)
     finally:
         if not args.keep:
             shutil.rmtree(workdir / "swarm" / "cache", ignore_errors=True)

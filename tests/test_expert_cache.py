@@ -344,3 +344,61 @@ async def test_dishonest_worker_caught_with_a_partial_cache(tiny_f32, tmp_path):
     assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
     assert disp.stats.fallbacks == 0 and disp.stats.per_owner.get("h", 0) > 0
     assert disp.stats.per_owner.get("local", 0) > 0  # the cache computed the liar's units after the ban
+
+
+async def test_checks_reach_units_the_cache_lacks(tiny_f32, tmp_path):
+    """A cache of none on the full model's file: every check picks a unit the cache lacks, whose
+    bytes are in the file, so it is added for the check and dropped after.
+    A liar on experts 0-7 is caught though the cache holds nothing, and every output equals the
+    full bank's; the honest worker of 8-15 is checked too (the picks were not thrown away)."""
+    from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
+    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.engine.kernels import make_bank
+    from p2pswarm.market.verify import Verifier
+    from p2pswarm.worker.expert_worker import ExpertWorker
+
+    from helpers.dishonest_worker import DishonestWorker
+
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 2, tmp_path)
+    full = make_bank(layout, "numpy")
+    cache = ec.ExpertCache(make_bank(layout, "numpy"), 0)
+    liar = DishonestWorker(shards[0], kernel="numpy", fraction=0.05, delta=1e-3, seed=3, honest_rows=30)
+    disp = Dispatcher(cache, [InProcessOwner(liar, "liar"), InProcessOwner(ExpertWorker(shards[1], kernel="numpy"), "h")])
+    disp.fetch = cache.fetch_from_file
+    disp.verifier = Verifier(0.5, seed=0)
+    caught = []
+    disp.on_mismatch = lambda peer, ev: caught.append(peer)
+    rng = np.random.default_rng(4)
+    for step in range(120):
+        n = int(rng.integers(1, 6))
+        cur = rng.standard_normal((n, 256)).astype(np.float32)
+        picks = np.stack([rng.choice(16, 4, replace=False) for _ in range(n)])
+        groups = [(int(e), np.flatnonzero((picks == e).any(axis=1)).astype(np.int64)) for e in np.unique(picks)]
+        layer = int(rng.integers(0, len(layout.expert_layers)))
+        outs = await disp.run_groups(layer, cur, groups)
+        if not caught:  # (before the catch, unchecked lies are used: replay on ban fixes them)
+            continue
+        assert all(np.array_equal(o, w) for o, w in zip(outs, full.forward_groups(layer, cur, groups))), step
+        # units fetched for a check are dropped after it: only the banned liar's (fetched because no
+        # live owner holds them) stay until a refill
+        assert all(e < 8 for _, e in cache.held), step
+    assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
+    assert disp.verifier.rows_checked.get("h", 0) > 0 and disp.stats.fallbacks == 0
+
+
+def test_check_fetch_budget():
+    """The budget of checks on units the cache lacks: bytes per period (a fixed window) and units
+    held at once; a refused pick is counted."""
+    from p2pswarm.market.verify import CheckFetchBudget
+
+    now = [0.0]
+    b = CheckFetchBudget(100, period_s=60, units_max=2, clock=lambda: now[0])
+    assert b.take(40) and b.take(40) and not b.take(10)  # two held: the bound
+    b.release()
+    assert not b.take(30) and b.take(20)  # 80 + 30 > 100; 80 + 20 fits
+    b.release(2)
+    assert not b.take(1) and b.refused == 3
+    now[0] = 61.0  # a new period
+    assert b.take(100) and not b.take(1)
+    assert CheckFetchBudget(0).take(1) is False  # 0: check cached units only

@@ -5,6 +5,7 @@ flags of the backbones' demand records. Real processes over the libp2p swarm."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -259,3 +260,203 @@ def test_backbone_slice_download_resumes_and_refuses_bad_bytes(models_dir, tmp_p
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+@pytest.mark.slow
+def test_dishonest_worker_caught_with_no_cache_by_fetched_slabs(models_dir, tmp_path):
+    """Verification with no expert cache (issue 41, item 4): a backbone from the backbone file
+    with ``--expert-cache none`` holds no unit, so each check of a worker's answer fetches the
+    unit's slabs (manifest-checked) from a holder, recomputes the picked rows and drops them. No
+    seeder runs: the only holders are the workers, each serving its own shard - the honest one
+    started with a local ``--shard`` whose ``.source`` sidecar ``slice --manifest`` wrote, the liar
+    (experts 8-15) with its sidecar. The liar, honest for its first rows (used unverified), is
+    caught on a unit the backbone does not hold, banned, the sequences that used its rows are
+    replayed, its units are fetched on demand from then on, and the text equals the monolithic
+    run's."""
+    import httpx
+
+    from conftest import run_cli
+    from helpers.procs import Proc, start_bootstrap
+    from p2pswarm.model.manifest import source_fingerprint
+    from p2pswarm.net.identity import load_or_create_identity
+
+    path = arch_model(models_dir, "qwen35moe")
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(ModelLayout.open(path))
+    issuer_key = tmp_path / "issuer.key"
+    issuer = run_cli("identity", "--path", str(issuer_key), env=env, check=True).stdout.split()[-1]
+    ids = {n: load_or_create_identity(tmp_path / f"{n}.key").peer_id_str for n in ("bb", "honest", "liar")}
+    manifest = tmp_path / "m.manifest"
+    run_cli("manifest", "--model", str(path), "--key", str(issuer_key), "--out", str(manifest), env=env, check=True)
+    token = tmp_path / "bb.token"
+    run_cli("token", "issue", "--key", str(issuer_key), "--peer", ids["bb"], "--allow", f"shard:{fp}", "--ttl", "1h",
+            "--out", str(token), env=env, check=True)
+    for name, experts in (("lo", "0-7"), ("hi", "8-15")):
+        out = run_cli("slice", str(path), "--experts", experts, "-o", str(tmp_path / f"{name}.gguf"), "--manifest",
+                      str(manifest), "-q", env=env, check=True).stdout
+        assert f"{name}.gguf.source" in out, out
+    nodes: list = []
+    try:
+        mono = Proc(["node", "--role", "backbone", "--model", str(path), "--http", "127.0.0.1:0", "--identity",
+                     str(tmp_path / "mono.key")], tmp_path / "mono.log", env)
+        nodes.append(mono)
+        want = _complete(next(w for w in mono.ready if w.startswith("http="))[5:], "hello swarm", 40)
+        mono.stop()
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        honest = Proc(["node", "--role", "worker", "--shard", str(tmp_path / "lo.gguf"), "--trust-issuer", issuer,
+                       "--bootstrap", boot.addr, "--identity", str(tmp_path / "honest.key"), "--ttl", "600"],
+                      tmp_path / "honest.log", env)
+        nodes.append(honest)
+        assert "serving my shard's expert slabs (lo.gguf)" in honest.text(), honest.text()[-2000:]
+        liar = Proc([str(Path(__file__).parent / "helpers" / "dishonest_worker.py"), "--shard",
+                     str(tmp_path / "hi.gguf"), "--bootstrap", boot.addr, "--identity", str(tmp_path / "liar.key"), "--receipts-dir",
+                     str(tmp_path / "liar-r"), "--fraction", "0.2", "--seed", "5", "--honest-rows", "40",
+                     "--trust-issuer", issuer], tmp_path / "liar.log", env, entry=())
+        nodes.append(liar)
+        bb = Proc(["node", "--role", "backbone", "--model", str(bfile), "--expert-cache", "none", "--token", str(token),
+                   "--trust-issuer", issuer, "--bootstrap", boot.addr, "--http", "127.0.0.1:0", "--identity",
+                   str(tmp_path / "bb.key"), "--verify-rate", "0.3", "--verify-seed", "7"], tmp_path / "bb.log", env)
+        nodes.append(bb)
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        assert ", 0 missing" in bb.text(), bb.text()[-2000:]
+        # not streamed: a stream whose tokens went out before the ban cannot take them back (it fails
+        # with a clear error, docs/market.md); a whole reply is replayed before it is sent
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hello swarm", "max_tokens": 40, "temperature": 0},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["text"]
+        log = bb.text()
+        m = re.search(rf"BANNED worker {ids['liar']}: layer \d+ expert (\d+) ", log)
+        assert m and 8 <= int(m.group(1)) < 16, log[-4000:]
+        assert re.search(rf"replaying request \S+ from position \d+.*: worker {ids['liar']}", log), log[-4000:]
+        # the check fetches came from the workers' own shards: the liar's units from the liar, the
+        # honest worker's (a local --shard) from it
+        assert re.search(rf"unit\(s\) of layer \d+ from {ids['liar']} \(a worker's shard, experts 8-15\)", log), \
+            log[-4000:]
+        assert re.search(rf"unit\(s\) of layer \d+ from {ids['honest']} \(a worker's shard, experts 0-7\)", log), \
+            log[-4000:]
+        assert "shard server: served" in honest.text() and ids["bb"] in honest.text()
+        assert got == want
+        checks = httpx.get(base + "/v1/swarm", timeout=30).json()["expert_cache"]["check_fetches"]
+        assert checks["checks"] > 0 and checks["fetched_bytes"] > 0, checks
+        assert "Traceback" not in log
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+@pytest.mark.slow
+def test_auto_worker_serves_its_slabs_to_a_backbone_without_experts(models_dir, tmp_path):
+    """An ``--auto`` worker (its slices picked from the market and downloaded from a seeder, one
+    per unit) serves them onwards: once the seeder is gone it is the only holder of every unit,
+    and a backbone from the backbone file with ``--expert-cache none`` fetches the units its checks
+    pick from it (the log names the worker and its shard's range), and answers the full model's
+    text."""
+    import httpx
+
+    from helpers.procs import Proc, start_bootstrap
+    from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
+    from p2pswarm.net.identity import Identity, load_or_create_identity
+    from p2pswarm.net.tokens import issue_token
+
+    path = arch_model(models_dir, "qwen35moe")
+    layout = ModelLayout.open(path)
+    bfile = tmp_path / "backbone.gguf"
+    slice_backbone(path, bfile)
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"),
+               P2PSWARM_CACHE=str(tmp_path / "cache"))
+    fp = source_fingerprint(layout)
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    ids = {n: load_or_create_identity(tmp_path / f"{n}.key").peer_id_str for n in ("bb", "auto")}
+    experts = sum(layout.expert_bytes(layer) for layer in layout.expert_layers) * layout.n_expert
+    nodes: list = []
+    try:
+        mono = Proc(["node", "--role", "backbone", "--model", str(path), "--http", "127.0.0.1:0", "--identity",
+                     str(tmp_path / "mono.key")], tmp_path / "mono.log", env)
+        nodes.append(mono)
+        want = _complete(next(w for w in mono.ready if w.startswith("http="))[5:], "hello swarm", 16)
+        mono.stop()
+        boot = start_bootstrap(tmp_path, env)
+        nodes.append(boot)
+        seeder = Proc(["serve-shards", "--model", str(path), "--manifest", str(manifest), "--trust-issuer",
+                       issuer.peer_id_str, "--bootstrap", boot.addr, "--identity", str(tmp_path / "seed.key")],
+                      tmp_path / "seed.log", env)
+        nodes.append(seeder)
+        bb_tok = issue_token(issuer, ids["bb"], [f"shard:{fp}"], 3600).encode()
+        bb = Proc(["node", "--role", "backbone", "--model", str(bfile), "--expert-cache", "none", "--token", bb_tok,
+                   "--trust-issuer", issuer.peer_id_str, "--bootstrap", boot.addr, "--http", "127.0.0.1:0",
+                   "--identity", str(tmp_path / "bb.key"), "--verify-rate", "0.3", "--verify-seed", "3"],
+                  tmp_path / "bb.log", env)
+        nodes.append(bb)
+        base = next(w for w in bb.ready if w.startswith("http="))[5:]
+        auto_tok = issue_token(issuer, ids["auto"], [f"shard:{fp}"], 3600).encode()
+        auto = Proc(["node", "--role", "worker", "--auto", "--memory", f"{experts * 1.2 / 1e6 + 1:.1f}MB", "--token",
+                     auto_tok, "--trust-issuer", issuer.peer_id_str, "--bootstrap", boot.addr, "--identity",
+                     str(tmp_path / "auto.key"), "--ttl", "600", "--enrol-period", "600"], tmp_path / "auto.log", env,
+                    timeout=240)
+        nodes.append(auto)
+        assert "serving my shard's expert slabs" in auto.text(), auto.text()[-3000:]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the backbone sees the worker hold every unit
+            units = httpx.get(base + "/v1/swarm", timeout=30).json()["units"]
+            if units and all(u["replicas"] > 0 for u in units):
+                break
+            time.sleep(1)
+        else:
+            raise AssertionError(f"coverage incomplete: {units}")
+        seeder.stop()  # from now on only the --auto worker holds the experts' bytes
+        nodes.remove(seeder)
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hello swarm", "max_tokens": 16, "temperature": 0},
+                       timeout=300)
+        assert r.status_code == 200, r.text
+        log = bb.text()
+        assert re.search(rf"unit\(s\) of layer \d+ from {ids['auto']} \(a worker's shard, experts \d+-\d+\)", log), \
+            log[-4000:]
+        assert "shard server: served" in auto.text() and ids["bb"] in auto.text()
+        checks = httpx.get(base + "/v1/swarm", timeout=30).json()["expert_cache"]["check_fetches"]
+        assert checks["checks"] > 0, checks
+        assert r.json()["choices"][0]["text"] == want
+        assert "BANNED" not in log and "Traceback" not in log
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+def test_slice_manifest_writes_the_source_sidecar(models_dir, tmp_path):
+    """``slice --experts --manifest`` writes ``OUT.source`` (the manifest and the model's header),
+    what a worker started with that ``--shard`` serves its slabs by; a manifest of another model is
+    refused in one line before any file is written; ``--manifest`` with ``--backbone`` too."""
+    import argparse
+
+    from p2pswarm.commands import slice as slice_cmd
+    from p2pswarm.errors import UserError
+    from p2pswarm.model.manifest import build_manifest, write_manifest
+    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.shard_server import ShardServer, load_source_sidecar
+    from p2pswarm.net.tokens import TokenGate
+
+    path, other = arch_model(models_dir, "qwen35moe"), arch_model(models_dir, "deepseek2")
+    issuer = Identity.generate()
+    manifest = write_manifest(build_manifest(path, issuer), tmp_path / "m.manifest")
+    wrong = write_manifest(build_manifest(other, issuer), tmp_path / "o.manifest")
+
+    def args(out, man, backbone=False, experts="0-7"):
+        return argparse.Namespace(model=str(path), layers=None, experts=None if backbone else experts,
+                                  backbone=backbone, output=str(out), quiet=True, manifest=str(man))
+
+    with pytest.raises(UserError, match="the manifest is for model"):
+        slice_cmd.run(args(tmp_path / "bad.gguf", wrong))
+    assert not (tmp_path / "bad.gguf").exists() and not (tmp_path / "bad.gguf.source").exists()
+    with pytest.raises(UserError, match="--manifest is for an expert shard"):
+        slice_cmd.run(args(tmp_path / "bb.gguf", manifest, backbone=True))
+    assert slice_cmd.run(args(tmp_path / "lo.gguf", manifest)) == 0
+    m, header = load_source_sidecar(tmp_path / "lo.gguf")
+    m.verify(trusted_issuers=[issuer.peer_id_str])
+    server = ShardServer(tmp_path / "lo.gguf", m, TokenGate([issuer.peer_id_str], what="shard server"), source_header=header)
+    assert server.held[1] == (0, 8)
+    server.close()

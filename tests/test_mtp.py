@@ -1,17 +1,20 @@
-"""The model's own MTP (NextN) block as the speculative drafter (issue 43, item 5): glm4moe and
-qwen35moe.
+"""The model's own MTP (NextN) block as the speculative drafter (issue 43, item 5): glm4moe,
+qwen35moe and deepseek2.
 
 The block's draft logits equal llama.cpp's own MTP context (``LLAMA_CONTEXT_TYPE_MTP``) within
 1e-4 + 2e-5 * max|logit| on an F32 model, for a prefill of positions and two chained drafts; with
 ``--speculate mtp`` greedy tokens and every position's logits, and seeded texts, are the same as
 without speculation, and drafts are accepted on a model whose block agrees with its trunk
-(``make-model --mtp-agreement``), monolithic and through 3 worker processes."""
+(``make-model --mtp-agreement``), monolithic and through 3 worker processes; rejected drafts leave
+deepseek2's MLA caches (the trunk's and the block's) as never drafting; the block's experts go to
+the workers that own them where the backbone holds none (``--expert-cache none``)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.mtp import MtpBlock, MtpState
+from p2pswarm.backbone.expert_cache import parse_cache_size
+from p2pswarm.backbone.mtp import MtpBlock, MtpState, block_for
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.speculation import Speculation
@@ -24,46 +27,45 @@ from helpers.speculating import PROMPT, REPEATING
 from helpers.speculating import run_spec as _run
 
 
-@pytest.fixture(scope="session")
+ARCHS = ["glm4moe", "qwen35moe", "deepseek2"]
+
+
+def _mtp_model(models_dir, arch: str, kind: str):
+    """The tiny preset of ``arch`` with its MTP block, made once per session: ``f32`` (seed 45, for
+    the comparison with llama.cpp) or ``agree`` (Q8_0, seed 46, ``--mtp-agreement 0.9``: drafts
+    accepted often, not always)."""
+    path = models_dir / f"mtp-{arch}-{kind}.gguf"
+    if not path.exists():
+        if kind == "f32":
+            make_model(path, arch=arch, preset="tiny", qtype="f32", seed=45, **({} if arch == "glm4moe" else {"n_nextn": 1}))
+        else:
+            make_model(path, arch=arch, preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
+    return path
+
+
+@pytest.fixture(params=ARCHS)
+def f32_model(request, models_dir):
+    return _mtp_model(models_dir, request.param, "f32")
+
+
+@pytest.fixture(params=ARCHS)
+def agreeing_model(request, models_dir):
+    return _mtp_model(models_dir, request.param, "agree")
+
+
+@pytest.fixture
 def glm_f32(models_dir):
-    path = models_dir / "mtp-glm-f32.gguf"
-    if not path.exists():
-        make_model(path, arch="glm4moe", preset="tiny", qtype="f32", seed=45)
-    return path
+    return _mtp_model(models_dir, "glm4moe", "f32")
 
 
-@pytest.fixture(scope="session")
-def q35_f32(models_dir):
-    path = models_dir / "mtp-q35-f32.gguf"
-    if not path.exists():
-        make_model(path, arch="qwen35moe", preset="tiny", qtype="f32", seed=45, n_nextn=1)
-    return path
+@pytest.fixture
+def ds2_f32(models_dir):
+    return _mtp_model(models_dir, "deepseek2", "f32")
 
 
-@pytest.fixture(scope="session")
-def q35_agreeing(models_dir):
-    path = models_dir / "mtp-q35-agree.gguf"
-    if not path.exists():
-        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
-    return path
-
-
-@pytest.fixture(params=["glm4moe", "qwen35moe"])
-def f32_model(request):
-    return request.getfixturevalue({"glm4moe": "glm_f32", "qwen35moe": "q35_f32"}[request.param])
-
-
-@pytest.fixture(params=["glm4moe", "qwen35moe"])
-def agreeing_model(request):
-    return request.getfixturevalue({"glm4moe": "glm_agreeing", "qwen35moe": "q35_agreeing"}[request.param])
-
-
-@pytest.fixture(scope="session")
-def glm_agreeing(models_dir):
-    path = models_dir / "mtp-glm-agree.gguf"
-    if not path.exists():
-        make_model(path, arch="glm4moe", preset="tiny", qtype="q8_0", seed=46, mtp_agreement=0.9)
-    return path
+@pytest.fixture
+def ds2_agreeing(models_dir):
+    return _mtp_model(models_dir, "deepseek2", "agree")
 
 
 def _q35(models_dir):
@@ -134,51 +136,57 @@ async def test_greedy_and_seeded_mtp_spec_on_equals_off(agreeing_model, workers)
         bb = swarm.backbone
         before = bb.dispatcher.stats.snapshot()
         off, _ = await _run(bb, prompts, [f() for f in samplers], None, n)
-        on, spec = await _run(bb, prompts, [f() for f in samplers], Speculation("mtp", 3), n)
+        speculation = Speculation("mtp", 3)
+        on, spec = await _run(bb, prompts, [f() for f in samplers], speculation, n)
         stats = bb.dispatcher.stats.since(before)
+    _assert_same_runs(off, on, n)
+    assert 0 < spec.accepted < spec.drafted, spec
+    if workers:  # the block's experts: the backbone's copy where faster than a round trip (here), else a worker
+        assert stats.fallbacks == 0 and stats.requests > 0
+        assert 0 < stats.local_groups <= speculation.mtp.bank.groups, "a trunk expert computed locally"
+
+
+def _assert_same_runs(off, on, n):
+    """Tokens and every emitted position's logits, bit for bit."""
     for (t0, r0), (t1, r1) in zip(off, on):
         assert t0 == t1 and len(t0) == n
         assert r0.keys() == r1.keys() == set(range(len(r0)))
         for p in r0:
             assert np.array_equal(r0[p], r1[p]), p
-    assert 0 < spec.accepted < spec.drafted, spec
-    if workers:
-        assert stats.fallbacks == 0 and stats.local_groups == 0 and stats.requests > 0
 
 
 @pytest.mark.slow
-def test_speculate_mtp_refusals(models_dir, glm_f32, tmp_path):
-    """An architecture whose block is not run yet (deepseek2), a qwen35moe file that claims a block
-    it lacks, an MTP block missing a tensor and one with a tensor of the wrong shape: one line
-    each, naming the file's block or the tensor."""
+def test_speculate_mtp_refusals(models_dir, glm_f32, ds2_f32, tmp_path):
+    """A deepseek2 file without a block (named with what it has), deepseek2 and qwen35moe files
+    that claim a block they lack, MTP blocks missing a tensor and with a tensor of the wrong shape:
+    one line each, naming the file's block or the tensor; make-model writes deepseek2's block."""
     from gguf import GGUFValueType as T
 
-    ds = rewrite(_ds2(models_dir), tmp_path / "ds-mtp.gguf",
-                 set_keys={"deepseek2.nextn_predict_layers": (1, T.UINT32, None)})
-    proc = run_cli("generate", str(ds), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "--speculate mtp", "1 MTP (NextN) block", "deepseek2",
-                          "glm4moe, qwen35moe only")
-    q35 = rewrite(_q35(models_dir), tmp_path / "q35-mtp.gguf",
-                  set_keys={"qwen35moe.nextn_predict_layers": (1, T.UINT32, None)})
-    proc = run_cli("generate", str(q35), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "MTP block tensor", "blk.2.nextn.eh_proj.weight", "missing")
+    def generate(path, n: int = 2):
+        return run_cli("generate", str(path), "--prompt", "hello", "--max-tokens", str(n), "--speculate", "mtp")
+
+    assert_one_line_error(generate(_ds2(models_dir)), "--speculate mtp", "deepseek2, 4 layers",
+                          "no MTP (NextN) block", "deepseek2.nextn_predict_layers")
+    for trunk, key, il in ((_ds2(models_dir), "deepseek2", 3), (_q35(models_dir), "qwen35moe", 2)):
+        claims = rewrite(trunk, tmp_path / "claims.gguf", set_keys={f"{key}.nextn_predict_layers": (1, T.UINT32, None)})
+        assert_one_line_error(generate(claims), "MTP block tensor", f"blk.{il}.nextn.eh_proj.weight", "missing")
+    for src, name in ((ds2_f32, "blk.4.attn_kv_a_norm.weight"), (ds2_f32, "blk.4.nextn.enorm.weight"),
+                      (glm_f32, "blk.4.nextn.enorm.weight")):
+        short = rewrite(src, tmp_path / "short.gguf", replace_tensor={name: np.ones(64, np.float32)})
+        assert_one_line_error(generate(short), "MTP block tensor", name, "shape")
     bad = rewrite(glm_f32, tmp_path / "bad-block.gguf", drop_tensor="blk.4.nextn.hnorm.weight")
-    proc = run_cli("generate", str(bad), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "blk.4.nextn.hnorm.weight")
-    short = rewrite(glm_f32, tmp_path / "short-block.gguf",
-                    replace_tensor={"blk.4.nextn.enorm.weight": np.ones(64, np.float32)})
-    proc = run_cli("generate", str(short), "--prompt", "hello", "--max-tokens", "2", "--speculate", "mtp")
-    assert_one_line_error(proc, "blk.4.nextn.enorm.weight", "shape")
-    proc = run_cli("generate", str(glm_f32), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
+    assert_one_line_error(generate(bad), "blk.4.nextn.hnorm.weight")
+    proc = generate(glm_f32, 4)
     assert proc.returncode == 0, proc.stderr
-    q35mtp = tmp_path / "q35-block.gguf"
-    proc = run_cli("make-model", "--arch", "qwen35moe", "--mtp-blocks", "1", "-q", "-o", str(q35mtp))
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("generate", str(q35mtp), "--prompt", "hello", "--max-tokens", "4", "--speculate", "mtp")
-    assert proc.returncode == 0, proc.stderr
-    proc = run_cli("make-model", "--arch", "qwen35moe", "--mtp-blocks", "2", "-q", "-o", str(tmp_path / "x.gguf"))
-    assert_one_line_error(proc, "--mtp-blocks (n_nextn) must be 0 or 1")
-    assert not (tmp_path / "x.gguf").exists()
+    for arch in ("deepseek2", "qwen35moe"):  # make-model writes the block on request, generate drafts with it
+        made = tmp_path / f"{arch}-block.gguf"
+        proc = run_cli("make-model", "--arch", arch, "--mtp-blocks", "1", "-q", "-o", str(made))
+        assert proc.returncode == 0, proc.stderr
+        proc = generate(made, 4)
+        assert proc.returncode == 0, proc.stderr
+        proc = run_cli("make-model", "--arch", arch, "--mtp-blocks", "2", "-q", "-o", str(tmp_path / "x.gguf"))
+        assert_one_line_error(proc, "--mtp-blocks (n_nextn) must be 0 or 1")
+        assert not (tmp_path / "x.gguf").exists()
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -198,10 +206,8 @@ async def test_concurrent_mtp_speculating_sequences_equal_each_alone(agreeing_mo
         want = [(await _run(bb, [p], [s], None, n))[0][0][0] for p, s in zip(prompts, samplers)]
         speculation = Speculation("mtp", 3)
         sched = Scheduler(bb, None, micro_batches=micro_batches, speculate=speculation)
-        # the block's experts: a bank of its own, of the replica's kernel (numpy's first-use
-        # dequantisation would cost more than the drafts save at the 122B's geometry)
-        assert speculation.mtp is not None and speculation.mtp.bank is not bb.dispatcher.local.bank
-        assert speculation.mtp.bank.kernel == bb.dispatcher.local.bank.kernel
+        # the block's experts: where the backbone's dispatcher puts them (its replica, or a worker)
+        assert speculation.mtp is not None and speculation.mtp.bank.dispatcher is bb.dispatcher
         got: dict[int, list[int]] = {}
 
         async def one(i, req):
@@ -218,3 +224,105 @@ async def test_concurrent_mtp_speculating_sequences_equal_each_alone(agreeing_mo
             nursery.cancel_scope.cancel()
     assert [got[i] for i in range(4)] == want
     assert 0 < sched.spec.accepted < sched.spec.drafted, sched.spec
+
+
+async def test_rejected_mtp_drafts_leave_the_mla_caches_as_never_drafting(ds2_agreeing):
+    """deepseek2: rounds of MTP drafts verified greedily (the last draft of each round replaced by a
+    token the block did not pick, so drafts are rejected as well as accepted) leave every trunk
+    layer's MLA latent cache and the block's own latent cache bit-identical to a sequence that
+    decoded the same tokens one by one and drafted at the same points without verifying; each
+    round's drafts are the same on both."""
+    async with open_backbone(ds2_agreeing, workers=0) as swarm:
+        bb = swarm.backbone
+        bb.keep_hidden = True
+        block = block_for(bb)
+        spec, clean = bb.new_state(), bb.new_state()
+        nxt = int(np.argmax((await bb.forward(PROMPT, spec))[-1]))
+        await bb.forward(PROMPT, clean)
+        fed, accepted, rejected = list(PROMPT), 0, 0
+        for _ in range(6):
+            drafts = block.draft(spec, fed + [nxt], 3)
+            assert drafts == block.draft(clean, fed + [nxt], 3) and len(drafts) == 3
+            drafts[-1] = (drafts[-1] + 1) % bb.model.n_vocab
+            rows = (await bb.forward_batch([([nxt, *drafts], spec)], verify=[True]))[0]
+            keep = 1
+            while keep <= len(drafts) and int(np.argmax(rows[keep - 1])) == drafts[keep - 1]:
+                keep += 1
+            bb.keep_positions(spec, keep)
+            accepted, rejected = accepted + keep - 1, rejected + len(drafts) - (keep - 1)
+            for t in [nxt, *drafts[:keep - 1]]:
+                await bb.forward([t], clean)
+            fed += [nxt, *drafts[:keep - 1]]
+            nxt = int(np.argmax(rows[keep - 1]))
+        block.draft(spec, fed + [nxt], 1), block.draft(clean, fed + [nxt], 1)  # the settled positions into the block
+    assert accepted > 0 and rejected > 0
+    assert spec.n_past == clean.n_past == len(fed)
+    for il in range(bb.model.n_layer):
+        a, b = spec.extra[il], clean.extra[il]
+        assert a.n == b.n == len(fed) and np.array_equal(a.rows[:a.n], b.rows[:b.n]), il
+    a, b = spec.mtp.kv, clean.mtp.kv
+    assert spec.mtp.fed == clean.mtp.fed == len(fed) and a.n == b.n
+    assert np.array_equal(a.rows[:a.n], b.rows[:b.n])
+
+
+def test_shards_carry_the_mtp_blocks_experts(ds2_agreeing, tmp_path):
+    """``slice`` over all layers keeps the block's layer: a worker holds its experts like any layer's."""
+    from p2pswarm.model.layout import ModelLayout
+    from p2pswarm.model.slicer import slice_experts
+
+    layout = ModelLayout.open(ds2_agreeing)
+    assert layout.expert_layers == [1, 2, 3, 4]  # 1 dense + 3 MoE trunk layers, the block (4)
+    slice_experts(layout.path, tmp_path / "s.gguf", None, (4, 8))
+    shard = ModelLayout.open(tmp_path / "s.gguf")
+    assert shard.expert_layers == [1, 2, 3, 4] and shard.holds(4, 5) and not shard.holds(4, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek2", "qwen35moe"])
+async def test_mtp_experts_go_to_worker_processes_without_a_local_copy(arch, models_dir):
+    """``--expert-cache none``: the backbone holds none of the block's experts, so its drafts'
+    experts are computed by the 3 worker processes, which advertise the block's layer: tokens and
+    every position's logits bit-identical to speculation off, drafts accepted, no fallback, no
+    expert computed on the backbone."""
+    model = _mtp_model(models_dir, arch, "agree")
+    prompts, n = [REPEATING, PROMPT], 64
+    async with open_backbone(model, workers=3, transport="socket", expert_cache=parse_cache_size("none")) as swarm:
+        bb = swarm.backbone
+        il, owners = bb.model.n_layer, bb.dispatcher.owners
+        assert len(owners) == 3 and all(o.remote for o in owners)
+        assert all(any(o.holds(il, e) for o in owners) for e in range(bb.model.n_expert))
+        assert not any(bb.dispatcher.local.holds(il, e) for e in range(bb.model.n_expert))
+        off, _ = await _run(bb, prompts, [None, None], None, n)
+        before = bb.dispatcher.stats.snapshot()
+        speculation = Speculation("mtp", 3)
+        on, spec = await _run(bb, prompts, [None, None], speculation, n)
+        stats = bb.dispatcher.stats.since(before)
+    _assert_same_runs(off, on, n)
+    assert 0 < spec.accepted < spec.drafted, spec
+    assert speculation.mtp.bank.groups > 0
+    assert stats.fallbacks == 0 and stats.local_groups == 0 and stats.remote_groups > 0
+
+
+async def test_a_draft_whose_experts_no_one_holds_is_skipped(ds2_agreeing):
+    """A draft is optional: when the block's units have no live owner (every replica gone), the
+    step gets no draft, not an error, and the block's state is as before; once they are back it
+    drafts what a block that never failed drafts."""
+    from p2pswarm.errors import UnitsUnavailable
+
+    class Gone:
+        def forward_groups(self, layer, cur, groups):
+            raise UnitsUnavailable("no live owner holds them", layer=layer, experts=[e for e, _ in groups])
+
+    async with open_backbone(ds2_agreeing, workers=0) as swarm:
+        bb = swarm.backbone
+        bb.keep_hidden = True
+        st = bb.new_state()
+        nxt = int(np.argmax((await bb.forward(PROMPT, st))[-1]))
+        block = MtpBlock(bb.model, Gone())
+        assert block.draft(st, PROMPT + [nxt], 3) == []
+        assert st.mtp.fed == 0 and st.mtp.kv.n == 0
+        block.bank = ExpertBank(bb.model.layout)
+        got = block.draft(st, PROMPT + [nxt], 3)
+        ref = bb.new_state()
+        await bb.forward(PROMPT, ref)
+    assert len(got) == 3 and got == MtpBlock(bb.model, ExpertBank(bb.model.layout)).draft(ref, PROMPT + [nxt], 3)

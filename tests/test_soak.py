@@ -1,14 +1,20 @@
-"""The soak's short version (bench/soak.py): the whole swarm (two bootstraps, a relay, seven honest
-workers, three behind WAN proxies and two behind the relay, a dishonest worker, a backbone verifying
-a quarter of the rows) under the openai client's load, one fault of each kind from a seeded
-schedule, and the same checker as the long run: no wrong token, nothing lost or hung, the
-dishonest worker banned, full worker service back after every fault."""
+"""The soak's short version (bench/soak.py): the whole swarm (two bootstraps, a relay, two backbones
+verifying a quarter of the rows - one holding only the dense part and a 10 % expert cache - eight
+honest workers: three behind WAN proxies, two in network namespaces behind a NAT reachable only
+through the relay, one in a namespace of its own; an ``--auto`` worker, a dishonest worker) under
+the openai client's load, one fault of each of the eight kinds from a seeded schedule (every hold
+a fifth of the long run's: partitions and slowed links 4-12 s rather than 20-60 s), and the same
+checker as the long run: no wrong token, nothing lost or hung, the dishonest worker banned, the
+NATed workers reached through the relay, full worker service back after every fault. Needs root,
+``ip`` and ``nft`` (fails, never skips, without them)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from system_tools import require
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -18,9 +24,16 @@ pytestmark = pytest.mark.slow
 def test_short_soak_keeps_every_promise(tiny_f32, tmp_path):
     import soak
 
-    report = soak.run_soak(tiny_f32, tmp_path, duration_s=90, seed=3, clients=3, fault_every_s=8,
-                           sample_every_s=5, warmup_s=30, min_faults=len(soak.Nemesis.KINDS))
+    require("ip", "nft")
+    if os.geteuid() != 0:
+        pytest.fail("the soak's network namespaces need root", pytrace=False)
+    report = soak.run_soak(tiny_f32, tmp_path, duration_s=30, seed=3, clients=3, fault_every_s=2,
+                           sample_every_s=5, warmup_s=10, min_faults=len(soak.Nemesis.KINDS), hold_scale=0.2,
+                           prompts=2)
+    print(report["setup"], report["wall_s"], report["faults_by_kind"])
     kinds = {f["kind"] for f in report["faults"]}
     assert kinds >= set(soak.Nemesis.KINDS), report["faults"]
     assert report["outcomes"].get("ok", 0) >= 20, report["outcomes"]
+    assert all(report["per_backbone"][b].get("ok") for b in report["per_backbone"]), report["per_backbone"]
+    assert len(report["per_backbone"]) == 2, report["per_backbone"]
     assert report["problems"] == [], report["problems"]

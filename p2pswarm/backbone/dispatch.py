@@ -45,6 +45,7 @@ from p2pswarm.net import wire_precision
 from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
 
+from p2pswarm.backbone import check_fetch
 from p2pswarm.backbone.dispatch_stats import DemandCounter, DispatchStats
 from p2pswarm.backbone.expert_cache import ExpertCache
 from p2pswarm.backbone.local_owners import InProcessOwner, LocalOwner, UnheldOwner, pack_rows, peer_of
@@ -125,6 +126,9 @@ class Dispatcher:
         #: session's :class:`~p2pswarm.backbone.cache_fill.CacheFiller`); None: such a unit fails
         self.fetch: Callable[[int, list[int]], Any] | None = None
         self.fetch_bound_s = FETCH_BOUND_S
+        #: what checks of units the cache lacks may fetch (p2pswarm.market.verify.CheckFetchBudget;
+        #: the swarm session sets it with ``fetch``); None: such picks are not checked
+        self.check_budget: Any = None
 
     @property
     def exact_rows(self) -> int:
@@ -191,9 +195,11 @@ class Dispatcher:
     def assign(self, layer: int, groups: Groups) -> dict[Owner, Groups]:
         return {o: [groups[i] for i in idx] for o, idx in self._assign(layer, groups).items()}
 
-    def _assign(self, layer: int, groups: Groups, kept: dict[Owner, list[int]] | None = None) -> dict[Owner, list[int]]:
+    def _assign(self, layer: int, groups: Groups, kept: dict[Owner, list[int]] | None = None,
+                hot: bool = False) -> dict[Owner, list[int]]:
         """Owner -> indices of the groups it computes (an expert may have several groups).
-        ``kept``, if given, receives the owners the hot-expert path kept local, with their groups."""
+        ``kept``, if given, receives the owners the hot-expert path kept local, with their groups;
+        ``hot``: that path for this call even where :attr:`hot_experts` is off (the MTP drafter)."""
         plan: dict[Owner, list[int]] = {}
         local = self.local
         pairs: dict[Owner, int] = {}  # (expert, row) pairs given to each owner so far this layer
@@ -207,8 +213,8 @@ class Dispatcher:
                 owner = local if local.holds(layer, e) else self.unheld
             plan.setdefault(owner, []).append(i)
             pairs[owner] = pairs.get(owner, 0) + len(idx)
-        if self.hot_experts:
-            moved = self._keep_hot_local(layer, plan, groups)
+        if self.hot_experts or hot:
+            moved = self._keep_hot_local(layer, plan, groups, predicted=hot)
             if kept is not None:
                 kept.update(moved)
         return plan
@@ -235,14 +241,17 @@ class Dispatcher:
             old = self.owner_row_s.get(owner.name)
             self.owner_row_s[owner.name] = r if old is None else (1 - OWNER_RATE_EWMA) * old + OWNER_RATE_EWMA * r
 
-    def _keep_hot_local(self, layer: int, plan: dict[Owner, list[int]], groups: Groups) -> dict[Owner, list[int]]:
+    def _keep_hot_local(self, layer: int, plan: dict[Owner, list[int]], groups: Groups,
+                        predicted: bool = False) -> dict[Owner, list[int]]:
         """The hot-expert path: an owner whose expected round trip for this request (its measured
         round trips, by request size where it fits them: a link's bandwidth makes a big request
         slower, see ``remote_s``) is longer than computing its groups here (on top of what is
         already local this layer) gets no request; the local
         replica computes them, with the same kernel, so the result is the same bits (only an owner
         whose groups are all in the local expert cache: the others need the owner anyway). Returns the
-        owners kept local, with their groups (:meth:`run_groups` probes them now and then)."""
+        owners kept local, with their groups (:meth:`run_groups` probes them now and then).
+        ``predicted``: an owner with no measured ``rtt_s`` counts too where its ``predict_s`` fits
+        its recent requests (a worker process on a socket: the MTP drafter's ``hot`` calls)."""
         moved: dict[Owner, list[int]] = {}
         rate = self.local_row_s
         local = plan.get(self.local, [])
@@ -254,11 +263,13 @@ class Dispatcher:
             est = owner.predict_s(sum(len(groups[i][1]) for i in plan[owner]))
             if est is not None:
                 return est
-            assert owner.rtt_s is not None  # (only measured owners are considered)
+            assert owner.rtt_s is not None  # (only measured owners are considered: predicted above)
             return owner.rtt_s
 
-        remote = sorted(((remote_s(o), o) for o in plan if o.remote and o.rtt_s is not None),
-                        key=lambda so: -so[0])
+        def measured(owner: Owner) -> bool:
+            return owner.rtt_s is not None or (predicted and owner.predict_s(1) is not None)
+
+        remote = sorted(((remote_s(o), o) for o in plan if o.remote and measured(o)), key=lambda so: -so[0])
         for wait_s, owner in remote:
             if self.cache is not None and not all(self.local.holds(layer, groups[i][0]) for i in plan[owner]):
                 continue
@@ -301,17 +312,19 @@ class Dispatcher:
         trio.lowlevel.spawn_system_task(probe, name=f"probe of {owner.name}")
 
     async def run_groups(self, layer: int, cur: np.ndarray, groups: Groups,
-                         taint: dict[str, np.ndarray] | None = None) -> list[np.ndarray]:
+                         taint: dict[str, np.ndarray] | None = None, *, hot: bool = False) -> list[np.ndarray]:
         """Outputs per group, in group order: one request per owner with all the groups it holds
         (:meth:`route`), each answer verified on a sample (:meth:`_verified`).
         ``taint``: see the module doc (rows computed from a remote worker's unverified outputs).
+        ``hot``: the hot-expert rule for this call whatever :attr:`hot_experts` says: the MTP
+        drafter's (:mod:`p2pswarm.backbone.mtp`), whose drafts wait for every round trip they make.
 
         No groups (a layer without routed experts: a leading dense-FFN layer routes to nothing)
         is no work: no request, no demand, nothing counted."""
         if not groups:
             return []
         t0 = time.perf_counter()
-        plan = self.route(layer, cur, groups)
+        plan = self.route(layer, cur, groups, hot=hot)
         cache = self.cache
         # the cache's refill never drops a unit this layer may still compute (here, a fallback, a check)
         pinned = cache.pin(layer, [e for e, _ in groups]) if cache is not None else []
@@ -341,17 +354,19 @@ class Dispatcher:
             raise first_error(group) from None
         return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
 
-    def route(self, layer: int, cur: np.ndarray, groups: Groups) -> dict[Owner, list[int]]:
+    def route(self, layer: int, cur: np.ndarray, groups: Groups, *, hot: bool = False) -> dict[Owner, list[int]]:
         """Routing: which owner computes which groups (indices into ``groups``): the first healthy
-        owner that holds the expert, the local replica for the rest, and with ``hot_experts`` the
-        local replica also for what a slow owner would take longer to return (those owners are
-        probed now and then in the background). Counts the demand."""
+        owner that holds the expert, the local replica for the rest, and with ``hot_experts`` (or
+        ``hot``) the local replica also for what a slow owner would take longer to return (with
+        ``hot_experts``, those owners are probed now and then in the background). Counts the demand."""
         self.demand.add(layer, groups)
         if self.cache is not None:
             self.cache.count(layer, groups)
         kept: dict[Owner, list[int]] = {}
-        plan = self._assign(layer, groups, kept)
-        if self.hot_experts:  # when each owner was last asked, and probes of those kept local
+        plan = self._assign(layer, groups, kept, hot)
+        # when each owner was last asked, and probes of those kept local (not for a ``hot`` call
+        # alone: the trunk's layers, computed by the same owners, keep measuring their round trips)
+        if self.hot_experts:
             now = time.monotonic()
             for owner in plan:
                 if owner.remote:
@@ -369,13 +384,14 @@ class Dispatcher:
         (:meth:`_verified`), or the local replica's after it failed (:meth:`_fall_back`)."""
         picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
                   if owner.remote and self.verifier is not None else [])
-        if picked and self.cache is not None:  # only a cached unit can be recomputed here
-            picked = [(i, at) for i, at in picked if self.local.holds(layer, owner_groups[i][0])]
+        for_check: list[int] = []  # units the cache lacks, fetched to check the picks on them
+        if picked and self.cache is not None:
+            picked, for_check = check_fetch.checkable(self, layer, owner_groups, picked)
         refs: list[np.ndarray] = []
         try:
             tc = time.perf_counter()
             if picked:
-                outs, refs = await self._compute_checked(owner, layer, cur, owner_groups, picked)
+                outs, refs, picked = await self._compute_checked(owner, layer, cur, owner_groups, picked, for_check)
             else:
                 outs = await owner.compute(layer, cur, owner_groups)
             if owner.remote:
@@ -471,16 +487,29 @@ class Dispatcher:
         return outs
 
     async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
-                               picked: list[Check]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+                               picked: list[Check], for_check: list[int] | None = None
+                               ) -> tuple[list[np.ndarray], list[np.ndarray], list[Check]]:
         """The owner's outputs and the local replica's for the picked rows of the picked groups,
-        computed side by side (the check costs the step max(round trip, local compute), not their sum)."""
-        got: dict[str, list[np.ndarray]] = {}
+        computed side by side (the check costs the step max(round trip, local compute), not their
+        sum); the units in ``for_check`` are fetched first (:func:`check_fetch.fetch_for_check`), beside the
+        request too, and dropped after. Returns (outputs, references, the picks checked: those on
+        a unit that could not be fetched are left out)."""
+        got: dict[str, Any] = {"picked": picked}
 
         async def remote() -> None:
             got["outs"] = await owner.compute(layer, cur, groups)
 
         async def local() -> None:
-            got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at]) for i, at in picked])
+            pins: list[tuple[int, int]] = []
+            try:
+                if for_check:
+                    pins = await check_fetch.fetch_for_check(self, layer, for_check)
+                    got["picked"] = [(i, at) for i, at in picked if self.local.holds(layer, groups[i][0])]
+                got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at])
+                                                                    for i, at in got["picked"]])
+            finally:
+                if for_check:
+                    check_fetch.release(self, layer, pins, len(for_check))
 
         try:
             async with trio.open_nursery() as nursery:
@@ -488,7 +517,7 @@ class Dispatcher:
                 nursery.start_soon(local)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
-        return got["outs"], got["refs"]
+        return got["outs"], got["refs"], got["picked"]
 
     @staticmethod
     def _mark(taint: dict[str, np.ndarray], peer: str, n_rows: int, groups: Groups, picked: list[Check]) -> None:

@@ -18,11 +18,15 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from p2pswarm.contracts import Groups
 from p2pswarm.errors import InternalError, UserError
+
+if TYPE_CHECKING:
+    from p2pswarm.market.verify import CheckFetchBudget
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -145,6 +149,9 @@ class ExpertCache:
         #: units a running layer may still compute (Dispatcher.run_groups): never dropped meanwhile,
         #: so a unit's bytes are never punched out under a kernel reading them
         self._pins: dict[tuple[int, int], int] = {}
+        #: what verification checks of units not cached may fetch (market.verify.CheckFetchBudget;
+        #: set by the swarm session where the cache is filled from the swarm), for status()
+        self.check_budget: CheckFetchBudget | None = None
 
     # ---- ExpertBank ------------------------------------------------------------------------
     @property
@@ -301,4 +308,5 @@ class ExpertCache:
                 "fetches": s.fetches, "fetch_bytes": s.fetch_bytes, "fetch_seconds": round(s.fetch_seconds, 4),
                 "bad_slabs": s.bad_slabs,
                 "evictions": s.evictions, "no_owner_units": len(s.no_owner),
-                "disk_bytes": self.store.disk_bytes() if self.store is not None else None}
+                "disk_bytes": self.store.disk_bytes() if self.store is not None else None,
+                "check_fetches": None if self.check_budget is None else self.check_budget.status()}

@@ -32,6 +32,9 @@ read at scrape time by a custom collector, so they never drift from the source.
     p2pswarm_expert_cache_fetch_bytes_total           their bytes
     p2pswarm_expert_cache_bad_slabs_total             slabs that failed their manifest hash (never cached)
     p2pswarm_expert_cache_no_owner_units              units routed while no live owner held them
+    p2pswarm_verify_check_fetches_total{result}       verification checks of units the cache lacks: units
+                                                      fetched and checked, picks refused by the budget
+    p2pswarm_verify_check_fetch_bytes_total           slab bytes fetched for those checks (--verify-fetch-budget)
 
 Wire bytes are counted at the transport stream, frame headers and handshakes included
 (:mod:`p2pswarm.net.wire_bytes`).
@@ -171,6 +174,16 @@ def _cache_metrics(cache):
     yield GaugeMetricFamily("p2pswarm_expert_cache_no_owner_units",
                             "Units routed while no live owner held them (fetched, or their requests failed)",
                             value=len(st.no_owner))
+    budget = cache.check_budget
+    if budget is not None:
+        checks = CounterMetricFamily("p2pswarm_verify_check_fetches",
+                                     "Checks of units the expert cache lacks: fetched and checked, or refused by the "
+                                     "budget", labels=["result"])
+        checks.add_metric(["checked"], budget.checks)
+        checks.add_metric(["refused"], budget.refused)
+        yield checks
+        yield CounterMetricFamily("p2pswarm_verify_check_fetch_bytes", "Slab bytes fetched to check units the "
+                                  "expert cache lacks (dropped after the check)", value=budget.fetched_bytes)
 
 
 class BackboneMetrics:

@@ -21,8 +21,8 @@ or off.
 Drafters: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n = 3, 2, 1: free, and good wherever the output repeats its input or
 itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.backbone.mtp`;
-glm4moe, qwen35moe), refused with one line naming what the file has where the model has none or its
-architecture's block is not implemented (:func:`check_mode`).
+glm4moe, qwen35moe, deepseek2), refused with one line naming what the file has where the model has
+none or its architecture's block is not implemented (:func:`check_mode`).
 
 Adaptive length (:class:`Adaptive`): each sequence drafts up to ``draft_max`` tokens, one more
 after a fully accepted draft and one more than it got accepted otherwise; when its recent
@@ -127,24 +127,14 @@ class Speculation:
         return self.mode != "off"
 
     def attach(self, backbone) -> None:
-        """Mode mtp: build the model's MTP block (its routed experts from the backbone's file: one
-        line if it has none) and have the backbone keep the hidden states it reads."""
+        """Mode mtp: build the model's MTP block (its routed experts computed where the backbone's
+        dispatcher puts them: :func:`~p2pswarm.backbone.mtp.block_for`) and have the backbone keep
+        the hidden states it reads."""
         if self.mode != "mtp" or self.mtp is not None:
             return
-        from p2pswarm.backbone.mtp import MtpBlock
-        from p2pswarm.engine.kernels import make_bank
+        from p2pswarm.backbone.mtp import block_for
 
-        model = backbone.model
-        if model.n_layer not in model.layout.expert_tensors:
-            raise SpeculationUnsupported(f"--speculate mtp: {model.layout.path} holds no routed experts of the "
-                                         f"MTP block (blk.{model.n_layer}); give the backbone the full model file")
-        # a bank of its own (drafting runs in a thread beside the step's), of the replica's kernel:
-        # numpy's dequantises each expert on first use, which at the 122B's geometry (256 experts
-        # of 3 x 1024 x 3072) costs more per draft than the drafts save
-        local = getattr(getattr(getattr(backbone, "dispatcher", None), "local", None), "bank", None)
-        kind = str(getattr(local, "kernel", "numpy"))
-        kernel = "ggml" if kind.startswith("ggml") else "portable" if kind.startswith("portable") else "numpy"
-        self.mtp = MtpBlock(model, make_bank(model.layout, kernel))
+        self.mtp = block_for(backbone)
         backbone.keep_hidden = True
 
 

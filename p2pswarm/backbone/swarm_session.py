@@ -29,7 +29,7 @@ from p2pswarm.backbone.session import LocalSwarm, open_backbone
 from p2pswarm.market.bans import BanKeeper
 from p2pswarm.market.last_receipt import serve_receipt_requests
 from p2pswarm.market.receipts import ContributionLedger, ReceiptIssuer
-from p2pswarm.market.verify import DEFAULT_VERIFY_RATE, Verifier
+from p2pswarm.market.verify import DEFAULT_CHECK_FETCH_BYTES, DEFAULT_VERIFY_RATE, CheckFetchBudget, Verifier
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
 from p2pswarm.net import expert_protocol as proto
@@ -68,7 +68,8 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                               trust_bans: tuple[str, ...] | list[str] = (), receipt_period_s: float = 60.0,
                               ban_refresh_s: float = 30.0, demand_ttl_s: float | None = None, direct: bool = True,
                               hot_experts: bool | None = False, expert_cache=None, shard_token: str | None = None,
-                              trust_issuers: list[str] | None = None, cache_refill_s: float = 30.0):
+                              trust_issuers: list[str] | None = None, cache_refill_s: float = 30.0,
+                              verify_fetch_budget: int = DEFAULT_CHECK_FETCH_BYTES):
     """``dht_server=False`` for a short-lived backbone (``logits/generate --swarm``): it looks
     things up but does not join other nodes' routing tables, where it would linger as a dead or
     unresponsive entry after it exits. ``verify_rate``: the fraction of remote output rows
@@ -82,7 +83,8 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
     ``shard_token`` (a node token for shard downloads, issued by one of ``trust_issuers``, who
     also sign the manifest) lets it fetch units into its cache from the model's shard sources
     (:mod:`p2pswarm.backbone.cache_fill`): the hottest by demand every ``cache_refill_s``, and
-    any unit no live owner holds, on demand."""
+    any unit no live owner holds, on demand, and, at most ``verify_fetch_budget`` bytes a minute,
+    the units a verification check picks that the cache lacks (p2pswarm.market.verify)."""
     identity = identity or Identity.generate()
     ledger = ContributionLedger(identity, source_fingerprint(ModelLayout.open(model_path)))
     verifier = Verifier(verify_rate, verify_seed) if verify_rate > 0 else None
@@ -135,7 +137,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                 publisher.lacks = lambda: cache.lacks(layout.expert_layers, block_size)
                             nursery.start_soon(publisher.run)
                         _start_cache_fill(nursery, local, net, dht, shard_token, trust_issuers or [],
-                                          cache_refill_s, pool)
+                                          cache_refill_s, pool, verify_fetch_budget)
                         cmap = resolver.map
                         log.info("coverage: %d units, %d missing (computed locally), %d remote owners",
                                  len(cmap.units), len(cmap.missing()), len(pool.owners))
@@ -152,10 +154,12 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
 
 
 def _start_cache_fill(nursery, local: LocalSwarm, net, dht, token: str | None, trusted: list[str],
-                      refill_s: float, pool: SwarmOwners | None = None) -> None:
+                      refill_s: float, pool: SwarmOwners | None = None,
+                      check_bytes: int = DEFAULT_CHECK_FETCH_BYTES) -> None:
     """The expert cache's refill by demand, and its on-demand fetch of units no live owner holds:
     from the model's file where it is the full model, else from the swarm's shard sources and the
-    workers in ``pool`` whose shards hold the unit (only with a token to show them)."""
+    workers in ``pool`` whose shards hold the unit (only with a token to show them). The same
+    fetch brings the units a check picks that the cache lacks, ``check_bytes`` a minute at most."""
     cache = local.cache
     dispatcher = local.backbone.dispatcher
     if cache is None:
@@ -180,6 +184,7 @@ def _start_cache_fill(nursery, local: LocalSwarm, net, dht, token: str | None, t
                          source_header=source_header(local.layout)[0], demand=dispatcher.demand, refill_s=refill_s,
                          holders=_shard_holders(pool) if pool is not None else None)
     dispatcher.fetch = filler.fetch
+    dispatcher.check_budget = cache.check_budget = CheckFetchBudget(check_bytes)
     nursery.start_soon(filler.run)
     local.filler = filler
 

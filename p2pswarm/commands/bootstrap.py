@@ -8,10 +8,10 @@ address.
 from __future__ import annotations
 
 import logging
-import sys
 
 import trio
 
+from p2pswarm.commands.common import line_buffered_stdout
 from p2pswarm.commands.node import add_net_args, dialable_addrs, listen_addrs
 from p2pswarm.lifecycle import until_signal
 
@@ -48,6 +48,6 @@ async def _report(dht) -> None:
 
 
 def run(args) -> int:
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     trio.run(_main, args)
     return 0

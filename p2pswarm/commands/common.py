@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import sys
 import logging
 
 from p2pswarm import settings
@@ -45,12 +47,16 @@ def _verify_rate(text: str) -> float:
 def add_market_args(p, prefix: str = "") -> None:
     """A backbone's checks of untrusted workers and its receipts (docs/market.md, "Receipts and
     verification"). ``prefix``: a word put before each help (e.g. "--swarm: ")."""
-    from p2pswarm.market.verify import DEFAULT_VERIFY_RATE
+    from p2pswarm.market.verify import DEFAULT_CHECK_FETCH_BYTES, DEFAULT_VERIFY_RATE
 
     p.add_argument("--verify-rate", type=_verify_rate, default=DEFAULT_VERIFY_RATE, metavar="FRACTION",
                    help=f"{prefix}recompute this fraction of the workers' output rows on the local replica, bit for "
                         f"bit; a mismatch bans the worker swarm-wide and replays what used its unchecked rows "
                         f"(0 = off; default {DEFAULT_VERIFY_RATE})")
+    p.add_argument("--verify-fetch-budget", default=None, metavar="SIZE",
+                   help=f"{prefix}with a partial --expert-cache, a check of a unit the cache lacks fetches its slabs "
+                        f"(manifest-checked) from a holder and drops them after: at most SIZE a minute "
+                        f"(default {DEFAULT_CHECK_FETCH_BYTES // 1_000_000}MB; 0 = check cached units only)")
     p.add_argument("--verify-seed", type=int, default=None,
                    help=f"{prefix}seed of the verification sample (default: fresh entropy, unpredictable to workers)")
     p.add_argument("--trust-bans", action="append", default=[], metavar="PEER_ID",
@@ -70,8 +76,20 @@ def market_kwargs(args) -> dict:
     for peer in args.trust_bans:
         peer_id_bytes(peer)  # one line for a malformed id, before joining the swarm
         peer_public_key(peer)
+    from p2pswarm.market.auto import parse_size
+    from p2pswarm.market.verify import DEFAULT_CHECK_FETCH_BYTES
+
+    budget = DEFAULT_CHECK_FETCH_BYTES
+    if args.verify_fetch_budget is not None:
+        text = args.verify_fetch_budget.strip()
+        try:
+            budget = 0 if text in ("0", "0B", "0b") else parse_size(text)
+        except UserError:
+            raise UserError(f"--verify-fetch-budget {text!r}: expected a size like 64MB (a minute's worth) "
+                            "or 0") from None
     return {"verify_rate": args.verify_rate, "verify_seed": args.verify_seed, "trust_bans": args.trust_bans,
-            "receipt_period_s": args.receipt_period, "ban_refresh_s": args.ban_refresh}
+            "receipt_period_s": args.receipt_period, "ban_refresh_s": args.ban_refresh,
+            "verify_fetch_budget": budget}
 
 
 def add_expert_cache_arg(p, prefix: str = "") -> None:
@@ -120,8 +138,8 @@ def add_speculate_args(p, prefix: str = "") -> None:
     p.add_argument("--speculate", choices=("auto", "off", "ngram", "mtp"), default="auto",
                    help=prefix + "speculative decoding: draft tokens and verify them in the same step, exact "
                         "(the same tokens as without); ngram: prompt lookup; mtp: the model's own MTP block "
-                        "(glm4moe, qwen35moe; other architectures refused); auto (default): mtp where the "
-                        "model file has an MTP block, otherwise off (the log says which)")
+                         "(glm4moe, qwen35moe, deepseek2; other architectures refused); auto (default): mtp where the "
+                         "model file has an MTP block, otherwise off (the log says which)")
     p.add_argument("--draft-max", type=int, default=4, metavar="K",
                    help=prefix + "most tokens drafted per sequence and step, adapted to the recent acceptance "
                         "(default 4)")
@@ -215,3 +233,10 @@ def parse_ids(text: str, what: str = "--tokens") -> list[int]:
 def check_workers(n: int) -> None:
     if n < 0:
         raise UserError("--workers must be >= 0")
+
+
+def line_buffered_stdout() -> None:
+    """Flush stdout at each line: a node's READY line and progress reach whoever reads its pipe (a
+    test, a supervisor) at once, not when a block buffer fills."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import tempfile
 import time
 from contextlib import asynccontextmanager
@@ -21,10 +20,11 @@ import numpy as np
 import trio
 
 from p2pswarm import settings
-from p2pswarm.backbone.generate import generate
+from p2pswarm.backbone.generate import Rewind, generate
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import cache_dir, open_backbone
-from p2pswarm.commands.common import add_kernel_args, add_speculate_args, require_full_model, speculation_from
+from p2pswarm.commands.common import (add_kernel_args, add_speculate_args, line_buffered_stdout, require_full_model,
+                                      speculation_from)
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 
@@ -142,6 +142,9 @@ async def _demo(args) -> int:
         drafted = accepted = 0
         async for step in generate(swarm.backbone, tok, prompt_ids, max_tokens=args.max_tokens,
                                    sampler=Sampler(0.0), speculate=speculate):
+            if isinstance(step, Rewind):  # a ban's replay: the demo's own workers are honest
+                raise UserError(f"worker {step.worker} returned wrong numbers and was banned: the demo's workers "
+                                "compute the model's own experts, so this machine computes differently from itself")
             drafted, accepted = drafted + step.drafted, accepted + step.accepted
             generated.append(step.token)
             d = step.dispatch
@@ -180,7 +183,7 @@ def run(args) -> int:
         raise UserError("--workers must be >= 1 for the demo")
     if args.model:
         require_full_model(args.model)
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     # The demo's own output is the story: routine INFO lines (ours, and the worker processes', which
     # inherit the variable) would drown its table. -v or P2PSWARM_LOG_LEVEL show them.
     if settings.LOG_LEVEL.name not in os.environ and not getattr(args, "verbose", False):

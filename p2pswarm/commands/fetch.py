@@ -14,11 +14,10 @@ import dataclasses
 import json
 import logging
 import re
-import sys
 
 import trio
 
-from p2pswarm.commands.common import positive_int
+from p2pswarm.commands.common import line_buffered_stdout, positive_int
 from p2pswarm.errors import UserError
 
 log = logging.getLogger("p2pswarm.fetch")
@@ -107,6 +106,6 @@ def run(args) -> int:
     experts = _range(args.experts, "expert")
     layers = _range(args.layers, "layer")
     token = load_token(args.token)
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     trio.run(_main, args, token, layers, experts)
     return 0

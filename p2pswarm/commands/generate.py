@@ -39,7 +39,8 @@ async def _run(args, speculate) -> None:
     async with open_model(args) as swarm:
         sys.stdout.write(args.prompt)
         sys.stdout.flush()
-        n, secs, pieces, drafted, accepted = 0, 0.0, [], 0, 0
+        n, secs, drafted, accepted = 0, 0.0, 0, 0
+        pieces: list[str] = []
         async for step in generate(swarm.backbone, tok, ids, max_tokens=args.max_tokens, sampler=sampler,
                                    speculate=speculate):
             if isinstance(step, Rewind):  # replay on ban: what was printed cannot be taken back

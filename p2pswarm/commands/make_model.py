@@ -80,10 +80,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
     q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
-    q35.add_argument("--mtp-blocks", type=int, metavar="N", default=None,
-                     help="MTP (NextN) blocks after the trunk, as Qwen3.5's files carry (0 or 1; default 0, "
-                          "1 with --mtp-agreement)")
-    glm = p.add_argument_group("glm4moe and qwen35moe")
+    glm = p.add_argument_group("MTP (NextN) blocks: glm4moe, qwen35moe and deepseek2")
+    glm.add_argument("--mtp-blocks", type=int, metavar="N", default=None,
+                     help="qwen35moe and deepseek2: MTP (NextN) blocks after the trunk, as Qwen3.5's and "
+                          "DeepSeek-V3's files carry (0 or 1; default 0, 1 with --mtp-agreement; glm4moe's "
+                          "presets always write one)")
     glm.add_argument("--mtp-agreement", type=float, metavar="A", default=None,
                      help="0..1: write a model whose MTP (NextN) block agrees with the trunk (1: nearly always), "
                           "to measure speculative decoding's acceptance on random weights")

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -26,7 +26,7 @@ from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
 from p2pswarm.net.tokens import AUTO_SCOPE
 from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, add_speculate_args,
                                       expert_cache_size, market_kwargs, parse_hostport, positive_int,
-                                      require_backbone_model, speculation_from)
+                                      line_buffered_stdout, require_backbone_model, speculation_from)
 from p2pswarm.commands.node_downloads import _fetch_backbone, _fetch_shard, _serve_own_shard
 from p2pswarm.commands.node_args import (add_http_limit_args, add_worker_limit_args, check_dht_mode,
                                          check_worker_source, http_limits, peer_budget)
@@ -35,6 +35,10 @@ from p2pswarm.http_server import bind_http
 from p2pswarm.lifecycle import until_signal
 from p2pswarm.market.last_receipt import collect_last_receipts
 from p2pswarm.worker.health import add_health_arg
+
+if TYPE_CHECKING:  # loaded when a worker starts, not with the CLI
+    from p2pswarm.net.records import ShardEntry
+    from p2pswarm.worker.expert_worker import ExpertWorker, ShardInfo
 
 log = logging.getLogger("p2pswarm.node")
 
@@ -212,9 +216,9 @@ async def _worker(args) -> None:
     from p2pswarm.worker.server import ServeStats, serve_libp2p
 
     identity = load_or_create_identity(args.identity or default_identity_path("worker"), exclusive=True)
-    worker = info = entry = None
-    if not args.fetch and not args.auto:
-        worker, info, entry = _load_shard(args.shard, args)
+    # (worker, its info, its DHT entry): a local --shard now (a bad file fails before any network);
+    # --fetch: once the slice is downloaded; --auto: the market picks, per slice
+    loaded = None if args.fetch or args.auto else _load_shard(args.shard, args)
     keeper = None
     relayed = bool(args.relay) or getattr(args, "relay_auto", False)
     dht_of: list = []  # the keeper looks relays up in the DHT once there is one
@@ -230,7 +234,7 @@ async def _worker(args) -> None:
                 keeper = await _start_relay_keeper(args, net, dht_of)
             if bootstrap or relayed:
                 log.info("joined the swarm as %s (%d bootstrap peers%s)", net.peer_id_str, len(bootstrap),
-                         f", relayed, DHT client, through relay {keeper.relay_id.to_base58()}" if relayed
+                         f", relayed, DHT client, through relay {keeper.relay_id.to_base58()}" if keeper is not None
                          else f", DHT {args.dht_mode}")
             else:
                 log.warning("no --bootstrap and no --relay: this worker (%s) runs isolated, in no swarm, and no "
@@ -240,10 +244,13 @@ async def _worker(args) -> None:
             if args.auto:
                 await _auto_worker(args, net, dht, identity, keeper)
                 return
-            if args.fetch:
+            if loaded is None:  # --fetch
                 shard = await _fetch_shard(args, net, dht, identity)
-                worker, info, entry = await trio.to_thread.run_sync(_load_shard, shard, args)
+                loaded = await trio.to_thread.run_sync(_load_shard, shard, args)
                 _serve_own_shard(net, shard, args)
+            else:  # a local shard file: served onwards where a `.source` sidecar says what it is
+                _serve_own_shard(net, Path(args.shard), args, fingerprint=loaded[1].model_fingerprint)
+            worker, info, entry = loaded
             served = ServeStats()
             receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str,
                                     identity.peer_id_str)
@@ -335,10 +342,14 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
     from p2pswarm.market.receipts import ReceiptStore, default_receipts_dir
 
     home = settings.home_dir()
+    from p2pswarm.net.shard_server import ShardFiles
+    from p2pswarm.net.tokens import TokenGate
+
     auto = AutoWorker(net, dht, identity, memory=args.memory_bytes, token=args.node_token,
                       trusted_issuers=args.trust_issuer, load_shard=lambda path: _load_shard(path, args),
                       kernel=kernel_id(args.kernel), protocol=proto.PROTOCOL_VERSION, home=home,
-                      model=args.model, ttl_s=args.ttl, period_s=args.enrol_period)
+                      model=args.model, ttl_s=args.ttl, period_s=args.enrol_period,
+                      shard_files=ShardFiles(net, TokenGate(args.trust_issuer, what="shard server")))
     served = ServeStats()
     receipts = ReceiptStore(args.receipts_dir or default_receipts_dir() / identity.peer_id_str, identity.peer_id_str)
     lane = args.direct_lane
@@ -399,7 +410,7 @@ async def _serve_shards(args, swarm, nursery) -> None:
              ", ".join(trusted))
 
 
-def _load_shard(path, args):
+def _load_shard(path, args) -> tuple[ExpertWorker, ShardInfo, ShardEntry]:
     from p2pswarm.net.records import ShardEntry
     from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 
@@ -551,7 +562,7 @@ def run(args) -> int:
         for addr in args.relay:
             parse_peer_addr(addr)
         args.relay_token = load_token(args.token) if args.token else None
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     args.cut = 0
     trio.run(_worker if args.role == "worker" else _backbone, args)
     if args.cut:

@@ -12,23 +12,33 @@ from p2pswarm.errors import UserError
 log = logging.getLogger("p2pswarm.node")
 
 
-def _serve_own_shard(net, shard: Path, args) -> None:
-    """A worker that downloaded its slice serves it onwards on `/p2pswarm/shard/1.0.0` to holders of
+def _serve_own_shard(net, shard: Path, args, files=None, *, fingerprint: str | None = None):
+    """A worker serves the slabs of its shard onwards on `/p2pswarm/shard/1.0.0` to holders of
     tokens by its ``--trust-issuer``s: other workers' downloads, and a backbone's expert cache (a
-    backbone file's cache fetches units from any worker whose shard holds them). The manifest and
-    the source header come from the ``.source`` sidecar the download kept; a shard downloaded
-    before there was one is not served (said once)."""
-    from p2pswarm.net.shard_server import load_source_sidecar, serve_shards
+    backbone file's cache fetches units from any worker whose shard holds them, for its cache, for
+    a unit no live owner holds, and for checking a worker's answers). The manifest and the source
+    header come from the ``.source`` sidecar beside the shard: a download keeps one, ``slice
+    --manifest`` writes one; a shard without one, or a worker without ``--trust-issuer``, is not
+    served (said once). ``files``: the worker's :class:`~p2pswarm.net.shard_server.ShardFiles`
+    (made here when None); returns it, or None when the shard is not served."""
+    from p2pswarm.net.shard_server import ShardFiles, load_source_sidecar
     from p2pswarm.net.tokens import TokenGate
 
+    if not args.trust_issuer:
+        log.info("not serving my shard's slabs to peers: no --trust-issuer (whose tokens to accept)")
+        return None
     try:
         manifest, header = load_source_sidecar(shard)
-        manifest.verify(trusted_issuers=args.trust_issuer, fingerprint=args.model)
-        serve_shards(net, shard, manifest, TokenGate(args.trust_issuer, what="shard server"), source_header=header)
+        manifest.verify(trusted_issuers=args.trust_issuer, fingerprint=fingerprint or args.model)
+        files = files if files is not None else ShardFiles(net, TokenGate(args.trust_issuer, what="shard server"))
+        files.add(shard, manifest, header)
     except UserError as exc:  # a bad or missing sidecar: the worker still computes its experts
-        log.warning("not serving my shard's slabs to peers: %s", exc)
-        return
-    log.info("serving my shard's expert slabs to holders of tokens issued by %s", ", ".join(args.trust_issuer))
+        log.warning("not serving my shard's slabs to peers: %s%s", exc,
+                    "" if args.model else " (write one with `p2pswarm slice ... --manifest MANIFEST`)")
+        return None
+    log.info("serving my shard's expert slabs (%s) to holders of tokens issued by %s", Path(shard).name,
+             ", ".join(args.trust_issuer))
+    return files
 
 
 def _default_slice_path(model: str, layers, experts) -> Path:

@@ -10,11 +10,10 @@ SIGINT/SIGTERM. See p2pswarm/relay/service.py and docs/protocol.md.
 """
 from __future__ import annotations
 
-import sys
 
 import trio
 
-from p2pswarm.commands.common import positive_int
+from p2pswarm.commands.common import line_buffered_stdout, positive_int
 
 
 def _nonneg_int(text: str) -> int:
@@ -67,6 +66,6 @@ def run(args) -> int:
         "health", "bootstrap", "max_reservations", "max_circuits", "max_circuits_per_peer", "max_circuit_bytes",
         "max_circuit_duration", "reservation_ttl")}
     settings = load_settings(args.config, overrides)
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     trio.run(run_relay, settings)
     return 0

@@ -13,10 +13,14 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from p2pswarm.errors import UserError
+
+if TYPE_CHECKING:  # imported when run: the command starts without libp2p
+    from p2pswarm.market.bans import BanRecord
 
 
 def add_parser(sub) -> None:
@@ -31,14 +35,14 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-async def _bans(bootstrap: list[str], pairs: list[tuple[str, str]]) -> dict[tuple[str, str], object]:
+async def _bans(bootstrap: list[str], pairs: list[tuple[str, str]]) -> dict[tuple[str, str], BanRecord]:
     from p2pswarm.market.bans import BanRecord, ban_key
     from p2pswarm.net.signed import SignedError
     from p2pswarm.market.swarm_dht import open_dht
     from p2pswarm.net.host import open_host
     from p2pswarm.net.identity import Identity
 
-    found: dict[tuple[str, str], object] = {}
+    found: dict[tuple[str, str], BanRecord] = {}
     async with open_host(Identity.generate()) as net, open_dht(net, server=False, bootstrap=bootstrap) as dht:
         async def one(worker: str, backbone: str) -> None:
             key = ban_key(worker, backbone)
@@ -72,7 +76,7 @@ def run(args) -> int:
                         f"{default_receipts_dir()}/<peer id>; pass --dir)")
     receipts, errors = load_receipts(root)
     chains = check_receipts(receipts)
-    bans = {}
+    bans: dict[tuple[str, str], BanRecord] = {}
     if args.bootstrap and chains:
         bans = trio.run(_bans, args.bootstrap, sorted({(c.worker, c.backbone) for c in chains}))
     for c in chains:

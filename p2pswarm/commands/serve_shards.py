@@ -12,10 +12,11 @@ nothing in this command reads them.
 from __future__ import annotations
 
 import logging
-import sys
 from functools import partial
 
 import trio
+
+from p2pswarm.commands.common import line_buffered_stdout
 
 
 log = logging.getLogger("p2pswarm.serve_shards")
@@ -74,6 +75,6 @@ async def _dht_task(open_dht, net, bootstrap, *, task_status=trio.TASK_STATUS_IG
 def run(args, **server_options) -> int:
     """``server_options`` go to :class:`~p2pswarm.net.shard_transfer.ShardServer` (fault injection
     in the tests: ``delay_s``, ``corrupt_chunks``)."""
-    sys.stdout.reconfigure(line_buffering=True)
+    line_buffered_stdout()
     trio.run(partial(_main, args, **server_options))
     return 0

@@ -104,7 +104,7 @@ def run(args) -> int:
     from p2pswarm.engine.tokenizer import Tokenizer
 
     ids = _parse_ids(args.decode) if args.decode is not None else None
-    text = _read_text(args) if ids is None else None
+    text = _read_text(args) if ids is None else ""  # read first: a missing file is told before the model loads
     tok = Tokenizer.from_gguf(args.model)
 
     if ids is not None:

@@ -38,6 +38,7 @@ from p2pswarm.market.reward import backbone_demand
 from p2pswarm.net.records import MAX_SHARDS, CoverageUnit, ShardEntry
 
 if TYPE_CHECKING:  # both import py-libp2p (~0.8 s): loaded when a worker enrols, not with this module
+    from p2pswarm.net.shard_server import ShardFiles
     from p2pswarm.net.advertiser import ShardAdvertiser
     from p2pswarm.net.coverage import CoverageResolver
 
@@ -94,7 +95,8 @@ class AutoWorker:
 
     def __init__(self, net, dht, identity, *, memory: int, token: str, trusted_issuers, load_shard, kernel: str,
                  protocol: int, home: Path, model: str | None = None, ttl_s: float = 60.0, period_s: float = 60.0,
-                 hysteresis: float = DEFAULT_HYSTERESIS, seed: int | None = None):
+                 hysteresis: float = DEFAULT_HYSTERESIS, seed: int | None = None,
+                 shard_files: ShardFiles | None = None):
         self.net, self.dht, self.identity = net, dht, identity
         self.memory, self.token, self.trusted = memory, token, list(trusted_issuers)
         self.load_shard = load_shard  # path -> (ExpertWorker, ShardInfo, ShardEntry), run in a thread
@@ -114,6 +116,9 @@ class AutoWorker:
         self.crowd = 1
         self.backbones: set[str] = set()  # peers whose demand records we have read
         self.sources: list[DemandRecord] = []  # their latest records (shard sources among them)
+        #: where the held slices' slabs are served onwards (a backbone's expert cache fetches from
+        #: any worker whose shard holds a unit); None: not served
+        self.shard_files = shard_files
 
     # -- inputs -----------------------------------------------------------------------------------
     async def _demand(self) -> tuple[DemandRecord, np.ndarray]:
@@ -212,9 +217,27 @@ class AutoWorker:
         shard = await fetch_slice_from_swarm(self.net, self.dht, model=geo.model, layers=(unit.layer, unit.layer + 1),
                                              experts=experts, out_path=out, token=self.token,
                                              trusted_issuers=self.trusted, extra_sources=extra,
-                                             find_timeout_s=5.0 if extra else 20.0)
+                                             find_timeout_s=5.0 if extra else 20.0, keep_source=True)
         worker, _info, entry = await trio.to_thread.run_sync(self.load_shard, shard)
+        self._serve_slabs(shard, geo.model)
         return entry, shard, worker
+
+    def _serve_slabs(self, shard: Path, model: str) -> None:
+        """Serve a downloaded slice's slabs onwards (its ``.source`` sidecar: the manifest, checked
+        again here, and the source header), like a worker that downloaded its one slice does."""
+        if self.shard_files is None:
+            return
+        from p2pswarm.net.shard_server import load_source_sidecar
+
+        try:
+            manifest, header = load_source_sidecar(shard)
+            manifest.verify(trusted_issuers=self.trusted, fingerprint=model)
+            self.shard_files.add(shard, manifest, header)
+        except UserError as exc:
+            log.warning("not serving the slabs of %s to peers: %s", shard.name, exc)
+            return
+        log.info("serving my shard's expert slabs (%s) to holders of tokens issued by %s", shard.name,
+                 ", ".join(self.trusted))
 
     async def _apply(self, choice: Enrolment) -> int:
         """Download, load and serve the added units, retire the dropped ones, publish the new
@@ -222,7 +245,10 @@ class AutoWorker:
         # Last period's dropped units: no record has listed them for a whole period now.
         for shard_hash, path in self.retiring:
             self.shards.pop(shard_hash, None)
+            if self.shard_files is not None:
+                self.shard_files.remove(path)
             path.unlink(missing_ok=True)
+            path.with_name(path.name + ".source").unlink(missing_ok=True)
         self.retiring = []
         if not choice.added and not choice.dropped:
             return 0

@@ -34,11 +34,23 @@ from a worker's unverified rows, and when that worker is banned, the sequences s
 used them are rewound to there and recomputed (p2pswarm.backbone.scheduler, docs/market.md). Only a
 sequence that had already *finished* cannot be fixed: it is logged (request id, worker) and counted
 (/health ``replays.finished_unfixable``).
+
+With a partial expert cache (``--expert-cache``) the replica holds some units only. A picked group
+of a unit the cache holds is recomputed as above; one of a unit it lacks is checked on the unit's
+slabs fetched for the check (by byte range from any holder, each slab checked against the signed
+manifest: the worker's own shard server will do, since the bytes are checked, not the peer), held
+beside the cache for that check and dropped after. :class:`CheckFetchBudget` bounds it: at most
+``--verify-fetch-budget`` bytes a minute (default :data:`DEFAULT_CHECK_FETCH_BYTES`) and
+:data:`CHECK_UNITS_MAX` units held for checking at once; a pick past either is not checked (its
+rows count as used unverified: a later ban still replays them). So with a cache of share ``c`` of
+the demand, the share of picks that can be checked is ``c`` plus what the budget buys of the
+rest: each check of an uncached unit costs one unit's slabs (docs/benchmarks.md, "expert cache").
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -48,6 +60,12 @@ import numpy as np
 log = logging.getLogger("p2pswarm.market")
 
 DEFAULT_VERIFY_RATE = 0.01
+#: ``--verify-fetch-budget``'s default: bytes a backbone may fetch per :data:`CHECK_PERIOD_S` to
+#: check units its expert cache lacks (64 MB a minute: about 8.5 Mbit/s, a few units of a 671B model)
+DEFAULT_CHECK_FETCH_BYTES = 64_000_000
+CHECK_PERIOD_S = 60.0
+#: units held for checking at once (the bounded store beside the cache; each dropped after its check)
+CHECK_UNITS_MAX = 4
 
 #: one check of a remote request: (index of the group, positions of its rows to recompute)
 Check = tuple[int, np.ndarray]
@@ -62,6 +80,49 @@ def rows_for_confidence(rate: float, falsified: float, confidence: float = 0.99)
     if rp >= 1:
         return 1.0
     return float(np.log1p(-confidence) / np.log1p(-rp))
+
+
+class CheckFetchBudget:
+    """What checks of units the expert cache lacks may fetch: ``bytes_per_period`` every
+    ``period_s`` (a fixed window) and ``units_max`` units held at once. :meth:`take` reserves a
+    check's bytes and a slot or says no (the pick goes unchecked), :meth:`release` frees the slot.
+    Why a budget: a check's fetch is a whole unit's slabs for a few rows, so unbounded checking at a
+    1% rate could cost more of the link than the work it checks."""
+
+    def __init__(self, bytes_per_period: int = DEFAULT_CHECK_FETCH_BYTES, period_s: float = CHECK_PERIOD_S,
+                 units_max: int = CHECK_UNITS_MAX, clock=time.monotonic):
+        self.bytes_per_period = int(bytes_per_period)
+        self.period_s = period_s
+        self.units_max = units_max
+        self.clock = clock
+        self._start = clock()
+        self.spent = 0  # bytes reserved in the current period
+        self.held = 0  # units held for checking now
+        self.checks = 0  # units fetched and checked
+        self.fetched_bytes = 0  # slab bytes fetched for checks, in all
+        self.refused = 0  # units not fetched: over the budget or the bound
+        self.picks_fetched = 0  # picks on units the cache lacks, checked on fetched slabs
+        self.picks_refused = 0  # picks on units the cache lacks, left unchecked (budget or bound)
+        self.failed = 0  # units whose fetch did not bring them (no holder answered in time)
+
+    def take(self, nbytes: int) -> bool:
+        now = self.clock()
+        if now - self._start >= self.period_s:
+            self._start, self.spent = now, 0
+        if self.held >= self.units_max or self.spent + nbytes > self.bytes_per_period:
+            self.refused += 1
+            return False
+        self.spent += nbytes
+        self.held += 1
+        return True
+
+    def release(self, n: int = 1) -> None:
+        self.held = max(0, self.held - n)
+
+    def status(self) -> dict:
+        return {"bytes_per_period": self.bytes_per_period, "period_s": self.period_s, "units_max": self.units_max,
+                "checks": self.checks, "fetched_bytes": self.fetched_bytes, "refused": self.refused,
+                "picks_fetched": self.picks_fetched, "picks_refused": self.picks_refused, "failed": self.failed}
 
 
 @dataclass(frozen=True)

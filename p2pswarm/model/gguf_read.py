@@ -38,7 +38,7 @@ class MemmapViewReader(GGUFReader):
     mapped, still read-only.
     """
 
-    @property
+    @property  # type: ignore[override]  # a plain ndarray view of gguf's memmap, same memory
     def data(self) -> np.ndarray:
         return self._plain_data
 
@@ -66,7 +66,7 @@ class FastGGUFReader(MemmapViewReader):
         parts: list[np.ndarray] = [raw_itype, alen]
         data = self.data
         if itype == GGUFValueType.STRING:
-            buf = memoryview(data)  # int.from_bytes on a memoryview slice: no ndarray per length
+            buf = data.data  # a memoryview; int.from_bytes on a memoryview slice: no ndarray per length
             end = len(data)
             for _ in range(n):
                 if offs + 8 > end:

@@ -184,18 +184,28 @@ class ModelLayout:
     @property
     def parts(self) -> list[GGUFPart]:
         """The files this model's bytes are in: one, or each part of a split model."""
-        return self.part_map.parts
+        return self._bytes().parts
 
     def locate(self, offset: int, n: int) -> tuple[GGUFPart, int]:
         """(file, offset in it) of the model's bytes ``[offset, offset + n)`` (a tensor's range
         or part of one): what a reader of a file descriptor needs."""
-        return self.part_map.locate(offset, n)
+        return self._bytes().locate(offset, n)
 
     def view(self, offset: int, n: int):
         """The model's bytes ``[offset, offset + n)`` as a uint8 view of the memory map holding
         them (no copy): what every reader of tensor bytes uses, never ``reader.data``, so a split
         model reads the right part."""
-        return self.part_map.view(offset, n)
+        return self._bytes().view(offset, n)
+
+    @property
+    def split(self) -> bool:
+        """Whether the bytes are in several files (a split model)."""
+        return self._bytes().split
+
+    def _bytes(self) -> PartMap:
+        if self.part_map is None:  # a layout built by hand (a test's routing table) has no file behind it
+            raise ModelFormatError(f"{self.path}: this layout was not read from a file: it has no bytes to read")
+        return self.part_map
 
     def header_bytes(self) -> bytes:
         """The bytes before the first tensor's data: the file's own, or for a split model those

@@ -258,11 +258,11 @@ def build_manifest(model_path, issuer, *, progress: Callable[[int, int], None] |
             os.close(fd)
     tensors = tuple(TensorDigest(n, g, s, off, nb, whole, enb, slabs)
                     for (n, g, s, off, nb, enb), (whole, slabs) in zip(jobs, digests))
-    m = ModelManifest(issuer="", issued_at=int(time.time() if now is None else now),
-                      fingerprint=model_fingerprint(layout), arch=layout.arch, file_size=layout.file_size,
-                      header_len=header_len, header_sha256=hashlib.sha256(header).hexdigest(),
-                      alignment=int(getattr(reader, "alignment", 32)), tensors=tensors)
-    return m.sign(issuer)
+    unsigned = ModelManifest(issuer="", issued_at=int(time.time() if now is None else now),
+                             fingerprint=model_fingerprint(layout), arch=layout.arch, file_size=layout.file_size,
+                             header_len=header_len, header_sha256=hashlib.sha256(header).hexdigest(),
+                             alignment=int(getattr(reader, "alignment", 32)), tensors=tensors)
+    return unsigned.sign(issuer)
 
 
 def write_manifest(manifest: ModelManifest, out_path) -> Path:

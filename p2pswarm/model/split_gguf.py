@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,8 +165,8 @@ class SplitGGUFReader(GGUFReader):
                                    f"(the other parts are found by that name)")
         readers = [first]
         paths = [path]
-        for i in range(1, count):
-            p = split_path(prefix, i, count)
+        others = [] if prefix is None else [split_path(prefix, i, count) for i in range(1, count)]
+        for i, p in enumerate(others, start=1):
             if not p.exists():
                 raise ModelFormatError(f"{p}: part {i + 1} of {count} of {path.name} is missing")
             r = open_part(p)
@@ -221,15 +222,15 @@ class SplitGGUFReader(GGUFReader):
         last = layout.tensors[-1] if layout.tensors else None
         self.file_size = self.data_offset + (pad(last.offset + last.nbytes, layout.alignment) if last else 0)
         self.part_map = PartMap(self.parts, spans)
-        self.fields = {
+        self.fields = OrderedDict({
             "GGUF.version": _scalar_field("GGUF.version", 3, np.uint32, GGUFValueType.UINT32),
             "GGUF.tensor_count": _scalar_field("GGUF.tensor_count", len(self.tensors), np.uint64, GGUFValueType.UINT64),
             "GGUF.kv_count": _scalar_field("GGUF.kv_count", len(kept), np.uint64, GGUFValueType.UINT64),
             **{f.name: f for f in kept},
-        }
+        })
 
     @property
-    def data(self) -> np.ndarray:
+    def data(self) -> np.ndarray:  # type: ignore[override]  # on purpose: a split model has no one map to give
         raise AttributeError("a split model has no single memory map: read bytes with ModelLayout.view/locate")
 
     def field_bytes(self, f: ReaderField) -> bytes:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 from gguf import GGUFValueType
@@ -22,7 +23,7 @@ from p2pswarm.errors import UserError
 from p2pswarm.model.gguf_out import GGUFLayout, _str, kv_string, pad
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.model.slicer import Progress, _copy_range, _pwrite_all
+from p2pswarm.model.slicer import _copy_range, _pwrite_all
 from p2pswarm.model.split_gguf import (KEY_SPLIT_COUNT, KEY_SPLIT_FINGERPRINT, KEY_SPLIT_NO, KEY_SPLIT_TENSORS,
                                        SPLIT_KEYS, split_path)
 
@@ -72,12 +73,14 @@ def plan_parts(sizes: list[int], max_bytes: int, alignment: int) -> list[list[in
     return parts
 
 
+PartProgress = Callable[[int, int, str], None]  # (bytes done, bytes total, which part: "part 2 of 5")
+
 def write_split(source: str | os.PathLike[str], prefix: str, max_bytes: int, *,
-                progress: Progress | None = None) -> list[Path]:
+                progress: PartProgress | None = None) -> list[Path]:
     """Write ``source`` (one GGUF) as parts ``<prefix>-0000i-of-0000N.gguf``; returns their paths,
     the first part first."""
     layout = ModelLayout.open(source, require_experts=False)
-    if layout.part_map.split:
+    if layout.split:
         raise UserError(f"{source}: is already a split model")
     reader = layout.reader
     alignment = int(reader.alignment)

@@ -291,11 +291,11 @@ def make_model(
     :class:`~p2pswarm.model.synth_deepseek2.DeepSeek2Preset` fields to override (MLA ranks, the
     split or unsplit MLA tensors, gating, groups, YaRN, ...).
 
-    ``mtp_agreement`` (glm4moe and qwen35moe, 0..1): a model whose MTP block agrees with the trunk,
-    so speculative decoding's acceptance can be measured on random weights
-    (:func:`~p2pswarm.model.synth_glm4moe.agreeing_mtp`); for qwen35moe it implies ``n_nextn=1``.
-    ``n_nextn`` (qwen35moe only): MTP (NextN) blocks written after the trunk (default 0; llama.cpp
-    runs one).
+    ``mtp_agreement`` (glm4moe, qwen35moe and deepseek2, 0..1): a model whose MTP block agrees with
+    the trunk, so speculative decoding's acceptance can be measured on random weights
+    (:func:`~p2pswarm.model.synth_glm4moe.agreeing_mtp`); for qwen35moe and deepseek2 it implies
+    ``n_nextn=1``. ``n_nextn`` (qwen35moe and deepseek2): MTP (NextN) blocks written after the trunk
+    (default 0; llama.cpp runs one).
 
     The file appears atomically: it is written under a temporary name in the same directory and
     renamed at the end; a failure leaves nothing behind.
@@ -308,8 +308,10 @@ def make_model(
                  ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
                  full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
                  fused_experts=fused_experts, n_nextn=n_nextn)
-    if arch == "qwen35moe" and mtp_agreement is not None and n_nextn is None:
+    if arch in ("qwen35moe", "deepseek2") and mtp_agreement is not None and n_nextn is None:
         extra["n_nextn"] = 1  # an agreeing MTP block needs a block
+    if arch == "deepseek2" and extra["n_nextn"] is not None:  # one of deepseek2's own options
+        deepseek2 = {**(deepseek2 or {}), "n_nextn": extra.pop("n_nextn")}
     if sliding_window is not None and arch != ARCH_GPTOSS:
         raise UserError("sliding_window applies only to --arch gpt-oss")
     if deepseek2 is not None and arch != "deepseek2":
@@ -317,7 +319,8 @@ def make_model(
     if arch != "qwen35moe":
         given = [k for k, v in extra.items() if v is not None]
         if given:
-            raise UserError(f"{given[0]} applies only to --arch qwen35moe")
+            where = "qwen35moe or deepseek2" if given[0] == "n_nextn" else "qwen35moe"
+            raise UserError(f"{given[0]} applies only to --arch {where}")
         extra = {} if sliding_window is None else {"sliding_window": sliding_window}
     p = _resolve(preset, layers, dict(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
@@ -369,9 +372,9 @@ def make_model(
         planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else plan_glm4 if isinstance(dims, Glm4Preset) else _plan
         plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
     if mtp_agreement is not None:
-        if not isinstance(dims, (Glm4Preset, Qwen35Preset)) or not dims.n_nextn:
+        if not isinstance(dims, (Glm4Preset, Qwen35Preset, DeepSeek2Preset)) or not dims.n_nextn:
             raise UserError(f"--mtp-agreement needs an architecture whose MTP block make-model writes "
-                            f"(glm4moe, qwen35moe), not {arch}")
+                            f"(glm4moe, qwen35moe, deepseek2), not {arch}")
         if not 0.0 <= mtp_agreement <= 1.0:
             raise UserError(f"--mtp-agreement must be between 0 and 1, got {mtp_agreement}")
         plans = agreeing_mtp(plans, mtp_agreement)

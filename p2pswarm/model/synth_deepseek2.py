@@ -13,6 +13,9 @@ What a deepseek2 layer holds (numpy shapes, ``(out, in)``)::
     the first ``n_dense_lead`` layers: ffn_gate/up (Fd, E), ffn_down (E, Fd)
     the others: ffn_gate_inp (D, E), exp_probs_b (D) [sigmoid], ffn_{gate,up,down}_exps, and the
     shared expert ffn_{gate,up}_shexp (S*F, E), ffn_down_shexp (E, S*F)
+    the ``n_nextn`` MTP (NextN) blocks after the trunk (DeepSeek-V3/R1 carry one): a full MoE layer
+    as above plus nextn.eh_proj (E, 2E), nextn.enorm, nextn.hnorm, nextn.shared_head_norm (E);
+    block_count counts them, nextn_predict_layers says how many
 
 The split form holds *exactly* the weights of the unsplit one (``attn_k_b`` is the transposed k part
 of the same ``attn_kv_b``, ``attn_v_b`` its v part), so the two forms of one seed compute the same
@@ -60,6 +63,7 @@ class DeepSeek2Preset(Preset):
     yarn_mscale_all_dim: float = 1.0
     mla_split: bool = True  # attn_k_b + attn_v_b (newer GGUFs) instead of attn_kv_b
     rope_freq_base: float = 10000.0
+    n_nextn: int = 0  # MTP (NextN) blocks after the trunk (nextn_predict_layers; llama.cpp runs 1)
 
 
 def _dims(n_embd, n_head, n_layer, n_expert, used, ff, ctx, qk_nope, qk_rope, **kw) -> DeepSeek2Preset:
@@ -106,12 +110,17 @@ def validate(p: DeepSeek2Preset, qtype: str) -> None:
     for name in ("kv_lora_rank", "qk_rope", "qk_nope", "v_head_dim", "n_ff_dense", "yarn_orig_ctx"):
         v = getattr(p, name)
         need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{name} must be a positive integer, got {v!r}")
-    for name in ("q_lora_rank", "n_dense_lead", "n_expert_shared", "n_group", "n_group_used"):
+    for name in ("q_lora_rank", "n_dense_lead", "n_expert_shared", "n_group", "n_group_used", "n_nextn"):
         v = getattr(p, name)
         need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} must be a non-negative integer, got {v!r}")
     need(p.qk_rope % 2 == 0, f"qk_rope ({p.qk_rope}) must be even (RoPE pairs)")
     need(p.n_dense_lead < p.n_layer, f"n_dense_lead ({p.n_dense_lead}) must leave at least one MoE layer "
                                      f"of {p.n_layer}")
+    need(p.n_nextn in (0, 1), f"--mtp-blocks (n_nextn) must be 0 or 1 (llama.cpp runs one deepseek2 MTP block), "
+                              f"got {p.n_nextn!r}")
+    need(not p.n_nextn or (p.q_lora_rank > 0 and p.mla_split and p.n_expert_shared > 0),
+         "an MTP block needs q_lora_rank > 0, the split MLA tensors and a shared expert (llama.cpp's deepseek2 "
+         "MTP graph requires them)")
     need(p.gating in GATING, f"gating must be one of {', '.join(GATING)}, got {p.gating!r}")
     if p.n_group > 1:
         need(p.n_expert % p.n_group == 0, f"n_expert ({p.n_expert}) must be a multiple of n_group ({p.n_group})")
@@ -131,7 +140,9 @@ def write_keys(w, p: DeepSeek2Preset) -> None:
     also writes the MQA view of the cache: key_length kv_lora+rope, value_length kv_lora, 1 kv head)."""
     w.add_context_length(p.context_length)
     w.add_embedding_length(p.n_embd)
-    w.add_block_count(p.n_layer)
+    w.add_block_count(p.n_layer + p.n_nextn)
+    if p.n_nextn:
+        w.add_nextn_predict_layers(p.n_nextn)
     w.add_feed_forward_length(p.n_ff_dense)
     w.add_head_count(p.n_head)
     w.add_layer_norm_rms_eps(p.rms_eps)
@@ -186,7 +197,7 @@ def plan(dims: DeepSeek2Preset, n_vocab: int, qtype: str, expert_qtype: str | No
 
     add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
     router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
-    for i in range(dims.n_layer):
+    for i in range(dims.n_layer + dims.n_nextn):
         p = f"blk.{i}."
         add(p + "attn_norm.weight", (E,), "norm", NORM_NOISE)
         if Rq:
@@ -223,6 +234,11 @@ def plan(dims: DeepSeek2Preset, n_vocab: int, qtype: str, expert_qtype: str | No
             add(p + "ffn_gate_shexp.weight", (S, E), "matrix", 1 / np.sqrt(E))
             add(p + "ffn_down_shexp.weight", (E, S), "matrix", 1 / np.sqrt(S))
             add(p + "ffn_up_shexp.weight", (S, E), "matrix", 1 / np.sqrt(E))
+        if i >= dims.n_layer:  # an MTP block: what llama.cpp's deepseek2 MTP graph reads besides the layer
+            add(p + "nextn.eh_proj.weight", (E, 2 * E), "matrix", 1 / np.sqrt(2 * E))
+            add(p + "nextn.enorm.weight", (E,), "norm", NORM_NOISE)
+            add(p + "nextn.hnorm.weight", (E,), "norm", NORM_NOISE)
+            add(p + "nextn.shared_head_norm.weight", (E,), "norm", NORM_NOISE)
     add("output_norm.weight", (E,), "norm", NORM_NOISE)
     if not tied:
         add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))

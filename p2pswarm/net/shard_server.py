@@ -100,14 +100,15 @@ class ShardServer:
         for fd in fds.values():
             os.close(fd)
 
-    async def handle(self, stream) -> None:
-        """One client stream: hello (token check), then requests until the client closes."""
+    async def handle(self, stream, reader: FrameReader | None = None, hello: dict | None = None) -> None:
+        """One client stream: hello (token check), then requests until the client closes.
+        ``reader``/``hello``: the stream's reader and its hello, already read (:class:`ShardFiles`)."""
         self.stats.streams += 1
         peer = stream.peer_id.to_base58() if stream.peer_id is not None else "?"
-        reader = FrameReader(stream, MAX_CONTROL_FRAME)
+        reader = reader or FrameReader(stream, MAX_CONTROL_FRAME)
         tally = [0, 0]  # chunks, bytes served on this stream
         try:
-            await self._serve(stream, reader, peer, tally)
+            await self._serve(stream, reader, peer, tally, hello)
         except FrameError as exc:  # a malformed or oversized frame: refuse it, close this stream only
             self.stats.malformed += 1
             log.warning("closing shard stream from %s: %s", peer, exc)
@@ -120,9 +121,10 @@ class ShardServer:
             if tally[0]:
                 log.info("shard server: served %d chunks (%.1f MB) to %s", tally[0], tally[1] / 1e6, peer)
 
-    async def _serve(self, stream, reader: FrameReader, peer: str, tally: list[int]) -> None:
+    async def _serve(self, stream, reader: FrameReader, peer: str, tally: list[int], hello: dict | None = None) -> None:
         """Hello (token check), then requests until the client closes; FrameError on bad input."""
-        hello = _unpack(await reader.read_frame(), "hello")
+        if hello is None:
+            hello = _unpack(await reader.read_frame(), "hello")
         granted = self._check_hello(hello, peer)
         if isinstance(granted, str):
             self.stats.refused += 1
@@ -225,6 +227,58 @@ def serve_shards(net, model_path, manifest: ModelManifest, gate: TokenGate, **kw
     log.info("serving %s for model %s (%d expert tensors)", PROTOCOL_SHARD, manifest.fingerprint[:12],
              len(server._experts))
     return server
+
+
+class ShardFiles:
+    """Several shard files of one worker served on one ``/p2pswarm/shard/1.0.0`` handler (an
+    ``--auto`` worker holds one slice per unit it enrolled in, and changes them as it re-enrols):
+    each stream goes to the :class:`ShardServer` whose held layers and experts cover its hello.
+    Why: a backbone's expert cache fetches a unit from any worker whose shard holds it, so every
+    worker that holds slabs should serve them, not only one that downloaded a single slice."""
+
+    def __init__(self, net, gate: TokenGate):
+        self.net, self.gate = net, gate
+        self.servers: dict[str, ShardServer] = {}
+        self._installed = False
+
+    def add(self, shard_path, manifest: ModelManifest, header: bytes) -> ShardServer:
+        server = ShardServer(shard_path, manifest, self.gate, source_header=header)
+        old = self.servers.pop(str(shard_path), None)
+        if old is not None:
+            old.close()
+        self.servers[str(shard_path)] = server
+        if not self._installed:
+            self.net.set_handler(PROTOCOL_SHARD, self.handle)
+            self._installed = True
+        return server
+
+    def remove(self, shard_path) -> None:
+        server = self.servers.pop(str(shard_path), None)
+        if server is not None:
+            server.close()
+
+    async def handle(self, stream) -> None:
+        reader = FrameReader(stream, MAX_CONTROL_FRAME)
+        try:
+            hello = _unpack(await reader.read_frame(), "hello")
+        except (FrameError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.warning("closing shard stream: %s", exc)
+            return
+        layers, experts = hello.get("layers"), hello.get("experts")
+        for server in list(self.servers.values()):
+            (hl0, hl1), (he0, he1) = server.held
+            if (isinstance(layers, list) and isinstance(experts, list) and len(layers) == 2 and len(experts) == 2
+                    and all(isinstance(v, int) for v in (*layers, *experts))
+                    and hl0 <= layers[0] and layers[1] <= hl1 and he0 <= experts[0] and experts[1] <= he1):
+                await server.handle(stream, reader, hello)
+                return
+        held = "; ".join(f"layers {s.held[0][0]}-{s.held[0][1] - 1}, experts {s.held[1][0]}-{s.held[1][1] - 1}"
+                         for s in self.servers.values()) or "nothing now"
+        with trio.move_on_after(2):
+            try:
+                await send_frame(stream, _pack({"ok": False, "error": f"this source holds {held} only"}))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, FrameError):
+                pass
 
 
 SIDECAR_SUFFIX = ".source"

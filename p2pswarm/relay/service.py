@@ -134,7 +134,8 @@ class GatedHop(CircuitV2Protocol):
             return
         msg.ClearField("peer")  # py-libp2p then reserves for the connection's peer
         rm = self.resource_manager
-        had = rm.get_reservation(remote) is not None and not rm.get_reservation(remote).is_expired()
+        held = rm.get_reservation(remote)
+        had = held is not None and not held.is_expired()
         if not had and len(rm._reservations) >= self.limits.max_reservations:
             self._drop_disconnected()
         if not had and not rm.can_accept_reservation(remote):
@@ -288,6 +289,7 @@ def token_handler(hop: GatedHop):
                 token = req.get("token") if isinstance(req, dict) else None
             except Exception:
                 token = None
+            reply: dict[str, object]
             if hop.gate is None:
                 until = int(time.time()) + hop.limits.reservation_ttl * 24
                 hop.grant(peer, until)

@@ -16,6 +16,7 @@ import numpy as np
 
 from p2pswarm import settings
 from p2pswarm.engine.kernels import answer_families, family, kernel_id, make_bank, portable_family
+from p2pswarm.engine.portable_kernel import PortableExpertBank
 from p2pswarm.engine.portable_kernel import refusal as portable_refusal
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout, shard_hash
@@ -74,7 +75,7 @@ class ExpertWorker:
             self.families = (family(self.bank.kernel),)
         self._layout = layout
         self._threads = bank_options.get("threads")
-        self._portable = None  # the portable bank, built on the first request that asks for it
+        self._portable: PortableExpertBank | None = None  # the portable bank, built on the first request that asks for it
         self._portable_lock = threading.Lock()
         #: where each request's math runs: inline on the event loop when measured short, else in
         #: a thread (p2pswarm.offload; one per worker: its bank's lock is the one to not wait on)
@@ -99,8 +100,6 @@ class ExpertWorker:
                             f"(this worker answers in {', '.join(self.families)})")
         with self._portable_lock:
             if self._portable is None:
-                from p2pswarm.engine.portable_kernel import PortableExpertBank
-
                 self._portable = PortableExpertBank(self._layout, threads=self._threads)
             return self._portable
 

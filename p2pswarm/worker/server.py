@@ -84,10 +84,15 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
     shared by all of this worker's streams; None: none."""
     again = None if direct is None else partial(handle_connection, worker=worker, max_frame=max_frame, shard=shard,
                                                 stats=stats, shards=shards, receipts=receipts, budget=budget)
-    if shards is not None:
-        worker = shard = None
-    elif shard is None:
-        shard = worker_shard_hash(worker)
+    served: ExpertWorker | None = None  # the worker this stream is served by, known after the hello
+    if shards is None:
+        if worker is None:
+            raise ValueError("handle_connection needs a worker or a shards table")
+        served = worker
+        if shard is None:
+            shard = worker_shard_hash(worker)
+    else:
+        shard = None
     if stats is not None:
         stream = CountingStream(stream, stats.wire)
     peer = _peer_name(stream)
@@ -138,23 +143,24 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                         if stats is not None:
                             stats.refused += 1
                         return
-                    worker, shard = shards[want], want
-                reason = check_hello(msg, worker, shard)
-                info = worker.info
-                reply = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
-                         "model": info.model_fingerprint, "kernel": info.kernel, "families": list(worker.families),
-                         "input_forms": proto.hello_input_forms(worker.input_forms()),  # rows it takes pre-quantised
+                    served, shard = shards[want], want
+                assert served is not None  # set above: from the argument, or from shards by the hello
+                reason = check_hello(msg, served, shard)
+                info = served.info
+                hello = {"op": "hello", "ok": reason is None, "protocol": proto.PROTOCOL_VERSION,
+                         "model": info.model_fingerprint, "kernel": info.kernel, "families": list(served.families),
+                         "input_forms": proto.hello_input_forms(served.input_forms()),  # rows it takes pre-quantised
                          "output_codings": [wire_codec.OUTPUT_CODING] if wire_codec.can_code() else [],
                          "shard": shard, "layers": [info.layer_begin, info.layer_end],
                          "experts": [info.expert_begin, info.expert_end]}
                 if reason:
-                    reply["error"] = reason
+                    hello["error"] = reason
                     log.warning("refused %s at handshake: %s", peer, reason)
                     if stats is not None:
                         stats.refused += 1
                 if not reason and direct is not None and msg.get("direct") is True:
-                    reply["direct"] = direct.offer(peer, again)
-                await send_frame(stream, proto.pack(reply), max_frame)
+                    hello["direct"] = direct.offer(peer, again)
+                await send_frame(stream, proto.pack(hello), max_frame)
                 if reason:
                     return
                 greeted = True
@@ -166,18 +172,19 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     continue
                 await send_frame(stream, proto.pack({"op": "echo", "id": rid, "payload": data}), max_frame)
             elif op == "compute":
-                if not greeted:
+                if not greeted or served is None:
                     await _try_send(stream, proto.error_to_wire(rid, "handshake required before compute"), max_frame)
                     return
+                reply: bytes
                 try:
                     req = proto.ComputeRequest.from_msg(msg)
-                    outputs = await worker.compute_async(req.layer, req.rows, req.groups, req.family or conn_family,
+                    outputs = await served.compute_async(req.layer, req.rows, req.groups, req.family or conn_family,
                                                          req.form)
                     if req.coding is not None and req.out is None:  # coding: CPU work, off the loop
                         reply = await trio.to_thread.run_sync(proto.result_to_wire, req.id, outputs,
-                                                              worker.info.n_embd, None, req.coding)
+                                                              served.info.n_embd, None, req.coding)
                     else:
-                        reply = proto.result_to_wire(req.id, outputs, worker.info.n_embd, req.out)
+                        reply = proto.result_to_wire(req.id, outputs, served.info.n_embd, req.out)
                     log.debug("computed layer %d for %s: %d experts, %d rows", req.layer, peer, len(req.groups),
                               len(req.rows))
                     if stats is not None:

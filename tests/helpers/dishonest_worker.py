@@ -6,7 +6,8 @@ DHT record (truthful), the expert protocol server and the receipt store of `p2ps
 worker`. Each output row is perturbed with probability ``--fraction`` (default 0.01, seeded by
 ``--seed``): one element moved by ``--delta``, small enough that the output still looks plausible.
 With ``--honest-rows N`` it answers its first N rows honestly (earning receipts) before it cheats.
-Prints ``READY <multiaddr>`` like a real node and logs how many rows it falsified on shutdown."""
+With ``--trust-issuer`` it serves its shard's (honest) slabs onwards, as a worker with a ``.source``
+sidecar does. Prints ``READY <multiaddr>`` like a real node and logs how many rows it falsified on shutdown."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,12 @@ async def main(args) -> None:
             open_dht(net, server=True, bootstrap=[args.bootstrap]) as dht:
         receipts = ReceiptStore(args.receipts_dir, identity.peer_id_str)
         serve_libp2p(net, worker, stats=ServeStats(), receipts=receipts)
+        if args.trust_issuer:  # its shard's slabs onwards, as a real worker does (they are honest bytes)
+            from p2pswarm.net.shard_server import ShardFiles, load_source_sidecar
+            from p2pswarm.net.tokens import TokenGate
+
+            manifest, header = load_source_sidecar(args.shard)
+            ShardFiles(net, TokenGate([args.trust_issuer], what="shard server")).add(args.shard, manifest, header)
         adv = ShardAdvertiser(dht, identity, shards=[entry], protocol=proto.PROTOCOL_VERSION, kernel=info.kernel,
                               block_size=8, ttl_s=120)
         async with trio.open_nursery() as nursery:
@@ -83,5 +90,6 @@ if __name__ == "__main__":
     p.add_argument("--delta", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--honest-rows", type=int, default=0)
+    p.add_argument("--trust-issuer", help="serve the shard's slabs (its .source sidecar) to this issuer's tokens")
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     trio.run(main, p.parse_args())

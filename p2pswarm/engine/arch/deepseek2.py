@@ -103,45 +103,53 @@ class DeepSeek2:
     def _check_tensors(self) -> None:
         """Every tensor the forward pass reads, present and of the right shape (one line naming the
         first that is not)."""
-        E, V, H = self.n_embd, self.n_vocab, self.n_head
-        Rq, Rkv, rope, nope, v = self.q_lora_rank, self.kv_lora_rank, self.n_rot, self.n_nope, self.head_v
+        E, V = self.n_embd, self.n_vocab
         need: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (V, E)), ("output_norm.weight", (E,))]
         if self.output_name == "output.weight":
             need.append(("output.weight", (V, E)))
         self.split_kv_b = self.w.has("blk.0.attn_k_b.weight")
         for il in range(self.n_layer):
-            p = f"blk.{il}."
-            need += [(p + "attn_norm.weight", (E,)), (p + "attn_kv_a_norm.weight", (Rkv,)),
-                     (p + "attn_kv_a_mqa.weight", (Rkv + rope, E)), (p + "attn_output.weight", (E, H * v)),
-                     (p + "ffn_norm.weight", (E,))]
-            if Rq > 0:
-                need += [(p + "attn_q_a.weight", (Rq, E)), (p + "attn_q_a_norm.weight", (Rq,)),
-                         (p + "attn_q_b.weight", (H * (nope + rope), Rq))]
-            else:
-                need.append((p + "attn_q.weight", (H * (nope + rope), E)))
-            if self.split_kv_b:
-                need += [(p + "attn_k_b.weight", (H, Rkv, nope)), (p + "attn_v_b.weight", (H, v, Rkv))]
-            else:
-                need.append((p + "attn_kv_b.weight", (H * (nope + v), Rkv)))
-            if il < self.n_dense_lead:
-                if il in self.layout.expert_tensors:
-                    raise ModelFormatError(f"{self.layout.path}: layer {il} is a leading dense layer "
-                                           f"(leading_dense_block_count {self.n_dense_lead}) but has routed experts")
-                Fd = self.w.shape(p + "ffn_gate.weight")[0] if self.w.has(p + "ffn_gate.weight") else 0
-                need += [(p + "ffn_gate.weight", (Fd, E)), (p + "ffn_up.weight", (Fd, E)),
-                         (p + "ffn_down.weight", (E, Fd))]
-                continue
-            if il not in self.layout.expert_tensors:
-                raise ModelFormatError(f"{self.layout.path}: layer {il} has no routed-expert tensors "
-                                       f"(blk.{il}.ffn_*_exps.weight)")
-            need.append((p + "ffn_gate_inp.weight", (self.n_expert, E)))
-            if self.w.has(p + "exp_probs_b.bias"):
-                need.append((p + "exp_probs_b.bias", (self.n_expert,)))
-            if self.n_expert_shared:
-                S = self.w.shape(p + "ffn_gate_shexp.weight")[0] if self.w.has(p + "ffn_gate_shexp.weight") else 0
-                need += [(p + "ffn_gate_shexp.weight", (S, E)), (p + "ffn_up_shexp.weight", (S, E)),
-                         (p + "ffn_down_shexp.weight", (E, S))]
+            need += self.layer_tensors(il)
         check_tensors(self, need)
+
+    def layer_tensors(self, il: int) -> list[tuple[str, tuple[int, ...]]]:
+        """The tensors layer ``il`` reads, with their shapes (numpy order): the trunk's layers and
+        the MTP block's (:mod:`p2pswarm.backbone.mtp`) alike; a dense/MoE mismatch is one line."""
+        E, H = self.n_embd, self.n_head
+        Rq, Rkv, rope, nope, v = self.q_lora_rank, self.kv_lora_rank, self.n_rot, self.n_nope, self.head_v
+        p = f"blk.{il}."
+        need: list[tuple[str, tuple[int, ...]]] = [
+            (p + "attn_norm.weight", (E,)), (p + "attn_kv_a_norm.weight", (Rkv,)),
+            (p + "attn_kv_a_mqa.weight", (Rkv + rope, E)), (p + "attn_output.weight", (E, H * v)),
+            (p + "ffn_norm.weight", (E,))]
+        if Rq > 0:
+            need += [(p + "attn_q_a.weight", (Rq, E)), (p + "attn_q_a_norm.weight", (Rq,)),
+                     (p + "attn_q_b.weight", (H * (nope + rope), Rq))]
+        else:
+            need.append((p + "attn_q.weight", (H * (nope + rope), E)))
+        if self.split_kv_b:
+            need += [(p + "attn_k_b.weight", (H, Rkv, nope)), (p + "attn_v_b.weight", (H, v, Rkv))]
+        else:
+            need.append((p + "attn_kv_b.weight", (H * (nope + v), Rkv)))
+        if il < self.n_dense_lead:
+            if il in self.layout.expert_tensors:
+                raise ModelFormatError(f"{self.layout.path}: layer {il} is a leading dense layer "
+                                       f"(leading_dense_block_count {self.n_dense_lead}) but has routed experts")
+            Fd = self.w.shape(p + "ffn_gate.weight")[0] if self.w.has(p + "ffn_gate.weight") else 0
+            need += [(p + "ffn_gate.weight", (Fd, E)), (p + "ffn_up.weight", (Fd, E)),
+                     (p + "ffn_down.weight", (E, Fd))]
+            return need
+        if il not in self.layout.expert_tensors:
+            raise ModelFormatError(f"{self.layout.path}: layer {il} has no routed-expert tensors "
+                                   f"(blk.{il}.ffn_*_exps.weight)")
+        need.append((p + "ffn_gate_inp.weight", (self.n_expert, E)))
+        if self.w.has(p + "exp_probs_b.bias"):
+            need.append((p + "exp_probs_b.bias", (self.n_expert,)))
+        if self.n_expert_shared:
+            S = self.w.shape(p + "ffn_gate_shexp.weight")[0] if self.w.has(p + "ffn_gate_shexp.weight") else 0
+            need += [(p + "ffn_gate_shexp.weight", (S, E)), (p + "ffn_up_shexp.weight", (S, E)),
+                     (p + "ffn_down_shexp.weight", (E, S))]
+        return need
 
     def is_dense_layer(self, il: int) -> bool:
         return il < self.n_dense_lead
@@ -181,8 +189,15 @@ class DeepSeek2:
         order): projections, norms and RoPE over all rows, the cache and attention per sequence."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
+        caches = [(st.extra[il], pos0, n) for st, pos0, n in segments]
         if h.shape[0] and self._ggml_core():  # the whole layer as llama.cpp's one graph, for its bits (see ggml_mla)
-            return ggml_mla.mla_layer(self, il, h, [(st.extra[il], pos0, n) for st, pos0, n in segments])
+            return ggml_mla.mla_layer(self, il, h, caches)
+        return self.mla_rows(il, h, caches)
+
+    def mla_rows(self, il: int, h: np.ndarray, caches: list[tuple[mla.LatentCache, int, int]]) -> np.ndarray:
+        """h + MLA(attn_norm(h)) of layer ``il`` with numpy's ops, for ``(latent cache, pos0, n)``
+        segments of rows: the trunk's path off the ggml kernel, and the MTP block's
+        (:mod:`p2pswarm.backbone.mtp`: its own cache, and a draft needs no bit-exactness)."""
         w, p = self.w, f"blk.{il}."
         T, H, Rkv, rope, nope = h.shape[0], self.n_head, self.kv_lora_rank, self.n_rot, self.n_nope
         x = self._rms_norm(p + "attn_norm.weight", h)
@@ -192,7 +207,7 @@ class DeepSeek2:
         else:
             q, ckv = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_kv_a_mqa.weight"]])
         q = q.reshape(T, H, nope + rope)
-        pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
+        pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in caches])
         q_pe = self.yarn.rope_norm(q[..., nope:], pos)
         k_pe = self.yarn.rope_norm(ckv[:, None, Rkv:], pos)[:, 0]
         c = ops.rms_norm(ckv[:, :Rkv], w[p + "attn_kv_a_norm.weight"], self.eps)
@@ -202,8 +217,8 @@ class DeepSeek2:
         q_abs[..., Rkv:] = q_pe
         rows = np.concatenate([c, k_pe], axis=1)
         lats, at = [], 0
-        for state, pos0, n in segments:  # per sequence: its cache
-            cache = state.extra[il].append(rows[at:at + n])
+        for latent, pos0, n in caches:  # per sequence: its cache
+            cache = latent.append(rows[at:at + n])
             lats.append(mla.latent_attention(q_abs[at:at + n], cache, Rkv, self.kq_scale, pos0))
             at += n
         lat = lats[0] if len(lats) == 1 else np.concatenate(lats, axis=1)  # (H, T, Rkv)
