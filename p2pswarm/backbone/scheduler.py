@@ -13,8 +13,8 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
 
 * Sequences join and leave only at step boundaries. A new request is admitted when fewer than
   ``max_active`` sequences are active; a finished, failed or cancelled one leaves after its step.
-* Every active decode sequence contributes its row (1 + its drafts); then prefill chunks (arrival
-  order) fill the per-step ``token_budget``, so a long prompt never stalls the others for more than a chunk.
+* Every decode sequence contributes its row (1 + its drafts); then prefill chunks (arrival order)
+  fill the per-step ``token_budget``, so a long prompt never stalls the others for more than a chunk.
   ``"auto"`` (the node's default) is :data:`AUTO_BUDGET_FLOOR` rows, grown while the step is
   network-bound (:func:`choose_token_budget`; up to :data:`AUTO_BUDGET_CAP` in a step with no
   sequence decoding: nobody to protect); docs/architecture.md "Continuous batching" says why.
@@ -63,7 +63,7 @@ from p2pswarm.backbone.pacing import (AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, BUDGET
 from p2pswarm.backbone.replay import Rewind, TokenReplay
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.speculation import SpecStats, Speculation, accept, plan_drafts
+from p2pswarm.backbone.speculation import SpecStats, Speculation, accept, mtp_drafting, plan_drafts
 from p2pswarm.engine.state import SequenceState
 from p2pswarm.errors import UserError
 
@@ -378,8 +378,7 @@ class Scheduler:
         self.stats.max_active = max(self.stats.max_active, len(self._active))
 
     def plan(self, drafts: dict[int, list[int]] | None = None) -> list[_Sequence]:
-        """This step's sequences: every decode row (1 + its ``drafts``: the rows computed for it),
-        then prefill chunks in arrival order while the token budget lasts (at least one chunk)."""
+        """Every decode row (1 + its ``drafts``), then prefill chunks in arrival order while the budget lasts."""
         decode = [s for s in self._active if s.fed >= len(s.prompt)]
         prefill = [s for s in self._active if s.fed < len(s.prompt)]
         if self.token_budget == "auto":
@@ -426,8 +425,9 @@ class Scheduler:
         return dense
 
     async def step(self) -> None:
-        plan = partial(plan_drafts, self.speculate, [s for s in self._active if s.fed >= len(s.prompt)])
-        drafts = await trio.to_thread.run_sync(plan) if self.speculate and self.speculate.mtp else plan()  # (MTP: CPU)
+        dec = [s for s in self._active if s.fed >= len(s.prompt)]
+        plan = partial(plan_drafts, self.speculate, dec)
+        drafts = await trio.to_thread.run_sync(plan) if mtp_drafting(self.speculate, dec) else plan()  # (CPU)
         batch = self.plan(drafts)  # (drafts first: they count against the token budget)
         chunks = [s.chunk(self.prefill_chunk) + drafts.get(s.sid, []) for s in batch]
         verify = [s.sid in drafts for s in batch]

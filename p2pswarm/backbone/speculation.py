@@ -186,6 +186,12 @@ def history(s) -> list[int] | None:
     return None if s.replay.forced > s.n_out else s.prompt + s.replay.tokens
 
 
+def mtp_drafting(spec: Speculation | None, decoding: list) -> bool:
+    """Whether :func:`plan_drafts` may run the MTP block this step (CPU work: the scheduler runs
+    it off the event loop then, and skips the thread hop otherwise, e.g. in a step of many)."""
+    return spec is not None and spec.mtp is not None and 0 < len(decoding) <= MAX_SPECULATING
+
+
 def plan_drafts(spec: Speculation | None, decoding: list) -> dict[int, list[int]]:
     """This step's drafts: sequence id -> drafted tokens, for the scheduler's ``decoding``
     sequences that may draft (:func:`history`). Nothing when speculation is off or the step is
