@@ -12,7 +12,7 @@ from p2pswarm.errors import UserError
 
 
 async def serve_asgi(app, host, port: int | None = None, *, logger: str, read_timeout_s: float = 60.0,
-                     keep_alive_s: float = 5.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                     keep_alive_s: float = 10.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` with hypercorn on trio until cancelled; ``task_status.started`` gets the
     bound addresses (``["http://127.0.0.1:PORT"]``), so port 0 works.
 

@@ -208,3 +208,43 @@ async def test_worker_caps_one_peers_streams_and_bytes_and_serves_the_others(tin
         w.stop()
     log = (tmp_path / "w.log").read_text()
     assert "refused a stream from" in log and "Traceback" not in log, log[-3000:]
+
+
+def _response(s: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response (headers and a Content-Length body) from a kept-alive socket;
+    b"" if the server closed it."""
+    s.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head
+
+
+def test_an_idle_connection_outlives_the_openai_clients_pool_expiry(tiny_f32, tmp_path):
+    """The backbone keeps an idle keep-alive connection open longer than the official client's
+    connection pool does (httpx's keepalive_expiry, 5 s), so the client always drops it first.
+    Regression (the soak): both used 5 s, and a request the client sent on a pooled connection just
+    as the server closed it was lost ("Server disconnected without sending a response"), 1 of 24
+    requests spaced 4.85-5.15 s apart."""
+    expiry = openai.DefaultHttpxClient()._transport._pool._keepalive_expiry  # the official client's pool: 5 s
+    env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
+    bb = Proc(["node", "--role", "backbone", "--model", str(tiny_f32), "--identity", str(tmp_path / "bb.key"),
+               "--http", "127.0.0.1:0", "--served-model-name", "tiny"], tmp_path / "bb.log", env)
+    try:
+        host, port = next(w for w in bb.ready if w.startswith("http="))[5:].removeprefix("http://").split(":")
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=10) as s:
+            for i in range(2):
+                if i:
+                    time.sleep(expiry + 1.0)  # idle past the client's expiry: the server must still hold it
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _response(s).startswith(b"HTTP/1.1 200"), i
+    finally:
+        bb.stop()

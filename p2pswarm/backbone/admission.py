@@ -34,7 +34,11 @@ class HttpLimits:
     max_tokens: int = 4096  # the most a request may ask to generate (max_tokens / max_completion_tokens)
     body_timeout_s: float = 30.0  # a request body must arrive whole within this
     read_timeout_s: float = 60.0  # a connection silent this long is closed (hypercorn read_timeout)
-    keep_alive_s: float = 5.0  # an idle connection (no request, or headers not complete) is closed after this
+    # an idle connection (no request, or headers not complete) is closed after this. Longer than the
+    # official openai client's pool expiry (httpx: 5 s), so the client drops an idle connection before
+    # we do: at 5 s both closed together and a request sent on a connection we were closing was lost
+    # ("Server disconnected without sending a response"; found by the soak, tests/test_abuse_limits.py)
+    keep_alive_s: float = 10.0
     retry_after_s: int = 1  # the Retry-After of a 429
 
     def check(self) -> HttpLimits:
