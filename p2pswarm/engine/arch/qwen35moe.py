@@ -477,10 +477,12 @@ class Qwen35MoE(KeptLayerCalls):
 def _chunks(segments: list[tuple[SequenceState, int, int]]) -> list[tuple[SequenceState, int, int, bool]]:
     """``segments`` with each run of consecutive one-row segments of one state (a verification
     chunk: successive decode positions of one sequence) as one ``(state, pos0, n, True)``."""
-    out: list[tuple[SequenceState, int, int, bool]] = []
+    out: list[list] = []  # [state, pos0, n, stepped]
     for st, p0, n in segments:
-        if out and out[-1][0] is st and n == 1 and out[-1][3] in (True, None) and out[-1][1] + out[-1][2] == p0:
-            out[-1] = (st, out[-1][1], out[-1][2] + 1, True)
+        last = out[-1] if out else None
+        if last is not None and n == 1 and last[0] is st and (last[3] or last[2] == 1) and last[1] + last[2] == p0:
+            last[2] += 1
+            last[3] = True
         else:
-            out.append((st, p0, n, None if n == 1 else False))  # type: ignore[arg-type]
-    return [(st, p0, n, bool(flag)) for st, p0, n, flag in out]
+            out.append([st, p0, n, False])
+    return [(st, p0, n, stepped) for st, p0, n, stepped in out]
