@@ -25,13 +25,14 @@ layer 0) and writing can stream tensor by tensor.
 
 The ``geometry-122b`` preset has the routed-expert geometry of Qwen3.5-122B-A10B (n_embd 3072,
 n_ff_exp 1024, 256 experts, top-8). Its experts are written directly as random but valid Q4_K
-blocks (see :func:`random_q4_k_blocks`): 5,308,416 bytes per expert (gate + up + down), the same
-bytes per expert as the real model's Q4_K experts, generated and written a few experts at a time.
+blocks (see :func:`~p2pswarm.model.synth_tensors.random_q4_k_blocks`): 5,308,416 bytes per expert
+(gate + up + down), the same bytes per expert as the real model's Q4_K experts, generated and
+written a few experts at a time.
 
 ``arch="qwen35moe"`` writes the seed's own architecture (Qwen3.5 MoE: Gated DeltaNet layers with
 every ``full_attention_interval``-th layer gated full attention, a sigmoid-gated shared expert); its
-presets are in :data:`PRESETS_QWEN35` (``tiny`` and ``geometry-122b``, the latter with the 122B's
-expert *and* attention/DeltaNet geometry). Extra weights, beyond the rule above::
+presets are in :data:`~p2pswarm.model.synth_qwen35moe.PRESETS_QWEN35` (``tiny`` and
+``geometry-122b``, the latter with the 122B's expert *and* attention/DeltaNet geometry). Extra weights, beyond the rule above::
 
     attn_q (q + gate), attn_qkv, attn_gate, ssm_alpha, ssm_beta, shared gate/up
                           std 1/sqrt(n_embd)
@@ -45,10 +46,13 @@ With ``fused_experts`` the routed experts are one ``ffn_gate_up_exps`` tensor pe
 first) holding *exactly* the bytes the separate gate and up tensors would hold, so a fused and a
 separate model of the same seed compute the same function.
 
-The pieces: :mod:`~p2pswarm.model.synth_presets` (shapes and option checks),
-:mod:`~p2pswarm.model.synth_vocab` (the BPE vocabulary), :mod:`~p2pswarm.model.synth_tensors` (the
-plan and the seeded bytes), :mod:`~p2pswarm.model.gguf_read` (reading a GGUF back); this module
-writes the file and quantises it.
+The pieces: :mod:`~p2pswarm.model.synth_arches` (what an architecture's preset provides, the
+:class:`~p2pswarm.model.synth_arches.SynthPreset` protocol, and the registry), one module per
+architecture (``synth_qwen3moe``, ``synth_qwen35moe``, ``synth_gptoss``, ``synth_glm4moe``,
+``synth_deepseek2``: presets, keys, checks, tensor plan), :mod:`~p2pswarm.model.synth_vocab` (the BPE
+vocabulary), :mod:`~p2pswarm.model.synth_tensors` (the plan's type and the seeded bytes),
+:mod:`~p2pswarm.model.gguf_read` (reading a GGUF back); this module writes the file through the
+protocol (it names no architecture's class) and quantises it.
 """
 
 from __future__ import annotations
@@ -223,7 +227,7 @@ def make_model(
 ) -> Path:
     """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
 
-    ``preset``: ``tiny`` or ``geometry-122b`` (see :data:`PRESETS`); ``layers`` and the ``n_*``
+    ``preset``: ``tiny`` or ``geometry-122b`` (see :data:`~p2pswarm.model.synth_qwen3moe.PRESETS`); ``layers`` and the ``n_*``
     keywords override the preset's dims. ``qtype``: ``f32``, ``f16``, ``q8_0`` (2-D/3-D weight
     matrices Q8_0; norms and the router stay F32) or ``q4_k_m`` (llama.cpp's quantiser, needs
     llama-cpp-python). ``expert_qtype="q4_k"`` writes the routed experts directly as random Q4_K
@@ -233,7 +237,8 @@ def make_model(
     (keeps a 151,936-token demo model small). ``router_near_tie``: router weights 100x smaller, so
     top-k margins are small but not zero.
 
-    ``arch``: ``qwen3moe`` (default) or ``qwen35moe`` (presets :data:`PRESETS_QWEN35`). Only for
+    ``arch``: ``qwen3moe`` (default) or ``qwen35moe`` (presets
+    :data:`~p2pswarm.model.synth_qwen35moe.PRESETS_QWEN35`). Only for
     qwen35moe: ``n_rot`` (rotated dims per head), ``rope_sections`` (4 IMROPE sections),
     ``ssm_state_size`` (d), ``ssm_group_count`` (Hk), ``ssm_time_step_rank`` (Hv, a multiple of
     Hk), ``ssm_conv_kernel``, ``full_attention_interval``, ``n_ff_shexp`` (shared expert) and
