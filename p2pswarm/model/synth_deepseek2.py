@@ -34,7 +34,7 @@ import numpy as np
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, _gguf, dense_types
-from p2pswarm.model.synth_tensors import TensorPlan, _type_size, plan_adder
+from p2pswarm.model.synth_tensors import TensorPlan, _type_size, add_mtp_extras, add_output_head, plan_adder
 
 ARCH = "deepseek2"
 GATING = {"softmax": 1, "sigmoid": 2}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
@@ -208,13 +208,8 @@ class DeepSeek2Preset(Preset):
                 add(p + "ffn_down_shexp.weight", (E, S), "matrix", 1 / np.sqrt(S))
                 add(p + "ffn_up_shexp.weight", (S, E), "matrix", 1 / np.sqrt(E))
             if i >= self.n_layer:  # an MTP block: what llama.cpp's deepseek2 MTP graph reads besides the layer
-                add(p + "nextn.eh_proj.weight", (E, 2 * E), "matrix", 1 / np.sqrt(2 * E))
-                add(p + "nextn.enorm.weight", (E,), "norm", NORM_NOISE)
-                add(p + "nextn.hnorm.weight", (E,), "norm", NORM_NOISE)
-                add(p + "nextn.shared_head_norm.weight", (E,), "norm", NORM_NOISE)
-        add("output_norm.weight", (E,), "norm", NORM_NOISE)
-        if not tied:
-            add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
+                add_mtp_extras(add, p, E)
+        add_output_head(add, E, V, tied)
         return plans
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from p2pswarm.errors import UserError
-from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, _gguf, dense_types
-from p2pswarm.model.synth_tensors import MXFP4_BLOCK, TensorPlan, plan_adder
+from p2pswarm.model.synth_presets import NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, _gguf, dense_types
+from p2pswarm.model.synth_tensors import MXFP4_BLOCK, TensorPlan, add_output_head, plan_adder
 
 ARCH_GPTOSS = "gpt-oss"
 
@@ -111,8 +111,7 @@ class GptOssPreset(Preset):
             add(p + "ffn_up_exps.bias", (D, F), "vector", BIAS_STD)
             add(p + "ffn_down_exps.weight", (D, E, F), "experts", 1 / np.sqrt(F))
             add(p + "ffn_down_exps.bias", (D, E), "vector", BIAS_STD)
-        add("output_norm.weight", (E,), "norm", NORM_NOISE)
-        add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
+        add_output_head(add, E, V, tied)  # tied is refused above
         return plans
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, _gguf, dense_types
-from p2pswarm.model.synth_tensors import TensorPlan, _type_size
+from p2pswarm.model.synth_tensors import TensorPlan, _type_size, add_mtp_extras, add_output_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +142,8 @@ class Qwen35Preset(Preset):
             add(p + "ffn_up_shexp.weight", (Fs, E), "matrix", 1 / np.sqrt(E))
             add(p + "ffn_down_shexp.weight", (E, Fs), "matrix", 1 / np.sqrt(Fs))
             if i >= self.n_layer:  # the NextN / MTP block: what llama.cpp's qwen35moe MTP graph reads besides it
-                add(p + "nextn.eh_proj.weight", (E, 2 * E), "matrix", 1 / np.sqrt(2 * E))
-                add(p + "nextn.enorm.weight", (E,), "norm", NORM_NOISE)
-                add(p + "nextn.hnorm.weight", (E,), "norm", NORM_NOISE)
-                add(p + "nextn.shared_head_norm.weight", (E,), "norm", NORM_NOISE)
-        add("output_norm.weight", (E,), "norm", NORM_NOISE)
-        if not tied:
-            add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
+                add_mtp_extras(add, p, E)
+        add_output_head(add, E, V, tied)
         return plans
 
 

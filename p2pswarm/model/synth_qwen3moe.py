@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, dense_types
-from p2pswarm.model.synth_tensors import TensorPlan, plan_adder
+from p2pswarm.model.synth_tensors import TensorPlan, add_output_head, plan_adder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +45,7 @@ class Qwen3Preset(Preset):
             add(p + "ffn_gate_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
             add(p + "ffn_up_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
             add(p + "ffn_down_exps.weight", (D, E, F), "experts", 1 / np.sqrt(F))
-        add("output_norm.weight", (E,), "norm", NORM_NOISE)
-        if not tied:
-            add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
+        add_output_head(add, E, V, tied)
         return plans
 
 

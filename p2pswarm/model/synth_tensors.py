@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from p2pswarm.errors import UserError
-from p2pswarm.model.synth_presets import _gguf
+from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, _gguf
 
 # Q4_K: 256 weights in a super-block of 144 bytes (f16 d, f16 dmin, 12 bytes of 6-bit
 # scales/mins for 8 sub-blocks of 32, 128 bytes of 4-bit quants).
@@ -135,6 +135,22 @@ def plan_adder(plans: list[TensorPlan], dense: Any, exp_t: Any) -> Callable[...,
         plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape), parts, cut))
 
     return add
+
+
+def add_mtp_extras(add: Callable[..., None], prefix: str, E: int) -> None:
+    """What llama.cpp's MTP (NextN) graph reads in an MTP block besides a trunk layer's tensors
+    (glm4moe, qwen35moe and deepseek2 write the same four)."""
+    add(prefix + "nextn.eh_proj.weight", (E, 2 * E), "matrix", 1 / np.sqrt(2 * E))
+    add(prefix + "nextn.enorm.weight", (E,), "norm", NORM_NOISE)
+    add(prefix + "nextn.hnorm.weight", (E,), "norm", NORM_NOISE)
+    add(prefix + "nextn.shared_head_norm.weight", (E,), "norm", NORM_NOISE)
+
+
+def add_output_head(add: Callable[..., None], E: int, V: int, tied: bool) -> None:
+    """The output norm and, unless tied to ``token_embd``, the lm head: every plan's last tensors."""
+    add("output_norm.weight", (E,), "norm", NORM_NOISE)
+    if not tied:
+        add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
 
 
 def _type_size(gtype: Any, shape: Sequence[int]) -> int:
