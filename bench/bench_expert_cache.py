@@ -67,7 +67,7 @@ def _plans(arch: str, preset: str, layers: int, n_vocab: int | None, qtype: str)
     from p2pswarm.model import synth
     from p2pswarm.model.synth_arches import PRESETS_BY_ARCH, resolve
 
-    p = resolve(preset, layers, {}, PRESETS_BY_ARCH[arch]).refine(layers, {})
+    p = resolve(preset, layers, {}, PRESETS_BY_ARCH[arch]).refine(layers, {}, {})
     if n_vocab is None:
         n_vocab = synth._n_vocab(synth.vocab_tokenizer_kv(_qwen35_vocab()))
     return p.plan(n_vocab, qtype, p.expert_qtype, False, False), n_vocab

@@ -260,36 +260,32 @@ def make_model(
     out = Path(out_path)
     if arch not in ARCHES:
         raise UserError(f"unknown architecture {arch!r}; choose one of: {', '.join(ARCHES)}")
-    extra = dict(n_rot=n_rot, rope_sections=None if rope_sections is None else tuple(rope_sections),
-                 ssm_state_size=ssm_state_size, ssm_group_count=ssm_group_count,
-                 ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
-                 full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
-                 fused_experts=fused_experts, n_nextn=n_nextn)
-    if arch in ("qwen35moe", "deepseek2") and mtp_agreement is not None and n_nextn is None:
-        extra["n_nextn"] = 1  # an agreeing MTP block needs a block
-    if arch == "deepseek2" and extra["n_nextn"] is not None:  # one of deepseek2's own options
-        deepseek2 = {**(deepseek2 or {}), "n_nextn": extra.pop("n_nextn")}
-    if sliding_window is not None and arch != "gpt-oss":
-        raise UserError("sliding_window applies only to --arch gpt-oss")
-    if deepseek2 is not None and arch != "deepseek2":
-        raise UserError("deepseek2 options apply only to --arch deepseek2")
-    if arch != "qwen35moe":
-        given = [k for k, v in extra.items() if v is not None]
-        if given:
-            where = "qwen35moe or deepseek2" if given[0] == "n_nextn" else "qwen35moe"
-            raise UserError(f"{given[0]} applies only to --arch {where}")
-        extra = {} if sliding_window is None else {"sliding_window": sliding_window}
+    presets = PRESETS_BY_ARCH[arch]
+    takes = next(iter(presets.values())).KEYWORDS
+    # the keywords only some architectures take, checked in this order (KEYWORDS says who takes which)
+    own: dict[str, Any] = dict(
+        sliding_window=sliding_window, deepseek2=deepseek2, n_rot=n_rot,
+        rope_sections=None if rope_sections is None else tuple(rope_sections),
+        ssm_state_size=ssm_state_size, ssm_group_count=ssm_group_count, ssm_time_step_rank=ssm_time_step_rank,
+        ssm_conv_kernel=ssm_conv_kernel, full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
+        fused_experts=fused_experts, n_nextn=n_nextn)
+    if "n_nextn" in takes and mtp_agreement is not None and n_nextn is None:
+        own["n_nextn"] = 1  # an agreeing MTP block needs a block
+    for key, value in own.items():
+        if value is not None and key not in takes:
+            where = " or ".join(a for a, ps in PRESETS_BY_ARCH.items() if key in next(iter(ps.values())).KEYWORDS)
+            what = "deepseek2 options apply" if key == "deepseek2" else f"{key} applies"
+            raise UserError(f"{what} only to --arch {where}")
+    options = own.pop("deepseek2") or {}
     p = resolve(preset, layers, dict(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
-        n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length, **extra),
-        PRESETS_BY_ARCH[arch]).refine(layers, deepseek2 or {})
+        n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length),
+        presets).refine(layers, {k: v for k, v in own.items() if v is not None}, options)
     if expert_qtype is None:
         expert_qtype = p.expert_qtype
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise UserError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    # deepseek2's geometry: the dense tensors are quantised by llama.cpp from F32 and the Q4_K experts
-    # (45 GB per layer as F32) kept, or requantised to Q6_K where Q4_K_M puts them (ffn_down of some layers)
-    requantize = arch == "deepseek2" and qtype == "q4_k_m" and expert_qtype == "q4_k"
+    requantize = p.Q4_K_M_KEEPS_Q4_K and qtype == "q4_k_m" and expert_qtype == "q4_k"
     if preset.startswith("geometry-") and qtype == "q4_k_m" and expert_qtype == "q4_k" and not requantize:
         raise UserError(f"{preset} writes its experts as Q4_K directly; use --type f32, f16 or "
                         "q8_0 for its dense tensors (q4_k_m would requantise the experts)")

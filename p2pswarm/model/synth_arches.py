@@ -7,7 +7,7 @@ Adding an architecture: a module ``synth_<arch>.py`` whose preset class (a froze
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from typing import Any, ClassVar, Mapping, Protocol
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.synth_deepseek2 import PRESETS_DEEPSEEK2
@@ -45,12 +45,17 @@ class SynthPreset(Protocol):
     @property
     def expert_qtype(self) -> str | None: ...
 
+    #: the make_model keywords only this architecture takes
+    KEYWORDS: ClassVar[tuple[str, ...]]
+    #: whether ``--type q4_k_m`` keeps directly written Q4_K experts instead of refusing them
+    Q4_K_M_KEEPS_Q4_K: ClassVar[bool]
+
     def replaced(self, **changes: Any) -> SynthPreset:
         """A copy with the common overrides (``--layers``, ``--n-embd``, ...) applied."""
         ...
 
-    def refine(self, layers: int | None, options: dict[str, Any]) -> SynthPreset:
-        """The preset after its architecture's own options dict (deepseek2's; others ignore it)."""
+    def refine(self, layers: int | None, keywords: dict[str, Any], options: dict[str, Any]) -> SynthPreset:
+        """The preset after its architecture's own make_model keywords and options dict (deepseek2's)."""
         ...
 
     def validate(self, qtype: str, expert_qtype: str | None) -> None:

@@ -28,7 +28,7 @@ geometry-671b model has one dense layer and one MoE layer at the real sizes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -66,11 +66,18 @@ class DeepSeek2Preset(Preset):
     rope_freq_base: float = 10000.0
     n_nextn: int = 0  # MTP (NextN) blocks after the trunk (nextn_predict_layers; llama.cpp runs 1)
 
+    KEYWORDS: ClassVar[tuple[str, ...]] = ("deepseek2", "n_nextn")  # deepseek2: the dict of OPTIONS
+    # the dense tensors quantised by llama.cpp from F32 and the Q4_K experts (45 GB per layer as F32 at
+    # geometry-671b) kept, or requantised to Q6_K where Q4_K_M puts them (ffn_down of some layers)
+    Q4_K_M_KEEPS_Q4_K: ClassVar[bool] = True
+
     def mtp_blocks(self) -> int:
         return self.n_nextn
 
-    def refine(self, layers: int | None, options: dict[str, Any]) -> DeepSeek2Preset:
-        """The preset with ``--layers`` (keeping at least one MoE layer) and the options applied."""
+    def refine(self, layers: int | None, keywords: dict[str, Any], options: dict[str, Any]) -> DeepSeek2Preset:
+        """The preset with ``--layers`` (keeping at least one MoE layer) and the options applied
+        (``n_nextn``, the one keyword, is one of them)."""
+        options = {**options, **keywords}
         bad = sorted(set(options) - set(OPTIONS) - {"n_layer"})
         if bad:
             raise UserError(f"unknown deepseek2 option {bad[0]!r}; known: {', '.join(OPTIONS)}")

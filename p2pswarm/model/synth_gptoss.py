@@ -28,7 +28,7 @@ weights of the 120b geometry would take far longer than writing them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -50,6 +50,8 @@ class GptOssPreset(Preset):
     sliding_window: int = 128
     rope_scaling_factor: float = 32.0
     rope_original_context: int = 4096
+
+    KEYWORDS: ClassVar[tuple[str, ...]] = ("sliding_window",)
 
     def default_tied(self, n_vocab: int) -> bool:
         return False  # llama.cpp requires output.weight
@@ -129,5 +131,3 @@ PRESETS_GPTOSS: dict[str, GptOssPreset] = {
         n_ff_exp=2880, context_length=131072, rope_freq_base=150000.0, rms_eps=1e-5,
         expert_qtype="mxfp4", sliding_window=128),
 }
-
-GPTOSS_OPTIONS = ("sliding_window",)

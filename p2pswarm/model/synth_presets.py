@@ -11,7 +11,7 @@ contract they meet the registry and the common option checks are in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 
 def _gguf() -> Any:
@@ -53,13 +53,20 @@ class Preset:
     rms_eps: float = 1e-6
     expert_qtype: str | None = None  # None: the experts follow ``qtype``
 
+    #: make_model keywords only this architecture takes (the dataclass fields they set)
+    KEYWORDS: ClassVar[tuple[str, ...]] = ()
+    #: whether ``--type q4_k_m`` may keep directly written Q4_K experts (llama.cpp requantising
+    #: where Q4_K_M wants another type) rather than refusing the combination
+    Q4_K_M_KEEPS_Q4_K: ClassVar[bool] = False
+
     def replaced(self, **changes: Any) -> Any:
         """A copy with ``changes`` applied (``dataclasses.replace``, kept behind the protocol)."""
         return dataclasses.replace(self, **changes)
 
-    def refine(self, layers: int | None, options: dict[str, Any]) -> Any:
-        """The preset after its architecture's own options (only deepseek2 has a dict of them)."""
-        return self
+    def refine(self, layers: int | None, keywords: dict[str, Any], options: dict[str, Any]) -> Any:
+        """The preset with its architecture's own make_model ``keywords`` (those in
+        :attr:`KEYWORDS` that were given) and ``options`` dict (only deepseek2 has one) applied."""
+        return self.replaced(**keywords) if keywords else self
 
     def validate(self, qtype: str, expert_qtype: str | None) -> None:
         """The architecture's own constraints beyond :func:`_validate` (none by default)."""

@@ -5,7 +5,7 @@ weights beyond the common rule are listed in :mod:`p2pswarm.model.synth`)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -28,6 +28,10 @@ class Qwen35Preset(Preset):
     n_ff_shexp: int = 256  # shared expert's hidden size
     fused_experts: bool = False  # one ffn_gate_up_exps tensor instead of ffn_gate_exps + ffn_up_exps
     n_nextn: int = 0  # MTP (NextN) blocks after the trunk (nextn_predict_layers; llama.cpp runs 1)
+
+    KEYWORDS: ClassVar[tuple[str, ...]] = (
+        "n_rot", "rope_sections", "ssm_state_size", "ssm_group_count", "ssm_time_step_rank", "ssm_conv_kernel",
+        "full_attention_interval", "n_ff_shexp", "fused_experts", "n_nextn")
 
     def mtp_blocks(self) -> int:
         return self.n_nextn
