@@ -64,24 +64,13 @@ REAL = [
 
 def _plans(arch: str, preset: str, layers: int, n_vocab: int | None, qtype: str):
     """The tensor plan make-model would write (no bytes written)."""
-    from p2pswarm.model import synth, synth_deepseek2
-    from p2pswarm.model.synth_presets import PRESETS_BY_ARCH, Glm4Preset, Qwen35Preset, _resolve
-    from p2pswarm.model.synth_gptoss import GptOssPreset, plan_gptoss
-    from p2pswarm.model.synth_glm4moe import plan_glm4
-    from p2pswarm.model.synth_tensors import _plan, _plan_qwen35
+    from p2pswarm.model import synth
+    from p2pswarm.model.synth_arches import PRESETS_BY_ARCH, resolve
 
-    p = _resolve(preset, layers, {}, PRESETS_BY_ARCH[arch])
-    if isinstance(p, synth_deepseek2.DeepSeek2Preset):
-        p = synth_deepseek2.resolve(p, layers, {})
+    p = resolve(preset, layers, {}, PRESETS_BY_ARCH[arch]).refine(layers, {}, {})
     if n_vocab is None:
         n_vocab = synth._n_vocab(synth.vocab_tokenizer_kv(_qwen35_vocab()))
-    exp = p.expert_qtype
-    if isinstance(p, synth_deepseek2.DeepSeek2Preset):
-        return synth_deepseek2.plan(p, n_vocab, qtype, exp, False, False), n_vocab
-    if isinstance(p, GptOssPreset):
-        return plan_gptoss(p, n_vocab, qtype, exp, False, False), n_vocab
-    planner = _plan_qwen35 if isinstance(p, Qwen35Preset) else plan_glm4 if isinstance(p, Glm4Preset) else _plan
-    return planner(p, n_vocab, qtype, exp, False, False), n_vocab
+    return p.plan(n_vocab, qtype, p.expert_qtype, False, False), n_vocab
 
 
 def _qwen35_vocab() -> str:

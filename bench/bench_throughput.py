@@ -62,7 +62,7 @@ from common import header
 from wan_swarm import WanSwarm, cpu_seconds
 
 from p2pswarm.model.synth import make_model
-from p2pswarm.model.synth_presets import PRESETS
+from p2pswarm.model.synth_qwen3moe import PRESETS
 
 CONCURRENCY = (1, 4, 16, 64)
 

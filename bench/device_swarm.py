@@ -55,7 +55,7 @@ from cpu_groups import CgroupError, CpuGroups
 from wan_swarm import WanSwarm, cpu_seconds
 
 from p2pswarm.model.synth import make_model
-from p2pswarm.model.synth_presets import PRESETS
+from p2pswarm.model.synth_qwen3moe import PRESETS
 from p2pswarm.net.identity import load_or_create_identity
 
 

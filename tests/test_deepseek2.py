@@ -353,9 +353,9 @@ def test_geometry_671b_shapes():
     """The preset's per-layer sizes are DeepSeek-V3's (the plan only: the file would be GBs)."""
     from p2pswarm.model import synth_deepseek2 as sd
 
-    p = sd.resolve(sd.PRESETS_DEEPSEEK2["geometry-671b"], 2, {})
+    p = sd.PRESETS_DEEPSEEK2["geometry-671b"].refine(2, {}, {})
     assert (p.n_layer, p.n_dense_lead, p.n_embd, p.n_expert, p.n_expert_used, p.n_ff_exp) == (2, 1, 7168, 256, 8, 2048)
-    plans = {t.name: t for t in sd.plan(p, 1000, "f32", "q4_k", False, False)}
+    plans = {t.name: t for t in p.plan(1000, "f32", "q4_k", False, False)}
     assert plans["blk.1.attn_q_b.weight"].shape == (128 * 192, 1536)
     assert plans["blk.1.attn_kv_a_mqa.weight"].shape == (576, 7168)
     assert plans["blk.1.attn_k_b.weight"].shape == (128, 512, 128)

@@ -308,7 +308,8 @@ def test_make_model_glm4moe_command(tmp_path):
 
 def test_geometry_glm45_shape():
     """geometry-glm45 is GLM-4.5 per layer and per expert; --layers keeps one MoE layer at least."""
-    from p2pswarm.model.synth_presets import PRESETS_GLM4, _resolve
+    from p2pswarm.model.synth_arches import resolve as _resolve
+    from p2pswarm.model.synth_glm4moe import PRESETS_GLM4
 
     p = PRESETS_GLM4["geometry-glm45"]
     assert (p.n_embd, p.n_head, p.n_head_kv, p.head_dim, p.n_rot) == (5120, 96, 8, 128, 64)

@@ -13,8 +13,8 @@ from p2pswarm.progress import ProgressBar
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from p2pswarm.model.synth import PRESETS_BY_ARCH
-    from p2pswarm.model.synth_presets import ARCHES, QTYPES
+    from p2pswarm.model.synth_arches import ARCHES, PRESETS_BY_ARCH
+    from p2pswarm.model.synth_presets import QTYPES
 
     def presets_text(arch: str) -> str:
         return "; ".join(

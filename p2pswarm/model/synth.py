@@ -25,13 +25,14 @@ layer 0) and writing can stream tensor by tensor.
 
 The ``geometry-122b`` preset has the routed-expert geometry of Qwen3.5-122B-A10B (n_embd 3072,
 n_ff_exp 1024, 256 experts, top-8). Its experts are written directly as random but valid Q4_K
-blocks (see :func:`random_q4_k_blocks`): 5,308,416 bytes per expert (gate + up + down), the same
-bytes per expert as the real model's Q4_K experts, generated and written a few experts at a time.
+blocks (see :func:`~p2pswarm.model.synth_tensors.random_q4_k_blocks`): 5,308,416 bytes per expert
+(gate + up + down), the same bytes per expert as the real model's Q4_K experts, generated and
+written a few experts at a time.
 
 ``arch="qwen35moe"`` writes the seed's own architecture (Qwen3.5 MoE: Gated DeltaNet layers with
 every ``full_attention_interval``-th layer gated full attention, a sigmoid-gated shared expert); its
-presets are in :data:`PRESETS_QWEN35` (``tiny`` and ``geometry-122b``, the latter with the 122B's
-expert *and* attention/DeltaNet geometry). Extra weights, beyond the rule above::
+presets are in :data:`~p2pswarm.model.synth_qwen35moe.PRESETS_QWEN35` (``tiny`` and
+``geometry-122b``, the latter with the 122B's expert *and* attention/DeltaNet geometry). Extra weights, beyond the rule above::
 
     attn_q (q + gate), attn_qkv, attn_gate, ssm_alpha, ssm_beta, shared gate/up
                           std 1/sqrt(n_embd)
@@ -45,10 +46,13 @@ With ``fused_experts`` the routed experts are one ``ffn_gate_up_exps`` tensor pe
 first) holding *exactly* the bytes the separate gate and up tensors would hold, so a fused and a
 separate model of the same seed compute the same function.
 
-The pieces: :mod:`~p2pswarm.model.synth_presets` (shapes and option checks),
-:mod:`~p2pswarm.model.synth_vocab` (the BPE vocabulary), :mod:`~p2pswarm.model.synth_tensors` (the
-plan and the seeded bytes), :mod:`~p2pswarm.model.gguf_read` (reading a GGUF back); this module
-writes the file and quantises it.
+The pieces: :mod:`~p2pswarm.model.synth_arches` (what an architecture's preset provides, the
+:class:`~p2pswarm.model.synth_arches.SynthPreset` protocol, and the registry), one module per
+architecture (``synth_qwen3moe``, ``synth_qwen35moe``, ``synth_gptoss``, ``synth_glm4moe``,
+``synth_deepseek2``: presets, keys, checks, tensor plan), :mod:`~p2pswarm.model.synth_vocab` (the BPE
+vocabulary), :mod:`~p2pswarm.model.synth_tensors` (the plan's type and the seeded bytes),
+:mod:`~p2pswarm.model.gguf_read` (reading a GGUF back); this module writes the file through the
+protocol (it names no architecture's class) and quantises it.
 """
 
 from __future__ import annotations
@@ -63,33 +67,17 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from p2pswarm.errors import UserError
-# The pieces live in their own modules (presets, tensor plans, vocabularies, per-arch keys).
 from p2pswarm.model.gguf_read import KV, read_gguf_header
-from p2pswarm.model.synth_presets import (
-    ARCH, ARCHES, PRESETS_BY_ARCH, SYNTH_VERSION, Preset, Progress, Qwen35Preset, _file_type, _gguf,
-    _resolve, _validate, _validate_qwen35,
-)
-from p2pswarm.model.synth_glm4moe import agreeing_mtp, plan_glm4, validate_glm4, write_glm4_keys
-from p2pswarm.model.synth_presets import Glm4Preset
-from p2pswarm.model.synth_tensors import (
-    TensorPlan, _plan, _plan_qwen35, _tensor_chunks, _type_size, estimate_nbytes,
-)
-from p2pswarm.model.synth_gptoss import (ARCH_GPTOSS, PRESETS_GPTOSS, GptOssPreset, add_gptoss_keys,
-                                          plan_gptoss, validate_gptoss)
-from p2pswarm.model import synth_deepseek2
-from p2pswarm.model.synth_deepseek2 import DeepSeek2Preset
-from p2pswarm.model.synth_vocab import (
-    _n_vocab,
-    builtin_tokenizer_kv, vocab_tokenizer_kv,
-)
-
-PRESETS_BY_ARCH[ARCH_GPTOSS] = PRESETS_GPTOSS
+from p2pswarm.model.synth_arches import ARCHES, PRESETS_BY_ARCH, SynthPreset, resolve, validate_common
+from p2pswarm.model.synth_presets import ARCH, SYNTH_VERSION, Progress, _file_type, _gguf
+from p2pswarm.model.synth_tensors import TensorPlan, _tensor_chunks, _type_size, agreeing_mtp, estimate_nbytes
+from p2pswarm.model.synth_vocab import _n_vocab, builtin_tokenizer_kv, vocab_tokenizer_kv
 
 # ---------------------------------------------------------------------------------------------
 # Writing
 
 
-def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[KV], *, preset: str,
+def _write_gguf(path: Path, dims: SynthPreset, plans: list[TensorPlan], tok_kv: list[KV], *, preset: str,
                 seed: int, qtype: str, expert_qtype: str | None, tied: bool,
                 router_near_tie: bool, progress: Progress | None, arch: str = ARCH) -> None:
     g = _gguf()
@@ -99,38 +87,7 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.add_type("model")
         w.add_name(f"p2pswarm synth {preset}")
         w.add_description(f"random-weight {arch} made by p2pswarm make-model (seed {seed})")
-        if isinstance(dims, DeepSeek2Preset):  # its own keys: MLA sizes, dense FFN, YaRN, router
-            synth_deepseek2.write_keys(w, dims)
-        else:
-            w.add_context_length(dims.context_length)
-            w.add_embedding_length(dims.n_embd)
-            w.add_block_count(dims.n_layer + getattr(dims, "n_nextn", 0))
-            w.add_feed_forward_length(getattr(dims, "n_ff", None) or dims.n_ff_exp * dims.n_expert_used)
-            w.add_head_count(dims.n_head)
-            w.add_head_count_kv(dims.n_head_kv)
-            w.add_key_length(dims.head_dim)
-            w.add_value_length(dims.head_dim)
-            w.add_rope_freq_base(dims.rope_freq_base)
-            w.add_layer_norm_rms_eps(dims.rms_eps)
-            w.add_expert_count(dims.n_expert)
-            w.add_expert_used_count(dims.n_expert_used)
-            w.add_expert_feed_forward_length(dims.n_ff_exp)
-            if isinstance(dims, Qwen35Preset):
-                w.add_expert_shared_feed_forward_length(dims.n_ff_shexp)
-                w.add_rope_dimension_count(dims.n_rot)
-                w.add_rope_dimension_sections(list(dims.rope_sections))
-                w.add_ssm_conv_kernel(dims.ssm_conv_kernel)
-                w.add_ssm_inner_size(dims.ssm_time_step_rank * dims.ssm_state_size)
-                w.add_ssm_state_size(dims.ssm_state_size)
-                w.add_ssm_time_step_rank(dims.ssm_time_step_rank)
-                w.add_ssm_group_count(dims.ssm_group_count)
-                w.add_full_attention_interval(dims.full_attention_interval)
-                if dims.n_nextn:
-                    w.add_nextn_predict_layers(dims.n_nextn)
-            if isinstance(dims, GptOssPreset):
-                add_gptoss_keys(w, dims)
-            if isinstance(dims, Glm4Preset):
-                write_glm4_keys(w, dims)
+        dims.write_keys(w)
         w.add_file_type(_file_type(qtype, expert_qtype))
         if any(p.gtype not in (g.GGMLQuantizationType.F32, g.GGMLQuantizationType.F16)
                for p in plans):
@@ -140,8 +97,7 @@ def _write_gguf(path: Path, dims: Preset, plans: list[TensorPlan], tok_kv: list[
         w.add_uint32("p2pswarm.synth.version", SYNTH_VERSION)
         w.add_bool("p2pswarm.synth.tied", tied)
         w.add_bool("p2pswarm.synth.router_near_tie", router_near_tie)
-        if isinstance(dims, Qwen35Preset):
-            w.add_bool("p2pswarm.synth.fused_experts", dims.fused_experts)
+        dims.write_synth_keys(w)
         for kv in tok_kv:
             w.add_key_value(kv.key, kv.value, kv.vtype, kv.sub_type)
         for p in plans:
@@ -271,7 +227,7 @@ def make_model(
 ) -> Path:
     """Write a seeded random-weight qwen3moe (or qwen35moe) GGUF to ``out_path`` and return its path.
 
-    ``preset``: ``tiny`` or ``geometry-122b`` (see :data:`PRESETS`); ``layers`` and the ``n_*``
+    ``preset``: ``tiny`` or ``geometry-122b`` (see :data:`~p2pswarm.model.synth_qwen3moe.PRESETS`); ``layers`` and the ``n_*``
     keywords override the preset's dims. ``qtype``: ``f32``, ``f16``, ``q8_0`` (2-D/3-D weight
     matrices Q8_0; norms and the router stay F32) or ``q4_k_m`` (llama.cpp's quantiser, needs
     llama-cpp-python). ``expert_qtype="q4_k"`` writes the routed experts directly as random Q4_K
@@ -281,7 +237,8 @@ def make_model(
     (keeps a 151,936-token demo model small). ``router_near_tie``: router weights 100x smaller, so
     top-k margins are small but not zero.
 
-    ``arch``: ``qwen3moe`` (default) or ``qwen35moe`` (presets :data:`PRESETS_QWEN35`). Only for
+    ``arch``: ``qwen3moe`` (default) or ``qwen35moe`` (presets
+    :data:`~p2pswarm.model.synth_qwen35moe.PRESETS_QWEN35`). Only for
     qwen35moe: ``n_rot`` (rotated dims per head), ``rope_sections`` (4 IMROPE sections),
     ``ssm_state_size`` (d), ``ssm_group_count`` (Hk), ``ssm_time_step_rank`` (Hv, a multiple of
     Hk), ``ssm_conv_kernel``, ``full_attention_interval``, ``n_ff_shexp`` (shared expert) and
@@ -293,7 +250,7 @@ def make_model(
 
     ``mtp_agreement`` (glm4moe, qwen35moe and deepseek2, 0..1): a model whose MTP block agrees with
     the trunk, so speculative decoding's acceptance can be measured on random weights
-    (:func:`~p2pswarm.model.synth_glm4moe.agreeing_mtp`); for qwen35moe and deepseek2 it implies
+    (:func:`~p2pswarm.model.synth_tensors.agreeing_mtp`); for qwen35moe and deepseek2 it implies
     ``n_nextn=1``. ``n_nextn`` (qwen35moe and deepseek2): MTP (NextN) blocks written after the trunk
     (default 0; llama.cpp runs one).
 
@@ -303,52 +260,37 @@ def make_model(
     out = Path(out_path)
     if arch not in ARCHES:
         raise UserError(f"unknown architecture {arch!r}; choose one of: {', '.join(ARCHES)}")
-    extra = dict(n_rot=n_rot, rope_sections=None if rope_sections is None else tuple(rope_sections),
-                 ssm_state_size=ssm_state_size, ssm_group_count=ssm_group_count,
-                 ssm_time_step_rank=ssm_time_step_rank, ssm_conv_kernel=ssm_conv_kernel,
-                 full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
-                 fused_experts=fused_experts, n_nextn=n_nextn)
-    if arch in ("qwen35moe", "deepseek2") and mtp_agreement is not None and n_nextn is None:
-        extra["n_nextn"] = 1  # an agreeing MTP block needs a block
-    if arch == "deepseek2" and extra["n_nextn"] is not None:  # one of deepseek2's own options
-        deepseek2 = {**(deepseek2 or {}), "n_nextn": extra.pop("n_nextn")}
-    if sliding_window is not None and arch != ARCH_GPTOSS:
-        raise UserError("sliding_window applies only to --arch gpt-oss")
-    if deepseek2 is not None and arch != "deepseek2":
-        raise UserError("deepseek2 options apply only to --arch deepseek2")
-    if arch != "qwen35moe":
-        given = [k for k, v in extra.items() if v is not None]
-        if given:
-            where = "qwen35moe or deepseek2" if given[0] == "n_nextn" else "qwen35moe"
-            raise UserError(f"{given[0]} applies only to --arch {where}")
-        extra = {} if sliding_window is None else {"sliding_window": sliding_window}
-    p = _resolve(preset, layers, dict(
+    presets = PRESETS_BY_ARCH[arch]
+    takes = next(iter(presets.values())).KEYWORDS
+    # the keywords only some architectures take, checked in this order (KEYWORDS says who takes which)
+    own: dict[str, Any] = dict(
+        sliding_window=sliding_window, deepseek2=deepseek2, n_rot=n_rot,
+        rope_sections=None if rope_sections is None else tuple(rope_sections),
+        ssm_state_size=ssm_state_size, ssm_group_count=ssm_group_count, ssm_time_step_rank=ssm_time_step_rank,
+        ssm_conv_kernel=ssm_conv_kernel, full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
+        fused_experts=fused_experts, n_nextn=n_nextn)
+    if "n_nextn" in takes and mtp_agreement is not None and n_nextn is None:
+        own["n_nextn"] = 1  # an agreeing MTP block needs a block
+    for key, value in own.items():
+        if value is not None and key not in takes:
+            where = " or ".join(a for a, ps in PRESETS_BY_ARCH.items() if key in next(iter(ps.values())).KEYWORDS)
+            what = "deepseek2 options apply" if key == "deepseek2" else f"{key} applies"
+            raise UserError(f"{what} only to --arch {where}")
+    options = own.pop("deepseek2") or {}
+    p = resolve(preset, layers, dict(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
-        n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length, **extra),
-        PRESETS_BY_ARCH[arch])
-    if isinstance(p, DeepSeek2Preset):
-        p = synth_deepseek2.resolve(p, layers, deepseek2 or {})
+        n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length),
+        presets).refine(layers, {k: v for k, v in own.items() if v is not None}, options)
     if expert_qtype is None:
         expert_qtype = p.expert_qtype
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
         raise UserError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    # deepseek2's geometry: the dense tensors are quantised by llama.cpp from F32 and the Q4_K experts
-    # (45 GB per layer as F32) kept, or requantised to Q6_K where Q4_K_M puts them (ffn_down of some layers)
-    requantize = arch == "deepseek2" and qtype == "q4_k_m" and expert_qtype == "q4_k"
+    requantize = p.Q4_K_M_KEEPS_Q4_K and qtype == "q4_k_m" and expert_qtype == "q4_k"
     if preset.startswith("geometry-") and qtype == "q4_k_m" and expert_qtype == "q4_k" and not requantize:
         raise UserError(f"{preset} writes its experts as Q4_K directly; use --type f32, f16 or "
                         "q8_0 for its dense tensors (q4_k_m would requantise the experts)")
-    _validate(p, qtype, None if requantize else expert_qtype)
-    if isinstance(p, Qwen35Preset):
-        _validate_qwen35(p, qtype)
-    if isinstance(p, GptOssPreset):
-        validate_gptoss(p, qtype, expert_qtype)
-        if tied is None:
-            tied = False
-    if isinstance(p, Glm4Preset):
-        validate_glm4(p, qtype)
-    if isinstance(p, DeepSeek2Preset):
-        synth_deepseek2.validate(p, qtype)
+    validate_common(p, qtype, None if requantize else expert_qtype)
+    p.validate(qtype, expert_qtype)
 
     if out.is_dir():
         raise UserError(f"output {out} is a directory")
@@ -362,17 +304,10 @@ def make_model(
     tok_kv = vocab_tokenizer_kv(vocab) if vocab is not None else builtin_tokenizer_kv()
     n_vocab = _n_vocab(tok_kv)
     if tied is None:
-        tied = n_vocab > 32768
-    dims = p
-    if isinstance(dims, DeepSeek2Preset):
-        plans = synth_deepseek2.plan(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
-    elif isinstance(dims, GptOssPreset):
-        plans = plan_gptoss(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
-    else:
-        planner = _plan_qwen35 if isinstance(dims, Qwen35Preset) else plan_glm4 if isinstance(dims, Glm4Preset) else _plan
-        plans = planner(dims, n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
+        tied = p.default_tied(n_vocab)
+    plans = p.plan(n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
     if mtp_agreement is not None:
-        if not isinstance(dims, (Glm4Preset, Qwen35Preset, DeepSeek2Preset)) or not dims.n_nextn:
+        if not p.mtp_blocks():
             raise UserError(f"--mtp-agreement needs an architecture whose MTP block make-model writes "
                             f"(glm4moe, qwen35moe, deepseek2), not {arch}")
         if not 0.0 <= mtp_agreement <= 1.0:
@@ -392,7 +327,7 @@ def make_model(
     tmp_f32 = _tmp_name(out, "f32")
     try:
         write_to = tmp_f32 if qtype == "q4_k_m" else tmp
-        _write_gguf(write_to, dims, plans, tok_kv, preset=preset, seed=seed, qtype=qtype,
+        _write_gguf(write_to, p, plans, tok_kv, preset=preset, seed=seed, qtype=qtype,
                     expert_qtype=expert_qtype, tied=bool(tied), router_near_tie=router_near_tie,
                     progress=progress, arch=arch)
         if qtype == "q4_k_m":

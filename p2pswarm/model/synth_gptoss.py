@@ -20,27 +20,23 @@ MXFP4 (``expert_qtype="mxfp4"``): blocks of 32 weights in 17 bytes, one E8M0 exp
 then 16 bytes of 4-bit E2M1 codes (low nibbles are weights 0..15, high nibbles 16..31); a weight is
 ``2^(e-128) * k`` with ``k`` in (0, 1, 2, 3, 4, 6, 8, 12) and their negatives (ggml-common.h's
 ``block_mxfp4``, ``kvalues_mxfp4``; gguf-py's ``quants.MXFP4`` reads the same). Written here
-directly from a seeded generator (uniform codes, ``e`` chosen per block for the wanted std), as
-:func:`~p2pswarm.model.synth_tensors.random_q4_k_blocks` does for Q4_K: quantising 6e9 float32
+directly from a seeded generator (uniform codes, ``e`` chosen per block for the wanted std:
+:func:`~p2pswarm.model.synth_tensors.random_mxfp4_blocks`), as ``random_q4_k_blocks`` does for Q4_K: quantising 6e9 float32
 weights of the 120b geometry would take far longer than writing them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, ClassVar
 
 import numpy as np
 
 from p2pswarm.errors import UserError
-from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, _gguf
+from p2pswarm.model.synth_presets import NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, _gguf, dense_types
+from p2pswarm.model.synth_tensors import MXFP4_BLOCK, TensorPlan, add_output_head, plan_adder
 
 ARCH_GPTOSS = "gpt-oss"
-
-MXFP4_BLOCK = 32
-MXFP4_BLOCK_BYTES = 17
-# The E2M1 codes' values doubled (kvalues_mxfp4): uniform codes give rms sqrt(mean(k^2)).
-_MXFP4_K = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float64)
-_MXFP4_K_RMS = float(np.sqrt(np.mean(_MXFP4_K ** 2)))
 
 BIAS_STD = 0.1
 ROUTER_BIAS_STD = 0.5
@@ -54,6 +50,71 @@ class GptOssPreset(Preset):
     sliding_window: int = 128
     rope_scaling_factor: float = 32.0
     rope_original_context: int = 4096
+
+    KEYWORDS: ClassVar[tuple[str, ...]] = ("sliding_window",)
+
+    def default_tied(self, n_vocab: int) -> bool:
+        return False  # llama.cpp requires output.weight
+
+    def write_keys(self, w: Any) -> None:
+        """The ``gpt-oss.*`` keys (``w``: a gguf.GGUFWriter)."""
+        self.write_trunk_keys(w, self.n_ff_exp * self.n_expert_used)
+        g = _gguf()
+        w.add_sliding_window(self.sliding_window)
+        w.add_rope_scaling_type(g.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(self.rope_scaling_factor)
+        w.add_rope_scaling_orig_ctx_len(self.rope_original_context)
+
+    def validate(self, qtype: str, expert_qtype: str | None) -> None:
+        """The gpt-oss-only constraints, each a one-line UserError."""
+        if not (isinstance(self.sliding_window, int) and not isinstance(self.sliding_window, bool) and self.sliding_window > 0):
+            raise UserError(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if expert_qtype == "mxfp4":
+            for name in ("n_embd", "n_ff_exp"):
+                if getattr(self, name) % MXFP4_BLOCK:
+                    raise UserError(f"{name} ({getattr(self, name)}) must be a multiple of {MXFP4_BLOCK} for MXFP4 experts")
+        if expert_qtype == "q4_k":
+            raise UserError("gpt-oss experts are MXFP4 (--expert-type mxfp4) or follow --type")
+        if qtype == "q4_k_m":
+            raise UserError("--type q4_k_m is not offered for gpt-oss (its experts are MXFP4: use "
+                            "--expert-type mxfp4 with --type f32, f16 or q8_0)")
+
+    def plan(self, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
+             router_near_tie: bool) -> list[TensorPlan]:
+        """The tensors of a gpt-oss model, in file order (llama.cpp's names and shapes)."""
+        if tied:
+            raise UserError("gpt-oss has no tied output (llama.cpp requires output.weight): drop --tied")
+        dense, exp_t = dense_types(qtype, expert_qtype, expert_types=("mxfp4",))
+        E, D, F, V = self.n_embd, self.n_expert, self.n_ff_exp, n_vocab
+        H, Hkv, hd = self.n_head, self.n_head_kv, self.head_dim
+        plans: list[TensorPlan] = []
+        add = plan_adder(plans, dense, exp_t)
+
+        add("token_embd.weight", (V, E), "embd", 1.0)
+        router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
+        for i in range(self.n_layer):
+            p = f"blk.{i}."
+            add(p + "attn_norm.weight", (E,), "norm", NORM_NOISE)
+            add(p + "attn_q.weight", (H * hd, E), "matrix", 1 / np.sqrt(E))
+            add(p + "attn_q.bias", (H * hd,), "vector", BIAS_STD)
+            add(p + "attn_k.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
+            add(p + "attn_k.bias", (Hkv * hd,), "vector", BIAS_STD)
+            add(p + "attn_v.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
+            add(p + "attn_v.bias", (Hkv * hd,), "vector", BIAS_STD)
+            add(p + "attn_output.weight", (E, H * hd), "matrix", 1 / np.sqrt(H * hd))
+            add(p + "attn_output.bias", (E,), "vector", BIAS_STD)
+            add(p + "attn_sinks.weight", (H,), "vector", SINK_STD)
+            add(p + "post_attention_norm.weight", (E,), "norm", NORM_NOISE)
+            add(p + "ffn_gate_inp.weight", (D, E), "router", router_std)
+            add(p + "ffn_gate_inp.bias", (D,), "vector", ROUTER_BIAS_STD * router_std * np.sqrt(E))
+            add(p + "ffn_gate_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
+            add(p + "ffn_gate_exps.bias", (D, F), "vector", BIAS_STD)
+            add(p + "ffn_up_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
+            add(p + "ffn_up_exps.bias", (D, F), "vector", BIAS_STD)
+            add(p + "ffn_down_exps.weight", (D, E, F), "experts", 1 / np.sqrt(F))
+            add(p + "ffn_down_exps.bias", (D, E), "vector", BIAS_STD)
+        add_output_head(add, E, V, tied)  # tied is refused above
+        return plans
 
 
 PRESETS_GPTOSS: dict[str, GptOssPreset] = {
@@ -70,94 +131,3 @@ PRESETS_GPTOSS: dict[str, GptOssPreset] = {
         n_ff_exp=2880, context_length=131072, rope_freq_base=150000.0, rms_eps=1e-5,
         expert_qtype="mxfp4", sliding_window=128),
 }
-
-GPTOSS_OPTIONS = ("sliding_window",)
-
-
-def validate_gptoss(p: GptOssPreset, qtype: str, expert_qtype: str | None) -> None:
-    """The gpt-oss-only constraints, each a one-line UserError."""
-    if not (isinstance(p.sliding_window, int) and not isinstance(p.sliding_window, bool) and p.sliding_window > 0):
-        raise UserError(f"sliding_window must be a positive integer, got {p.sliding_window!r}")
-    if expert_qtype == "mxfp4":
-        for name in ("n_embd", "n_ff_exp"):
-            if getattr(p, name) % MXFP4_BLOCK:
-                raise UserError(f"{name} ({getattr(p, name)}) must be a multiple of {MXFP4_BLOCK} for MXFP4 experts")
-    if expert_qtype == "q4_k":
-        raise UserError("gpt-oss experts are MXFP4 (--expert-type mxfp4) or follow --type")
-    if qtype == "q4_k_m":
-        raise UserError("--type q4_k_m is not offered for gpt-oss (its experts are MXFP4: use "
-                        "--expert-type mxfp4 with --type f32, f16 or q8_0)")
-
-
-def mxfp4_e_for_std(std: float) -> float:
-    """The (fractional) E8M0 exponent whose blocks have weights of standard deviation ``std``."""
-    return 128.0 + float(np.log2(std / _MXFP4_K_RMS))
-
-
-def random_mxfp4_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
-    """``n_blocks`` random valid MXFP4 blocks, uint8 (n_blocks, 17): uniform 4-bit codes, the
-    exponent byte the floor or the ceiling of :func:`mxfp4_e_for_std` (drawn so the mean square
-    matches ``std``)."""
-    e_real = mxfp4_e_for_std(std)
-    lo = np.floor(e_real)
-    # P(hi) such that E[4^(e-128)] matches std^2 / rms^2
-    p_hi = (2.0 ** (2 * (e_real - lo)) - 1.0) / 3.0
-    e = (lo + (rng.random(n_blocks) < p_hi)).astype(np.uint8)
-    out = np.empty((n_blocks, MXFP4_BLOCK_BYTES), dtype=np.uint8)
-    out[:, 0] = e
-    out[:, 1:] = np.frombuffer(rng.bytes(n_blocks * 16), dtype=np.uint8).reshape(n_blocks, 16)
-    return out
-
-
-def plan_gptoss(dims: GptOssPreset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
-                router_near_tie: bool) -> list:
-    """The tensors of a gpt-oss model, in file order (llama.cpp's names and shapes)."""
-    if tied:
-        raise UserError("gpt-oss has no tied output (llama.cpp requires output.weight): drop --tied")
-    g = _gguf()
-    Q = g.GGMLQuantizationType
-    dense = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[qtype]
-    exp_t = Q.MXFP4 if expert_qtype == "mxfp4" else dense
-    E, D, F, V = dims.n_embd, dims.n_expert, dims.n_ff_exp, n_vocab
-    H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
-    plans: list = []
-
-    from p2pswarm.model.synth_tensors import plan_adder  # no import cycle
-
-    add = plan_adder(plans, dense, exp_t)
-
-    add("token_embd.weight", (V, E), "embd", 1.0)
-    router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
-    for i in range(dims.n_layer):
-        p = f"blk.{i}."
-        add(p + "attn_norm.weight", (E,), "norm", NORM_NOISE)
-        add(p + "attn_q.weight", (H * hd, E), "matrix", 1 / np.sqrt(E))
-        add(p + "attn_q.bias", (H * hd,), "vector", BIAS_STD)
-        add(p + "attn_k.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
-        add(p + "attn_k.bias", (Hkv * hd,), "vector", BIAS_STD)
-        add(p + "attn_v.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
-        add(p + "attn_v.bias", (Hkv * hd,), "vector", BIAS_STD)
-        add(p + "attn_output.weight", (E, H * hd), "matrix", 1 / np.sqrt(H * hd))
-        add(p + "attn_output.bias", (E,), "vector", BIAS_STD)
-        add(p + "attn_sinks.weight", (H,), "vector", SINK_STD)
-        add(p + "post_attention_norm.weight", (E,), "norm", NORM_NOISE)
-        add(p + "ffn_gate_inp.weight", (D, E), "router", router_std)
-        add(p + "ffn_gate_inp.bias", (D,), "vector", ROUTER_BIAS_STD * router_std * np.sqrt(E))
-        add(p + "ffn_gate_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
-        add(p + "ffn_gate_exps.bias", (D, F), "vector", BIAS_STD)
-        add(p + "ffn_up_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
-        add(p + "ffn_up_exps.bias", (D, F), "vector", BIAS_STD)
-        add(p + "ffn_down_exps.weight", (D, E, F), "experts", 1 / np.sqrt(F))
-        add(p + "ffn_down_exps.bias", (D, E), "vector", BIAS_STD)
-    add("output_norm.weight", (E,), "norm", NORM_NOISE)
-    add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
-    return plans
-
-
-def add_gptoss_keys(w, dims: GptOssPreset) -> None:
-    """The keys only a gpt-oss file has (``w`` a gguf.GGUFWriter)."""
-    g = _gguf()
-    w.add_sliding_window(dims.sliding_window)
-    w.add_rope_scaling_type(g.RopeScalingType.YARN)
-    w.add_rope_scaling_factor(dims.rope_scaling_factor)
-    w.add_rope_scaling_orig_ctx_len(dims.rope_original_context)

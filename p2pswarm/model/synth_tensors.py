@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from p2pswarm.errors import UserError
-from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, ROUTER_NEAR_TIE_SCALE, Preset, Qwen35Preset, _gguf
+from p2pswarm.model.synth_presets import LOGIT_STD, NORM_NOISE, _gguf
 
 # Q4_K: 256 weights in a super-block of 144 bytes (f16 d, f16 dmin, 12 bytes of 6-bit
 # scales/mins for 8 sub-blocks of 32, 128 bytes of 4-bit quants).
@@ -76,6 +76,36 @@ def random_q4_k_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> n
 
 
 # ---------------------------------------------------------------------------------------------
+# Random MXFP4 (gpt-oss's experts; the format is in p2pswarm.model.synth_gptoss's docstring)
+
+MXFP4_BLOCK = 32
+MXFP4_BLOCK_BYTES = 17
+# The E2M1 codes' values doubled (kvalues_mxfp4): uniform codes give rms sqrt(mean(k^2)).
+_MXFP4_K = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float64)
+_MXFP4_K_RMS = float(np.sqrt(np.mean(_MXFP4_K ** 2)))
+
+
+def mxfp4_e_for_std(std: float) -> float:
+    """The (fractional) E8M0 exponent whose blocks have weights of standard deviation ``std``."""
+    return 128.0 + float(np.log2(std / _MXFP4_K_RMS))
+
+
+def random_mxfp4_blocks(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    """``n_blocks`` random valid MXFP4 blocks, uint8 (n_blocks, 17): uniform 4-bit codes, the
+    exponent byte the floor or the ceiling of :func:`mxfp4_e_for_std` (drawn so the mean square
+    matches ``std``)."""
+    e_real = mxfp4_e_for_std(std)
+    lo = np.floor(e_real)
+    # P(hi) such that E[4^(e-128)] matches std^2 / rms^2
+    p_hi = (2.0 ** (2 * (e_real - lo)) - 1.0) / 3.0
+    e = (lo + (rng.random(n_blocks) < p_hi)).astype(np.uint8)
+    out = np.empty((n_blocks, MXFP4_BLOCK_BYTES), dtype=np.uint8)
+    out[:, 0] = e
+    out[:, 1:] = np.frombuffer(rng.bytes(n_blocks * 16), dtype=np.uint8).reshape(n_blocks, 16)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The tensor plan
 
 
@@ -87,21 +117,40 @@ class TensorPlan:
     std: float
     gtype: Any  # gguf.GGMLQuantizationType
     nbytes: int
-    # A fused tensor (ffn_gate_up_exps): the plans whose bytes it concatenates, expert by expert.
+    # A fused tensor (ffn_gate_up_exps): the plans whose bytes it concatenates, expert by expert;
+    # with ``cut``: the one F32 plan whose weights ``cut(self, whole)`` cuts this tensor from.
     parts: tuple["TensorPlan", ...] = ()
+    cut: Callable[["TensorPlan", np.ndarray], np.ndarray] | None = None
 
 
-def plan_adder(plans: list, dense: Any, exp_t: Any):
-    """``add(name, shape, kind, std, parts=())``, which appends a :class:`TensorPlan` to ``plans`` typed
+def plan_adder(plans: list[TensorPlan], dense: Any, exp_t: Any) -> Callable[..., None]:
+    """``add(name, shape, kind, std, parts=(), cut=None)``, which appends a :class:`TensorPlan` to ``plans`` typed
     by its kind: F32 for norms, routers and vectors, ``exp_t`` for the routed experts, ``dense`` for
     the rest (what every architecture's plan does)."""
     F32 = _gguf().GGMLQuantizationType.F32
 
-    def add(name: str, shape: tuple[int, ...], kind: str, std: float, parts=()) -> None:
+    def add(name: str, shape: tuple[int, ...], kind: str, std: float, parts: tuple[TensorPlan, ...] = (),
+            cut: Callable[[TensorPlan, np.ndarray], np.ndarray] | None = None) -> None:
         t = F32 if kind in ("norm", "router", "vector") else exp_t if kind == "experts" else dense
-        plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape), parts))
+        plans.append(TensorPlan(name, shape, kind, std, t, _type_size(t, shape), parts, cut))
 
     return add
+
+
+def add_mtp_extras(add: Callable[..., None], prefix: str, E: int) -> None:
+    """What llama.cpp's MTP (NextN) graph reads in an MTP block besides a trunk layer's tensors
+    (glm4moe, qwen35moe and deepseek2 write the same four)."""
+    add(prefix + "nextn.eh_proj.weight", (E, 2 * E), "matrix", 1 / np.sqrt(2 * E))
+    add(prefix + "nextn.enorm.weight", (E,), "norm", NORM_NOISE)
+    add(prefix + "nextn.hnorm.weight", (E,), "norm", NORM_NOISE)
+    add(prefix + "nextn.shared_head_norm.weight", (E,), "norm", NORM_NOISE)
+
+
+def add_output_head(add: Callable[..., None], E: int, V: int, tied: bool) -> None:
+    """The output norm and, unless tied to ``token_embd``, the lm head: every plan's last tensors."""
+    add("output_norm.weight", (E,), "norm", NORM_NOISE)
+    if not tied:
+        add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
 
 
 def _type_size(gtype: Any, shape: Sequence[int]) -> int:
@@ -113,116 +162,30 @@ def _type_size(gtype: Any, shape: Sequence[int]) -> int:
     return n // block * size
 
 
-def _plan(dims: Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
-          router_near_tie: bool) -> list[TensorPlan]:
-    g = _gguf()
-    Q = g.GGMLQuantizationType
-    dense = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k_m": Q.F32}[qtype]
-    if expert_qtype == "q4_k":
-        exp_t = Q.Q4_K
-    else:
-        exp_t = dense
-    E, D, F, V = dims.n_embd, dims.n_expert, dims.n_ff_exp, n_vocab
-    H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
-    plans: list[TensorPlan] = []
-
-    add = plan_adder(plans, dense, exp_t)
-
-    add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
-    router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
-    for i in range(dims.n_layer):
-        p = f"blk.{i}."
-        add(p + "attn_norm.weight", (E,), "norm", NORM_NOISE)
-        add(p + "attn_q.weight", (H * hd, E), "matrix", 1 / np.sqrt(E))
-        add(p + "attn_k.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
-        add(p + "attn_v.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
-        add(p + "attn_output.weight", (E, H * hd), "matrix", 1 / np.sqrt(H * hd))
-        add(p + "attn_q_norm.weight", (hd,), "norm", NORM_NOISE)
-        add(p + "attn_k_norm.weight", (hd,), "norm", NORM_NOISE)
-        add(p + "ffn_norm.weight", (E,), "norm", NORM_NOISE)
-        add(p + "ffn_gate_inp.weight", (D, E), "router", router_std)
-        add(p + "ffn_gate_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
-        add(p + "ffn_up_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
-        add(p + "ffn_down_exps.weight", (D, E, F), "experts", 1 / np.sqrt(F))
-    add("output_norm.weight", (E,), "norm", NORM_NOISE)
-    if not tied:
-        add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
-    return plans
+# qwen35moe's DeltaNet layers write through ssm_out (the same construction serves both architectures)
+RESIDUAL_WRITERS = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight", "ffn_down_exps.weight",
+                    "ffn_down_shexp.weight")
 
 
-def _plan_qwen35(dims: Qwen35Preset, n_vocab: int, qtype: str, expert_qtype: str | None, tied: bool,
-                 router_near_tie: bool) -> list[TensorPlan]:
-    """The tensors of a qwen35moe model, in file order (llama.cpp's names and shapes)."""
-    g = _gguf()
-    Q = g.GGMLQuantizationType
-    dense = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_k_m": Q.F32}[qtype]
-    exp_t = Q.Q4_K if expert_qtype == "q4_k" else dense
-    E, D, F, V = dims.n_embd, dims.n_expert, dims.n_ff_exp, n_vocab
-    H, Hkv, hd = dims.n_head, dims.n_head_kv, dims.head_dim
-    d, Hk, Hv, K = dims.ssm_state_size, dims.ssm_group_count, dims.ssm_time_step_rank, dims.ssm_conv_kernel
-    C = 2 * Hk * d + Hv * d
-    plans: list[TensorPlan] = []
+def agreeing_mtp(plans: list[TensorPlan], agreement: float) -> list[TensorPlan]:
+    """``make-model --mtp-agreement A``: a model whose MTP block predicts what the trunk will.
 
-    def plan(name: str, shape: tuple[int, ...], kind: str, std: float) -> TensorPlan:
-        if kind in ("norm", "router", "vector", "conv", "ssm_a"):
-            t = Q.F32  # llama.cpp keeps these F32 (its quantiser too)
-        elif kind == "experts":
-            t = exp_t
-        else:
-            t = dense
-        return TensorPlan(name, shape, kind, std, t, _type_size(t, shape))
-
-    def add(name: str, shape: tuple[int, ...], kind: str, std: float) -> None:
-        plans.append(plan(name, shape, kind, std))
-
-    add("token_embd.weight", (V, E), "embd", LOGIT_STD / np.sqrt(E) if tied else 1.0)
-    router_std = (ROUTER_NEAR_TIE_SCALE if router_near_tie else 1.0) / np.sqrt(E)
-    for i in range(dims.n_layer + dims.n_nextn):
-        p = f"blk.{i}."
-        add(p + "attn_norm.weight", (E,), "norm", NORM_NOISE)
-        # an MTP block (i >= n_layer) is gated full attention whatever the interval says: llama.cpp's
-        # loader marks only trunk layers recurrent (``is_recr_impl[i] = i < n_layer() && ...``)
-        if i < dims.n_layer and (i + 1) % dims.full_attention_interval != 0:  # Gated DeltaNet
-            add(p + "attn_qkv.weight", (C, E), "matrix", 1 / np.sqrt(E))
-            add(p + "attn_gate.weight", (Hv * d, E), "matrix", 1 / np.sqrt(E))
-            add(p + "ssm_conv1d.weight", (C, K), "conv", 1 / np.sqrt(K))
-            add(p + "ssm_dt.bias", (Hv,), "vector", 0.5)
-            add(p + "ssm_a", (Hv,), "ssm_a", 0.0)
-            add(p + "ssm_beta.weight", (Hv, E), "matrix", 1 / np.sqrt(E))
-            add(p + "ssm_alpha.weight", (Hv, E), "matrix", 1 / np.sqrt(E))
-            add(p + "ssm_norm.weight", (d,), "norm", NORM_NOISE)
-            add(p + "ssm_out.weight", (E, Hv * d), "matrix", 1 / np.sqrt(Hv * d))
-        else:  # gated full attention: attn_q holds q and its gate, interleaved head by head
-            add(p + "attn_q.weight", (2 * H * hd, E), "matrix", 1 / np.sqrt(E))
-            add(p + "attn_k.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
-            add(p + "attn_v.weight", (Hkv * hd, E), "matrix", 1 / np.sqrt(E))
-            add(p + "attn_output.weight", (E, H * hd), "matrix", 1 / np.sqrt(H * hd))
-            add(p + "attn_q_norm.weight", (hd,), "norm", NORM_NOISE)
-            add(p + "attn_k_norm.weight", (hd,), "norm", NORM_NOISE)
-        add(p + "post_attention_norm.weight", (E,), "norm", NORM_NOISE)
-        add(p + "ffn_gate_inp.weight", (D, E), "router", router_std)
-        gate = plan(p + "ffn_gate_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
-        up = plan(p + "ffn_up_exps.weight", (D, F, E), "experts", 1 / np.sqrt(E))
-        if dims.fused_experts:
-            plans.append(TensorPlan(p + "ffn_gate_up_exps.weight", (D, 2 * F, E), "experts", gate.std,
-                                    gate.gtype, gate.nbytes + up.nbytes, parts=(gate, up)))
-        else:
-            plans += [gate, up]
-        add(p + "ffn_down_exps.weight", (D, E, F), "experts", 1 / np.sqrt(F))
-        Fs = dims.n_ff_shexp
-        add(p + "ffn_gate_inp_shexp.weight", (E,), "vector", 1 / np.sqrt(E))
-        add(p + "ffn_gate_shexp.weight", (Fs, E), "matrix", 1 / np.sqrt(E))
-        add(p + "ffn_up_shexp.weight", (Fs, E), "matrix", 1 / np.sqrt(E))
-        add(p + "ffn_down_shexp.weight", (E, Fs), "matrix", 1 / np.sqrt(Fs))
-        if i >= dims.n_layer:  # the NextN / MTP block: what llama.cpp's qwen35moe MTP graph reads besides it
-            add(p + "nextn.eh_proj.weight", (E, 2 * E), "matrix", 1 / np.sqrt(2 * E))
-            add(p + "nextn.enorm.weight", (E,), "norm", NORM_NOISE)
-            add(p + "nextn.hnorm.weight", (E,), "norm", NORM_NOISE)
-            add(p + "nextn.shared_head_norm.weight", (E,), "norm", NORM_NOISE)
-    add("output_norm.weight", (E,), "norm", NORM_NOISE)
-    if not tied:
-        add("output.weight", (V, E), "matrix", LOGIT_STD / np.sqrt(E))
-    return plans
+    The construction: every block's writes into the residual stream (attention output, dense,
+    routed and shared expert down projections) are scaled by ``1 - A``, and the MTP block's
+    ``eh_proj`` is ``[I, 0]``. At ``A = 1`` the trunk's hidden state at a position is its token's
+    embedding, so its next token is a fixed function ``f`` of the current token (the output head of
+    the normed embedding), and the block, fed ``embed(t_{p+1})``, computes the same head of the
+    same normed embedding (up to the norms' weight noise): it predicts ``f(t_{p+1})``, the trunk's
+    next token. Below 1 the blocks' own contributions make the two differ more and more often;
+    the acceptance it gives is measured, not promised (docs/benchmarks.md)."""
+    out = []
+    for t in plans:
+        if t.name.endswith(RESIDUAL_WRITERS):
+            t = dataclasses.replace(t, std=t.std * (1.0 - agreement))
+        elif t.name.endswith("nextn.eh_proj.weight"):
+            t = dataclasses.replace(t, kind="eye_left")
+        out.append(t)
+    return out
 
 
 # Elements generated per chunk (and so the most float32 values held at once): ~16 MiB.
@@ -233,13 +196,9 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
     """The tensor's bytes, in order, a bounded chunk at a time. Chunking depends only on the shape."""
     g = _gguf()
     Q = g.GGMLQuantizationType
-    if plan.kind in ("kv_b_k", "kv_b_v"):  # deepseek2's split MLA tensors: cut from one attn_kv_b
-        from p2pswarm.model.synth_deepseek2 import kv_b_part
-
-        name, shape, kind, std = plan.parts[0]
-        whole = np.concatenate([np.asarray(c) for c in _tensor_chunks(
-            TensorPlan(name, shape, kind, std, Q.F32, _type_size(Q.F32, shape)), seed)])
-        part = kv_b_part(plan, whole)
+    if plan.cut is not None:  # e.g. deepseek2's split MLA tensors, cut from one F32 attn_kv_b
+        whole = np.concatenate([np.asarray(c) for c in _tensor_chunks(plan.parts[0], seed)])
+        part = plan.cut(plan, whole)
         yield part if plan.gtype == Q.F32 else part.astype(np.float16) if plan.gtype == Q.F16 else \
             g.quants.quantize(part, plan.gtype)
         return
@@ -275,8 +234,6 @@ def _tensor_chunks(plan: TensorPlan, seed: int) -> Iterator[bytes | np.ndarray]:
             yield random_q4_k_blocks(rng, n * inner // QK_K, plan.std)
             continue
         if plan.gtype == Q.MXFP4:  # gpt-oss experts (p2pswarm.model.synth_gptoss)
-            from p2pswarm.model.synth_gptoss import MXFP4_BLOCK, random_mxfp4_blocks
-
             yield random_mxfp4_blocks(rng, n * inner // MXFP4_BLOCK, plan.std)
             continue
         a = _normal(rng, (n, *plan.shape[1:]), plan.std)
