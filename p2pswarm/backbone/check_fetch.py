@@ -23,11 +23,14 @@ if TYPE_CHECKING:
     from p2pswarm.market.verify import Check
 
 
-def checkable(d: Dispatcher, layer: int, groups: Groups, picked: list[Check]) -> tuple[list[Check], list[int]]:
-    """The picks that can be checked, and the units among them to fetch for it. A pick on a
-    cached unit stays; one on a unit the cache lacks stays where its bytes can be had: the model's
-    file holds them (no fetch, no budget), or ``d.fetch`` and ``d.check_budget`` allow one more
-    unit's slabs. The rest are left unchecked (their rows count as used unverified)."""
+def checkable(d: Dispatcher, layer: int, groups: Groups, picked: list[Check]
+              ) -> tuple[list[Check], list[int], list[tuple[int, int]]]:
+    """The picks that can be checked, the units among them to fetch for it, and the pins of the
+    cached ones (the caller unpins them once the check is done: a unit cached now may be one a
+    concurrent check fetched, which that check drops when it ends). A pick on a cached unit stays;
+    one on a unit the cache lacks stays where its bytes can be had: the model's file holds them
+    (no fetch, no budget), or ``d.fetch`` and ``d.check_budget`` allow one more unit's slabs. The
+    rest are left unchecked (their rows count as used unverified)."""
     cache = d.cache
     assert cache is not None
     keep: list[Check] = []
@@ -52,7 +55,8 @@ def checkable(d: Dispatcher, layer: int, groups: Groups, picked: list[Check]) ->
                 budget.picks_fetched += 1
             else:
                 budget.picks_refused += 1
-    return keep, fetch
+    held = cache.pin(layer, sorted({int(groups[i][0]) for i, _ in keep if int(groups[i][0]) not in fetch}))
+    return keep, fetch, held
 
 
 async def fetch_for_check(d: Dispatcher, layer: int, experts: list[int]) -> list[tuple[int, int]]:

@@ -416,30 +416,35 @@ class Dispatcher:
         picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
                   if owner.remote and self.verifier is not None else [])
         for_check: list[int] = []  # units the cache lacks, fetched to check the picks on them
+        held: list[tuple[int, int]] = []  # cached units the checks compute on: pinned until done
         if picked and self.cache is not None:
-            picked, for_check = check_fetch.checkable(self, layer, owner_groups, picked)
-        refs: list[np.ndarray] = []
+            picked, for_check, held = check_fetch.checkable(self, layer, owner_groups, picked)
         try:
-            tc = time.perf_counter()
-            if picked:
-                outs, refs, picked = await self._compute_checked(owner, layer, cur, owner_groups, picked, for_check)
-            else:
-                outs = await owner.compute(layer, cur, owner_groups)
-            if owner.remote:
-                self._measured(owner, time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
-            else:
-                self._local_measured(time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
-            if len(outs) != len(owner_groups) or any(
-                o.shape != (len(idx), cur.shape[1]) for o, (_, idx) in zip(outs, owner_groups)
-            ):
-                raise WorkerError(f"{owner.name} returned outputs of the wrong shape", peer=owner.peer)
-        except WorkerError as exc:
-            if not owner.remote or not self.fallback:
-                raise
-            return await self._fall_back(owner, layer, cur, owner_groups, exc)
-        if not owner.remote:
-            return outs
-        return await self._verified(owner, layer, cur, owner_groups, outs, picked, refs, taint)
+            refs: list[np.ndarray] = []
+            try:
+                tc = time.perf_counter()
+                if picked:
+                    outs, refs, picked = await self._compute_checked(owner, layer, cur, owner_groups, picked, for_check)
+                else:
+                    outs = await owner.compute(layer, cur, owner_groups)
+                if owner.remote:
+                    self._measured(owner, time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
+                else:
+                    self._local_measured(time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
+                if len(outs) != len(owner_groups) or any(
+                    o.shape != (len(idx), cur.shape[1]) for o, (_, idx) in zip(outs, owner_groups)
+                ):
+                    raise WorkerError(f"{owner.name} returned outputs of the wrong shape", peer=owner.peer)
+            except WorkerError as exc:
+                if not owner.remote or not self.fallback:
+                    raise
+                return await self._fall_back(owner, layer, cur, owner_groups, exc)
+            if not owner.remote:
+                return outs
+            return await self._verified(owner, layer, cur, owner_groups, outs, picked, refs, taint)
+        finally:
+            if held and self.cache is not None:
+                self.cache.unpin(held)
 
     async def _fall_back(self, owner: Owner, layer: int, cur: np.ndarray, owner_groups: Groups,
                          exc: WorkerError) -> list[np.ndarray]:
@@ -467,7 +472,13 @@ class Dispatcher:
         holds them all (always, without an expert cache), else routed again - the failed owner is
         backed off or banned by now, so another replica, the cache or a fetch takes them."""
         if all(self.local.holds(layer, e) for e, _ in groups):
-            return await self.local.compute(layer, cur, groups)
+            # (pinned: a unit held for a concurrent check is dropped when that check ends)
+            pins = self.cache.pin(layer, [e for e, _ in groups]) if self.cache is not None else []
+            try:
+                return await self.local.compute(layer, cur, groups)
+            finally:
+                if pins and self.cache is not None:
+                    self.cache.unpin(pins)
         return await self._run_plan(layer, cur, groups, self._assign(layer, groups), taint)
 
     async def obtain(self, layer: int, experts: list[int]) -> None:
@@ -517,7 +528,9 @@ class Dispatcher:
             try:
                 if for_check:
                     pins = await check_fetch.fetch_for_check(self, layer, for_check)
-                    got["picked"] = [(i, at) for i, at in picked if self.local.holds(layer, groups[i][0])]
+                    fetched = {e for _, e in pins}  # (the others are cached and pinned: checkable)
+                    got["picked"] = [(i, at) for i, at in picked
+                                     if int(groups[i][0]) not in for_check or int(groups[i][0]) in fetched]
                 got["refs"] = await self.local.compute(layer, cur, [(groups[i][0], groups[i][1][at])
                                                                     for i, at in got["picked"]])
             finally:
