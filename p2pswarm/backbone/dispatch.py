@@ -55,6 +55,8 @@ from p2pswarm.backbone.local_owners import InProcessOwner, LocalOwner, UnheldOwn
 __all__ = ["DemandCounter", "DispatchStats", "Dispatcher", "InProcessOwner", "LocalOwner", "UnheldOwner",
            "pack_rows", "peer_of", "FETCH_BOUND_S", "HOT_PROBE_S"]
 
+from p2pswarm.market.verify import mark_unverified
+
 if TYPE_CHECKING:
     from p2pswarm.market.receipts import ContributionLedger
     from p2pswarm.market.verify import Check, Verifier
@@ -507,7 +509,7 @@ class Dispatcher:
         outs, trusted = await self._accept(owner, layer, cur, owner_groups, outs, picked, refs)
         if trusted and taint is not None and sum(len(at) for _, at in picked) < sum(
                 len(idx) for _, idx in owner_groups):
-            self._mark(taint, peer_of(owner), len(cur), owner_groups, picked)
+            mark_unverified(taint, peer_of(owner), len(cur), owner_groups, picked)
         return outs
 
     async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
@@ -544,22 +546,6 @@ class Dispatcher:
         except BaseExceptionGroup as group:
             raise first_error(group) from None
         return got["outs"], got["refs"], got["picked"]
-
-    @staticmethod
-    def _mark(taint: dict[str, np.ndarray], peer: str, n_rows: int, groups: Groups, picked: list[Check]) -> None:
-        """Mark the rows of ``groups`` used unverified (all but the ``picked`` rows) in ``taint[peer]``."""
-        mask = taint.get(peer)
-        if mask is None:
-            mask = taint[peer] = np.zeros(n_rows, dtype=bool)
-        checked = dict(picked)
-        for j, (_, idx) in enumerate(groups):
-            at = checked.get(j)
-            if at is None:
-                mask[idx] = True
-            elif len(at) < len(idx):
-                keep = np.ones(len(idx), dtype=bool)
-                keep[at] = False
-                mask[idx[keep]] = True
 
     async def _accept(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups, outs: list[np.ndarray],
                       picked: list[Check], refs: list[np.ndarray]) -> tuple[list[np.ndarray], bool]:

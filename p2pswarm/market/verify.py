@@ -71,6 +71,25 @@ CHECK_UNITS_MAX = 4
 Check = tuple[int, np.ndarray]
 
 
+def mark_unverified(taint: dict[str, np.ndarray], peer: str, n_rows: int, groups: list[tuple[int, np.ndarray]],
+                    picked: list[Check]) -> None:
+    """Mark the rows of ``groups`` that ``peer`` answered and no check covered (all but the
+    ``picked`` rows) in ``taint[peer]``, a mask over the step's ``n_rows`` rows: what a later ban
+    of that peer must replay."""
+    mask = taint.get(peer)
+    if mask is None:
+        mask = taint[peer] = np.zeros(n_rows, dtype=bool)
+    checked = dict(picked)
+    for j, (_, idx) in enumerate(groups):
+        at = checked.get(j)
+        if at is None:
+            mask[idx] = True
+        elif len(at) < len(idx):
+            keep = np.ones(len(idx), dtype=bool)
+            keep[at] = False
+            mask[idx[keep]] = True
+
+
 def rows_for_confidence(rate: float, falsified: float, confidence: float = 0.99) -> float:
     """Rows a worker falsifying a ``falsified`` fraction of its rows can serve before it is caught
     with probability ``confidence``: ln(1 - q) / ln(1 - r p)."""
