@@ -5,8 +5,8 @@
   NextN block, q/k/v biases, q/k norms, half the head rotated) and on the same file without
   biases and q/k norms (GLM-4.5-Air's attention), and tied.
 * Q4_K_M (llama.cpp's own quantiser), under the ggml kernel: each layer fed llama.cpp's input for
-  it routes exactly as llama.cpp routed (its ``ffn_moe_topk`` tensors), and so does a free-running
-  prefill; greedy tokens equal llama.cpp's for 32 steps up to a near-tie (F32 and Q4_K_M).
+  it routes exactly as llama.cpp routed (its ``ffn_moe_topk`` tensors), and a free-running prefill
+  picks the same experts per token; greedy tokens equal llama.cpp's for 32 steps up to a near-tie (F32 and Q4_K_M).
 * Split == monolithic bit for bit: 3 in-process workers, 3 worker processes over sockets (ggml,
   Q4_K_M), 3 worker nodes as OS processes found through the libp2p DHT; batched == alone.
 * The dense layer and the NextN block are never sent to a worker; the NextN block changes nothing.
@@ -163,8 +163,11 @@ def test_q4_k_m_routing_matches_llama_cpp(models_dir):
         h = model.pre_moe(il, h, state, 0)
         cur = model.ffn_input(il, h)
         ids, w = model.route(il, cur)
-        if ids.shape[1]:
-            assert np.array_equal(ids, free[il]), f"free-running layer {il} routes differently"
+        if ids.shape[1]:  # the same experts per token; two whose scores differ by a rounding may be listed in
+            # the other order after layers of free-running (seen on an AVX-512 CPU: rows 15 and 22 of layers 2-3,
+            # the same sets); the teacher-forced check above holds the order exactly
+            assert np.array_equal(np.sort(ids, axis=1), np.sort(free[il], axis=1)), \
+                f"free-running layer {il} routes differently"
         groups = expert_groups(ids)
         moe = (combine(ids, w, groups, dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups))))
                if groups else np.zeros_like(cur))
