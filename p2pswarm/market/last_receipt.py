@@ -30,6 +30,8 @@ log = logging.getLogger("p2pswarm.market")
 
 PROTOCOL_RECEIPT = "/p2pswarm/receipt/1.0.0"
 LAST_RECEIPT_TIMEOUT_S = 5.0
+#: how long a worker waits for the backbone to close the exchange after its "stored" frame
+STORED_LINGER_S = 1.0
 
 
 def serve_receipt_requests(net, ledger) -> None:
@@ -82,6 +84,14 @@ async def collect_last_receipts(net, backbones, store, *, timeout_s: float = LAS
                 seqs.append(r.seq)
             await send_frame(stream, proto.pack({"op": "stored", "seqs": seqs}), DEFAULT_MAX_FRAME)
             stored += len(seqs)
+            # The backbone closes once it has read that frame: wait for it. Closing first let our
+            # close overtake the frame (py-libp2p's yamux delivered the end of stream before it), and
+            # the backbone never learnt what was stored (it would send those receipts again).
+            with trio.move_on_after(STORED_LINGER_S):
+                try:
+                    await reader.read_frame()
+                except (SwarmError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # a reset instead of a close: the backbone is gone either way
         except Exception as exc:  # a courtesy on the way out: never blocks the exit
             log.info("no last receipts from backbone %s: %s", peer, clip(exc, 200))
         finally:
