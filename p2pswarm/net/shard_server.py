@@ -278,7 +278,7 @@ class ShardFiles:
             try:
                 await send_frame(stream, _pack({"ok": False, "error": f"this source holds {held} only"}))
             except (trio.BrokenResourceError, trio.ClosedResourceError, FrameError):
-                pass
+                pass  # the asker already left: the refusal was only a courtesy
 
 
 SIDECAR_SUFFIX = ".source"
