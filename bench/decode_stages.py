@@ -32,7 +32,7 @@ from common import warm_page_cache
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
 
 
@@ -44,8 +44,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     warm_page_cache(a.model)  # a step that read an expert from disk would time the disk
     layout = ModelLayout.open(a.model)
-    model = load_dense(layout)
-    use_kernel_for_dense(model, "ggml", threads=a.threads)
+    model = load_dense(layout, "ggml", threads=a.threads)
     bank = make_bank(layout, "ggml", threads=a.threads, graph_cache_bytes=256 << 20)
     spent: collections.Counter = collections.Counter()
     graphs = [0]

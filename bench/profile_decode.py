@@ -52,12 +52,11 @@ def child(a) -> None:
     from p2pswarm.backbone.runner import combine, expert_groups
     from p2pswarm.engine import ggml_runner
     from p2pswarm.engine.arch import load_dense
-    from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+    from p2pswarm.engine.kernels import make_bank
     from p2pswarm.model.layout import ModelLayout
 
     layout = ModelLayout.open(a.model)
-    model = load_dense(layout)
-    use_kernel_for_dense(model, "ggml", threads=a.threads)
+    model = load_dense(layout, "ggml", threads=a.threads)
     bank = make_bank(layout, "ggml", threads=a.threads)
     graphs = [0]
     real_compute = ggml_runner.GgmlRunner.compute

@@ -11,8 +11,8 @@ checks the packages that use them.
 - :class:`DenseModel`: one architecture's dense path (attention/DeltaNet, norms, router, lm head);
   the backbone's layer loop (:class:`p2pswarm.backbone.runner.Backbone`) drives it. Made by
   :func:`p2pswarm.engine.arch.load_dense`.
-- :class:`DenseWeights`: the dense tensors a model reads by name, which a kernel may replace by
-  its own quantised matrices (:func:`p2pswarm.engine.kernels.use_kernel_for_dense`).
+- :class:`DenseWeights`: the dense tensors a model reads by name, which the ggml backend replaces
+  by its own quantised matrices (:meth:`p2pswarm.engine.backend.DenseBackend.take`, at load).
 - :class:`Owner`: something the dispatcher sends rows to (the local replica, an in-process
   worker, a TCP or libp2p worker), with what the dispatcher and the status page read of it
   (:class:`OwnerStatus`). Implementations subclass it for the defaults.
@@ -79,13 +79,20 @@ class DenseModel(Protocol):
     ``output(h)`` gives the logits."""
 
     layout: Any  # p2pswarm.model.layout.ModelLayout
-    w: DenseWeights
+    #: p2pswarm.engine.backend.DenseBackend: numpy's dense path or ggml's engine, chosen once at
+    #: load and given to the constructor (never attached to the weights after the fact)
+    backend: Any
     n_layer: int
     n_embd: int
     n_vocab: int
     n_expert: int
     n_expert_used: int
     output_name: str
+
+    @property
+    def w(self) -> DenseWeights:
+        """The dense tensors by name (read-only here: an architecture may hold a subclass)."""
+        ...
 
     def new_state(self) -> Any:
         """A fresh per-sequence state (KV cache, recurrent state)."""

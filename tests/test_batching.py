@@ -499,14 +499,13 @@ def test_qwen35moe_shared_expert_batches_in_the_invariant_mode(models_dir):
     is measured row-invariant, so the batch-invariant default runs it once for all sequences, not
     once per sequence: the gate is a per-row reduction, not OpenBLAS's (T, E) x (E, 1) product."""
     from p2pswarm.backbone.runner import probe_dense_invariance
-    from p2pswarm.engine.kernels import use_kernel_for_dense
     from p2pswarm.model.synth import make_model
 
     path = models_dir / "q35-batching-q8.gguf"
     if not path.exists():
         make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=31)
-    model = load_dense(ModelLayout.open(path))
-    assert use_kernel_for_dense(model, "ggml") > 0
+    model = load_dense(ModelLayout.open(path), "ggml")
+    assert model.backend.tensors > 0
     got = [probe_dense_invariance(model, il) for il in range(model.n_layer)]
     assert all(g.pre_moe and g.post_moe for g in got), got
 

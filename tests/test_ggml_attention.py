@@ -15,7 +15,6 @@ import pytest
 from p2pswarm.backbone.runner import probe_dense_invariance
 from p2pswarm.engine import ggml_attention, ops
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 
@@ -32,14 +31,13 @@ def _model(models_dir, qtype: str, kernel: str = "ggml"):
     path = models_dir / f"q35-attn-{qtype}.gguf"
     if not path.exists():
         make_model(path, arch="qwen35moe", preset="tiny", seed=41, **({} if qtype == "f32" else {"qtype": qtype}))
-    model = load_dense(ModelLayout.open(path))
-    use_kernel_for_dense(model, kernel)
+    model = load_dense(ModelLayout.open(path), kernel)
     return model, next(il for il in range(model.n_layer) if not model.recurrent[il])
 
 
 def _counting(model, monkeypatch):
     """Count graph runs of the dense runner and make numpy's attention fail if it is reached."""
-    runner = model.w.ggml_dense.runner
+    runner = model.backend.runner
     runs = [0]
     compute = runner.compute
 
@@ -67,7 +65,7 @@ def test_attention_layer_is_one_graph(models_dir, qtype, monkeypatch):
     want = [model.pre_moe(il, h[:6], st_ref, 0), model.pre_moe(il, h[6:7], st_ref, 6),
             model.pre_moe(il, h[7:9], st_ref, 7)]
     model.attention_graph = True
-    assert ggml_attention.available(model.w.ggml_dense.runner)
+    assert ggml_attention.available(model.backend.runner)
     runs = _counting(model, monkeypatch)
     st = model.new_state()
     got = []

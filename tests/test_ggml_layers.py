@@ -15,7 +15,6 @@ import pytest
 
 from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 from helpers.ggml import needs_ggml
@@ -39,16 +38,16 @@ def q35_f32(tmp_path_factory):
 
 
 def _model(path):
-    model = load_dense(ModelLayout.open(path))
-    assert use_kernel_for_dense(model, "ggml") > 0
+    model = load_dense(ModelLayout.open(path), "ggml")
+    assert model.backend.tensors > 0
     return model
 
 
 def _f32_model(path):
     """An F32 file: the ggml dense path takes no matrix (nothing is quantised); the layer graph maps
     the F32 tensors itself."""
-    model = load_dense(ModelLayout.open(path))
-    assert use_kernel_for_dense(model, "ggml") == 0 and model.w.ggml_dense is not None
+    model = load_dense(ModelLayout.open(path), "ggml")
+    assert model.backend.tensors == 0 and model.backend.ggml is not None
     return model
 
 
@@ -121,7 +120,7 @@ def test_deltanet_layer_graph_alone_equals_batched_bit_for_bit(q35_q8):
 def test_a_library_without_an_op_keeps_the_per_piece_path(q35_q8, monkeypatch):
     model = _model(q35_q8)
     il = model.recurrent.index(True)
-    monkeypatch.setattr(model.w.ggml_dense.lib, "ssm_conv", None)
+    monkeypatch.setattr(model.backend.ggml.lib, "ssm_conv", None)
     h = _rows(np.random.default_rng(7), model, 1)[0]
     out = model.pre_moe_batch(il, h, [(model.new_state(), 0, n) for n in SIZES])
     assert model.layer_graph_calls == 0 and np.isfinite(out).all()

@@ -279,8 +279,8 @@ class Backbone:
             m = self.model
             experts = self.dispatcher.local.row_invariance(m.n_layer, m.n_embd)
             w_out = m.w[m.output_name]
-            dense = getattr(m.w, "ggml_dense", None)
-            if not isinstance(w_out, np.ndarray) and dense is not None and hasattr(dense, "leading_rows"):
+            dense = m.backend.ggml
+            if not isinstance(w_out, np.ndarray) and dense is not None:
                 w_out = dense.leading_rows(m.output_name, 1024)  # the head's type and kernels, 1% of its rows
             output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T,
                                                                      probe_rows(m.n_embd))

@@ -29,7 +29,7 @@ F32 = np.float32
 
 def available(runner: GgmlRunner | None) -> bool:
     """Whether ``runner``'s libggml has the op (ggml 0.25's; an older library falls back to numpy)."""
-    return runner is not None and getattr(runner.lib, "gated_delta_net", None) is not None
+    return runner is not None and runner.lib.has("gated_delta_net")
 
 
 def gated_delta_net(runner: GgmlRunner, segs: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:

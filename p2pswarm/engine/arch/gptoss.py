@@ -32,6 +32,7 @@ from p2pswarm.engine.arch.common import check_tensors, model_error, number_reade
 from p2pswarm.engine.arch.kept import KeptLayerCalls
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.arch.qwen35moe import _Weights
+from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -57,7 +58,8 @@ class GptOss(KeptLayerCalls):
     #: layer calls that ran as one graph (tests assert the graph path ran)
     layer_graph_calls = 0
 
-    def __init__(self, layout: ModelLayout):
+    def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
+        self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
         self.layout = layout
         bad, num = model_error(layout), number_reader(layout, self.arch)
 

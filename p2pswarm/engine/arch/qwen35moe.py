@@ -24,6 +24,7 @@ import numpy as np
 from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_dense, ggml_layers, ops
 from p2pswarm.engine.arch.kept import KeptLayerCalls
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
+from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -50,7 +51,8 @@ class Qwen35MoE(KeptLayerCalls):
     #: how many DeltaNet ``pre_moe_batch`` calls ran as one ggml graph (tests and profiles read it)
     layer_graph_calls = 0
 
-    def __init__(self, layout: ModelLayout):
+    def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
+        self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
         self.layout = layout
         path = layout.path
 
@@ -320,7 +322,7 @@ class Qwen35MoE(KeptLayerCalls):
         op's limit), an empty segment, a state whose memory is not ggml-aligned (a copy made
         elsewhere than :class:`~p2pswarm.engine.deltanet.DeltaNetState`), or a libggml without
         one of the graph's ops."""
-        if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv or getattr(self.w, "ggml_dense", None) is None
+        if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv or self.backend.ggml is None
                 or any(n <= 0 or not ggml_layers.placeable(st.extra[il]) for st, _, n in segments)):
             return None
         return ggml_layers.deltanet_layer_weights(self, il)
@@ -393,8 +395,7 @@ class Qwen35MoE(KeptLayerCalls):
         ``ggml_gated_delta_net`` in one graph (:mod:`p2pswarm.engine.ggml_deltanet`: per head and
         sequence, so each sequence's bits do not depend on the others). Otherwise numpy, one
         sequence at a time: the in-place float32 step for a token, else :func:`deltanet.delta_rule`."""
-        dense = getattr(self.w, "ggml_dense", None)
-        runner = dense.runner if dense is not None else None
+        runner = self.backend.runner
         # the op takes square states only (q/k width == v width, as every Qwen3.5 has)
         if self.deltanet_mode == "auto" and self.ssm_d == self.ssm_dv and ggml_deltanet.available(runner):
             return ggml_deltanet.gated_delta_net(runner, prepared)
@@ -431,9 +432,9 @@ class Qwen35MoE(KeptLayerCalls):
         if not self.recurrent[il]:
             return self._attention_graph_runner()
         if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv
-                or getattr(self.w, "ggml_dense", None) is None or ggml_layers.deltanet_layer_weights(self, il) is None):
+                or ggml_layers.deltanet_layer_weights(self, il) is None):
             return None
-        return self.w.ggml_dense.runner
+        return self.backend.runner
 
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The router's top-k; its logits come from the layer's graph where that computed them for
@@ -451,7 +452,7 @@ class Qwen35MoE(KeptLayerCalls):
         if shared is not None:  # computed in the layer's graph, for this cur
             return shared
         w, p = self.w, f"blk.{il}."
-        dense = getattr(w, "ggml_dense", None)
+        dense = self.backend.ggml
         gate_inp = dense.f32_vector(p + "ffn_gate_inp_shexp.weight") if dense is not None else None
         if gate_inp is not None:  # the ggml kernel: the FFN and its gate in one graph, llama.cpp's ops
             got = ggml_dense.fused_swiglu(np.ascontiguousarray(cur, dtype=F32), w[p + "ffn_gate_shexp.weight"],

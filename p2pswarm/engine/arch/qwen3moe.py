@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ops
+from p2pswarm.engine.backend import NUMPY, DenseBackend
+from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.engine.weights import to_float32
 from p2pswarm.errors import ModelFormatError, UserError
@@ -66,7 +68,8 @@ class Qwen3MoE:
 
     arch = "qwen3moe"
 
-    def __init__(self, layout: ModelLayout):
+    def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
+        self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
         self.layout = layout
         hp = lambda k, d=None: layout.hparam(k, d, required=d is None)
         self.n_layer = int(hp("block_count"))
@@ -159,8 +162,8 @@ class Qwen3MoE:
 
     def output(self, h: np.ndarray) -> np.ndarray:
         W = self.w[self.output_name]
-        dense = getattr(self.w, "ggml_dense", None)
-        if dense is not None and getattr(W, "runner", None) is dense.runner:
+        dense = self.backend.ggml
+        if dense is not None and isinstance(W, QuantisedMatrix) and W.runner is dense.runner:
             norm = dense.f32_vector("output_norm.weight")
             if norm is not None:  # the ggml kernel: the final norm and the lm head in one graph
                 return W.rmatmul_t(np.ascontiguousarray(h, dtype=F32), norm=norm, eps=float(self.eps))
