@@ -208,14 +208,17 @@ async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km
                 dense[(name, kernel)] = bb.dense_invariance(0)
                 small[(name, kernel)] = bb.small_call_rows
                 if (name, kernel) == ("q8_0", "ggml"):  # the dense path of all sequences really is batched
-                    real, widths = bb.model.pre_moe_batch, []
+                    real, widths = bb.model.layer_in, []
 
                     def counting(il, h, segments, real=real, widths=widths):
                         widths.append(len(segments))
                         return real(il, h, segments)
 
-                    bb.model.pre_moe_batch = counting
-                    await _run_schedule(bb, True)
+                    bb.model.layer_in = counting
+                    try:
+                        await _run_schedule(bb, True)
+                    finally:
+                        del bb.model.layer_in  # (a wrapper ties the model into a cycle: see test_glm4moe)
                     assert widths.count(4) == bb.model.n_layer  # the 4-sequence step of SCHEDULE, every layer
                 if (name, kernel) == ("q4_k_m", "ggml"):  # invariant anyway: per-sequence mat-muls
                     alone = await _alone(bb)
@@ -238,11 +241,12 @@ async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km
     # K-quants on libggml: calls of up to 7 rows give every row the same bits (vec_dot below the
     # tiled GEMM's 8 rows), so sequences' small groups of one expert merge; OpenBLAS: never
     assert small[("q4_k_m", "ggml")] == 7 and small[("q4_k_m", "numpy")] == 1
-    # the dense projections: Q8_0 on libggml batch, F32 on OpenBLAS does not; the F32 router
-    # batches on libggml (one row padded to two: the single-row kernel is 1 ulp off), not on OpenBLAS
-    assert dense[("q8_0", "ggml")].pre_moe and not dense[("q8_0", "numpy")].pre_moe
-    assert dense[("q8_0", "ggml")].route and dense[("q4_k_m", "ggml")].route
-    assert not dense[("q8_0", "numpy")].route and not dense[("q4_k_m", "numpy")].route
+    # a layer's way in (projections, the experts' input, the router): Q8_0 on libggml batches (the
+    # F32 router too: one row padded to two, the single-row kernel is 1 ulp off); F32 on OpenBLAS
+    # does not, nor K-quants on libggml (another kernel from 8 rows)
+    assert dense[("q8_0", "ggml")].layer_in
+    assert not dense[("q8_0", "numpy")].layer_in and not dense[("q4_k_m", "numpy")].layer_in
+    assert not dense[("q4_k_m", "ggml")].layer_in
 
 
 def test_micro_batch_rule():
@@ -507,7 +511,7 @@ def test_qwen35moe_shared_expert_batches_in_the_invariant_mode(models_dir):
     model = load_dense(ModelLayout.open(path), "ggml")
     assert model.backend.tensors > 0
     got = [probe_dense_invariance(model, il) for il in range(model.n_layer)]
-    assert all(g.pre_moe and g.post_moe for g in got), got
+    assert all(g.layer_in and g.layer_out for g in got), got
 
 
 async def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(tiny_f32):

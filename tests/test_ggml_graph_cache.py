@@ -51,12 +51,10 @@ def _step(model, bank, segs, tokens):
     """One step of the layer loop (the backbone's, synchronously) for ``segs`` = (state, pos0, n)."""
     h = model.embed(np.asarray(tokens))
     for il in range(model.n_layer):
-        h = model.pre_moe_batch(il, h, segs)
-        cur = model.ffn_input(il, h)
-        ids, w = model.route(il, cur)
-        groups = expert_groups(ids)
-        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
-        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
+        lin = model.layer_in(il, h, segs)
+        groups = expert_groups(lin.ids)
+        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, lin.cur, groups)))
+        h = model.layer_out(il, lin, combine(lin.ids, lin.weights, groups, partials))
     for st, _, n in segs:
         st.n_past += n
     return model.output(h)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
-from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
+from p2pswarm.engine.arch.common import LayerByPieces, check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.backend import NUMPY, DenseBackend
@@ -40,7 +40,7 @@ class _Weights(DenseWeights):
         return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-class DeepSeek2:
+class DeepSeek2(LayerByPieces):
     """deepseek2: MLA attention, leading dense layers, routed + shared experts."""
 
     arch = "deepseek2"

@@ -1,20 +1,24 @@
 """The dense path of ``qwen3moe``: everything of a layer except the routed experts.
 
-The backbone's layer loop (``p2pswarm.backbone.runner``) calls, per layer::
+The backbone's layer loop (``p2pswarm.backbone.runner``) calls, per layer,
+``lin = model.layer_in(il, h, segments)`` and, once the experts are combined,
+``h = model.layer_out(il, lin, moe)``; here (:class:`~p2pswarm.engine.arch.common.LayerByPieces`)
+those are the pieces::
 
-    h   = model.pre_moe(il, h, state, pos0)   # x + attention(attn_norm(x)), KV cache updated
+    h   = model.pre_moe_batch(il, h, segs)    # x + attention(attn_norm(x)), KV caches updated
     cur = model.ffn_input(il, h)              # ffn_norm(h): the rows sent to the experts
     ids, w = model.route(il, cur)             # softmax -> top-k -> renormalise (authoritative)
     ... experts computed wherever they live, combined in top-k order ...
     h   = model.post_moe(il, h, cur, moe)     # residual (+ shared expert in other archs)
 
-Any other architecture provides the same methods (``qwen35moe`` beside this file).
+Any other architecture provides the same calls (``qwen35moe`` beside this file).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from p2pswarm.engine import ops
+from p2pswarm.engine.arch.common import LayerByPieces
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.state import KVCache, SequenceState
@@ -63,7 +67,7 @@ class DenseWeights:
         return arr
 
 
-class Qwen3MoE:
+class Qwen3MoE(LayerByPieces):
     """qwen3moe: GQA attention with per-head q/k RMSNorm and NEOX RoPE; routed experts, no shared one."""
 
     arch = "qwen3moe"
