@@ -32,7 +32,7 @@ def available(runner: GgmlRunner | None) -> bool:
     return runner is not None and runner.lib.has("gated_delta_net")
 
 
-def gated_delta_net(runner: GgmlRunner, segs: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
+def gated_delta_net(runner: GgmlRunner, segs: list[tuple]) -> list[np.ndarray]:
     """The gated delta rule for several sequences in one ggml graph, each carrying its own state.
 
     ``segs``: one ``(q, k, v, g, beta, state)`` per sequence: q, k (T, Hk, d) l2-normalised, v

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from typing import Any
+
 import numpy as np
 
 from p2pswarm.engine.cpu_share import free_cpus
@@ -63,7 +65,7 @@ class GgmlRunner:
         self._backend = lib.backend_cpu_init()
         if not self._backend:
             raise GgmlUnavailable("ggml_backend_cpu_init failed")
-        self._ctx = None
+        self._ctx: int | None = None
         self._ctx_bytes = 0
         self.lock = threading.Lock()
         #: kept graphs (:meth:`graph`): key -> Graph, least recently used first
@@ -283,9 +285,10 @@ class Graph:
     def __init__(self, lib: GgmlLib, ctx, *, kept: bool, nbytes: int):
         self.lib = lib
         self.ctx = ctx
-        self.meta = None
-        self.graph = None
-        self.t = None
+        self.meta: int | None = None  # ggml_context* of tensors placed on outside memory
+        self.graph: int | None = None  # ggml_cgraph*
+        #: what the builder returned (the numpy views of its inputs and outputs), as it made them
+        self.t: Any = None
         self.buffers: list = []
         self.keep: list = []
         self.kept = kept

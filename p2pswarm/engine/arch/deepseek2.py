@@ -20,6 +20,8 @@ kernels it already has, three mat-muls per expert.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
@@ -99,7 +101,8 @@ class DeepSeek2(LayerByPieces):
         self.output_name = "token_embd.weight" if tied else "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
         self._check_tensors()
-        self._kv_b: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        #: (k_b, v_b) per layer: ggml_mla.HeadMatrices under the ggml kernel, else float32 arrays
+        self._kv_b: dict[int, tuple[Any, Any]] = {}
 
     # ---- model description ------------------------------------------------------------------
     def _check_tensors(self) -> None:

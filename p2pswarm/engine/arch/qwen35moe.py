@@ -420,7 +420,8 @@ class Qwen35MoE(LayerByPieces):
         sequence at a time: the in-place float32 step for a token, else :func:`deltanet.delta_rule`."""
         runner = self.backend.runner
         # the op takes square states only (q/k width == v width, as every Qwen3.5 has)
-        if self.deltanet_mode == "auto" and self.ssm_d == self.ssm_dv and ggml_deltanet.available(runner):
+        if (runner is not None and self.deltanet_mode == "auto" and self.ssm_d == self.ssm_dv
+                and ggml_deltanet.available(runner)):
             return ggml_deltanet.gated_delta_net(runner, prepared)
         outs = []
         for q, k, v, g, beta, st in prepared:
@@ -461,7 +462,7 @@ class Qwen35MoE(LayerByPieces):
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The router's top-k (under the ggml kernel its F32 mat-mul is the op
         :func:`~p2pswarm.engine.ggml_layers.moe_inputs` adds to the layer's graph: the same bits)."""
-        return Qwen3MoE.route(self, il, cur)
+        return ops.route_topk(ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]), self.n_expert_used)
 
     def shared(self, il: int, cur: np.ndarray) -> np.ndarray:
         """The shared expert, scaled by its per-token sigmoid gate; zeros if the layer has none."""
