@@ -355,9 +355,8 @@ def moe_input_floats(model, il: int, T: int) -> int:
 
 
 def _has_shared(model, il: int) -> bool:
-    """Whether layer ``il`` has a shared expert (an architecture without the attribute has none)."""
-    shared = getattr(model, "shared_expert", None)
-    return bool(shared and shared[il])
+    """Whether layer ``il`` has a shared expert."""
+    return bool(model.shared_expert[il])
 
 
 def _l2(lib, ctx, x, n: int, eps: float):

@@ -47,6 +47,7 @@ class Glm4MoE(Qwen3MoE):
     layers; sigmoid-routed experts with a selection bias; one shared expert."""
 
     arch = "glm4moe"
+    w: _Weights  # (tells a tensor's shape without loading it: the checks at load)
 
     def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):  # one check per key, in order
         self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)

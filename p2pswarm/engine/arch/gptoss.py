@@ -100,6 +100,7 @@ class GptOss(LayerByPieces):
         self._rope_memo: dict = {}  # (positions, base) -> yarn_neox_tables (_rope_tables)
 
         self.w = _Weights(layout)
+        self.shared_expert = [False] * self.n_layer  # none (the layer graph's moe_inputs reads it)
         self.output_name = "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
         self._check_tensors()
