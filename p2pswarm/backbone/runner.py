@@ -444,8 +444,9 @@ class Backbone:
         elif batched:  # one set of dense mat-muls for every sequence's rows
             lin = m.layer_in(il, h, [(st, p, sp.stop - sp.start) for sp, st, p in zip(spans, states, pos0)])
         else:  # e.g. K-quant projections, or the F32 router on OpenBLAS: per sequence
-            lin = LayerIn.gather(h.shape[0], [(np.arange(sp.start, sp.stop), m.layer_in(il, h[sp], [(st, p, sp.stop - sp.start)]))
-                                              for sp, st, p in zip(spans, states, pos0)])
+            lin = LayerIn.gather(h.shape[0], [
+                (np.arange(sp.start, sp.stop), m.layer_in(il, h[sp], [(st, p, sp.stop - sp.start)]))
+                for sp, st, p in zip(spans, states, pos0)])
         if not invariant or self.row_invariant_experts:
             groups = expert_groups(lin.ids)  # one group per expert, all sequences: same bits per row
         else:
