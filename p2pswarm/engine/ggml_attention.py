@@ -41,7 +41,7 @@ import numpy as np
 
 from p2pswarm.engine import ggml_layers
 from p2pswarm.engine.ggml_dense import GgmlDense, QuantisedMatrix
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, _InitParams
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlUnavailable, _InitParams
 from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
 from p2pswarm.engine.state import aligned_zeros
 
@@ -89,7 +89,7 @@ class _LayerTensors:
         p = f"blk.{il}."
         self.lib = lib
         self.ctx = None
-        self.t: dict[str, int] = {}
+        self.t: dict[str, int | None] = {}  # (None: not mapped; copied below)
         copies: dict[str, np.ndarray] = {}
         for n in proj:
             m = w[p + n]
@@ -326,7 +326,10 @@ def _ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTenso
     """post_attention_norm(res) and what it feeds besides the routed experts, added to the layer's
     graph: ``(numpy view of the norm, {"logits" | "shared": numpy view})``."""
     lib = runner.lib
-    cur = lib.mul(g.ctx, lib.rms_norm(g.ctx, res, model.eps), lt.t["post_attention_norm.weight"])
+    mul, rms_norm = lib.mul, lib.rms_norm
+    if mul is None or rms_norm is None:  # (callers ask available() first)
+        raise GgmlUnavailable("this libggml lacks ggml_mul or ggml_rms_norm")
+    cur = mul(g.ctx, rms_norm(g.ctx, res, model.eps), lt.t["post_attention_norm.weight"])
     lib.build_forward_expand(g.graph, cur)
     extras = ggml_layers.moe_inputs(model, il, runner, g.ctx, g.graph, cur, T)
     return f32_view(lib, cur, (T, model.n_embd)), extras

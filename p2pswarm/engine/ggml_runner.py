@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -335,13 +335,21 @@ def f32_view(lib: GgmlLib, tensor, shape: tuple[int, ...]) -> np.ndarray:
     n = 1
     for d in shape:
         n *= d
-    buf = (ctypes.c_char * (4 * n)).from_address(lib.get_data(tensor))
-    return np.frombuffer(buf, dtype=np.float32).reshape(shape)
+    buf = (ctypes.c_char * (4 * n)).from_address(_data(lib, tensor))
+    return np.frombuffer(cast(Any, buf), dtype=np.float32).reshape(shape)  # (a ctypes array is a buffer)
 
 
 def _i32_view(lib: GgmlLib, tensor, n: int) -> np.ndarray:
     """A numpy view of an I32 ggml tensor's n values."""
-    return np.ctypeslib.as_array(ctypes.cast(lib.get_data(tensor), ctypes.POINTER(ctypes.c_int32)), shape=(n,))
+    return np.ctypeslib.as_array(ctypes.cast(_data(lib, tensor), ctypes.POINTER(ctypes.c_int32)), shape=(n,))
+
+
+def _data(lib: GgmlLib, tensor) -> int:
+    """The address of a tensor's data; a tensor with none (not yet allocated) is our bug."""
+    addr = lib.get_data(tensor)
+    if not addr:
+        raise RuntimeError("a ggml tensor without data")
+    return addr
 
 
 # ---- weights that are views of the memory map ---------------------------------------------------
