@@ -341,7 +341,7 @@ async def test_dishonest_worker_caught_with_a_partial_cache(tiny_f32, tmp_path):
         layer = int(rng.integers(0, len(layout.expert_layers)))
         outs = await disp.run_groups(layer, cur, groups)
         assert all(np.array_equal(o, w) for o, w in zip(outs, full.forward_groups(layer, cur, groups))), step
-    assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
+    assert liar.falsified > 0 and caught == ["liar"] and disp.bans.banned.keys() == {"liar"}
     assert disp.stats.fallbacks == 0 and disp.stats.per_owner.get("h", 0) > 0
     assert disp.stats.per_owner.get("local", 0) > 0  # the cache computed the liar's units after the ban
 
@@ -383,7 +383,7 @@ async def test_checks_reach_units_the_cache_lacks(tiny_f32, tmp_path):
         # units fetched for a check are dropped after it: only the banned liar's (fetched because no
         # live owner holds them) stay until a refill
         assert all(e < 8 for _, e in cache.held), step
-    assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
+    assert liar.falsified > 0 and caught == ["liar"] and disp.bans.banned.keys() == {"liar"}
     assert disp.verifier.rows_checked.get("h", 0) > 0 and disp.stats.fallbacks == 0
 
 

@@ -103,7 +103,7 @@ async def test_replay_on_ban_keeps_every_running_output_equal_to_monolithic(tiny
         liar = _lie(swarm)
         got, rewinds, extra = await _run(swarm.backbone, short=True)
         disp, replays = swarm.backbone.dispatcher, swarm.backbone.replays
-    assert disp.banned.keys() == {"liar"} and disp.stats.mismatches == 1 and liar.falsified > 1
+    assert disp.bans.banned.keys() == {"liar"} and disp.stats.mismatches == 1 and liar.falsified > 1
     # the catch came mid-run: requests had tokens that were withdrawn ...
     assert replays.sequences >= N and replays.tokens_withdrawn > 0 and replays.rows > 0
     assert all(rewinds[i] for i in range(N))
@@ -123,7 +123,7 @@ async def test_replay_on_ban_keeps_every_running_output_equal_to_monolithic(tiny
         _lie(swarm)
         swarm.backbone.replay_on_ban = False
         off, rewinds_off, _ = await _run(swarm.backbone)
-        assert swarm.backbone.dispatcher.banned.keys() == {"liar"} and swarm.backbone.replays.sequences == 0
+        assert swarm.backbone.dispatcher.bans.banned.keys() == {"liar"} and swarm.backbone.replays.sequences == 0
     assert not any(rewinds_off.values()) and any(off[i] != want[i] for i in range(N))
 
 
@@ -132,7 +132,7 @@ async def test_a_ban_while_idle_reports_the_finished_requests_it_spoiled(tiny_f3
         _lie(swarm)
         swarm.backbone.dispatcher.verifier = None
         sched = Scheduler(swarm.backbone)
-        listeners = swarm.backbone.dispatcher.ban_listeners
+        listeners = swarm.backbone.dispatcher.bans.listeners
         before = len(listeners)
         async with trio.open_nursery() as nursery:
             await nursery.start(sched.run)
@@ -140,7 +140,7 @@ async def test_a_ban_while_idle_reports_the_finished_requests_it_spoiled(tiny_f3
             async with sched.submit([5, 4, 3], Params(max_tokens=3, request_id="cmpl-early")) as req:
                 assert len([s async for s in req]) == 3
             await trio.sleep(0.05)
-            swarm.backbone.dispatcher.ban("liar", "a ban record of another backbone")
+            swarm.backbone.dispatcher.bans.ban("liar", "a ban record of another backbone")
             with trio.fail_after(10):
                 while swarm.backbone.replays.finished_unfixable == 0:
                     await trio.sleep(0.01)
@@ -164,15 +164,15 @@ async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
         assert not np.array_equal(await swarm.backbone.logits(tokens, decode=True), want)
         liar = _lie(swarm, verify_seed=3)
         got = await swarm.backbone.logits(tokens, decode=True)
-        assert swarm.backbone.dispatcher.banned.keys() == {"liar"} and liar.falsified > 1
+        assert swarm.backbone.dispatcher.bans.banned.keys() == {"liar"} and liar.falsified > 1
         assert swarm.backbone.replays.sequences == 1
         assert np.array_equal(got, want)
         # a prefill the ban lands in is recomputed whole (a fresh liar, caught in the call)
-        swarm.backbone.dispatcher.banned.clear()
+        swarm.backbone.dispatcher.bans.banned.clear()
         liar = _lie(swarm, verify_seed=5)
         liar.fraction = 0.2
         got = await swarm.backbone.logits(tokens)
-        assert swarm.backbone.dispatcher.banned and np.array_equal(got, want_prefill)
+        assert swarm.backbone.dispatcher.bans.banned and np.array_equal(got, want_prefill)
 
 
 @pytest.mark.slow
@@ -199,7 +199,7 @@ async def test_generate_replays_to_the_monolithic_tokens(tiny_f32):
                     continue
                 toks.append(step.token)
                 if len(toks) == 15 and not rewinds:
-                    disp.ban("liar", "a ban record of another backbone")
+                    disp.bans.ban("liar", "a ban record of another backbone")
         assert [(r.keep, r.sent) for r in rewinds] == [(0, 15)] and swarm.backbone.replays.sequences == 1
         assert toks == want, temperature
 
@@ -223,8 +223,8 @@ async def test_dispatcher_reports_unverified_rows_only(tiny_f32, tmp_path):
     await disp.run_groups(0, cur, groups, taint)
     assert taint == {}
     disp.verifier = None
-    disp.ban("w1", "test")
-    assert disp.ban_epoch == 1
+    disp.bans.ban("w1", "test")
+    assert disp.bans.epoch == 1
     taint = {}
     await disp.run_groups(0, cur, groups, taint)
     assert taint.keys() == {"w0"}

@@ -214,7 +214,7 @@ class CompletionsApp:
                              "dense_s": self.backbone.timing.dense_s,
                              "dense_busy_s": self.backbone.timing.busy_s,
                              "dispatch_wait_s": self.backbone.timing.wait_s,
-                             "banned_workers": len(self.backbone.dispatcher.banned),
+                             "banned_workers": len(self.backbone.dispatcher.bans.banned),
                              "replays": self.backbone.replays.as_dict(),
                              "speculation": sched.spec.as_dict(sched.speculate),
                              "wire": wire_summary(self.backbone.dispatcher, generated),

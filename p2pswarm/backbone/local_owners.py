@@ -5,7 +5,7 @@ replica or expert cache), :class:`UnheldOwner` (a unit nobody live holds: fetche
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -13,10 +13,8 @@ from p2pswarm.contracts import ExpertBank, Groups, Owner
 from p2pswarm.net import wire_precision
 from p2pswarm.offload import Offload
 
+from p2pswarm.backbone.expert_cache import ExpertCache
 from p2pswarm.backbone.row_probe import RowInvariance, probe_expert_rows
-
-if TYPE_CHECKING:
-    from p2pswarm.backbone.dispatch import Dispatcher
 
 
 def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
@@ -79,6 +77,15 @@ class LocalOwner(Owner):
         return await self.offload.run(partial(self.forward_groups, layer, cur, groups), n, "experts")
 
 
+class Obtainer(Protocol):
+    """What :class:`UnheldOwner` needs of the dispatcher (a Protocol: this module is below it)."""
+
+    cache: ExpertCache | None
+    local: LocalOwner
+
+    async def obtain(self, layer: int, experts: list[int]) -> None: ...
+
+
 class UnheldOwner(Owner):
     """Where the dispatcher routes a unit no live owner holds and the expert cache lacks: it is
     fetched into the cache (:meth:`Dispatcher.obtain`, bounded), then computed by the local
@@ -88,7 +95,7 @@ class UnheldOwner(Owner):
     name = "fetch"
     remote = False
 
-    def __init__(self, dispatcher: "Dispatcher"):
+    def __init__(self, dispatcher: Obtainer):
         self.dispatcher = dispatcher
 
     def holds(self, layer: int, expert: int) -> bool:

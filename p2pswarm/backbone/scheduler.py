@@ -248,8 +248,8 @@ class Scheduler:
         self._wake = trio.Event()
         self._ids = 0
         self._running = False
-        self._ban_epoch = backbone.dispatcher.ban_epoch
-        self._bans_seen: set[str] = set(backbone.dispatcher.banned)
+        self._ban_epoch = backbone.dispatcher.bans.epoch
+        self._bans_seen: set[str] = set(backbone.dispatcher.bans.banned)
         #: worker -> (finished sequences that used its unverified outputs, the latest request ids)
         self._finished_taint: dict[str, tuple[int, deque]] = {}
 
@@ -283,7 +283,7 @@ class Scheduler:
         if self._running:
             raise RuntimeError("the scheduler is already running")
         self._running = True
-        listeners = self.backbone.dispatcher.ban_listeners
+        listeners = self.backbone.dispatcher.bans.listeners
         listeners.append(self._on_ban)  # an idle loop reports a ban too; removed when the loop ends
         task_status.started()
         try:
@@ -305,7 +305,7 @@ class Scheduler:
         it; :func:`p2pswarm.backbone.generate.generate` drives a scheduler of its own with it, one
         step each time its consumer wants the next token."""
         self._admit()
-        if self.backbone.dispatcher.ban_epoch != self._ban_epoch:
+        if self.backbone.dispatcher.bans.epoch != self._ban_epoch:
             self._replay_banned()  # a ban between steps (a ban record honoured); none in flight
         if not self._active:
             return False
@@ -472,7 +472,7 @@ class Scheduler:
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             log.warning("%d of %d sequences of a step failed: %s", len(failed), len(batch), failed[0])
-        rewound = self._replay_banned() if self.backbone.dispatcher.ban_epoch != self._ban_epoch else set()
+        rewound = self._replay_banned() if self.backbone.dispatcher.bans.epoch != self._ban_epoch else set()
         for s, c, lg in zip(batch, chunks, results):
             if isinstance(lg, Exception):
                 self._fail(s, lg)
@@ -501,8 +501,8 @@ class Scheduler:
         """Rewind every active sequence tainted by a banned worker; report finished ones that were.
         Returns the ids of the sequences rewound."""
         disp = self.backbone.dispatcher
-        self._ban_epoch = disp.ban_epoch
-        for peer in [p for p in disp.banned if p not in self._bans_seen]:
+        self._ban_epoch = disp.bans.epoch
+        for peer in [p for p in disp.bans.banned if p not in self._bans_seen]:
             self._bans_seen.add(peer)
             n, ids = self._finished_taint.pop(peer, (0, ()))
             if n:
@@ -517,7 +517,7 @@ class Scheduler:
         """Back to the last clean point (:meth:`TokenReplay.rewind`): keep the tokens produced from
         clean positions; False when the sequence is clean."""
         assert s.state is not None
-        rewound = s.replay.rewind(s.state, self.backbone.dispatcher.banned, self.backbone.replays,
+        rewound = s.replay.rewind(s.state, self.backbone.dispatcher.bans.banned, self.backbone.replays,
                                   f"request {s.request_id}")
         if rewound is None:
             return False

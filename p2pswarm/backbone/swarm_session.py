@@ -217,5 +217,5 @@ def _refusal_notices(net, resolver, pool, dispatcher):
     notices = RefusalNotices(net, addrs_of)
     resolver.on_refused = notices.note
     pool.on_refused = notices.note
-    dispatcher.ban_listeners.append(lambda peer: notices.note(peer, f"banned: {dispatcher.banned.get(peer, '')}"))
+    dispatcher.bans.listeners.append(lambda peer: notices.note(peer, f"banned: {dispatcher.bans.banned.get(peer, '')}"))
     return notices

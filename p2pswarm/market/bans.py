@@ -176,7 +176,7 @@ class BanKeeper:
         if rec.banned in self.honoured:
             return
         self.honoured[rec.banned] = rec
-        self.dispatcher.ban(rec.banned, f"banned by {'us' if own else rec.backbone}: {rec.reason}")
+        self.dispatcher.bans.ban(rec.banned, f"banned by {'us' if own else rec.backbone}: {rec.reason}")
         if self.ledger is not None and not own:
             self.ledger.void(rec.banned)
         if not own:
