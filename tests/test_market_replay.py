@@ -30,6 +30,7 @@ from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.dishonest_worker import DishonestWorker
+from p2pswarm.backbone.generate import sequence_logits
 
 RATE, FRACTION = 0.05, 0.01  # r p = 1 / 2,000 rows: the catch lands mid-run with these seeds
 N, MAX_TOKENS = 12, 40
@@ -156,14 +157,14 @@ async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
     position on are recomputed after the ban, so all of them equal the monolithic run's."""
     tokens = [(i * 37 + 11) % 500 for i in range(120)]
     async with open_backbone(tiny_f32, workers=0, kernel="numpy") as mono:
-        want = await mono.backbone.logits(tokens, decode=True)
-        want_prefill = await mono.backbone.logits(tokens)
+        want = await sequence_logits(mono.backbone, tokens, decode=True)
+        want_prefill = await sequence_logits(mono.backbone, tokens)
     async with open_backbone(tiny_f32, workers=2, transport="inproc", kernel="numpy") as swarm:
         _lie(swarm)
         swarm.backbone.dispatcher.verifier = None  # unchecked, the liar's rows change the result
-        assert not np.array_equal(await swarm.backbone.logits(tokens, decode=True), want)
+        assert not np.array_equal(await sequence_logits(swarm.backbone, tokens, decode=True), want)
         liar = _lie(swarm, verify_seed=3)
-        got = await swarm.backbone.logits(tokens, decode=True)
+        got = await sequence_logits(swarm.backbone, tokens, decode=True)
         assert swarm.backbone.dispatcher.bans.banned.keys() == {"liar"} and liar.falsified > 1
         assert swarm.backbone.replays.sequences == 1
         assert np.array_equal(got, want)
@@ -171,7 +172,7 @@ async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
         swarm.backbone.dispatcher.bans.banned.clear()
         liar = _lie(swarm, verify_seed=5)
         liar.fraction = 0.2
-        got = await swarm.backbone.logits(tokens)
+        got = await sequence_logits(swarm.backbone, tokens)
         assert swarm.backbone.dispatcher.bans.banned and np.array_equal(got, want_prefill)
 
 

@@ -20,18 +20,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from p2pswarm.backbone.items import Rewind
+
 log = logging.getLogger("p2pswarm.backbone")
-
-
-@dataclass(frozen=True)
-class Rewind:
-    """The tokens from index ``keep`` on (of the ``sent`` a consumer has) were computed with
-    outputs of ``worker``, since banned: they are withdrawn, and the steps that follow, from index
-    ``keep``, replace them (replay on ban)."""
-
-    keep: int
-    sent: int
-    worker: str
 
 
 def banned_taint(state: Any, banned) -> tuple[int, str] | None:
