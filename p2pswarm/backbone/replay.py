@@ -8,7 +8,7 @@ the sequence is rewound to a fresh state and the positions before that one are f
 they were fed the first time (the same bits), so the result ends equal to the monolithic run's.
 
 Three paths rewind: the scheduler (every served request), :func:`p2pswarm.backbone.generate.generate`
-(one sequence, ``p2pswarm generate``) and :meth:`p2pswarm.backbone.runner.Backbone.logits`. They
+(one sequence, ``p2pswarm generate``) and :func:`p2pswarm.backbone.generate.sequence_logits`. They
 share :func:`banned_taint`, :func:`tokens_kept`, :class:`ReplayStats` and, for the two that sample
 tokens, :class:`TokenReplay` (which tokens stand, which are re-derived and checked instead of
 sent again, and the :class:`Rewind` a consumer gets).

@@ -308,7 +308,7 @@ class Scheduler:
         """``request``'s items, stepping this scheduler (one nobody :meth:`run` s) only when the
         caller wants more: nothing runs ahead of the consumer, so a ban it causes between two items
         is replayed before the next (:func:`~p2pswarm.backbone.generate.generate`,
-        :meth:`~p2pswarm.backbone.runner.Backbone.logits`)."""
+        :func:`~p2pswarm.backbone.generate.sequence_logits`)."""
         ended = False
         while not ended:
             got, ended = request.ready()
