@@ -34,7 +34,7 @@ import trio
 
 from p2pswarm import settings
 from p2pswarm.contracts import ExpertBank, Groups, Owner
-from p2pswarm.errors import UnitsUnavailable, UserError, WorkerError, first_error
+from p2pswarm.errors import UnitsUnavailable, UserError, WorkerError, WorkerSlow, first_error
 from p2pswarm.net import wire_precision
 from p2pswarm.net.wire_bytes import WireBytes
 from p2pswarm.offload import Offload
@@ -192,7 +192,6 @@ class Dispatcher(Routing, Verification):
             raise first_error(group) from None
         return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
 
-
     async def _owner_outputs(self, owner: Owner, layer: int, cur: np.ndarray, owner_groups: Groups,
                              taint: dict[str, np.ndarray] | None) -> list[np.ndarray]:
         """One owner's outputs for its groups: its answer, verified on a sample where it is remote
@@ -234,6 +233,9 @@ class Dispatcher(Routing, Verification):
                          exc: WorkerError) -> list[np.ndarray]:
         """The local replica's outputs for a remote owner that failed; the owner is backed off."""
         backoff = self.back_off(owner, exc)
+        self.stats.fallbacks += 1
+        if isinstance(exc, WorkerSlow):
+            self.stats.deadline_misses += 1
         log.warning("worker %s failed on layer %d (%s): fell back to %s for %d experts;"
                     " avoiding it for %.0f s", owner.name, layer, exc,
                     "the local replica" if self.cache is None else "another replica or the expert cache",
@@ -271,7 +273,6 @@ class Dispatcher(Routing, Verification):
             raise UnitsUnavailable(f"no live owner holds expert(s) {', '.join(map(str, missing))} of layer {layer} "
                                    f"(coverage units {', '.join(sorted({f'L{layer}/E{e}' for e in missing}))}), "
                                    f"the backbone's expert cache lacks them {how}", layer=layer, experts=missing)
-
 
     @property
     def all_local(self) -> bool:

@@ -75,9 +75,6 @@ class Routing:
             self._slow_since[owner.name] = time.monotonic()
         else:
             self._slow_since.pop(owner.name, None)  # a real failure: no late reply ends it
-        self.stats.fallbacks += 1
-        if slow:
-            self.stats.deadline_misses += 1
         return backoff
 
     def clear_backoff(self, name: str) -> bool:
