@@ -268,7 +268,7 @@ async def test_http_non_streamed_completions_end_exact_and_a_rewound_stream_ends
                 other = Identity.generate()  # another backbone, whose bans this one trusts
                 rec = BanRecord.make(other, banned="liar", model=swarm.fingerprint, evidence="e" * 64,
                                      reason="layer 1 expert 9", voids_epoch=1, voids_from_seq=1)
-                BanKeeper(Identity.generate(), swarm.fingerprint, swarm.backbone.dispatcher,
+                BanKeeper(Identity.generate(), swarm.fingerprint, swarm.backbone.dispatcher.bans,
                           trusted=[other.peer_id_str])._honour(rec)
                 out["sent_at_ban"] = app.scheduler.stats.generated
 

@@ -218,7 +218,7 @@ async def test_every_row_checked_means_outputs_stay_exact_throughout(tiny_f32, t
     disp = Dispatcher(bank, [InProcessOwner(ExpertWorker(shards[0], kernel="numpy"), "h"), InProcessOwner(liar, "liar")])
     disp.verifier = Verifier(1.0, seed=0)
     ledger = disp.ledger = ContributionLedger(ident, MODEL)
-    keeper = BanKeeper(ident, MODEL, disp, ledger=ledger)  # no DHT here: the ban is local and queued
+    keeper = BanKeeper(ident, MODEL, disp.bans, ledger=ledger)  # no DHT here: the ban is local and queued
     disp.on_mismatch = keeper.ban
     rng = np.random.default_rng(4)
     for step in range(400):

@@ -103,7 +103,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                    timeout_s=timeout_s, resolver=resolver, direct=direct)
                 dispatcher = local.backbone.dispatcher
                 serve_receipt_requests(net, ledger)  # a worker leaving asks for its last receipts
-                bans = BanKeeper(identity, local.fingerprint, dispatcher, dht=dht, trusted=trust_bans, ledger=ledger,
+                bans = BanKeeper(identity, local.fingerprint, dispatcher.bans, dht=dht, trusted=trust_bans, ledger=ledger,
                                  refresh_s=ban_refresh_s)
                 dispatcher.on_mismatch = bans.ban  # (it needs the DHT, opened after the dispatcher)
                 issuer = ReceiptIssuer(ledger, pool.send_receipt, period_s=receipt_period_s)
