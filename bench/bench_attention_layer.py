@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import time_compute
 
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 
 
@@ -45,12 +44,11 @@ def main() -> None:
     a = ap.parse_args()
     if not a.model.is_file():
         sys.exit(f"error: no such model file: {a.model}")
-    model = load_dense(ModelLayout.open(a.model))
+    model = load_dense(ModelLayout.open(a.model), "ggml", threads=a.threads)
     if getattr(model, "arch", "") != "qwen35moe":
         sys.exit(f"error: {a.model} is not a qwen35moe model")
-    use_kernel_for_dense(model, "ggml", threads=a.threads)
     il = next(i for i in range(model.n_layer) if not model.recurrent[i])
-    runner = model.w.ggml_dense.runner
+    runner = model.backend.runner
     in_compute = time_compute(runner)
     rng = np.random.default_rng(0)
     E = model.n_embd

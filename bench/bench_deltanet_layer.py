@@ -26,7 +26,6 @@ sys.path.insert(0, str(REPO))
 
 from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 
 SHAPES = {"decode 1": [1], "16 seqs x 1": [1] * 16, "prefill 128": [128]}
@@ -40,8 +39,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     layout = ModelLayout.open(a.model)
-    model = load_dense(layout)
-    use_kernel_for_dense(model, "ggml", threads=a.threads)
+    model = load_dense(layout, "ggml", threads=a.threads)
     il = model.recurrent.index(True)
     real_graph = model._layer_graph
     rng = np.random.default_rng(0)

@@ -25,7 +25,6 @@ sys.path.insert(0, str(REPO))
 from common import time_compute
 
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 
 
@@ -37,9 +36,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="decode steps per round and mode (the first 2 not timed)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    model = load_dense(ModelLayout.open(a.model))
-    use_kernel_for_dense(model, "ggml", threads=a.threads)
-    runner = model.w.ggml_dense.runner
+    model = load_dense(ModelLayout.open(a.model), "ggml", threads=a.threads)
+    runner = model.backend.runner
     cache_bytes = runner.graph_cache_bytes
     compute_s = time_compute(runner)
     rng = np.random.default_rng(0)

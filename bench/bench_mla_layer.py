@@ -16,7 +16,6 @@ import time
 import numpy as np
 
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 
 
@@ -28,11 +27,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=8)
     a = ap.parse_args(argv)
-    model = load_dense(ModelLayout.open(a.model))
+    model = load_dense(ModelLayout.open(a.model), "ggml")
     if getattr(model, "arch", "") != "deepseek2":
         print(f"{a.model}: not a deepseek2 model", file=sys.stderr)
         return 2
-    use_kernel_for_dense(model, "ggml")
     il = model.n_dense_lead if a.layer is None else a.layer
     n = a.prefill + a.decode
     h = np.random.default_rng(0).standard_normal((n, model.n_embd)).astype(np.float32) * 0.1

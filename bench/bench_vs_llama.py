@@ -30,7 +30,7 @@ Each process measures, with the same thread count and the same token ids:
   tokens/s counts all sequences' tokens;
 * batched rows (ours only, compared with llama.cpp's batch): the same steps as one
   ``Backbone.forward_batch`` of every sequence's row (what the scheduler behind the HTTP API runs:
-  one ``pre_moe_batch`` and one expert-bank call per layer, in the default batch-invariant mode).
+  one ``layer_in`` and one expert-bank call per layer, in the default batch-invariant mode).
 
 llama.cpp runs through llama-cpp-python's low-level API: F32 KV cache, flash attention off, and by
 default ``use_extra_bufts = False`` (weights used in place: the kernels our engine calls). On CPUs

@@ -2,9 +2,9 @@
 
     python bench/decode_stages.py M.gguf [--steps 64] [--threads 2]
 
-A synchronous loop over the calls ``Backbone.forward`` makes per layer (``pre_moe``,
-``ffn_input``, ``route``, the local bank's ``forward_groups``, ``combine``, ``post_moe``; then
-``output``), one token a step, ggml kernel for the dense path and the experts. It prints the
+A synchronous loop over the calls ``Backbone.forward`` makes per layer (``layer_in``: attention,
+the experts' input and the router; the local bank's ``forward_groups``, ``combine``,
+``layer_out``; then ``output``), one token a step, ggml kernel for the dense path and the experts. It prints the
 milliseconds per step in each call, and inside them the time in ggml's graph compute, keyed by
 the function that called ``GgmlRunner.compute``. The difference between a call's time and its
 compute time is Python, numpy and ctypes around the graphs. The file is read through first, so
@@ -32,7 +32,7 @@ from common import warm_page_cache
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
 
 
@@ -44,8 +44,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     warm_page_cache(a.model)  # a step that read an expert from disk would time the disk
     layout = ModelLayout.open(a.model)
-    model = load_dense(layout)
-    use_kernel_for_dense(model, "ggml", threads=a.threads)
+    model = load_dense(layout, "ggml", threads=a.threads)
     bank = make_bank(layout, "ggml", threads=a.threads, graph_cache_bytes=256 << 20)
     spent: collections.Counter = collections.Counter()
     graphs = [0]
@@ -72,14 +71,12 @@ def main(argv=None) -> int:
         h = timed("embed", model.embed, np.asarray(tokens))
         pos0 = state.n_past
         for il in range(model.n_layer):
-            h = timed("pre_moe", model.pre_moe, il, h, state, pos0)
-            cur = timed("ffn_input", model.ffn_input, il, h)
-            ids, w = timed("route", model.route, il, cur)
-            groups = expert_groups(ids)
-            outs = timed("experts", bank.forward_groups, il, cur, groups)
-            moe = (timed("combine", combine, ids, w, groups, dict(zip([e for e, _ in groups], outs))) if groups
-                   else np.zeros_like(cur))  # a leading dense layer (deepseek2, glm4moe): no routed experts
-            h = timed("post_moe", model.post_moe, il, h, cur, moe)
+            lin = timed("layer_in", model.layer_in, il, h, [(state, pos0, h.shape[0])])
+            groups = expert_groups(lin.ids)
+            outs = timed("experts", bank.forward_groups, il, lin.cur, groups)
+            moe = (timed("combine", combine, lin.ids, lin.weights, groups, dict(zip([e for e, _ in groups], outs)))
+                   if groups else np.zeros_like(lin.cur))  # a leading dense layer (deepseek2, glm4moe): no routed experts
+            h = timed("layer_out", model.layer_out, il, lin, moe)
         state.n_past += len(tokens)
         return timed("output", model.output, h)
 

@@ -4,8 +4,7 @@
 
 The child process runs the backbone's layer loop for one sequence, token by token, with the ggml
 kernel for the dense path and the local experts: the same calls ``Backbone.forward`` makes
-(``pre_moe``, ``ffn_input``, ``route``, the local bank's ``forward_groups``, ``combine``,
-``post_moe``, ``output``), but synchronously, so every sample is of the engine and not of trio's
+(``layer_in``, the local bank's ``forward_groups``, ``combine``, ``layer_out``, ``output``), but synchronously, so every sample is of the engine and not of trio's
 thread hand-offs. py-spy attaches after loading and a warm-up and records only the timed steps
 (``--native``, all threads, idle threads excluded); this
 script prints the functions with the most samples at the top of the stack ("self"), the
@@ -52,12 +51,11 @@ def child(a) -> None:
     from p2pswarm.backbone.runner import combine, expert_groups
     from p2pswarm.engine import ggml_runner
     from p2pswarm.engine.arch import load_dense
-    from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+    from p2pswarm.engine.kernels import make_bank
     from p2pswarm.model.layout import ModelLayout
 
     layout = ModelLayout.open(a.model)
-    model = load_dense(layout)
-    use_kernel_for_dense(model, "ggml", threads=a.threads)
+    model = load_dense(layout, "ggml", threads=a.threads)
     bank = make_bank(layout, "ggml", threads=a.threads)
     graphs = [0]
     real_compute = ggml_runner.GgmlRunner.compute
@@ -72,12 +70,10 @@ def child(a) -> None:
         h = model.embed(np.asarray(tokens))
         pos0 = state.n_past
         for il in range(model.n_layer):
-            h = model.pre_moe(il, h, state, pos0)
-            cur = model.ffn_input(il, h)
-            ids, w = model.route(il, cur)
-            groups = expert_groups(ids)
-            partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
-            h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
+            lin = model.layer_in(il, h, [(state, pos0, h.shape[0])])
+            groups = expert_groups(lin.ids)
+            partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, lin.cur, groups)))
+            h = model.layer_out(il, lin, combine(lin.ids, lin.weights, groups, partials))
         state.n_past += len(tokens)
         return model.output(h)
 

@@ -8,11 +8,11 @@ checks the packages that use them.
 
 - :class:`ExpertBank`: computes routed experts (numpy, ggml and portable kernels; a worker and the
   backbone's fallback replica hold one). Made by :func:`p2pswarm.engine.kernels.make_bank`.
-- :class:`DenseModel`: one architecture's dense path (attention/DeltaNet, norms, router, lm head);
-  the backbone's layer loop (:class:`p2pswarm.backbone.runner.Backbone`) drives it. Made by
+- :class:`DenseModel`: one architecture's dense path (attention/DeltaNet, norms, router, lm head),
+  one call into each layer (:class:`LayerIn`) and one out; the backbone's layer loop (:class:`p2pswarm.backbone.runner.Backbone`) drives it. Made by
   :func:`p2pswarm.engine.arch.load_dense`.
-- :class:`DenseWeights`: the dense tensors a model reads by name, which a kernel may replace by
-  its own quantised matrices (:func:`p2pswarm.engine.kernels.use_kernel_for_dense`).
+- :class:`DenseWeights`: the dense tensors a model reads by name, which the ggml backend replaces
+  by its own quantised matrices (:meth:`p2pswarm.engine.backend.DenseBackend.take`, at load).
 - :class:`Owner`: something the dispatcher sends rows to (the local replica, an in-process
   worker, a TCP or libp2p worker), with what the dispatcher and the status page read of it
   (:class:`OwnerStatus`). Implementations subclass it for the defaults.
@@ -69,17 +69,62 @@ class DenseWeights(Protocol):
         ...
 
 
+@dataclass
+class LayerIn:
+    """What one layer's dense path hands the backbone to dispatch its routed experts
+    (:meth:`DenseModel.layer_in`), and takes back with their combined output
+    (:meth:`DenseModel.layer_out`); one row per row of the step.
+
+    Why one value: a layer's ggml graph computes the experts' input, the router's logits and a
+    shared expert together with the attention; they travel here, explicitly, instead of being
+    kept by the model and found again by matching buffer addresses in later calls."""
+
+    h: np.ndarray  # (T, E) the residual stream after attention / DeltaNet
+    cur: np.ndarray  # (T, E) the experts' input rows
+    ids: np.ndarray  # (T, k) the router's final choice ((T, 0): a layer without routed experts)
+    weights: np.ndarray  # (T, k)
+    #: what the layer computed besides, per row, for ``layer_out`` (``"shared"``: the shared
+    #: expert's output from the layer's graph); absent names are computed by ``layer_out``
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def rows(self, sel: slice) -> "LayerIn":
+        """These rows of every field (a sequence's span of the step)."""
+        return LayerIn(self.h[sel], self.cur[sel], self.ids[sel], self.weights[sel],
+                       {k: v[sel] for k, v in self.extras.items()})
+
+    @staticmethod
+    def gather(n: int, parts: list[tuple[np.ndarray, "LayerIn"]]) -> "LayerIn":
+        """One value of ``n`` rows from ``parts`` = (the rows it computed, its value), which
+        cover every row once (a step computed per sequence, or in rounds). Extras only where
+        every part has them."""
+        first = parts[0][1]
+        names = set.intersection(*(set(p.extras) for _, p in parts))
+
+        def put(get) -> np.ndarray:
+            v0 = get(first)
+            out = np.empty((n, *v0.shape[1:]), v0.dtype)
+            for idx, p in parts:
+                out[idx] = get(p)
+            return out
+
+        return LayerIn(put(lambda p: p.h), put(lambda p: p.cur), put(lambda p: p.ids), put(lambda p: p.weights),
+                       {k: put(lambda p, k=k: p.extras[k]) for k in sorted(names)})
+
+
 @runtime_checkable
 class DenseModel(Protocol):
     """One architecture's dense path, driven layer by layer by the backbone:
 
-    ``h = embed(tokens)``; per layer ``il``: ``h = pre_moe(il, h, state, pos0)``,
-    ``cur = ffn_input(il, h)``, ``ids, w = route(il, cur)``, the routed experts of ``cur`` are
-    computed by owners and combined into ``moe``, ``h = post_moe(il, h, cur, moe)``; then
-    ``output(h)`` gives the logits."""
+    ``h = embed(tokens)``; per layer ``il``: ``lin = layer_in(il, h, segments)`` (attention or
+    DeltaNet, the experts' input, the router's choice), the routed experts of ``lin.cur`` are
+    computed by owners and combined into ``moe``, ``h = layer_out(il, lin, moe)``; then
+    ``output(h)`` gives the logits. (An architecture's own pieces, ``pre_moe``, ``ffn_input``,
+    ``route``, ``post_moe``, are its business: tests teacher-force them against llama.cpp.)"""
 
     layout: Any  # p2pswarm.model.layout.ModelLayout
-    w: DenseWeights
+    #: p2pswarm.engine.backend.DenseBackend: numpy's dense path or ggml's engine, chosen once at
+    #: load and given to the constructor (never attached to the weights after the fact)
+    backend: Any
     n_layer: int
     n_embd: int
     n_vocab: int
@@ -87,33 +132,35 @@ class DenseModel(Protocol):
     n_expert_used: int
     output_name: str
 
+    @property
+    def w(self) -> DenseWeights:
+        """The dense tensors by name (read-only here: an architecture may hold a subclass)."""
+        ...
+
     def new_state(self) -> Any:
         """A fresh per-sequence state (KV cache, recurrent state)."""
         ...
 
     def embed(self, tokens: np.ndarray) -> np.ndarray: ...
 
-    def pre_moe(self, il: int, h: np.ndarray, state: Any, pos0: int) -> np.ndarray:
-        """Layer ``il`` up to the MoE block (attention or DeltaNet, residual added)."""
-        ...
-
-    def pre_moe_batch(self, il: int, h: np.ndarray, segments: list[tuple[Any, int, int]]) -> np.ndarray:
-        """:meth:`pre_moe` of several sequences' rows stacked in ``h``: ``(state, pos0, n)`` each."""
-        ...
-
-    def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
-        """The normed rows the router and the experts see."""
-        ...
-
-    def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(expert ids, weights)``, each (n, n_expert_used): the router's final choice; each
-        (n, 0) for a layer without routed experts (a leading dense-FFN layer, whose FFN
-        ``post_moe`` adds): the backbone then sends no request for it
+    def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[Any, int, int]]) -> LayerIn:
+        """Layer ``il`` up to its routed experts for the rows of several sequences stacked in ``h``
+        (``(state, pos0, n)`` each, in order; each sequence's attention / DeltaNet on its own
+        state): residual added, the experts' input, and the router's ``(ids, weights)``, each
+        (n, n_expert_used), or (n, 0) for a layer without routed experts (a leading dense-FFN
+        layer, whose FFN ``layer_out`` adds): the backbone then sends no request for it
         (:func:`p2pswarm.engine.routing.no_experts`)."""
         ...
 
-    def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
-        """The layer's output from the combined routed-expert output ``moe`` (shared expert added)."""
+    def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
+        """The layer's output from ``lin`` and the combined routed-expert output ``moe`` (shared
+        expert or dense FFN added)."""
+        ...
+
+    def chunk_verify(self, il: int) -> bool:
+        """Whether :meth:`layer_in` takes a speculative verification's positions in one call
+        (consecutive one-row segments of one state, each computed as its decode step would be and
+        checkpointed after it); else the backbone verifies them in rounds of one position."""
         ...
 
     def output(self, h: np.ndarray) -> np.ndarray:

@@ -208,14 +208,17 @@ async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km
                 dense[(name, kernel)] = bb.dense_invariance(0)
                 small[(name, kernel)] = bb.small_call_rows
                 if (name, kernel) == ("q8_0", "ggml"):  # the dense path of all sequences really is batched
-                    real, widths = bb.model.pre_moe_batch, []
+                    real, widths = bb.model.layer_in, []
 
                     def counting(il, h, segments, real=real, widths=widths):
                         widths.append(len(segments))
                         return real(il, h, segments)
 
-                    bb.model.pre_moe_batch = counting
-                    await _run_schedule(bb, True)
+                    bb.model.layer_in = counting
+                    try:
+                        await _run_schedule(bb, True)
+                    finally:
+                        del bb.model.layer_in  # (a wrapper ties the model into a cycle: see test_glm4moe)
                     assert widths.count(4) == bb.model.n_layer  # the 4-sequence step of SCHEDULE, every layer
                 if (name, kernel) == ("q4_k_m", "ggml"):  # invariant anyway: per-sequence mat-muls
                     alone = await _alone(bb)
@@ -238,11 +241,12 @@ async def test_row_invariance_is_measured_per_kernel_and_type(tiny_q8, tiny_q4km
     # K-quants on libggml: calls of up to 7 rows give every row the same bits (vec_dot below the
     # tiled GEMM's 8 rows), so sequences' small groups of one expert merge; OpenBLAS: never
     assert small[("q4_k_m", "ggml")] == 7 and small[("q4_k_m", "numpy")] == 1
-    # the dense projections: Q8_0 on libggml batch, F32 on OpenBLAS does not; the F32 router
-    # batches on libggml (one row padded to two: the single-row kernel is 1 ulp off), not on OpenBLAS
-    assert dense[("q8_0", "ggml")].pre_moe and not dense[("q8_0", "numpy")].pre_moe
-    assert dense[("q8_0", "ggml")].route and dense[("q4_k_m", "ggml")].route
-    assert not dense[("q8_0", "numpy")].route and not dense[("q4_k_m", "numpy")].route
+    # a layer's way in (projections, the experts' input, the router): Q8_0 on libggml batches (the
+    # F32 router too: one row padded to two, the single-row kernel is 1 ulp off); F32 on OpenBLAS
+    # does not, nor K-quants on libggml (another kernel from 8 rows)
+    assert dense[("q8_0", "ggml")].layer_in
+    assert not dense[("q8_0", "numpy")].layer_in and not dense[("q4_k_m", "numpy")].layer_in
+    assert not dense[("q4_k_m", "ggml")].layer_in
 
 
 def test_micro_batch_rule():
@@ -468,15 +472,18 @@ def test_demand_counter_decays():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["numpy", "ggml"])
-async def test_batched_qwen35moe_deltanet_and_shared_expert(models_dir, kernel):
+@pytest.mark.parametrize("kernel,qtype", [("numpy", "q8_0"), ("ggml", "q8_0"), ("ggml", "q4_k_m")])
+async def test_batched_qwen35moe_deltanet_and_shared_expert(models_dir, kernel, qtype):
     """The hybrid architecture: per-sequence DeltaNet conv + S state and KV, a shared expert in
-    post_moe. Batched swarm == batched monolithic, and batch-invariant == alone, bit for bit."""
+    post_moe. Batched swarm == batched monolithic, and batch-invariant == alone, bit for bit.
+    (Q4_K_M on ggml: the layer graph's shared expert is a K-quant mat-mul, not row-invariant; it
+    once reached a sequence's post_moe from the batched graph while the probe had put post_moe
+    per sequence, and the batched run differed from the run alone.)"""
     from p2pswarm.model.synth import make_model
 
-    path = models_dir / "q35-batching-q8.gguf"
+    path = models_dir / f"q35-batching-{qtype.replace('q8_0', 'q8')}.gguf"  # (q8: shared with the test below)
     if not path.exists():
-        make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=31)
+        make_model(path, arch="qwen35moe", preset="tiny", qtype=qtype, seed=31)
     async with open_backbone(path, workers=0, kernel=kernel) as mono:
         want = await _run_schedule(mono.backbone, True)
         fast = await _run_schedule(mono.backbone, False)
@@ -499,16 +506,15 @@ def test_qwen35moe_shared_expert_batches_in_the_invariant_mode(models_dir):
     is measured row-invariant, so the batch-invariant default runs it once for all sequences, not
     once per sequence: the gate is a per-row reduction, not OpenBLAS's (T, E) x (E, 1) product."""
     from p2pswarm.backbone.runner import probe_dense_invariance
-    from p2pswarm.engine.kernels import use_kernel_for_dense
     from p2pswarm.model.synth import make_model
 
     path = models_dir / "q35-batching-q8.gguf"
     if not path.exists():
         make_model(path, arch="qwen35moe", preset="tiny", qtype="q8_0", seed=31)
-    model = load_dense(ModelLayout.open(path))
-    assert use_kernel_for_dense(model, "ggml") > 0
+    model = load_dense(ModelLayout.open(path), "ggml")
+    assert model.backend.tensors > 0
     got = [probe_dense_invariance(model, il) for il in range(model.n_layer)]
-    assert all(g.pre_moe and g.post_moe for g in got), got
+    assert all(g.layer_in and g.layer_out for g in got), got
 
 
 async def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(tiny_f32):

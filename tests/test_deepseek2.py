@@ -25,7 +25,6 @@ from gguf import GGUFValueType
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.engine import mla
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
@@ -132,8 +131,8 @@ def test_q4_k_m_routing_matches_llama_cpp_layer_by_layer(models_dir):
     path = q4km_model(models_dir)
     layout = ModelLayout.open(path)
     assert {t.tensor_type for t in layout.reader.tensors} & {Q.Q4_K, Q.Q6_K}
-    model = load_dense(layout)
-    assert use_kernel_for_dense(model, "ggml") > 0
+    model = load_dense(layout, "ggml")
+    assert model.backend.tensors > 0
     names = {f"l_out-{il}" for il in range(model.n_layer)}
     moe_layers = [il for il in range(model.n_layer) if il >= model.n_dense_lead]
     assert moe_layers and model.n_dense_lead == 1
@@ -253,9 +252,9 @@ def test_ggml_mla_layer_is_one_graph_and_reuses_its_decode_graph(models_dir, mon
     past its capacity and past the 256-position padding with the same bits as the per-piece numpy
     cache would hold (within float32 noise of the numpy MLA, which rounds differently)."""
     path = q4km_model(models_dir)
-    model = load_dense(ModelLayout.open(path))
-    assert use_kernel_for_dense(model, "ggml") > 0 and model._ggml_core()
-    runner = model.w.ggml_dense.runner
+    model = load_dense(ModelLayout.open(path), "ggml")
+    assert model.backend.tensors > 0 and model._ggml_core()
+    runner = model.backend.runner
     computes = []
     real = runner.compute
     monkeypatch.setattr(runner, "compute", lambda graph, macs: (computes.append(1), real(graph, macs))[1])

@@ -15,7 +15,6 @@ import pytest
 from p2pswarm.backbone.runner import probe_dense_invariance
 from p2pswarm.engine import ggml_attention, ops
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 
@@ -32,14 +31,13 @@ def _model(models_dir, qtype: str, kernel: str = "ggml"):
     path = models_dir / f"q35-attn-{qtype}.gguf"
     if not path.exists():
         make_model(path, arch="qwen35moe", preset="tiny", seed=41, **({} if qtype == "f32" else {"qtype": qtype}))
-    model = load_dense(ModelLayout.open(path))
-    use_kernel_for_dense(model, kernel)
+    model = load_dense(ModelLayout.open(path), kernel)
     return model, next(il for il in range(model.n_layer) if not model.recurrent[il])
 
 
 def _counting(model, monkeypatch):
     """Count graph runs of the dense runner and make numpy's attention fail if it is reached."""
-    runner = model.w.ggml_dense.runner
+    runner = model.backend.runner
     runs = [0]
     compute = runner.compute
 
@@ -67,7 +65,7 @@ def test_attention_layer_is_one_graph(models_dir, qtype, monkeypatch):
     want = [model.pre_moe(il, h[:6], st_ref, 0), model.pre_moe(il, h[6:7], st_ref, 6),
             model.pre_moe(il, h[7:9], st_ref, 7)]
     model.attention_graph = True
-    assert ggml_attention.available(model.w.ggml_dense.runner)
+    assert ggml_attention.available(model.backend.runner)
     runs = _counting(model, monkeypatch)
     st = model.new_state()
     got = []
@@ -116,8 +114,8 @@ def test_alone_equals_batched_bit_for_bit(models_dir, monkeypatch):
                     alone = model.pre_moe(il, rows[(i, s)], st, p)
                     assert np.array_equal(alone, batched[(i, s)]), (i, s)
                     p += n
-    # and the backbone's probe agrees: this layer's pre_moe may be batched in the invariant mode
-    assert probe_dense_invariance(model, il).pre_moe
+    # and the backbone's probe agrees: this layer's layer_in may be batched in the invariant mode
+    assert probe_dense_invariance(model, il).layer_in
 
 
 @pytest.mark.slow
@@ -147,20 +145,17 @@ def test_layer_against_llama_cpp(models_dir, qtype):
 
 
 def test_ffn_input_comes_from_the_layer_graph(models_dir, monkeypatch):
-    """post_attention_norm is computed in the layer's graph and served to ffn_input for the h it
-    returned and for slices of it (the backbone's per-sequence router calls); rows of another
-    array get one graph for that whole array. Same bits every way, close to numpy's RMSNorm."""
+    """post_attention_norm is computed in the layer's graph and handed out by ``layer_in`` with the
+    h it returned (no graph of its own); ffn_input alone, on that h or rows of it, runs a graph of
+    its own with the same bits, close to numpy's RMSNorm."""
     model, il = _model(models_dir, "q8_0")
     runs = _counting(model, monkeypatch)
     h_in = np.random.default_rng(5).standard_normal((7, model.n_embd)).astype(F32)
-    h = model.pre_moe(il, h_in, model.new_state(), 0)
-    before = runs[0]
-    cur = model.ffn_input(il, h)
-    parts = np.concatenate([model.ffn_input(il, h[:3]), model.ffn_input(il, h[3:])])
-    assert runs[0] == before  # no graph: they came with the layer's
-    assert np.array_equal(parts, cur)
-    other = h.copy()  # e.g. per-sequence results concatenated: one graph for all its rows
-    got = [model.ffn_input(il, other[a:b]) for a, b in ((0, 2), (2, 3), (3, 7))]
-    assert runs[0] == before + 1 and np.array_equal(np.concatenate(got), cur)
+    lin = model.layer_in(il, h_in, [(model.new_state(), 0, 7)])
+    assert runs[0] == 1  # one graph: the norm (and the router) came with the layer's
+    h, cur = lin.h, lin.cur
+    got = [model.ffn_input(il, h[a:b]) for a, b in ((0, 2), (2, 3), (3, 7))]
+    assert runs[0] == 4 and np.array_equal(np.concatenate(got), cur)
+    assert np.array_equal(model.ffn_input(il, h), cur)
     want = ops.rms_norm(h, np.asarray(model.w[f"blk.{il}.post_attention_norm.weight"]), model.eps)
     assert np.allclose(cur, want, rtol=1e-5, atol=1e-6)

@@ -26,7 +26,7 @@ from p2pswarm.engine import ggml_attention
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, load_libggml
 from p2pswarm.engine.ggml_runner import GgmlRunner, f32_view
-from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 
@@ -40,9 +40,8 @@ def _open(models_dir, cache: bool):
     if not path.exists():
         make_model(path, arch="qwen35moe", preset="tiny", seed=23, qtype="q8_0")
     layout = ModelLayout.open(path)
-    model = load_dense(layout)
-    use_kernel_for_dense(model, "ggml")
-    runner = model.w.ggml_dense.runner
+    model = load_dense(layout, "ggml")
+    runner = model.backend.runner
     if not cache:
         runner.graph_cache_bytes = 0
     return model, make_bank(layout, "ggml", graph_cache_bytes=(64 << 20) if cache else 0), runner
@@ -52,12 +51,10 @@ def _step(model, bank, segs, tokens):
     """One step of the layer loop (the backbone's, synchronously) for ``segs`` = (state, pos0, n)."""
     h = model.embed(np.asarray(tokens))
     for il in range(model.n_layer):
-        h = model.pre_moe_batch(il, h, segs)
-        cur = model.ffn_input(il, h)
-        ids, w = model.route(il, cur)
-        groups = expert_groups(ids)
-        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, cur, groups)))
-        h = model.post_moe(il, h, cur, combine(ids, w, groups, partials))
+        lin = model.layer_in(il, h, segs)
+        groups = expert_groups(lin.ids)
+        partials = dict(zip([e for e, _ in groups], bank.forward_groups(il, lin.cur, groups)))
+        h = model.layer_out(il, lin, combine(lin.ids, lin.weights, groups, partials))
     for st, _, n in segs:
         st.n_past += n
     return model.output(h)

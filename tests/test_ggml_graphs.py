@@ -22,7 +22,7 @@ from p2pswarm.engine import ggml_dense
 from p2pswarm.engine import ggml_runner
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 from helpers.ggml import needs_ggml
@@ -92,8 +92,8 @@ def test_fused_gate_up_views_give_the_separate_bits(models_dir):
 
 @pytest.mark.parametrize("rows", [1, 9])
 def test_fused_dense_projections_give_one_by_one_bits(tiny_q8, rows):
-    model = load_dense(ModelLayout.open(tiny_q8))
-    assert use_kernel_for_dense(model, "ggml", threads=2) > 0
+    model = load_dense(ModelLayout.open(tiny_q8), "ggml", threads=2)
+    assert model.backend.tensors > 0
     w = [model.w[f"blk.1.attn_{n}.weight"] for n in ("q", "k", "v")]
     assert all(isinstance(m, ggml_dense.QuantisedMatrix) for m in w)
     x = np.random.default_rng(6).standard_normal((rows, model.n_embd)).astype(np.float32)
@@ -104,8 +104,7 @@ def test_fused_dense_projections_give_one_by_one_bits(tiny_q8, rows):
 
 
 def test_dense_swiglu_is_one_graph_close_to_numpy(tiny_q8):
-    model = load_dense(ModelLayout.open(tiny_q8))
-    use_kernel_for_dense(model, "ggml", threads=1)
+    model = load_dense(ModelLayout.open(tiny_q8), "ggml", threads=1)
     g, u, d = (model.w[f"blk.0.attn_{n}.weight"] for n in ("q", "q", "output"))  # the shapes of an FFN
     x = np.random.default_rng(7).standard_normal((5, model.n_embd)).astype(np.float32)
     graphs = []
@@ -212,8 +211,8 @@ def test_ggml_dense_path_runs_numpy_blas_on_one_thread(tiny_q8, preset):
     if preset:
         env["OPENBLAS_NUM_THREADS"] = preset
     code = ("from threadpoolctl import threadpool_info as i; from p2pswarm.engine.arch import load_dense; "
-            "from p2pswarm.engine.kernels import use_kernel_for_dense; from p2pswarm.model.layout import ModelLayout; "
-            f"m = load_dense(ModelLayout.open({str(tiny_q8)!r})); assert use_kernel_for_dense(m, 'ggml') > 0; "
+            "from p2pswarm.model.layout import ModelLayout; "
+            f"m = load_dense(ModelLayout.open({str(tiny_q8)!r}), 'ggml'); assert m.backend.tensors > 0; "
             "print(min(p['num_threads'] for p in i() if p['user_api'] == 'blas'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -243,8 +242,7 @@ def test_pre_moe_batch_serves_many_sequences(models_dir, arch):
     path = models_dir / f"graphs-batch-{arch}.gguf"
     if not path.exists():
         make_model(path, arch=arch, preset="tiny", qtype="q8_0", seed=9)
-    model = load_dense(ModelLayout.open(path))
-    use_kernel_for_dense(model, "ggml", threads=1)
+    model = load_dense(ModelLayout.open(path), "ggml", threads=1)
     rng = np.random.default_rng(10)
     lens = [3, 1, 5]
     alone, batched = [model.new_state() for _ in lens], [model.new_state() for _ in lens]

@@ -225,8 +225,8 @@ async def test_without_ggml_numpy_is_used_with_one_log_line(tiny_f32, monkeypatc
 @needs_ggml
 def test_dense_path_keeps_quantised_tensors_mapped(tiny_q8):
     layout = ModelLayout.open(tiny_q8)
-    ref_model, model = load_dense(layout), load_dense(layout)
-    n = kernels.use_kernel_for_dense(model, "ggml")
+    ref_model, model = load_dense(layout), load_dense(layout, "ggml")
+    n = model.backend.tensors
     quantised = [t.name for t in layout.reader.tensors
                  if int(t.tensor_type) in gk.QUANTISED_TYPES and len(t.shape) == 2]
     assert n == len(quantised) > 0 and "blk.0.attn_q.weight" in quantised
@@ -241,7 +241,8 @@ def test_dense_path_keeps_quantised_tensors_mapped(tiny_q8):
     assert w.reshape(-1).shape == (w.shape[0] * w.shape[1],)
     emb = model.embed(np.array([1, 5, 9]))
     assert np.array_equal(emb, ref_model.embed(np.array([1, 5, 9])))  # Q8_0 rows dequantise exactly
-    assert kernels.use_kernel_for_dense(load_dense(layout), "numpy") == 0
+    numpy = load_dense(layout, "numpy").backend
+    assert numpy.ggml is None and numpy.tensors == 0
 
 
 # ---- llama.cpp, end to end ------------------------------------------------------------------------------
@@ -268,8 +269,7 @@ def _llama_quantised(models_dir, name: str, seed: int):
 def _our_trace(path, kernel: str):
     """Monolithic prefill with ``kernel`` (experts and dense path); routing and router margins."""
     layout = ModelLayout.open(path)
-    model = load_dense(layout)
-    kernels.use_kernel_for_dense(model, kernel)
+    model = load_dense(layout, kernel)
     bank = kernels.make_bank(layout, kernel)
     state = model.new_state()
     h = model.embed(np.asarray(LLAMA_TOKENS))
@@ -406,8 +406,7 @@ def test_the_f32_router_on_ggml_gives_a_row_alone_its_bits_in_a_batch(tiny_q8):
     route all sequences' rows in one call), and still numpy's to float rounding."""
     from p2pswarm.engine.ggml_dense import QuantisedMatrix
 
-    model = load_dense(ModelLayout.open(tiny_q8))
-    kernels.use_kernel_for_dense(model, "ggml")
+    model = load_dense(ModelLayout.open(tiny_q8), "ggml")
     w = model.w["blk.0.ffn_gate_inp.weight"]
     assert isinstance(w, QuantisedMatrix) and w.min_rows == 2
     x = np.random.default_rng(5).standard_normal((40, model.n_embd)).astype(np.float32)

@@ -6,7 +6,8 @@
   rounding, over several steps of prefill and decode;
 - a sequence alone gives the bits it gets in a batch of several, output and state, step by step
   (Q8_0: libggml's mat-muls are row-invariant there);
-- a libggml without one of the graph's ops keeps the per-piece path.
+- a libggml without one of the graph's ops keeps the per-piece path;
+- ``layer_in`` takes the experts' input, the router's logits and the shared expert from the graph.
 """
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import pytest
 
 from p2pswarm.engine import ggml_runner
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import use_kernel_for_dense
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 from helpers.ggml import needs_ggml
@@ -39,16 +39,16 @@ def q35_f32(tmp_path_factory):
 
 
 def _model(path):
-    model = load_dense(ModelLayout.open(path))
-    assert use_kernel_for_dense(model, "ggml") > 0
+    model = load_dense(ModelLayout.open(path), "ggml")
+    assert model.backend.tensors > 0
     return model
 
 
 def _f32_model(path):
     """An F32 file: the ggml dense path takes no matrix (nothing is quantised); the layer graph maps
     the F32 tensors itself."""
-    model = load_dense(ModelLayout.open(path))
-    assert use_kernel_for_dense(model, "ggml") == 0 and model.w.ggml_dense is not None
+    model = load_dense(ModelLayout.open(path), "ggml")
+    assert model.backend.tensors == 0 and model.backend.ggml is not None
     return model
 
 
@@ -121,7 +121,7 @@ def test_deltanet_layer_graph_alone_equals_batched_bit_for_bit(q35_q8):
 def test_a_library_without_an_op_keeps_the_per_piece_path(q35_q8, monkeypatch):
     model = _model(q35_q8)
     il = model.recurrent.index(True)
-    monkeypatch.setattr(model.w.ggml_dense.lib, "ssm_conv", None)
+    monkeypatch.setattr(model.backend.ggml.lib, "ssm_conv", None)
     h = _rows(np.random.default_rng(7), model, 1)[0]
     out = model.pre_moe_batch(il, h, [(model.new_state(), 0, n) for n in SIZES])
     assert model.layer_graph_calls == 0 and np.isfinite(out).all()
@@ -158,10 +158,10 @@ def test_a_misaligned_state_takes_the_per_piece_path(q35_q8):
 
 def test_norms_and_the_shared_gate_are_in_the_graphs(q35_q8, monkeypatch):
     """Under the ggml kernel: a DeltaNet layer's post_attention_norm, router logits and shared expert
-    (with its sigmoid gate) come out of its layer graph (ffn_input, route and shared of that h's cur,
-    or of rows of it, run no graph of their own, and give the bits a graph of their own gives), and
-    the final norm is in the lm head's graph: numpy's formulas to float rounding (the activations
-    are rounded to Q8_0 before each mat-mul)."""
+    (with its sigmoid gate) come out of its layer graph, in what ``layer_in`` returns (no graph of
+    their own; ffn_input, route and shared run alone give the same bits), and the final norm is in
+    the lm head's graph: numpy's formulas to float rounding (the activations are rounded to Q8_0
+    before each mat-mul)."""
     from p2pswarm.engine import ops
 
     model = _model(q35_q8)
@@ -169,12 +169,10 @@ def test_norms_and_the_shared_gate_are_in_the_graphs(q35_q8, monkeypatch):
     calls = _counting(monkeypatch)
     rng = np.random.default_rng(7)
     h_in = rng.standard_normal((5, model.n_embd)).astype(np.float32)
-    h = model.pre_moe_batch(il, h_in, [(model.new_state(), 0, 5)])
-    assert calls[0] == 1
-    cur = model.ffn_input(il, h)
-    part = model.ffn_input(il, h[2:4])
-    assert calls[0] == 1, "post_attention_norm was not served from the layer's graph"
-    assert np.array_equal(part, cur[2:4])
+    lin = model.layer_in(il, h_in, [(model.new_state(), 0, 5)])
+    assert calls[0] == 1, "the norm, the router or the shared expert ran a graph of its own"
+    h, cur = lin.h, lin.cur
+    assert model.shared_expert[il] and set(lin.extras) == {"shared"}
     w = model.w
     want = ops.rms_norm(h, np.asarray(w[f"blk.{il}.post_attention_norm.weight"]), model.eps)
     assert np.allclose(cur, want, rtol=1e-5, atol=1e-6)
@@ -185,17 +183,16 @@ def test_norms_and_the_shared_gate_are_in_the_graphs(q35_q8, monkeypatch):
     want = x @ np.asarray(w[model.output_name], dtype=np.float32).T
     assert np.abs(logits - want).max() <= 2e-2 * np.abs(want).max()
 
-    assert model.shared_expert[il]
-    sh = il
-    got = model.shared(sh, cur)  # computed in the layer's graph for this cur
-    ids, wts = model.route(il, cur)
-    assert calls[0] == 2, "the router or the shared expert ran a graph of its own"
-    alone = model.shared(sh, cur.copy())  # another array: its own graph, the same op and bits
+    # each piece alone: a graph of its own, the same op and bits as the layer's graph
+    assert np.array_equal(model.ffn_input(il, h), cur) and np.array_equal(model.ffn_input(il, h[2:4]), cur[2:4])
+    got = lin.extras["shared"]
     ids2, wts2 = model.route(il, cur.copy())
-    assert calls[0] == 4
-    assert np.array_equal(got, alone) and np.array_equal(ids, ids2) and np.array_equal(wts, wts2)
-    assert np.array_equal(model.shared(sh, cur[1:3]), got[1:3]) and calls[0] == 4  # rows of it: served too
-    p = f"blk.{sh}."
+    assert np.array_equal(model.shared(il, cur.copy()), got)
+    assert np.array_equal(lin.ids, ids2) and np.array_equal(lin.weights, wts2)
+    assert np.array_equal(model.shared(il, cur[1:3]), got[1:3])
+    moe = rng.standard_normal(h.shape).astype(np.float32)
+    assert np.array_equal(model.layer_out(il, lin, moe), h + (moe + got))
+    p = f"blk.{il}."
     dense = {n: np.asarray(w[p + n + ".weight"], dtype=np.float32) for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")}
     g, u = cur @ dense["ffn_gate_shexp"].T, cur @ dense["ffn_up_shexp"].T
     s = (g / (1 + np.exp(-g)) * u) @ dense["ffn_down_shexp"].T

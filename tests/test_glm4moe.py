@@ -25,7 +25,7 @@ from gguf import GGUFValueType as T
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.kernels import make_bank, use_kernel_for_dense
+from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import describe, make_model
 
@@ -132,8 +132,8 @@ def _forward(model, bank, tokens):
 def test_q4_k_m_routing_matches_llama_cpp(models_dir):
     path = q4km(models_dir)
     layout = ModelLayout.open(path)
-    model = load_dense(layout)
-    assert use_kernel_for_dense(model, "ggml") > 0  # the dense mat-muls on ggml's kernels
+    model = load_dense(layout, "ggml")
+    assert model.backend.tensors > 0  # the dense mat-muls on ggml's kernels
     for name in ("blk.0.ffn_gate.weight", "blk.0.attn_q.weight", "blk.1.ffn_down_shexp.weight", "output.weight"):
         assert type(model.w[name]).__name__ == "QuantisedMatrix", name  # dense FFN, attention, shared, head
     bank = make_bank(layout, "ggml")

@@ -127,12 +127,9 @@ def test_layer_graph_matches_llama_cpp_past_the_window(models_dir, variant):
     numpy attention). Over 48 tokens (a 20-token prefill, then 28 decode steps, past several
     trims of the sliding caches: window 8) its logits are within the tolerance of llama.cpp's;
     the MXFP4 model's too."""
-    from p2pswarm.engine.kernels import use_kernel_for_dense
-
     path = oss_model(models_dir, variant)
     layout = ModelLayout.open(path)
-    model = load_dense(layout)
-    use_kernel_for_dense(model, "ggml")
+    model = load_dense(layout, "ggml")
     bank = make_bank(layout, "ggml")
     tokens = [(7 * i + 3) % 500 for i in range(48)]
     state = model.new_state()

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.parametrize("pkg", ["p2pswarm/net", "p2pswarm/market", "p2pswarm/backbone", "p2pswarm/worker",
                                  "p2pswarm/relay", "p2pswarm/commands",
-                                 "p2pswarm/model"])
+                                 "p2pswarm/model", "p2pswarm/engine"])
 def test_mypy_default_mode_is_clean(pkg):
     proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--no-incremental", pkg],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -2,11 +2,11 @@
 
     h = embed(tokens)
     for each layer:
-        h   = pre_moe(h)                 attention + residual (KV cache)
-        cur = ffn_input(h)               the rows the experts see
-        ids, w = route(cur)              authoritative, once, here
-        partials = await dispatcher.run_groups(layer, cur, groups(ids))
-        h   = post_moe(h, combine(ids, w, partials))
+        lin = layer_in(h)                attention + residual (KV cache), the rows the experts
+                                         see (lin.cur), the router's choice (lin.ids, lin.weights):
+                                         authoritative, once, here
+        partials = await dispatcher.run_groups(layer, lin.cur, groups(lin.ids))
+        h   = layer_out(lin, combine(lin.ids, lin.weights, partials))
     logits = output(h)
 
 ``combine`` sums the weighted expert outputs in top-k order, never in arrival order: that is what
@@ -17,7 +17,7 @@ runs inline, because the hop costs more than the work (:mod:`p2pswarm.offload`).
 
 :meth:`Backbone.forward_batch` runs one step for many sequences (the continuous-batching step the
 :mod:`p2pswarm.backbone.scheduler` drives): the dense path of all rows together (norms and
-projections as one set of mat-muls, ``model.pre_moe_batch``; only the attention / DeltaNet
+projections as one set of mat-muls, ``model.layer_in``; only the attention / DeltaNet
 recurrence per sequence on its own state), then the expert work of *all* rows in one
 :meth:`Dispatcher.run_groups` per layer, so each owner gets one request per layer whatever the
 number of sequences. With ``batch_invariant`` a piece of the step is batched across sequences only
@@ -42,7 +42,7 @@ from p2pswarm.backbone.dispatch import Dispatcher, Groups
 from p2pswarm.backbone.mtp import HiddenRows
 from p2pswarm.backbone.replay import ReplayStats
 from p2pswarm.backbone.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
-from p2pswarm.contracts import DenseModel
+from p2pswarm.contracts import DenseModel, LayerIn
 from p2pswarm.engine.state import SequenceState
 
 F32 = np.float32
@@ -96,17 +96,17 @@ class LayerTiming:
 
 @dataclass(frozen=True)
 class DenseInvariance:
-    """Which pieces of one layer's dense path give a row the same bits whatever other sequences'
-    rows share the call: ``pre_moe`` (norms, projections, gates, output projection; the attention /
-    recurrence is per sequence anyway), ``route`` (ffn_input + router) and ``post_moe`` (shared
-    expert, residual). The batch-invariant mode batches only those; the rest runs per sequence."""
+    """Which of one layer's two calls give a row the same bits whatever other sequences' rows
+    share the call: ``layer_in`` (norms, projections, gates, output projection, the experts' input
+    and the router; the attention / recurrence is per sequence anyway; a shared expert its graph
+    computes) and ``layer_out`` (shared expert, residual). The batch-invariant mode batches only
+    those; the other runs per sequence."""
 
-    pre_moe: bool
-    route: bool
-    post_moe: bool
+    layer_in: bool
+    layer_out: bool
 
 
-ALL_BATCHED = DenseInvariance(True, True, True)
+ALL_BATCHED = DenseInvariance(True, True)
 
 # Probe layouts: segment sizes (sequences' row counts) of batched calls of 70, 16 and 64 rows. They
 # share their first segments, so each segment's alone result is computed once; together they put
@@ -131,15 +131,15 @@ def _layer_signature(model, il: int) -> tuple:
 
 
 def probe_dense_invariance(model, il: int) -> DenseInvariance:
-    """Measure whether layer ``il``'s ``pre_moe_batch``, ``ffn_input`` + ``route`` and ``post_moe``
-    are row-invariant: each sequence of every :data:`_PROBE_LAYOUTS` batch, run alone on a fresh
+    """Measure whether layer ``il``'s ``layer_in`` (every array it returns) and ``layer_out`` are
+    row-invariant: each sequence of every :data:`_PROBE_LAYOUTS` batch, run alone on a fresh
     state, must give the bits it gets inside the batch (also on a fresh state).
 
     Why measured, not assumed: libggml's Q8_0 mat-mul (llamafile's tinyBLAS) is row-invariant, its
     K-quant path is not (another kernel from 8 rows), OpenBLAS's F32 GEMM is not (block edges), and
     which of those a layer uses depends on the file and the build. The state-carrying part (KV
     append, attention, DeltaNet conv + delta rule) runs per sequence in both, so fresh states
-    suffice. Costs 8 alone and 3 batched calls per piece and distinct layer signature, once."""
+    suffice. Costs 8 alone and 3 batched calls per call and distinct layer signature, once."""
     rng = np.random.default_rng(il + 1)
     E = model.n_embd
     n = max(sum(lay) for lay in _PROBE_LAYOUTS)
@@ -151,7 +151,7 @@ def probe_dense_invariance(model, il: int) -> DenseInvariance:
         return [(int(a), int(b)) for a, b in zip(at[:-1], at[1:])]
 
     def same(batched, alone) -> bool:
-        return all(np.array_equal(p, q) for p, q in zip(batched, alone))
+        return len(batched) == len(alone) and all(np.array_equal(p, q) for p, q in zip(batched, alone))
 
     def check(fn_batched, fn_alone) -> bool:
         memo: dict[tuple[int, int], list] = {}
@@ -165,25 +165,19 @@ def probe_dense_invariance(model, il: int) -> DenseInvariance:
                     return False
         return True
 
-    batch_fn = getattr(model, "pre_moe_batch", None)
+    def layer_in(segs) -> list[np.ndarray]:
+        lin = model.layer_in(il, x[segs[0][0]:segs[-1][1]], [(model.new_state(), 0, b - a) for a, b in segs])
+        return [lin.h, lin.cur, lin.ids, lin.weights, *(lin.extras[k] for k in sorted(lin.extras))]
 
-    def pre_batched(segs):
-        h = x[: segs[-1][1]]
-        return [batch_fn(il, h, [(model.new_state(), 0, b - a) for a, b in segs])]
-
-    pre = batch_fn is not None and check(pre_batched, lambda a, b: [model.pre_moe(il, x[a:b], model.new_state(), 0)])
-
-    def routed(rows):
-        cur = model.ffn_input(il, rows)
-        ids, w = model.route(il, cur)
-        return [cur, ids, w]
-
-    route = check(lambda segs: routed(x[: segs[-1][1]]), lambda a, b: routed(x[a:b]))
-    cur = model.ffn_input(il, y)
+    first = check(layer_in, lambda a, b: layer_in([(a, b)]))
+    # layer_out on rows with no extras: it computes what it adds (a shared expert) itself, as it
+    # does for a layer_in that did not
+    got = model.layer_in(il, y, [(model.new_state(), 0, n)])
+    lin = LayerIn(x, got.cur, got.ids, got.weights)
     moe = (0.1 * rng.standard_normal((n, E))).astype(F32)
-    post = check(lambda segs: [model.post_moe(il, x[: segs[-1][1]], cur[: segs[-1][1]], moe[: segs[-1][1]])],
-                 lambda a, b: [model.post_moe(il, x[a:b], cur[a:b], moe[a:b])])
-    return DenseInvariance(pre, route, post)
+    out = check(lambda segs: [model.layer_out(il, lin.rows(slice(0, segs[-1][1])), moe[: segs[-1][1]])],
+                lambda a, b: [model.layer_out(il, lin.rows(slice(a, b)), moe[a:b])])
+    return DenseInvariance(first, out)
 
 
 class Backbone:
@@ -254,8 +248,8 @@ class Backbone:
             m = self.model
             experts = self.dispatcher.local.row_invariance(m.n_layer, m.n_embd)
             w_out = m.w[m.output_name]
-            dense = getattr(m.w, "ggml_dense", None)
-            if not isinstance(w_out, np.ndarray) and dense is not None and hasattr(dense, "leading_rows"):
+            dense = m.backend.ggml
+            if not isinstance(w_out, np.ndarray) and dense is not None:
                 w_out = dense.leading_rows(m.output_name, 1024)  # the head's type and kernels, 1% of its rows
             output = not isinstance(w_out, np.ndarray) and invariant(lambda rows: rows @ w_out.T,
                                                                      probe_rows(m.n_embd))
@@ -281,7 +275,7 @@ class Backbone:
         """Feed tokens (all at once) after what ``state`` has seen; logits (T, n_vocab) for each.
 
         One sequence's :meth:`forward_batch`: the same bits, and one thread hop per layer (the
-        post_moe of a layer and the pre_moe of the next run in one hop) instead of three."""
+        layer_out of a layer and the layer_in of the next run in one hop) instead of three."""
         return (await self.forward_batch([(tokens, state)]))[0]
 
     async def forward_batch(self, items: list[tuple[object, SequenceState]], *, last_only: bool = False,
@@ -291,18 +285,18 @@ class Backbone:
         decode token fed after what its state has seen (every state at most once). Returns each
         item's logits, (T_i, n_vocab), or only its last row (1, n_vocab) with ``last_only``.
 
-        Per layer: ``pre_moe_batch`` over all rows (one set of dense mat-muls; KV / DeltaNet state
-        and positions per sequence), the router and the grouping over all rows, **one** dispatcher
+        Per layer: ``layer_in`` over all rows (one set of dense mat-muls; KV / DeltaNet state
+        and positions per sequence; the router), the grouping over all rows, **one** dispatcher
         call (one request per owner with every row it must compute, for all sequences), combine in
-        top-k order, post_moe, rows split back. In the batch-invariant mode each of those dense
-        pieces is batched only where :meth:`dense_invariance` measured it row-invariant, else run
+        top-k order, ``layer_out``, rows split back. In the batch-invariant mode each of the two
+        calls is batched only where :meth:`dense_invariance` measured it row-invariant, else run
         per sequence.
 
         ``verify[i]``: item i's tokens are *decode* positions of one sequence (a speculative
         decoding step: the sampled token and its drafts), each computed exactly as a one-token
         decode step computes it: where the model takes a verification chunk
         (``model.chunk_verify(il)``: qwen35moe's ggml layer graphs) and the probe found the layer's
-        dense path row-invariant, in ONE ``pre_moe_batch`` call per layer, the positions passed as
+        dense path row-invariant, in ONE ``layer_in`` call per layer, the positions passed as
         one-row segments of the sequence's state (the model steps the attention / DeltaNet part
         per position inside that call, so the dense weights are streamed once, not once per
         position); otherwise in rounds, one row of each such sequence per call
@@ -341,10 +335,10 @@ class Backbone:
                 self._probe_row_invariance()  # once: which groups the verifier may check row by row
             return self._pre_batch(0, m.embed(np.concatenate(toks)), spans, states, pos0, invariant, verify, pspans)
 
-        def after(il, h, cur, ids, w, groups, outs):
-            """post_moe of layer il and pre_moe of the next in ONE thread hop (each hop is a
+        def after(il, lin, groups, outs):
+            """layer_out of layer il and layer_in of the next in ONE thread hop (each hop is a
             wake-up; on a busy host those cost more than the arithmetic), or the lm head."""
-            h = self._post_batch(il, h, cur, ids, w, groups, outs, pspans, invariant)
+            h = self._post_batch(il, lin, groups, outs, pspans, invariant)
             if il + 1 < L:
                 return self._pre_batch(il + 1, h, spans, states, pos0, invariant, verify, pspans)
             if self.keep_hidden:  # the MTP drafter reads the trunk's last hidden states (backbone.mtp)
@@ -358,8 +352,8 @@ class Backbone:
             def whole():
                 res = first()
                 for il in range(L):
-                    h, cur, ids, w, groups = res
-                    res = after(il, h, cur, ids, w, groups, disp.run_groups_local(il, cur, groups))
+                    lin, groups = res
+                    res = after(il, lin, groups, disp.run_groups_local(il, lin.cur, groups))
                 return res
 
             with self._dense_piece():
@@ -375,12 +369,12 @@ class Backbone:
             # peer -> rows computed from its unverified outputs
             taint: dict[str, np.ndarray] | None = {} if self.replay_on_ban else None
             for il in range(L):
-                h, cur, ids, w, groups = res
+                lin, groups = res
                 t1 = time.perf_counter()
-                outs = await disp.run_groups(il, cur, groups, taint)
+                outs = await disp.run_groups(il, lin.cur, groups, taint)
                 timing.wait_s += time.perf_counter() - t1
                 with self._dense_piece():
-                    res = await off.run(partial(after, il, h, cur, ids, w, groups, outs), n_rows,
+                    res = await off.run(partial(after, il, lin, groups, outs), n_rows,
                                         ("after", il, invariant, last_only))
                 timing.layers += 1
             if taint:
@@ -405,53 +399,42 @@ class Backbone:
             state.n_past -= n - keep
         state.checkpoints, state.verified = {}, 0
 
-    def _pre_batch(self, il, h, spans, states, pos0, invariant, verify=None, pspans=None):
+    def _pre_batch(self, il, h, spans, states, pos0, invariant, verify=None, pspans=None) -> tuple[LayerIn, Groups]:
         m = self.model
-        inv = self.dense_invariance(il) if invariant else ALL_BATCHED
-        batch_fn = getattr(m, "pre_moe_batch", None)
+        batched = not invariant or self.dense_invariance(il).layer_in
         if verify is not None and any(verify):
-            chunk = getattr(m, "chunk_verify", None)
-            if inv.pre_moe and batch_fn is not None and chunk is not None and chunk(il):
+            if batched and m.chunk_verify(il):
                 # one call: a verified sequence's positions as one-row segments of its state (the
                 # model computes each as its decode step would and checkpoints it)
-                segs = []
+                segs: list[tuple[SequenceState, int, int]] = []
                 for sp, st, p, v in zip(spans, states, pos0, verify):
                     n = sp.stop - sp.start
                     segs += [(st, p + r, 1) for r in range(n)] if v else [(st, p, n)]
-                h = batch_fn(il, h, segs)
+                lin = m.layer_in(il, h, segs)
                 self.verify_calls["chunk"] += 1
             else:
-                h = self._pre_rounds(il, h, spans, states, pos0, verify, inv.pre_moe and batch_fn is not None)
+                lin = self._pre_rounds(il, h, spans, states, pos0, verify, batched)
                 self.verify_calls["rounds"] += 1
             spans = pspans
-        elif inv.pre_moe and batch_fn is not None:  # one set of dense mat-muls for every sequence's rows
-            h = batch_fn(il, h, [(st, p, sp.stop - sp.start) for sp, st, p in zip(spans, states, pos0)])
-        else:
-            h = np.concatenate([m.pre_moe(il, h[sp], st, p) for sp, st, p in zip(spans, states, pos0)])
-        if inv.route:
-            cur = m.ffn_input(il, h)
-            ids, w = m.route(il, cur)
-        else:  # e.g. the F32 router on OpenBLAS: per sequence
-            parts = [m.ffn_input(il, h[sp]) for sp in spans]
-            routed = [m.route(il, c) for c in parts]
-            cur = np.concatenate(parts)
-            ids = np.concatenate([r[0] for r in routed])
-            w = np.concatenate([r[1] for r in routed])
+        elif batched:  # one set of dense mat-muls for every sequence's rows
+            lin = m.layer_in(il, h, [(st, p, sp.stop - sp.start) for sp, st, p in zip(spans, states, pos0)])
+        else:  # e.g. K-quant projections, or the F32 router on OpenBLAS: per sequence
+            lin = LayerIn.gather(h.shape[0], [
+                (np.arange(sp.start, sp.stop), m.layer_in(il, h[sp], [(st, p, sp.stop - sp.start)]))
+                for sp, st, p in zip(spans, states, pos0)])
         if not invariant or self.row_invariant_experts:
-            groups = expert_groups(ids)  # one group per expert, all sequences: same bits per row
+            groups = expert_groups(lin.ids)  # one group per expert, all sequences: same bits per row
         else:
-            groups = self._invariant_groups(ids, spans)
-        return h, cur, ids, w, groups
+            groups = self._invariant_groups(lin.ids, spans)
+        return lin, groups
 
-    def _pre_rounds(self, il, h, spans, states, pos0, verify, batched: bool) -> np.ndarray:
-        """Layer ``il``'s pre_moe in rounds: round r holds row r of every verified sequence (one
+    def _pre_rounds(self, il, h, spans, states, pos0, verify, batched: bool) -> LayerIn:
+        """Layer ``il``'s layer_in in rounds: round r holds row r of every verified sequence (one
         decode position on its state, checkpointed after it) and, in round 0, every other
-        sequence's rows; each round is one ``pre_moe_batch`` call (``batched``) or one call per
+        sequence's rows; each round is one ``layer_in`` call (``batched``) or one call per
         sequence, as a step of one-token decodes would make it."""
         m = self.model
-        out = np.empty_like(h)
-        before = list(getattr(m, "_kept", ()))
-        calls: list[tuple[np.ndarray, np.ndarray]] = []
+        calls: list[tuple[np.ndarray, LayerIn]] = []
         n_rounds = max(sp.stop - sp.start for sp, v in zip(spans, verify) if v)
         for r in range(n_rounds):
             segs = []  # (rows of h, state, position of its first row, positions verified or 0)
@@ -462,22 +445,17 @@ class Backbone:
                     segs.append((np.arange(sp.start, sp.stop), st, p, 0))
             if batched:
                 idx = np.concatenate([s[0] for s in segs])
-                got = m.pre_moe_batch(il, np.ascontiguousarray(h[idx]), [(st, p, len(rows)) for rows, st, p, _ in segs])
-                out[idx] = got
-                calls.append((idx, got))
+                calls.append((idx, m.layer_in(il, np.ascontiguousarray(h[idx]),
+                                              [(st, p, len(rows)) for rows, st, p, _ in segs])))
             else:
                 for rows, st, p, _ in segs:
-                    got = m.pre_moe(il, np.ascontiguousarray(h[rows]), st, p)
-                    out[rows] = got
-                    calls.append((rows, got))
+                    calls.append((rows, m.layer_in(il, np.ascontiguousarray(h[rows]), [(st, p, len(rows))])))
             for _, st, _, n in segs:
                 # after each position but the last (keeping every position restores nothing): a
                 # DeltaNet layer's checkpoint is a copy of its state (4 MiB at the 122B's geometry)
                 if r < n - 1:
                     st.checkpoints.setdefault(il, []).append(st.layer_state(il).checkpoint())
-        if hasattr(m, "keep_rounds"):
-            m.keep_rounds(il, before, calls, out)
-        return out
+        return LayerIn.gather(h.shape[0], calls)
 
     def _invariant_groups(self, ids, spans) -> Groups:
         """Expert groups for the batch-invariant mode where the experts are not row-invariant: one
@@ -504,11 +482,11 @@ class Backbone:
         groups.sort(key=lambda g: (g[0], int(g[1][0])))
         return groups
 
-    def _post_batch(self, il, h, cur, ids, w, groups, outs, spans, invariant):
-        moe = combine_outputs(ids, w, groups, outs) if groups else np.zeros_like(cur)
-        if not invariant or self.dense_invariance(il).post_moe:
-            return self.model.post_moe(il, h, cur, moe)
-        return np.concatenate([self.model.post_moe(il, h[sp], cur[sp], moe[sp]) for sp in spans])
+    def _post_batch(self, il, lin: LayerIn, groups, outs, spans, invariant):
+        moe = combine_outputs(lin.ids, lin.weights, groups, outs) if groups else np.zeros_like(lin.cur)
+        if not invariant or self.dense_invariance(il).layer_out:
+            return self.model.layer_out(il, lin, moe)
+        return np.concatenate([self.model.layer_out(il, lin.rows(sp), moe[sp]) for sp in spans])
 
     def _output_batch(self, h, ospans, invariant):
         """Logits of each item's ``ospans`` (its rows, in one or more spans), per item."""

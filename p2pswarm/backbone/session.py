@@ -30,7 +30,7 @@ from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.ggml_kernel import default_threads
-from p2pswarm.engine.kernels import make_bank, resolve_kernel, use_kernel_for_dense
+from p2pswarm.engine.kernels import make_bank, resolve_kernel
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint, source_fingerprint
@@ -196,8 +196,7 @@ async def open_backbone(model_path, *, workers: int = 0, transport: str = "socke
     bank, fingerprint, cache = local_experts(layout, kernel, expert_cache, threads=threads,
                                              graph_cache_bytes=settings.GRAPH_CACHE_MB.get() << 20,
                                              scratch_keep_bytes=settings.SCRATCH_MB.get() << 20)
-    model = load_dense(layout)
-    use_kernel_for_dense(model, kernel, threads=threads)
+    model = load_dense(layout, kernel, threads=threads)
     # Workers on this host compute at the same time and share its CPUs; ggml's barriers spin, so
     # unless told otherwise each gets its share (the bits do not depend on the thread count).
     worker_threads = threads

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import threading
 
+from typing import cast
+
 import numpy as np
 
 from p2pswarm.engine.ops import rms_norm, silu
@@ -128,7 +130,7 @@ def delta_rule_step_inplace(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.n
     kq = np.stack([k0, q0], axis=2)  # (H, dk, 2)
     proj = np.matmul(M, kq)  # (H, dv, 2): S^T k and S^T q
     delta = b0[:, None] * (v0 - d[:, None] * proj[:, :, 0])
-    kdotq = np.sum(k0 * q0, axis=-1, dtype=F32)
+    kdotq = cast(np.ndarray, np.sum(k0 * q0, axis=-1, dtype=F32))  # (H,): a 2-D sum's rows
     o = (d[:, None] * proj[:, :, 1] + kdotq[:, None] * delta) * F32(1.0 / np.sqrt(dk))
     outer = _scratch(M.shape)
     np.einsum("hv,hk->hvk", delta, k0, out=outer)  # delta k^T, into reused memory (no page faults)

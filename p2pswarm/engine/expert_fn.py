@@ -31,7 +31,7 @@ _ACTIVATION = {"gpt-oss": SWIGLU_OAI}
 
 def activation(layout) -> str:
     """The expert activation of ``layout``'s architecture: ``swiglu`` or ``swiglu_oai``."""
-    return _ACTIVATION.get(getattr(layout, "arch", None), SWIGLU)
+    return _ACTIVATION.get(str(getattr(layout, "arch", "")), SWIGLU)
 
 
 def has_biases(layout) -> bool:

@@ -11,6 +11,7 @@ source model; a shard translates them to its local slabs.
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import numpy as np
 
@@ -58,9 +59,10 @@ class ExpertBank:
     def holds(self, layer: int, expert: int) -> bool:
         return layer in self.layers and self.expert_begin <= expert < self.expert_end
 
-    def _weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _weights(self, layer: int, expert: int) -> tuple[np.ndarray, ...]:
+        """(gate, up, down), and gpt-oss's three biases after them."""
         check_held(self, layer, expert)
-        return self.cache.get((layer, expert), lambda: self._load(layer, expert), _cost)
+        return cast(tuple[np.ndarray, ...], self.cache.get((layer, expert), lambda: self._load(layer, expert), _cost))
 
     def _load(self, layer: int, expert: int):
         tensors = self.layout.expert_tensors[layer]

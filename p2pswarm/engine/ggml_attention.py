@@ -40,8 +40,8 @@ import math
 import numpy as np
 
 from p2pswarm.engine import ggml_layers
-from p2pswarm.engine.ggml_dense import QuantisedMatrix
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, _InitParams
+from p2pswarm.engine.ggml_dense import GgmlDense, QuantisedMatrix
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlUnavailable, _InitParams
 from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
 from p2pswarm.engine.state import aligned_zeros
 
@@ -63,8 +63,7 @@ def graph_runner(model, sinks: bool = False) -> GgmlRunner | None:
     """The ggml runner that computes ``model``'s attention layers as one graph, or None (the numpy /
     portable kernels, a libggml without the ops, or the model's ``attention_graph`` off): the
     per-piece path then. ``sinks``: gpt-oss's graph (:func:`sink_attention`)."""
-    dense = getattr(model.w, "ggml_dense", None)
-    runner = dense.runner if dense is not None else None
+    runner = model.backend.runner
     return runner if model.attention_graph and available(runner, sinks) else None
 
 
@@ -72,7 +71,7 @@ def available(runner: GgmlRunner | None, sinks: bool = False) -> bool:
     """Whether ``runner``'s libggml has every op the layer graph uses (``sinks``: gpt-oss's, see
     :func:`sink_attention`), else the per-piece path."""
     ops = _OPS + _SINK_OPS if sinks else _OPS
-    return runner is not None and all(getattr(runner.lib, n, None) is not None for n in ops)
+    return runner is not None and runner.lib.has(*ops)
 
 
 class _LayerTensors:
@@ -84,13 +83,13 @@ class _LayerTensors:
     of its own. ``proj`` and ``vectors`` name them (after ``blk.N.``); a name the file does not
     have (an optional bias) is left out of ``t``."""
 
-    def __init__(self, runner: GgmlRunner, w, il: int, proj=_PROJ, vectors=_NORMS):
+    def __init__(self, dense: GgmlDense, w, il: int, proj=_PROJ, vectors=_NORMS):
+        runner = dense.runner
         lib = runner.lib
-        dense = w.ggml_dense
         p = f"blk.{il}."
         self.lib = lib
         self.ctx = None
-        self.t: dict[str, int] = {}
+        self.t: dict[str, int | None] = {}  # (None: not mapped; copied below)
         copies: dict[str, np.ndarray] = {}
         for n in proj:
             m = w[p + n]
@@ -129,12 +128,12 @@ class _LayerTensors:
             pass
 
 
-def layer_tensors(model, il: int, runner: GgmlRunner, proj=_PROJ, vectors=_NORMS) -> _LayerTensors:
-    """The layer's kept ggml weights (made on first use, cached on the model)."""
-    cache = model.__dict__.setdefault("_ggml_attention_tensors", {})
+def layer_tensors(model, il: int, proj=_PROJ, vectors=_NORMS) -> _LayerTensors:
+    """The layer's kept ggml weights (made on first use, kept by the model's ggml engine)."""
+    cache = model.backend.ggml.attention_layers
     got = cache.get(il)
     if got is None:
-        got = cache[il] = _LayerTensors(runner, model.w, il, proj, vectors)
+        got = cache[il] = _LayerTensors(model.backend.ggml, model.w, il, proj, vectors)
     return got
 
 
@@ -205,7 +204,7 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
     step's new keys and values go in by ``ggml_set_rows`` at positions that are input data (as
     llama.cpp writes its cache), not by copies onto views whose offsets would be part of the graph."""
     lib = runner.lib
-    lt = layer_tensors(model, il, runner)
+    lt = layer_tensors(model, il)
     T, E = h.shape
     H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
     q_w = H * hd
@@ -280,7 +279,7 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     Why one graph: the per-piece path is ~10 graphs and numpy between them per decode step, and
     numpy's attention grows with the context on one core (see gptoss.py)."""
     lib = runner.lib
-    lt = layer_tensors(model, il, runner, _SINK_PROJ, _SINK_VECTORS)
+    lt = layer_tensors(model, il, _SINK_PROJ, _SINK_VECTORS)
     T, E = h.shape
     H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
     q_w, kv_w = H * hd, Hkv * hd
@@ -327,7 +326,10 @@ def _ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTenso
     """post_attention_norm(res) and what it feeds besides the routed experts, added to the layer's
     graph: ``(numpy view of the norm, {"logits" | "shared": numpy view})``."""
     lib = runner.lib
-    cur = lib.mul(g.ctx, lib.rms_norm(g.ctx, res, model.eps), lt.t["post_attention_norm.weight"])
+    mul, rms_norm = lib.mul, lib.rms_norm
+    if mul is None or rms_norm is None:  # (callers ask available() first)
+        raise GgmlUnavailable("this libggml lacks ggml_mul or ggml_rms_norm")
+    cur = mul(g.ctx, rms_norm(g.ctx, res, model.eps), lt.t["post_attention_norm.weight"])
     lib.build_forward_expand(g.graph, cur)
     extras = ggml_layers.moe_inputs(model, il, runner, g.ctx, g.graph, cur, T)
     return f32_view(lib, cur, (T, model.n_embd)), extras
@@ -460,7 +462,7 @@ def rms_norm_rows(model, runner: GgmlRunner, name: str, h: np.ndarray) -> np.nda
     """``rms_norm(h) * w`` by ggml (llama.cpp's ``build_norm``), ``w`` the file's F32 tensor ``name``
     on the memory map; None where ``w`` is not F32."""
     lib = runner.lib
-    w = model.w.ggml_dense.f32_vector(name)
+    w = model.backend.ggml.f32_vector(name)
     if w is None:
         return None
     T, E = h.shape

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, _InitParams
+from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GgmlUnavailable, _InitParams
 from p2pswarm.engine.ggml_runner import GgmlRunner, f32_view
 from p2pswarm.engine.ggml_runner import place_tensor as _place
 
@@ -29,10 +29,10 @@ F32 = np.float32
 
 def available(runner: GgmlRunner | None) -> bool:
     """Whether ``runner``'s libggml has the op (ggml 0.25's; an older library falls back to numpy)."""
-    return runner is not None and getattr(runner.lib, "gated_delta_net", None) is not None
+    return runner is not None and runner.lib.has("gated_delta_net")
 
 
-def gated_delta_net(runner: GgmlRunner, segs: list[tuple[np.ndarray, ...]]) -> list[np.ndarray]:
+def gated_delta_net(runner: GgmlRunner, segs: list[tuple]) -> list[np.ndarray]:
     """The gated delta rule for several sequences in one ggml graph, each carrying its own state.
 
     ``segs``: one ``(q, k, v, g, beta, state)`` per sequence: q, k (T, Hk, d) l2-normalised, v
@@ -41,6 +41,9 @@ def gated_delta_net(runner: GgmlRunner, segs: list[tuple[np.ndarray, ...]]) -> l
     tiles them. Returns each sequence's o (T, Hv, d) float32.
     """
     lib = runner.lib
+    delta_rule = lib.gated_delta_net
+    if delta_rule is None:  # (callers ask available() first)
+        raise GgmlUnavailable("this libggml has no ggml_gated_delta_net")
     n_in = sum(q.size + k.size + v.size + g.size + b.size for q, k, v, g, b, _ in segs)
     n_out = sum(v.size + st.S.size for _, _, v, _, _, st in segs if v.shape[0] > 1)
     n_tensors = 8 * len(segs)
@@ -72,10 +75,10 @@ def gated_delta_net(runner: GgmlRunner, segs: list[tuple[np.ndarray, ...]]) -> l
                 s_in = lib.new_tensor_3d(meta, GGML_TYPE_F32, d, dv, Hv)
                 _place(lib, buf, s_in, st.buf.ctypes.data + 4 * st.head)
                 if T == 1:
-                    op = lib.gated_delta_net(meta, *ins, s_in, 1)
+                    op = delta_rule(meta, *ins, s_in, 1)
                     _place(lib, buf, op, st.buf.ctypes.data)  # [o | new state] onto [head | S]
                 else:
-                    op = lib.gated_delta_net(ctx, *ins, s_in, 1)
+                    op = delta_rule(ctx, *ins, s_in, 1)
                 lib.build_forward_expand(graph, op)
                 results.append(op)
             runner.compute(graph, macs)

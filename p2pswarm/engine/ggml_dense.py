@@ -3,7 +3,7 @@
 Split from :mod:`p2pswarm.engine.ggml_kernel` (library loading, the graph runner, mapped weights):
 the dense tensors of a model (attention, DeltaNet projections, shared expert, embedding, lm head)
 stay in the memory map as :class:`QuantisedMatrix` objects that numpy code multiplies as if they
-were arrays (:func:`p2pswarm.engine.kernels.use_kernel_for_dense` installs them).
+were arrays (:meth:`p2pswarm.engine.backend.DenseBackend.take` installs them at load).
 """
 from __future__ import annotations
 
@@ -239,6 +239,13 @@ class GgmlDense:
                                  keep_bytes=settings.SCRATCH_MB.get() << 20)
         self._mapped = map_layout(self.lib, layout)
         self._to_float32 = to_float32
+        self._by_name: dict | None = None
+        self._vectors: dict[str, object] = {}  # f32_vector's, by name
+        #: the one-graph DeltaNet layers' ggml tensors by layer, None where one cannot run
+        #: (p2pswarm.engine.ggml_layers.deltanet_layer_weights)
+        self.deltanet_layers: dict[int, object] = {}
+        #: the one-graph attention layers' ggml tensors by layer (p2pswarm.engine.ggml_attention.layer_tensors)
+        self.attention_layers: dict[int, object] = {}
 
     def eligible(self, t) -> bool:
         """Quantised 2-D tensors that are not routed experts (those are the expert bank's)."""
@@ -279,16 +286,14 @@ class GgmlDense:
     def f32_vector(self, name: str):
         """The file's F32 tensor ``name`` (a norm's weight) as a ggml tensor on the memory map, made
         once and kept; None if it is not F32."""
-        vectors = self.__dict__.setdefault("_vectors", {})
-        if name not in vectors:
-            vectors[name] = self.mapped(name, types=(GGML_TYPE_F32,))
-        return vectors[name]
+        if name not in self._vectors:
+            self._vectors[name] = self.mapped(name, types=(GGML_TYPE_F32,))
+        return self._vectors[name]
 
     def _tensors_by_name(self) -> dict:
-        by_name = self.__dict__.get("_by_name")
-        if by_name is None:
-            by_name = self._by_name = {t.name: t for t in self.layout.reader.tensors}
-        return by_name
+        if self._by_name is None:
+            self._by_name = {t.name: t for t in self.layout.reader.tensors}
+        return self._by_name
 
     def leading_rows(self, name: str, rows: int) -> QuantisedMatrix:
         """The first ``rows`` rows of quantised tensor ``name`` as their own matrix (same bytes, same

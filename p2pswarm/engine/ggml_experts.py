@@ -7,11 +7,12 @@ layer through one ``ggml_mul_mat_id`` per projection, as llama.cpp builds a MoE 
 from __future__ import annotations
 
 import ctypes
+from typing import Any, cast
 
 import numpy as np
 
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, load_libggml
-from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
+from p2pswarm.engine.ggml_runner import GgmlRunner, _data, _i32_view, f32_view
 from p2pswarm.engine import expert_fn
 from p2pswarm.engine.experts import check_held
 from p2pswarm.engine.ggml_inputs import INPUT_FORMS, InputQuantiser, form_for
@@ -21,8 +22,8 @@ from p2pswarm.errors import ModelFormatError, UserError
 
 def _u8_view(lib: GgmlLib, tensor, shape: tuple[int, int]) -> np.ndarray:
     """A numpy view of a tensor's bytes as (rows, row bytes) (an input already in a quantised form)."""
-    buf = (ctypes.c_char * (shape[0] * shape[1])).from_address(lib.get_data(tensor))
-    return np.frombuffer(buf, dtype=np.uint8).reshape(shape)
+    buf = (ctypes.c_char * (shape[0] * shape[1])).from_address(_data(lib, tensor))
+    return np.frombuffer(cast(Any, buf), dtype=np.uint8).reshape(shape)  # (a ctypes array is a buffer)
 
 
 class GgmlExpertBank:
@@ -229,7 +230,7 @@ class GgmlExpertBank:
             for k, out in zip(ks, self._forward_once(layer, rows, [groups[k][0] for k in ks], [idxs[k] for k in ks],
                                                      form)):
                 result[k] = out
-        return result
+        return cast(list[np.ndarray], result)  # every group's, filled by its round
 
     def _forward_once(self, layer: int, rows: np.ndarray, experts: list[int], idxs: list[np.ndarray],
                       form: str | None = None) -> list[np.ndarray]:

@@ -53,7 +53,7 @@ def form_for(lib, weight_types, n_embd: int) -> str | None:
     if len(forms) != 1 or None in forms:
         return None
     form = forms.pop()
-    return form if n_embd % INPUT_FORMS[form][1] == 0 else None
+    return form if form is not None and n_embd % INPUT_FORMS[form][1] == 0 else None
 
 
 class InputQuantiser:
@@ -68,7 +68,10 @@ class InputQuantiser:
         t, block, block_bytes = INPUT_FORMS[form]
         fn = self._fns.get(form)
         if fn is None:
-            fn = self._fns[form] = _FROM_FLOAT(_traits(self.lib, t).from_float)
+            traits = _traits(self.lib, t)
+            if traits is None:  # (form_for gives no form without the traits)
+                raise ValueError(f"libggml has no type traits for input form {form}")
+            fn = self._fns[form] = _FROM_FLOAT(traits.from_float)
         rows = np.ascontiguousarray(rows, dtype=np.float32)
         n, e = rows.shape
         out = np.empty((n, e // block * block_bytes), np.uint8)

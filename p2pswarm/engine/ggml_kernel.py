@@ -325,6 +325,11 @@ class GgmlLib:
         self.tensor_overhead_bytes = int(self.tensor_overhead())
         self.kernel_id = make_kernel_id(self.ggml_version, self.ggml_commit, platform.machine(), self.features)
 
+    def has(self, *ops: str) -> bool:
+        """Whether this library binds every op in ``ops`` (names without ``ggml_``): the optional
+        ones (:data:`_OPTIONAL_SIG`) are None where the library is too old to have them."""
+        return all(self.__dict__.get(op) is not None for op in ops)
+
     def describe(self) -> str:
         return f"{self.kernel_id} (ggml {self.ggml_version} {self.ggml_commit}, {self.origin}: {self.lib_dir})"
 

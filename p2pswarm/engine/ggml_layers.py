@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32
 from p2pswarm.engine.ggml_runner import f32_view
 from p2pswarm.engine.state import aligned_zeros
@@ -56,12 +57,10 @@ def deltanet_layer_weights(model, il: int) -> DeltaNetLayerWeights | None:
     """Layer ``il``'s tensors as ggml tensors, made on first use and kept on the model's
     :class:`~p2pswarm.engine.ggml_dense.GgmlDense`; None where the one-graph layer cannot run
     (no ggml dense path, an op missing from the library, a tensor type ggml cannot map)."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # avoids an import cycle
-
-    dense = getattr(model.w, "ggml_dense", None)
+    dense = model.backend.ggml
     if dense is None:
         return None
-    cache = dense.__dict__.setdefault("_deltanet_layers", {})
+    cache = dense.deltanet_layers
     if il in cache:
         return cache[il]
     lib = dense.lib
@@ -69,7 +68,7 @@ def deltanet_layer_weights(model, il: int) -> DeltaNetLayerWeights | None:
         if il in cache:
             return cache[il]
         got = None
-        if all(getattr(lib, op, None) is not None for op in DELTANET_OPS):
+        if lib.has(*DELTANET_OPS):
             try:
                 got = _map_layer(model, dense, il, QuantisedMatrix)
             except ModelFormatError:  # e.g. a tensor type the ggml kernel does not take
@@ -158,7 +157,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     positions after it can be dropped (speculative decoding's rollback).
     """
     stepped = stepped or {}
-    dense = model.w.ggml_dense
+    dense = model.backend.ggml
     r = dense.runner
     lib = r.lib
     t = lw.t
@@ -324,8 +323,6 @@ def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
     The same ops on the same rows as the stand-alone graphs (:meth:`QuantisedMatrix.rmatmul_t`,
     :func:`~p2pswarm.engine.ggml_dense.fused_swiglu`), so the same bits: a lone row is multiplied
     by the F32 router padded to two rows (the single-row kernel is 1 ulp off), as there."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # avoids an import cycle
-
     lib = runner.lib
     w = model.w
     p = f"blk.{il}."
@@ -340,7 +337,7 @@ def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
         out["logits"] = f32_view(lib, logits, (T, router.shape[0]))
     if _has_shared(model, il):
         mats = [w[p + n + ".weight"] for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
-        gate_inp = w.ggml_dense.f32_vector(p + "ffn_gate_inp_shexp.weight")
+        gate_inp = model.backend.ggml.f32_vector(p + "ffn_gate_inp_shexp.weight")
         if gate_inp is not None and all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in mats):
             g, u, d = (m.tensor for m in mats)
             s = lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, cur), lib.mul_mat(ctx, u, cur)))
@@ -358,9 +355,8 @@ def moe_input_floats(model, il: int, T: int) -> int:
 
 
 def _has_shared(model, il: int) -> bool:
-    """Whether layer ``il`` has a shared expert (an architecture without the attribute has none)."""
-    shared = getattr(model, "shared_expert", None)
-    return bool(shared and shared[il])
+    """Whether layer ``il`` has a shared expert."""
+    return bool(model.shared_expert[il])
 
 
 def _l2(lib, ctx, x, n: int, eps: float):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from p2pswarm.engine.ggml_dense import GgmlDense, QuantisedMatrix
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES
 from p2pswarm.engine.ggml_runner import _i32_view, f32_view
 from p2pswarm.engine.mla import YARN_BETA_FAST, YARN_BETA_SLOW
@@ -52,10 +53,9 @@ class HeadMatrices:
                                    H * T * in_n * out_n)
 
 
-def head_matrices(w, name: str) -> "HeadMatrices | None":
-    """``name`` as :class:`HeadMatrices` where the ggml kernel holds the dense path (``w.ggml_dense``)
-    and the tensor is quantised; None otherwise (the caller multiplies float32)."""
-    dense = getattr(w, "ggml_dense", None)
+def head_matrices(dense: GgmlDense | None, name: str) -> "HeadMatrices | None":
+    """``name`` as :class:`HeadMatrices` where the ggml kernel holds the dense path (``dense``, the
+    model's backend's engine) and the tensor is quantised; None otherwise (the caller multiplies float32)."""
     if dense is None:
         return None
     t = dense._tensors_by_name().get(name)
@@ -94,10 +94,8 @@ def core_available(model) -> bool:
     projections are its quantised matrices, the split MLA tensors are quantised
     (:class:`HeadMatrices`), the norms are F32 and libggml has the ops. Otherwise the caller keeps
     its numpy path (an F32 model: float32 math within llama.cpp's tolerance, not its bits)."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix  # avoids an import cycle
-
-    dense = getattr(model.w, "ggml_dense", None)
-    if dense is None or not model.split_kv_b or not all(getattr(dense.runner.lib, n, None) for n in _OPS):
+    dense = model.backend.ggml
+    if dense is None or not model.split_kv_b or not dense.lib.has(*_OPS):
         return False
     for il in range(model.n_layer):
         k_b, v_b = model._kv_b_halves(il)
@@ -133,7 +131,7 @@ def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
     a softmax weight of exactly 0 times a finite (zero or stale) cache value adds exact zeros."""
     from p2pswarm.engine.ggml_attention import kv_span  # one padding rule for both
 
-    dense = model.w.ggml_dense
+    dense = model.backend.ggml
     runner = dense.runner
     lib = runner.lib
     w, p = model.w, f"blk.{il}."
@@ -233,16 +231,15 @@ def gate_probs(W, cur: np.ndarray, gating: str) -> tuple[np.ndarray, np.ndarray]
     None unless ``W`` is a ggml matrix (the ggml kernel's router) and libggml has the ops. Why:
     ggml's sigmoid is the C library's ``expf`` (vectorised), 1 ulp from numpy's ``exp`` in ~1 value
     of 6, and a weight 1 ulp off changes every routed output's last bits."""
-    runner = getattr(W, "runner", None)
-    lib = runner.lib if runner is not None else None
-    if lib is None or getattr(lib, "sigmoid", None) is None or getattr(lib, "soft_max_ext", None) is None:
+    if not isinstance(W, QuantisedMatrix) or not W.runner.lib.has("sigmoid", "soft_max_ext"):
         return None
+    runner, lib = W.runner, W.runner.lib
     cur = np.ascontiguousarray(cur, dtype=np.float32)
     n, n_in = cur.shape
     n_out = W.shape[0]
     if n == 0:
         return None
-    rows = max(n, getattr(W, "min_rows", 1))  # the router's one-row kernel differs: pad as QuantisedMatrix does
+    rows = max(n, W.min_rows)  # the router's one-row kernel differs: pad as QuantisedMatrix does
     x = cur if rows == n else np.concatenate([cur, np.repeat(cur[-1:], rows - n, axis=0)])
 
     def build(g):

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from typing import Any, cast
+
 import numpy as np
 
 from p2pswarm.engine.cpu_share import free_cpus
@@ -63,7 +65,7 @@ class GgmlRunner:
         self._backend = lib.backend_cpu_init()
         if not self._backend:
             raise GgmlUnavailable("ggml_backend_cpu_init failed")
-        self._ctx = None
+        self._ctx: int | None = None
         self._ctx_bytes = 0
         self.lock = threading.Lock()
         #: kept graphs (:meth:`graph`): key -> Graph, least recently used first
@@ -283,9 +285,10 @@ class Graph:
     def __init__(self, lib: GgmlLib, ctx, *, kept: bool, nbytes: int):
         self.lib = lib
         self.ctx = ctx
-        self.meta = None
-        self.graph = None
-        self.t = None
+        self.meta: int | None = None  # ggml_context* of tensors placed on outside memory
+        self.graph: int | None = None  # ggml_cgraph*
+        #: what the builder returned (the numpy views of its inputs and outputs), as it made them
+        self.t: Any = None
         self.buffers: list = []
         self.keep: list = []
         self.kept = kept
@@ -332,13 +335,21 @@ def f32_view(lib: GgmlLib, tensor, shape: tuple[int, ...]) -> np.ndarray:
     n = 1
     for d in shape:
         n *= d
-    buf = (ctypes.c_char * (4 * n)).from_address(lib.get_data(tensor))
-    return np.frombuffer(buf, dtype=np.float32).reshape(shape)
+    buf = (ctypes.c_char * (4 * n)).from_address(_data(lib, tensor))
+    return np.frombuffer(cast(Any, buf), dtype=np.float32).reshape(shape)  # (a ctypes array is a buffer)
 
 
 def _i32_view(lib: GgmlLib, tensor, n: int) -> np.ndarray:
     """A numpy view of an I32 ggml tensor's n values."""
-    return np.ctypeslib.as_array(ctypes.cast(lib.get_data(tensor), ctypes.POINTER(ctypes.c_int32)), shape=(n,))
+    return np.ctypeslib.as_array(ctypes.cast(_data(lib, tensor), ctypes.POINTER(ctypes.c_int32)), shape=(n,))
+
+
+def _data(lib: GgmlLib, tensor) -> int:
+    """The address of a tensor's data; a tensor with none (not yet allocated) is our bug."""
+    addr = lib.get_data(tensor)
+    if not addr:
+        raise RuntimeError("a ggml tensor without data")
+    return addr
 
 
 # ---- weights that are views of the memory map ---------------------------------------------------

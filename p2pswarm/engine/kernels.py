@@ -25,9 +25,7 @@ from __future__ import annotations
 import logging
 
 from p2pswarm import settings
-from p2pswarm.contracts import DenseModel, DenseWeights
 from p2pswarm.contracts import ExpertBank as ExpertBankProtocol
-from p2pswarm.engine.blas import single_threaded_blas
 from p2pswarm.engine.experts import ExpertBank, default_cache_bytes
 from p2pswarm.errors import UserError
 
@@ -140,47 +138,3 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
 
     return GgmlExpertBank(layout, threads=threads, graph_cache_bytes=graph_cache_bytes,
                           scratch_keep_bytes=scratch_keep_bytes)
-
-
-def use_kernel_for_dense(model: DenseModel, kernel: str | None = "auto", *, threads: int | None = None) -> int:
-    """Let ``kernel`` compute the dense path's quantised mat-muls; returns how many tensors it took.
-
-    With ``ggml``, every quantised 2-D dense tensor (attention, shared expert, embedding, lm head)
-    stays in the memory map as a :class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`: a strong node
-    holds the model at its quantised size, and its dense mat-muls get llama.cpp's numerics too.
-    In a quantised model so does the float32 router (``ffn_gate_inp``: llama.cpp's F32 mat-mul, one
-    kernel for any row count, so the batch-invariant mode can route all sequences' rows in one
-    call); an all-float file keeps numpy's dense path whole. Other F32/F16/BF16 tensors and the
-    norms are untouched. Returns the number of quantised tensors taken. With ``numpy`` nothing changes, nor
-    with ``portable``: the dense path runs only on the backbone, outside what must agree across ISAs.
-    With ``ggml`` numpy's BLAS is also limited to one thread (see :mod:`p2pswarm.engine.blas`), and
-    every page of the model file is mapped now, as llama.cpp's loader does
-    (:func:`~p2pswarm.engine.ggml_runner.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in).
-
-    Works on any architecture whose weights object is a :class:`p2pswarm.contracts.DenseWeights`
-    (the matrices are handed to its ``provide``, so the architecture code is not touched).
-    """
-    if resolve_kernel(kernel) in ("numpy", "portable"):
-        return 0
-    from p2pswarm.engine.ggml_dense import GgmlDense
-    from p2pswarm.engine.ggml_runner import populate
-
-    w = model.w
-    if not isinstance(w, DenseWeights):
-        log.warning("dense weights of %s cannot take kernel matrices; dense path stays on numpy", type(model).__name__)
-        return 0
-    dense = GgmlDense(model.layout, threads=threads)
-    single_threaded_blas()
-    if settings.POPULATE.get():
-        for part in model.layout.parts:
-            populate(part.data)
-    n = 0
-    for t in model.layout.reader.tensors:
-        if dense.eligible(t) and not w.is_loaded(t.name) and w.provide(t.name, dense.matrix(t)):
-            n += 1
-    if n:  # a quantised model: its F32 routers too (an all-F32 file keeps numpy's dense path whole)
-        for t in model.layout.reader.tensors:
-            if dense.router(t) and not w.is_loaded(t.name):
-                w.provide(t.name, dense.matrix(t))
-    w.ggml_dense = dense  # keeps the runner and the mapped tensors alive with the weights
-    return n

@@ -373,6 +373,7 @@ class PortableExpertBank:
         self.expert_begin = layout.expert_begin
         self.expert_end = layout.expert_end
         self.n_embd = int(layout.hparam("embedding_length", required=True))
+        self.ops: NativeOps | NumpyOps
         if implementation == "numpy":
             self.ops = NumpyOps()
         elif implementation == "c":
@@ -470,7 +471,7 @@ class PortableExpertBank:
         n = x.shape[0]
         if n == 0:
             return np.zeros((0, self.n_embd), np.float32)
-        if self.implementation == "c" and (self._pool is None or n * gate[2] * gate[3] < self.min_macs_parallel):
+        if isinstance(self.ops, NativeOps) and (self._pool is None or n * gate[2] * gate[3] < self.min_macs_parallel):
             return self.ops.expert(gate, up, down, self._base, x)  # one thread: one C call for all of it
         ag = self._act(gate[0], x)
         au = ag if up[0] == gate[0] else self._act(up[0], x)

@@ -17,6 +17,7 @@ of the unsplit one. Only byte access differs: a merged-file offset is mapped to 
 from __future__ import annotations
 
 import bisect
+import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ def split_path(prefix: str | Path, no: int, count: int) -> Path:
     return Path(f"{prefix}-{no + 1:05d}-of-{count:05d}.gguf")
 
 
-def split_prefix(path: str | Path, no: int, count: int) -> str | None:
+def split_prefix(path: str | os.PathLike, no: int, count: int) -> str | None:
     """The prefix of part ``no`` of ``count`` named ``path`` (llama.cpp's ``llama_split_prefix``),
     or None when the name does not end as that part's name must."""
     s = str(path)
@@ -129,7 +130,7 @@ def is_split(reader: GGUFReader) -> bool:
     return KEY_SPLIT_COUNT in reader.fields
 
 
-def check_first_part(path: str | Path, reader: GGUFReader) -> None:
+def check_first_part(path: str | os.PathLike, reader: GGUFReader) -> None:
     """A one-line :class:`ModelFormatError` when ``path`` is a split model's part other than the
     first (for readers of metadata only, which the first part holds: the tokenizer)."""
     no = _int_key(reader, KEY_SPLIT_NO, Path(path)) if is_split(reader) else None

@@ -1,29 +1,39 @@
-"""Dense paths by GGUF architecture name. ``load_dense(layout)`` picks the right one."""
+"""Dense paths by GGUF architecture name. ``load_dense(layout, kernel)`` picks the right one and
+gives it its backend (:class:`~p2pswarm.engine.backend.DenseBackend`), chosen once, here."""
 from __future__ import annotations
 
 import gc
+from typing import Callable
 
 from p2pswarm import settings
 from p2pswarm.contracts import DenseModel
+from p2pswarm.engine.backend import DenseBackend, open_backend
+from p2pswarm.engine.kernels import resolve_kernel
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
 
 
-def load_dense(layout: ModelLayout) -> DenseModel:
+def load_dense(layout: ModelLayout, kernel: str | None = "numpy", *, threads: int | None = None) -> DenseModel:
+    """The dense path of ``layout``'s architecture on ``kernel``'s backend (``numpy``: the reference,
+    also the ``portable`` kernel's; ``ggml``; ``auto``/None: as :func:`~p2pswarm.engine.kernels.resolve_kernel`
+    says). ``threads``: the ggml runner's. Its ``backend.tensors`` says how many quantised dense
+    tensors ggml took (0: an all-float file, whose numpy dense path stays whole)."""
     from p2pswarm.engine.arch.deepseek2 import DeepSeek2
     from p2pswarm.engine.arch.glm4moe import Glm4MoE
     from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
     from p2pswarm.engine.arch.gptoss import GptOss
     from p2pswarm.engine.arch.qwen35moe import Qwen35MoE
 
-    archs = {"qwen3moe": Qwen3MoE, "qwen35moe": Qwen35MoE, "gpt-oss": GptOss, "glm4moe": Glm4MoE,
-             "deepseek2": DeepSeek2}
+    archs: dict[str, Callable[[ModelLayout, DenseBackend], DenseModel]] = {
+        "qwen3moe": Qwen3MoE, "qwen35moe": Qwen35MoE, "gpt-oss": GptOss, "glm4moe": Glm4MoE, "deepseek2": DeepSeek2}
     cls = archs.get(layout.arch)
     if cls is None:
         raise ModelFormatError(
             f"{layout.path}: no engine for architecture {layout.arch!r} yet (supported: {', '.join(archs)})"
         )
-    model = cls(layout)
+    backend = open_backend(layout, resolve_kernel(kernel), threads=threads)
+    model = cls(layout, backend)
+    backend.take(layout, model.w)
     if settings.GC_FREEZE.get():
         _freeze_loaded_objects()
     return model

@@ -1,5 +1,6 @@
-"""What the dense paths of deepseek2, glm4moe and gpt-oss share: reading a numeric hyper-parameter
-with a one-line error, and checking the tensors a forward pass reads.
+"""What the dense paths share: a layer's one call in and one call out composed of the
+architecture's pieces (:class:`LayerByPieces`), reading a numeric hyper-parameter with a one-line
+error, and checking the tensors a forward pass reads.
 
 Why here: each architecture's loader refuses a bad GGUF at load with the key or tensor named
 (never a numpy traceback mid-request); the rule for what counts as a bad key or a wrong shape is
@@ -7,9 +8,41 @@ one rule, so it lives once.
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 
+from p2pswarm.contracts import LayerIn
 from p2pswarm.errors import ModelFormatError
+
+
+class LayerByPieces:
+    """:meth:`~p2pswarm.contracts.DenseModel.layer_in` / ``layer_out`` from an architecture's
+    pieces, in order: ``pre_moe_batch`` (attention, residual), ``ffn_input`` (the experts' input),
+    ``route``; then ``post_moe``. An architecture whose layer runs as one ggml graph
+    (qwen35moe, gpt-oss) takes the graph's results instead, and the pieces where it cannot run."""
+
+    pre_moe_batch: Callable[[int, np.ndarray, list[tuple[Any, int, int]]], np.ndarray]
+    ffn_input: Callable[[int, np.ndarray], np.ndarray]
+    route: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
+    post_moe: Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+    def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[Any, int, int]]) -> LayerIn:
+        return self.routed(il, self.pre_moe_batch(il, h, segments))
+
+    def routed(self, il: int, h: np.ndarray) -> LayerIn:
+        """``h`` (after the attention) with its experts' input and the router's choice."""
+        cur = self.ffn_input(il, h)
+        ids, w = self.route(il, cur)
+        return LayerIn(h, cur, ids, w)
+
+    def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
+        return self.post_moe(il, lin.h, lin.cur, moe)
+
+    def chunk_verify(self, il: int) -> bool:
+        """No verification chunk in one call: the per-piece path's attention would multiply a
+        chunk's rows by the cache in one BLAS call (other bits than one row's)."""
+        return False
 
 
 def model_error(layout):

@@ -20,12 +20,15 @@ kernels it already has, three mat-muls per expert.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
-from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
+from p2pswarm.engine.arch.common import LayerByPieces, check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
+from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import SequenceState
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -39,12 +42,13 @@ class _Weights(DenseWeights):
         return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-class DeepSeek2:
+class DeepSeek2(LayerByPieces):
     """deepseek2: MLA attention, leading dense layers, routed + shared experts."""
 
     arch = "deepseek2"
 
-    def __init__(self, layout: ModelLayout):
+    def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
+        self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
         self.layout = layout
         bad, num = model_error(layout), number_reader(layout, self.arch)
 
@@ -97,7 +101,8 @@ class DeepSeek2:
         self.output_name = "token_embd.weight" if tied else "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
         self._check_tensors()
-        self._kv_b: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        #: (k_b, v_b) per layer: ggml_mla.HeadMatrices under the ggml kernel, else float32 arrays
+        self._kv_b: dict[int, tuple[Any, Any]] = {}
 
     # ---- model description ------------------------------------------------------------------
     def _check_tensors(self) -> None:
@@ -175,7 +180,7 @@ class DeepSeek2:
         if got is None:
             p, H = f"blk.{il}.", self.n_head
             if self.split_kv_b:
-                k_b, v_b = (ggml_mla.head_matrices(self.w, p + n) or np.asarray(self.w[p + n], dtype=F32)
+                k_b, v_b = (ggml_mla.head_matrices(self.backend.ggml, p + n) or np.asarray(self.w[p + n], dtype=F32)
                             for n in ("attn_k_b.weight", "attn_v_b.weight"))
             else:
                 kv_b = np.asarray(self.w[p + "attn_kv_b.weight"], dtype=F32).reshape(H, self.n_nope + self.head_v, -1)
@@ -242,7 +247,7 @@ class DeepSeek2:
     def _rms_norm(self, name: str, x: np.ndarray) -> np.ndarray:
         """``rms_norm(x) * w[name]``: ggml's op under the ggml kernel (numpy's is 1 ulp off in some
         rows, which moves the 8-bit rounding of what the next mat-mul reads), numpy's otherwise."""
-        dense = getattr(self.w, "ggml_dense", None)
+        dense = self.backend.ggml
         if dense is not None and x.shape[0]:
             got = ggml_attention.rms_norm_rows(self, dense.runner, name, np.ascontiguousarray(x, dtype=F32))
             if got is not None:

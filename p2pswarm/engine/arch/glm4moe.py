@@ -34,6 +34,7 @@ from p2pswarm.engine import ops, routing
 from p2pswarm.engine.arch.qwen35moe import _Weights  # DenseWeights that tell a shape without loading
 from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
+from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -46,8 +47,10 @@ class Glm4MoE(Qwen3MoE):
     layers; sigmoid-routed experts with a selection bias; one shared expert."""
 
     arch = "glm4moe"
+    w: _Weights  # (tells a tensor's shape without loading it: the checks at load)
 
-    def __init__(self, layout: ModelLayout):  # one check per key, in order
+    def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):  # one check per key, in order
+        self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
         self.layout = layout
         bad, num = model_error(layout), number_reader(layout, self.arch)
 

@@ -1,7 +1,7 @@
 """The dense path of ``gpt-oss`` (OpenAI's gpt-oss MoE; llama.cpp's ``LLM_ARCH_OPENAI_MOE``).
 
-Same contract as :mod:`p2pswarm.engine.arch.qwen3moe` (``pre_moe``, ``ffn_input``, ``route``,
-``post_moe``), so the routed experts split across workers the same way. What differs (as
+Same contract as :mod:`p2pswarm.engine.arch.qwen3moe` (``layer_in``, ``layer_out``), so the
+routed experts split across workers the same way. What differs (as
 llama.cpp's ``src/models/openai-moe.cpp`` and ``build_moe_ffn`` compute it):
 
 * Attention has biases on q, k, v and the output projection, no q/k norms, and one learned
@@ -28,10 +28,11 @@ import math
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ops
-from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
-from p2pswarm.engine.arch.kept import KeptLayerCalls
+from p2pswarm.contracts import LayerIn
+from p2pswarm.engine.arch.common import LayerByPieces, check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.arch.qwen35moe import _Weights
+from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -42,13 +43,13 @@ F32 = np.float32
 ROPE_SCALING = ("none", "linear", "yarn")
 
 
-class GptOss(KeptLayerCalls):
+class GptOss(LayerByPieces):
     """gpt-oss: GQA attention with biases and sinks, alternating sliding-window / full layers, YaRN
     RoPE; biased router, softmax over the selected experts; no shared expert.
 
     Under the ggml kernel an attention layer is one ggml graph, llama.cpp's ops
     (:func:`p2pswarm.engine.ggml_attention.sink_attention`), which also computes the experts'
-    input and the router's logits (kept, :class:`~p2pswarm.engine.arch.kept.KeptLayerCalls`);
+    input and the router's logits (:meth:`layer_in` takes them from it);
     otherwise numpy computes it (:func:`attention_sinks`), between the kernel's mat-muls."""
 
     arch = "gpt-oss"
@@ -57,7 +58,8 @@ class GptOss(KeptLayerCalls):
     #: layer calls that ran as one graph (tests assert the graph path ran)
     layer_graph_calls = 0
 
-    def __init__(self, layout: ModelLayout):
+    def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
+        self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
         self.layout = layout
         bad, num = model_error(layout), number_reader(layout, self.arch)
 
@@ -98,6 +100,7 @@ class GptOss(KeptLayerCalls):
         self._rope_memo: dict = {}  # (positions, base) -> yarn_neox_tables (_rope_tables)
 
         self.w = _Weights(layout)
+        self.shared_expert = [False] * self.n_layer  # none (the layer graph's moe_inputs reads it)
         self.output_name = "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
         self._check_tensors()
@@ -186,11 +189,23 @@ class GptOss(KeptLayerCalls):
         """``h + attn_output(attention(attn_norm(h))) + bias`` for the rows of several sequences
         (``(state, pos0, n)`` each, in order): projections over all rows, KV cache and attention
         per sequence."""
-        if sum(n for _, _, n in segments) != h.shape[0]:
-            raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
-        runner = self._graph_runner()
-        if runner is not None and all(n > 0 for _, _, n in segments):
-            return self._graph_layer(runner, il, h, segments)
+        got = self._one_graph(il, h, segments)
+        return got[0] if got is not None else self._pieces_pre_moe(il, h, segments)
+
+    def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> LayerIn:
+        """The layer's one graph where it runs (the experts' input and the router's logits computed
+        in it), else the pieces (:class:`LayerByPieces`)."""
+        got = self._one_graph(il, h, segments)
+        if got is None:
+            return self.routed(il, self._pieces_pre_moe(il, h, segments))
+        h, cur, extras = got
+        logits = extras.pop("logits", None)
+        ids, w = self._route_logits(il, logits) if logits is not None else self.route(il, cur)
+        return LayerIn(h, cur, ids, w, extras)
+
+    def _pieces_pre_moe(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
+        """The numpy path (the kernel's mat-muls between): projections over all rows, KV cache and
+        attention per sequence."""
         w, p = self.w, f"blk.{il}."
         T, H, Hkv, hd = h.shape[0], self.n_head, self.n_head_kv, self.head_dim
         x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
@@ -223,10 +238,15 @@ class GptOss(KeptLayerCalls):
     def _graph_runner(self):
         return ggml_attention.graph_runner(self, sinks=True)
 
-    def _graph_layer(self, runner, il: int, h: np.ndarray, segments) -> np.ndarray:
-        """:meth:`pre_moe_batch` as one ggml graph; its post_attention_norm and router logits kept
-        for :meth:`ffn_input` and :meth:`route`. A sliding layer's caches are trimmed after it, as
-        on the numpy path."""
+    def _one_graph(self, il: int, h: np.ndarray, segments):
+        """:meth:`pre_moe_batch` as one ggml graph: ``(h, post_attention_norm(h), {"logits"})``;
+        None where it does not run (the numpy/portable kernels, an empty segment). A sliding
+        layer's caches are trimmed after it, as on the numpy path."""
+        if sum(n for _, _, n in segments) != h.shape[0]:
+            raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
+        runner = self._graph_runner()
+        if runner is None or not all(n > 0 for _, _, n in segments):
+            return None
         slides = self.swa[il]
         caches = [st.kv[il] for st, _, _ in segments]
         h, cur, extras = ggml_attention.sink_attention(
@@ -238,8 +258,7 @@ class GptOss(KeptLayerCalls):
                 if isinstance(kv, WindowKVCache):
                     kv.trim()
         self.layer_graph_calls += 1
-        self._keep(il, h, cur, extras)
-        return h
+        return h, cur, extras
 
     def _rope_tables(self, pos: np.ndarray, base: float) -> tuple[np.ndarray, np.ndarray]:
         """:func:`yarn_neox_tables` for these positions, made once for q and k and for every layer of
@@ -255,24 +274,23 @@ class GptOss(KeptLayerCalls):
         return got
 
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
-        """post_attention_norm(h): ggml's, from the layer's graph, where that computed the layer
-        (:meth:`~p2pswarm.engine.arch.kept.KeptLayerCalls._graph_ffn_input`); numpy's otherwise."""
+        """post_attention_norm(h): ggml's where the layer runs as one graph (its op, row by row: the
+        bits :meth:`layer_in` gets); numpy's otherwise."""
         runner = self._graph_runner() if h.shape[0] else None
         if runner is not None:
-            cur = self._graph_ffn_input(il, runner, h)
+            cur = ggml_attention.post_attention_norm(self, runner, il, np.ascontiguousarray(h, dtype=F32))
             if cur is not None:
                 return cur
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
 
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of the biased router logits, weights a softmax over those k (``SOFTMAX_WEIGHT``).
-        The logits before the bias come from the layer's graph where it computed them for this
-        ``cur`` (the same op as ``ops.matmul`` here, so the same bits)."""
-        p = f"blk.{il}."
-        logits = self._kept_extra(il, cur, "logits")
-        if logits is None:
-            logits = ops.matmul(cur, self.w[p + "ffn_gate_inp.weight"])
-        logits = logits + self._vec(p + "ffn_gate_inp.bias")
+        (:meth:`layer_in` takes the logits before the bias from the layer's graph: the same op as
+        ``ops.matmul`` here, so the same bits.)"""
+        return self._route_logits(il, ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]))
+
+    def _route_logits(self, il: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        logits = logits + self._vec(f"blk.{il}.ffn_gate_inp.bias")
         return route_softmax_weight(logits.astype(F32, copy=False), self.n_expert_used, self.w_scale)
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The dense path of ``qwen35moe`` (Qwen3.5 MoE): a hybrid of Gated DeltaNet and gated attention.
 
-Same contract as :mod:`p2pswarm.engine.arch.qwen3moe` (the backbone's layer loop calls ``pre_moe``,
-``ffn_input``, ``route``, ``post_moe``), so splitting the routed experts across workers works the
+Same contract as :mod:`p2pswarm.engine.arch.qwen3moe` (the backbone's layer loop calls
+``layer_in`` and ``layer_out``), so splitting the routed experts across workers works the
 same way and stays bit-identical. What differs, layer by layer (see ../shared/QWEN35MOE-MATH.md
 for the exact formulas as measured against llama.cpp):
 
@@ -22,8 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_dense, ggml_layers, ops
-from p2pswarm.engine.arch.kept import KeptLayerCalls
+from p2pswarm.contracts import LayerIn
+from p2pswarm.engine.arch.common import LayerByPieces
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
+from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -39,7 +41,7 @@ class _Weights(DenseWeights):
         return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-class Qwen35MoE(KeptLayerCalls):
+class Qwen35MoE(LayerByPieces):
     """qwen35moe: Gated DeltaNet + gated full attention, routed experts + a sigmoid-gated shared expert."""
 
     arch = "qwen35moe"
@@ -50,7 +52,8 @@ class Qwen35MoE(KeptLayerCalls):
     #: how many DeltaNet ``pre_moe_batch`` calls ran as one ggml graph (tests and profiles read it)
     layer_graph_calls = 0
 
-    def __init__(self, layout: ModelLayout):
+    def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
+        self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
         self.layout = layout
         path = layout.path
 
@@ -141,9 +144,6 @@ class Qwen35MoE(KeptLayerCalls):
         self.conv_channels = 2 * self.ssm_hk * self.ssm_d + self.ssm_inner
 
         self.recurrent = self._layer_kinds(hp)
-        # (layer, h, post_attention_norm(h), {"logits", "shared": computed from it}) of the last few
-        # one-graph layer calls (DeltaNet or attention), newest first: see _kept_for
-        self._kept: list[tuple[int, np.ndarray, np.ndarray, dict]] = []
         self.w = _Weights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
@@ -253,21 +253,43 @@ class Qwen35MoE(KeptLayerCalls):
         steps in llama.cpp's ops, state updated in place); :meth:`_layer_graph` says when. So is
         a gated-attention layer (:func:`p2pswarm.engine.ggml_attention.gated_attention`: every
         sequence's KV write and attention on its own cache, post_attention_norm included)."""
+        got = self._one_graph(il, h, segments)
+        return got[0] if got is not None else self._pieces_pre_moe(il, h, segments)
+
+    def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> LayerIn:
+        """The layer's one graph where it runs (its post_attention_norm, router logits and shared
+        expert computed in it: :meth:`_one_graph`), else the pieces (:class:`LayerByPieces`)."""
+        got = self._one_graph(il, h, segments)
+        if got is None:
+            return self.routed(il, self._pieces_pre_moe(il, h, segments))
+        h, cur, extras = got
+        logits = extras.pop("logits", None)
+        ids, w = ops.route_topk(logits, self.n_expert_used) if logits is not None else self.route(il, cur)
+        return LayerIn(h, cur, ids, w, extras)
+
+    def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
+        """h + (routed + shared), added in llama.cpp's order; the shared expert from the layer's
+        graph where that computed it."""
+        shared = lin.extras.get("shared")
+        return lin.h + (moe + (shared if shared is not None else self.shared(il, lin.cur)))
+
+    def _one_graph(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]):
+        """``(h, post_attention_norm(h), {"logits", "shared"} where it computed them)`` of the layer
+        as one ggml graph; None where it does not run (then the pieces, numpy between kernels)."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         groups = _chunks(segments)
         stepped = {j for j, (_, _, _, one_by_one) in enumerate(groups) if one_by_one}
         if self.recurrent[il]:
             lw = self._layer_graph(il, segments)
-            if lw is not None:  # post_attention_norm too, served to ffn_input as the attention layer's
+            if lw is not None:
                 self.layer_graph_calls += 1
                 snaps: dict[int, list] = {j: [] for j in stepped}
-                h, cur, extras = ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
-                                                              [(st.extra[il], n) for st, _, n, _ in groups], snaps)
-                for j, got in snaps.items():
-                    groups[j][0].checkpoints[il] = got
-                self._keep(il, h, cur, extras)
-                return h
+                got = ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
+                                                   [(st.extra[il], n) for st, _, n, _ in groups], snaps)
+                for j, ck in snaps.items():
+                    groups[j][0].checkpoints[il] = ck
+                return got
         elif all(n > 0 for _, _, n in segments):
             runner = self._attention_graph_runner()
             if runner is not None:  # the ggml kernel: the whole layer as one graph, ffn_input's norm too
@@ -275,17 +297,20 @@ class Qwen35MoE(KeptLayerCalls):
                 for st, p0, n, one_by_one in groups:  # a chunk's positions: one decode row each
                     segs += ([(ggml_attention.KVAhead(st.kv[il], i), p0 + i, 1) for i in range(n)] if one_by_one
                              else [(st.kv[il], p0, n)])
-                h, cur, extras = ggml_attention.gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
-                                                                segs, with_ffn_input=True)
+                got = ggml_attention.gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
+                                                     segs, with_ffn_input=True)
                 for st, _, n, one_by_one in groups:
                     if one_by_one:
                         kv = st.kv[il]
                         st.checkpoints[il] = [kv.n + i + 1 for i in range(n - 1)]
                         kv.n += n
-                self._keep(il, h, cur, extras)
-                return h
+                return got
         if stepped:
             raise ValueError(f"layer {il}: a verification chunk needs the layer's ggml graph (see chunk_verify)")
+        return None
+
+    def _pieces_pre_moe(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
+        """The per-piece path: numpy (ggml's mat-muls under the ggml kernel) between the kernels."""
         x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
         if self.recurrent[il]:
             out = self._linear_attention_rows(il, x, [(st.extra[il], n) for st, _, n in segments])
@@ -320,7 +345,7 @@ class Qwen35MoE(KeptLayerCalls):
         op's limit), an empty segment, a state whose memory is not ggml-aligned (a copy made
         elsewhere than :class:`~p2pswarm.engine.deltanet.DeltaNetState`), or a libggml without
         one of the graph's ops."""
-        if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv or getattr(self.w, "ggml_dense", None) is None
+        if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv or self.backend.ggml is None
                 or any(n <= 0 or not ggml_layers.placeable(st.extra[il]) for st, _, n in segments)):
             return None
         return ggml_layers.deltanet_layer_weights(self, il)
@@ -393,10 +418,10 @@ class Qwen35MoE(KeptLayerCalls):
         ``ggml_gated_delta_net`` in one graph (:mod:`p2pswarm.engine.ggml_deltanet`: per head and
         sequence, so each sequence's bits do not depend on the others). Otherwise numpy, one
         sequence at a time: the in-place float32 step for a token, else :func:`deltanet.delta_rule`."""
-        dense = getattr(self.w, "ggml_dense", None)
-        runner = dense.runner if dense is not None else None
+        runner = self.backend.runner
         # the op takes square states only (q/k width == v width, as every Qwen3.5 has)
-        if self.deltanet_mode == "auto" and self.ssm_d == self.ssm_dv and ggml_deltanet.available(runner):
+        if (runner is not None and self.deltanet_mode == "auto" and self.ssm_d == self.ssm_dv
+                and ggml_deltanet.available(runner)):
             return ggml_deltanet.gated_delta_net(runner, prepared)
         outs = []
         for q, k, v, g, beta, st in prepared:
@@ -415,14 +440,13 @@ class Qwen35MoE(KeptLayerCalls):
     def ffn_input(self, il: int, h: np.ndarray) -> np.ndarray:
         """post_attention_norm(h): the experts' and the router's input.
 
-        Under the ggml kernel, where the layer runs as one graph, it is ggml's RMSNorm, computed in
-        that graph (see :meth:`_graph_ffn_input`); otherwise numpy's."""
-        if h.shape[0]:
-            runner = self._ffn_input_runner(il)
-            if runner is not None:
-                cur = self._graph_ffn_input(il, runner, h)
-                if cur is not None:
-                    return cur
+        Under the ggml kernel, where the layer runs as one graph, it is ggml's RMSNorm, the op of
+        that graph (row by row: the bits :meth:`layer_in` gets); otherwise numpy's."""
+        runner = self._ffn_input_runner(il) if h.shape[0] else None
+        if runner is not None:
+            cur = ggml_attention.post_attention_norm(self, runner, il, np.ascontiguousarray(h, dtype=F32))
+            if cur is not None:
+                return cur
         return np.ascontiguousarray(ops.rms_norm(h, self.w[f"blk.{il}.post_attention_norm.weight"], self.eps))
 
     def _ffn_input_runner(self, il: int):
@@ -431,27 +455,21 @@ class Qwen35MoE(KeptLayerCalls):
         if not self.recurrent[il]:
             return self._attention_graph_runner()
         if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv
-                or getattr(self.w, "ggml_dense", None) is None or ggml_layers.deltanet_layer_weights(self, il) is None):
+                or ggml_layers.deltanet_layer_weights(self, il) is None):
             return None
-        return self.w.ggml_dense.runner
+        return self.backend.runner
 
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The router's top-k; its logits come from the layer's graph where that computed them for
-        this ``cur`` (:func:`~p2pswarm.engine.ggml_layers.moe_inputs`: the same op, the same bits)."""
-        logits = self._kept_extra(il, cur, "logits")
-        if logits is not None:
-            return ops.route_topk(logits, self.n_expert_used)
-        return Qwen3MoE.route(self, il, cur)
+        """The router's top-k (under the ggml kernel its F32 mat-mul is the op
+        :func:`~p2pswarm.engine.ggml_layers.moe_inputs` adds to the layer's graph: the same bits)."""
+        return ops.route_topk(ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]), self.n_expert_used)
 
     def shared(self, il: int, cur: np.ndarray) -> np.ndarray:
         """The shared expert, scaled by its per-token sigmoid gate; zeros if the layer has none."""
         if not self.shared_expert[il]:
             return np.zeros_like(cur)
-        shared = self._kept_extra(il, cur, "shared")
-        if shared is not None:  # computed in the layer's graph, for this cur
-            return shared
         w, p = self.w, f"blk.{il}."
-        dense = getattr(w, "ggml_dense", None)
+        dense = self.backend.ggml
         gate_inp = dense.f32_vector(p + "ffn_gate_inp_shexp.weight") if dense is not None else None
         if gate_inp is not None:  # the ggml kernel: the FFN and its gate in one graph, llama.cpp's ops
             got = ggml_dense.fused_swiglu(np.ascontiguousarray(cur, dtype=F32), w[p + "ffn_gate_shexp.weight"],

@@ -1,20 +1,26 @@
 """The dense path of ``qwen3moe``: everything of a layer except the routed experts.
 
-The backbone's layer loop (``p2pswarm.backbone.runner``) calls, per layer::
+The backbone's layer loop (``p2pswarm.backbone.runner``) calls, per layer,
+``lin = model.layer_in(il, h, segments)`` and, once the experts are combined,
+``h = model.layer_out(il, lin, moe)``; here (:class:`~p2pswarm.engine.arch.common.LayerByPieces`)
+those are the pieces::
 
-    h   = model.pre_moe(il, h, state, pos0)   # x + attention(attn_norm(x)), KV cache updated
+    h   = model.pre_moe_batch(il, h, segs)    # x + attention(attn_norm(x)), KV caches updated
     cur = model.ffn_input(il, h)              # ffn_norm(h): the rows sent to the experts
     ids, w = model.route(il, cur)             # softmax -> top-k -> renormalise (authoritative)
     ... experts computed wherever they live, combined in top-k order ...
     h   = model.post_moe(il, h, cur, moe)     # residual (+ shared expert in other archs)
 
-Any other architecture provides the same methods (``qwen35moe`` beside this file).
+Any other architecture provides the same calls (``qwen35moe`` beside this file).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from p2pswarm.engine import ops
+from p2pswarm.engine.arch.common import LayerByPieces
+from p2pswarm.engine.backend import NUMPY, DenseBackend
+from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.engine.weights import to_float32
 from p2pswarm.errors import ModelFormatError, UserError
@@ -61,12 +67,13 @@ class DenseWeights:
         return arr
 
 
-class Qwen3MoE:
+class Qwen3MoE(LayerByPieces):
     """qwen3moe: GQA attention with per-head q/k RMSNorm and NEOX RoPE; routed experts, no shared one."""
 
     arch = "qwen3moe"
 
-    def __init__(self, layout: ModelLayout):
+    def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
+        self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
         self.layout = layout
         hp = lambda k, d=None: layout.hparam(k, d, required=d is None)
         self.n_layer = int(hp("block_count"))
@@ -159,8 +166,8 @@ class Qwen3MoE:
 
     def output(self, h: np.ndarray) -> np.ndarray:
         W = self.w[self.output_name]
-        dense = getattr(self.w, "ggml_dense", None)
-        if dense is not None and getattr(W, "runner", None) is dense.runner:
+        dense = self.backend.ggml
+        if dense is not None and isinstance(W, QuantisedMatrix) and W.runner is dense.runner:
             norm = dense.f32_vector("output_norm.weight")
             if norm is not None:  # the ggml kernel: the final norm and the lm head in one graph
                 return W.rmatmul_t(np.ascontiguousarray(h, dtype=F32), norm=norm, eps=float(self.eps))
