@@ -37,6 +37,7 @@ from functools import partial
 import numpy as np
 import trio
 
+from p2pswarm.backbone import grouping
 from p2pswarm.backbone.dispatch import Dispatcher, Groups
 from p2pswarm.backbone.mtp import HiddenRows
 from p2pswarm.backbone.replay import ReplayStats
@@ -49,8 +50,9 @@ log = logging.getLogger("p2pswarm.backbone")
 
 
 def expert_groups(ids: np.ndarray) -> Groups:
-    """(expert, token indices) for every expert chosen in a layer; experts ascending, tokens in order."""
-    return [(int(e), np.nonzero((ids == e).any(axis=1))[0]) for e in np.unique(ids)]
+    """(expert, token indices) for every expert chosen in a layer; experts ascending, tokens in order
+    (one sort of the layer's pairs, not numpy calls per expert: p2pswarm.backbone.grouping)."""
+    return grouping.expert_groups(ids)
 
 
 def combine(ids: np.ndarray, weights: np.ndarray, groups: Groups, partials: dict[int, np.ndarray]) -> np.ndarray:
@@ -60,18 +62,9 @@ def combine(ids: np.ndarray, weights: np.ndarray, groups: Groups, partials: dict
 
 def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: list[np.ndarray]) -> np.ndarray:
     """:func:`combine` with one output per group, in group order: an expert may have several groups
-    (one per sequence in a batch-invariant step), each covering its own rows."""
-    T, k = ids.shape
-    n_embd = outs[0].shape[1]
-    y = np.empty((k, T, n_embd), dtype=F32)
-    for (e, rows), out in zip(groups, outs):
-        r, slot = np.nonzero(ids[rows] == e)
-        y[slot, rows[r]] = out[r]
-    y *= weights.T[:, :, None]
-    acc = y[0].copy()
-    for j in range(1, k):
-        acc += y[j]
-    return acc
+    (one per sequence in a batch-invariant step), each covering its own rows (one scatter for every
+    group: p2pswarm.backbone.grouping)."""
+    return grouping.combine_outputs(ids, weights, groups, outs)
 
 
 def _rows(sp: slice) -> list[slice]:
@@ -510,24 +503,9 @@ class Backbone:
         :attr:`small_call_rows` rows each are merged while the merged group stays that small (a
         decode step's one-row groups: 16 sequences on one expert are 3 groups, not 16). Exact: the
         probe measured that a row in a call of up to that many rows gets the bits of any smaller
-        call, its own sequence's alone included."""
-        limit = self.small_call_rows
-        groups: Groups = []
-        packs: dict[int, list[np.ndarray]] = {}
-        for sp in spans:
-            for e, idx in expert_groups(ids[sp]):
-                idx = idx + sp.start
-                if len(idx) > limit:
-                    groups.append((e, idx))
-                    continue
-                mine = packs.setdefault(e, [])
-                if mine and len(mine[-1]) + len(idx) <= limit:
-                    mine[-1] = np.concatenate([mine[-1], idx])
-                else:
-                    mine.append(idx)
-        groups += [(e, idx) for e, mine in packs.items() for idx in mine]
-        groups.sort(key=lambda g: (g[0], int(g[1][0])))
-        return groups
+        call, its own sequence's alone included. (One sort of the layer's pairs, not numpy calls per
+        sequence and expert: p2pswarm.backbone.grouping.)"""
+        return grouping.invariant_groups(ids, spans, self.small_call_rows)
 
     def _post_batch(self, il, h, cur, ids, w, groups, outs, spans, invariant):
         moe = combine_outputs(ids, w, groups, outs) if groups else np.zeros_like(cur)
