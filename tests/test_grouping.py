@@ -1,5 +1,5 @@
 """p2pswarm.backbone.grouping against the per-group loops it replaced: same groups, same order,
-same bits, on random routings (duplicated experts in a row, empty spans' neighbours, big and small
+and the same combined bits from them, on random routings (duplicated experts in a row, empty spans' neighbours, big and small
 groups of one expert interleaved)."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from p2pswarm.backbone import grouping
+from p2pswarm.backbone.runner import combine_outputs
 
 
 def loop_expert_groups(ids):
@@ -74,7 +75,7 @@ def test_groups_and_combine_equal_the_loops(seed):
         outs = [rng.standard_normal((len(idx), 5)).astype(np.float32) for _, idx in got]
         w = rng.random((T, k)).astype(np.float32)
         want = loop_combine(ids, w, got, outs)
-        assert grouping.combine_outputs(ids, w, got, outs).tobytes() == want.tobytes()
+        assert combine_outputs(ids, w, got, outs).tobytes() == want.tobytes()
 
 
 def test_big_group_between_small_ones_of_the_same_expert():

@@ -62,9 +62,18 @@ def combine(ids: np.ndarray, weights: np.ndarray, groups: Groups, partials: dict
 
 def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: list[np.ndarray]) -> np.ndarray:
     """:func:`combine` with one output per group, in group order: an expert may have several groups
-    (one per sequence in a batch-invariant step), each covering its own rows (one scatter for every
-    group: p2pswarm.backbone.grouping)."""
-    return grouping.combine_outputs(ids, weights, groups, outs)
+    (one per sequence in a batch-invariant step), each covering its own rows."""
+    T, k = ids.shape
+    n_embd = outs[0].shape[1]
+    y = np.empty((k, T, n_embd), dtype=F32)
+    for (e, rows), out in zip(groups, outs):
+        r, slot = np.nonzero(ids[rows] == e)
+        y[slot, rows[r]] = out[r]
+    y *= weights.T[:, :, None]
+    acc = y[0].copy()
+    for j in range(1, k):
+        acc += y[j]
+    return acc
 
 
 def _rows(sp: slice) -> list[slice]:
