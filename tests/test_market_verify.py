@@ -279,3 +279,21 @@ async def test_checks_cost_the_rate_where_rows_are_exact_alone(tiny_q8, tmp_path
     served, checked = v.rows_served["h"], v.rows_checked["h"]
     assert served > 1000 and 0.5 * r < checked / served < 2 * r, (checked, served)  # whole groups: ~0.5
     assert sum(local_rows[:-1]) < 3 * r * (v.rows_served["h"] + v.rows_served["liar"])
+
+
+def test_pick_equals_a_per_group_draw():
+    """Verifier.pick visits only the groups with a draw: the same picks as reading every group's
+    slice of the draws (the rule it replaced), on the same random stream."""
+    rng = np.random.default_rng(3)
+    for t in range(20):
+        groups = [(int(e), np.arange(int(rng.integers(1, 9)))) for e in range(int(rng.integers(0, 300)))]
+        rate, exact = float(rng.choice([0.01, 0.2, 0.7])), int(rng.integers(1, 5))
+        draws = Verifier(rate, seed=t)._rng("w").random(sum(len(i) for _, i in groups)) < rate
+        want, pos = [], 0
+        for i, (_, idx) in enumerate(groups):
+            sel = draws[pos : pos + len(idx)]
+            if sel.any():
+                want.append((i, (np.flatnonzero(sel) if len(idx) <= exact else np.arange(len(idx))).tolist()))
+            pos += len(idx)
+        got = Verifier(rate, seed=t).pick("w", groups, exact)
+        assert [(i, at.tolist()) for i, at in got] == want

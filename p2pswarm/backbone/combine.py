@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from p2pswarm.backbone import grouping
 from p2pswarm.contracts import Groups
 
 F32 = np.float32
 
 
 def expert_groups(ids: np.ndarray) -> Groups:
-    """(expert, token indices) for every expert chosen in a layer; experts ascending, tokens in order."""
-    return [(int(e), np.nonzero((ids == e).any(axis=1))[0]) for e in np.unique(ids)]
+    """(expert, token indices) for every expert chosen in a layer; experts ascending, tokens in order
+    (one sort of the layer's pairs, not numpy calls per expert: p2pswarm.backbone.grouping)."""
+    return grouping.expert_groups(ids)
 
 
 def combine(ids: np.ndarray, weights: np.ndarray, groups: Groups, partials: dict[int, np.ndarray]) -> np.ndarray:

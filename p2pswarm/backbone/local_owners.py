@@ -23,9 +23,20 @@ def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
     A step of one row (a lone sequence decoding) needs no search: every group is that row."""
     if len(cur) == 1 and groups:
         return np.ascontiguousarray(cur), [(e, np.zeros(len(idx), np.int32)) for e, idx in groups]
-    wanted = np.unique(np.concatenate([idx for _, idx in groups])) if groups else np.zeros(0, np.int64)
-    rows = np.ascontiguousarray(cur[wanted])
-    return rows, [(e, np.searchsorted(wanted, idx).astype(np.int32)) for e, idx in groups]
+    if not groups:
+        return np.ascontiguousarray(cur[np.zeros(0, np.int64)]), []
+    # one unique over every group's rows gives each its index into the distinct rows (no numpy
+    # call per group: an owner's request has hundreds of them in a batch-invariant decode step)
+    wanted, at = np.unique(np.concatenate([idx for _, idx in groups]), return_inverse=True)
+    at = at.astype(np.int32)
+    at.flags.writeable = False
+    out: Groups = []
+    pos = 0
+    for e, idx in groups:
+        n = len(idx)
+        out.append((e, at[pos:pos + n]))
+        pos += n
+    return np.ascontiguousarray(cur[wanted]), out
 
 
 def peer_of(owner: "Owner") -> str:

@@ -38,6 +38,7 @@ import numpy as np
 import trio
 
 from p2pswarm.backbone.combine import combine, combine_outputs, expert_groups  # noqa: F401 - combine: re-exported
+from p2pswarm.backbone import grouping
 from p2pswarm.backbone.dispatch import Dispatcher, Groups
 from p2pswarm.backbone.mtp import HiddenRows
 from p2pswarm.backbone.replay import ReplayStats
@@ -463,24 +464,9 @@ class Backbone:
         :attr:`small_call_rows` rows each are merged while the merged group stays that small (a
         decode step's one-row groups: 16 sequences on one expert are 3 groups, not 16). Exact: the
         probe measured that a row in a call of up to that many rows gets the bits of any smaller
-        call, its own sequence's alone included."""
-        limit = self.small_call_rows
-        groups: Groups = []
-        packs: dict[int, list[np.ndarray]] = {}
-        for sp in spans:
-            for e, idx in expert_groups(ids[sp]):
-                idx = idx + sp.start
-                if len(idx) > limit:
-                    groups.append((e, idx))
-                    continue
-                mine = packs.setdefault(e, [])
-                if mine and len(mine[-1]) + len(idx) <= limit:
-                    mine[-1] = np.concatenate([mine[-1], idx])
-                else:
-                    mine.append(idx)
-        groups += [(e, idx) for e, mine in packs.items() for idx in mine]
-        groups.sort(key=lambda g: (g[0], int(g[1][0])))
-        return groups
+        call, its own sequence's alone included. (One sort of the layer's pairs, not numpy calls per
+        sequence and expert: p2pswarm.backbone.grouping.)"""
+        return grouping.invariant_groups(ids, spans, self.small_call_rows)
 
     def _post_batch(self, il, lin: LayerIn, groups, outs, spans, invariant):
         moe = combine_outputs(lin.ids, lin.weights, groups, outs) if groups else np.zeros_like(lin.cur)
