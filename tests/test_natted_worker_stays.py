@@ -14,7 +14,6 @@ it at its next coverage refresh (every 30 s) and fall back to its local replica.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
