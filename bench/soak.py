@@ -246,7 +246,7 @@ class Swarm:
                                                   "--bootstrap", boots[1], "--identity", str(d / "auto.key"),
                                                   "--ttl", "60"], start=False))
             nat = [n for n in second if self.how.get(n.name) == "nat"]
-            backbones = [n for n in second if n.name.startswith("backbone")]
+            backbones = [n for n in second if n.name.startswith("backbone") or n.name == "auto"]
             with ThreadPoolExecutor(len(second) + 1) as pool:  # the NATed workers once the relay is up,
                 done = [pool.submit(n.start) for n in [relay] + [n for n in second if n not in nat + backbones]]
                 done[0].result()
@@ -254,7 +254,8 @@ class Swarm:
                 for f in done:
                     f.result()
                 # the backbones once every worker is in the DHT: their first coverage refresh finds
-                # them all (one found later waits for the next refresh, 30 s)
+                # them all (one found later waits for the next refresh, 30 s); the --auto worker
+                # with them (it is ready once it enrolled from their demand)
                 for f in [pool.submit(n.start) for n in backbones]:
                     f.result()
             self.relay_addr = relay.proc.addr
