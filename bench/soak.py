@@ -28,8 +28,8 @@ Jepsen-style, on 127.0.0.1 and network namespaces of its own (``p2ps-soak-<pid><
   backbones' and two never-faulted workers' resident memory, descriptors, trio tasks and DHT
   records sampled over time, with their slopes after warm-up.
 
-tests/test_soak.py runs a 2-3 minute version with the same checker. Results: docs/benchmarks.md
-("Soak").
+tests/test_soak.py runs a 3-minute version with the same checker on a smaller swarm (``SHORT``: five
+honest workers, no ``--auto`` worker). Results: docs/benchmarks.md ("Soak").
 """
 from __future__ import annotations
 
