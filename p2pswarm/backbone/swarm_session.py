@@ -101,6 +101,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                             refresh_s=refresh_s)
                 pool = SwarmOwners(net, model_fingerprint=local.fingerprint, kernel=bank.kernel,
                                    timeout_s=timeout_s, resolver=resolver, direct=direct)
+                resolver.vouch = pool.answered_within  # a worker we talk to stays, found or not
                 dispatcher = local.backbone.dispatcher
                 serve_receipt_requests(net, ledger)  # a worker leaving asks for its last receipts
                 bans = BanKeeper(identity, local.fingerprint, dispatcher.bans, dht=dht, trusted=trust_bans, ledger=ledger,
