@@ -105,7 +105,7 @@ async def main(args) -> None:
     async def ban_later():
         while bb.dispatcher.stats.layers < args.tokens // 2 * dense.n_layer:
             await trio.sleep(0.005)
-        bb.dispatcher.ban("liar", "bench")
+        bb.dispatcher.bans.ban("liar", "bench")
 
     async with trio.open_nursery() as n:
         n.start_soon(ban_later)

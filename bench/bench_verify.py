@@ -23,6 +23,7 @@ from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.verify import Verifier
+from p2pswarm.backbone.generate import sequence_logits
 
 
 class RemoteOwner(InProcessOwner):
@@ -43,8 +44,9 @@ async def main(args) -> None:
     tokens = [(i * 37 + 11) % 500 for i in range(args.tokens)]
     rates = [float(r) for r in args.rates.split(",")]
     rows = []
-    await Backbone(dense, Dispatcher(make_bank(layout, "numpy"), [RemoteOwner(w, f"w{i}", 0) for i, w in
-                                                                   enumerate(workers)])).logits(tokens[:8], decode=True)
+    await sequence_logits(Backbone(dense, Dispatcher(make_bank(layout, "numpy"), [RemoteOwner(w, f"w{i}", 0) for i, w in
+                                                                                    enumerate(workers)])),
+                          tokens[:8], decode=True)
     for rtt_ms in args.rtt_ms:
         times: dict[float, list[float]] = {r: [] for r in rates}
         checked: dict[float, int] = {}
@@ -56,7 +58,7 @@ async def main(args) -> None:
                     disp.verifier = Verifier(r, seed=0)
                 bb = Backbone(dense, disp)
                 t = time.perf_counter()
-                await bb.logits(tokens, decode=True)
+                await sequence_logits(bb, tokens, decode=True)
                 times[r].append((time.perf_counter() - t) / len(tokens))
                 checked[r] = disp.stats.verified_groups * 100 // max(1, disp.stats.remote_groups)
         base = statistics.median(times[rates[0]])

@@ -32,6 +32,7 @@ from p2pswarm.backbone.session import open_backbone
 from p2pswarm.model.synth import make_model
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net import wire_codec
+from p2pswarm.backbone.generate import sequence_logits
 
 
 def planes(b: bytes) -> bytes:
@@ -92,7 +93,7 @@ async def capture(model: Path, tokens: list[int], steps: int) -> tuple[list[byte
             return res
 
         bank.forward_groups = recording
-        await swarm.backbone.logits(tokens[:steps], decode=True)  # token by token: decode steps
+        await sequence_logits(swarm.backbone, tokens[:steps], decode=True)  # token by token: decode steps
     return ins, outs
 
 

@@ -25,6 +25,7 @@ from helpers.llama_ref import llama_logits
 
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.model.synth import make_model
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
           33, 71, 2, 118, 199, 45, 88, 301]
@@ -33,7 +34,7 @@ TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 
 async def ours(path: Path, precision: str | None) -> np.ndarray:
     async with open_backbone(path) as mono:
         mono.backbone.dispatcher.set_wire_precision(precision)
-        return await mono.backbone.logits(TOKENS)
+        return await sequence_logits(mono.backbone, TOKENS)
 
 
 def main() -> None:

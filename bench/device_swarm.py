@@ -115,7 +115,18 @@ def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
             "expert_s": d1["seconds"] - d0["seconds"], "busy_s": h1["dense_busy_s"] - h0["dense_busy_s"],
             "fallbacks": d1["fallbacks"] - d0["fallbacks"], "local_groups": d1["local_groups"] - d0["local_groups"],
             "remote_groups": d1["remote_groups"] - d0["remote_groups"], "owner_rows": rows,
-            "cpu": {k: (cpu1[k] - cpu0[k]) for k in cpu1}}
+            "cpu": {k: (cpu1[k] - cpu0[k]) for k in cpu1},
+            "steps": h1["steps"] - h0["steps"], "requests": h1["expert_requests"] - h0["expert_requests"],
+            "micro_batches": h1["micro_batches"]}
+
+
+def per_token(r: dict) -> str:
+    """The backbone's CPU per generated token (ms; /proc, less load-sensitive than tokens/s), the
+    steps and expert requests per token and the last step's micro-batches: one line."""
+    tok = max(1, r["tokens"])
+    return (f"backbone CPU {1000 * r['cpu'].get('backbone', 0.0) / tok:.2f} ms/token, "
+            f"{r['steps'] / tok:.3f} steps/token, {r['requests'] / tok:.2f} expert requests/token, "
+            f"micro-batches {r['micro_batches']}")
 
 
 def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas: list[float],
@@ -164,6 +175,8 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
                 r["throttled"] = r_throttled
             print(label, {n: (round(r["tps"], 2), f"fallbacks {r['fallbacks']}", f"local {r['local_groups']}",
                               r["owner_rows"]) for n, r in best.items()}, flush=True)
+            for n, r in best.items():
+                print(f"{label} N={n}: {r['tps']:.2f} tokens/s, {per_token(r)}", flush=True)
             return best
     finally:
         for g in made:  # the swarm's processes are stopped by now
@@ -173,13 +186,14 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
 
 def start_py_spy(args, sw: WanSwarm, label: str):
     """``--py-spy DIR``: py-spy samples the backbone's Python (``--gil``: the work the GIL
-    serialises, which is what a 0.3-core backbone runs out of) for ``--py-spy-s`` seconds from the
-    start of the measurements; raw stacks to DIR/LABEL.txt."""
+    serialises, which is what a 0.3-core backbone runs out of; ``--py-spy-all``: every running
+    thread) for ``--py-spy-s`` seconds from the start of the measurements; raw stacks to DIR/LABEL.txt."""
     if not args.py_spy:
         return None
     Path(args.py_spy).mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(sw.backbone.pid),
-                             "-d", str(args.py_spy_s), "-r", "50", "--gil", "-f", "raw", "--nonblocking",
+                             "-d", str(args.py_spy_s), "-r", str(args.py_spy_rate), *(["--gil"] if args.py_spy_gil else []),
+                             "-f", "raw", "--nonblocking",
                              "-o", str(Path(args.py_spy) / f"{label}.txt")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -232,6 +246,10 @@ def main() -> None:
     ap.add_argument("--no-curve", action="store_true", help="only the --unequal run (and the backbone alone)")
     ap.add_argument("--py-spy", metavar="DIR", help="py-spy the backbone in each configuration (raw stacks to DIR)")
     ap.add_argument("--py-spy-s", type=int, default=20, help="seconds of each --py-spy recording (default 20)")
+    ap.add_argument("--py-spy-all", dest="py_spy_gil", action="store_false",
+                    help="--py-spy samples every running thread, not only the one holding the GIL (ggml's and "
+                         "zstd's work release it: this shows the whole CPU)")
+    ap.add_argument("--py-spy-rate", type=int, default=50, help="samples a second of --py-spy (default 50)")
     ap.add_argument("--plot")
     ap.add_argument("--out")
     ap.add_argument("--json")
@@ -304,9 +322,9 @@ def run(args, work: Path, groups: CpuGroups, workers: list[int], replicas: list[
 def report(args, shape, L, results, conc, unequal, load) -> None:
     alone = {n: max(results["alone"][n]["tps"], results["alone2"][n]["tps"]) for n in conc}
     lines = ["| configuration | worker quotas (cores) | N | tokens/s | vs backbone alone | Amdahl bound | workers' compute "
-             "bound | link bound | ratio to min(Amdahl, link) | texts equal alone's | fallbacks | local groups | "
-             "pairs per worker |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # pairs per worker: in worker order (quotas' order)
+             "bound | link bound | ratio to min(Amdahl, link) | backbone CPU ms/token | texts equal alone's | fallbacks | "
+             "local groups | pairs per worker |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # pairs per worker: in worker order (quotas' order)
     bounds: dict[int, dict] = {}
     for n in conc:
         a = results["alone"][n]
@@ -325,6 +343,7 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
             lines.append(f"| {label} | {','.join(f'{q:g}' for q in quotas) or '-'} | {n} | {r['tps']:.2f} | "
                          f"{r['tps'] / alone[n]:.2f}x | {b['amdahl']:.2f} | {work_bound:.2f} | "
                          f"{'inf' if link == float('inf') else f'{link:.1f}'} | {r['tps'] / lim:.2f} | "
+                         f"{1000 * r['cpu'].get('backbone', 0.0) / max(1, r['tokens']):.2f} | "
                          f"{same}/{len(r['texts'])} | {r['fallbacks']} | {r['local_groups']} | "
                          f"{' '.join(str(rows[k]) for k in sorted(rows, key=str)) or '-'} |")
     cmd = ("python bench/device_swarm.py" + (f" --preset {args.preset}" if args.preset != "geometry-122b" else "")

@@ -28,8 +28,8 @@ Jepsen-style, on 127.0.0.1 and network namespaces of its own (``p2ps-soak-<pid><
   backbones' and two never-faulted workers' resident memory, descriptors, trio tasks and DHT
   records sampled over time, with their slopes after warm-up.
 
-tests/test_soak.py runs a 2-3 minute version with the same checker. Results: docs/benchmarks.md
-("Soak").
+tests/test_soak.py runs a 3-minute version with the same checker on a smaller swarm (``SHORT``: five
+honest workers, no ``--auto`` worker). Results: docs/benchmarks.md ("Soak").
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from helpers.netns import Netns, cleanup_stale
 from helpers.procs import Proc, free_ports  # the tests' process helper
 from soak_check import LONG_LIVED, PROMPTS, RECOVERY_WAIT_S, Load, _now, check, summarise
-from soak_probes import _echo, _garbage_frames, _http, _proc_sample, monolithic_references
+from soak_probes import _echo, _garbage_frames, _http, monolithic_references, sample
 
 HONEST = [  # (name, experts, how it is reached)
     ("w0", (0, 8), "direct"), ("w1", (8, 16), "direct"),  # never faulted: their slopes are sampled
@@ -62,8 +62,8 @@ HONEST = [  # (name, experts, how it is reached)
     ("w5", (0, 8), "nat"), ("w6", (8, 16), "nat"),  # each in a network namespace behind a NAT: relay only
     ("w7", (0, 16), "netns"),  # in a namespace of its own, dialled directly: partitions and slow links
 ]
-HOW = {n: how for n, _, how in HONEST}
-NAMESPACED = tuple(n for n, _, how in HONEST if how in ("nat", "netns"))
+#: the short run's (tests/test_soak.py): one worker of each way in, 5 of the 8 processes fewer to start
+SHORT = [h for h in HONEST if h[0] in ("w0", "w1", "w2", "w5", "w7")]
 
 
 @dataclass
@@ -104,22 +104,28 @@ class Node:
 
 
 class Swarm:
-    """Start (``__enter__``) and stop every process; the names of the nodes are fixed (HONEST)."""
+    """Start (``__enter__``) and stop every process: the honest workers of ``roster`` (HONEST, or
+    SHORT), the ``--auto`` worker when ``auto``, and the rest of the swarm."""
 
-    def __init__(self, model: Path, workdir: Path, *, verify_rate: float, seed: int):
+    def __init__(self, model: Path, workdir: Path, *, verify_rate: float, seed: int,
+                 roster: list = HONEST, auto: bool = True):
         self.model, self.dir = Path(model), Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_THREADS="1",
                         P2PSWARM_HOME=str(self.dir / "home"), P2PSWARM_CACHE=str(self.dir / "cache"))
         self.verify_rate, self.seed = verify_rate, seed
+        self.roster, self.auto = list(roster), auto
+        self.how = {n: how for n, _, how in self.roster}
+        self.namespaced = tuple(n for n, _, how in self.roster if how in ("nat", "netns"))
         self.nodes: dict[str, Node] = {}
         self.shards: dict[str, Path] = {}
         self.peer_ids: dict[str, str] = {}
 
-    def _node(self, name, args, entry=("-m", "p2pswarm.cli"), prefix=()) -> Node:
+    def _node(self, name, args, entry=("-m", "p2pswarm.cli"), prefix=(), start=True) -> Node:
         n = Node(name, args, self.dir, self.env, entry=entry, prefix=tuple(prefix))
         self.nodes[name] = n
-        n.start()
+        if start:
+            n.start()
         return n
 
     def _cli(self, *args: str) -> None:
@@ -127,6 +133,9 @@ class Swarm:
                        stdout=subprocess.DEVNULL)
 
     def __enter__(self) -> Swarm:
+        """Start the swarm in two waves of processes started together (most of a short run is
+        start-up on 2 cores): the bootstraps and WAN proxies, then everything else, the NATed
+        workers once the relay is up. Peer ids come from the identity files, made first."""
         from p2pswarm.model.layout import ModelLayout
         from p2pswarm.model.manifest import source_fingerprint
         from p2pswarm.model.slicer import slice_experts
@@ -138,47 +147,61 @@ class Swarm:
             d = self.dir
             cleanup_stale()
             self.netns = {name: Netns(f"{os.getpid()}{i}", (os.getpid() * 7 + i) % 250).create()
-                          for i, name in enumerate(NAMESPACED)}
-            part = [ns for name, ns in self.netns.items() if HOW[name] == "netns"]
-            boots = []
+                          for i, name in enumerate(self.namespaced)}
+            part = [ns for name, ns in self.netns.items() if self.how[name] == "netns"]
+            ids = {n: load_or_create_identity(d / f"{n}.key").peer_id_str
+                   for n in ("boot1", "boot2", "relay", "backbone", "backbone2", "auto", "issuer")}
+            boot_ports = {b: next(ports) for b in ("boot1", "boot2")}
+            self.boots = boots = [f"/ip4/127.0.0.1/tcp/{boot_ports[b]}/p2p/{ids[b]}" for b in ("boot1", "boot2")]
+            first: list[Node] = []
             for b in ("boot1", "boot2"):
-                port = next(ports)
+                port = boot_ports[b]
                 extra = [a for ns in part for a in ("--listen", f"/ip4/{ns.host_ip}/tcp/{port}")]
-                n = self._node(b, ["bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{port}", *extra,
-                                   "--identity", str(d / f"{b}.key")])
-                boots.append(n.proc.ready[0])
-            self.boots = boots
+                first.append(self._node(b, ["bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{port}", *extra,
+                                            "--identity", str(d / f"{b}.key")], start=False))
+            wan = [(name, how) for name, _, how in self.roster if how.startswith("wan")]
+            listen = {name: next(ports) for name, _, _ in self.roster}
+            for name, how in wan:
+                _, rtt, *mbps = how.split(":")
+                link = next(ports)
+                first.append(self._node(f"proxy-{name}", ["--target", f"127.0.0.1:{listen[name]}", "--listen",
+                                                         f"127.0.0.1:{link}", "--rtt-ms", rtt,
+                                                         *(["--mbps", mbps[0]] if mbps else [])],
+                                        entry=("-m", "p2pswarm.net.wanproxy"), start=False))
+                listen[name] = (listen[name], link)
+            # files: the shards, a signed manifest (the first backbone serves the model's bytes by
+            # it, to the --auto worker and to the second backbone's expert cache, both trusting its
+            # issuer), and the second backbone's dense part
+            manifest, dense = d / "model.manifest", d / "backbone-dense.gguf"
+            prep = [] if manifest.exists() else [["manifest", "--model", str(self.model), "--key",
+                                                  str(d / "issuer.key"), "--out", str(manifest)]]
+            prep += [] if dense.exists() else [["slice", str(self.model), "--backbone", "-o", str(dense)]]
+            with ThreadPoolExecutor(len(first) + len(prep)) as pool:
+                done = [pool.submit(n.start) for n in first] + [pool.submit(self._cli, *a) for a in prep]
+                for name, (e0, e1), _ in self.roster:
+                    shard = self.shards[name] = d / f"shard-{e0}-{e1}.gguf"
+                    if not shard.exists():
+                        slice_experts(self.model, shard, None, (e0, e1))
+                for f in done:
+                    f.result()
             # the relay also listens on each NAT namespace's side of its veth (WebSocket: all a NAT lets out)
             relay_ws = {name: (ns.host_ip, next(ports)) for name, ns in self.netns.items()}
             relay = self._node("relay", ["relay", "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}/ws",
                                          "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}", "--open",
                                          *[a for h, p in relay_ws.values()
                                            for a in ("--listen", f"/ip4/{h}/tcp/{p}/ws")],
-                                         "--identity", str(d / "relay.key"), "--bootstrap", boots[0]])
-            self.relay_addr = relay.proc.addr
-            relay_id = relay.proc.addr.rsplit("/p2p/", 1)[1]
-            wan = [(name, how) for name, _, how in HONEST if how.startswith("wan")]
-            listen = {name: next(ports) for name, _, _ in HONEST}
-            for name, how in wan:
-                _, rtt, *mbps = how.split(":")
-                link = next(ports)
-                self._node(f"proxy-{name}", ["--target", f"127.0.0.1:{listen[name]}", "--listen", f"127.0.0.1:{link}",
-                                             "--rtt-ms", rtt, *(["--mbps", mbps[0]] if mbps else [])],
-                           entry=("-m", "p2pswarm.net.wanproxy"))
-                listen[name] = (listen[name], link)
-            for name, (e0, e1), how in HONEST:
-                shard = self.shards[name] = d / f"shard-{e0}-{e1}.gguf"
-                if not shard.exists():
-                    slice_experts(self.model, shard, None, (e0, e1))
-                args = ["node", "--role", "worker", "--shard", str(shard), "--identity", str(d / f"{name}.key"),
-                        "--ttl", "60"]
+                                         "--identity", str(d / "relay.key"), "--bootstrap", boots[0]], start=False)
+            second: list[Node] = []
+            for name, _, how in self.roster:
+                args = ["node", "--role", "worker", "--shard", str(self.shards[name]),
+                        "--identity", str(d / f"{name}.key"), "--ttl", "60"]
                 prefix: list[str] = []
                 if how == "nat":  # in its namespace, nothing in, out only to the relay's WebSocket, masqueraded
                     ns = self.netns[name]
                     host, port = relay_ws[name]
                     ns.nat([(host, port)])
                     prefix = ns.prefix
-                    args += ["--relay", f"/ip4/{host}/tcp/{port}/ws/p2p/{relay_id}",
+                    args += ["--relay", f"/ip4/{host}/tcp/{port}/ws/p2p/{ids['relay']}",
                              "--listen", f"/ip4/{ns.ns_ip}/tcp/{listen[name]}"]
                 elif how == "netns":  # its own namespace, dialled at its address there; bootstraps via the veth
                     ns = self.netns[name]
@@ -195,51 +218,54 @@ class Swarm:
                              f"/ip4/127.0.0.1/tcp/{port}", "--announce", f"/ip4/127.0.0.1/tcp/{link}"]
                 if name in LONG_LIVED:  # sampled: trio tasks and DHT records from its /health
                     args += ["--health", f"127.0.0.1:{next(ports)}"]
-                self.nodes[name] = Node(name, args, self.dir, self.env, prefix=tuple(prefix))
-            with ThreadPoolExecutor(len(HONEST)) as pool:  # started together: the start-up is most of a short run
-                list(pool.map(lambda name: self.nodes[name].start(), [name for name, _, _ in HONEST]))
-            for name, _, _ in HONEST:
-                self.peer_ids[name] = self.nodes[name].proc.addr.rsplit("/p2p/", 1)[1]
-            liar_shard = self.shards["w0"]
-            liar = self._node("liar", [str(ROOT / "tests" / "helpers" / "dishonest_worker.py"), "--shard",
-                                       str(liar_shard), "--bootstrap", boots[1], "--identity", str(d / "liar.key"),
-                                       "--receipts-dir", str(d / "liar-receipts"), "--fraction", "0.05",
-                                       "--seed", str(self.seed)], entry=())
-            self.liar_id = liar.proc.addr.rsplit("/p2p/", 1)[1]
-            # a signed manifest: the first backbone serves the model's bytes by it (to the --auto
-            # worker and to the second backbone's expert cache), both trusting its issuer
+                second.append(self._node(name, args, prefix=prefix, start=False))
+            second.append(self._node("liar", [str(ROOT / "tests" / "helpers" / "dishonest_worker.py"), "--shard",
+                                              str(self.shards["w0"]), "--bootstrap", boots[1], "--identity",
+                                              str(d / "liar.key"), "--receipts-dir", str(d / "liar-receipts"),
+                                              "--fraction", "0.05", "--seed", str(self.seed)], entry=(), start=False))
             fp = source_fingerprint(ModelLayout.open(self.model))
-            issuer = load_or_create_identity(d / "issuer.key")
-            manifest = d / "model.manifest"
-            if not manifest.exists():
-                self._cli("manifest", "--model", str(self.model), "--key", str(d / "issuer.key"),
-                          "--out", str(manifest))
             common = ["--bootstrap", boots[0], "--bootstrap", boots[1], "--http", "127.0.0.1:0", "--timeout", "5",
                       "--verify-rate", str(self.verify_rate), "--verify-seed", str(self.seed), "--ban-refresh", "5",
                       "--served-model-name", "tiny"]
-            bb = self._node("backbone", ["node", "--role", "backbone", "--model", str(self.model), "--manifest",
-                                         str(manifest), "--identity", str(d / "backbone.key"), *common])
-            self.base = _http(bb.proc)
+            second.append(self._node("backbone", ["node", "--role", "backbone", "--model", str(self.model), "--manifest",
+                                                  str(manifest), "--identity", str(d / "backbone.key"), *common],
+                                     start=False))
             # a second backbone that does not hold the model: the dense part, a cache of 10 % of the
             # experts filled from the swarm, the rest always from workers
-            dense = d / "backbone-dense.gguf"
-            if not dense.exists():
-                self._cli("slice", str(self.model), "--backbone", "-o", str(dense))
-            bb2_id = load_or_create_identity(d / "backbone2.key")
+            issuer = load_or_create_identity(d / "issuer.key")
             tok2 = d / "backbone2.token"
-            tok2.write_text(issue_token(issuer, bb2_id.peer_id_str, [f"shard:{fp}"], 30 * 86400).encode())
-            bb2 = self._node("backbone2", ["node", "--role", "backbone", "--model", str(dense), "--expert-cache", "10%",
-                                           "--token", str(tok2), "--trust-issuer", issuer.peer_id_str,
-                                           "--trust-bans", bb.proc.addr.rsplit("/p2p/", 1)[1],
-                                           "--identity", str(d / "backbone2.key"), *common])
-            self.bases = [self.base, _http(bb2.proc)]
-            # an --auto worker: reads the backbones' demand, picks its units, downloads them by manifest
-            auto_id = load_or_create_identity(d / "auto.key")
-            tok = issue_token(issuer, auto_id.peer_id_str, [f"shard:{fp}"], 30 * 86400).encode()
-            auto = self._node("auto", ["node", "--role", "worker", "--auto", "--memory", "64MB", "--token", tok,
-                                       "--trust-issuer", issuer.peer_id_str, "--bootstrap", boots[0],
-                                       "--bootstrap", boots[1], "--identity", str(d / "auto.key"), "--ttl", "60"])
-            self.peer_ids["auto"] = auto.proc.addr.rsplit("/p2p/", 1)[1]
+            tok2.write_text(issue_token(issuer, ids["backbone2"], [f"shard:{fp}"], 30 * 86400).encode())
+            second.append(self._node("backbone2", ["node", "--role", "backbone", "--model", str(dense), "--expert-cache",
+                                                   "10%", "--token", str(tok2), "--trust-issuer", issuer.peer_id_str,
+                                                   "--trust-bans", ids["backbone"],
+                                                   "--identity", str(d / "backbone2.key"), *common], start=False))
+            if self.auto:  # an --auto worker: reads the backbones' demand, picks its units, downloads them by manifest
+                tok = issue_token(issuer, ids["auto"], [f"shard:{fp}"], 30 * 86400).encode()
+                second.append(self._node("auto", ["node", "--role", "worker", "--auto", "--memory", "64MB", "--token",
+                                                  tok, "--trust-issuer", issuer.peer_id_str, "--bootstrap", boots[0],
+                                                  "--bootstrap", boots[1], "--identity", str(d / "auto.key"),
+                                                  "--ttl", "60"], start=False))
+            nat = [n for n in second if self.how.get(n.name) == "nat"]
+            backbones = [n for n in second if n.name.startswith("backbone") or n.name == "auto"]
+            with ThreadPoolExecutor(len(second) + 1) as pool:  # the NATed workers once the relay is up,
+                done = [pool.submit(n.start) for n in [relay] + [n for n in second if n not in nat + backbones]]
+                done[0].result()
+                done += [pool.submit(n.start) for n in nat]
+                for f in done:
+                    f.result()
+                # the backbones once every worker is in the DHT: their first coverage refresh finds
+                # them all (one found later waits for the next refresh, 30 s); the --auto worker
+                # with them (it is ready once it enrolled from their demand)
+                for f in [pool.submit(n.start) for n in backbones]:
+                    f.result()
+            self.relay_addr = relay.proc.addr
+            for name, _, _ in self.roster:
+                self.peer_ids[name] = self.nodes[name].proc.addr.rsplit("/p2p/", 1)[1]
+            self.liar_id = self.nodes["liar"].proc.addr.rsplit("/p2p/", 1)[1]
+            self.base = _http(self.nodes["backbone"].proc)
+            self.bases = [self.base, _http(self.nodes["backbone2"].proc)]
+            if self.auto:
+                self.peer_ids["auto"] = self.nodes["auto"].proc.addr.rsplit("/p2p/", 1)[1]
         except BaseException:
             self.__exit__()
             raise
@@ -276,7 +302,7 @@ class Swarm:
         for name, base in zip(("backbone", "backbone2"), self.bases):
             ws = httpx.get(base + "/v1/swarm", timeout=30).json()["workers"]
             out[name] = {w: any(x["peer"] == self.peer_ids[w] and x["relayed"] for x in ws)
-                         for w in NAMESPACED if HOW[w] == "nat"}
+                         for w in self.namespaced if self.how[w] == "nat"}
         return out
 
     def wait_full(self, timeout_s: float, targets: tuple[str, ...] = ()) -> float | None:
@@ -337,7 +363,8 @@ class Nemesis:
         for kind in self.schedule(10_000):
             if self.stop.wait(self.every_s * self.rng.uniform(0.5, 1.0)):
                 return
-            victims = NAMESPACED if kind in ("partition", "slow") else [n for n, _, _ in HONEST if n not in LONG_LIVED]
+            victims = (self.swarm.namespaced if kind in ("partition", "slow")
+                       else [n for n, _, _ in self.swarm.roster if n not in LONG_LIVED])
             victim = self.rng.choice(victims)
             t0 = _now()
             fault = {"kind": kind, "t": round(t0, 1)}
@@ -371,7 +398,7 @@ class Nemesis:
         node.kill()
         time.sleep(self._hold(2, 5))
         node.start()
-        return {"target": "relay", "hit": tuple(n for n, _, how in HONEST if how == "nat")}
+        return {"target": "relay", "hit": tuple(n for n, _, how in self.swarm.roster if how == "nat")}
 
     def _bootstrap(self, victim: str) -> dict:
         node = self.swarm.nodes["boot2"]
@@ -434,7 +461,7 @@ class Nemesis:
         node = self.swarm.nodes[victim]
         listen = node.args[node.args.index("--listen") + 1].split("/") if "--listen" in node.args else None
         targets = [("127.0.0.1", int(b.rsplit(":", 1)[1])) for b in self.swarm.bases]
-        if listen and HOW[victim] != "nat":  # a NATed worker's port cannot be reached: that is its point
+        if listen and self.swarm.how[victim] != "nat":  # a NATed worker's port cannot be reached: that is its point
             targets.insert(0, (listen[2], int(listen[4])))
         sent = 0
         for target in targets:
@@ -443,33 +470,13 @@ class Nemesis:
                     blob = rng.randbytes(rng.randrange(1, 4096))
                     try:
                         s.sendall(blob)
-                        s.settimeout(2)
+                        s.settimeout(2 if self.hold_scale >= 1 else 0.5)
                         s.recv(1024)
                     except OSError:
                         pass
                     sent += len(blob)
         frames = _garbage_frames(self.swarm.nodes[victim].proc.addr, rng)
         return {"target": victim, "raw_bytes": sent, "frames": frames}
-
-
-def sample(swarm: Swarm) -> dict:
-    """One sample of the backbone and the long-lived workers: RSS, descriptors, and (from their
-    /health) trio tasks and DHT records held."""
-    import httpx
-
-    out = {"t": _now(), "load1": os.getloadavg()[0]}
-    for name, base in zip(("backbone", "backbone2"), swarm.bases):
-        h = httpx.get(base + "/health", timeout=30).json()
-        out[name] = {**_proc_sample(swarm.nodes[name].pid), "tasks": h.get("trio_tasks"),
-                     "records": h.get("dht_records")}
-    for name in LONG_LIVED:
-        node = swarm.nodes[name]
-        s = _proc_sample(node.pid)
-        if node.proc.health:
-            wh = httpx.get(node.proc.health, timeout=10).json()
-            s.update(tasks=wh.get("trio_tasks"), records=wh.get("dht_records"))
-        out[name] = s
-    return out
 
 
 def make_tiny(workdir: Path) -> Path:
@@ -483,7 +490,7 @@ def make_tiny(workdir: Path) -> Path:
 def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int, clients: int = 4,
              fault_every_s: float = 20.0, verify_rate: float = 0.25, sample_every_s: float = 5.0,
              warmup_s: float | None = None, min_faults: int = 0,
-             hold_scale: float = 1.0, prompts: int = len(PROMPTS)) -> dict:
+             hold_scale: float = 1.0, prompts: int = len(PROMPTS), roster: list = HONEST, auto: bool = True) -> dict:
     """Run the soak for ``duration_s`` (longer until ``min_faults`` faults were injected, at most
     four times as long or 120 s a fault) and return the checker's report (``report["problems"]``:
     empty if every promise was kept)."""
@@ -491,7 +498,7 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
 
     workdir.mkdir(parents=True, exist_ok=True)
     model = Path(model) if model else make_tiny(workdir)
-    swarm = Swarm(model, workdir / "swarm", verify_rate=verify_rate, seed=seed)
+    swarm = Swarm(model, workdir / "swarm", verify_rate=verify_rate, seed=seed, roster=roster, auto=auto)
     t0 = _now()
     print("[soak] monolithic references ...", flush=True)
     refs = monolithic_references(model, workdir, swarm.env, prompts)
@@ -509,13 +516,16 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
         threads = load.run()
         nem = threading.Thread(target=nemesis.run, daemon=True)
         nem.start()
+        sampled = -sample_every_s
         while (_now() - started < duration_s or len(nemesis.faults) < min_faults) \
                 and _now() - started < max(4 * duration_s, duration_s + 120 * min_faults):
-            try:
-                samples.append(sample(swarm))
-            except Exception as exc:
-                print(f"[soak] sample failed: {exc}", flush=True)
-            time.sleep(sample_every_s)
+            if _now() - sampled >= sample_every_s:  # polled often: no fault starts past the end
+                sampled = _now()
+                try:
+                    samples.append(sample(swarm))
+                except Exception as exc:
+                    print(f"[soak] sample failed: {exc}", flush=True)
+            time.sleep(0.2)
         nemesis.stop.set()
         nem.join(300)  # the fault in progress is undone and its recovery timed
         load.stop.set()

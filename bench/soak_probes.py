@@ -1,6 +1,7 @@
 """bench/soak.py's probes from outside the swarm: the monolithic references (the same requests on a
 backbone computing alone), an expert echo to a worker at its announced address, garbage frames on an
-expert stream, and a process's resident memory and descriptors. Split from soak.py to keep each
+expert stream, a process's resident memory and descriptors, and the periodic sample of the
+backbones and the long-lived workers. Split from soak.py to keep each
 module readable; used only by it."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers.procs import Proc  # the tests' process helper
-from soak_check import MAX_TOKENS, PROMPTS, SAMPLINGS, _request
+from soak_check import LONG_LIVED, MAX_TOKENS, PROMPTS, SAMPLINGS, _now, _request
 
 
 def _http(proc: Proc) -> str:
@@ -99,3 +100,23 @@ def _proc_sample(pid: int) -> dict:
     with open(f"/proc/{pid}/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return {"rss_mb": rss / 1024, "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+def sample(swarm) -> dict:
+    """One sample of the backbone and the long-lived workers: RSS, descriptors, and (from their
+    /health) trio tasks and DHT records held."""
+    import httpx
+
+    out = {"t": _now(), "load1": os.getloadavg()[0]}
+    for name, base in zip(("backbone", "backbone2"), swarm.bases):
+        h = httpx.get(base + "/health", timeout=30).json()
+        out[name] = {**_proc_sample(swarm.nodes[name].pid), "tasks": h.get("trio_tasks"),
+                     "records": h.get("dht_records")}
+    for name in LONG_LIVED:
+        node = swarm.nodes[name]
+        s = _proc_sample(node.pid)
+        if node.proc.health:
+            wh = httpx.get(node.proc.health, timeout=10).json()
+            s.update(tasks=wh.get("trio_tasks"), records=wh.get("dht_records"))
+        out[name] = s
+    return out

@@ -141,3 +141,35 @@ async def test_periodic_refresh_reuses_known_records_and_looks_up_a_rotating_par
         for _ in range(res.rotation):
             await res.refresh()
         assert res.stats.lookups - before == 16
+
+
+@pytest.mark.slow
+async def test_an_owner_that_answers_us_outlives_its_expired_record_until_it_stops():
+    """A worker whose re-published records do not reach us (behind a NAT, out only through a relay,
+    under load) is kept while the owner table vouches that it answered within its record's lifetime;
+    not once it stops answering, and never past a withdrawal. (Processes and a real NAT:
+    tests/test_natted_worker_stays.py.)"""
+    async with dht_swarm(3) as nodes:
+        worker, backbone = nodes[1], nodes[2]
+        adv = advertiser(worker, [ShardEntry(MODEL, "s", (0, 4), (0, 16))], ttl_s=3)
+        await adv.publish()
+        res = resolver(backbone)
+        answered: dict[str, float] = {}
+        res.vouch = lambda p, seconds: answered.get(p, float("inf")) <= seconds  # (seconds ago)
+        await res.refresh()
+        peer = worker.net.peer_id_str
+        assert [o.peer for o in res.owners(0, 0)] == [peer]
+        await trio.sleep(3.5)  # its record expires everywhere; no newer one is put
+        answered[peer] = 1.0  # it answered a second ago
+        await res.refresh()
+        assert [o.peer for o in res.owners(0, 0)] == [peer] and res.stats.vouched == 1 and peer not in res.gone
+        answered[peer] = 10.0  # silent for longer than its record lived (3 s): dropped
+        await res.refresh()
+        assert res.owners(0, 0) == [] and res.gone[peer].startswith("record expired")
+        await adv.publish()  # back, and answering; then it leaves cleanly
+        answered[peer] = 0.0
+        await res.refresh()
+        assert [o.peer for o in res.owners(0, 0)] == [peer]
+        assert await adv.withdraw()
+        await res.refresh()
+        assert res.owners(0, 0) == [] and res.gone[peer].startswith("withdrawn")

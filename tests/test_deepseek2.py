@@ -35,6 +35,7 @@ from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_greedy, llama_intermediates, llama_logits
 from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm
+from p2pswarm.backbone.generate import sequence_logits
 
 F32 = np.float32
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
@@ -163,7 +164,7 @@ async def test_q4_k_m_prefill_logits_are_llama_cpps_bits(models_dir):
     tokens = [(7919 * i + 11) % 540 for i in range(300)]
     ref = llama_logits(path, tokens)
     async with open_backbone(path, kernel="ggml") as swarm:
-        ours = await swarm.backbone.logits(tokens)
+        ours = await sequence_logits(swarm.backbone, tokens)
     assert np.array_equal(ours, ref), float(np.abs(ours - ref).max())
 
 

@@ -27,6 +27,7 @@ from p2pswarm.net.records import units_for
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.gguf_edit import rewrite
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42]
 
@@ -74,8 +75,8 @@ async def _run(path: Path, n_workers: int, shard_dir: Path):
         owners = [RecordingOwner(ExpertWorker(s, kernel="numpy"), f"w{i}") for i, s in enumerate(shards)]
     disp = Dispatcher(ExpertBank(layout), owners, fallback=False)
     bb = Backbone(model, disp)
-    prefill = await bb.logits(TOKENS)
-    decode = await bb.logits(TOKENS[:6], decode=True)
+    prefill = await sequence_logits(bb, TOKENS)
+    decode = await sequence_logits(bb, TOKENS[:6], decode=True)
     states = [bb.new_state() for _ in range(3)]
     batched = await bb.forward_batch([(TOKENS[i:i + 3 + i], st) for i, st in enumerate(states)])
     alone = [await bb.forward(TOKENS[i:i + 3 + i], bb.new_state()) for i in range(3)]

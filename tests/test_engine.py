@@ -12,15 +12,16 @@ from p2pswarm.model.gguf_read import field_value
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import make_model
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [9, 8, 7, 300, 42, 42, 5, 17, 260, 1, 2, 3, 99, 150, 11, 12, 13]
 
 
 async def _split_vs_mono(model, workers=3):
     async with open_backbone(model, workers=0) as mono:
-        want = (await mono.backbone.logits(TOKENS), await mono.backbone.logits(TOKENS, decode=True))
+        want = (await sequence_logits(mono.backbone, TOKENS), await sequence_logits(mono.backbone, TOKENS, decode=True))
     async with open_backbone(model, workers=workers, transport="inproc") as split:
-        got = (await split.backbone.logits(TOKENS), await split.backbone.logits(TOKENS, decode=True))
+        got = (await sequence_logits(split.backbone, TOKENS), await sequence_logits(split.backbone, TOKENS, decode=True))
     return want, got
 
 

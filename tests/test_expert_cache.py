@@ -27,6 +27,7 @@ from p2pswarm.model.slicer import slice_backbone
 
 from helpers.expert_cache import ARCHS, _complete, arch_model
 from helpers.procs import shard_swarm
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19]
 async def logits_of(path, tokens=TOKENS, kernel="numpy", **kw):
@@ -37,8 +38,8 @@ async def logits_of(path, tokens=TOKENS, kernel="numpy", **kw):
 
 async def _both(swarm, tokens):
     bb = swarm.backbone
-    prefill = await bb.logits(tokens)
-    decode = await bb.logits(tokens, decode=True)
+    prefill = await sequence_logits(bb, tokens)
+    decode = await sequence_logits(bb, tokens, decode=True)
     return prefill, decode, bb.dispatcher
 
 
@@ -108,7 +109,7 @@ async def test_unit_nobody_holds(models_dir, tmp_path):
     mono_p, _, _ = await logits_of(path)
     async with open_backbone(path, workers=2, kernel="numpy", expert_cache=ec.parse_cache_size("none")) as swarm:
         swarm.backbone.dispatcher.owners.remove(swarm.owners[0])
-        got = await swarm.backbone.logits(TOKENS)
+        got = await sequence_logits(swarm.backbone, TOKENS)
         assert swarm.cache.stats.fetches > 0 and {e for _, e in swarm.cache.held} <= set(range(8))
         assert swarm.backbone.dispatcher.stats.fallbacks == 0
     assert np.array_equal(got, mono_p)
@@ -119,7 +120,7 @@ async def test_unit_nobody_holds(models_dir, tmp_path):
         assert swarm.fingerprint == model_fingerprint(ModelLayout.open(path))  # the source's: workers match it
         assert swarm.cache.store.disk_bytes() < 64 << 10  # a sparse store: the header, no expert bytes
         with pytest.raises(UnitsUnavailable) as err:
-            await swarm.backbone.logits(TOKENS)
+            await sequence_logits(swarm.backbone, TOKENS)
     msg = str(err.value)
     assert "no live owner holds expert(s)" in msg and "fetches none" in msg and err.value.experts
 
@@ -253,7 +254,7 @@ async def test_refill_by_demand_status_metrics_and_demand_record(models_dir):
         cache.unpin(pinned)
         added2, dropped2 = cache.rebalance(demand.top(1000))
         assert set(hot) <= cache.held and cache.used <= cache.capacity and added + added2 == len(hot)
-        await swarm.backbone.logits(TOKENS)  # hits and misses counted
+        await sequence_logits(swarm.backbone, TOKENS)  # hits and misses counted
         st = cache.status()
         assert st["hits"] + st["misses"] > 0 and st["units"] == len(cache.held)
 
@@ -341,7 +342,7 @@ async def test_dishonest_worker_caught_with_a_partial_cache(tiny_f32, tmp_path):
         layer = int(rng.integers(0, len(layout.expert_layers)))
         outs = await disp.run_groups(layer, cur, groups)
         assert all(np.array_equal(o, w) for o, w in zip(outs, full.forward_groups(layer, cur, groups))), step
-    assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
+    assert liar.falsified > 0 and caught == ["liar"] and disp.bans.banned.keys() == {"liar"}
     assert disp.stats.fallbacks == 0 and disp.stats.per_owner.get("h", 0) > 0
     assert disp.stats.per_owner.get("local", 0) > 0  # the cache computed the liar's units after the ban
 
@@ -383,7 +384,7 @@ async def test_checks_reach_units_the_cache_lacks(tiny_f32, tmp_path):
         # units fetched for a check are dropped after it: only the banned liar's (fetched because no
         # live owner holds them) stay until a refill
         assert all(e < 8 for _, e in cache.held), step
-    assert liar.falsified > 0 and caught == ["liar"] and disp.banned.keys() == {"liar"}
+    assert liar.falsified > 0 and caught == ["liar"] and disp.bans.banned.keys() == {"liar"}
     assert disp.verifier.rows_checked.get("h", 0) > 0 and disp.stats.fallbacks == 0
 
 

@@ -30,6 +30,7 @@ from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import needs_llama
+from p2pswarm.backbone.generate import sequence_logits
 
 NATIVE = Path(p2pswarm.__file__).resolve().parent / "_native"
 ROOT = Path(p2pswarm.__file__).resolve().parents[1]
@@ -217,7 +218,7 @@ async def test_backbone_and_workers_default_to_ggml(tiny_q8, tmp_path):
         wp.stop()
     async with open_backbone(tiny_q8, workers=2, transport="socket") as swarm:
         assert swarm.backbone.dispatcher.local.bank.kernel == ggml_id
-        await swarm.backbone.logits([1, 2, 3, 4])
+        await sequence_logits(swarm.backbone, [1, 2, 3, 4])
         assert swarm.backbone.dispatcher.stats.fallbacks == 0  # both worker processes accepted ggml
 
 

@@ -37,6 +37,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 from conftest import llama_logits, needs_llama, run_cli
 from helpers.llama_ref import llama_routing
 from helpers.ggml import needs_ggml
+from p2pswarm.backbone.generate import sequence_logits
 
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42, 8, 200, 31, 64, 9, 120, 2, 88, 270, 15, 6, 190]
@@ -117,8 +118,8 @@ _mono: dict = {}
 async def _logits(model, workers=0, transport="inproc", kernel="ggml"):
     async with open_backbone(model, workers=workers, transport=transport, kernel=kernel) as swarm:
         assert swarm.backbone.dispatcher.local.bank.kernel.startswith("ggml-")
-        prefill = await swarm.backbone.logits(TOKENS)
-        decode = await swarm.backbone.logits(TOKENS, decode=True)
+        prefill = await sequence_logits(swarm.backbone, TOKENS)
+        decode = await sequence_logits(swarm.backbone, TOKENS, decode=True)
         stats = swarm.backbone.dispatcher.stats
     return prefill, decode, stats
 
@@ -173,15 +174,15 @@ async def test_numpy_backbone_and_ggml_worker_refuse_each_other(tiny_f32, tmp_pa
             wp.stop()
     # A numpy backbone with a ggml worker: refused, so without fallback the run fails with the
     # reason; with fallback the backbone's own replica computes, and the logits are numpy's.
-    mono = await Backbone(load_dense(layout), Dispatcher(ExpertBank(layout))).logits(TOKENS)
+    mono = await sequence_logits(Backbone(load_dense(layout), Dispatcher(ExpertBank(layout))), TOKENS)
     wp = WorkerProcess.start(shard, kernel="ggml")
     try:
         strict = Backbone(load_dense(layout), Dispatcher(ExpertBank(layout), [owner(wp, "numpy")], fallback=False))
         with pytest.raises(WorkerError, match="kernel mismatch"):
-            await strict.logits(TOKENS)
+            await sequence_logits(strict, TOKENS)
         with caplog.at_level(logging.WARNING, logger="p2pswarm.backbone"):
             lenient = Backbone(load_dense(layout), Dispatcher(ExpertBank(layout), [owner(wp, "numpy")]))
-            assert np.array_equal(await lenient.logits(TOKENS), mono)
+            assert np.array_equal(await sequence_logits(lenient, TOKENS), mono)
         assert lenient.dispatcher.stats.fallbacks > 0
         assert any("kernel mismatch" in r.getMessage() for r in caplog.records)
     finally:
@@ -204,10 +205,10 @@ async def test_without_ggml_numpy_is_used_with_one_log_line(tiny_f32, monkeypatc
         kernels.make_bank(ModelLayout.open(tiny_f32), "ggml")
     # everything still works: split == monolithic, worker processes included
     async with open_backbone(tiny_f32, workers=0) as mono:
-        ref = await mono.backbone.logits(TOKENS)
+        ref = await sequence_logits(mono.backbone, TOKENS)
         assert mono.backbone.dispatcher.local.bank.kernel == "numpy"
     async with open_backbone(tiny_f32, workers=2, transport="socket") as swarm:
-        assert np.array_equal(await swarm.backbone.logits(TOKENS), ref)
+        assert np.array_equal(await sequence_logits(swarm.backbone, TOKENS), ref)
         assert swarm.backbone.dispatcher.stats.fallbacks == 0
     # the CLI says it once, on stderr, and works
     out = tmp_path / "l.npy"
@@ -387,9 +388,9 @@ async def test_qwen35moe_with_ggml_matches_llama_cpp_and_splits_exactly(models_d
     ref = llama_logits(path, tokens)
     async with open_backbone(path, workers=0, kernel="ggml") as mono:
         taken = sum(isinstance(v, ggml_dense.QuantisedMatrix) for v in mono.backbone.model.w.loaded().values())
-        ours = await mono.backbone.logits(tokens)
+        ours = await sequence_logits(mono.backbone, tokens)
     async with open_backbone(path, workers=2, transport="inproc", kernel="ggml") as split:
-        assert np.array_equal(await split.backbone.logits(tokens), ours)
+        assert np.array_equal(await sequence_logits(split.backbone, tokens), ours)
     diff = float(np.abs(ours - ref).max())
     print(f"qwen35moe {qtype}: {taken} dense tensors on ggml; max |logit - llama.cpp| {diff:.3g} "
           f"(max |logit| {np.abs(ref).max():.3g})")

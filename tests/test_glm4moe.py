@@ -36,6 +36,7 @@ from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_intermediates, llama_routing
 from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm, wait_until
+from p2pswarm.backbone.generate import sequence_logits
 
 F32 = np.float32
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
@@ -343,7 +344,7 @@ async def test_geometry_glm45_runs_in_llama_cpp_and_routes_as_it_does(tmp_path):
             route = model.route
             model.route = lambda il, cur: seen.setdefault(il, route(il, cur))
             try:
-                ours = await swarm.backbone.logits(toks)
+                ours = await sequence_logits(swarm.backbone, toks)
             finally:
                 # The wrapper ties the model into a reference cycle, and load_dense froze the
                 # model out of the cyclic collector: left in place, the 5 GB file (deleted

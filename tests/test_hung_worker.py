@@ -31,6 +31,7 @@ from p2pswarm.net.identity import Identity
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.owners import libp2p_owner, served
+from p2pswarm.backbone.generate import sequence_logits
 
 pytestmark = pytest.mark.slow
 TOKENS = [5, 17, 42, 99, 100, 7, 256, 300, 12, 64, 128, 31, 2, 77, 500, 9, 33, 45, 88, 301, 6, 51, 97, 140,
@@ -48,7 +49,7 @@ async def _decode(backbone, tokens, state, times):
 
 async def test_sigstop_costs_a_step_at_most_its_deadline_and_sigcont_brings_it_back(tiny_f32):
     async with open_backbone(tiny_f32, workers=0) as mono:
-        want = await mono.backbone.logits(TOKENS, decode=True)
+        want = await sequence_logits(mono.backbone, TOKENS, decode=True)
     async with open_backbone(tiny_f32, workers=2, transport="socket", timeout_s=30.0) as split:
         bb, d = split.backbone, split.backbone.dispatcher
         hung, other = split.owners[0], split.owners[1]

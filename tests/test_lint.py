@@ -1,6 +1,7 @@
 """ruff (configured in pyproject.toml: pyflakes' checks and unused noqa) over the whole tree finds
 nothing; tests share code only through tests/helpers/; every import follows the layer order
-docs/architecture.md draws (and the check that says so catches an upward import)."""
+docs/architecture.md draws, between p2pswarm's packages and inside backbone/; no import cycle
+anywhere in p2pswarm, lazy imports included (and the checks that say so catch what they forbid)."""
 from __future__ import annotations
 
 import subprocess
@@ -36,12 +37,12 @@ def test_no_test_module_imports_another():
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 
 
-def layer_order(doc: Path = ARCHITECTURE) -> list[list[str]]:
-    """The layers as docs/architecture.md draws them, top first."""
+def layer_order(doc: Path = ARCHITECTURE, heading: str = "## The layers") -> list[list[str]]:
+    """The layers as docs/architecture.md draws them under ``heading`` (its first fenced block), top first."""
     import re
 
     text = doc.read_text()
-    section = text.split("\n## The layers", 1)[1]
+    section = text.split("\n" + heading + "\n", 1)[1]
     block = section.split("```", 2)[1]
     layers = []
     for line in block.splitlines():
@@ -53,10 +54,10 @@ def layer_order(doc: Path = ARCHITECTURE) -> list[list[str]]:
 
 def _unit(module: str, package: str) -> str | None:
     """The unit (subpackage or top-level module of ``package``) a dotted module name belongs to."""
-    parts = module.split(".")
-    if parts[0] != package or len(parts) < 2:
+    parts, pkg = module.split("."), package.split(".")
+    if parts[:len(pkg)] != pkg or len(parts) <= len(pkg):
         return None
-    return parts[1]
+    return parts[len(pkg)]
 
 
 def _imported_modules(tree, module: str, is_package: bool):
@@ -86,7 +87,8 @@ def layer_violations(root: Path, layers: list[list[str]], package: str = "p2pswa
 
     rank = {u: i for i, layer in enumerate(layers) for u in layer}  # 0 = top
     out, seen = [], set()
-    for path in sorted((root / package).rglob("*.py")):
+    folder = root.joinpath(*package.split("."))
+    for path in sorted(folder.rglob("*.py")):
         rel = path.relative_to(root)
         is_package = path.name == "__init__.py"
         module = ".".join(rel.with_suffix("").parts[:-1] if is_package else rel.with_suffix("").parts)
@@ -98,7 +100,8 @@ def layer_violations(root: Path, layers: list[list[str]], package: str = "p2pswa
             continue
         for line, name in _imported_modules(ast.parse(path.read_text(), str(rel)), module, is_package):
             dst = _unit(name, package)
-            if dst is None or dst == src or (dst not in rank and not (root / package / dst).exists()):
+            if dst is None or dst == src or (dst not in rank and not (folder / dst).exists()
+                                                 and not (folder / f"{dst}.py").exists()):
                 continue  # outside the package, own unit, or a name imported from a module
             if (rel, line, dst) in seen:
                 continue  # one report per import statement
@@ -131,6 +134,118 @@ def test_layer_check_catches_an_upward_import(tmp_path):
     assert len(problems) == 2, problems
     assert problems[0].startswith("p2pswarm/model/upward.py:2: model imports p2pswarm.net.records (net: a higher"), problems
     assert problems[1].startswith("p2pswarm/worker/sideways.py:1: worker imports p2pswarm.relay.service (relay: its own"), problems
+
+
+# -- inside backbone/ ----------------------------------------------------------------------------
+# The same rule one level down: docs/architecture.md draws backbone's modules in sub-layers ("Inside
+# backbone/"): the HTTP API and sessions on top, then one request's generation, the scheduler, the
+# layer loop, the dispatcher, the owners, and the shared types at the bottom. Why: backbone/ was
+# checked as one unit, so generate.py, runner.py and scheduler.py could import each other (lazily)
+# and nothing said which was above which.
+BACKBONE = "p2pswarm.backbone"
+
+
+def test_backbone_imports_follow_its_sub_layers():
+    layers = layer_order(heading="### Inside backbone/")
+    assert len(layers) > 5 and "http_api" in layers[0], layers
+    problems = layer_violations(REPO, layers, package=BACKBONE)
+    assert not problems, "\n".join(problems)
+
+
+def test_backbone_check_catches_an_upward_import(tmp_path):
+    """On a copy of the tree with the runner importing the scheduler lazily (what Backbone.logits
+    did), the backbone check reports it and nothing else."""
+    import shutil
+
+    shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    runner = tmp_path / "p2pswarm" / "backbone" / "runner.py"
+    runner.write_text(runner.read_text() + "\n\ndef _up():\n    from p2pswarm.backbone.scheduler import Scheduler\n"
+                      "    return Scheduler\n")
+    problems = layer_violations(tmp_path, layer_order(heading="### Inside backbone/"), package=BACKBONE)
+    assert len(problems) == 1 and "runner imports p2pswarm.backbone.scheduler (scheduler: a higher" in problems[0], problems
+
+
+# -- no import cycle ------------------------------------------------------------------------------
+# Between any two modules of p2pswarm, counting every import: module-level, function-level (lazy)
+# and those under ``if TYPE_CHECKING`` (a lazy import is still a dependency, only a cheaper one; a
+# type-only one is still a dependency of the reader). A cycle means neither module can be read,
+# tested or replaced without the other; the usual fix is the shared part in a module below both
+# (backbone/items.py, backbone/combine.py) or a typing.Protocol the lower module declares
+# (check_fetch.Holder, local_owners.Obtainer). Importing ``a.b.c`` counts as importing ``a.b.c``,
+# not its parent packages' __init__ (whose imports are checked as their own module's).
+
+def import_graph(root: Path, package: str = "p2pswarm") -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports, for every module under ``root/package``."""
+    import ast
+
+    files = {}
+    for path in (root / package).rglob("*.py"):
+        rel = path.relative_to(root).with_suffix("")
+        files[".".join(rel.parts[:-1] if path.name == "__init__.py" else rel.parts)] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        deps = graph.setdefault(module, set())
+        tree = ast.parse(path.read_text(), str(path))
+        for _, name in _imported_modules(tree, module, path.name == "__init__.py"):
+            while name and name not in files:  # ``from m import f``: f is a name in m
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                deps.add(name)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that import each other, directly or not (the graph's strongly
+    connected components of more than one module; Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_cycle():
+    cycles = import_cycles(import_graph(REPO))
+    assert not cycles, "modules that import each other (lazy imports included):\n" + "\n".join(map(" <-> ".join, cycles))
+
+
+def test_cycle_check_catches_a_lazy_cycle(tmp_path):
+    """On a copy of the tree where the shared types' module imports the scheduler inside a
+    function (a lazy import: the scheduler imports it at module level), the check finds the cycle."""
+    import shutil
+
+    shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    items = tmp_path / "p2pswarm" / "backbone" / "items.py"
+    items.write_text(items.read_text() + "\n\ndef _lazy():\n    from p2pswarm.backbone.scheduler import Scheduler\n"
+                     "    return Scheduler\n")
+    cycles = import_cycles(import_graph(tmp_path))
+    assert len(cycles) == 1 and {"p2pswarm.backbone.items", "p2pswarm.backbone.scheduler"} <= set(cycles[0]), cycles
 
 
 def test_only_the_p2pswarm_package_is_installed():

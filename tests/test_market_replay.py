@@ -30,6 +30,7 @@ from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.dishonest_worker import DishonestWorker
+from p2pswarm.backbone.generate import sequence_logits
 
 RATE, FRACTION = 0.05, 0.01  # r p = 1 / 2,000 rows: the catch lands mid-run with these seeds
 N, MAX_TOKENS = 12, 40
@@ -103,7 +104,7 @@ async def test_replay_on_ban_keeps_every_running_output_equal_to_monolithic(tiny
         liar = _lie(swarm)
         got, rewinds, extra = await _run(swarm.backbone, short=True)
         disp, replays = swarm.backbone.dispatcher, swarm.backbone.replays
-    assert disp.banned.keys() == {"liar"} and disp.stats.mismatches == 1 and liar.falsified > 1
+    assert disp.bans.banned.keys() == {"liar"} and disp.stats.mismatches == 1 and liar.falsified > 1
     # the catch came mid-run: requests had tokens that were withdrawn ...
     assert replays.sequences >= N and replays.tokens_withdrawn > 0 and replays.rows > 0
     assert all(rewinds[i] for i in range(N))
@@ -123,7 +124,7 @@ async def test_replay_on_ban_keeps_every_running_output_equal_to_monolithic(tiny
         _lie(swarm)
         swarm.backbone.replay_on_ban = False
         off, rewinds_off, _ = await _run(swarm.backbone)
-        assert swarm.backbone.dispatcher.banned.keys() == {"liar"} and swarm.backbone.replays.sequences == 0
+        assert swarm.backbone.dispatcher.bans.banned.keys() == {"liar"} and swarm.backbone.replays.sequences == 0
     assert not any(rewinds_off.values()) and any(off[i] != want[i] for i in range(N))
 
 
@@ -132,7 +133,7 @@ async def test_a_ban_while_idle_reports_the_finished_requests_it_spoiled(tiny_f3
         _lie(swarm)
         swarm.backbone.dispatcher.verifier = None
         sched = Scheduler(swarm.backbone)
-        listeners = swarm.backbone.dispatcher.ban_listeners
+        listeners = swarm.backbone.dispatcher.bans.listeners
         before = len(listeners)
         async with trio.open_nursery() as nursery:
             await nursery.start(sched.run)
@@ -140,7 +141,7 @@ async def test_a_ban_while_idle_reports_the_finished_requests_it_spoiled(tiny_f3
             async with sched.submit([5, 4, 3], Params(max_tokens=3, request_id="cmpl-early")) as req:
                 assert len([s async for s in req]) == 3
             await trio.sleep(0.05)
-            swarm.backbone.dispatcher.ban("liar", "a ban record of another backbone")
+            swarm.backbone.dispatcher.bans.ban("liar", "a ban record of another backbone")
             with trio.fail_after(10):
                 while swarm.backbone.replays.finished_unfixable == 0:
                     await trio.sleep(0.01)
@@ -156,23 +157,23 @@ async def test_logits_decode_replays_to_the_monolithic_bits(tiny_f32):
     position on are recomputed after the ban, so all of them equal the monolithic run's."""
     tokens = [(i * 37 + 11) % 500 for i in range(120)]
     async with open_backbone(tiny_f32, workers=0, kernel="numpy") as mono:
-        want = await mono.backbone.logits(tokens, decode=True)
-        want_prefill = await mono.backbone.logits(tokens)
+        want = await sequence_logits(mono.backbone, tokens, decode=True)
+        want_prefill = await sequence_logits(mono.backbone, tokens)
     async with open_backbone(tiny_f32, workers=2, transport="inproc", kernel="numpy") as swarm:
         _lie(swarm)
         swarm.backbone.dispatcher.verifier = None  # unchecked, the liar's rows change the result
-        assert not np.array_equal(await swarm.backbone.logits(tokens, decode=True), want)
+        assert not np.array_equal(await sequence_logits(swarm.backbone, tokens, decode=True), want)
         liar = _lie(swarm, verify_seed=3)
-        got = await swarm.backbone.logits(tokens, decode=True)
-        assert swarm.backbone.dispatcher.banned.keys() == {"liar"} and liar.falsified > 1
+        got = await sequence_logits(swarm.backbone, tokens, decode=True)
+        assert swarm.backbone.dispatcher.bans.banned.keys() == {"liar"} and liar.falsified > 1
         assert swarm.backbone.replays.sequences == 1
         assert np.array_equal(got, want)
         # a prefill the ban lands in is recomputed whole (a fresh liar, caught in the call)
-        swarm.backbone.dispatcher.banned.clear()
+        swarm.backbone.dispatcher.bans.banned.clear()
         liar = _lie(swarm, verify_seed=5)
         liar.fraction = 0.2
-        got = await swarm.backbone.logits(tokens)
-        assert swarm.backbone.dispatcher.banned and np.array_equal(got, want_prefill)
+        got = await sequence_logits(swarm.backbone, tokens)
+        assert swarm.backbone.dispatcher.bans.banned and np.array_equal(got, want_prefill)
 
 
 @pytest.mark.slow
@@ -199,7 +200,7 @@ async def test_generate_replays_to_the_monolithic_tokens(tiny_f32):
                     continue
                 toks.append(step.token)
                 if len(toks) == 15 and not rewinds:
-                    disp.ban("liar", "a ban record of another backbone")
+                    disp.bans.ban("liar", "a ban record of another backbone")
         assert [(r.keep, r.sent) for r in rewinds] == [(0, 15)] and swarm.backbone.replays.sequences == 1
         assert toks == want, temperature
 
@@ -223,8 +224,8 @@ async def test_dispatcher_reports_unverified_rows_only(tiny_f32, tmp_path):
     await disp.run_groups(0, cur, groups, taint)
     assert taint == {}
     disp.verifier = None
-    disp.ban("w1", "test")
-    assert disp.ban_epoch == 1
+    disp.bans.ban("w1", "test")
+    assert disp.bans.epoch == 1
     taint = {}
     await disp.run_groups(0, cur, groups, taint)
     assert taint.keys() == {"w0"}
@@ -267,7 +268,7 @@ async def test_http_non_streamed_completions_end_exact_and_a_rewound_stream_ends
                 other = Identity.generate()  # another backbone, whose bans this one trusts
                 rec = BanRecord.make(other, banned="liar", model=swarm.fingerprint, evidence="e" * 64,
                                      reason="layer 1 expert 9", voids_epoch=1, voids_from_seq=1)
-                BanKeeper(Identity.generate(), swarm.fingerprint, swarm.backbone.dispatcher,
+                BanKeeper(Identity.generate(), swarm.fingerprint, swarm.backbone.dispatcher.bans,
                           trusted=[other.peer_id_str])._honour(rec)
                 out["sent_at_ban"] = app.scheduler.stats.generated
 

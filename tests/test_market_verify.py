@@ -168,7 +168,7 @@ async def test_honest_workers_are_never_banned_over_10000_requests(tiny_f32, tmp
         if disp.stats.layers % 97 == 0:  # and an independent check of what the step used
             assert all(np.array_equal(o, r) for o, r in zip(outs, bank.forward_groups(layer, cur, groups)))
     s = disp.stats
-    assert disp.banned == {} and s.mismatches == 0 and s.fallbacks == 0
+    assert disp.bans.banned == {} and s.mismatches == 0 and s.fallbacks == 0
     assert s.verified_groups == s.remote_groups > 10_000
     assert sum(a.requests for a in ledger.accounts.values()) == s.requests
     assert sum(a.rows for a in ledger.accounts.values()) == s.remote_rows
@@ -197,7 +197,7 @@ async def test_dishonest_worker_caught_as_the_sample_rate_predicts(tiny_f32, tmp
             outs = await disp.run_groups(layer, cur, groups)
             if seen:  # the detecting step already uses the replica's outputs for all the liar's groups
                 assert all(np.array_equal(o, w) for o, w in zip(outs, bank.forward_groups(layer, cur, groups)))
-        assert seen and disp.banned.keys() == {"liar"} and seen[0].max_abs_delta > 0
+        assert seen and disp.bans.banned.keys() == {"liar"} and seen[0].max_abs_delta > 0
         caught_at.append(seen[0].rows_served)
         assert [o.name for o in disp.assign(0, [(9, np.array([0]))])] == ["local"]  # banned: never asked again
     mean, expect = float(np.mean(caught_at)), 1 / (r * p)
@@ -218,7 +218,7 @@ async def test_every_row_checked_means_outputs_stay_exact_throughout(tiny_f32, t
     disp = Dispatcher(bank, [InProcessOwner(ExpertWorker(shards[0], kernel="numpy"), "h"), InProcessOwner(liar, "liar")])
     disp.verifier = Verifier(1.0, seed=0)
     ledger = disp.ledger = ContributionLedger(ident, MODEL)
-    keeper = BanKeeper(ident, MODEL, disp, ledger=ledger)  # no DHT here: the ban is local and queued
+    keeper = BanKeeper(ident, MODEL, disp.bans, ledger=ledger)  # no DHT here: the ban is local and queued
     disp.on_mismatch = keeper.ban
     rng = np.random.default_rng(4)
     for step in range(400):
@@ -275,7 +275,25 @@ async def test_checks_cost_the_rate_where_rows_are_exact_alone(tiny_q8, tmp_path
             assert all(np.array_equal(o, w) for o, w in zip(outs, bank.forward_groups(layer, cur, groups)))
         assert disp.stats.layers < 2000, "the liar was never caught"
     v = disp.verifier
-    assert seen[0].rows_in_group < 16 and disp.banned.keys() == {"liar"} and "h" not in disp.banned
+    assert seen[0].rows_in_group < 16 and disp.bans.banned.keys() == {"liar"} and "h" not in disp.bans.banned
     served, checked = v.rows_served["h"], v.rows_checked["h"]
     assert served > 1000 and 0.5 * r < checked / served < 2 * r, (checked, served)  # whole groups: ~0.5
     assert sum(local_rows[:-1]) < 3 * r * (v.rows_served["h"] + v.rows_served["liar"])
+
+
+def test_pick_equals_a_per_group_draw():
+    """Verifier.pick visits only the groups with a draw: the same picks as reading every group's
+    slice of the draws (the rule it replaced), on the same random stream."""
+    rng = np.random.default_rng(3)
+    for t in range(20):
+        groups = [(int(e), np.arange(int(rng.integers(1, 9)))) for e in range(int(rng.integers(0, 300)))]
+        rate, exact = float(rng.choice([0.01, 0.2, 0.7])), int(rng.integers(1, 5))
+        draws = Verifier(rate, seed=t)._rng("w").random(sum(len(i) for _, i in groups)) < rate
+        want, pos = [], 0
+        for i, (_, idx) in enumerate(groups):
+            sel = draws[pos : pos + len(idx)]
+            if sel.any():
+                want.append((i, (np.flatnonzero(sel) if len(idx) <= exact else np.arange(len(idx))).tolist()))
+            pos += len(idx)
+        got = Verifier(rate, seed=t).pick("w", groups, exact)
+        assert [(i, at.tolist()) for i, at in got] == want

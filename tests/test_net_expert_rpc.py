@@ -34,6 +34,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import serve_libp2p
 
 from helpers.owners import entry, libp2p_owner, served
+from p2pswarm.backbone.generate import sequence_logits
 
 SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]
 TOKENS = list(range(3, 19))
@@ -185,8 +186,8 @@ async def test_backbone_through_dht_owners_bit_equal_while_a_worker_leaves(tiny_
     mid-decode (no withdrawal: a crash) and the result is still bit-equal, through the local
     replica and then the other replica."""
     async with open_backbone(tiny_f32, workers=0) as mono:
-        want_prefill = await mono.backbone.logits(TOKENS)
-        want_decode = await mono.backbone.logits(TOKENS, decode=True)
+        want_prefill = await sequence_logits(mono.backbone, TOKENS)
+        want_decode = await sequence_logits(mono.backbone, TOKENS, decode=True)
         bank = mono.backbone.dispatcher.local.bank
         fingerprint = mono.fingerprint
         layout = ModelLayout.open(tiny_f32)
@@ -207,7 +208,7 @@ async def test_backbone_through_dht_owners_bit_equal_while_a_worker_leaves(tiny_
                         mono.backbone.dispatcher = Dispatcher(bank, [], backoff_s=60)
                         pool.attach(mono.backbone.dispatcher)
                         stats = mono.backbone.dispatcher.stats
-                        assert np.array_equal(await mono.backbone.logits(TOKENS), want_prefill)
+                        assert np.array_equal(await sequence_logits(mono.backbone, TOKENS), want_prefill)
                         assert stats.requests > 0 and stats.fallbacks == 0 and stats.local_groups == 0
                         # decode token by token; after 5 tokens the busiest shard-0 worker crashes
                         state, rows, victim = mono.backbone.new_state(), [], None

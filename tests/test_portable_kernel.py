@@ -25,6 +25,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import check_hello
 
 from conftest import assert_one_line_error, needs_llama, run_cli
+from p2pswarm.backbone.generate import sequence_logits
 
 try:
     pk.load_native()
@@ -219,7 +220,7 @@ async def test_split_equals_monolithic_with_portable(request, qtype, monkeypatch
         async with open_backbone(model, workers=workers, kernel="portable") as swarm:
             bb = swarm.backbone
             assert bb.dispatcher.local.bank.kernel == pk.kernel_id()
-            outs.append((await bb.logits(tokens), await bb.logits(tokens, decode=True)))
+            outs.append((await sequence_logits(bb, tokens), await sequence_logits(bb, tokens, decode=True)))
             stats = bb.dispatcher.stats
             assert (stats.requests > 0) == (workers > 0) and stats.fallbacks == 0
             assert stats.local_groups == 0 or not workers

@@ -37,6 +37,7 @@ from helpers.arch_checks import forward as _forward
 from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite as _rewrite
 from helpers.llama_ref import llama_intermediates
+from p2pswarm.backbone.generate import sequence_logits
 
 F32 = np.float32
 
@@ -66,8 +67,8 @@ def q35_model(models_dir: Path, name: str, **kw) -> Path:
 
 async def our_logits(path, tokens=TOKENS, workers=0, transport="inproc"):
     async with open_backbone(path, workers=workers, transport=transport) as swarm:
-        prefill = await swarm.backbone.logits(tokens)
-        decode = await swarm.backbone.logits(tokens, decode=True)
+        prefill = await sequence_logits(swarm.backbone, tokens)
+        decode = await sequence_logits(swarm.backbone, tokens, decode=True)
         stats = swarm.backbone.dispatcher.stats
     return prefill, decode, stats
 

@@ -13,6 +13,7 @@ from p2pswarm.backbone.session import open_backbone
 from p2pswarm.model.synth import make_model
 
 from conftest import llama_logits, needs_llama
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
           33, 71, 2, 118, 199, 45, 88, 301]
@@ -34,8 +35,8 @@ async def test_f32_logits_match_llama_cpp(models_dir, shape):
         make_model(path, preset="tiny", qtype="f32", **SHAPES[shape])
     ref = llama_logits(path, TOKENS)
     async with open_backbone(path, workers=0) as mono:
-        prefill = await mono.backbone.logits(TOKENS)
-        decode = await mono.backbone.logits(TOKENS, decode=True)
+        prefill = await sequence_logits(mono.backbone, TOKENS)
+        decode = await sequence_logits(mono.backbone, TOKENS, decode=True)
     tol = 1e-4 + 2e-5 * float(np.abs(ref).max())
     assert np.abs(ref).max() > 1.0  # real logits, not a degenerate model
     for name, ours in (("prefill", prefill), ("decode", decode)):

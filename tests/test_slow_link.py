@@ -19,6 +19,7 @@ import trio
 
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.net.wanproxy import open_wan_proxy
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42]
 
@@ -27,8 +28,8 @@ TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42]
 async def test_a_saturated_link_falls_back_within_the_deadline_and_stays_exact(tiny_f32):
     slow_tokens = TOKENS[:4]
     async with open_backbone(tiny_f32, workers=0) as mono:
-        want = await mono.backbone.logits(TOKENS, decode=True)
-        want_slow = await mono.backbone.logits(slow_tokens, decode=True)
+        want = await sequence_logits(mono.backbone, TOKENS, decode=True)
+        want_slow = await sequence_logits(mono.backbone, slow_tokens, decode=True)
         layers = mono.backbone.model.n_layer
     async with open_backbone(tiny_f32, workers=2, transport="socket", timeout_s=20.0) as swarm:
         d = swarm.backbone.dispatcher
@@ -39,14 +40,14 @@ async def test_a_saturated_link_falls_back_within_the_deadline_and_stays_exact(t
             for owner, proxy in zip(swarm.owners, proxies):
                 owner.port = proxy.port  # (no connection yet: the first request dials the proxy)
             with trio.fail_after(120):
-                assert np.array_equal(await swarm.backbone.logits(TOKENS, decode=True), want)  # learn deadlines
+                assert np.array_equal(await sequence_logits(swarm.backbone, TOKENS, decode=True), want)  # learn deadlines
                 assert d.stats.fallbacks == 0 and all(len(o._latency) >= 8 for o in swarm.owners)
                 deadlines = [o.deadline_s(4) for o in swarm.owners]
                 assert max(deadlines) < 20.0  # learnt, not the fixed timeout
                 for proxy in proxies:  # saturate: 2 kB/s from each worker
                     proxy.down.bytes_per_s = 2000.0
                 t0 = time.perf_counter()
-                got = await swarm.backbone.logits(slow_tokens, decode=True)  # one decode step per token
+                got = await sequence_logits(swarm.backbone, slow_tokens, decode=True)  # one decode step per token
                 took = time.perf_counter() - t0
             for proxy in proxies:
                 proxy.down.bytes_per_s = fast

@@ -21,6 +21,7 @@ from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.net.framing import FrameReader, send_frame
 from p2pswarm.worker.expert_worker import ExpertWorker
+from p2pswarm.backbone.generate import sequence_logits
 
 SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]
 TOKENS = list(range(3, 27))
@@ -170,7 +171,7 @@ async def _kill_during(swarm, victim: int, sig: int, decode: bool = True):
 
     async def run():
         try:
-            results["logits"] = await swarm.backbone.logits(TOKENS, decode=decode)
+            results["logits"] = await sequence_logits(swarm.backbone, TOKENS, decode=decode)
         except WorkerError as exc:  # re-raised below, outside the nursery's exception group
             results["error"] = exc
 
@@ -188,7 +189,7 @@ async def _kill_during(swarm, victim: int, sig: int, decode: bool = True):
 @pytest.mark.slow
 async def test_worker_killed_mid_generation_falls_back_exactly(tiny_f32, caplog):
     async with open_backbone(tiny_f32, workers=0) as mono:
-        want = await mono.backbone.logits(TOKENS, decode=True)
+        want = await sequence_logits(mono.backbone, TOKENS, decode=True)
     async with open_backbone(tiny_f32, workers=3, transport="socket") as swarm:
         with trio.fail_after(120):
             got = await _kill_during(swarm, 1, signal.SIGKILL)
@@ -207,7 +208,7 @@ async def test_worker_killed_without_fallback_is_a_clear_error(tiny_f32):
 @pytest.mark.slow
 async def test_hung_worker_times_out_and_falls_back(tiny_f32):
     async with open_backbone(tiny_f32, workers=0) as mono:
-        want = await mono.backbone.logits(TOKENS, decode=True)
+        want = await sequence_logits(mono.backbone, TOKENS, decode=True)
     async with open_backbone(tiny_f32, workers=2, transport="socket", timeout_s=1.0) as swarm:
         try:
             with trio.fail_after(120):

@@ -407,7 +407,7 @@ async def test_replay_on_ban_with_speculation_ends_equal_to_monolithic(tiny_f32)
         oracle = Speculation("ngram", 3, drafter=_oracle(prompts, want))
         got, spec = await run(swarm.backbone, oracle)
         replays = swarm.backbone.replays
-    assert disp.banned.keys() == {"liar"} and replays.sequences >= 1, (disp.banned, replays)
+    assert disp.bans.banned.keys() == {"liar"} and replays.sequences >= 1, (disp.bans.banned, replays)
     assert spec.accepted > 0
     assert got == want
 

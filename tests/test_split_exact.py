@@ -20,6 +20,7 @@ from p2pswarm.engine.kernels import kernel_id
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42, 8, 200, 31, 64, 9, 120, 2, 88, 270, 15, 6, 190]
 _mono: dict = {}
@@ -27,8 +28,8 @@ _mono: dict = {}
 
 async def _logits(model, workers=0, transport="inproc"):
     async with open_backbone(model, workers=workers, transport=transport) as swarm:
-        prefill = await swarm.backbone.logits(TOKENS)
-        decode = await swarm.backbone.logits(TOKENS, decode=True)
+        prefill = await sequence_logits(swarm.backbone, TOKENS)
+        decode = await sequence_logits(swarm.backbone, TOKENS, decode=True)
         stats = swarm.backbone.dispatcher.stats
     return prefill, decode, stats
 
@@ -77,8 +78,8 @@ async def test_arrival_order_does_not_matter(tiny_f32, tmp_path):
     backbone = Backbone(load_dense(layout), Dispatcher(ExpertBank(layout), owners))
     random.seed(7)
     for _ in range(2):
-        assert np.array_equal(await backbone.logits(TOKENS), mono_prefill)
-    assert np.array_equal(await backbone.logits(TOKENS, decode=True), mono_decode)
+        assert np.array_equal(await sequence_logits(backbone, TOKENS), mono_prefill)
+    assert np.array_equal(await sequence_logits(backbone, TOKENS, decode=True), mono_decode)
 
 
 async def test_routing_is_not_degenerate(tiny_f32):

@@ -8,6 +8,7 @@ import pytest
 from p2pswarm.errors import UserError
 from p2pswarm.net import expert_protocol as proto
 from p2pswarm.net import wire_precision as wp
+from p2pswarm.backbone.generate import sequence_logits
 
 
 def test_rounding_is_nearest_even_idempotent_and_survives_the_wire():
@@ -44,7 +45,7 @@ async def test_split_equals_monolithic_at_a_wire_precision(tiny_q8, precision):
         async with open_backbone(tiny_q8, workers=workers, transport="socket") as swarm:
             d = swarm.backbone.dispatcher
             d.set_wire_precision(p)
-            got[p, workers] = (await swarm.backbone.logits(tokens), await swarm.backbone.logits(tokens, decode=True))
+            got[p, workers] = (await sequence_logits(swarm.backbone, tokens), await sequence_logits(swarm.backbone, tokens, decode=True))
             if workers:
                 assert d.stats.fallbacks == 0 and d.stats.local_groups == 0 and d.stats.requests > 0
                 received[p] = d.wire.received

@@ -1,7 +1,7 @@
 """Checks of units the backbone's expert cache lacks (p2pswarm.market.verify, "With a partial
 expert cache"): which picks can be checked, the fetch of their units' slabs for the check, and
 their eviction after it. Split from :mod:`p2pswarm.backbone.dispatch`, whose
-``Dispatcher._compute_checked`` calls these beside the remote request.
+``Verification._compute_checked`` (dispatch_verify) calls these beside the remote request.
 
 Why fetch at all: with ``--expert-cache none`` the backbone holds no unit, so checks limited to
 cached units would check nothing and a lying worker would never be caught. A unit's slabs come
@@ -12,18 +12,31 @@ cache only while the check computes (pinned), then dropped; the dispatcher's ``c
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
+from p2pswarm.backbone.expert_cache import ExpertCache
 from p2pswarm.contracts import Groups
 
 if TYPE_CHECKING:
-    from p2pswarm.backbone.dispatch import Dispatcher
     from p2pswarm.market.verify import Check
 
 
-def checkable(d: Dispatcher, layer: int, groups: Groups, picked: list[Check]
+class Holder(Protocol):
+    """What these checks read of the dispatcher (a Protocol, so this module, below the dispatcher,
+    does not import it)."""
+
+    cache: ExpertCache | None
+    fetch: Callable[[int, list[int]], Any] | None
+    fetch_bound_s: float
+    check_budget: Any
+
+    @property
+    def local(self) -> Any: ...  # the local replica: .holds(layer, expert)
+
+
+def checkable(d: Holder, layer: int, groups: Groups, picked: list[Check]
               ) -> tuple[list[Check], list[int], list[tuple[int, int]]]:
     """The picks that can be checked, the units among them to fetch for it, and the pins of the
     cached ones (the caller unpins them once the check is done: a unit cached now may be one a
@@ -59,7 +72,7 @@ def checkable(d: Dispatcher, layer: int, groups: Groups, picked: list[Check]
     return keep, fetch, held
 
 
-async def fetch_for_check(d: Dispatcher, layer: int, experts: list[int]) -> list[tuple[int, int]]:
+async def fetch_for_check(d: Holder, layer: int, experts: list[int]) -> list[tuple[int, int]]:
     """Units of ``layer`` fetched into the cache (``d.fetch``) and pinned for a check; returns the
     pins (what :func:`release` unpins and drops). Bounded by ``d.fetch_bound_s``: what does not
     come in time is not checked."""
@@ -76,7 +89,7 @@ async def fetch_for_check(d: Dispatcher, layer: int, experts: list[int]) -> list
     return pins
 
 
-def release(d: Dispatcher, layer: int, pins: list[tuple[int, int]], n_fetched: int) -> None:
+def release(d: Holder, layer: int, pins: list[tuple[int, int]], n_fetched: int) -> None:
     """After the check: unpin, drop the units (the check's store is bounded: evicted once used;
     one pinned by a running step stays until that step's unpin), free the budget's slots."""
     cache = d.cache

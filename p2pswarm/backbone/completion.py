@@ -13,13 +13,15 @@ the same text.
 from __future__ import annotations
 
 import secrets
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from p2pswarm.backbone.openai_errors import APIError, bad_request
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.replay import Rewind
+from p2pswarm.backbone.items import Rewind, Step
 from p2pswarm.backbone.stops import StopMatcher, parse_stop
 
 MAX_TOKENS_LIMIT = 4096
@@ -189,13 +191,15 @@ class StreamRewound(APIError):
                          type="server_error", code="replayed_after_ban")
 
 
-async def generate_text(open_generation, prompt_ids: list[int], params: GenParams, usage: Usage, *,
-                        on_token=None, hold: bool = False, request_id: str | None = None):
-    """Yield the completion's text pieces; fills ``usage`` (tokens, ``finish_reason``) as it goes.
+async def generate_text(steps: AsyncGenerator[Step | Rewind, None], n_prompt: int, params: GenParams, usage: Usage, *,
+                        on_token=None, hold: bool = False):
+    """Yield the completion's text pieces from one request's token ``steps``; fills ``usage``
+    (tokens, ``finish_reason``) as it goes. ``finish_reason`` is "stop" at an end-of-generation
+    token or a stop string (which is never emitted), else "length".
 
-    ``open_generation(prompt_ids, max_tokens=, sampler=, request_id=)`` is an async context manager
-    yielding the token steps (see ``CompletionsApp.open_generation``). ``finish_reason`` is "stop"
-    at an end-of-generation token or a stop string (which is never emitted), else "length".
+    ``steps`` is closed when the text ends (a stop string ends the request at once, not when the
+    iterator is collected): whoever opened the request (``CompletionsApp``) hands it over, and
+    nothing here calls back into the HTTP layer.
 
     Replay on ban: the steps may include a scheduler ``Rewind`` (tokens from ``keep`` on withdrawn,
     replacements follow). The text is then rebuilt from the kept tokens' pieces. With ``hold``
@@ -203,12 +207,11 @@ async def generate_text(open_generation, prompt_ids: list[int], params: GenParam
     streamed, text already yielded that the rebuilt text does not start with ends the generation
     with :class:`StreamRewound`."""
     matcher = StopMatcher(params.stop)
-    usage.prompt_tokens = len(prompt_ids)
+    usage.prompt_tokens = n_prompt
     finish = "length"
     texts: list[str] = []  # each token's piece, to rebuild the text after a rewind
     out, sent = "", 0  # the text the matcher let through; how much of it was yielded
-    async with open_generation(prompt_ids, max_tokens=params.max_tokens, sampler=params.sampler(),
-                               request_id=request_id) as steps:
+    async with aclosing(steps):
         async for step in steps:
             if isinstance(step, Rewind):
                 del texts[step.keep:]

@@ -28,7 +28,6 @@ import json
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Callable
 
@@ -114,24 +113,19 @@ class CompletionsApp:
         """Sequences generating now."""
         return self.scheduler.active
 
-    @asynccontextmanager
-    async def open_generation(self, prompt_ids: list[int], *, max_tokens: int, sampler, request_id=None):
-        """Token steps (``generate.Step``) for one request, through the scheduler
-        (``scheduler.submit``; leaving the block early cancels the sequence; a replay on ban shows
-        up as a ``Rewind`` among the steps)."""
+    async def steps(self, prompt_ids: list[int], params: GenParams, request_id: str):
+        """Token steps (:class:`~p2pswarm.backbone.items.Step`) for one request, through the
+        scheduler (``scheduler.submit``; closing the iterator early cancels the sequence; a replay
+        on ban shows up as a ``Rewind`` among the steps), ending with a 503 :class:`APIError` at
+        the first token after the drain period (streamed: the error event; whole: the response)."""
         self.metrics.prompt_tokens.inc(len(prompt_ids))
-        params = Params(max_tokens=max_tokens, sampler=sampler, request_id=request_id)
-        async with self.scheduler.submit(prompt_ids, params, rewinds=True) as steps:
-            yield self._cuttable(steps)
-
-    async def _cuttable(self, steps):
-        """``steps``, ending with a 503 :class:`APIError` at the first token after the drain period
-        (streamed: the error event; whole: the response)."""
-        async for step in steps:
-            if self.cutting:
-                raise APIError(503, "the backbone is shutting down: this request was cut before it finished "
-                               "(its drain period ran out); retry it", type="server_error", code="shutting_down")
-            yield step
+        submitted = Params(max_tokens=params.max_tokens, sampler=params.sampler(), request_id=request_id)
+        async with self.scheduler.submit(prompt_ids, submitted, rewinds=True) as steps:
+            async for step in steps:
+                if self.cutting:
+                    raise APIError(503, "the backbone is shutting down: this request was cut before it finished "
+                                   "(its drain period ran out); retry it", type="server_error", code="shutting_down")
+                yield step
 
     async def drain(self, drain_s: float) -> int:
         """Stop taking requests, give the running ones ``drain_s`` seconds (a second SIGINT/SIGTERM
@@ -214,7 +208,7 @@ class CompletionsApp:
                              "dense_s": self.backbone.timing.dense_s,
                              "dense_busy_s": self.backbone.timing.busy_s,
                              "dispatch_wait_s": self.backbone.timing.wait_s,
-                             "banned_workers": len(self.backbone.dispatcher.banned),
+                             "banned_workers": len(self.backbone.dispatcher.bans.banned),
                              "replays": self.backbone.replays.as_dict(),
                              "speculation": sched.spec.as_dict(sched.speculate),
                              "wire": wire_summary(self.backbone.dispatcher, generated),
@@ -302,8 +296,8 @@ class CompletionsApp:
                 "created": int(time.time()), "model": self.model_name,
                 "system_fingerprint": self.fingerprint[:16]}
         usage = Usage()
-        pieces = generate_text(self.open_generation, ids, params, usage, on_token=self.metrics.generated,
-                               hold=not params.stream, request_id=cid)
+        pieces = generate_text(self.steps(ids, params, cid), len(ids), params, usage,
+                               on_token=self.metrics.generated, hold=not params.stream)
         if params.stream:  # in flight from its first event to its last (_sse)
             return StreamingResponse(_sse(head, pieces, usage, params, chat=chat, counter=self),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})

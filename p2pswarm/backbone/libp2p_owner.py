@@ -69,6 +69,9 @@ class Libp2pOwner(SocketOwner):
         self._order_changed: Callable[[], None] | None = None  # set by SwarmOwners
         self._stale = False  # addresses changed: redial before the next request
         self.last_used = time.monotonic()
+        #: monotonic time of the last answered request or keep-alive echo (None: none yet); with an
+        #: open stream it vouches that the worker is alive (SwarmOwners.answered_within)
+        self.last_ok: float | None = None
         self.refused: str | None = None  # why the handshake failed; cleared by a record saying something new
         #: called (owner, reason) on a refused handshake; default: log a warning
         self.on_refused: Callable[[Libp2pOwner, str], None] | None = None
@@ -251,6 +254,7 @@ class Libp2pOwner(SocketOwner):
         finally:
             self.inflight -= 1
         dt = time.perf_counter() - t0
+        self.last_ok = time.monotonic()
         if self._gen == gen:  # not a request that (re)connected: a dial and handshake are no round trip
             # (the hot-expert path compares rtt_s with local compute: one dial in it kept a fast
             # owner local until it decayed, and an owner kept local gets no requests to decay it)
@@ -267,7 +271,7 @@ class Libp2pOwner(SocketOwner):
         try:
             with trio.move_on_after(10):
                 await SocketOwner.request(self, proto.pack({"op": "echo", "id": rid, "payload": b""}), rid)
-                self.last_used = time.monotonic()
+                self.last_used = self.last_ok = time.monotonic()
                 return True
         except WorkerError as exc:
             log.debug("keep-alive to %s failed: %s", self.name, exc)
@@ -339,6 +343,14 @@ class SwarmOwners:
         self.dispatcher = dispatcher
         for owner in self.owners:
             dispatcher.adopt(owner)
+
+    def answered_within(self, peer: str, seconds: float) -> bool:
+        """Whether ``peer`` answered a request or a keep-alive echo within the last ``seconds`` on a
+        connection still open (a failed request drops it). The resolver keeps such a worker even
+        when no look-up returns a live record of it (:attr:`CoverageResolver.vouch`)."""
+        now = time.monotonic()
+        return any(o.peer == peer and o._stream is not None and o.last_ok is not None
+                   and now - o.last_ok <= seconds for o in self.owners)
 
     def _failed(self, owner: Libp2pOwner) -> None:
         if self.resolver is not None:

@@ -5,7 +5,7 @@ replica or expert cache), :class:`UnheldOwner` (a unit nobody live holds: fetche
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -13,10 +13,8 @@ from p2pswarm.contracts import ExpertBank, Groups, Owner
 from p2pswarm.net import wire_precision
 from p2pswarm.offload import Offload
 
+from p2pswarm.backbone.expert_cache import ExpertCache
 from p2pswarm.backbone.row_probe import RowInvariance, probe_expert_rows
-
-if TYPE_CHECKING:
-    from p2pswarm.backbone.dispatch import Dispatcher
 
 
 def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
@@ -25,9 +23,20 @@ def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
     A step of one row (a lone sequence decoding) needs no search: every group is that row."""
     if len(cur) == 1 and groups:
         return np.ascontiguousarray(cur), [(e, np.zeros(len(idx), np.int32)) for e, idx in groups]
-    wanted = np.unique(np.concatenate([idx for _, idx in groups])) if groups else np.zeros(0, np.int64)
-    rows = np.ascontiguousarray(cur[wanted])
-    return rows, [(e, np.searchsorted(wanted, idx).astype(np.int32)) for e, idx in groups]
+    if not groups:
+        return np.ascontiguousarray(cur[np.zeros(0, np.int64)]), []
+    # one unique over every group's rows gives each its index into the distinct rows (no numpy
+    # call per group: an owner's request has hundreds of them in a batch-invariant decode step)
+    wanted, at = np.unique(np.concatenate([idx for _, idx in groups]), return_inverse=True)
+    at = at.astype(np.int32)
+    at.flags.writeable = False
+    out: Groups = []
+    pos = 0
+    for e, idx in groups:
+        n = len(idx)
+        out.append((e, at[pos:pos + n]))
+        pos += n
+    return np.ascontiguousarray(cur[wanted]), out
 
 
 def peer_of(owner: "Owner") -> str:
@@ -79,6 +88,15 @@ class LocalOwner(Owner):
         return await self.offload.run(partial(self.forward_groups, layer, cur, groups), n, "experts")
 
 
+class Obtainer(Protocol):
+    """What :class:`UnheldOwner` needs of the dispatcher (a Protocol: this module is below it)."""
+
+    cache: ExpertCache | None
+    local: LocalOwner
+
+    async def obtain(self, layer: int, experts: list[int]) -> None: ...
+
+
 class UnheldOwner(Owner):
     """Where the dispatcher routes a unit no live owner holds and the expert cache lacks: it is
     fetched into the cache (:meth:`Dispatcher.obtain`, bounded), then computed by the local
@@ -88,7 +106,7 @@ class UnheldOwner(Owner):
     name = "fetch"
     remote = False
 
-    def __init__(self, dispatcher: "Dispatcher"):
+    def __init__(self, dispatcher: Obtainer):
         self.dispatcher = dispatcher
 
     def holds(self, layer: int, expert: int) -> bool:

@@ -50,6 +50,7 @@ import logging
 
 import numpy as np
 
+from p2pswarm.backbone.combine import combine_outputs, expert_groups
 from p2pswarm.engine import ops
 from p2pswarm.engine.mla import LatentCache
 from p2pswarm.engine.state import KVCache
@@ -199,8 +200,6 @@ class MtpBlock:
     def forward(self, st: MtpState, tokens, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Feed positions ``st.fed ..`` (the tokens that followed them, and the trunk's normed hidden
         states there, or the block's own for a chained draft): (logits, h') per row."""
-        from p2pswarm.backbone.runner import combine_outputs, expert_groups
-
         m, w, p, il = self.model, self.model.w, self.p, self.il
         T, pos0 = hidden.shape[0], st.fed
         emb = np.ascontiguousarray(w[self.embed_name][np.asarray(tokens, dtype=np.int64)], dtype=F32)
@@ -239,7 +238,6 @@ class MtpBlock:
         """qwen35moe's block after the fusion (``x``): gated full attention on the block's KV
         cache, post_attention_norm, softmax-routed + sigmoid-gated shared expert, the
         head norm; returns h' (numpy's ops: a draft needs no bit-exactness, only llama.cpp's math)."""
-        from p2pswarm.backbone.runner import combine_outputs, expert_groups
         from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 
         m, w, p, il = self.model, self.model.w, self.p, self.il

@@ -8,7 +8,7 @@ the sequence is rewound to a fresh state and the positions before that one are f
 they were fed the first time (the same bits), so the result ends equal to the monolithic run's.
 
 Three paths rewind: the scheduler (every served request), :func:`p2pswarm.backbone.generate.generate`
-(one sequence, ``p2pswarm generate``) and :meth:`p2pswarm.backbone.runner.Backbone.logits`. They
+(one sequence, ``p2pswarm generate``) and :func:`p2pswarm.backbone.generate.sequence_logits`. They
 share :func:`banned_taint`, :func:`tokens_kept`, :class:`ReplayStats` and, for the two that sample
 tokens, :class:`TokenReplay` (which tokens stand, which are re-derived and checked instead of
 sent again, and the :class:`Rewind` a consumer gets).
@@ -20,18 +20,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from p2pswarm.backbone.items import Rewind
+
 log = logging.getLogger("p2pswarm.backbone")
-
-
-@dataclass(frozen=True)
-class Rewind:
-    """The tokens from index ``keep`` on (of the ``sent`` a consumer has) were computed with
-    outputs of ``worker``, since banned: they are withdrawn, and the steps that follow, from index
-    ``keep``, replace them (replay on ban)."""
-
-    keep: int
-    sent: int
-    worker: str
 
 
 def banned_taint(state: Any, banned) -> tuple[int, str] | None:

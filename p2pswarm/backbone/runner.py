@@ -37,6 +37,8 @@ from functools import partial
 import numpy as np
 import trio
 
+from p2pswarm.backbone.combine import combine, combine_outputs, expert_groups  # noqa: F401 - combine: re-exported
+from p2pswarm.backbone import grouping
 from p2pswarm.backbone.dispatch import Dispatcher, Groups
 from p2pswarm.backbone.mtp import HiddenRows
 from p2pswarm.backbone.replay import ReplayStats
@@ -46,32 +48,6 @@ from p2pswarm.engine.state import SequenceState
 
 F32 = np.float32
 log = logging.getLogger("p2pswarm.backbone")
-
-
-def expert_groups(ids: np.ndarray) -> Groups:
-    """(expert, token indices) for every expert chosen in a layer; experts ascending, tokens in order."""
-    return [(int(e), np.nonzero((ids == e).any(axis=1))[0]) for e in np.unique(ids)]
-
-
-def combine(ids: np.ndarray, weights: np.ndarray, groups: Groups, partials: dict[int, np.ndarray]) -> np.ndarray:
-    """sum_j w[t, j] * out_{ids[t, j]}[t], summed ((y0 + y1) + y2) + ... in top-k order."""
-    return combine_outputs(ids, weights, groups, [partials[e] for e, _ in groups])
-
-
-def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: list[np.ndarray]) -> np.ndarray:
-    """:func:`combine` with one output per group, in group order: an expert may have several groups
-    (one per sequence in a batch-invariant step), each covering its own rows."""
-    T, k = ids.shape
-    n_embd = outs[0].shape[1]
-    y = np.empty((k, T, n_embd), dtype=F32)
-    for (e, rows), out in zip(groups, outs):
-        r, slot = np.nonzero(ids[rows] == e)
-        y[slot, rows[r]] = out[r]
-    y *= weights.T[:, :, None]
-    acc = y[0].copy()
-    for j in range(1, k):
-        acc += y[j]
-    return acc
 
 
 def _rows(sp: slice) -> list[slice]:
@@ -216,7 +192,7 @@ class Backbone:
         #: inline-or-thread policy for the dense pieces between dispatches, shared with the
         #: dispatcher's local replica where it has one (p2pswarm.offload)
         self.offload = dispatcher.offload
-        self.replays = ReplayStats()  # replay on ban: by the scheduler and by logits()
+        self.replays = ReplayStats()  # replay on ban: by the scheduler (generate.sequence_logits too)
         #: record which positions used a remote worker's unverified outputs (SequenceState.taint), so
         #: a ban can replay them; off, a ban fixes nothing already computed (benchmarks, tests)
         self.replay_on_ban = True
@@ -488,24 +464,9 @@ class Backbone:
         :attr:`small_call_rows` rows each are merged while the merged group stays that small (a
         decode step's one-row groups: 16 sequences on one expert are 3 groups, not 16). Exact: the
         probe measured that a row in a call of up to that many rows gets the bits of any smaller
-        call, its own sequence's alone included."""
-        limit = self.small_call_rows
-        groups: Groups = []
-        packs: dict[int, list[np.ndarray]] = {}
-        for sp in spans:
-            for e, idx in expert_groups(ids[sp]):
-                idx = idx + sp.start
-                if len(idx) > limit:
-                    groups.append((e, idx))
-                    continue
-                mine = packs.setdefault(e, [])
-                if mine and len(mine[-1]) + len(idx) <= limit:
-                    mine[-1] = np.concatenate([mine[-1], idx])
-                else:
-                    mine.append(idx)
-        groups += [(e, idx) for e, mine in packs.items() for idx in mine]
-        groups.sort(key=lambda g: (g[0], int(g[1][0])))
-        return groups
+        call, its own sequence's alone included. (One sort of the layer's pairs, not numpy calls per
+        sequence and expert: p2pswarm.backbone.grouping.)"""
+        return grouping.invariant_groups(ids, spans, self.small_call_rows)
 
     def _post_batch(self, il, lin: LayerIn, groups, outs, spans, invariant):
         moe = combine_outputs(lin.ids, lin.weights, groups, outs) if groups else np.zeros_like(lin.cur)
@@ -529,37 +490,4 @@ class Backbone:
             got = flat[i:i + len(item)]
             out.append(got[0] if len(got) == 1 else np.concatenate(got))
             i += len(item)
-        return out
-
-    async def logits(self, tokens, *, decode: bool = False, on_step=None) -> np.ndarray:
-        """All-position logits of a fresh sequence: one prefill, or token by token (``decode``).
-        ``on_step(done, total)`` is called after each decode step (progress, long runs).
-
-        On the scheduler's path: one ``Params(rows=True)`` request on a scheduler of its own (the
-        prompt as one chunk, or one token per step), stepped until it ends. Replay on ban is the
-        scheduler's: when a worker whose unverified outputs the sequence used is banned meanwhile
-        (caught by this backbone's verification, or a ban record honoured), the sequence is fed
-        again from position 0 on a fresh state the same way, and each position's new row replaces
-        the old one (the same bits where it was clean), so the result equals the monolithic run's."""
-        from p2pswarm.backbone.scheduler import Params, Rows, Scheduler  # (the scheduler imports this module)
-
-        tokens = [int(t) for t in tokens]
-        n = len(tokens)
-        scheduler = Scheduler(self, None, token_budget=max(n, 256), prefill_chunk=1 if decode else max(n, 1),
-                              max_active=1, micro_batches=1, gather=(0, 0), rows=True)
-        out: np.ndarray | None = None
-        done = 0
-        async with scheduler.submit(tokens, Params(max_tokens=1, rows=True)) as request:
-            async for item in scheduler.drive(request):
-                if not isinstance(item, Rows):
-                    continue  # (the one token sampled after the last position)
-                if out is None:
-                    out = np.empty((n, item.logits.shape[1]), item.logits.dtype)
-                end = item.pos0 + len(item.logits)
-                out[item.pos0:end] = item.logits
-                if end > done:
-                    done = end
-                    if decode and on_step is not None:
-                        on_step(done, n)
-        assert out is not None and done == n
         return out

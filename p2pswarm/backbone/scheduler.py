@@ -55,12 +55,13 @@ from functools import partial
 import numpy as np
 import trio
 
-from p2pswarm.backbone.generate import Step
+from p2pswarm.backbone.items import Params, Rewind, Rows, Step
+from p2pswarm.backbone.dispatch import Bans, Dispatcher
 from p2pswarm.backbone.link_budget import LinkModel
 from p2pswarm.backbone.pacing import (AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, BUDGET_SAMPLE_ROWS, BUDGET_WINDOW,
                                       GATHER_FIRST, GATHER_FRACTION, GATHER_GAP, GATHER_MAX_S, choose_micro_batches,
                                       choose_token_budget)
-from p2pswarm.backbone.replay import Rewind, TokenReplay
+from p2pswarm.backbone.replay import TokenReplay
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.speculation import SpecStats, Speculation, accept, mtp_drafting, plan_drafts
@@ -70,28 +71,6 @@ from p2pswarm.errors import UserError
 log = logging.getLogger("p2pswarm.scheduler")
 __all__ = ["Params", "Request", "Rewind", "Rows", "Scheduler", "SchedulerStats", "SequenceRewound", "Step",
            "TokenOutOfRange"]
-
-
-@dataclass
-class Params:
-    """What one request asks for; ``sampler`` defaults to greedy."""
-
-    max_tokens: int = 16
-    sampler: Sampler | None = None
-    stop_at_eos: bool = True
-    request_id: str | None = None  # named in logs (e.g. the HTTP completion id); default seq-N
-    #: also hand out every step's logits rows, as :class:`Rows` (needs a scheduler with ``rows``)
-    rows: bool = False
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Logits of the positions ``pos0 .. pos0 + len(logits) - 1`` of a ``Params(rows=True)``
-    request. After a replay on ban the positions come again, from 0: a later :class:`Rows` for a
-    position replaces the earlier one (equal where the position was clean)."""
-
-    pos0: int
-    logits: np.ndarray
 
 
 class TokenOutOfRange(UserError, ValueError):
@@ -205,11 +184,18 @@ class Scheduler:
     def __init__(self, backbone: Backbone, tokenizer=None, *, token_budget: int | str = 256, prefill_chunk: int = 32,
                  max_active: int = 256, micro_batches: int | str = "auto",
                  gather: str | tuple[float, float] = "auto", rows: bool = False,
-                 speculate: Speculation | None = None):
+                 speculate: Speculation | None = None, dispatcher: Dispatcher | None = None):
         """``gather``: how long an idle scheduler waits for a burst of requests before its first
         step: ``auto`` (:data:`GATHER_FRACTION`), or fixed (gap, most) seconds; ``(0, 0)`` starts
         at once. ``rows``: compute every position's logits, not only each sequence's last (for
-        ``Params(rows=True)`` requests: :meth:`Backbone.logits`)."""
+        ``Params(rows=True)`` requests: :func:`~p2pswarm.backbone.generate.sequence_logits`).
+
+        What the scheduler reads of the dispatcher is named here once, not reached for through the
+        backbone at each use: its counters (``stats``: per-step dispatch figures, the link model),
+        its ``owners`` (their links' cost in the micro-batch rule) and its :class:`Bans` (the ban
+        events replay on ban follows). ``dispatcher``: the backbone's own unless given."""
+        self.dispatcher = dispatcher if dispatcher is not None else backbone.dispatcher
+        self.bans: Bans = self.dispatcher.bans
         self.rows = rows
         self.speculate = speculate  # speculative decoding settings; None or mode off: none
         if speculate is not None:
@@ -248,8 +234,8 @@ class Scheduler:
         self._wake = trio.Event()
         self._ids = 0
         self._running = False
-        self._ban_epoch = backbone.dispatcher.ban_epoch
-        self._bans_seen: set[str] = set(backbone.dispatcher.banned)
+        self._ban_epoch = self.bans.epoch
+        self._bans_seen: set[str] = set(self.bans.banned)
         #: worker -> (finished sequences that used its unverified outputs, the latest request ids)
         self._finished_taint: dict[str, tuple[int, deque]] = {}
 
@@ -283,7 +269,7 @@ class Scheduler:
         if self._running:
             raise RuntimeError("the scheduler is already running")
         self._running = True
-        listeners = self.backbone.dispatcher.ban_listeners
+        listeners = self.bans.listeners
         listeners.append(self._on_ban)  # an idle loop reports a ban too; removed when the loop ends
         task_status.started()
         try:
@@ -305,7 +291,7 @@ class Scheduler:
         it; :func:`p2pswarm.backbone.generate.generate` drives a scheduler of its own with it, one
         step each time its consumer wants the next token."""
         self._admit()
-        if self.backbone.dispatcher.ban_epoch != self._ban_epoch:
+        if self.bans.epoch != self._ban_epoch:
             self._replay_banned()  # a ban between steps (a ban record honoured); none in flight
         if not self._active:
             return False
@@ -322,7 +308,7 @@ class Scheduler:
         """``request``'s items, stepping this scheduler (one nobody :meth:`run` s) only when the
         caller wants more: nothing runs ahead of the consumer, so a ban it causes between two items
         is replayed before the next (:func:`~p2pswarm.backbone.generate.generate`,
-        :meth:`~p2pswarm.backbone.runner.Backbone.logits`)."""
+        :func:`~p2pswarm.backbone.generate.sequence_logits`)."""
         ended = False
         while not ended:
             got, ended = request.ready()
@@ -402,7 +388,7 @@ class Scheduler:
         elif self.dense_s is None or self.wait_s is None:
             m = 1
         else:
-            wait, link = self.links.terms(self.backbone.dispatcher.owners, sum(map(len, chunks)), self.wait_s)
+            wait, link = self.links.terms(self.dispatcher.owners, sum(map(len, chunks)), self.wait_s)
             m = choose_micro_batches(self.step_dense_s(chunks), wait, len(batch), link_s=link)
         self.last_micro_batches = m
         total = sum(len(c) for c in chunks)
@@ -431,7 +417,7 @@ class Scheduler:
         batch = self.plan(drafts)  # (drafts first: they count against the token budget)
         chunks = [s.chunk(self.prefill_chunk) + drafts.get(s.sid, []) for s in batch]
         verify = [s.sid in drafts for s in batch]
-        before = self.backbone.dispatcher.stats.snapshot()
+        before = self.dispatcher.stats.snapshot()
         t_before = self.backbone.timing.snapshot()
         parts = self._split(batch, chunks)
         results: list[np.ndarray | Exception | None] = [None] * len(batch)
@@ -462,17 +448,17 @@ class Scheduler:
             self.dense_s = dense if self.dense_s is None else (1 - EWMA) * self.dense_s + EWMA * dense
             self.wait_s = wait if self.wait_s is None else (1 - EWMA) * self.wait_s + EWMA * wait
             rows = sum(len(c) for c in chunks)
-            self.links.observe(self.backbone.dispatcher.stats.since(before).per_owner_rows, n_layer, rows)
+            self.links.observe(self.dispatcher.stats.since(before).per_owner_rows, n_layer, rows)
             if rows >= BUDGET_SAMPLE_ROWS:  # small steps' fixed per-layer costs would inflate the per-row cost
                 self._row_costs.append(dense / rows)
                 self.dense_row_s = min(self._row_costs)
-        dispatch = self.backbone.dispatcher.stats.since(before)
+        dispatch = self.dispatcher.stats.since(before)
         self.stats.steps += 1
         self.stats.rows += sum(len(c) for c in chunks)
         failed = [r for r in results if isinstance(r, Exception)]
         if failed:
             log.warning("%d of %d sequences of a step failed: %s", len(failed), len(batch), failed[0])
-        rewound = self._replay_banned() if self.backbone.dispatcher.ban_epoch != self._ban_epoch else set()
+        rewound = self._replay_banned() if self.bans.epoch != self._ban_epoch else set()
         for s, c, lg in zip(batch, chunks, results):
             if isinstance(lg, Exception):
                 self._fail(s, lg)
@@ -500,9 +486,8 @@ class Scheduler:
     def _replay_banned(self) -> set[int]:
         """Rewind every active sequence tainted by a banned worker; report finished ones that were.
         Returns the ids of the sequences rewound."""
-        disp = self.backbone.dispatcher
-        self._ban_epoch = disp.ban_epoch
-        for peer in [p for p in disp.banned if p not in self._bans_seen]:
+        self._ban_epoch = self.bans.epoch
+        for peer in [p for p in self.bans.banned if p not in self._bans_seen]:
             self._bans_seen.add(peer)
             n, ids = self._finished_taint.pop(peer, (0, ()))
             if n:
@@ -517,7 +502,7 @@ class Scheduler:
         """Back to the last clean point (:meth:`TokenReplay.rewind`): keep the tokens produced from
         clean positions; False when the sequence is clean."""
         assert s.state is not None
-        rewound = s.replay.rewind(s.state, self.backbone.dispatcher.banned, self.backbone.replays,
+        rewound = s.replay.rewind(s.state, self.bans.banned, self.backbone.replays,
                                   f"request {s.request_id}")
         if rewound is None:
             return False

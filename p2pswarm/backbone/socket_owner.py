@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from p2pswarm.backbone.dispatch import Groups, Owner, pack_rows
+from p2pswarm.backbone.local_owners import pack_rows
+from p2pswarm.contracts import Groups, Owner
 from p2pswarm.backbone.loop_watch import loop_watch
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip

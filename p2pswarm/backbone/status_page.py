@@ -188,7 +188,9 @@ class SwarmView:
             # the backbone's expert cache (--expert-cache), None when it holds every expert
             "expert_cache": self.dispatcher.cache.status() if self.dispatcher.cache is not None else None,
             "resolver": ({"refreshes": self.resolver.stats.refreshes,
-                          "last_refresh_s": round(self.resolver.stats.last_refresh_s, 3)}
+                          "last_refresh_s": round(self.resolver.stats.last_refresh_s, 3),
+                          # owners kept past their record's expiry because they answered us
+                          "vouched": self.resolver.stats.vouched}
                          if self.resolver is not None else None),
             **metrics_totals,
         }

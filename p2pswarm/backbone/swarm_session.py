@@ -101,9 +101,10 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
                                             refresh_s=refresh_s)
                 pool = SwarmOwners(net, model_fingerprint=local.fingerprint, kernel=bank.kernel,
                                    timeout_s=timeout_s, resolver=resolver, direct=direct)
+                resolver.vouch = pool.answered_within  # a worker we talk to stays, found or not
                 dispatcher = local.backbone.dispatcher
                 serve_receipt_requests(net, ledger)  # a worker leaving asks for its last receipts
-                bans = BanKeeper(identity, local.fingerprint, dispatcher, dht=dht, trusted=trust_bans, ledger=ledger,
+                bans = BanKeeper(identity, local.fingerprint, dispatcher.bans, dht=dht, trusted=trust_bans, ledger=ledger,
                                  refresh_s=ban_refresh_s)
                 dispatcher.on_mismatch = bans.ban  # (it needs the DHT, opened after the dispatcher)
                 issuer = ReceiptIssuer(ledger, pool.send_receipt, period_s=receipt_period_s)
@@ -217,5 +218,5 @@ def _refusal_notices(net, resolver, pool, dispatcher):
     notices = RefusalNotices(net, addrs_of)
     resolver.on_refused = notices.note
     pool.on_refused = notices.note
-    dispatcher.ban_listeners.append(lambda peer: notices.note(peer, f"banned: {dispatcher.banned.get(peer, '')}"))
+    dispatcher.bans.listeners.append(lambda peer: notices.note(peer, f"banned: {dispatcher.bans.banned.get(peer, '')}"))
     return notices

@@ -27,6 +27,7 @@ from p2pswarm.commands.common import (add_kernel_args, add_speculate_args, line_
                                       speculation_from)
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
+from p2pswarm.backbone.generate import sequence_logits
 
 log = logging.getLogger("p2pswarm.demo")
 DEFAULT_PROMPT = "A swarm of phones serves one large model:"
@@ -161,12 +162,12 @@ async def _demo(args) -> int:
         print(f"{len(generated)} tokens in {elapsed:.2f} s through {where} "
               f"({swarm.backbone.dispatcher.stats.fallbacks} fallbacks)")
         seq = prompt_ids + generated[:-1] if len(generated) > 1 else prompt_ids
-        split_prefill = await swarm.backbone.logits(seq)
-        split_decode = await swarm.backbone.logits(seq, decode=True)
+        split_prefill = await sequence_logits(swarm.backbone, seq)
+        split_decode = await sequence_logits(swarm.backbone, seq, decode=True)
 
     async with open_backbone(model, workers=0, kernel=args.kernel, threads=args.threads) as mono:
-        mono_prefill = await mono.backbone.logits(seq)
-        mono_decode = await mono.backbone.logits(seq, decode=True)
+        mono_prefill = await sequence_logits(mono.backbone, seq)
+        mono_decode = await sequence_logits(mono.backbone, seq, decode=True)
 
     ok = True
     for what, a, b in (("prefill", split_prefill, mono_prefill), ("decode", split_decode, mono_decode)):

@@ -20,6 +20,7 @@ from p2pswarm.commands.common import (add_swarm_args, check_workers, open_model,
                                      require_full_model)
 from p2pswarm.errors import UserError
 from p2pswarm.progress import ProgressBar
+from p2pswarm.backbone.generate import sequence_logits
 
 log = logging.getLogger("p2pswarm.logits")
 
@@ -46,7 +47,7 @@ async def compute_logits(args, tokens):
 
     async with open_model(args) as swarm:
         try:
-            logits = await swarm.backbone.logits(tokens, decode=args.decode, on_step=on_step)
+            logits = await sequence_logits(swarm.backbone, tokens, decode=args.decode, on_step=on_step)
         finally:
             bar.close()
         cache = swarm.backbone.dispatcher.cache

@@ -134,13 +134,14 @@ class BanValidator:
 
 class BanKeeper:
     """A backbone's bans: the ones it issues (published to the DHT, re-published while it runs) and
-    the ones it honours (its own and those of ``trusted`` backbones), applied to ``dispatcher``."""
+    the ones it honours (its own and those of ``trusted`` backbones), applied to ``bans`` (the
+    dispatcher's ban list, p2pswarm.backbone.dispatch_verify.Bans: ``ban(peer, reason)``)."""
 
-    def __init__(self, identity: Identity, model: str, dispatcher, *, dht=None, trusted=(), ledger=None,
+    def __init__(self, identity: Identity, model: str, bans, *, dht=None, trusted=(), ledger=None,
                  refresh_s: float = 30.0, republish_s: float = 6 * 3600.0):
         self.identity = identity
         self.model = model
-        self.dispatcher = dispatcher
+        self.bans = bans
         self.dht = dht
         self.trusted = [identity.peer_id_str, *[t for t in trusted if t != identity.peer_id_str]]
         self.ledger = ledger
@@ -176,7 +177,7 @@ class BanKeeper:
         if rec.banned in self.honoured:
             return
         self.honoured[rec.banned] = rec
-        self.dispatcher.ban(rec.banned, f"banned by {'us' if own else rec.backbone}: {rec.reason}")
+        self.bans.ban(rec.banned, f"banned by {'us' if own else rec.backbone}: {rec.reason}")
         if self.ledger is not None and not own:
             self.ledger.void(rec.banned)
         if not own:

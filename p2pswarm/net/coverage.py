@@ -95,6 +95,7 @@ class ResolverStats:
     mismatched: int = 0  # valid but another protocol/kernel/block size/model: not usable by us
     model_lookups: int = 0  # look-ups of the model key (finds workers of any block size)
     withdrawn: int = 0
+    vouched: int = 0  # known owners kept without a live record because they answered us (vouch)
     last_refresh_s: float = 0.0
     last_bogus: str = ""
 
@@ -155,6 +156,13 @@ class CoverageResolver:
         self._refusals_logged: dict[str, str] = {}
         self.on_refused: Callable[[str, str], None] | None = None  # (peer, reason): tell the worker
         self._round = 0
+        #: (peer, seconds) -> whether the owner table holds a connection on which ``peer`` answered
+        #: within ``seconds``. Such a peer is kept when its record expired in our view (no look-up
+        #: returned a newer one): a worker reachable only through a relay gets its re-published
+        #: records onto the DHT only through that relay, and under load our look-ups miss them
+        #: while the worker serves us on an open connection (measured in bench/soak.py: NATed
+        #: workers left the map with no fault, and took up to 126 s to be found again).
+        self.vouch: Callable[[str, float], bool] | None = None
         self.on_change: Callable[[CoverageMap], Awaitable[None] | None] | None = None
 
     def owners(self, layer: int, expert: int) -> list[OwnerInfo]:
@@ -258,6 +266,12 @@ class CoverageResolver:
                 # A failing owner is avoided by the dispatcher's back-off, not by forgetting it.
                 self._known[peer] = old
                 continue
+            if old is not None and self._vouched(peer, old, rec, now):
+                # Its record expired in our view, yet it answered us within one record lifetime:
+                # keep it until a request or a dial fails, the newest record we have kept.
+                self._known[peer] = rec if rec is not None and rec.peer == peer and rec.seq > old.seq else old
+                self.stats.vouched += 1
+                continue
             if rec is None and was_refused is not None and was_refused[1].live():
                 self.refused[peer] = was_refused
                 continue
@@ -282,6 +296,12 @@ class CoverageResolver:
                 continue
             self._refusals_logged.pop(peer, None)
             self._known[peer] = rec
+
+    def _vouched(self, peer: str, old: NodeRecord, rec: NodeRecord | None, now: float) -> bool:
+        """Whether a known owner whose latest record is missing or expired (not withdrawn, not
+        another peer's) answered us within its record's lifetime (:attr:`vouch`)."""
+        stale = rec is None or (rec.peer == peer and not rec.withdrawn and not rec.live(now))
+        return stale and self.vouch is not None and self.vouch(peer, max(1.0, old.expires - old.issued))
 
     def _rebuild(self) -> None:
         for unit in self.units:

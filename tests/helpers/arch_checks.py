@@ -8,6 +8,7 @@ import numpy as np
 
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
           33, 71, 2, 118, 199, 45, 88, 301]
@@ -33,8 +34,8 @@ async def backbone_logits(path, tokens, workers=0, transport="inproc", kernel=No
     """All-position logits of ``tokens`` by a backbone on ``path`` (``workers`` shard workers over
     ``transport``), as one prefill and as one-token decode steps; and the backbone's dispatcher."""
     async with open_backbone(path, workers=workers, transport=transport, kernel=kernel) as swarm:
-        prefill = await swarm.backbone.logits(tokens)
-        decode = await swarm.backbone.logits(tokens, decode=True)
+        prefill = await sequence_logits(swarm.backbone, tokens)
+        decode = await sequence_logits(swarm.backbone, tokens, decode=True)
         disp = swarm.backbone.dispatcher
     return prefill, decode, disp
 

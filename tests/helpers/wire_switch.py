@@ -6,6 +6,7 @@ owners and of the bytes."""
 from __future__ import annotations
 
 import numpy as np
+from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12]
 
@@ -17,15 +18,15 @@ async def wire_by_switch(path, var: str, monkeypatch, check) -> dict[str, tuple[
     from p2pswarm.backbone.session import open_backbone
 
     async with open_backbone(path) as mono:
-        want = await mono.backbone.logits(TOKENS)
-        want_decode = await mono.backbone.logits(TOKENS, decode=True)
+        want = await sequence_logits(mono.backbone, TOKENS)
+        want_decode = await sequence_logits(mono.backbone, TOKENS, decode=True)
     wire = {}
     for switch in ("on", "off"):
         monkeypatch.setenv(var, switch)
         async with open_backbone(path, workers=2, transport="socket") as swarm:
             d = swarm.backbone.dispatcher
-            got = await swarm.backbone.logits(TOKENS)
-            got_decode = await swarm.backbone.logits(TOKENS, decode=True)
+            got = await sequence_logits(swarm.backbone, TOKENS)
+            got_decode = await sequence_logits(swarm.backbone, TOKENS, decode=True)
             assert d.stats.fallbacks == 0 and d.stats.local_groups == 0 and d.stats.requests > 0
             check(swarm, switch == "on")
             wire[switch] = (d.wire.sent, d.wire.received)
