@@ -151,6 +151,7 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
     try:
         with WanSwarm(model, ranges=ranges, rtt_ms=args.rtt, workdir=d, kernel=args.kernel, timeout_s=60,
                       threads=1, proxies="per-link", proxy_args=proxy_args, on_start=place, direct=args.direct,
+                      proxy_at_zero=bool(proxy_args),  # a cap needs a proxy, even on a 0 ms link
                       worker_rtt_ms=args.worker_rtt,
                       backbone_args=["--micro-batches", args.micro_batches]) as sw:
             sw.named = {k: v for k, v in sw_named.items() if k != "boot"}

@@ -114,7 +114,7 @@ class WanSwarm:
             rtts = [self.worker_rtt_ms[(k % n) % len(self.worker_rtt_ms)] for k in range(len(target_ports))]
             reach = []
             for k, (t, lp, rtt) in enumerate(zip(target_ports, link_ports, rtts)):
-                if rtt == 0 and not self.proxy_at_zero:
+                if rtt == 0 and not self.proxy_at_zero:  # (a cap needs a proxy: pass proxy_at_zero)
                     reach.append(t)
                     continue
                 proxy = Proc(["--target", f"127.0.0.1:{t}", "--listen", f"127.0.0.1:{lp}", "--rtt-ms", str(rtt),
