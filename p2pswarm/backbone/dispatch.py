@@ -206,12 +206,9 @@ class Dispatcher:
         plan: dict[Owner, list[int]] = {}
         local = self.local
         pairs: dict[Owner, int] = {}  # (expert, row) pairs given to each owner so far this layer
-        live = [o for o in self.owners if self.healthy(o)]
-        holders_of: dict[int, list[Owner]] = {}  # (an expert's groups are many in the batch-invariant mode)
-        for i, (e, idx) in enumerate(groups):
-            holders = holders_of.get(e)
-            if holders is None:
-                holders = holders_of[e] = [o for o in live if o.holds(layer, e)]
+        live, held_by = [o for o in self.owners if self.healthy(o)], dict[int, list[Owner]]()  # found once an expert
+        for i, (e, idx) in enumerate(groups):  # (its groups are many in the batch-invariant mode)
+            holders = held_by[e] if e in held_by else held_by.setdefault(e, [o for o in live if o.holds(layer, e)])
             if len(holders) > 1:
                 owner = min(holders, key=lambda o: self._finish_s(o, pairs.get(o, 0) + len(idx)))
             elif holders:
