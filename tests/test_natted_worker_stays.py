@@ -6,8 +6,8 @@ under load the backbone's look-ups missed them).
 
 Real processes: a bootstrap, a relay, the backbone, and the worker in a network namespace whose
 nftables let nothing in and nothing out but the relay's WebSocket (tests/helpers/netns.py). The
-worker is the real ``node --role worker`` wrapped by tests/helpers/quiet_record_worker.py: its
-record goes out once (``--ttl 8``) and every later re-publication is dropped, so from 8 s on the
+worker is the real ``node --role worker`` wrapped by tests/helpers/quiet_record_worker.py: once the
+backbone uses it, every re-publication of its record (``--ttl 8``) is dropped, so 8 s later the
 DHT holds only an expired record of it. The backbone must keep it until a request fails, not drop
 it at its next coverage refresh (every 30 s) and fall back to its local replica. Needs root,
 ``ip`` and ``nft`` (fails, never skips, without them)."""
@@ -56,7 +56,8 @@ def test_a_natted_worker_whose_records_are_missed_stays_in_service(tiny_f32, tmp
         procs.append(relay)
         ns.nat([(ns.host_ip, ws)])
         relay_id = relay.addr.rsplit("/p2p/", 1)[1]
-        worker = Proc([str(HELPER), "node", "--role", "worker", "--shard", str(shard), "--ttl", "8",
+        quiet = tmp_path / "quiet"
+        worker = Proc([str(HELPER), "--quiet-when", str(quiet), "node", "--role", "worker", "--shard", str(shard), "--ttl", "8",
                        "--relay", f"/ip4/{ns.host_ip}/tcp/{ws}/ws/p2p/{relay_id}",
                        "--listen", f"/ip4/{ns.ns_ip}/tcp/{free_port()}", "--identity", str(tmp_path / "w.key")],
                       tmp_path / "worker.log", env, prefix=ns.prefix, entry=())
@@ -83,9 +84,10 @@ def test_a_natted_worker_whose_records_are_missed_stays_in_service(tiny_f32, tmp
             assert time.monotonic() < deadline, f"the worker was never used: {me}"
             time.sleep(1)
         assert me["relayed"], me  # nothing reaches it but through the relay
+        quiet.touch()  # from now on its records are not re-published: the last one expires within 8 s
         _, resolver, fallbacks0 = state()
         # Requests keep the connection answering while the backbone refreshes its map twice
-        # (every 30 s); the worker's record expired in the DHT 8 s after it went out.
+        # (every 30 s); its last record expires in the DHT within 8 s of the cue.
         refreshes0, t0 = resolver["refreshes"], time.monotonic()
         while resolver["refreshes"] < refreshes0 + 2 or resolver["vouched"] == 0:
             assert time.monotonic() - t0 < 120, f"no refresh kept the worker: {resolver}"
