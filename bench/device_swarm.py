@@ -6,7 +6,8 @@ workers). Here the backbone and every worker run in a CPU cgroup of their own wi
 (bench/cpu_groups.py: cgroup v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max``; needs root), so each gets
 at most its fraction of a core whatever the others do: ``--backbone-cpu 0.3 --worker-cpu 0.12``
 emulates a backbone of 0.3 of a core and workers of 0.12 each. The bootstrap, the WAN proxies
-(``--rtt``, ``--worker-up-mbps``: a link in front of each worker, bench/wan_swarm.py) and this
+(``--rtt``, or ``--worker-rtt-ms`` one RTT per worker; ``--worker-up-mbps``: a link in front of
+each worker, bench/wan_swarm.py) and this
 load generator stay outside the groups: they stand for the network and the clients.
 
 Per configuration (the backbone alone: every expert local; then 1, 2, 4, 8 workers each holding an
@@ -33,7 +34,7 @@ controller) the script says so in one line and exits 2.
 
     python bench/device_swarm.py [--preset geometry-122b --layers 2] [--backbone-cpu 0.3]
         [--worker-cpu 0.12] [--workers 1 --workers 2 ...] [--replicas 1 --replicas 2]
-        [--concurrency 16 --concurrency 64] [--tokens 4] [--rounds 1] [--rtt 0]
+        [--concurrency 16 --concurrency 64] [--tokens 4] [--rounds 1] [--rtt 0 | --worker-rtt-ms 0,25,50]
         [--worker-up-mbps 0] [--unequal 0.1,0.2,0.4] [--plot docs/device_scaling.png] [--out docs/benchmarks.md]
 """
 from __future__ import annotations
@@ -150,6 +151,8 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
     try:
         with WanSwarm(model, ranges=ranges, rtt_ms=args.rtt, workdir=d, kernel=args.kernel, timeout_s=60,
                       threads=1, proxies="per-link", proxy_args=proxy_args, on_start=place, direct=args.direct,
+                      proxy_at_zero=bool(proxy_args),  # a cap needs a proxy, even on a 0 ms link
+                      worker_rtt_ms=args.worker_rtt,
                       backbone_args=["--micro-batches", args.micro_batches]) as sw:
             sw.named = {k: v for k, v in sw_named.items() if k != "boot"}
             if ranges:
@@ -236,6 +239,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--rtt", type=float, default=0.0, help="each worker's link RTT in ms (WAN proxy; 0: loopback)")
+    ap.add_argument("--worker-rtt-ms", default=None, metavar="MS,MS,...",
+                    help="worker i's link RTT is the i-th of these (cycled; e.g. 0,25,50: one WAN proxy per link, "
+                         "none at 0), instead of --rtt for all")
     ap.add_argument("--worker-up-mbps", type=float, default=0.0, help="cap each worker's upload (Mbit/s; 0: none)")
     ap.add_argument("--micro-batches", default="auto")
     ap.add_argument("--direct", action="store_true",
@@ -274,6 +280,14 @@ def main() -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             ap.error("--plot needs matplotlib (pip install matplotlib)")
+    args.worker_rtt = None
+    if args.worker_rtt_ms:
+        try:
+            args.worker_rtt = [float(x) for x in args.worker_rtt_ms.split(",")]
+        except ValueError:
+            ap.error(f"--worker-rtt-ms {args.worker_rtt_ms!r}: comma-separated milliseconds, e.g. 0,25,50")
+        if not all(r >= 0 for r in args.worker_rtt) or args.rtt:
+            ap.error("--worker-rtt-ms needs values >= 0 and no --rtt")
     conc = args.concurrency or [16, 64]
     try:
         groups = CpuGroups()
@@ -336,7 +350,8 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
             b = bounds[n]
             quotas = args_quotas(args, label, unequal)
             work_bound = (sum(quotas) / args.backbone_cpu) / b["e_per_tok"] if quotas else float("nan")
-            link = n / (L * args.rtt / 1000) if args.rtt > 0 else float("inf")
+            rtt = link_rtt_ms(args, len(quotas))
+            link = n / (L * rtt / 1000) if rtt > 0 else float("inf")
             lim = min(b["amdahl"], link)
             same = sum(t == u for t, u in zip(r["texts"], results["alone"][n]["texts"]))
             rows = r["owner_rows"]
@@ -353,6 +368,7 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
            + "".join(f" --concurrency {n}" for n in (args.concurrency or []))
            + f" --tokens {args.tokens} --rounds {args.rounds}"
            + (f" --rtt {args.rtt:g}" if args.rtt else "")
+           + (f" --worker-rtt-ms {args.worker_rtt_ms}" if args.worker_rtt_ms else "")
            + (f" --worker-up-mbps {args.worker_up_mbps:g}" if args.worker_up_mbps else "")
            + (f" --unequal {args.unequal}" if args.unequal else "") + (" --direct" if args.direct else "") + (" --no-curve" if args.no_curve else ""))
     text = header("Devices in CPU cgroups: tokens/s against the number of workers", cmd) + (
@@ -360,14 +376,15 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
         f"{shape.n_ff_exp} ({shape.expert_qtype or 'q8_0'}), top-{shape.n_expert_used}), kernel {args.kernel}; "
         f"the backbone in a CPU cgroup of {args.backbone_cpu:g} of a core, each worker in its own "
         f"(bench/cpu_groups.py), every node one kernel thread; bootstrap, "
-        f"{'WAN proxies (' + format(args.rtt, 'g') + ' ms RTT) and ' if args.rtt else ''}the load generator outside "
+        f"{'WAN proxies (' + format(args.rtt, 'g') + ' ms RTT) and ' if args.rtt else ''}"
+        f"{'WAN proxies (worker RTTs ' + args.worker_rtt_ms + ' ms) and ' if args.worker_rtt_ms else ''}the load generator outside "
         f"the groups. N concurrent greedy requests of {args.tokens} tokens, best of {args.rounds} "
         f"(N alternating); the backbone alone ran first and last (its best is the baseline: "
         + ", ".join(f"N={n}: {results['alone'][n]['tps']:.2f} then {results['alone2'][n]['tps']:.2f}" for n in conc)
         + " tokens/s). Amdahl bound = alone / (1 - f), f = the alone step's share on routed experts ("
         + ", ".join(f"N={n}: {bounds[n]['f']:.2f}" for n in conc)
         + "); workers' compute bound = the workers' total quota / the backbone's, over the alone run's "
-        f"expert seconds per token; link bound = N / (L RTT) (inf at 0 ms, no cap). Load average "
+        f"expert seconds per token; link bound = N / (L RTT), the largest worker RTT (inf at 0 ms, no cap). Load average "
         f"{load[0][0]:.2f} before, {load[1][0]:.2f} after (2 cores, shared with other jobs: a quota is a "
         f"ceiling, not a guarantee).\n\n") + "\n".join(lines) + "\n"
     if args.plot:
@@ -380,6 +397,14 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(text)
+
+
+def link_rtt_ms(args, workers: int) -> float:
+    """The RTT that bounds a step: every layer waits for its slowest owner's link (with
+    ``--worker-rtt-ms``, the largest RTT among the configuration's workers)."""
+    if args.worker_rtt and workers:
+        return max(args.worker_rtt[i % len(args.worker_rtt)] for i in range(workers))
+    return args.rtt
 
 
 def args_quotas(args, label: str, unequal: list[float] | None) -> list[float]:

@@ -41,10 +41,18 @@ class Offload:
     ``inline_calls`` / ``thread_calls`` count the decisions (observable: the tests and the
     benchmarks read them)."""
 
-    def __init__(self, inline_s: float | None = None):
+    def __init__(self, inline_s: float | None = None, clock: Callable[[], float] = time.perf_counter):
+        """``clock``: what a call is measured with. The default, wall time, suits calls whose work
+        may run in other threads too (a ggml graph with its own thread pool). ``time.thread_time``
+        measures the calling thread's CPU only: right for work done wholly in that thread (decoding
+        a reply), where a thread's wall time also counts its waits for the GIL, which the event
+        loop holds while it runs; measured by wall time such a call looked several times longer
+        than it is on a busy 0.3-core backbone and always took the hop (docs/benchmarks.md, "What
+        stops the curve")."""
         if inline_s is None:
             inline_s = settings.INLINE_MS.get() / 1000.0
         self.inline_s = float(inline_s)
+        self.clock = clock
         self._row_s: dict[Hashable, float] = {}
         self.threaded_now = 0  # calls of this Offload running in threads right now
         self.inline_calls = 0
@@ -69,18 +77,19 @@ class Offload:
 
     async def run(self, fn: Callable[[], Any], units: int, key: Hashable = None) -> Any:
         """``fn()``, inline or in a thread (see the module doc); ``units``: its rows of work."""
+        clock = self.clock
         if self.inline(key, units):
-            t0 = time.perf_counter()
+            t0 = clock()
             out = fn()
-            self._note(key, units, time.perf_counter() - t0)
+            self._note(key, units, clock() - t0)
             self.inline_calls += 1
             return out
         took: list[float] = []
 
         def timed():
-            t0 = time.perf_counter()
+            t0 = clock()
             res = fn()
-            took.append(time.perf_counter() - t0)  # the call itself, not the hop's wait
+            took.append(clock() - t0)  # the call itself, not the hop's wait
             return res
 
         self.threaded_now += 1

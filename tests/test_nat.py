@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import trio
 from conftest import run_cli
+from helpers.netns import Netns
 from helpers.procs import Proc, free_port, get_health, start_relay, worker_identity
 from system_tools import require
 
@@ -33,56 +34,23 @@ TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"
 
 
 
-def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=False)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
-    return proc
-
-
-NFT_RULES = """
-table inet p2pswarm_nat {{
-    chain input {{
-        type filter hook input priority 0; policy drop;
-        iif "lo" accept
-        ct state established,related accept
-    }}
-    chain output {{
-        type filter hook output priority 0; policy drop;
-        oif "lo" accept
-        ct state established,related accept
-        ip daddr {relay_ip} tcp dport {relay_port} accept{extra}
-    }}
-}}
-"""
-
-
 @pytest.fixture
 def nat_netns():
-    """A namespace ``ns`` joined to the root namespace by a veth pair, with the firewall above
-    (installed by the test once the relay port is known). Removed even when the test fails."""
+    """A namespace joined to the root namespace by a veth pair (tests/helpers/netns.py), its
+    firewall installed by the test once the relay's port is known. Removed even when the test fails."""
     require("ip", "nft")
     if os.geteuid() != 0:
         pytest.fail("network namespaces need root: run the NAT tests as root", pytrace=False)
-    tag = f"{os.getpid() % 10000}{random.randrange(100, 999)}"
-    ns, host_if, ns_if = f"p2ps-nat-{tag}", f"p2psh{tag}", f"p2psn{tag}"
-    net = random.randrange(0, 250)
-    host_ip, ns_ip = f"10.231.{net}.1", f"10.231.{net}.2"
-    probe = sh("ip", "netns", "add", ns, check=False)
-    if probe.returncode != 0:
-        pytest.fail(f"cannot create a network namespace here: {probe.stderr.strip()}", pytrace=False)
+    ns = Netns(f"{os.getpid()}{random.randrange(10)}", net=random.randrange(0, 250), net_hi=231)
     try:
-        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        sh("ip", "link", "set", ns_if, "netns", ns)
-        sh("ip", "addr", "add", f"{host_ip}/24", "dev", host_if)
-        sh("ip", "link", "set", host_if, "up")
-        sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ns_ip}/24", "dev", ns_if)
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", ns_if, "up")
-        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-        yield {"ns": ns, "host_ip": host_ip, "ns_ip": ns_ip}
+        ns.create()
+    except RuntimeError as exc:
+        ns.delete()
+        pytest.fail(f"cannot create a network namespace here: {exc}", pytrace=False)
+    try:
+        yield ns
     finally:
-        sh("ip", "netns", "del", ns, check=False)  # takes its end of the veth pair, and so the pair
-        sh("ip", "link", "del", host_if, check=False)
+        ns.delete()
 
 
 def _tcp_reachable(host: str, port: int, timeout: float = 3.0) -> bool:
@@ -94,13 +62,11 @@ def _tcp_reachable(host: str, port: int, timeout: float = 3.0) -> bool:
 
 
 def test_natted_worker_serves_through_the_relay_only(nat_netns, tiny_f32, tmp_path):
-    ns, host_ip, ns_ip = nat_netns["ns"], nat_netns["host_ip"], nat_netns["ns_ip"]
+    ns, host_ip, ns_ip = nat_netns.name, nat_netns.host_ip, nat_netns.ns_ip
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     issuer = Identity.generate()
     relay_port, worker_port = free_port(host_ip), random.randrange(20000, 30000)
-    rules = NFT_RULES.format(relay_ip=host_ip, relay_port=relay_port, extra="")
-    proc = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr
+    nat_netns.nat([(host_ip, relay_port)])
     relay = start_relay(tmp_path, env, issuer=issuer, port=relay_port, host=host_ip)
     worker = None
     try:
@@ -110,7 +76,7 @@ def test_natted_worker_serves_through_the_relay_only(nat_netns, tiny_f32, tmp_pa
         token = issue_token(issuer, ident.peer_id_str, ["relay"], 3600).encode()
         worker = Proc(["node", "--role", "worker", "--shard", str(shard), "--relay", relay.addr, "--token", token,
                        "--identity", str(tmp_path / "nat-worker.key"), "--listen", f"/ip4/{ns_ip}/tcp/{worker_port}",
-                       "--ttl", "120"], tmp_path / "nat-worker.log", env, prefix=["ip", "netns", "exec", ns])
+                       "--ttl", "120"], tmp_path / "nat-worker.log", env, prefix=nat_netns.prefix)
         assert "/p2p-circuit/" in worker.addr and "/ws/" in worker.addr
 
         # the worker really listens (from inside its namespace) ...
@@ -162,17 +128,13 @@ def test_natted_worker_with_no_file_downloads_its_slice_then_serves_it(nat_netns
     from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
     from p2pswarm.net.tokens import shard_scope
 
-    ns, host_ip, ns_ip = nat_netns["ns"], nat_netns["host_ip"], nat_netns["ns_ip"]
+    host_ip, ns_ip = nat_netns.host_ip, nat_netns.ns_ip
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     issuer = Identity.generate()
     fp = source_fingerprint(ModelLayout.open(tiny_f32))
     manifest = write_manifest(build_manifest(tiny_f32, issuer), tmp_path / "tiny.manifest")
     relay_port, backbone_port = free_port(host_ip), free_port(host_ip)
-    extra = f"\n        ip daddr {host_ip} tcp dport {backbone_port} accept"
-    rules = NFT_RULES.format(relay_ip=host_ip, relay_port=relay_port, extra=extra)
-    proc = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr
+    nat_netns.nat([(host_ip, relay_port), (host_ip, backbone_port)])
     relay = start_relay(tmp_path, env, issuer=issuer, port=relay_port, host=host_ip)
     procs = [relay]
     try:
@@ -186,7 +148,7 @@ def test_natted_worker_with_no_file_downloads_its_slice_then_serves_it(nat_netns
         worker = Proc(["node", "--role", "worker", "--model", fp, "--layers", "0-3", "--experts", "0-15",
                        "--relay", relay.addr, "--token", token, "--trust-issuer", issuer.peer_id_str,
                        "--identity", str(tmp_path / "phone.key"), "--listen", f"/ip4/{ns_ip}/tcp/0", "--ttl", "120"],
-                      tmp_path / "phone.log", env, prefix=["ip", "netns", "exec", ns], timeout=180)
+                      tmp_path / "phone.log", env, prefix=nat_netns.prefix, timeout=180)
         procs.append(worker)
         assert "/p2p-circuit/" in worker.addr
         log = worker.log.read_text()

@@ -149,3 +149,19 @@ async def test_backbone_dense_path_inline_equals_threaded(tiny_q8, monkeypatch):
     for a, b in zip(threaded, inline):
         for x, y in zip(a, b):
             assert x.shape == y.shape and np.array_equal(x, y)
+
+
+async def test_a_thread_time_clock_counts_the_calls_cpu_not_its_waits():
+    """A call that waits (a sleep here; a worker thread's wait for the GIL in a busy backbone)
+    but computes little: measured by wall time it keeps taking the hop, by its thread's CPU time
+    it runs inline after its first, timed call."""
+    import time
+
+    def waits():
+        time.sleep(0.08)
+
+    wall, cpu = Offload(inline_s=0.05), Offload(inline_s=0.05, clock=time.thread_time)
+    for off in (wall, cpu):
+        await off.run(waits, 1, "k")
+    assert wall.expected_s("k", 1) >= 0.08 and not wall.inline("k", 1)
+    assert cpu.expected_s("k", 1) < 0.05 and cpu.inline("k", 1)

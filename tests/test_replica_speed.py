@@ -129,3 +129,30 @@ def test_requests_move_to_the_faster_device_in_cgroups(tiny_f32, tmp_path):
     slow, fast = (load_or_create_identity(tmp_path / "swarm" / f"{w}.key").peer_id_str for w in ("w0", "w1"))
     assert set(rows) == {slow, fast}
     assert rows[fast] > 2 * rows[slow] > 0, rows
+
+
+@pytest.mark.slow
+def test_per_worker_rtt_puts_a_link_in_front_of_each_worker(tiny_f32, tmp_path):
+    """bench/wan_swarm.py's ``worker_rtt_ms`` (device_swarm.py ``--worker-rtt-ms``): one WAN proxy
+    per worker link at that worker's RTT, none at 0 ms. The backbone measures the difference in
+    its round trips, sends most pairs to the near replica, and the texts equal the backbone alone's."""
+    with WanSwarm(tiny_f32, ranges=[], rtt_ms=0, workdir=tmp_path / "alone", timeout_s=30) as alone:
+        want = _complete(alone.base_url)
+    with WanSwarm(tiny_f32, ranges=[(0, 16), (0, 16)], rtt_ms=0, workdir=tmp_path / "swarm", timeout_s=30,
+                  proxies="per-link", worker_rtt_ms=[0, 80]) as sw:
+        assert len(sw.proxies) == 1  # w1's link only
+        sw.wait_covered()
+        _complete(sw.base_url)  # every owner measured
+        d0 = sw.swarm()["dispatch"]
+        got = _complete(sw.base_url)
+        snap = sw.swarm()
+        d1 = snap["dispatch"]
+    rtt = {w["peer"]: w["rtt_ms"] for w in snap["workers"]}
+    near, far = (load_or_create_identity(tmp_path / "swarm" / f"{w}.key").peer_id_str for w in ("w0", "w1"))
+    assert got == want
+    assert d1["fallbacks"] == d0["fallbacks"]
+    assert rtt[far] >= 80 > rtt[near], rtt
+    rows = {w["peer"]: d1["owner_rows"].get(w["name"], 0) - d0["owner_rows"].get(w["name"], 0) for w in snap["workers"]}
+    assert rows[near] > rows[far], rows
+    with pytest.raises(ValueError):
+        WanSwarm(tiny_f32, ranges=[(0, 16)], rtt_ms=0, workdir=tmp_path / "x", worker_rtt_ms=[10])

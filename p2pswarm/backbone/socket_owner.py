@@ -134,8 +134,9 @@ class SocketOwner(Owner):
         #: decoding a coded reply: inline when measured short, else in a thread (p2pswarm.offload).
         #: It was always a thread: with 8 workers a backbone made 8 thread hops a layer for replies
         #: that decode in a fraction of the hop's cost, 10% of a 0.3-core backbone's GIL samples
-        #: (bench/device_swarm.py --py-spy, docs/benchmarks.md "Devices in CPU cgroups")
-        self._decode = Offload()
+        #: (bench/device_swarm.py --py-spy, docs/benchmarks.md "Devices in CPU cgroups"). Measured
+        #: in this thread's CPU time: decoding runs wholly in the calling thread (Offload's clock)
+        self._decode = Offload(clock=time.thread_time)
 
     def deadline_s(self, rows: int = 0) -> float:
         """How long a request of ``rows`` rows may take before we call the worker hung."""

@@ -7,6 +7,7 @@ need is sent once (``rows`` holds the distinct rows, ``index`` says which rows e
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import msgpack
@@ -76,8 +77,16 @@ def unpack(payload: bytes) -> dict:
     return msg
 
 
+#: native dtypes that are already what the wire carries: their bytes go as they are (no dtype
+#: conversion per array: ~2% of a 0.3-core backbone's samples went to that with 4 workers)
+_AS_IS = {np.dtype(t): t for t in ALLOWED_DTYPES} if sys.byteorder == "little" else {}
+
+
 def array_to_wire(a: np.ndarray) -> dict:
     a = np.ascontiguousarray(a)
+    same = _AS_IS.get(a.dtype)
+    if same is not None:
+        return {"dtype": same, "shape": list(a.shape), "data": a.tobytes()}
     dtype = a.dtype.newbyteorder("<").str
     if dtype not in ALLOWED_DTYPES:
         raise FrameError(f"cannot send arrays of dtype {dtype}")

@@ -45,6 +45,39 @@ class LayerByPieces:
         return False
 
 
+class LayerByGraph(LayerByPieces):
+    """An architecture whose layer runs as ONE ggml graph where it can (qwen35moe, gpt-oss under
+    the ggml kernel): the graph also computes the experts' input (post_attention_norm), the
+    router's logits and a shared expert, and :meth:`layer_in` hands them on in its
+    :class:`~p2pswarm.contracts.LayerIn`; elsewhere the pieces run (numpy between the kernels).
+
+    The architecture provides ``graph_layer(il, h, segments)`` (``(h, cur, {"logits", "shared"}
+    where computed)``, or None where the graph does not run), ``pieces_pre_moe(il, h, segments)``
+    and ``route_logits(il, logits)`` (its router from the logits on)."""
+
+    graph_layer: Callable[[int, np.ndarray, list[tuple[Any, int, int]]], tuple[np.ndarray, np.ndarray, dict] | None]
+    pieces_pre_moe: Callable[[int, np.ndarray, list[tuple[Any, int, int]]], np.ndarray]
+    route_logits: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+    def pre_moe(self, il: int, h: np.ndarray, state: Any, pos0: int) -> np.ndarray:
+        return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
+
+    def pre_moe_batch(self, il: int, h: np.ndarray, segments: list[tuple[Any, int, int]]) -> np.ndarray:
+        """The layer up to its experts' input for the rows of several sequences (``(state, pos0, n)``
+        each, in order): the graph's ``h``, or the pieces'. With one segment exactly :meth:`pre_moe`."""
+        got = self.graph_layer(il, h, segments)
+        return got[0] if got is not None else self.pieces_pre_moe(il, h, segments)
+
+    def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[Any, int, int]]) -> LayerIn:
+        got = self.graph_layer(il, h, segments)
+        if got is None:
+            return self.routed(il, self.pieces_pre_moe(il, h, segments))
+        h, cur, extras = got
+        logits = extras.pop("logits", None)
+        ids, w = self.route_logits(il, logits) if logits is not None else self.route(il, cur)
+        return LayerIn(h, cur, ids, w, extras)
+
+
 def model_error(layout):
     """``bad(msg)``: a :class:`~p2pswarm.errors.ModelFormatError` that names ``layout``'s file."""
     return lambda msg: ModelFormatError(f"{layout.path}: {msg}")

@@ -28,8 +28,7 @@ import math
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ops
-from p2pswarm.contracts import LayerIn
-from p2pswarm.engine.arch.common import LayerByPieces, check_tensors, model_error, number_reader
+from p2pswarm.engine.arch.common import LayerByGraph, check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.arch.qwen35moe import _Weights
 from p2pswarm.engine.backend import NUMPY, DenseBackend
@@ -43,7 +42,7 @@ F32 = np.float32
 ROPE_SCALING = ("none", "linear", "yarn")
 
 
-class GptOss(LayerByPieces):
+class GptOss(LayerByGraph):
     """gpt-oss: GQA attention with biases and sinks, alternating sliding-window / full layers, YaRN
     RoPE; biased router, softmax over the selected experts; no shared expert.
 
@@ -182,30 +181,10 @@ class GptOss(LayerByPieces):
     def _vec(self, name: str) -> np.ndarray:
         return np.asarray(self.w[name], dtype=F32).reshape(-1)
 
-    def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
-        return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
-
-    def pre_moe_batch(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
+    def pieces_pre_moe(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
         """``h + attn_output(attention(attn_norm(h))) + bias`` for the rows of several sequences
-        (``(state, pos0, n)`` each, in order): projections over all rows, KV cache and attention
-        per sequence."""
-        got = self._one_graph(il, h, segments)
-        return got[0] if got is not None else self._pieces_pre_moe(il, h, segments)
-
-    def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> LayerIn:
-        """The layer's one graph where it runs (the experts' input and the router's logits computed
-        in it), else the pieces (:class:`LayerByPieces`)."""
-        got = self._one_graph(il, h, segments)
-        if got is None:
-            return self.routed(il, self._pieces_pre_moe(il, h, segments))
-        h, cur, extras = got
-        logits = extras.pop("logits", None)
-        ids, w = self._route_logits(il, logits) if logits is not None else self.route(il, cur)
-        return LayerIn(h, cur, ids, w, extras)
-
-    def _pieces_pre_moe(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
-        """The numpy path (the kernel's mat-muls between): projections over all rows, KV cache and
-        attention per sequence."""
+        (``(state, pos0, n)`` each, in order) by numpy (the kernel's mat-muls between):
+        projections over all rows, KV cache and attention per sequence."""
         w, p = self.w, f"blk.{il}."
         T, H, Hkv, hd = h.shape[0], self.n_head, self.n_head_kv, self.head_dim
         x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
@@ -238,7 +217,7 @@ class GptOss(LayerByPieces):
     def _graph_runner(self):
         return ggml_attention.graph_runner(self, sinks=True)
 
-    def _one_graph(self, il: int, h: np.ndarray, segments):
+    def graph_layer(self, il: int, h: np.ndarray, segments):
         """:meth:`pre_moe_batch` as one ggml graph: ``(h, post_attention_norm(h), {"logits"})``;
         None where it does not run (the numpy/portable kernels, an empty segment). A sliding
         layer's caches are trimmed after it, as on the numpy path."""
@@ -287,9 +266,9 @@ class GptOss(LayerByPieces):
         """Top-k of the biased router logits, weights a softmax over those k (``SOFTMAX_WEIGHT``).
         (:meth:`layer_in` takes the logits before the bias from the layer's graph: the same op as
         ``ops.matmul`` here, so the same bits.)"""
-        return self._route_logits(il, ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]))
+        return self.route_logits(il, ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]))
 
-    def _route_logits(self, il: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def route_logits(self, il: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         logits = logits + self._vec(f"blk.{il}.ffn_gate_inp.bias")
         return route_softmax_weight(logits.astype(F32, copy=False), self.n_expert_used, self.w_scale)
 

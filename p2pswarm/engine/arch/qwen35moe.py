@@ -23,7 +23,7 @@ import numpy as np
 
 from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_dense, ggml_layers, ops
 from p2pswarm.contracts import LayerIn
-from p2pswarm.engine.arch.common import LayerByPieces
+from p2pswarm.engine.arch.common import LayerByGraph
 from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
@@ -41,7 +41,7 @@ class _Weights(DenseWeights):
         return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-class Qwen35MoE(LayerByPieces):
+class Qwen35MoE(LayerByGraph):
     """qwen35moe: Gated DeltaNet + gated full attention, routed experts + a sigmoid-gated shared expert."""
 
     arch = "qwen35moe"
@@ -234,48 +234,27 @@ class Qwen35MoE(LayerByPieces):
     embed = Qwen3MoE.embed
     output = Qwen3MoE.output
 
-    def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
-        """h + attention-or-DeltaNet(attn_norm(h)), updating this layer's state of the sequence."""
-        return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
-
-    def pre_moe_batch(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
-        """:meth:`pre_moe` for the rows of several sequences at once: ``h`` holds, in order, the
-        ``n`` rows of each ``(state, pos0, n)`` segment.
-
-        Why: everything but the recurrence and the attention itself is row-wise (norms,
-        projections, gates, output projection), so it runs once over all rows: a decode step of 16
-        sequences streams each dense weight once instead of 16 times. Only the conv + delta rule
-        (DeltaNet) or RoPE'd KV + attention run per sequence, on its own state. With one segment
-        this is exactly :meth:`pre_moe`. Rows batched together may round differently from rows
-        alone where ggml picks another kernel for more rows; the dense path runs only on the
-        backbone, so split == monolithic does not see it. With the ggml kernel a DeltaNet layer
-        is all one ggml graph (:func:`p2pswarm.engine.ggml_layers.deltanet_pre_moe`: the same
-        steps in llama.cpp's ops, state updated in place); :meth:`_layer_graph` says when. So is
-        a gated-attention layer (:func:`p2pswarm.engine.ggml_attention.gated_attention`: every
-        sequence's KV write and attention on its own cache, post_attention_norm included)."""
-        got = self._one_graph(il, h, segments)
-        return got[0] if got is not None else self._pieces_pre_moe(il, h, segments)
-
-    def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> LayerIn:
-        """The layer's one graph where it runs (its post_attention_norm, router logits and shared
-        expert computed in it: :meth:`_one_graph`), else the pieces (:class:`LayerByPieces`)."""
-        got = self._one_graph(il, h, segments)
-        if got is None:
-            return self.routed(il, self._pieces_pre_moe(il, h, segments))
-        h, cur, extras = got
-        logits = extras.pop("logits", None)
-        ids, w = ops.route_topk(logits, self.n_expert_used) if logits is not None else self.route(il, cur)
-        return LayerIn(h, cur, ids, w, extras)
-
     def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
         """h + (routed + shared), added in llama.cpp's order; the shared expert from the layer's
         graph where that computed it."""
         shared = lin.extras.get("shared")
         return lin.h + (moe + (shared if shared is not None else self.shared(il, lin.cur)))
 
-    def _one_graph(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]):
+    def graph_layer(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]):
         """``(h, post_attention_norm(h), {"logits", "shared"} where it computed them)`` of the layer
-        as one ggml graph; None where it does not run (then the pieces, numpy between kernels)."""
+        for the rows of several sequences (``h`` holds, in order, the ``n`` rows of each ``(state,
+        pos0, n)`` segment) as one ggml graph; None where it does not run (then the pieces).
+
+        Why batched: everything but the recurrence and the attention itself is row-wise (norms,
+        projections, gates, output projection), so it runs once over all rows: a decode step of 16
+        sequences streams each dense weight once instead of 16 times. Only the conv + delta rule
+        (DeltaNet) or RoPE'd KV + attention run per sequence, on its own state. Rows batched
+        together may round differently from rows alone where ggml picks another kernel for more
+        rows (the backbone's probe decides what it batches). A DeltaNet layer is all one ggml
+        graph (:func:`p2pswarm.engine.ggml_layers.deltanet_pre_moe`: the same steps in llama.cpp's
+        ops, state updated in place); :meth:`_layer_graph` says when. So is a gated-attention layer
+        (:func:`p2pswarm.engine.ggml_attention.gated_attention`: every sequence's KV write and
+        attention on its own cache)."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         groups = _chunks(segments)
@@ -309,8 +288,9 @@ class Qwen35MoE(LayerByPieces):
             raise ValueError(f"layer {il}: a verification chunk needs the layer's ggml graph (see chunk_verify)")
         return None
 
-    def _pieces_pre_moe(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
-        """The per-piece path: numpy (ggml's mat-muls under the ggml kernel) between the kernels."""
+    def pieces_pre_moe(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
+        """h + attention-or-DeltaNet(attn_norm(h)) by the pieces: numpy (ggml's mat-muls under the
+        ggml kernel) between the kernels."""
         x = ops.rms_norm(h, self.w[f"blk.{il}.attn_norm.weight"], self.eps)
         if self.recurrent[il]:
             out = self._linear_attention_rows(il, x, [(st.extra[il], n) for st, _, n in segments])
@@ -462,7 +442,10 @@ class Qwen35MoE(LayerByPieces):
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The router's top-k (under the ggml kernel its F32 mat-mul is the op
         :func:`~p2pswarm.engine.ggml_layers.moe_inputs` adds to the layer's graph: the same bits)."""
-        return ops.route_topk(ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]), self.n_expert_used)
+        return self.route_logits(il, ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]))
+
+    def route_logits(self, il: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return ops.route_topk(logits, self.n_expert_used)
 
     def shared(self, il: int, cur: np.ndarray) -> np.ndarray:
         """The shared expert, scaled by its per-token sigmoid gate; zeros if the layer has none."""
