@@ -101,7 +101,8 @@ class Load:
             except openai.APIError as exc:  # a stream's in-band error event, or the connection
                 shaped = getattr(exc, "body", None) is not None or "error" in str(exc).lower()
                 o.kind = "error" if shaped and not isinstance(exc, openai.APIConnectionError) else "lost"
-                o.error = f"{type(exc).__name__}: {exc}"
+                cause = exc.__cause__  # "Connection error." alone does not say which (httpx's error)
+                o.error = f"{type(exc).__name__}: {exc}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
             o.t1 = _now()
 
     def _streamed(self, client, o: Outcome) -> None:
@@ -194,6 +195,11 @@ def summarise(outcomes: list[Outcome], refs: dict, faults: list[dict], windows, 
         "replays": [h.get("replays") for h in swarm_health], "fallbacks": [h.get("fallbacks") for h in swarm_health],
         "http_refused": [h.get("http_refused") for h in swarm_health],
         "per_backbone": {b: dict(_count(o.kind for o in outcomes if o.base == b)) for b in {o.base for o in outcomes}},
+        # when each lost or hung request ran (seconds from the start) and the faults it overlapped
+        "unanswered": [{"key": o.key, "stream": o.stream, "t0": round(o.t0 - started, 1), "t1": round(o.t1 - started, 1),
+                        "error": o.error, "faults": [f["kind"] for f, (a, b) in zip(faults, windows)
+                                                     if a <= o.t1 and o.t0 <= b]}
+                       for o in outcomes if o.kind in ("lost", "hung")],
         "slopes": slopes, "samples": len(samples)}
 
 

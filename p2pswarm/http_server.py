@@ -30,7 +30,7 @@ async def serve_asgi(app, host, port: int | None = None, *, logger: str, read_ti
         config.bind = [f"fd://{host.detach()}"]  # hypercorn's socket object owns the descriptor now
     else:
         config.bind = [f"{host}:{port}"]
-    config.read_timeout = read_timeout_s
+    config.read_timeout = read_timeout_s  # type: ignore[assignment]  # typed int; used as trio seconds (float)
     config.keep_alive_timeout = keep_alive_s
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)
