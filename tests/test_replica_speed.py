@@ -1,5 +1,5 @@
 """Replicas of the same experts share a layer's groups by measured speed (Dispatcher._finish_s):
-a faster replica gets more, a slow one still some, and the outputs are the same bits whoever
+a faster replica gets more, a slow one still some (asked again at least every ``replica_probe_s``), and the outputs are the same bits whoever
 computes. In process (owners paced per pair) and as real processes, each worker in its own CPU
 cgroup (bench/cpu_groups.py: separate weak devices, needs root)."""
 from __future__ import annotations
@@ -64,6 +64,25 @@ async def test_replicas_share_groups_by_measured_speed_and_stay_exact(tiny_f32, 
     assert 0.3 <= shares[(0.0005, 0.0005)] <= 0.7, shares
     # one 4x slower: the fast one takes most (the split follows measured speed), the slow one some
     assert shares[(0.0005, 0.002)] >= 0.65, shares
+
+
+async def test_a_replica_measured_slow_is_asked_again_after_the_probe_interval(tiny_f32, tmp_path):
+    """Replicas share by measured speed, so one measured 100x slower gets no group while the fast
+    one is healthy: without a re-measure it would never be asked again (a phone's momentary load,
+    a throttled CPU period). After ``replica_probe_s`` with no group it gets one, then none."""
+    layout = ModelLayout.open(tiny_f32)
+    full = tmp_path / "all.gguf"
+    slice_experts(tiny_f32, full, None, (0, layout.n_expert))
+    owners = [_PacedOwner(ExpertWorker(full, kernel="numpy"), f"w{i}", 0.0) for i in range(2)]
+    disp = Dispatcher(make_bank(layout, "numpy"), owners)
+    disp.owner_row_s.update({"w0": 1e-5, "w1": 1e-3})
+    groups = [(e, np.arange(2)) for e in range(layout.n_expert)]
+    disp.replica_probe_s = 0.2
+    for _ in range(2):
+        plan = disp.assign(0, groups)
+        assert len(plan[owners[1]]) == 1 and len(plan[owners[0]]) == len(groups) - 1  # one group: a probe
+        assert set(disp.assign(0, groups)) == {owners[0]}  # then the measured speeds decide again
+        await trio.sleep(0.25)
 
 
 N = 8

@@ -11,6 +11,7 @@ what it reads of the rest of the dispatcher is declared below its docstring."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -33,6 +34,11 @@ log = logging.getLogger("p2pswarm.backbone")
 HOT_PROBE_S = 2.0
 #: weight of the newest request in an owner's seconds-per-pair estimate (Routing._finish_s)
 OWNER_RATE_EWMA = 0.2
+#: a replica given no group for this long gets one (the next group of an expert it holds) so that
+#: its speed is measured again: replicas share by measured speed, and one measured slow once (a
+#: phone's momentary load, a CPU quota's throttled period) would otherwise never be asked again
+#: while a faster replica is healthy. Its cost: one group a second on the slower device.
+REPLICA_PROBE_S = 1.0
 
 
 class Routing:
@@ -62,6 +68,8 @@ class Routing:
         self.hot_probe_s = HOT_PROBE_S
         self._asked_at: dict[str, float] = {}  # owner name -> time.monotonic() of its last request or probe
         self._probing: set[str] = set()  # owners with a probe in flight
+        self.replica_probe_s = REPLICA_PROBE_S
+        self._given_at: dict[str, float] = {}  # owner name -> time.monotonic() it was last given a group
 
     def back_off(self, owner: Owner, exc: WorkerError) -> float:
         """Avoid ``owner``, which failed with ``exc``, for a while; returns for how long. One that
@@ -113,23 +121,36 @@ class Routing:
         pairs: dict[Owner, int] = {}  # (expert, row) pairs given to each owner so far this layer
         live = [o for o in self.owners if self.healthy(o)]
         holders_of: dict[int, list[Owner]] = {}  # (an expert's groups are many in the batch-invariant mode)
+        now = time.monotonic()
         for i, (e, idx) in enumerate(groups):
             holders = holders_of.get(e)
             if holders is None:
                 holders = holders_of[e] = [o for o in live if o.holds(layer, e)]
             if len(holders) > 1:
-                owner = min(holders, key=lambda o: self._finish_s(o, pairs.get(o, 0) + len(idx)))
+                owner = self._stale_replica(holders, now) or min(
+                    holders, key=lambda o: self._finish_s(o, pairs.get(o, 0) + len(idx)))
             elif holders:
                 owner = holders[0]
             else:  # the local replica, or (a unit the expert cache lacks) fetched first
                 owner = local if local.holds(layer, e) else self.unheld
             plan.setdefault(owner, []).append(i)
             pairs[owner] = pairs.get(owner, 0) + len(idx)
+        for owner in plan:
+            self._given_at[owner.name] = now
         if self.hot_experts or hot:
             moved = self._keep_hot_local(layer, plan, groups, predicted=hot)
             if kept is not None:
                 kept.update(moved)
         return plan
+
+    def _stale_replica(self, holders: list[Owner], now: float) -> Owner | None:
+        """A measured holder not given a group for :attr:`replica_probe_s`, marked as given now
+        (one group, then the measured speeds decide again); None when every holder is fresh."""
+        for o in holders:
+            if o.name in self.owner_row_s and now - self._given_at.get(o.name, -math.inf) >= self.replica_probe_s:
+                self._given_at[o.name] = now
+                return o
+        return None
 
     def _finish_s(self, owner: Owner, pairs: int) -> float:
         """When ``owner`` would be done with ``pairs`` (expert, row) pairs this layer, at its measured
