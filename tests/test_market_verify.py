@@ -297,3 +297,46 @@ def test_pick_equals_a_per_group_draw():
             pos += len(idx)
         got = Verifier(rate, seed=t).pick("w", groups, exact)
         assert [(i, at.tolist()) for i, at in got] == want
+
+
+async def test_a_layers_checks_make_one_local_call(tiny_f32, tmp_path):
+    """The verifier's recomputation of every remote owner's picks of a layer is *one* call to the
+    local replica (not one per owner), of the same rows a per-owner draw picks (one random stream
+    per worker), and the step's outputs stay the replica's bits; a liar among the owners is still
+    caught on the step that draws a falsified row, and that step uses the replica for its groups."""
+    layout = ModelLayout.open(tiny_f32)
+    shards = ensure_shards(layout, model_fingerprint(layout), 4, tmp_path)
+    bank = make_bank(layout, "numpy")
+    liar = DishonestWorker(shards[3], kernel="numpy", fraction=0.3, delta=1e-3, seed=2, honest_rows=60)
+    owners = [InProcessOwner(ExpertWorker(s, kernel="numpy"), f"w{i}") for i, s in enumerate(shards[:3])]
+    disp = Dispatcher(bank, owners + [InProcessOwner(liar, "liar")])
+    disp.verifier, twin = Verifier(0.3, seed=5), Verifier(0.3, seed=5)
+    seen: list = []
+    disp.on_mismatch = lambda peer, ev: seen.append(ev)
+    calls: list[list[tuple[int, list[int]]]] = []
+    real = disp.local.compute
+
+    async def counted(layer, cur, groups):
+        calls.append([(int(e), idx.tolist()) for e, idx in groups])
+        return await real(layer, cur, groups)
+
+    disp.local.compute = counted
+    rng = np.random.default_rng(6)
+    steps = 0
+    while not seen:
+        layer, cur, groups = _random_step(rng, layout)
+        by_owner = {owner.name: og for owner, og in disp.assign(layer, groups).items()}
+        want = [(og[i][0], og[i][1][at].tolist()) for name, og in by_owner.items() if name != "local"
+                for i, at in twin.pick(name, og, disp.exact_rows)]
+        del calls[:]
+        outs = await disp.run_groups(layer, cur, groups)
+        lied = {e for e, _ in by_owner.get("liar", [])} if not seen else set()  # (unchecked rows are used)
+        assert all(np.array_equal(o, w) for o, w, (e, _) in zip(outs, bank.forward_groups(layer, cur, groups), groups)
+                   if e not in lied)
+        if seen:  # the detecting step: the checks' call, then the liar's groups recomputed here
+            assert len(calls) == 2 and calls[0] and sorted(calls[0]) == sorted(want)
+            break
+        assert len(calls) == (1 if want else 0) and sorted(calls[0] if calls else []) == sorted(want), steps
+        steps += 1
+        assert steps < 500, "the liar was never caught"
+    assert steps > 3 and disp.bans.banned.keys() == {"liar"} and disp.stats.fallbacks == 0

@@ -42,7 +42,7 @@ from p2pswarm.offload import Offload
 from p2pswarm.backbone import check_fetch
 from p2pswarm.backbone.dispatch_routing import HOT_PROBE_S, Routing
 from p2pswarm.backbone.dispatch_stats import DemandCounter, DispatchStats
-from p2pswarm.backbone.dispatch_verify import Bans, Verification
+from p2pswarm.backbone.dispatch_verify import Bans, LayerChecks, Verification
 from p2pswarm.backbone.expert_cache import ExpertCache
 from p2pswarm.backbone.local_owners import InProcessOwner, LocalOwner, UnheldOwner, pack_rows, peer_of
 
@@ -178,14 +178,17 @@ class Dispatcher(Routing, Verification):
                         taint: dict[str, np.ndarray] | None) -> list[np.ndarray]:
         """Every owner's groups of ``plan`` at once; the outputs in group order (the first error raised)."""
         results: list[np.ndarray | None] = [None] * len(groups)
+        checks = self.layer_checks(layer, groups, plan)  # all owners' picks: one local call
 
         async def one(owner: Owner, which: list[int]) -> None:
-            outs = await self._owner_outputs(owner, layer, cur, [groups[i] for i in which], taint)
+            outs = await self._owner_outputs(owner, layer, cur, [groups[i] for i in which], taint, checks)
             for i, out in zip(which, outs):
                 results[i] = out
 
         try:
             async with trio.open_nursery() as nursery:
+                if checks is not None and checks.picks:
+                    nursery.start_soon(self.check_layer, layer, cur, groups, plan, checks)
                 for owner, which in plan.items():
                     nursery.start_soon(one, owner, which)
         except BaseExceptionGroup as group:
@@ -193,11 +196,17 @@ class Dispatcher(Routing, Verification):
         return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
 
     async def _owner_outputs(self, owner: Owner, layer: int, cur: np.ndarray, owner_groups: Groups,
-                             taint: dict[str, np.ndarray] | None) -> list[np.ndarray]:
+                             taint: dict[str, np.ndarray] | None, checks: LayerChecks | None = None
+                             ) -> list[np.ndarray]:
         """One owner's outputs for its groups: its answer, verified on a sample where it is remote
-        (:meth:`_verified`), or the local replica's after it failed (:meth:`_fall_back`)."""
-        picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
-                  if owner.remote and self.verifier is not None else [])
+        (:meth:`_verified`), or the local replica's after it failed (:meth:`_fall_back`).
+        ``checks``: the layer's picks, recomputed in one local call for all owners (else this
+        owner's are drawn and recomputed here)."""
+        if checks is not None:
+            picked = checks.picks.get(owner, [])
+        else:
+            picked = (self.verifier.pick(peer_of(owner), owner_groups, self.exact_rows)
+                      if owner.remote and self.verifier is not None else [])
         for_check: list[int] = []  # units the cache lacks, fetched to check the picks on them
         held: list[tuple[int, int]] = []  # cached units the checks compute on: pinned until done
         if picked and self.cache is not None:
@@ -206,7 +215,7 @@ class Dispatcher(Routing, Verification):
             refs: list[np.ndarray] = []
             try:
                 tc = time.perf_counter()
-                if picked:
+                if picked and checks is None:
                     outs, refs, picked = await self._compute_checked(owner, layer, cur, owner_groups, picked, for_check)
                 else:
                     outs = await owner.compute(layer, cur, owner_groups)
@@ -214,6 +223,8 @@ class Dispatcher(Routing, Verification):
                     self._measured(owner, time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
                 else:
                     self._local_measured(time.perf_counter() - tc, sum(len(idx) for _, idx in owner_groups))
+                if picked and checks is not None:
+                    refs = await checks.refs_for(owner)  # (the owner's speed above: its round trip alone)
                 if len(outs) != len(owner_groups) or any(
                     o.shape != (len(idx), cur.shape[1]) for o, (_, idx) in zip(outs, owner_groups)
                 ):

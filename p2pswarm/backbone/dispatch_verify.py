@@ -1,8 +1,7 @@
 """Verification and taint, the dispatcher's second concern (docs/market.md; p2pswarm.market.verify).
 
 With a :class:`~p2pswarm.market.verify.Verifier` the dispatcher recomputes a random sample of each
-remote owner's groups on the local replica, beside the request (:meth:`Verification._compute_checked`),
-and compares them bit for bit (:meth:`Verification._accept`); a mismatch bans the owner here
+remote owner's groups on the local replica, beside the request, and compares them bit for bit (:meth:`Verification._accept`); a mismatch bans the owner here
 (:class:`Bans`), tells ``on_mismatch``, and the step uses the replica's outputs for all of that
 owner's groups. A ``ledger`` credits each owner's used work (receipts).
 
@@ -16,7 +15,14 @@ backbone signed - the scheduler can rewind exactly the sequences that used its r
 
 Split from :mod:`p2pswarm.backbone.dispatch` by concern: :class:`Verification` is a base of
 :class:`~p2pswarm.backbone.dispatch.Dispatcher`; :class:`Bans` is the one object the scheduler and
-the ban keeper are given (no reach through the dispatcher for ban events)."""
+the ban keeper are given (no reach through the dispatcher for ban events).
+
+One local call per layer. Where the backbone holds every expert (no expert cache), the picks of
+all remote owners of a layer are drawn when the layer's requests go out and recomputed in *one*
+call to the local replica (:class:`LayerChecks`), beside all the requests: one ggml graph (and one
+thread hop, or none) per layer instead of one per owner; a picked group's bits do not depend on the
+other groups of the call (``GgmlExperts.forward_groups``). With an expert cache, a pick may need
+its unit fetched first, per owner: :meth:`Verification._compute_checked` does that per owner."""
 from __future__ import annotations
 
 import logging
@@ -62,6 +68,22 @@ class Bans:
                 fn(peer)
 
 
+class LayerChecks:
+    """Every remote owner's picks of one layer (``picks``, :meth:`Verifier.pick`'s, drawn per
+    owner as before: one random stream per worker, so the rows checked do not depend on how the
+    owners are batched), recomputed in one local call by :meth:`Verification.check_layer`;
+    ``refs[owner]``: the replica's outputs for that owner's picks, once ``done`` is set."""
+
+    def __init__(self, picks: dict[Owner, list[Check]]):
+        self.picks = picks
+        self.refs: dict[Owner, list[np.ndarray]] = {}
+        self.done = trio.Event()
+
+    async def refs_for(self, owner: Owner) -> list[np.ndarray]:
+        await self.done.wait()
+        return self.refs[owner]
+
+
 class Verification:
     """Checks a sample of every remote answer against the local replica; bans a worker caught."""
 
@@ -99,6 +121,33 @@ class Verification:
                 len(idx) for _, idx in owner_groups):
             mark_unverified(taint, peer_of(owner), len(cur), owner_groups, picked)
         return outs
+
+    def layer_checks(self, layer: int, groups: Groups, plan: dict[Owner, list[int]]) -> LayerChecks | None:
+        """The picks of every remote owner of ``plan``, checked in one local call
+        (:meth:`check_layer`); None where each owner's checks run on their own (an expert cache:
+        a pick may need its unit fetched, :meth:`_compute_checked`) or nothing is verified."""
+        if self.verifier is None or self.cache is not None:
+            return None
+        picks: dict[Owner, list[Check]] = {}
+        for owner, which in plan.items():
+            if owner.remote:
+                picked = self.verifier.pick(peer_of(owner), [groups[i] for i in which], self.exact_rows)
+                if picked:
+                    picks[owner] = picked
+        return LayerChecks(picks)  # (with no picks too: the owners' draws are made)
+
+    async def check_layer(self, layer: int, cur: np.ndarray, groups: Groups, plan: dict[Owner, list[int]],
+                          checks: LayerChecks) -> None:
+        """The local replica's outputs for every owner's picked rows in one call, started beside
+        the requests (a step waits for max(slowest round trip, the check), not their sum)."""
+        rows = [(groups[plan[owner][i]][0], groups[plan[owner][i]][1][at])
+                for owner, picked in checks.picks.items() for i, at in picked]
+        refs = await self.local.compute(layer, cur, rows)
+        k = 0
+        for owner, picked in checks.picks.items():
+            checks.refs[owner] = refs[k:k + len(picked)]
+            k += len(picked)
+        checks.done.set()
 
     async def _compute_checked(self, owner: Owner, layer: int, cur: np.ndarray, groups: Groups,
                                picked: list[Check], for_check: list[int] | None = None
