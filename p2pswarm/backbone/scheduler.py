@@ -439,6 +439,8 @@ class Scheduler:
                 nursery.start_soon(run_part, idx)
         took = time.perf_counter() - t_step
         self.step_s = took if self.step_s is None else (1 - EWMA) * self.step_s + EWMA * took
+        if self.speculate is not None:  # (its draft-length controller prices a row by the step's time)
+            self.speculate.costs.observe_step(took, sum(len(c) for c in chunks))
         t = self.backbone.timing
         layers = t.layers - t_before.layers
         if layers:

@@ -24,16 +24,23 @@ itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.b
 glm4moe, qwen35moe, deepseek2), refused with one line naming what the file has where the model has
 none or its architecture's block is not implemented (:func:`check_mode`).
 
-Adaptive length (:class:`Adaptive`): each sequence drafts up to ``draft_max`` tokens, one more
-after a fully accepted draft and one more than it got accepted otherwise; when its recent
-acceptance falls near zero it stops drafting and tries one token every :data:`PROBE_EVERY` steps.
-A step of more than :data:`MAX_SPECULATING` decoding sequences drafts nothing: its dense work and
-its bytes grow with the rows, and the round trip it would save is shared by the batch already.
+Adaptive length, by time (:class:`Costs`, :func:`choose_lengths`): a step that verifies k more
+rows costs k times (the step's measured time per extra row + the measured time to draft a token)
+and gains, for a sequence whose drafts pass at rate p, p + p^2 + ... + p^k expected tokens. Each
+step the drafts are handed out one token at a time to the sequence whose next draft gains most,
+while that gain per second beats the step's tokens per second so far: the choice that maximises
+the step's expected tokens per second. So behind a WAN (a step is L round trips, a row is cheap)
+sequences draft long; where a draft token costs a round trip of its own (the MTP block's experts on
+a worker) against a cheap step, or in a compute-bound batch of many (every row costs the step its
+arithmetic), they draft little or nothing. A sequence that drafts nothing for :data:`PROBE_EVERY`
+steps drafts one token, so acceptance and costs are measured again. A step of more than
+:data:`MAX_SPECULATING` decoding sequences drafts nothing at all (no drafting thread hop either).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from p2pswarm.errors import UserError
@@ -44,9 +51,9 @@ if TYPE_CHECKING:
 MODES = ("off", "ngram", "mtp")
 NGRAM_MAX = 3  # longest suffix looked up
 MAX_SPECULATING = 8  # decoding sequences in a step above which nobody drafts
-LOW_ACCEPTANCE = 0.1  # recent acceptance below which a sequence stops drafting ...
-PROBE_EVERY = 8  # ... and drafts one token every so many steps to see whether it picked up
-EWMA = 0.5  # weight of the latest verification in a sequence's recent acceptance
+PROBE_EVERY = 8  # a sequence that drafted nothing for so many steps drafts one token (re-measures)
+DECAY = 0.7  # weight of the past in a sequence's acceptance counts and in the step-cost fit
+PRIOR_RATE, PRIOR_WEIGHT = 0.8, 2.0  # a new sequence's acceptance: as if 2 drafts were checked at 0.8
 
 
 class SpeculationUnsupported(UserError):
@@ -115,6 +122,7 @@ class Speculation:
     draft_max: int = 4
     drafter: Callable[[list[int], int], list[int]] | None = None
     mtp: "MtpBlock | None" = None  # mode mtp: the model's block, set by :meth:`attach`
+    costs: "Costs" = field(default_factory=lambda: Costs())  # measured step and draft times
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -139,25 +147,92 @@ class Speculation:
 
 
 class Adaptive:
-    """One sequence's draft length, from its recent acceptance (module doc)."""
+    """One sequence's recent acceptance: the rate p at which its drafts pass, each draft position
+    given that the ones before it passed (decayed counts, starting from a prior of :data:`PRIOR_RATE`
+    that decays with them), and
+    its steps without a draft (for the probe)."""
 
     def __init__(self, draft_max: int):
         self.draft_max = draft_max
-        self.k = draft_max
-        self.rate = 1.0  # EWMA of accepted / drafted
-        self.idle = 0  # steps without drafting since the acceptance fell low
+        self.passed = PRIOR_RATE * PRIOR_WEIGHT  # decayed count of draft positions that passed
+        self.tried = PRIOR_WEIGHT  # ... that were checked (the accepted ones and the first rejected one)
+        self.idle = 0  # steps since it last drafted
+        self.k = 0  # the length it got this step
 
-    def length(self) -> int:
-        if self.rate >= LOW_ACCEPTANCE:
-            return self.k
-        self.idle += 1
-        return 1 if self.idle % PROBE_EVERY == 0 else 0
+    @property
+    def rate(self) -> float:
+        return self.passed / self.tried
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        self.rate = (1 - EWMA) * self.rate + EWMA * accepted / drafted
-        self.k = min(self.draft_max, drafted + 1) if accepted == drafted else max(1, accepted + 1)
+        self.passed = DECAY * self.passed + accepted
+        self.tried = DECAY * self.tried + accepted + (accepted < drafted)
+
+
+class Costs:
+    """What the step and a draft cost, measured: seconds per drafted token (an EWMA) and a decayed
+    least-squares fit of a step's seconds against its rows (``base_s + row_s * rows``). Why a fit:
+    a verified row's price is the step's marginal time per row, which is near zero for a WAN-bound
+    step and the per-row arithmetic for a compute-bound one; only steps of different row counts
+    (prefill chunks, drafts, probes) tell it apart."""
+
+    def __init__(self):
+        self.draft_s: float | None = None  # seconds per drafted token
+        self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums of the fit
+
+    def observe_draft(self, seconds: float, tokens: int) -> None:
+        if tokens > 0:
+            per = seconds / tokens
+            self.draft_s = per if self.draft_s is None else DECAY * self.draft_s + (1 - DECAY) * per
+
+    def observe_step(self, seconds: float, rows: int) -> None:
+        d = DECAY
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + rows, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + rows * rows, d * self._xy + rows * seconds
+
+    @property
+    def row_s(self) -> float | None:
+        """Seconds a step's one more row costs: the fit's slope, between 0 and the mean seconds per
+        row (no base); None before two steps of different row counts."""
+        if not self._w:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        if var < 1e-6 * max(mx * mx, 1.0):
+            return None
+        slope = (self._xy / self._w - mx * my) / var
+        return min(max(slope, 0.0), my / max(mx, 1.0))
+
+    def step_s(self, rows: int) -> float | None:
+        """The fit's seconds for a step of ``rows`` rows (the mean step where no slope is known yet)."""
+        if not self._w:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        slope = self.row_s or 0.0
+        return max(my + slope * (rows - mx), 1e-6)
+
+
+def choose_lengths(rates: list[float], caps: list[int], costs: Costs, rows: int | None = None) -> list[int]:
+    """Each sequence's draft length for a step of ``len(rates)`` decoding rows (module doc): drafts
+    go one token at a time to the sequence whose next one gains most (p^(j+1) for its j+1-th), while
+    that gain per second of what the token costs (a row + drafting it) beats the step's expected
+    tokens per second so far. ``rows``: the step's rows without drafts (default: one per rate).
+    Nothing measured yet: every sequence its cap (it measures)."""
+    ks = [0] * len(rates)
+    t = costs.step_s(len(rates) if rows is None else rows)
+    if t is None:
+        return list(caps)
+    cost = (costs.row_s or 0.0) + (costs.draft_s or 0.0)
+    tokens = float(len(rates))
+    while True:
+        gains = [r ** (k + 1) if k < c else -1.0 for r, k, c in zip(rates, ks, caps)]
+        i = max(range(len(gains)), key=gains.__getitem__, default=None)
+        if i is None or gains[i] <= 0 or gains[i] * t <= tokens * cost:  # (gain/cost <= tokens/t)
+            return ks
+        ks[i] += 1
+        tokens += gains[i]
+        t += cost
 
 
 @dataclass
@@ -198,20 +273,27 @@ def plan_drafts(spec: Speculation | None, decoding: list) -> dict[int, list[int]
     large."""
     if spec is None or not spec.on or len(decoding) > MAX_SPECULATING:
         return {}
-    out = {}
-    for s in decoding:
-        toks = history(s)
-        if toks is None:
-            continue
+    ready = [(s, toks) for s in decoding if (toks := history(s)) is not None]
+    for s, _ in ready:
         if s.adaptive is None:
             s.adaptive = Adaptive(spec.draft_max)
-        k = min(s.adaptive.length(), s.params.max_tokens - s.n_out - 1)
+    caps = [max(0, min(spec.draft_max, s.params.max_tokens - s.n_out - 1)) for s, _ in ready]
+    ks = choose_lengths([s.adaptive.rate for s, _ in ready], caps, spec.costs, rows=len(decoding))
+    out = {}
+    for (s, toks), k, cap in zip(ready, ks, caps):
+        a = s.adaptive
+        a.idle = 0 if k else a.idle + 1
+        if not k and a.idle >= PROBE_EVERY and cap > 0:
+            k, a.idle = 1, 0  # the probe: acceptance and the draft's cost, measured again
+        a.k = k
         if k <= 0:
-            draft = []
-        elif spec.drafter is None and spec.mtp is not None:
+            continue
+        t0 = time.perf_counter()
+        if spec.drafter is None and spec.mtp is not None:
             draft = spec.mtp.draft(s.state, toks, k)
         else:
             draft = (spec.drafter or ngram_draft)(toks, k)
+        spec.costs.observe_draft(time.perf_counter() - t0, k)
         if draft:
             out[s.sid] = draft
     return out
