@@ -15,8 +15,9 @@ The first mismatch ends the step: the positions after it are dropped from every 
 them. So greedy tokens and logits, and a seeded request's text, are the same with speculation on
 or off.
 
-``auto`` (the CLI's default) is ``mtp`` where the model has an MTP block, otherwise ``off``
-(:func:`auto_mode`; the log says which and why).
+``auto`` (the CLI's default) is ``mtp`` where the model has an MTP block (also on a backbone file
+whose block's experts are on workers: the adaptive length below decides whether drafts pay),
+otherwise ``off`` (:func:`auto_mode`; the log says which and why).
 
 Drafters: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n = 3, 2, 1: free, and good wherever the output repeats its input or
@@ -81,10 +82,11 @@ def check_mode(mode: str, layout) -> None:
 
 def auto_mode(layout) -> tuple[str, str]:
     """``--speculate auto`` (the default): ``mtp`` where the file has an MTP (NextN) block this
-    code runs and holds the block's routed experts, else ``off``; with the reason, for the log.
-    Why on by default: the block is in the file already, a draft costs no round trip (its experts
-    run on the backbone's copy) and the verification is exact, so the only cost is a rejected
-    draft's rows, which :class:`Adaptive` stops paying when the acceptance is low."""
+    code runs, else ``off``; with the reason, for the log. Why on by default, even on a backbone
+    file whose block's experts are on workers (a draft token then costs a round trip to them): the
+    verification is exact, and the draft length is chosen each step from the measured cost of a
+    draft token and of a verified row against the step's time (:func:`choose_lengths`), so drafting
+    stops (a probe token now and then) where it does not pay."""
     from p2pswarm.backbone.mtp import ARCHS
 
     n = int(layout.hparams.get("nextn_predict_layers", 0) or 0)
@@ -95,7 +97,8 @@ def auto_mode(layout) -> tuple[str, str]:
         return "off", (f"{name} has {n} MTP block(s) ({layout.arch}), but running them is implemented for "
                        f"{', '.join(ARCHS)} only")
     if layout.n_layer - n not in layout.expert_tensors:
-        return "off", f"{name} holds no routed experts of its MTP block (blk.{layout.n_layer - n}): a backbone file?"
+        return "mtp", (f"{name} has {n} MTP block(s) ({layout.arch}); its routed experts are on the workers, "
+                       f"so each draft token costs a round trip: drafts only where the measured costs say they pay")
     return "mtp", f"{name} has {n} MTP block(s) ({layout.arch})"
 
 
