@@ -14,8 +14,8 @@ import pytest
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.speculation import (PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, ngram_draft,
-                                           plan_drafts)
+from p2pswarm.backbone.speculation import (PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
+                                           ngram_draft, plan_drafts)
 from p2pswarm.engine.deltanet import DeltaNetState
 from p2pswarm.model.synth import make_model
 
@@ -138,7 +138,7 @@ def test_draft_length_follows_acceptance_and_what_a_draft_costs_against_a_step()
 
 
 def test_acceptance_decays_to_what_the_drafts_get_and_a_sequence_that_drafts_nothing_probes():
-    a = Adaptive(4)
+    a = Adaptive()
     assert a.rate == PRIOR_RATE
     for _ in range(12):
         a.observe(2, 0)
@@ -154,7 +154,7 @@ def test_acceptance_decays_to_what_the_drafts_get_and_a_sequence_that_drafts_not
     spec = Speculation("ngram", draft_max=4, drafter=lambda toks, k: [5] * k, costs=_costs(lambda r: 0.02 + 0.001 * r, 0.05))
     lengths = []
     for _ in range(24):
-        drafts = plan_drafts(spec, [seq])
+        drafts = plan_drafts(spec, [seq], draft_lengths(spec, [seq]))
         lengths.append(len(drafts.get(1, [])))
         if drafts:
             seq.adaptive.observe(len(drafts[1]), 0)

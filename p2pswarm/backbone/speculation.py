@@ -155,12 +155,10 @@ class Adaptive:
     that decays with them), and
     its steps without a draft (for the probe)."""
 
-    def __init__(self, draft_max: int):
-        self.draft_max = draft_max
+    def __init__(self):
         self.passed = PRIOR_RATE * PRIOR_WEIGHT  # decayed count of draft positions that passed
         self.tried = PRIOR_WEIGHT  # ... that were checked (the accepted ones and the first rejected one)
         self.idle = 0  # steps since it last drafted
-        self.k = 0  # the length it got this step
 
     @property
     def rate(self) -> float:
@@ -264,32 +262,46 @@ def history(s) -> list[int] | None:
     return None if s.replay.forced > s.n_out else s.prompt + s.replay.tokens
 
 
-def mtp_drafting(spec: Speculation | None, decoding: list) -> bool:
-    """Whether :func:`plan_drafts` may run the MTP block this step (CPU work: the scheduler runs
-    it off the event loop then, and skips the thread hop otherwise, e.g. in a step of many)."""
-    return spec is not None and spec.mtp is not None and 0 < len(decoding) <= MAX_SPECULATING
-
-
-def plan_drafts(spec: Speculation | None, decoding: list) -> dict[int, list[int]]:
-    """This step's drafts: sequence id -> drafted tokens, for the scheduler's ``decoding``
-    sequences that may draft (:func:`history`). Nothing when speculation is off or the step is
-    large."""
+def draft_lengths(spec: Speculation | None, decoding: list) -> dict[int, int]:
+    """This step's draft length per sequence id (:func:`choose_lengths`, plus the probe), for the
+    scheduler's ``decoding`` sequences that may draft (:func:`history`); only those > 0. Cheap (on
+    the event loop): nothing is drafted yet. Nothing when speculation is off or the step is large."""
     if spec is None or not spec.on or len(decoding) > MAX_SPECULATING:
         return {}
-    ready = [(s, toks) for s in decoding if (toks := history(s)) is not None]
-    for s, _ in ready:
+    ready = [s for s in decoding if history(s) is not None]
+    for s in ready:
         if s.adaptive is None:
-            s.adaptive = Adaptive(spec.draft_max)
-    caps = [max(0, min(spec.draft_max, s.params.max_tokens - s.n_out - 1)) for s, _ in ready]
-    ks = choose_lengths([s.adaptive.rate for s, _ in ready], caps, spec.costs, rows=len(decoding))
+            s.adaptive = Adaptive()
+    caps = [max(0, min(spec.draft_max, s.params.max_tokens - s.n_out - 1)) for s in ready]
+    ks = choose_lengths([s.adaptive.rate for s in ready], caps, spec.costs, rows=len(decoding))
     out = {}
-    for (s, toks), k, cap in zip(ready, ks, caps):
+    for s, k, cap in zip(ready, ks, caps):
         a = s.adaptive
         a.idle = 0 if k else a.idle + 1
         if not k and a.idle >= PROBE_EVERY and cap > 0:
             k, a.idle = 1, 0  # the probe: acceptance and the draft's cost, measured again
-        a.k = k
-        if k <= 0:
+        if k > 0:
+            out[s.sid] = k
+    return out
+
+
+def mtp_drafting(spec: Speculation | None, lengths: dict[int, int]) -> bool:
+    """Whether :func:`plan_drafts` runs the MTP block this step (CPU work, and a round trip where
+    its experts are on workers: the scheduler runs it off the event loop then, and skips the
+    thread hop in a step where nobody drafts)."""
+    return spec is not None and spec.mtp is not None and bool(lengths)
+
+
+def plan_drafts(spec: Speculation | None, decoding: list, lengths: dict[int, int]) -> dict[int, list[int]]:
+    """This step's drafts: sequence id -> drafted tokens, for the ``decoding`` sequences given a
+    length by :func:`draft_lengths` (each drafter call timed: :class:`Costs`)."""
+    if spec is None or not lengths:
+        return {}
+    out = {}
+    for s in decoding:
+        k = lengths.get(s.sid, 0)
+        toks = history(s) if k else None
+        if toks is None:
             continue
         t0 = time.perf_counter()
         if spec.drafter is None and spec.mtp is not None:
