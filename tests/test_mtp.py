@@ -331,7 +331,7 @@ async def test_a_draft_whose_experts_no_one_holds_is_skipped(ds2_agreeing):
 @pytest.mark.slow
 async def test_draft_length_shrinks_when_a_draft_costs_a_round_trip_and_grows_when_drafts_are_free(models_dir):
     """The time-based draft length on a real run: a 1-layer qwen35moe whose block agrees with its
-    trunk at 0.9, 2 worker processes each behind a WAN proxy of 40 ms round trip, so a step is one
+    trunk at 0.9, 2 worker processes each behind a WAN proxy of 60 ms round trip, so a step is one
     round trip plus its compute. With the block's experts on the backbone (a draft costs no round trip) sequences
     draft long; with none on the backbone (``--expert-cache none``: each draft token is one round
     trip to the workers, about what a step costs) they draft a token or none. Tokens equal speculation off's in both; no fallback."""
@@ -343,8 +343,8 @@ async def test_draft_length_shrinks_when_a_draft_costs_a_round_trip_and_grows_wh
     got = {}
     for where, cache in (("local", None), ("workers", parse_cache_size("none"))):
         async with open_backbone(model, workers=2, transport="socket", expert_cache=cache) as swarm:
-            async with open_wan_proxy(("127.0.0.1", swarm.workers[0].port), delay_s=0.02) as p0, \
-                    open_wan_proxy(("127.0.0.1", swarm.workers[1].port), delay_s=0.02) as p1:
+            async with open_wan_proxy(("127.0.0.1", swarm.workers[0].port), delay_s=0.03) as p0, \
+                    open_wan_proxy(("127.0.0.1", swarm.workers[1].port), delay_s=0.03) as p1:
                 for owner, proxy in zip(swarm.owners, (p0, p1)):
                     owner.port = proxy.port  # (no connection yet: the first request dials the proxy)
                 bb = swarm.backbone

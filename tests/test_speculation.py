@@ -14,8 +14,8 @@ import pytest
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.speculation import (PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
-                                           ngram_draft, plan_drafts)
+from p2pswarm.backbone.speculation import (PROBE_EVERY, PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
+                                           ngram_draft, plan_drafts, probe_interval)
 from p2pswarm.engine.deltanet import DeltaNetState
 from p2pswarm.model.synth import make_model
 
@@ -134,7 +134,11 @@ def test_draft_length_follows_acceptance_and_what_a_draft_costs_against_a_step()
     assert choose_lengths([0.9], [4], compute) == [3]  # alone, with drafts that usually pass
     assert choose_lengths([0.9, 0.3], [4, 4], wan) == [4, 2]  # WAN-bound: both draft, the surer longer
     assert choose_lengths([0.9, 0.3], [2, 0], wan) == [2, 0]  # caps (max_tokens) hold
-    assert choose_lengths([0.5], [4], Costs()) == [4]  # nothing measured: it drafts, and measures
+    assert choose_lengths([0.5], [4], Costs()) == [1]  # nothing measured: it drafts, and measures ...
+    assert choose_lengths([0.5], [4], _costs(lambda r: 0.2, None)) == [1]  # ... one token before a draft's cost
+    unknown_step = Costs()
+    unknown_step.observe_draft(0.001, 1)
+    assert choose_lengths([0.5], [4], unknown_step) == [4]
 
 
 def test_acceptance_decays_to_what_the_drafts_get_and_a_sequence_that_drafts_nothing_probes():
@@ -151,15 +155,17 @@ def test_acceptance_decays_to_what_the_drafts_get_and_a_sequence_that_drafts_not
 
     seq = SimpleNamespace(sid=1, prompt=[1, 2], replay=SimpleNamespace(forced=0, tokens=[]), n_out=0,
                           params=SimpleNamespace(max_tokens=100), state=None, adaptive=None)
-    spec = Speculation("ngram", draft_max=4, drafter=lambda toks, k: [5] * k, costs=_costs(lambda r: 0.02 + 0.001 * r, 0.05))
+    spec = Speculation("ngram", draft_max=4, drafter=lambda toks, k: [5] * k, costs=_costs(lambda r: 0.2 + 0.001 * r, 0.01))
     lengths = []
-    for _ in range(24):
+    for _ in range(40):
         drafts = plan_drafts(spec, [seq], draft_lengths(spec, [seq]))
         lengths.append(len(drafts.get(1, [])))
         if drafts:
             seq.adaptive.observe(len(drafts[1]), 0)
-    assert lengths.count(1) == 3 and set(lengths) == {0, 1}, lengths  # one probe every PROBE_EVERY steps
+    assert lengths[0] >= 3 and set(lengths[-24:]) == {0, 1} and lengths[-24:].count(1) == 3, lengths  # probes
     assert spec.costs.draft_s < 0.05  # the probes measured this drafter: near free
+    dear = _costs(lambda r: 0.05 + 0.001 * r, 0.1)  # a draft token costs 2 steps: probes take <= 5 %
+    assert probe_interval(dear, 1) == 40 and probe_interval(spec.costs, 1) == PROBE_EVERY
 
 
 # -- the runner: verified positions == one-token decode steps; rollback leaves no trace -------------

@@ -34,11 +34,14 @@ the step's expected tokens per second. So behind a WAN (a step is L round trips,
 sequences draft long; where a draft token costs a round trip of its own (the MTP block's experts on
 a worker) against a cheap step, or in a compute-bound batch of many (every row costs the step its
 arithmetic), they draft little or nothing. A sequence that drafts nothing for :data:`PROBE_EVERY`
-steps drafts one token, so acceptance and costs are measured again. A step of more than
+steps (more where a draft token costs more than a step: probes take at most :data:`PROBE_SHARE` of
+the time) drafts one token, so acceptance and costs are measured again. Before a draft token's cost
+is measured, a sequence drafts one token (a draft may be a round trip). A step of more than
 :data:`MAX_SPECULATING` decoding sequences drafts nothing at all (no drafting thread hop either).
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +55,8 @@ if TYPE_CHECKING:
 MODES = ("off", "ngram", "mtp")
 NGRAM_MAX = 3  # longest suffix looked up
 MAX_SPECULATING = 8  # decoding sequences in a step above which nobody drafts
-PROBE_EVERY = 8  # a sequence that drafted nothing for so many steps drafts one token (re-measures)
+PROBE_EVERY = 8  # a sequence that drafted nothing for so many steps drafts one token (re-measures) ...
+PROBE_SHARE = 0.05  # ... or more steps, so that probing costs at most this share of the time
 DECAY = 0.7  # weight of the past in a sequence's acceptance counts and in the step-cost fit
 PRIOR_RATE, PRIOR_WEIGHT = 0.8, 2.0  # a new sequence's acceptance: as if 2 drafts were checked at 0.8
 
@@ -219,11 +223,12 @@ def choose_lengths(rates: list[float], caps: list[int], costs: Costs, rows: int 
     go one token at a time to the sequence whose next one gains most (p^(j+1) for its j+1-th), while
     that gain per second of what the token costs (a row + drafting it) beats the step's expected
     tokens per second so far. ``rows``: the step's rows without drafts (default: one per rate).
-    Nothing measured yet: every sequence its cap (it measures)."""
+    Nothing measured yet: every sequence its cap (it measures), at most one token before a draft
+    token's cost is known (it may be a round trip)."""
     ks = [0] * len(rates)
     t = costs.step_s(len(rates) if rows is None else rows)
-    if t is None:
-        return list(caps)
+    if t is None or costs.draft_s is None:
+        return [c if costs.draft_s is not None else min(c, 1) for c in caps]
     cost = (costs.row_s or 0.0) + (costs.draft_s or 0.0)
     tokens = float(len(rates))
     while True:
@@ -274,15 +279,26 @@ def draft_lengths(spec: Speculation | None, decoding: list) -> dict[int, int]:
             s.adaptive = Adaptive()
     caps = [max(0, min(spec.draft_max, s.params.max_tokens - s.n_out - 1)) for s in ready]
     ks = choose_lengths([s.adaptive.rate for s in ready], caps, spec.costs, rows=len(decoding))
+    probe_every = probe_interval(spec.costs, len(decoding))
     out = {}
     for s, k, cap in zip(ready, ks, caps):
         a = s.adaptive
         a.idle = 0 if k else a.idle + 1
-        if not k and a.idle >= PROBE_EVERY and cap > 0:
+        if not k and a.idle >= probe_every and cap > 0:
             k, a.idle = 1, 0  # the probe: acceptance and the draft's cost, measured again
         if k > 0:
             out[s.sid] = k
     return out
+
+
+def probe_interval(costs: Costs, rows: int) -> int:
+    """Steps without a draft after which a sequence drafts one token: :data:`PROBE_EVERY`, or more
+    where a draft token costs more than :data:`PROBE_SHARE` of PROBE_EVERY steps."""
+    t = costs.step_s(rows)
+    if t is None:
+        return PROBE_EVERY
+    cost = (costs.row_s or 0.0) + (costs.draft_s or 0.0)
+    return max(PROBE_EVERY, math.ceil(cost / (PROBE_SHARE * t)))
 
 
 def mtp_drafting(spec: Speculation | None, lengths: dict[int, int]) -> bool:
