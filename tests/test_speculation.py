@@ -152,6 +152,11 @@ def test_acceptance_decays_to_what_the_drafts_get_and_a_sequence_that_drafts_not
     assert a.rate > 0.95
     a.observe(4, 1)  # 1 passed, the 2nd failed: 2 checked
     assert 0.8 < a.rate < 0.95
+    pool = Adaptive()
+    b = Adaptive(pool)
+    for _ in range(12):
+        b.observe(3, 0)
+    assert Adaptive(pool).rate == pool.rate < 0.01  # a new sequence starts from what the others got
 
     seq = SimpleNamespace(sid=1, prompt=[1, 2], replay=SimpleNamespace(forced=0, tokens=[]), n_out=0,
                           params=SimpleNamespace(max_tokens=100), state=None, adaptive=None)

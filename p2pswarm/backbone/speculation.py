@@ -130,6 +130,7 @@ class Speculation:
     drafter: Callable[[list[int], int], list[int]] | None = None
     mtp: "MtpBlock | None" = None  # mode mtp: the model's block, set by :meth:`attach`
     costs: "Costs" = field(default_factory=lambda: Costs())  # measured step and draft times
+    pool: "Adaptive" = field(default_factory=lambda: Adaptive())  # all sequences' recent acceptance
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -155,14 +156,16 @@ class Speculation:
 
 class Adaptive:
     """One sequence's recent acceptance: the rate p at which its drafts pass, each draft position
-    given that the ones before it passed (decayed counts, starting from a prior of :data:`PRIOR_RATE`
-    that decays with them), and
-    its steps without a draft (for the probe)."""
+    given that the ones before it passed (decayed counts, starting from a prior that decays with
+    them: ``pool``'s rate, the recent acceptance of all sequences, else :data:`PRIOR_RATE`), and its
+    steps without a draft (for the probe). Its observations feed ``pool`` too."""
 
-    def __init__(self):
-        self.passed = PRIOR_RATE * PRIOR_WEIGHT  # decayed count of draft positions that passed
+    def __init__(self, pool: "Adaptive | None" = None):
+        prior = PRIOR_RATE if pool is None else pool.rate
+        self.passed = prior * PRIOR_WEIGHT  # decayed count of draft positions that passed
         self.tried = PRIOR_WEIGHT  # ... that were checked (the accepted ones and the first rejected one)
         self.idle = 0  # steps since it last drafted
+        self.pool = pool
 
     @property
     def rate(self) -> float:
@@ -173,6 +176,8 @@ class Adaptive:
             return
         self.passed = DECAY * self.passed + accepted
         self.tried = DECAY * self.tried + accepted + (accepted < drafted)
+        if self.pool is not None:
+            self.pool.observe(drafted, accepted)
 
 
 class Costs:
@@ -276,7 +281,7 @@ def draft_lengths(spec: Speculation | None, decoding: list) -> dict[int, int]:
     ready = [s for s in decoding if history(s) is not None]
     for s in ready:
         if s.adaptive is None:
-            s.adaptive = Adaptive()
+            s.adaptive = Adaptive(spec.pool)
     caps = [max(0, min(spec.draft_max, s.params.max_tokens - s.n_out - 1)) for s in ready]
     ks = choose_lengths([s.adaptive.rate for s in ready], caps, spec.costs, rows=len(decoding))
     probe_every = probe_interval(spec.costs, len(decoding))
