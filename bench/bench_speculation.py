@@ -36,6 +36,10 @@ expert (``--expert-cache none``), so every draft token costs one round trip to t
 alternating (aggregate tokens/s; a step of more than 8 decoding sequences drafts nothing, so
 this measures what asking costs).
 
+``mtp (= auto)``: what ``--speculate auto`` runs on such a file, a backbone file included (the
+draft length chosen each step from the measured costs: ``speculation.choose_lengths``); "drafted
+per step" shows the lengths it chose.
+
 Every row records the seconds per step, of which drafting (the MTP block, serial before the
 step's layers), and the 1-minute load average at each of its runs (the machine is shared); the
 end says how many layers of verification steps ran as one chunk and how many in rounds
@@ -151,21 +155,21 @@ async def _bench(args, model: Path) -> list[str]:
             wanted = (await _one(bb, None, args.tokens))[0]  # warm-up, and the reference tokens
             modes = {"off": None, "ngram": Speculation("ngram", args.draft_max)}
             if args.mtp_agreement is not None:  # the model's MTP block drafts
-                modes = {"off": None, "mtp": Speculation("mtp", args.draft_max), "mtp, K=1": Speculation("mtp", 1)}
+                modes = {"off": None, "mtp (= auto)": Speculation("mtp", args.draft_max), "mtp, K=1": Speculation("mtp", 1)}
             else:
                 for rate in (0.5, 0.8, 0.95):
                     modes[f"knob {rate}"] = Speculation("ngram", args.draft_max, drafter=knob_drafter(wanted, rate))
                 modes["knob 0.8, K=1"] = Speculation("ngram", 1, drafter=knob_drafter(wanted, 0.8))
             # warm-up: the first verification runs the batch-invariance probes once (seconds at the
             # 122B's geometry; a served backbone pays them once too), not charged to a timed round
-            await _one(bb, modes["mtp" if args.mtp_agreement is not None else "knob 0.8"], 4)
+            await _one(bb, modes["mtp (= auto)" if args.mtp_agreement is not None else "knob 0.8"], 4)
             res: dict[str, list] = {m: [] for m in modes}
             for _ in range(args.rounds):
                 for name, spec in modes.items():
                     toks, took, steps, st, drafting = await _one(bb, spec, args.tokens)
                     assert toks == wanted, f"{name}: tokens differ from the run without speculation"
                     res[name].append((took, steps, st.accepted, st.drafted, os.getloadavg()[0], drafting))
-            on = "mtp" if args.mtp_agreement is not None else "ngram"
+            on = "mtp (= auto)" if args.mtp_agreement is not None else "ngram"
             many: dict[str, list] = {"off": [], on: []}
             for _ in range(args.rounds if args.concurrent else 0):
                 for name in many:
@@ -183,8 +187,8 @@ async def _bench(args, model: Path) -> list[str]:
             proxy.wait(10)
     off_s = statistics.median(r[0] for r in res["off"])
     rows = ["| mode | acceptance | drafts accepted per step | tokens per step | tokens/s | speed-up vs off | "
-            "goal 0.9 x (1 + accepted per step) | s per step: all / drafting | load (1 min) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "goal 0.9 x (1 + accepted per step) | drafted per step | s per step: all / drafting | load (1 min) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, runs in res.items():
         took = statistics.median(r[0] for r in runs)
         steps = sum(r[1] for r in runs)  # all rounds together (the same tokens each round)
@@ -193,7 +197,7 @@ async def _bench(args, model: Path) -> list[str]:
         per_step = accepted / max(steps, 1)
         goal = f"{0.9 * (1 + per_step):.2f}" if drafted else "-"
         rows.append(f"| {name} | {acc} | {per_step:.2f} | {len(runs) * (args.tokens - 1) / max(steps, 1):.2f} | "
-                    f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} | "
+                    f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} | {drafted / max(steps, 1):.2f} | "
                     f"{sum(r[0] for r in runs) / max(steps, 1):.3f} / {sum(r[5] for r in runs) / max(steps, 1):.3f} | "
                     f"{'-'.join(f'{r[4]:.1f}' for r in runs)} |")
     if args.concurrent:

@@ -326,3 +326,37 @@ async def test_a_draft_whose_experts_no_one_holds_is_skipped(ds2_agreeing):
         ref = bb.new_state()
         await bb.forward(PROMPT, ref)
     assert len(got) == 3 and got == MtpBlock(bb.model, ExpertBank(bb.model.layout)).draft(ref, PROMPT + [nxt], 3)
+
+
+@pytest.mark.slow
+async def test_draft_length_shrinks_when_a_draft_costs_a_round_trip_and_grows_when_drafts_are_free(models_dir):
+    """The time-based draft length on a real run: a 1-layer qwen35moe whose block agrees with its
+    trunk at 0.9, 2 worker processes each behind a WAN proxy of 60 ms round trip, so a step is one
+    round trip plus its compute. With the block's experts on the backbone (a draft costs no round trip) sequences
+    draft long; with none on the backbone (``--expert-cache none``: each draft token is one round
+    trip to the workers, about what a step costs) they draft a token or none. Tokens equal speculation off's in both; no fallback."""
+    from p2pswarm.net.wanproxy import open_wan_proxy
+
+    model = models_dir / "mtp-qwen35moe-1layer-agree.gguf"
+    if not model.exists():
+        make_model(model, arch="qwen35moe", preset="tiny", qtype="q8_0", layers=1, seed=46, mtp_agreement=0.9)
+    got = {}
+    for where, cache in (("local", None), ("workers", parse_cache_size("none"))):
+        async with open_backbone(model, workers=2, transport="socket", expert_cache=cache) as swarm:
+            async with open_wan_proxy(("127.0.0.1", swarm.workers[0].port), delay_s=0.03) as p0, \
+                    open_wan_proxy(("127.0.0.1", swarm.workers[1].port), delay_s=0.03) as p1:
+                for owner, proxy in zip(swarm.owners, (p0, p1)):
+                    owner.port = proxy.port  # (no connection yet: the first request dials the proxy)
+                bb = swarm.backbone
+                off, _ = await _run(bb, [REPEATING], [None], None, 40)
+                before = bb.dispatcher.stats.snapshot()
+                speculation = Speculation("mtp", 4)
+                on, spec = await _run(bb, [REPEATING], [None], speculation, 40)
+                stats = bb.dispatcher.stats.since(before)
+        assert on[0][0] == off[0][0], where
+        assert stats.fallbacks == 0, (where, stats)
+        got[where] = (spec.drafted / spec.verifications, spec, speculation.costs.draft_s, speculation.costs.row_s)
+    print("drafts per verification, stats, s per draft token, s per row:", got)
+    local, workers = got["local"], got["workers"]
+    assert local[2] < 0.01 < 0.03 < workers[2]  # measured: a draft is free here, a round trip there
+    assert local[0] >= 3.0 and workers[0] <= 2.0, got

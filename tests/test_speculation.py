@@ -6,13 +6,16 @@ seeded sampled text are the same with speculation on and off, monolithic and thr
 processes."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.speculation import Adaptive, Speculation, ngram_draft
+from p2pswarm.backbone.speculation import (PROBE_EVERY, PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
+                                           ngram_draft, plan_drafts, probe_interval)
 from p2pswarm.engine.deltanet import DeltaNetState
 from p2pswarm.model.synth import make_model
 
@@ -88,18 +91,86 @@ def test_sampling_draws_the_distribution():
 
 
 # -- the drafter and the adaptive length ------------------------------------------------------
-def test_ngram_draft_and_adaptive_length():
+def test_ngram_draft():
     assert ngram_draft([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # after the earlier "1 2 3"
     assert ngram_draft([4, 5, 6, 7], 2) == []  # nothing repeats
     assert ngram_draft([7, 8, 7], 4) == [8, 7]  # what there is
-    a = Adaptive(4)
-    assert a.length() == 4
-    a.observe(4, 1)
-    assert a.length() == 2
-    for _ in range(6):
+
+
+def _costs(step, draft_s: float | None) -> Costs:
+    """Costs measured on steps of 1..6 rows taking ``step(rows)`` seconds, drafts ``draft_s`` a token."""
+    c = Costs()
+    for rows in (1, 2, 6, 1, 3, 1, 5):
+        c.observe_step(step(rows), rows)
+    if draft_s is not None:
+        c.observe_draft(draft_s * 3, 3)
+    return c
+
+
+def test_step_cost_fit_recovers_the_row_price():
+    c = _costs(lambda r: 0.2 + 0.004 * r, 0.01)
+    assert abs(c.row_s - 0.004) < 1e-9 and abs(c.step_s(1) - 0.204) < 1e-9 and abs(c.draft_s - 0.01) < 1e-12
+    same = Costs()
+    for _ in range(3):
+        same.observe_step(0.1, 1)
+    assert same.row_s is None and abs(same.step_s(1) - 0.1) < 1e-12  # one row count: no slope yet
+
+
+def test_draft_length_follows_acceptance_and_what_a_draft_costs_against_a_step():
+    """The controller on measured inputs: long drafts where a step is a WAN's round trips and rows
+    and drafts are free; short or none where a draft token costs a round trip against a cheap
+    step, where acceptance is low, or in a compute-bound batch of many."""
+    wan = _costs(lambda r: 0.2 + 0.001 * r, 0.0001)  # 4 layers x 50 ms; the block's experts local
+    assert choose_lengths([0.8], [4], wan) == [4]
+    assert choose_lengths([0.02], [4], wan) == [1]  # a row costs 1 ms, it gains 0.02 x 0.2 s
+    assert choose_lengths([0.001], [4], wan) == [0]
+    slow_draft = _costs(lambda r: 0.2 + 0.001 * r, 0.05)  # the block's experts behind 50 ms too
+    assert choose_lengths([0.8], [4], slow_draft) == [3]
+    lan = _costs(lambda r: 0.02 + 0.001 * r, 0.05)  # a fast step: a draft's round trip never pays
+    assert choose_lengths([0.95], [4], lan) == [0]
+    assert choose_lengths([0.95], [4], _costs(lambda r: 0.02 + 0.001 * r, 0.0001)) == [4]  # free again
+    compute = _costs(lambda r: 0.01 + 0.01 * r, 0.0)  # CPU-bound: a row costs what a token costs
+    assert choose_lengths([0.5] * 8, [4] * 8, compute) == [0] * 8
+    assert choose_lengths([0.9], [4], compute) == [3]  # alone, with drafts that usually pass
+    assert choose_lengths([0.9, 0.3], [4, 4], wan) == [4, 2]  # WAN-bound: both draft, the surer longer
+    assert choose_lengths([0.9, 0.3], [2, 0], wan) == [2, 0]  # caps (max_tokens) hold
+    assert choose_lengths([0.5], [4], Costs()) == [1]  # nothing measured: it drafts, and measures ...
+    assert choose_lengths([0.5], [4], _costs(lambda r: 0.2, None)) == [1]  # ... one token before a draft's cost
+    unknown_step = Costs()
+    unknown_step.observe_draft(0.001, 1)
+    assert choose_lengths([0.5], [4], unknown_step) == [4]
+
+
+def test_acceptance_decays_to_what_the_drafts_get_and_a_sequence_that_drafts_nothing_probes():
+    a = Adaptive()
+    assert a.rate == PRIOR_RATE
+    for _ in range(12):
         a.observe(2, 0)
-    lengths = [a.length() for _ in range(16)]  # acceptance ~0: no drafts but a probe now and then
-    assert lengths.count(0) >= 14 and 1 in lengths
+    assert a.rate < 0.01
+    for _ in range(12):
+        a.observe(4, 4)
+    assert a.rate > 0.95
+    a.observe(4, 1)  # 1 passed, the 2nd failed: 2 checked
+    assert 0.8 < a.rate < 0.95
+    pool = Adaptive()
+    b = Adaptive(pool)
+    for _ in range(12):
+        b.observe(3, 0)
+    assert Adaptive(pool).rate == pool.rate < 0.01  # a new sequence starts from what the others got
+
+    seq = SimpleNamespace(sid=1, prompt=[1, 2], replay=SimpleNamespace(forced=0, tokens=[]), n_out=0,
+                          params=SimpleNamespace(max_tokens=100), state=None, adaptive=None)
+    spec = Speculation("ngram", draft_max=4, drafter=lambda toks, k: [5] * k, costs=_costs(lambda r: 0.2 + 0.001 * r, 0.01))
+    lengths = []
+    for _ in range(40):
+        drafts = plan_drafts(spec, [seq], draft_lengths(spec, [seq]))
+        lengths.append(len(drafts.get(1, [])))
+        if drafts:
+            seq.adaptive.observe(len(drafts[1]), 0)
+    assert lengths[0] >= 3 and set(lengths[-24:]) == {0, 1} and lengths[-24:].count(1) == 3, lengths  # probes
+    assert spec.costs.draft_s < 0.05  # the probes measured this drafter: near free
+    dear = _costs(lambda r: 0.05 + 0.001 * r, 0.1)  # a draft token costs 2 steps: probes take <= 5 %
+    assert probe_interval(dear, 1) == 40 and probe_interval(spec.costs, 1) == PROBE_EVERY
 
 
 # -- the runner: verified positions == one-token decode steps; rollback leaves no trace -------------

@@ -64,7 +64,7 @@ from p2pswarm.backbone.pacing import (AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, BUDGET
 from p2pswarm.backbone.replay import TokenReplay
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.speculation import SpecStats, Speculation, accept, mtp_drafting, plan_drafts
+from p2pswarm.backbone.speculation import SpecStats, Speculation, accept, draft_lengths, mtp_drafting, plan_drafts
 from p2pswarm.engine.state import SequenceState
 from p2pswarm.errors import UserError
 
@@ -112,7 +112,7 @@ class _Sequence:
         self.send = send
         self.decoder = tokenizer.stream_decoder() if tokenizer is not None else None
         self.state: SequenceState | None = None
-        self.adaptive = None  # its draft length (speculation.Adaptive), made when it first drafts
+        self.adaptive = None  # its recent acceptance (speculation.Adaptive), made when it first may draft
         self.fed = 0  # prompt tokens fed so far
         self.next_token = 0  # the sampled token to feed next step (once the prompt is fed)
         self.n_out = 0
@@ -412,8 +412,9 @@ class Scheduler:
 
     async def step(self) -> None:
         dec = [s for s in self._active if s.fed >= len(s.prompt)]
-        plan = partial(plan_drafts, self.speculate, dec)
-        drafts = await trio.to_thread.run_sync(plan) if mtp_drafting(self.speculate, dec) else plan()  # (CPU)
+        lengths = draft_lengths(self.speculate, dec)
+        plan = partial(plan_drafts, self.speculate, dec, lengths)
+        drafts = await trio.to_thread.run_sync(plan) if mtp_drafting(self.speculate, lengths) else plan()  # (CPU)
         batch = self.plan(drafts)  # (drafts first: they count against the token budget)
         chunks = [s.chunk(self.prefill_chunk) + drafts.get(s.sid, []) for s in batch]
         verify = [s.sid in drafts for s in batch]
@@ -439,6 +440,8 @@ class Scheduler:
                 nursery.start_soon(run_part, idx)
         took = time.perf_counter() - t_step
         self.step_s = took if self.step_s is None else (1 - EWMA) * self.step_s + EWMA * took
+        if self.speculate is not None:  # (its draft-length controller prices a row by the step's time)
+            self.speculate.costs.observe_step(took, sum(len(c) for c in chunks))
         t = self.backbone.timing
         layers = t.layers - t_before.layers
         if layers:

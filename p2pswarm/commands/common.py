@@ -139,10 +139,12 @@ def add_speculate_args(p, prefix: str = "") -> None:
                    help=prefix + "speculative decoding: draft tokens and verify them in the same step, exact "
                         "(the same tokens as without); ngram: prompt lookup; mtp: the model's own MTP block "
                          "(glm4moe, qwen35moe, deepseek2; other architectures refused); auto (default): mtp where the "
-                         "model file has an MTP block, otherwise off (the log says which)")
+                         "model file has an MTP block (a backbone file too: drafts through the workers only where "
+                         "the measured costs say they pay), otherwise off (the log says which)")
     p.add_argument("--draft-max", type=int, default=4, metavar="K",
-                   help=prefix + "most tokens drafted per sequence and step, adapted to the recent acceptance "
-                        "(default 4)")
+                   help=prefix + "most tokens drafted per sequence and step; each step's length maximises expected tokens "
+                        "per second from the recent acceptance and the measured costs of a draft token and a "
+                        "verified row (default 4)")
 
 
 def speculation_from(args, model_path):
