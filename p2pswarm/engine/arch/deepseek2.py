@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
-from p2pswarm.engine.arch.common import LayerByPieces, check_tensors, model_error, number_reader
-from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
+from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error, number_reader
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import SequenceState
@@ -36,13 +35,7 @@ from p2pswarm.model.layout import ModelLayout
 F32 = np.float32
 
 
-class _Weights(DenseWeights):
-    def shape(self, name: str) -> tuple[int, ...]:
-        t = self._by_name[name]
-        return tuple(int(d) for d in reversed(t.shape.tolist()))
-
-
-class DeepSeek2(LayerByPieces):
+class DeepSeek2(TokenEnds, LayerByPieces):
     """deepseek2: MLA attention, leading dense layers, routed + shared experts."""
 
     arch = "deepseek2"
@@ -96,7 +89,7 @@ class DeepSeek2(LayerByPieces):
         self.router = RouterSpec.from_layout(layout)  # gating, groups, norm, scale: checked there
         self.yarn = mla.Yarn.from_hparams(lambda k, d=None: layout.hparam(k, d), self.n_rot, self.n_ctx_train)
         self.kq_scale = self.yarn.kq_scale(self.head_k)
-        self.w = _Weights(layout)
+        self.w = DenseWeights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
@@ -165,9 +158,6 @@ class DeepSeek2(LayerByPieces):
         for il in range(self.n_layer):
             st.extra[il] = mla.LatentCache(self.kv_lora_rank + self.n_rot)
         return st
-
-    embed = Qwen3MoE.embed
-    output = Qwen3MoE.output
 
     def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
         return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])

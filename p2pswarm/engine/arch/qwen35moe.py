@@ -23,8 +23,7 @@ import numpy as np
 
 from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_dense, ggml_layers, ops
 from p2pswarm.contracts import LayerIn
-from p2pswarm.engine.arch.common import LayerByGraph
-from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
+from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -33,15 +32,7 @@ from p2pswarm.model.layout import ModelLayout
 F32 = np.float32
 
 
-class _Weights(DenseWeights):
-    """DenseWeights that can also tell a tensor's numpy shape without loading it."""
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        t = self._by_name[name]
-        return tuple(int(d) for d in reversed(t.shape.tolist()))
-
-
-class Qwen35MoE(LayerByGraph):
+class Qwen35MoE(TokenEnds, LayerByGraph):
     """qwen35moe: Gated DeltaNet + gated full attention, routed experts + a sigmoid-gated shared expert."""
 
     arch = "qwen35moe"
@@ -144,7 +135,7 @@ class Qwen35MoE(LayerByGraph):
         self.conv_channels = 2 * self.ssm_hk * self.ssm_d + self.ssm_inner
 
         self.recurrent = self._layer_kinds(hp)
-        self.w = _Weights(layout)
+        self.w = DenseWeights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
@@ -228,12 +219,7 @@ class Qwen35MoE(LayerByGraph):
                 st.kv[il] = KVCache(self.n_head_kv, self.head_dim)
         return st
 
-    # ---- the layer pieces -------------------------------------------------------------------
-    # Identical to qwen3moe's: shared, not copied (they read only w, n_vocab, eps, output_name,
-    # n_expert_used).
-    embed = Qwen3MoE.embed
-    output = Qwen3MoE.output
-
+    # ---- the layer pieces (embed, output: common.TokenEnds) ---------------------------------
     def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
         """h + (routed + shared), added in llama.cpp's order; the shared expert from the layer's
         graph where that computed it."""
