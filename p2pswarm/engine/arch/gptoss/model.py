@@ -29,6 +29,7 @@ import numpy as np
 
 from p2pswarm.engine import ggml_attention, ops
 from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds, check_tensors, model_error, number_reader
+from p2pswarm.engine.arch.gptoss.graph import sink_attention
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -45,7 +46,7 @@ class GptOss(TokenEnds, LayerByGraph):
     RoPE; biased router, softmax over the selected experts; no shared expert.
 
     Under the ggml kernel an attention layer is one ggml graph, llama.cpp's ops
-    (:func:`p2pswarm.engine.ggml_attention.sink_attention`), which also computes the experts'
+    (:func:`p2pswarm.engine.arch.gptoss.graph.sink_attention`), which also computes the experts'
     input and the router's logits (:meth:`layer_in` takes them from it);
     otherwise numpy computes it (:func:`attention_sinks`), between the kernel's mat-muls."""
 
@@ -223,7 +224,7 @@ class GptOss(TokenEnds, LayerByGraph):
             return None
         slides = self.swa[il]
         caches = [st.kv[il] for st, _, _ in segments]
-        h, cur, extras = ggml_attention.sink_attention(
+        h, cur, extras = sink_attention(
             self, runner, il, np.ascontiguousarray(h, dtype=F32),
             [(kv, p0, n) for kv, (_, p0, n) in zip(caches, segments)],
             window=self.n_swa if slides else None, rope_base=self.rope_base_swa if slides else self.rope_base)
