@@ -13,7 +13,7 @@ from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.speculation import Adaptive, Speculation, ngram_draft
-from p2pswarm.engine.deltanet import DeltaNetState
+from p2pswarm.engine.arch.qwen35moe.deltanet import DeltaNetState
 from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, run_cli

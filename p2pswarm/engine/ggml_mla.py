@@ -125,7 +125,7 @@ def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
         out   = h + attn_output att                                             [E, T]
 
     The cache (aligned memory, reserved to the span first) is wrapped in place, as the qwen35moe
-    attention layer wraps its KV cache (:func:`~p2pswarm.engine.ggml_attention.gated_attention`):
+    attention layer wraps its KV cache (:func:`~p2pswarm.engine.arch.qwen35moe.graph.gated_attention`):
     a decode step copies nothing of it, and its graph (one row per sequence) is kept and run again
     while the caches' memory and spans repeat. Positions past a sequence's end are masked to -inf:
     a softmax weight of exactly 0 times a finite (zero or stale) cache value adds exact zeros."""

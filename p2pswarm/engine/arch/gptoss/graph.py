@@ -7,13 +7,13 @@ import math
 
 import numpy as np
 
-from p2pswarm.engine import ggml_layers
 from p2pswarm.engine.ggml_attention import (PROJ, cache_attention, decode_key, ffn_input_nodes, layer_tensors,
-                                            reserve_spans, run_layer)
+                                            moe_input_floats, reserve_spans, run_layer)
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32
 from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
 
 GGML_ROPE_TYPE_NEOX = 2  # ggml.h: NEOX pairing (gpt-oss)
+#: gpt-oss's attention layer (after ``blk.N.``): projections, then the F32 vectors (q/k/v biases optional)
 _SINK_VECTORS = ("attn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
                  "attn_sinks.weight", "post_attention_norm.weight")
 
@@ -29,7 +29,7 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     it (``mul_mat`` + ``soft_max_ext`` with the causal mask, and with ``window`` the sliding-window
     mask, + the head's sink logit, ``ggml_soft_max_add_sinks``, + ``mul_mat``), attn_output plus
     its bias, the residual, post_attention_norm, and the router's logits (before its bias:
-    :func:`~p2pswarm.engine.ggml_layers.moe_inputs`). ``segs`` as :func:`~p2pswarm.engine.ggml_attention.cache_attention`'s; a
+    :func:`~p2pswarm.engine.ggml_attention.moe_inputs`). ``segs`` as :func:`~p2pswarm.engine.ggml_attention.cache_attention`'s; a
     sliding layer's cache may start after position 0 (``first``), which the mask accounts for.
     Why one graph: the per-piece path is ~10 graphs and numpy between them per decode step, and
     numpy's attention grows with the context on one core (see gptoss.py)."""
@@ -40,7 +40,7 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     q_w, kv_w = H * hd, Hkv * hd
     spans = reserve_spans(segs)
     n_seq = len(segs)
-    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5) + ggml_layers.moe_input_floats(model, il, T)
+    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5) + moe_input_floats(model, il, T)
             + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
     n_tensors = 64 + 28 * n_seq
     macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
