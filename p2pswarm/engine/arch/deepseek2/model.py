@@ -3,7 +3,7 @@
 Same contract as :mod:`p2pswarm.engine.arch.qwen3moe`; what differs (llama.cpp:
 ``src/models/deepseek2.cpp``, ``src/llama-graph.cpp`` build_moe_ffn):
 
-* Attention is Multi-head Latent Attention (:mod:`p2pswarm.engine.mla`): low-rank q (``attn_q_a`` +
+* Attention is Multi-head Latent Attention (:mod:`p2pswarm.engine.arch.deepseek2.mla`): low-rank q (``attn_q_a`` +
   ``attn_q_a_norm`` + ``attn_q_b``, or plain ``attn_q`` in V2-Lite), one compressed KV row per
   position plus a decoupled RoPE key, YaRN RoPE (NORM pairing) and YaRN's attention scale. Both
   forms of the KV up-projection load: ``attn_kv_b`` (older files) and ``attn_k_b`` + ``attn_v_b``
@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
+import p2pswarm.engine.arch.deepseek2.ggml_mla as ggml_mla  # (not ``from``: the package imports this module)
+import p2pswarm.engine.arch.deepseek2.mla as mla
+from p2pswarm.engine import ggml_attention, ops
 from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error, number_reader
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.backend import NUMPY, DenseBackend
@@ -165,7 +167,7 @@ class DeepSeek2(TokenEnds, LayerByPieces):
     def _kv_b_halves(self, il: int):
         """(k_b (H, Rkv, nope), v_b (H, v, Rkv)) of layer ``il``, from either MLA form: the split
         tensors on their quantised bytes under the ggml kernel (llama.cpp's per-head mat-muls and
-        their rounding, :mod:`~p2pswarm.engine.ggml_mla`), else float32 arrays."""
+        their rounding, :mod:`~p2pswarm.engine.arch.deepseek2.ggml_mla`), else float32 arrays."""
         got = self._kv_b.get(il)
         if got is None:
             p, H = f"blk.{il}.", self.n_head
