@@ -40,7 +40,7 @@ if _THREADS and _THREADS != "0":
 
 import numpy as np
 
-from p2pswarm.engine import deltanet
+from p2pswarm.engine.arch.qwen35moe import deltanet
 
 GEOMETRIES = {"tiny": (4, 32), "122b": (64, 128)}  # (Hv, d)
 

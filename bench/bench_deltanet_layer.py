@@ -3,12 +3,12 @@
     python bench/bench_deltanet_layer.py --model M.gguf [--rounds 5] [--reps 20] [--threads 2]
 
 Both paths in one process, on the same weights (the ggml kernel's dense path), alternating A B A B
-per round: ``graph`` is :mod:`p2pswarm.engine.ggml_layers` (one ggml graph for the whole layer),
+per round: ``graph`` is :mod:`p2pswarm.engine.arch.qwen35moe.deltanet_graph` (one ggml graph for the whole layer),
 ``pieces`` the previous path (fused input projections, numpy conv / norms / gates, the delta-rule
 op, the output projection). Shapes: one decode token, 16 sequences decoding together (one row
 each), and a 128-token prefill. Prints per-round medians of the milliseconds per call, the
 median ratio pieces / graph (above 1: the graph is faster) and the graph-build share: the time
-of building and reading back the graph without running it, from ``ggml_layers`` with compute
+of building and reading back the graph without running it, from ``deltanet_graph`` with compute
 replaced by a no-op.
 """
 from __future__ import annotations

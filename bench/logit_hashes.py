@@ -5,7 +5,7 @@
 For tiny models of every architecture (qwen35moe Q8_0 and Q4_K_M, gpt-oss Q8_0, deepseek2 Q4_K_M
 and Q8_0, glm4moe Q8_0, qwen3moe F32 and Q4_K_M; made once under ``--dir``) on the numpy and ggml
 kernels, one line each: the sha256 (16 hex digits) of a prefill's all-position logits
-(``Backbone.logits``), and of three steps of three sequences of mixed lengths
+(``generate.sequence_logits``), and of three steps of three sequences of mixed lengths
 (``Backbone.forward_batch``) with and without the batch-invariant mode, a speculative verification
 step among them (its positions kept in part after). A refactoring of the engine that claims no
 behaviour change should print the same lines under both trees; ``verify_calls`` says which way
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import trio
 
+from p2pswarm.backbone.generate import sequence_logits
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.model.synth import make_model
 
@@ -40,7 +41,7 @@ async def hashes(path: Path, kernel: str) -> list[tuple[str, str]]:
         bb = local.backbone
         V = bb.model.n_vocab
         toks = [(37 * i + 5) % V for i in range(9)]
-        out.append(("prefill", digest([await bb.logits(toks)])))
+        out.append(("prefill", digest([await sequence_logits(bb, toks)])))
         for inv in (True, False):
             a, b, c = bb.new_state(), bb.new_state(), bb.new_state()
             r = await bb.forward_batch([(toks[:5], a), (toks[2:5], b), (toks[:1], c)], batch_invariant=inv)

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.engine import mla
+from p2pswarm.engine.arch.deepseek2 import mla
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -174,7 +174,7 @@ async def test_q4_k_m_greedy_tokens_match_llama_cpp(models_dir):
     """32 greedy steps on the ggml kernel (prefill, then one token per step) equal llama.cpp's own
     greedy run's; no step is a near-tie (top-2 margin under 1e-3), and the logits each token was
     picked from are within 1e-4 of llama.cpp's (measured 3e-6: the MLA core is llama.cpp's ops,
-    engine/ggml_mla.py; a prefill's logits are its bits exactly, see the routing test)."""
+    engine/arch/deepseek2/ggml_mla.py; a prefill's logits are its bits exactly, see the routing test)."""
     path = q4km_model(models_dir)
     prompt = TOKENS[:8]
     ref_toks, ref_rows = llama_greedy(path, prompt, 32)

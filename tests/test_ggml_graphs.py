@@ -142,7 +142,7 @@ def test_omp_threads_spin_briefly_then_sleep_unless_told(preset):
 def test_decode_delta_rule_in_place_is_the_recurrent_rule():
     """numpy's float32 in-place DeltaNet step (state in llama.cpp's transposed layout): the float64
     token-by-token rule's output and state, to float32 rounding over 12 tokens."""
-    from p2pswarm.engine import deltanet as dn
+    from p2pswarm.engine.arch.qwen35moe import deltanet as dn
 
     rng = np.random.default_rng(8)
     H, dk, dv = 6, 16, 16
@@ -167,8 +167,8 @@ def test_ggml_gated_delta_net_is_the_recurrent_rule(T):
     """llama.cpp's op through ggml_deltanet, for two sequences in one graph (Hv = 2 Hk, as the
     122B's 16 k-heads / 32 v-heads): each within float32 rounding of the float64 rule, its state
     updated in place, and each sequence's bits the same as when it runs alone."""
-    from p2pswarm.engine import deltanet as dn
-    from p2pswarm.engine import ggml_deltanet
+    from p2pswarm.engine.arch.qwen35moe import deltanet as dn
+    from p2pswarm.engine.arch.qwen35moe import ggml_deltanet
     from p2pswarm.engine.ggml_kernel import load_libggml
     from p2pswarm.engine.ggml_runner import GgmlRunner
 

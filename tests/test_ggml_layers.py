@@ -1,4 +1,4 @@
-"""The ggml kernel's one-graph DeltaNet layer (p2pswarm/engine/ggml_layers.py).
+"""The ggml kernel's one-graph DeltaNet layer (p2pswarm/engine/arch/qwen35moe/deltanet_graph.py).
 
 - a qwen35moe DeltaNet layer's whole ``pre_moe_batch`` (all sequences) is ONE ggml graph compute,
   and it is what runs under the ggml kernel;

@@ -146,7 +146,7 @@ def test_layer_graph_matches_llama_cpp_past_the_window(models_dir, variant):
 
 def test_swa_pattern_and_window_mask():
     """llama.cpp's pattern 2 (dense_first false): even layers slide; a query at p sees p-n+1..p."""
-    from p2pswarm.engine.arch.gptoss import attention_sinks
+    from p2pswarm.engine.arch.gptoss.model import attention_sinks
 
     rng = np.random.default_rng(0)
     q = rng.standard_normal((6, 2, 8)).astype(F32)
@@ -166,7 +166,7 @@ def test_sliding_window_cache_stays_bounded_and_logits_unchanged(models_dir):
     then 56 decode steps with a window of 8; the full layers keep all 80), and the logits are
     those of the untrimmed cache (the dropped keys were masked: the same function, float32 sums
     over fewer zero terms at most a last bit apart)."""
-    from p2pswarm.engine.arch.gptoss import WindowKVCache
+    from p2pswarm.engine.arch.gptoss.model import WindowKVCache
     from p2pswarm.engine.state import KVCache, SequenceState
 
     path = oss_model(models_dir, "f32")

@@ -23,7 +23,8 @@ from gguf import GGMLQuantizationType as Q
 
 from p2pswarm.backbone.runner import combine, expert_groups
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.engine import deltanet, ops
+from p2pswarm.engine import ops
+from p2pswarm.engine.arch.qwen35moe import deltanet
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.experts import ExpertBank
 from p2pswarm.model.layout import ModelLayout

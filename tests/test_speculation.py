@@ -16,7 +16,7 @@ from p2pswarm.backbone.scheduler import Params, Scheduler
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.speculation import (PROBE_EVERY, PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
                                            ngram_draft, plan_drafts, probe_interval)
-from p2pswarm.engine.deltanet import DeltaNetState
+from p2pswarm.engine.arch.qwen35moe.deltanet import DeltaNetState
 from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, run_cli

@@ -52,7 +52,7 @@ import numpy as np
 
 from p2pswarm.backbone.combine import combine_outputs, expert_groups
 from p2pswarm.engine import ops
-from p2pswarm.engine.mla import LatentCache
+from p2pswarm.engine.arch.deepseek2.mla import LatentCache
 from p2pswarm.engine.state import KVCache
 from p2pswarm.errors import ModelFormatError, UnitsUnavailable, UserError, WorkerError
 

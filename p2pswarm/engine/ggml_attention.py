@@ -1,6 +1,7 @@
 """An attention layer's whole ``pre_moe`` as ONE ggml graph, for the ggml kernel: qwen35moe's gated
-attention (:func:`gated_attention`) and gpt-oss's attention with sinks and a sliding window
-(:func:`sink_attention`); both write and read their KV caches in place (:func:`cache_attention`).
+attention (:func:`~p2pswarm.engine.arch.qwen35moe.graph.gated_attention`) and gpt-oss's attention with sinks and a sliding window
+(:func:`p2pswarm.engine.arch.gptoss.graph.sink_attention`, in gpt-oss's package); both write and
+read their KV caches in place (:func:`cache_attention`), and both are built from the pieces here.
 
 Why one graph: the per-piece path (:meth:`~p2pswarm.engine.arch.qwen35moe.Qwen35MoE._full_attention_rows`)
 runs the q/k/v projections as one ggml graph, then the attn_norm, the per-head q/k RMSNorms, IMROPE,
@@ -34,42 +35,37 @@ batched, :func:`p2pswarm.backbone.runner.probe_dense_invariance`).
 """
 from __future__ import annotations
 
-import ctypes
-import math
 
 import numpy as np
 
-from p2pswarm.engine import ggml_layers
 from p2pswarm.engine.ggml_dense import GgmlDense, QuantisedMatrix
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlUnavailable, _InitParams
 from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
 from p2pswarm.engine.state import aligned_zeros
 
 F32 = np.float32
-GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qwen3.5), NEOX pairing
-GGML_ROPE_TYPE_NEOX = 2  # ggml.h: NEOX pairing (gpt-oss)
 #: cache positions attended over come in multiples of this (llama.cpp pads its KV view to 256): see kv_span
 KV_PAD = 256
 _OPS = ("rms_norm", "mul", "add", "sigmoid", "rope_multi", "soft_max_ext", "permute", "transpose", "cont_2d", "cpy",
         "reshape_2d", "reshape_3d", "view_2d", "set_rows")
-#: what gpt-oss's layer graph needs besides (:func:`sink_attention`)
+#: what gpt-oss's layer graph needs besides (:func:`p2pswarm.engine.arch.gptoss.graph.sink_attention`)
 _SINK_OPS = ("rope_ext", "soft_max_add_sinks")
 #: a gated-attention layer's weights (file names after ``blk.N.``): projections, then F32 vectors
-_PROJ = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+PROJ = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
 _NORMS = ("attn_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight")
 
 
 def graph_runner(model, sinks: bool = False) -> GgmlRunner | None:
     """The ggml runner that computes ``model``'s attention layers as one graph, or None (the numpy /
     portable kernels, a libggml without the ops, or the model's ``attention_graph`` off): the
-    per-piece path then. ``sinks``: gpt-oss's graph (:func:`sink_attention`)."""
+    per-piece path then. ``sinks``: gpt-oss's graph (:func:`p2pswarm.engine.arch.gptoss.graph.sink_attention`)."""
     runner = model.backend.runner
     return runner if model.attention_graph and available(runner, sinks) else None
 
 
 def available(runner: GgmlRunner | None, sinks: bool = False) -> bool:
     """Whether ``runner``'s libggml has every op the layer graph uses (``sinks``: gpt-oss's, see
-    :func:`sink_attention`), else the per-piece path."""
+    :func:`p2pswarm.engine.arch.gptoss.graph.sink_attention`), else the per-piece path."""
     ops = _OPS + _SINK_OPS if sinks else _OPS
     return runner is not None and runner.lib.has(*ops)
 
@@ -83,7 +79,7 @@ class _LayerTensors:
     of its own. ``proj`` and ``vectors`` name them (after ``blk.N.``); a name the file does not
     have (an optional bias) is left out of ``t``."""
 
-    def __init__(self, dense: GgmlDense, w, il: int, proj=_PROJ, vectors=_NORMS):
+    def __init__(self, dense: GgmlDense, w, il: int, proj=PROJ, vectors=_NORMS):
         runner = dense.runner
         lib = runner.lib
         p = f"blk.{il}."
@@ -128,7 +124,7 @@ class _LayerTensors:
             pass
 
 
-def layer_tensors(model, il: int, proj=_PROJ, vectors=_NORMS) -> _LayerTensors:
+def layer_tensors(model, il: int, proj=PROJ, vectors=_NORMS) -> _LayerTensors:
     """The layer's kept ggml weights (made on first use, kept by the model's ggml engine)."""
     cache = model.backend.ggml.attention_layers
     got = cache.get(il)
@@ -140,7 +136,7 @@ def layer_tensors(model, il: int, proj=_PROJ, vectors=_NORMS) -> _LayerTensors:
 class KVAhead:
     """A KV cache seen ``off`` positions ahead of its rows: what a one-token decode step would see
     after ``off`` more positions. A speculative verification's chunk passes its ``n`` positions to
-    :func:`gated_attention` as ``n`` one-row segments on ``KVAhead(kv, 0 .. n-1)``: each row's
+    :func:`~p2pswarm.engine.arch.qwen35moe.graph.gated_attention` as ``n`` one-row segments on ``KVAhead(kv, 0 .. n-1)``: each row's
     key/value write, :func:`kv_span`, mask and attention nodes are then the ones a decode step at
     that position builds (the rows' writes come before any row's read of a later position only
     where that position is masked). The caller advances ``kv.n`` by ``n`` afterwards; ``n`` here
@@ -190,139 +186,7 @@ def decode_key(head: tuple, segs, spans):
     return (*head, tuple((kv.k.ctypes.data, kv.vt.ctypes.data, kv.k.shape[0], b) for (kv, _, _), b in zip(segs, spans)))
 
 
-def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
-                    with_ffn_input: bool = False):
-    """``h + gated_attention(attn_norm(h))`` of layer ``il`` for every segment's rows, one graph.
-
-    ``segs``: ``(kv, pos0, n)`` per sequence, in the order of ``h``'s rows (kv: its KVCache of this
-    layer, updated: its ``n`` grows by the segment's rows). Returns the new h (T, E) float32, and
-    with ``with_ffn_input`` also ``post_attention_norm(h)`` and what that feeds besides the routed
-    experts (:func:`~p2pswarm.engine.ggml_layers.moe_inputs`: ``{"logits", "shared"}``).
-
-    A decode step's graph (one row per sequence) is kept and reused while the step's shape
-    repeats: its key is the rows, each cache's memory and capacity and its :func:`kv_span`. The
-    step's new keys and values go in by ``ggml_set_rows`` at positions that are input data (as
-    llama.cpp writes its cache), not by copies onto views whose offsets would be part of the graph."""
-    lib = runner.lib
-    lt = layer_tensors(model, il)
-    T, E = h.shape
-    H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
-    q_w = H * hd
-    kv_w = Hkv * hd
-    spans = reserve_spans(segs)
-    n_seq = len(segs)
-    # activations of the graph (every non-view tensor), in floats, with slack per tensor
-    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5)
-            + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
-    n_tensors = 40 + 28 * n_seq
-    macs = T * E * (3 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
-    key = decode_key(("attention", il, T, with_ffn_input), segs, spans)
-
-    def build(g):
-        ctx = g.ctx
-        f = 4
-        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
-        pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T)
-        x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["attn_norm.weight"])
-        qg = lib.mul_mat(ctx, lt.t["attn_q.weight"], x)  # [2 hd, H, T] head by head: q | gate
-        kc = lib.mul_mat(ctx, lt.t["attn_k.weight"], x)
-        vc = lib.mul_mat(ctx, lt.t["attn_v.weight"], x)
-        q = lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, 0)
-        gate = lib.cont_2d(ctx, lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, f * hd), q_w, T)
-        q = lib.mul(ctx, lib.rms_norm(ctx, q, model.eps), lt.t["attn_q_norm.weight"])
-        k = lib.mul(ctx, lib.rms_norm(ctx, lib.reshape_3d(ctx, kc, hd, Hkv, T), model.eps), lt.t["attn_k_norm.weight"])
-        v = lib.reshape_3d(ctx, vc, hd, Hkv, T)
-        sections = (ctypes.c_int * 4)(*model.rope_sections)
-        rope_args = (model.n_rot, sections, GGML_ROPE_TYPE_IMROPE, int(model.n_ctx_train), model.rope_base,
-                     1.0, 0.0, 1.0, 32.0, 1.0)  # freq_scale, ext_factor, attn_factor, beta_fast/slow
-        q = lib.rope_multi(ctx, q, pos, None, *rope_args)  # [hd, H, T]
-        k = lib.rope_multi(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
-        att, per_seq = cache_attention(g, q, k, v, segs, spans, H, Hkv, hd, 1.0 / math.sqrt(hd))
-        gated = lib.mul(ctx, att, lib.sigmoid(ctx, gate))
-        res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output.weight"], gated), ht)
-        lib.build_forward_expand(g.graph, res)
-        cur, extras = _ffn_input_nodes(model, il, runner, g, res, lt, T) if with_ffn_input else (None, {})
-        return (f32_view(lib, ht, (T, E)), _i32_view(lib, pos, 4 * T), per_seq, f32_view(lib, res, (T, E)),
-                cur, extras)
-
-    def positions(pos_in, p):  # IMROPE's four position streams (t, h, w, e), each T long: text is (p, p, p, 0)
-        pos_in[:3 * T] = np.tile(p, 3)
-        pos_in[3 * T:] = 0
-
-    if with_ffn_input:
-        acts += ggml_layers.moe_input_floats(model, il, T)
-        n_tensors += 24
-    h_out, cur_out, more = _run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans,
-                                      positions, macs)
-    return (h_out, cur_out, more) if with_ffn_input else h_out
-
-
-#: gpt-oss's attention layer (after ``blk.N.``): projections, then the F32 vectors (q/k/v biases optional)
-_SINK_PROJ = _PROJ
-_SINK_VECTORS = ("attn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
-                 "attn_sinks.weight", "post_attention_norm.weight")
-
-
-def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, window: int | None,
-                   rope_base: float):
-    """A gpt-oss attention layer for every segment's rows, one graph, and what its output feeds:
-    ``(h + attn_output(attention(attn_norm(h))) + bias, post_attention_norm(of that), extras)``.
-
-    llama.cpp's ops for the layer (``src/models/openai-moe.cpp``; ``build_attn_mha``):
-    attn_norm, q/k/v projections plus their biases, NEOX RoPE with YaRN (``ggml_rope_ext``,
-    ``rope_base`` the layer's base), per sequence its k/v written into its cache and attention over
-    it (``mul_mat`` + ``soft_max_ext`` with the causal mask, and with ``window`` the sliding-window
-    mask, + the head's sink logit, ``ggml_soft_max_add_sinks``, + ``mul_mat``), attn_output plus
-    its bias, the residual, post_attention_norm, and the router's logits (before its bias:
-    :func:`~p2pswarm.engine.ggml_layers.moe_inputs`). ``segs`` as :func:`gated_attention`'s; a
-    sliding layer's cache may start after position 0 (``first``), which the mask accounts for.
-    Why one graph: the per-piece path is ~10 graphs and numpy between them per decode step, and
-    numpy's attention grows with the context on one core (see gptoss.py)."""
-    lib = runner.lib
-    lt = layer_tensors(model, il, _SINK_PROJ, _SINK_VECTORS)
-    T, E = h.shape
-    H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
-    q_w, kv_w = H * hd, Hkv * hd
-    spans = reserve_spans(segs)
-    n_seq = len(segs)
-    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5) + ggml_layers.moe_input_floats(model, il, T)
-            + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
-    n_tensors = 64 + 28 * n_seq
-    macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
-    key = decode_key(("sink-attention", il, T), segs, spans)
-    rope_args = (model.n_rot, GGML_ROPE_TYPE_NEOX, int(model.n_ctx_orig), rope_base, model.freq_scale,
-                 model.ext_factor, model.attn_factor, model.beta_fast, model.beta_slow)
-
-    def build(g):
-        ctx, t = g.ctx, lt.t
-        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
-        pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
-        x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), t["attn_norm.weight"])
-        qkv = []
-        for n, heads in (("attn_q", H), ("attn_k", Hkv), ("attn_v", Hkv)):
-            y = lib.mul_mat(ctx, t[n + ".weight"], x)
-            if n + ".bias" in t:
-                y = lib.add(ctx, y, t[n + ".bias"])
-            qkv.append(lib.reshape_3d(ctx, y, hd, heads, T))
-        q, k, v = qkv
-        q = lib.rope_ext(ctx, q, pos, None, *rope_args)  # [hd, H, T]
-        k = lib.rope_ext(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
-        att, per_seq = cache_attention(g, q, k, v, segs, spans, H, Hkv, hd, 1.0 / math.sqrt(model.n_rot),
-                                       sinks=t["attn_sinks.weight"])
-        out = lib.add(ctx, lib.mul_mat(ctx, t["attn_output.weight"], att), t["attn_output.bias"])
-        res = lib.add(ctx, out, ht)
-        lib.build_forward_expand(g.graph, res)
-        cur, extras = _ffn_input_nodes(model, il, runner, g, res, lt, T)
-        return f32_view(lib, ht, (T, E)), _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras
-
-    def positions(pos_in, p):
-        pos_in[...] = p
-
-    return _run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans, positions, macs,
-                      window)
-
-
-def _ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTensors, T: int):
+def ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTensors, T: int):
     """post_attention_norm(res) and what it feeds besides the routed experts, added to the layer's
     graph: ``(numpy view of the norm, {"logits" | "shared": numpy view})``."""
     lib = runner.lib
@@ -331,11 +195,11 @@ def _ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTenso
         raise GgmlUnavailable("this libggml lacks ggml_mul or ggml_rms_norm")
     cur = mul(g.ctx, rms_norm(g.ctx, res, model.eps), lt.t["post_attention_norm.weight"])
     lib.build_forward_expand(g.graph, cur)
-    extras = ggml_layers.moe_inputs(model, il, runner, g.ctx, g.graph, cur, T)
+    extras = moe_inputs(model, il, runner, g.ctx, g.graph, cur, T)
     return f32_view(lib, cur, (T, model.n_embd)), extras
 
 
-def _run_layer(runner: GgmlRunner, key, nbytes: int, n_tensors: int, build, h: np.ndarray, segs, spans,
+def run_layer(runner: GgmlRunner, key, nbytes: int, n_tensors: int, build, h: np.ndarray, segs, spans,
                positions, macs: int, window: int | None = None):
     """Build (or take the kept) layer graph, fill its inputs (the rows, ``positions(pos_in, p)``
     for the rows' positions ``p``, the caches' indices and masks), compute it, advance the caches;
@@ -428,7 +292,7 @@ def fill_cache_inputs(segs, spans, per_seq, window: int | None = None) -> None:
     key at position ``j`` iff ``j <= p`` and, with ``window``, ``p - j < window`` (llama.cpp's
     causal and standard sliding-window masks); cache row ``r`` holds position ``first + r``
     (``first`` is 0 unless the cache dropped its oldest rows, see
-    :class:`~p2pswarm.engine.arch.gptoss.WindowKVCache`); nothing past the rows written is seen."""
+    :class:`~p2pswarm.engine.arch.gptoss.model.WindowKVCache`); nothing past the rows written is seen."""
     for (kv, p0, n), b, (mask, k_idx, v_idx, v_base) in zip(segs, spans, per_seq):
         first = getattr(kv, "first", 0)
         if n == 1:
@@ -474,3 +338,49 @@ def rms_norm_rows(model, runner: GgmlRunner, name: str, h: np.ndarray) -> np.nda
         return f32_view(lib, ht, (T, E)), f32_view(lib, cur, (T, E))
 
     return runner.run_one(("rms_norm", name, T), 4 * 4 * T * E, 8, build, h, 0)
+
+
+def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
+    """Nodes for what the layer's ``cur`` (post_attention_norm) feeds besides the routed experts:
+    the router's logits and the shared expert (gated), added to the layer's graph, so a decode
+    step runs one graph per layer instead of three. Returns ``{"logits" | "shared": numpy view}``
+    for those it could add: the router where it is ggml's F32 mat-mul (a quantised model), the
+    shared expert where its three matrices are quantised and its gate F32 on the file.
+
+    The same ops on the same rows as the stand-alone graphs (:meth:`QuantisedMatrix.rmatmul_t`,
+    :func:`~p2pswarm.engine.ggml_dense.fused_swiglu`), so the same bits: a lone row is multiplied
+    by the F32 router padded to two rows (the single-row kernel is 1 ulp off), as there."""
+    lib = runner.lib
+    w = model.w
+    p = f"blk.{il}."
+    out = {}
+    router = w[p + "ffn_gate_inp.weight"]
+    if isinstance(router, QuantisedMatrix) and router.runner is runner:
+        x = cur
+        for _ in range(router.min_rows - T):  # the stand-alone path's pad: copies of the last row
+            x = lib.concat(ctx, x, lib.view_2d(ctx, cur, router.shape[1], 1, 4 * router.shape[1], 4 * router.shape[1] * (T - 1)), 1)
+        logits = lib.mul_mat(ctx, router.tensor, x)
+        lib.build_forward_expand(graph, logits)
+        out["logits"] = f32_view(lib, logits, (T, router.shape[0]))
+    if _has_shared(model, il):
+        mats = [w[p + n + ".weight"] for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
+        gate_inp = model.backend.ggml.f32_vector(p + "ffn_gate_inp_shexp.weight")
+        if gate_inp is not None and all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in mats):
+            g, u, d = (m.tensor for m in mats)
+            s = lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, cur), lib.mul_mat(ctx, u, cur)))
+            s = lib.mul(ctx, s, lib.sigmoid(ctx, lib.mul_mat(ctx, gate_inp, cur)))
+            lib.build_forward_expand(graph, s)
+            out["shared"] = f32_view(lib, s, (T, mats[2].shape[0]))
+    return out
+
+
+def moe_input_floats(model, il: int, T: int) -> int:
+    """Room (floats) the nodes of :func:`moe_inputs` take in a graph of ``T`` rows, generously."""
+    E = model.n_embd
+    ff = model.w[f"blk.{il}.ffn_gate_shexp.weight"].shape[0] if _has_shared(model, il) else 0
+    return max(T, 2) * (3 * E + 2 * model.n_expert + 4 * ff + 8)
+
+
+def _has_shared(model, il: int) -> bool:
+    """Whether layer ``il`` has a shared expert."""
+    return bool(model.shared_expert[il])

@@ -242,7 +242,7 @@ class GgmlDense:
         self._by_name: dict | None = None
         self._vectors: dict[str, object] = {}  # f32_vector's, by name
         #: the one-graph DeltaNet layers' ggml tensors by layer, None where one cannot run
-        #: (p2pswarm.engine.ggml_layers.deltanet_layer_weights)
+        #: (p2pswarm.engine.arch.qwen35moe.deltanet_graph.deltanet_layer_weights)
         self.deltanet_layers: dict[int, object] = {}
         #: the one-graph attention layers' ggml tensors by layer (p2pswarm.engine.ggml_attention.layer_tensors)
         self.attention_layers: dict[int, object] = {}

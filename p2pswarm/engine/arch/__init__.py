@@ -1,4 +1,5 @@
-"""Dense paths by GGUF architecture name. ``load_dense(layout, kernel)`` picks the right one and
+"""Dense paths by GGUF architecture name: one package per architecture (``engine/arch/<name>/``),
+one line each in :func:`architectures`. ``load_dense(layout, kernel)`` picks the right one and
 gives it its backend (:class:`~p2pswarm.engine.backend.DenseBackend`), chosen once, here."""
 from __future__ import annotations
 
@@ -18,14 +19,7 @@ def load_dense(layout: ModelLayout, kernel: str | None = "numpy", *, threads: in
     also the ``portable`` kernel's; ``ggml``; ``auto``/None: as :func:`~p2pswarm.engine.kernels.resolve_kernel`
     says). ``threads``: the ggml runner's. Its ``backend.tensors`` says how many quantised dense
     tensors ggml took (0: an all-float file, whose numpy dense path stays whole)."""
-    from p2pswarm.engine.arch.deepseek2 import DeepSeek2
-    from p2pswarm.engine.arch.glm4moe import Glm4MoE
-    from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
-    from p2pswarm.engine.arch.gptoss import GptOss
-    from p2pswarm.engine.arch.qwen35moe import Qwen35MoE
-
-    archs: dict[str, Callable[[ModelLayout, DenseBackend], DenseModel]] = {
-        "qwen3moe": Qwen3MoE, "qwen35moe": Qwen35MoE, "gpt-oss": GptOss, "glm4moe": Glm4MoE, "deepseek2": DeepSeek2}
+    archs = architectures()
     cls = archs.get(layout.arch)
     if cls is None:
         raise ModelFormatError(
@@ -37,6 +31,21 @@ def load_dense(layout: ModelLayout, kernel: str | None = "numpy", *, threads: in
     if settings.GC_FREEZE.get():
         _freeze_loaded_objects()
     return model
+
+
+def architectures() -> dict[str, Callable[[ModelLayout, DenseBackend], DenseModel]]:
+    """The registry: GGUF architecture name -> its dense path, one line per architecture, each the
+    class its package under ``engine/arch/`` exports. Imported here, on first use: an architecture's
+    package loads its graphs' code."""
+    from p2pswarm.engine.arch import deepseek2, glm4moe, gptoss, qwen35moe, qwen3moe
+
+    return {
+        "qwen3moe": qwen3moe.Qwen3MoE,
+        "qwen35moe": qwen35moe.Qwen35MoE,
+        "gpt-oss": gptoss.GptOss,
+        "glm4moe": glm4moe.Glm4MoE,
+        "deepseek2": deepseek2.DeepSeek2,
+    }
 
 
 def _freeze_loaded_objects() -> None:

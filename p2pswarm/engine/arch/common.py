@@ -1,4 +1,5 @@
-"""What the dense paths share: a layer's one call in and one call out composed of the
+"""What the dense paths share: the dense tensors as float32 (:class:`DenseWeights`), the embedding
+and the lm head (:class:`TokenEnds`), a layer's one call in and one call out composed of the
 architecture's pieces (:class:`LayerByPieces`), reading a numeric hyper-parameter with a one-line
 error, and checking the tensors a forward pass reads.
 
@@ -13,7 +14,86 @@ from typing import Any, Callable
 import numpy as np
 
 from p2pswarm.contracts import LayerIn
-from p2pswarm.errors import ModelFormatError
+from p2pswarm.engine import ops
+from p2pswarm.engine.backend import DenseBackend
+from p2pswarm.engine.ggml_dense import QuantisedMatrix
+from p2pswarm.engine.weights import to_float32
+from p2pswarm.errors import ModelFormatError, UserError
+from p2pswarm.model.layout import ModelLayout
+
+F32 = np.float32
+
+
+class DenseWeights:
+    """Dense tensors of a model as float32, dequantised once and kept (the dense path is hot)."""
+
+    def __init__(self, layout: ModelLayout):
+        self.layout = layout
+        self._by_name = {t.name: t for t in layout.reader.tensors}
+        self._cache: dict[str, np.ndarray] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._by_name
+
+    def provide(self, name: str, value) -> bool:
+        """Serve ``value`` (a kernel's quantised matrix) for ``name`` instead of dequantising it;
+        False, and nothing changes, when ``name`` is already loaded (see :class:`p2pswarm.contracts.DenseWeights`)."""
+        if name in self._cache:
+            return False
+        self._cache[name] = value
+        return True
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self._cache
+
+    def loaded(self) -> dict:
+        """What is loaded so far, by name (a read-only copy)."""
+        return dict(self._cache)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        arr = self._cache.get(name)
+        if arr is None:
+            t = self._by_name.get(name)
+            if t is None:
+                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            arr = to_float32(t.data.reshape(-1) if t.data.ndim else t.data, t.tensor_type, shape, name)
+            self._cache[name] = arr
+        return arr
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's numpy shape, without loading it (the checks at load)."""
+        t = self._by_name[name]
+        return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+class TokenEnds:
+    """The two ends every architecture shares: token ids -> embedding rows, and the final norm +
+    lm head (on ggml's graph where the head is quantised). Reads ``w``, ``n_vocab``, ``eps``,
+    ``output_name`` and ``backend``."""
+
+    w: DenseWeights
+    n_vocab: int
+    eps: float
+    output_name: str
+    backend: DenseBackend
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
+            bad = int(tokens[(tokens < 0) | (tokens >= self.n_vocab)][0])
+            raise UserError(f"token id {bad} out of range: the vocabulary has ids 0-{self.n_vocab - 1}")
+        return np.ascontiguousarray(self.w["token_embd.weight"][tokens], dtype=F32)
+
+    def output(self, h: np.ndarray) -> np.ndarray:
+        W = self.w[self.output_name]
+        dense = self.backend.ggml
+        if dense is not None and isinstance(W, QuantisedMatrix) and W.runner is dense.runner:
+            norm = dense.f32_vector("output_norm.weight")
+            if norm is not None:  # the ggml kernel: the final norm and the lm head in one graph
+                return W.rmatmul_t(np.ascontiguousarray(h, dtype=F32), norm=norm, eps=float(self.eps))
+        x = ops.rms_norm(h, self.w["output_norm.weight"], self.eps)
+        return ops.matmul(x, W).astype(F32, copy=False)
 
 
 class LayerByPieces:

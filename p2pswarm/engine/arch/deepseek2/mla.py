@@ -125,7 +125,7 @@ class LatentCache:
     key part ``kpe`` (S, rope) of every position, side by side in one (S, Rkv + rope) array (the
     row llama.cpp's MLA cache holds), grown by doubling. The rows sit on aligned memory, as
     :class:`~p2pswarm.engine.state.KVCache`'s do: the ggml kernel's one-graph MLA layer
-    (:func:`~p2pswarm.engine.ggml_mla.mla_layer`) wraps them in place, writes a step's rows into
+    (:func:`~p2pswarm.engine.arch.deepseek2.ggml_mla.mla_layer`) wraps them in place, writes a step's rows into
     them and attends over them, with no copy."""
 
     def __init__(self, width: int, capacity: int = 64):

@@ -23,7 +23,7 @@ final rounding, so which one ran is invisible in the float32 output.
 The carried state is float32, stored as llama.cpp stores it (its ``ggml_gated_delta_net`` op and
 recurrent-state cache are F32): per value head the transpose ``M = S^T`` (dv x dk, row j = column
 j of S), so :class:`DeltaNetState` can hand its memory to that op unchanged
-(:mod:`p2pswarm.engine.ggml_deltanet`, which the ggml kernel uses for every call). Why float32: a
+(:mod:`p2pswarm.engine.arch.qwen35moe.ggml_deltanet`, which the ggml kernel uses for every call). Why float32: a
 float64 S was 8 MiB per sequence per layer at the 122B's geometry (288 MiB per sequence over its
 36 DeltaNet layers) for precision llama.cpp does not keep either; the F32 logits tests against
 llama.cpp hold with it (tests/test_qwen35moe.py).
@@ -224,9 +224,9 @@ class DeltaNetState:
     ``conv`` the last K-1 conv inputs. ``S`` is the tail of one aligned buffer whose head holds
     ``H * dv`` floats more: the shape of ``ggml_gated_delta_net``'s result for one token
     (``[o | new state]``), so a decode step of the ggml kernel writes its new state over the old
-    one in place, with no copy (:mod:`p2pswarm.engine.ggml_deltanet`). ``conv`` is aligned too and
+    one in place, with no copy (:mod:`p2pswarm.engine.arch.qwen35moe.ggml_deltanet`). ``conv`` is aligned too and
     only ever written in place (never rebound), so the ggml kernel's one-graph layer
-    (:mod:`p2pswarm.engine.ggml_layers`) can read the old rows from it and write the new ones onto
+    (:mod:`p2pswarm.engine.arch.qwen35moe.deltanet_graph`) can read the old rows from it and write the new ones onto
     it inside its graph."""
 
     __slots__ = ("S", "conv", "buf", "head")

@@ -8,7 +8,7 @@ for every sequence of a batch, is one graph and one ``compute``: llama.cpp's own
 order (``src/models/qwen35moe.cpp``), so the numerics are llama.cpp's too.
 
 Per sequence the graph reads and writes that sequence's own state memory in place, nothing copied
-through numpy (the technique of :mod:`p2pswarm.engine.ggml_deltanet`): its conv rows
+through numpy (the technique of :mod:`p2pswarm.engine.arch.qwen35moe.ggml_deltanet`): its conv rows
 (``DeltaNetState.conv``) and its recurrent state (``DeltaNetState.buf``) are wrapped as CPU buffers
 and tensors are placed on them. Every op that mixes positions (conv, delta rule) runs per
 sequence; every other op works row by row, so a sequence's rows get the same bits alone or beside
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from p2pswarm.engine.ggml_attention import moe_input_floats, moe_inputs
 from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32
 from p2pswarm.engine.ggml_runner import f32_view
@@ -153,7 +154,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     their own, each exactly the node a one-token decode step runs (the projections, conv, norms
     and gates are row-wise: each position's column is computed alone, as in a decode step). Each
     list gets, per position but the last, the layer's state after it as
-    :meth:`~p2pswarm.engine.deltanet.DeltaNetState.checkpoint` gives it (``(buf, conv)``), so the
+    :meth:`~p2pswarm.engine.arch.qwen35moe.deltanet.DeltaNetState.checkpoint` gives it (``(buf, conv)``), so the
     positions after it can be dropped (speculative decoding's rollback).
     """
     stepped = stepped or {}
@@ -311,52 +312,6 @@ def _stepped_rule(g, qk, c, gt, beta, st, snaps: list, o_all, row: int, j: int, 
         lib.build_forward_expand(g.graph, res)
         dst = lib.view_3d(ctx, o_all, dv, Hv, 1, 4 * dv, 4 * Hv * dv, 4 * Hv * dv * (row + i))
         lib.build_forward_expand(g.graph, lib.cpy(ctx, lib.view_3d(ctx, res, dv, Hv, 1, 4 * dv, 4 * Hv * dv, 0), dst))
-
-
-def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
-    """Nodes for what the layer's ``cur`` (post_attention_norm) feeds besides the routed experts:
-    the router's logits and the shared expert (gated), added to the layer's graph, so a decode
-    step runs one graph per layer instead of three. Returns ``{"logits" | "shared": numpy view}``
-    for those it could add: the router where it is ggml's F32 mat-mul (a quantised model), the
-    shared expert where its three matrices are quantised and its gate F32 on the file.
-
-    The same ops on the same rows as the stand-alone graphs (:meth:`QuantisedMatrix.rmatmul_t`,
-    :func:`~p2pswarm.engine.ggml_dense.fused_swiglu`), so the same bits: a lone row is multiplied
-    by the F32 router padded to two rows (the single-row kernel is 1 ulp off), as there."""
-    lib = runner.lib
-    w = model.w
-    p = f"blk.{il}."
-    out = {}
-    router = w[p + "ffn_gate_inp.weight"]
-    if isinstance(router, QuantisedMatrix) and router.runner is runner:
-        x = cur
-        for _ in range(router.min_rows - T):  # the stand-alone path's pad: copies of the last row
-            x = lib.concat(ctx, x, lib.view_2d(ctx, cur, router.shape[1], 1, 4 * router.shape[1], 4 * router.shape[1] * (T - 1)), 1)
-        logits = lib.mul_mat(ctx, router.tensor, x)
-        lib.build_forward_expand(graph, logits)
-        out["logits"] = f32_view(lib, logits, (T, router.shape[0]))
-    if _has_shared(model, il):
-        mats = [w[p + n + ".weight"] for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
-        gate_inp = model.backend.ggml.f32_vector(p + "ffn_gate_inp_shexp.weight")
-        if gate_inp is not None and all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in mats):
-            g, u, d = (m.tensor for m in mats)
-            s = lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, cur), lib.mul_mat(ctx, u, cur)))
-            s = lib.mul(ctx, s, lib.sigmoid(ctx, lib.mul_mat(ctx, gate_inp, cur)))
-            lib.build_forward_expand(graph, s)
-            out["shared"] = f32_view(lib, s, (T, mats[2].shape[0]))
-    return out
-
-
-def moe_input_floats(model, il: int, T: int) -> int:
-    """Room (floats) the nodes of :func:`moe_inputs` take in a graph of ``T`` rows, generously."""
-    E = model.n_embd
-    ff = model.w[f"blk.{il}.ffn_gate_shexp.weight"].shape[0] if _has_shared(model, il) else 0
-    return max(T, 2) * (3 * E + 2 * model.n_expert + 4 * ff + 8)
-
-
-def _has_shared(model, il: int) -> bool:
-    """Whether layer ``il`` has a shared expert."""
-    return bool(model.shared_expert[il])
 
 
 def _l2(lib, ctx, x, n: int, eps: float):

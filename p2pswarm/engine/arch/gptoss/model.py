@@ -28,9 +28,8 @@ import math
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ops
-from p2pswarm.engine.arch.common import LayerByGraph, check_tensors, model_error, number_reader
-from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
-from p2pswarm.engine.arch.qwen35moe import _Weights
+from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds, check_tensors, model_error, number_reader
+from p2pswarm.engine.arch.gptoss.graph import sink_attention
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -42,12 +41,12 @@ F32 = np.float32
 ROPE_SCALING = ("none", "linear", "yarn")
 
 
-class GptOss(LayerByGraph):
+class GptOss(TokenEnds, LayerByGraph):
     """gpt-oss: GQA attention with biases and sinks, alternating sliding-window / full layers, YaRN
     RoPE; biased router, softmax over the selected experts; no shared expert.
 
     Under the ggml kernel an attention layer is one ggml graph, llama.cpp's ops
-    (:func:`p2pswarm.engine.ggml_attention.sink_attention`), which also computes the experts'
+    (:func:`p2pswarm.engine.arch.gptoss.graph.sink_attention`), which also computes the experts'
     input and the router's logits (:meth:`layer_in` takes them from it);
     otherwise numpy computes it (:func:`attention_sinks`), between the kernel's mat-muls."""
 
@@ -98,7 +97,7 @@ class GptOss(LayerByGraph):
         self._rope_params(num)
         self._rope_memo: dict = {}  # (positions, base) -> yarn_neox_tables (_rope_tables)
 
-        self.w = _Weights(layout)
+        self.w = DenseWeights(layout)
         self.shared_expert = [False] * self.n_layer  # none (the layer graph's moe_inputs reads it)
         self.output_name = "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
@@ -174,10 +173,7 @@ class GptOss(LayerByGraph):
         return SequenceState(kv={il: WindowKVCache(self.n_head_kv, self.head_dim, self.n_swa) if self.swa[il]
                                  else KVCache(self.n_head_kv, self.head_dim) for il in range(self.n_layer)})
 
-    # ---- the layer pieces -------------------------------------------------------------------
-    embed = Qwen3MoE.embed
-    output = Qwen3MoE.output
-
+    # ---- the layer pieces (embed, output: common.TokenEnds) ---------------------------------
     def _vec(self, name: str) -> np.ndarray:
         return np.asarray(self.w[name], dtype=F32).reshape(-1)
 
@@ -228,7 +224,7 @@ class GptOss(LayerByGraph):
             return None
         slides = self.swa[il]
         caches = [st.kv[il] for st, _, _ in segments]
-        h, cur, extras = ggml_attention.sink_attention(
+        h, cur, extras = sink_attention(
             self, runner, il, np.ascontiguousarray(h, dtype=F32),
             [(kv, p0, n) for kv, (_, p0, n) in zip(caches, segments)],
             window=self.n_swa if slides else None, rope_base=self.rope_base_swa if slides else self.rope_base)

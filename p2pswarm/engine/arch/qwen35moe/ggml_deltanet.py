@@ -10,7 +10,7 @@ One graph per call holds one op per sequence (each on its own state, ``n_seqs = 
 splits its work by (head, sequence) and each head's arithmetic does not depend on the others, so a
 sequence's bits are the same alone or beside any others (batch invariance, tested in
 tests/test_batching.py). For a single token the op's result ``[o | new state]`` is placed on the
-sequence's own buffer (:class:`~p2pswarm.engine.deltanet.DeltaNetState` keeps ``H * dv`` floats
+sequence's own buffer (:class:`~p2pswarm.engine.arch.qwen35moe.deltanet.DeltaNetState` keeps ``H * dv`` floats
 before ``S`` for it), so the new state lands on the old one and nothing is copied: the op reads
 each head's state once, into the same place (``memcpy`` of a region onto itself), before writing it,
 and no other head or sequence touches that region. Longer calls (prefill) get a fresh result and

@@ -31,8 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ops, routing
-from p2pswarm.engine.arch.qwen35moe import _Weights  # DenseWeights that tell a shape without loading
-from p2pswarm.engine.arch.common import check_tensors, model_error, number_reader
+from p2pswarm.engine.arch.common import DenseWeights, check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
@@ -47,7 +46,6 @@ class Glm4MoE(Qwen3MoE):
     layers; sigmoid-routed experts with a selection bias; one shared expert."""
 
     arch = "glm4moe"
-    w: _Weights  # (tells a tensor's shape without loading it: the checks at load)
 
     def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):  # one check per key, in order
         self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
@@ -99,7 +97,7 @@ class Glm4MoE(Qwen3MoE):
         if scaling not in ("none", None):
             raise bad(f"key {self.arch}.rope.scaling.type {scaling!r}: RoPE scaling is not supported")
 
-        self.w = _Weights(layout)
+        self.w = DenseWeights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])

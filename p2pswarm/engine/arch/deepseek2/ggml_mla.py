@@ -15,7 +15,7 @@ import numpy as np
 from p2pswarm.engine.ggml_dense import GgmlDense, QuantisedMatrix
 from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES
 from p2pswarm.engine.ggml_runner import _i32_view, f32_view
-from p2pswarm.engine.mla import YARN_BETA_FAST, YARN_BETA_SLOW
+from p2pswarm.engine.arch.deepseek2.mla import YARN_BETA_FAST, YARN_BETA_SLOW
 
 
 class HeadMatrices:
@@ -111,7 +111,7 @@ def core_available(model) -> bool:
 def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
     """``h + MLA(attn_norm(h))`` of layer ``il`` for every segment's rows, as one graph and one
     ``compute``. ``segs``: ``(cache, pos0, n)`` per sequence in the order of ``h``'s rows (cache: its
-    :class:`~p2pswarm.engine.mla.LatentCache` of this layer; its ``n`` grows by the segment's rows).
+    :class:`~p2pswarm.engine.arch.deepseek2.mla.LatentCache` of this layer; its ``n`` grows by the segment's rows).
 
     The graph (shapes in ggml's order, T rows in all, W = Rkv + rope)::
 
@@ -125,7 +125,7 @@ def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
         out   = h + attn_output att                                             [E, T]
 
     The cache (aligned memory, reserved to the span first) is wrapped in place, as the qwen35moe
-    attention layer wraps its KV cache (:func:`~p2pswarm.engine.ggml_attention.gated_attention`):
+    attention layer wraps its KV cache (:func:`~p2pswarm.engine.arch.qwen35moe.graph.gated_attention`):
     a decode step copies nothing of it, and its graph (one row per sequence) is kept and run again
     while the caches' memory and spans repeat. Positions past a sequence's end are masked to -inf:
     a softmax weight of exactly 0 times a finite (zero or stale) cache value adds exact zeros."""

@@ -5,7 +5,7 @@ Same contract as :mod:`p2pswarm.engine.arch.qwen3moe` (the backbone's layer loop
 same way and stays bit-identical. What differs, layer by layer (see ../shared/QWEN35MOE-MATH.md
 for the exact formulas as measured against llama.cpp):
 
-* Most layers are *linear attention* (Gated DeltaNet, :mod:`p2pswarm.engine.deltanet`): a causal
+* Most layers are *linear attention* (Gated DeltaNet, :mod:`p2pswarm.engine.arch.qwen35moe.deltanet`): a causal
   depthwise conv and a d x d state S per value head, carried between calls instead of a KV cache.
   Every ``full_attention_interval``-th layer (or as ``attention.recurrent_layers`` says) is *gated
   full attention*: q carries a per-head sigmoid gate, RoPE is IMROPE on a partial rotary slice.
@@ -14,17 +14,20 @@ for the exact formulas as measured against llama.cpp):
 * The router normalises its top-k weights always (whatever ``expert_weights_norm`` says).
 
 Per-sequence state: ``state.kv[il]`` (KV cache) for attention layers and ``state.extra[il]``
-(:class:`~p2pswarm.engine.deltanet.DeltaNetState`: conv rows + S) for linear ones, one object per
+(:class:`~p2pswarm.engine.arch.qwen35moe.deltanet.DeltaNetState`: conv rows + S) for linear ones, one object per
 sequence so a backbone can hold many.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine import deltanet, ggml_attention, ggml_deltanet, ggml_dense, ggml_layers, ops
+from p2pswarm.engine import ggml_attention, ggml_dense, ops
 from p2pswarm.contracts import LayerIn
-from p2pswarm.engine.arch.common import LayerByGraph
-from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
+from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds
+import p2pswarm.engine.arch.qwen35moe.deltanet as deltanet  # (not ``from``: the package imports this module)
+import p2pswarm.engine.arch.qwen35moe.deltanet_graph as ggml_layers
+import p2pswarm.engine.arch.qwen35moe.ggml_deltanet as ggml_deltanet
+from p2pswarm.engine.arch.qwen35moe.graph import gated_attention
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -33,15 +36,7 @@ from p2pswarm.model.layout import ModelLayout
 F32 = np.float32
 
 
-class _Weights(DenseWeights):
-    """DenseWeights that can also tell a tensor's numpy shape without loading it."""
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        t = self._by_name[name]
-        return tuple(int(d) for d in reversed(t.shape.tolist()))
-
-
-class Qwen35MoE(LayerByGraph):
+class Qwen35MoE(TokenEnds, LayerByGraph):
     """qwen35moe: Gated DeltaNet + gated full attention, routed experts + a sigmoid-gated shared expert."""
 
     arch = "qwen35moe"
@@ -144,7 +139,7 @@ class Qwen35MoE(LayerByGraph):
         self.conv_channels = 2 * self.ssm_hk * self.ssm_d + self.ssm_inner
 
         self.recurrent = self._layer_kinds(hp)
-        self.w = _Weights(layout)
+        self.w = DenseWeights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
@@ -228,12 +223,7 @@ class Qwen35MoE(LayerByGraph):
                 st.kv[il] = KVCache(self.n_head_kv, self.head_dim)
         return st
 
-    # ---- the layer pieces -------------------------------------------------------------------
-    # Identical to qwen3moe's: shared, not copied (they read only w, n_vocab, eps, output_name,
-    # n_expert_used).
-    embed = Qwen3MoE.embed
-    output = Qwen3MoE.output
-
+    # ---- the layer pieces (embed, output: common.TokenEnds) ---------------------------------
     def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
         """h + (routed + shared), added in llama.cpp's order; the shared expert from the layer's
         graph where that computed it."""
@@ -251,9 +241,9 @@ class Qwen35MoE(LayerByGraph):
         (DeltaNet) or RoPE'd KV + attention run per sequence, on its own state. Rows batched
         together may round differently from rows alone where ggml picks another kernel for more
         rows (the backbone's probe decides what it batches). A DeltaNet layer is all one ggml
-        graph (:func:`p2pswarm.engine.ggml_layers.deltanet_pre_moe`: the same steps in llama.cpp's
+        graph (:func:`p2pswarm.engine.arch.qwen35moe.deltanet_graph.deltanet_pre_moe`: the same steps in llama.cpp's
         ops, state updated in place); :meth:`_layer_graph` says when. So is a gated-attention layer
-        (:func:`p2pswarm.engine.ggml_attention.gated_attention`: every sequence's KV write and
+        (:func:`p2pswarm.engine.arch.qwen35moe.graph.gated_attention`: every sequence's KV write and
         attention on its own cache)."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
@@ -276,7 +266,7 @@ class Qwen35MoE(LayerByGraph):
                 for st, p0, n, one_by_one in groups:  # a chunk's positions: one decode row each
                     segs += ([(ggml_attention.KVAhead(st.kv[il], i), p0 + i, 1) for i in range(n)] if one_by_one
                              else [(st.kv[il], p0, n)])
-                got = ggml_attention.gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
+                got = gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
                                                      segs, with_ffn_input=True)
                 for st, _, n, one_by_one in groups:
                     if one_by_one:
@@ -302,7 +292,7 @@ class Qwen35MoE(LayerByGraph):
         """Whether :meth:`pre_moe_batch` of layer ``il`` takes a speculative verification's
         positions in one call (consecutive one-row segments of one state: each position computed
         as a one-token decode step computes it, its state checkpointed after it): where the
-        layer's ggml graph runs (:func:`~p2pswarm.engine.ggml_layers.deltanet_pre_moe`'s stepped
+        layer's ggml graph runs (:func:`~p2pswarm.engine.arch.qwen35moe.deltanet_graph.deltanet_pre_moe`'s stepped
         segments; :class:`~p2pswarm.engine.ggml_attention.KVAhead`). Not on the numpy/portable
         per-piece path: there a chunk's attention would multiply all its rows by the cache in one
         BLAS call (other bits than one row's) and its delta rule would take the chunked form, so
@@ -319,11 +309,11 @@ class Qwen35MoE(LayerByGraph):
         return ggml_attention.graph_runner(self)
 
     def _layer_graph(self, il: int, segments) -> "ggml_layers.DeltaNetLayerWeights | None":
-        """Layer ``il``'s tensors for the one-graph DeltaNet layer (:mod:`p2pswarm.engine.ggml_layers`),
+        """Layer ``il``'s tensors for the one-graph DeltaNet layer (:mod:`p2pswarm.engine.arch.qwen35moe.deltanet_graph`),
         or None where the per-piece path runs instead: the numpy/portable kernels (no ggml dense
         path), a pinned ``deltanet_mode`` (the numpy forms under test), non-square states (the
         op's limit), an empty segment, a state whose memory is not ggml-aligned (a copy made
-        elsewhere than :class:`~p2pswarm.engine.deltanet.DeltaNetState`), or a libggml without
+        elsewhere than :class:`~p2pswarm.engine.arch.qwen35moe.deltanet.DeltaNetState`), or a libggml without
         one of the graph's ops."""
         if (self.deltanet_mode != "auto" or self.ssm_d != self.ssm_dv or self.backend.ggml is None
                 or any(n <= 0 or not ggml_layers.placeable(st.extra[il]) for st, _, n in segments)):
@@ -395,7 +385,7 @@ class Qwen35MoE(LayerByGraph):
         """The delta rule of every sequence, each on its own state.
 
         With the ggml kernel (and ``deltanet_mode`` auto) all of them run as llama.cpp's
-        ``ggml_gated_delta_net`` in one graph (:mod:`p2pswarm.engine.ggml_deltanet`: per head and
+        ``ggml_gated_delta_net`` in one graph (:mod:`p2pswarm.engine.arch.qwen35moe.ggml_deltanet`: per head and
         sequence, so each sequence's bits do not depend on the others). Otherwise numpy, one
         sequence at a time: the in-place float32 step for a token, else :func:`deltanet.delta_rule`."""
         runner = self.backend.runner
@@ -441,7 +431,7 @@ class Qwen35MoE(LayerByGraph):
 
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The router's top-k (under the ggml kernel its F32 mat-mul is the op
-        :func:`~p2pswarm.engine.ggml_layers.moe_inputs` adds to the layer's graph: the same bits)."""
+        :func:`~p2pswarm.engine.ggml_attention.moe_inputs` adds to the layer's graph: the same bits)."""
         return self.route_logits(il, ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]))
 
     def route_logits(self, il: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

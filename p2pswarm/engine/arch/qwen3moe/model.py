@@ -11,63 +11,23 @@ those are the pieces::
     ... experts computed wherever they live, combined in top-k order ...
     h   = model.post_moe(il, h, cur, moe)     # residual (+ shared expert in other archs)
 
-Any other architecture provides the same calls (``qwen35moe`` beside this file).
+Any other architecture provides the same calls (its own package beside this one).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from p2pswarm.engine import ops
-from p2pswarm.engine.arch.common import LayerByPieces
+from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds
 from p2pswarm.engine.backend import NUMPY, DenseBackend
-from p2pswarm.engine.ggml_dense import QuantisedMatrix
 from p2pswarm.engine.state import KVCache, SequenceState
-from p2pswarm.engine.weights import to_float32
-from p2pswarm.errors import ModelFormatError, UserError
+from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
 
 F32 = np.float32
 
 
-class DenseWeights:
-    """Dense tensors of a model as float32, dequantised once and kept (the dense path is hot)."""
-
-    def __init__(self, layout: ModelLayout):
-        self.layout = layout
-        self._by_name = {t.name: t for t in layout.reader.tensors}
-        self._cache: dict[str, np.ndarray] = {}
-
-    def has(self, name: str) -> bool:
-        return name in self._by_name
-
-    def provide(self, name: str, value) -> bool:
-        """Serve ``value`` (a kernel's quantised matrix) for ``name`` instead of dequantising it;
-        False, and nothing changes, when ``name`` is already loaded (see :class:`p2pswarm.contracts.DenseWeights`)."""
-        if name in self._cache:
-            return False
-        self._cache[name] = value
-        return True
-
-    def is_loaded(self, name: str) -> bool:
-        return name in self._cache
-
-    def loaded(self) -> dict:
-        """What is loaded so far, by name (a read-only copy)."""
-        return dict(self._cache)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        arr = self._cache.get(name)
-        if arr is None:
-            t = self._by_name.get(name)
-            if t is None:
-                raise ModelFormatError(f"{self.layout.path}: required tensor {name!r} is missing")
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            arr = to_float32(t.data.reshape(-1) if t.data.ndim else t.data, t.tensor_type, shape, name)
-            self._cache[name] = arr
-        return arr
-
-
-class Qwen3MoE(LayerByPieces):
+class Qwen3MoE(TokenEnds, LayerByPieces):
     """qwen3moe: GQA attention with per-head q/k RMSNorm and NEOX RoPE; routed experts, no shared one."""
 
     arch = "qwen3moe"
@@ -110,13 +70,6 @@ class Qwen3MoE(LayerByPieces):
         return SequenceState(kv={il: KVCache(self.n_head_kv, self.head_dim) for il in range(self.n_layer)})
 
     # ---- the layer pieces -----------------------------------------------------------------
-    def embed(self, tokens: np.ndarray) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.n_vocab):
-            bad = int(tokens[(tokens < 0) | (tokens >= self.n_vocab)][0])
-            raise UserError(f"token id {bad} out of range: the vocabulary has ids 0-{self.n_vocab - 1}")
-        return np.ascontiguousarray(self.w["token_embd.weight"][tokens], dtype=F32)
-
     def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
         return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
 
@@ -163,13 +116,3 @@ class Qwen3MoE(LayerByPieces):
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
         return h + moe
-
-    def output(self, h: np.ndarray) -> np.ndarray:
-        W = self.w[self.output_name]
-        dense = self.backend.ggml
-        if dense is not None and isinstance(W, QuantisedMatrix) and W.runner is dense.runner:
-            norm = dense.f32_vector("output_norm.weight")
-            if norm is not None:  # the ggml kernel: the final norm and the lm head in one graph
-                return W.rmatmul_t(np.ascontiguousarray(h, dtype=F32), norm=norm, eps=float(self.eps))
-        x = ops.rms_norm(h, self.w["output_norm.weight"], self.eps)
-        return ops.matmul(x, W).astype(F32, copy=False)

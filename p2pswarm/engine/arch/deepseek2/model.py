@@ -3,7 +3,7 @@
 Same contract as :mod:`p2pswarm.engine.arch.qwen3moe`; what differs (llama.cpp:
 ``src/models/deepseek2.cpp``, ``src/llama-graph.cpp`` build_moe_ffn):
 
-* Attention is Multi-head Latent Attention (:mod:`p2pswarm.engine.mla`): low-rank q (``attn_q_a`` +
+* Attention is Multi-head Latent Attention (:mod:`p2pswarm.engine.arch.deepseek2.mla`): low-rank q (``attn_q_a`` +
   ``attn_q_a_norm`` + ``attn_q_b``, or plain ``attn_q`` in V2-Lite), one compressed KV row per
   position plus a decoupled RoPE key, YaRN RoPE (NORM pairing) and YaRN's attention scale. Both
   forms of the KV up-projection load: ``attn_kv_b`` (older files) and ``attn_k_b`` + ``attn_v_b``
@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from p2pswarm.engine import ggml_attention, ggml_mla, mla, ops
-from p2pswarm.engine.arch.common import LayerByPieces, check_tensors, model_error, number_reader
-from p2pswarm.engine.arch.qwen3moe import DenseWeights, Qwen3MoE
+import p2pswarm.engine.arch.deepseek2.ggml_mla as ggml_mla  # (not ``from``: the package imports this module)
+import p2pswarm.engine.arch.deepseek2.mla as mla
+from p2pswarm.engine import ggml_attention, ops
+from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error, number_reader
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import SequenceState
@@ -36,13 +37,7 @@ from p2pswarm.model.layout import ModelLayout
 F32 = np.float32
 
 
-class _Weights(DenseWeights):
-    def shape(self, name: str) -> tuple[int, ...]:
-        t = self._by_name[name]
-        return tuple(int(d) for d in reversed(t.shape.tolist()))
-
-
-class DeepSeek2(LayerByPieces):
+class DeepSeek2(TokenEnds, LayerByPieces):
     """deepseek2: MLA attention, leading dense layers, routed + shared experts."""
 
     arch = "deepseek2"
@@ -96,7 +91,7 @@ class DeepSeek2(LayerByPieces):
         self.router = RouterSpec.from_layout(layout)  # gating, groups, norm, scale: checked there
         self.yarn = mla.Yarn.from_hparams(lambda k, d=None: layout.hparam(k, d), self.n_rot, self.n_ctx_train)
         self.kq_scale = self.yarn.kq_scale(self.head_k)
-        self.w = _Weights(layout)
+        self.w = DenseWeights(layout)
         tied = not self.w.has("output.weight")
         self.output_name = "token_embd.weight" if tied else "output.weight"
         self.n_vocab = int(layout.tensor("token_embd.weight").shape[1])
@@ -166,16 +161,13 @@ class DeepSeek2(LayerByPieces):
             st.extra[il] = mla.LatentCache(self.kv_lora_rank + self.n_rot)
         return st
 
-    embed = Qwen3MoE.embed
-    output = Qwen3MoE.output
-
     def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
         return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
 
     def _kv_b_halves(self, il: int):
         """(k_b (H, Rkv, nope), v_b (H, v, Rkv)) of layer ``il``, from either MLA form: the split
         tensors on their quantised bytes under the ggml kernel (llama.cpp's per-head mat-muls and
-        their rounding, :mod:`~p2pswarm.engine.ggml_mla`), else float32 arrays."""
+        their rounding, :mod:`~p2pswarm.engine.arch.deepseek2.ggml_mla`), else float32 arrays."""
         got = self._kv_b.get(il)
         if got is None:
             p, H = f"blk.{il}.", self.n_head
