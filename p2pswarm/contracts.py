@@ -11,6 +11,8 @@ checks the packages that use them.
 - :class:`DenseModel`: one architecture's dense path (attention/DeltaNet, norms, router, lm head),
   one call into each layer (:class:`LayerIn`) and one out; the backbone's layer loop (:class:`p2pswarm.backbone.runner.Backbone`) drives it. Made by
   :func:`p2pswarm.engine.arch.load_dense`.
+- :class:`MtpModel`: a dense path that also runs its file's MTP (NextN) block (the drafter of
+  ``--speculate mtp``); the capability is the class implementing it.
 - :class:`DenseWeights`: the dense tensors a model reads by name, which the ggml backend replaces
   by its own quantised matrices (:meth:`p2pswarm.engine.backend.DenseBackend.take`, at load).
 - :class:`Owner`: something the dispatcher sends rows to (the local replica, an in-process
@@ -21,7 +23,7 @@ checks the packages that use them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -165,6 +167,47 @@ class DenseModel(Protocol):
 
     def output(self, h: np.ndarray) -> np.ndarray:
         """Logits (n, n_vocab) from the last hidden rows."""
+        ...
+
+
+
+#: ``routed(cur, ids, weights)``: the routed experts' output for the rows ``cur``, combined in the
+#: router's top-k order (wherever the caller has them computed)
+Routed = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass
+class MtpEnds:
+    """What an architecture's MTP (NextN) block reads around its layer: the tensors of the
+    embedding, the output head and the head's norm (``blk.N.nextn.shared_head_norm``, or
+    ``output_norm`` where the architecture lets a file leave it out), and every tensor its layer and
+    ends read, ``(name, shape)`` in the order they are checked (shape None: any)."""
+
+    embed: str
+    head: str
+    head_norm: str
+    need: list[tuple[str, tuple[int, ...] | None]]
+
+
+@runtime_checkable
+class MtpModel(Protocol):
+    """A dense path that runs its file's MTP (NextN) block, llama.cpp's ``graph_mtp``, as the
+    speculative drafter (:mod:`p2pswarm.backbone.mtp`: the fusion ``eh_proj(enorm(embed),
+    hnorm(h))`` before the layer and the head after it are every architecture's; the layer between
+    them is the architecture's own). Implementing it is the capability: the registry
+    (:func:`p2pswarm.engine.arch.mtp_architectures`) reads it off the class, no list of names."""
+
+    def mtp_ends(self, il: int) -> MtpEnds:
+        """The block at layer ``il``: its ends and the tensors it reads (checked when it is built)."""
+        ...
+
+    def mtp_cache(self) -> Any:
+        """A fresh attention cache for the block (``checkpoint``/``restore``: a draft's entries are dropped)."""
+        ...
+
+    def mtp_layer(self, il: int, cache: Any, x: np.ndarray, pos0: int, routed: Routed) -> np.ndarray:
+        """The block's layer on the fused rows ``x`` (positions ``pos0..``, appended to ``cache``),
+        its routed experts through ``routed``: the rows before the head norm."""
         ...
 
 

@@ -67,17 +67,17 @@ class SpeculationUnsupported(UserError):
 
 def check_mode(mode: str, layout) -> None:
     """Refuse a mode the model cannot run, naming what its file has."""
-    from p2pswarm.backbone.mtp import ARCHS
+    from p2pswarm.engine.arch import mtp_architectures
 
     if mode not in MODES:
         raise UserError(f"--speculate must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "mtp":
         arch = layout.arch
         n = int(layout.hparams.get("nextn_predict_layers", 0) or 0)
-        if n and arch not in ARCHS:
+        if n and arch not in mtp_architectures():
             raise SpeculationUnsupported(
                 f"--speculate mtp: {layout.path} has {n} MTP (NextN) block(s) ({arch}), but running them is "
-                f"implemented for {', '.join(ARCHS)} only; use --speculate ngram")
+                f"implemented for {', '.join(mtp_architectures())} only; use --speculate ngram")
         if not n:
             raise SpeculationUnsupported(
                 f"--speculate mtp: {layout.path} ({arch}, {layout.n_layer} layers) has no MTP (NextN) block "
@@ -91,15 +91,15 @@ def auto_mode(layout) -> tuple[str, str]:
     verification is exact, and the draft length is chosen each step from the measured cost of a
     draft token and of a verified row against the step's time (:func:`choose_lengths`), so drafting
     stops (a probe token now and then) where it does not pay."""
-    from p2pswarm.backbone.mtp import ARCHS
+    from p2pswarm.engine.arch import mtp_architectures
 
     n = int(layout.hparams.get("nextn_predict_layers", 0) or 0)
     name = getattr(layout.path, "name", layout.path)
     if not n:
         return "off", f"{name} ({layout.arch}) has no MTP (NextN) block"
-    if layout.arch not in ARCHS:
+    if layout.arch not in mtp_architectures():
         return "off", (f"{name} has {n} MTP block(s) ({layout.arch}), but running them is implemented for "
-                       f"{', '.join(ARCHS)} only")
+                       f"{', '.join(mtp_architectures())} only")
     if layout.n_layer - n not in layout.expert_tensors:
         return "mtp", (f"{name} has {n} MTP block(s) ({layout.arch}); its routed experts are on the workers, "
                        f"so each draft token costs a round trip: drafts only where the measured costs say they pay")

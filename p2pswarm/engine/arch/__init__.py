@@ -7,7 +7,7 @@ import gc
 from typing import Callable
 
 from p2pswarm import settings
-from p2pswarm.contracts import DenseModel
+from p2pswarm.contracts import DenseModel, MtpModel
 from p2pswarm.engine.backend import DenseBackend, open_backend
 from p2pswarm.engine.kernels import resolve_kernel
 from p2pswarm.errors import ModelFormatError
@@ -47,6 +47,13 @@ def architectures() -> dict[str, Callable[[ModelLayout, DenseBackend], DenseMode
         "deepseek2": deepseek2.DeepSeek2,
     }
 
+
+
+def mtp_architectures() -> list[str]:
+    """The architectures whose dense path runs its file's MTP (NextN) block (``--speculate mtp``),
+    in the registry's order: a capability the class declares by implementing
+    :class:`~p2pswarm.contracts.MtpModel`, read off it here, not a list of names kept elsewhere."""
+    return [name for name, cls in architectures().items() if isinstance(cls, type) and issubclass(cls, MtpModel)]
 
 def _freeze_loaded_objects() -> None:
     """Move everything loaded so far (above all the GGUF reader's metadata: the 151,936-token

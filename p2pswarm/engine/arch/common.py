@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from p2pswarm.contracts import LayerIn
+from p2pswarm.contracts import LayerIn, Routed
 from p2pswarm.engine import ops
 from p2pswarm.engine.backend import DenseBackend
 from p2pswarm.engine.ggml_dense import QuantisedMatrix
@@ -119,6 +119,12 @@ class LayerByPieces:
     def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
         return self.post_moe(il, lin.h, lin.cur, moe)
 
+    def moe_rows(self, il: int, h: np.ndarray, routed: Routed) -> np.ndarray:
+        """The layer from ``h`` (after its attention) on, its routed experts through ``routed``:
+        what an MTP block's layer does after its attention (glm4moe, deepseek2)."""
+        lin = self.routed(il, h)
+        return self.layer_out(il, lin, routed(lin.cur, lin.ids, lin.weights))
+
     def chunk_verify(self, il: int) -> bool:
         """No verification chunk in one call: the per-piece path's attention would multiply a
         chunk's rows by the cache in one BLAS call (other bits than one row's)."""
@@ -157,6 +163,44 @@ class LayerByGraph(LayerByPieces):
         ids, w = self.route_logits(il, logits) if logits is not None else self.route(il, cur)
         return LayerIn(h, cur, ids, w, extras)
 
+
+
+def neox_attention(w: Any, il: int, h: np.ndarray, caches: list[tuple[Any, int, int]],
+                   qkv: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]], *,
+                   eps: float, n_rot: int, rope_base: float, n_head: int, head_dim: int) -> np.ndarray:
+    """``h + attn_output(attention(q, k, v))`` of one GQA layer with NEOX RoPE, for the rows of
+    several sequences (``h`` holds the ``n`` rows of each ``(kv cache, pos0, n)`` of ``caches``, in
+    order): the norm, ``qkv(il, x)`` (the architecture's projections, q/k norms, biases: before
+    RoPE) and RoPE over all rows, then each sequence's cache and attention. qwen3moe's and
+    glm4moe's layers, and glm4moe's MTP block on its own cache.
+
+    Why a function of explicit parameters: two architectures and a drafter share it, and none of
+    them borrows another's method for it."""
+    if sum(n for _, _, n in caches) != h.shape[0]:
+        raise ValueError(f"segments cover {sum(n for _, _, n in caches)} rows, h has {h.shape[0]}")
+    p, T = f"blk.{il}.", h.shape[0]
+    x = ops.rms_norm(h, w[p + "attn_norm.weight"], eps)
+    q, k, v = qkv(il, x)
+    pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in caches])
+    q = ops.rope_neox(q, pos, n_rot, rope_base)
+    k = ops.rope_neox(k, pos, n_rot, rope_base)
+    atts, at = [], 0
+    for kv, pos0, n in caches:
+        keys, values = kv.append(k[at:at + n], v[at:at + n])
+        atts.append(ops.attention(q[at:at + n], keys, values, pos0))
+        at += n
+    att = (atts[0] if len(atts) == 1 else np.concatenate(atts)).reshape(T, n_head * head_dim)
+    return h + ops.matmul(np.ascontiguousarray(att), w[p + "attn_output.weight"])
+
+
+def nextn_head_norm(w: Any, il: int, n_embd: int, *, optional: bool) -> tuple[str, list[tuple[str, tuple[int, ...] | None]]]:
+    """An MTP block's head norm and what to check of it: ``blk.il.nextn.shared_head_norm``, or
+    ``output_norm`` where the architecture lets a file leave it out (``optional``: llama.cpp's
+    qwen35moe and deepseek2 loaders) and the file does."""
+    name = f"blk.{il}.nextn.shared_head_norm.weight"
+    if optional and not w.has(name):
+        return "output_norm.weight", []
+    return name, [(name, (n_embd,))]
 
 def model_error(layout):
     """``bad(msg)``: a :class:`~p2pswarm.errors.ModelFormatError` that names ``layout``'s file."""

@@ -26,8 +26,10 @@ import numpy as np
 
 import p2pswarm.engine.arch.deepseek2.ggml_mla as ggml_mla  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.deepseek2.mla as mla
+from p2pswarm.contracts import MtpEnds, Routed
 from p2pswarm.engine import ggml_attention, ops
-from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error, number_reader
+from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error,
+                                         nextn_head_norm, number_reader)
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import SequenceState
@@ -269,3 +271,26 @@ class DeepSeek2(TokenEnds, LayerByPieces):
         shared = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
                                    w[p + "ffn_down_shexp.weight"])
         return h + (moe + shared)
+
+    # ---- the MTP (NextN) block, a drafter (contracts.MtpModel; p2pswarm.backbone.mtp) -------
+    def mtp_ends(self, il: int) -> MtpEnds:
+        """DeepSeek-V3/R1's block: one full deepseek2 layer, checked as the trunk's; its head norm
+        may be left out (``output_norm`` then), and where the file has them ``nextn.embed_tokens``
+        and ``nextn.shared_head_head`` replace the embedding and the head, as llama.cpp reads them."""
+        p, E, V = f"blk.{il}.", self.n_embd, self.n_vocab
+        head_norm, need = nextn_head_norm(self.w, il, E, optional=True)
+        need = [*need, *self.layer_tensors(il)]
+        ends = {"embed": "token_embd.weight", "head": self.output_name}
+        for end, name in (("embed", "nextn.embed_tokens.weight"), ("head", "nextn.shared_head_head.weight")):
+            if self.w.has(p + name):
+                ends[end] = p + name
+                need.append((p + name, (V, E)))
+        return MtpEnds(ends["embed"], ends["head"], head_norm, need)
+
+    def mtp_cache(self) -> mla.LatentCache:
+        return mla.LatentCache(self.kv_lora_rank + self.n_rot)
+
+    def mtp_layer(self, il: int, cache: mla.LatentCache, x: np.ndarray, pos0: int, routed: Routed) -> np.ndarray:
+        """MLA on the block's latent cache with numpy's ops (a draft needs no bit-exactness), then the MoE."""
+        h = self.mla_rows(il, np.ascontiguousarray(x, dtype=F32), [(cache, pos0, x.shape[0])])
+        return self.moe_rows(il, h, routed)

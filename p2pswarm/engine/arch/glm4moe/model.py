@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from p2pswarm.contracts import MtpEnds, Routed
 from p2pswarm.engine import ops, routing
-from p2pswarm.engine.arch.common import DenseWeights, check_tensors, model_error, number_reader
-from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
+from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error,
+                                         neox_attention, nextn_head_norm, number_reader)
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -41,9 +42,12 @@ from p2pswarm.model.layout import ModelLayout
 F32 = np.float32
 
 
-class Glm4MoE(Qwen3MoE):
+class Glm4MoE(TokenEnds, LayerByPieces):
     """glm4moe: GQA with q/k/v biases, optional q/k norms and partial NEOX RoPE; leading dense FFN
-    layers; sigmoid-routed experts with a selection bias; one shared expert."""
+    layers; sigmoid-routed experts with a selection bias; one shared expert. Its attention layer is
+    qwen3moe's but for the biases and optional norms: both call
+    :func:`~p2pswarm.engine.arch.common.neox_attention` with their own ``_qkv`` (it used to subclass
+    qwen3moe's class for it, and so inherit whatever that class did next)."""
 
     arch = "glm4moe"
 
@@ -149,6 +153,17 @@ class Glm4MoE(Qwen3MoE):
         return SequenceState(kv={il: KVCache(self.n_head_kv, self.head_dim) for il in range(self.n_layer)})
 
     # ---- the layer pieces -------------------------------------------------------------------
+    def pre_moe(self, il: int, h: np.ndarray, state: SequenceState, pos0: int) -> np.ndarray:
+        return self.pre_moe_batch(il, h, [(state, pos0, h.shape[0])])
+
+    def pre_moe_batch(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> np.ndarray:
+        """h + the attention of the rows of several sequences (``(state, pos0, n)`` each, in order)."""
+        return self._attention(il, h, [(state.kv[il], pos0, n) for state, pos0, n in segments])
+
+    def _attention(self, il: int, h: np.ndarray, caches: list[tuple[KVCache, int, int]]) -> np.ndarray:
+        return neox_attention(self.w, il, h, caches, self._qkv, eps=self.eps, n_rot=self.n_rot,
+                              rope_base=self.rope_base, n_head=self.n_head, head_dim=self.head_dim)
+
     def _qkv(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q, k, v before RoPE: projections, + biases (added as ggml_add does, after the mat-mul),
         then the per-head RMSNorms where the model has them."""
@@ -188,3 +203,28 @@ class Glm4MoE(Qwen3MoE):
         shared = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
                                    w[p + "ffn_down_shexp.weight"])
         return h + (moe + shared)
+
+    # ---- the MTP (NextN) block, a drafter (contracts.MtpModel; p2pswarm.backbone.mtp) -------
+    def mtp_ends(self, il: int) -> MtpEnds:
+        """The block's own head norm (required) and its layer: attention as the trunk's (biases and
+        q/k norms as the file has them), post_attention_norm, the biased router, the shared expert."""
+        E, H, Hkv, hd, D = self.n_embd, self.n_head, self.n_head_kv, self.head_dim, self.n_expert
+        head_norm, need = nextn_head_norm(self.w, il, E, optional=False)
+        layer: list[tuple[str, tuple[int, ...] | None]] = [
+            ("attn_norm.weight", (E,)), ("attn_q.weight", (H * hd, E)), ("attn_k.weight", (Hkv * hd, E)),
+            ("attn_v.weight", (Hkv * hd, E)), ("attn_output.weight", (E, H * hd)),
+            ("post_attention_norm.weight", (E,)), ("ffn_gate_inp.weight", (D, E)), ("exp_probs_b.bias", (D,))]
+        if self.qkv_bias:
+            layer += [("attn_q.bias", (H * hd,)), ("attn_k.bias", (Hkv * hd,)), ("attn_v.bias", (Hkv * hd,))]
+        if self.qk_norm:
+            layer += [("attn_q_norm.weight", (hd,)), ("attn_k_norm.weight", (hd,))]
+        if self.n_expert_shared:
+            layer += [("ffn_gate_shexp.weight", None), ("ffn_up_shexp.weight", None), ("ffn_down_shexp.weight", None)]
+        return MtpEnds("token_embd.weight", self.output_name, head_norm,
+                       need + [(f"blk.{il}.{name}", shape) for name, shape in layer])
+
+    def mtp_cache(self) -> KVCache:
+        return KVCache(self.n_head_kv, self.head_dim)
+
+    def mtp_layer(self, il: int, cache: KVCache, x: np.ndarray, pos0: int, routed: Routed) -> np.ndarray:
+        return self.moe_rows(il, self._attention(il, x, [(cache, pos0, x.shape[0])]), routed)

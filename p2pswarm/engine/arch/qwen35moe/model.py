@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_dense, ops
-from p2pswarm.contracts import LayerIn
-from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds
+from p2pswarm.contracts import LayerIn, MtpEnds, Routed
+from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds, nextn_head_norm
 import p2pswarm.engine.arch.qwen35moe.deltanet as deltanet  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.qwen35moe.deltanet_graph as ggml_layers
 import p2pswarm.engine.arch.qwen35moe.ggml_deltanet as ggml_deltanet
@@ -463,6 +463,42 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
         """h + (routed + shared), added in llama.cpp's order."""
         return h + (moe + self.shared(il, cur))
+
+    # ---- the MTP (NextN) block, a drafter (contracts.MtpModel; p2pswarm.backbone.mtp) -------
+    def mtp_ends(self, il: int) -> MtpEnds:
+        """The block's layer is a gated full-attention one whatever ``full_attention_interval`` says
+        of its index (llama.cpp marks only trunk layers recurrent), with the shared expert; its head
+        norm may be left out (``output_norm`` then)."""
+        E, H, Hkv, hd, D = self.n_embd, self.n_head, self.n_head_kv, self.head_dim, self.n_expert
+        head_norm, need = nextn_head_norm(self.w, il, E, optional=True)
+        layer: list[tuple[str, tuple[int, ...] | None]] = [
+            ("attn_norm.weight", (E,)), ("attn_q.weight", (2 * H * hd, E)), ("attn_k.weight", (Hkv * hd, E)),
+            ("attn_v.weight", (Hkv * hd, E)), ("attn_output.weight", (E, H * hd)),
+            ("post_attention_norm.weight", (E,)), ("ffn_gate_inp.weight", (D, E)),
+            ("attn_q_norm.weight", (hd,)), ("attn_k_norm.weight", (hd,)), ("ffn_gate_inp_shexp.weight", (E,)),
+            ("ffn_gate_shexp.weight", None), ("ffn_up_shexp.weight", None), ("ffn_down_shexp.weight", None)]
+        return MtpEnds("token_embd.weight", self.output_name, head_norm,
+                       need + [(f"blk.{il}.{name}", shape) for name, shape in layer])
+
+    def mtp_cache(self) -> KVCache:
+        return KVCache(self.n_head_kv, self.head_dim)
+
+    def mtp_layer(self, il: int, cache: KVCache, x: np.ndarray, pos0: int, routed: Routed) -> np.ndarray:
+        """Gated full attention on the block's cache, post_attention_norm, softmax-routed experts +
+        the sigmoid-gated shared expert, with numpy's ops (a draft needs no bit-exactness, only
+        llama.cpp's math; the trunk's per-layer tables, the shared expert's included, stop at the
+        trunk)."""
+        w, p = self.w, f"blk.{il}."
+        a = ops.rms_norm(x, w[p + "attn_norm.weight"], self.eps)
+        x = x + self._full_attention_rows(il, a, [(cache, pos0, x.shape[0])])
+        cur = np.ascontiguousarray(ops.rms_norm(x, w[p + "post_attention_norm.weight"], self.eps), dtype=F32)
+        ids, wts = self.route(il, cur)
+        moe = routed(cur, ids, wts)
+        s = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                              w[p + "ffn_down_shexp.weight"])
+        wg = np.asarray(w[p + "ffn_gate_inp_shexp.weight"], dtype=F32).reshape(-1)
+        s = s * ops.sigmoid(np.sum(cur * wg, axis=-1, keepdims=True))
+        return x + (moe + s)
 
 
 def _chunks(segments: list[tuple[SequenceState, int, int]]) -> list[tuple[SequenceState, int, int, bool]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ops
-from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds
+from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds, neox_attention
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -77,23 +77,9 @@ class Qwen3MoE(TokenEnds, LayerByPieces):
         """:meth:`pre_moe` for the rows of several sequences at once (``h`` holds the ``n`` rows of
         each ``(state, pos0, n)`` segment, in order): norms, projections and RoPE over all rows,
         KV cache and attention per sequence. One segment is exactly :meth:`pre_moe`."""
-        if sum(n for _, _, n in segments) != h.shape[0]:
-            raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
-        w = self.w
-        p = f"blk.{il}."
-        T = h.shape[0]
-        x = ops.rms_norm(h, w[p + "attn_norm.weight"], self.eps)
-        q, k, v = self._qkv(il, x)
-        pos = np.concatenate([np.arange(pos0, pos0 + n) for _, pos0, n in segments])
-        q = ops.rope_neox(q, pos, self.n_rot, self.rope_base)
-        k = ops.rope_neox(k, pos, self.n_rot, self.rope_base)
-        atts, at = [], 0
-        for state, pos0, n in segments:
-            keys, values = state.kv[il].append(k[at:at + n], v[at:at + n])
-            atts.append(ops.attention(q[at:at + n], keys, values, pos0))
-            at += n
-        att = (atts[0] if len(atts) == 1 else np.concatenate(atts)).reshape(T, self.n_head * self.head_dim)
-        return h + ops.matmul(np.ascontiguousarray(att), w[p + "attn_output.weight"])
+        return neox_attention(self.w, il, h, [(state.kv[il], pos0, n) for state, pos0, n in segments], self._qkv,
+                              eps=self.eps, n_rot=self.n_rot, rope_base=self.rope_base, n_head=self.n_head,
+                              head_dim=self.head_dim)
 
     def _qkv(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q (T, H, hd), k and v (T, Hkv, hd) of layer ``il`` from the normed rows ``x``, before
