@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 from p2pswarm.engine import ops
+from p2pswarm.engine.arch.deepseek2 import DeepSeek2
+from p2pswarm.engine.arch.glm4moe import Glm4MoE
 from p2pswarm.engine.routing import NORM_MIN, RouterSpec, no_experts, route
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -146,8 +148,11 @@ def _layout(arch="glm4moe", **hp) -> ModelLayout:
 def test_from_layout_reads_the_keys():
     s = RouterSpec.from_layout(_layout(expert_gating_func=2, expert_weights_norm=True, expert_weights_scale=2.5))
     assert s == RouterSpec(160, 8, "sigmoid", 1, 1, True, 2.5)
-    assert RouterSpec.from_layout(_layout()).gating == "sigmoid"  # glm4moe's default
-    assert RouterSpec.from_layout(_layout("deepseek2")) == RouterSpec(160, 8, "softmax")  # V2's
+    assert RouterSpec.from_layout(_layout(), default_gating="sigmoid").gating == "sigmoid"
+    assert RouterSpec.from_layout(_layout("deepseek2")) == RouterSpec(160, 8, "softmax")  # softmax unless told
+    assert RouterSpec.from_layout(_layout(expert_gating_func=1), default_gating="sigmoid").gating == "softmax"
+    # each architecture declares what llama.cpp's loader assumes when the key is absent
+    assert (Glm4MoE.DEFAULT_GATING, DeepSeek2.DEFAULT_GATING) == ("sigmoid", "softmax")  # GLM-4.5's; V2's
     s = RouterSpec.from_layout(_layout("deepseek2", expert_count=256, expert_gating_func=2, expert_group_count=8,
                                        expert_group_used_count=4, expert_weights_scale=0.0))
     assert (s.n_group, s.n_group_used, s.scale, s.norm_weights) == (8, 4, 1.0, False)

@@ -44,10 +44,6 @@ F32 = np.float32
 
 #: ``{arch}.expert_gating_func`` values (llama.cpp's ``llama_expert_gating_func_type``) we compute
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
-#: what llama.cpp's loader assumes when the key is absent (0): GLM-4.5 sigmoid; deepseek2 files
-#: without it are DeepSeek-V2/V2.5 (softmax); the qwen archs never read it (softmax)
-DEFAULT_GATING = {"glm4moe": "sigmoid", "deepseek2": "softmax", "qwen3moe": "softmax", "qwen35moe": "softmax",
-                  "qwen2moe": "softmax"}
 #: the renormalising sum's lower clamp (llama.cpp: the smallest normal F16)
 NORM_MIN = F32(6.103515625e-5)
 
@@ -67,9 +63,10 @@ class RouterSpec:
     scale: float = 1.0
 
     @classmethod
-    def from_layout(cls, layout, *, norm_weights: bool | None = None) -> "RouterSpec":
+    def from_layout(cls, layout, *, default_gating: str = "softmax", norm_weights: bool | None = None) -> "RouterSpec":
         """The spec a GGUF's keys give: ``{arch}.expert_count``, ``expert_used_count``,
-        ``expert_gating_func`` (1 softmax, 2 sigmoid; absent: :data:`DEFAULT_GATING`),
+        ``expert_gating_func`` (1 softmax, 2 sigmoid; absent or 0: ``default_gating``, what
+        llama.cpp's loader assumes for the architecture, which passes it: its ``DEFAULT_GATING``),
         ``expert_group_count``, ``expert_group_used_count``, ``expert_weights_norm`` (absent:
         False, llama.cpp's default), ``expert_weights_scale`` (absent or 0: none).
 
@@ -95,7 +92,7 @@ class RouterSpec:
         n_used = as_int("expert_used_count", None)
         func = as_int("expert_gating_func", 0)
         if func == 0:
-            gating = DEFAULT_GATING.get(arch, "softmax")
+            gating = default_gating
         elif func in GATING_FUNCS:
             gating = GATING_FUNCS[func]
         else:

@@ -43,6 +43,8 @@ class DeepSeek2(TokenEnds, LayerByPieces):
     """deepseek2: MLA attention, leading dense layers, routed + shared experts."""
 
     arch = "deepseek2"
+    #: the router when the file has no ``expert_gating_func``: files without it are DeepSeek-V2/V2.5's
+    DEFAULT_GATING = "softmax"
 
     def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
         self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
@@ -90,7 +92,7 @@ class DeepSeek2(TokenEnds, LayerByPieces):
         if not 0 <= self.n_dense_lead < self.n_layer:
             raise bad(f"key {self.arch}.leading_dense_block_count {self.n_dense_lead} must be below "
                       f"block_count {self.n_layer}")
-        self.router = RouterSpec.from_layout(layout)  # gating, groups, norm, scale: checked there
+        self.router = RouterSpec.from_layout(layout, default_gating=self.DEFAULT_GATING)  # gating, groups, norm, scale: checked there
         self.yarn = mla.Yarn.from_hparams(lambda k, d=None: layout.hparam(k, d), self.n_rot, self.n_ctx_train)
         self.kq_scale = self.yarn.kq_scale(self.head_k)
         self.w = DenseWeights(layout)

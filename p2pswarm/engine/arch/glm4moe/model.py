@@ -50,6 +50,8 @@ class Glm4MoE(TokenEnds, LayerByPieces):
     qwen3moe's class for it, and so inherit whatever that class did next)."""
 
     arch = "glm4moe"
+    #: the router when the file has no ``expert_gating_func``: what llama.cpp's loader assumes (GLM-4.5's)
+    DEFAULT_GATING = "sigmoid"
 
     def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):  # one check per key, in order
         self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
@@ -70,7 +72,7 @@ class Glm4MoE(TokenEnds, LayerByPieces):
         self.eps = num("attention.layer_norm_rms_epsilon", kind=float)
         self.n_ctx_train = num("context_length", 4096)
         self.n_expert_shared = num("expert_shared_count")
-        self.router = routing.RouterSpec.from_layout(layout)
+        self.router = routing.RouterSpec.from_layout(layout, default_gating=self.DEFAULT_GATING)
         self.n_expert = self.router.n_expert
         self.n_expert_used = self.router.n_expert_used
         for key, v in (("embedding_length", self.n_embd), ("attention.head_count", self.n_head),
