@@ -1,8 +1,8 @@
 """What one routed expert computes, by architecture: the function every expert kernel must agree on.
 
-Most architectures (qwen3moe, qwen35moe, ...): ``down(silu(gate x) * (up x))``.
+Most architectures: ``down(silu(gate x) * (up x))`` (``SWIGLU``).
 
-``gpt-oss`` (llama.cpp's ``build_moe_ffn`` with ``LLM_FFN_SWIGLU_OAI_MOE``)::
+``SWIGLU_OAI``, gpt-oss's (llama.cpp's ``build_moe_ffn`` with ``LLM_FFN_SWIGLU_OAI_MOE``)::
 
     g = gate x + b_gate;  u = up x + b_up
     a = swiglu_oai(g, u) = min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)
@@ -16,22 +16,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from p2pswarm.contracts import SWIGLU as SWIGLU, SWIGLU_OAI as SWIGLU_OAI  # (their names here, as before)
+
 F32 = np.float32
 
 #: ggml_swiglu_oai's constants as llama.cpp's build_moe_ffn passes them (not GGUF keys)
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
 
-SWIGLU = "swiglu"
-SWIGLU_OAI = "swiglu_oai"
-
-#: architectures whose experts are not plain SwiGLU
-_ACTIVATION = {"gpt-oss": SWIGLU_OAI}
-
 
 def activation(layout) -> str:
-    """The expert activation of ``layout``'s architecture: ``swiglu`` or ``swiglu_oai``."""
-    return _ACTIVATION.get(str(getattr(layout, "arch", "")), SWIGLU)
+    """The expert activation of ``layout``'s architecture: ``swiglu`` or ``swiglu_oai``, as its
+    class declares it (the registry: :func:`p2pswarm.engine.arch.registry.expert_activation`)."""
+    from p2pswarm.engine.arch.registry import expert_activation
+
+    return expert_activation(str(layout.arch))
 
 
 def has_biases(layout) -> bool:

@@ -1,17 +1,20 @@
 """Dense paths by GGUF architecture name: one package per architecture (``engine/arch/<name>/``),
-one line each in :func:`architectures`. ``load_dense(layout, kernel)`` picks the right one and
+one line each in the registry (:func:`~p2pswarm.engine.arch.registry.architectures`, re-exported
+here with what it reads off the classes). ``load_dense(layout, kernel)`` picks the right one and
 gives it its backend (:class:`~p2pswarm.engine.backend.DenseBackend`), chosen once, here."""
 from __future__ import annotations
 
 import gc
-from typing import Callable
 
 from p2pswarm import settings
-from p2pswarm.contracts import DenseModel, MtpModel
-from p2pswarm.engine.backend import DenseBackend, open_backend
+from p2pswarm.contracts import DenseModel
+from p2pswarm.engine.arch.registry import architectures, expert_activation, mtp_architectures
+from p2pswarm.engine.backend import open_backend
 from p2pswarm.engine.kernels import resolve_kernel
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
+
+__all__ = ["architectures", "expert_activation", "load_dense", "mtp_architectures"]
 
 
 def load_dense(layout: ModelLayout, kernel: str | None = "numpy", *, threads: int | None = None) -> DenseModel:
@@ -32,28 +35,6 @@ def load_dense(layout: ModelLayout, kernel: str | None = "numpy", *, threads: in
         _freeze_loaded_objects()
     return model
 
-
-def architectures() -> dict[str, Callable[[ModelLayout, DenseBackend], DenseModel]]:
-    """The registry: GGUF architecture name -> its dense path, one line per architecture, each the
-    class its package under ``engine/arch/`` exports. Imported here, on first use: an architecture's
-    package loads its graphs' code."""
-    from p2pswarm.engine.arch import deepseek2, glm4moe, gptoss, qwen35moe, qwen3moe
-
-    return {
-        "qwen3moe": qwen3moe.Qwen3MoE,
-        "qwen35moe": qwen35moe.Qwen35MoE,
-        "gpt-oss": gptoss.GptOss,
-        "glm4moe": glm4moe.Glm4MoE,
-        "deepseek2": deepseek2.DeepSeek2,
-    }
-
-
-
-def mtp_architectures() -> list[str]:
-    """The architectures whose dense path runs its file's MTP (NextN) block (``--speculate mtp``),
-    in the registry's order: a capability the class declares by implementing
-    :class:`~p2pswarm.contracts.MtpModel`, read off it here, not a list of names kept elsewhere."""
-    return [name for name, cls in architectures().items() if isinstance(cls, type) and issubclass(cls, MtpModel)]
 
 def _freeze_loaded_objects() -> None:
     """Move everything loaded so far (above all the GGUF reader's metadata: the 151,936-token

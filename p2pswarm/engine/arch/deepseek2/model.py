@@ -26,7 +26,7 @@ import numpy as np
 
 import p2pswarm.engine.arch.deepseek2.ggml_mla as ggml_mla  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.deepseek2.mla as mla
-from p2pswarm.contracts import MtpEnds, Routed
+from p2pswarm.contracts import MtpEnds, Routed, SWIGLU
 from p2pswarm.engine import ggml_attention, ops
 from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error,
                                          nextn_head_norm, number_reader)
@@ -43,6 +43,7 @@ class DeepSeek2(TokenEnds, LayerByPieces):
     """deepseek2: MLA attention, leading dense layers, routed + shared experts."""
 
     arch = "deepseek2"
+    expert_activation = SWIGLU  # its routed experts: plain SwiGLU
     #: the router when the file has no ``expert_gating_func``: files without it are DeepSeek-V2/V2.5's
     DEFAULT_GATING = "softmax"
 

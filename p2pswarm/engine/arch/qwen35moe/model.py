@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine import ggml_attention, ggml_dense, ops
-from p2pswarm.contracts import LayerIn, MtpEnds, Routed
+from p2pswarm.contracts import LayerIn, MtpEnds, Routed, SWIGLU
 from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds, nextn_head_norm
 import p2pswarm.engine.arch.qwen35moe.deltanet as deltanet  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.qwen35moe.deltanet_graph as ggml_layers
@@ -40,6 +40,7 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
     """qwen35moe: Gated DeltaNet + gated full attention, routed experts + a sigmoid-gated shared expert."""
 
     arch = "qwen35moe"
+    expert_activation = SWIGLU  # its routed experts: plain SwiGLU
 
     #: "auto" (chunked for prefill, recurrent for one token), "chunked" or "recurrent"; tests and
     #: benchmarks pin one form, the math is the same.
