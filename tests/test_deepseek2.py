@@ -44,9 +44,9 @@ V2 = dict(gating="softmax", exp_probs_b=False, weights_norm=False, weights_scale
           n_group=4, n_group_used=3)
 VARIANTS = {
     "v3": dict(seed=41),  # the tiny preset: DeepSeek-V3's structure
-    "v3-kv-b": dict(seed=41, deepseek2=dict(mla_split=False)),  # the same weights, attn_kv_b unsplit
-    "v2": dict(seed=42, deepseek2=V2),
-    "v2-lite": dict(seed=43, deepseek2=dict(V2, q_lora_rank=0, n_group=0, n_group_used=0, weights_scale=1.0,
+    "v3-kv-b": dict(seed=41, options=dict(mla_split=False)),  # the same weights, attn_kv_b unsplit
+    "v2": dict(seed=42, options=V2),
+    "v2-lite": dict(seed=43, options=dict(V2, q_lora_rank=0, n_group=0, n_group_used=0, weights_scale=1.0,
                                             mla_split=False)),
     "tied": dict(seed=44, tied=True),
 }

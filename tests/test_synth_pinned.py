@@ -49,7 +49,7 @@ CASES: dict[str, tuple[dict, str]] = {
         "ec5e4d9db61d57cd30e754ec7f2829cc8082747a9f155071b6dd91260456cde1"),
     "deepseek2-tiny-unsplit-q8": (
         dict(arch="deepseek2", preset="tiny", qtype="q8_0", layers=2,
-             deepseek2={"mla_split": False, "q_lora_rank": 0, "gating": "softmax"}),
+             options={"mla_split": False, "q_lora_rank": 0, "gating": "softmax"}),
         "ad4247060bd39abd4c9fa987dedd7f8fd325cd1cf4076240e12b5f7b8ea98981"),
     "deepseek2-tiny-nextn-q4k": (
         dict(arch="deepseek2", preset="tiny", qtype="q8_0", expert_qtype="q4_k", n_nextn=1),

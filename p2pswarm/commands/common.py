@@ -138,7 +138,7 @@ def add_speculate_args(p, prefix: str = "") -> None:
     p.add_argument("--speculate", choices=("auto", "off", "ngram", "mtp"), default="auto",
                    help=prefix + "speculative decoding: draft tokens and verify them in the same step, exact "
                         "(the same tokens as without); ngram: prompt lookup; mtp: the model's own MTP block "
-                         "(glm4moe, qwen35moe, deepseek2; other architectures refused); auto (default): mtp where the "
+                         "(on the architectures whose block p2pswarm runs; others refused); auto (default): mtp where the "
                          "model file has an MTP block (a backbone file too: drafts through the workers only where "
                          "the measured costs say they pay), otherwise off (the log says which)")
     p.add_argument("--draft-max", type=int, default=4, metavar="K",

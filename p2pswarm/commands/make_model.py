@@ -13,8 +13,20 @@ from p2pswarm.progress import ProgressBar
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from p2pswarm.model.synth_arches import ARCHES, PRESETS_BY_ARCH
+    from p2pswarm.model.synth_arches import ARCHES, DEFAULT_ARCH, PRESETS_BY_ARCH, taking
     from p2pswarm.model.synth_presets import QTYPES
+
+    def first(arch: str):
+        return next(iter(PRESETS_BY_ARCH[arch].values()))
+
+    def arch_text(arch: str) -> str:
+        notes = [n for n in ("default" if arch == DEFAULT_ARCH else "", first(arch).DESCRIPTION) if n]
+        return arch + (f" ({'; '.join(notes)})" if notes else "")
+
+    def only(keyword: str) -> str:
+        return " and ".join(taking(keyword))
+
+    mtp = [a for a in ARCHES if first(a).MTP]
 
     def presets_text(arch: str) -> str:
         return "; ".join(
@@ -34,20 +46,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         ),
     )
     p.add_argument("-o", "--output", required=True, metavar="M.gguf", help="file to write")
-    p.add_argument("--arch", choices=list(ARCHES), default="qwen3moe",
-                   help="architecture: qwen3moe (default), qwen35moe (Qwen3.5 MoE: Gated DeltaNet "
-                        "+ gated attention + shared expert, the seed's own model), gpt-oss (attention "
-                        "sinks, alternating sliding window, biased experts with a clamped SwiGLU), glm4moe "
-                        "(GLM-4.5: leading dense layers, sigmoid router with a selection bias, shared expert, a "
-                        "NextN block) or deepseek2 (DeepSeek-V3/R1, Kimi K2: Multi-head Latent Attention, "
-                        "leading dense layers, group-limited routing, shared expert)")
+    p.add_argument("--arch", choices=list(ARCHES), default=DEFAULT_ARCH,
+                   help="architecture: " + ", ".join(map(arch_text, ARCHES)))
     p.add_argument("--preset", choices=preset_names, default="tiny", help="model shape (default: tiny)")
     p.add_argument("--layers", type=positive_int, metavar="N",
                    help="number of layers (default: the preset's)")
     p.add_argument("--type", dest="qtype", choices=list(QTYPES), default="f32",
                    help="tensor type: f32 (default), f16, q8_0 (norms and router stay F32), "
-                        "q4_k_m (llama.cpp's quantiser; needs p2pswarm[llama]). geometry-122b's "
-                        "and geometry-glm45's experts are Q4_K whatever this says")
+                        "q4_k_m (llama.cpp's quantiser; needs p2pswarm[llama]). A preset with its own "
+                        "expert type (Q4_K or MXFP4 experts, above) keeps it whatever this says")
     p.add_argument("--vocab", metavar="FILE.gguf|qwen35",
                    help="copy the tokenizer.ggml.* vocabulary of this GGUF; 'qwen35': the real Qwen3.5 "
                         "vocabulary shipped with p2pswarm (p2pswarm/data/ggml-vocab-qwen35.gguf); default: a "
@@ -63,9 +70,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--router-near-tie", action="store_true",
                    help="router weights 100x smaller: top-k margins small but never zero")
     p.add_argument("--expert-type", dest="expert_qtype", choices=["q4_k", "mxfp4"], default=None,
-                   help="write the routed experts directly as random Q4_K blocks (qwen; geometry-122b "
-                        "always does) or MXFP4 blocks (gpt-oss; geometry-gpt-oss-120b always does)")
-    q35 = p.add_argument_group("qwen35moe only")
+                   help="write the routed experts directly as random Q4_K or MXFP4 blocks (the presets "
+                        "with their own expert type, above, always do)")
+    q35 = p.add_argument_group(f"{only('fused_experts')} only")
     q35.add_argument("--fused-experts", action="store_true", default=None,
                      help="store each layer's expert gate and up as one ffn_gate_up_exps tensor "
                           "(gate rows first), as some converters do; same weights as unfused")
@@ -80,18 +87,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     q35.add_argument("--ssm-state-size", type=positive_int, metavar="D", help="DeltaNet head size")
     q35.add_argument("--full-attention-interval", type=positive_int, metavar="N",
                      help="every N-th layer is full attention, the others DeltaNet (default 4)")
-    glm = p.add_argument_group("MTP (NextN) blocks: glm4moe, qwen35moe and deepseek2")
+    always = [a for a in mtp if a not in taking("n_nextn")]
+    glm = p.add_argument_group(f"MTP (NextN) blocks: {', '.join(mtp)}")
     glm.add_argument("--mtp-blocks", type=int, metavar="N", default=None,
-                     help="qwen35moe and deepseek2: MTP (NextN) blocks after the trunk, as Qwen3.5's and "
-                          "DeepSeek-V3's files carry (0 or 1; default 0, 1 with --mtp-agreement; glm4moe's "
-                          "presets always write one)")
+                     help=f"{only('n_nextn')}: MTP (NextN) blocks after the trunk, as the real models' files "
+                          f"carry (0 or 1; default 0, 1 with --mtp-agreement)"
+                          + "".join(f"; {a}'s presets always write one" for a in always))
     glm.add_argument("--mtp-agreement", type=float, metavar="A", default=None,
                      help="0..1: write a model whose MTP (NextN) block agrees with the trunk (1: nearly always), "
                           "to measure speculative decoding's acceptance on random weights")
-    oss = p.add_argument_group("gpt-oss only")
+    oss = p.add_argument_group(f"{only('sliding_window')} only")
     oss.add_argument("--sliding-window", type=positive_int, metavar="N",
-                     help="positions a sliding-window layer sees (every even layer; default: the preset's, "
-                          "128 as gpt-oss, 8 in tiny)")
+                     help="positions a sliding-window layer sees (every even layer; default: the preset's)")
     p.add_argument("--split-max-size", metavar="SIZE",
                    help="write a split model, as llama.cpp's gguf-split does: parts of at most SIZE of "
                         "tensor data (e.g. 200M, 2G) named M-00001-of-0000N.gguf for -o M.gguf; "
@@ -181,8 +188,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _arch_options(args: argparse.Namespace) -> dict:
-    """The qwen35moe-only options the user gave (make_model refuses them for qwen3moe, one line)."""
-    arch = getattr(args, "arch", "qwen3moe")
+    """The architecture-only options the user gave (make_model refuses those the architecture
+    does not take, one line)."""
+    from p2pswarm.model.synth_arches import DEFAULT_ARCH
+
+    arch = getattr(args, "arch", DEFAULT_ARCH)
     opts = {
         "fused_experts": getattr(args, "fused_experts", None),
         "rope_sections": getattr(args, "rope_sections", None),
@@ -195,6 +205,6 @@ def _arch_options(args: argparse.Namespace) -> dict:
         "sliding_window": getattr(args, "sliding_window", None),
     }
     opts = {k: v for k, v in opts.items() if v is not None}
-    if arch == "qwen3moe" and not opts:
-        return {}  # the exact call qwen3moe always made
+    if arch == DEFAULT_ARCH and not opts:
+        return {}  # the exact call the default architecture always made
     return {"arch": arch, **opts}

@@ -68,8 +68,8 @@ import numpy as np
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.gguf_read import KV, read_gguf_header
-from p2pswarm.model.synth_arches import ARCHES, PRESETS_BY_ARCH, SynthPreset, resolve, validate_common
-from p2pswarm.model.synth_presets import ARCH, SYNTH_VERSION, Progress, _file_type, _gguf
+from p2pswarm.model.synth_arches import ARCHES, DEFAULT_ARCH, PRESETS_BY_ARCH, SynthPreset, resolve, taking, validate_common
+from p2pswarm.model.synth_presets import SYNTH_VERSION, Progress, _file_type, _gguf
 from p2pswarm.model.synth_tensors import TensorPlan, _tensor_chunks, _type_size, agreeing_mtp, estimate_nbytes
 from p2pswarm.model.synth_vocab import _n_vocab, builtin_tokenizer_kv, vocab_tokenizer_kv
 
@@ -79,7 +79,7 @@ from p2pswarm.model.synth_vocab import _n_vocab, builtin_tokenizer_kv, vocab_tok
 
 def _write_gguf(path: Path, dims: SynthPreset, plans: list[TensorPlan], tok_kv: list[KV], *, preset: str,
                 seed: int, qtype: str, expert_qtype: str | None, tied: bool,
-                router_near_tie: bool, progress: Progress | None, arch: str = ARCH) -> None:
+                router_near_tie: bool, progress: Progress | None, arch: str = DEFAULT_ARCH) -> None:
     g = _gguf()
     with _quiet_logger("gguf.gguf_writer"):
         w = g.GGUFWriter(path, arch)
@@ -210,7 +210,7 @@ def make_model(
     n_expert_used: int | None = None,
     n_ff_exp: int | None = None,
     context_length: int | None = None,
-    arch: str = ARCH,
+    arch: str = DEFAULT_ARCH,
     n_rot: int | None = None,
     rope_sections: Sequence[int] | None = None,
     ssm_state_size: int | None = None,
@@ -221,7 +221,7 @@ def make_model(
     n_ff_shexp: int | None = None,
     fused_experts: bool | None = None,
     sliding_window: int | None = None,
-    deepseek2: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
     mtp_agreement: float | None = None,
     n_nextn: int | None = None,
 ) -> Path:
@@ -244,7 +244,8 @@ def make_model(
     Hk), ``ssm_conv_kernel``, ``full_attention_interval``, ``n_ff_shexp`` (shared expert) and
     ``fused_experts`` (one ``ffn_gate_up_exps`` per layer, same weights as the separate tensors).
 
-    ``arch="deepseek2"`` (presets ``tiny`` and ``geometry-671b``): ``deepseek2`` is a dict of
+    ``options``: the architecture's own options dict, for one that takes it (``options`` in its
+    preset's ``KEYWORDS``): deepseek2's (presets ``tiny`` and ``geometry-671b``) is a dict of
     :class:`~p2pswarm.model.synth_deepseek2.DeepSeek2Preset` fields to override (MLA ranks, the
     split or unsplit MLA tensors, gating, groups, YaRN, ...).
 
@@ -264,7 +265,7 @@ def make_model(
     takes = next(iter(presets.values())).KEYWORDS
     # the keywords only some architectures take, checked in this order (KEYWORDS says who takes which)
     own: dict[str, Any] = dict(
-        sliding_window=sliding_window, deepseek2=deepseek2, n_rot=n_rot,
+        sliding_window=sliding_window, options=options, n_rot=n_rot,
         rope_sections=None if rope_sections is None else tuple(rope_sections),
         ssm_state_size=ssm_state_size, ssm_group_count=ssm_group_count, ssm_time_step_rank=ssm_time_step_rank,
         ssm_conv_kernel=ssm_conv_kernel, full_attention_interval=full_attention_interval, n_ff_shexp=n_ff_shexp,
@@ -273,14 +274,13 @@ def make_model(
         own["n_nextn"] = 1  # an agreeing MTP block needs a block
     for key, value in own.items():
         if value is not None and key not in takes:
-            where = " or ".join(a for a, ps in PRESETS_BY_ARCH.items() if key in next(iter(ps.values())).KEYWORDS)
-            what = "deepseek2 options apply" if key == "deepseek2" else f"{key} applies"
-            raise UserError(f"{what} only to --arch {where}")
-    options = own.pop("deepseek2") or {}
+            where = " or ".join(taking(key))
+            raise UserError(f"{key} {'apply' if key == 'options' else 'applies'} only to --arch {where}")
+    own_options = own.pop("options") or {}
     p = resolve(preset, layers, dict(
         n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_expert=n_expert,
         n_expert_used=n_expert_used, n_ff_exp=n_ff_exp, context_length=context_length),
-        presets).refine(layers, {k: v for k, v in own.items() if v is not None}, options)
+        presets).refine(layers, {k: v for k, v in own.items() if v is not None}, own_options)
     if expert_qtype is None:
         expert_qtype = p.expert_qtype
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
@@ -308,8 +308,9 @@ def make_model(
     plans = p.plan(n_vocab, qtype, expert_qtype, bool(tied), router_near_tie)
     if mtp_agreement is not None:
         if not p.mtp_blocks():
+            writes = ", ".join(a for a, ps in PRESETS_BY_ARCH.items() if next(iter(ps.values())).MTP)
             raise UserError(f"--mtp-agreement needs an architecture whose MTP block make-model writes "
-                            f"(glm4moe, qwen35moe, deepseek2), not {arch}")
+                            f"({writes}), not {arch}")
         if not 0.0 <= mtp_agreement <= 1.0:
             raise UserError(f"--mtp-agreement must be between 0 and 1, got {mtp_agreement}")
         plans = agreeing_mtp(plans, mtp_agreement)
@@ -356,7 +357,7 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         v = kv.get(key)
         return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
-    arch = val("general.architecture") or ARCH  # the key prefix
+    arch = val("general.architecture") or DEFAULT_ARCH  # the key prefix
 
     n_expert = int(val(f"{arch}.expert_count") or 0)
     per_expert = 0

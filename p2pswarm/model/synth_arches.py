@@ -49,13 +49,17 @@ class SynthPreset(Protocol):
     KEYWORDS: ClassVar[tuple[str, ...]]
     #: whether ``--type q4_k_m`` keeps directly written Q4_K experts instead of refusing them
     Q4_K_M_KEEPS_Q4_K: ClassVar[bool]
+    #: whether make-model can write its MTP (NextN) block
+    MTP: ClassVar[bool]
+    #: the architecture in a few words (``make-model --help``)
+    DESCRIPTION: ClassVar[str]
 
     def replaced(self, **changes: Any) -> SynthPreset:
         """A copy with the common overrides (``--layers``, ``--n-embd``, ...) applied."""
         ...
 
     def refine(self, layers: int | None, keywords: dict[str, Any], options: dict[str, Any]) -> SynthPreset:
-        """The preset after its architecture's own make_model keywords and options dict (deepseek2's)."""
+        """The preset after its architecture's own make_model keywords and ``options`` dict."""
         ...
 
     def validate(self, qtype: str, expert_qtype: str | None) -> None:
@@ -93,6 +97,13 @@ PRESETS_BY_ARCH: dict[str, Mapping[str, SynthPreset]] = {
     "deepseek2": PRESETS_DEEPSEEK2,
 }
 ARCHES = tuple(PRESETS_BY_ARCH)
+#: make-model's ``--arch`` when none is given: the registry's first line
+DEFAULT_ARCH = ARCHES[0]
+
+
+def taking(keyword: str) -> list[str]:
+    """The architectures whose presets take make_model's ``keyword`` (``--help``, refusals)."""
+    return [a for a, ps in PRESETS_BY_ARCH.items() if keyword in next(iter(ps.values())).KEYWORDS]
 
 
 def resolve(preset: str, layers: int | None, overrides: dict[str, Any],

@@ -45,6 +45,10 @@ EXP_PROBS_B_STD = 0.1
 class DeepSeek2Preset(Preset):
     """A deepseek2 shape. ``n_head_kv``/``head_dim`` of :class:`Preset` are n_head and nope+rope."""
 
+    MTP: ClassVar[bool] = True
+    DESCRIPTION: ClassVar[str] = ("DeepSeek-V3/R1, Kimi K2: Multi-head Latent Attention, leading dense layers, "
+                                  "group-limited routing, shared expert")
+
     q_lora_rank: int = 0  # 0: plain attn_q (DeepSeek-V2-Lite)
     kv_lora_rank: int = 64
     qk_rope: int = 32
@@ -66,7 +70,7 @@ class DeepSeek2Preset(Preset):
     rope_freq_base: float = 10000.0
     n_nextn: int = 0  # MTP (NextN) blocks after the trunk (nextn_predict_layers; llama.cpp runs 1)
 
-    KEYWORDS: ClassVar[tuple[str, ...]] = ("deepseek2", "n_nextn")  # deepseek2: the dict of OPTIONS
+    KEYWORDS: ClassVar[tuple[str, ...]] = ("options", "n_nextn")  # options: the dict of OPTIONS
     # the dense tensors quantised by llama.cpp from F32 and the Q4_K experts (45 GB per layer as F32 at
     # geometry-671b) kept, or requantised to Q6_K where Q4_K_M puts them (ffn_down of some layers)
     Q4_K_M_KEEPS_Q4_K: ClassVar[bool] = True

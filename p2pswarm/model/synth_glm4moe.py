@@ -18,7 +18,7 @@ forward pass never runs them (see :mod:`p2pswarm.engine.arch.glm4moe`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -34,6 +34,9 @@ class Glm4Preset(Preset):
     ``n_layer`` counts the trunk layers; ``n_nextn`` NextN/MTP blocks are written after them
     (block_count = n_layer + n_nextn). At most ``n_layer - 1`` of the trunk layers are dense, so a
     preset cut short with ``--layers`` keeps at least one layer with routed experts."""
+
+    MTP: ClassVar[bool] = True
+    DESCRIPTION: ClassVar[str] = "GLM-4.5: leading dense layers, sigmoid router with a selection bias, shared expert, a NextN block"
 
     n_rot: int = 32  # rotated dims per head (GLM-4.5: head_dim / 2)
     n_ff: int = 512  # the dense layers' FFN size (feed_forward_length)

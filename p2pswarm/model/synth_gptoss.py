@@ -47,6 +47,8 @@ SINK_STD = 1.0
 class GptOssPreset(Preset):
     """A gpt-oss shape: the qwen3moe fields plus the sliding window and YaRN."""
 
+    DESCRIPTION: ClassVar[str] = "attention sinks, alternating sliding window, biased experts with a clamped SwiGLU"
+
     sliding_window: int = 128
     rope_scaling_factor: float = 32.0
     rope_original_context: int = 4096

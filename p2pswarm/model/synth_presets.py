@@ -20,7 +20,6 @@ def _gguf() -> Any:
     return gguf
 
 
-ARCH = "qwen3moe"
 SYNTH_VERSION = 1  # bump when the bytes a given set of options produces change
 
 #: ``progress(done_bytes, total_bytes, what)``; called after every tensor and between chunks.
@@ -58,6 +57,10 @@ class Preset:
     #: whether ``--type q4_k_m`` may keep directly written Q4_K experts (llama.cpp requantising
     #: where Q4_K_M wants another type) rather than refusing the combination
     Q4_K_M_KEEPS_Q4_K: ClassVar[bool] = False
+    #: whether make-model can write the architecture's MTP (NextN) block (``--mtp-agreement``)
+    MTP: ClassVar[bool] = False
+    #: the architecture in a few words, for ``make-model --help`` (what sets it apart)
+    DESCRIPTION: ClassVar[str] = ""
 
     def replaced(self, **changes: Any) -> Any:
         """A copy with ``changes`` applied (``dataclasses.replace``, kept behind the protocol)."""
@@ -65,7 +68,7 @@ class Preset:
 
     def refine(self, layers: int | None, keywords: dict[str, Any], options: dict[str, Any]) -> Any:
         """The preset with its architecture's own make_model ``keywords`` (those in
-        :attr:`KEYWORDS` that were given) and ``options`` dict (only deepseek2 has one) applied."""
+        :attr:`KEYWORDS` that were given) and ``options`` dict (for an architecture with ``options`` in its KEYWORDS) applied."""
         return self.replaced(**keywords) if keywords else self
 
     def validate(self, qtype: str, expert_qtype: str | None) -> None:

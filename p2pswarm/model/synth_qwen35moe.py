@@ -18,6 +18,9 @@ from p2pswarm.model.synth_tensors import TensorPlan, _type_size, add_mtp_extras,
 class Qwen35Preset(Preset):
     """A qwen35moe shape: the qwen3moe fields plus partial IMROPE, the DeltaNet and the shared expert."""
 
+    MTP: ClassVar[bool] = True
+    DESCRIPTION: ClassVar[str] = "Qwen3.5 MoE: Gated DeltaNet + gated attention + shared expert, the seed's own model"
+
     n_rot: int = 16  # rotated dims per head (Qwen3.5: head_dim / 4)
     rope_sections: tuple[int, ...] = (3, 3, 2, 0)  # IMROPE (t, h, w, e) sections, in pairs
     ssm_state_size: int = 32  # d: DeltaNet head size (k and v)
