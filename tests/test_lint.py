@@ -1,7 +1,8 @@
 """ruff (configured in pyproject.toml: pyflakes' checks and unused noqa) over the whole tree finds
 nothing; tests share code only through tests/helpers/; every import follows the layer order
 docs/architecture.md draws, between p2pswarm's packages and inside backbone/; no import cycle
-anywhere in p2pswarm, lazy imports included (and the checks that say so catch what they forbid)."""
+anywhere in p2pswarm, lazy imports included; no module outside an architecture's package and the
+registries names an architecture (and the checks that say so catch what they forbid)."""
 from __future__ import annotations
 
 import subprocess
@@ -273,3 +274,106 @@ def test_no_module_is_over_600_lines():
            for p in sorted((REPO / root).rglob("*.py"))
            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
     assert not big, big
+
+
+# -- architectures in one place ---------------------------------------------------------------
+# An architecture lives in its package (engine/arch/<name>/) and its make-model plan
+# (model/synth_<name>.py, in the model layer: make-model writes files below engine), and is named
+# by the two registry lines (engine/arch/registry.py, model/synth_arches.py). Nothing else names
+# one, as an identifier or in a string that is not a docstring (comments and docstrings may):
+# what a module needs to know of an architecture it reads off the class (a declared attribute, a
+# Protocol it implements) or the preset, never by comparing names. Why: adding gpt-oss touched
+# about ten modules outside engine/arch/ (issue 42); with this, adding one touches its package,
+# its make-model plan and one line in each registry.
+ARCH_REGISTRIES = {"p2pswarm/engine/arch/registry.py", "p2pswarm/model/synth_arches.py"}
+#: the modules that may name an architecture although they are none's, and why (keep it short)
+ARCH_NAME_ALLOWED = {
+    # the demo's model: it makes and serves a tiny qwen35moe with the shipped Qwen3.5 vocabulary
+    "p2pswarm/commands/demo.py",
+    # MOE_ARCHITECTURES: the GGUF architectures whose experts follow the expert layout (checked
+    # by hand; four have no dense path here, a worker still serves their experts). The model layer
+    # lies below the engine's registry, which it may not read
+    "p2pswarm/model/layout.py",
+}
+
+
+def architecture_names() -> dict[str, set[str]]:
+    """package name under engine/arch/ -> the spellings that name its architecture (the GGUF name
+    as is and without ``-``/``_``, the package's, the class's), lower case."""
+    from p2pswarm.engine.arch.registry import architectures
+
+    out = {}
+    for arch, cls in architectures().items():
+        package = cls.__module__.split(".")[3]
+        out[package] = {arch.lower(), arch.lower().replace("-", "").replace("_", ""), package, cls.__name__.lower()}
+    return out
+
+
+def names_in(source: str, spellings: set[str]) -> list[tuple[int, str]]:
+    """(line, token) of every identifier, and every string that is not a docstring, of ``source``
+    containing one of ``spellings`` (case-insensitive)."""
+    import ast
+    import io
+    import tokenize
+
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    hits = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        named = tok.type == tokenize.NAME or (tok.type == tokenize.STRING and tok.start[0] not in docstrings)
+        if named and any(s in tok.string.lower() for s in spellings):
+            hits.append((tok.start[0], tok.string[:60]))
+    return hits
+
+
+def architecture_namings(root: Path) -> list[str]:
+    """Every place under ``root/p2pswarm`` where a module names an architecture not its own."""
+    names = architecture_names()
+    every = set().union(*names.values())
+    out = []
+    for path in sorted((root / "p2pswarm").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in ARCH_REGISTRIES or rel in ARCH_NAME_ALLOWED:
+            continue
+        own = next((p for p in names if rel.startswith(f"p2pswarm/engine/arch/{p}/") or rel == f"p2pswarm/model/synth_{p}.py"), None)
+        spellings = every - (names[own] if own else set())
+        out += [f"{rel}:{line}: {tok}" for line, tok in names_in(path.read_text(), spellings)]
+    return out
+
+
+def test_no_module_outside_an_architecture_names_it():
+    found = architecture_namings(REPO)
+    assert not found, "architecture names outside their package and the registries:\n" + "\n".join(found)
+
+
+def test_the_architecture_check_finds_a_name(tmp_path):
+    """On a copy with one name comparison planted in the router (what routing.py had) and one
+    sibling architecture borrowed inside a package (what glm4moe did), it reports both and nothing
+    else; a docstring or a comment naming one is fine."""
+    import shutil
+
+    shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    routing = tmp_path / "p2pswarm" / "engine" / "routing.py"
+    routing.write_text(routing.read_text() + '\n\ndef _gating(arch):\n    """glm4moe: sigmoid."""\n'
+                       '    return "sigmoid" if arch == "glm4moe" else "softmax"  # deepseek2: softmax\n')
+    glm = tmp_path / "p2pswarm" / "engine" / "arch" / "glm4moe" / "model.py"
+    glm.write_text(glm.read_text() + "\n\nimport p2pswarm.engine.arch.qwen3moe.model as borrowed  # noqa: E402\n")
+    found = architecture_namings(tmp_path)
+    assert len(found) == 2, found
+    assert found[0].startswith("p2pswarm/engine/arch/glm4moe/model.py:") and found[0].endswith(": qwen3moe"), found
+    assert found[1].startswith("p2pswarm/engine/routing.py:") and found[1].endswith(': "glm4moe"'), found
+
+
+def test_the_two_registries_agree():
+    """The engine's registry and make-model's name the same architectures in the same order, and
+    the expert layout knows each (model/layout.py's MOE_ARCHITECTURES)."""
+    from p2pswarm.engine.arch.registry import architectures
+    from p2pswarm.model.layout import MOE_ARCHITECTURES
+    from p2pswarm.model.synth_arches import ARCHES
+
+    assert tuple(architectures()) == ARCHES
+    assert set(ARCHES) <= set(MOE_ARCHITECTURES), set(ARCHES) - set(MOE_ARCHITECTURES)
