@@ -171,6 +171,11 @@ class DenseModel(Protocol):
         expert or dense FFN added)."""
         ...
 
+    def recurrent_layer(self, il: int) -> bool:
+        """Whether layer ``il`` keeps a recurrent state (qwen35moe's DeltaNet layers) rather than a
+        KV cache: one of what decides its kernels (the backbone's dense-invariance probe)."""
+        ...
+
     def chunk_verify(self, il: int) -> bool:
         """Whether :meth:`layer_in` takes a speculative verification's positions in one call
         (consecutive one-row segments of one state, each computed as its decode step would be and
@@ -208,6 +213,10 @@ class MtpModel(Protocol):
     hnorm(h))`` before the layer and the head after it are every architecture's; the layer between
     them is the architecture's own). Implementing it is the capability: the registry
     (:func:`p2pswarm.engine.arch.mtp_architectures`) reads it off the class, no list of names."""
+
+    def mtp_blocks(self) -> int:
+        """How many MTP (NextN) blocks the file has after the trunk (0: none to run)."""
+        ...
 
     def mtp_ends(self, il: int) -> MtpEnds:
         """The block at layer ``il``: its ends and the tensors it reads (checked when it is built)."""

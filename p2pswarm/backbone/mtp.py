@@ -128,7 +128,7 @@ class MtpBlock:
         if not isinstance(model, MtpModel):
             raise UserError(f"--speculate mtp: running the MTP block of {model.arch} is not implemented "
                             f"(implemented: {', '.join(mtp_architectures())}); use --speculate ngram")
-        if not getattr(model, "n_layer_nextn", 0):
+        if not model.mtp_blocks():
             raise UserError(f"--speculate mtp: {model.layout.path} has no MTP (NextN) block")
         self.model, self.bank = model, bank
         self.il = il = model.n_layer

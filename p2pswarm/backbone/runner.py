@@ -122,7 +122,7 @@ def _layer_signature(model, il: int) -> tuple:
     leading dense layer's route returns none: trivially invariant, which said nothing about the
     router of the layers after it when their dense tensors had the same types) and the types of
     its dense tensors."""
-    kind = (bool(getattr(model, "recurrent", [False] * (il + 1))[il]), il in model.layout.expert_tensors)
+    kind = (model.recurrent_layer(il), il in model.layout.expert_tensors)
     prefix = f"blk.{il}."
     types = []
     for t in model.layout.reader.tensors:

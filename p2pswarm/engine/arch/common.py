@@ -125,6 +125,10 @@ class LayerByPieces:
         lin = self.routed(il, h)
         return self.layer_out(il, lin, routed(lin.cur, lin.ids, lin.weights))
 
+    def recurrent_layer(self, il: int) -> bool:
+        """No recurrent layers (KV caches only), unless the architecture says otherwise."""
+        return False
+
     def chunk_verify(self, il: int) -> bool:
         """No verification chunk in one call: the per-piece path's attention would multiply a
         chunk's rows by the cache in one BLAS call (other bits than one row's)."""

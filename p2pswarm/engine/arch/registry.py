@@ -9,7 +9,7 @@ implements, never by comparing names:
   :meth:`p2pswarm.engine.routing.RouterSpec.from_layout` by the class itself;
 - the MTP (NextN) block as a drafter: the class implements :class:`~p2pswarm.contracts.MtpModel`
   (:func:`mtp_architectures`);
-- recurrent layers: the class's ``recurrent`` list (qwen35moe's DeltaNet layers).
+- recurrent layers: ``recurrent_layer(il)`` (qwen35moe's DeltaNet layers; none by default).
 
 Why a module apart from :mod:`p2pswarm.engine.arch` (which loads a model on a backend, and so
 imports the kernels): the expert kernels read it, and may not import what imports them. Its

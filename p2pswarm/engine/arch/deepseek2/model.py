@@ -276,6 +276,9 @@ class DeepSeek2(TokenEnds, LayerByPieces):
         return h + (moe + shared)
 
     # ---- the MTP (NextN) block, a drafter (contracts.MtpModel; p2pswarm.backbone.mtp) -------
+    def mtp_blocks(self) -> int:
+        return self.n_layer_nextn
+
     def mtp_ends(self, il: int) -> MtpEnds:
         """DeepSeek-V3/R1's block: one full deepseek2 layer, checked as the trunk's; its head norm
         may be left out (``output_norm`` then), and where the file has them ``nextn.embed_tokens``

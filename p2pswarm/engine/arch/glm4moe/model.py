@@ -208,6 +208,9 @@ class Glm4MoE(TokenEnds, LayerByPieces):
         return h + (moe + shared)
 
     # ---- the MTP (NextN) block, a drafter (contracts.MtpModel; p2pswarm.backbone.mtp) -------
+    def mtp_blocks(self) -> int:
+        return self.n_layer_nextn
+
     def mtp_ends(self, il: int) -> MtpEnds:
         """The block's own head norm (required) and its layer: attention as the trunk's (biases and
         q/k norms as the file has them), post_attention_norm, the biased router, the shared expert."""

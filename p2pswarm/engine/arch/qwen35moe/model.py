@@ -465,7 +465,13 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
         """h + (routed + shared), added in llama.cpp's order."""
         return h + (moe + self.shared(il, cur))
 
+    def recurrent_layer(self, il: int) -> bool:
+        return bool(self.recurrent[il])
+
     # ---- the MTP (NextN) block, a drafter (contracts.MtpModel; p2pswarm.backbone.mtp) -------
+    def mtp_blocks(self) -> int:
+        return self.n_layer_nextn
+
     def mtp_ends(self, il: int) -> MtpEnds:
         """The block's layer is a gated full-attention one whatever ``full_attention_interval`` says
         of its index (llama.cpp marks only trunk layers recurrent), with the shared expert; its head
