@@ -85,7 +85,8 @@ class Qwen3MoE(TokenEnds, LayerByPieces):
 
     def _qkv(self, il: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """q (T, H, hd), k and v (T, Hkv, hd) of layer ``il`` from the normed rows ``x``, before
-        RoPE: projections, then the per-head q/k RMSNorm (glm4moe adds its biases here)."""
+        RoPE: projections, then the per-head q/k RMSNorm (what :func:`~p2pswarm.engine.arch.common.neox_attention`
+        calls; glm4moe's own adds biases and makes the norms optional)."""
         w, p, T = self.w, f"blk.{il}.", x.shape[0]
         q, k, v = ops.matmuls(x, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
         q = q.reshape(T, self.n_head, self.head_dim)
