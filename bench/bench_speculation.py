@@ -3,7 +3,7 @@ against off, alternating in one run.
 
 Setup: a synthetic qwen35moe model (Gated DeltaNet + gated attention, ``--preset tiny``: 4 layers;
 ``--layers`` cuts it), 4 expert worker processes (``p2pswarm worker`` on local sockets), each
-behind an emulated WAN link of ``--rtt`` ms (one ``python -m p2pswarm.net.wanproxy`` process for
+behind an emulated WAN link of ``--rtt`` ms (one ``python -m p2pswarm.net.wire.wanproxy`` process for
 the four links), a backbone in this process that holds no expert it computes: every expert group
 goes to a worker (checked: no local group, no fallback). One greedy sequence generates
 ``--tokens`` tokens, ``--rounds`` times per mode, the modes alternating (off, then each drafter,
@@ -141,7 +141,7 @@ async def _bench(args, model: Path) -> list[str]:
     cache = parse_cache_size("none") if args.mtp_experts == "workers" else None
     async with open_backbone(model, workers=4, transport="socket", kernel=args.kernel, expert_cache=cache) as swarm:
         targets = [f"{o.host}:{o.port}" for o in swarm.owners]
-        proxy = subprocess.Popen([sys.executable, "-m", "p2pswarm.net.wanproxy", "--rtt-ms", str(args.rtt),
+        proxy = subprocess.Popen([sys.executable, "-m", "p2pswarm.net.wire.wanproxy", "--rtt-ms", str(args.rtt),
                                   *[a for t in targets for a in ("--target", t)]],
                                  stdout=subprocess.PIPE, text=True)
         try:

@@ -1,7 +1,7 @@
 """Aggregate tokens/s of the swarm's HTTP API as concurrency grows, under emulated WAN latency.
 
 Per RTT: a bootstrap node, 4 worker processes each behind an emulated WAN link (``python -m
-p2pswarm.net.wanproxy``, one process for every link unless ``--proxies per-link``; the worker
+p2pswarm.net.wire.wanproxy``, one process for every link unless ``--proxies per-link``; the worker
 ``--announce`` s its link; at 0 ms no link unless ``--proxy-at-0``: loopback), and a backbone node
 serving ``/v1/completions``. For N = 1, 4, 16,
 64 concurrent greedy requests (short prompts, ``--tokens`` generated each) it measures

@@ -6,7 +6,7 @@ worker returns them), and reports for each coding: the bytes relative to raw, an
 encode + decode a MiB on this machine; then what that saves per token and the link speed below
 which it pays (when the bytes saved take longer on the link than the coding takes on the CPU).
 
-Codings: what the wire ships (p2pswarm.net.wire_codec: four byte planes, each zstd-1 on its own),
+Codings: what the wire ships (p2pswarm.net.wire.codec: four byte planes, each zstd-1 on its own),
 zlib (stdlib), zstandard, lz4 and blosc2 (PyPI; optional: ``pip install lz4 blosc2``), blosc2 with
 its own byte shuffle or bit shuffle, the others each on
 the raw bytes and on a byte-plane split (the 4 bytes of each float32 regrouped: sign+exponent
@@ -30,8 +30,8 @@ from common import header
 
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.model.synth import make_model
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net import wire_codec
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire import codec as wire_codec
 from p2pswarm.backbone.generate import sequence_logits
 
 

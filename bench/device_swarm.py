@@ -57,7 +57,7 @@ from wan_swarm import WanSwarm, cpu_seconds
 
 from p2pswarm.model.synth import make_model
 from p2pswarm.model.synth_qwen3moe import PRESETS
-from p2pswarm.net.identity import load_or_create_identity
+from p2pswarm.net.signed.identity import load_or_create_identity
 
 
 def worker_ranges(n_expert: int, shares: int) -> list[tuple[int, int]]:

@@ -139,8 +139,8 @@ class Swarm:
         from p2pswarm.model.layout import ModelLayout
         from p2pswarm.model.manifest import source_fingerprint
         from p2pswarm.model.slicer import slice_experts
-        from p2pswarm.net.identity import load_or_create_identity
-        from p2pswarm.net.tokens import issue_token
+        from p2pswarm.net.signed.identity import load_or_create_identity
+        from p2pswarm.net.signed.tokens import issue_token
 
         try:
             ports = iter(free_ports(40))
@@ -167,7 +167,7 @@ class Swarm:
                 first.append(self._node(f"proxy-{name}", ["--target", f"127.0.0.1:{listen[name]}", "--listen",
                                                          f"127.0.0.1:{link}", "--rtt-ms", rtt,
                                                          *(["--mbps", mbps[0]] if mbps else [])],
-                                        entry=("-m", "p2pswarm.net.wanproxy"), start=False))
+                                        entry=("-m", "p2pswarm.net.wire.wanproxy"), start=False))
                 listen[name] = (listen[name], link)
             # files: the shards, a signed manifest (the first backbone serves the model's bytes by
             # it, to the --auto worker and to the second backbone's expert cache, both trusting its

@@ -182,7 +182,7 @@ class OwnerStatus:
     load: int | None = None  # requests in flight
     requests: int | None = None
     failures: int | None = None
-    wire: dict | None = None  # bytes sent / received (p2pswarm.net.wire_bytes)
+    wire: dict | None = None  # bytes sent / received (p2pswarm.net.wire.counting)
     kernel: str | None = None
 
 
@@ -213,7 +213,7 @@ class Owner(Protocol):
     #: why its handshake refused us (it then holds nothing); None: not refused
     refused: str | None = None
     kernel: str | None = None  # the kernel id it computes with, where known
-    wire: Any = None  # its p2pswarm.net.wire_bytes.WireBytes, for a remote owner that counts bytes
+    wire: Any = None  # its p2pswarm.net.wire.counting.WireBytes, for a remote owner that counts bytes
     wire_precision: str | None = None  # the backbone's --wire-precision (set by the dispatcher)
     #: the bank that turns our rows into a form the owner's kernel takes (set by the dispatcher
     #: when that bank computes in the owner's ``kernel``); None: rows go as float32

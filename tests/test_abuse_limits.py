@@ -158,8 +158,8 @@ def test_slowloris_headers_are_cut_and_others_served(limited_backbone):
 
 
 async def _echo(stream, payload: bytes) -> dict:
-    from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.framing import FrameReader, send_frame
+    from p2pswarm.net.wire import expert_protocol as proto
+    from p2pswarm.net.wire.framing import FrameReader, send_frame
 
     await send_frame(stream, proto.pack({"op": "echo", "id": 1, "payload": payload}))
     with trio.fail_after(10):
@@ -172,9 +172,9 @@ async def test_worker_caps_one_peers_streams_and_bytes_and_serves_the_others(tin
     error frame and is closed, and so does a 2 MiB frame; another peer is served throughout, and
     the flooder's slots come back when its streams close."""
     from p2pswarm.model.slicer import slice_experts
-    from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.wire import expert_protocol as proto
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
 
     shard = tmp_path / "shard.gguf"
     slice_experts(tiny_f32, shard, None, (0, 16))

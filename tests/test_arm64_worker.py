@@ -116,12 +116,12 @@ async def _portable_request(boot_addr: str, model: Path, worker_kernel: str):
     from p2pswarm.engine import portable_kernel as pk
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
-    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.wire import expert_protocol as proto
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.coverage import CoverageResolver
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
-    from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+    from p2pswarm.net.dht.coverage import CoverageResolver
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
+    from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
     layout = ModelLayout.open(model)
     fp = model_fingerprint(layout)
@@ -157,12 +157,12 @@ async def _direct_handshake(boot_addr: str, model: Path, worker_kernel: str) -> 
     from p2pswarm.errors import WorkerError
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
-    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.wire import expert_protocol as proto
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.coverage import CoverageResolver
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
-    from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+    from p2pswarm.net.dht.coverage import CoverageResolver
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
+    from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
     layout = ModelLayout.open(model)
     fp = model_fingerprint(layout)

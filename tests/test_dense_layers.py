@@ -23,7 +23,7 @@ from p2pswarm.engine.experts import ExpertBank
 from p2pswarm.engine.routing import no_experts
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net.records import units_for
+from p2pswarm.net.signed.records import units_for
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.gguf_edit import rewrite

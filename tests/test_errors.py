@@ -12,7 +12,7 @@ from p2pswarm.cli import _one_line
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.errors import (FrameError, InternalError, ModelFormatError, PeerError, SwarmError, UserError,
                              WorkerError)
-from p2pswarm.net.libp2p_patches import PatchError
+from p2pswarm.net.libp2p.patches import PatchError
 
 
 def test_kinds():

@@ -236,7 +236,7 @@ async def test_refill_by_demand_status_metrics_and_demand_record(models_dir):
     from p2pswarm.backbone.metrics import BackboneMetrics
     from p2pswarm.backbone.status_page import SwarmView
     from p2pswarm.market.demand import DemandRecord
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.signed.identity import Identity
 
     path = arch_model(models_dir, "deepseek2")
     async with open_backbone(path, workers=2, kernel="numpy", expert_cache=ec.parse_cache_size("25%")) as swarm:

@@ -26,8 +26,8 @@ import trio
 
 from p2pswarm.backbone.dispatch import pack_rows
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.owners import libp2p_owner, served

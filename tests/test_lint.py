@@ -128,28 +128,57 @@ def test_layer_check_catches_an_upward_import(tmp_path):
 
     shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     (tmp_path / "p2pswarm" / "model" / "upward.py").write_text(
-        "def f():\n    from p2pswarm.net.records import NodeRecord\n    return NodeRecord\n")
+        "def f():\n    from p2pswarm.net.signed.records import NodeRecord\n    return NodeRecord\n")
     (tmp_path / "p2pswarm" / "worker" / "sideways.py").write_text("import p2pswarm.relay.service\n")
     problems = layer_violations(tmp_path, layer_order())
     assert len(problems) == 2, problems
-    assert problems[0].startswith("p2pswarm/model/upward.py:2: model imports p2pswarm.net.records (net: a higher"), problems
+    assert problems[0].startswith("p2pswarm/model/upward.py:2: model imports p2pswarm.net.signed.records (net: a higher"), problems
     assert problems[1].startswith("p2pswarm/worker/sideways.py:1: worker imports p2pswarm.relay.service (relay: its own"), problems
 
 
-# -- inside backbone/ ----------------------------------------------------------------------------
-# The same rule one level down: docs/architecture.md draws backbone's modules in sub-layers ("Inside
-# backbone/"): the HTTP API and sessions on top, then one request's generation, the scheduler, the
-# layer loop, the dispatcher, the owners, and the shared types at the bottom. Why: backbone/ was
-# checked as one unit, so generate.py, runner.py and scheduler.py could import each other (lazily)
-# and nothing said which was above which.
+# -- inside a package ----------------------------------------------------------------------------
+# The same rule one level down: docs/architecture.md draws the inside of net/, engine/ and backbone/
+# ("### Inside net/", ...), a unit there being one sub-folder (or one module beside them), and the
+# inside of each of backbone's sub-folders ("#### Inside backbone/serving/", ...), a unit there
+# being one module. Why: a package checked as one unit let its modules import each other freely
+# (generate.py, runner.py and scheduler.py did, lazily), and a folder of 28 modules said nothing of
+# which was above which; each sub-folder is a layer, and the check keeps it one.
+MUST_BE_DRAWN = ("net", "backbone")
 BACKBONE = "p2pswarm.backbone"
 
 
-def test_backbone_imports_follow_its_sub_layers():
-    layers = layer_order(heading="### Inside backbone/")
-    assert len(layers) > 5 and "http_api" in layers[0], layers
-    problems = layer_violations(REPO, layers, package=BACKBONE)
+def inside_pictures(doc: Path = ARCHITECTURE) -> dict[str, str]:
+    """folder under p2pswarm/ ("net", "backbone/serving") -> the heading of its picture."""
+    import re
+
+    return {m[1]: m[0] for m in re.finditer(r"^#{3,4} Inside (\S+)/$", doc.read_text(), re.M)}
+
+
+def test_packages_follow_their_sub_layers():
+    pictures = inside_pictures()
+    backbone_folders = sorted(p.name for p in (REPO / "p2pswarm" / "backbone").iterdir()
+                              if (p / "__init__.py").exists())
+    must = set(MUST_BE_DRAWN) | {f"backbone/{f}" for f in backbone_folders}
+    assert must <= set(pictures), f"no picture for: {sorted(must - set(pictures))}"
+    problems = []
+    for folder, heading in sorted(pictures.items()):
+        layers = layer_order(heading=heading)
+        assert len(layers) > 1 or "/" in folder, (folder, layers)
+        problems += layer_violations(REPO, layers, package="p2pswarm." + folder.replace("/", "."))
     assert not problems, "\n".join(problems)
+
+
+def test_net_check_catches_a_sideways_import(tmp_path):
+    """On a copy of the tree where the shard downloader imports the DHT (a folder of its own layer),
+    the check of net's folders reports it and nothing else."""
+    import shutil
+
+    shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    fetch = tmp_path / "p2pswarm" / "net" / "shards" / "fetch.py"
+    fetch.write_text(fetch.read_text() + "\n\ndef _dht():\n    from p2pswarm.net.dht.kademlia import SwarmDHT\n"
+                     "    return SwarmDHT\n")
+    problems = layer_violations(tmp_path, layer_order(heading=inside_pictures()["net"]), package="p2pswarm.net")
+    assert len(problems) == 1 and "shards imports p2pswarm.net.dht.kademlia (dht: its own layer)" in problems[0], problems
 
 
 def test_backbone_check_catches_an_upward_import(tmp_path):

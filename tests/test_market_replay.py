@@ -24,7 +24,7 @@ from p2pswarm.engine.kernels import make_bank
 from p2pswarm.engine.tokenizer import Tokenizer
 from p2pswarm.market.bans import BanKeeper, BanRecord
 from p2pswarm.market.verify import Verifier
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker

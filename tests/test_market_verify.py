@@ -14,13 +14,13 @@ from p2pswarm.backbone.session import ensure_shards
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.bans import BanKeeper, BanRecord, BanValidator, ban_key
 from p2pswarm.market.receipts import ContributionLedger, Receipt, ReceiptStore, check_receipts, load_receipts
-from p2pswarm.net.signed import SignedError, seal
+from p2pswarm.net.signed.envelope import SignedError, seal
 from p2pswarm.market.verify import Verifier, rows_for_confidence
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.market.swarm_dht import record_kinds
-from p2pswarm.net.records import NodeRecordValidator, RecordError
+from p2pswarm.net.signed.records import NodeRecordValidator, RecordError
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import run_cli

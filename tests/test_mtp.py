@@ -335,7 +335,7 @@ async def test_draft_length_shrinks_when_a_draft_costs_a_round_trip_and_grows_wh
     round trip plus its compute. With the block's experts on the backbone (a draft costs no round trip) sequences
     draft long; with none on the backbone (``--expert-cache none``: each draft token is one round
     trip to the workers, about what a step costs) they draft a token or none. Tokens equal speculation off's in both; no fallback."""
-    from p2pswarm.net.wanproxy import open_wan_proxy
+    from p2pswarm.net.wire.wanproxy import open_wan_proxy
 
     model = models_dir / "mtp-qwen35moe-1layer-agree.gguf"
     if not model.exists():

@@ -195,7 +195,7 @@ def test_kernel_families():
 
 def test_handshake_accepts_portable_of_another_isa_and_refuses_ggml(tiny_f32, tmp_path):
     from p2pswarm.model.manifest import model_fingerprint
-    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.wire import expert_protocol as proto
 
     from p2pswarm.model.slicer import slice_experts
 

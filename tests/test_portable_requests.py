@@ -20,7 +20,7 @@ from p2pswarm.engine import kernels
 from p2pswarm.engine import portable_kernel as pk
 from p2pswarm.errors import FrameError, WorkerError
 from p2pswarm.model.layout import ModelLayout
-from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.wire import expert_protocol as proto
 from helpers.ggml import needs_ggml
 
 FOREIGN = "ggml-0.0.0/riscv64+v"  # a ggml kernel of another ISA: its own family, shared by no one here

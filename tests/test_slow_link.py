@@ -1,7 +1,7 @@
 """A link too slow for a request's deadline: the backbone falls back to its replica
 within a bounded stall and every token stays exact.
 
-Worker processes behind the in-process WAN proxy (p2pswarm.net.wanproxy) on real sockets. Once the
+Worker processes behind the in-process WAN proxy (p2pswarm.net.wire.wanproxy) on real sockets. Once the
 backbone has learnt each worker's deadline on the fast link, the links' worker -> backbone
 direction is capped at 2 kB/s: a reply of a decode step (4 experts x 256 floats = 4 kB) then
 takes ~2 s, past the learnt deadline. Each such request is recomputed on the backbone's replica
@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.net.wanproxy import open_wan_proxy
+from p2pswarm.net.wire.wanproxy import open_wan_proxy
 from p2pswarm.backbone.generate import sequence_logits
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42]

@@ -19,7 +19,7 @@ from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.errors import WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net.framing import FrameReader, send_frame
+from p2pswarm.net.wire.framing import FrameReader, send_frame
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.backbone.generate import sequence_logits
 

@@ -23,7 +23,7 @@ from p2pswarm.model.manifest import build_manifest, model_fingerprint, read_mani
 from p2pswarm.model.split_gguf import model_name, split_path
 from p2pswarm.model.split_write import plan_parts, write_split
 from p2pswarm.model.synth import make_model
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.identity import Identity
 
 from conftest import assert_one_line_error, needs_llama, run_cli
 from helpers.llama_ref import llama_logits

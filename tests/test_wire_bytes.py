@@ -1,4 +1,4 @@
-"""The wire's byte counters (p2pswarm.net.wire_bytes) against what the sockets actually carried.
+"""The wire's byte counters (p2pswarm.net.wire.counting) against what the sockets actually carried.
 
 A TCP proxy in this test forwards the backbone-side owner's connection to a worker and counts the
 bytes it forwards each way, independently of the counters: over plain TCP the owner's counters,
@@ -17,8 +17,8 @@ from p2pswarm.backbone.session import ensure_shards
 from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.framing import HEADER
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire.framing import HEADER
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import ServeStats, serve_tcp
 

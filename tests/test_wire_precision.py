@@ -1,13 +1,13 @@
 """``--wire-precision f16|bf16``: outputs rounded to 16 bits everywhere, so split == monolithic stays
-bit for bit while the workers send half the output bytes (p2pswarm.net.wire_precision)."""
+bit for bit while the workers send half the output bytes (p2pswarm.net.wire.precision)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from p2pswarm.errors import UserError
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net import wire_precision as wp
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire import precision as wp
 from p2pswarm.backbone.generate import sequence_logits
 
 

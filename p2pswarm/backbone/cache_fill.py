@@ -25,9 +25,9 @@ import trio
 from p2pswarm.backbone.expert_cache import ExpertCache
 from p2pswarm.errors import SwarmError, clip
 from p2pswarm.model.manifest import ManifestError, ModelManifest
-from p2pswarm.net.shard_fetch import _open_session, _Session, _source_name
-from p2pswarm.net.shard_transfer import find_sources
-from p2pswarm.net.shard_wire import SHARD_PROTOCOL_VERSION, ShardTransferError
+from p2pswarm.net.shards.fetch import _open_session, _Session, _source_name
+from p2pswarm.net.shards.transfer import find_sources
+from p2pswarm.net.shards.wire import SHARD_PROTOCOL_VERSION, ShardTransferError
 
 log = logging.getLogger("p2pswarm.backbone")
 

@@ -35,8 +35,8 @@ import trio
 from p2pswarm import settings
 from p2pswarm.contracts import ExpertBank, Groups, Owner
 from p2pswarm.errors import UnitsUnavailable, UserError, WorkerError, WorkerSlow, first_error
-from p2pswarm.net import wire_precision
-from p2pswarm.net.wire_bytes import WireBytes
+from p2pswarm.net.wire import precision as wire_precision
+from p2pswarm.net.wire.counting import WireBytes
 from p2pswarm.offload import Offload
 
 from p2pswarm.backbone import check_fetch
@@ -81,7 +81,7 @@ class Dispatcher(Routing, Verification):
         self.offload = Offload()
         self.local = LocalOwner(local, self.offload)
         self.owners = list(owners or [])
-        #: bytes to and from every remote owner this dispatcher ever used (p2pswarm.net.wire_bytes)
+        #: bytes to and from every remote owner this dispatcher ever used (p2pswarm.net.wire.counting)
         self.wire = WireBytes()
         for owner in self.owners:
             self.adopt(owner)
@@ -103,7 +103,7 @@ class Dispatcher(Routing, Verification):
     def set_wire_precision(self, precision: str | None) -> None:
         """``--wire-precision``: every expert output this backbone combines is rounded to
         ``precision`` ("f16"/"bf16"; None: float32), whoever computed it, and workers send it in
-        16 bits (p2pswarm.net.wire_precision); the monolithic run with the same setting gives the
+        16 bits (p2pswarm.net.wire.precision); the monolithic run with the same setting gives the
         same bits."""
         if precision is not None and precision not in wire_precision.PRECISIONS:
             raise UserError(f"--wire-precision {precision!r}: choose one of {', '.join(wire_precision.PRECISIONS)}")

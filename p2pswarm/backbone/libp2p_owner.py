@@ -12,7 +12,7 @@ its signed DHT record announced (and we send it, so the worker refuses a backbon
 another shard), as well as our protocol version, model fingerprint and kernel.
 
 :class:`SwarmOwners` keeps one owner per (peer, shard) in step with a
-:class:`~p2pswarm.net.coverage.CoverageResolver`'s map, and keeps the list it hands the dispatcher
+:class:`~p2pswarm.net.dht.coverage.CoverageResolver`'s map, and keeps the list it hands the dispatcher
 sorted by load and measured round-trip time, so the dispatcher - which takes the first healthy
 owner holding an expert - picks the least busy, nearest replica.
 
@@ -32,13 +32,13 @@ from p2pswarm.backbone.socket_owner import SocketOwner, close_now, reply_familie
 from p2pswarm.contracts import OwnerStatus
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, SwarmError, WorkerError
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.addrs import is_circuit_addr
-from p2pswarm.net.direct import open_direct
-from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
-from p2pswarm.net.host import NetHost
-from p2pswarm.net.wire_bytes import CountingStream
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.libp2p.addrs import is_circuit_addr
+from p2pswarm.net.wire.direct import open_direct
+from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.libp2p.host import NetHost
+from p2pswarm.net.wire.counting import CountingStream
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -75,7 +75,7 @@ class Libp2pOwner(SocketOwner):
         self.refused: str | None = None  # why the handshake failed; cleared by a record saying something new
         #: called (owner, reason) on a refused handshake; default: log a warning
         self.on_refused: Callable[[Libp2pOwner, str], None] | None = None
-        #: take the worker's direct lane when it offers one (p2pswarm/net/direct.py); why the last
+        #: take the worker's direct lane when it offers one (p2pswarm/net/wire/direct.py); why the last
         #: try failed (not tried again until its record changes)
         self.direct = direct
         self.direct_failed: str | None = None
@@ -162,7 +162,7 @@ class Libp2pOwner(SocketOwner):
         self.relayed = self.net.via_relay(self.info.peer_info().peer_id)
 
     async def _open_direct(self, offer, hello: dict):
-        """The worker's direct lane (p2pswarm/net/direct.py) from its hello's offer, handshaken, or
+        """The worker's direct lane (p2pswarm/net/wire/direct.py) from its hello's offer, handshaken, or
         None (logged once: unreachable, refused, malformed): the libp2p stream stays then."""
         try:
             if not (isinstance(offer, dict) and isinstance(offer.get("ticket"), bytes)

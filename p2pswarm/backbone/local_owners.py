@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from p2pswarm.contracts import ExpertBank, Groups, Owner
-from p2pswarm.net import wire_precision
+from p2pswarm.net.wire import precision as wire_precision
 from p2pswarm.offload import Offload
 
 from p2pswarm.backbone.expert_cache import ExpertCache
@@ -57,7 +57,7 @@ class LocalOwner(Owner):
     def __init__(self, bank: ExpertBank, offload: Offload | None = None):
         self.bank = bank
         self.offload = Offload() if offload is None else offload
-        self.wire_precision: str | None = None  # the backbone's --wire-precision (p2pswarm.net.wire_precision)
+        self.wire_precision: str | None = None  # the backbone's --wire-precision (p2pswarm.net.wire.precision)
         self._rows: RowInvariance | None = None  # measured once (row_invariance)
 
     def row_invariance(self, n_layer: int, n_embd: int) -> RowInvariance:

@@ -37,7 +37,7 @@ read at scrape time by a custom collector, so they never drift from the source.
     p2pswarm_verify_check_fetch_bytes_total           slab bytes fetched for those checks (--verify-fetch-budget)
 
 Wire bytes are counted at the transport stream, frame headers and handshakes included
-(:mod:`p2pswarm.net.wire_bytes`).
+(:mod:`p2pswarm.net.wire.counting`).
 """
 from __future__ import annotations
 

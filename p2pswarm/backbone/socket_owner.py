@@ -44,10 +44,10 @@ from p2pswarm.contracts import Groups, Owner
 from p2pswarm.backbone.loop_watch import loop_watch
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net import wire_precision
-from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.wire_bytes import CountingStream, WireBytes
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire import precision as wire_precision
+from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.wire.counting import CountingStream, WireBytes
 from p2pswarm.offload import Offload
 
 log = logging.getLogger("p2pswarm.backbone")
@@ -118,7 +118,7 @@ class SocketOwner(Owner):
         #: ends the worker's back-off then, instead of waiting it out
         self.recovered_at: float | None = None
         self.late_rows = 0  # rows of late replies read and dropped (recomputed locally instead)
-        #: bytes sent to / received from this worker, every connection (p2pswarm.net.wire_bytes);
+        #: bytes sent to / received from this worker, every connection (p2pswarm.net.wire.counting);
         #: the dispatcher sets its parent (the backbone's total)
         self.wire = WireBytes()
         #: the worker's hello: the forms it takes input rows in besides float32; and the bank that
@@ -127,9 +127,9 @@ class SocketOwner(Owner):
         self.input_forms: frozenset[str] = frozenset()
         self.input_quantiser = None
         #: the backbone's --wire-precision (the dispatcher sets it): outputs asked for in 16 bits,
-        #: and rounded here if a worker sends float32 anyway (p2pswarm.net.wire_precision)
+        #: and rounded here if a worker sends float32 anyway (p2pswarm.net.wire.precision)
         self.wire_precision: str | None = None
-        #: the lossless output coding both ends take (p2pswarm.net.wire_codec), None: plain
+        #: the lossless output coding both ends take (p2pswarm.net.wire.codec), None: plain
         self.output_coding: str | None = None
         #: decoding a coded reply: inline when measured short, else in a thread (p2pswarm.offload).
         #: It was always a thread: with 8 workers a backbone made 8 thread hops a layer for replies

@@ -31,7 +31,7 @@ from importlib import resources
 
 import numpy as np
 
-from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
 
 def status_html() -> bytes:

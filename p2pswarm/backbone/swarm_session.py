@@ -32,13 +32,13 @@ from p2pswarm.market.receipts import ContributionLedger, ReceiptIssuer
 from p2pswarm.market.verify import DEFAULT_CHECK_FETCH_BYTES, DEFAULT_VERIFY_RATE, CheckFetchBudget, Verifier
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
-from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.coverage import CoverageResolver
-from p2pswarm.net.addrs import DEFAULT_LISTEN
-from p2pswarm.net.host import NetHost, open_host
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+from p2pswarm.net.dht.coverage import CoverageResolver
+from p2pswarm.net.libp2p.addrs import DEFAULT_LISTEN
+from p2pswarm.net.libp2p.host import NetHost, open_host
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("p2pswarm.backbone")
 
@@ -76,7 +76,7 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
     recomputed locally (0 turns verification off); ``trust_bans``: backbones whose ban records
     we honour besides our own. ``demand_ttl_s``: lifetime of the published demand record
     (re-published every third of it; default 120 s); a short-lived backbone publishes none.
-    ``direct``: take the direct lanes workers offer (p2pswarm/net/direct.py). ``hot_experts``:
+    ``direct``: take the direct lanes workers offer (p2pswarm/net/wire/direct.py). ``hot_experts``:
     compute locally what a slow owner would take longer to return (:class:`Dispatcher`).
     ``expert_cache``: ``--expert-cache`` (:mod:`p2pswarm.backbone.expert_cache`); ``model_path``
     may be the backbone file (`slice --backbone`), whose experts the swarm computes; then

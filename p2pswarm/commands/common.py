@@ -197,8 +197,8 @@ def open_model(args):
             raise UserError("--swarm and --workers exclude each other")
         if not args.refresh > 0:
             raise UserError("--refresh must be > 0 seconds")
-        from p2pswarm.net.identity import load_or_create_identity
-        from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+        from p2pswarm.net.signed.identity import load_or_create_identity
+        from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
         identity = load_or_create_identity(args.swarm_identity, exclusive=True) if args.swarm_identity else None
 

@@ -15,7 +15,7 @@ def check_worker_source(args) -> None:
     itself (--auto --memory SIZE --token TOKEN --trust-issuer PEER_ID)."""
     if args.auto:
         from p2pswarm.market.auto import parse_size
-        from p2pswarm.net.tokens import load_token
+        from p2pswarm.net.signed.tokens import load_token
 
         clash = [f for f, v in (("--shard", args.shard), ("--layers", args.layers), ("--experts", args.experts))
                  if v]
@@ -24,7 +24,7 @@ def check_worker_source(args) -> None:
         missing = [f for f, v in (("--memory", args.memory), ("--token", args.token),
                                   ("--trust-issuer", args.trust_issuer)) if not v]
         if missing:
-            from p2pswarm.net.tokens import AUTO_SCOPE
+            from p2pswarm.net.signed.tokens import AUTO_SCOPE
 
             raise UserError(f"--auto needs {', '.join(missing)} (a token issued with {AUTO_SCOPE})")
         if args.model is not None:
@@ -44,7 +44,7 @@ def check_worker_source(args) -> None:
                             "--experts C-D --token TOKEN --trust-issuer PEER_ID to download its slice")
         return
     from p2pswarm.model.slicer import parse_range
-    from p2pswarm.net.tokens import load_token
+    from p2pswarm.net.signed.tokens import load_token
 
     if not re.fullmatch(r"[0-9a-fA-F]{64}", args.model):
         raise UserError(f"--model {args.model[:70]!r}: a worker takes a model fingerprint (64 hex digits) "

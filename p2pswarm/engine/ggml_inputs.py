@@ -21,7 +21,7 @@ import numpy as np
 
 #: Forms input rows may take instead of float32: ggml's own quantised layouts, name -> (ggml type,
 #: values per block, bytes per block); each is what ggml itself turns float32 rows into before the
-#: mat-mul. The expert protocol carries rows in them (p2pswarm.net.expert_protocol).
+#: mat-mul. The expert protocol carries rows in them (p2pswarm.net.wire.expert_protocol).
 INPUT_FORMS = {"q8_K": (15, 256, 292), "q8_0": (8, 32, 34), "q8_1": (9, 32, 36), "f16": (1, 1, 2),
                "bf16": (30, 1, 2)}
 _FORM_OF_TYPE = {t: name for name, (t, _, _) in INPUT_FORMS.items()}

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from p2pswarm.net.signed import SignedError, field_int, field_str, open_sealed, seal
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import NAMESPACE, RecordError
+from p2pswarm.net.signed.envelope import SignedError, field_int, field_str, open_sealed, seal
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import NAMESPACE, RecordError
 
 if TYPE_CHECKING:  # for the annotation only: the async methods import trio where they run
     import trio

@@ -34,8 +34,8 @@ import msgpack
 import numpy as np
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import newest_index, open_signed
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import newest_index, open_signed
 
 log = logging.getLogger("p2pswarm.market")
 
@@ -319,7 +319,7 @@ class DemandPublisher:
     async def run(self, *, task_status=None) -> None:
         import trio
 
-        from p2pswarm.net.addrs import error_reason
+        from p2pswarm.net.libp2p.addrs import error_reason
 
         first = True
         while True:

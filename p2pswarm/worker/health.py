@@ -23,7 +23,7 @@ def worker_health(peer_id: str, stats, shards: list[str], dht=None) -> dict:
     refused = dict(stats.refused_by)
     users = set(stats.peers) - set(refused)
     status = "serving" if not refused else ("partly refused" if users else "refused")
-    w = stats.wire  # every connection's bytes, as the frames met the transport (p2pswarm.net.wire_bytes)
+    w = stats.wire  # every connection's bytes, as the frames met the transport (p2pswarm.net.wire.counting)
     total = w.sent + w.received
     return {"status": status, "peer_id": peer_id, "shards": shards, "requests": stats.requests, "rows": stats.rows,
             "backbones_served": len(stats.peers), "refused_by": refused,

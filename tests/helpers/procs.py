@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from p2pswarm.net.identity import Identity, load_or_create_identity
+from p2pswarm.net.signed.identity import Identity, load_or_create_identity
 
 
 def free_port(host: str = "127.0.0.1") -> int:

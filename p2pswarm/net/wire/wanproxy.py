@@ -4,8 +4,8 @@ and bandwidth cap. For tests and benchmarks (``tc netem`` does not exist on thes
     async with open_wan_proxy(("127.0.0.1", worker_port), delay_s=0.025) as proxy:
         ...  # the worker runs with --announce /ip4/127.0.0.1/tcp/{proxy.port}
 
-    python -m p2pswarm.net.wanproxy --target 127.0.0.1:4001 --rtt-ms 50 [--jitter-ms 2] [--mbps 100]
-    python -m p2pswarm.net.wanproxy --target 127.0.0.1:4001 --target 127.0.0.1:4002 --rtt-ms 50
+    python -m p2pswarm.net.wire.wanproxy --target 127.0.0.1:4001 --rtt-ms 50 [--jitter-ms 2] [--mbps 100]
+    python -m p2pswarm.net.wire.wanproxy --target 127.0.0.1:4001 --target 127.0.0.1:4002 --rtt-ms 50
         [--up-mbps 100 --down-mbps 20] [--shared-up-mbps 100 --shared-down-mbps 100]
 
 With several ``--target`` s one process emulates one link per target, each on a listening port of
@@ -261,7 +261,7 @@ def _nonneg(s: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m p2pswarm.net.wanproxy",
+    ap = argparse.ArgumentParser(prog="python -m p2pswarm.net.wire.wanproxy",
                                  description="TCP proxy emulating a WAN link (delay, jitter, bandwidth cap). "
                                              "Prints READY HOST:PORT once listening.")
     ap.add_argument("--target", type=_hostport, action="append", required=True,

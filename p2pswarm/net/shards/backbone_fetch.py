@@ -3,7 +3,7 @@ fingerprint: ``node --role backbone --model FINGERPRINT --token T --trust-issuer
 
 Why: the dense part of DeepSeek-V3 is ~5 % of its 380 GB; a backbone that keeps its experts as a
 bounded cache (``--expert-cache``) needs no more than that on disk. The download is the workers'
-(:mod:`p2pswarm.net.shard_fetch`) with dense tensors for slabs: the same protocol
+(:mod:`p2pswarm.net.shards.fetch`) with dense tensors for slabs: the same protocol
 (``/p2pswarm/shard/1.0.0``, a ``chunk`` with ``expert`` None), the same token gate (a token that
 grants every layer and expert: ``token issue --allow shard:FINGERPRINT``; only a full-model
 source - ``serve-shards``, a ``--manifest`` backbone - serves it), the same checks (the signed
@@ -25,8 +25,8 @@ import trio
 from p2pswarm.errors import SwarmError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import ManifestError, ModelManifest
-from p2pswarm.net.shard_fetch import NO_SOURCE, FetchStats, _connect_all, _manifest_and_header, _Slab, fetch_into
-from p2pswarm.net.shard_wire import SHARD_PROTOCOL_VERSION, Progress, ShardTransferError
+from p2pswarm.net.shards.fetch import NO_SOURCE, FetchStats, _connect_all, _manifest_and_header, _Slab, fetch_into
+from p2pswarm.net.shards.wire import SHARD_PROTOCOL_VERSION, Progress, ShardTransferError
 
 log = logging.getLogger("p2pswarm.shard")
 

@@ -3,7 +3,7 @@
 Why this shape:
 
 * **Token-gated.** Serving experts costs the server bandwidth, so every stream starts with a
-  ``hello`` carrying a node token; the server checks it (:class:`p2pswarm.net.tokens.TokenGate`)
+  ``hello`` carrying a node token; the server checks it (:class:`p2pswarm.net.signed.tokens.TokenGate`)
   against the peer id Noise authenticated for the connection and the exact range asked for
   (:func:`shard_scope`). Nothing - not even the manifest - is served before that.
 * **Trust the manifest, not the server.** The client checks the model's signed manifest (a trusted
@@ -18,13 +18,13 @@ Why this shape:
   (:func:`p2pswarm.model.slicer.plan_expert_shard`) from the source header bytes (checked against
   the manifest), so a downloaded shard equals ``slice_experts`` on the full model.
 
-Messages (msgpack maps in :mod:`p2pswarm.net.framing` frames; see docs/protocol.md): ``hello``,
+Messages (msgpack maps in :mod:`p2pswarm.net.wire.framing` frames; see docs/protocol.md): ``hello``,
 ``manifest``, ``header``, ``chunk`` (one piece, at most ``chunk_max`` bytes, of one expert's slab
 of one tensor). Hashing and file I/O run in threads (``trio.to_thread``), off the event loop.
 
-The pieces: :mod:`~p2pswarm.net.shard_wire` (protocol id, limits, packing),
-:mod:`~p2pswarm.net.shard_server` (:class:`ShardServer`, the source sidecar) and
-:mod:`~p2pswarm.net.shard_fetch` (:func:`fetch_slice`, its journal); this module finds and
+The pieces: :mod:`~p2pswarm.net.shards.wire` (protocol id, limits, packing),
+:mod:`~p2pswarm.net.shards.server` (:class:`ShardServer`, the source sidecar) and
+:mod:`~p2pswarm.net.shards.fetch` (:func:`fetch_slice`, its journal); this module finds and
 advertises sources through the DHT (callers import each name from the module that defines it).
 """
 from __future__ import annotations
@@ -37,13 +37,13 @@ from pathlib import Path
 import trio
 
 from p2pswarm.model.manifest import ModelManifest
-from p2pswarm.net.shard_fetch import FetchStats, _existing_shard_matches, fetch_slice
-from p2pswarm.net.shard_server import ShardServer, load_source_sidecar, serve_shards
-from p2pswarm.net.shard_wire import (
+from p2pswarm.net.shards.fetch import FetchStats, _existing_shard_matches, fetch_slice
+from p2pswarm.net.shards.server import ShardServer, load_source_sidecar, serve_shards
+from p2pswarm.net.shards.wire import (
     PROTOCOL_SHARD, SOURCE_KEY_PREFIX, Progress,
     ShardTransferError,
 )
-from p2pswarm.net.tokens import TokenGate
+from p2pswarm.net.signed.tokens import TokenGate
 
 log = logging.getLogger("p2pswarm.shard")
 

@@ -2,7 +2,7 @@
 
 The library serves the Kademlia wire protocol (routing table, FIND_NODE, ADD_PROVIDER,
 GET_PROVIDERS, PUT_VALUE, GET_VALUE); its private limits and ``add_peer`` are patched by
-:func:`p2pswarm.net.libp2p_kad_patches.patch_kad` (the table in :mod:`p2pswarm.net.libp2p_patches`). Look-ups, provides and value puts
+:func:`p2pswarm.net.libp2p.kad_patches.patch_kad` (the table in :mod:`p2pswarm.net.libp2p.patches`). Look-ups, provides and value puts
 we do ourselves (:meth:`SwarmDHT.find_providers`, :meth:`SwarmDHT.get_values`,
 :meth:`SwarmDHT.provide`, :meth:`SwarmDHT.put_value`): a few dozen lines over the same wire
 protocol and the library's per-peer helpers, because the library's own versions are wrong for us.
@@ -50,13 +50,13 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 
 from p2pswarm.errors import SwarmError, UserError, clip
-from p2pswarm.net import libp2p_kad_patches, libp2p_patches
+from p2pswarm.net.libp2p import kad_patches as libp2p_kad_patches, patches as libp2p_patches
 from p2pswarm.errors import single_error
-from p2pswarm.net.addrs import NetError, error_reason
-from p2pswarm.net.host import NetHost
+from p2pswarm.net.libp2p.addrs import NetError, error_reason
+from p2pswarm.net.libp2p.host import NetHost
 # the kad protocol id is ours only because of the patch that rebinds the library's constant
-from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
-from p2pswarm.net.records import (NAMESPACE, NodeRecord, NodeRecordValidator, RecordError, RecordKind,
+from p2pswarm.net.libp2p.kad_patches import KAD_PROTOCOL
+from p2pswarm.net.signed.records import (NAMESPACE, NodeRecord, NodeRecordValidator, RecordError, RecordKind,
                                   node_record_key)
 
 log = logging.getLogger("p2pswarm.net")
@@ -91,7 +91,7 @@ class SwarmDHT:
 
     def __init__(self, net: NetHost, *, server: bool, kinds: Mapping[str, RecordKind]):
         """``kinds``: the record kinds besides node records this DHT stores and reads (see
-        :class:`p2pswarm.net.records.NodeRecordValidator`)."""
+        :class:`p2pswarm.net.signed.records.NodeRecordValidator`)."""
         libp2p_patches.apply()  # our kad protocol id must be bound before a KadDHT is built
         self.net = net
         self.server = server

@@ -1,5 +1,5 @@
 """The downloading side of ``/p2pswarm/shard/1.0.0``: :func:`fetch_slice` and what it needs
-(sessions, the resume journal, verification on disk). Split from ``shard_transfer.py``;
+(sessions, the resume journal, verification on disk). Split from ``transfer.py``;
 the module doc there says why the download is shaped as it is."""
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from p2pswarm.errors import FrameError, SwarmError, clip, leaves
 from p2pswarm.model.gguf_read import field_value
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import ManifestError, ModelManifest
-from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.shard_server import _write_source_sidecar
-from p2pswarm.net.shard_wire import (
+from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.shards.server import _write_source_sidecar
+from p2pswarm.net.shards.wire import (
     JOURNAL_EVERY_S, MAX_ATTEMPTS, MAX_CONTROL_FRAME, PROTOCOL_SHARD, REQUEST_TIMEOUT_S, SHARD_PROTOCOL_VERSION,
     STREAMS_PER_SOURCE, Progress, ShardTransferError, _pack, _unpack,
 )
-from p2pswarm.net.tokens import shard_scope
+from p2pswarm.net.signed.tokens import shard_scope
 
 log = logging.getLogger("p2pswarm.shard")
 
@@ -224,7 +224,7 @@ async def fetch_into(out: Path, net, sessions: list, per_source: dict, hello: di
     journal (``meta`` names what the part holds: a journal of anything else starts over), re-read
     and verified against the manifest from disk (one more round for what fails), then renamed to
     ``out``. Shared by a worker's slice (:func:`fetch_shard`) and a backbone's dense part
-    (:mod:`p2pswarm.net.backbone_fetch`). ``before_replace``: an async callable run just before the
+    (:mod:`p2pswarm.net.shards.backbone_fetch`). ``before_replace``: an async callable run just before the
     rename (a slice's ``.source`` sidecar)."""
     from p2pswarm.model.slicer import patch_header
 

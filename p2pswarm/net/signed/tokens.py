@@ -40,8 +40,8 @@ from pathlib import Path
 import msgpack
 
 from p2pswarm.errors import SwarmError, UserError
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import short_str
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import short_str
 from p2pswarm.signatures import peer_public_key, verify_peer_signature
 
 log = logging.getLogger("p2pswarm.tokens")

@@ -1,8 +1,8 @@
-"""py-libp2p 0.8.1 workarounds for one host, applied by :func:`p2pswarm.net.host.open_host`: our
+"""py-libp2p 0.8.1 workarounds for one host, applied by :func:`p2pswarm.net.libp2p.host.open_host`: our
 connection settings and limits, no auto-connector, forgetting stale addresses and dead connections,
 closing connections at once, a busy port refused, and our WebSocket transports.
 
-Each trap, its reason and its regression test are in the table of :mod:`p2pswarm.net.libp2p_patches`,
+Each trap, its reason and its regression test are in the table of :mod:`p2pswarm.net.libp2p.patches`,
 whose checked list names every private name these functions rely on.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import trio
 from libp2p.network.config import ConnectionConfig, RetryConfig
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.addrs import error_reason
+from p2pswarm.net.libp2p.addrs import error_reason
 
 log = logging.getLogger("p2pswarm.net")
 

@@ -15,8 +15,8 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.kademlia import SwarmDHT
-from p2pswarm.net.records import CoverageUnit, NodeRecord, ShardEntry, model_key
+from p2pswarm.net.dht.kademlia import SwarmDHT
+from p2pswarm.net.signed.records import CoverageUnit, NodeRecord, ShardEntry, model_key
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -108,7 +108,7 @@ class CoverageResolver:
     record, and a unit's owners are the known peers whose live record covers it.
 
     ``refresh()`` discovers providers through the **model index** first: every worker provides
-    the model key (:func:`~p2pswarm.net.records.model_key`) besides its units, so one look-up of it
+    the model key (:func:`~p2pswarm.net.signed.records.model_key`) besides its units, so one look-up of it
     lists every worker of the model, whatever its block size, and their records give the whole map.
     That is 1 + (workers) look-ups instead of one per unit: the 122B's 1,568 units from 16
     workers take 17 look-ups, not 1,568 (docs/benchmarks.md, "Coverage map at scale"). It then

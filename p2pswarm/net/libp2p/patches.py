@@ -9,13 +9,13 @@ to re-check, as the tests below will) and that every private name a patch replac
 handshake). Every patch has a regression test that fails without it; most have a
 ``*_trap_still_present`` control that fails once the library no longer needs it.
 
-The patches live in three modules by what they patch: :mod:`p2pswarm.net.libp2p_stream_patches`
-(a connection's byte path), :mod:`p2pswarm.net.libp2p_host_patches` (one host) and
-:mod:`p2pswarm.net.libp2p_kad_patches` (the DHT). This module is their register: the tables below,
+The patches live in three modules by what they patch: :mod:`p2pswarm.net.libp2p.stream_patches`
+(a connection's byte path), :mod:`p2pswarm.net.libp2p.host_patches` (one host) and
+:mod:`p2pswarm.net.libp2p.kad_patches` (the DHT). This module is their register: the tables below,
 the checked list of private names, and :func:`apply`.
 
-Process-wide patches (:func:`apply`, called by :func:`p2pswarm.net.host.open_host` and
-:class:`p2pswarm.net.kademlia.SwarmDHT`; idempotent):
+Process-wide patches (:func:`apply`, called by :func:`p2pswarm.net.libp2p.host.open_host` and
+:class:`p2pswarm.net.dht.kademlia.SwarmDHT`; idempotent):
 
 =============================================  =================================================  ==============================================================
 trap (py-libp2p 0.8.1)                          patch                                              regression test
@@ -87,10 +87,10 @@ routing table (client-mode phones too).         only once identify says it serve
 =============================================  =================================================  ==============================================================
 
 Not patches, but our own protocol code over the library's wire helpers, because the library's
-versions are wrong for us (in :mod:`p2pswarm.net.kademlia`, each with its ``test_workaround_*`` in
+versions are wrong for us (in :mod:`p2pswarm.net.dht.kademlia`, each with its ``test_workaround_*`` in
 tests/test_net_dht.py): look-ups that never answer from a stale local copy, ``put_value`` that
 reaches the closest peers for namespaced keys, de-duplicated provider look-ups, and provides that
-never send an empty address list. :class:`p2pswarm.net.stream.StreamAdapter` (read-ahead, whole
+never send an empty address list. :class:`p2pswarm.net.libp2p.stream.StreamAdapter` (read-ahead, whole
 reads, EOF as ``b""``; tests/test_net_host.py::test_workaround_read_ahead_keeps_a_stalled_reader_from_resetting_the_writer
 and ``test_frames_cross_a_libp2p_stream_intact``) is an adapter, not a patch.
 
@@ -119,8 +119,8 @@ import logging
 import types
 
 from p2pswarm.errors import InternalError
-from p2pswarm.net.libp2p_kad_patches import install_kad_protocol_id, raise_providers_per_key
-from p2pswarm.net.libp2p_stream_patches import (install_buffered_tcp_reads, install_coalesced_writes,
+from p2pswarm.net.libp2p.kad_patches import install_kad_protocol_id, raise_providers_per_key
+from p2pswarm.net.libp2p.stream_patches import (install_buffered_tcp_reads, install_coalesced_writes,
                                                 install_relayed_identify_fix, install_window_update_batching,
                                                 install_write_shield)
 
@@ -222,7 +222,7 @@ def check_targets() -> None:
             found = isinstance(obj, type) and _constructor_sets(obj, instance_attr)
         if not found:
             raise PatchError(f"py-libp2p {installed_version()} has no {module}.{path}, which {patch} "
-                             f"relies on (written for {LIBP2P_VERSION}): update p2pswarm/net/libp2p_patches.py")
+                             f"relies on (written for {LIBP2P_VERSION}): update p2pswarm/net/libp2p/patches.py")
 
 
 def apply() -> None:
@@ -237,7 +237,7 @@ def apply() -> None:
     version = installed_version()
     if version != LIBP2P_VERSION:
         log.warning("py-libp2p %s installed, p2pswarm's workarounds are for %s: run the regression tests "
-                    "listed in p2pswarm/net/libp2p_patches.py before trusting this combination", version, LIBP2P_VERSION)
+                    "listed in p2pswarm/net/libp2p/patches.py before trusting this combination", version, LIBP2P_VERSION)
     check_targets()
     install_write_shield()
     install_window_update_batching()

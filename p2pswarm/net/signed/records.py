@@ -35,9 +35,9 @@ import msgpack
 import multiaddr
 
 from p2pswarm.errors import SwarmError, UserError
-from p2pswarm.net.expert_protocol import MAX_KERNEL_ID_CHARS
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.signed import SignedError, open_sealed
+from p2pswarm.net.wire.expert_protocol import MAX_KERNEL_ID_CHARS
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.envelope import SignedError, open_sealed
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -261,7 +261,7 @@ class NodeRecord:
 
 def open_signed(data: bytes, *, what: str, error: type[UserError], max_bytes: int, version: int, domain: bytes,
                 peer: str | None) -> tuple[dict, str]:
-    """Open a signed record (:func:`p2pswarm.net.signed.open_sealed`, signer in ``body["peer"]``),
+    """Open a signed record (:func:`p2pswarm.net.signed.envelope.open_sealed`, signer in ``body["peer"]``),
     then check its version and, given ``peer``, that it names that peer; returns (body map, signer
     peer id). ``error`` (one line naming ``what``) for anything else. Node and demand records use it."""
     try:

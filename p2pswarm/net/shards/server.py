@@ -1,6 +1,6 @@
 """The serving side of ``/p2pswarm/shard/1.0.0``: :class:`ShardServer` answers token holders
 from a full model or from a worker's own slice, and the ``OUT.source`` sidecar that lets a worker
-serve its slice onwards. Split from ``shard_transfer.py``."""
+serve its slice onwards. Split from ``transfer.py``."""
 from __future__ import annotations
 
 import hashlib
@@ -16,11 +16,11 @@ import trio
 from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.model.layout import EXPERT_TENSOR_RE, ModelLayout
 from p2pswarm.model.manifest import ManifestError, ModelManifest, model_fingerprint, source_fingerprint
-from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.shard_wire import (
+from p2pswarm.net.wire.framing import FrameReader, send_frame
+from p2pswarm.net.shards.wire import (
     CHUNK_MAX, MAX_CONTROL_FRAME, PROTOCOL_SHARD, SHARD_PROTOCOL_VERSION, _pack, _range_of, _unpack,
 )
-from p2pswarm.net.tokens import TokenError, TokenGate, shard_scope
+from p2pswarm.net.signed.tokens import TokenError, TokenGate, shard_scope
 
 log = logging.getLogger("p2pswarm.shard")
 
@@ -219,7 +219,7 @@ class ShardServer:
 
 
 def serve_shards(net, model_path, manifest: ModelManifest, gate: TokenGate, **kw) -> ShardServer:
-    """Serve ``/p2pswarm/shard/1.0.0`` on ``net`` (a :class:`p2pswarm.net.host.NetHost`) from a full
+    """Serve ``/p2pswarm/shard/1.0.0`` on ``net`` (a :class:`p2pswarm.net.libp2p.host.NetHost`) from a full
     model file, or from an expert shard with ``source_header=`` (see :func:`load_source_sidecar`).
     Returns the server (its ``stats``, ``held`` range, and ``gate.refused``/``gate.accepted``)."""
     server = ShardServer(model_path, manifest, gate, **kw)

@@ -1,5 +1,5 @@
 """The wire of ``/p2pswarm/shard/1.0.0`` shared by its server and client: the protocol id,
-limits, msgpack packing and the field checks. Split from ``shard_transfer.py``; the
+limits, msgpack packing and the field checks. Split from ``transfer.py``; the
 protocol is described there and in docs/protocol.md."""
 from __future__ import annotations
 

@@ -2,11 +2,11 @@
 v2), explicit addresses, our framing.
 
 Everything in p2pswarm that touches libp2p goes through :func:`open_host` and :class:`NetHost`.
-The library's quirks are worked around in :mod:`p2pswarm.net.libp2p_patches` (its docstring has the
+The library's quirks are worked around in :mod:`p2pswarm.net.libp2p.patches` (its docstring has the
 table: trap -> patch -> regression test); ``open_host`` applies them (``libp2p_patches.apply()``,
-once per process) and uses its per-host helpers (:mod:`p2pswarm.net.libp2p_host_patches`).
-Addresses and one-line errors live in :mod:`p2pswarm.net.addrs`, the trio view of a libp2p stream
-in :mod:`p2pswarm.net.stream`.
+once per process) and uses its per-host helpers (:mod:`p2pswarm.net.libp2p.host_patches`).
+Addresses and one-line errors live in :mod:`p2pswarm.net.libp2p.addrs`, the trio view of a libp2p stream
+in :mod:`p2pswarm.net.libp2p.stream`.
 
 What the host itself does, and why:
 
@@ -51,11 +51,11 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from p2pswarm import settings
 from p2pswarm.errors import SwarmError, UserError
-from p2pswarm.net import libp2p_host_patches, libp2p_patches
+from p2pswarm.net.libp2p import host_patches as libp2p_host_patches, patches as libp2p_patches
 from p2pswarm.errors import single_error
-from p2pswarm.net.addrs import DEFAULT_LISTEN, NetError, check_listen_addrs, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr, parse_peer_addr
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.stream import DEFAULT_READ_AHEAD, StreamAdapter
+from p2pswarm.net.libp2p.addrs import DEFAULT_LISTEN, NetError, check_listen_addrs, error_reason, id_mismatch, is_circuit_addr, is_wildcard, parse_multiaddr, parse_peer_addr
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.libp2p.stream import DEFAULT_READ_AHEAD, StreamAdapter
 
 log = logging.getLogger("p2pswarm.net")
 
@@ -188,7 +188,7 @@ class NetHost:
                 text = f"{text}/p2p/{peer.to_base58()}"
             try:
                 if self.relay_token:
-                    from p2pswarm.net.relay_token import present_token  # only for relayed dials
+                    from p2pswarm.net.libp2p.relay_token import present_token  # only for relayed dials
 
                     relay_part = text.split("/p2p-circuit", 1)[0]
                     await present_token(self, relay_part, self.relay_token)
@@ -204,12 +204,12 @@ class NetHost:
 
     def _replace_addrs(self, info: PeerInfo) -> None:
         """Make ``info.addrs`` the only addresses we know for the peer (see
-        :func:`~p2pswarm.net.libp2p_host_patches.forget_peer_addrs`); the caller dials them."""
+        :func:`~p2pswarm.net.libp2p.host_patches.forget_peer_addrs`); the caller dials them."""
         libp2p_host_patches.forget_peer_addrs(self.host, info.peer_id)
 
     async def forget_dead_connections(self, peer: ID) -> bool:
         """Drop connections to ``peer`` that are closed but still registered; True if any were
-        (:func:`~p2pswarm.net.libp2p_host_patches.drop_dead_connections`). Callers retrying after a
+        (:func:`~p2pswarm.net.libp2p.host_patches.drop_dead_connections`). Callers retrying after a
         failed stream call this first."""
         return await libp2p_host_patches.drop_dead_connections(self.host, peer)
 
@@ -377,7 +377,7 @@ async def open_host(identity: Identity, listen: Sequence[str] = (DEFAULT_LISTEN,
                 net = NetHost(identity, host, nursery, announce_addrs, read_ahead,
                               circuit=_circuit_transport(host, circuit_proto))
                 if settings.RELAY_TOKEN.is_set:
-                    from p2pswarm.net.tokens import load_token
+                    from p2pswarm.net.signed.tokens import load_token
 
                     net.relay_token = load_token(settings.RELAY_TOKEN.raw() or "")
                 if len(net.transport_addrs()) < len(listen_addrs):

@@ -3,7 +3,7 @@ shielded from cancellation, window updates batched, a stream write's frames coal
 Noise messages, TCP reads buffered; and no identify observed address on a relayed connection.
 
 Each replaces a private method of the library's classes for the whole process (idempotent), is
-applied by :func:`p2pswarm.net.libp2p_patches.apply`, and has its trap, reason and regression test
+applied by :func:`p2pswarm.net.libp2p.patches.apply`, and has its trap, reason and regression test
 in the table there; the private names each relies on are in that module's checked list.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import cast
 
 import trio
 
-from p2pswarm.net.addrs import is_circuit_addr
+from p2pswarm.net.libp2p.addrs import is_circuit_addr
 
 log = logging.getLogger("p2pswarm.net")
 

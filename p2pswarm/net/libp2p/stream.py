@@ -2,9 +2,9 @@
 
 py-libp2p 0.8.1's ``stream.read(n)`` returns at most one yamux frame (65,524 bytes) whatever ``n``
 is and raises ``StreamEOF`` instead of returning ``b""``; and yamux resets a writer whose reader has
-not read for 5 s with its receive window full. The adapter gives :mod:`p2pswarm.net.framing` the
+not read for 5 s with its receive window full. The adapter gives :mod:`p2pswarm.net.wire.framing` the
 ``receive_some``/``send_all`` interface it expects and reads ahead in a bounded background task, so
-a busy consumer never makes its peer's write fail (catalogued in :mod:`p2pswarm.net.libp2p_patches`)."""
+a busy consumer never makes its peer's write fail (catalogued in :mod:`p2pswarm.net.libp2p.patches`)."""
 from __future__ import annotations
 
 import trio
@@ -86,7 +86,7 @@ class StreamAdapter:
     async def receive_some(self, max_bytes: int | None = None, *, at_least: int = 1) -> bytes:
         """Up to ``max_bytes`` bytes; ``b""`` at EOF. With read-ahead running, wait until
         ``at_least`` bytes are buffered (or EOF): a reader that knows how much it needs (the rest
-        of a frame, :class:`~p2pswarm.net.framing.FrameReader`) is woken once for a frame that
+        of a frame, :class:`~p2pswarm.net.wire.framing.FrameReader`) is woken once for a frame that
         arrives in several yamux frames, not once per yamux frame."""
         if self._closed:
             raise trio.ClosedResourceError("stream was closed")

@@ -28,8 +28,8 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from p2pswarm.errors import UserError, clip
-from p2pswarm.net.addrs import circuit_addr, error_reason, parse_peer_addr
-from p2pswarm.net.relay_token import RelayRefused, present_token
+from p2pswarm.net.libp2p.addrs import circuit_addr, error_reason, parse_peer_addr
+from p2pswarm.net.libp2p.relay_token import RelayRefused, present_token
 
 log = logging.getLogger("p2pswarm.relay")
 
@@ -52,7 +52,7 @@ def _status_name(code: int) -> str:
 class RelayKeeper:
     """Holds a reservation on one relay out of ``relays`` (one address or several), moving to
     another when its relay dies, is full or refuses us. ``discover()``, when given, returns more
-    candidates (relays found in the DHT, :func:`p2pswarm.net.relay_discovery.find_relays`): asked when no given
+    candidates (relays found in the DHT, :func:`p2pswarm.net.libp2p.relay_discovery.find_relays`): asked when no given
     relay works, and when the current one is lost."""
 
     def __init__(self, net, relays: str | Sequence[str], token: str | None, *, on_reserved=None,

@@ -1,5 +1,5 @@
 """The provider side of the swarm DHT: a worker's signed node record and its provider records
-(:class:`ShardAdvertiser`). Keys and record formats: :mod:`p2pswarm.net.records`, docs/protocol.md."""
+(:class:`ShardAdvertiser`). Keys and record formats: :mod:`p2pswarm.net.signed.records`, docs/protocol.md."""
 from __future__ import annotations
 
 import logging
@@ -11,10 +11,10 @@ from typing import Sequence
 import trio
 
 from p2pswarm.errors import SwarmError, UserError
-from p2pswarm.net.addrs import error_reason
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.kademlia import REPROVIDE_S, SwarmDHT
-from p2pswarm.net.records import (DEFAULT_RECORD_TTL_S, NodeRecord, RecordError, ShardEntry, model_key,
+from p2pswarm.net.libp2p.addrs import error_reason
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.dht.kademlia import REPROVIDE_S, SwarmDHT
+from p2pswarm.net.signed.records import (DEFAULT_RECORD_TTL_S, NodeRecord, RecordError, ShardEntry, model_key,
                                   node_record_key, units_for)
 
 log = logging.getLogger("p2pswarm.net")
@@ -22,7 +22,7 @@ log = logging.getLogger("p2pswarm.net")
 
 class ShardAdvertiser:
     """Publishes this node's signed record and provides every coverage unit of its shards (and its
-    model's :func:`~p2pswarm.net.records.model_key`); re-publishes the record every ``refresh_s``
+    model's :func:`~p2pswarm.net.signed.records.model_key`); re-publishes the record every ``refresh_s``
     (a third of its TTL) and the provider records every ``reprovide_s``; withdraws on clean shutdown.
 
     Two cadences because they do different jobs. The record is the liveness signal: short-lived

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgpack
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.signatures import verify_peer_signature
 
 

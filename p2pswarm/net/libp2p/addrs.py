@@ -107,7 +107,7 @@ def id_mismatch(exc: BaseException) -> str | None:
 def check_listen_addrs(addrs: Sequence[multiaddr.Multiaddr], *, tls: bool) -> None:
     """TCP, WebSocket (``/ws``) or TLS WebSocket (``/wss``, needs a certificate) over IPv4/IPv6;
     no two of them on one host and port (py-libp2p puts listeners sharing a port behind its demultiplexer, which breaks
-    WebSocket upgrades: see p2pswarm.net.libp2p_patches)."""
+    WebSocket upgrades: see p2pswarm.net.libp2p.patches)."""
     seen: dict[tuple[str, str], multiaddr.Multiaddr] = {}
     for a in addrs:
         names = [p.name for p in a.protocols()]

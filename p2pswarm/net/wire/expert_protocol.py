@@ -16,7 +16,7 @@ import numpy as np
 from p2pswarm import settings
 from p2pswarm.engine.ggml_inputs import INPUT_FORMS
 from p2pswarm.errors import FrameError, clip
-from p2pswarm.net import wire_codec, wire_precision
+from p2pswarm.net.wire import codec as wire_codec, precision as wire_precision
 
 PROTOCOL_VERSION = 1
 #: The libp2p protocol id of these messages (docs/protocol.md); plain strings, so the socket
@@ -27,7 +27,7 @@ ALLOWED_DTYPES = {"<f4": np.float32, "<i4": np.int32}
 # the kernel that makes them): a worker's hello lists those it takes ("input_forms"; an older worker
 # none: it gets float32); a request's rows map then has that name as its "dtype", the shape in
 # values (n, n_embd) and n * row bytes of data.
-#: Wire-only forms of an input form (p2pswarm.net.wire_codec): name -> (the form it stands for, bytes
+#: Wire-only forms of an input form (p2pswarm.net.wire.codec): name -> (the form it stands for, bytes
 #: per block on the wire, pack, unpack). A worker lists such a name in its hello's "input_forms" when it
 #: takes that form; the rows arrive as the full form after unpacking, the same bytes.
 PACKED_FORMS = {wire_codec.Q8_K_PACKED: ("q8_K", 260, wire_codec.pack_q8_K, wire_codec.unpack_q8_K)}
@@ -158,7 +158,7 @@ class ComputeRequest:
     #: uint8 in that form (the worker's layer must take exactly that form)
     form: str | None = None
     #: None: outputs as float32; "f16"/"bf16": rounded to that and sent in 16 bits
-    #: (p2pswarm.net.wire_precision; an older worker ignores it and sends float32)
+    #: (p2pswarm.net.wire.precision; an older worker ignores it and sends float32)
     out: str | None = None
     #: send ``rows`` in the form's packed wire form (the worker's hello listed it)
     packed: bool = False

@@ -3,13 +3,13 @@
 Why: bandwidth, not round trips, bounds this design on real networks: every routed
 expert's input and output rows cross the wire each layer of each token. :class:`CountingStream`
 wraps the trio byte stream a connection's frames travel on (a TCP socket, a
-:class:`~p2pswarm.net.stream.StreamAdapter` over a libp2p stream, a direct lane's sealed stream)
+:class:`~p2pswarm.net.libp2p.stream.StreamAdapter` over a libp2p stream, a direct lane's sealed stream)
 and adds every byte of ``send_all`` and ``receive_some`` to a :class:`WireBytes`: frame headers
-(8 bytes a frame, :mod:`p2pswarm.net.framing`), the handshake, echoes and receipts included. Over
+(8 bytes a frame, :mod:`p2pswarm.net.wire.framing`), the handshake, echoes and receipts included. Over
 a plain TCP connection that is exactly what the socket carries (a test checks it against a proxy
 that counts what it forwards); below it are TCP/IP headers (~52 bytes a segment of up to ~1448) and,
 on libp2p, Noise (16 bytes of MAC + 2 of length a message) and yamux (12 bytes a frame of up to
-65,524), or the direct lane's sealing (:mod:`p2pswarm.net.direct`), none of which is counted.
+65,524), or the direct lane's sealing (:mod:`p2pswarm.net.wire.direct`), none of which is counted.
 
 A :class:`WireBytes` may have a ``parent`` (the backbone's total over all its owners, past ones
 included), to which everything counted is added too.

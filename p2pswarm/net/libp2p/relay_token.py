@@ -12,7 +12,7 @@ import msgpack
 import trio
 
 from p2pswarm.errors import UserError, clip
-from p2pswarm.net.framing import FrameReader, send_frame
+from p2pswarm.net.wire.framing import FrameReader, send_frame
 
 PROTOCOL_TOKEN = "/p2pswarm/token/1.0.0"
 MAX_TOKEN_FRAME = 16 << 10

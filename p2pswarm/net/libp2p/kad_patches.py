@@ -1,9 +1,9 @@
 """py-libp2p 0.8.1 workarounds for its Kademlia DHT: our protocol id bound in every kad module and
-more providers per key kept (process-wide, applied by :func:`p2pswarm.net.libp2p_patches.apply`),
+more providers per key kept (process-wide, applied by :func:`p2pswarm.net.libp2p.patches.apply`),
 and a KadDHT's private rate limits raised and its ``add_peer`` routed through ours
-(:func:`patch_kad`, per :class:`p2pswarm.net.kademlia.SwarmDHT`).
+(:func:`patch_kad`, per :class:`p2pswarm.net.dht.kademlia.SwarmDHT`).
 
-Each trap, its reason and its regression test are in the table of :mod:`p2pswarm.net.libp2p_patches`,
+Each trap, its reason and its regression test are in the table of :mod:`p2pswarm.net.libp2p.patches`,
 whose checked list names every private name these functions rely on.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Scale-out (one relay process carries ~25 relayed workers at 10 requests/s on Web
 docs/benchmarks.md) means adding relay processes, and adding one must be trivial: start it with
 ``--bootstrap`` pointing into the swarm and it provides :data:`RELAY_KEY` (re-provided every
 :data:`REPROVIDE_S`). A worker behind NAT asks the DHT for that key's providers to learn every
-relay's advertised address, picks among them (:class:`p2pswarm.net.relay_client.RelayKeeper`: in random order,
+relay's advertised address, picks among them (:class:`p2pswarm.net.libp2p.relay_client.RelayKeeper`: in random order,
 moving on when a relay is full or unreachable), and moves to another when its relay dies. No relay
 knows about any other; backbones dial each worker through the relay its signed record names.
 """
@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 import trio
 
-from p2pswarm.net.addrs import error_reason, is_circuit_addr
+from p2pswarm.net.libp2p.addrs import error_reason, is_circuit_addr
 
 log = logging.getLogger("p2pswarm.relay")
 
