@@ -213,7 +213,7 @@ async def compute_bound(model: Path, kernel: str, n: int, tokens: int) -> float:
     """Tokens/s of n concurrent requests through a monolithic backbone's scheduler (no network)."""
     from p2pswarm.backbone.scheduler import Params, Scheduler
     from p2pswarm.backbone.session import open_backbone
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model)
     async with open_backbone(model, workers=0, kernel=kernel) as mono:

@@ -102,7 +102,7 @@ async def capture_batch(model: Path, n: int, steps: int) -> tuple[list[bytes], l
     prompts, one prefill step, then ``steps`` greedy decode steps): (prefill outputs, decode outputs,
     the share of the prefill's output rows that repeat another row of the same call, byte for byte:
     prompts that share a prefix share its hidden states, hence those rows)."""
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model)
     pre, dec, dup = [], [], []

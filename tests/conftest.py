@@ -128,7 +128,7 @@ def engine_trace(path, tokens) -> tuple[np.ndarray, dict[str, list]]:
     from p2pswarm.backbone.runner import combine, expert_groups
     from p2pswarm.engine import ops
     from p2pswarm.engine.arch import load_dense
-    from p2pswarm.engine.experts import ExpertBank
+    from p2pswarm.engine.experts.numpy_bank import ExpertBank
     from p2pswarm.model.layout import ModelLayout
 
     layout = ModelLayout.open(path)

@@ -19,7 +19,7 @@ from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.session import ensure_shards
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.engine.routing import no_experts
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint

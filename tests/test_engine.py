@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.engine.weights import ByteBoundedCache
 from p2pswarm.model.gguf_read import field_value
 from p2pswarm.model.layout import ModelLayout

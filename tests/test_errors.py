@@ -9,7 +9,7 @@ import trio
 from p2pswarm.backbone.http_api import CompletionsApp, serve_http
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.cli import _one_line
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 from p2pswarm.errors import (FrameError, InternalError, ModelFormatError, PeerError, SwarmError, UserError,
                              WorkerError)
 from p2pswarm.net.libp2p.patches import PatchError

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from p2pswarm.backbone.runner import combine, expert_groups
-from p2pswarm.engine import ggml_attention
+from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, load_libggml
-from p2pswarm.engine.ggml_runner import GgmlRunner, f32_view
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, load_libggml
+from p2pswarm.engine.ggml.runner import GgmlRunner, f32_view
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model

@@ -27,8 +27,8 @@ from gguf import GGUFValueType
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.arch.gptoss import GptOss
-from p2pswarm.engine.experts import ExpertBank
-from p2pswarm.engine.ggml_experts import GgmlExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
+from p2pswarm.engine.experts.ggml_bank import GgmlExpertBank
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout

@@ -11,7 +11,7 @@ import trio
 
 from p2pswarm.backbone.http_api import CompletionsApp, serve_http
 from p2pswarm.backbone.session import open_backbone
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 
 
 async def _with_server(model, fn, workers=0):
@@ -120,7 +120,7 @@ def test_status_page_counts_replicas_per_expert(tiny_f32):
     from p2pswarm.backbone.dispatch import Dispatcher
     from p2pswarm.backbone.socket_owner import SocketOwner
     from p2pswarm.backbone.status_page import SwarmView
-    from p2pswarm.engine.experts import ExpertBank
+    from p2pswarm.engine.experts.numpy_bank import ExpertBank
     from p2pswarm.model.layout import ModelLayout
 
     layout = ModelLayout.open(tiny_f32)

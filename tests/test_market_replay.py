@@ -21,7 +21,7 @@ from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.scheduler import Params, Rewind, Scheduler, SequenceRewound
 from p2pswarm.backbone.session import ensure_shards, open_backbone
 from p2pswarm.engine.kernels import make_bank
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 from p2pswarm.market.bans import BanKeeper, BanRecord
 from p2pswarm.market.verify import Verifier
 from p2pswarm.net.signed.identity import Identity

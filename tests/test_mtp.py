@@ -18,7 +18,7 @@ from p2pswarm.backbone.mtp import MtpBlock, MtpState, block_for
 from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.speculation import Speculation
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, run_cli

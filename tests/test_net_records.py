@@ -6,7 +6,7 @@ import time
 import msgpack
 import pytest
 
-from p2pswarm.engine.ggml_kernel import _CPU_FEATURES
+from p2pswarm.engine.ggml.lib import _CPU_FEATURES
 from p2pswarm.engine.kernels import kernel_id
 from p2pswarm.net.wire.expert_protocol import MAX_KERNEL_ID_CHARS
 from p2pswarm.net.signed.identity import Identity

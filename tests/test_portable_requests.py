@@ -15,9 +15,9 @@ import pytest
 
 from p2pswarm.backbone.session import open_backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
-from p2pswarm.engine import ggml_experts
+from p2pswarm.engine.experts import ggml_bank as ggml_experts
 from p2pswarm.engine import kernels
-from p2pswarm.engine import portable_kernel as pk
+from p2pswarm.engine.experts import portable_kernel as pk
 from p2pswarm.errors import FrameError, WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.net.wire import expert_protocol as proto

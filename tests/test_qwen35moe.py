@@ -26,7 +26,7 @@ from p2pswarm.backbone.session import open_backbone
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.qwen35moe import deltanet
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import describe, make_model

@@ -409,7 +409,7 @@ async def test_api_usage_health_and_metrics_report_drafts_and_the_text_is_unchan
     import trio
 
     from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     bodies = [{"prompt": "one two one two one two one two", "max_tokens": 32, "temperature": 0},
               {"prompt": "the swarm the swarm the swarm", "max_tokens": 32, "temperature": 0.7, "seed": 5},

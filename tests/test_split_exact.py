@@ -15,7 +15,7 @@ from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.session import ensure_shards, open_backbone
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.engine.kernels import kernel_id
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint

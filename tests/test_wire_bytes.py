@@ -121,7 +121,7 @@ async def test_health_metrics_and_status_page_report_the_wire(tiny_f32):
 
     from p2pswarm.backbone.http_api import CompletionsApp, serve_http
     from p2pswarm.backbone.session import open_backbone
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     got = {}
     async with open_backbone(tiny_f32, workers=2, transport="socket") as swarm:

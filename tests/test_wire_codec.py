@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from p2pswarm.engine.ggml_inputs import InputQuantiser
-from p2pswarm.engine.ggml_kernel import load_libggml
+from p2pswarm.engine.ggml.inputs import InputQuantiser
+from p2pswarm.engine.ggml.lib import load_libggml
 from p2pswarm.errors import FrameError
 from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.wire import codec as wire_codec

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.engine.ggml_experts import GgmlExpertBank
-from p2pswarm.engine.ggml_kernel import load_libggml
+from p2pswarm.engine.experts.ggml_bank import GgmlExpertBank
+from p2pswarm.engine.ggml.lib import load_libggml
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 from p2pswarm.net.wire import expert_protocol as proto

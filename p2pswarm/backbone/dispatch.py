@@ -119,7 +119,7 @@ class Dispatcher(Routing, Verification):
         if owner.remote:
             owner.wire_precision = self.local.wire_precision
         # Our replica turns rows into the form the owner's kernel takes them in, when it is the
-        # same kernel (the same bytes; p2pswarm.engine.ggml_inputs) and P2PSWARM_WIRE_INPUTS is on.
+        # same kernel (the same bytes; p2pswarm.engine.ggml.inputs) and P2PSWARM_WIRE_INPUTS is on.
         bank = self.local.bank
         if (owner.remote and owner.kernel == bank.kernel and hasattr(bank, "quantise_input")
                 and settings.WIRE_INPUTS.get()):

@@ -29,7 +29,7 @@ from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner, Owner
 from p2pswarm.backbone.runner import Backbone
 from p2pswarm.backbone.socket_owner import SocketOwner
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.ggml_kernel import default_threads
+from p2pswarm.engine.ggml.lib import default_threads
 from p2pswarm.engine.kernels import make_bank, resolve_kernel
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout

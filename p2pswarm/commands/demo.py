@@ -25,7 +25,7 @@ from p2pswarm.backbone.sampling import Sampler
 from p2pswarm.backbone.session import cache_dir, open_backbone
 from p2pswarm.commands.common import (add_kernel_args, add_speculate_args, line_buffered_stdout, require_full_model,
                                       speculation_from)
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 from p2pswarm.backbone.generate import sequence_logits
 

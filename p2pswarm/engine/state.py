@@ -17,7 +17,7 @@ class KVCache:
     Keys are ``k`` (capacity, Hkv, hd); values are stored transposed, ``vt`` (Hkv, hd, capacity),
     with ``v`` the (capacity, Hkv, hd) view of them. Both sit on 64-byte aligned memory: ggml wraps
     them in place (``ggml_backend_cpu_buffer_from_ptr`` wants 32), so the ggml kernel's attention
-    graph (:mod:`p2pswarm.engine.ggml_attention`) writes a step's new keys and values straight into
+    graph (:mod:`p2pswarm.engine.ggml.attention`) writes a step's new keys and values straight into
     the cache and reads the whole cache from there, with no copy either way. Values transposed are
     what ``V^T @ softmax(K q)`` multiplies (one row per value dimension, positions contiguous), as
     llama.cpp keeps them without flash attention; numpy's attention reads the view."""

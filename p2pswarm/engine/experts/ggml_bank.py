@@ -1,6 +1,6 @@
 """The ggml expert bank: a worker's (or the backbone's replica's) routed experts on the mapped bytes.
 
-Split from :mod:`p2pswarm.engine.ggml_kernel` (which loads libggml, runs graphs and maps weights;
+Split from :mod:`p2pswarm.engine.ggml.lib` (which loads libggml, runs graphs and maps weights;
 see its docstring for the why of the whole kernel): this module is the MoE part, every group of a
 layer through one ``ggml_mul_mat_id`` per projection, as llama.cpp builds a MoE layer.
 """
@@ -11,12 +11,12 @@ from typing import Any, cast
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, load_libggml
-from p2pswarm.engine.ggml_runner import GgmlRunner, _data, _i32_view, f32_view
-from p2pswarm.engine import expert_fn
-from p2pswarm.engine.experts import check_held
-from p2pswarm.engine.ggml_inputs import INPUT_FORMS, InputQuantiser, form_for
-from p2pswarm.engine.mapped_parts import map_layout
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, load_libggml
+from p2pswarm.engine.ggml.runner import GgmlRunner, _data, _i32_view, f32_view
+from p2pswarm.engine.experts import expert_fn
+from p2pswarm.engine.experts.numpy_bank import check_held
+from p2pswarm.engine.ggml.inputs import INPUT_FORMS, InputQuantiser, form_for
+from p2pswarm.engine.ggml.mapped_parts import map_layout
 from p2pswarm.errors import ModelFormatError, UserError
 
 
@@ -61,7 +61,7 @@ class GgmlExpertBank:
         if self.oai and (self.lib.add_id is None or self.lib.swiglu_oai is None):
             raise ModelFormatError(f"{layout.path}: this libggml has no ggml_swiglu_oai/ggml_add_id, which "
                                    f"{layout.arch} experts need (use a newer ggml or --kernel numpy)")
-        #: per layer, the form ggml turns this layer's expert inputs into (p2pswarm.engine.ggml_inputs)
+        #: per layer, the form ggml turns this layer's expert inputs into (p2pswarm.engine.ggml.inputs)
         self._forms = {layer: form_for(self.lib, [int(t[k].ggml_type) for k in (("gate_up",) if "gate_up" in t
                                                                                else ("gate", "up"))], self.n_embd)
                        for layer, t in layout.expert_tensors.items()}

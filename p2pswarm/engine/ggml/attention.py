@@ -25,8 +25,8 @@ as llama.cpp's KV writes are) and reads keys and values^T from it over the seque
 the layer's attention tensor, so a decode sequence costs 5 nodes (k write, v write, ``mul_mat``,
 ``soft_max_ext``, ``mul_mat``), each ending in a barrier of ggml's threads: what a step of many
 sequences pays per sequence. The quantised projections are the memory map's tensors
-(:class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix`), and so are float ones and the norm
-weights (wrapped once per layer, :meth:`~p2pswarm.engine.ggml_dense.GgmlDense.mapped`).
+(:class:`~p2pswarm.engine.ggml.dense.QuantisedMatrix`), and so are float ones and the norm
+weights (wrapped once per layer, :meth:`~p2pswarm.engine.ggml.dense.GgmlDense.mapped`).
 
 Batch invariance: the row-wise ops (norms, RoPE, gate, residual) give a row the same bits whatever
 rows share the graph, and each sequence's attention is its own ops on its own cache with the shape
@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_dense import GgmlDense, QuantisedMatrix
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, GgmlUnavailable, _InitParams
-from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
+from p2pswarm.engine.ggml.dense import GgmlDense, QuantisedMatrix
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32, GgmlUnavailable, _InitParams
+from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 from p2pswarm.engine.state import aligned_zeros
 
 F32 = np.float32
@@ -73,7 +73,7 @@ def available(runner: GgmlRunner | None, sinks: bool = False) -> bool:
 class _LayerTensors:
     """One layer's weights as ggml tensors, made once and kept: the projections and the vectors
     (norm weights; gpt-oss's biases and sinks) are the file's own bytes on the memory map (quantised ones are the dense path's
-    :class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix` tensors; F32/F16/BF16 ones are wrapped the
+    :class:`~p2pswarm.engine.ggml.dense.QuantisedMatrix` tensors; F32/F16/BF16 ones are wrapped the
     same way, so an F32 model is not held twice, and they are multiplied as llama.cpp multiplies
     them). Only a vector stored other than F32 (ggml_mul wants F32) is copied, into a small context
     of its own. ``proj`` and ``vectors`` name them (after ``blk.N.``); a name the file does not
@@ -162,7 +162,7 @@ def kv_span(s_len: int) -> int:
     """How many cache positions a sequence of ``s_len`` attends over: ``s_len`` rounded up to
     ``KV_PAD``, the positions past it masked to -inf (as llama.cpp pads its KV view). Why: the
     attention graph's shapes then change once per ``KV_PAD`` steps, not every step, so a decode
-    step's graph is kept and run again (:meth:`~p2pswarm.engine.ggml_runner.GgmlRunner.graph`). A
+    step's graph is kept and run again (:meth:`~p2pswarm.engine.ggml.runner.GgmlRunner.graph`). A
     masked position's softmax weight is exactly 0, and the cache is zero (or an older, finite
     value) there, so it adds exact zeros to the values' dot products; the span depends only on
     the sequence's own length, so a sequence gets the same bits alone or in any batch."""
@@ -348,7 +348,7 @@ def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
     shared expert where its three matrices are quantised and its gate F32 on the file.
 
     The same ops on the same rows as the stand-alone graphs (:meth:`QuantisedMatrix.rmatmul_t`,
-    :func:`~p2pswarm.engine.ggml_dense.fused_swiglu`), so the same bits: a lone row is multiplied
+    :func:`~p2pswarm.engine.ggml.dense.fused_swiglu`), so the same bits: a lone row is multiplied
     by the F32 router padded to two rows (the single-row kernel is 1 ulp off), as there."""
     lib = runner.lib
     w = model.w

@@ -1,6 +1,6 @@
 """The backbone's dense path on quantised weights: ``x @ W.T`` and ``W[ids]`` by libggml.
 
-Split from :mod:`p2pswarm.engine.ggml_kernel` (library loading, the graph runner, mapped weights):
+Split from :mod:`p2pswarm.engine.ggml.lib` (library loading, the graph runner, mapped weights):
 the dense tensors of a model (attention, DeltaNet projections, shared expert, embedding, lm head)
 stay in the memory map as :class:`QuantisedMatrix` objects that numpy code multiplies as if they
 were arrays (:meth:`p2pswarm.engine.backend.DenseBackend.take` installs them at load).
@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm import settings
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib, load_libggml
-from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
-from p2pswarm.engine.mapped_parts import map_layout
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib, load_libggml
+from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
+from p2pswarm.engine.ggml.mapped_parts import map_layout
 
 
 class QuantisedMatrix:
@@ -244,7 +244,7 @@ class GgmlDense:
         #: the one-graph DeltaNet layers' ggml tensors by layer, None where one cannot run
         #: (p2pswarm.engine.arch.qwen35moe.deltanet_graph.deltanet_layer_weights)
         self.deltanet_layers: dict[int, object] = {}
-        #: the one-graph attention layers' ggml tensors by layer (p2pswarm.engine.ggml_attention.layer_tensors)
+        #: the one-graph attention layers' ggml tensors by layer (p2pswarm.engine.ggml.attention.layer_tensors)
         self.attention_layers: dict[int, object] = {}
 
     def eligible(self, t) -> bool:

@@ -23,7 +23,7 @@ where that copy was opened ``RTLD_GLOBAL``; llama-cpp-python 0.3.36 opens it ``R
 
 This module loads the library, binds the functions p2pswarm calls (:class:`GgmlLib`), names the
 build (:attr:`GgmlLib.kernel_id`) and sizes its thread team; building and running graphs, and the
-weights as views of the memory map, are :mod:`p2pswarm.engine.ggml_runner`.
+weights as views of the memory map, are :mod:`p2pswarm.engine.ggml.runner`.
 
 Only stable *functions* of the ggml API are used, never the layout of ``struct ggml_tensor`` (which
 changes between versions), and every shape/type/size is checked in Python first: a failed
@@ -74,7 +74,7 @@ _CPU_FEATURES = ("sse3", "ssse3", "avx", "avx2", "bmi2", "f16c", "fma", "avx_vnn
                  "avx512_vnni", "avx512_bf16", "amx_int8", "neon", "arm_fma", "fp16_va", "dotprod",
                  "matmul_int8", "sve", "sme", "sme2", "riscv_v", "vsx", "vxe", "wasm_simd", "llamafile")
 # Where ``pip install`` puts the libraries it builds (native/build_ggml.py).
-NATIVE_DIR = Path(__file__).resolve().parents[1] / "_native"
+NATIVE_DIR = Path(__file__).resolve().parents[2] / "_native"
 NATIVE_STEMS = ("p2pswarm-ggml-base", "p2pswarm-ggml-cpu")
 BUILD_SCRIPT = NATIVE_DIR.parents[1] / "native" / "build_ggml.py"  # present in a source checkout
 # ours first, else the names llama.cpp's own builds use
@@ -135,7 +135,7 @@ _SIG = {  # name: (library, restype, argtypes)
 _OPTIONAL_SIG = {
     # q, k, v, g, beta, state, K (snapshot slots): llama.cpp's fused Gated DeltaNet (ggml >= 0.25)
     "ggml_gated_delta_net": ("base", _P, [_P, _P, _P, _P, _P, _P, _P, ctypes.c_int64]),
-    # a type's CPU traits (from_float, vec_dot_type): expert inputs shipped pre-quantised (ggml_inputs)
+    # a type's CPU traits (from_float, vec_dot_type): expert inputs shipped pre-quantised (ggml/inputs.py)
     "ggml_get_type_traits_cpu": ("cpu", _P, [ctypes.c_int]),
     # the ops of a whole layer in one graph (norms, activations, conv, views, RoPE, softmax), as
     # llama.cpp builds qwen35moe's layers; a libggml without one keeps the per-piece path

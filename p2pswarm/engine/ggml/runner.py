@@ -3,8 +3,8 @@
 :class:`GgmlRunner` is the one place graphs are built, kept (the graphs of a decode step, run again
 while their shapes repeat) and computed, under one lock; :class:`MappedWeights` makes ggml tensors
 whose data are byte ranges of the memory-mapped GGUF (never a copy); :func:`populate` maps a file's
-pages in at start-up. Loading the library itself (and what :class:`~p2pswarm.engine.ggml_kernel.GgmlLib`
-binds) is :mod:`p2pswarm.engine.ggml_kernel`; docs/kernels.md has the design and the numbers.
+pages in at start-up. Loading the library itself (and what :class:`~p2pswarm.engine.ggml.lib.GgmlLib`
+binds) is :mod:`p2pswarm.engine.ggml.lib`; docs/kernels.md has the design and the numbers.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from p2pswarm.engine.cpu_share import free_cpus
-from p2pswarm.engine.ggml_kernel import (MIN_MACS_PER_THREAD, TENSOR_ALIGNMENT, WEIGHT_TYPES, GgmlLib, GgmlUnavailable,
+from p2pswarm.engine.ggml.cpu_share import free_cpus
+from p2pswarm.engine.ggml.lib import (MIN_MACS_PER_THREAD, TENSOR_ALIGNMENT, WEIGHT_TYPES, GgmlLib, GgmlUnavailable,
                                          _InitParams, check_threads)
 from p2pswarm.errors import ModelFormatError
 
@@ -218,7 +218,7 @@ class GgmlRunner:
 
     def compute(self, graph, macs: int) -> None:
         n = max(1, min(self.threads, macs // MIN_MACS_PER_THREAD))
-        if n > 1:  # no more threads than the CPUs other processes leave free (p2pswarm.engine.cpu_share)
+        if n > 1:  # no more threads than the CPUs other processes leave free (p2pswarm.engine.ggml.cpu_share)
             free = free_cpus()
             n = n if free is None else min(n, free)
         self.lib.backend_cpu_set_n_threads(self._backend, n)

@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 
 from p2pswarm import settings
-from p2pswarm.engine.ggml_inputs import INPUT_FORMS
+from p2pswarm.engine.ggml.inputs import INPUT_FORMS
 from p2pswarm.errors import FrameError, clip
 from p2pswarm.net.wire import codec as wire_codec, precision as wire_precision
 

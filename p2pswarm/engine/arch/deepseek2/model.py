@@ -26,7 +26,8 @@ import numpy as np
 
 import p2pswarm.engine.arch.deepseek2.ggml_mla as ggml_mla  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.deepseek2.mla as mla
-from p2pswarm.engine import ggml_attention, ops
+from p2pswarm.engine.ggml import attention as ggml_attention
+from p2pswarm.engine import ops
 from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error, number_reader
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.backend import NUMPY, DenseBackend

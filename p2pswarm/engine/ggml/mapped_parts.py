@@ -1,13 +1,13 @@
 """ggml tensors on a model's memory maps, whether the model is one file or split into parts.
 
-:class:`~p2pswarm.engine.ggml_runner.MappedWeights` wraps one file's map; a split model
+:class:`~p2pswarm.engine.ggml.runner.MappedWeights` wraps one file's map; a split model
 (:mod:`p2pswarm.model.split_gguf`) has one map per part, and every offset the engine holds is an
 offset of the merged file. :func:`map_layout` gives the engine one object either way, with
 ``MappedWeights``' ``tensor``/``close``, so no caller needs to know how the model is stored.
 """
 from __future__ import annotations
 
-from p2pswarm.engine.ggml_runner import MappedWeights
+from p2pswarm.engine.ggml.runner import MappedWeights
 
 
 class MappedParts:

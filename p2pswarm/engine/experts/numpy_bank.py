@@ -16,7 +16,8 @@ from typing import cast
 import numpy as np
 
 from p2pswarm import settings
-from p2pswarm.engine import expert_fn, ops
+from p2pswarm.engine.experts import expert_fn
+from p2pswarm.engine import ops
 from p2pswarm.engine.blas import single_threaded_blas
 from p2pswarm.engine.weights import ByteBoundedCache, to_float32
 from p2pswarm.errors import UserError
@@ -85,7 +86,7 @@ class ExpertBank:
 
     def forward(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
         """down(silu(gate x) * (up x)) for rows (n, n_embd) float32 -> (n, n_embd) float32 (gpt-oss:
-        the biased, clamped form of :mod:`p2pswarm.engine.expert_fn`)."""
+        the biased, clamped form of :mod:`p2pswarm.engine.experts.expert_fn`)."""
         weights = self._weights(layer, expert)
         if self.activation == expert_fn.SWIGLU_OAI:
             return expert_fn.oai_expert(rows, *weights)

@@ -8,7 +8,7 @@ what llama.cpp does *around* its BPE and what a ``tokenizers`` pipeline cannot e
 
 * the pre-tokenizer regex llama.cpp picks for ``tokenizer.ggml.pre`` (the regex strings are
   data, taken from llama.cpp's ``src/llama-vocab.cpp``), with its Unicode classes pinned to the
-  Unicode version of llama.cpp's own tables (see :data:`p2pswarm.engine.vocab_rules.UNASSIGNED_IN_LLAMA_CPP`);
+  Unicode version of llama.cpp's own tables (see :data:`p2pswarm.engine.text.vocab_rules.UNASSIGNED_IN_LLAMA_CPP`);
 * the special-token partition (``tokenizer_st_partition``): control tokens are only recognised
   when ``special=True``, user-defined tokens always, longest token text first;
 * BOS/EOS insertion from ``tokenizer.ggml.add_bos_token``/``add_eos_token`` (or llama.cpp's
@@ -35,7 +35,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models as _hf_models
 from tokenizers import pre_tokenizers as _hf_pre
 
-from p2pswarm.engine.vocab_rules import (ATTR_BYTE, ATTR_CONTROL, ATTR_NORMAL, ATTR_UNDEFINED, ATTR_UNKNOWN,
+from p2pswarm.engine.text.vocab_rules import (ATTR_BYTE, ATTR_CONTROL, ATTR_NORMAL, ATTR_UNDEFINED, ATTR_UNKNOWN,
                                          ATTR_UNUSED, ATTR_USER_DEFINED, CHAR_TO_BYTE, EOG_TEXTS, EOM_TEXTS,
                                          EOT_TEXTS, FIM_TEXTS, SUPPORTED_PRE, TYPE_TO_ATTR, pin_unicode)
 from p2pswarm.errors import ModelFormatError, SwarmError, UserError

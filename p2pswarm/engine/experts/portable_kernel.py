@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from p2pswarm import settings
-from p2pswarm.engine.experts import check_held
+from p2pswarm.engine.experts.numpy_bank import check_held
 from p2pswarm.errors import ModelFormatError, UserError
 
 log = logging.getLogger("p2pswarm.engine")
@@ -72,7 +72,7 @@ def refusal(layout) -> str | None:
     other bits than a portable peer on another ISA, which is the one thing this kernel promises.
     A gpt-oss worker therefore answers only in its own kernel's family (see
     :class:`p2pswarm.worker.expert_worker.ExpertWorker`)."""
-    from p2pswarm.engine.expert_fn import SWIGLU, activation
+    from p2pswarm.engine.experts.expert_fn import SWIGLU, activation
 
     if activation(layout) != SWIGLU:
         return (f"the portable kernel does not compute {layout.arch} experts (swiglu_oai, expert biases, "
@@ -362,7 +362,7 @@ class PortableExpertBank:
     min_macs_parallel = 1 << 21
 
     def __init__(self, layout, *, threads: int | None = None, implementation: str | None = None):
-        from p2pswarm.engine.ggml_kernel import check_threads  # same rule as ggml's
+        from p2pswarm.engine.ggml.lib import check_threads  # same rule as ggml's
 
         why = refusal(layout)
         if why is not None:

@@ -3,7 +3,7 @@ per ``tokenizer.ggml.pre`` (with their Unicode classes pinned to llama.cpp's tab
 end-of-generation / fill-in-the-middle token texts, and GPT-2's byte map
 (:func:`p2pswarm.model.vocab.bytes_to_unicode`) inverted.
 
-Split out of :mod:`p2pswarm.engine.tokenizer` (which applies them) because they change only when
+Split out of :mod:`p2pswarm.engine.text.tokenizer` (which applies them) because they change only when
 llama.cpp does: a newcomer adding a pre-tokenizer edits this file alone.
 """
 from __future__ import annotations
