@@ -60,10 +60,10 @@ from pathlib import Path
 import trio
 from common import header
 
-from p2pswarm.backbone.expert_cache import parse_cache_size
-from p2pswarm.backbone.scheduler import Params, Scheduler
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.speculation import Speculation
+from p2pswarm.backbone.owners.expert_cache import parse_cache_size
+from p2pswarm.backbone.serving.scheduler import Params, Scheduler
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.backbone.serving.speculation import Speculation
 from p2pswarm.model.synth import make_model
 
 PROMPT = [5, 211, 37, 90, 14, 5, 211, 37, 90, 14, 5, 211, 37, 90, 14, 5, 211, 37]
@@ -88,7 +88,7 @@ DRAFT_S = [0.0]  # seconds spent in the MTP block's drafting (serial before each
 def _timed_drafts() -> None:
     """Count the MTP block's drafting time (:data:`DRAFT_S`): at ``--layers 4`` the block is one
     of five blocks, at the 122B one of 49, so its share of a step is what a short model inflates."""
-    from p2pswarm.backbone.mtp import MtpBlock
+    from p2pswarm.backbone.serving.mtp import MtpBlock
 
     plain = MtpBlock.draft
 

@@ -211,8 +211,8 @@ def cpu_split(sw: WanSwarm) -> tuple[float, float, float, float]:
 
 async def compute_bound(model: Path, kernel: str, n: int, tokens: int) -> float:
     """Tokens/s of n concurrent requests through a monolithic backbone's scheduler (no network)."""
-    from p2pswarm.backbone.scheduler import Params, Scheduler
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.serving.scheduler import Params, Scheduler
+    from p2pswarm.backbone.sessions.local import open_backbone
     from p2pswarm.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model)

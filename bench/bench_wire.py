@@ -53,8 +53,8 @@ class StepCounter(trio.abc.Instrument):
 async def run(args) -> list[dict]:
     from helpers.owners import libp2p_owner, served  # after sys.path
 
-    from p2pswarm.backbone.dispatch import pack_rows
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.dispatch.dispatcher import pack_rows
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.model.synth import make_model

@@ -28,11 +28,11 @@ import numpy as np
 import trio
 from common import header
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.model.synth import make_model
 from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.wire import codec as wire_codec
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 
 def planes(b: bytes) -> bytes:

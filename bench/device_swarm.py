@@ -203,7 +203,7 @@ def start_py_spy(args, sw: WanSwarm, label: str):
 
 BUCKETS = (("ggml compute (dense + experts)", "ggml"), ("noise/libp2p", "libp2p/"),
            ("cryptography", "cryptography/"), ("msgpack", "msgpack"), ("wire framing", "p2pswarm/net/"),
-           ("expert inputs/outputs", "socket_owner"), ("dispatch", "dispatch.py"),
+           ("expert inputs/outputs", "socket_owner"), ("dispatch", "backbone/dispatch/"),
            ("dense path (numpy)", "p2pswarm/engine/"), ("scheduler/runner", "p2pswarm/backbone/"),
            ("HTTP", "starlette"), ("trio", "trio/"), ("numpy", "numpy/"))
 

@@ -57,8 +57,8 @@ def _patch_frames(role: str) -> None:
         await orig_send(stream, payload, max_frame)
         _log(f"{role}_out", getattr(stream, "peer_name", "?"), op, rid, len(payload))
 
-    import p2pswarm.backbone.libp2p_owner as lo
-    import p2pswarm.backbone.socket_owner as so
+    import p2pswarm.backbone.owners.libp2p_owner as lo
+    import p2pswarm.backbone.owners.socket_owner as so
     import p2pswarm.worker.server as ws
 
     for mod in (framing, so, lo, ws):
@@ -81,8 +81,8 @@ def _patch_worker() -> None:
 
 
 def _patch_backbone() -> None:
-    from p2pswarm.backbone.dispatch import Dispatcher
-    from p2pswarm.backbone.runner import Backbone
+    from p2pswarm.backbone.dispatch.dispatcher import Dispatcher
+    from p2pswarm.backbone.serving.runner import Backbone
 
     orig_rg = Dispatcher.run_groups
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pswarm.backbone.dispatch import pack_rows
+from p2pswarm.backbone.dispatch.dispatcher import pack_rows
 from p2pswarm.errors import FrameError
 from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.wire.direct import DirectLane, SealedStream, open_direct

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.runner import probe_dense_invariance
+from p2pswarm.backbone.serving.runner import probe_dense_invariance
 from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch import load_dense

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 import p2pswarm
-from p2pswarm.backbone.session import WorkerProcess, ensure_shards, open_backbone
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.sessions.local import WorkerProcess, ensure_shards, open_backbone
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.engine.ggml import lib as gk
 from p2pswarm.engine import kernels
 from p2pswarm.model.layout import ModelLayout
@@ -30,7 +30,7 @@ from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import needs_llama
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 NATIVE = Path(p2pswarm.__file__).resolve().parent / "_native"
 ROOT = Path(p2pswarm.__file__).resolve().parents[1]

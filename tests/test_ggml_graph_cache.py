@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.runner import combine, expert_groups
+from p2pswarm.backbone.serving.runner import combine, expert_groups
 from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, load_libggml
@@ -222,7 +222,7 @@ def test_a_large_calls_scratch_is_kept_for_the_next_call_and_freed_when_idle():
 def test_a_worker_keeps_its_request_graphs_and_answers_the_same_bits(tiny_q8, tmp_path, monkeypatch):
     """A worker keeps the graphs of request shapes that recur (a decode step's few rows) within
     P2PSWARM_WORKER_GRAPH_CACHE_MB, and answers the bits of a worker that keeps none (0)."""
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.worker.expert_worker import ExpertWorker
 

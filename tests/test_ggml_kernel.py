@@ -18,10 +18,10 @@ import os
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.dispatch import Dispatcher
-from p2pswarm.backbone.runner import Backbone, combine, expert_groups
-from p2pswarm.backbone.session import WorkerProcess, ensure_shards, open_backbone
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher
+from p2pswarm.backbone.serving.runner import Backbone, combine, expert_groups
+from p2pswarm.backbone.sessions.local import WorkerProcess, ensure_shards, open_backbone
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.engine.ggml import lib as gk
 from p2pswarm.engine.ggml import dense as ggml_dense, runner as ggml_runner
 from p2pswarm.engine import kernels, ops
@@ -37,7 +37,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 from conftest import llama_logits, needs_llama, run_cli
 from helpers.llama_ref import llama_routing
 from helpers.ggml import needs_ggml
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42, 8, 200, 31, 64, 9, 120, 2, 88, 270, 15, 6, 190]

@@ -183,15 +183,23 @@ def test_net_check_catches_a_sideways_import(tmp_path):
 
 def test_backbone_check_catches_an_upward_import(tmp_path):
     """On a copy of the tree with the runner importing the scheduler lazily (what Backbone.logits
-    did), the backbone check reports it and nothing else."""
+    did: one module up inside serving/) and the in-process owners importing the dispatcher's stats
+    (one folder up), the checks of serving/'s modules and of backbone's folders report each, and
+    nothing else."""
     import shutil
 
     shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    runner = tmp_path / "p2pswarm" / "backbone" / "runner.py"
-    runner.write_text(runner.read_text() + "\n\ndef _up():\n    from p2pswarm.backbone.scheduler import Scheduler\n"
+    runner = tmp_path / "p2pswarm" / "backbone" / "serving" / "runner.py"
+    runner.write_text(runner.read_text() + "\n\ndef _up():\n    from p2pswarm.backbone.serving.scheduler import Scheduler\n"
                       "    return Scheduler\n")
-    problems = layer_violations(tmp_path, layer_order(heading="### Inside backbone/"), package=BACKBONE)
-    assert len(problems) == 1 and "runner imports p2pswarm.backbone.scheduler (scheduler: a higher" in problems[0], problems
+    owners = tmp_path / "p2pswarm" / "backbone" / "owners" / "local_owners.py"
+    owners.write_text(owners.read_text() + "\n\ndef _up():\n    from p2pswarm.backbone.dispatch.stats import DispatchStats\n"
+                      "    return DispatchStats\n")
+    pictures = inside_pictures()
+    inside = layer_violations(tmp_path, layer_order(heading=pictures["backbone/serving"]), package=BACKBONE + ".serving")
+    assert len(inside) == 1 and "runner imports p2pswarm.backbone.serving.scheduler (scheduler: a higher" in inside[0], inside
+    folders = layer_violations(tmp_path, layer_order(heading=pictures["backbone"]), package=BACKBONE)
+    assert len(folders) == 1 and "owners imports p2pswarm.backbone.dispatch.stats (dispatch: a higher" in folders[0], folders
 
 
 # -- no import cycle ------------------------------------------------------------------------------
@@ -199,7 +207,7 @@ def test_backbone_check_catches_an_upward_import(tmp_path):
 # and those under ``if TYPE_CHECKING`` (a lazy import is still a dependency, only a cheaper one; a
 # type-only one is still a dependency of the reader). A cycle means neither module can be read,
 # tested or replaced without the other; the usual fix is the shared part in a module below both
-# (backbone/items.py, backbone/combine.py) or a typing.Protocol the lower module declares
+# (backbone/serving/items.py, backbone/serving/combine.py) or a typing.Protocol the lower module declares
 # (check_fetch.Holder, local_owners.Obtainer). Importing ``a.b.c`` counts as importing ``a.b.c``,
 # not its parent packages' __init__ (whose imports are checked as their own module's).
 
@@ -270,11 +278,11 @@ def test_cycle_check_catches_a_lazy_cycle(tmp_path):
     import shutil
 
     shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    items = tmp_path / "p2pswarm" / "backbone" / "items.py"
-    items.write_text(items.read_text() + "\n\ndef _lazy():\n    from p2pswarm.backbone.scheduler import Scheduler\n"
+    items = tmp_path / "p2pswarm" / "backbone" / "serving" / "items.py"
+    items.write_text(items.read_text() + "\n\ndef _lazy():\n    from p2pswarm.backbone.serving.scheduler import Scheduler\n"
                      "    return Scheduler\n")
     cycles = import_cycles(import_graph(tmp_path))
-    assert len(cycles) == 1 and {"p2pswarm.backbone.items", "p2pswarm.backbone.scheduler"} <= set(cycles[0]), cycles
+    assert len(cycles) == 1 and {"p2pswarm.backbone.serving.items", "p2pswarm.backbone.serving.scheduler"} <= set(cycles[0]), cycles
 
 
 def test_only_the_p2pswarm_package_is_installed():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import DemandCounter
+from p2pswarm.backbone.dispatch.dispatcher import DemandCounter
 from p2pswarm.market.demand import (DEMAND_PREFIX, MAX_DEMAND_BYTES, DemandError, DemandPublisher, DemandRecord,
                                     demand_key, demand_vector, find_demand)
 from p2pswarm.market.enrol import KEEP, choose_units, random_units
@@ -222,7 +222,7 @@ async def test_one_peer_serves_several_shards_each_stream_picks_by_hello(tiny_f3
     worker; a shard no longer served is refused with the reason (the backbone then falls back)."""
     from helpers.owners import libp2p_owner as _owner
 
-    from p2pswarm.backbone.dispatch import pack_rows
+    from p2pswarm.backbone.dispatch.dispatcher import pack_rows
     from p2pswarm.errors import WorkerError
     from p2pswarm.model.slicer import slice_experts
     from p2pswarm.net.libp2p.host import open_host

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-from p2pswarm.backbone.session import ensure_shards
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+from p2pswarm.backbone.sessions.local import ensure_shards
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.bans import BanKeeper, BanRecord, BanValidator, ban_key
 from p2pswarm.market.receipts import ContributionLedger, Receipt, ReceiptStore, check_receipts, load_receipts
@@ -241,7 +241,7 @@ async def test_checks_cost_the_rate_where_rows_are_exact_alone(tiny_q8, tmp_path
     drawn: the rows recomputed are about ``rate`` of those served (whole groups of ~16 rows were
     ~15% at rate 1%), an honest worker is never banned for it, and a worker lying on one row is
     still caught on the check that draws that row."""
-    from p2pswarm.backbone.runner import PROBE_ROWS, Backbone
+    from p2pswarm.backbone.serving.runner import PROBE_ROWS, Backbone
     from p2pswarm.engine.arch import load_dense
 
     layout = ModelLayout.open(tiny_q8)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.expert_cache import parse_cache_size
-from p2pswarm.backbone.mtp import MtpBlock, MtpState, block_for
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.speculation import Speculation
+from p2pswarm.backbone.owners.expert_cache import parse_cache_size
+from p2pswarm.backbone.serving.mtp import MtpBlock, MtpState, block_for
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.backbone.serving.speculation import Speculation
 from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.model.synth import make_model
 
@@ -196,7 +196,7 @@ async def test_concurrent_mtp_speculating_sequences_equal_each_alone(agreeing_mo
     speculation, and drafts are accepted."""
     import trio
 
-    from p2pswarm.backbone.scheduler import Params, Scheduler
+    from p2pswarm.backbone.serving.scheduler import Params, Scheduler
 
     prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(4 + 2 * i)] for i in range(4)]
     samplers = [None, Sampler(0.8, 0.9, seed=1), None, Sampler(1.1, 0.95, seed=3)]

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import Dispatcher, pack_rows
-from p2pswarm.backbone.libp2p_owner import SwarmOwners
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, pack_rows
+from p2pswarm.backbone.owners.libp2p_owner import SwarmOwners
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.errors import WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
@@ -34,7 +34,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import serve_libp2p
 
 from helpers.owners import entry, libp2p_owner, served
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]
 TOKENS = list(range(3, 19))

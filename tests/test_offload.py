@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import pack_rows
-from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.backbone.dispatch.dispatcher import pack_rows
+from p2pswarm.backbone.sessions.local import ensure_shards, open_backbone
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint

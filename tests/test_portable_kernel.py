@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.engine import kernels
 from p2pswarm.engine.experts import portable_kernel as pk
 from p2pswarm.engine.experts.numpy_bank import ExpertBank
@@ -25,7 +25,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import check_hello
 
 from conftest import assert_one_line_error, needs_llama, run_cli
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 try:
     pk.load_native()

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.engine.experts import ggml_bank as ggml_experts
 from p2pswarm.engine import kernels
 from p2pswarm.engine.experts import portable_kernel as pk

@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from conftest import REPO
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-from p2pswarm.backbone.runner import Backbone
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+from p2pswarm.backbone.serving.runner import Backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Params, Scheduler
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.speculation import (PROBE_EVERY, PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.serving.scheduler import Params, Scheduler
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.backbone.serving.speculation import (PROBE_EVERY, PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
                                            ngram_draft, plan_drafts, probe_interval)
 from p2pswarm.engine.arch.qwen35moe.deltanet import DeltaNetState
 from p2pswarm.model.synth import make_model
@@ -367,7 +367,7 @@ async def test_token_budget_counts_a_speculating_sequence_as_its_rows(tiny_f32):
 def test_speculate_auto_is_mtp_where_the_file_has_a_block_else_off(tiny_q8, models_dir):
     """``--speculate auto`` (the default): mtp on a model with an MTP block, off on one without,
     the log saying which and why."""
-    from p2pswarm.backbone.speculation import auto_mode
+    from p2pswarm.backbone.serving.speculation import auto_mode
     from p2pswarm.model.layout import ModelLayout
 
     mode, why = auto_mode(ModelLayout.open(tiny_q8))
@@ -408,7 +408,7 @@ async def test_api_usage_health_and_metrics_report_drafts_and_the_text_is_unchan
     import httpx
     import trio
 
-    from p2pswarm.backbone.http_api import CompletionsApp, serve_http
+    from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
     from p2pswarm.engine.text.tokenizer import Tokenizer
 
     bodies = [{"prompt": "one two one two one two one two", "max_tokens": 32, "temperature": 0},
@@ -452,9 +452,9 @@ async def test_replay_on_ban_with_speculation_ends_equal_to_monolithic(tiny_f32)
     token for token equal to the monolithic run without speculation."""
     import trio
 
-    from p2pswarm.backbone.dispatch import InProcessOwner
-    from p2pswarm.backbone.replay import Rewind
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.dispatch.dispatcher import InProcessOwner
+    from p2pswarm.backbone.serving.replay import Rewind
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.market.verify import Verifier
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import Dispatcher, pack_rows
-from p2pswarm.backbone.session import ensure_shards
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, pack_rows
+from p2pswarm.backbone.sessions.local import ensure_shards
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.net.wire import expert_protocol as proto
@@ -119,8 +119,8 @@ async def test_health_metrics_and_status_page_report_the_wire(tiny_f32):
     per generated token and per expert request, and per worker."""
     import httpx
 
-    from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
+    from p2pswarm.backbone.sessions.local import open_backbone
     from p2pswarm.engine.text.tokenizer import Tokenizer
 
     got = {}

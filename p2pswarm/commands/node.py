@@ -437,10 +437,10 @@ async def _start_relay_keeper(args, net, dht_of: list):
 
 
 async def _backbone(args) -> None:
-    from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-    from p2pswarm.backbone.scheduler import Scheduler
-    from p2pswarm.backbone.status_page import SwarmView
-    from p2pswarm.backbone.swarm_session import open_swarm_backbone
+    from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
+    from p2pswarm.backbone.serving.scheduler import Scheduler
+    from p2pswarm.backbone.api.status_page import SwarmView
+    from p2pswarm.backbone.sessions.swarm import open_swarm_backbone
     from p2pswarm.engine.text.tokenizer import Tokenizer
     from p2pswarm.model.split_gguf import model_name
     from p2pswarm.net.signed.identity import default_identity_path, load_or_create_identity

@@ -81,8 +81,8 @@ def check_dht_mode(args) -> None:
 
 
 def add_http_limit_args(p) -> None:
-    """The backbone's HTTP abuse limits (p2pswarm.backbone.admission.HttpLimits: defaults, why)."""
-    from p2pswarm.backbone.admission import HttpLimits
+    """The backbone's HTTP abuse limits (p2pswarm.backbone.api.admission.HttpLimits: defaults, why)."""
+    from p2pswarm.backbone.api.admission import HttpLimits
 
     d = HttpLimits()
     p.add_argument("--max-requests", type=int, default=d.max_requests, metavar="N",
@@ -108,7 +108,7 @@ def add_http_limit_args(p) -> None:
 
 def http_limits(args):
     """The checked :class:`HttpLimits` of ``add_http_limit_args``' flags (one line on a bad value)."""
-    from p2pswarm.backbone.admission import HttpLimits
+    from p2pswarm.backbone.api.admission import HttpLimits
 
     return HttpLimits(max_requests=args.max_requests, max_requests_per_client=args.max_requests_per_client,
                       max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,

@@ -65,7 +65,7 @@ def _kernel(name: str | None) -> str:
 async def _probe_all(net, infos: dict, model: str, kernel: str, timeout_s: float) -> dict[str, tuple]:
     """(status, reason, rtt_s, families) of every (peer, shard) in ``infos``, probed concurrently;
     ``families``: the kernel families its hello said it answers in (empty unless live)."""
-    from p2pswarm.backbone.libp2p_owner import Libp2pOwner
+    from p2pswarm.backbone.owners.libp2p_owner import Libp2pOwner
 
     out: dict[str, tuple] = {}
     limiter = trio.CapacityLimiter(PROBE_CONCURRENCY)

@@ -80,15 +80,15 @@ class SequenceState:
     #: remote worker peer id -> the first position whose computation used that worker's unverified
     #: outputs (sampled verification checked none of them). If the worker is banned later, every
     #: position from there on is suspect; earlier ones are not (the model is causal): the
-    #: scheduler rewinds the sequence to there (p2pswarm.backbone.scheduler, "Replay on ban").
+    #: scheduler rewinds the sequence to there (p2pswarm.backbone.serving.scheduler, "Replay on ban").
     taint: dict[str, int] = field(default_factory=dict)
     #: after a verification step (speculative decoding): layer -> one checkpoint of that layer's
     #: state after each verified position, so that the positions not accepted can be dropped
-    #: (:meth:`p2pswarm.backbone.runner.Backbone.keep_positions`); empty otherwise
+    #: (:meth:`p2pswarm.backbone.serving.runner.Backbone.keep_positions`); empty otherwise
     checkpoints: dict[int, list] = field(default_factory=dict)
     verified: int = 0  # positions the last verification step fed (their checkpoints above)
     #: ``--speculate mtp`` only: the trunk's hidden states the MTP block has not read yet
-    #: (:class:`p2pswarm.backbone.mtp.HiddenRows`) and the block's own state (``MtpState``)
+    #: (:class:`p2pswarm.backbone.serving.mtp.HiddenRows`) and the block's own state (``MtpState``)
     hidden: Any = None
     mtp: Any = None
 

@@ -16,7 +16,7 @@ Every ``period_s`` (jittered +-25 %, so workers started together drift apart) th
    (backbones still holding the old record get answers, not refusals), then unloaded and deleted.
 
 The backbone needs nothing new: it finds the units in the DHT like any worker's, and picks among
-replicas by load and measured round trip (:class:`p2pswarm.backbone.libp2p_owner.SwarmOwners`).
+replicas by load and measured round trip (:class:`p2pswarm.backbone.owners.libp2p_owner.SwarmOwners`).
 """
 from __future__ import annotations
 

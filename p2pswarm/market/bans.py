@@ -135,7 +135,7 @@ class BanValidator:
 class BanKeeper:
     """A backbone's bans: the ones it issues (published to the DHT, re-published while it runs) and
     the ones it honours (its own and those of ``trusted`` backbones), applied to ``bans`` (the
-    dispatcher's ban list, p2pswarm.backbone.dispatch_verify.Bans: ``ban(peer, reason)``)."""
+    dispatcher's ban list, p2pswarm.backbone.dispatch.verify.Bans: ``ban(peer, reason)``)."""
 
     def __init__(self, identity: Identity, model: str, bans, *, dht=None, trusted=(), ledger=None,
                  refresh_s: float = 30.0, republish_s: float = 6 * 3600.0):

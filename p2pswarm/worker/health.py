@@ -2,7 +2,7 @@
 
 Why: a worker that backbones do not use (its kernel family, block size or protocol is not theirs,
 or it is banned) used to look exactly like a working one, "serving" for ever. The backbones now
-say why (p2pswarm/backbone/refusal_notice.py); this endpoint shows it beside what was served:
+say why (p2pswarm/backbone/sessions/refusal_notice.py); this endpoint shows it beside what was served:
 ``status`` is ``serving`` (no backbone refused it), ``refused`` (every backbone that spoke to it
 refused it) or ``partly refused``. ``wire``: the bytes received from and sent to backbones (what a
 capped upload is spent on; the same counts as the stop log's).

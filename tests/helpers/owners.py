@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from p2pswarm.backbone.libp2p_owner import Libp2pOwner
+from p2pswarm.backbone.owners.libp2p_owner import Libp2pOwner
 from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.dht.coverage import OwnerInfo
 from p2pswarm.net.libp2p.host import open_host

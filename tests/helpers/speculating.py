@@ -2,7 +2,7 @@
 a scheduler run that collects each sequence's tokens and every emitted position's logits."""
 from __future__ import annotations
 
-from p2pswarm.backbone.scheduler import Params, Rows, Scheduler
+from p2pswarm.backbone.serving.scheduler import Params, Rows, Scheduler
 
 PROMPT = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 19, 180]  # 12 + 5: gpt-oss's window of 8 trims mid-verification
 REPEATING = [5, 211, 37, 90, 14, 5, 211, 37, 90, 14, 5, 211, 37]

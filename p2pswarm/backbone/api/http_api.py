@@ -2,8 +2,8 @@
 
 A Starlette application (anyio, so it runs on trio) served by hypercorn's trio worker: it shares
 the backbone's event loop. This module only routes and shapes requests and responses; parameters
-and the text loop are in :mod:`p2pswarm.backbone.completion`, chat rendering in :mod:`p2pswarm.backbone.chat`, the
-status page in :mod:`p2pswarm.backbone.status_page`, metrics in :mod:`p2pswarm.backbone.metrics`.
+and the text loop are in :mod:`p2pswarm.backbone.api.completion`, chat rendering in :mod:`p2pswarm.backbone.api.chat`, the
+status page in :mod:`p2pswarm.backbone.api.status_page`, metrics in :mod:`p2pswarm.backbone.api.metrics`.
 Every route and parameter is documented in docs/api.md.
 
 * ``GET /`` the status page; ``GET /v1/swarm`` its JSON (coverage, workers, tokens/s)
@@ -18,7 +18,7 @@ ones get ``--drain-s`` seconds to finish; those still running then are cut: a st
 with an error event in OpenAI's shape, a non-streamed one gets a 503. So a client always learns
 that its answer is incomplete, instead of reading a connection reset as an early end.
 
-Refused requests get OpenAI's error shape (:mod:`p2pswarm.backbone.openai_errors`), never a traceback.
+Refused requests get OpenAI's error shape (:mod:`p2pswarm.backbone.api.openai_errors`), never a traceback.
 A streamed response whose client goes away is cancelled (Starlette watches for the disconnect),
 which ends its generation at the next step instead of running to ``max_tokens``.
 """
@@ -38,14 +38,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from p2pswarm.backbone.admission import Admission, HttpLimits
-from p2pswarm.backbone.chat import ChatError, ChatTemplate, read_chat_template
-from p2pswarm.backbone.completion import GenParams, Usage, generate_text, parse_params
-from p2pswarm.backbone.scheduler import Params, Scheduler
-from p2pswarm.backbone.metrics import BackboneMetrics, wire_summary
-from p2pswarm.backbone.openai_errors import APIError, bad_request, model_not_found, no_route
-from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.status_page import SwarmView, status_html
+from p2pswarm.backbone.api.admission import Admission, HttpLimits
+from p2pswarm.backbone.api.chat import ChatError, ChatTemplate, read_chat_template
+from p2pswarm.backbone.api.completion import GenParams, Usage, generate_text, parse_params
+from p2pswarm.backbone.serving.scheduler import Params, Scheduler
+from p2pswarm.backbone.api.metrics import BackboneMetrics, wire_summary
+from p2pswarm.backbone.api.openai_errors import APIError, bad_request, model_not_found, no_route
+from p2pswarm.backbone.serving.runner import Backbone
+from p2pswarm.backbone.api.status_page import SwarmView, status_html
 from p2pswarm.errors import InternalError, PeerError, UnitsUnavailable, UserError
 from p2pswarm.http_server import serve_asgi
 from p2pswarm.lifecycle import trio_tasks
@@ -114,7 +114,7 @@ class CompletionsApp:
         return self.scheduler.active
 
     async def steps(self, prompt_ids: list[int], params: GenParams, request_id: str):
-        """Token steps (:class:`~p2pswarm.backbone.items.Step`) for one request, through the
+        """Token steps (:class:`~p2pswarm.backbone.serving.items.Step`) for one request, through the
         scheduler (``scheduler.submit``; closing the iterator early cancels the sequence; a replay
         on ban shows up as a ``Rewind`` among the steps), ending with a 503 :class:`APIError` at
         the first token after the drain period (streamed: the error event; whole: the response)."""

@@ -31,7 +31,7 @@ weights (wrapped once per layer, :meth:`~p2pswarm.engine.ggml.dense.GgmlDense.ma
 Batch invariance: the row-wise ops (norms, RoPE, gate, residual) give a row the same bits whatever
 rows share the graph, and each sequence's attention is its own ops on its own cache with the shape
 it has alone; only the projections see all rows (the backbone's probe decides whether those may be
-batched, :func:`p2pswarm.backbone.runner.probe_dense_invariance`).
+batched, :func:`p2pswarm.backbone.serving.runner.probe_dense_invariance`).
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ through numpy (the technique of :mod:`p2pswarm.engine.arch.qwen35moe.ggml_deltan
 and tensors are placed on them. Every op that mixes positions (conv, delta rule) runs per
 sequence; every other op works row by row, so a sequence's rows get the same bits alone or beside
 any others wherever the mat-muls are row-invariant (libggml's Q8_0; the backbone measures it,
-:func:`p2pswarm.backbone.runner.probe_dense_invariance`).
+:func:`p2pswarm.backbone.serving.runner.probe_dense_invariance`).
 
 The weights are ggml tensors on the memory map of the GGUF, made once per layer and kept: the
 quantised matrices are the :class:`~p2pswarm.engine.ggml.dense.QuantisedMatrix` tensors, the rest

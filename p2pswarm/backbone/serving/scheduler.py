@@ -25,9 +25,9 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
   concurrently, so while one waits on the network for layer l the backbone computes another's dense
   path. ``"auto"`` picks the number each step from the measured dense time C (per layer, whole step)
   and dispatch wait R (per layer): :func:`choose_micro_batches`.
-* Sampling is per request (its own :class:`~p2pswarm.backbone.sampling.Sampler` and seed; the
+* Sampling is per request (its own :class:`~p2pswarm.backbone.serving.sampling.Sampler` and seed; the
   token at a position is drawn with that position's own random number).
-* Speculative decoding (``speculate``, :mod:`p2pswarm.backbone.speculation`): a decoding sequence
+* Speculative decoding (``speculate``, :mod:`p2pswarm.backbone.serving.speculation`): a decoding sequence
   may feed drafted tokens after its sampled one; the step verifies them all and keeps the prefix
   the model itself produces, exact (the same tokens as without).
 * A client that goes away (its ``async with`` exits, e.g. the HTTP connection closed) cancels its
@@ -35,7 +35,7 @@ Rules of a step (the loop in :meth:`Scheduler.run`):
   step with the error and the scheduler goes on with new ones. Dead workers never hang a step: the
   dispatcher's timeout and local fallback bound every layer.
 
-Replay on ban (:mod:`p2pswarm.backbone.replay` says why and what is kept): after every step in
+Replay on ban (:mod:`p2pswarm.backbone.serving.replay` says why and what is kept): after every step in
 which a worker was banned, each active sequence tainted by it gets a fresh state, its prompt fed
 again in the same chunks and its clean tokens fed again one by one as decode rows (the same
 schedule: exact), re-derived and checked, not sent again; a client that had dropped tokens gets a
@@ -55,16 +55,16 @@ from functools import partial
 import numpy as np
 import trio
 
-from p2pswarm.backbone.items import Params, Rewind, Rows, Step
-from p2pswarm.backbone.dispatch import Bans, Dispatcher
-from p2pswarm.backbone.link_budget import LinkModel
-from p2pswarm.backbone.pacing import (AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, BUDGET_SAMPLE_ROWS, BUDGET_WINDOW,
+from p2pswarm.backbone.serving.items import Params, Rewind, Rows, Step
+from p2pswarm.backbone.dispatch.dispatcher import Bans, Dispatcher
+from p2pswarm.backbone.serving.link_budget import LinkModel
+from p2pswarm.backbone.serving.pacing import (AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, BUDGET_SAMPLE_ROWS, BUDGET_WINDOW,
                                       GATHER_FIRST, GATHER_FRACTION, GATHER_GAP, GATHER_MAX_S, choose_micro_batches,
                                       choose_token_budget)
-from p2pswarm.backbone.replay import TokenReplay
-from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.speculation import SpecStats, Speculation, accept, draft_lengths, mtp_drafting, plan_drafts
+from p2pswarm.backbone.serving.replay import TokenReplay
+from p2pswarm.backbone.serving.runner import Backbone
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.serving.speculation import SpecStats, Speculation, accept, draft_lengths, mtp_drafting, plan_drafts
 from p2pswarm.engine.state import SequenceState
 from p2pswarm.errors import UserError
 
@@ -106,7 +106,7 @@ class _Sequence:
         self.params = params
         self.sampler = params.sampler or Sampler(0.0)
         #: the tokens generated so far, the sampler's initial copy, and while a replay on ban runs,
-        #: the kept tokens still to be re-derived (p2pswarm.backbone.replay)
+        #: the kept tokens still to be re-derived (p2pswarm.backbone.serving.replay)
         self.replay = TokenReplay(self.sampler, len(prompt))
         self.tokenizer = tokenizer
         self.send = send
@@ -188,7 +188,7 @@ class Scheduler:
         """``gather``: how long an idle scheduler waits for a burst of requests before its first
         step: ``auto`` (:data:`GATHER_FRACTION`), or fixed (gap, most) seconds; ``(0, 0)`` starts
         at once. ``rows``: compute every position's logits, not only each sequence's last (for
-        ``Params(rows=True)`` requests: :func:`~p2pswarm.backbone.generate.sequence_logits`).
+        ``Params(rows=True)`` requests: :func:`~p2pswarm.backbone.serving.generate.sequence_logits`).
 
         What the scheduler reads of the dispatcher is named here once, not reached for through the
         backbone at each use: its counters (``stats``: per-step dispatch figures, the link model),
@@ -288,7 +288,7 @@ class Scheduler:
     async def turn(self) -> bool:
         """One turn of the step loop, without waiting for requests: admit, replay a ban that came
         between steps, step the active sequences. False: nothing was active. :meth:`run` loops on
-        it; :func:`p2pswarm.backbone.generate.generate` drives a scheduler of its own with it, one
+        it; :func:`p2pswarm.backbone.serving.generate.generate` drives a scheduler of its own with it, one
         step each time its consumer wants the next token."""
         self._admit()
         if self.bans.epoch != self._ban_epoch:
@@ -307,8 +307,8 @@ class Scheduler:
     async def drive(self, request: Request) -> AsyncIterator[Step | Rewind | Rows]:
         """``request``'s items, stepping this scheduler (one nobody :meth:`run` s) only when the
         caller wants more: nothing runs ahead of the consumer, so a ban it causes between two items
-        is replayed before the next (:func:`~p2pswarm.backbone.generate.generate`,
-        :func:`~p2pswarm.backbone.generate.sequence_logits`)."""
+        is replayed before the next (:func:`~p2pswarm.backbone.serving.generate.generate`,
+        :func:`~p2pswarm.backbone.serving.generate.sequence_logits`)."""
         ended = False
         while not ended:
             got, ended = request.ready()

@@ -17,7 +17,7 @@ and avoids the worker for a short back-off. A step's extra delay from one hung w
 most its deadline plus the local recomputation of its groups, once: later layers skip it.
 
 Two things keep a worker that was only *late* from being treated as hung. Time this process's own
-event loop spent stalled is credited back to the deadline (:mod:`p2pswarm.backbone.loop_watch`):
+event loop spent stalled is credited back to the deadline (:mod:`p2pswarm.backbone.owners.loop_watch`):
 we could not have read the reply then. And a missed request keeps its place on the connection: a
 background task reads its reply when it comes (dropped: its outputs were recomputed), widens the
 deadline by that round trip (up to :data:`LATE_REMEMBER` deadlines) and sets :attr:`recovered_at`,
@@ -39,9 +39,9 @@ from typing import Any
 import numpy as np
 import trio
 
-from p2pswarm.backbone.local_owners import pack_rows
+from p2pswarm.backbone.owners.local_owners import pack_rows
 from p2pswarm.contracts import Groups, Owner
-from p2pswarm.backbone.loop_watch import loop_watch
+from p2pswarm.backbone.owners.loop_watch import loop_watch
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, WorkerError, WorkerSlow, clip
 from p2pswarm.net.wire import expert_protocol as proto

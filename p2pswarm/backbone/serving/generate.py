@@ -14,21 +14,21 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from p2pswarm.backbone.items import Params, Rewind, Rows, Step
-from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Scheduler
+from p2pswarm.backbone.serving.items import Params, Rewind, Rows, Step
+from p2pswarm.backbone.serving.runner import Backbone
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.serving.scheduler import Scheduler
 
 __all__ = ["Rewind", "Step", "generate", "sequence_logits"]
 
 
 async def generate(backbone: Backbone, tokenizer, prompt_ids: list[int], *, max_tokens: int,
                    sampler: Sampler, stop_at_eos: bool = True, speculate=None) -> AsyncIterator[Step | Rewind]:
-    """One sequence's tokens, on the scheduler's path: a :class:`~p2pswarm.backbone.scheduler.Scheduler`
-    of its own, stepped (:meth:`~p2pswarm.backbone.scheduler.Scheduler.turn`) each time the
+    """One sequence's tokens, on the scheduler's path: a :class:`~p2pswarm.backbone.serving.scheduler.Scheduler`
+    of its own, stepped (:meth:`~p2pswarm.backbone.serving.scheduler.Scheduler.turn`) each time the
     consumer wants more, so nothing runs ahead of it and a ban it causes between two tokens is
     replayed before the next. The prompt goes in as one chunk, as a lone sequence's would.
-    ``speculate``: a :class:`~p2pswarm.backbone.speculation.Speculation` (exact: the same tokens)."""
+    ``speculate``: a :class:`~p2pswarm.backbone.serving.speculation.Speculation` (exact: the same tokens)."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     n = len(prompt_ids)

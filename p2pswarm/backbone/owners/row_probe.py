@@ -5,7 +5,7 @@ does for Q8_0 but switches kernels at 8 rows for K-quants, and which a layer use
 file and the build. Two users: the batch-invariant mode (batch a piece across sequences only where
 it is row-invariant) and the verifier (check a group on its sampled rows alone only where that
 gives the bits the whole call gives). The expert part belongs to the backbone's local replica
-(:meth:`p2pswarm.backbone.dispatch.LocalOwner.row_invariance`); the lm head's to the runner.
+(:meth:`p2pswarm.backbone.dispatch.dispatcher.LocalOwner.row_invariance`); the lm head's to the runner.
 """
 from __future__ import annotations
 

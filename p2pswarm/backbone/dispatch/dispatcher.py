@@ -14,10 +14,10 @@ The backbone hands :meth:`Dispatcher.run_groups` the rows ``cur`` of one layer a
    matters and the result is bit-identical whoever computed what.
 
 One concern per module: routing and back-off (which owner, which owners to avoid, the hot-expert
-path) in :mod:`~p2pswarm.backbone.dispatch_routing`, verification, bans and taint in
-:mod:`~p2pswarm.backbone.dispatch_verify`, counters and demand in
-:mod:`~p2pswarm.backbone.dispatch_stats`, the in-process owners in
-:mod:`~p2pswarm.backbone.local_owners`; this module runs a layer's plan and falls back.
+path) in :mod:`~p2pswarm.backbone.dispatch.routing`, verification, bans and taint in
+:mod:`~p2pswarm.backbone.dispatch.verify`, counters and demand in
+:mod:`~p2pswarm.backbone.dispatch.stats`, the in-process owners in
+:mod:`~p2pswarm.backbone.owners.local_owners`; this module runs a layer's plan and falls back.
 
 Owners (:class:`p2pswarm.contracts.Owner`) are transports: :class:`LocalOwner` (this process),
 :class:`InProcessOwner` (a worker object here, packing rows as a remote one) and
@@ -39,12 +39,12 @@ from p2pswarm.net.wire import precision as wire_precision
 from p2pswarm.net.wire.counting import WireBytes
 from p2pswarm.offload import Offload
 
-from p2pswarm.backbone import check_fetch
-from p2pswarm.backbone.dispatch_routing import HOT_PROBE_S, Routing
-from p2pswarm.backbone.dispatch_stats import DemandCounter, DispatchStats
-from p2pswarm.backbone.dispatch_verify import Bans, LayerChecks, Verification
-from p2pswarm.backbone.expert_cache import ExpertCache
-from p2pswarm.backbone.local_owners import InProcessOwner, LocalOwner, UnheldOwner, pack_rows, peer_of
+from p2pswarm.backbone.dispatch import check_fetch
+from p2pswarm.backbone.dispatch.routing import HOT_PROBE_S, Routing
+from p2pswarm.backbone.dispatch.stats import DemandCounter, DispatchStats
+from p2pswarm.backbone.dispatch.verify import Bans, LayerChecks, Verification
+from p2pswarm.backbone.owners.expert_cache import ExpertCache
+from p2pswarm.backbone.owners.local_owners import InProcessOwner, LocalOwner, UnheldOwner, pack_rows, peer_of
 
 # the owners and counters split into their own modules, importable from here as before
 __all__ = ["Bans", "DemandCounter", "DispatchStats", "Dispatcher", "InProcessOwner", "LocalOwner", "UnheldOwner",
@@ -93,7 +93,7 @@ class Dispatcher(Routing, Verification):
         self.cache: ExpertCache | None = local if isinstance(local, ExpertCache) else None
         self.unheld = UnheldOwner(self)
         #: ``await fetch(layer, experts)``: put units no live owner holds into the cache (the swarm
-        #: session's :class:`~p2pswarm.backbone.cache_fill.CacheFiller`); None: such a unit fails
+        #: session's :class:`~p2pswarm.backbone.sessions.cache_fill.CacheFiller`); None: such a unit fails
         self.fetch: Callable[[int, list[int]], Any] | None = None
         self.fetch_bound_s = FETCH_BOUND_S
         #: what checks of units the cache lacks may fetch (p2pswarm.market.verify.CheckFetchBudget;
@@ -113,7 +113,7 @@ class Dispatcher(Routing, Verification):
 
     def adopt(self, owner: Owner) -> None:
         """Count ``owner``'s wire bytes into :attr:`wire` too (an owner added after construction,
-        e.g. by :class:`~p2pswarm.backbone.libp2p_owner.SwarmOwners`)."""
+        e.g. by :class:`~p2pswarm.backbone.owners.libp2p_owner.SwarmOwners`)."""
         if owner.wire is not None:
             owner.wire.parent = self.wire
         if owner.remote:
@@ -131,7 +131,7 @@ class Dispatcher(Routing, Verification):
         (:meth:`route`), each answer verified on a sample (:meth:`_verified`).
         ``taint``: see the module doc (rows computed from a remote worker's unverified outputs).
         ``hot``: the hot-expert rule for this call whatever :attr:`hot_experts` says: the MTP
-        drafter's (:mod:`p2pswarm.backbone.mtp`), whose drafts wait for every round trip they make.
+        drafter's (:mod:`p2pswarm.backbone.serving.mtp`), whose drafts wait for every round trip they make.
 
         No groups (a layer without routed experts: a leading dense-FFN layer routes to nothing)
         is no work: no request, no demand, nothing counted."""

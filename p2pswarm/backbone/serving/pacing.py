@@ -1,5 +1,5 @@
 """How big and how split a scheduler step is: the rules behind ``token_budget="auto"``,
-``micro_batches="auto"`` and the wait for a burst of requests (:mod:`p2pswarm.backbone.scheduler`,
+``micro_batches="auto"`` and the wait for a burst of requests (:mod:`p2pswarm.backbone.serving.scheduler`,
 which measures the inputs each step). Pure functions and their constants, kept apart from the step
 loop so they can be read, tested and tuned alone; the measurements behind the constants are in
 docs/benchmarks.md.
@@ -59,7 +59,7 @@ def choose_micro_batches(dense_s: float, wait_s: float, n_seqs: int, *, overhead
     """The number of micro-batches M that minimises the time of one layer,
 
         T(M) = max(C + (M - 1) * o,  X,  C / M + R + X / M + (M - 1) * o)
-    (X: a known link's time for the step's bytes, R the rest of the wait: backbone/link_budget.py)
+    (X: a known link's time for the step's bytes, R the rest of the wait: backbone/serving/link_budget.py)
 
     with C the dense time of the whole step's rows, R the wait for the experts (network round trip
     + remote compute) and o the fixed cost of one more micro-batch. The first term is the backbone's

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from p2pswarm.backbone.openai_errors import APIError, bad_request
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.items import Rewind, Step
-from p2pswarm.backbone.stops import StopMatcher, parse_stop
+from p2pswarm.backbone.api.openai_errors import APIError, bad_request
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.serving.items import Rewind, Step
+from p2pswarm.backbone.api.stops import StopMatcher, parse_stop
 
 MAX_TOKENS_LIMIT = 4096
 SEED_MAX = 2**63 - 1

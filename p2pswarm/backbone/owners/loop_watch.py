@@ -1,6 +1,6 @@
 """How long this process's own event loop was stalled: so a backbone does not blame a worker for it.
 
-A worker's *deadline* (:mod:`p2pswarm.backbone.socket_owner`) is a few times its recent p99 round
+A worker's *deadline* (:mod:`p2pswarm.backbone.owners.socket_owner`) is a few times its recent p99 round
 trip, at least half a second. A backbone whose own trio loop is stalled for that long (a lazy
 import, a burst of inline compute, a CPU stolen by other processes on a busy machine) cannot read a
 reply that has already arrived: on a libp2p stream the read-ahead task that would deliver it runs

@@ -35,7 +35,7 @@ from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
 
 def status_html() -> bytes:
-    return resources.files("p2pswarm.backbone").joinpath("static/status.html").read_bytes()
+    return resources.files("p2pswarm.backbone.api").joinpath("static/status.html").read_bytes()
 
 
 def worker_counts(owners) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Checks of units the backbone's expert cache lacks (p2pswarm.market.verify, "With a partial
 expert cache"): which picks can be checked, the fetch of their units' slabs for the check, and
-their eviction after it. Split from :mod:`p2pswarm.backbone.dispatch`, whose
+their eviction after it. Split from :mod:`p2pswarm.backbone.dispatch.dispatcher`, whose
 ``Verification._compute_checked`` (dispatch_verify) calls these beside the remote request.
 
 Why fetch at all: with ``--expert-cache none`` the backbone holds no unit, so checks limited to
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import trio
 
-from p2pswarm.backbone.expert_cache import ExpertCache
+from p2pswarm.backbone.owners.expert_cache import ExpertCache
 from p2pswarm.contracts import Groups
 
 if TYPE_CHECKING:

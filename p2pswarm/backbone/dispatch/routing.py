@@ -5,8 +5,8 @@ be (replicas of a unit share its groups by it: :meth:`Routing._finish_s`) and th
 (``--hot-experts``: what a slow owner would return later than the local replica computes it stays
 local, and such an owner is probed now and then so that its round trip is measured again).
 
-Split from :mod:`p2pswarm.backbone.dispatch` by concern: :class:`Routing` is a base of
-:class:`~p2pswarm.backbone.dispatch.Dispatcher` and holds the state only routing reads and writes;
+Split from :mod:`p2pswarm.backbone.dispatch.dispatcher` by concern: :class:`Routing` is a base of
+:class:`~p2pswarm.backbone.dispatch.dispatcher.Dispatcher` and holds the state only routing reads and writes;
 what it reads of the rest of the dispatcher is declared below its docstring."""
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import trio
 from p2pswarm.contracts import Groups, Owner
 from p2pswarm.errors import WorkerError, WorkerSlow
 
-from p2pswarm.backbone.dispatch_stats import DemandCounter, DispatchStats
-from p2pswarm.backbone.dispatch_verify import Bans
-from p2pswarm.backbone.expert_cache import ExpertCache
-from p2pswarm.backbone.local_owners import LocalOwner, UnheldOwner, pack_rows, peer_of
+from p2pswarm.backbone.dispatch.stats import DemandCounter, DispatchStats
+from p2pswarm.backbone.dispatch.verify import Bans
+from p2pswarm.backbone.owners.expert_cache import ExpertCache
+from p2pswarm.backbone.owners.local_owners import LocalOwner, UnheldOwner, pack_rows, peer_of
 
 log = logging.getLogger("p2pswarm.backbone")
 

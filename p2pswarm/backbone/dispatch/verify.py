@@ -13,8 +13,8 @@ sequence's state, so that when the worker is banned later - caught here, or by a
 backbone signed - the scheduler can rewind exactly the sequences that used its rows (docs/market.md,
 "Replay on ban"). :attr:`Bans.epoch` counts bans, so a caller notices a new one with one comparison.
 
-Split from :mod:`p2pswarm.backbone.dispatch` by concern: :class:`Verification` is a base of
-:class:`~p2pswarm.backbone.dispatch.Dispatcher`; :class:`Bans` is the one object the scheduler and
+Split from :mod:`p2pswarm.backbone.dispatch.dispatcher` by concern: :class:`Verification` is a base of
+:class:`~p2pswarm.backbone.dispatch.dispatcher.Dispatcher`; :class:`Bans` is the one object the scheduler and
 the ban keeper are given (no reach through the dispatcher for ban events).
 
 One local call per layer. Where the backbone holds every expert (no expert cache), the picks of
@@ -36,10 +36,10 @@ from p2pswarm.contracts import Groups, Owner
 from p2pswarm.errors import first_error
 from p2pswarm.market.verify import mark_unverified
 
-from p2pswarm.backbone import check_fetch
-from p2pswarm.backbone.dispatch_stats import DispatchStats
-from p2pswarm.backbone.expert_cache import ExpertCache
-from p2pswarm.backbone.local_owners import LocalOwner, peer_of
+from p2pswarm.backbone.dispatch import check_fetch
+from p2pswarm.backbone.dispatch.stats import DispatchStats
+from p2pswarm.backbone.owners.expert_cache import ExpertCache
+from p2pswarm.backbone.owners.local_owners import LocalOwner, peer_of
 
 if TYPE_CHECKING:
     from p2pswarm.market.receipts import ContributionLedger
@@ -88,7 +88,7 @@ class Verification:
     """Checks a sample of every remote answer against the local replica; bans a worker caught."""
 
     # what verification reads of the dispatcher it is a base of (set in Dispatcher.__init__; the
-    # fetch of units a check needs: p2pswarm.backbone.check_fetch)
+    # fetch of units a check needs: p2pswarm.backbone.dispatch.check_fetch)
     local: LocalOwner
     stats: DispatchStats
     cache: ExpertCache | None

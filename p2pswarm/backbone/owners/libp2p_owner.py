@@ -1,6 +1,6 @@
 """Expert workers reached over libp2p: ``/p2pswarm/expert/1.0.0`` streams, found through the DHT.
 
-:class:`Libp2pOwner` is :class:`~p2pswarm.backbone.socket_owner.SocketOwner` with a libp2p stream
+:class:`Libp2pOwner` is :class:`~p2pswarm.backbone.owners.socket_owner.SocketOwner` with a libp2p stream
 instead of a TCP socket: the same framed msgpack messages, the same handshake, one persistent
 stream (re)opened lazily, requests serialised on it and matched by id, a timeout on every request,
 and every failure - undialable peer, refused handshake, reset stream, timeout, error reply,
@@ -28,7 +28,7 @@ from typing import Callable
 
 import trio
 
-from p2pswarm.backbone.socket_owner import SocketOwner, close_now, reply_families, reply_input_forms
+from p2pswarm.backbone.owners.socket_owner import SocketOwner, close_now, reply_families, reply_input_forms
 from p2pswarm.contracts import OwnerStatus
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, SwarmError, WorkerError
@@ -326,7 +326,7 @@ class SwarmOwners:
         self._by_key: dict[tuple[str, str], Libp2pOwner] = {}
         self.dispatcher = None
         self._refusals_logged: dict[str, str] = {}  # peer -> the reason last logged
-        self.on_refused = None  # (peer, reason): tell the worker (p2pswarm/backbone/refusal_notice.py)
+        self.on_refused = None  # (peer, reason): tell the worker (p2pswarm/backbone/sessions/refusal_notice.py)
 
     def _refused(self, owner: Libp2pOwner, reason: str) -> None:
         """Once per peer and reason: the refusal, and that the worker is not used until it changes."""

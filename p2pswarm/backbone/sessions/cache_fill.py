@@ -22,7 +22,7 @@ from collections.abc import Collection
 
 import trio
 
-from p2pswarm.backbone.expert_cache import ExpertCache
+from p2pswarm.backbone.owners.expert_cache import ExpertCache
 from p2pswarm.errors import SwarmError, clip
 from p2pswarm.model.manifest import ManifestError, ModelManifest
 from p2pswarm.net.shards.fetch import _open_session, _Session, _source_name

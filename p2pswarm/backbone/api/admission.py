@@ -14,13 +14,13 @@ raise ``--max-requests-per-client`` there, or limit per client in the proxy.
 Slow clients (slowloris): hypercorn closes a connection whose request headers have not all arrived
 within its keep-alive timeout (``keep_alive_s``; the connection counts as idle until then) and any
 connection silent for ``read_timeout_s``; a body must arrive whole within ``body_timeout_s``
-(:func:`p2pswarm.backbone.http_api._read_json`), else a 408.
+(:func:`p2pswarm.backbone.api.http_api._read_json`), else a 408.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from p2pswarm.backbone.openai_errors import APIError
+from p2pswarm.backbone.api.openai_errors import APIError
 from p2pswarm.errors import UserError
 
 

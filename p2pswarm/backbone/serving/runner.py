@@ -16,7 +16,7 @@ it is measured to take less than ``$P2PSWARM_INLINE_MS`` (a decode step of a few
 runs inline, because the hop costs more than the work (:mod:`p2pswarm.offload`).
 
 :meth:`Backbone.forward_batch` runs one step for many sequences (the continuous-batching step the
-:mod:`p2pswarm.backbone.scheduler` drives): the dense path of all rows together (norms and
+:mod:`p2pswarm.backbone.serving.scheduler` drives): the dense path of all rows together (norms and
 projections as one set of mat-muls, ``model.layer_in``; only the attention / DeltaNet
 recurrence per sequence on its own state), then the expert work of *all* rows in one
 :meth:`Dispatcher.run_groups` per layer, so each owner gets one request per layer whatever the
@@ -37,12 +37,12 @@ from functools import partial
 import numpy as np
 import trio
 
-from p2pswarm.backbone.combine import combine, combine_outputs, expert_groups  # noqa: F401 - combine: re-exported
-from p2pswarm.backbone import grouping
-from p2pswarm.backbone.dispatch import Dispatcher, Groups
-from p2pswarm.backbone.mtp import HiddenRows
-from p2pswarm.backbone.replay import ReplayStats
-from p2pswarm.backbone.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
+from p2pswarm.backbone.serving.combine import combine, combine_outputs, expert_groups  # noqa: F401 - combine: re-exported
+from p2pswarm.backbone.serving import grouping
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, Groups
+from p2pswarm.backbone.serving.mtp import HiddenRows
+from p2pswarm.backbone.serving.replay import ReplayStats
+from p2pswarm.backbone.owners.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
 from p2pswarm.contracts import DenseModel, LayerIn
 from p2pswarm.engine.state import SequenceState
 
@@ -465,7 +465,7 @@ class Backbone:
         decode step's one-row groups: 16 sequences on one expert are 3 groups, not 16). Exact: the
         probe measured that a row in a call of up to that many rows gets the bits of any smaller
         call, its own sequence's alone included. (One sort of the layer's pairs, not numpy calls per
-        sequence and expert: p2pswarm.backbone.grouping.)"""
+        sequence and expert: p2pswarm.backbone.serving.grouping.)"""
         return grouping.invariant_groups(ids, spans, self.small_call_rows)
 
     def _post_batch(self, il, lin: LayerIn, groups, outs, spans, invariant):

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import trio
 
-from p2pswarm.backbone.libp2p_owner import SwarmOwners
-from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.session import LocalSwarm, open_backbone
+from p2pswarm.backbone.owners.libp2p_owner import SwarmOwners
+from p2pswarm.backbone.serving.runner import Backbone
+from p2pswarm.backbone.sessions.local import LocalSwarm, open_backbone
 from p2pswarm.market.bans import BanKeeper
 from p2pswarm.market.last_receipt import serve_receipt_requests
 from p2pswarm.market.receipts import ContributionLedger, ReceiptIssuer
@@ -78,11 +78,11 @@ async def open_swarm_backbone(model_path, *, bootstrap: list[str], identity: Ide
     (re-published every third of it; default 120 s); a short-lived backbone publishes none.
     ``direct``: take the direct lanes workers offer (p2pswarm/net/wire/direct.py). ``hot_experts``:
     compute locally what a slow owner would take longer to return (:class:`Dispatcher`).
-    ``expert_cache``: ``--expert-cache`` (:mod:`p2pswarm.backbone.expert_cache`); ``model_path``
+    ``expert_cache``: ``--expert-cache`` (:mod:`p2pswarm.backbone.owners.expert_cache`); ``model_path``
     may be the backbone file (`slice --backbone`), whose experts the swarm computes; then
     ``shard_token`` (a node token for shard downloads, issued by one of ``trust_issuers``, who
     also sign the manifest) lets it fetch units into its cache from the model's shard sources
-    (:mod:`p2pswarm.backbone.cache_fill`): the hottest by demand every ``cache_refill_s``, and
+    (:mod:`p2pswarm.backbone.sessions.cache_fill`): the hottest by demand every ``cache_refill_s``, and
     any unit no live owner holds, on demand, and, at most ``verify_fetch_budget`` bytes a minute,
     the units a verification check picks that the cache lacks (p2pswarm.market.verify)."""
     identity = identity or Identity.generate()
@@ -177,7 +177,7 @@ def _start_cache_fill(nursery, local: LocalSwarm, net, dht, token: str | None, t
         log.warning("expert cache: no --token for shard downloads: nothing will be fetched into the cache, and a "
                     "unit whose every replica is gone fails its requests")
         return
-    from p2pswarm.backbone.cache_fill import CacheFiller
+    from p2pswarm.backbone.sessions.cache_fill import CacheFiller
     from p2pswarm.model.expert_store import source_header
 
     assert local.layout is not None
@@ -208,8 +208,8 @@ def _shard_holders(pool: SwarmOwners):
 
 def _refusal_notices(net, resolver, pool, dispatcher):
     """Every way this backbone stops using a worker (its record, its hello, a ban) tells the
-    worker why (p2pswarm/backbone/refusal_notice.py)."""
-    from p2pswarm.backbone.refusal_notice import RefusalNotices
+    worker why (p2pswarm/backbone/sessions/refusal_notice.py)."""
+    from p2pswarm.backbone.sessions.refusal_notice import RefusalNotices
 
     def addrs_of(peer: str):
         rec = resolver._known.get(peer) or resolver.refused.get(peer, (None, None))[1]

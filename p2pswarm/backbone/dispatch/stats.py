@@ -1,6 +1,6 @@
 """The dispatcher's counters: :class:`DispatchStats` (what was sent where) and :class:`DemandCounter`
 (how often each expert is routed, decayed: the demand the market publishes and the expert cache
-fills by). Split from :mod:`p2pswarm.backbone.dispatch`, which re-exports both."""
+fills by). Split from :mod:`p2pswarm.backbone.dispatch.dispatcher`, which re-exports both."""
 from __future__ import annotations
 
 import time

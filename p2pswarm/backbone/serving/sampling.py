@@ -1,7 +1,7 @@
 """Choosing the next token: greedy, or temperature + top-p with a random number per position.
 
 Why per position and not a stream: a seeded request must give the same text however its tokens
-are computed. With speculative decoding (:mod:`p2pswarm.backbone.speculation`) a step may verify
+are computed. With speculative decoding (:mod:`p2pswarm.backbone.serving.speculation`) a step may verify
 several positions at once and keep only some of them; a stream of random numbers would then be
 consumed differently with speculation on and off. Here the number that decides the token at
 position ``p`` is drawn from ``(seed, stream, p)`` alone (``stream`` tells a request's independent

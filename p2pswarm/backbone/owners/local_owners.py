@@ -1,7 +1,7 @@
 """The dispatcher's owners that live in this process: :class:`LocalOwner` (the backbone's own
 replica or expert cache), :class:`UnheldOwner` (a unit nobody live holds: fetched first) and
 :class:`InProcessOwner` (a worker object here), with the row packing every owner shares. Split from
-:mod:`p2pswarm.backbone.dispatch`, which re-exports them."""
+:mod:`p2pswarm.backbone.dispatch.dispatcher`, which re-exports them."""
 from __future__ import annotations
 
 from functools import partial
@@ -13,8 +13,8 @@ from p2pswarm.contracts import ExpertBank, Groups, Owner
 from p2pswarm.net.wire import precision as wire_precision
 from p2pswarm.offload import Offload
 
-from p2pswarm.backbone.expert_cache import ExpertCache
-from p2pswarm.backbone.row_probe import RowInvariance, probe_expert_rows
+from p2pswarm.backbone.owners.expert_cache import ExpertCache
+from p2pswarm.backbone.owners.row_probe import RowInvariance, probe_expert_rows
 
 
 def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
@@ -62,7 +62,7 @@ class LocalOwner(Owner):
 
     def row_invariance(self, n_layer: int, n_embd: int) -> RowInvariance:
         """Whether this replica's expert mat-muls give a row the same bits whatever rows share the
-        call (measured once, :func:`p2pswarm.backbone.row_probe.probe_expert_rows`)."""
+        call (measured once, :func:`p2pswarm.backbone.owners.row_probe.probe_expert_rows`)."""
         if self._rows is None:
             self._rows = probe_expert_rows(getattr(self.bank, "probe_bank", self.bank), n_layer, n_embd)
         return self._rows

@@ -8,7 +8,7 @@ the same bytes as a worker's, so logits stay bit-identical however much is cache
 
 :class:`ExpertCache` is the :class:`~p2pswarm.contracts.ExpertBank` the dispatcher's local owner
 computes with: ``holds`` says which units are cached, and the dispatcher never asks it for one that
-is not (it goes to an owner, or is fetched first: :mod:`p2pswarm.backbone.dispatch`). Its bytes are
+is not (it goes to an owner, or is fetched first: :mod:`p2pswarm.backbone.dispatch.dispatcher`). Its bytes are
 either the full model's own file (a backbone started from the model: adding a unit costs nothing)
 or an :class:`~p2pswarm.model.expert_store.ExpertStore` (a backbone started from the backbone file:
 a unit's slabs are written there once fetched and checked, punched out when dropped).

@@ -7,11 +7,11 @@ of one step's round trips (their experts ride in the same one request per owner 
 draft that equals the token the model then samples at its position is a token gained.
 
 Exact, always: each verified position is computed exactly as a one-token decode step computes it
-(:meth:`~p2pswarm.backbone.runner.Backbone.forward_batch` with ``verify``), the token at each
+(:meth:`~p2pswarm.backbone.serving.runner.Backbone.forward_batch` with ``verify``), the token at each
 position is sampled from that position's logits with the position's own random number
-(:mod:`p2pswarm.backbone.sampling`), and a draft is accepted only when it *equals* that token.
+(:mod:`p2pswarm.backbone.serving.sampling`), and a draft is accepted only when it *equals* that token.
 The first mismatch ends the step: the positions after it are dropped from every layer's state
-(:meth:`~p2pswarm.backbone.runner.Backbone.keep_positions`), bit-identical to never having fed
+(:meth:`~p2pswarm.backbone.serving.runner.Backbone.keep_positions`), bit-identical to never having fed
 them. So greedy tokens and logits, and a seeded request's text, are the same with speculation on
 or off.
 
@@ -21,7 +21,7 @@ otherwise ``off`` (:func:`auto_mode`; the log says which and why).
 
 Drafters: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens, n = 3, 2, 1: free, and good wherever the output repeats its input or
-itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.backbone.mtp`;
+itself). ``mtp``: the model's own multi-token-prediction block (:mod:`p2pswarm.backbone.serving.mtp`;
 glm4moe, qwen35moe, deepseek2), refused with one line naming what the file has where the model has
 none or its architecture's block is not implemented (:func:`check_mode`).
 
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 from p2pswarm.errors import UserError
 
 if TYPE_CHECKING:
-    from p2pswarm.backbone.mtp import MtpBlock
+    from p2pswarm.backbone.serving.mtp import MtpBlock
 
 MODES = ("off", "ngram", "mtp")
 NGRAM_MAX = 3  # longest suffix looked up
@@ -67,7 +67,7 @@ class SpeculationUnsupported(UserError):
 
 def check_mode(mode: str, layout) -> None:
     """Refuse a mode the model cannot run, naming what its file has."""
-    from p2pswarm.backbone.mtp import ARCHS
+    from p2pswarm.backbone.serving.mtp import ARCHS
 
     if mode not in MODES:
         raise UserError(f"--speculate must be one of {', '.join(MODES)}, not {mode!r}")
@@ -91,7 +91,7 @@ def auto_mode(layout) -> tuple[str, str]:
     verification is exact, and the draft length is chosen each step from the measured cost of a
     draft token and of a verified row against the step's time (:func:`choose_lengths`), so drafting
     stops (a probe token now and then) where it does not pay."""
-    from p2pswarm.backbone.mtp import ARCHS
+    from p2pswarm.backbone.serving.mtp import ARCHS
 
     n = int(layout.hparams.get("nextn_predict_layers", 0) or 0)
     name = getattr(layout.path, "name", layout.path)
@@ -144,11 +144,11 @@ class Speculation:
 
     def attach(self, backbone) -> None:
         """Mode mtp: build the model's MTP block (its routed experts computed where the backbone's
-        dispatcher puts them: :func:`~p2pswarm.backbone.mtp.block_for`) and have the backbone keep
+        dispatcher puts them: :func:`~p2pswarm.backbone.serving.mtp.block_for`) and have the backbone keep
         the hidden states it reads."""
         if self.mode != "mtp" or self.mtp is not None:
             return
-        from p2pswarm.backbone.mtp import block_for
+        from p2pswarm.backbone.serving.mtp import block_for
 
         self.mtp = block_for(backbone)
         backbone.keep_hidden = True

@@ -31,7 +31,7 @@ position ``n-1`` (fed the just-sampled token ``t_n``); draft j+1 feeds draft j w
 ``h'`` at position ``n-1+j``.
 
 Why it is exact anyway: a draft is a guess the verification step checks
-(:mod:`p2pswarm.backbone.speculation`); the block never touches the trunk's state. Its own KV
+(:mod:`p2pswarm.backbone.serving.speculation`); the block never touches the trunk's state. Its own KV
 cache holds one entry per trunk position whose next token is settled (``t_{p+1}`` sampled and
 kept); the chained entries are dropped after drafting, so a rejected draft leaves nothing here
 either. A replay starts from a fresh :class:`~p2pswarm.engine.state.SequenceState`, and so from an
@@ -50,7 +50,7 @@ import logging
 
 import numpy as np
 
-from p2pswarm.backbone.combine import combine_outputs, expert_groups
+from p2pswarm.backbone.serving.combine import combine_outputs, expert_groups
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.deepseek2.mla import LatentCache
 from p2pswarm.engine.state import KVCache
@@ -92,7 +92,7 @@ class HiddenRows:
 
 class DispatchedExperts:
     """The MTP block's routed experts through the backbone's dispatcher, from the drafting thread
-    (the scheduler drafts in a worker thread: :meth:`~p2pswarm.backbone.dispatch.Dispatcher.
+    (the scheduler drafts in a worker thread: :meth:`~p2pswarm.backbone.dispatch.dispatcher.Dispatcher.
     run_groups_from_thread` routes on its event loop and computes local plans in the thread):
     per unit, the backbone's own copy when it holds the unit and is not slower than the owner's
     round trip (the dispatcher's hot-expert rule, for this layer whatever ``--hot-experts`` says:

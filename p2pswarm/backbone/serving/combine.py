@@ -2,14 +2,14 @@
 
 ``combine`` sums the weighted expert outputs in top-k order, never in arrival order: that is what
 makes the split run bit-identical to the monolithic one whatever the timing. Its own module, below
-the layer loop (:mod:`p2pswarm.backbone.runner`) and the MTP drafter (:mod:`p2pswarm.backbone.mtp`),
+the layer loop (:mod:`p2pswarm.backbone.serving.runner`) and the MTP drafter (:mod:`p2pswarm.backbone.serving.mtp`),
 because both use it and the runner keeps the drafter's hidden rows: in the runner, the drafter
 had to import it back lazily (an import cycle)."""
 from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.backbone import grouping
+from p2pswarm.backbone.serving import grouping
 from p2pswarm.contracts import Groups
 
 F32 = np.float32
@@ -17,7 +17,7 @@ F32 = np.float32
 
 def expert_groups(ids: np.ndarray) -> Groups:
     """(expert, token indices) for every expert chosen in a layer; experts ascending, tokens in order
-    (one sort of the layer's pairs, not numpy calls per expert: p2pswarm.backbone.grouping)."""
+    (one sort of the layer's pairs, not numpy calls per expert: p2pswarm.backbone.serving.grouping)."""
     return grouping.expert_groups(ids)
 
 

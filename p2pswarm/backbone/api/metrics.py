@@ -47,7 +47,7 @@ from collections import deque
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from p2pswarm.backbone.status_page import worker_counts
+from p2pswarm.backbone.api.status_page import worker_counts
 
 RATE_BIN_S = 5.0
 RATE_HISTORY_S = 300.0
@@ -152,7 +152,7 @@ class _SwarmCollector:
 
 
 def _cache_metrics(cache):
-    """The expert cache's numbers (backbone/expert_cache.py), read at scrape time."""
+    """The expert cache's numbers (backbone/owners/expert_cache.py), read at scrape time."""
     st = cache.stats
     size = GaugeMetricFamily("p2pswarm_expert_cache_bytes", "Expert cache bytes: its bound and what it holds",
                              labels=["kind"])
@@ -190,8 +190,8 @@ class BackboneMetrics:
     def __init__(self, dispatcher, coverage, active, replays=None, spec=None):
         """``coverage()`` -> (units with a live remote replica, units only the local replica
         covers, remote owners); ``active()`` -> sequences generating now; ``replays``: the
-        backbone's :class:`~p2pswarm.backbone.runner.ReplayStats`; ``spec``: the scheduler's
-        :class:`~p2pswarm.backbone.speculation.SpecStats`."""
+        backbone's :class:`~p2pswarm.backbone.serving.runner.ReplayStats`; ``spec``: the scheduler's
+        :class:`~p2pswarm.backbone.serving.speculation.SpecStats`."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter("p2pswarm_http_requests", "HTTP requests answered",

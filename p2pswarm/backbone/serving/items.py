@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2pswarm.backbone.dispatch_stats import DispatchStats
-from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.backbone.dispatch.stats import DispatchStats
+from p2pswarm.backbone.serving.sampling import Sampler
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Rows:
 class Rewind:
     """The tokens from index ``keep`` on (of the ``sent`` a consumer has) were computed with
     outputs of ``worker``, since banned: they are withdrawn, and the steps that follow, from index
-    ``keep``, replace them (replay on ban: :mod:`p2pswarm.backbone.replay`)."""
+    ``keep``, replace them (replay on ban: :mod:`p2pswarm.backbone.serving.replay`)."""
 
     keep: int
     sent: int

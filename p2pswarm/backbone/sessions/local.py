@@ -25,16 +25,16 @@ from pathlib import Path
 import trio
 
 from p2pswarm import settings
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner, Owner
-from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner, Owner
+from p2pswarm.backbone.serving.runner import Backbone
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.ggml.lib import default_threads
 from p2pswarm.engine.kernels import make_bank, resolve_kernel
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint, source_fingerprint
-from p2pswarm.backbone.expert_cache import CacheSize, ExpertCache, cache_bound
+from p2pswarm.backbone.owners.expert_cache import CacheSize, ExpertCache, cache_bound
 from p2pswarm.model.slicer import slice_experts, split_ranges
 from p2pswarm.worker.expert_worker import ExpertWorker
 
@@ -143,7 +143,7 @@ class LocalSwarm:
 
 def local_experts(layout: ModelLayout, kernel: str, expert_cache: CacheSize | None, **bank_kw):
     """(bank, fingerprint, cache) of a backbone: the full model's bank, bounded by ``--expert-cache``
-    (:class:`~p2pswarm.backbone.expert_cache.ExpertCache`) when it is not ``all``; or, from a
+    (:class:`~p2pswarm.backbone.owners.expert_cache.ExpertCache`) when it is not ``all``; or, from a
     backbone file, a cache over the sparse expert store (empty at start: the swarm fills it).
     A backbone file's ``layout.expert_tensors`` is set from the store's: the dense path reads
     which layers route, and their shapes (never their bytes) there."""

@@ -7,8 +7,8 @@ unverified outputs (``SequenceState.taint``, filled by the runner). When such a 
 the sequence is rewound to a fresh state and the positions before that one are fed again the way
 they were fed the first time (the same bits), so the result ends equal to the monolithic run's.
 
-Three paths rewind: the scheduler (every served request), :func:`p2pswarm.backbone.generate.generate`
-(one sequence, ``p2pswarm generate``) and :func:`p2pswarm.backbone.generate.sequence_logits`. They
+Three paths rewind: the scheduler (every served request), :func:`p2pswarm.backbone.serving.generate.generate`
+(one sequence, ``p2pswarm generate``) and :func:`p2pswarm.backbone.serving.generate.sequence_logits`. They
 share :func:`banned_taint`, :func:`tokens_kept`, :class:`ReplayStats` and, for the two that sample
 tokens, :class:`TokenReplay` (which tokens stand, which are re-derived and checked instead of
 sent again, and the :class:`Rewind` a consumer gets).
@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from p2pswarm.backbone.items import Rewind
+from p2pswarm.backbone.serving.items import Rewind
 
 log = logging.getLogger("p2pswarm.backbone")
 
