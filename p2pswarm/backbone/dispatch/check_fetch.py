@@ -1,7 +1,7 @@
 """Checks of units the backbone's expert cache lacks (p2pswarm.market.verify, "With a partial
 expert cache"): which picks can be checked, the fetch of their units' slabs for the check, and
 their eviction after it. Split from :mod:`p2pswarm.backbone.dispatch.dispatcher`, whose
-``Verification._compute_checked`` (dispatch_verify) calls these beside the remote request.
+``Verification._compute_checked`` (dispatch/verify.py) calls these beside the remote request.
 
 Why fetch at all: with ``--expert-cache none`` the backbone holds no unit, so checks limited to
 cached units would check nothing and a lying worker would never be caught. A unit's slabs come
