@@ -1,6 +1,7 @@
 """ruff (configured in pyproject.toml: pyflakes' checks and unused noqa) over the whole tree finds
 nothing; tests share code only through tests/helpers/; every import follows the layer order
-docs/architecture.md draws, between p2pswarm's packages and inside backbone/; no import cycle
+docs/architecture.md draws, between p2pswarm's packages, between the folders of net/, engine/ and
+backbone/, and between the modules of each of backbone's folders; no import cycle
 anywhere in p2pswarm, lazy imports included (and the checks that say so catch what they forbid)."""
 from __future__ import annotations
 
