@@ -28,7 +28,7 @@ Jepsen-style, on 127.0.0.1 and network namespaces of its own (``p2ps-soak-<pid><
   backbones' and two never-faulted workers' resident memory, descriptors, trio tasks and DHT
   records sampled over time, with their slopes after warm-up.
 
-tests/test_soak.py runs a 3-minute version with the same checker on a smaller swarm (``SHORT``: five
+tests/test_soak.py runs a 2.5-minute version with the same checker on a smaller swarm (``SHORT``: five
 honest workers, no ``--auto`` worker). Results: docs/benchmarks.md ("Soak").
 """
 from __future__ import annotations
@@ -97,10 +97,6 @@ class Node:
     def kill(self) -> None:
         self.proc.kill()
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.signal(signal.SIGCONT)
-            self.proc.stop()
 
 
 class Swarm:
@@ -279,18 +275,11 @@ class Swarm:
         return self
 
     def __exit__(self, *exc) -> None:
-        """Stop the processes side by side (one after the other took seconds each) in two rounds:
-        the backbones and workers, which withdraw their records on the way out, while the relay
-        and bootstraps that carry those withdrawals still run; then the rest. SIGCONT first for a
-        process the nemesis stopped. Then the namespaces."""
-        carriers = ("boot1", "boot2", "relay")
-        for last in (False, True):
-            procs = [n.proc.proc for name, n in self.nodes.items()
-                     if n.proc is not None and (name in carriers or name.startswith("proxy-")) == last]
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGCONT)
-            stop_all(procs)
+        """Stop the processes side by side (one by one took seconds each): the backbones and workers
+        first, while the relay and bootstraps that carry their records' withdrawal still run."""
+        for last in (False, True):  # stop_all continues a process the nemesis stopped
+            stop_all([n.proc.proc for name, n in self.nodes.items() if n.proc is not None
+                      and (name in ("boot1", "boot2", "relay") or name.startswith("proxy-")) == last])
         for ns in getattr(self, "netns", {}).values():
             ns.delete()
 
