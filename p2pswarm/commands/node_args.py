@@ -99,8 +99,9 @@ def add_http_limit_args(p) -> None:
     p.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s, metavar="SECONDS",
                    help="backbone: a request body must arrive whole within this, else a 408 "
                         f"(default {d.body_timeout_s:g})")
-    p.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s, metavar="SECONDS",
-                   help=f"backbone: an HTTP connection silent this long is closed (default {d.read_timeout_s:g})")
+    p.add_argument("--read-timeout-s", type=float, default=None, metavar="SECONDS",
+                   help="backbone: ignored (kept so that existing command lines start): it cut answers longer than "
+                        "it; --keep-alive-s and --body-timeout-s bound idle and slow clients")
     p.add_argument("--keep-alive-s", type=float, default=d.keep_alive_s, metavar="SECONDS",
                    help="backbone: an idle HTTP connection, or one whose request headers are not complete, is "
                         f"closed after this (slow clients; default {d.keep_alive_s:g})")
@@ -110,10 +111,15 @@ def http_limits(args):
     """The checked :class:`HttpLimits` of ``add_http_limit_args``' flags (one line on a bad value)."""
     from p2pswarm.backbone.api.admission import HttpLimits
 
+    if args.read_timeout_s is not None:
+        import logging
+
+        logging.getLogger("p2pswarm.node").warning(
+            "--read-timeout-s is ignored: a read timeout cut answers longer than it and lost the next request on "
+            "the connection; --keep-alive-s and --body-timeout-s bound idle and slow clients")
     return HttpLimits(max_requests=args.max_requests, max_requests_per_client=args.max_requests_per_client,
                       max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
-                      body_timeout_s=args.body_timeout_s, read_timeout_s=args.read_timeout_s,
-                      keep_alive_s=args.keep_alive_s).check()
+                      body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s).check()
 
 
 def add_worker_limit_args(p) -> None:

@@ -12,9 +12,10 @@ so a flooder could rotate it. Behind a reverse proxy every request comes from th
 raise ``--max-requests-per-client`` there, or limit per client in the proxy.
 
 Slow clients (slowloris): hypercorn closes a connection whose request headers have not all arrived
-within its keep-alive timeout (``keep_alive_s``; the connection counts as idle until then) and any
-connection silent for ``read_timeout_s``; a body must arrive whole within ``body_timeout_s``
-(:func:`p2pswarm.backbone.api.http_api._read_json`), else a 408.
+within its keep-alive timeout (``keep_alive_s``; the connection counts as idle until then), and an
+idle one between requests; a body must arrive whole within ``body_timeout_s``
+(:func:`p2pswarm.backbone.api.http_api._read_json`), else a 408. No read timeout: hypercorn's runs while
+a request is answered, when the client rightly sends nothing (p2pswarm.http_server.serve_asgi).
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ class HttpLimits:
     max_body_bytes: int = 1 << 20  # a request body
     max_tokens: int = 4096  # the most a request may ask to generate (max_tokens / max_completion_tokens)
     body_timeout_s: float = 30.0  # a request body must arrive whole within this
-    read_timeout_s: float = 60.0  # a connection silent this long is closed (hypercorn read_timeout)
     # an idle connection (no request, or headers not complete) is closed after this. Longer than the
     # official openai client's pool expiry (httpx: 5 s), so the client drops an idle connection before
     # we do: at 5 s both closed together and a request sent on a connection we were closing was lost
@@ -45,7 +45,7 @@ class HttpLimits:
         for name in ("max_requests", "max_requests_per_client", "max_body_bytes", "max_tokens", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("body_timeout_s", "read_timeout_s", "keep_alive_s"):
+        for name in ("body_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{_flag(name)} must be > 0 seconds, got {getattr(self, name)}")
         return self

@@ -454,5 +454,5 @@ async def serve_http(app: CompletionsApp, host_or_socket, port: int | None = Non
         await nursery.start(app.scheduler.run)
         lim = app.limits
         binds = await nursery.start(partial(serve_asgi, app, host_or_socket, port, logger="p2pswarm.http.server",
-                                            read_timeout_s=lim.read_timeout_s, keep_alive_s=lim.keep_alive_s))
+                                            keep_alive_s=lim.keep_alive_s))
         task_status.started(binds)
