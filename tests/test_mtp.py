@@ -23,7 +23,7 @@ from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, run_cli
 from helpers.gguf_edit import rewrite
-from helpers.speculating import PROMPT, REPEATING
+from helpers.speculating import PROMPT, REPEATING, FreeDrafts
 from helpers.speculating import run_spec as _run
 
 
@@ -204,7 +204,7 @@ async def test_concurrent_mtp_speculating_sequences_equal_each_alone(agreeing_mo
     async with open_backbone(agreeing_model, workers=2, transport="inproc") as swarm:
         bb = swarm.backbone
         want = [(await _run(bb, [p], [s], None, n))[0][0][0] for p, s in zip(prompts, samplers)]
-        speculation = Speculation("mtp", 3)
+        speculation = Speculation("mtp", 3, costs=FreeDrafts())  # every step drafts (not timings' choice)
         sched = Scheduler(bb, None, micro_batches=micro_batches, speculate=speculation)
         # the block's experts: where the backbone's dispatcher puts them (its replica, or a worker)
         assert speculation.mtp is not None and speculation.mtp.bank.dispatcher is bb.dispatcher

@@ -21,7 +21,7 @@ from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, run_cli
 from helpers.ggml import needs_ggml
-from helpers.speculating import PROMPT, REPEATING
+from helpers.speculating import PROMPT, REPEATING, FreeDrafts
 from helpers.speculating import run_spec as _run
 
 CONT = [129, 3, 250, 77, 41]  # the sampled token and four drafts after it
@@ -280,29 +280,6 @@ async def test_verification_batched_equals_alone(model, kernel):
 
 
 # -- the scheduler: spec on == spec off -----------------------------------------------------------
-class _FreeDrafts(Costs):
-    """Costs that say drafts and verified rows are free, so every sequence drafts its cap each step:
-    the tests of exactness under concurrency need full, partial and rejected drafts in every step,
-    whatever this machine's timings would choose (the choice itself: the choose_lengths tests)."""
-
-    def __init__(self):
-        super().__init__()
-        self.draft_s = 0.0
-
-    def observe_draft(self, seconds, tokens):
-        pass
-
-    def observe_step(self, seconds, rows):
-        pass
-
-    @property
-    def row_s(self):
-        return 0.0
-
-    def step_s(self, rows):
-        return 1.0
-
-
 def _oracle(prompts, wanted):
     """A test drafter: the continuation the run without speculation produced, with every fifth
     position's draft wrong, so steps accept all, some and none of their drafts; nothing where
@@ -523,7 +500,7 @@ async def test_concurrent_speculating_sequences_equal_each_alone(q35, micro_batc
             toks, _ = (await _run(bb, [p], [samplers(i)], None, n))[0][0]
             want.append(toks)
         sched = Scheduler(bb, None, micro_batches=micro_batches,
-                          speculate=Speculation("ngram", 3, drafter=_oracle(prompts, want), costs=_FreeDrafts()))
+                          speculate=Speculation("ngram", 3, drafter=_oracle(prompts, want), costs=FreeDrafts()))
         got: dict[int, list[int]] = {}
 
         async def one(i, req):
