@@ -27,8 +27,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-#: what a routed expert computes (:mod:`p2pswarm.engine.expert_fn`): an architecture's class
-#: declares it (``expert_activation``), every expert kernel computes it or refuses the model
+#: what a routed expert computes (:mod:`p2pswarm.engine.experts.expert_fn`): the file format's
+#: table says it per architecture (``model.layout.MOE_ARCHITECTURES``), every expert kernel
+#: computes it or refuses the model
 SWIGLU = "swiglu"
 SWIGLU_OAI = "swiglu_oai"
 
@@ -138,9 +139,6 @@ class DenseModel(Protocol):
     n_expert: int
     n_expert_used: int
     output_name: str
-    #: what its routed experts compute (:data:`SWIGLU` or :data:`SWIGLU_OAI`), as a class attribute:
-    #: a worker's bank reads it through the registry by the file's architecture name
-    expert_activation: str
 
     def __init__(self, layout: Any, backend: Any) -> None:
         """Read and check ``layout``'s keys and tensors; ``backend``: as :attr:`backend` says."""

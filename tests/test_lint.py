@@ -328,9 +328,10 @@ ARCH_REGISTRIES = {"p2pswarm/engine/arch/registry.py", "p2pswarm/model/synth_arc
 ARCH_NAME_ALLOWED = {
     # the demo's model: it makes and serves a tiny qwen35moe with the shipped Qwen3.5 vocabulary
     "p2pswarm/commands/demo.py",
-    # MOE_ARCHITECTURES: the GGUF architectures whose experts follow the expert layout (checked
-    # by hand; four have no dense path here, a worker still serves their experts). The model layer
-    # lies below the engine's registry, which it may not read
+    # MOE_ARCHITECTURES: the GGUF architectures whose experts follow the expert layout, and what
+    # each expert computes (a fact of the file format; four have no dense path here, a worker
+    # still serves their experts). The model layer and the expert banks lie below the engine's
+    # registry, which they may not read
     "p2pswarm/model/layout.py",
 }
 

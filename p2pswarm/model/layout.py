@@ -24,13 +24,19 @@ from typing import Any
 
 from gguf import GGMLQuantizationType, GGUFReader
 
+from p2pswarm.contracts import SWIGLU, SWIGLU_OAI
 from p2pswarm.errors import ModelFormatError, UserError
 # The GGUF reader and its helpers live in gguf_read; importable from here as before.
 from p2pswarm.model.gguf_read import field_value, get_str, open_gguf
 from p2pswarm.model.split_gguf import GGUFPart, PartMap, SplitGGUFReader, is_split
 
-# Architectures whose routed experts follow the layout above.
-MOE_ARCHITECTURES = ("qwen3moe", "qwen35moe", "qwen2moe", "olmoe", "llama", "mixtral", "gpt-oss", "glm4moe", "deepseek2")
+#: The GGUF architectures whose routed experts follow the layout above, and what each expert
+#: computes (:mod:`p2pswarm.engine.experts.expert_fn`): what a worker needs to serve a file's
+#: experts, with no dense path (four of these have none here). Why here and not in the engine's
+#: registry of architectures: the expert banks sit below it (the engine's layer picture), and
+#: what an expert is, is a fact of the file format, like where its bytes are.
+MOE_ARCHITECTURES = {"qwen3moe": SWIGLU, "qwen35moe": SWIGLU, "qwen2moe": SWIGLU, "olmoe": SWIGLU, "llama": SWIGLU,
+                     "mixtral": SWIGLU, "gpt-oss": SWIGLU_OAI, "glm4moe": SWIGLU, "deepseek2": SWIGLU}
 
 # `blk.<layer>.ffn_<kind>_exps.<weight|bias>`; kind "gate_up" is the fused gate+up tensor
 # (gate rows first) some architectures use.
@@ -179,6 +185,12 @@ class ModelLayout:
                     f"{path}: layer {layer} has expert tensors {sorted(kinds)}; need gate+up (or gate_up) and down"
                 )
         return layout
+
+    @property
+    def expert_activation(self) -> str:
+        """What each routed expert computes: ``swiglu``, or ``swiglu_oai`` with biases
+        (:data:`MOE_ARCHITECTURES`)."""
+        return MOE_ARCHITECTURES[self.arch]
 
     # ---- bytes ---------------------------------------------------------------------------
     @property

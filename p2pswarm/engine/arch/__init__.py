@@ -8,13 +8,13 @@ import gc
 
 from p2pswarm import settings
 from p2pswarm.contracts import DenseModel
-from p2pswarm.engine.arch.registry import architectures, expert_activation, mtp_architectures
+from p2pswarm.engine.arch.registry import architectures, mtp_architectures
 from p2pswarm.engine.backend import open_backend
 from p2pswarm.engine.kernels import resolve_kernel
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
 
-__all__ = ["architectures", "expert_activation", "load_dense", "mtp_architectures"]
+__all__ = ["architectures", "load_dense", "mtp_architectures"]
 
 
 def load_dense(layout: ModelLayout, kernel: str | None = "numpy", *, threads: int | None = None) -> DenseModel:

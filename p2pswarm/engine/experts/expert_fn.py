@@ -26,11 +26,9 @@ SWIGLU_OAI_LIMIT = 7.0
 
 
 def activation(layout) -> str:
-    """The expert activation of ``layout``'s architecture: ``swiglu`` or ``swiglu_oai``, as its
-    class declares it (the registry: :func:`p2pswarm.engine.arch.registry.expert_activation`)."""
-    from p2pswarm.engine.arch.registry import expert_activation
-
-    return expert_activation(str(layout.arch))
+    """The expert activation of ``layout``'s architecture: ``swiglu`` or ``swiglu_oai``, as the
+    file format's table of expert layouts says (:data:`p2pswarm.model.layout.MOE_ARCHITECTURES`)."""
+    return layout.expert_activation
 
 
 def has_biases(layout) -> bool:

@@ -26,7 +26,7 @@ import numpy as np
 
 import p2pswarm.engine.arch.deepseek2.ggml_mla as ggml_mla  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.deepseek2.mla as mla
-from p2pswarm.contracts import MtpEnds, Routed, SWIGLU
+from p2pswarm.contracts import MtpEnds, Routed
 from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error,
@@ -44,7 +44,6 @@ class DeepSeek2(TokenEnds, LayerByPieces):
     """deepseek2: MLA attention, leading dense layers, routed + shared experts."""
 
     arch = "deepseek2"
-    expert_activation = SWIGLU  # its routed experts: plain SwiGLU
     #: the router when the file has no ``expert_gating_func``: files without it are DeepSeek-V2/V2.5's
     DEFAULT_GATING = "softmax"
 

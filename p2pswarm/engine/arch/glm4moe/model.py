@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.contracts import MtpEnds, Routed, SWIGLU
+from p2pswarm.contracts import MtpEnds, Routed
 from p2pswarm.engine import ops, routing
 from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error,
                                          neox_attention, nextn_head_norm, number_reader)
@@ -50,7 +50,6 @@ class Glm4MoE(TokenEnds, LayerByPieces):
     qwen3moe's class for it, and so inherit whatever that class did next)."""
 
     arch = "glm4moe"
-    expert_activation = SWIGLU  # its routed experts: plain SwiGLU
     #: the router when the file has no ``expert_gating_func``: what llama.cpp's loader assumes (GLM-4.5's)
     DEFAULT_GATING = "sigmoid"
 

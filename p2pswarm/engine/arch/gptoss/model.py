@@ -27,7 +27,6 @@ import math
 
 import numpy as np
 
-from p2pswarm.contracts import SWIGLU_OAI
 from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds, check_tensors, model_error, number_reader
@@ -53,7 +52,6 @@ class GptOss(TokenEnds, LayerByGraph):
     otherwise numpy computes it (:func:`attention_sinks`), between the kernel's mat-muls."""
 
     arch = "gpt-oss"
-    expert_activation = SWIGLU_OAI  # its routed experts: ggml's swiglu_oai with expert biases
     #: False keeps the numpy path under the ggml kernel too (tests compare the two)
     attention_graph = True
     #: layer calls that ran as one graph (tests assert the graph path ran)

@@ -23,7 +23,7 @@ import numpy as np
 
 from p2pswarm.engine.ggml import attention as ggml_attention, dense as ggml_dense
 from p2pswarm.engine import ops
-from p2pswarm.contracts import LayerIn, MtpEnds, Routed, SWIGLU
+from p2pswarm.contracts import LayerIn, MtpEnds, Routed
 from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds, nextn_head_norm
 import p2pswarm.engine.arch.qwen35moe.deltanet as deltanet  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.qwen35moe.deltanet_graph as ggml_layers
@@ -41,7 +41,6 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
     """qwen35moe: Gated DeltaNet + gated full attention, routed experts + a sigmoid-gated shared expert."""
 
     arch = "qwen35moe"
-    expert_activation = SWIGLU  # its routed experts: plain SwiGLU
 
     #: "auto" (chunked for prefill, recurrent for one token), "chunked" or "recurrent"; tests and
     #: benchmarks pin one form, the math is the same.

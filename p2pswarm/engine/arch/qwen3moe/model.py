@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.contracts import SWIGLU
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds, neox_attention
 from p2pswarm.engine.backend import NUMPY, DenseBackend
@@ -32,7 +31,6 @@ class Qwen3MoE(TokenEnds, LayerByPieces):
     """qwen3moe: GQA attention with per-head q/k RMSNorm and NEOX RoPE; routed experts, no shared one."""
 
     arch = "qwen3moe"
-    expert_activation = SWIGLU  # its routed experts: plain SwiGLU
 
     def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
         self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
