@@ -115,10 +115,10 @@ def child_ours(a) -> dict:
             out["decode_tps"], out["decode_cpu"] = a.decode / w, c / a.decode
             del st
             if not a.cold_prefill:
-                await b.forward(tokens(a.prefill, 3), b.new_state())
+                await b.forward_batch([(tokens(a.prefill, 3), b.new_state())], last_only=a.last_row)
             st = b.new_state()
             clk.start()
-            await b.forward(tokens(a.prefill, 2), st)
+            await b.forward_batch([(tokens(a.prefill, 2), st)], last_only=a.last_row)
             w, c = clk.stop()
             out["prefill_tps"], out["prefill_cpu"] = a.prefill / w, c / a.prefill
             del st
@@ -206,10 +206,10 @@ def child_llama(a, extra_bufts: bool) -> dict:
     out["decode_tps"], out["decode_cpu"] = a.decode / w, c / a.decode
     L.llama_memory_clear(mem, True)
     if not a.cold_prefill:
-        decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 3))], all_logits=True)
+        decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 3))], all_logits=not a.last_row)
         L.llama_memory_clear(mem, True)
     clk.start()
-    decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 2))], all_logits=True)
+    decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 2))], all_logits=not a.last_row)
     w, c = clk.stop()
     out["prefill_tps"], out["prefill_cpu"] = a.prefill / w, c / a.prefill
     L.llama_free(ctx)
@@ -235,6 +235,7 @@ def run_side(a, side: str) -> dict | str:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--model", str(a.model),
            "--threads", str(a.threads), "--decode", str(a.decode), "--prefill", str(a.prefill),
            "--seqs", str(a.seqs), "--batch-steps", str(a.batch_steps)] + (["--cold-prefill"] if a.cold_prefill else [])
+    cmd += ["--last-row"] if a.last_row else []
     tree = a.ours_tree if side == "ours-tree" else REPO
     if side in ("ours-tree", "llama-passive", "ours-spinning"):
         cmd[cmd.index(side)] = "llama" if side == "llama-passive" else "ours"
@@ -312,6 +313,9 @@ def main() -> None:
                     help="also run p2pswarm from this source tree (e.g. the main branch: before/after)")
     ap.add_argument("--cold-prefill", action="store_true",
                     help="time each side's first prefill of this length (no untimed one before it)")
+    ap.add_argument("--last-row", action="store_true",
+                    help="the prefill's logits for its last row only, both sides (llama.cpp then computes "
+                         "the last layer's FFN for that row alone; ours its experts' groups that hold it)")
     ap.add_argument("--child", choices=("ours", "llama", "llama-default"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -343,12 +347,13 @@ def main() -> None:
            f"--type {a.type} --llama-bufts {a.llama_bufts} --decode {a.decode} --prefill {a.prefill} "
            f"--seqs {a.seqs} --batch-steps {a.batch_steps}" + (" --llama-passive" if a.llama_passive else "")
            + (" --ours-spinning" if a.ours_spinning else "") + (f" --ours-tree {a.ours_tree}" if a.ours_tree else "")
-           + (" --cold-prefill" if a.cold_prefill else ""))
+           + (" --cold-prefill" if a.cold_prefill else "") + (" --last-row" if a.last_row else ""))
     text = header(f"Backbone engine vs llama.cpp, {PRESET[a.arch]} {a.arch} {a.layers} layers"
                   + (f" ({a.label})" if a.label else ""), cmd)
+    which_logits = "the last row's logits only" if a.last_row else "all-position logits"
     text += (f"`{Path(a.model).name}` ({Path(a.model).stat().st_size / 2**30:.2f} GiB), {a.threads} threads both "
              f"sides, {a.rounds} rounds alternating, medians. decode: {a.decode} steps after an {PROMPT}-token "
-             f"prompt; prefill: {a.prefill} tokens, all-position logits, "
+             f"prompt; prefill: {a.prefill} tokens, {which_logits}, "
              f"{'the first of its length' if a.cold_prefill else 'after an untimed one of the same length'}; batch: {a.seqs} sequences x "
              f"{a.batch_steps} steps. CPU = process CPU seconds per token. llama.cpp: llama-cpp-python "
              "low-level API, F32 KV, flash attention off.\n\n")
