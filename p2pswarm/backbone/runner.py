@@ -426,8 +426,9 @@ class Backbone:
     def _pre_batch(self, il, h, spans, states, pos0, invariant, verify=None, pspans=None,
                    only: np.ndarray | None = None) -> tuple[LayerIn, Groups]:
         """Layer ``il``'s layer_in and its expert groups; with ``only`` (the last layer's rows that
-        reach an output) only the groups that hold one of them, each whole: a group's rows are what
-        an expert's kernel computes together, so its bits for those rows stay the same."""
+        reach an output) only the groups that hold one of them, each cut to those rows where the
+        probe found that exact (row-invariant experts, or a group of at most :attr:`small_call_rows`
+        rows), else whole: the rows an expert's kernel computes together decide its bits."""
         m = self.model
         batched = not invariant or self.dense_invariance(il).layer_in
         if verify is not None and any(verify):
@@ -457,7 +458,9 @@ class Backbone:
         if only is not None:
             needed = np.zeros(h.shape[0], bool)
             needed[only] = True
-            groups = [(e, rows) for e, rows in groups if needed[rows].any()]
+            cut = len(h) if self.row_invariant_experts else self.small_call_rows  # (probed once)
+            groups = [(e, rows[needed[rows]] if len(rows) <= cut else rows) for e, rows in groups
+                      if needed[rows].any()]
         return lin, groups
 
     def _pre_rounds(self, il, h, spans, states, pos0, verify, batched: bool) -> LayerIn:
