@@ -57,7 +57,7 @@ def _rows(sp: slice) -> list[slice]:
 
 def _renumbered(ospans: list[list[slice]]) -> list[list[slice]]:
     """Each item's out spans as positions in the concatenation of all items' out rows, in order."""
-    at, out = 0, []
+    at, out = 0, list[list[slice]]()
     for item in ospans:
         out.append([])
         for sp in item:
