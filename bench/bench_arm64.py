@@ -34,8 +34,8 @@ from common import REPO, header
 sys.path.insert(0, str(REPO / "tests"))
 from helpers import arm64_root as bed
 
-from p2pswarm.backbone.runner import combine, expert_groups
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.serving.runner import combine, expert_groups
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout

@@ -35,11 +35,11 @@ from common import header, publish
 from p2pswarm.errors import SwarmError
 from p2pswarm.model.slicer import split_ranges
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.advertiser import ShardAdvertiser
-from p2pswarm.net.coverage import CoverageResolver
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import ShardEntry
+from p2pswarm.net.dht.advertiser import ShardAdvertiser
+from p2pswarm.net.dht.coverage import CoverageResolver
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import ShardEntry
 
 MODEL = "c0" * 32  # a model fingerprint (64 hex digits)
 

@@ -24,7 +24,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from p2pswarm.engine import ggml_runner
+from p2pswarm.engine.ggml import runner as ggml_runner
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.model.layout import ModelLayout
 

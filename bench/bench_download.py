@@ -26,8 +26,8 @@ from common import REPO, geometry_model, header
 
 from p2pswarm.model.manifest import build_manifest, write_manifest
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.net.identity import load_or_create_identity
-from p2pswarm.net.tokens import issue_token
+from p2pswarm.net.signed.identity import load_or_create_identity
+from p2pswarm.net.signed.tokens import issue_token
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from common import header, median_time
 
 from p2pswarm.engine import ops
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
 

@@ -22,8 +22,8 @@ from common import header
 CHILD = r"""
 import json, sys, time
 import numpy as np
-from p2pswarm.engine import ggml_kernel as gk
-from p2pswarm.engine import ggml_experts
+from p2pswarm.engine.ggml import lib as gk
+from p2pswarm.engine.experts import ggml_bank as ggml_experts
 from p2pswarm.model.layout import ModelLayout
 path, threads, repeat = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 lib = gk.load_libggml()

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import trio
 
-from p2pswarm.backbone import runner
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.serving import runner
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.model.synth import make_model
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import trio
 from common import header
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.model.synth import make_model
 
 

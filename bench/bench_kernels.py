@@ -35,11 +35,11 @@ from pathlib import Path
 import numpy as np
 from common import header
 
-from p2pswarm.engine import ggml_kernel as gk
-from p2pswarm.engine import ggml_experts
-from p2pswarm.engine import ggml_runner
-from p2pswarm.engine.experts import ExpertBank
-from p2pswarm.engine.mapped_parts import map_layout
+from p2pswarm.engine.ggml import lib as gk
+from p2pswarm.engine.experts import ggml_bank as ggml_experts
+from p2pswarm.engine.ggml import runner as ggml_runner
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
+from p2pswarm.engine.ggml.mapped_parts import map_layout
 from p2pswarm.model.gguf_out import GGUFLayout, kv_string, kv_uint32, pad
 from p2pswarm.model.layout import ModelLayout
 
@@ -186,7 +186,7 @@ def stream_time(layout: ModelLayout, experts: list[int], threads: int, repeat: i
 def repack_works(path: Path, threads: int) -> bool:
     """Repacking some types has crashed some ggml builds: try it in a child process first."""
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r); import numpy as np; "
-            "from bench_kernels import LlamaMoe; from p2pswarm.engine import ggml_kernel as gk; "
+            "from bench_kernels import LlamaMoe; from p2pswarm.engine.ggml import lib as gk; "
             "from p2pswarm.model.layout import ModelLayout; "
             "m = LlamaMoe(gk.load_libggml(), ModelLayout.open(%r), %d, True); "
             "[m.forward(0, np.ones((n, 3072), np.float32)) for n in (1, 8, 64)]"

@@ -30,8 +30,8 @@ from proc_cpu import sample
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
 from p2pswarm.model.synth import make_model
-from p2pswarm.net.identity import load_or_create_identity
-from p2pswarm.net.tokens import issue_token
+from p2pswarm.net.signed.identity import load_or_create_identity
+from p2pswarm.net.signed.tokens import issue_token
 
 
 def one(mode: str, model: Path, n: int, block: int, window: float, settle: float, root: Path) -> dict:

@@ -28,8 +28,8 @@ WIDTH, NODES, CALLS = 4096, 101, 2000
 def child() -> None:
     import numpy as np
 
-    from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, load_libggml
-    from p2pswarm.engine.ggml_runner import GgmlRunner, f32_view
+    from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, load_libggml
+    from p2pswarm.engine.ggml.runner import GgmlRunner, f32_view
 
     lib = load_libggml()
     r = GgmlRunner(lib, 2, graph_cache_bytes=64 << 20)

@@ -4,8 +4,8 @@
 
 Why: libggml-cpu's threads are libgomp's team, and the gap between two of our graphs is a libgomp
 wait. p2pswarm sets ``GOMP_SPINCOUNT=1000`` (a ~25 us spin, then sleep) unless the user chose a
-policy (``p2pswarm.engine.ggml_kernel._short_omp_waits``), and runs each graph on the CPUs other
-processes leave free (``p2pswarm.engine.cpu_share``); llama.cpp leaves libgomp's default, a long spin.
+policy (``p2pswarm.engine.ggml.lib._short_omp_waits``), and runs each graph on the CPUs other
+processes leave free (``p2pswarm.engine.ggml.cpu_share``); llama.cpp leaves libgomp's default, a long spin.
 A spin wins when the cores are ours alone and loses when the thread we wait for needs the core we
 spin on: this measures both, so the default can be judged. Each run is one fresh process of
 ``bench_vs_llama.py --child ours`` (an 8-token prompt, ``--decode`` tokens one at a time); the

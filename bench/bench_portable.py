@@ -45,8 +45,8 @@ def per_call_cpu(fn, experts: list[int], repeat: int) -> tuple[float, float]:
         best_w = min(best_w, (time.perf_counter() - w) / len(experts))
         best_c = min(best_c, (time.process_time() - c) / len(experts))
     return best_w, best_c
-from p2pswarm.engine import ggml_experts
-from p2pswarm.engine.portable_kernel import PortableExpertBank
+from p2pswarm.engine.experts import ggml_bank as ggml_experts
+from p2pswarm.engine.experts.portable_kernel import PortableExpertBank
 from p2pswarm.model.layout import ModelLayout
 
 

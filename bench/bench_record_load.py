@@ -20,11 +20,11 @@ import trio
 from common import header
 
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.advertiser import ShardAdvertiser
-from p2pswarm.net.kademlia import REPROVIDE_S
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import DEFAULT_RECORD_TTL_S, ShardEntry
+from p2pswarm.net.dht.advertiser import ShardAdvertiser
+from p2pswarm.net.dht.kademlia import REPROVIDE_S
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import DEFAULT_RECORD_TTL_S, ShardEntry
 
 MODEL = "ab" * 32
 OLD_TTL_S = 600.0

@@ -29,10 +29,10 @@ import time
 import trio
 from common import REPO, header, publish
 
-from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.addrs import circuit_addr
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.wire.framing import FrameReader, send_frame
+from p2pswarm.net.libp2p.addrs import circuit_addr
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
 
 ECHO = "/bench/echo/1.0.0"
 SINK = "/bench/sink/1.0.0"
@@ -99,7 +99,7 @@ async def mbps(stream, size: int = 32 << 20, rounds: int = 3) -> float:
 
 async def part1(relay_addr: str, rounds: int) -> dict:
     async with open_host(Identity.generate()) as worker, open_host(Identity.generate()) as backbone:
-        from p2pswarm.net.relay_client import RelayKeeper
+        from p2pswarm.net.libp2p.relay_client import RelayKeeper
 
         await RelayKeeper(worker, relay_addr, None, relay_only=False).start()
         worker.set_handler(ECHO, echo)
@@ -129,7 +129,7 @@ async def workers_main(relay_addr: str, n: int) -> None:
     """Helper process: n relayed echo workers; prints their ids, then waits for stdin to close."""
     from contextlib import AsyncExitStack
 
-    from p2pswarm.net.relay_client import RelayKeeper
+    from p2pswarm.net.libp2p.relay_client import RelayKeeper
 
     async with AsyncExitStack() as stack:
         ids = []

@@ -5,7 +5,7 @@
 
 For each N: N `p2pswarm relay --open` processes (relay i > 0 bootstraps from relay 0: they share
 nothing but the DHT), ``--helpers`` processes holding W/helpers relayed echo workers each (every
-worker given all N relay addresses: :class:`p2pswarm.net.relay_client.RelayKeeper` picks one at random and moves
+worker given all N relay addresses: :class:`p2pswarm.net.libp2p.relay_client.RelayKeeper` picks one at random and moves
 when it dies), and as many load processes, each sending 10 requests/s of 6 KB to each of its
 workers over its circuit. Reported: requests/s achieved vs offered, p50/p99, the relays' CPU per
 relayed request, and "sustained" (>= 95 % of offered, p99 < 250 ms). ``--kill``: relay 0 is killed
@@ -33,10 +33,10 @@ import trio
 from bench_relay import ECHO, MAX, PAYLOAD, cpu_seconds, echo
 from common import REPO, header, publish
 
-from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.addrs import circuit_addr
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.wire.framing import FrameReader, send_frame
+from p2pswarm.net.libp2p.addrs import circuit_addr
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
 
 RATE = 10.0
 
@@ -60,7 +60,7 @@ async def workers_main(relays: list[str], n: int, moves_file: str) -> None:
     runs until stdin closes."""
     from contextlib import AsyncExitStack
 
-    from p2pswarm.net.relay_client import RelayKeeper
+    from p2pswarm.net.libp2p.relay_client import RelayKeeper
 
     async with trio.open_nursery() as nursery, AsyncExitStack() as stack:  # hosts close before the nursery
         lines = []

@@ -25,10 +25,10 @@ from pathlib import Path
 import trio
 from common import header, publish, tiny_in_process_parts
 
-import p2pswarm.backbone.runner as runner
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.scheduler import Params, Scheduler
+import p2pswarm.backbone.serving.runner as runner
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+from p2pswarm.backbone.serving.runner import Backbone
+from p2pswarm.backbone.serving.scheduler import Params, Scheduler
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.verify import Verifier
 

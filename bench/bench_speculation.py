@@ -3,7 +3,7 @@ against off, alternating in one run.
 
 Setup: a synthetic qwen35moe model (Gated DeltaNet + gated attention, ``--preset tiny``: 4 layers;
 ``--layers`` cuts it), 4 expert worker processes (``p2pswarm worker`` on local sockets), each
-behind an emulated WAN link of ``--rtt`` ms (one ``python -m p2pswarm.net.wanproxy`` process for
+behind an emulated WAN link of ``--rtt`` ms (one ``python -m p2pswarm.net.wire.wanproxy`` process for
 the four links), a backbone in this process that holds no expert it computes: every expert group
 goes to a worker (checked: no local group, no fallback). One greedy sequence generates
 ``--tokens`` tokens, ``--rounds`` times per mode, the modes alternating (off, then each drafter,
@@ -60,10 +60,10 @@ from pathlib import Path
 import trio
 from common import header
 
-from p2pswarm.backbone.expert_cache import parse_cache_size
-from p2pswarm.backbone.scheduler import Params, Scheduler
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.speculation import Speculation
+from p2pswarm.backbone.owners.expert_cache import parse_cache_size
+from p2pswarm.backbone.serving.scheduler import Params, Scheduler
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.backbone.serving.speculation import Speculation
 from p2pswarm.model.synth import make_model
 
 PROMPT = [5, 211, 37, 90, 14, 5, 211, 37, 90, 14, 5, 211, 37, 90, 14, 5, 211, 37]
@@ -88,7 +88,7 @@ DRAFT_S = [0.0]  # seconds spent in the MTP block's drafting (serial before each
 def _timed_drafts() -> None:
     """Count the MTP block's drafting time (:data:`DRAFT_S`): at ``--layers 4`` the block is one
     of five blocks, at the 122B one of 49, so its share of a step is what a short model inflates."""
-    from p2pswarm.backbone.mtp import MtpBlock
+    from p2pswarm.backbone.serving.mtp import MtpBlock
 
     plain = MtpBlock.draft
 
@@ -141,7 +141,7 @@ async def _bench(args, model: Path) -> list[str]:
     cache = parse_cache_size("none") if args.mtp_experts == "workers" else None
     async with open_backbone(model, workers=4, transport="socket", kernel=args.kernel, expert_cache=cache) as swarm:
         targets = [f"{o.host}:{o.port}" for o in swarm.owners]
-        proxy = subprocess.Popen([sys.executable, "-m", "p2pswarm.net.wanproxy", "--rtt-ms", str(args.rtt),
+        proxy = subprocess.Popen([sys.executable, "-m", "p2pswarm.net.wire.wanproxy", "--rtt-ms", str(args.rtt),
                                   *[a for t in targets for a in ("--target", t)]],
                                  stdout=subprocess.PIPE, text=True)
         try:

@@ -17,9 +17,9 @@ import time
 
 from common import header, publish
 
-from p2pswarm.backbone.dispatch import DemandCounter, DispatchStats
+from p2pswarm.backbone.dispatch.dispatcher import DemandCounter, DispatchStats
 from p2pswarm.contracts import Owner
-from p2pswarm.backbone.status_page import SwarmView
+from p2pswarm.backbone.api.status_page import SwarmView
 
 LAYERS, N_EXPERT, BLOCK = 49, 256, 8
 

@@ -1,7 +1,7 @@
 """Aggregate tokens/s of the swarm's HTTP API as concurrency grows, under emulated WAN latency.
 
 Per RTT: a bootstrap node, 4 worker processes each behind an emulated WAN link (``python -m
-p2pswarm.net.wanproxy``, one process for every link unless ``--proxies per-link``; the worker
+p2pswarm.net.wire.wanproxy``, one process for every link unless ``--proxies per-link``; the worker
 ``--announce`` s its link; at 0 ms no link unless ``--proxy-at-0``: loopback), and a backbone node
 serving ``/v1/completions``. For N = 1, 4, 16,
 64 concurrent greedy requests (short prompts, ``--tokens`` generated each) it measures
@@ -211,9 +211,9 @@ def cpu_split(sw: WanSwarm) -> tuple[float, float, float, float]:
 
 async def compute_bound(model: Path, kernel: str, n: int, tokens: int) -> float:
     """Tokens/s of n concurrent requests through a monolithic backbone's scheduler (no network)."""
-    from p2pswarm.backbone.scheduler import Params, Scheduler
-    from p2pswarm.backbone.session import open_backbone
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.backbone.serving.scheduler import Params, Scheduler
+    from p2pswarm.backbone.sessions.local import open_backbone
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model)
     async with open_backbone(model, workers=0, kernel=kernel) as mono:

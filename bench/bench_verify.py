@@ -19,11 +19,11 @@ import time
 import trio
 from common import header, publish, tiny_in_process_parts
 
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-from p2pswarm.backbone.runner import Backbone
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+from p2pswarm.backbone.serving.runner import Backbone
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.verify import Verifier
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 
 class RemoteOwner(InProcessOwner):

@@ -97,7 +97,7 @@ def child_ours(a) -> dict:
 
     sys.path.insert(0, os.environ.get("BENCH_OURS_TREE", str(REPO)))  # before common.py's REPO
 
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.sessions.local import open_backbone
 
     async def run() -> dict:
         out, clk = {}, Clock()

@@ -53,13 +53,13 @@ class StepCounter(trio.abc.Instrument):
 async def run(args) -> list[dict]:
     from helpers.owners import libp2p_owner, served  # after sys.path
 
-    from p2pswarm.backbone.dispatch import pack_rows
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.dispatch.dispatcher import pack_rows
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.model.synth import make_model
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
     from p2pswarm.worker.expert_worker import ExpertWorker
 
     work = Path(tempfile.mkdtemp(prefix="bench-wire-"))
@@ -78,8 +78,8 @@ async def run(args) -> list[dict]:
         groups = [(int(e), np.nonzero((pick == e).any(axis=1))[0]) for e in experts]
         return cur, [(e, idx) for e, idx in groups if len(idx)]
 
-    from p2pswarm.net.direct import DirectLane
-    from p2pswarm.net.framing import DEFAULT_MAX_FRAME
+    from p2pswarm.net.wire.direct import DirectLane
+    from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME
 
     results = []
     lane = DirectLane("127.0.0.1", 0, max_frame=DEFAULT_MAX_FRAME) if args.transport == "direct" else None
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--profile", help="py-spy collapsed stacks of the measured part to this file")
     ap.add_argument("--transport", choices=["libp2p", "direct"], default="libp2p",
                     help="libp2p: the yamux + Noise stream; direct: the worker's direct lane, a sealed TCP "
-                         "connection keyed through that stream (p2pswarm/net/direct.py)")
+                         "connection keyed through that stream (p2pswarm/net/wire/direct.py)")
     args = ap.parse_args()
     args.depth = args.depth or [1, 4]
     os.environ.setdefault("P2PSWARM_KERNEL", "ggml")

@@ -6,7 +6,7 @@ worker returns them), and reports for each coding: the bytes relative to raw, an
 encode + decode a MiB on this machine; then what that saves per token and the link speed below
 which it pays (when the bytes saved take longer on the link than the coding takes on the CPU).
 
-Codings: what the wire ships (p2pswarm.net.wire_codec: four byte planes, each zstd-1 on its own),
+Codings: what the wire ships (p2pswarm.net.wire.codec: four byte planes, each zstd-1 on its own),
 zlib (stdlib), zstandard, lz4 and blosc2 (PyPI; optional: ``pip install lz4 blosc2``), blosc2 with
 its own byte shuffle or bit shuffle, the others each on
 the raw bytes and on a byte-plane split (the 4 bytes of each float32 regrouped: sign+exponent
@@ -28,11 +28,11 @@ import numpy as np
 import trio
 from common import header
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.model.synth import make_model
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net import wire_codec
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire import codec as wire_codec
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 
 def planes(b: bytes) -> bytes:
@@ -102,7 +102,7 @@ async def capture_batch(model: Path, n: int, steps: int) -> tuple[list[bytes], l
     prompts, one prefill step, then ``steps`` greedy decode steps): (prefill outputs, decode outputs,
     the share of the prefill's output rows that repeat another row of the same call, byte for byte:
     prompts that share a prefix share its hidden states, hence those rows)."""
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model)
     pre, dec, dup = [], [], []

@@ -19,8 +19,8 @@ import numpy as np
 import trio
 from common import header, peak_rss_mb
 
-from p2pswarm.backbone.session import WorkerProcess
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.sessions.local import WorkerProcess
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.engine.kernels import kernel_id, resolve_kernel
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts

@@ -91,7 +91,7 @@ def tiny_in_process_parts(prefix: str, n_workers: int = 2):
     weights. Returns ``(layout, shards, workers, dense)``."""
     import tempfile  # only these benchmarks need it
 
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.engine.arch import load_dense
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint

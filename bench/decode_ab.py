@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 async def child(model: str, steps: int, threads: int) -> None:
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.sessions.local import open_backbone
 
     async with open_backbone(model, workers=0, kernel="ggml", threads=threads) as local:
         bb = local.backbone

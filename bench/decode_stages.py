@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 from common import warm_page_cache
 
-from p2pswarm.backbone.runner import combine, expert_groups
-from p2pswarm.engine import ggml_runner
+from p2pswarm.backbone.serving.runner import combine, expert_groups
+from p2pswarm.engine.ggml import runner as ggml_runner
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout

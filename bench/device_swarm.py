@@ -57,7 +57,7 @@ from wan_swarm import WanSwarm, cpu_seconds
 
 from p2pswarm.model.synth import make_model
 from p2pswarm.model.synth_qwen3moe import PRESETS
-from p2pswarm.net.identity import load_or_create_identity
+from p2pswarm.net.signed.identity import load_or_create_identity
 
 
 def worker_ranges(n_expert: int, shares: int) -> list[tuple[int, int]]:
@@ -203,7 +203,7 @@ def start_py_spy(args, sw: WanSwarm, label: str):
 
 BUCKETS = (("ggml compute (dense + experts)", "ggml"), ("noise/libp2p", "libp2p/"),
            ("cryptography", "cryptography/"), ("msgpack", "msgpack"), ("wire framing", "p2pswarm/net/"),
-           ("expert inputs/outputs", "socket_owner"), ("dispatch", "dispatch.py"),
+           ("expert inputs/outputs", "socket_owner"), ("dispatch", "backbone/dispatch/"),
            ("dense path (numpy)", "p2pswarm/engine/"), ("scheduler/runner", "p2pswarm/backbone/"),
            ("HTTP", "starlette"), ("trio", "trio/"), ("numpy", "numpy/"))
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from p2pswarm.backbone.generate import sequence_logits
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.serving.generate import sequence_logits
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.model.synth import make_model
 
 MODELS = [("qwen35moe", "q8_0"), ("qwen35moe", "q4_k_m"), ("gpt-oss", "q8_0"), ("deepseek2", "q4_k_m"),

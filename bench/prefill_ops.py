@@ -64,9 +64,14 @@ def child_ours(a) -> dict:
     sys.path.insert(0, os.environ.get("BENCH_OURS_TREE", str(REPO)))
     import trio
 
-    from p2pswarm.backbone.session import open_backbone
-    from p2pswarm.engine import ggml_runner
-    from p2pswarm.engine.ggml_kernel import _InitParams
+    try:
+        from p2pswarm.backbone.sessions.local import open_backbone
+        from p2pswarm.engine.ggml import runner as ggml_runner
+        from p2pswarm.engine.ggml.lib import _InitParams
+    except ImportError:  # a tree from before the engine's and backbone's folders (--ours-tree)
+        from p2pswarm.backbone.session import open_backbone  # type: ignore[no-redef]
+        from p2pswarm.engine import ggml_runner  # type: ignore[no-redef]
+        from p2pswarm.engine.ggml_kernel import _InitParams  # type: ignore[no-redef]
 
     calls: collections.Counter = collections.Counter()
 

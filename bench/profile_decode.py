@@ -48,8 +48,8 @@ def child(a) -> None:
     sys.path.insert(0, str(a.tree))
     import numpy as np
 
-    from p2pswarm.backbone.runner import combine, expert_groups
-    from p2pswarm.engine import ggml_runner
+    from p2pswarm.backbone.serving.runner import combine, expert_groups
+    from p2pswarm.engine.ggml import runner as ggml_runner
     from p2pswarm.engine.arch import load_dense
     from p2pswarm.engine.kernels import make_bank
     from p2pswarm.model.layout import ModelLayout
@@ -101,7 +101,7 @@ def batched(a, graphs) -> None:
     """``--seqs``: the timed steps are forward_batch calls of every sequence's next token."""
     import trio
 
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.sessions.local import open_backbone
 
     vocab = [150_000]  # the model's, once it is open
 

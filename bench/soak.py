@@ -28,7 +28,7 @@ Jepsen-style, on 127.0.0.1 and network namespaces of its own (``p2ps-soak-<pid><
   backbones' and two never-faulted workers' resident memory, descriptors, trio tasks and DHT
   records sampled over time, with their slopes after warm-up.
 
-tests/test_soak.py runs a 3-minute version with the same checker on a smaller swarm (``SHORT``: five
+tests/test_soak.py runs a 2.5-minute version with the same checker on a smaller swarm (``SHORT``: five
 honest workers, no ``--auto`` worker). Results: docs/benchmarks.md ("Soak").
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 from helpers.netns import Netns, cleanup_stale
-from helpers.procs import Proc, free_ports  # the tests' process helper
+from helpers.procs import Proc, free_ports, stop_all  # the tests' process helpers
 from soak_check import LONG_LIVED, PROMPTS, RECOVERY_WAIT_S, Load, _now, check, summarise
 from soak_probes import _echo, _garbage_frames, _http, monolithic_references, sample
 
@@ -97,10 +97,6 @@ class Node:
     def kill(self) -> None:
         self.proc.kill()
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.signal(signal.SIGCONT)
-            self.proc.stop()
 
 
 class Swarm:
@@ -120,6 +116,7 @@ class Swarm:
         self.nodes: dict[str, Node] = {}
         self.shards: dict[str, Path] = {}
         self.peer_ids: dict[str, str] = {}
+        self.waves_s: dict[str, float] = {}  # how long each wave of starts took (where a short run's time goes)
 
     def _node(self, name, args, entry=("-m", "p2pswarm.cli"), prefix=(), start=True) -> Node:
         n = Node(name, args, self.dir, self.env, entry=entry, prefix=tuple(prefix))
@@ -139,8 +136,8 @@ class Swarm:
         from p2pswarm.model.layout import ModelLayout
         from p2pswarm.model.manifest import source_fingerprint
         from p2pswarm.model.slicer import slice_experts
-        from p2pswarm.net.identity import load_or_create_identity
-        from p2pswarm.net.tokens import issue_token
+        from p2pswarm.net.signed.identity import load_or_create_identity
+        from p2pswarm.net.signed.tokens import issue_token
 
         try:
             ports = iter(free_ports(40))
@@ -167,7 +164,7 @@ class Swarm:
                 first.append(self._node(f"proxy-{name}", ["--target", f"127.0.0.1:{listen[name]}", "--listen",
                                                          f"127.0.0.1:{link}", "--rtt-ms", rtt,
                                                          *(["--mbps", mbps[0]] if mbps else [])],
-                                        entry=("-m", "p2pswarm.net.wanproxy"), start=False))
+                                        entry=("-m", "p2pswarm.net.wire.wanproxy"), start=False))
                 listen[name] = (listen[name], link)
             # files: the shards, a signed manifest (the first backbone serves the model's bytes by
             # it, to the --auto worker and to the second backbone's expert cache, both trusting its
@@ -176,6 +173,7 @@ class Swarm:
             prep = [] if manifest.exists() else [["manifest", "--model", str(self.model), "--key",
                                                   str(d / "issuer.key"), "--out", str(manifest)]]
             prep += [] if dense.exists() else [["slice", str(self.model), "--backbone", "-o", str(dense)]]
+            t0 = _now()
             with ThreadPoolExecutor(len(first) + len(prep)) as pool:
                 done = [pool.submit(n.start) for n in first] + [pool.submit(self._cli, *a) for a in prep]
                 for name, (e0, e1), _ in self.roster:
@@ -184,6 +182,7 @@ class Swarm:
                         slice_experts(self.model, shard, None, (e0, e1))
                 for f in done:
                     f.result()
+            self.waves_s["bootstraps_proxies_files"] = round(_now() - t0, 1)
             # the relay also listens on each NAT namespace's side of its veth (WebSocket: all a NAT lets out)
             relay_ws = {name: (ns.host_ip, next(ports)) for name, ns in self.netns.items()}
             relay = self._node("relay", ["relay", "--listen", f"/ip4/127.0.0.1/tcp/{next(ports)}/ws",
@@ -247,17 +246,21 @@ class Swarm:
                                                   "--ttl", "60"], start=False))
             nat = [n for n in second if self.how.get(n.name) == "nat"]
             backbones = [n for n in second if n.name.startswith("backbone") or n.name == "auto"]
+            t0 = _now()
             with ThreadPoolExecutor(len(second) + 1) as pool:  # the NATed workers once the relay is up,
                 done = [pool.submit(n.start) for n in [relay] + [n for n in second if n not in nat + backbones]]
                 done[0].result()
                 done += [pool.submit(n.start) for n in nat]
                 for f in done:
                     f.result()
+                self.waves_s["relay_workers"] = round(_now() - t0, 1)
+                t0 = _now()
                 # the backbones once every worker is in the DHT: their first coverage refresh finds
                 # them all (one found later waits for the next refresh, 30 s); the --auto worker
                 # with them (it is ready once it enrolled from their demand)
                 for f in [pool.submit(n.start) for n in backbones]:
                     f.result()
+                self.waves_s["backbones"] = round(_now() - t0, 1)
             self.relay_addr = relay.proc.addr
             for name, _, _ in self.roster:
                 self.peer_ids[name] = self.nodes[name].proc.addr.rsplit("/p2p/", 1)[1]
@@ -272,8 +275,11 @@ class Swarm:
         return self
 
     def __exit__(self, *exc) -> None:
-        for n in reversed(list(self.nodes.values())):
-            n.stop()
+        """Stop the processes side by side (one by one took seconds each): the backbones and workers
+        first, while the relay and bootstraps that carry their records' withdrawal still run."""
+        for last in (False, True):  # stop_all continues a process the nemesis stopped
+            stop_all([n.proc.proc for name, n in self.nodes.items() if n.proc is not None
+                      and (name in ("boot1", "boot2", "relay") or name.startswith("proxy-")) == last])
         for ns in getattr(self, "netns", {}).values():
             ns.delete()
 
@@ -528,9 +534,11 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
             time.sleep(0.2)
         nemesis.stop.set()
         nem.join(300)  # the fault in progress is undone and its recovery timed
+        setup["faults_s"] = round(_now() - started, 1)
         load.stop.set()
         for t in threads:
             t.join(load.timeout_s + 30)
+        setup["drain_s"] = round(_now() - started - setup["faults_s"], 1)  # the requests in flight finishing
         for o in load.outcomes:
             if o.kind == "pending":
                 o.kind, o.error = "hung", "the client thread never returned"
@@ -540,6 +548,9 @@ def run_soak(model: Path | None, workdir: Path, *, duration_s: float, seed: int,
                            warmup_s if warmup_s is not None else min(120.0, duration_s / 4), health,
                            swarm.liar_id, started, ended)
         report["nat_relayed"] = swarm.nat_relayed()
+        setup["waves_s"] = swarm.waves_s
+        stopping = _now()
+    setup["teardown_s"] = round(_now() - stopping, 1)
     report["seed"], report["clients"], report["verify_rate"] = seed, clients, verify_rate
     report["setup"], report["wall_s"] = setup, round(_now() - t0, 1)
     loads = sorted(x["load1"] for x in samples) or [os.getloadavg()[0]]

@@ -45,10 +45,10 @@ def _echo(addr: str, timeout_s: float = 10) -> bool:
     """Whether the worker at ``addr`` answers an expert ``echo`` (a libp2p peer of our own)."""
     import trio
 
-    from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.framing import FrameReader, send_frame
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.wire import expert_protocol as proto
+    from p2pswarm.net.wire.framing import FrameReader, send_frame
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
 
     async def main() -> bool:
         with trio.move_on_after(timeout_s):
@@ -70,10 +70,10 @@ def _garbage_frames(addr: str, rng: random.Random) -> str:
     bytes; returns what came back (each should be an error frame or a close, never a hang)."""
     import trio
 
-    from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.framing import HEADER, FrameReader
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.wire import expert_protocol as proto
+    from p2pswarm.net.wire.framing import HEADER, FrameReader
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
 
     answers = []
 

@@ -1,4 +1,4 @@
-"""Run a p2pswarm module (``p2pswarm.cli`` or ``p2pswarm.net.wanproxy``) with per-hop timestamps.
+"""Run a p2pswarm module (``p2pswarm.cli`` or ``p2pswarm.net.wire.wanproxy``) with per-hop timestamps.
 
     python bench/trace_entry.py p2pswarm.cli node --role worker ...      (TRACE_DIR=/tmp/t)
 
@@ -37,7 +37,7 @@ def _peek(payload: bytes) -> tuple[str, object]:
 
 
 def _patch_frames(role: str) -> None:
-    import p2pswarm.net.framing as framing
+    import p2pswarm.net.wire.framing as framing
 
     orig_read = framing.FrameReader.read_frame
 
@@ -57,8 +57,8 @@ def _patch_frames(role: str) -> None:
         await orig_send(stream, payload, max_frame)
         _log(f"{role}_out", getattr(stream, "peer_name", "?"), op, rid, len(payload))
 
-    import p2pswarm.backbone.libp2p_owner as lo
-    import p2pswarm.backbone.socket_owner as so
+    import p2pswarm.backbone.owners.libp2p_owner as lo
+    import p2pswarm.backbone.owners.socket_owner as so
     import p2pswarm.worker.server as ws
 
     for mod in (framing, so, lo, ws):
@@ -81,8 +81,8 @@ def _patch_worker() -> None:
 
 
 def _patch_backbone() -> None:
-    from p2pswarm.backbone.dispatch import Dispatcher
-    from p2pswarm.backbone.runner import Backbone
+    from p2pswarm.backbone.dispatch.dispatcher import Dispatcher
+    from p2pswarm.backbone.serving.runner import Backbone
 
     orig_rg = Dispatcher.run_groups
 
@@ -110,7 +110,7 @@ def _patch_backbone() -> None:
 def _patch_proxy() -> None:
     import trio
 
-    from p2pswarm.net import wanproxy
+    from p2pswarm.net.wire import wanproxy
 
     due_of: dict = {}
     orig_sleep_until = wanproxy.sleep_until_precise
@@ -153,7 +153,7 @@ def main() -> None:
     _out = open(os.path.join(tdir, f"{role}-{os.getpid()}.tsv"), "w", buffering=1)
     ident = sys.argv[sys.argv.index("--identity") + 1] if "--identity" in sys.argv else ""
     if ident:
-        from p2pswarm.net.identity import load_or_create_identity
+        from p2pswarm.net.signed.identity import load_or_create_identity
 
         _log("self", load_or_create_identity(ident).peer_id_str)
     if role == "proxy":

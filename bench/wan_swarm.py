@@ -6,7 +6,7 @@ Used by tests/test_throughput_swarm.py and bench/bench_throughput.py:
         sw.base_url            # the backbone's HTTP API
         sw.workers[0].kill()   # kill -9
 
-Layout: a bootstrap node; a ``python -m p2pswarm.net.wanproxy`` process emulating one WAN link in
+Layout: a bootstrap node; a ``python -m p2pswarm.net.wire.wanproxy`` process emulating one WAN link in
 front of each ``p2pswarm node --role worker`` (one process for all links, or one per link), the
 worker listening on a fixed local port and ``--announce`` ing its link's port, so every expert
 request the backbone sends crosses the emulated link both ways (at 0 ms RTT no proxy: the worker
@@ -119,7 +119,7 @@ class WanSwarm:
                     continue
                 proxy = Proc(["--target", f"127.0.0.1:{t}", "--listen", f"127.0.0.1:{lp}", "--rtt-ms", str(rtt),
                               *self.proxy_args], self.dir / f"proxy{k}.log", self.env,
-                             entry=self._entry("p2pswarm.net.wanproxy"))
+                             entry=self._entry("p2pswarm.net.wire.wanproxy"))
                 self.procs.append(proxy)
                 self.proxies.append(proxy)
                 reach.append(lp)
@@ -133,7 +133,7 @@ class WanSwarm:
         for k, group in enumerate(groups):
             args = [a for t, lp in group for a in ("--target", f"127.0.0.1:{t}", "--listen", f"127.0.0.1:{lp}")]
             proxy = Proc([*args, "--rtt-ms", str(self.rtt_ms), *self.proxy_args], self.dir / f"proxy{k}.log", self.env,
-                         entry=self._entry("p2pswarm.net.wanproxy"))
+                         entry=self._entry("p2pswarm.net.wire.wanproxy"))
             self.procs.append(proxy)
             self.proxies.append(proxy)
         return list(link_ports)

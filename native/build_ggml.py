@@ -1,6 +1,6 @@
 """Build llama.cpp's libggml-base + libggml-cpu into ``p2pswarm/_native/`` (run by ``pip install``).
 
-Why: the ggml kernel (``p2pswarm/engine/ggml_kernel.py``) needs libggml, and no binary wheel of
+Why: the ggml kernel (``p2pswarm/engine/ggml/lib.py``) needs libggml, and no binary wheel of
 llama-cpp-python or of ggml exists in the registries a user can reach. Without it every node runs
 the numpy kernel (~7x the memory on Q4_K shards). So the install builds just the two libraries the
 kernel uses, nothing of llama.cpp itself, in about a minute on 2 cores.

@@ -9,7 +9,7 @@ checks the packages that use them.
 - :class:`ExpertBank`: computes routed experts (numpy, ggml and portable kernels; a worker and the
   backbone's fallback replica hold one). Made by :func:`p2pswarm.engine.kernels.make_bank`.
 - :class:`DenseModel`: one architecture's dense path (attention/DeltaNet, norms, router, lm head),
-  one call into each layer (:class:`LayerIn`) and one out; the backbone's layer loop (:class:`p2pswarm.backbone.runner.Backbone`) drives it. Made by
+  one call into each layer (:class:`LayerIn`) and one out; the backbone's layer loop (:class:`p2pswarm.backbone.serving.runner.Backbone`) drives it. Made by
   :func:`p2pswarm.engine.arch.load_dense`.
 - :class:`DenseWeights`: the dense tensors a model reads by name, which the ggml backend replaces
   by its own quantised matrices (:meth:`p2pswarm.engine.backend.DenseBackend.take`, at load).
@@ -182,7 +182,7 @@ class OwnerStatus:
     load: int | None = None  # requests in flight
     requests: int | None = None
     failures: int | None = None
-    wire: dict | None = None  # bytes sent / received (p2pswarm.net.wire_bytes)
+    wire: dict | None = None  # bytes sent / received (p2pswarm.net.wire.counting)
     kernel: str | None = None
 
 
@@ -213,7 +213,7 @@ class Owner(Protocol):
     #: why its handshake refused us (it then holds nothing); None: not refused
     refused: str | None = None
     kernel: str | None = None  # the kernel id it computes with, where known
-    wire: Any = None  # its p2pswarm.net.wire_bytes.WireBytes, for a remote owner that counts bytes
+    wire: Any = None  # its p2pswarm.net.wire.counting.WireBytes, for a remote owner that counts bytes
     wire_precision: str | None = None  # the backbone's --wire-precision (set by the dispatcher)
     #: the bank that turns our rows into a form the owner's kernel takes (set by the dispatcher
     #: when that bank computes in the owner's ``kernel``); None: rows go as float32
@@ -222,7 +222,7 @@ class Owner(Protocol):
     @property
     def peer(self) -> str | None:
         """The libp2p peer id its work is credited to and banned by; None: no network identity
-        (its ``name`` stands in: :func:`p2pswarm.backbone.dispatch.peer_of`)."""
+        (its ``name`` stands in: :func:`p2pswarm.backbone.dispatch.dispatcher.peer_of`)."""
         return None
 
     def holds(self, layer: int, expert: int) -> bool:

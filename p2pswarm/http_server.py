@@ -11,14 +11,20 @@ import trio
 from p2pswarm.errors import UserError
 
 
-async def serve_asgi(app, host, port: int | None = None, *, logger: str, read_timeout_s: float = 60.0,
-                     keep_alive_s: float = 10.0, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_asgi(app, host, port: int | None = None, *, logger: str, keep_alive_s: float = 10.0,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` with hypercorn on trio until cancelled; ``task_status.started`` gets the
     bound addresses (``["http://127.0.0.1:PORT"]``), so port 0 works.
 
-    Slow clients: a connection silent for ``read_timeout_s`` is closed, and so is one idle for
-    ``keep_alive_s`` (hypercorn counts a connection idle until a request's headers are complete, so
-    this also bounds how long headers may trickle in: slowloris).
+    Slow clients: a connection idle for ``keep_alive_s`` is closed (hypercorn counts a connection
+    idle from its last answer until a request's headers are complete, so this also bounds how long
+    headers may trickle in: slowloris; a body's pace is the app's to bound).
+
+    No read timeout, on purpose: hypercorn 0.18 runs it while a request is being answered, when a
+    client rightly sends nothing. Past it, a streamed answer was cut mid-stream, and a non-streamed
+    one was delivered on a connection hypercorn no longer read: the client's pool sent its next
+    request there, unanswered until the keep-alive timer reset the connection (the soak's lost
+    requests; tests/test_abuse_limits.py).
 
     ``host`` may instead be a bound, listening ``socket.socket`` (the caller checked the address
     before doing anything else): hypercorn then serves that very socket (``fd://``)."""
@@ -30,7 +36,7 @@ async def serve_asgi(app, host, port: int | None = None, *, logger: str, read_ti
         config.bind = [f"fd://{host.detach()}"]  # hypercorn's socket object owns the descriptor now
     else:
         config.bind = [f"{host}:{port}"]
-    config.read_timeout = read_timeout_s  # type: ignore[assignment]  # typed int; used as trio seconds (float)
+    config.read_timeout = None  # see above (hypercorn's default too; said here so that nobody adds one back)
     config.keep_alive_timeout = keep_alive_s
     config.accesslog = None
     config.errorlog = logging.getLogger(logger)

@@ -136,7 +136,7 @@ WIRE_INPUTS = Var("P2PSWARM_WIRE_INPUTS", _switch, True,
                   "pre-quantised in their kernel's own form (docs/protocol.md; same output bits either way)")
 WIRE_CODEC = Var("P2PSWARM_WIRE_CODEC", _switch, True,
                  "off: no lossless coding of the expert RPC's rows (float32 outputs byte-plane split + zstd, "
-                 "Q8_K inputs without their derivable sums; p2pswarm.net.wire_codec): a worker does not "
+                 "Q8_K inputs without their derivable sums; p2pswarm.net.wire.codec): a worker does not "
                  "offer it, a backbone does not ask for it")
 LOG_LEVEL = Var("P2PSWARM_LOG_LEVEL", _level, "INFO", "log level of p2pswarm's loggers when -v is not given")
 LIBP2P_LOG = Var("P2PSWARM_LIBP2P_LOG", _level, "CRITICAL", "log level of py-libp2p's loggers")

@@ -101,7 +101,7 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None, check: bo
 def start_cli(args: list[str], log: Path, env: dict | None = None, timeout: float = 90) -> tuple[subprocess.Popen, str]:
     """Start ``p2pswarm ARGS`` as a real process (stderr to ``log``) and wait for its ``READY``
     line; returns (process, what the READY line names)."""
-    from p2pswarm.backbone.session import start_cli_process
+    from p2pswarm.backbone.sessions.local import start_cli_process
     from p2pswarm.errors import UserError
 
     try:
@@ -125,10 +125,10 @@ def engine_trace(path, tokens) -> tuple[np.ndarray, dict[str, list]]:
     """Monolithic prefill through our engine, with per-layer statistics of what it computed:
     residual rms, chosen experts, top-k weights, and the router margin between the k-th and
     (k+1)-th logits."""
-    from p2pswarm.backbone.runner import combine, expert_groups
+    from p2pswarm.backbone.serving.runner import combine, expert_groups
     from p2pswarm.engine import ops
     from p2pswarm.engine.arch import load_dense
-    from p2pswarm.engine.experts import ExpertBank
+    from p2pswarm.engine.experts.numpy_bank import ExpertBank
     from p2pswarm.model.layout import ModelLayout
 
     layout = ModelLayout.open(path)
@@ -156,7 +156,7 @@ def engine_trace(path, tokens) -> tuple[np.ndarray, dict[str, list]]:
 def shards(tiny_f32, tmp_path, monkeypatch):
     """The tiny f32 model cut into two expert shards, for in-process workers; the numpy kernel on
     every side (bit-equality needs one kernel, and the handshake insists on it)."""
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
 

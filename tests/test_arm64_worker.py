@@ -111,17 +111,17 @@ def RootNode(arm64, args: list[str], log: Path, env: dict) -> bed.RootProcess:
 async def _portable_request(boot_addr: str, model: Path, worker_kernel: str):
     """As an x86-64 ggml backbone: ask the worker for portable answers (hello ``family``) and
     compute the same request with our portable kernel; (theirs, ours, the worker's families)."""
-    from p2pswarm.backbone.libp2p_owner import Libp2pOwner
-    from p2pswarm.engine import ggml_kernel as gk
-    from p2pswarm.engine import portable_kernel as pk
+    from p2pswarm.backbone.owners.libp2p_owner import Libp2pOwner
+    from p2pswarm.engine.ggml import lib as gk
+    from p2pswarm.engine.experts import portable_kernel as pk
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
-    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.wire import expert_protocol as proto
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.coverage import CoverageResolver
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
-    from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+    from p2pswarm.net.dht.coverage import CoverageResolver
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
+    from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
     layout = ModelLayout.open(model)
     fp = model_fingerprint(layout)
@@ -152,17 +152,17 @@ def _swarm_logits(model, boot_addr: str, out: Path, env: dict, decode: bool):
 
 async def _direct_handshake(boot_addr: str, model: Path, worker_kernel: str) -> str:
     """Dial the worker as a portable backbone would if the DHT filter let it through; the error."""
-    from p2pswarm.backbone.libp2p_owner import Libp2pOwner
-    from p2pswarm.engine import portable_kernel as pk
+    from p2pswarm.backbone.owners.libp2p_owner import Libp2pOwner
+    from p2pswarm.engine.experts import portable_kernel as pk
     from p2pswarm.errors import WorkerError
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
-    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.wire import expert_protocol as proto
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.coverage import CoverageResolver
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
-    from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+    from p2pswarm.net.dht.coverage import CoverageResolver
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
+    from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
     layout = ModelLayout.open(model)
     fp = model_fingerprint(layout)

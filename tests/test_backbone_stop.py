@@ -30,7 +30,7 @@ def slow_swarm(tiny_f32, tmp_path_factory):
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp / "home"))
     slice_experts(tiny_f32, tmp / "all.gguf", None, (0, 16))
     wport, pport = free_ports(2)
-    proxy = subprocess.Popen([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", f"127.0.0.1:{wport}",
+    proxy = subprocess.Popen([sys.executable, "-m", "p2pswarm.net.wire.wanproxy", "--target", f"127.0.0.1:{wport}",
                               "--listen", f"127.0.0.1:{pport}", "--rtt-ms", "40"], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True)
     nodes: list[Proc] = []

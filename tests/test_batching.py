@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import DemandCounter, Dispatcher, InProcessOwner
-from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, Params, Scheduler, choose_micro_batches, \
+from p2pswarm.backbone.dispatch.dispatcher import DemandCounter, Dispatcher, InProcessOwner
+from p2pswarm.backbone.serving.runner import Backbone
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.serving.scheduler import AUTO_BUDGET_CAP, AUTO_BUDGET_FLOOR, Params, Scheduler, choose_micro_batches, \
     choose_token_budget
-from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.backbone.sessions.local import ensure_shards, open_backbone
 from p2pswarm.errors import WorkerError
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
@@ -158,7 +158,7 @@ async def test_an_idle_scheduler_gathers_a_burst_before_its_first_step(tiny_f32)
 async def test_the_automatic_gather_window_follows_the_step_time(tiny_f32):
     """``auto``: before any step a fixed small window; then up to a step's time while requests
     keep coming a tenth of a step apart, capped; bad fixed windows are refused."""
-    from p2pswarm.backbone.scheduler import GATHER_FIRST, GATHER_MAX_S
+    from p2pswarm.backbone.serving.scheduler import GATHER_FIRST, GATHER_MAX_S
 
     async with open_backbone(tiny_f32, workers=0) as mono:
         sched = Scheduler(mono.backbone)
@@ -505,7 +505,7 @@ def test_qwen35moe_shared_expert_batches_in_the_invariant_mode(models_dir):
     """With the ggml kernel a qwen35moe layer's post_moe (shared expert + its F32 per-token gate)
     is measured row-invariant, so the batch-invariant default runs it once for all sequences, not
     once per sequence: the gate is a per-row reduction, not OpenBLAS's (T, E) x (E, 1) product."""
-    from p2pswarm.backbone.runner import probe_dense_invariance
+    from p2pswarm.backbone.serving.runner import probe_dense_invariance
     from p2pswarm.model.synth import make_model
 
     path = models_dir / "q35-batching-q8.gguf"

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import needs_llama
-from p2pswarm.backbone.chat import ChatError, ChatTemplate, read_chat_template
-from p2pswarm.backbone.completion import PenalizedSampler
-from p2pswarm.backbone.stops import StopMatcher, parse_stop
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.backbone.api.chat import ChatError, ChatTemplate, read_chat_template
+from p2pswarm.backbone.api.completion import PenalizedSampler
+from p2pswarm.backbone.api.stops import StopMatcher, parse_stop
+from p2pswarm.engine.text.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],

@@ -226,7 +226,7 @@ def test_backbone_serves_http_on_the_socket_it_checked(tiny_f32, tmp_path):
 
     import httpx
 
-    from p2pswarm.backbone.session import stop_process
+    from p2pswarm.backbone.sessions.local import stop_process
 
     env = dict(os.environ, P2PSWARM_HOME=str(tmp_path / "home"), P2PSWARM_KERNEL="numpy")
     log = tmp_path / "bb.log"

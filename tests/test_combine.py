@@ -1,4 +1,4 @@
-"""p2pswarm.backbone.combine against the per-group loop it replaced: the same bits on random
+"""p2pswarm.backbone.serving.combine against the per-group loop it replaced: the same bits on random
 routings (one group per expert, several groups of one expert as the batch-invariant mode makes
 them, an expert twice in one row), since split == monolithic rests on the combine's order."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone import grouping
-from p2pswarm.backbone.combine import combine_outputs
+from p2pswarm.backbone.serving import grouping
+from p2pswarm.backbone.serving.combine import combine_outputs
 
 
 def loop_combine(ids, weights, groups, outs):

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from p2pswarm import contracts
-from p2pswarm.backbone.dispatch import InProcessOwner, LocalOwner
-from p2pswarm.backbone.libp2p_owner import Libp2pOwner
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.dispatch.dispatcher import InProcessOwner, LocalOwner
+from p2pswarm.backbone.owners.libp2p_owner import Libp2pOwner
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
@@ -70,7 +70,7 @@ def test_owner_members_have_defaults_the_dispatcher_reads():
     """What the dispatcher's hot path and the status page read of an owner is on the Protocol, with
     a default, so neither probes attributes: a socket worker has no peer id (its name stands in),
     no round trip until measured, and its status says what it knows."""
-    from p2pswarm.backbone.dispatch import peer_of
+    from p2pswarm.backbone.dispatch.dispatcher import peer_of
 
     o = SocketOwner("w0", "127.0.0.1", 1, model_fingerprint="x", kernel="numpy", layers=(0, 2), experts=(0, 4))
     assert o.peer is None and peer_of(o) == "w0"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from p2pswarm.net.advertiser import ShardAdvertiser
-from p2pswarm.net.records import ShardEntry, node_record_key
+from p2pswarm.net.dht.advertiser import ShardAdvertiser
+from p2pswarm.net.signed.records import ShardEntry, node_record_key
 
 from helpers.dht import MODEL, advertiser, dht_swarm, resolver
 
@@ -88,7 +88,7 @@ async def test_a_failed_owner_whose_record_read_fails_is_kept(monkeypatch):
     blamed two live workers (their deadlines ran out during its own stall), the refresh they asked
     for read no record for either (its look-ups timed out the same way), and both were dropped from
     the coverage map until a later refresh found them again."""
-    from p2pswarm.net.kademlia import SwarmDHT
+    from p2pswarm.net.dht.kademlia import SwarmDHT
 
     async with dht_swarm(3) as nodes:
         worker, backbone = nodes[1], nodes[2]

@@ -1,4 +1,4 @@
-"""ggml graphs use the CPUs other processes leave free (p2pswarm.engine.cpu_share): real processes."""
+"""ggml graphs use the CPUs other processes leave free (p2pswarm.engine.ggml.cpu_share): real processes."""
 from __future__ import annotations
 
 import os
@@ -9,13 +9,13 @@ import textwrap
 import pytest
 from helpers.ggml import needs_ggml
 
-from p2pswarm.engine import cpu_share
+from p2pswarm.engine.ggml import cpu_share
 
 # A child pinned to two CPUs, with a busy process pinned to the first: before any interval every
 # CPU counts, after the first one CPU is free.
 _CHILD = textwrap.dedent("""
     import os, subprocess, sys, time
-    from p2pswarm.engine.cpu_share import CpuShare, INTERVAL_S
+    from p2pswarm.engine.ggml.cpu_share import CpuShare, INTERVAL_S
     cpus = sorted(os.sched_getaffinity(0))[:2]
     os.sched_setaffinity(0, cpus)
     hog = subprocess.Popen([sys.executable, "-c",
@@ -56,8 +56,8 @@ def test_a_graphs_threads_follow_the_share(monkeypatch):
     """GgmlRunner.compute asks for no more threads than the share says are free."""
     import numpy as np
 
-    from p2pswarm.engine import ggml_runner
-    from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, load_libggml
+    from p2pswarm.engine.ggml import runner as ggml_runner
+    from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, load_libggml
 
     lib = load_libggml()
     r = ggml_runner.GgmlRunner(lib, 2)

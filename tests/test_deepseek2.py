@@ -22,7 +22,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.engine.arch.deepseek2 import mla
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.errors import ModelFormatError
@@ -35,7 +35,7 @@ from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_greedy, llama_intermediates, llama_logits
 from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 F32 = np.float32
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,

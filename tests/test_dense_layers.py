@@ -14,20 +14,20 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-from p2pswarm.backbone.runner import Backbone
-from p2pswarm.backbone.session import ensure_shards
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+from p2pswarm.backbone.serving.runner import Backbone
+from p2pswarm.backbone.sessions.local import ensure_shards
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.qwen3moe import Qwen3MoE
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.engine.routing import no_experts
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net.records import units_for
+from p2pswarm.net.signed.records import units_for
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.gguf_edit import rewrite
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42]
 
@@ -127,7 +127,7 @@ def test_a_dense_layer_is_probed_apart_from_the_routed_ones(dense_lead):
     their dense tensors have the same types: layer 0's route (no experts) is trivially invariant,
     and that answer, reused for layers 1-3, let their router's batched GEMM (not row-invariant under
     OpenBLAS's Haswell kernels, e.g. an AMD EPYC without AVX-512) break batched == alone."""
-    from p2pswarm.backbone.runner import _layer_signature
+    from p2pswarm.backbone.serving.runner import _layer_signature
 
     model = DenseLead(ModelLayout.open(dense_lead))
     assert _layer_signature(model, 0) != _layer_signature(model, 1) == _layer_signature(model, 2)

@@ -168,7 +168,7 @@ def test_env_file_sets_only_what_the_units_use():
 
 def test_relay_instances_are_other_relays_that_join_the_first():
     """p2pswarm-relay@N: relay.toml's settings, but its own key, ports and public name, and the first
-    relay as DHT bootstrap (relays share nothing but the DHT: p2pswarm/net/relay_discovery.py)."""
+    relay as DHT bootstrap (relays share nothing but the DHT: p2pswarm/net/libp2p/relay_discovery.py)."""
     first = relay_settings(parse_cli(exec_start("p2pswarm-relay.service", read_unit(SYSTEMD / "p2pswarm-relay.service"))))
     unit = SYSTEMD / "p2pswarm-relay@.service"
     other = relay_settings(parse_cli(exec_start(unit.name, read_unit(unit))))
@@ -370,7 +370,7 @@ def test_deploy_guide_commands_parse():
 def test_relay_starts_from_the_example_config_serves_health_and_stops(tmp_path):
     import httpx
 
-    from p2pswarm.net.identity import load_or_create_identity
+    from p2pswarm.net.signed.identity import load_or_create_identity
 
     issuer = load_or_create_identity(tmp_path / "issuer.key").peer_id_str
     port, hport = free_port(), free_port()
@@ -435,8 +435,8 @@ def test_direct_443_command_serves_wss_to_a_relayed_worker(tmp_path, tiny_f32):
     loopback port, the announce address /dns4/localhost/.../wss): a worker dials it by name over
     TLS, trusting the certificate through P2PSWARM_WSS_CA, shows its token and holds a reservation."""
     from p2pswarm.model.slicer import slice_experts
-    from p2pswarm.net.identity import load_or_create_identity
-    from p2pswarm.net.tokens import issue_token
+    from p2pswarm.net.signed.identity import load_or_create_identity
+    from p2pswarm.net.signed.tokens import issue_token
 
     crt, pem = map(Path, make_cert(tmp_path, dns=("localhost",), files=("tls.crt", "tls.key"), cn="localhost"))
     port, hport = free_port(), free_port()

@@ -1,4 +1,4 @@
-"""The direct lane (p2pswarm/net/direct.py): expert requests on a sealed TCP connection keyed through
+"""The direct lane (p2pswarm/net/wire/direct.py): expert requests on a sealed TCP connection keyed through
 the authenticated libp2p stream. Real hosts, real sockets on 127.0.0.1: the answers are the
 worker's bits; a forged, reused or tampered ticket or record is refused; an unreachable lane leaves
 the requests on libp2p; a late reply on the lane can still be read (cancel-safe)."""
@@ -12,14 +12,14 @@ import pytest
 import trio
 import trio.testing
 
-from p2pswarm.backbone.dispatch import pack_rows
+from p2pswarm.backbone.dispatch.dispatcher import pack_rows
 from p2pswarm.errors import FrameError
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.direct import DirectLane, SealedStream, open_direct
-from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire.direct import DirectLane, SealedStream, open_direct
+from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.owners import libp2p_owner, served
@@ -173,7 +173,7 @@ def test_worker_processes_with_direct_lanes_serve_a_swarm_run_bit_for_bit(tiny_f
     from conftest import run_cli
     from helpers.procs import Proc
     from p2pswarm.model.slicer import slice_experts
-    from p2pswarm.net.identity import load_or_create_identity
+    from p2pswarm.net.signed.identity import load_or_create_identity
 
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
     tokens = "5,17,42,99,100,7,256,300,12,64,128,31"

@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.engine.weights import ByteBoundedCache
 from p2pswarm.model.gguf_read import field_value
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import make_model
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 TOKENS = [9, 8, 7, 300, 42, 42, 5, 17, 260, 1, 2, 3, 99, 150, 11, 12, 13]
 

@@ -6,13 +6,13 @@ import httpx
 import pytest
 import trio
 
-from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.cli import _one_line
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 from p2pswarm.errors import (FrameError, InternalError, ModelFormatError, PeerError, SwarmError, UserError,
                              WorkerError)
-from p2pswarm.net.libp2p_patches import PatchError
+from p2pswarm.net.libp2p.patches import PatchError
 
 
 def test_kinds():

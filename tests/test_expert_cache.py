@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from p2pswarm.backbone import expert_cache as ec
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.owners import expert_cache as ec
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.errors import UnitsUnavailable, UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
@@ -27,7 +27,7 @@ from p2pswarm.model.slicer import slice_backbone
 
 from helpers.expert_cache import ARCHS, _complete, arch_model
 from helpers.procs import shard_swarm
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19]
 async def logits_of(path, tokens=TOKENS, kernel="numpy", **kw):
@@ -232,11 +232,11 @@ async def test_refill_by_demand_status_metrics_and_demand_record(models_dir):
     show it (the record flags the units the backbone lacks)."""
     from prometheus_client import generate_latest
 
-    from p2pswarm.backbone.dispatch import DemandCounter
-    from p2pswarm.backbone.metrics import BackboneMetrics
-    from p2pswarm.backbone.status_page import SwarmView
+    from p2pswarm.backbone.dispatch.dispatcher import DemandCounter
+    from p2pswarm.backbone.api.metrics import BackboneMetrics
+    from p2pswarm.backbone.api.status_page import SwarmView
     from p2pswarm.market.demand import DemandRecord
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.signed.identity import Identity
 
     path = arch_model(models_dir, "deepseek2")
     async with open_backbone(path, workers=2, kernel="numpy", expert_cache=ec.parse_cache_size("25%")) as swarm:
@@ -313,8 +313,8 @@ async def test_dishonest_worker_caught_with_a_partial_cache(tiny_f32, tmp_path):
     is caught by the checks (which recompute only cached units), banned, and its units computed by
     the cache from then on: every step's outputs equal the full bank's. The honest worker of 8-15
     (not cached) is never checked here - what a partial cache can verify is its hit share."""
-    from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.engine.kernels import make_bank
     from p2pswarm.market.verify import Verifier
     from p2pswarm.worker.expert_worker import ExpertWorker
@@ -352,8 +352,8 @@ async def test_checks_reach_units_the_cache_lacks(tiny_f32, tmp_path):
     bytes are in the file, so it is added for the check and dropped after.
     A liar on experts 0-7 is caught though the cache holds nothing, and every output equals the
     full bank's; the honest worker of 8-15 is checked too (the picks were not thrown away)."""
-    from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.engine.kernels import make_bank
     from p2pswarm.market.verify import Verifier
     from p2pswarm.worker.expert_worker import ExpertWorker

@@ -33,8 +33,8 @@ def test_cache_filled_from_workers_shards_with_no_seeder(models_dir, tmp_path):
 
     from helpers.procs import Proc, start_bootstrap
     from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
-    from p2pswarm.net.identity import Identity, load_or_create_identity
-    from p2pswarm.net.tokens import issue_token, shard_scope
+    from p2pswarm.net.signed.identity import Identity, load_or_create_identity
+    from p2pswarm.net.signed.tokens import issue_token, shard_scope
 
     path = arch_model(models_dir, "qwen35moe")
     layers = ModelLayout.open(path).expert_layers
@@ -105,7 +105,7 @@ def test_rewards_follow_the_lacks_flags():
     from p2pswarm.market.demand import DemandRecord
     from p2pswarm.market.enrol import choose_units
     from p2pswarm.market.reward import LACKS_WEIGHT, backbone_demand, reward
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.signed.identity import Identity
 
     def record(demand, lacks=()):
         return DemandRecord.make(Identity.generate(), model="ab" * 32, layers=[0], n_expert=16, block_size=4,
@@ -141,8 +141,8 @@ def test_backbone_downloads_its_slice_by_fingerprint(models_dir, tmp_path):
 
     from helpers.procs import Proc, start_bootstrap, start_shard_workers
     from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
-    from p2pswarm.net.identity import Identity, load_or_create_identity
-    from p2pswarm.net.tokens import issue_token, shard_scope
+    from p2pswarm.net.signed.identity import Identity, load_or_create_identity
+    from p2pswarm.net.signed.tokens import issue_token, shard_scope
 
     path = arch_model(models_dir, "qwen35moe")
     sliced = tmp_path / "sliced.gguf"
@@ -212,8 +212,8 @@ def test_backbone_slice_download_resumes_and_refuses_bad_bytes(models_dir, tmp_p
     chunk corrupted by the source fails the manifest's sha256 and is fetched again, never kept."""
     from helpers.procs import Proc, start_bootstrap
     from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
-    from p2pswarm.net.identity import Identity, load_or_create_identity
-    from p2pswarm.net.tokens import issue_token
+    from p2pswarm.net.signed.identity import Identity, load_or_create_identity
+    from p2pswarm.net.signed.tokens import issue_token
 
     path = arch_model(models_dir, "qwen35moe")
     sliced = tmp_path / "sliced.gguf"
@@ -278,7 +278,7 @@ def test_dishonest_worker_caught_with_no_cache_by_fetched_slabs(models_dir, tmp_
     from conftest import run_cli
     from helpers.procs import Proc, start_bootstrap
     from p2pswarm.model.manifest import source_fingerprint
-    from p2pswarm.net.identity import load_or_create_identity
+    from p2pswarm.net.signed.identity import load_or_create_identity
 
     path = arch_model(models_dir, "qwen35moe")
     bfile = tmp_path / "backbone.gguf"
@@ -360,8 +360,8 @@ def test_auto_worker_serves_its_slabs_to_a_backbone_without_experts(models_dir, 
 
     from helpers.procs import Proc, start_bootstrap
     from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
-    from p2pswarm.net.identity import Identity, load_or_create_identity
-    from p2pswarm.net.tokens import issue_token
+    from p2pswarm.net.signed.identity import Identity, load_or_create_identity
+    from p2pswarm.net.signed.tokens import issue_token
 
     path = arch_model(models_dir, "qwen35moe")
     layout = ModelLayout.open(path)
@@ -436,9 +436,9 @@ def test_slice_manifest_writes_the_source_sidecar(models_dir, tmp_path):
     from p2pswarm.commands import slice as slice_cmd
     from p2pswarm.errors import UserError
     from p2pswarm.model.manifest import build_manifest, write_manifest
-    from p2pswarm.net.identity import Identity
-    from p2pswarm.net.shard_server import ShardServer, load_source_sidecar
-    from p2pswarm.net.tokens import TokenGate
+    from p2pswarm.net.signed.identity import Identity
+    from p2pswarm.net.shards.server import ShardServer, load_source_sidecar
+    from p2pswarm.net.signed.tokens import TokenGate
 
     path, other = arch_model(models_dir, "qwen35moe"), arch_model(models_dir, "deepseek2")
     issuer = Identity.generate()

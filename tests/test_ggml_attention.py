@@ -1,4 +1,4 @@
-"""The ggml kernel's gated-attention layer as one graph (p2pswarm/engine/ggml_attention.py).
+"""The ggml kernel's gated-attention layer as one graph (p2pswarm/engine/ggml/attention.py).
 
 * With the ggml kernel a qwen35moe attention layer's ``pre_moe_batch`` is ONE graph run (one
   ``runner.compute``), numpy's attention never runs, and it matches the per-piece path.
@@ -12,8 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.runner import probe_dense_invariance
-from p2pswarm.engine import ggml_attention, ops
+from p2pswarm.backbone.serving.runner import probe_dense_invariance
+from p2pswarm.engine.ggml import attention as ggml_attention
+from p2pswarm.engine import ops
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model

@@ -21,16 +21,16 @@ import numpy as np
 import pytest
 
 import p2pswarm
-from p2pswarm.backbone.session import WorkerProcess, ensure_shards, open_backbone
-from p2pswarm.backbone.socket_owner import SocketOwner
-from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.backbone.sessions.local import WorkerProcess, ensure_shards, open_backbone
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
+from p2pswarm.engine.ggml import lib as gk
 from p2pswarm.engine import kernels
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import needs_llama
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 NATIVE = Path(p2pswarm.__file__).resolve().parent / "_native"
 ROOT = Path(p2pswarm.__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def test_the_package_ships_libggml_and_loads_it_first():
     missing = [n for n in ("libp2pswarm-ggml-base.so", "libp2pswarm-ggml-cpu.so") if not (NATIVE / n).is_file()]
     assert not missing, (f"{NATIVE} has no {missing}: pip install builds it; from a source tree run "
                          f"`python {ROOT / 'native' / 'build_ggml.py'}`")
-    script = ("import json; from p2pswarm.engine import ggml_kernel as gk; lib = gk.load_libggml(); "
+    script = ("import json; from p2pswarm.engine.ggml import lib as gk; lib = gk.load_libggml(); "
               "print(json.dumps({'origin': lib.origin, 'paths': {k: str(v) for k, v in lib.paths.items()}, "
               "'version': lib.ggml_version, 'commit': lib.ggml_commit, 'id': lib.kernel_id, "
               "'maps': open('/proc/self/maps').read()}))")
@@ -102,8 +102,8 @@ def test_a_missing_compiler_is_one_clear_line(tmp_path):
 _SAME_BITS = r"""
 import json, sys
 import numpy as np
-from p2pswarm.engine import ggml_kernel as gk
-from p2pswarm.engine import ggml_experts
+from p2pswarm.engine.ggml import lib as gk
+from p2pswarm.engine.experts import ggml_bank as ggml_experts
 from p2pswarm.model.layout import ModelLayout
 lib = gk.load_libggml()
 out = {}
@@ -150,7 +150,7 @@ if sys.argv[1] == "llama-global":  # as a loader that shares llama.cpp's libggml
         ctypes.CDLL(str(lib / name), mode=ctypes.RTLD_GLOBAL)
 if sys.argv[1] != "ours-first":
     import llama_cpp
-from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine.ggml import lib as gk
 lib = gk.load_libggml()
 if sys.argv[1] == "ours-first":
     import llama_cpp

@@ -21,11 +21,11 @@ import time
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.runner import combine, expert_groups
-from p2pswarm.engine import ggml_attention
+from p2pswarm.backbone.serving.runner import combine, expert_groups
+from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, load_libggml
-from p2pswarm.engine.ggml_runner import GgmlRunner, f32_view
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, load_libggml
+from p2pswarm.engine.ggml.runner import GgmlRunner, f32_view
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
@@ -222,7 +222,7 @@ def test_a_large_calls_scratch_is_kept_for_the_next_call_and_freed_when_idle():
 def test_a_worker_keeps_its_request_graphs_and_answers_the_same_bits(tiny_q8, tmp_path, monkeypatch):
     """A worker keeps the graphs of request shapes that recur (a decode step's few rows) within
     P2PSWARM_WORKER_GRAPH_CACHE_MB, and answers the bits of a worker that keeps none (0)."""
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.model.manifest import model_fingerprint
     from p2pswarm.worker.expert_worker import ExpertWorker
 

@@ -17,9 +17,9 @@ import sys
 import numpy as np
 import pytest
 
-from p2pswarm.engine import ggml_kernel as gk
-from p2pswarm.engine import ggml_dense
-from p2pswarm.engine import ggml_runner
+from p2pswarm.engine.ggml import lib as gk
+from p2pswarm.engine.ggml import dense as ggml_dense
+from p2pswarm.engine.ggml import runner as ggml_runner
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
@@ -125,12 +125,12 @@ def test_dense_swiglu_is_one_graph_close_to_numpy(tiny_q8):
 def test_omp_threads_spin_briefly_then_sleep_unless_told(preset):
     """Unset, loading libggml sets a short libgomp spin (GOMP_SPINCOUNT); a policy the user set is
     kept as it is, and none is added to it."""
-    from p2pswarm.engine.ggml_kernel import SPIN_BEFORE_SLEEP
+    from p2pswarm.engine.ggml.lib import SPIN_BEFORE_SLEEP
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if preset:
         env[preset[0]] = preset[1]
-    code = ("import os; from p2pswarm.engine.ggml_kernel import load_libggml; load_libggml(); "
+    code = ("import os; from p2pswarm.engine.ggml.lib import load_libggml; load_libggml(); "
             "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -169,8 +169,8 @@ def test_ggml_gated_delta_net_is_the_recurrent_rule(T):
     updated in place, and each sequence's bits the same as when it runs alone."""
     from p2pswarm.engine.arch.qwen35moe import deltanet as dn
     from p2pswarm.engine.arch.qwen35moe import ggml_deltanet
-    from p2pswarm.engine.ggml_kernel import load_libggml
-    from p2pswarm.engine.ggml_runner import GgmlRunner
+    from p2pswarm.engine.ggml.lib import load_libggml
+    from p2pswarm.engine.ggml.runner import GgmlRunner
 
     runner = GgmlRunner(load_libggml(), 2)
     assert ggml_deltanet.available(runner)

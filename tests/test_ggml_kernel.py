@@ -18,15 +18,15 @@ import os
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.dispatch import Dispatcher
-from p2pswarm.backbone.runner import Backbone, combine, expert_groups
-from p2pswarm.backbone.session import WorkerProcess, ensure_shards, open_backbone
-from p2pswarm.backbone.socket_owner import SocketOwner
-from p2pswarm.engine import ggml_kernel as gk
-from p2pswarm.engine import ggml_dense, ggml_runner
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher
+from p2pswarm.backbone.serving.runner import Backbone, combine, expert_groups
+from p2pswarm.backbone.sessions.local import WorkerProcess, ensure_shards, open_backbone
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
+from p2pswarm.engine.ggml import lib as gk
+from p2pswarm.engine.ggml import dense as ggml_dense, runner as ggml_runner
 from p2pswarm.engine import kernels, ops
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.errors import UserError, WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
@@ -37,7 +37,7 @@ from p2pswarm.worker.expert_worker import ExpertWorker
 from conftest import llama_logits, needs_llama, run_cli
 from helpers.llama_ref import llama_routing
 from helpers.ggml import needs_ggml
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42, 8, 200, 31, 64, 9, 120, 2, 88, 270, 15, 6, 190]
@@ -404,7 +404,7 @@ def test_the_f32_router_on_ggml_gives_a_row_alone_its_bits_in_a_batch(tiny_q8):
     one row takes another kernel than of two or more: the matrix pads a lone row to two, so a
     sequence's logits alone are the bits it gets among others (what lets the batch-invariant mode
     route all sequences' rows in one call), and still numpy's to float rounding."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix
+    from p2pswarm.engine.ggml.dense import QuantisedMatrix
 
     model = load_dense(ModelLayout.open(tiny_q8), "ggml")
     w = model.w["blk.0.ffn_gate_inp.weight"]
@@ -426,7 +426,7 @@ def test_numpy_nodes_multiply_on_one_blas_thread(tiny_f32):
     import subprocess
     import sys
 
-    code = ("import sys; from threadpoolctl import threadpool_info; from p2pswarm.engine.experts import ExpertBank; "
+    code = ("import sys; from threadpoolctl import threadpool_info; from p2pswarm.engine.experts.numpy_bank import ExpertBank; "
             "from p2pswarm.model.layout import ModelLayout; ExpertBank(ModelLayout.open(sys.argv[1])); "
             "print(sorted({i['num_threads'] for i in threadpool_info() if i['user_api'] == 'blas'}))")
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
@@ -439,7 +439,7 @@ def test_every_bound_function_is_declared_on_the_class():
     """GgmlLib's class body declares each C function __init__ binds (for mypy): the two lists
     must agree, or a new function in _SIG would be invisible to the type checker (or a declared
     one would be missing at run time)."""
-    from p2pswarm.engine import ggml_kernel
+    from p2pswarm.engine.ggml import lib as ggml_kernel
 
     bound = {n.removeprefix("ggml_") for n in (*ggml_kernel._SIG, *ggml_kernel._OPTIONAL_SIG)}
     declared = set(ggml_kernel.GgmlLib.__annotations__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.engine import ggml_runner
+from p2pswarm.engine.ggml import runner as ggml_runner
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType as T
 
-from p2pswarm.backbone.runner import combine, expert_groups
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.serving.runner import combine, expert_groups
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
@@ -36,7 +36,7 @@ from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite
 from helpers.llama_ref import llama_intermediates, llama_routing
 from helpers.procs import assert_swarm_prefill_and_decode_exact, shard_swarm, wait_until
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 F32 = np.float32
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,

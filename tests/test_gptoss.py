@@ -24,11 +24,11 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.arch.gptoss import GptOss
-from p2pswarm.engine.experts import ExpertBank
-from p2pswarm.engine.ggml_experts import GgmlExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
+from p2pswarm.engine.experts.ggml_bank import GgmlExpertBank
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.errors import ModelFormatError
 from p2pswarm.model.layout import ModelLayout
@@ -220,7 +220,7 @@ def test_mxfp4_routing_matches_llama_cpp_layer_by_layer(models_dir):
     cap = _captured(path, layout.n_layer)
     model = load_dense(layout)
     ggml_bank, numpy_bank = GgmlExpertBank(layout), ExpertBank(layout)
-    from p2pswarm.backbone.runner import combine, expert_groups
+    from p2pswarm.backbone.serving.runner import combine, expert_groups
 
     for il in range(layout.n_layer):
         cur = np.ascontiguousarray(cap[f"attn_post_norm-{il}"])
@@ -413,7 +413,7 @@ def test_geometry_gpt_oss_120b_loads_in_llama_cpp(tmp_path):
     """gpt-oss-120b's layer geometry (2 layers, MXFP4 experts, Q8_0 dense): llama.cpp's loader takes
     it, and on llama.cpp's own rows each layer routes as it does and the ggml kernel's experts give
     its MoE output (128 experts, top-4, ff 2880, 64 heads of 64, window 128 on layer 0)."""
-    from p2pswarm.backbone.runner import combine, expert_groups
+    from p2pswarm.backbone.serving.runner import combine, expert_groups
 
     path = tmp_path / "g.gguf"
     make_model(path, arch="gpt-oss", preset="geometry-gpt-oss-120b", layers=2, qtype="q8_0")

@@ -1,4 +1,4 @@
-"""p2pswarm.backbone.grouping against the per-group loops it replaced: same groups (experts and
+"""p2pswarm.backbone.serving.grouping against the per-group loops it replaced: same groups (experts and
 rows), same order, on random routings (duplicated experts in a row, empty spans' neighbours, big and small
 groups of one expert interleaved)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone import grouping
+from p2pswarm.backbone.serving import grouping
 
 
 def loop_expert_groups(ids):

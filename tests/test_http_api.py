@@ -9,9 +9,9 @@ import openai
 import pytest
 import trio
 
-from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.engine.text.tokenizer import Tokenizer
 
 
 async def _with_server(model, fn, workers=0):
@@ -117,10 +117,10 @@ async def test_client_leaving_a_stream_ends_its_generation(tiny_f32):
 def test_status_page_counts_replicas_per_expert(tiny_f32):
     """Workers holding experts 0-5, 6-10 and 11-15 touch blocks 0-7 and 8-15 twice each, yet every
     expert has one copy: the heat-map says 1 per unit (its least-covered expert), as swarm-status."""
-    from p2pswarm.backbone.dispatch import Dispatcher
-    from p2pswarm.backbone.socket_owner import SocketOwner
-    from p2pswarm.backbone.status_page import SwarmView
-    from p2pswarm.engine.experts import ExpertBank
+    from p2pswarm.backbone.dispatch.dispatcher import Dispatcher
+    from p2pswarm.backbone.owners.socket_owner import SocketOwner
+    from p2pswarm.backbone.api.status_page import SwarmView
+    from p2pswarm.engine.experts.numpy_bank import ExpertBank
     from p2pswarm.model.layout import ModelLayout
 
     layout = ModelLayout.open(tiny_f32)
@@ -139,7 +139,7 @@ async def test_concurrent_completions_through_the_scheduler_equal_one_at_a_time(
     """With the continuous-batching scheduler (as `node --role backbone` runs it) concurrent
     requests share decode steps and each text equals the same request served alone; a client that
     hangs up mid-stream is cancelled at the next step."""
-    from p2pswarm.backbone.scheduler import Scheduler
+    from p2pswarm.backbone.serving.scheduler import Scheduler
 
     prompts = [f"request {i} to the swarm" for i in range(6)]
     tok = Tokenizer.from_gguf(tiny_f32)

@@ -1,4 +1,4 @@
-"""A hung worker is not a dead one (p2pswarm/backbone/socket_owner.py, "deadline").
+"""A hung worker is not a dead one (p2pswarm/backbone/owners/socket_owner.py, "deadline").
 
 A worker process stopped with SIGSTOP keeps its connection open and answers nothing. Every request
 has a deadline learnt from that worker's recent round trips, so the step that meets the hung worker
@@ -9,7 +9,7 @@ monolithic run throughout.
 
 A backbone that is itself stalled (its event loop blocked: a lazy import, a loaded machine) must
 not call a worker that answered in time hung: the stall is credited to the deadline
-(p2pswarm/backbone/loop_watch.py).
+(p2pswarm/backbone/owners/loop_watch.py).
 """
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import pack_rows
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
+from p2pswarm.backbone.dispatch.dispatcher import pack_rows
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.owners import libp2p_owner, served
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 pytestmark = pytest.mark.slow
 TOKENS = [5, 17, 42, 99, 100, 7, 256, 300, 12, 64, 128, 31, 2, 77, 500, 9, 33, 45, 88, 301, 6, 51, 97, 140,

@@ -24,10 +24,10 @@ import pytest
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
-from p2pswarm.net.addrs import circuit_addr
-from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
-from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, CoverageUnit
+from p2pswarm.net.libp2p.kad_patches import KAD_PROTOCOL
+from p2pswarm.net.libp2p.addrs import circuit_addr
+from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE, CoverageUnit
 
 from helpers.procs import Proc, get_health, start_relay, worker_args
 from system_tools import require

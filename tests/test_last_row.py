@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.model.synth import make_model
 
 from conftest import needs_llama

@@ -1,4 +1,4 @@
-"""p2pswarm/net/libp2p_patches.py: applied once, version-checked, its table true.
+"""p2pswarm/net/libp2p/patches.py: applied once, version-checked, its table true.
 
 The patches' behaviour is tested where each trap shows (the table in the module doc names those
 tests); here: ``apply()`` is idempotent and installs every process-wide patch, a py-libp2p
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from p2pswarm.net import libp2p_patches
-from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
+from p2pswarm.net.libp2p import patches as libp2p_patches
+from p2pswarm.net.libp2p.kad_patches import KAD_PROTOCOL
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,9 +77,9 @@ def test_every_private_library_name_the_patches_touch_is_checked():
     from p2pswarm.relay.service import GatedHop
 
     checked = {path.rsplit(".", 1)[-1] for _, path, _ in libp2p_patches._TARGETS}
-    patch_modules = ["p2pswarm/net/libp2p_stream_patches.py", "p2pswarm/net/libp2p_host_patches.py",
-                     "p2pswarm/net/libp2p_kad_patches.py"]
-    users = ["p2pswarm/net/host.py", "p2pswarm/net/kademlia.py", "p2pswarm/relay/service.py"]
+    patch_modules = ["p2pswarm/net/libp2p/stream_patches.py", "p2pswarm/net/libp2p/host_patches.py",
+                     "p2pswarm/net/libp2p/kad_patches.py"]
+    users = ["p2pswarm/net/libp2p/host.py", "p2pswarm/net/dht/kademlia.py", "p2pswarm/relay/service.py"]
     trees = {path: ast.parse((REPO / path).read_text()) for path in patch_modules + users}
     ours = {n.name for tree in trees.values() for n in ast.walk(tree)
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}

@@ -1,12 +1,12 @@
-"""Bytes in the micro-batch rule (p2pswarm.backbone.link_budget): where an owner's link has a known
+"""Bytes in the micro-batch rule (p2pswarm.backbone.serving.link_budget): where an owner's link has a known
 cost per row, the wait splits into latency and link time, and the rule pipelines the link."""
 from __future__ import annotations
 
 import pytest
 
-from p2pswarm.backbone.link_budget import LinkModel
-from p2pswarm.backbone.pacing import choose_micro_batches
-from p2pswarm.backbone.socket_owner import DEADLINE_SAMPLES, SocketOwner
+from p2pswarm.backbone.serving.link_budget import LinkModel
+from p2pswarm.backbone.serving.pacing import choose_micro_batches
+from p2pswarm.backbone.owners.socket_owner import DEADLINE_SAMPLES, SocketOwner
 
 
 def _owner(name: str, fixed_s: float | None, per_row_s: float = 0.0) -> SocketOwner:

@@ -1,6 +1,7 @@
 """ruff (configured in pyproject.toml: pyflakes' checks and unused noqa) over the whole tree finds
 nothing; tests share code only through tests/helpers/; every import follows the layer order
-docs/architecture.md draws, between p2pswarm's packages and inside backbone/; no import cycle
+docs/architecture.md draws, between p2pswarm's packages, between the folders of net/, engine/ and
+backbone/, and between the modules of each of backbone's folders; no import cycle
 anywhere in p2pswarm, lazy imports included (and the checks that say so catch what they forbid)."""
 from __future__ import annotations
 
@@ -128,41 +129,78 @@ def test_layer_check_catches_an_upward_import(tmp_path):
 
     shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     (tmp_path / "p2pswarm" / "model" / "upward.py").write_text(
-        "def f():\n    from p2pswarm.net.records import NodeRecord\n    return NodeRecord\n")
+        "def f():\n    from p2pswarm.net.signed.records import NodeRecord\n    return NodeRecord\n")
     (tmp_path / "p2pswarm" / "worker" / "sideways.py").write_text("import p2pswarm.relay.service\n")
     problems = layer_violations(tmp_path, layer_order())
     assert len(problems) == 2, problems
-    assert problems[0].startswith("p2pswarm/model/upward.py:2: model imports p2pswarm.net.records (net: a higher"), problems
+    assert problems[0].startswith("p2pswarm/model/upward.py:2: model imports p2pswarm.net.signed.records (net: a higher"), problems
     assert problems[1].startswith("p2pswarm/worker/sideways.py:1: worker imports p2pswarm.relay.service (relay: its own"), problems
 
 
-# -- inside backbone/ ----------------------------------------------------------------------------
-# The same rule one level down: docs/architecture.md draws backbone's modules in sub-layers ("Inside
-# backbone/"): the HTTP API and sessions on top, then one request's generation, the scheduler, the
-# layer loop, the dispatcher, the owners, and the shared types at the bottom. Why: backbone/ was
-# checked as one unit, so generate.py, runner.py and scheduler.py could import each other (lazily)
-# and nothing said which was above which.
+# -- inside a package ----------------------------------------------------------------------------
+# The same rule one level down: docs/architecture.md draws the inside of net/, engine/ and backbone/
+# ("### Inside net/", ...), a unit there being one sub-folder (or one module beside them), and the
+# inside of each of backbone's sub-folders ("#### Inside backbone/serving/", ...), a unit there
+# being one module. Why: a package checked as one unit let its modules import each other freely
+# (generate.py, runner.py and scheduler.py did, lazily), and a folder of 28 modules said nothing of
+# which was above which; each sub-folder is a layer, and the check keeps it one.
+MUST_BE_DRAWN = ("net", "engine", "backbone")
 BACKBONE = "p2pswarm.backbone"
 
 
-def test_backbone_imports_follow_its_sub_layers():
-    layers = layer_order(heading="### Inside backbone/")
-    assert len(layers) > 5 and "http_api" in layers[0], layers
-    problems = layer_violations(REPO, layers, package=BACKBONE)
+def inside_pictures(doc: Path = ARCHITECTURE) -> dict[str, str]:
+    """folder under p2pswarm/ ("net", "backbone/serving") -> the heading of its picture."""
+    import re
+
+    return {m[1]: m[0] for m in re.finditer(r"^#{3,4} Inside (\S+)/$", doc.read_text(), re.M)}
+
+
+def test_packages_follow_their_sub_layers():
+    pictures = inside_pictures()
+    backbone_folders = sorted(p.name for p in (REPO / "p2pswarm" / "backbone").iterdir()
+                              if (p / "__init__.py").exists())
+    must = set(MUST_BE_DRAWN) | {f"backbone/{f}" for f in backbone_folders}
+    assert must <= set(pictures), f"no picture for: {sorted(must - set(pictures))}"
+    problems = []
+    for folder, heading in sorted(pictures.items()):
+        layers = layer_order(heading=heading)
+        assert len(layers) > 1 or "/" in folder, (folder, layers)
+        problems += layer_violations(REPO, layers, package="p2pswarm." + folder.replace("/", "."))
     assert not problems, "\n".join(problems)
+
+
+def test_net_check_catches_a_sideways_import(tmp_path):
+    """On a copy of the tree where the shard downloader imports the DHT (a folder of its own layer),
+    the check of net's folders reports it and nothing else."""
+    import shutil
+
+    shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    fetch = tmp_path / "p2pswarm" / "net" / "shards" / "fetch.py"
+    fetch.write_text(fetch.read_text() + "\n\ndef _dht():\n    from p2pswarm.net.dht.kademlia import SwarmDHT\n"
+                     "    return SwarmDHT\n")
+    problems = layer_violations(tmp_path, layer_order(heading=inside_pictures()["net"]), package="p2pswarm.net")
+    assert len(problems) == 1 and "shards imports p2pswarm.net.dht.kademlia (dht: its own layer)" in problems[0], problems
 
 
 def test_backbone_check_catches_an_upward_import(tmp_path):
     """On a copy of the tree with the runner importing the scheduler lazily (what Backbone.logits
-    did), the backbone check reports it and nothing else."""
+    did: one module up inside serving/) and the in-process owners importing the dispatcher's stats
+    (one folder up), the checks of serving/'s modules and of backbone's folders report each, and
+    nothing else."""
     import shutil
 
     shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    runner = tmp_path / "p2pswarm" / "backbone" / "runner.py"
-    runner.write_text(runner.read_text() + "\n\ndef _up():\n    from p2pswarm.backbone.scheduler import Scheduler\n"
+    runner = tmp_path / "p2pswarm" / "backbone" / "serving" / "runner.py"
+    runner.write_text(runner.read_text() + "\n\ndef _up():\n    from p2pswarm.backbone.serving.scheduler import Scheduler\n"
                       "    return Scheduler\n")
-    problems = layer_violations(tmp_path, layer_order(heading="### Inside backbone/"), package=BACKBONE)
-    assert len(problems) == 1 and "runner imports p2pswarm.backbone.scheduler (scheduler: a higher" in problems[0], problems
+    owners = tmp_path / "p2pswarm" / "backbone" / "owners" / "local_owners.py"
+    owners.write_text(owners.read_text() + "\n\ndef _up():\n    from p2pswarm.backbone.dispatch.stats import DispatchStats\n"
+                      "    return DispatchStats\n")
+    pictures = inside_pictures()
+    inside = layer_violations(tmp_path, layer_order(heading=pictures["backbone/serving"]), package=BACKBONE + ".serving")
+    assert len(inside) == 1 and "runner imports p2pswarm.backbone.serving.scheduler (scheduler: a higher" in inside[0], inside
+    folders = layer_violations(tmp_path, layer_order(heading=pictures["backbone"]), package=BACKBONE)
+    assert len(folders) == 1 and "owners imports p2pswarm.backbone.dispatch.stats (dispatch: a higher" in folders[0], folders
 
 
 # -- no import cycle ------------------------------------------------------------------------------
@@ -170,7 +208,7 @@ def test_backbone_check_catches_an_upward_import(tmp_path):
 # and those under ``if TYPE_CHECKING`` (a lazy import is still a dependency, only a cheaper one; a
 # type-only one is still a dependency of the reader). A cycle means neither module can be read,
 # tested or replaced without the other; the usual fix is the shared part in a module below both
-# (backbone/items.py, backbone/combine.py) or a typing.Protocol the lower module declares
+# (backbone/serving/items.py, backbone/serving/combine.py) or a typing.Protocol the lower module declares
 # (check_fetch.Holder, local_owners.Obtainer). Importing ``a.b.c`` counts as importing ``a.b.c``,
 # not its parent packages' __init__ (whose imports are checked as their own module's).
 
@@ -241,11 +279,11 @@ def test_cycle_check_catches_a_lazy_cycle(tmp_path):
     import shutil
 
     shutil.copytree(REPO / "p2pswarm", tmp_path / "p2pswarm", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    items = tmp_path / "p2pswarm" / "backbone" / "items.py"
-    items.write_text(items.read_text() + "\n\ndef _lazy():\n    from p2pswarm.backbone.scheduler import Scheduler\n"
+    items = tmp_path / "p2pswarm" / "backbone" / "serving" / "items.py"
+    items.write_text(items.read_text() + "\n\ndef _lazy():\n    from p2pswarm.backbone.serving.scheduler import Scheduler\n"
                      "    return Scheduler\n")
     cycles = import_cycles(import_graph(tmp_path))
-    assert len(cycles) == 1 and {"p2pswarm.backbone.items", "p2pswarm.backbone.scheduler"} <= set(cycles[0]), cycles
+    assert len(cycles) == 1 and {"p2pswarm.backbone.serving.items", "p2pswarm.backbone.serving.scheduler"} <= set(cycles[0]), cycles
 
 
 def test_only_the_p2pswarm_package_is_installed():

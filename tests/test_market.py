@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import DemandCounter
+from p2pswarm.backbone.dispatch.dispatcher import DemandCounter
 from p2pswarm.market.demand import (DEMAND_PREFIX, MAX_DEMAND_BYTES, DemandError, DemandPublisher, DemandRecord,
                                     demand_key, demand_vector, find_demand)
 from p2pswarm.market.enrol import KEEP, choose_units, random_units
 from p2pswarm.market.reward import SCARCITY, reward
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.market.swarm_dht import record_kinds
-from p2pswarm.net.records import NodeRecordValidator
+from p2pswarm.net.signed.records import NodeRecordValidator
 from helpers.dht import dht_swarm
 
 MODEL = "ab" * 32
@@ -222,10 +222,10 @@ async def test_one_peer_serves_several_shards_each_stream_picks_by_hello(tiny_f3
     worker; a shard no longer served is refused with the reason (the backbone then falls back)."""
     from helpers.owners import libp2p_owner as _owner
 
-    from p2pswarm.backbone.dispatch import pack_rows
+    from p2pswarm.backbone.dispatch.dispatcher import pack_rows
     from p2pswarm.errors import WorkerError
     from p2pswarm.model.slicer import slice_experts
-    from p2pswarm.net.host import open_host
+    from p2pswarm.net.libp2p.host import open_host
     from p2pswarm.worker.expert_worker import worker_shard_hash
     from p2pswarm.worker.expert_worker import ExpertWorker
     from p2pswarm.worker.server import serve_libp2p_shards

@@ -18,7 +18,7 @@ import pytest
 
 from p2pswarm.market.verify import rows_for_confidence
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.net.identity import load_or_create_identity
+from p2pswarm.net.signed.identity import load_or_create_identity
 
 from conftest import run_cli
 from helpers.procs import Proc

@@ -14,23 +14,23 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-from p2pswarm.backbone.generate import generate
-from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Params, Rewind, Scheduler, SequenceRewound
-from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+from p2pswarm.backbone.serving.generate import generate
+from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.serving.scheduler import Params, Rewind, Scheduler, SequenceRewound
+from p2pswarm.backbone.sessions.local import ensure_shards, open_backbone
 from p2pswarm.engine.kernels import make_bank
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 from p2pswarm.market.bans import BanKeeper, BanRecord
 from p2pswarm.market.verify import Verifier
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from helpers.dishonest_worker import DishonestWorker
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 RATE, FRACTION = 0.05, 0.01  # r p = 1 / 2,000 rows: the catch lands mid-run with these seeds
 N, MAX_TOKENS = 12, 40

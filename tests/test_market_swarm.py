@@ -17,8 +17,8 @@ from conftest import run_cli
 from helpers.procs import Proc, read_first_lines, spawn_cli, stop_all
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import source_fingerprint
-from p2pswarm.net.identity import load_or_create_identity
-from p2pswarm.net.tokens import issue_token
+from p2pswarm.net.signed.identity import load_or_create_identity
+from p2pswarm.net.signed.tokens import issue_token
 
 # The issue's 30, on 16 units. Affordable on 2 cores since `--auto` workers are DHT clients (they
 # put and get records but serve no one's look-ups: docs/benchmarks.md, "Coverage market: 30 --auto

@@ -9,18 +9,18 @@ import math
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-from p2pswarm.backbone.session import ensure_shards
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+from p2pswarm.backbone.sessions.local import ensure_shards
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.market.bans import BanKeeper, BanRecord, BanValidator, ban_key
 from p2pswarm.market.receipts import ContributionLedger, Receipt, ReceiptStore, check_receipts, load_receipts
-from p2pswarm.net.signed import SignedError, seal
+from p2pswarm.net.signed.envelope import SignedError, seal
 from p2pswarm.market.verify import Verifier, rows_for_confidence
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.market.swarm_dht import record_kinds
-from p2pswarm.net.records import NodeRecordValidator, RecordError
+from p2pswarm.net.signed.records import NodeRecordValidator, RecordError
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import run_cli
@@ -241,7 +241,7 @@ async def test_checks_cost_the_rate_where_rows_are_exact_alone(tiny_q8, tmp_path
     drawn: the rows recomputed are about ``rate`` of those served (whole groups of ~16 rows were
     ~15% at rate 1%), an honest worker is never banned for it, and a worker lying on one row is
     still caught on the check that draws that row."""
-    from p2pswarm.backbone.runner import PROBE_ROWS, Backbone
+    from p2pswarm.backbone.serving.runner import PROBE_ROWS, Backbone
     from p2pswarm.engine.arch import load_dense
 
     layout = ModelLayout.open(tiny_q8)

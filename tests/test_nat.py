@@ -24,9 +24,9 @@ from system_tools import require
 
 from p2pswarm.errors import UserError
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.tokens import issue_token
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.tokens import issue_token
 
 pytestmark = pytest.mark.slow
 TOKENS = "5,17,42,99,100,7,256,300,12,64,128,31,2,77,500,9,33"
@@ -126,7 +126,7 @@ def test_natted_worker_with_no_file_downloads_its_slice_then_serves_it(nat_netns
     against the signed manifest, then serves it through the relay: logits bit-equal, no fallback."""
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import build_manifest, source_fingerprint, write_manifest
-    from p2pswarm.net.tokens import shard_scope
+    from p2pswarm.net.signed.tokens import shard_scope
 
     host_ip, ns_ip = nat_netns.host_ip, nat_netns.ns_ip
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")

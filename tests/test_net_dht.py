@@ -1,7 +1,7 @@
 """The swarm DHT on real libp2p hosts on 127.0.0.1, all in this trio process.
 
 Shard advertisement and coverage resolution end to end, plus one regression test per py-libp2p
-trap p2pswarm/net/kademlia.py and libp2p_patches.patch_kad code around (each ``test_workaround_*`` fails without its workaround).
+trap p2pswarm/net/dht/kademlia.py and p2pswarm/net/libp2p/kad_patches.py (patch_kad) code around (each ``test_workaround_*`` fails without its workaround).
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import trio
 from libp2p.kad_dht.common import PROTOCOL_ID as LIB_PROTOCOL_ID
 
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.libp2p_kad_patches import KAD_PROTOCOL
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import NodeRecord, ShardEntry, node_record_key, units_for
+from p2pswarm.net.libp2p.kad_patches import KAD_PROTOCOL
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import NodeRecord, ShardEntry, node_record_key, units_for
 
 from helpers.dht import MODEL, OTHER_MODEL, Node, advertiser, dht_swarm, resolver
 
@@ -323,8 +323,8 @@ def test_replicas_are_counted_per_expert():
     """Workers holding experts 0-5, 6-10 and 11-15 touch both 8-expert blocks twice, yet every
     expert has one copy: each unit is covered once. A replica of 0-5 does not change that (experts
     6-7 still have one); a second copy of 6-15 makes block 1 twice covered."""
-    from p2pswarm.net.coverage import CoverageMap, OwnerInfo
-    from p2pswarm.net.records import CoverageUnit
+    from p2pswarm.net.dht.coverage import CoverageMap, OwnerInfo
+    from p2pswarm.net.signed.records import CoverageUnit
 
     def owner(e0: int, e1: int) -> OwnerInfo:
         ident = Identity.generate()
@@ -366,7 +366,7 @@ async def test_forged_and_malformed_records_ignored_and_counted(caplog):
         body["peer"] = honest.net.peer_id_str
         import msgpack
 
-        from p2pswarm.net.records import SIGNING_DOMAIN
+        from p2pswarm.net.signed.records import SIGNING_DOMAIN
 
         raw = msgpack.packb(body)
         forged = msgpack.packb({"body": raw, "sig": rogue.net.identity.sign(SIGNING_DOMAIN + raw)})

@@ -15,26 +15,26 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import Dispatcher, pack_rows
-from p2pswarm.backbone.libp2p_owner import SwarmOwners
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, pack_rows
+from p2pswarm.backbone.owners.libp2p_owner import SwarmOwners
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.errors import WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.advertiser import ShardAdvertiser
-from p2pswarm.net.coverage import CoverageResolver
-from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import ShardEntry
+from p2pswarm.net.dht.advertiser import ShardAdvertiser
+from p2pswarm.net.dht.coverage import CoverageResolver
+from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import ShardEntry
 from p2pswarm.worker.expert_worker import worker_shard_hash
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import serve_libp2p
 
 from helpers.owners import entry, libp2p_owner, served
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]
 TOKENS = list(range(3, 19))
@@ -258,7 +258,7 @@ def test_wire_arrays_with_unhashable_fields_are_malformed_not_a_crash():
     import pytest
 
     from p2pswarm.errors import FrameError
-    from p2pswarm.net import expert_protocol
+    from p2pswarm.net.wire import expert_protocol
 
     for dtype in ([1], {"a": 1}, None, 5):
         with pytest.raises(FrameError, match="malformed rows"):

@@ -1,7 +1,7 @@
 """Our libp2p host wrapper: the py-libp2p traps it codes around, framing over streams, shutdown.
 
 Each ``test_workaround_*`` fails when the corresponding workaround is removed (in
-p2pswarm/net/libp2p_patches.py, whose table names these tests, or host.py / stream.py); the
+p2pswarm/net/libp2p/patches.py, whose table names these tests, or host.py / stream.py); the
 ``*_trap_still_present`` controls show the library still needs it (when one of them fails after a
 py-libp2p upgrade, the workaround may be obsolete).
 """
@@ -20,10 +20,10 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_ID
 from libp2p.security.noise.transport import Transport as Noise
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.addrs import NetError, parse_peer_addr
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.wire.framing import FrameReader, send_frame
+from p2pswarm.net.libp2p.addrs import NetError, parse_peer_addr
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
 
 SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]
 LOOP = "/ip4/127.0.0.1/tcp/0"
@@ -448,7 +448,7 @@ async def test_frame_reader_woken_once_per_frame_over_libp2p(monkeypatch):
     """A 128 KiB frame arrives over libp2p in three yamux frames; the frame reader asks the stream
     for the rest of the frame (``receive_some(..., at_least=n)``) and is woken once for it, not
     once per yamux frame (the frames still cross intact, byte for byte)."""
-    from p2pswarm.net.stream import StreamAdapter
+    from p2pswarm.net.libp2p.stream import StreamAdapter
 
     calls = [0]
     original = StreamAdapter.receive_some

@@ -15,7 +15,7 @@ from libp2p.peer.id import ID
 from conftest import assert_one_line_error, run_cli, start_cli
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.identity import Identity, default_identity_path, load_identity, load_or_create_identity
+from p2pswarm.net.signed.identity import Identity, default_identity_path, load_identity, load_or_create_identity
 from p2pswarm.signatures import peer_public_key, verify_peer_signature
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,7 +147,7 @@ def test_lock_is_per_key_and_reentrant_in_one_process(tmp_path):
     assert b.peer_id_str != a.peer_id_str
     held = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         from p2pswarm.errors import UserError
-        from p2pswarm.net.identity import load_or_create_identity
+        from p2pswarm.net.signed.identity import load_or_create_identity
         load_or_create_identity({str(tmp_path / 'c.key')!r}, exclusive=True)  # free: fine
         try:
             load_or_create_identity({str(tmp_path / 'a.key')!r}, exclusive=True)

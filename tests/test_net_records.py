@@ -6,11 +6,11 @@ import time
 import msgpack
 import pytest
 
-from p2pswarm.engine.ggml_kernel import _CPU_FEATURES
+from p2pswarm.engine.ggml.lib import _CPU_FEATURES
 from p2pswarm.engine.kernels import kernel_id
-from p2pswarm.net.expert_protocol import MAX_KERNEL_ID_CHARS
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import (DEFAULT_BLOCK_SIZE, MAX_RECORD_BYTES, SIGNING_DOMAIN, CoverageUnit, NodeRecord,
+from p2pswarm.net.wire.expert_protocol import MAX_KERNEL_ID_CHARS
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import (DEFAULT_BLOCK_SIZE, MAX_RECORD_BYTES, SIGNING_DOMAIN, CoverageUnit, NodeRecord,
                                   NodeRecordValidator, RecordError, ShardEntry, model_key, node_record_key, units_for)
 
 MODEL = "ab" * 32
@@ -184,7 +184,7 @@ def test_default_block_size_is_one_value_and_the_docs_say_it():
     import inspect
     from pathlib import Path
 
-    import p2pswarm.net.records as records
+    import p2pswarm.net.signed.records as records
 
     src = inspect.getsource(records)
     assert src.count("DEFAULT_BLOCK_SIZE =") == 1

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import pack_rows
-from p2pswarm.backbone.session import ensure_shards, open_backbone
+from p2pswarm.backbone.dispatch.dispatcher import pack_rows
+from p2pswarm.backbone.sessions.local import ensure_shards, open_backbone
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
 from p2pswarm.offload import Offload
 from p2pswarm.settings import INLINE_MS
 from p2pswarm.worker.expert_worker import ExpertWorker

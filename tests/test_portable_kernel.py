@@ -15,17 +15,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.engine import kernels
-from p2pswarm.engine import portable_kernel as pk
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts import portable_kernel as pk
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import check_hello
 
 from conftest import assert_one_line_error, needs_llama, run_cli
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 try:
     pk.load_native()
@@ -48,7 +48,7 @@ def _weights(wtype: int, rows: int, k: int, rng) -> bytes:
         return W.view(np.uint8).reshape(-1)
     if wtype == pk.F16:
         return W.astype(np.float16).view(np.uint8).reshape(-1)
-    from p2pswarm.engine.ggml_kernel import quantize  # llama.cpp's quantiser writes K-quants
+    from p2pswarm.engine.ggml.lib import quantize  # llama.cpp's quantiser writes K-quants
 
     return quantize(wtype, W)
 
@@ -170,7 +170,7 @@ def test_bank_close_to_numpy_kernel_and_independent_of_threads(request, qtype):
 @pytest.mark.skipif(not HAVE_C, reason="needs the C build")
 @needs_llama
 def test_bank_close_to_ggml(tiny_q4km):
-    from p2pswarm.engine.ggml_experts import GgmlExpertBank
+    from p2pswarm.engine.experts.ggml_bank import GgmlExpertBank
 
     layout = ModelLayout.open(tiny_q4km)
     p, g = pk.PortableExpertBank(layout, threads=1), GgmlExpertBank(layout, threads=1)
@@ -195,7 +195,7 @@ def test_kernel_families():
 
 def test_handshake_accepts_portable_of_another_isa_and_refuses_ggml(tiny_f32, tmp_path):
     from p2pswarm.model.manifest import model_fingerprint
-    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.wire import expert_protocol as proto
 
     from p2pswarm.model.slicer import slice_experts
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.socket_owner import SocketOwner
-from p2pswarm.engine import ggml_experts
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
+from p2pswarm.engine.experts import ggml_bank as ggml_experts
 from p2pswarm.engine import kernels
-from p2pswarm.engine import portable_kernel as pk
+from p2pswarm.engine.experts import portable_kernel as pk
 from p2pswarm.errors import FrameError, WorkerError
 from p2pswarm.model.layout import ModelLayout
-from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.wire import expert_protocol as proto
 from helpers.ggml import needs_ggml
 
 FOREIGN = "ggml-0.0.0/riscv64+v"  # a ggml kernel of another ISA: its own family, shared by no one here

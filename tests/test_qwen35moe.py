@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from p2pswarm.backbone.runner import combine, expert_groups
-from p2pswarm.backbone.session import open_backbone
+from p2pswarm.backbone.serving.runner import combine, expert_groups
+from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.qwen35moe import deltanet
 from p2pswarm.engine.arch import load_dense
-from p2pswarm.engine.experts import ExpertBank
+from p2pswarm.engine.experts.numpy_bank import ExpertBank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
 from p2pswarm.model.synth import describe, make_model
@@ -38,7 +38,7 @@ from helpers.arch_checks import forward as _forward
 from helpers.compare import assert_logits_close, tolerance
 from helpers.gguf_edit import rewrite as _rewrite
 from helpers.llama_ref import llama_intermediates
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 F32 = np.float32
 

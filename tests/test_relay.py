@@ -25,12 +25,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import assert_one_line_error, run_cli
 
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.addrs import circuit_addr
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity, load_or_create_identity
-from p2pswarm.net.tokens import NodeToken, issue_token
-from p2pswarm.net.relay_client import RelayKeeper
+from p2pswarm.net.wire.framing import FrameReader, send_frame
+from p2pswarm.net.libp2p.addrs import circuit_addr
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity, load_or_create_identity
+from p2pswarm.net.signed.tokens import NodeToken, issue_token
+from p2pswarm.net.libp2p.relay_client import RelayKeeper
 
 from helpers.procs import (
     Proc, assert_swarm_logits_exact, free_port, get_health, start_relay, worker_args, worker_identity,

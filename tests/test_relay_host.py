@@ -21,15 +21,15 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from helpers.procs import free_port
 from helpers.tls import make_cert
 from p2pswarm.errors import UserError
-from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.addrs import circuit_addr, is_circuit_addr
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import NodeRecord, RecordError
-from p2pswarm.net.tokens import TokenGate, issue_token
-from p2pswarm.net.relay_client import RelayKeeper
+from p2pswarm.net.wire.framing import FrameReader, send_frame
+from p2pswarm.net.libp2p.addrs import circuit_addr, is_circuit_addr
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import NodeRecord, RecordError
+from p2pswarm.net.signed.tokens import TokenGate, issue_token
+from p2pswarm.net.libp2p.relay_client import RelayKeeper
 from p2pswarm.relay.config import RelaySettings
-from p2pswarm.net.relay_token import PROTOCOL_TOKEN, RelayRefused
+from p2pswarm.net.libp2p.relay_token import PROTOCOL_TOKEN, RelayRefused
 from p2pswarm.relay.service import GatedHop, token_handler
 
 LOOP = "/ip4/127.0.0.1/tcp/0"
@@ -87,7 +87,7 @@ async def test_ws_tls_trap_still_present(tmp_path, monkeypatch):
     cert, key = make_cert(tmp_path)
     monkeypatch.setenv("P2PSWARM_WSS_CA", cert)
     ws = free_port()
-    from p2pswarm.net import libp2p_host_patches
+    from p2pswarm.net.libp2p import host_patches as libp2p_host_patches
 
     def library_websocket(host, tls_server, tls_client):
         network = host.get_network()

@@ -1,4 +1,4 @@
-"""Relay scale-out as OS processes: relays share nothing but the DHT (p2pswarm/net/relay_discovery.py).
+"""Relay scale-out as OS processes: relays share nothing but the DHT (p2pswarm/net/libp2p/relay_discovery.py).
 
 Two relay processes (the second bootstraps from the first); a worker behind them is given only the
 first. Killed with SIGKILL, the first relay takes the worker's reservation with it: the worker finds
@@ -16,9 +16,9 @@ import pytest
 from conftest import run_cli
 
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.net.addrs import circuit_addr
-from p2pswarm.net.identity import load_or_create_identity
-from p2pswarm.net.tokens import issue_token
+from p2pswarm.net.libp2p.addrs import circuit_addr
+from p2pswarm.net.signed.identity import load_or_create_identity
+from p2pswarm.net.signed.tokens import issue_token
 
 from helpers.procs import Proc, get_health, start_relay, worker_args, worker_identity
 

@@ -13,13 +13,13 @@ import pytest
 import trio
 
 from conftest import REPO
-from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-from p2pswarm.backbone.runner import Backbone
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+from p2pswarm.backbone.serving.runner import Backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.kernels import make_bank
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.slicer import slice_experts
-from p2pswarm.net.identity import load_or_create_identity
+from p2pswarm.net.signed.identity import load_or_create_identity
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 sys.path.insert(0, str(REPO / "bench"))

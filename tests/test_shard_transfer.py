@@ -36,12 +36,12 @@ from p2pswarm.model.slicer import (
     shard_header,
     slice_experts,
 )
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity, load_or_create_identity
-from p2pswarm.net.shard_fetch import FetchStats, fetch_slice
-from p2pswarm.net.shard_server import load_source_sidecar, serve_shards
-from p2pswarm.net.shard_wire import ShardTransferError
-from p2pswarm.net.tokens import NodeToken, TokenGate, issue_token
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity, load_or_create_identity
+from p2pswarm.net.shards.fetch import FetchStats, fetch_slice
+from p2pswarm.net.shards.server import load_source_sidecar, serve_shards
+from p2pswarm.net.shards.wire import ShardTransferError
+from p2pswarm.net.signed.tokens import NodeToken, TokenGate, issue_token
 
 QUIET = {"P2PSWARM_LOG_LEVEL": "ERROR"}
 

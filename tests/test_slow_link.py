@@ -1,7 +1,7 @@
 """A link too slow for a request's deadline: the backbone falls back to its replica
 within a bounded stall and every token stays exact.
 
-Worker processes behind the in-process WAN proxy (p2pswarm.net.wanproxy) on real sockets. Once the
+Worker processes behind the in-process WAN proxy (p2pswarm.net.wire.wanproxy) on real sockets. Once the
 backbone has learnt each worker's deadline on the fast link, the links' worker -> backbone
 direction is capped at 2 kB/s: a reply of a decode step (4 experts x 256 floats = 4 kB) then
 takes ~2 s, past the learnt deadline. Each such request is recomputed on the backbone's replica
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.net.wanproxy import open_wan_proxy
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.net.wire.wanproxy import open_wan_proxy
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12, 77, 5, 160, 42]
 
@@ -64,7 +64,7 @@ async def test_a_saturated_link_falls_back_within_the_deadline_and_stays_exact(t
 def test_an_owner_predicts_its_round_trip_by_request_size():
     """SocketOwner.predict_s fits fixed + per-row seconds to its recent answers: on a capped link a
     big request is predicted slower than a small one (the hot-expert path reads it)."""
-    from p2pswarm.backbone.socket_owner import SocketOwner
+    from p2pswarm.backbone.owners.socket_owner import SocketOwner
 
     o = SocketOwner("w", "127.0.0.1", 1, model_fingerprint="m", kernel="k", layers=(0, 1), experts=(0, 1))
     assert o.predict_s(10) is None  # nothing measured yet
@@ -76,8 +76,8 @@ def test_an_owner_predicts_its_round_trip_by_request_size():
 async def test_the_hot_expert_path_keeps_a_big_request_local_on_a_slow_link(tiny_f32, tmp_path):
     """Same measured round trip for small requests, but a link whose time grows with the request's
     size: the hot-expert path sends the small request and computes the big one locally."""
-    from p2pswarm.backbone.dispatch import Dispatcher, InProcessOwner
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.engine.kernels import make_bank
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint

@@ -28,7 +28,7 @@ def test_short_soak_keeps_every_promise(tiny_f32, tmp_path):
     require("ip", "nft")
     if os.geteuid() != 0:
         pytest.fail("the soak's network namespaces need root", pytrace=False)
-    report = soak.run_soak(tiny_f32, tmp_path, duration_s=30, seed=3, clients=3, fault_every_s=2,
+    report = soak.run_soak(tiny_f32, tmp_path, duration_s=30, seed=3, clients=3, fault_every_s=0.5,
                            sample_every_s=5, warmup_s=10, min_faults=len(soak.Nemesis.KINDS), hold_scale=0.15,
                            prompts=2, roster=soak.SHORT, auto=False)
     print(report["setup"], report["wall_s"], report["faults_by_kind"])

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.session import WorkerProcess, ensure_shards, open_backbone
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.sessions.local import WorkerProcess, ensure_shards, open_backbone
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.errors import WorkerError
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net.framing import FrameReader, send_frame
+from p2pswarm.net.wire.framing import FrameReader, send_frame
 from p2pswarm.worker.expert_worker import ExpertWorker
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 SIZES = [0, 1, 65535, 65536, 65537, 16 << 20]
 TOKENS = list(range(3, 27))
@@ -225,7 +225,7 @@ def test_the_learnt_deadline_is_3x_the_p99_of_the_last_64_round_trips():
     import collections
     import random
 
-    from p2pswarm.backbone.socket_owner import (DEADLINE_FACTOR, DEADLINE_MARGIN_S, DEADLINE_MIN_S,
+    from p2pswarm.backbone.owners.socket_owner import (DEADLINE_FACTOR, DEADLINE_MARGIN_S, DEADLINE_MIN_S,
                                                 DEADLINE_SAMPLES, LATENCY_WINDOW, SocketOwner)
 
     owner = SocketOwner("w", "127.0.0.1", 1, model_fingerprint="x", kernel="numpy", layers=(0, 1), experts=(0, 1))

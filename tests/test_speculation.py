@@ -11,17 +11,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.scheduler import Params, Scheduler
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.speculation import (PROBE_EVERY, PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.serving.scheduler import Params, Scheduler
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.backbone.serving.speculation import (PROBE_EVERY, PRIOR_RATE, Adaptive, Costs, Speculation, choose_lengths, draft_lengths,
                                            ngram_draft, plan_drafts, probe_interval)
 from p2pswarm.engine.arch.qwen35moe.deltanet import DeltaNetState
 from p2pswarm.model.synth import make_model
 
 from conftest import assert_one_line_error, run_cli
 from helpers.ggml import needs_ggml
-from helpers.speculating import PROMPT, REPEATING
+from helpers.speculating import PROMPT, REPEATING, FreeDrafts
 from helpers.speculating import run_spec as _run
 
 CONT = [129, 3, 250, 77, 41]  # the sampled token and four drafts after it
@@ -114,6 +114,14 @@ def test_step_cost_fit_recovers_the_row_price():
     for _ in range(3):
         same.observe_step(0.1, 1)
     assert same.row_s is None and abs(same.step_s(1) - 0.1) < 1e-12  # one row count: no slope yet
+
+    first = Costs()
+    first.observe_draft(0.070, 1)  # the first call: the block's graphs built, its first requests
+    assert first.draft_s == 0.070  # known at once (a draft may be a round trip) ...
+    first.observe_draft(0.003, 1)
+    assert first.draft_s == 0.003  # ... and replaced by the second call's, not blended with it
+    first.observe_draft(0.005, 1)
+    assert abs(first.draft_s - (0.7 * 0.003 + 0.3 * 0.005)) < 1e-12  # then an EWMA
 
 
 def test_draft_length_follows_acceptance_and_what_a_draft_costs_against_a_step():
@@ -280,29 +288,6 @@ async def test_verification_batched_equals_alone(model, kernel):
 
 
 # -- the scheduler: spec on == spec off -----------------------------------------------------------
-class _FreeDrafts(Costs):
-    """Costs that say drafts and verified rows are free, so every sequence drafts its cap each step:
-    the tests of exactness under concurrency need full, partial and rejected drafts in every step,
-    whatever this machine's timings would choose (the choice itself: the choose_lengths tests)."""
-
-    def __init__(self):
-        super().__init__()
-        self.draft_s = 0.0
-
-    def observe_draft(self, seconds, tokens):
-        pass
-
-    def observe_step(self, seconds, rows):
-        pass
-
-    @property
-    def row_s(self):
-        return 0.0
-
-    def step_s(self, rows):
-        return 1.0
-
-
 def _oracle(prompts, wanted):
     """A test drafter: the continuation the run without speculation produced, with every fifth
     position's draft wrong, so steps accept all, some and none of their drafts; nothing where
@@ -367,7 +352,7 @@ async def test_token_budget_counts_a_speculating_sequence_as_its_rows(tiny_f32):
 def test_speculate_auto_is_mtp_where_the_file_has_a_block_else_off(tiny_q8, models_dir):
     """``--speculate auto`` (the default): mtp on a model with an MTP block, off on one without,
     the log saying which and why."""
-    from p2pswarm.backbone.speculation import auto_mode
+    from p2pswarm.backbone.serving.speculation import auto_mode
     from p2pswarm.model.layout import ModelLayout
 
     mode, why = auto_mode(ModelLayout.open(tiny_q8))
@@ -408,8 +393,8 @@ async def test_api_usage_health_and_metrics_report_drafts_and_the_text_is_unchan
     import httpx
     import trio
 
-    from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     bodies = [{"prompt": "one two one two one two one two", "max_tokens": 32, "temperature": 0},
               {"prompt": "the swarm the swarm the swarm", "max_tokens": 32, "temperature": 0.7, "seed": 5},
@@ -452,9 +437,9 @@ async def test_replay_on_ban_with_speculation_ends_equal_to_monolithic(tiny_f32)
     token for token equal to the monolithic run without speculation."""
     import trio
 
-    from p2pswarm.backbone.dispatch import InProcessOwner
-    from p2pswarm.backbone.replay import Rewind
-    from p2pswarm.backbone.session import ensure_shards
+    from p2pswarm.backbone.dispatch.dispatcher import InProcessOwner
+    from p2pswarm.backbone.serving.replay import Rewind
+    from p2pswarm.backbone.sessions.local import ensure_shards
     from p2pswarm.market.verify import Verifier
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
@@ -523,7 +508,7 @@ async def test_concurrent_speculating_sequences_equal_each_alone(q35, micro_batc
             toks, _ = (await _run(bb, [p], [samplers(i)], None, n))[0][0]
             want.append(toks)
         sched = Scheduler(bb, None, micro_batches=micro_batches,
-                          speculate=Speculation("ngram", 3, drafter=_oracle(prompts, want), costs=_FreeDrafts()))
+                          speculate=Speculation("ngram", 3, drafter=_oracle(prompts, want), costs=FreeDrafts()))
         got: dict[int, list[int]] = {}
 
         async def one(i, req):

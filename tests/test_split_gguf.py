@@ -23,7 +23,7 @@ from p2pswarm.model.manifest import build_manifest, model_fingerprint, read_mani
 from p2pswarm.model.split_gguf import model_name, split_path
 from p2pswarm.model.split_write import plan_parts, write_split
 from p2pswarm.model.synth import make_model
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.identity import Identity
 
 from conftest import assert_one_line_error, needs_llama, run_cli
 from helpers.llama_ref import llama_logits
@@ -208,7 +208,7 @@ def test_logits_of_a_split_model_equal_the_unsplit_ones(pair, tmp_path, kernel):
 
 
 def _portable_refusal(model: Path) -> str | None:
-    from p2pswarm.engine.portable_kernel import refusal
+    from p2pswarm.engine.experts.portable_kernel import refusal
 
     return refusal(ModelLayout.open(model))
 
@@ -217,7 +217,7 @@ def _portable_refusal(model: Path) -> str | None:
 def test_portable_kernel_on_the_parts(pair, implementation, threads):
     """The portable kernel's experts (one C call per expert, the threaded per-matrix path, and its
     numpy twin) read a split model's parts as the unsplit file."""
-    from p2pswarm.engine.portable_kernel import PortableExpertBank
+    from p2pswarm.engine.experts.portable_kernel import PortableExpertBank
 
     whole, first = pair
     why = _portable_refusal(whole)

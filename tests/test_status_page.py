@@ -157,8 +157,8 @@ def test_relayed_only_where_traffic_goes_through_the_relay(tiny_f32, tmp_path):
     counter shows the bytes (the loopback workers above are never "relayed")."""
     from helpers.procs import get_health, start_relay, worker_args, worker_identity
     from p2pswarm.model.slicer import slice_experts
-    from p2pswarm.net.identity import load_or_create_identity
-    from p2pswarm.net.tokens import issue_token
+    from p2pswarm.net.signed.identity import load_or_create_identity
+    from p2pswarm.net.signed.tokens import issue_token
 
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
     issuer = load_or_create_identity(tmp_path / "issuer.key")

@@ -254,10 +254,10 @@ async def test_malformed_frames_and_forged_records_against_node_processes(tiny_f
     from libp2p.records.record import make_signed_put_record
 
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity, load_identity
-    from p2pswarm.net.records import SIGNING_DOMAIN, NodeRecord, ShardEntry, node_record_key
+    from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity, load_identity
+    from p2pswarm.net.signed.records import SIGNING_DOMAIN, NodeRecord, ShardEntry, node_record_key
 
     boot, workers, env = swarm
     bad_frames = [struct.pack("!Q", 5) + b"\xc1" * 5, struct.pack("!Q", 3) + msgpack.packb([1, 2]),
@@ -431,9 +431,9 @@ def test_swarm_status_reads_a_missed_record_again_before_calling_its_worker_gone
     from argparse import Namespace
 
     from p2pswarm.commands.swarm_status import _status
-    from p2pswarm.net.coverage import NO_RECORD
-    from p2pswarm.net.kademlia import SwarmDHT
-    from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+    from p2pswarm.net.dht.coverage import NO_RECORD
+    from p2pswarm.net.dht.kademlia import SwarmDHT
+    from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
     env = dict(os.environ, P2PSWARM_KERNEL="numpy", P2PSWARM_HOME=str(tmp_path / "home"))
     boot, workers = None, []

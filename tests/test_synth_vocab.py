@@ -90,6 +90,6 @@ def test_demo_model_preparation_makes_no_network_access(tmp_path: Path) -> None:
     assert Path(got["vocab"]) == REPO / "p2pswarm" / "data" / "ggml-vocab-qwen35.gguf"
     model = Path(got["model"])
     assert model.is_relative_to(tmp_path / "cache") and model.is_file()
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     assert Tokenizer.from_gguf(model).n_vocab == 151_936

@@ -24,9 +24,9 @@ PROMPTS = [f"request {i}: " + "the swarm serves many sequences at once " * (i % 
 
 async def _alone(model) -> list[str]:
     """Each prompt alone through a monolithic backbone's scheduler (the node's defaults)."""
-    from p2pswarm.backbone.scheduler import Params, Scheduler
-    from p2pswarm.backbone.session import open_backbone
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.backbone.serving.scheduler import Params, Scheduler
+    from p2pswarm.backbone.sessions.local import open_backbone
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(model)
     out = []

@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 from p2pswarm.errors import ModelFormatError, UserError
 from p2pswarm.model import vocab as vocab_mod
 
@@ -258,7 +258,7 @@ def test_qwen35_bad_ids(qwen35):
 
 @pytest.mark.slow
 def test_from_reader_equals_from_path(qwen35, qwen35_path):
-    from p2pswarm.engine.tokenizer import open_gguf
+    from p2pswarm.engine.text.tokenizer import open_gguf
 
     tok = Tokenizer.from_gguf(open_gguf(qwen35_path))
     text = TEXTS["code"] + TEXTS["emoji"]

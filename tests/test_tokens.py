@@ -10,8 +10,8 @@ import msgpack
 import pytest
 from conftest import assert_one_line_error, run_cli
 
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.tokens import (
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.tokens import (
     SCOPE_RELAY,
     TOKEN_PREFIX,
     NodeToken,

@@ -8,7 +8,7 @@ import sys
 import pytest
 import trio
 
-from p2pswarm.net.wanproxy import SharedCap, open_wan_proxy
+from p2pswarm.net.wire.wanproxy import SharedCap, open_wan_proxy
 
 from helpers.procs import free_port
 
@@ -94,13 +94,13 @@ async def test_per_direction_and_shared_caps():
 
 @pytest.mark.slow
 def test_cli_refuses_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "nohost", "--rtt-ms", "5"],
+    proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wire.wanproxy", "--target", "nohost", "--rtt-ms", "5"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "HOST:PORT" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "127.0.0.1:1",
+    proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wire.wanproxy", "--target", "127.0.0.1:1",
                            "--rtt-ms", "-5"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and ">= 0" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "127.0.0.1:1",
+    proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wire.wanproxy", "--target", "127.0.0.1:1",
                            "--target", "127.0.0.1:2", "--listen", "127.0.0.1:4999"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "one --listen per target" in proc.stderr and "Traceback" not in proc.stderr
@@ -108,7 +108,7 @@ def test_cli_refuses_bad_arguments():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wanproxy", "--target", "127.0.0.1:1",
+        proc = subprocess.run([sys.executable, "-m", "p2pswarm.net.wire.wanproxy", "--target", "127.0.0.1:1",
                                "--target", "127.0.0.1:2", "--listen", "127.0.0.1:0", "--listen", f"127.0.0.1:{port}"],
                               capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stderr.startswith("error:") and "in use" in proc.stderr, proc.stderr
@@ -129,7 +129,7 @@ async def test_one_process_emulates_a_link_per_target():
         third = (await nursery.start(trio.serve_tcp, tagged, 0))[0].socket.getsockname()[1]
         fixed = free_port()  # the third link on a port given (--listen once per target)
         proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "p2pswarm.net.wanproxy", "--rtt-ms", "40",
+            [sys.executable, "-m", "p2pswarm.net.wire.wanproxy", "--rtt-ms", "40",
              *[a for p in (*targets, third) for a in ("--target", f"127.0.0.1:{p}")],
              "--listen", "127.0.0.1:0", "--listen", "127.0.0.1:0", "--listen", f"127.0.0.1:{fixed}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -185,7 +185,7 @@ async def test_a_delayed_chunk_is_never_early():
     the chunk's due time (a link shorter than its nominal RTT would flatter every benchmark)."""
     import random
 
-    from p2pswarm.net.wanproxy import sleep_until_precise
+    from p2pswarm.net.wire.wanproxy import sleep_until_precise
 
     rng = random.Random(3)
     for _ in range(30):

@@ -1,4 +1,4 @@
-"""The wire's byte counters (p2pswarm.net.wire_bytes) against what the sockets actually carried.
+"""The wire's byte counters (p2pswarm.net.wire.counting) against what the sockets actually carried.
 
 A TCP proxy in this test forwards the backbone-side owner's connection to a worker and counts the
 bytes it forwards each way, independently of the counters: over plain TCP the owner's counters,
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import trio
 
-from p2pswarm.backbone.dispatch import Dispatcher, pack_rows
-from p2pswarm.backbone.session import ensure_shards
-from p2pswarm.backbone.socket_owner import SocketOwner
+from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, pack_rows
+from p2pswarm.backbone.sessions.local import ensure_shards
+from p2pswarm.backbone.owners.socket_owner import SocketOwner
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.manifest import model_fingerprint
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.framing import HEADER
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire.framing import HEADER
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import ServeStats, serve_tcp
 
@@ -119,9 +119,9 @@ async def test_health_metrics_and_status_page_report_the_wire(tiny_f32):
     per generated token and per expert request, and per worker."""
     import httpx
 
-    from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-    from p2pswarm.backbone.session import open_backbone
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
+    from p2pswarm.backbone.sessions.local import open_backbone
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     got = {}
     async with open_backbone(tiny_f32, workers=2, transport="socket") as swarm:

@@ -1,4 +1,4 @@
-"""Lossless coding on the expert RPC (p2pswarm.net.wire_codec): the same bits, fewer bytes.
+"""Lossless coding on the expert RPC (p2pswarm.net.wire.codec): the same bits, fewer bytes.
 
 Float32 outputs byte-plane split + zstd, and Q8_K input rows without their derivable ``bsums``,
 must decode to exactly the bytes that were coded; the Q8_K sums recomputed on the worker must equal
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import zstandard
 
-from p2pswarm.engine.ggml_inputs import InputQuantiser
-from p2pswarm.engine.ggml_kernel import load_libggml
+from p2pswarm.engine.ggml.inputs import InputQuantiser
+from p2pswarm.engine.ggml.lib import load_libggml
 from p2pswarm.errors import FrameError
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net import wire_codec
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire import codec as wire_codec
 
 
 def _awkward_floats(rng, n: int, e: int) -> np.ndarray:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from p2pswarm.engine.ggml_experts import GgmlExpertBank
-from p2pswarm.engine.ggml_kernel import load_libggml
+from p2pswarm.engine.experts.ggml_bank import GgmlExpertBank
+from p2pswarm.engine.ggml.lib import load_libggml
 from p2pswarm.model.layout import ModelLayout
 from p2pswarm.model.synth import make_model
-from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.wire import expert_protocol as proto
 
 # (model qtype, expert qtype, the input form its experts take, arch)
 FAMILIES = [("f32", None, None, None), ("q8_0", None, "q8_0", None), ("q8_0", "q4_k", "q8_K", None),
@@ -89,7 +89,7 @@ def test_rows_with_a_non_string_dtype_are_a_frame_error(dtype):
     """A fuzzed request's rows may carry any msgpack value as their dtype: a FrameError (the stream
     is closed with its reason), never a TypeError from looking a dict up in the forms table."""
     from p2pswarm.errors import FrameError
-    from p2pswarm.net.expert_protocol import rows_from_wire
+    from p2pswarm.net.wire.expert_protocol import rows_from_wire
 
     with pytest.raises(FrameError):
         rows_from_wire({"dtype": dtype, "shape": [1, 4], "data": b"\0" * 16})

@@ -1,14 +1,14 @@
 """``--wire-precision f16|bf16``: outputs rounded to 16 bits everywhere, so split == monolithic stays
-bit for bit while the workers send half the output bytes (p2pswarm.net.wire_precision)."""
+bit for bit while the workers send half the output bytes (p2pswarm.net.wire.precision)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from p2pswarm.errors import UserError
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net import wire_precision as wp
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire import precision as wp
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 
 def test_rounding_is_nearest_even_idempotent_and_survives_the_wire():
@@ -37,7 +37,7 @@ def test_rounding_is_nearest_even_idempotent_and_survives_the_wire():
 async def test_split_equals_monolithic_at_a_wire_precision(tiny_q8, precision):
     """Worker processes over sockets send 16-bit outputs; the logits equal a backbone alone at the
     same precision bit for bit, differ from float32's, and about half the output bytes came back."""
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.sessions.local import open_backbone
 
     tokens = [17, 3, 250, 99, 4, 4, 301, 12]
     got, received = {}, {}
@@ -56,7 +56,7 @@ async def test_split_equals_monolithic_at_a_wire_precision(tiny_q8, precision):
 
 
 async def test_a_bad_wire_precision_is_a_clear_error(tiny_f32):
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.sessions.local import open_backbone
 
     async with open_backbone(tiny_f32) as swarm:
         with pytest.raises(UserError, match="wire-precision"):

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import assert_one_line_error, run_cli
 from helpers.procs import Proc, stop_all
-from p2pswarm.net.identity import load_or_create_identity
-from p2pswarm.net.tokens import issue_token
+from p2pswarm.net.signed.identity import load_or_create_identity
+from p2pswarm.net.signed.tokens import issue_token
 
 FP = "ab" * 32
 NOWHERE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWRVJ9bMa6unxaZvC929uzP45jEYfDnxvb929oGF9ekYCU"

@@ -27,8 +27,8 @@ def add_parser(sub) -> None:
 
 async def _main(args) -> None:
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import default_identity_path, load_or_create_identity
 
     identity = load_or_create_identity(args.identity or default_identity_path("bootstrap"), exclusive=True)
     async with open_host(identity, listen_addrs(args, "/ip4/0.0.0.0/tcp/4001"), announce=args.announce) as net:

@@ -93,7 +93,7 @@ def market_kwargs(args) -> dict:
 
 
 def add_expert_cache_arg(p, prefix: str = "") -> None:
-    """``--expert-cache``: how many routed experts the backbone keeps (backbone/expert_cache.py)."""
+    """``--expert-cache``: how many routed experts the backbone keeps (backbone/owners/expert_cache.py)."""
     p.add_argument("--expert-cache", metavar="SIZE|N%|all|none", default=None,
                    help=f"{prefix}routed experts the backbone keeps and computes itself: all, none, a share "
                         "(10%%) or a size (1.5GB); the workers compute the rest. Default: all when the model "
@@ -103,7 +103,7 @@ def add_expert_cache_arg(p, prefix: str = "") -> None:
 
 def expert_cache_size(args):
     """The parsed ``--expert-cache`` (None: the default), or a one-line error."""
-    from p2pswarm.backbone.expert_cache import parse_cache_size
+    from p2pswarm.backbone.owners.expert_cache import parse_cache_size
 
     text = getattr(args, "expert_cache", None)
     return None if text is None else parse_cache_size(text)
@@ -148,10 +148,10 @@ def add_speculate_args(p, prefix: str = "") -> None:
 
 
 def speculation_from(args, model_path):
-    """The scheduler's :class:`~p2pswarm.backbone.speculation.Speculation` from ``--speculate`` /
+    """The scheduler's :class:`~p2pswarm.backbone.serving.speculation.Speculation` from ``--speculate`` /
     ``--draft-max``, or None (off); a mode the model cannot run or a bad K: one line, exit 2.
-    ``auto``: :func:`~p2pswarm.backbone.speculation.auto_mode`, logged."""
-    from p2pswarm.backbone.speculation import Speculation, auto_mode, check_mode
+    ``auto``: :func:`~p2pswarm.backbone.serving.speculation.auto_mode`, logged."""
+    from p2pswarm.backbone.serving.speculation import Speculation, auto_mode, check_mode
     from p2pswarm.model.layout import ModelLayout
 
     if args.draft_max < 1:
@@ -177,7 +177,7 @@ def require_full_model(path) -> None:
 
 def require_backbone_model(path) -> None:
     """As :func:`require_full_model`, but a backbone file (`slice --backbone`) is welcome too: a
-    backbone started from it keeps no experts but its cache (backbone/expert_cache.py)."""
+    backbone started from it keeps no experts but its cache (backbone/owners/expert_cache.py)."""
     from p2pswarm.model.layout import ModelLayout
 
     layout = ModelLayout.open(path)
@@ -188,17 +188,17 @@ def require_backbone_model(path) -> None:
 def open_model(args):
     """The backbone context a command asked for: through the swarm (--swarm), N local workers
     (--workers) or monolithic. Yields an object with ``.backbone``."""
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.sessions.local import open_backbone
 
     if args.swarm:
-        from p2pswarm.backbone.swarm_session import open_swarm_backbone  # imports libp2p: only when asked
+        from p2pswarm.backbone.sessions.swarm import open_swarm_backbone  # imports libp2p: only when asked
 
         if args.workers:
             raise UserError("--swarm and --workers exclude each other")
         if not args.refresh > 0:
             raise UserError("--refresh must be > 0 seconds")
-        from p2pswarm.net.identity import load_or_create_identity
-        from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+        from p2pswarm.net.signed.identity import load_or_create_identity
+        from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
         identity = load_or_create_identity(args.swarm_identity, exclusive=True) if args.swarm_identity else None
 

@@ -20,14 +20,14 @@ import numpy as np
 import trio
 
 from p2pswarm import settings
-from p2pswarm.backbone.generate import Rewind, generate
-from p2pswarm.backbone.sampling import Sampler
-from p2pswarm.backbone.session import cache_dir, open_backbone
+from p2pswarm.backbone.serving.generate import Rewind, generate
+from p2pswarm.backbone.serving.sampling import Sampler
+from p2pswarm.backbone.sessions.local import cache_dir, open_backbone
 from p2pswarm.commands.common import (add_kernel_args, add_speculate_args, line_buffered_stdout, require_full_model,
                                       speculation_from)
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 log = logging.getLogger("p2pswarm.demo")
 DEFAULT_PROMPT = "A swarm of phones serves one large model:"
@@ -88,8 +88,8 @@ async def _open_split(args, model: Path):
                       f"shard {wp.shard.stat().st_size / 1e6:.1f} MB")
             yield swarm
         return
-    from p2pswarm.backbone.session import ensure_shards, start_cli_process, stop_process
-    from p2pswarm.backbone.swarm_session import open_swarm_backbone
+    from p2pswarm.backbone.sessions.local import ensure_shards, start_cli_process, stop_process
+    from p2pswarm.backbone.sessions.swarm import open_swarm_backbone
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
 

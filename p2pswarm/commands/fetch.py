@@ -1,4 +1,4 @@
-"""`p2pswarm fetch`: download one expert slice of a model from the swarm (see net/shard_transfer.py).
+"""`p2pswarm fetch`: download one expert slice of a model from the swarm (see net/shards/transfer.py).
 
     p2pswarm fetch --model FINGERPRINT --layers A-B --experts C-D --bootstrap ADDR \\
         --token TOKEN_OR_FILE --trust-issuer PEER_ID --out shard.gguf
@@ -55,11 +55,11 @@ def _range(text: str, what: str) -> tuple[int, int]:
 
 async def _main(args, token: str, layers, experts) -> None:
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import default_identity_path, load_or_create_identity
-    from p2pswarm.net.shard_fetch import FetchStats, fetch_slice
-    from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
-    from p2pswarm.net.tokens import NodeToken
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.shards.fetch import FetchStats, fetch_slice
+    from p2pswarm.net.shards.transfer import fetch_slice_from_swarm
+    from p2pswarm.net.signed.tokens import NodeToken
     from p2pswarm.progress import ProgressBar
 
     identity = load_or_create_identity(args.identity or default_identity_path("worker"), exclusive=True)
@@ -96,7 +96,7 @@ async def _main(args, token: str, layers, experts) -> None:
 
 
 def run(args) -> int:
-    from p2pswarm.net.tokens import load_token
+    from p2pswarm.net.signed.tokens import load_token
 
     if not re.fullmatch(r"[0-9a-fA-F]{64}", args.model):
         raise UserError(f"--model {args.model[:70]!r} is not a model fingerprint (64 hex digits; "

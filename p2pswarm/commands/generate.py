@@ -5,11 +5,11 @@ import sys
 
 import trio
 
-from p2pswarm.backbone.generate import Rewind, generate
-from p2pswarm.backbone.sampling import Sampler
+from p2pswarm.backbone.serving.generate import Rewind, generate
+from p2pswarm.backbone.serving.sampling import Sampler
 from p2pswarm.commands.common import (add_speculate_args, add_swarm_args, check_workers, open_model, require_full_model,
                                       speculation_from)
-from p2pswarm.engine.tokenizer import Tokenizer
+from p2pswarm.engine.text.tokenizer import Tokenizer
 from p2pswarm.errors import UserError
 
 

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from p2pswarm.net.identity import (
+    from p2pswarm.net.signed.identity import (
         default_identity_path,
         load_identity,
         load_or_create_identity,

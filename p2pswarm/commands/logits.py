@@ -20,7 +20,7 @@ from p2pswarm.commands.common import (add_swarm_args, check_workers, open_model,
                                      require_full_model)
 from p2pswarm.errors import UserError
 from p2pswarm.progress import ProgressBar
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 log = logging.getLogger("p2pswarm.logits")
 

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from p2pswarm.model.manifest import build_manifest, write_manifest
-    from p2pswarm.net.identity import load_identity
+    from p2pswarm.net.signed.identity import load_identity
 
     out = Path(args.out)
     if out.exists() and not args.force:

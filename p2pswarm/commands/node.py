@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from p2pswarm import settings
-from p2pswarm.net.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
-from p2pswarm.net.tokens import AUTO_SCOPE
+from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE, DEFAULT_RECORD_TTL_S
+from p2pswarm.net.signed.tokens import AUTO_SCOPE
 from p2pswarm.commands.common import (add_expert_cache_arg, add_kernel_args, add_market_args, add_speculate_args,
                                       expert_cache_size, market_kwargs, parse_hostport, positive_int,
                                       line_buffered_stdout, require_backbone_model, speculation_from)
@@ -37,7 +37,7 @@ from p2pswarm.market.last_receipt import collect_last_receipts
 from p2pswarm.worker.health import add_health_arg
 
 if TYPE_CHECKING:  # loaded when a worker starts, not with the CLI
-    from p2pswarm.net.records import ShardEntry
+    from p2pswarm.net.signed.records import ShardEntry
     from p2pswarm.worker.expert_worker import ExpertWorker, ShardInfo
 
 log = logging.getLogger("p2pswarm.node")
@@ -207,12 +207,12 @@ def add_parser(sub) -> None:
 
 
 async def _worker(args) -> None:
-    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.wire import expert_protocol as proto
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.advertiser import ShardAdvertiser
-    from p2pswarm.net.host import open_host
+    from p2pswarm.net.dht.advertiser import ShardAdvertiser
+    from p2pswarm.net.libp2p.host import open_host
     from p2pswarm.market.receipts import ReceiptStore, default_receipts_dir
-    from p2pswarm.net.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.signed.identity import default_identity_path, load_or_create_identity
     from p2pswarm.worker.server import ServeStats, serve_libp2p
 
     identity = load_or_create_identity(args.identity or default_identity_path("worker"), exclusive=True)
@@ -289,8 +289,8 @@ async def _worker(args) -> None:
 def _check_own_token(args) -> None:
     """A downloading worker's token that no source could accept: refused now, in one line, before
     anything is logged (the key is read, not locked or created, to learn this node's id)."""
-    from p2pswarm.net.identity import default_identity_path, load_identity
-    from p2pswarm.net.tokens import NodeToken, check_own_token, shard_scope
+    from p2pswarm.net.signed.identity import default_identity_path, load_identity
+    from p2pswarm.net.signed.tokens import NodeToken, check_own_token, shard_scope
 
     if not (args.auto or args.fetch):
         return
@@ -309,8 +309,8 @@ def _check_own_token(args) -> None:
 
 def _direct_lane(args):
     """The worker's direct lane from ``--direct`` / ``--direct-announce``, or None."""
-    from p2pswarm.net.direct import DirectLane
-    from p2pswarm.net.framing import DEFAULT_MAX_FRAME
+    from p2pswarm.net.wire.direct import DirectLane
+    from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME
 
     if args.direct is None:
         if args.direct_announce is not None:
@@ -336,14 +336,14 @@ async def _auto_worker(args, net, dht, identity, keeper) -> None:
     """The ``--auto`` worker inside its host and DHT: enrol, serve, re-evaluate until a signal."""
     from p2pswarm.engine.kernels import kernel_id
     from p2pswarm.market.auto import AutoWorker
-    from p2pswarm.net import expert_protocol as proto
+    from p2pswarm.net.wire import expert_protocol as proto
     from p2pswarm.worker.server import ServeStats, serve_libp2p_shards
 
     from p2pswarm.market.receipts import ReceiptStore, default_receipts_dir
 
     home = settings.home_dir()
-    from p2pswarm.net.shard_server import ShardFiles
-    from p2pswarm.net.tokens import TokenGate
+    from p2pswarm.net.shards.server import ShardFiles
+    from p2pswarm.net.signed.tokens import TokenGate
 
     auto = AutoWorker(net, dht, identity, memory=args.memory_bytes, token=args.node_token,
                       trusted_issuers=args.trust_issuer, load_shard=lambda path: _load_shard(path, args),
@@ -395,8 +395,8 @@ async def _serve_shards(args, swarm, nursery) -> None:
     """Serve `/p2pswarm/shard/1.0.0` from the full model to holders of tokens by a trusted issuer
     (default: the manifest's own issuer), and provide the model's source key in the DHT."""
     from p2pswarm.model.manifest import read_manifest
-    from p2pswarm.net.shard_transfer import run_shard_source
-    from p2pswarm.net.tokens import TokenGate
+    from p2pswarm.net.shards.transfer import run_shard_source
+    from p2pswarm.net.signed.tokens import TokenGate
 
     manifest = read_manifest(args.manifest)
     trusted = args.trust_issuer or [manifest.issuer]
@@ -411,7 +411,7 @@ async def _serve_shards(args, swarm, nursery) -> None:
 
 
 def _load_shard(path, args) -> tuple[ExpertWorker, ShardInfo, ShardEntry]:
-    from p2pswarm.net.records import ShardEntry
+    from p2pswarm.net.signed.records import ShardEntry
     from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 
     worker = ExpertWorker(path, kernel=args.kernel, threads=args.threads)
@@ -425,8 +425,8 @@ async def _start_relay_keeper(args, net, dht_of: list):
     """Reserve on one of ``--relay`` (or a relay found in the DHT) now (one-line error if none takes
     us); returns the keeper, whose ``keep()`` then holds the reservation (renewals, reconnects after a
     relay restart, a move to another relay when this one is gone)."""
-    from p2pswarm.net.relay_client import RelayKeeper
-    from p2pswarm.net.relay_discovery import find_relays
+    from p2pswarm.net.libp2p.relay_client import RelayKeeper
+    from p2pswarm.net.libp2p.relay_discovery import find_relays
 
     async def discover(exclude: set[str]) -> list[str]:
         return await find_relays(dht_of[0], exclude=exclude) if dht_of else []
@@ -437,13 +437,13 @@ async def _start_relay_keeper(args, net, dht_of: list):
 
 
 async def _backbone(args) -> None:
-    from p2pswarm.backbone.http_api import CompletionsApp, serve_http
-    from p2pswarm.backbone.scheduler import Scheduler
-    from p2pswarm.backbone.status_page import SwarmView
-    from p2pswarm.backbone.swarm_session import open_swarm_backbone
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.backbone.api.http_api import CompletionsApp, serve_http
+    from p2pswarm.backbone.serving.scheduler import Scheduler
+    from p2pswarm.backbone.api.status_page import SwarmView
+    from p2pswarm.backbone.sessions.swarm import open_swarm_backbone
+    from p2pswarm.engine.text.tokenizer import Tokenizer
     from p2pswarm.model.split_gguf import model_name
-    from p2pswarm.net.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.signed.identity import default_identity_path, load_or_create_identity
 
     identity = load_or_create_identity(args.identity or default_identity_path("backbone"), exclusive=True)
     if args.backbone_download:
@@ -537,7 +537,7 @@ def run(args) -> int:
         if not args.cache_refill > 0:
             raise UserError("--cache-refill must be > 0 seconds")
         if args.token:  # a backbone file's cache is filled from the swarm's shard sources with it
-            from p2pswarm.net.tokens import load_token
+            from p2pswarm.net.signed.tokens import load_token
 
             args.backbone_token = load_token(args.token)
             if not args.trust_issuer:
@@ -552,8 +552,8 @@ def run(args) -> int:
     if args.relay:
         if args.role != "worker":
             raise UserError("--relay is for workers behind NAT (backbones dial relayed workers by themselves)")
-        from p2pswarm.net.addrs import parse_peer_addr
-        from p2pswarm.net.tokens import load_token
+        from p2pswarm.net.libp2p.addrs import parse_peer_addr
+        from p2pswarm.net.signed.tokens import load_token
 
         args.relay_auto = "auto" in args.relay
         args.relay = [a for a in args.relay if a != "auto"]

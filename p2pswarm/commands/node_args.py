@@ -15,7 +15,7 @@ def check_worker_source(args) -> None:
     itself (--auto --memory SIZE --token TOKEN --trust-issuer PEER_ID)."""
     if args.auto:
         from p2pswarm.market.auto import parse_size
-        from p2pswarm.net.tokens import load_token
+        from p2pswarm.net.signed.tokens import load_token
 
         clash = [f for f, v in (("--shard", args.shard), ("--layers", args.layers), ("--experts", args.experts))
                  if v]
@@ -24,7 +24,7 @@ def check_worker_source(args) -> None:
         missing = [f for f, v in (("--memory", args.memory), ("--token", args.token),
                                   ("--trust-issuer", args.trust_issuer)) if not v]
         if missing:
-            from p2pswarm.net.tokens import AUTO_SCOPE
+            from p2pswarm.net.signed.tokens import AUTO_SCOPE
 
             raise UserError(f"--auto needs {', '.join(missing)} (a token issued with {AUTO_SCOPE})")
         if args.model is not None:
@@ -44,7 +44,7 @@ def check_worker_source(args) -> None:
                             "--experts C-D --token TOKEN --trust-issuer PEER_ID to download its slice")
         return
     from p2pswarm.model.slicer import parse_range
-    from p2pswarm.net.tokens import load_token
+    from p2pswarm.net.signed.tokens import load_token
 
     if not re.fullmatch(r"[0-9a-fA-F]{64}", args.model):
         raise UserError(f"--model {args.model[:70]!r}: a worker takes a model fingerprint (64 hex digits) "
@@ -81,8 +81,8 @@ def check_dht_mode(args) -> None:
 
 
 def add_http_limit_args(p) -> None:
-    """The backbone's HTTP abuse limits (p2pswarm.backbone.admission.HttpLimits: defaults, why)."""
-    from p2pswarm.backbone.admission import HttpLimits
+    """The backbone's HTTP abuse limits (p2pswarm.backbone.api.admission.HttpLimits: defaults, why)."""
+    from p2pswarm.backbone.api.admission import HttpLimits
 
     d = HttpLimits()
     p.add_argument("--max-requests", type=int, default=d.max_requests, metavar="N",
@@ -99,8 +99,9 @@ def add_http_limit_args(p) -> None:
     p.add_argument("--body-timeout-s", type=float, default=d.body_timeout_s, metavar="SECONDS",
                    help="backbone: a request body must arrive whole within this, else a 408 "
                         f"(default {d.body_timeout_s:g})")
-    p.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s, metavar="SECONDS",
-                   help=f"backbone: an HTTP connection silent this long is closed (default {d.read_timeout_s:g})")
+    p.add_argument("--read-timeout-s", type=float, default=None, metavar="SECONDS",
+                   help="backbone: ignored (kept so that existing command lines start): it cut answers longer than "
+                        "it; --keep-alive-s and --body-timeout-s bound idle and slow clients")
     p.add_argument("--keep-alive-s", type=float, default=d.keep_alive_s, metavar="SECONDS",
                    help="backbone: an idle HTTP connection, or one whose request headers are not complete, is "
                         f"closed after this (slow clients; default {d.keep_alive_s:g})")
@@ -108,12 +109,17 @@ def add_http_limit_args(p) -> None:
 
 def http_limits(args):
     """The checked :class:`HttpLimits` of ``add_http_limit_args``' flags (one line on a bad value)."""
-    from p2pswarm.backbone.admission import HttpLimits
+    from p2pswarm.backbone.api.admission import HttpLimits
 
+    if args.read_timeout_s is not None:
+        import logging
+
+        logging.getLogger("p2pswarm.node").warning(
+            "--read-timeout-s is ignored: a read timeout cut answers longer than it and lost the next request on "
+            "the connection; --keep-alive-s and --body-timeout-s bound idle and slow clients")
     return HttpLimits(max_requests=args.max_requests, max_requests_per_client=args.max_requests_per_client,
                       max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens_limit,
-                      body_timeout_s=args.body_timeout_s, read_timeout_s=args.read_timeout_s,
-                      keep_alive_s=args.keep_alive_s).check()
+                      body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s).check()
 
 
 def add_worker_limit_args(p) -> None:

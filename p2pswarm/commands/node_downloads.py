@@ -19,10 +19,10 @@ def _serve_own_shard(net, shard: Path, args, files=None, *, fingerprint: str | N
     a unit no live owner holds, and for checking a worker's answers). The manifest and the source
     header come from the ``.source`` sidecar beside the shard: a download keeps one, ``slice
     --manifest`` writes one; a shard without one, or a worker without ``--trust-issuer``, is not
-    served (said once). ``files``: the worker's :class:`~p2pswarm.net.shard_server.ShardFiles`
+    served (said once). ``files``: the worker's :class:`~p2pswarm.net.shards.server.ShardFiles`
     (made here when None); returns it, or None when the shard is not served."""
-    from p2pswarm.net.shard_server import ShardFiles, load_source_sidecar
-    from p2pswarm.net.tokens import TokenGate
+    from p2pswarm.net.shards.server import ShardFiles, load_source_sidecar
+    from p2pswarm.net.signed.tokens import TokenGate
 
     if not args.trust_issuer:
         log.info("not serving my shard's slabs to peers: no --trust-issuer (whose tokens to accept)")
@@ -49,9 +49,9 @@ def _default_slice_path(model: str, layers, experts) -> Path:
 async def _fetch_shard(args, net, dht, identity) -> Path:
     """Download this worker's slice from the swarm's shard sources (resumes an interrupted run;
     returns at once when the file is already complete)."""
-    from p2pswarm.net.shard_fetch import FetchStats
-    from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
-    from p2pswarm.net.tokens import NodeToken
+    from p2pswarm.net.shards.fetch import FetchStats
+    from p2pswarm.net.shards.transfer import fetch_slice_from_swarm
+    from p2pswarm.net.signed.tokens import NodeToken
     from p2pswarm.progress import ProgressBar
 
     holder = NodeToken.decode(args.node_token).holder
@@ -82,10 +82,10 @@ async def _fetch_backbone(args, identity) -> Path:
     swarm's shard sources into ``--shard`` or a stable path under P2PSWARM_HOME (a restart resumes
     or reuses it), on a host of its own that is closed before the backbone joins."""
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.backbone_fetch import fetch_backbone
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.shard_fetch import FetchStats
-    from p2pswarm.net.shard_transfer import find_sources
+    from p2pswarm.net.shards.backbone_fetch import fetch_backbone
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.shards.fetch import FetchStats
+    from p2pswarm.net.shards.transfer import find_sources
     from p2pswarm.progress import ProgressBar
 
     fp = args.model.lower()

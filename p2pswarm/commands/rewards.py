@@ -37,10 +37,10 @@ def add_parser(sub) -> None:
 
 async def _bans(bootstrap: list[str], pairs: list[tuple[str, str]]) -> dict[tuple[str, str], BanRecord]:
     from p2pswarm.market.bans import BanRecord, ban_key
-    from p2pswarm.net.signed import SignedError
+    from p2pswarm.net.signed.envelope import SignedError
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
 
     found: dict[tuple[str, str], BanRecord] = {}
     async with open_host(Identity.generate()) as net, open_dht(net, server=False, bootstrap=bootstrap) as dht:

@@ -42,10 +42,10 @@ async def _main(args, **server_options) -> None:
     from p2pswarm.lifecycle import until_signal
     from p2pswarm.model.manifest import read_manifest
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import default_identity_path, load_or_create_identity
-    from p2pswarm.net.shard_transfer import run_shard_source
-    from p2pswarm.net.tokens import TokenGate
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.shards.transfer import run_shard_source
+    from p2pswarm.net.signed.tokens import TokenGate
 
     manifest = read_manifest(args.manifest)
     manifest.verify(trusted_issuers=[manifest.issuer])  # intact (the signature verifies)
@@ -73,7 +73,7 @@ async def _dht_task(open_dht, net, bootstrap, *, task_status=trio.TASK_STATUS_IG
 
 
 def run(args, **server_options) -> int:
-    """``server_options`` go to :class:`~p2pswarm.net.shard_transfer.ShardServer` (fault injection
+    """``server_options`` go to :class:`~p2pswarm.net.shards.transfer.ShardServer` (fault injection
     in the tests: ``delay_s``, ``corrupt_chunks``)."""
     line_buffered_stdout()
     trio.run(partial(_main, args, **server_options))

@@ -48,7 +48,7 @@ def run(args) -> int:
     print(f"wrote {res.path}: {len(res.tensors)} tensors, {res.nbytes / 1e6:.1f} MB of tensor data "
           f"(model {res.source_fingerprint})")
     if source is not None:
-        from p2pswarm.net.shard_server import _write_source_sidecar
+        from p2pswarm.net.shards.server import _write_source_sidecar
 
         print(f"wrote {_write_source_sidecar(Path(args.output), *source)}")
     return 0

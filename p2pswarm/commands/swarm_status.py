@@ -29,7 +29,7 @@ import trio
 
 from p2pswarm.engine.kernels import family
 from p2pswarm.errors import UserError
-from p2pswarm.net.records import DEFAULT_BLOCK_SIZE
+from p2pswarm.net.signed.records import DEFAULT_BLOCK_SIZE
 
 PROBE_TIMEOUT_S = 5.0
 PROBE_CONCURRENCY = 32
@@ -65,7 +65,7 @@ def _kernel(name: str | None) -> str:
 async def _probe_all(net, infos: dict, model: str, kernel: str, timeout_s: float) -> dict[str, tuple]:
     """(status, reason, rtt_s, families) of every (peer, shard) in ``infos``, probed concurrently;
     ``families``: the kernel families its hello said it answers in (empty unless live)."""
-    from p2pswarm.backbone.libp2p_owner import Libp2pOwner
+    from p2pswarm.backbone.owners.libp2p_owner import Libp2pOwner
 
     out: dict[str, tuple] = {}
     limiter = trio.CapacityLimiter(PROBE_CONCURRENCY)
@@ -95,12 +95,12 @@ def _record_times(rec, now: float) -> dict:
 async def _status(args) -> dict:
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import model_fingerprint
-    from p2pswarm.net import expert_protocol as proto
-    from p2pswarm.net.coverage import NO_RECORD
+    from p2pswarm.net.wire import expert_protocol as proto
+    from p2pswarm.net.dht.coverage import NO_RECORD
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.coverage import CoverageResolver
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import Identity
+    from p2pswarm.net.dht.coverage import CoverageResolver
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import Identity
 
     layout = ModelLayout.open(args.model)
     fp = model_fingerprint(layout)

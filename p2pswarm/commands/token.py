@@ -1,4 +1,4 @@
-"""`p2pswarm token issue|show`: make and read node tokens (see p2pswarm/net/tokens.py).
+"""`p2pswarm token issue|show`: make and read node tokens (see p2pswarm/net/signed/tokens.py).
 
 The issuer key must already exist: a token signed by a key nobody trusts yet is useless, and a
 typo in ``--key`` silently minting a fresh issuer would hide that. ``--create-key`` makes one
@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
 
 
 def run_issue(args) -> int:
-    from p2pswarm.net.identity import load_identity, load_or_create_identity
-    from p2pswarm.net.tokens import issue_token, parse_ttl
+    from p2pswarm.net.signed.identity import load_identity, load_or_create_identity
+    from p2pswarm.net.signed.tokens import issue_token, parse_ttl
 
     ttl = parse_ttl(args.ttl)
     key = Path(args.key)
@@ -67,7 +67,7 @@ def run_issue(args) -> int:
 
 
 def run_show(args) -> int:
-    from p2pswarm.net.tokens import NodeToken, load_token
+    from p2pswarm.net.signed.tokens import NodeToken, load_token
 
     tok = NodeToken.decode(load_token(args.token))
     d = tok.describe()

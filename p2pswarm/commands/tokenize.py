@@ -101,7 +101,7 @@ def _show_piece(piece: bytes) -> str:
 
 def run(args) -> int:
     # Imported here so `p2pswarm --help` does not pay for numpy/gguf/tokenizers.
-    from p2pswarm.engine.tokenizer import Tokenizer
+    from p2pswarm.engine.text.tokenizer import Tokenizer
 
     ids = _parse_ids(args.decode) if args.decode is not None else None
     text = _read_text(args) if ids is None else ""  # read first: a missing file is told before the model loads

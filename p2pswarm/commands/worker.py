@@ -13,7 +13,7 @@ import trio
 
 from p2pswarm.commands.common import add_kernel_args, parse_hostport
 from p2pswarm.errors import UserError
-from p2pswarm.net.framing import DEFAULT_MAX_FRAME
+from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import ServeStats, serve_tcp
 

@@ -9,7 +9,7 @@ numpy path) and a type checker sees what it holds.
 
 ``numpy`` (the reference; also the ``portable`` kernel's dense path: the dense path runs only on
 the backbone, outside what must agree across ISAs) holds nothing. ``ggml`` holds the
-:class:`~p2pswarm.engine.ggml_dense.GgmlDense` engine: its graph runner, the model file's tensors
+:class:`~p2pswarm.engine.ggml.dense.GgmlDense` engine: its graph runner, the model file's tensors
 on the memory map, and the caches of ggml tensors made from them.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from p2pswarm.contracts import DenseWeights
 from p2pswarm.engine.blas import single_threaded_blas
 
 if TYPE_CHECKING:
-    from p2pswarm.engine.ggml_dense import GgmlDense
-    from p2pswarm.engine.ggml_runner import GgmlRunner
+    from p2pswarm.engine.ggml.dense import GgmlDense
+    from p2pswarm.engine.ggml.runner import GgmlRunner
     from p2pswarm.model.layout import ModelLayout
 
 log = logging.getLogger("p2pswarm.engine")
@@ -77,13 +77,13 @@ def open_backend(layout: ModelLayout, kind: str, *, threads: int | None = None) 
 
     With ``ggml`` numpy's BLAS is also limited to one thread (see :mod:`p2pswarm.engine.blas`), and
     every page of the model file is mapped now, as llama.cpp's loader does
-    (:func:`~p2pswarm.engine.ggml_runner.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in):
+    (:func:`~p2pswarm.engine.ggml.runner.populate`; ``P2PSWARM_POPULATE=0`` leaves them to fault in):
     a strong node holds the model at its quantised size, and its dense mat-muls get llama.cpp's
     numerics too."""
     if kind in ("numpy", "portable"):
         return DenseBackend()
-    from p2pswarm.engine.ggml_dense import GgmlDense  # loads libggml: only where it is asked for
-    from p2pswarm.engine.ggml_runner import populate
+    from p2pswarm.engine.ggml.dense import GgmlDense  # loads libggml: only where it is asked for
+    from p2pswarm.engine.ggml.runner import populate
 
     dense = GgmlDense(layout, threads=threads)
     single_threaded_blas()

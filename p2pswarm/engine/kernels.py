@@ -4,10 +4,10 @@
     bank.forward(layer, expert, rows); bank.forward_groups(layer, rows, groups); bank.holds(l, e)
     bank.kernel                                  # "numpy", "ggml-0.25.3-0c1e570/x86_64+avx2+..." or "portable-1/aarch64"
 
-``numpy`` is the reference (:class:`p2pswarm.engine.experts.ExpertBank`: dequantise to float32,
+``numpy`` is the reference (:class:`p2pswarm.engine.experts.numpy_bank.ExpertBank`: dequantise to float32,
 cache, multiply). ``ggml`` computes on the quantised bytes in the memory map with llama.cpp's libggml
-(:mod:`p2pswarm.engine.ggml_kernel`): no dequantised copy, memory-bandwidth speed, llama.cpp's
-numerics. ``portable`` (:mod:`p2pswarm.engine.portable_kernel`) also computes on the mapped bytes,
+(:mod:`p2pswarm.engine.ggml.lib`): no dequantised copy, memory-bandwidth speed, llama.cpp's
+numerics. ``portable`` (:mod:`p2pswarm.engine.experts.portable_kernel`) also computes on the mapped bytes,
 with a fixed order of operations, so its results are the same bits on every ISA: the kernel an
 aarch64 phone and an x86-64 backbone can share. ``auto`` is ggml where libggml loads (``pip install`` builds
 it into the package), else numpy with one log line saying why and how to get ggml (never portable:
@@ -26,7 +26,7 @@ import logging
 
 from p2pswarm import settings
 from p2pswarm.contracts import ExpertBank as ExpertBankProtocol
-from p2pswarm.engine.experts import ExpertBank, default_cache_bytes
+from p2pswarm.engine.experts.numpy_bank import ExpertBank, default_cache_bytes
 from p2pswarm.errors import UserError
 
 log = logging.getLogger("p2pswarm.engine")
@@ -46,7 +46,7 @@ def resolve_kernel(kernel: str | None = None) -> str:
     """``auto``/None -> ``ggml`` or ``numpy``; ``ggml`` -> ``ggml`` or a UserError saying why not;
     ``numpy`` and ``portable`` -> themselves (portable runs anywhere: C if it builds, else numpy)."""
     global _warned_fallback
-    from p2pswarm.engine.ggml_kernel import GgmlUnavailable, load_libggml
+    from p2pswarm.engine.ggml.lib import GgmlUnavailable, load_libggml
 
     kernel = default_kernel() if kernel is None else str(kernel).strip().lower()
     if kernel not in KERNELS:
@@ -67,11 +67,11 @@ def resolve_kernel(kernel: str | None = None) -> str:
 
 def kernel_id(kernel: str | None = None) -> str:
     """The string a bank of this kernel puts in the handshake, without building a bank."""
-    from p2pswarm.engine.ggml_kernel import load_libggml
+    from p2pswarm.engine.ggml.lib import load_libggml
 
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
-        from p2pswarm.engine import portable_kernel
+        from p2pswarm.engine.experts import portable_kernel
 
         return portable_kernel.kernel_id()
     return ExpertBank.kernel if resolved == "numpy" else load_libggml().kernel_id
@@ -88,7 +88,7 @@ def family(kernel_id: str) -> str:
 
 def portable_family() -> str:
     """The portable kernel's family (``portable-<version>``), which every worker can answer in."""
-    from p2pswarm.engine.portable_kernel import FAMILY
+    from p2pswarm.engine.experts.portable_kernel import FAMILY
 
     return FAMILY
 
@@ -124,17 +124,17 @@ def make_bank(layout, kernel: str | None = "auto", *, cache_bytes: int | None = 
     ``cache_bytes`` bounds the numpy kernel's dequantised cache; ``threads`` is ggml's thread count
     (default ``$P2PSWARM_THREADS`` or the CPUs available, at most 8), also the portable kernel's;
     ``graph_cache_bytes`` lets the ggml kernel keep its graphs across calls (the backbone's replica;
-    :meth:`~p2pswarm.engine.ggml_runner.GgmlRunner.graph`), ``scratch_keep_bytes`` keep a large
-    call's scratch memory between calls (:class:`~p2pswarm.engine.ggml_runner.GgmlRunner`).
+    :meth:`~p2pswarm.engine.ggml.runner.GgmlRunner.graph`), ``scratch_keep_bytes`` keep a large
+    call's scratch memory between calls (:class:`~p2pswarm.engine.ggml.runner.GgmlRunner`).
     """
     resolved = resolve_kernel(kernel)
     if resolved == "portable":
-        from p2pswarm.engine.portable_kernel import PortableExpertBank
+        from p2pswarm.engine.experts.portable_kernel import PortableExpertBank
 
         return PortableExpertBank(layout, threads=threads)
     if resolved == "numpy":
         return ExpertBank(layout, cache_bytes=default_cache_bytes() if cache_bytes is None else cache_bytes)
-    from p2pswarm.engine.ggml_experts import GgmlExpertBank
+    from p2pswarm.engine.experts.ggml_bank import GgmlExpertBank
 
     return GgmlExpertBank(layout, threads=threads, graph_cache_bytes=graph_cache_bytes,
                           scratch_keep_bytes=scratch_keep_bytes)

@@ -42,8 +42,8 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def matmuls(x: np.ndarray, ws: list) -> list[np.ndarray]:
     """``[matmul(x, W) for W in ws]``, with the weights ggml holds in the memory map multiplied in
-    one ggml graph (:func:`~p2pswarm.engine.ggml_dense.fused_matmuls`; same bits as one by one)."""
-    from p2pswarm.engine.ggml_dense import QuantisedMatrix, fused_matmuls  # optional kernel
+    one ggml graph (:func:`~p2pswarm.engine.ggml.dense.fused_matmuls`; same bits as one by one)."""
+    from p2pswarm.engine.ggml.dense import QuantisedMatrix, fused_matmuls  # optional kernel
 
     out: list = [None] * len(ws)
     by_runner: dict[int, list[int]] = {}
@@ -149,7 +149,7 @@ def swiglu_expert(x: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: n
     Weights ggml holds in the memory map run as one ggml graph with ggml's SwiGLU (llama.cpp's
     numerics, as the routed experts already are); float32 arrays are multiplied here."""
     if type(w_gate).__name__ == "QuantisedMatrix":
-        from p2pswarm.engine.ggml_dense import fused_swiglu  # optional kernel
+        from p2pswarm.engine.ggml.dense import fused_swiglu  # optional kernel
 
         got = fused_swiglu(x, w_gate, w_up, w_down)
         if got is not None:

@@ -17,7 +17,7 @@ class KVCache:
     Keys are ``k`` (capacity, Hkv, hd); values are stored transposed, ``vt`` (Hkv, hd, capacity),
     with ``v`` the (capacity, Hkv, hd) view of them. Both sit on 64-byte aligned memory: ggml wraps
     them in place (``ggml_backend_cpu_buffer_from_ptr`` wants 32), so the ggml kernel's attention
-    graph (:mod:`p2pswarm.engine.ggml_attention`) writes a step's new keys and values straight into
+    graph (:mod:`p2pswarm.engine.ggml.attention`) writes a step's new keys and values straight into
     the cache and reads the whole cache from there, with no copy either way. Values transposed are
     what ``V^T @ softmax(K q)`` multiplies (one row per value dimension, positions contiguous), as
     llama.cpp keeps them without flash attention; numpy's attention reads the view."""
@@ -80,15 +80,15 @@ class SequenceState:
     #: remote worker peer id -> the first position whose computation used that worker's unverified
     #: outputs (sampled verification checked none of them). If the worker is banned later, every
     #: position from there on is suspect; earlier ones are not (the model is causal): the
-    #: scheduler rewinds the sequence to there (p2pswarm.backbone.scheduler, "Replay on ban").
+    #: scheduler rewinds the sequence to there (p2pswarm.backbone.serving.scheduler, "Replay on ban").
     taint: dict[str, int] = field(default_factory=dict)
     #: after a verification step (speculative decoding): layer -> one checkpoint of that layer's
     #: state after each verified position, so that the positions not accepted can be dropped
-    #: (:meth:`p2pswarm.backbone.runner.Backbone.keep_positions`); empty otherwise
+    #: (:meth:`p2pswarm.backbone.serving.runner.Backbone.keep_positions`); empty otherwise
     checkpoints: dict[int, list] = field(default_factory=dict)
     verified: int = 0  # positions the last verification step fed (their checkpoints above)
     #: ``--speculate mtp`` only: the trunk's hidden states the MTP block has not read yet
-    #: (:class:`p2pswarm.backbone.mtp.HiddenRows`) and the block's own state (``MtpState``)
+    #: (:class:`p2pswarm.backbone.serving.mtp.HiddenRows`) and the block's own state (``MtpState``)
     hidden: Any = None
     mtp: Any = None
 

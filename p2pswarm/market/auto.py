@@ -4,19 +4,19 @@ Every ``period_s`` (jittered +-25 %, so workers started together drift apart) th
 
 1. reads every backbone's demand record through the DHT (:func:`p2pswarm.market.demand.find_demand`)
    and sums their per-unit demand for its model (``--model``, or the model most backbones serve);
-2. reads coverage exactly as a backbone does (:class:`p2pswarm.net.coverage.CoverageResolver`): a
+2. reads coverage exactly as a backbone does (:class:`p2pswarm.net.dht.coverage.CoverageResolver`): a
    unit's live replicas are the distinct peers whose signed, unexpired node record covers every
    expert of it - a killed worker drops out when its record expires (``--ttl``, 60 s by default);
 3. calls :func:`p2pswarm.market.enrol.choose_units` with its ``--memory`` budget and the units it
    holds (the same function ``bench/market_sim.py`` drives);
-4. downloads each new unit as its own slice (:func:`p2pswarm.net.shard_transfer.fetch_slice_from_swarm`:
+4. downloads each new unit as its own slice (:func:`p2pswarm.net.shards.transfer.fetch_slice_from_swarm`:
    only that unit's bytes, verified against the manifest of a ``--trust-issuer``), loads it, serves
    it, and publishes a new node record listing every held unit as a shard (several, not
    necessarily contiguous). A dropped unit leaves the record at once but is served one more period
    (backbones still holding the old record get answers, not refusals), then unloaded and deleted.
 
 The backbone needs nothing new: it finds the units in the DHT like any worker's, and picks among
-replicas by load and measured round trip (:class:`p2pswarm.backbone.libp2p_owner.SwarmOwners`).
+replicas by load and measured round trip (:class:`p2pswarm.backbone.owners.libp2p_owner.SwarmOwners`).
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ from p2pswarm.errors import SwarmError, UserError
 from p2pswarm.market.demand import DemandRecord, find_demand
 from p2pswarm.market.enrol import DEFAULT_HYSTERESIS, Enrolment, choose_units
 from p2pswarm.market.reward import backbone_demand
-from p2pswarm.net.records import MAX_SHARDS, CoverageUnit, ShardEntry
+from p2pswarm.net.signed.records import MAX_SHARDS, CoverageUnit, ShardEntry
 
 if TYPE_CHECKING:  # both import py-libp2p (~0.8 s): loaded when a worker enrols, not with this module
-    from p2pswarm.net.shard_server import ShardFiles
-    from p2pswarm.net.advertiser import ShardAdvertiser
-    from p2pswarm.net.coverage import CoverageResolver
+    from p2pswarm.net.shards.server import ShardFiles
+    from p2pswarm.net.dht.advertiser import ShardAdvertiser
+    from p2pswarm.net.dht.coverage import CoverageResolver
 
 log = logging.getLogger("p2pswarm.market")
 
@@ -69,7 +69,7 @@ def aggregate(records: list[DemandRecord], model: str | None) -> tuple[DemandRec
 
 
 def lazy_resolver(dht, **kw):
-    """A :class:`~p2pswarm.net.coverage.CoverageResolver` that re-reads a known peer's node record only
+    """A :class:`~p2pswarm.net.dht.coverage.CoverageResolver` that re-reads a known peer's node record only
     once the copy it holds has expired (or the peer is suspect), not at every refresh.
 
     Why: a backbone re-reads every record each refresh to see withdrawals and new addresses at
@@ -77,7 +77,7 @@ def lazy_resolver(dht, **kw):
     expires whichever way it is read - so liveness is the same (one TTL), while the DHT load of a
     crowd of workers each re-reading every other worker's record every period is not (30 workers on
     two cores saturated them). A clean withdrawal shows within one TTL instead of at once."""
-    from p2pswarm.net.coverage import CoverageResolver
+    from p2pswarm.net.dht.coverage import CoverageResolver
 
     class LazyResolver(CoverageResolver):
         async def _fetch_record(self, peer: str):
@@ -204,7 +204,7 @@ class AutoWorker:
                 / f"{geo.model[:16]}-L{unit.layer}-E{e.start}-{stop - 1}.gguf")
 
     async def _download(self, index: int) -> tuple[ShardEntry, Path, object]:
-        from p2pswarm.net.shard_transfer import fetch_slice_from_swarm
+        from p2pswarm.net.shards.transfer import fetch_slice_from_swarm
 
         unit = self.units[index]
         out = self._path(unit)
@@ -227,7 +227,7 @@ class AutoWorker:
         again here, and the source header), like a worker that downloaded its one slice does."""
         if self.shard_files is None:
             return
-        from p2pswarm.net.shard_server import load_source_sidecar
+        from p2pswarm.net.shards.server import load_source_sidecar
 
         try:
             manifest, header = load_source_sidecar(shard)
@@ -296,7 +296,7 @@ class AutoWorker:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Enrol now (``task_status.started()`` once serving at least one unit), then re-evaluate
         every period; the node record is re-published every third of its TTL meanwhile."""
-        from p2pswarm.net.advertiser import ShardAdvertiser
+        from p2pswarm.net.dht.advertiser import ShardAdvertiser
 
         geo, _ = await self._demand()
         self._setup(geo)

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
-from p2pswarm.net.signed import SignedError, field_int, field_str, open_sealed, seal
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import NAMESPACE, RecordError
+from p2pswarm.net.signed.envelope import SignedError, field_int, field_str, open_sealed, seal
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import NAMESPACE, RecordError
 
 if TYPE_CHECKING:  # for the annotation only: the async methods import trio where they run
     import trio
@@ -135,7 +135,7 @@ class BanValidator:
 class BanKeeper:
     """A backbone's bans: the ones it issues (published to the DHT, re-published while it runs) and
     the ones it honours (its own and those of ``trusted`` backbones), applied to ``bans`` (the
-    dispatcher's ban list, p2pswarm.backbone.dispatch_verify.Bans: ``ban(peer, reason)``)."""
+    dispatcher's ban list, p2pswarm.backbone.dispatch.verify.Bans: ``ban(peer, reason)``)."""
 
     def __init__(self, identity: Identity, model: str, bans, *, dht=None, trusted=(), ledger=None,
                  refresh_s: float = 30.0, republish_s: float = 6 * 3600.0):

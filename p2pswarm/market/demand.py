@@ -5,7 +5,7 @@ Each backbone publishes one record for the model it serves, under ``/p2pswarm/de
 and *provides* :data:`MARKET_KEY`, the one well-known key through which a worker started with
 ``--auto`` and no model finds every backbone's record. The record carries, per coverage unit
 (layer-major, block-minor), the backbone's decayed routing count
-(:class:`p2pswarm.backbone.dispatch.DemandCounter`: rows routed to the unit's experts, half-life
+(:class:`p2pswarm.backbone.dispatch.dispatcher.DemandCounter`: rows routed to the unit's experts, half-life
 60 s), and the geometry a worker needs to enrol without downloading anything first: the model
 fingerprint, its expert layers, experts per layer, block size, and bytes of one unit per layer.
 
@@ -34,8 +34,8 @@ import msgpack
 import numpy as np
 
 from p2pswarm.errors import UserError
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import newest_index, open_signed
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import newest_index, open_signed
 
 log = logging.getLogger("p2pswarm.market")
 
@@ -319,7 +319,7 @@ class DemandPublisher:
     async def run(self, *, task_status=None) -> None:
         import trio
 
-        from p2pswarm.net.addrs import error_reason
+        from p2pswarm.net.libp2p.addrs import error_reason
 
         first = True
         while True:

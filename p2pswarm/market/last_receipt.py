@@ -23,8 +23,8 @@ import logging
 import trio
 
 from p2pswarm.errors import SwarmError, clip
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 
 log = logging.getLogger("p2pswarm.market")
 

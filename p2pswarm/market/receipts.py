@@ -28,8 +28,8 @@ from typing import cast
 from pathlib import Path
 
 from p2pswarm import settings
-from p2pswarm.net.signed import SignedError, field_int, field_str, open_sealed, seal
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.signed.envelope import SignedError, field_int, field_str, open_sealed, seal
+from p2pswarm.net.signed.identity import Identity
 
 log = logging.getLogger("p2pswarm.market")
 

@@ -1,4 +1,4 @@
-"""The swarm's DHT: the network layer's Kademlia (:func:`p2pswarm.net.kademlia.open_dht`) given
+"""The swarm's DHT: the network layer's Kademlia (:func:`p2pswarm.net.dht.kademlia.open_dht`) given
 every signed record kind the swarm stores.
 
 Why here: the DHT stores node records itself and takes every other record kind at construction,
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from p2pswarm.market.bans import BAN_PREFIX, BanValidator
 from p2pswarm.market.demand import DEMAND_PREFIX, DemandValidator
-from p2pswarm.net import kademlia
-from p2pswarm.net.host import NetHost
-from p2pswarm.net.records import RecordKind
+from p2pswarm.net.dht import kademlia
+from p2pswarm.net.libp2p.host import NetHost
+from p2pswarm.net.signed.records import RecordKind
 
 
 def record_kinds() -> dict[str, RecordKind]:
@@ -24,7 +24,7 @@ def record_kinds() -> dict[str, RecordKind]:
 
 
 def open_dht(net: NetHost, **options):
-    """:func:`p2pswarm.net.kademlia.open_dht` (``options``: ``server``, ``bootstrap``, ...) with
+    """:func:`p2pswarm.net.dht.kademlia.open_dht` (``options``: ``server``, ``bootstrap``, ...) with
     the swarm's record kinds; an async context manager yielding the
-    :class:`~p2pswarm.net.kademlia.SwarmDHT`."""
+    :class:`~p2pswarm.net.dht.kademlia.SwarmDHT`."""
     return kademlia.open_dht(net, kinds=record_kinds(), **options)

@@ -31,7 +31,7 @@ used as they came (that is what sampling means: at r = 1 nothing wrong is ever u
 
 Replay on ban makes the outputs exact anyway: every sequence records the first position computed
 from a worker's unverified rows, and when that worker is banned, the sequences still running that
-used them are rewound to there and recomputed (p2pswarm.backbone.scheduler, docs/market.md). Only a
+used them are rewound to there and recomputed (p2pswarm.backbone.serving.scheduler, docs/market.md). Only a
 sequence that had already *finished* cannot be fixed: it is logged (request id, worker) and counted
 (/health ``replays.finished_unfixable``).
 

@@ -140,7 +140,7 @@ class ModelManifest:
                              use_bin_type=True)
 
     def sign(self, issuer) -> ModelManifest:
-        """Signed by ``issuer`` (a :class:`p2pswarm.net.identity.Identity`)."""
+        """Signed by ``issuer`` (a :class:`p2pswarm.net.signed.identity.Identity`)."""
         unsigned = ModelManifest(**{**self.__dict__, "issuer": issuer.peer_id_str, "signature": b"", "body": b""})
         body = unsigned._body()
         return ModelManifest(**{**unsigned.__dict__, "signature": issuer.sign(MANIFEST_DOMAIN + body), "body": body})

@@ -337,7 +337,7 @@ def plan_backbone(layout: ModelLayout, fingerprint: str, source_header: bytes
                   ) -> tuple[GGUFLayout, list[list[tuple[int, int]]]]:
     """The backbone file's layout (every tensor but the routed experts, all metadata) and, per
     tensor, its source byte ranges. Shared by :func:`slice_backbone` and the backbone's download
-    of its slice (``p2pswarm/net/backbone_fetch.py``), which plans from the source header alone,
+    of its slice (``p2pswarm/net/shards/backbone_fetch.py``), which plans from the source header alone,
     so both write the same bytes."""
     g = GGUFLayout(_alignment(layout))
     for raw in _copied_fields(layout, lambda k: True):

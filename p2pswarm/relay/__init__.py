@@ -2,7 +2,7 @@
 settings (:mod:`.config`: the TOML file) and its Prometheus metrics (:mod:`.metrics`).
 
 The client side, which every node may need (a worker's reservation keeper, relay discovery, the
-token protocol), lives in the network layer (:mod:`p2pswarm.net.relay_client`,
-:mod:`p2pswarm.net.relay_discovery`, :mod:`p2pswarm.net.relay_token`); nothing imports this
+token protocol), lives in the network layer (:mod:`p2pswarm.net.libp2p.relay_client`,
+:mod:`p2pswarm.net.libp2p.relay_discovery`, :mod:`p2pswarm.net.libp2p.relay_token`); nothing imports this
 package but the ``relay`` command. Deploying it: relay/README.md and docs/deploy.md.
 """

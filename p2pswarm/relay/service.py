@@ -51,9 +51,9 @@ from starlette.routing import Route
 from p2pswarm.errors import FrameError, UserError, clip
 from p2pswarm.http_server import serve_asgi
 from p2pswarm.lifecycle import until_signal
-from p2pswarm.net.framing import FrameReader, send_frame
-from p2pswarm.net.relay_discovery import advertise_relay
-from p2pswarm.net.relay_token import MAX_TOKEN_FRAME, PROTOCOL_TOKEN, TOKEN_TIMEOUT_S
+from p2pswarm.net.wire.framing import FrameReader, send_frame
+from p2pswarm.net.libp2p.relay_discovery import advertise_relay
+from p2pswarm.net.libp2p.relay_token import MAX_TOKEN_FRAME, PROTOCOL_TOKEN, TOKEN_TIMEOUT_S
 from p2pswarm.relay.config import RelaySettings
 from p2pswarm.relay.metrics import relay_metrics
 
@@ -269,8 +269,8 @@ async def _reset(*streams) -> None:
 
 
 def token_handler(hop: GatedHop):
-    """Serves ``/p2pswarm/token/1.0.0`` (see p2pswarm.net.relay_token)."""
-    from p2pswarm.net.tokens import TokenError
+    """Serves ``/p2pswarm/token/1.0.0`` (see p2pswarm.net.libp2p.relay_token)."""
+    from p2pswarm.net.signed.tokens import TokenError
 
     async def handle(stream) -> None:
         peer = stream.peer_id.to_base58()
@@ -367,14 +367,14 @@ async def serve_health(app, host: str, port: int, *, task_status=trio.TASK_STATU
 async def run_relay(settings: RelaySettings) -> None:
     """Run until SIGINT/SIGTERM. Prints ``READY <first full address> health=<url|off>``."""
     from p2pswarm.market.swarm_dht import open_dht
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import default_identity_path, load_or_create_identity
-    from p2pswarm.net.libp2p_host_patches import DEFAULT_MAX_CONNECTIONS
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import default_identity_path, load_or_create_identity
+    from p2pswarm.net.libp2p.host_patches import DEFAULT_MAX_CONNECTIONS
 
     gate = None
     if settings.trust_issuer:
         from p2pswarm.signatures import peer_public_key
-        from p2pswarm.net.tokens import TokenGate
+        from p2pswarm.net.signed.tokens import TokenGate
 
         for issuer in settings.trust_issuer:
             try:
@@ -382,7 +382,7 @@ async def run_relay(settings: RelaySettings) -> None:
             except UserError:
                 raise UserError(f"--trust-issuer {issuer[:60]!r} is not an Ed25519 peer id") from None
         gate = TokenGate(settings.trust_issuer, what="relay")
-    from p2pswarm.net.addrs import check_listen_addrs, parse_multiaddr
+    from p2pswarm.net.libp2p.addrs import check_listen_addrs, parse_multiaddr
 
     # bad addresses are refused before anything is created on disk
     check_listen_addrs([parse_multiaddr(a, "listen address") for a in settings.listen], tls=bool(settings.tls_cert))
@@ -419,7 +419,7 @@ async def run_relay(settings: RelaySettings) -> None:
                          "open" if gate is None else f"tokens of {len(settings.trust_issuer)} issuer(s)", url,
                          settings.max_reservations, settings.max_circuits)
                 nursery.start_soon(_report, net, hop, dht)
-                nursery.start_soon(advertise_relay, dht)  # how workers find this relay (p2pswarm/net/relay_discovery.py)
+                nursery.start_soon(advertise_relay, dht)  # how workers find this relay (p2pswarm/net/libp2p/relay_discovery.py)
                 await until_signal(nursery.cancel_scope,
                                    ready=f"READY {addrs[0] if addrs else net.peer_id_str} health={url}")
     log.info("relay stopped")

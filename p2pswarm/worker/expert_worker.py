@@ -16,8 +16,8 @@ import numpy as np
 
 from p2pswarm import settings
 from p2pswarm.engine.kernels import answer_families, family, kernel_id, make_bank, portable_family
-from p2pswarm.engine.portable_kernel import PortableExpertBank
-from p2pswarm.engine.portable_kernel import refusal as portable_refusal
+from p2pswarm.engine.experts.portable_kernel import PortableExpertBank
+from p2pswarm.engine.experts.portable_kernel import refusal as portable_refusal
 from p2pswarm.errors import UserError
 from p2pswarm.model.layout import ModelLayout, shard_hash
 from p2pswarm.model.manifest import source_fingerprint
@@ -110,7 +110,7 @@ class ExpertWorker:
 
     def input_forms(self) -> list[str]:
         """The input forms (besides float32) this worker's own kernel takes rows in
-        (p2pswarm.engine.ggml_inputs: the bytes ggml would make of float32 rows anyway)."""
+        (p2pswarm.engine.ggml.inputs: the bytes ggml would make of float32 rows anyway)."""
         forms = getattr(self.bank, "input_forms", None)
         return forms() if forms is not None else []
 

@@ -2,7 +2,7 @@
 
 Why: a worker that backbones do not use (its kernel family, block size or protocol is not theirs,
 or it is banned) used to look exactly like a working one, "serving" for ever. The backbones now
-say why (p2pswarm/backbone/refusal_notice.py); this endpoint shows it beside what was served:
+say why (p2pswarm/backbone/sessions/refusal_notice.py); this endpoint shows it beside what was served:
 ``status`` is ``serving`` (no backbone refused it), ``refused`` (every backbone that spoke to it
 refused it) or ``partly refused``. ``wire``: the bytes received from and sent to backbones (what a
 capped upload is spent on; the same counts as the stop log's).
@@ -23,7 +23,7 @@ def worker_health(peer_id: str, stats, shards: list[str], dht=None) -> dict:
     refused = dict(stats.refused_by)
     users = set(stats.peers) - set(refused)
     status = "serving" if not refused else ("partly refused" if users else "refused")
-    w = stats.wire  # every connection's bytes, as the frames met the transport (p2pswarm.net.wire_bytes)
+    w = stats.wire  # every connection's bytes, as the frames met the transport (p2pswarm.net.wire.counting)
     total = w.sent + w.received
     return {"status": status, "peer_id": peer_id, "shards": shards, "requests": stats.requests, "rows": stats.rows,
             "backbones_served": len(stats.peers), "refused_by": refused,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2pswarm.errors import FrameError, UserError
-from p2pswarm.net.framing import DEFAULT_MAX_FRAME
+from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME
 
 
 @dataclass(frozen=True)

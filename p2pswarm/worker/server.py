@@ -3,7 +3,7 @@
 One connection (or libp2p stream) carries a handshake, then any number of requests answered in
 order. :func:`handle_connection` is transport-agnostic: it needs only ``receive_some``,
 ``send_all``, ``send_eof`` and ``aclose`` (a trio TCP stream, or
-:class:`p2pswarm.net.stream.StreamAdapter` over a libp2p stream). The math of a request measured to
+:class:`p2pswarm.net.libp2p.stream.StreamAdapter` over a libp2p stream). The math of a request measured to
 take more than ``$P2PSWARM_INLINE_MS`` (1.5 ms) runs in a thread (``trio.to_thread``) so the event
 loop keeps other connections flowing; a smaller one (a decode step's few rows) runs inline, because
 the thread hop costs more than the work (:mod:`p2pswarm.offload`). A malformed or oversized
@@ -19,10 +19,10 @@ import trio
 
 from p2pswarm.engine import kernels
 from p2pswarm.errors import FrameError, SwarmError, clip
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net import wire_codec
-from p2pswarm.net.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.wire_bytes import CountingStream, WireBytes
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.wire import codec as wire_codec
+from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
+from p2pswarm.net.wire.counting import CountingStream, WireBytes
 from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 from p2pswarm.worker.peer_limits import PeerBudget, PeerLimits
 
@@ -37,7 +37,7 @@ class ServeStats:
     rows: int = 0
     refused: int = 0
     peers: set = field(default_factory=set)
-    #: bytes received from / sent to backbones, every connection (p2pswarm.net.wire_bytes)
+    #: bytes received from / sent to backbones, every connection (p2pswarm.net.wire.counting)
     wire: WireBytes = field(default_factory=WireBytes)
     # backbone peer -> why it does not use this worker (its ``refused`` notice; /health shows it)
     refused_by: dict = field(default_factory=dict)
@@ -78,7 +78,7 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
     shards (``node --auto``): shard hash -> worker, read at each hello (so shards can come and go);
     the peer's hello names the shard it wants, and the stream is served by that worker.
     ``receipts``: a :class:`p2pswarm.market.receipts.ReceiptStore` keeping the contribution
-    receipts backbones send. ``direct``: a :class:`p2pswarm.net.direct.DirectLane`: a hello that
+    receipts backbones send. ``direct``: a :class:`p2pswarm.net.wire.direct.DirectLane`: a hello that
     asks for it (on this authenticated stream) gets a ticket for a direct connection, served by
     this same function as the same peer. ``budget``: the per-peer caps (streams, bytes in flight)
     shared by all of this worker's streams; None: none."""
@@ -223,7 +223,7 @@ def _note_refusal(peer: str, reason: object, stats: ServeStats | None) -> None:
 
 async def _store_receipt(msg: dict, rid: int | None, peer: str, receipts) -> bytes:
     """The reply to a ``receipt`` op: stored (durably, before we say so) or why not."""
-    from p2pswarm.net.signed import SignedError  # only workers that keep receipts need it
+    from p2pswarm.net.signed.envelope import SignedError  # only workers that keep receipts need it
 
     if receipts is None:
         return proto.error_to_wire(rid, "this worker keeps no receipts")
@@ -297,7 +297,7 @@ def serve_libp2p_shards(net, shards: dict[str, ExpertWorker], *, max_frame: int 
 def serve_libp2p(net, worker: ExpertWorker, *, max_frame: int = DEFAULT_MAX_FRAME, shard: str | None = None,
                  stats: ServeStats | None = None, receipts=None, direct=None,
                  budget: PeerBudget | None = None) -> None:
-    """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.host.NetHost`
+    """Serve ``worker`` on ``/p2pswarm/expert/1.0.0`` of a running :class:`p2pswarm.net.libp2p.host.NetHost`
     (until the host closes, or ``net.remove_handler(PROTOCOL_EXPERT)``). Each stream is one
     connection of :func:`handle_connection`; ``budget`` caps what one peer holds (default
     :class:`PeerLimits`' defaults)."""

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.backbone.runner import combine, expert_groups
-from p2pswarm.backbone.session import open_backbone
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.runner import combine, expert_groups
+from p2pswarm.backbone.sessions.local import open_backbone
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 TOKENS = [5, 211, 37, 90, 14, 14, 14, 302, 8, 66, 129, 3, 250, 77, 41, 19, 180, 222, 6, 51, 97, 140, 12, 260,
           33, 71, 2, 118, 199, 45, 88, 301]

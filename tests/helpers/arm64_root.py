@@ -181,8 +181,8 @@ def ensure_root(log=print) -> Path:
 
 
 def cross_compile_portable(out: Path) -> Path:
-    """Cross-compile p2pswarm/engine/portable_kernel.c for aarch64 into ``out`` (a .so path)."""
-    from p2pswarm.engine import portable_kernel as pk
+    """Cross-compile p2pswarm/engine/experts/portable_kernel.c for aarch64 into ``out`` (a .so path)."""
+    from p2pswarm.engine.experts import portable_kernel as pk
 
     cmd = ["aarch64-linux-gnu-gcc", *pk.CFLAGS, "-march=armv8-a", str(pk.C_SOURCE), "-o", str(out), "-lm"]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -326,8 +326,8 @@ def main(argv=None) -> int:
             t0 = time.monotonic()
             r = run_in_root(root, ["/usr/bin/python3", "-c",
                                    "import platform, numpy, libp2p, trio, gguf, p2pswarm.cli; "
-                                   "from p2pswarm.engine import portable_kernel as pk; "
-                                   "from p2pswarm.engine.ggml_kernel import load_libggml; "
+                                   "from p2pswarm.engine.experts import portable_kernel as pk; "
+                                   "from p2pswarm.engine.ggml.lib import load_libggml; "
                                    "print(platform.machine(), numpy.__version__, pk.load_native().path, "
                                    "load_libggml().kernel_id)"],
                             pythonpath=pp, env={"P2PSWARM_GGML_LIB": str(ggml)}, capture_output=True, text=True)

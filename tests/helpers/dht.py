@@ -6,10 +6,10 @@ from contextlib import asynccontextmanager
 import trio
 
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.host import open_host
-from p2pswarm.net.advertiser import ShardAdvertiser
-from p2pswarm.net.coverage import CoverageResolver
-from p2pswarm.net.identity import Identity
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.dht.advertiser import ShardAdvertiser
+from p2pswarm.net.dht.coverage import CoverageResolver
+from p2pswarm.net.signed.identity import Identity
 
 MODEL = "ab" * 32  # the model key the DHT tests advertise and resolve
 OTHER_MODEL = "ef" * 32

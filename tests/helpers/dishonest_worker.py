@@ -18,12 +18,12 @@ import numpy as np
 import trio
 
 from p2pswarm.market.receipts import ReceiptStore
-from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.advertiser import ShardAdvertiser
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import load_or_create_identity
-from p2pswarm.net.records import ShardEntry
+from p2pswarm.net.dht.advertiser import ShardAdvertiser
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import load_or_create_identity
+from p2pswarm.net.signed.records import ShardEntry
 from p2pswarm.worker.expert_worker import worker_shard_hash
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import ServeStats, serve_libp2p
@@ -62,8 +62,8 @@ async def main(args) -> None:
         receipts = ReceiptStore(args.receipts_dir, identity.peer_id_str)
         serve_libp2p(net, worker, stats=ServeStats(), receipts=receipts)
         if args.trust_issuer:  # its shard's slabs onwards, as a real worker does (they are honest bytes)
-            from p2pswarm.net.shard_server import ShardFiles, load_source_sidecar
-            from p2pswarm.net.tokens import TokenGate
+            from p2pswarm.net.shards.server import ShardFiles, load_source_sidecar
+            from p2pswarm.net.signed.tokens import TokenGate
 
             manifest, header = load_source_sidecar(args.shard)
             ShardFiles(net, TokenGate([args.trust_issuer], what="shard server")).add(args.shard, manifest, header)

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from p2pswarm.engine.kernels import make_bank
-    from p2pswarm.engine.portable_kernel import PortableExpertBank
+    from p2pswarm.engine.experts.portable_kernel import PortableExpertBank
     from p2pswarm.model.layout import ModelLayout
 
     layout = ModelLayout.open(args.model)

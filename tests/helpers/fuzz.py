@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 import trio
 
-from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.wire import expert_protocol as proto
 
 HEADER = struct.Struct("!Q")
 
@@ -222,7 +222,7 @@ class StormReport:
 
 
 async def _call(stream, reader, msg: dict) -> dict:
-    from p2pswarm.net.framing import send_frame
+    from p2pswarm.net.wire.framing import send_frame
 
     await send_frame(stream, msgpack.packb(msg, use_bin_type=True))
     return msgpack.unpackb(await reader.read_frame(), raw=False)
@@ -239,13 +239,13 @@ async def run_storm(model_path, workdir, env: dict, cases: int, *, concurrency: 
     from p2pswarm.model.layout import ModelLayout
     from p2pswarm.model.manifest import build_manifest, write_manifest
     from p2pswarm.model.slicer import slice_experts
-    from p2pswarm.net.framing import FrameReader
-    from p2pswarm.net.expert_protocol import PROTOCOL_EXPERT
-    from p2pswarm.net.host import open_host
-    from p2pswarm.net.identity import load_or_create_identity
-    from p2pswarm.net.shard_wire import PROTOCOL_SHARD
-    from p2pswarm.net.tokens import issue_token
-    from p2pswarm.net.relay_token import PROTOCOL_TOKEN
+    from p2pswarm.net.wire.framing import FrameReader
+    from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
+    from p2pswarm.net.libp2p.host import open_host
+    from p2pswarm.net.signed.identity import load_or_create_identity
+    from p2pswarm.net.shards.wire import PROTOCOL_SHARD
+    from p2pswarm.net.signed.tokens import issue_token
+    from p2pswarm.net.libp2p.relay_token import PROTOCOL_TOKEN
 
     from helpers.procs import Proc, start_relay
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from p2pswarm.engine import ggml_kernel as gk
+from p2pswarm.engine.ggml import lib as gk
 
 try:
     gk.load_libggml()

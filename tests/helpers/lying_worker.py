@@ -14,12 +14,12 @@ import sys
 
 import trio
 
-from p2pswarm.net import expert_protocol as proto
+from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.market.swarm_dht import open_dht
-from p2pswarm.net.advertiser import ShardAdvertiser
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import load_or_create_identity
-from p2pswarm.net.records import ShardEntry
+from p2pswarm.net.dht.advertiser import ShardAdvertiser
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import load_or_create_identity
+from p2pswarm.net.signed.records import ShardEntry
 from p2pswarm.worker.expert_worker import worker_shard_hash
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import ServeStats, serve_libp2p

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from p2pswarm.backbone.libp2p_owner import Libp2pOwner
-from p2pswarm.net import expert_protocol as proto
-from p2pswarm.net.coverage import OwnerInfo
-from p2pswarm.net.host import open_host
-from p2pswarm.net.identity import Identity
-from p2pswarm.net.records import NodeRecord, ShardEntry
+from p2pswarm.backbone.owners.libp2p_owner import Libp2pOwner
+from p2pswarm.net.wire import expert_protocol as proto
+from p2pswarm.net.dht.coverage import OwnerInfo
+from p2pswarm.net.libp2p.host import open_host
+from p2pswarm.net.signed.identity import Identity
+from p2pswarm.net.signed.records import NodeRecord, ShardEntry
 from p2pswarm.worker.expert_worker import worker_shard_hash
 from p2pswarm.worker.expert_worker import ExpertWorker
 from p2pswarm.worker.server import serve_libp2p

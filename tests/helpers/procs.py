@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from p2pswarm.net.identity import Identity, load_or_create_identity
+from p2pswarm.net.signed.identity import Identity, load_or_create_identity
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -127,9 +127,11 @@ def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, grace_s: float = 30
 
 def stop_all(procs: list[subprocess.Popen], sig=signal.SIGTERM, grace_s: float = 30) -> None:
     """:func:`stop_process` for many at once: ``sig`` to every one still running first, so they
-    shut down side by side, then wait for each (SIGKILL after ``grace_s``)."""
+    shut down side by side, then wait for each (SIGKILL after ``grace_s``). SIGCONT before ``sig``:
+    a stopped process (SIGSTOP, a test's hung worker) acts on it only once continued."""
     for p in procs:
         if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
             p.send_signal(sig)
     for p in procs:
         stop_process(p, sig, grace_s)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from p2pswarm import cli
-from p2pswarm.net.advertiser import ShardAdvertiser
+from p2pswarm.net.dht.advertiser import ShardAdvertiser
 
 
 def main(argv: list[str]) -> int:

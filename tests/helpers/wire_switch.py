@@ -6,7 +6,7 @@ owners and of the bytes."""
 from __future__ import annotations
 
 import numpy as np
-from p2pswarm.backbone.generate import sequence_logits
+from p2pswarm.backbone.serving.generate import sequence_logits
 
 TOKENS = [17, 3, 250, 99, 4, 4, 301, 12]
 
@@ -15,7 +15,7 @@ async def wire_by_switch(path, var: str, monkeypatch, check) -> dict[str, tuple[
     """Two worker processes over sockets, with ``var`` on then off: the logits (prefill and decode)
     equal the monolithic run's and no group fell back to the backbone; ``check(swarm, on)`` runs
     after them (the owners have said hello by then). Returns switch -> (bytes sent, received)."""
-    from p2pswarm.backbone.session import open_backbone
+    from p2pswarm.backbone.sessions.local import open_backbone
 
     async with open_backbone(path) as mono:
         want = await sequence_logits(mono.backbone, TOKENS)

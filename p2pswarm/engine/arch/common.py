@@ -16,7 +16,7 @@ import numpy as np
 from p2pswarm.contracts import LayerIn
 from p2pswarm.engine import ops
 from p2pswarm.engine.backend import DenseBackend
-from p2pswarm.engine.ggml_dense import QuantisedMatrix
+from p2pswarm.engine.ggml.dense import QuantisedMatrix
 from p2pswarm.engine.weights import to_float32
 from p2pswarm.errors import ModelFormatError, UserError
 from p2pswarm.model.layout import ModelLayout

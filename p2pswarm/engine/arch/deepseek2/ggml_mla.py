@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_dense import GgmlDense, QuantisedMatrix
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES
-from p2pswarm.engine.ggml_runner import _i32_view, f32_view
+from p2pswarm.engine.ggml.dense import GgmlDense, QuantisedMatrix
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES
+from p2pswarm.engine.ggml.runner import _i32_view, f32_view
 from p2pswarm.engine.arch.deepseek2.mla import YARN_BETA_FAST, YARN_BETA_SLOW
 
 
@@ -129,7 +129,7 @@ def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
     a decode step copies nothing of it, and its graph (one row per sequence) is kept and run again
     while the caches' memory and spans repeat. Positions past a sequence's end are masked to -inf:
     a softmax weight of exactly 0 times a finite (zero or stale) cache value adds exact zeros."""
-    from p2pswarm.engine.ggml_attention import kv_span  # one padding rule for both
+    from p2pswarm.engine.ggml.attention import kv_span  # one padding rule for both
 
     dense = model.backend.ggml
     runner = dense.runner

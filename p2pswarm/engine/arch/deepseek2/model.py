@@ -26,7 +26,8 @@ import numpy as np
 
 import p2pswarm.engine.arch.deepseek2.ggml_mla as ggml_mla  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.deepseek2.mla as mla
-from p2pswarm.engine import ggml_attention, ops
+from p2pswarm.engine.ggml import attention as ggml_attention
+from p2pswarm.engine import ops
 from p2pswarm.engine.arch.common import DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error, number_reader
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.backend import NUMPY, DenseBackend
@@ -114,7 +115,7 @@ class DeepSeek2(TokenEnds, LayerByPieces):
 
     def layer_tensors(self, il: int) -> list[tuple[str, tuple[int, ...]]]:
         """The tensors layer ``il`` reads, with their shapes (numpy order): the trunk's layers and
-        the MTP block's (:mod:`p2pswarm.backbone.mtp`) alike; a dense/MoE mismatch is one line."""
+        the MTP block's (:mod:`p2pswarm.backbone.serving.mtp`) alike; a dense/MoE mismatch is one line."""
         E, H = self.n_embd, self.n_head
         Rq, Rkv, rope, nope, v = self.q_lora_rank, self.kv_lora_rank, self.n_rot, self.n_nope, self.head_v
         p = f"blk.{il}."
@@ -194,7 +195,7 @@ class DeepSeek2(TokenEnds, LayerByPieces):
     def mla_rows(self, il: int, h: np.ndarray, caches: list[tuple[mla.LatentCache, int, int]]) -> np.ndarray:
         """h + MLA(attn_norm(h)) of layer ``il`` with numpy's ops, for ``(latent cache, pos0, n)``
         segments of rows: the trunk's path off the ggml kernel, and the MTP block's
-        (:mod:`p2pswarm.backbone.mtp`: its own cache, and a draft needs no bit-exactness)."""
+        (:mod:`p2pswarm.backbone.serving.mtp`: its own cache, and a draft needs no bit-exactness)."""
         w, p = self.w, f"blk.{il}."
         T, H, Rkv, rope, nope = h.shape[0], self.n_head, self.kv_lora_rank, self.n_rot, self.n_nope
         x = self._rms_norm(p + "attn_norm.weight", h)

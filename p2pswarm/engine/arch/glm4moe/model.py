@@ -22,7 +22,7 @@ NextN / MTP: GLM-4.5 files carry ``nextn_predict_layers`` (1) extra blocks after
 ``blk.{n_layer}.*``, with ``nextn.eh_proj``, ``nextn.enorm``, ``nextn.hnorm``, ``nextn.shared_head_norm``
 and a full MoE block. They serve speculative decoding (llama.cpp builds them in a separate MTP
 graph, never in the forward pass); the forward pass never runs them, ``--speculate mtp`` does
-(:mod:`p2pswarm.backbone.mtp`, on this model's weights, loaded when first read). Their routed-expert
+(:mod:`p2pswarm.backbone.serving.mtp`, on this model's weights, loaded when first read). Their routed-expert
 tensors are still listed by the layout, so a worker slicing "all layers" holds them (1/90 of the
 experts at GLM-4.5's geometry) though no request ever asks for them.
 """

@@ -1,5 +1,5 @@
 """gpt-oss's attention layer as ONE ggml graph (the ggml kernel), built from the shared pieces of
-:mod:`p2pswarm.engine.ggml_attention` (the cache attention, the layer runner, the experts' input):
+:mod:`p2pswarm.engine.ggml.attention` (the cache attention, the layer runner, the experts' input):
 see that module for the memory and batch-invariance rules both layer graphs keep."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 
-from p2pswarm.engine.ggml_attention import (PROJ, cache_attention, decode_key, ffn_input_nodes, layer_tensors,
+from p2pswarm.engine.ggml.attention import (PROJ, cache_attention, decode_key, ffn_input_nodes, layer_tensors,
                                             moe_input_floats, reserve_spans, run_layer)
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32
-from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32
+from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 
 GGML_ROPE_TYPE_NEOX = 2  # ggml.h: NEOX pairing (gpt-oss)
 #: gpt-oss's attention layer (after ``blk.N.``): projections, then the F32 vectors (q/k/v biases optional)
@@ -29,7 +29,7 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     it (``mul_mat`` + ``soft_max_ext`` with the causal mask, and with ``window`` the sliding-window
     mask, + the head's sink logit, ``ggml_soft_max_add_sinks``, + ``mul_mat``), attn_output plus
     its bias, the residual, post_attention_norm, and the router's logits (before its bias:
-    :func:`~p2pswarm.engine.ggml_attention.moe_inputs`). ``segs`` as :func:`~p2pswarm.engine.ggml_attention.cache_attention`'s; a
+    :func:`~p2pswarm.engine.ggml.attention.moe_inputs`). ``segs`` as :func:`~p2pswarm.engine.ggml.attention.cache_attention`'s; a
     sliding layer's cache may start after position 0 (``first``), which the mask accounts for.
     Why one graph: the per-piece path is ~10 graphs and numpy between them per decode step, and
     numpy's attention grows with the context on one core (see gptoss.py)."""

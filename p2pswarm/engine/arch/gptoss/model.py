@@ -19,7 +19,7 @@ llama.cpp's ``src/models/openai-moe.cpp`` and ``build_moe_ffn`` compute it):
 * The router has a bias and gates by *softmax over the selected top-k logits*
   (``SOFTMAX_WEIGHT``): top-k of the raw (biased) logits, then a softmax of those k.
 * The experts themselves (biases, the clamped SwiGLU ``swiglu_oai``) are the worker's: see
-  :mod:`p2pswarm.engine.expert_fn`.
+  :mod:`p2pswarm.engine.experts.expert_fn`.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ import math
 
 import numpy as np
 
-from p2pswarm.engine import ggml_attention, ops
+from p2pswarm.engine.ggml import attention as ggml_attention
+from p2pswarm.engine import ops
 from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds, check_tensors, model_error, number_reader
 from p2pswarm.engine.arch.gptoss.graph import sink_attention
 from p2pswarm.engine.backend import NUMPY, DenseBackend

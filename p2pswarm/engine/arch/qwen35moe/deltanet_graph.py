@@ -13,10 +13,10 @@ through numpy (the technique of :mod:`p2pswarm.engine.arch.qwen35moe.ggml_deltan
 and tensors are placed on them. Every op that mixes positions (conv, delta rule) runs per
 sequence; every other op works row by row, so a sequence's rows get the same bits alone or beside
 any others wherever the mat-muls are row-invariant (libggml's Q8_0; the backbone measures it,
-:func:`p2pswarm.backbone.runner.probe_dense_invariance`).
+:func:`p2pswarm.backbone.serving.runner.probe_dense_invariance`).
 
 The weights are ggml tensors on the memory map of the GGUF, made once per layer and kept: the
-quantised matrices are the :class:`~p2pswarm.engine.ggml_dense.QuantisedMatrix` tensors, the rest
+quantised matrices are the :class:`~p2pswarm.engine.ggml.dense.QuantisedMatrix` tensors, the rest
 (F32 norms, conv kernel, ``ssm_a``, ``ssm_dt``; F32/F16 matrices of an unquantised file) mapped
 the same way. Where the library lacks an op (an older libggml) or a tensor cannot be mapped,
 :func:`deltanet_layer_weights` says None and the caller keeps its per-piece numpy path.
@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_attention import moe_input_floats, moe_inputs
-from p2pswarm.engine.ggml_dense import QuantisedMatrix
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32
-from p2pswarm.engine.ggml_runner import f32_view
+from p2pswarm.engine.ggml.attention import moe_input_floats, moe_inputs
+from p2pswarm.engine.ggml.dense import QuantisedMatrix
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32
+from p2pswarm.engine.ggml.runner import f32_view
 from p2pswarm.engine.state import aligned_zeros
 from p2pswarm.errors import ModelFormatError
 
 F32 = np.float32
 
-#: the ops of the DeltaNet layer graph; all of ggml >= 0.25 (``_OPTIONAL_SIG`` in ggml_kernel)
+#: the ops of the DeltaNet layer graph; all of ggml >= 0.25 (``_OPTIONAL_SIG`` in ggml/lib.py)
 DELTANET_OPS = ("rms_norm", "mul", "mul_inplace", "add_inplace", "sigmoid_inplace", "silu_inplace", "softplus_inplace",
                 "scale_inplace", "concat", "transpose", "ssm_conv", "cpy", "view_2d", "view_4d", "reshape_2d", "reshape_3d",
                 "gated_delta_net")
@@ -56,7 +56,7 @@ def _file_name(short: str) -> str:
 
 def deltanet_layer_weights(model, il: int) -> DeltaNetLayerWeights | None:
     """Layer ``il``'s tensors as ggml tensors, made on first use and kept on the model's
-    :class:`~p2pswarm.engine.ggml_dense.GgmlDense`; None where the one-graph layer cannot run
+    :class:`~p2pswarm.engine.ggml.dense.GgmlDense`; None where the one-graph layer cannot run
     (no ggml dense path, an op missing from the library, a tensor type ggml cannot map)."""
     dense = model.backend.ggml
     if dense is None:

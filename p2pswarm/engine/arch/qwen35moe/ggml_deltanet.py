@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GgmlUnavailable, _InitParams
-from p2pswarm.engine.ggml_runner import GgmlRunner, f32_view
-from p2pswarm.engine.ggml_runner import place_tensor as _place
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GgmlUnavailable, _InitParams
+from p2pswarm.engine.ggml.runner import GgmlRunner, f32_view
+from p2pswarm.engine.ggml.runner import place_tensor as _place
 
 F32 = np.float32
 

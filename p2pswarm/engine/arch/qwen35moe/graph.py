@@ -1,5 +1,5 @@
 """qwen35moe's gated attention layer as ONE ggml graph (the ggml kernel), built from the shared
-pieces of :mod:`p2pswarm.engine.ggml_attention` (the cache attention, the layer runner, the experts'
+pieces of :mod:`p2pswarm.engine.ggml.attention` (the cache attention, the layer runner, the experts'
 input): see that module for why one graph, and the memory and batch-invariance rules."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 
-from p2pswarm.engine.ggml_attention import (cache_attention, decode_key, ffn_input_nodes, layer_tensors,
+from p2pswarm.engine.ggml.attention import (cache_attention, decode_key, ffn_input_nodes, layer_tensors,
                                             moe_input_floats, reserve_spans, run_layer)
-from p2pswarm.engine.ggml_kernel import GGML_TYPE_F32, GGML_TYPE_I32
-from p2pswarm.engine.ggml_runner import GgmlRunner, _i32_view, f32_view
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32
+from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 
 GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qwen3.5), NEOX pairing
 
@@ -23,10 +23,10 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
     ``segs``: ``(kv, pos0, n)`` per sequence, in the order of ``h``'s rows (kv: its KVCache of this
     layer, updated: its ``n`` grows by the segment's rows). Returns the new h (T, E) float32, and
     with ``with_ffn_input`` also ``post_attention_norm(h)`` and what that feeds besides the routed
-    experts (:func:`~p2pswarm.engine.ggml_attention.moe_inputs`: ``{"logits", "shared"}``).
+    experts (:func:`~p2pswarm.engine.ggml.attention.moe_inputs`: ``{"logits", "shared"}``).
 
     A decode step's graph (one row per sequence) is kept and reused while the step's shape
-    repeats: its key is the rows, each cache's memory and capacity and its :func:`~p2pswarm.engine.ggml_attention.kv_span`. The
+    repeats: its key is the rows, each cache's memory and capacity and its :func:`~p2pswarm.engine.ggml.attention.kv_span`. The
     step's new keys and values go in by ``ggml_set_rows`` at positions that are input data (as
     llama.cpp writes its cache), not by copies onto views whose offsets would be part of the graph."""
     lib = runner.lib

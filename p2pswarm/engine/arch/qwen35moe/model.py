@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from p2pswarm.engine import ggml_attention, ggml_dense, ops
+from p2pswarm.engine.ggml import attention as ggml_attention, dense as ggml_dense
+from p2pswarm.engine import ops
 from p2pswarm.contracts import LayerIn
 from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds
 import p2pswarm.engine.arch.qwen35moe.deltanet as deltanet  # (not ``from``: the package imports this module)
@@ -293,7 +294,7 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
         positions in one call (consecutive one-row segments of one state: each position computed
         as a one-token decode step computes it, its state checkpointed after it): where the
         layer's ggml graph runs (:func:`~p2pswarm.engine.arch.qwen35moe.deltanet_graph.deltanet_pre_moe`'s stepped
-        segments; :class:`~p2pswarm.engine.ggml_attention.KVAhead`). Not on the numpy/portable
+        segments; :class:`~p2pswarm.engine.ggml.attention.KVAhead`). Not on the numpy/portable
         per-piece path: there a chunk's attention would multiply all its rows by the cache in one
         BLAS call (other bits than one row's) and its delta rule would take the chunked form, so
         the backbone verifies position by position there (``Backbone._pre_rounds``)."""
@@ -431,7 +432,7 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
 
     def route(self, il: int, cur: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The router's top-k (under the ggml kernel its F32 mat-mul is the op
-        :func:`~p2pswarm.engine.ggml_attention.moe_inputs` adds to the layer's graph: the same bits)."""
+        :func:`~p2pswarm.engine.ggml.attention.moe_inputs` adds to the layer's graph: the same bits)."""
         return self.route_logits(il, ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]))
 
     def route_logits(self, il: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,6 +1,6 @@
 """The dense path of ``qwen3moe``: everything of a layer except the routed experts.
 
-The backbone's layer loop (``p2pswarm.backbone.runner``) calls, per layer,
+The backbone's layer loop (``p2pswarm.backbone.serving.runner``) calls, per layer,
 ``lin = model.layer_in(il, h, segments)`` and, once the experts are combined,
 ``h = model.layer_out(il, lin, moe)``; here (:class:`~p2pswarm.engine.arch.common.LayerByPieces`)
 those are the pieces::

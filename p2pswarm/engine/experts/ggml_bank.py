@@ -1,0 +1,289 @@
+"""The ggml expert bank: a worker's (or the backbone's replica's) routed experts on the mapped bytes.
+
+Split from :mod:`p2pswarm.engine.ggml.lib` (which loads libggml, runs graphs and maps weights;
+see its docstring for the why of the whole kernel): this module is the MoE part, every group of a
+layer through one ``ggml_mul_mat_id`` per projection, as llama.cpp builds a MoE layer.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, cast
+
+import numpy as np
+
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32, WEIGHT_TYPES, GgmlLib, load_libggml
+from p2pswarm.engine.ggml.runner import GgmlRunner, _data, _i32_view, f32_view
+from p2pswarm.engine.experts import expert_fn
+from p2pswarm.engine.experts.numpy_bank import check_held
+from p2pswarm.engine.ggml.inputs import INPUT_FORMS, InputQuantiser, form_for
+from p2pswarm.engine.ggml.mapped_parts import map_layout
+from p2pswarm.errors import ModelFormatError, UserError
+
+
+def _u8_view(lib: GgmlLib, tensor, shape: tuple[int, int]) -> np.ndarray:
+    """A numpy view of a tensor's bytes as (rows, row bytes) (an input already in a quantised form)."""
+    buf = (ctypes.c_char * (shape[0] * shape[1])).from_address(_data(lib, tensor))
+    return np.frombuffer(cast(Any, buf), dtype=np.uint8).reshape(shape)  # (a ctypes array is a buffer)
+
+
+class GgmlExpertBank:
+    """Routed experts of some layers and an expert range, computed by ggml on the mapped bytes.
+
+    Implements :class:`p2pswarm.contracts.ExpertBank` (``forward``, ``forward_groups``,
+    ``holds``, ``kernel``), like the numpy and portable banks, so the worker, the dispatcher and the backbone's
+    fallback replica use either without knowing which. ``cache`` is None: nothing is dequantised.
+    """
+
+    cache = None
+
+    def __init__(self, layout, *, threads: int | None = None, lib: GgmlLib | None = None, graph_cache_bytes: int = 0,
+                 scratch_keep_bytes: int | None = None):
+        self.lib = lib or load_libggml()
+        self.kernel = self.lib.kernel_id
+        self.layout = layout
+        self.layers = frozenset(layout.expert_layers)
+        self.expert_begin = layout.expert_begin
+        self.expert_end = layout.expert_end
+        self.n_embd = int(layout.hparam("embedding_length", required=True))
+        # graph_cache_bytes: kept graphs of recurring request shapes (a decode step of one sequence
+        # sends the same number of rows every step): the backbone's replica keeps up to its
+        # P2PSWARM_GRAPH_CACHE_MB, a worker a small P2PSWARM_WORKER_GRAPH_CACHE_MB (GgmlRunner.graph)
+        # scratch_keep_bytes: the backbone's replica keeps a prefill's scratch (GgmlRunner), a worker 64 MB
+        self.runner = GgmlRunner(self.lib, threads, graph_cache_bytes=graph_cache_bytes,
+                                 keep_bytes=scratch_keep_bytes)
+        self.threads = self.runner.threads
+        self._mapped = map_layout(self.lib, layout)
+        self._experts: dict[tuple[int, int], tuple] = {}
+        self._layers: dict[int, tuple] = {}
+        self._check_types()
+        # gpt-oss: biases added by expert id (ggml_add_id) and ggml's swiglu_oai, as llama.cpp builds it
+        self.oai = expert_fn.activation(layout) == expert_fn.SWIGLU_OAI
+        if self.oai and (self.lib.add_id is None or self.lib.swiglu_oai is None):
+            raise ModelFormatError(f"{layout.path}: this libggml has no ggml_swiglu_oai/ggml_add_id, which "
+                                   f"{layout.arch} experts need (use a newer ggml or --kernel numpy)")
+        #: per layer, the form ggml turns this layer's expert inputs into (p2pswarm.engine.ggml.inputs)
+        self._forms = {layer: form_for(self.lib, [int(t[k].ggml_type) for k in (("gate_up",) if "gate_up" in t
+                                                                               else ("gate", "up"))], self.n_embd)
+                       for layer, t in layout.expert_tensors.items()}
+        self._quantise = InputQuantiser(self.lib)
+
+    def input_form(self, layer: int) -> str | None:
+        """The form this layer's input rows may arrive in instead of float32 (None: float32 only)."""
+        return self._forms.get(layer)
+
+    def input_forms(self) -> list[str]:
+        """Every form some layer held here takes (a worker's hello lists them)."""
+        return sorted({f for f in self._forms.values() if f is not None})
+
+    def quantise_input(self, layer: int, rows: np.ndarray) -> tuple[np.ndarray, str | None]:
+        """``rows`` as ggml would turn them into for ``layer``'s experts: (bytes, form), or the
+        float32 rows and None where the layer takes no other form."""
+        form = self._forms.get(layer)
+        return (rows, None) if form is None else (self._quantise(form, rows), form)
+
+    def _check_types(self) -> None:
+        for layer, tensors in self.layout.expert_tensors.items():
+            for kind, t in tensors.items():
+                if kind.endswith("_bias"):
+                    continue
+                if int(t.ggml_type) not in WEIGHT_TYPES:
+                    raise ModelFormatError(f"{t.name}: weight type {t.ggml_type.name} is not supported by the "
+                                           "ggml kernel")
+                rows, cols = t.shape[1], t.shape[2]
+                if int(self.lib.row_size(int(t.ggml_type), cols)) * rows != t.expert_nbytes:
+                    raise ModelFormatError(f"{t.name}: {t.expert_nbytes} bytes per expert do not match "
+                                           f"{t.ggml_type.name} {rows}x{cols}")
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return layer in self.layers and self.expert_begin <= expert < self.expert_end
+
+    def _tensors(self, layer: int, expert: int) -> tuple:
+        """(gate, up, down, n_ff, macs per row) ggml tensors of one expert; made once, no copy."""
+        key = (layer, expert)
+        got = self._experts.get(key)
+        if got is not None:
+            return got
+        check_held(self, layer, expert)
+        tensors = self.layout.expert_tensors[layer]
+        local = expert - self.expert_begin
+        m = self._mapped
+
+        def make(kind: str, row0: int = 0, rows: int | None = None):
+            t = tensors[kind]
+            off, _ = t.slab(local)
+            n_rows, n_cols = t.shape[1], t.shape[2]
+            rows = n_rows if rows is None else rows
+            row_bytes = int(self.lib.row_size(int(t.ggml_type), n_cols))
+            return m.tensor(int(t.ggml_type), n_cols, rows, off + row0 * row_bytes, f"{t.name}[{expert}]")
+
+        if "gate_up" in tensors:
+            ff = tensors["gate_up"].shape[1] // 2
+            gate, up = make("gate_up", 0, ff), make("gate_up", ff, ff)
+        else:
+            ff = tensors["gate"].shape[1]
+            gate, up = make("gate"), make("up")
+        down = make("down")
+        got = (gate, up, down, ff, 3 * ff * self.n_embd)
+        self._experts[key] = got
+        return got
+
+    def forward(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
+        """down(silu(gate x) * (up x)) for rows (n, n_embd) float32 -> (n, n_embd) float32."""
+        rows = np.asarray(rows, dtype=np.float32)
+        return self.forward_groups(layer, rows, [(expert, np.arange(rows.shape[0]))])[0]
+
+    def _layer(self, layer: int) -> tuple:
+        """(gate, up, down, ff) 3-D ggml tensors over every expert of ``layer`` held here (ne2 = the
+        local expert index, as llama.cpp's ``ffn_*_exps``): what ``ggml_mul_mat_id`` selects from.
+        Made once per layer, no copy; a fused gate_up is split into two strided views at graph time."""
+        got = self._layers.get(layer)
+        if got is not None:
+            return got
+        tensors = self.layout.expert_tensors[layer]
+        m = self._mapped
+
+        def make(kind: str):
+            t = tensors[kind]
+            off, _ = t.slab(0)
+            return m.tensor(int(t.ggml_type), t.shape[2], t.shape[1], off, f"{t.name}[{self.expert_begin}:]",
+                            ne2=t.n_expert)
+
+        if "gate_up" in tensors:
+            t = tensors["gate_up"]
+            ff = t.shape[1] // 2
+            row_bytes = int(self.lib.row_size(int(t.ggml_type), t.shape[2]))
+            fused = make("gate_up")
+            # (tensor, columns, rows, experts, bytes per row, bytes per expert, byte offset of row 0):
+            # viewed in each compute context (a view is a node of the graph that reads it)
+            gate = (fused, t.shape[2], ff, t.n_expert, row_bytes, t.expert_nbytes, 0)
+            up = (fused, t.shape[2], ff, t.n_expert, row_bytes, t.expert_nbytes, ff * row_bytes)
+        else:
+            ff = tensors["gate"].shape[1]
+            gate, up = make("gate"), make("up")
+        got = (gate, up, make("down"), ff, self._biases(layer) if self.oai else None)
+        self._layers[layer] = got
+        return got
+
+    def _biases(self, layer: int) -> tuple:
+        """(gate, up, down) bias rows of every expert of ``layer`` held here: 2-D F32 tensors over
+        the mapped bytes (one row per local expert) that ``ggml_add_id`` picks from."""
+        tensors = self.layout.expert_tensors[layer]
+        out = []
+        for kind in ("gate_bias", "up_bias", "down_bias"):
+            t = tensors.get(kind)
+            if t is None or int(t.ggml_type) != GGML_TYPE_F32:
+                raise ModelFormatError(f"{self.layout.path}: layer {layer} needs an F32 "
+                                       f"ffn_{kind[:-5]}_exps.bias for {self.layout.arch} experts")
+            off, _ = t.slab(0)
+            out.append(self._mapped.tensor(GGML_TYPE_F32, t.shape[1], t.n_expert, off,
+                                           f"{t.name}[{self.expert_begin}:]"))
+        return tuple(out)
+
+    def forward_groups(self, layer: int, rows: np.ndarray, groups: list[tuple[int, np.ndarray]],
+                       form: str | None = None) -> list[np.ndarray]:
+        """Every (expert, row indices) group of one layer: rows[idx] through that expert, in order.
+
+        One ggml graph, one ``ggml_mul_mat_id`` per projection for all groups (llama.cpp's
+        ``build_moe_ffn``): each (group, row) pair is one column of the batch with its local expert
+        id, so an expert's weights are streamed once per call however many groups share a request.
+
+        Why this is exact for split == monolithic: inside mul_mat_id every output element is one
+        dot product of a weight row with the row's own quantised activations, and the kernel is
+        chosen per expert from that expert's row count (the tiled GEMM from 8 rows, else vec_dot).
+        So a group's result depends only on its expert and its rows, never on the other groups of
+        the request nor the thread count; a worker computing the group alone gets the same bits.
+        That holds only while each expert appears once per call: two groups of one expert (the
+        batch-invariant scheduler sends one per sequence) would add up to another row count and
+        maybe another kernel. So the k-th group of each expert goes in the k-th call.
+
+        ``form``: the rows are already in that input form (:meth:`quantise_input`), which must be
+        this layer's; the outputs are the bits the float32 rows would give.
+        """
+        E = self.n_embd
+        if form is None:
+            rows = np.asarray(rows, dtype=np.float32)
+            width = E
+        else:
+            if form != self._forms.get(layer):
+                raise UserError(f"rows in form {form}: layer {layer} takes {self._forms.get(layer) or 'float32 only'}")
+            width = E // INPUT_FORMS[form][1] * INPUT_FORMS[form][2]
+        if rows.ndim != 2 or rows.shape[1] != width:
+            raise UserError(f"rows have shape {rows.shape}, expected (n, {width})")
+        if not groups:
+            return []
+        for e, _ in groups:
+            check_held(self, layer, e)
+        idxs = [np.asarray(idx, dtype=np.int64).reshape(-1) for _, idx in groups]
+        every = np.concatenate(idxs)  # one bounds check for all groups (two reductions, not two per group)
+        if len(every) and (every.min() < 0 or every.max() >= rows.shape[0]):
+            raise UserError(f"row index out of range 0..{rows.shape[0] - 1}")
+        seen: dict[int, int] = {}
+        rounds: list[list[int]] = []  # group positions per call: each expert at most once in a call
+        for k, (e, _) in enumerate(groups):
+            r = seen.get(e, 0)
+            seen[e] = r + 1
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append(k)
+        result: list[np.ndarray | None] = [None] * len(groups)
+        for ks in rounds:
+            for k, out in zip(ks, self._forward_once(layer, rows, [groups[k][0] for k in ks], [idxs[k] for k in ks],
+                                                     form)):
+                result[k] = out
+        return cast(list[np.ndarray], result)  # every group's, filled by its round
+
+    def _forward_once(self, layer: int, rows: np.ndarray, experts: list[int], idxs: list[np.ndarray],
+                      form: str | None = None) -> list[np.ndarray]:
+        """One graph: every (expert, rows) pair through its expert, each expert at most once."""
+        E = self.n_embd
+        sizes = [len(i) for i in idxs]
+        P = sum(sizes)
+        if P == 0:
+            return [np.zeros((0, E), np.float32) for _ in experts]
+        lib = self.lib
+        r = self.runner
+        local = np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
+        with r.lock:
+            gate, up, down, ff, biases = self._layer(layer)
+
+            def build(g):
+                ctx = g.ctx
+                x = lib.new_tensor_3d(ctx, GGML_TYPE_F32 if form is None else INPUT_FORMS[form][0], E, 1, P)
+                ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
+                if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
+                    g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
+                else:
+                    g_w, u_w = gate, up
+                g_out, u_out = lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids)
+                if biases is None:
+                    h = lib.swiglu_split(ctx, g_out, u_out)
+                    out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
+                else:  # gpt-oss: llama.cpp's build_moe_ffn order (bias, swiglu_oai, down, bias)
+                    g_out, u_out = lib.add_id(ctx, g_out, biases[0], ids), lib.add_id(ctx, u_out, biases[1], ids)
+                    h = lib.swiglu_oai(ctx, g_out, u_out, expert_fn.SWIGLU_OAI_ALPHA, expert_fn.SWIGLU_OAI_LIMIT)
+                    out = lib.add_id(ctx, lib.mul_mat_id(ctx, down, h, ids), biases[2], ids)
+                lib.build_forward_expand(g.graph, out)
+                x_view = f32_view(lib, x, (P, E)) if form is None else _u8_view(lib, x, (P, rows.shape[1]))
+                return x_view, _i32_view(lib, ids, P), f32_view(lib, out, (P, E))
+
+            # kept by (layer, P, form) where the runner keeps graphs: ids and rows are input data
+            extra = 0 if biases is None else 4 * P * (2 * ff + E)  # the three bias sums
+            g = r.graph(("experts", layer, P, form), 4 * P * (2 * E + 3 * ff + 1) + extra + 8 * 64, 14, build)
+            try:
+                x_in, ids_in, flat = g.t
+                np.take(rows, np.concatenate(idxs), axis=0, out=x_in)
+                ids_in[...] = local
+                r.compute(g.graph, P * 3 * ff * E)
+                result, at = [], 0
+                for n in sizes:
+                    result.append(flat[at:at + n].copy())
+                    at += n
+            finally:
+                r.release(g)
+        return result
+
+    def close(self) -> None:
+        self.runner.close()
+        self._experts.clear()
+        self._layers.clear()
+        self._mapped.close()

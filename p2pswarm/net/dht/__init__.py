@@ -1,0 +1,1 @@
+"""The DHT: Kademlia look-ups, the provider side, the coverage resolver."""

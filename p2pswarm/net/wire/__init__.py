@@ -1,0 +1,1 @@
+"""Bytes on a link: frames, the expert RPC's messages and their coding, byte counts, the direct lane, a WAN emulator."""
