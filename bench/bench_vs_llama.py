@@ -1,7 +1,8 @@
 """The backbone engine against llama.cpp on the same file: decode, prefill, 16 sequences, CPU, RSS.
 
-    python bench/bench_vs_llama.py [--arch qwen35moe|gpt-oss] [--layers 2] [--threads 2] [--rounds 3] [--type q8_0]
-                                   [--decode 16] [--prefill 128] [--seqs 16] [--batch-steps 4]
+    python bench/bench_vs_llama.py [--arch qwen35moe|gpt-oss|deepseek2] [--layers 2] [--threads 2] [--rounds 3]
+                                   [--type q8_0|q4_k_m] [--decode 16] [--prefill 128] [--last-row] [--seqs 16]
+                                   [--batch-steps 4]
                                    [--llama-bufts inplace|default|both] [--llama-passive]
                                    [--ours-tree SRC] [--model M.gguf] [--write]
 
@@ -23,7 +24,9 @@ Each process measures, with the same thread count and the same token ids:
   do the same work), after one untimed prefill of the same length (other tokens) on each side: a
   serving process's steady state, whose scratch memory a prefill of this size has already paged
   in (llama.cpp reserves its compute buffer at context creation; ours keeps a call's scratch,
-  ``GgmlRunner``). ``--cold-prefill`` times the first one instead;
+  ``GgmlRunner``). ``--cold-prefill`` times the first one instead; ``--last-row`` asks both sides
+  for the last row's logits only (a server's prefill: llama.cpp then runs its last layer's FFN on
+  that row alone, ours ``forward_batch(last_only=True)`` its experts' groups that hold it);
 * batch: ``--seqs`` sequences (a 4-token prompt each), then ``--batch-steps`` steps in which every
   sequence decodes one token: llama.cpp as one ``llama_decode`` of ``--seqs`` tokens (one per
   sequence), ours as ``--seqs`` concurrent ``Backbone.forward`` calls (each sequence on its own);
@@ -115,10 +118,10 @@ def child_ours(a) -> dict:
             out["decode_tps"], out["decode_cpu"] = a.decode / w, c / a.decode
             del st
             if not a.cold_prefill:
-                await b.forward(tokens(a.prefill, 3), b.new_state())
+                await b.forward_batch([(tokens(a.prefill, 3), b.new_state())], last_only=a.last_row)
             st = b.new_state()
             clk.start()
-            await b.forward(tokens(a.prefill, 2), st)
+            await b.forward_batch([(tokens(a.prefill, 2), st)], last_only=a.last_row)
             w, c = clk.stop()
             out["prefill_tps"], out["prefill_cpu"] = a.prefill / w, c / a.prefill
             del st
@@ -206,10 +209,10 @@ def child_llama(a, extra_bufts: bool) -> dict:
     out["decode_tps"], out["decode_cpu"] = a.decode / w, c / a.decode
     L.llama_memory_clear(mem, True)
     if not a.cold_prefill:
-        decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 3))], all_logits=True)
+        decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 3))], all_logits=not a.last_row)
         L.llama_memory_clear(mem, True)
     clk.start()
-    decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 2))], all_logits=True)
+    decode(ctx, [(t, i, 0) for i, t in enumerate(tokens(a.prefill, 2))], all_logits=not a.last_row)
     w, c = clk.stop()
     out["prefill_tps"], out["prefill_cpu"] = a.prefill / w, c / a.prefill
     L.llama_free(ctx)
@@ -235,6 +238,7 @@ def run_side(a, side: str) -> dict | str:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--model", str(a.model),
            "--threads", str(a.threads), "--decode", str(a.decode), "--prefill", str(a.prefill),
            "--seqs", str(a.seqs), "--batch-steps", str(a.batch_steps)] + (["--cold-prefill"] if a.cold_prefill else [])
+    cmd += ["--last-row"] if a.last_row else []
     tree = a.ours_tree if side == "ours-tree" else REPO
     if side in ("ours-tree", "llama-passive", "ours-spinning"):
         cmd[cmd.index(side)] = "llama" if side == "llama-passive" else "ours"
@@ -259,7 +263,7 @@ def make_model(a) -> Path:
     d = Path(a.dir)
     d.mkdir(parents=True, exist_ok=True)
     preset = PRESET[a.arch]
-    qtype = "q4_k_m" if a.arch == "deepseek2" else a.type  # deepseek2: Q4_K_M by llama.cpp, Q4_K experts kept
+    qtype = a.type
     path = d / f"{preset}-{a.arch}-{a.layers}l-{qtype}.gguf"
     if not path.exists():
         cmd = [sys.executable, "-m", "p2pswarm.cli", "make-model", "-o", str(path), "--preset", preset,
@@ -284,13 +288,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=tuple(PRESET), default="qwen35moe",
                     help="the model made: geometry-122b qwen35moe (default), geometry-gpt-oss-120b gpt-oss or "
-                         "geometry-671b deepseek2 (DeepSeek-V3's layer geometry, Q4_K_M: --type is then ignored)")
+                         "geometry-671b deepseek2 (DeepSeek-V3's layer geometry)")
     ap.add_argument("--layers", type=int, default=2, help="layers of the model made (2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--type", default="q8_0", choices=("q8_0", "f16", "f32"),
-                    help="dense tensors (q8_0); the experts are Q4_K (qwen35moe) or MXFP4 (gpt-oss) whatever "
-                         "this says")
+    ap.add_argument("--type", choices=("q8_0", "q4_k_m", "f16", "f32"),
+                    help="dense tensors (q8_0; deepseek2: q4_k_m, by llama.cpp's quantiser); the experts are "
+                         "Q4_K (qwen35moe, deepseek2) or MXFP4 (gpt-oss) whatever this says")
     ap.add_argument("--decode", type=int, default=16, help="decode steps of the single sequence (16)")
     ap.add_argument("--prefill", type=int, default=128, help="prefill length (128)")
     ap.add_argument("--seqs", type=int, default=16, help="sequences decoding together (16)")
@@ -312,12 +316,17 @@ def main() -> None:
                     help="also run p2pswarm from this source tree (e.g. the main branch: before/after)")
     ap.add_argument("--cold-prefill", action="store_true",
                     help="time each side's first prefill of this length (no untimed one before it)")
+    ap.add_argument("--last-row", action="store_true",
+                    help="the prefill's logits for its last row only, both sides (llama.cpp then computes "
+                         "the last layer's FFN for that row alone; ours its experts' groups that hold it)")
     ap.add_argument("--child", choices=("ours", "llama", "llama-default"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    a.type = a.type or ("q4_k_m" if a.arch == "deepseek2" else "q8_0")
     if a.child:
         res = child_ours(a) if a.child == "ours" else child_llama(a, extra_bufts=a.child == "llama-default")
         print(json.dumps(res))
         return
+    model_given = a.model is not None
     a.model = a.model or make_model(a)
     sides = (["ours-tree"] if a.ours_tree else []) + ["ours", "llama"]
     sides += ["llama-default"] if a.llama_bufts == "both" else []
@@ -339,16 +348,19 @@ def main() -> None:
     names = {"ours": "p2pswarm", "ours-tree": f"p2pswarm ({a.ours_tree})", "llama": "llama.cpp (in place)",
              "llama-default": "llama.cpp (default bufts)", "llama-passive": "llama.cpp (in place, OMP passive)",
              "ours-spinning": "p2pswarm (OMP spinning)"}
-    cmd = (f"python bench/bench_vs_llama.py --arch {a.arch} --layers {a.layers} --threads {a.threads} --rounds {a.rounds} "
+    cmd = ("python bench/bench_vs_llama.py " + (f"--model {a.model} " if model_given else "")
+           + f"--arch {a.arch} --layers {a.layers} --threads {a.threads} --rounds {a.rounds} "
            f"--type {a.type} --llama-bufts {a.llama_bufts} --decode {a.decode} --prefill {a.prefill} "
            f"--seqs {a.seqs} --batch-steps {a.batch_steps}" + (" --llama-passive" if a.llama_passive else "")
            + (" --ours-spinning" if a.ours_spinning else "") + (f" --ours-tree {a.ours_tree}" if a.ours_tree else "")
-           + (" --cold-prefill" if a.cold_prefill else ""))
-    text = header(f"Backbone engine vs llama.cpp, {PRESET[a.arch]} {a.arch} {a.layers} layers"
+           + (" --cold-prefill" if a.cold_prefill else "") + (" --last-row" if a.last_row else ""))
+    what = f"`{Path(a.model).name}`" if model_given else f"{PRESET[a.arch]} {a.arch} {a.layers} layers"
+    text = header(f"Backbone engine vs llama.cpp, {what}"
                   + (f" ({a.label})" if a.label else ""), cmd)
+    which_logits = "the last row's logits only" if a.last_row else "all-position logits"
     text += (f"`{Path(a.model).name}` ({Path(a.model).stat().st_size / 2**30:.2f} GiB), {a.threads} threads both "
              f"sides, {a.rounds} rounds alternating, medians. decode: {a.decode} steps after an {PROMPT}-token "
-             f"prompt; prefill: {a.prefill} tokens, all-position logits, "
+             f"prompt; prefill: {a.prefill} tokens, {which_logits}, "
              f"{'the first of its length' if a.cold_prefill else 'after an untimed one of the same length'}; batch: {a.seqs} sequences x "
              f"{a.batch_steps} steps. CPU = process CPU seconds per token. llama.cpp: llama-cpp-python "
              "low-level API, F32 KV, flash attention off.\n\n")

@@ -7,7 +7,8 @@ and Q8_0, glm4moe Q8_0, qwen3moe F32 and Q4_K_M; made once under ``--dir``) on t
 kernels, one line each: the sha256 (16 hex digits) of a prefill's all-position logits
 (``generate.sequence_logits``), and of three steps of three sequences of mixed lengths
 (``Backbone.forward_batch``) with and without the batch-invariant mode, a speculative verification
-step among them (its positions kept in part after). A refactoring of the engine that claims no
+step among them (its positions kept in part after), and the same kind of steps with ``last_only``
+(the scheduler's: each item's last row). A refactoring of the engine that claims no
 behaviour change should print the same lines under both trees; ``verify_calls`` says which way
 verification ran. The tree is whatever ``p2pswarm`` Python imports (``PYTHONPATH``).
 """
@@ -50,6 +51,15 @@ async def hashes(path: Path, kernel: str) -> list[tuple[str, str]]:
             bb.keep_positions(a, 2)
             r += await bb.forward_batch([([toks[8]], a), ([toks[4]], b), ([toks[0]], c)], batch_invariant=inv)
             out.append((f"steps batch_invariant={inv}", digest(r)))
+            # the scheduler's steps: each item's last row only (the last layer then carries on only those)
+            a, b, c = bb.new_state(), bb.new_state(), bb.new_state()
+            r = await bb.forward_batch([(toks[:8], a), (toks[2:5], b), (toks[:1], c)], batch_invariant=inv,
+                                       last_only=True)
+            r += await bb.forward_batch([(toks[5:8], a), ([toks[3]], b)], verify=[True, False], last_only=True)
+            bb.keep_positions(a, 2)
+            r += await bb.forward_batch([([toks[8]], a), (toks[4:9], b), ([toks[0]], c)], batch_invariant=inv,
+                                        last_only=True)
+            out.append((f"last-row steps batch_invariant={inv}", digest(r)))
         out.append(("verify_calls", str(bb.verify_calls)))
     return out
 

@@ -95,8 +95,8 @@ class LayerIn:
     #: expert's output from the layer's graph); absent names are computed by ``layer_out``
     extras: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def rows(self, sel: slice) -> "LayerIn":
-        """These rows of every field (a sequence's span of the step)."""
+    def rows(self, sel: slice | np.ndarray) -> "LayerIn":
+        """These rows of every field (a sequence's span of the step, or row indices)."""
         return LayerIn(self.h[sel], self.cur[sel], self.ids[sel], self.weights[sel],
                        {k: v[sel] for k, v in self.extras.items()})
 

@@ -115,6 +115,14 @@ def test_step_cost_fit_recovers_the_row_price():
         same.observe_step(0.1, 1)
     assert same.row_s is None and abs(same.step_s(1) - 0.1) < 1e-12  # one row count: no slope yet
 
+    first = Costs()
+    first.observe_draft(0.070, 1)  # the first call: the block's graphs built, its first requests
+    assert first.draft_s == 0.070  # known at once (a draft may be a round trip) ...
+    first.observe_draft(0.003, 1)
+    assert first.draft_s == 0.003  # ... and replaced by the second call's, not blended with it
+    first.observe_draft(0.005, 1)
+    assert abs(first.draft_s - (0.7 * 0.003 + 0.3 * 0.005)) < 1e-12  # then an EWMA
+
 
 def test_draft_length_follows_acceptance_and_what_a_draft_costs_against_a_step():
     """The controller on measured inputs: long drafts where a step is a WAN's round trips and rows

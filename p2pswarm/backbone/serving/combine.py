@@ -55,3 +55,18 @@ def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: 
     for j in range(1, k):
         acc += y[j]
     return acc
+
+
+def combine_rows(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: list[np.ndarray],
+                 rows: np.ndarray) -> np.ndarray:
+    """:func:`combine_outputs` of rows ``rows`` of the step only (ascending; the groups may hold
+    other rows too, and need not cover those others): the same bits for those rows, row by row."""
+    where = np.full(ids.shape[0], -1, np.int64)
+    where[rows] = np.arange(len(rows))
+    sub_groups, sub_outs = [], []
+    for (e, r), out in zip(groups, outs):
+        keep = where[r] >= 0
+        if keep.any():
+            sub_groups.append((e, where[r[keep]]))
+            sub_outs.append(out[keep])
+    return combine_outputs(ids[rows], weights[rows], sub_groups, sub_outs)

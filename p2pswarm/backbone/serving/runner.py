@@ -37,7 +37,7 @@ from functools import partial
 import numpy as np
 import trio
 
-from p2pswarm.backbone.serving.combine import combine, combine_outputs, expert_groups  # noqa: F401 - combine: re-exported
+from p2pswarm.backbone.serving.combine import combine, combine_outputs, combine_rows, expert_groups  # noqa: F401 - combine: re-exported
 from p2pswarm.backbone.serving import grouping
 from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, Groups
 from p2pswarm.backbone.serving.mtp import HiddenRows
@@ -53,6 +53,17 @@ log = logging.getLogger("p2pswarm.backbone")
 def _rows(sp: slice) -> list[slice]:
     """``sp`` cut into one-row spans."""
     return [slice(i, i + 1) for i in range(sp.start, sp.stop)]
+
+
+def _renumbered(ospans: list[list[slice]]) -> list[list[slice]]:
+    """Each item's out spans as positions in the concatenation of all items' out rows, in order."""
+    at, out = 0, list[list[slice]]()
+    for item in ospans:
+        out.append([])
+        for sp in item:
+            out[-1].append(slice(at, at + sp.stop - sp.start))
+            at += sp.stop - sp.start
+    return out
 
 
 def _fold_taint(taint: dict[str, np.ndarray], bounds: np.ndarray, states: list[SequenceState],
@@ -330,18 +341,30 @@ class Backbone:
             st.checkpoints, st.verified = {}, 0
         timing = self.timing
         L = m.n_layer
+        # The rows that reach an output. In the last layer only they go on past the attention (which
+        # still runs on every row: the caches need them), as llama.cpp's inp_out_ids does: a prefill
+        # with last_only computes the experts of its last row's groups and its layer_out, not every
+        # row's (a 128-row prefill of a 256-expert layer otherwise reads almost every expert).
+        out_rows = np.concatenate([np.arange(sp.start, sp.stop) for item in ospans for sp in item])
+        last = out_rows if len(out_rows) < bounds[-1] and not self.keep_hidden else None
 
         def first():
             if self._row_invariant is None and bounds[-1] > 1 and self.dispatcher.verifier:
                 self._probe_row_invariance()  # once: which groups the verifier may check row by row
-            return self._pre_batch(0, m.embed(np.concatenate(toks)), spans, states, pos0, invariant, verify, pspans)
+            return self._pre_batch(0, m.embed(np.concatenate(toks)), spans, states, pos0, invariant, verify, pspans,
+                                   only=last if L == 1 else None)
 
         def after(il, lin, groups, outs):
             """layer_out of layer il and layer_in of the next in ONE thread hop (each hop is a
             wake-up; on a busy host those cost more than the arithmetic), or the lm head."""
-            h = self._post_batch(il, lin, groups, outs, pspans, invariant)
             if il + 1 < L:
-                return self._pre_batch(il + 1, h, spans, states, pos0, invariant, verify, pspans)
+                h = self._post_batch(il, lin, groups, outs, pspans, invariant)
+                return self._pre_batch(il + 1, h, spans, states, pos0, invariant, verify, pspans,
+                                       only=last if il + 2 == L else None)
+            if last is not None:  # h of the out rows only, and each item's spans renumbered to them
+                return self._output_batch(self._post_rows(il, lin, groups, outs, pspans, invariant, last),
+                                          _renumbered(ospans), invariant)
+            h = self._post_batch(il, lin, groups, outs, pspans, invariant)
             if self.keep_hidden:  # the MTP drafter reads the trunk's last hidden states (backbone.mtp)
                 for st, sp, p0 in zip(states, spans, pos0):
                     st.hidden = st.hidden or HiddenRows()
@@ -400,7 +423,12 @@ class Backbone:
             state.n_past -= n - keep
         state.checkpoints, state.verified = {}, 0
 
-    def _pre_batch(self, il, h, spans, states, pos0, invariant, verify=None, pspans=None) -> tuple[LayerIn, Groups]:
+    def _pre_batch(self, il, h, spans, states, pos0, invariant, verify=None, pspans=None,
+                   only: np.ndarray | None = None) -> tuple[LayerIn, Groups]:
+        """Layer ``il``'s layer_in and its expert groups; with ``only`` (the last layer's rows that
+        reach an output) only the groups that hold one of them, each cut to those rows where the
+        probe found that exact (row-invariant experts, or a group of at most :attr:`small_call_rows`
+        rows), else whole: the rows an expert's kernel computes together decide its bits."""
         m = self.model
         batched = not invariant or self.dense_invariance(il).layer_in
         if verify is not None and any(verify):
@@ -427,6 +455,12 @@ class Backbone:
             groups = expert_groups(lin.ids)  # one group per expert, all sequences: same bits per row
         else:
             groups = self._invariant_groups(lin.ids, spans)
+        if only is not None:
+            needed = np.zeros(h.shape[0], bool)
+            needed[only] = True
+            cut = len(h) if self.row_invariant_experts else self.small_call_rows  # (probed once)
+            groups = [(e, rows[needed[rows]] if len(rows) <= cut else rows) for e, rows in groups
+                      if needed[rows].any()]
         return lin, groups
 
     def _pre_rounds(self, il, h, spans, states, pos0, verify, batched: bool) -> LayerIn:
@@ -468,11 +502,25 @@ class Backbone:
         sequence and expert: p2pswarm.backbone.serving.grouping.)"""
         return grouping.invariant_groups(ids, spans, self.small_call_rows)
 
-    def _post_batch(self, il, lin: LayerIn, groups, outs, spans, invariant):
-        moe = combine_outputs(lin.ids, lin.weights, groups, outs) if groups else np.zeros_like(lin.cur)
+    def _post_batch(self, il, lin: LayerIn, groups, outs, spans, invariant, moe=None):
+        if moe is None:
+            moe = combine_outputs(lin.ids, lin.weights, groups, outs) if groups else np.zeros_like(lin.cur)
         if not invariant or self.dense_invariance(il).layer_out:
             return self.model.layer_out(il, lin, moe)
         return np.concatenate([self.model.layer_out(il, lin.rows(sp), moe[sp]) for sp in spans])
+
+    def _post_rows(self, il, lin: LayerIn, groups, outs, spans, invariant, rows: np.ndarray) -> np.ndarray:
+        """:meth:`_post_batch` for the step's rows ``rows`` only (the last layer's out rows; ``groups``
+        those that hold them): their h, with the bits the whole step gives them. layer_out runs on
+        those rows alone where the probe found it row-invariant, else on every row as the whole
+        step does (the other rows' expert sum left zero: a row's result never depends on another's)."""
+        kept = lin.rows(rows)
+        moe = combine_rows(lin.ids, lin.weights, groups, outs, rows) if groups else np.zeros_like(kept.cur)
+        if self.dense_invariance(il).layer_out:
+            return self.model.layer_out(il, kept, moe)
+        full = np.zeros_like(lin.cur)
+        full[rows] = moe
+        return self._post_batch(il, lin, groups, outs, spans, invariant, full)[rows]
 
     def _output_batch(self, h, ospans, invariant):
         """Logits of each item's ``ospans`` (its rows, in one or more spans), per item."""
