@@ -60,3 +60,33 @@ async def test_last_row_steps_compute_only_the_out_rows_experts_exactly(models_d
             last_all = [n for il, n in want_pairs if il == L - 1]
             # the steps with a prefill chunk dispatch fewer pairs in the last layer; none more
             assert all(n <= m for n, m in zip(last, last_all)) and sum(last) < sum(last_all), (last, last_all)
+
+
+async def test_a_lone_prefill_runs_no_probe_and_still_skips_groups_without_its_last_row(models_dir):
+    """A lone request's last-row step never runs the row-invariance probes (seconds at a big
+    geometry, paid by a fresh server's first request): it sends only the last layer's groups that
+    hold the last row, whole (exact without a probe), and its logits equal every row carried."""
+    path = models_dir / "last-row-deepseek2-q8_0.gguf"
+    if not path.exists():
+        make_model(path, arch="deepseek2", preset="tiny", qtype="q8_0", seed=7)
+    prompt = [(7 * j) % 400 + 3 for j in range(24)]
+    got = {}
+    for every_row in (True, False):
+        async with open_backbone(path, workers=0) as swarm:
+            b = swarm.backbone
+            b.keep_hidden = every_row
+            L = b.model.n_layer
+            pairs: list[int] = []
+            real = b.dispatcher.run_groups_local
+
+            def counting(il, cur, groups):
+                if il == L - 1:
+                    pairs.append(sum(len(rows) for _, rows in groups))
+                return real(il, cur, groups)
+
+            b.dispatcher.run_groups_local = counting
+            out = await b.forward_batch([(prompt, b.new_state())], last_only=True)
+            assert b._row_invariant is None and not b._dense_invariant  # no probe ran
+            got[every_row] = (out[0], sum(pairs))
+    assert np.array_equal(got[True][0], got[False][0])
+    assert 0 < got[False][1] < got[True][1], got

@@ -428,7 +428,8 @@ class Backbone:
         """Layer ``il``'s layer_in and its expert groups; with ``only`` (the last layer's rows that
         reach an output) only the groups that hold one of them, each cut to those rows where the
         probe found that exact (row-invariant experts, or a group of at most :attr:`small_call_rows`
-        rows), else whole: the rows an expert's kernel computes together decide its bits."""
+        rows), else whole: the rows an expert's kernel computes together decide its bits. Only where
+        the probe already ran: a lone request's step does not run it for this."""
         m = self.model
         batched = not invariant or self.dense_invariance(il).layer_in
         if verify is not None and any(verify):
@@ -458,7 +459,10 @@ class Backbone:
         if only is not None:
             needed = np.zeros(h.shape[0], bool)
             needed[only] = True
-            cut = len(h) if self.row_invariant_experts else self.small_call_rows  # (probed once)
+            # cut to the out rows only where already measured exact: a lone request never pays the
+            # probes (seconds at a big geometry) for it; whole groups that hold an out row are exact
+            probed = self._row_invariant
+            cut = 0 if probed is None else len(h) if probed[0] else probed[2]
             groups = [(e, rows[needed[rows]] if len(rows) <= cut else rows) for e, rows in groups
                       if needed[rows].any()]
         return lin, groups
@@ -512,11 +516,12 @@ class Backbone:
     def _post_rows(self, il, lin: LayerIn, groups, outs, spans, invariant, rows: np.ndarray) -> np.ndarray:
         """:meth:`_post_batch` for the step's rows ``rows`` only (the last layer's out rows; ``groups``
         those that hold them): their h, with the bits the whole step gives them. layer_out runs on
-        those rows alone where the probe found it row-invariant, else on every row as the whole
-        step does (the other rows' expert sum left zero: a row's result never depends on another's)."""
+        those rows alone where the probe (already run: not for this) found it row-invariant, else on
+        every row as the whole step does (the other rows' expert sum left zero: a row's result never depends on another's)."""
         kept = lin.rows(rows)
         moe = combine_rows(lin.ids, lin.weights, groups, outs, rows) if groups else np.zeros_like(kept.cur)
-        if self.dense_invariance(il).layer_out:
+        known = self._dense_invariant.get(_layer_signature(self.model, il))  # (not probed for this alone)
+        if known is not None and known.layer_out:
             return self.model.layer_out(il, kept, moe)
         full = np.zeros_like(lin.cur)
         full[rows] = moe
