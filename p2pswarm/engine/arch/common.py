@@ -169,6 +169,20 @@ class LayerByGraph(LayerByPieces):
 
 
 
+def dense_or_shared_ffn(w: Any, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray, *, dense: bool,
+                        shared: bool) -> np.ndarray:
+    """The residual after a layer's FFN, in llama.cpp's order (deepseek2, glm4moe): a leading dense
+    layer's h + its FFN (``moe`` ignored), else h + (routed + shared expert), or h + routed where
+    the model has no shared expert."""
+    p = f"blk.{il}."
+    if dense:
+        return h + ops.swiglu_expert(cur, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
+    if not shared:
+        return h + moe
+    return h + (moe + ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
+                                        w[p + "ffn_down_shexp.weight"]))
+
+
 def neox_attention(w: Any, il: int, h: np.ndarray, caches: list[tuple[Any, int, int]],
                    qkv: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]], *,
                    eps: float, n_rot: int, rope_base: float, n_head: int, head_dim: int) -> np.ndarray:

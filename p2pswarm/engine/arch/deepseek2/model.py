@@ -29,8 +29,8 @@ import p2pswarm.engine.arch.deepseek2.mla as mla
 from p2pswarm.contracts import MtpEnds, Routed
 from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine import ops
-from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error,
-                                         nextn_head_norm, number_reader)
+from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, dense_or_shared_ffn,
+                                         model_error, nextn_head_norm, number_reader)
 from p2pswarm.engine.routing import RouterSpec, no_experts, route
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import SequenceState
@@ -265,15 +265,8 @@ class DeepSeek2(TokenEnds, LayerByPieces):
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
         """h + dense FFN (leading layers), or h + (routed + shared), in llama.cpp's order."""
-        w, p = self.w, f"blk.{il}."
-        if il < self.n_dense_lead:
-            return h + ops.swiglu_expert(cur, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"],
-                                         w[p + "ffn_down.weight"])
-        if not self.n_expert_shared:
-            return h + moe
-        shared = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
-                                   w[p + "ffn_down_shexp.weight"])
-        return h + (moe + shared)
+        return dense_or_shared_ffn(self.w, il, h, cur, moe, dense=il < self.n_dense_lead,
+                                   shared=bool(self.n_expert_shared))
 
     # ---- the MTP (NextN) block, a drafter (contracts.MtpModel; p2pswarm.backbone.mtp) -------
     def mtp_blocks(self) -> int:

@@ -32,8 +32,8 @@ import numpy as np
 
 from p2pswarm.contracts import MtpEnds, Routed
 from p2pswarm.engine import ops, routing
-from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, model_error,
-                                         neox_attention, nextn_head_norm, number_reader)
+from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, dense_or_shared_ffn,
+                                         model_error, neox_attention, nextn_head_norm, number_reader)
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -197,14 +197,7 @@ class Glm4MoE(TokenEnds, LayerByPieces):
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
         """A dense layer: h + its FFN (``moe`` is empty work, ignored). A MoE layer: h + (routed +
         shared), added in llama.cpp's order."""
-        w, p = self.w, f"blk.{il}."
-        if il < self.n_dense:
-            return h + ops.swiglu_expert(cur, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"])
-        if not self.n_expert_shared:
-            return h + moe
-        shared = ops.swiglu_expert(cur, w[p + "ffn_gate_shexp.weight"], w[p + "ffn_up_shexp.weight"],
-                                   w[p + "ffn_down_shexp.weight"])
-        return h + (moe + shared)
+        return dense_or_shared_ffn(self.w, il, h, cur, moe, dense=il < self.n_dense, shared=bool(self.n_expert_shared))
 
     # ---- the MTP (NextN) block, a drafter (contracts.MtpModel; p2pswarm.backbone.mtp) -------
     def mtp_blocks(self) -> int:
