@@ -37,10 +37,10 @@ class FreeDrafts(Costs):
         self.draft_s = 0.0
 
     def observe_draft(self, seconds, tokens):
-        pass
+        """Measured drafts are not recorded: drafts stay free, whatever they took."""
 
     def observe_step(self, seconds, rows):
-        pass
+        """Measured steps are not recorded: a verified row stays free (``row_s`` 0)."""
 
     @property
     def row_s(self):
