@@ -138,6 +138,10 @@ WIRE_CODEC = Var("P2PSWARM_WIRE_CODEC", _switch, True,
                  "off: no lossless coding of the expert RPC's rows (float32 outputs byte-plane split + zstd, "
                  "Q8_K inputs without their derivable sums; p2pswarm.net.wire.codec): a worker does not "
                  "offer it, a backbone does not ask for it")
+WIRE_CODEC_FAST_MBPS = Var("P2PSWARM_WIRE_CODEC_FAST_MBPS", _non_negative_float, 400.0,
+                           "a backbone asks a worker for coded outputs only while the link it reads the "
+                           "worker's replies from is not measured at or above this many Mbit/s (coding "
+                           "saves ~17% of the bytes for ~3 ms of CPU per MiB; p2pswarm.net.wire.link_rate)")
 LOG_LEVEL = Var("P2PSWARM_LOG_LEVEL", _level, "INFO", "log level of p2pswarm's loggers when -v is not given")
 LIBP2P_LOG = Var("P2PSWARM_LIBP2P_LOG", _level, "CRITICAL", "log level of py-libp2p's loggers")
 PROGRESS_AFTER = Var("P2PSWARM_PROGRESS_AFTER", _non_negative_float, None,

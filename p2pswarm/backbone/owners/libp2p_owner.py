@@ -121,7 +121,7 @@ class Libp2pOwner(SocketOwner):
         except SwarmError as exc:  # NetError, bad address
             raise WorkerError(f"{self.name} unreachable: {exc}") from None
         stream = CountingStream(opened, self.wire)
-        reader = FrameReader(stream, self.max_frame)
+        reader = FrameReader(stream, self.max_frame, rate=self.link)
         hello = dict(self.hello(), shard=self.shard)
         if self.direct and self.direct_failed is None:
             hello["direct"] = True
@@ -154,6 +154,7 @@ class Libp2pOwner(SocketOwner):
                 raise
             if sealed is not None:
                 await close_now(stream)  # the direct connection replaces the stream
+                sealed.rate = self.link  # its sealed records show the link's pace (link_rate)
                 self._stream, self._reader = sealed, FrameReader(sealed, self.max_frame)
                 self.lane = "direct"
                 return

@@ -48,6 +48,7 @@ from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.wire import precision as wire_precision
 from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire.counting import CountingStream, WireBytes
+from p2pswarm.net.wire.link_rate import LinkRate
 from p2pswarm.offload import Offload
 
 log = logging.getLogger("p2pswarm.backbone")
@@ -129,8 +130,12 @@ class SocketOwner(Owner):
         #: the backbone's --wire-precision (the dispatcher sets it): outputs asked for in 16 bits,
         #: and rounded here if a worker sends float32 anyway (p2pswarm.net.wire.precision)
         self.wire_precision: str | None = None
-        #: the lossless output coding both ends take (p2pswarm.net.wire.codec), None: plain
+        #: the lossless output coding both ends take (p2pswarm.net.wire.codec), None: plain; asked
+        #: for per request only while the link is not measured fast (:meth:`reply_coding`)
         self.output_coding: str | None = None
+        #: how fast the worker's replies arrive (p2pswarm.net.wire.link_rate), every connection
+        self.link = LinkRate()
+        self.coded_replies = 0  # replies that came coded (the rest: plain or 16-bit)
         #: decoding a coded reply: inline when measured short, else in a thread (p2pswarm.offload).
         #: It was always a thread: with 8 workers a backbone made 8 thread hops a layer for replies
         #: that decode in a fraction of the hop's cost, 10% of a 0.3-core backbone's GIL samples
@@ -178,7 +183,7 @@ class SocketOwner(Owner):
 
     async def _connect(self) -> None:
         stream = CountingStream(await trio.open_tcp_stream(self.host, self.port), self.wire)
-        reader = FrameReader(stream, self.max_frame)
+        reader = FrameReader(stream, self.max_frame, rate=self.link)
         await send_frame(stream, proto.pack(self.hello()), self.max_frame)
         payload = await reader.read_frame()
         if payload is None:
@@ -312,6 +317,13 @@ class SocketOwner(Owner):
         log.info("worker %s answered its request of %d rows %.2f s after it was sent (deadline %.2f s; "
                  "its outputs were recomputed here): using it again", self.name, rows, late, deadline)
 
+    def reply_coding(self) -> str | None:
+        """The output coding this request asks for: the negotiated one, unless the link is
+        measured fast (then the worker's coding and our decoding would cost more than the bytes
+        they save: plain float32). The backbone alone decides, per request, so both ends agree and
+        an older worker (which codes only when asked) needs nothing new."""
+        return None if self.output_coding is None or self.link.fast() else self.output_coding
+
     async def compute(self, layer: int, cur: np.ndarray, groups: Groups, family: str | None = None) -> list[np.ndarray]:
         """The worker's outputs for ``groups`` (as the local replica's ``forward_groups``).
 
@@ -326,11 +338,12 @@ class SocketOwner(Owner):
             rows, form = q.quantise_input(layer, rows)  # what the worker's ggml would make of them
         rid = next(self._ids)
         req = proto.ComputeRequest(rid, layer, rows, local_groups, family, form, self.wire_precision,
-                                   proto.wants_packed(form, self.input_forms), self.output_coding)
+                                   proto.wants_packed(form, self.input_forms), self.reply_coding())
         try:
             reply = await self.request(req.to_wire(), rid, rows=int(sum(len(idx) for _, idx in local_groups)))
             if proto.result_coded(reply.get("out")):  # decoding: CPU work, off the loop unless short
                 pairs = int(sum(len(idx) for _, idx in local_groups))
+                self.coded_replies += 1
                 out = await self._decode.run(partial(proto.result_from_wire, reply.get("out")), pairs, "decode")
             else:
                 out = proto.result_from_wire(reply.get("out"))

@@ -75,6 +75,9 @@ class SealedStream:
         self.socket = getattr(stream, "socket", None)
         self._recv_into = getattr(self.socket, "recv_into", None)  # None: a stream without a socket
         self._into: memoryview | None = None  # a receive buffer reused for every read (see _read)
+        #: a :class:`~p2pswarm.net.wire.link_rate.LinkRate` timing how each record's bytes arrive
+        #: (the backbone's side sets it), or None
+        self.rate = None
 
     def _nonce(self, direction: bytes, n: int) -> bytes:
         return direction + n.to_bytes(11, "big")
@@ -104,10 +107,16 @@ class SealedStream:
                                              "replayed or out of order)") from None
                         del self._raw[: RECORD.size + n]
                         self._recv_n += 1
+                        if self.rate is not None:
+                            self.rate.message_done()
+                            self.rate.begin(bool(self._raw))
                         if self._plain:
                             break
                         continue
-                if not await self._read():
+                got = await self._read()
+                if got and self.rate is not None:
+                    self.rate.read(got)
+                if not got:
                     if self._raw:
                         raise FrameError(f"direct lane: the connection closed mid-record ({len(self._raw)} bytes)")
                     return b""

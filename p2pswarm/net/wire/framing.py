@@ -22,8 +22,11 @@ ONE_WRITE_MAX = 1 << 20  # frames up to this size go out as one write (header + 
 class FrameReader:
     """Reads whole frames from a stream exposing ``receive_some(max_bytes)`` (trio style)."""
 
-    def __init__(self, stream, max_frame: int = DEFAULT_MAX_FRAME, admit=None):
+    def __init__(self, stream, max_frame: int = DEFAULT_MAX_FRAME, admit=None, rate=None):
         self.stream = stream
+        #: a :class:`~p2pswarm.net.wire.link_rate.LinkRate` timing how each frame's bytes arrive
+        #: (a backbone's reply reader on a plain socket), or None
+        self.rate = rate
         self.max_frame = max_frame
         # admit(n): called with a frame's length before its body is read; may raise FrameError
         # (a worker's per-peer budget of bytes in flight: p2pswarm.worker.peer_limits)
@@ -46,10 +49,14 @@ class FrameReader:
                     return False
                 raise FrameError(f"connection closed mid-frame ({len(self._buf)} of {n} bytes)")
             self._buf += chunk
+            if self.rate is not None:
+                self.rate.read(len(chunk))
         return True
 
     async def read_frame(self) -> bytes | None:
         """The next frame's payload, or None at a clean end of stream."""
+        if self.rate is not None:
+            self.rate.begin(bool(self._buf))
         if not await self._fill(HEADER.size):
             return None
         (n,) = HEADER.unpack_from(self._buf, 0)
@@ -61,6 +68,8 @@ class FrameReader:
             raise FrameError("connection closed mid-frame")
         payload = bytes(self._buf[HEADER.size : HEADER.size + n])
         del self._buf[: HEADER.size + n]
+        if self.rate is not None:
+            self.rate.message_done()
         return payload
 
 
