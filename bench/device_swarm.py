@@ -6,8 +6,9 @@ workers). Here the backbone and every worker run in a CPU cgroup of their own wi
 (bench/cpu_groups.py: cgroup v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max``; needs root), so each gets
 at most its fraction of a core whatever the others do: ``--backbone-cpu 0.3 --worker-cpu 0.12``
 emulates a backbone of 0.3 of a core and workers of 0.12 each. The bootstrap, the WAN proxies
-(``--rtt``, or ``--worker-rtt-ms`` one RTT per worker; ``--worker-up-mbps``: a link in front of
-each worker, bench/wan_swarm.py) and this
+(``--rtt``, or ``--worker-rtt-ms`` one RTT per worker; ``--worker-up-mbps``: a cap on each
+worker's upload, one value for all or one per worker, cycled, a capped link gets a proxy even at
+0 ms; bench/wan_swarm.py) and this
 load generator stay outside the groups: they stand for the network and the clients.
 
 Per configuration (the backbone alone: every expert local; then 1, 2, 4, 8 workers each holding an
@@ -35,7 +36,7 @@ controller) the script says so in one line and exits 2.
     python bench/device_swarm.py [--preset geometry-122b --layers 2] [--backbone-cpu 0.3]
         [--worker-cpu 0.12] [--workers 1 --workers 2 ...] [--replicas 1 --replicas 2]
         [--concurrency 16 --concurrency 64] [--tokens 4] [--rounds 1] [--rtt 0 | --worker-rtt-ms 0,25,50]
-        [--worker-up-mbps 0] [--unequal 0.1,0.2,0.4] [--plot docs/device_scaling.png] [--out docs/benchmarks.md]
+        [--worker-up-mbps 0 | --worker-up-mbps 20,0,100] [--unequal 0.1,0.2,0.4] [--plot docs/device_scaling.png] [--out docs/benchmarks.md]
 """
 from __future__ import annotations
 
@@ -146,13 +147,11 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
         made.append(g)
 
     sw_named: dict = {}
-    proxy_args = ["--down-mbps", str(args.worker_up_mbps)] if args.worker_up_mbps else []
     d = work / label
     try:
         with WanSwarm(model, ranges=ranges, rtt_ms=args.rtt, workdir=d, kernel=args.kernel, timeout_s=60,
-                      threads=1, proxies="per-link", proxy_args=proxy_args, on_start=place, direct=args.direct,
-                      proxy_at_zero=bool(proxy_args),  # a cap needs a proxy, even on a 0 ms link
-                      worker_rtt_ms=args.worker_rtt,
+                      threads=1, proxies="per-link", on_start=place, direct=args.direct,
+                      worker_rtt_ms=args.worker_rtt, worker_up_mbps=args.worker_up,
                       backbone_args=["--micro-batches", args.micro_batches]) as sw:
             sw.named = {k: v for k, v in sw_named.items() if k != "boot"}
             if ranges:
@@ -242,7 +241,9 @@ def main() -> None:
     ap.add_argument("--worker-rtt-ms", default=None, metavar="MS,MS,...",
                     help="worker i's link RTT is the i-th of these (cycled; e.g. 0,25,50: one WAN proxy per link, "
                          "none at 0), instead of --rtt for all")
-    ap.add_argument("--worker-up-mbps", type=float, default=0.0, help="cap each worker's upload (Mbit/s; 0: none)")
+    ap.add_argument("--worker-up-mbps", default=None, metavar="MBPS,MBPS,...",
+                    help="cap worker i's upload at the i-th of these Mbit/s (cycled; one value: every worker; 0: none; "
+                         "a WAN proxy per capped link, even at 0 ms)")
     ap.add_argument("--micro-batches", default="auto")
     ap.add_argument("--direct", action="store_true",
                     help="workers offer direct lanes (--direct): expert requests skip py-libp2p's noise and yamux")
@@ -288,6 +289,14 @@ def main() -> None:
             ap.error(f"--worker-rtt-ms {args.worker_rtt_ms!r}: comma-separated milliseconds, e.g. 0,25,50")
         if not all(r >= 0 for r in args.worker_rtt) or args.rtt:
             ap.error("--worker-rtt-ms needs values >= 0 and no --rtt")
+    args.worker_up = None
+    if args.worker_up_mbps:
+        try:
+            args.worker_up = [float(x) for x in args.worker_up_mbps.split(",")]
+        except ValueError:
+            ap.error(f"--worker-up-mbps {args.worker_up_mbps!r}: comma-separated Mbit/s, e.g. 20 or 20,0,100")
+        if not all(m >= 0 for m in args.worker_up):
+            ap.error("--worker-up-mbps needs values >= 0")
     conc = args.concurrency or [16, 64]
     try:
         groups = CpuGroups()
@@ -369,7 +378,7 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
            + f" --tokens {args.tokens} --rounds {args.rounds}"
            + (f" --rtt {args.rtt:g}" if args.rtt else "")
            + (f" --worker-rtt-ms {args.worker_rtt_ms}" if args.worker_rtt_ms else "")
-           + (f" --worker-up-mbps {args.worker_up_mbps:g}" if args.worker_up_mbps else "")
+           + (f" --worker-up-mbps {args.worker_up_mbps}" if args.worker_up_mbps else "")
            + (f" --unequal {args.unequal}" if args.unequal else "") + (" --direct" if args.direct else "") + (" --no-curve" if args.no_curve else ""))
     text = header("Devices in CPU cgroups: tokens/s against the number of workers", cmd) + (
         f"Synthetic {args.preset} q8_0 model ({L} layers, {shape.n_embd} wide, {shape.n_expert} experts of "

@@ -41,7 +41,8 @@ class WanSwarm:
                  kernel: str = "numpy", backbone_args: list[str] | None = None, timeout_s: float = 5.0,
                  wrapper: str | None = None, threads: int | None = 1, direct: bool = False,
                  proxy_at_zero: bool = False, proxies: str = "shared", proxy_args: list[str] | None = None,
-                 backbone_model: Path | None = None, on_start=None, worker_rtt_ms: list[float] | None = None):
+                 backbone_model: Path | None = None, on_start=None, worker_rtt_ms: list[float] | None = None,
+                 worker_up_mbps: list[float] | None = None):
         """``wrapper``: a script run instead of ``-m MODULE`` as ``python WRAPPER MODULE args`` for every
         node and proxy (bench/trace_entry.py: per-hop timestamps). ``threads``: every node's kernel
         threads (``P2PSWARM_THREADS``; 1: ten processes share this machine's cores; ``None``: the
@@ -59,12 +60,16 @@ class WanSwarm:
         bench/device_swarm.py moves it into a CPU cgroup there. Workers of the same expert range
         (replicas) share one slice file (a hard link): the 122B geometry's slices are GBs.
         ``worker_rtt_ms``: worker i's link RTT is ``worker_rtt_ms[i % len]`` instead of ``rtt_ms``
-        (with ``proxies="per-link"``: one proxy each; a link of 0 ms has none, as above)."""
+        (with ``proxies="per-link"``: one proxy each; a link of 0 ms has none, as above).
+        ``worker_up_mbps``: worker i's upload (its links' worker -> backbone direction, libp2p and
+        direct lane) is capped at ``worker_up_mbps[i % len]`` Mbit/s, 0: none (per-link proxies;
+        a capped link of 0 ms gets one too)."""
         if proxies not in ("shared", "per-link"):
             raise ValueError("proxies must be 'shared' or 'per-link'")
-        if worker_rtt_ms and proxies != "per-link":
-            raise ValueError("worker_rtt_ms needs proxies='per-link' (one link, one RTT)")
+        if (worker_rtt_ms or worker_up_mbps) and proxies != "per-link":
+            raise ValueError("worker_rtt_ms and worker_up_mbps need proxies='per-link' (one link, one RTT and cap)")
         self.worker_rtt_ms = list(worker_rtt_ms or [])
+        self.worker_up_mbps = list(worker_up_mbps or [])
         self.proxy_mode = proxies
         self.model = Path(model)
         self.backbone_model = Path(backbone_model) if backbone_model is not None else self.model
@@ -109,16 +114,20 @@ class WanSwarm:
         wake-ups: an echo through a 0 ms proxy took 0.08 ms on one VM of this kind, 1.1 ms median
         on another), and one process for every link wakes once for the chunks that cross several
         links at the same moment (a layer's requests to every owner), not once per link."""
-        if self.worker_rtt_ms:  # one RTT per worker: link k is worker k's (its direct lane's: k - n)
+        if self.worker_rtt_ms or self.worker_up_mbps:  # per worker: link k is worker k's (its direct lane's: k - n)
             n = len(self.ranges)
-            rtts = [self.worker_rtt_ms[(k % n) % len(self.worker_rtt_ms)] for k in range(len(target_ports))]
+
+            def each(values: list[float], default: float, k: int) -> float:
+                return values[(k % n) % len(values)] if values else default
             reach = []
-            for k, (t, lp, rtt) in enumerate(zip(target_ports, link_ports, rtts)):
-                if rtt == 0 and not self.proxy_at_zero:  # (a cap needs a proxy: pass proxy_at_zero)
+            for k, (t, lp) in enumerate(zip(target_ports, link_ports)):
+                rtt, up = each(self.worker_rtt_ms, self.rtt_ms, k), each(self.worker_up_mbps, 0.0, k)
+                if rtt == 0 and not up and not self.proxy_at_zero:  # (a cap in proxy_args: pass proxy_at_zero)
                     reach.append(t)
                     continue
+                cap = ["--down-mbps", str(up)] if up else []
                 proxy = Proc(["--target", f"127.0.0.1:{t}", "--listen", f"127.0.0.1:{lp}", "--rtt-ms", str(rtt),
-                              *self.proxy_args], self.dir / f"proxy{k}.log", self.env,
+                              *cap, *self.proxy_args], self.dir / f"proxy{k}.log", self.env,
                              entry=self._entry("p2pswarm.net.wire.wanproxy"))
                 self.procs.append(proxy)
                 self.proxies.append(proxy)

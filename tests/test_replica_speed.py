@@ -175,3 +175,22 @@ def test_per_worker_rtt_puts_a_link_in_front_of_each_worker(tiny_f32, tmp_path):
     assert rows[near] > rows[far], rows
     with pytest.raises(ValueError):
         WanSwarm(tiny_f32, ranges=[(0, 16)], rtt_ms=0, workdir=tmp_path / "x", worker_rtt_ms=[10])
+
+
+@pytest.mark.slow
+def test_per_worker_upload_caps_put_a_capped_link_in_front_of_each_capped_worker(tiny_f32, tmp_path):
+    """bench/wan_swarm.py's ``worker_up_mbps`` (device_swarm.py ``--worker-up-mbps 0,20``): worker
+    i's upload capped at the i-th value, cycled; a link of 0 ms and no cap has no proxy, a capped
+    one has (its worker -> backbone direction capped). The texts equal the backbone alone's."""
+    with WanSwarm(tiny_f32, ranges=[], rtt_ms=0, workdir=tmp_path / "alone", timeout_s=30) as alone:
+        want = _complete(alone.base_url)
+    with WanSwarm(tiny_f32, ranges=[(0, 16), (0, 16)], rtt_ms=0, workdir=tmp_path / "swarm", timeout_s=30,
+                  proxies="per-link", worker_up_mbps=[0, 20]) as sw:
+        assert len(sw.proxies) == 1  # w1's link only
+        cmd = sw.proxies[0].proc.args
+        assert float(cmd[cmd.index("--down-mbps") + 1]) == 20 and float(cmd[cmd.index("--rtt-ms") + 1]) == 0
+        sw.wait_covered()
+        got = _complete(sw.base_url)
+    assert got == want
+    with pytest.raises(ValueError):
+        WanSwarm(tiny_f32, ranges=[(0, 16)], rtt_ms=0, workdir=tmp_path / "x", worker_up_mbps=[10])
