@@ -106,10 +106,12 @@ def post(base_url: str, n: int, tokens: int) -> tuple[list[str], int, float]:
 
 
 def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
-    h0, d0 = sw.get("/health"), sw.swarm()["dispatch"]
+    s0 = sw.swarm()
+    h0, d0 = sw.get("/health"), s0["dispatch"]
     cpu0 = {name: cpu_seconds(p.pid) for name, p in sw.named.items()}
     texts, gen, wall = post(sw.base_url, n, tokens)
-    h1, d1 = sw.get("/health"), sw.swarm()["dispatch"]
+    s1 = sw.swarm()
+    h1, d1 = sw.get("/health"), s1["dispatch"]
     cpu1 = {name: cpu_seconds(p.pid) for name, p in sw.named.items()}
     at = getattr(sw, "owner_index", {})
     rows = {at.get(k, k): v - d0.get("owner_rows", {}).get(k, 0) for k, v in d1.get("owner_rows", {}).items()}
@@ -119,14 +121,24 @@ def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
             "remote_groups": d1["remote_groups"] - d0["remote_groups"], "owner_rows": rows,
             "cpu": {k: (cpu1[k] - cpu0[k]) for k in cpu1},
             "steps": h1["steps"] - h0["steps"], "requests": h1["expert_requests"] - h0["expert_requests"],
-            "micro_batches": h1["micro_batches"]}
+            "micro_batches": h1["micro_batches"], "coded_replies": coded(s1) - coded(s0)}
+
+
+def coded(swarm: dict) -> int:
+    """Replies that came coded from every worker the backbone sees (``/v1/swarm``)."""
+    return sum((w.get("wire") or {}).get("coded_replies", 0) for w in swarm["workers"])
 
 
 def per_token(r: dict) -> str:
-    """The backbone's CPU per generated token (ms; /proc, less load-sensitive than tokens/s), the
+    """The backbone's and the workers' CPU per generated token (ms; /proc, less load-sensitive
+    than tokens/s; the workers' summed, and the busiest one's), the replies that came coded, the
     steps and expert requests per token and the last step's micro-batches: one line."""
     tok = max(1, r["tokens"])
+    workers = [v for k, v in r["cpu"].items() if k != "backbone"]
+    replies = f"{r['coded_replies']} of {r['requests']} replies coded, " if "coded_replies" in r else ""
     return (f"backbone CPU {1000 * r['cpu'].get('backbone', 0.0) / tok:.2f} ms/token, "
+            + (f"workers CPU {1000 * sum(workers) / tok:.2f} ms/token (busiest {1000 * max(workers) / tok:.2f}), "
+               if workers else "") + replies +
             f"{r['steps'] / tok:.3f} steps/token, {r['requests'] / tok:.2f} expert requests/token, "
             f"micro-batches {r['micro_batches']}")
 

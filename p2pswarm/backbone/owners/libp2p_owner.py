@@ -97,7 +97,7 @@ class Libp2pOwner(SocketOwner):
         return OwnerStatus(
             peer=self.peer, addrs=list(self.info.addrs or ()), rtt_s=self.rtt_s, refused=self.refused,
             relayed=self.relayed and self.lane != "direct", lane=self.lane, load=self.inflight,
-            requests=self.requests, failures=self.failures, wire=self.wire.as_dict(),
+            requests=self.requests, failures=self.failures, wire=self.wire_status(),
             kernel=self.info.record.kernel or self.kernel)
 
     def update(self, info) -> None:

@@ -317,6 +317,13 @@ class SocketOwner(Owner):
         log.info("worker %s answered its request of %d rows %.2f s after it was sent (deadline %.2f s; "
                  "its outputs were recomputed here): using it again", self.name, rows, late, deadline)
 
+    def wire_status(self) -> dict:
+        """Bytes sent / received, the replies that came coded and the link's measured rate (Mbit/s,
+        None before it is measured): the status page's ``wire`` of this worker."""
+        rate = self.link.bytes_per_s()
+        return dict(self.wire.as_dict(), coded_replies=self.coded_replies,
+                    link_mbps=None if rate is None else round(rate * 8e-6, 1))
+
     def reply_coding(self) -> str | None:
         """The output coding this request asks for: the negotiated one, unless the link is
         measured fast (then the worker's coding and our decoding would cost more than the bytes

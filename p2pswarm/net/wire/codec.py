@@ -13,7 +13,9 @@ and one stream's entropy tables average them.
 
 Negotiated: a worker's hello lists :data:`OUTPUT_CODING` under ``output_codings`` when it codes
 (``P2PSWARM_WIRE_CODEC`` not off); a backbone asks for it per
-request (``"coding"``) when its own switch is on too. An older peer on either side: plain float32.
+request (``"coding"``) when its own switch is on too and the worker's link is not measured fast
+(:mod:`p2pswarm.net.wire.link_rate`: on loopback or a LAN the coding's CPU buys nothing). An older
+peer on either side: plain float32.
 
 Q8_K input rows (ggml's ``block_q8_K``: a float32 scale, 256 int8 quants, 16 int16 ``bsums``)
 carry 32 bytes a block that are derivable: each ``bsums[j]`` is the sum of quants 16j..16j+15, as
