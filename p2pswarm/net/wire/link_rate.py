@@ -41,6 +41,7 @@ class LinkRate:
         self._first_at: float | None = None  # when the current message's first bytes were read
         self._last_at = 0.0  # when the last read returned
         self._after_first = 0  # the current message's bytes read after its first read
+        self._rate: float | None = None  # the median, updated with each sample (read per request)
 
     def begin(self, buffered: bool) -> None:
         """A new message starts; ``buffered``: some of its bytes came with the last read."""
@@ -59,13 +60,13 @@ class LinkRate:
             span = self._last_at - self._first_at
             if span > 0:
                 self._samples.append(self._after_first / span)
+                if len(self._samples) >= MIN_SAMPLES:
+                    self._rate = statistics.median(self._samples)
         self._first_at, self._after_first = None, 0
 
     def bytes_per_s(self) -> float | None:
         """The median of the recent samples (bytes/s); None before :data:`MIN_SAMPLES`."""
-        if len(self._samples) < MIN_SAMPLES:
-            return None
-        return statistics.median(self._samples)
+        return self._rate
 
     def fast(self) -> bool:
         """True when the link is measured at or above ``P2PSWARM_WIRE_CODEC_FAST_MBPS``: coding
