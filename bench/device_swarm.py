@@ -293,22 +293,10 @@ def main() -> None:
             import matplotlib  # noqa: F401
         except ImportError:
             ap.error("--plot needs matplotlib (pip install matplotlib)")
-    args.worker_rtt = None
-    if args.worker_rtt_ms:
-        try:
-            args.worker_rtt = [float(x) for x in args.worker_rtt_ms.split(",")]
-        except ValueError:
-            ap.error(f"--worker-rtt-ms {args.worker_rtt_ms!r}: comma-separated milliseconds, e.g. 0,25,50")
-        if not all(r >= 0 for r in args.worker_rtt) or args.rtt:
-            ap.error("--worker-rtt-ms needs values >= 0 and no --rtt")
-    args.worker_up = None
-    if args.worker_up_mbps:
-        try:
-            args.worker_up = [float(x) for x in args.worker_up_mbps.split(",")]
-        except ValueError:
-            ap.error(f"--worker-up-mbps {args.worker_up_mbps!r}: comma-separated Mbit/s, e.g. 20 or 20,0,100")
-        if not all(m >= 0 for m in args.worker_up):
-            ap.error("--worker-up-mbps needs values >= 0")
+    args.worker_rtt = per_worker(ap, "--worker-rtt-ms", args.worker_rtt_ms, "milliseconds, e.g. 0,25,50")
+    if args.worker_rtt and args.rtt:
+        ap.error("--worker-rtt-ms needs no --rtt")
+    args.worker_up = per_worker(ap, "--worker-up-mbps", args.worker_up_mbps, "Mbit/s, e.g. 20 or 20,0,100")
     conc = args.concurrency or [16, 64]
     try:
         groups = CpuGroups()
@@ -418,6 +406,20 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(text)
+
+
+def per_worker(ap, flag: str, text: str | None, unit: str) -> list[float] | None:
+    """A per-worker option's values (comma-separated, >= 0; worker i takes the i-th, cycled), or
+    None when not given; a malformed one ends the script with argparse's message."""
+    if not text:
+        return None
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        ap.error(f"{flag} {text!r}: comma-separated {unit}")
+    if not all(v >= 0 for v in values):
+        ap.error(f"{flag} needs values >= 0")
+    return values
 
 
 def link_rtt_ms(args, workers: int) -> float:
