@@ -130,11 +130,12 @@ def _ffn_matrices(model, il: int) -> tuple[str, ...]:
     return ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp") if model.n_expert_shared else ()
 
 
-def _ffn_floats(model, il: int, T: int) -> int:
-    """Room (floats) the FFN nodes of :func:`_ffn_nodes` take, generously."""
+def _ffn_size(model, il: int, T: int) -> tuple[int, int]:
+    """(room in floats, generously; multiply-adds) of the FFN nodes of :func:`_ffn_nodes`."""
     names = _ffn_matrices(model, il)
     ff = model.w[f"blk.{il}.{names[0]}.weight"].shape[0] if names else 0
-    return max(T, 2) * (4 * model.n_embd + 3 * model.n_expert + 3 * ff + 8)
+    E, n_router = model.n_embd, 0 if model.is_dense_layer(il) else model.n_expert
+    return max(T, 2) * (4 * E + 3 * n_router + 3 * ff + 8), T * 3 * E * ff + max(T, 2) * E * n_router
 
 
 def _ffn_nodes(model, il: int, runner, ctx, graph, res, T: int) -> dict:
@@ -219,10 +220,11 @@ def mla_layer(model, il: int, h: np.ndarray, segs, ffn: bool = False):
     acts = (T * (5 * E + 3 * Rq + H * (qk + 2 * Rkv + 2 * rope + 3 * W + 3 * hv) + 4 * W)
             + sum(b * (Rkv + n * (2 * H + 1)) + n * H * (Rkv + 2 * hv) for b, (_, _, n) in zip(spans, segs)))
     n_tensors = 48 + 20 * n_seq + (24 if ffn else 0)
-    if ffn:
-        acts += _ffn_floats(model, il, T)
     macs = T * (E * (Rq + W) + Rq * H * qk + H * hv * E + H * nope * Rkv) + sum(
         b * n * H * (W + Rkv) + n * H * Rkv * hv for b, (_, _, n) in zip(spans, segs))
+    if ffn:
+        ffn_acts, ffn_macs = _ffn_size(model, il, T)
+        acts, macs = acts + ffn_acts, macs + ffn_macs
     key = (("mla_layer", il, T, ffn, tuple((c.rows.ctypes.data, cap, b) for (c, _, _), cap, b in zip(segs, caps, spans)))
            if all(n == 1 for _, _, n in segs) else None)
 
