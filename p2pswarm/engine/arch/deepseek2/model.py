@@ -216,7 +216,12 @@ class DeepSeek2(TokenEnds, LayerByPieces):
             ids, w = route(more.pop("logits"), self.router, bias, probs=more.pop("probs"))
         return LayerIn(h, cur, ids, w, more)
 
+    #: False keeps the FFN side as pieces under the ggml kernel (bench/deepseek2_fold_ab.py compares the two)
+    ggml_ffn = True
+
     def _ffn_fused(self, il: int) -> bool:
+        if not self.ggml_ffn:
+            return False
         got = self.__dict__.setdefault("_ffn_fusable", {})
         if il not in got:
             got[il] = ggml_mla.ffn_fusable(self, il)
