@@ -362,3 +362,41 @@ def test_geometry_671b_shapes():
     assert plans["blk.0.ffn_gate.weight"].shape == (18432, 7168)
     per_expert = sum(plans[f"blk.1.ffn_{k}_exps.weight"].nbytes for k in ("gate", "up", "down")) // 256
     assert per_expert == 3 * 7168 * 2048 // 256 * 144  # Q4_K: 144 bytes per 256 weights
+
+
+def test_ggml_layer_graph_folds_the_ffn_side_with_the_pieces_bits(models_dir, monkeypatch):
+    """On the ggml kernel ``layer_in`` is ONE graph per layer: the MLA, ffn_norm and, on the
+    leading dense layer, its FFN and residual (``layer_out`` then computes nothing), on a MoE
+    layer the router's logits and sigmoid and the shared expert (llama.cpp's deepseek2.cpp in one
+    graph). Prefill and decode rows, one sequence and two: the same bits as the pieces (a graph
+    each for the MLA, ffn_norm, the router and the FFN, numpy between)."""
+    from p2pswarm.engine.arch.common import LayerByPieces
+
+    path = q4km_model(models_dir)
+    model = load_dense(ModelLayout.open(path), "ggml")
+    assert model._ggml_core() and model.n_dense_lead == 1 and model.n_expert_shared
+    runner = model.backend.runner
+    computes = []
+    real = runner.compute
+    monkeypatch.setattr(runner, "compute", lambda graph, macs: (computes.append(1), real(graph, macs))[1])
+    rng = np.random.default_rng(5)
+    E = model.n_embd
+    fused_st, piece_st = [model.new_state(), model.new_state()], [model.new_state(), model.new_state()]
+    for il in range(model.n_layer):
+        assert model._ffn_fused(il)
+    for step, (rows, segs) in enumerate([((7, 5), [(0, 0, 7), (1, 0, 5)]), ((1,), [(0, 7, 1)]),
+                                         ((1, 1), [(0, 8, 1), (1, 5, 1)])]):
+        h = rng.standard_normal((sum(rows), E)).astype(np.float32)
+        for il in range(model.n_layer):
+            computes.clear()
+            lin = model.layer_in(il, h, [(fused_st[s], p0, n) for s, p0, n in segs])
+            assert len(computes) == 1, f"step {step} layer {il}"
+            ref = LayerByPieces.layer_in(model, il, h, [(piece_st[s], p0, n) for s, p0, n in segs])
+            for name in ("h", "cur", "ids", "weights"):
+                assert np.array_equal(getattr(lin, name), getattr(ref, name)), (step, il, name)
+            moe = (0.1 * rng.standard_normal((h.shape[0], E))).astype(np.float32)
+            computes.clear()
+            out = model.layer_out(il, lin, moe)
+            assert len(computes) == 0  # the dense FFN / shared expert came with the layer's graph
+            assert np.array_equal(out, model.post_moe(il, ref.h, ref.cur, moe)), (step, il)
+            assert set(lin.extras) == ({"out"} if il < model.n_dense_lead else {"shared"})

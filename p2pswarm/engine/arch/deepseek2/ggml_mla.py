@@ -108,9 +108,76 @@ def core_available(model) -> bool:
     return True
 
 
-def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
+def ffn_fusable(model, il: int) -> bool:
+    """Whether layer ``il``'s FFN side can join its MLA graph (:func:`mla_layer` with ``ffn``):
+    ``ffn_norm`` F32 on the file, and the dense FFN (a leading layer) or the router (a ggml F32
+    matrix, gated by ggml's sigmoid / softmax as :func:`gate_probs`) and the shared expert held as
+    ggml matrices of the layer's runner. Otherwise the pieces run it (numpy between graphs)."""
+    dense = model.backend.ggml
+    runner, p = dense.runner, f"blk.{il}."
+    if dense.f32_vector(p + "ffn_norm.weight") is None or not dense.lib.has("swiglu_split", "sigmoid"):
+        return False
+    names = [n + ".weight" for n in _ffn_matrices(model, il)]
+    if not model.is_dense_layer(il):
+        names.append("ffn_gate_inp.weight")
+    return all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in (model.w[p + n] for n in names))
+
+
+def _ffn_matrices(model, il: int) -> tuple[str, ...]:
+    """The SwiGLU FFN computed with the layer: the dense FFN, else the shared expert (or none)."""
+    if model.is_dense_layer(il):
+        return ("ffn_gate", "ffn_up", "ffn_down")
+    return ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp") if model.n_expert_shared else ()
+
+
+def _ffn_size(model, il: int, T: int) -> tuple[int, int]:
+    """(room in floats, generously; multiply-adds) of the FFN nodes of :func:`_ffn_nodes`."""
+    names = _ffn_matrices(model, il)
+    ff = model.w[f"blk.{il}.{names[0]}.weight"].shape[0] if names else 0
+    E, n_router = model.n_embd, 0 if model.is_dense_layer(il) else model.n_expert
+    return max(T, 2) * (4 * E + 3 * n_router + 3 * ff + 8), T * 3 * E * ff + max(T, 2) * E * n_router
+
+
+def _ffn_nodes(model, il: int, runner, ctx, graph, res, T: int) -> dict:
+    """The layer's FFN side on ``res`` (h after attention), added to its graph, llama.cpp's ops in
+    its order (src/models/deepseek2.cpp): ``cur = rms_norm(res) * ffn_norm``; a leading dense layer
+    then ``out = res + down(swiglu(gate cur, up cur))``, the whole layer; a MoE layer the router's
+    ``logits`` and its gating's ``probs`` (a lone row padded to two, as :func:`gate_probs` pads it:
+    the F32 router's one-row kernel differs) and the shared expert's output ``shared``. The same
+    ops on the same rows as the stand-alone graphs (:func:`~p2pswarm.engine.ggml.attention.rms_norm_rows`,
+    :func:`gate_probs`, :func:`~p2pswarm.engine.ggml.dense.fused_swiglu`), so the same bits.
+    Returns ``{name: numpy view}``; the group selection and top-k stay in numpy
+    (:func:`~p2pswarm.engine.routing.route`): the ids go back to Python for dispatch anyway."""
+    lib, w, p, E = runner.lib, model.w, f"blk.{il}.", model.n_embd
+    cur = lib.mul(ctx, lib.rms_norm(ctx, res, model.eps), model.backend.ggml.f32_vector(p + "ffn_norm.weight"))
+    lib.build_forward_expand(graph, cur)
+    out = {"cur": f32_view(lib, cur, (T, E))}
+    names = _ffn_matrices(model, il)
+    if names:
+        g, u, d = (w[p + n + ".weight"].tensor for n in names)
+        ffn = lib.mul_mat(ctx, d, lib.swiglu_split(ctx, lib.mul_mat(ctx, g, cur), lib.mul_mat(ctx, u, cur)))
+        if model.is_dense_layer(il):
+            ffn = lib.add(ctx, res, ffn)
+        lib.build_forward_expand(graph, ffn)
+        out["out" if model.is_dense_layer(il) else "shared"] = f32_view(lib, ffn, (T, E))
+    if not model.is_dense_layer(il):
+        router = w[p + "ffn_gate_inp.weight"]
+        x = cur
+        for _ in range(router.min_rows - T):  # gate_probs' pad: copies of the last row
+            x = lib.concat(ctx, x, lib.view_2d(ctx, cur, E, 1, 4 * E, 4 * E * (T - 1)), 1)
+        logits = lib.mul_mat(ctx, router.tensor, x)
+        probs = (lib.sigmoid(ctx, logits) if model.router.gating == "sigmoid"
+                 else lib.soft_max_ext(ctx, logits, None, 1.0, 0.0))
+        lib.build_forward_expand(graph, probs)
+        out["logits"] = f32_view(lib, logits, (T, model.n_expert))
+        out["probs"] = f32_view(lib, probs, (T, model.n_expert))
+    return out
+
+
+def mla_layer(model, il: int, h: np.ndarray, segs, ffn: bool = False):
     """``h + MLA(attn_norm(h))`` of layer ``il`` for every segment's rows, as one graph and one
-    ``compute``. ``segs``: ``(cache, pos0, n)`` per sequence in the order of ``h``'s rows (cache: its
+    ``compute``; with ``ffn`` (where :func:`ffn_fusable`) ``(that h, {FFN side})``, the FFN side
+    of the layer in the same graph (:func:`_ffn_nodes`). ``segs``: ``(cache, pos0, n)`` per sequence in the order of ``h``'s rows (cache: its
     :class:`~p2pswarm.engine.arch.deepseek2.mla.LatentCache` of this layer; its ``n`` grows by the segment's rows).
 
     The graph (shapes in ggml's order, T rows in all, W = Rkv + rope)::
@@ -152,10 +219,13 @@ def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
     # every tensor that owns memory, in floats, generously
     acts = (T * (5 * E + 3 * Rq + H * (qk + 2 * Rkv + 2 * rope + 3 * W + 3 * hv) + 4 * W)
             + sum(b * (Rkv + n * (2 * H + 1)) + n * H * (Rkv + 2 * hv) for b, (_, _, n) in zip(spans, segs)))
-    n_tensors = 48 + 20 * n_seq
+    n_tensors = 48 + 20 * n_seq + (24 if ffn else 0)
     macs = T * (E * (Rq + W) + Rq * H * qk + H * hv * E + H * nope * Rkv) + sum(
         b * n * H * (W + Rkv) + n * H * Rkv * hv for b, (_, _, n) in zip(spans, segs))
-    key = (("mla_layer", il, T, tuple((c.rows.ctypes.data, cap, b) for (c, _, _), cap, b in zip(segs, caps, spans)))
+    if ffn:
+        ffn_acts, ffn_macs = _ffn_size(model, il, T)
+        acts, macs = acts + ffn_acts, macs + ffn_macs
+    key = (("mla_layer", il, T, ffn, tuple((c.rows.ctypes.data, cap, b) for (c, _, _), cap, b in zip(segs, caps, spans)))
            if all(n == 1 for _, _, n in segs) else None)
 
     def build(g):
@@ -204,12 +274,13 @@ def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
             at += n
         res = lib.add(ctx, lib.mul_mat(ctx, mats["attn_output"], att if att is not None else out), ht)
         expand(res)
-        return f32_view(lib, ht, (T, E)), _i32_view(lib, pt, T), per_seq, f32_view(lib, res, (T, E))
+        more = _ffn_nodes(model, il, runner, ctx, g.graph, res, T) if ffn else None
+        return f32_view(lib, ht, (T, E)), _i32_view(lib, pt, T), per_seq, f32_view(lib, res, (T, E)), more
 
     with runner.lock:
         g = runner.graph(key, 4 * acts + 64 * n_tensors, n_tensors, build, meta_tensors=n_seq + 2, recurs=True)
         try:
-            h_in, pos_in, per_seq, h_res = g.t
+            h_in, pos_in, per_seq, h_res, more = g.t
             h_in[...] = h
             pos_in[...] = np.concatenate([np.arange(p0, p0 + n) for _, p0, n in segs])
             for (cache, p0, n), b, (mask, idx) in zip(segs, spans, per_seq):
@@ -220,7 +291,9 @@ def mla_layer(model, il: int, h: np.ndarray, segs) -> np.ndarray:
             runner.compute(g.graph, macs)
             for cache, _, n in segs:
                 cache.n += n
-            return h_res.copy()
+            if more is None:
+                return h_res.copy()
+            return h_res.copy(), {k: v.copy() for k, v in more.items()}
         finally:
             runner.release(g)
 

@@ -26,7 +26,7 @@ import numpy as np
 
 import p2pswarm.engine.arch.deepseek2.ggml_mla as ggml_mla  # (not ``from``: the package imports this module)
 import p2pswarm.engine.arch.deepseek2.mla as mla
-from p2pswarm.contracts import MtpEnds, Routed
+from p2pswarm.contracts import LayerIn, MtpEnds, Routed
 from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.common import (DenseWeights, LayerByPieces, TokenEnds, check_tensors, dense_or_shared_ffn,
@@ -195,6 +195,47 @@ class DeepSeek2(TokenEnds, LayerByPieces):
         if h.shape[0] and self._ggml_core():  # the whole layer as llama.cpp's one graph, for its bits (see ggml_mla)
             return ggml_mla.mla_layer(self, il, h, caches)
         return self.mla_rows(il, h, caches)
+
+    def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]) -> LayerIn:
+        """The layer up to its routed experts. On the ggml kernel one graph (llama.cpp's:
+        src/models/deepseek2.cpp) computes the MLA, ffn_norm and then a leading dense layer's whole
+        FFN and residual (``extras["out"]``, the layer's output), or a MoE layer's router logits and
+        gating and its shared expert (``extras["shared"]``); numpy picks the experts from the
+        gating. Why: per piece a decode step ran ~5 graphs a layer with Python between them."""
+        if sum(n for _, _, n in segments) != h.shape[0]:
+            raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
+        if not (h.shape[0] and self._ggml_core() and self._ffn_fused(il)):
+            return super().layer_in(il, h, segments)
+        h, more = ggml_mla.mla_layer(self, il, h, [(st.extra[il], pos0, n) for st, pos0, n in segments], ffn=True)
+        cur = more.pop("cur")
+        if self.is_dense_layer(il):
+            ids, w = no_experts(h.shape[0])
+        else:
+            p = f"blk.{il}."
+            bias = self.w[p + "exp_probs_b.bias"].reshape(-1) if self.w.has(p + "exp_probs_b.bias") else None
+            ids, w = route(more.pop("logits"), self.router, bias, probs=more.pop("probs"))
+        return LayerIn(h, cur, ids, w, more)
+
+    #: False keeps the FFN side as pieces under the ggml kernel (bench/deepseek2_fold_ab.py compares the two)
+    ggml_ffn = True
+
+    def _ffn_fused(self, il: int) -> bool:
+        if not self.ggml_ffn:
+            return False
+        got = self.__dict__.setdefault("_ffn_fusable", {})
+        if il not in got:
+            got[il] = ggml_mla.ffn_fusable(self, il)
+        return got[il]
+
+    def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
+        """The layer's output: from its graph where that computed it (a dense layer's ``out``, a
+        shared expert's ``shared``: :meth:`layer_in`), else :meth:`post_moe`."""
+        if "out" in lin.extras:
+            return lin.extras["out"]
+        shared = lin.extras.get("shared")
+        if shared is not None:
+            return lin.h + (moe + shared)
+        return self.post_moe(il, lin.h, lin.cur, moe)
 
     def mla_rows(self, il: int, h: np.ndarray, caches: list[tuple[mla.LatentCache, int, int]]) -> np.ndarray:
         """h + MLA(attn_norm(h)) of layer ``il`` with numpy's ops, for ``(latent cache, pos0, n)``
