@@ -115,13 +115,16 @@ def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
     cpu1 = {name: cpu_seconds(p.pid) for name, p in sw.named.items()}
     at = getattr(sw, "owner_index", {})
     rows = {at.get(k, k): v - d0.get("owner_rows", {}).get(k, 0) for k, v in d1.get("owner_rows", {}).items()}
+    got0 = {w["name"]: (w.get("wire") or {}).get("received", 0) for w in s0["workers"]}
+    received = {at.get(w["name"], w["name"]): (w.get("wire") or {}).get("received", 0) - got0.get(w["name"], 0)
+                for w in s1["workers"]}  # worker index -> bytes it sent the backbone (its upload)
     return {"tps": gen / wall, "tokens": gen, "wall": wall, "texts": texts,
             "expert_s": d1["seconds"] - d0["seconds"], "busy_s": h1["dense_busy_s"] - h0["dense_busy_s"],
             "fallbacks": d1["fallbacks"] - d0["fallbacks"], "local_groups": d1["local_groups"] - d0["local_groups"],
             "remote_groups": d1["remote_groups"] - d0["remote_groups"], "owner_rows": rows,
             "cpu": {k: (cpu1[k] - cpu0[k]) for k in cpu1},
             "steps": h1["steps"] - h0["steps"], "requests": h1["expert_requests"] - h0["expert_requests"],
-            "micro_batches": h1["micro_batches"], "coded_replies": coded(s1) - coded(s0)}
+            "micro_batches": h1["micro_batches"], "coded_replies": coded(s1) - coded(s0), "received": received}
 
 
 def coded(swarm: dict) -> int:
@@ -360,7 +363,7 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
             quotas = args_quotas(args, label, unequal)
             work_bound = (sum(quotas) / args.backbone_cpu) / b["e_per_tok"] if quotas else float("nan")
             rtt = link_rtt_ms(args, len(quotas))
-            link = n / (L * rtt / 1000) if rtt > 0 else float("inf")
+            link = min(n / (L * rtt / 1000) if rtt > 0 else float("inf"), upload_bound(args, r))
             lim = min(b["amdahl"], link)
             same = sum(t == u for t, u in zip(r["texts"], results["alone"][n]["texts"]))
             rows = r["owner_rows"]
@@ -393,7 +396,8 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
         + " tokens/s). Amdahl bound = alone / (1 - f), f = the alone step's share on routed experts ("
         + ", ".join(f"N={n}: {bounds[n]['f']:.2f}" for n in conc)
         + "); workers' compute bound = the workers' total quota / the backbone's, over the alone run's "
-        f"expert seconds per token; link bound = N / (L RTT), the largest worker RTT (inf at 0 ms, no cap). Load average "
+        f"expert seconds per token; link bound = N / (L RTT), the largest worker RTT (inf at 0 ms), and with "
+        f"--worker-up-mbps each capped worker's cap over the bytes it sent per token (the smallest). Load average "
         f"{load[0][0]:.2f} before, {load[1][0]:.2f} after (2 cores, shared with other jobs: a quota is a "
         f"ceiling, not a guarantee).\n\n") + "\n".join(lines) + "\n"
     if args.plot:
@@ -406,6 +410,18 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
     if args.out:
         with open(args.out, "a") as f:
             f.write(text)
+
+
+def upload_bound(args, r: dict) -> float:
+    """The tokens/s the capped workers' uploads carry at the bytes each sent the backbone per
+    token in this run (the smallest; inf without ``--worker-up-mbps``)."""
+    best = float("inf")
+    for i, sent in r.get("received", {}).items():
+        if args.worker_up and isinstance(i, int) and i >= 0 and sent > 0:
+            cap = args.worker_up[i % len(args.worker_up)]
+            if cap:
+                best = min(best, cap * 1e6 / 8 / (sent / max(1, r["tokens"])))
+    return best
 
 
 def per_worker(ap, flag: str, text: str | None, unit: str) -> list[float] | None:

@@ -155,6 +155,7 @@ class Libp2pOwner(SocketOwner):
             if sealed is not None:
                 await close_now(stream)  # the direct connection replaces the stream
                 sealed.rate = self.link  # its sealed records show the link's pace (link_rate)
+                self.link.begin(False)  # (nothing of a dropped connection's last record carries over)
                 self._stream, self._reader = sealed, FrameReader(sealed, self.max_frame)
                 self.lane = "direct"
                 return
