@@ -169,6 +169,13 @@ class DenseModel(Protocol):
         expert or dense FFN added)."""
         ...
 
+    def layer_in_after(self, il: int, front: Any, segments: list[tuple[Any, int, int]]) -> LayerIn | None:
+        """``layer_in(il, layer_out(il - 1, lin, moe), segments)`` where layer ``il - 1``'s routed
+        experts are all on the backbone's ggml bank (``front``: an
+        :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront` of them) computed with it as
+        ONE graph, the same bits; None where the model does not (the backbone makes the calls)."""
+        ...
+
     def recurrent_layer(self, il: int) -> bool:
         """Whether layer ``il`` keeps a recurrent state (qwen35moe's DeltaNet layers) rather than a
         KV cache: one of what decides its kernels (the backbone's dense-invariance probe)."""

@@ -24,6 +24,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
+from p2pswarm.backbone.serving.generate import sequence_logits
 from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.arch.gptoss import GptOss
@@ -291,6 +292,28 @@ async def test_batched_equals_alone(models_dir, kernel):
     for i, step in enumerate(SCHEDULE):
         for (s, _), x in zip(step, batched[i]):
             assert np.array_equal(x, alone[(i, s)]), (i, s)
+
+
+@needs_ggml
+async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_dir):
+    """On the local path a layer's MXFP4 experts, their combine and residual run in front of the
+    next layer's attention graph (one graph per layer boundary, ``Backbone.fused_layers`` counts
+    them): a prefill of one sequence and its token-by-token decode give the bits of the per-call
+    path (the bank's graph, numpy's combine and ``h + moe``, then the layer's graph), which is
+    also what split workers compute (test_split_equals_monolithic)."""
+    path = oss_model(models_dir, "mxfp4")
+    got = {}
+    for fused in (True, False):
+        async with open_backbone(path, workers=0, kernel="ggml") as mono:
+            bb = mono.backbone
+            bb.model.experts_in_front = fused
+            got[fused] = (await sequence_logits(bb, TOKENS), await sequence_logits(bb, TOKENS, decode=True),
+                          bb.fused_layers, bb.model.layer_graph_calls)
+    n_layer = load_dense(ModelLayout.open(path)).n_layer
+    (p1, d1, n1, calls1), (p0, d0, n0, calls0) = got[True], got[False]
+    assert n0 == 0 and n1 == (n_layer - 1) * (1 + len(TOKENS))  # every boundary of every step fused
+    assert calls1 == calls0  # each layer's graph ran either way
+    assert np.array_equal(p1, p0) and np.array_equal(d1, d0)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ _SINK_VECTORS = ("attn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias"
 
 
 def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, window: int | None,
-                   rope_base: float):
+                   rope_base: float, front=None):
     """A gpt-oss attention layer for every segment's rows, one graph, and what its output feeds:
     ``(h + attn_output(attention(attn_norm(h))) + bias, post_attention_norm(of that), extras)``.
 
@@ -32,7 +32,11 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     :func:`~p2pswarm.engine.ggml.attention.moe_inputs`). ``segs`` as :func:`~p2pswarm.engine.ggml.attention.cache_attention`'s; a
     sliding layer's cache may start after position 0 (``first``), which the mask accounts for.
     Why one graph: the per-piece path is ~10 graphs and numpy between them per decode step, and
-    numpy's attention grows with the context on one core (see gptoss.py)."""
+    numpy's attention grows with the context on one core (see gptoss.py).
+
+    ``front`` (an :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront` of layer ``il - 1``):
+    the layer's input rows are not given but computed first in the same graph, the previous
+    layer's routed experts, their combine and its residual (``h`` is then ``front.h``)."""
     lib = runner.lib
     lt = layer_tensors(model, il, PROJ, _SINK_VECTORS)
     T, E = h.shape
@@ -44,13 +48,21 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
             + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
     n_tensors = 64 + 28 * n_seq
     macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
-    key = decode_key(("sink-attention", il, T), segs, spans)
+    if front is not None:
+        acts += front.nbytes() // 4
+        n_tensors += 24 + front.k
+    key = decode_key(("sink-attention", il, T, front.key if front is not None else None), segs, spans)
     rope_args = (model.n_rot, GGML_ROPE_TYPE_NEOX, int(model.n_ctx_orig), rope_base, model.freq_scale,
                  model.ext_factor, model.attn_factor, model.beta_fast, model.beta_slow)
 
     def build(g):
         ctx, t = g.ctx, lt.t
-        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        if front is None:
+            ht, fills = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T), None
+            h_in = f32_view(lib, ht, (T, E))
+        else:
+            ht, fills = front.nodes(lib, ctx)
+            h_in = fills[0]
         pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
         x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), t["attn_norm.weight"])
         qkv = []
@@ -68,10 +80,12 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
         res = lib.add(ctx, out, ht)
         lib.build_forward_expand(g.graph, res)
         cur, extras = ffn_input_nodes(model, il, runner, g, res, lt, T)
-        return f32_view(lib, ht, (T, E)), _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras
+        return h_in, _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras, fills
 
     def positions(pos_in, p):
         pos_in[...] = p
 
+    if front is not None:
+        macs += front.P * 3 * front.bank.layer_parts(front.layer)[3] * E
     return run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans, positions, macs,
-                      window)
+                      window, front)
