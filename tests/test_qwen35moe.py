@@ -36,6 +36,7 @@ from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
 from helpers.arch_checks import TOKENS
 from helpers.arch_checks import forward as _forward
 from helpers.compare import assert_logits_close, tolerance
+from helpers.ggml import needs_ggml
 from helpers.gguf_edit import rewrite as _rewrite
 from helpers.llama_ref import llama_intermediates
 from p2pswarm.backbone.serving.generate import sequence_logits
@@ -551,3 +552,24 @@ def test_geometry_122b_qwen35moe_loads_in_llama_cpp(tmp_path, monkeypatch):
         assert all(r["same_routing"] for r in rows) and max(r["out"] for r in rows) < 5e-3
     finally:
         path.unlink(missing_ok=True)
+
+
+@needs_ggml
+async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_dir):
+    """On the local path a layer's Q4_K experts, their combine and ``h + (moe + shared)`` run in
+    front of the next layer's graph (DeltaNet or gated attention; ``Backbone.fused_layers``
+    counts the boundaries): a prefill of one sequence (groups of 8+ rows, where a K-quant takes
+    another kernel: the same op on the same rows) and its token-by-token decode give the bits of
+    the per-call path (the bank's graph, numpy's combine, ``layer_out``, the next layer's graph)."""
+    path = q35_model(models_dir, "q4k-experts", seed=27, qtype="q8_0", expert_qtype="q4_k")
+    got = {}
+    for fused in (True, False):
+        async with open_backbone(path, workers=0, kernel="ggml") as mono:
+            bb = mono.backbone
+            bb.model.experts_in_front = fused
+            got[fused] = (await sequence_logits(bb, TOKENS), await sequence_logits(bb, TOKENS, decode=True),
+                          bb.fused_layers)
+            n_layer = bb.model.n_layer
+    (p1, d1, n1), (p0, d0, n0) = got[True], got[False]
+    assert n0 == 0 and n1 == (n_layer - 1) * (1 + len(TOKENS))  # every boundary of every step fused
+    assert np.array_equal(p1, p0) and np.array_equal(d1, d0)

@@ -438,8 +438,8 @@ class Backbone:
         whose experts are all on the local ggml bank; None where the model does not run it. The same
         bits as :meth:`_post_batch` and :meth:`_pre_batch` with the bank's call between them."""
         bank = self.dispatcher.local.bank
-        front = ExpertsInFront.of(bank, il, lin.h, lin.cur, lin.ids, lin.weights, groups) \
-            if isinstance(bank, GgmlExpertBank) and groups and not lin.extras else None
+        front = ExpertsInFront.of(bank, il, lin.h, lin.cur, lin.ids, lin.weights, groups, lin.extras) \
+            if isinstance(bank, GgmlExpertBank) else None
         if front is None:
             return None
         t0 = time.perf_counter()

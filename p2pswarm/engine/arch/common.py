@@ -176,7 +176,10 @@ class LayerByGraph(LayerByPieces):
         routed experts included (``front``: an :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront`,
         every expert on the backbone): the same bits as the two calls and the bank's between them.
         None where the architecture or the kernel does not run it (the caller then makes the calls)."""
-        got = self.graph_layer(il, front.h, segments, front) if self.experts_in_front else None  # type: ignore[call-arg]
+        runner = self.backend.runner  # type: ignore[attr-defined]
+        if not self.experts_in_front or runner is None or front.bank.lib is not runner.lib:
+            return None  # (one process-wide libggml: the last never)
+        got = self.graph_layer(il, front.h, segments, front)  # type: ignore[call-arg]
         return None if got is None else self._graph_in(il, got)
 
     def _graph_in(self, il: int, got: tuple[np.ndarray, np.ndarray, dict]) -> LayerIn:

@@ -313,26 +313,29 @@ class ExpertsInFront:
     layer boundary ran two (the bank's and the layer's) with numpy between them.
 
     The same bits as the bank's call followed by :func:`~p2pswarm.backbone.serving.combine.combine_outputs`
-    and ``h + moe``: the experts are :func:`expert_nodes` on the same (E, 1, P) rows in the same
-    group order (each expert once: the kernel of an expert depends on its own rows only); the
-    combine picks each (slot, row)'s output (``ggml_get_rows``: a copy), multiplies it by its weight
-    and sums the slots in top-k order, ``((y0 + y1) + y2) + ...``, as numpy does, element by element
-    in float32. :meth:`of` returns None where that cannot hold (an expert in two groups, a row that
-    did not choose its group's expert once)."""
+    and the layer's ``layer_out`` (``h + moe``, or ``h + (moe + shared)`` with ``shared``, a shared
+    expert's output the layer's graph computed): the experts are :func:`expert_nodes` on the same
+    (E, 1, P) rows in the same group order (each expert once: the kernel of an expert depends on
+    its own rows only); the combine picks each (slot, row)'s output (``ggml_get_rows``: a copy),
+    multiplies it by its weight and sums the slots in top-k order, ``((y0 + y1) + y2) + ...``, as
+    numpy does, element by element in float32. :meth:`of` returns None where that cannot hold (an
+    expert in two groups, a row that did not choose its group's expert once, an extra the layer's
+    output would need that is not a shared expert)."""
 
-    def __init__(self, bank: GgmlExpertBank, layer: int, h: np.ndarray, cur: np.ndarray, rows: np.ndarray,
-                 local: np.ndarray, sel: np.ndarray, weights: np.ndarray, k: int):
-        self.bank, self.layer = bank, layer
-        self.h, self.cur, self.rows, self.local, self.sel, self.weights, self.k = h, cur, rows, local, sel, weights, k
+    def __init__(self, bank: GgmlExpertBank, layer: int, h: np.ndarray, cur: np.ndarray, shared: np.ndarray | None,
+                 rows: np.ndarray, local: np.ndarray, sel: np.ndarray, weights: np.ndarray, k: int):
+        self.bank, self.layer, self.h, self.cur, self.shared = bank, layer, h, cur, shared
+        self.rows, self.local, self.sel, self.weights, self.k = rows, local, sel, weights, k
         self.P = len(rows)
-        self.key = ("experts-in-front", id(bank), layer, self.P, k)
+        self.key = ("experts-in-front", id(bank), layer, self.P, k, shared is not None)
 
     @classmethod
     def of(cls, bank: GgmlExpertBank, layer: int, h: np.ndarray, cur: np.ndarray, ids: np.ndarray,
-           weights: np.ndarray, groups: list[tuple[int, np.ndarray]]) -> "ExpertsInFront | None":
+           weights: np.ndarray, groups: list[tuple[int, np.ndarray]], extras: dict) -> "ExpertsInFront | None":
         T, k = ids.shape
         experts = [e for e, _ in groups]
-        if not groups or len(set(experts)) != len(experts) or not all(bank.holds(layer, e) for e in experts):
+        if (not groups or set(extras) - {"shared"} or len(set(experts)) != len(experts)
+                or not all(bank.holds(layer, e) for e in experts)):
             return None
         idxs = [np.asarray(r, dtype=np.int64).reshape(-1) for _, r in groups]
         pair = np.full((k, T), -1, np.int64)  # (slot, row) -> its position among the P pairs
@@ -345,18 +348,19 @@ class ExpertsInFront:
             at += len(r)
         if (pair < 0).any():  # a (row, slot) no group computes
             return None
-        return cls(bank, layer, h, cur, np.concatenate(idxs), bank.local_ids(experts, [len(r) for r in idxs]),
-                   pair.reshape(-1).astype(np.int32), np.ascontiguousarray(weights.T, dtype=np.float32).reshape(1, -1),
-                   k)
+        return cls(bank, layer, h, cur, extras.get("shared"), np.concatenate(idxs),
+                   bank.local_ids(experts, [len(r) for r in idxs]), pair.reshape(-1).astype(np.int32),
+                   np.ascontiguousarray(weights.T, dtype=np.float32).reshape(1, -1), k)
 
-    def nbytes(self) -> int:
-        """Room (bytes) the nodes take in a graph of these rows."""
+    def cost(self) -> tuple[int, int, int]:
+        """(bytes, tensors, multiply-adds) the nodes add to a graph of these rows."""
         T, E = self.h.shape
         _, _, _, ff, biases = self.bank.layer_parts(self.layer)
-        return expert_bytes(self.P, E, ff, biases is not None) + 4 * (3 * self.k * T * E + 2 * T * E + 2 * self.k * T)
+        nbytes = expert_bytes(self.P, E, ff, biases is not None) + 4 * (3 * self.k * T * E + 4 * T * E + 2 * self.k * T)
+        return nbytes, 24 + self.k, self.P * 3 * ff * E
 
     def nodes(self, lib: GgmlLib, ctx):
-        """``h + combine(experts(cur))`` as nodes: ``(that node, its inputs to fill)``."""
+        """``h + combine(experts(cur))`` (``+ shared`` inside) as nodes: ``(that node, its inputs to fill)``."""
         T, E = self.h.shape
         P, k = self.P, self.k
         h_in = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
@@ -369,14 +373,31 @@ class ExpertsInFront:
         acc = lib.view_2d(ctx, y, E, T, 4 * E, 0)
         for j in range(1, k):
             acc = lib.add(ctx, acc, lib.view_2d(ctx, y, E, T, 4 * E, 4 * E * T * j))
-        views = (f32_view(lib, h_in, (T, E)), f32_view(lib, x, (P, E)), _i32_view(lib, ids, P),
-                 _i32_view(lib, sel, k * T), f32_view(lib, w, (1, k * T)))
+        views = [f32_view(lib, h_in, (T, E)), f32_view(lib, x, (P, E)), _i32_view(lib, ids, P),
+                 _i32_view(lib, sel, k * T), f32_view(lib, w, (1, k * T))]
+        if self.shared is not None:
+            shared = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+            acc = lib.add(ctx, acc, shared)
+            views.append(f32_view(lib, shared, (T, E)))
         return lib.add(ctx, h_in, acc), views
 
     def fill(self, views) -> None:
-        h_in, x, ids, sel, w = views
+        h_in, x, ids, sel, w = views[:5]
         h_in[...] = self.h
         np.take(self.cur, self.rows, axis=0, out=x)
         ids[...] = self.local
         sel[...] = self.sel
         w[...] = self.weights
+        if self.shared is not None:
+            views[5][...] = self.shared
+
+
+def rows_node(lib: GgmlLib, ctx, T: int, E: int, front: ExpertsInFront | None):
+    """A layer graph's input rows (E, T): an input tensor, or with ``front`` the previous layer's
+    experts and residual computed in front. ``(node, numpy view of the rows to fill or None, the
+    front's inputs or None)``."""
+    if front is None:
+        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        return ht, f32_view(lib, ht, (T, E)), None
+    ht, fills = front.nodes(lib, ctx)
+    return ht, None, fills

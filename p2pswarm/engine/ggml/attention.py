@@ -212,7 +212,7 @@ def run_layer(runner: GgmlRunner, key, nbytes: int, n_tensors: int, build, h: np
             h_in, pos_in, per_seq, h_res, h_cur, extras = g.t[:6]
             if front is None:
                 h_in[...] = h
-            else:
+            else:  # (build made the rows with ggml_bank.rows_node: h_in is None)
                 front.fill(g.t[6])
             if key is not None:  # a decode step: one position per sequence
                 p = np.array([p0 for _, p0, _ in segs], dtype=np.int32)

@@ -9,7 +9,8 @@ import numpy as np
 
 from p2pswarm.engine.ggml.attention import (PROJ, cache_attention, decode_key, ffn_input_nodes, layer_tensors,
                                             moe_input_floats, reserve_spans, run_layer)
-from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32
+from p2pswarm.engine.experts.ggml_bank import rows_node
+from p2pswarm.engine.ggml.lib import GGML_TYPE_I32
 from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 
 GGML_ROPE_TYPE_NEOX = 2  # ggml.h: NEOX pairing (gpt-oss)
@@ -49,20 +50,15 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     n_tensors = 64 + 28 * n_seq
     macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
     if front is not None:
-        acts += front.nbytes() // 4
-        n_tensors += 24 + front.k
+        more_bytes, more_tensors, more_macs = front.cost()
+        acts, n_tensors, macs = acts + more_bytes // 4, n_tensors + more_tensors, macs + more_macs
     key = decode_key(("sink-attention", il, T, front.key if front is not None else None), segs, spans)
     rope_args = (model.n_rot, GGML_ROPE_TYPE_NEOX, int(model.n_ctx_orig), rope_base, model.freq_scale,
                  model.ext_factor, model.attn_factor, model.beta_fast, model.beta_slow)
 
     def build(g):
         ctx, t = g.ctx, lt.t
-        if front is None:
-            ht, fills = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T), None
-            h_in = f32_view(lib, ht, (T, E))
-        else:
-            ht, fills = front.nodes(lib, ctx)
-            h_in = fills[0]
+        ht, h_in, fills = rows_node(lib, ctx, T, E, front)
         pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
         x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), t["attn_norm.weight"])
         qkv = []
@@ -85,7 +81,5 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     def positions(pos_in, p):
         pos_in[...] = p
 
-    if front is not None:
-        macs += front.P * 3 * front.bank.layer_parts(front.layer)[3] * E
     return run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans, positions, macs,
                       window, front)
