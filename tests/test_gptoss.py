@@ -24,7 +24,6 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
-from p2pswarm.backbone.serving.generate import sequence_logits
 from p2pswarm.backbone.sessions.local import open_backbone
 from p2pswarm.engine.arch import load_dense
 from p2pswarm.engine.arch.gptoss import GptOss
@@ -39,7 +38,7 @@ from p2pswarm.model.synth import describe, make_model
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
 from helpers.arch_checks import SCHEDULE, TOKENS
 from helpers.arch_checks import alone as _alone
-from helpers.arch_checks import backbone_logits
+from helpers.arch_checks import backbone_logits, experts_in_front_and_per_call
 from helpers.arch_checks import forward as _forward
 from helpers.arch_checks import run_schedule as _run_schedule
 from helpers.compare import assert_logits_close, tolerance
@@ -302,17 +301,9 @@ async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_
     path (the bank's graph, numpy's combine and ``h + moe``, then the layer's graph), which is
     also what split workers compute (test_split_equals_monolithic)."""
     path = oss_model(models_dir, "mxfp4")
-    got = {}
-    for fused in (True, False):
-        async with open_backbone(path, workers=0, kernel="ggml") as mono:
-            bb = mono.backbone
-            bb.model.experts_in_front = fused
-            got[fused] = (await sequence_logits(bb, TOKENS), await sequence_logits(bb, TOKENS, decode=True),
-                          bb.fused_layers, bb.model.layer_graph_calls)
-    n_layer = load_dense(ModelLayout.open(path)).n_layer
-    (p1, d1, n1, calls1), (p0, d0, n0, calls0) = got[True], got[False]
+    got, n_layer = await experts_in_front_and_per_call(path)
+    (p1, d1, n1), (p0, d0, n0) = got[True], got[False]
     assert n0 == 0 and n1 == (n_layer - 1) * (1 + len(TOKENS))  # every boundary of every step fused
-    assert calls1 == calls0  # each layer's graph ran either way
     assert np.array_equal(p1, p0) and np.array_equal(d1, d0)
 
 

@@ -33,7 +33,7 @@ from p2pswarm.model.synth import describe, make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
-from helpers.arch_checks import TOKENS
+from helpers.arch_checks import TOKENS, experts_in_front_and_per_call
 from helpers.arch_checks import forward as _forward
 from helpers.compare import assert_logits_close, tolerance
 from helpers.ggml import needs_ggml
@@ -562,14 +562,7 @@ async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_
     another kernel: the same op on the same rows) and its token-by-token decode give the bits of
     the per-call path (the bank's graph, numpy's combine, ``layer_out``, the next layer's graph)."""
     path = q35_model(models_dir, "q4k-experts", seed=27, qtype="q8_0", expert_qtype="q4_k")
-    got = {}
-    for fused in (True, False):
-        async with open_backbone(path, workers=0, kernel="ggml") as mono:
-            bb = mono.backbone
-            bb.model.experts_in_front = fused
-            got[fused] = (await sequence_logits(bb, TOKENS), await sequence_logits(bb, TOKENS, decode=True),
-                          bb.fused_layers)
-            n_layer = bb.model.n_layer
+    got, n_layer = await experts_in_front_and_per_call(path)
     (p1, d1, n1), (p0, d0, n0) = got[True], got[False]
     assert n0 == 0 and n1 == (n_layer - 1) * (1 + len(TOKENS))  # every boundary of every step fused
     assert np.array_equal(p1, p0) and np.array_equal(d1, d0)
