@@ -191,6 +191,11 @@ class DenseModel(Protocol):
         """Logits (n, n_vocab) from the last hidden rows."""
         ...
 
+    def output_after(self, front: Any) -> np.ndarray | None:
+        """``output(layer_out(L - 1, lin, moe))`` as ONE graph with the last layer's routed experts
+        (``front``, as :meth:`layer_in_after`'s) where its ``layer_out`` is ``h + moe``; None where not."""
+        ...
+
 
 
 #: ``routed(cur, ids, weights)``: the routed experts' output for the rows ``cur``, combined in the

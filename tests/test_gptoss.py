@@ -296,14 +296,14 @@ async def test_batched_equals_alone(models_dir, kernel):
 @needs_ggml
 async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_dir):
     """On the local path a layer's MXFP4 experts, their combine and residual run in front of the
-    next layer's attention graph (one graph per layer boundary, ``Backbone.fused_layers`` counts
-    them): a prefill of one sequence and its token-by-token decode give the bits of the per-call
+    next layer's attention graph, the last layer's in front of the final norm and lm head (one
+    graph per layer boundary, ``Backbone.fused_layers`` counts them): a prefill of one sequence and its token-by-token decode give the bits of the per-call
     path (the bank's graph, numpy's combine and ``h + moe``, then the layer's graph), which is
     also what split workers compute (test_split_equals_monolithic)."""
-    path = oss_model(models_dir, "mxfp4")
+    path = oss_model(models_dir, "mxfp4-q8_0", seed=44, expert_qtype="mxfp4", qtype="q8_0")  # the head on ggml too
     got, n_layer = await experts_in_front_and_per_call(path)
     (p1, d1, n1), (p0, d0, n0) = got[True], got[False]
-    assert n0 == 0 and n1 == (n_layer - 1) * (1 + len(TOKENS))  # every boundary of every step fused
+    assert n0 == 0 and n1 == n_layer * (1 + len(TOKENS))  # every layer end of every step fused, the last too
     assert np.array_equal(p1, p0) and np.array_equal(d1, d0)
 
 

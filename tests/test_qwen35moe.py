@@ -557,12 +557,12 @@ def test_geometry_122b_qwen35moe_loads_in_llama_cpp(tmp_path, monkeypatch):
 @needs_ggml
 async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_dir):
     """On the local path a layer's Q4_K experts, their combine and ``h + (moe + shared)`` run in
-    front of the next layer's graph (DeltaNet or gated attention; ``Backbone.fused_layers``
-    counts the boundaries): a prefill of one sequence (groups of 8+ rows, where a K-quant takes
+    front of the next layer's graph (DeltaNet or gated attention), the last layer's in front of
+    the final norm and lm head (``Backbone.fused_layers`` counts them): a prefill of one sequence (groups of 8+ rows, where a K-quant takes
     another kernel: the same op on the same rows) and its token-by-token decode give the bits of
     the per-call path (the bank's graph, numpy's combine, ``layer_out``, the next layer's graph)."""
     path = q35_model(models_dir, "q4k-experts", seed=27, qtype="q8_0", expert_qtype="q4_k")
     got, n_layer = await experts_in_front_and_per_call(path)
     (p1, d1, n1), (p0, d0, n0) = got[True], got[False]
-    assert n0 == 0 and n1 == (n_layer - 1) * (1 + len(TOKENS))  # every boundary of every step fused
+    assert n0 == 0 and n1 == n_layer * (1 + len(TOKENS))  # every layer end of every step fused, the last too
     assert np.array_equal(p1, p0) and np.array_equal(d1, d0)

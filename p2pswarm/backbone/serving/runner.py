@@ -384,8 +384,12 @@ class Backbone:
                 res = first()
                 for il in range(L):
                     lin, groups = res
-                    nxt = self._through(il, lin, groups, states[0], pos0[0], spans, last if il + 2 == L else None) \
-                        if fuse and il + 1 < L else None
+                    if not fuse:
+                        nxt = None
+                    elif il + 1 < L:
+                        nxt = self._through(il, lin, groups, states[0], pos0[0], spans, last if il + 2 == L else None)
+                    elif last is None and not self.keep_hidden:  # every row's logits: h goes nowhere else
+                        nxt = self._through_output(il, lin, groups)
                     res = nxt or after(il, lin, groups, disp.run_groups_local(il, lin.cur, groups))
                 return res
 
@@ -437,9 +441,7 @@ class Backbone:
         model's (:meth:`~p2pswarm.engine.arch.common.LayerByGraph.layer_in_after`), for one sequence
         whose experts are all on the local ggml bank; None where the model does not run it. The same
         bits as :meth:`_post_batch` and :meth:`_pre_batch` with the bank's call between them."""
-        bank = self.dispatcher.local.bank
-        front = ExpertsInFront.of(bank, il, lin.h, lin.cur, lin.ids, lin.weights, groups, lin.extras) \
-            if isinstance(bank, GgmlExpertBank) else None
+        front = self._front(il, lin, groups)
         if front is None:
             return None
         t0 = time.perf_counter()
@@ -449,6 +451,23 @@ class Backbone:
         self.dispatcher.ran_locally(il, groups, time.perf_counter() - t0)
         self.fused_layers += 1
         return nxt, self._groups(nxt, lin.h.shape[0], spans, False, only)
+
+    def _through_output(self, il, lin: LayerIn, groups) -> list[np.ndarray] | None:
+        """The last layer's experts and layer_out and the lm head as ONE graph of the model's
+        (``output_after``), for one sequence all of whose rows want logits; None where not run."""
+        front = self._front(il, lin, groups)
+        t0 = time.perf_counter()
+        logits = self.model.output_after(front) if front is not None else None
+        if logits is None:
+            return None
+        self.dispatcher.ran_locally(il, groups, time.perf_counter() - t0)
+        self.fused_layers += 1
+        return [logits]
+
+    def _front(self, il, lin: LayerIn, groups) -> ExpertsInFront | None:
+        bank = self.dispatcher.local.bank
+        return ExpertsInFront.of(bank, il, lin.h, lin.cur, lin.ids, lin.weights, groups, lin.extras) \
+            if isinstance(bank, GgmlExpertBank) else None
 
     def _pre_batch(self, il, h, spans, states, pos0, invariant, verify=None, pspans=None,
                    only: np.ndarray | None = None) -> tuple[LayerIn, Groups]:

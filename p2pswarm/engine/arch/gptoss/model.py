@@ -227,8 +227,6 @@ class GptOss(TokenEnds, LayerByGraph):
         runner = self._graph_runner()
         if runner is None or not all(n > 0 for _, _, n in segments):
             return None
-        if front is not None and front.shared is not None:  # (gpt-oss has no shared expert: never)
-            return None
         slides = self.swa[il]
         caches = [st.kv[il] for st, _, _ in segments]
         h, cur, extras = sink_attention(

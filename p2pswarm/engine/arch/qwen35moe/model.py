@@ -252,8 +252,6 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
         ``front``: layer ``il - 1``'s experts and ``layer_out`` (``h + (moe + shared)``, the shared
         expert from that layer's graph) computed in front of the layer, in the same graph
         (:meth:`~p2pswarm.engine.arch.common.LayerByGraph.layer_in_after`)."""
-        if front is not None and front.shared is None:  # layer_out would compute the shared expert
-            return None
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         groups = _chunks(segments)
