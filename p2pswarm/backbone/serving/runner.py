@@ -384,11 +384,10 @@ class Backbone:
                 res = first()
                 for il in range(L):
                     lin, groups = res
-                    if not fuse:
-                        nxt = None
-                    elif il + 1 < L:
+                    nxt = None
+                    if fuse and il + 1 < L:
                         nxt = self._through(il, lin, groups, states[0], pos0[0], spans, last if il + 2 == L else None)
-                    elif last is None and not self.keep_hidden:  # every row's logits: h goes nowhere else
+                    elif fuse and last is None and not self.keep_hidden:  # every row's logits: h goes nowhere else
                         nxt = self._through_output(il, lin, groups)
                     res = nxt or after(il, lin, groups, disp.run_groups_local(il, lin.cur, groups))
                 return res
