@@ -4,8 +4,10 @@
 
 Each round runs one process per tree (``PYTHONPATH=TREE``), A B A B: the model opened as a monolithic
 backbone on the ggml kernel, an 8-token prompt and 8 warm-up tokens, then ``--steps`` tokens one
-``Backbone.forward`` each, timed (process CPU seconds and wall seconds per token). Prints each
-round and the medians. What a refactoring of the layer loop that claims "no slower" is checked with
+``Backbone.forward`` each, timed (process CPU seconds and wall seconds per token, ggml graphs a
+step, and the wall time a step spends outside ``GgmlRunner.compute``: Python, numpy, ctypes and
+the hand-offs between graphs, steadier than the wall time on a shared machine). Prints each round
+and the medians. What a refactoring of the layer loop that claims "no slower" is checked with
 when the whole ``bench_vs_llama.py`` run is too noisy (its decode is 12 steps, beside llama.cpp).
 """
 from __future__ import annotations
@@ -22,6 +24,20 @@ from pathlib import Path
 
 async def child(model: str, steps: int, threads: int) -> None:
     from p2pswarm.backbone.sessions.local import open_backbone
+    from p2pswarm.engine.ggml.runner import GgmlRunner
+
+    seen = {"graphs": 0, "in_compute": 0.0}  # graphs a step, and the wall time inside them
+    compute = GgmlRunner.compute
+
+    def counted(self, graph, macs):
+        t = time.perf_counter()
+        try:
+            return compute(self, graph, macs)
+        finally:
+            seen["graphs"] += 1
+            seen["in_compute"] += time.perf_counter() - t
+
+    GgmlRunner.compute = counted  # type: ignore[method-assign]
 
     async with open_backbone(model, workers=0, kernel="ggml", threads=threads) as local:
         bb = local.backbone
@@ -30,10 +46,13 @@ async def child(model: str, steps: int, threads: int) -> None:
         for i in range(8):
             await bb.forward([100 + i], st)
         V = bb.model.n_vocab
+        seen.update(graphs=0, in_compute=0.0)
         c0, t0 = time.process_time(), time.perf_counter()
         for i in range(steps):
             await bb.forward([(7919 * i + 3) % V], st)
-        print(json.dumps({"cpu": (time.process_time() - c0) / steps, "wall": (time.perf_counter() - t0) / steps}))
+        wall = (time.perf_counter() - t0) / steps
+        print(json.dumps({"cpu": (time.process_time() - c0) / steps, "wall": wall, "graphs": seen["graphs"] / steps,
+                          "outside": wall - seen["in_compute"] / steps}))
 
 
 def main() -> None:
@@ -61,10 +80,13 @@ def main() -> None:
                 sys.exit(f"error: {tree}: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
             res = json.loads(p.stdout.strip().splitlines()[-1])
             got[tree].append(res)
-            print(f"round {r + 1} {tree}: CPU {res['cpu']:.4f} s/token, wall {res['wall']:.4f} s/token", flush=True)
+            print(f"round {r + 1} {tree}: CPU {res['cpu']:.4f} s/token, wall {res['wall']:.4f} s/token, "
+                  f"{res['graphs']:.1f} graphs a step, {1e3 * res['outside']:.2f} ms a step outside them", flush=True)
     for tree, rs in got.items():
         print(f"median {tree}: CPU {statistics.median(x['cpu'] for x in rs):.4f} s/token, "
-              f"wall {statistics.median(x['wall'] for x in rs):.4f} s/token")
+              f"wall {statistics.median(x['wall'] for x in rs):.4f} s/token, "
+              f"{statistics.median(x['graphs'] for x in rs):.1f} graphs a step, "
+              f"{1e3 * statistics.median(x['outside'] for x in rs):.2f} ms a step outside them")
 
 
 if __name__ == "__main__":

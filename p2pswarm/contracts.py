@@ -169,6 +169,13 @@ class DenseModel(Protocol):
         expert or dense FFN added)."""
         ...
 
+    def layer_in_after(self, il: int, front: Any, segments: list[tuple[Any, int, int]]) -> LayerIn | None:
+        """``layer_in(il, layer_out(il - 1, lin, moe), segments)`` where layer ``il - 1``'s routed
+        experts are all on the backbone's ggml bank (``front``: an
+        :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront` of them) computed with it as
+        ONE graph, the same bits; None where the model does not (the backbone makes the calls)."""
+        ...
+
     def recurrent_layer(self, il: int) -> bool:
         """Whether layer ``il`` keeps a recurrent state (qwen35moe's DeltaNet layers) rather than a
         KV cache: one of what decides its kernels (the backbone's dense-invariance probe)."""
@@ -182,6 +189,11 @@ class DenseModel(Protocol):
 
     def output(self, h: np.ndarray) -> np.ndarray:
         """Logits (n, n_vocab) from the last hidden rows."""
+        ...
+
+    def output_after(self, front: Any) -> np.ndarray | None:
+        """``output(layer_out(L - 1, lin, moe))`` as ONE graph with the last layer's routed experts
+        (``front``, as :meth:`layer_in_after`'s) where its ``layer_out`` is ``h + moe``; None where not."""
         ...
 
 

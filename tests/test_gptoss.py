@@ -38,7 +38,7 @@ from p2pswarm.model.synth import describe, make_model
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
 from helpers.arch_checks import SCHEDULE, TOKENS
 from helpers.arch_checks import alone as _alone
-from helpers.arch_checks import backbone_logits
+from helpers.arch_checks import backbone_logits, experts_in_front_and_per_call
 from helpers.arch_checks import forward as _forward
 from helpers.arch_checks import run_schedule as _run_schedule
 from helpers.compare import assert_logits_close, tolerance
@@ -291,6 +291,20 @@ async def test_batched_equals_alone(models_dir, kernel):
     for i, step in enumerate(SCHEDULE):
         for (s, _), x in zip(step, batched[i]):
             assert np.array_equal(x, alone[(i, s)]), (i, s)
+
+
+@needs_ggml
+async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_dir):
+    """On the local path a layer's MXFP4 experts, their combine and residual run in front of the
+    next layer's attention graph, the last layer's in front of the final norm and lm head (one
+    graph per layer boundary, ``Backbone.fused_layers`` counts them): a prefill of one sequence and its token-by-token decode give the bits of the per-call
+    path (the bank's graph, numpy's combine and ``h + moe``, then the layer's graph), which is
+    also what split workers compute (test_split_equals_monolithic)."""
+    path = oss_model(models_dir, "mxfp4-q8_0", seed=44, expert_qtype="mxfp4", qtype="q8_0")  # the head on ggml too
+    got, n_layer = await experts_in_front_and_per_call(path)
+    (p1, d1, n1), (p0, d0, n0) = got[True], got[False]
+    assert n0 == 0 and n1 == n_layer * (1 + len(TOKENS))  # every layer end of every step fused, the last too
+    assert np.array_equal(p1, p0) and np.array_equal(d1, d0)
 
 
 @pytest.mark.slow

@@ -33,9 +33,10 @@ from p2pswarm.model.synth import describe, make_model
 from p2pswarm.worker.expert_worker import ExpertWorker
 
 from conftest import assert_one_line_error, llama_logits, needs_llama, run_cli
-from helpers.arch_checks import TOKENS
+from helpers.arch_checks import TOKENS, experts_in_front_and_per_call
 from helpers.arch_checks import forward as _forward
 from helpers.compare import assert_logits_close, tolerance
+from helpers.ggml import needs_ggml
 from helpers.gguf_edit import rewrite as _rewrite
 from helpers.llama_ref import llama_intermediates
 from p2pswarm.backbone.serving.generate import sequence_logits
@@ -551,3 +552,17 @@ def test_geometry_122b_qwen35moe_loads_in_llama_cpp(tmp_path, monkeypatch):
         assert all(r["same_routing"] for r in rows) and max(r["out"] for r in rows) < 5e-3
     finally:
         path.unlink(missing_ok=True)
+
+
+@needs_ggml
+async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_dir):
+    """On the local path a layer's Q4_K experts, their combine and ``h + (moe + shared)`` run in
+    front of the next layer's graph (DeltaNet or gated attention), the last layer's in front of
+    the final norm and lm head (``Backbone.fused_layers`` counts them): a prefill of one sequence (groups of 8+ rows, where a K-quant takes
+    another kernel: the same op on the same rows) and its token-by-token decode give the bits of
+    the per-call path (the bank's graph, numpy's combine, ``layer_out``, the next layer's graph)."""
+    path = q35_model(models_dir, "q4k-experts", seed=27, qtype="q8_0", expert_qtype="q4_k")
+    got, n_layer = await experts_in_front_and_per_call(path)
+    (p1, d1, n1), (p0, d0, n0) = got[True], got[False]
+    assert n0 == 0 and n1 == n_layer * (1 + len(TOKENS))  # every layer end of every step fused, the last too
+    assert np.array_equal(p1, p0) and np.array_equal(d1, d0)

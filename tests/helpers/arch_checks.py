@@ -68,3 +68,19 @@ async def alone(backbone) -> dict[tuple[int, int], np.ndarray]:
                 if s == seq:
                     res[(i, s)] = (await backbone.forward_batch([(toks, state)], batch_invariant=True))[0]
     return res
+
+
+async def experts_in_front_and_per_call(path, tokens=TOKENS):
+    """A one-sequence prefill and token-by-token decode of ``tokens`` on the ggml kernel, every
+    expert local, with a layer's experts computed in front of the next layer's graph and without
+    (the model's ``experts_in_front`` off): ``{True: (prefill, decode, fused boundaries), False: ...}``
+    and the model's layer count."""
+    got = {}
+    for fused in (True, False):
+        async with open_backbone(path, workers=0, kernel="ggml") as mono:
+            bb = mono.backbone
+            bb.model.experts_in_front = fused
+            got[fused] = (await sequence_logits(bb, tokens), await sequence_logits(bb, tokens, decode=True),
+                          bb.fused_layers)
+            n_layer = bb.model.n_layer
+    return got, n_layer

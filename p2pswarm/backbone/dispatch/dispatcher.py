@@ -296,10 +296,15 @@ class Dispatcher(Routing, Verification):
         if not groups:  # a layer without routed experts (see run_groups)
             return []
         t0 = time.perf_counter()
-        self.demand.add(layer, groups)
         outs = self.local.forward_groups(layer, cur, groups)
-        self.stats.add_plan({self.local: list(range(len(groups)))}, groups, time.perf_counter() - t0)
+        self.ran_locally(layer, groups, time.perf_counter() - t0)
         return outs
+
+    def ran_locally(self, layer: int, groups: Groups, seconds: float) -> None:
+        """Count groups computed on the local replica outside :meth:`run_groups_local` (the
+        backbone's layer graph computed them in front of the next layer: the same demand and stats)."""
+        self.demand.add(layer, groups)
+        self.stats.add_plan({self.local: list(range(len(groups)))}, groups, seconds)
 
     async def aclose(self) -> None:
         for o in self.owners:

@@ -44,6 +44,7 @@ from p2pswarm.backbone.serving.mtp import HiddenRows
 from p2pswarm.backbone.serving.replay import ReplayStats
 from p2pswarm.backbone.owners.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
 from p2pswarm.contracts import DenseModel, LayerIn
+from p2pswarm.engine.experts.ggml_bank import ExpertsInFront, GgmlExpertBank
 from p2pswarm.engine.state import SequenceState
 
 F32 = np.float32
@@ -211,6 +212,8 @@ class Backbone:
         #: layers of verification steps computed as one chunk per layer, or in rounds of one
         #: position each (forward_batch's ``verify``; tests and benchmarks read which ran)
         self.verify_calls = {"chunk": 0, "rounds": 0}
+        #: layer boundaries computed as one graph, the experts in front of the next layer (_through)
+        self.fused_layers = 0
         self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
         self._dense_running = 0  # dense pieces in progress, all micro-batches (LayerTiming.busy_s)
@@ -373,11 +376,20 @@ class Backbone:
 
         disp = self.dispatcher
         if disp.all_local:  # monolithic: the whole step in one thread hop
+            # one sequence (nothing split per sequence): a layer's experts may run in front of the next
+            # layer's graph, one graph where the bank's and the layer's ran with numpy between them
+            fuse = len(items) == 1 and not any(verify) and isinstance(disp.local.bank, GgmlExpertBank)
+
             def whole():
                 res = first()
                 for il in range(L):
                     lin, groups = res
-                    res = after(il, lin, groups, disp.run_groups_local(il, lin.cur, groups))
+                    nxt = None
+                    if fuse and il + 1 < L:
+                        nxt = self._through(il, lin, groups, states[0], pos0[0], spans, last if il + 2 == L else None)
+                    elif fuse and last is None and not self.keep_hidden:  # every row's logits: h goes nowhere else
+                        nxt = self._through_output(il, lin, groups)
+                    res = nxt or after(il, lin, groups, disp.run_groups_local(il, lin.cur, groups))
                 return res
 
             with self._dense_piece():
@@ -423,6 +435,39 @@ class Backbone:
             state.n_past -= n - keep
         state.checkpoints, state.verified = {}, 0
 
+    def _through(self, il, lin: LayerIn, groups, state, pos0, spans, only) -> tuple[LayerIn, Groups] | None:
+        """Layer ``il``'s experts and layer_out and layer ``il + 1``'s layer_in as ONE graph of the
+        model's (:meth:`~p2pswarm.engine.arch.common.LayerByGraph.layer_in_after`), for one sequence
+        whose experts are all on the local ggml bank; None where the model does not run it. The same
+        bits as :meth:`_post_batch` and :meth:`_pre_batch` with the bank's call between them."""
+        front = self._front(il, lin, groups)
+        if front is None:
+            return None
+        t0 = time.perf_counter()
+        nxt = self.model.layer_in_after(il + 1, front, [(state, pos0, lin.h.shape[0])])
+        if nxt is None:
+            return None
+        self.dispatcher.ran_locally(il, groups, time.perf_counter() - t0)
+        self.fused_layers += 1
+        return nxt, self._groups(nxt, lin.h.shape[0], spans, False, only)
+
+    def _through_output(self, il, lin: LayerIn, groups) -> list[np.ndarray] | None:
+        """The last layer's experts and layer_out and the lm head as ONE graph of the model's
+        (``output_after``), for one sequence all of whose rows want logits; None where not run."""
+        front = self._front(il, lin, groups)
+        t0 = time.perf_counter()
+        logits = self.model.output_after(front) if front is not None else None
+        if logits is None:
+            return None
+        self.dispatcher.ran_locally(il, groups, time.perf_counter() - t0)
+        self.fused_layers += 1
+        return [logits]
+
+    def _front(self, il, lin: LayerIn, groups) -> ExpertsInFront | None:
+        bank = self.dispatcher.local.bank
+        return ExpertsInFront.of(bank, il, lin.h, lin.cur, lin.ids, lin.weights, groups, lin.extras) \
+            if isinstance(bank, GgmlExpertBank) else None
+
     def _pre_batch(self, il, h, spans, states, pos0, invariant, verify=None, pspans=None,
                    only: np.ndarray | None = None) -> tuple[LayerIn, Groups]:
         """Layer ``il``'s layer_in and its expert groups; with ``only`` (the last layer's rows that
@@ -452,20 +497,24 @@ class Backbone:
             lin = LayerIn.gather(h.shape[0], [
                 (np.arange(sp.start, sp.stop), m.layer_in(il, h[sp], [(st, p, sp.stop - sp.start)]))
                 for sp, st, p in zip(spans, states, pos0)])
+        return lin, self._groups(lin, h.shape[0], spans, invariant, only)
+
+    def _groups(self, lin: LayerIn, n: int, spans, invariant, only: np.ndarray | None) -> Groups:
+        """``lin``'s expert groups (of ``n`` rows): see :meth:`_pre_batch`."""
         if not invariant or self.row_invariant_experts:
             groups = expert_groups(lin.ids)  # one group per expert, all sequences: same bits per row
         else:
             groups = self._invariant_groups(lin.ids, spans)
         if only is not None:
-            needed = np.zeros(h.shape[0], bool)
+            needed = np.zeros(n, bool)
             needed[only] = True
             # cut to the out rows only where already measured exact: a lone request never pays the
             # probes (seconds at a big geometry) for it; whole groups that hold an out row are exact
             probed = self._row_invariant
-            cut = 0 if probed is None else len(h) if probed[0] else probed[2]
+            cut = 0 if probed is None else n if probed[0] else probed[2]
             groups = [(e, rows[needed[rows]] if len(rows) <= cut else rows) for e, rows in groups
                       if needed[rows].any()]
-        return lin, groups
+        return groups
 
     def _pre_rounds(self, il, h, spans, states, pos0, verify, batched: bool) -> LayerIn:
         """Layer ``il``'s layer_in in rounds: round r holds row r of every verified sequence (one

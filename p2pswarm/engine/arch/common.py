@@ -119,6 +119,14 @@ class LayerByPieces:
     def layer_out(self, il: int, lin: LayerIn, moe: np.ndarray) -> np.ndarray:
         return self.post_moe(il, lin.h, lin.cur, moe)
 
+    def layer_in_after(self, il: int, front: Any, segments: list[tuple[Any, int, int]]) -> LayerIn | None:
+        """No layer graph to put the previous layer's experts in front of (see :class:`LayerByGraph`)."""
+        return None
+
+    def output_after(self, front: Any) -> np.ndarray | None:
+        """Nor the lm head's (see :class:`LayerByGraph`)."""
+        return None
+
     def moe_rows(self, il: int, h: np.ndarray, routed: Routed) -> np.ndarray:
         """The layer from ``h`` (after its attention) on, its routed experts through ``routed``:
         what an MTP block's layer does after its attention (glm4moe, deepseek2)."""
@@ -158,10 +166,44 @@ class LayerByGraph(LayerByPieces):
         got = self.graph_layer(il, h, segments)
         return got[0] if got is not None else self.pieces_pre_moe(il, h, segments)
 
+    #: whether ``graph_layer`` takes ``front`` (:meth:`layer_in_after`)
+    experts_in_front = False
+
     def layer_in(self, il: int, h: np.ndarray, segments: list[tuple[Any, int, int]]) -> LayerIn:
         got = self.graph_layer(il, h, segments)
         if got is None:
             return self.routed(il, self.pieces_pre_moe(il, h, segments))
+        return self._graph_in(il, got)
+
+    def layer_in_after(self, il: int, front: Any, segments: list[tuple[Any, int, int]]) -> LayerIn | None:
+        """``layer_in(il, layer_out(il - 1, lin, moe), segments)`` as ONE graph, the previous layer's
+        routed experts included (``front``: an :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront`,
+        every expert on the backbone): the same bits as the two calls and the bank's between them.
+        None where the architecture or the kernel does not run it (the caller then makes the calls)."""
+        if not self._fits(front):
+            return None
+        got = self.graph_layer(il, front.h, segments, front)  # type: ignore[call-arg]
+        return None if got is None else self._graph_in(il, got)
+
+    def output_after(self, front: Any) -> np.ndarray | None:
+        """``output(layer_out(L - 1, lin, moe))`` with the last layer's experts, combine and
+        ``layer_out`` in front of the final norm and the lm head, ONE graph (``front`` as
+        :meth:`layer_in_after`'s): the same bits. None where not (the head not on ggml's graph)."""
+        W = self.w[self.output_name]  # type: ignore[attr-defined]
+        dense = self.backend.ggml  # type: ignore[attr-defined]
+        if not self._fits(front) or not isinstance(W, QuantisedMatrix) or W.runner is not dense.runner:
+            return None
+        norm = dense.f32_vector("output_norm.weight")
+        return None if norm is None else W.rmatmul_t(front.h, norm=norm, eps=float(self.eps), front=front)  # type: ignore[attr-defined]
+
+    def _fits(self, front: Any) -> bool:
+        """Whether ``front`` computes this architecture's ``layer_out`` (``h + moe``, or ``h + (moe +
+        shared)`` with the layer's shared expert from its graph) on this process's libggml."""
+        runner = self.backend.runner  # type: ignore[attr-defined]
+        return (self.experts_in_front and runner is not None and front.bank.lib is runner.lib
+                and (front.shared is not None) == bool(self.shared_expert[front.layer]))  # type: ignore[attr-defined]
+
+    def _graph_in(self, il: int, got: tuple[np.ndarray, np.ndarray, dict]) -> LayerIn:
         h, cur, extras = got
         logits = extras.pop("logits", None)
         ids, w = self.route_logits(il, logits) if logits is not None else self.route(il, cur)

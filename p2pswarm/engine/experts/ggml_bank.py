@@ -132,7 +132,11 @@ class GgmlExpertBank:
         rows = np.asarray(rows, dtype=np.float32)
         return self.forward_groups(layer, rows, [(expert, np.arange(rows.shape[0]))])[0]
 
-    def _layer(self, layer: int) -> tuple:
+    def local_ids(self, experts: list[int], sizes: list[int]) -> np.ndarray:
+        """Each (group, row) pair's local expert index, groups in order: ``mul_mat_id``'s ids."""
+        return np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
+
+    def layer_parts(self, layer: int) -> tuple:
         """(gate, up, down, ff) 3-D ggml tensors over every expert of ``layer`` held here (ne2 = the
         local expert index, as llama.cpp's ``ffn_*_exps``): what ``ggml_mul_mat_id`` selects from.
         Made once per layer, no copy; a fused gate_up is split into two strided views at graph time."""
@@ -242,33 +246,21 @@ class GgmlExpertBank:
             return [np.zeros((0, E), np.float32) for _ in experts]
         lib = self.lib
         r = self.runner
-        local = np.repeat(np.array([e - self.expert_begin for e in experts], np.int32), sizes)
+        local = self.local_ids(experts, sizes)
         with r.lock:
-            gate, up, down, ff, biases = self._layer(layer)
+            gate, up, down, ff, biases = self.layer_parts(layer)
 
             def build(g):
                 ctx = g.ctx
                 x = lib.new_tensor_3d(ctx, GGML_TYPE_F32 if form is None else INPUT_FORMS[form][0], E, 1, P)
                 ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
-                if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
-                    g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
-                else:
-                    g_w, u_w = gate, up
-                g_out, u_out = lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids)
-                if biases is None:
-                    h = lib.swiglu_split(ctx, g_out, u_out)
-                    out = lib.mul_mat_id(ctx, down, h, ids)  # (E, 1, P)
-                else:  # gpt-oss: llama.cpp's build_moe_ffn order (bias, swiglu_oai, down, bias)
-                    g_out, u_out = lib.add_id(ctx, g_out, biases[0], ids), lib.add_id(ctx, u_out, biases[1], ids)
-                    h = lib.swiglu_oai(ctx, g_out, u_out, expert_fn.SWIGLU_OAI_ALPHA, expert_fn.SWIGLU_OAI_LIMIT)
-                    out = lib.add_id(ctx, lib.mul_mat_id(ctx, down, h, ids), biases[2], ids)
+                out = expert_nodes(lib, ctx, (gate, up, down, ff, biases), x, ids)  # (E, 1, P)
                 lib.build_forward_expand(g.graph, out)
                 x_view = f32_view(lib, x, (P, E)) if form is None else _u8_view(lib, x, (P, rows.shape[1]))
                 return x_view, _i32_view(lib, ids, P), f32_view(lib, out, (P, E))
 
             # kept by (layer, P, form) where the runner keeps graphs: ids and rows are input data
-            extra = 0 if biases is None else 4 * P * (2 * ff + E)  # the three bias sums
-            g = r.graph(("experts", layer, P, form), 4 * P * (2 * E + 3 * ff + 1) + extra + 8 * 64, 14, build)
+            g = r.graph(("experts", layer, P, form), expert_bytes(P, E, ff, biases is not None) + 8 * 64, 14, build)
             try:
                 x_in, ids_in, flat = g.t
                 np.take(rows, np.concatenate(idxs), axis=0, out=x_in)
@@ -287,3 +279,125 @@ class GgmlExpertBank:
         self._experts.clear()
         self._layers.clear()
         self._mapped.close()
+
+
+def expert_nodes(lib: GgmlLib, ctx, parts: tuple, x, ids):
+    """The routed experts' nodes of one call: ``x`` (E, 1, P) rows, ``ids`` (1, P) each pair's
+    local expert, ``parts`` a layer's :meth:`GgmlExpertBank.layer_parts`; returns the (E, 1, P)
+    output. One ``ggml_mul_mat_id`` per projection (llama.cpp's ``build_moe_ffn``; gpt-oss: bias by
+    ``ggml_add_id``, ``swiglu_oai``). Shared by the bank's own graph and a layer graph that computes
+    the previous layer's experts in front of its attention (the same ops on the same shapes: the
+    same bits, see :meth:`GgmlExpertBank.forward_groups`)."""
+    gate, up, down, _, biases = parts
+    if isinstance(gate, tuple):  # fused gate_up: two strided views of one tensor
+        g_w, u_w = (lib.view_3d(ctx, *view) for view in (gate, up))
+    else:
+        g_w, u_w = gate, up
+    g_out, u_out = lib.mul_mat_id(ctx, g_w, x, ids), lib.mul_mat_id(ctx, u_w, x, ids)
+    if biases is None:
+        return lib.mul_mat_id(ctx, down, lib.swiglu_split(ctx, g_out, u_out), ids)
+    # gpt-oss: llama.cpp's build_moe_ffn order (bias, swiglu_oai, down, bias)
+    g_out, u_out = lib.add_id(ctx, g_out, biases[0], ids), lib.add_id(ctx, u_out, biases[1], ids)
+    h = lib.swiglu_oai(ctx, g_out, u_out, expert_fn.SWIGLU_OAI_ALPHA, expert_fn.SWIGLU_OAI_LIMIT)
+    return lib.add_id(ctx, lib.mul_mat_id(ctx, down, h, ids), biases[2], ids)
+
+
+def expert_bytes(P: int, E: int, ff: int, biased: bool) -> int:
+    """Room (bytes) :func:`expert_nodes` of ``P`` pairs take in a graph, its input rows included."""
+    return 4 * P * (2 * E + 3 * ff + 1) + (4 * P * (2 * ff + E) if biased else 0)
+
+
+class ExpertsInFront:
+    """A layer's routed experts on this bank, their combine and the residual add, as the first
+    nodes of the NEXT layer's graph (the local path, every expert here): one graph where a decode
+    layer boundary ran two (the bank's and the layer's) with numpy between them.
+
+    The same bits as the bank's call followed by :func:`~p2pswarm.backbone.serving.combine.combine_outputs`
+    and the layer's ``layer_out`` (``h + moe``, or ``h + (moe + shared)`` with ``shared``, a shared
+    expert's output the layer's graph computed): the experts are :func:`expert_nodes` on the same
+    (E, 1, P) rows in the same group order (each expert once: the kernel of an expert depends on
+    its own rows only); the combine picks each (slot, row)'s output (``ggml_get_rows``: a copy),
+    multiplies it by its weight and sums the slots in top-k order, ``((y0 + y1) + y2) + ...``, as
+    numpy does, element by element in float32. :meth:`of` returns None where that cannot hold (an
+    expert in two groups, a row that did not choose its group's expert once, an extra the layer's
+    output would need that is not a shared expert)."""
+
+    def __init__(self, bank: GgmlExpertBank, layer: int, h: np.ndarray, cur: np.ndarray, shared: np.ndarray | None,
+                 rows: np.ndarray, local: np.ndarray, sel: np.ndarray, weights: np.ndarray, k: int):
+        self.bank, self.layer, self.h, self.cur, self.shared = bank, layer, h, cur, shared
+        self.rows, self.local, self.sel, self.weights, self.k = rows, local, sel, weights, k
+        self.P = len(rows)
+        self.key = ("experts-in-front", id(bank), layer, self.P, k, shared is not None)
+
+    @classmethod
+    def of(cls, bank: GgmlExpertBank, layer: int, h: np.ndarray, cur: np.ndarray, ids: np.ndarray,
+           weights: np.ndarray, groups: list[tuple[int, np.ndarray]], extras: dict) -> "ExpertsInFront | None":
+        T, k = ids.shape
+        experts = [e for e, _ in groups]
+        if (not groups or set(extras) - {"shared"} or len(set(experts)) != len(experts)
+                or not all(bank.holds(layer, e) for e in experts)):
+            return None
+        idxs = [np.asarray(r, dtype=np.int64).reshape(-1) for _, r in groups]
+        pair = np.full((k, T), -1, np.int64)  # (slot, row) -> its position among the P pairs
+        at = 0
+        for e, r in zip(experts, idxs):
+            match = ids[r] == e
+            if not (match.sum(axis=1) == 1).all():
+                return None
+            pair[match.argmax(axis=1), r] = np.arange(at, at + len(r))
+            at += len(r)
+        if (pair < 0).any():  # a (row, slot) no group computes
+            return None
+        return cls(bank, layer, h, cur, extras.get("shared"), np.concatenate(idxs),
+                   bank.local_ids(experts, [len(r) for r in idxs]), pair.reshape(-1).astype(np.int32),
+                   np.ascontiguousarray(weights.T, dtype=np.float32).reshape(1, -1), k)
+
+    def cost(self) -> tuple[int, int, int]:
+        """(bytes, tensors, multiply-adds) the nodes add to a graph of these rows."""
+        T, E = self.h.shape
+        _, _, _, ff, biases = self.bank.layer_parts(self.layer)
+        nbytes = expert_bytes(self.P, E, ff, biases is not None) + 4 * (3 * self.k * T * E + 4 * T * E + 2 * self.k * T)
+        return nbytes, 24 + self.k, self.P * 3 * ff * E
+
+    def nodes(self, lib: GgmlLib, ctx):
+        """``h + combine(experts(cur))`` (``+ shared`` inside) as nodes: ``(that node, its inputs to fill)``."""
+        T, E = self.h.shape
+        P, k = self.P, self.k
+        h_in = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
+        ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
+        sel = lib.new_tensor_1d(ctx, GGML_TYPE_I32, k * T)
+        w = lib.new_tensor_2d(ctx, GGML_TYPE_F32, 1, k * T)
+        out = expert_nodes(lib, ctx, self.bank.layer_parts(self.layer), x, ids)  # (E, 1, P)
+        y = lib.mul(ctx, lib.get_rows(ctx, lib.reshape_2d(ctx, out, E, P), sel), w)  # (E, k*T): slot-major
+        acc = lib.view_2d(ctx, y, E, T, 4 * E, 0)
+        for j in range(1, k):
+            acc = lib.add(ctx, acc, lib.view_2d(ctx, y, E, T, 4 * E, 4 * E * T * j))
+        views = [f32_view(lib, h_in, (T, E)), f32_view(lib, x, (P, E)), _i32_view(lib, ids, P),
+                 _i32_view(lib, sel, k * T), f32_view(lib, w, (1, k * T))]
+        if self.shared is not None:
+            shared = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+            acc = lib.add(ctx, acc, shared)
+            views.append(f32_view(lib, shared, (T, E)))
+        return lib.add(ctx, h_in, acc), views
+
+    def fill(self, views) -> None:
+        h_in, x, ids, sel, w = views[:5]
+        h_in[...] = self.h
+        np.take(self.cur, self.rows, axis=0, out=x)
+        ids[...] = self.local
+        sel[...] = self.sel
+        w[...] = self.weights
+        if self.shared is not None:
+            views[5][...] = self.shared
+
+
+def rows_node(lib: GgmlLib, ctx, T: int, E: int, front: ExpertsInFront | None):
+    """A layer graph's input rows (E, T): an input tensor, or with ``front`` the previous layer's
+    experts and residual computed in front. ``(node, numpy view of the rows to fill or None, the
+    front's inputs or None)``."""
+    if front is None:
+        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        return ht, f32_view(lib, ht, (T, E)), None
+    ht, fills = front.nodes(lib, ctx)
+    return ht, None, fills

@@ -200,15 +200,20 @@ def ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTensor
 
 
 def run_layer(runner: GgmlRunner, key, nbytes: int, n_tensors: int, build, h: np.ndarray, segs, spans,
-               positions, macs: int, window: int | None = None):
+               positions, macs: int, window: int | None = None, front=None):
     """Build (or take the kept) layer graph, fill its inputs (the rows, ``positions(pos_in, p)``
-    for the rows' positions ``p``, the caches' indices and masks), compute it, advance the caches;
-    returns copies of ``(h, cur or None, extras)``."""
+    for the rows' positions ``p``, the caches' indices and masks; with ``front``, an
+    :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront` whose nodes ``build`` put in front
+    of the layer, its inputs instead of the rows), compute it, advance the caches; returns copies
+    of ``(h, cur or None, extras)``."""
     with runner.lock:
         g = runner.graph(key, nbytes, n_tensors, build, meta_tensors=3 * len(segs) + 2, recurs=True)
         try:
-            h_in, pos_in, per_seq, h_res, h_cur, extras = g.t
-            h_in[...] = h
+            h_in, pos_in, per_seq, h_res, h_cur, extras = g.t[:6]
+            if front is None:
+                h_in[...] = h
+            else:  # (build made the rows with ggml_bank.rows_node: h_in is None)
+                front.fill(g.t[6])
             if key is not None:  # a decode step: one position per sequence
                 p = np.array([p0 for _, p0, _ in segs], dtype=np.int32)
             else:

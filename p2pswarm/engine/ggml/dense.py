@@ -72,10 +72,14 @@ class QuantisedMatrix:
         return np.asarray(self)[key]
 
     # the two ops ---------------------------------------------------------------------------------
-    def rmatmul_t(self, x: np.ndarray, *, norm=None, eps: float = 0.0) -> np.ndarray:
+    def rmatmul_t(self, x: np.ndarray, *, norm=None, eps: float = 0.0, front=None) -> np.ndarray:
         """x @ W.T for x (..., in) float32 -> (..., out) float32, by ggml_mul_mat(W, x); with ``norm``
         (an F32 ggml tensor of ``in`` values) ``rms_norm(x) * norm @ W.T`` in the same graph (the
-        model's final norm and its lm head, as llama.cpp's graph ends)."""
+        model's final norm and its lm head, as llama.cpp's graph ends). ``front`` (an
+        :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront` whose ``h`` is ``x``): the rows
+        are the last layer's residual plus its experts, computed first in the same graph."""
+        if front is not None:
+            return self._after(front, norm, eps)
         x = np.asarray(x, dtype=np.float32)
         out_n, in_n = self.shape
         if x.shape[-1] != in_n:
@@ -101,6 +105,37 @@ class QuantisedMatrix:
         result = r.run_one(("matmul", self.tensor, norm, eps, n), 4 * n * (3 * in_n + out_n) + 256, 5, build, x2,
                            n * in_n * out_n)
         return result[:rows].reshape(*lead, out_n)
+
+    def _after(self, front, norm, eps: float) -> np.ndarray:
+        """:meth:`rmatmul_t` of rows computed in front (2-D; a lone row padded with copies of
+        itself to ``min_rows`` inside the graph, as the numpy pad copies it)."""
+        out_n, in_n = self.shape
+        rows = front.h.shape[0]
+        n = max(rows, self.min_rows)
+        lib, r = self.runner.lib, self.runner
+        more_bytes, more_tensors, more_macs = front.cost()
+
+        def build(g):
+            ctx = g.ctx
+            xt, fills = front.nodes(lib, ctx)
+            last = lib.view_2d(ctx, xt, in_n, 1, 4 * in_n, 4 * in_n * (rows - 1))
+            for _ in range(n - rows):
+                xt = lib.concat(ctx, xt, last, 1)
+            y = xt if norm is None else lib.mul(ctx, lib.rms_norm(ctx, xt, eps), norm)
+            out = lib.mul_mat(ctx, self.tensor, y)
+            lib.build_forward_expand(g.graph, out)
+            return fills, f32_view(lib, out, (n, out_n))
+
+        with r.lock:
+            g = r.graph(("matmul", self.tensor, norm, eps, n, front.key), 4 * n * (4 * in_n + out_n) + more_bytes + 256,
+                        8 + n + more_tensors, build, recurs=True)
+            try:
+                fills, y = g.t
+                front.fill(fills)
+                r.compute(g.graph, n * in_n * out_n + more_macs)
+                return y[:rows].copy()
+            finally:
+                r.release(g)
 
     def get_rows(self, ids: np.ndarray) -> np.ndarray:
         """W[ids] dequantised by ggml_get_rows (llama.cpp's embedding lookup)."""

@@ -9,7 +9,8 @@ import numpy as np
 
 from p2pswarm.engine.ggml.attention import (PROJ, cache_attention, decode_key, ffn_input_nodes, layer_tensors,
                                             moe_input_floats, reserve_spans, run_layer)
-from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32
+from p2pswarm.engine.experts.ggml_bank import rows_node
+from p2pswarm.engine.ggml.lib import GGML_TYPE_I32
 from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 
 GGML_ROPE_TYPE_NEOX = 2  # ggml.h: NEOX pairing (gpt-oss)
@@ -19,7 +20,7 @@ _SINK_VECTORS = ("attn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias"
 
 
 def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, window: int | None,
-                   rope_base: float):
+                   rope_base: float, front=None):
     """A gpt-oss attention layer for every segment's rows, one graph, and what its output feeds:
     ``(h + attn_output(attention(attn_norm(h))) + bias, post_attention_norm(of that), extras)``.
 
@@ -32,7 +33,11 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     :func:`~p2pswarm.engine.ggml.attention.moe_inputs`). ``segs`` as :func:`~p2pswarm.engine.ggml.attention.cache_attention`'s; a
     sliding layer's cache may start after position 0 (``first``), which the mask accounts for.
     Why one graph: the per-piece path is ~10 graphs and numpy between them per decode step, and
-    numpy's attention grows with the context on one core (see gptoss.py)."""
+    numpy's attention grows with the context on one core (see gptoss.py).
+
+    ``front`` (an :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront` of layer ``il - 1``):
+    the layer's input rows are not given but computed first in the same graph, the previous
+    layer's routed experts, their combine and its residual (``h`` is then ``front.h``)."""
     lib = runner.lib
     lt = layer_tensors(model, il, PROJ, _SINK_VECTORS)
     T, E = h.shape
@@ -44,13 +49,16 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
             + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
     n_tensors = 64 + 28 * n_seq
     macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
-    key = decode_key(("sink-attention", il, T), segs, spans)
+    if front is not None:
+        more_bytes, more_tensors, more_macs = front.cost()
+        acts, n_tensors, macs = acts + more_bytes // 4, n_tensors + more_tensors, macs + more_macs
+    key = decode_key(("sink-attention", il, T, front.key if front is not None else None), segs, spans)
     rope_args = (model.n_rot, GGML_ROPE_TYPE_NEOX, int(model.n_ctx_orig), rope_base, model.freq_scale,
                  model.ext_factor, model.attn_factor, model.beta_fast, model.beta_slow)
 
     def build(g):
         ctx, t = g.ctx, lt.t
-        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        ht, h_in, fills = rows_node(lib, ctx, T, E, front)
         pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
         x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), t["attn_norm.weight"])
         qkv = []
@@ -68,10 +76,10 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
         res = lib.add(ctx, out, ht)
         lib.build_forward_expand(g.graph, res)
         cur, extras = ffn_input_nodes(model, il, runner, g, res, lt, T)
-        return f32_view(lib, ht, (T, E)), _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras
+        return h_in, _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras, fills
 
     def positions(pos_in, p):
         pos_in[...] = p
 
     return run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans, positions, macs,
-                      window)
+                      window, front)

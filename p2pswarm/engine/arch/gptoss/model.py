@@ -56,6 +56,8 @@ class GptOss(TokenEnds, LayerByGraph):
     attention_graph = True
     #: layer calls that ran as one graph (tests assert the graph path ran)
     layer_graph_calls = 0
+    #: the previous layer's experts and residual may run in front of a layer's graph (post_moe is h + moe)
+    experts_in_front = True
 
     def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
         self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
@@ -214,10 +216,12 @@ class GptOss(TokenEnds, LayerByGraph):
     def _graph_runner(self):
         return ggml_attention.graph_runner(self, sinks=True)
 
-    def graph_layer(self, il: int, h: np.ndarray, segments):
+    def graph_layer(self, il: int, h: np.ndarray, segments, front=None):
         """:meth:`pre_moe_batch` as one ggml graph: ``(h, post_attention_norm(h), {"logits"})``;
         None where it does not run (the numpy/portable kernels, an empty segment). A sliding
-        layer's caches are trimmed after it, as on the numpy path."""
+        layer's caches are trimmed after it, as on the numpy path. ``front``: layer ``il - 1``'s
+        experts and residual (``post_moe``: h + moe) computed in front, in the same graph
+        (:meth:`~p2pswarm.engine.arch.common.LayerByGraph.layer_in_after`)."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         runner = self._graph_runner()
@@ -228,7 +232,8 @@ class GptOss(TokenEnds, LayerByGraph):
         h, cur, extras = sink_attention(
             self, runner, il, np.ascontiguousarray(h, dtype=F32),
             [(kv, p0, n) for kv, (_, p0, n) in zip(caches, segments)],
-            window=self.n_swa if slides else None, rope_base=self.rope_base_swa if slides else self.rope_base)
+            window=self.n_swa if slides else None, rope_base=self.rope_base_swa if slides else self.rope_base,
+            front=front)
         if slides:
             for kv in caches:
                 if isinstance(kv, WindowKVCache):

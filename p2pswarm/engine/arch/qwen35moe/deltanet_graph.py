@@ -27,6 +27,7 @@ import numpy as np
 
 from p2pswarm.engine.ggml.attention import moe_input_floats, moe_inputs
 from p2pswarm.engine.ggml.dense import QuantisedMatrix
+from p2pswarm.engine.experts.ggml_bank import rows_node
 from p2pswarm.engine.ggml.lib import GGML_TYPE_F32
 from p2pswarm.engine.ggml.runner import f32_view
 from p2pswarm.engine.state import aligned_zeros
@@ -118,7 +119,8 @@ def _runs(segs: list[tuple]) -> list[tuple[int, int, list]]:
 
 
 def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
-                     segs: list[tuple], stepped: dict[int, list] | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+                     segs: list[tuple], stepped: dict[int, list] | None = None,
+                     front=None) -> tuple[np.ndarray, np.ndarray, dict]:
     """``h + DeltaNet(attn_norm(h))`` for the rows of every ``(DeltaNetState, n)`` segment, in one
     graph, each sequence's conv rows and state updated in place; and ``post_attention_norm`` of
     that (the experts' and the router's input), as the attention layer's graph ends too, with
@@ -156,6 +158,9 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     list gets, per position but the last, the layer's state after it as
     :meth:`~p2pswarm.engine.arch.qwen35moe.deltanet.DeltaNetState.checkpoint` gives it (``(buf, conv)``), so the
     positions after it can be dropped (speculative decoding's rollback).
+
+    ``front``: layer ``il - 1``'s experts and residual computed in front of the layer, in the same
+    graph (:class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront`; ``h`` is then ``front.h``).
     """
     stepped = stepped or {}
     dense = model.backend.ggml
@@ -177,8 +182,11 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
     # kept for the next step when it is a decode step (one row per sequence: the same shape every
     # step); the key names each sequence's state memory, which the graph's tensors are placed on
     key = (("deltanet", il, T, tuple((st.conv.ctypes.data, st.conv.nbytes, st.buf.ctypes.data, st.buf.nbytes,
-                                      st.head) for st, _ in segs))
+                                      st.head) for st, _ in segs), front.key if front is not None else None)
            if all(n == 1 for _, n in segs) else None)
+    if front is not None:
+        more_bytes, more_tensors, more_macs = front.cost()
+        floats, n_tensors, macs = floats + more_bytes // 4, n_tensors + more_tensors, macs + more_macs
     # a stepped segment's states after each position but the last (fresh memory: never kept)
     snaps = {j: [aligned_zeros(segs[j][0].buf.shape) for _ in range(segs[j][1] - 1)] for j in stepped}
     n_tensors += 12 * sum(segs[j][1] for j in stepped)
@@ -194,7 +202,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         def expand(node):
             lib.build_forward_expand(graph, node)
 
-        hin = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        hin, h_rows, fills = rows_node(lib, ctx, T, E, front)
         x = lib.mul_inplace(ctx, lib.rms_norm(ctx, hin, eps), t["attn_norm"])
         m = lib.mul_mat(ctx, t["attn_qkv"], x)  # [C, T]
         z = lib.mul_mat(ctx, t["attn_gate"], x)  # [Hv dv, T]
@@ -265,16 +273,18 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         expand(cur)
         extras = moe_inputs(model, il, r, ctx, graph, cur, T)
         x_views = [(seg, f32_view(lib, X, (ns, C, K - 1 + n)), j, n) for seg, X, j, n, ns in xs]
-        return (f32_view(lib, hin, (T, E)), f32_view(lib, out, (T, E)), f32_view(lib, cur, (T, E)), extras,
-                x_views)
+        return h_rows, f32_view(lib, out, (T, E)), f32_view(lib, cur, (T, E)), extras, x_views, fills
 
     floats += moe_input_floats(model, il, T)
     n_tensors += 24
     with r.lock:
         g = r.graph(key, 4 * floats + 64 * n_tensors, n_tensors, build, meta_tensors=4 * S + 2 * sum(segs[j][1] for j in stepped), recurs=True)
         try:
-            h_in, h_out, h_cur, extras, x_views = g.t
-            h_in[...] = h
+            h_in, h_out, h_cur, extras, x_views, fills = g.t
+            if front is None:
+                h_in[...] = h
+            else:
+                front.fill(fills)
             r.compute(g.graph, macs)
             out_h, cur_h = h_out.copy(), h_cur.copy()
             more = {k: v.copy() for k, v in extras.items()}

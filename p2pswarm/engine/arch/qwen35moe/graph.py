@@ -10,14 +10,15 @@ import numpy as np
 
 from p2pswarm.engine.ggml.attention import (cache_attention, decode_key, ffn_input_nodes, layer_tensors,
                                             moe_input_floats, reserve_spans, run_layer)
-from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32
+from p2pswarm.engine.experts.ggml_bank import rows_node
+from p2pswarm.engine.ggml.lib import GGML_TYPE_I32
 from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 
 GGML_ROPE_TYPE_IMROPE = 40  # ggml.h: interleaved multi-axis RoPE (Qwen3-VL / Qwen3.5), NEOX pairing
 
 
 def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
-                    with_ffn_input: bool = False):
+                    with_ffn_input: bool = False, front=None):
     """``h + gated_attention(attn_norm(h))`` of layer ``il`` for every segment's rows, one graph.
 
     ``segs``: ``(kv, pos0, n)`` per sequence, in the order of ``h``'s rows (kv: its KVCache of this
@@ -28,7 +29,10 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
     A decode step's graph (one row per sequence) is kept and reused while the step's shape
     repeats: its key is the rows, each cache's memory and capacity and its :func:`~p2pswarm.engine.ggml.attention.kv_span`. The
     step's new keys and values go in by ``ggml_set_rows`` at positions that are input data (as
-    llama.cpp writes its cache), not by copies onto views whose offsets would be part of the graph."""
+    llama.cpp writes its cache), not by copies onto views whose offsets would be part of the graph.
+
+    ``front``: layer ``il - 1``'s experts and residual computed in front of the layer, in the same
+    graph (:class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront`; ``h`` is then ``front.h``)."""
     lib = runner.lib
     lt = layer_tensors(model, il)
     T, E = h.shape
@@ -42,12 +46,15 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
             + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
     n_tensors = 40 + 28 * n_seq
     macs = T * E * (3 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
-    key = decode_key(("attention", il, T, with_ffn_input), segs, spans)
+    if front is not None:
+        more_bytes, more_tensors, more_macs = front.cost()
+        acts, n_tensors, macs = acts + more_bytes // 4, n_tensors + more_tensors, macs + more_macs
+    key = decode_key(("attention", il, T, with_ffn_input, front.key if front is not None else None), segs, spans)
 
     def build(g):
         ctx = g.ctx
         f = 4
-        ht = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+        ht, h_in, fills = rows_node(lib, ctx, T, E, front)
         pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T)
         x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["attn_norm.weight"])
         qg = lib.mul_mat(ctx, lt.t["attn_q.weight"], x)  # [2 hd, H, T] head by head: q | gate
@@ -68,8 +75,7 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
         res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output.weight"], gated), ht)
         lib.build_forward_expand(g.graph, res)
         cur, extras = ffn_input_nodes(model, il, runner, g, res, lt, T) if with_ffn_input else (None, {})
-        return (f32_view(lib, ht, (T, E)), _i32_view(lib, pos, 4 * T), per_seq, f32_view(lib, res, (T, E)),
-                cur, extras)
+        return h_in, _i32_view(lib, pos, 4 * T), per_seq, f32_view(lib, res, (T, E)), cur, extras, fills
 
     def positions(pos_in, p):  # IMROPE's four position streams (t, h, w, e), each T long: text is (p, p, p, 0)
         pos_in[:3 * T] = np.tile(p, 3)
@@ -79,5 +85,5 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
         acts += moe_input_floats(model, il, T)
         n_tensors += 24
     h_out, cur_out, more = run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans,
-                                      positions, macs)
+                                      positions, macs, front=front)
     return (h_out, cur_out, more) if with_ffn_input else h_out

@@ -47,6 +47,8 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
     deltanet_mode = "auto"
     #: how many DeltaNet ``pre_moe_batch`` calls ran as one ggml graph (tests and profiles read it)
     layer_graph_calls = 0
+    #: the previous layer's experts and layer_out may run in front of a layer's graph (layer_in_after)
+    experts_in_front = True
 
     def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
         self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
@@ -231,7 +233,7 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
         shared = lin.extras.get("shared")
         return lin.h + (moe + (shared if shared is not None else self.shared(il, lin.cur)))
 
-    def graph_layer(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]]):
+    def graph_layer(self, il: int, h: np.ndarray, segments: list[tuple[SequenceState, int, int]], front=None):
         """``(h, post_attention_norm(h), {"logits", "shared"} where it computed them)`` of the layer
         for the rows of several sequences (``h`` holds, in order, the ``n`` rows of each ``(state,
         pos0, n)`` segment) as one ggml graph; None where it does not run (then the pieces).
@@ -245,7 +247,11 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
         graph (:func:`p2pswarm.engine.arch.qwen35moe.deltanet_graph.deltanet_pre_moe`: the same steps in llama.cpp's
         ops, state updated in place); :meth:`_layer_graph` says when. So is a gated-attention layer
         (:func:`p2pswarm.engine.arch.qwen35moe.graph.gated_attention`: every sequence's KV write and
-        attention on its own cache)."""
+        attention on its own cache).
+
+        ``front``: layer ``il - 1``'s experts and ``layer_out`` (``h + (moe + shared)``, the shared
+        expert from that layer's graph) computed in front of the layer, in the same graph
+        (:meth:`~p2pswarm.engine.arch.common.LayerByGraph.layer_in_after`)."""
         if sum(n for _, _, n in segments) != h.shape[0]:
             raise ValueError(f"segments cover {sum(n for _, _, n in segments)} rows, h has {h.shape[0]}")
         groups = _chunks(segments)
@@ -256,7 +262,7 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
                 self.layer_graph_calls += 1
                 snaps: dict[int, list] = {j: [] for j in stepped}
                 got = ggml_layers.deltanet_pre_moe(self, il, lw, np.ascontiguousarray(h, dtype=F32),
-                                                   [(st.extra[il], n) for st, _, n, _ in groups], snaps)
+                                                   [(st.extra[il], n) for st, _, n, _ in groups], snaps, front)
                 for j, ck in snaps.items():
                     groups[j][0].checkpoints[il] = ck
                 return got
@@ -268,7 +274,7 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
                     segs += ([(ggml_attention.KVAhead(st.kv[il], i), p0 + i, 1) for i in range(n)] if one_by_one
                              else [(st.kv[il], p0, n)])
                 got = gated_attention(self, runner, il, np.ascontiguousarray(h, dtype=F32),
-                                                     segs, with_ffn_input=True)
+                                      segs, with_ffn_input=True, front=front)
                 for st, _, n, one_by_one in groups:
                     if one_by_one:
                         kv = st.kv[il]
