@@ -297,6 +297,7 @@ def expert_nodes(lib: GgmlLib, ctx, parts: tuple, x, ids):
     if biases is None:
         return lib.mul_mat_id(ctx, down, lib.swiglu_split(ctx, g_out, u_out), ids)
     # gpt-oss: llama.cpp's build_moe_ffn order (bias, swiglu_oai, down, bias)
+    assert lib.add_id is not None and lib.swiglu_oai is not None  # the bank refuses gpt-oss without them
     g_out, u_out = lib.add_id(ctx, g_out, biases[0], ids), lib.add_id(ctx, u_out, biases[1], ids)
     h = lib.swiglu_oai(ctx, g_out, u_out, expert_fn.SWIGLU_OAI_ALPHA, expert_fn.SWIGLU_OAI_LIMIT)
     return lib.add_id(ctx, lib.mul_mat_id(ctx, down, h, ids), biases[2], ids)
@@ -363,6 +364,7 @@ class ExpertsInFront:
         """``h + combine(experts(cur))`` (``+ shared`` inside) as nodes: ``(that node, its inputs to fill)``."""
         T, E = self.h.shape
         P, k = self.P, self.k
+        assert lib.mul and lib.add and lib.view_2d and lib.reshape_2d  # in every libggml we build
         h_in = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
         x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
         ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
