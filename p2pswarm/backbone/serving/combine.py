@@ -75,7 +75,7 @@ def _slot_buffer(k: int, T: int, n_embd: int) -> np.ndarray:
     Why kept: memory new to the process costs a page fault and zeroing on its first write, ~1 ms
     per MiB on this machine's VM against ~0.1 to write memory already mapped, and a fresh array per
     combine (3 MiB at 32 decode rows) was given back to the kernel and faulted in anew each time:
-    the combine cost 15-19 us per (expert, row) pair inside a backbone against 4-5 us hot
+    the combine cost 15-29 us per (expert, row) pair inside a backbone against 3-5 us hot
     (docs/benchmarks.md, issue 46 section 9). A (slot, row) no group fills keeps what the buffer
     held, as np.empty's did: the groups of a routing fill every one."""
     n = k * T * n_embd
