@@ -7,6 +7,8 @@ because both use it and the runner keeps the drafter's hidden rows: in the runne
 had to import it back lazily (an import cycle)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from p2pswarm.backbone.serving import grouping
@@ -31,7 +33,7 @@ def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: 
     (one per sequence in a batch-invariant step), each covering its own rows."""
     T, k = ids.shape
     n_embd = outs[0].shape[1]
-    y = np.empty((k, T, n_embd), dtype=F32)
+    y = _slot_buffer(k, T, n_embd)
     # Each output row goes to (its top-k slot, its row). The slots of all groups' rows come from
     # one comparison of the layer's (row, expert) pairs, and each group is then one assignment of
     # its output as it is: not four numpy calls and a copy of the output per group (a layer has
@@ -50,11 +52,39 @@ def combine_outputs(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: 
         for (e, rows), out in zip(groups, outs):
             r, slot = np.nonzero(ids[rows] == e)
             y[slot, rows[r]] = out[r]
-    y *= weights.T[:, :, None]
-    acc = y[0].copy()
-    for j in range(1, k):
-        acc += y[j]
+    # slot by slot, each weighted just before it is added (while it is in cache): the products and
+    # the sums of y *= weights.T[:, :, None]; acc = y[0] + y[1] + ..., bit for bit, in one pass over y
+    for j in range(k):
+        yj = y[j]
+        yj *= weights[:, j:j + 1]
+        if j == 0:
+            acc = yj.copy()
+        else:
+            acc += yj
     return acc
+
+
+#: the most bytes of (k, T, n_embd) slot outputs a thread keeps between combines (64 MiB: a
+#: 640-row step of 3072-wide rows and top-8); a bigger step's gets fresh memory each time
+SCRATCH_KEEP_BYTES = 64 << 20
+_scratch = threading.local()
+
+
+def _slot_buffer(k: int, T: int, n_embd: int) -> np.ndarray:
+    """A (k, T, n_embd) float32 array for one combine's slot outputs: this thread's kept buffer.
+    Why kept: memory new to the process costs a page fault and zeroing on its first write, ~1 ms
+    per MiB on this machine's VM against ~0.1 to write memory already mapped, and a fresh array per
+    combine (3 MiB at 32 decode rows) was given back to the kernel and faulted in anew each time:
+    the combine cost 15-29 us per (expert, row) pair inside a backbone against 3-5 us hot
+    (docs/benchmarks.md, issue 46 section 9). A (slot, row) no group fills keeps what the buffer
+    held, as np.empty's did: the groups of a routing fill every one."""
+    n = k * T * n_embd
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        if 4 * n > SCRATCH_KEEP_BYTES:
+            return np.empty((k, T, n_embd), dtype=F32)
+        buf = _scratch.buf = np.empty(n, dtype=F32)
+    return buf[:n].reshape(k, T, n_embd)
 
 
 def combine_rows(ids: np.ndarray, weights: np.ndarray, groups: Groups, outs: list[np.ndarray],
