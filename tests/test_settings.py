@@ -50,6 +50,8 @@ def test_every_variable_is_documented():
     (settings.WORKER_GRAPH_CACHE_MB, "16MB", "is not an integer"),
     (settings.SCRATCH_MB, "-1", "P2PSWARM_SCRATCH_MB='-1': must be >= 0"),
     (settings.SCRATCH_MB, "2GiB", "is not an integer"),
+    (settings.WIRE_CODEC_FAST_MBPS, "fast", "P2PSWARM_WIRE_CODEC_FAST_MBPS='fast': is not a number"),
+    (settings.WIRE_CODEC_FAST_MBPS, "-1", "must be >= 0"),
 ])
 def test_malformed_values_are_one_line_errors(monkeypatch, var, text, match):
     monkeypatch.setenv(var.name, text)
@@ -97,3 +99,10 @@ def test_bad_worker_graph_cache_size_through_the_cli(shards):
     proc = run_cli("worker", "--shard", str(shards[0]), "--listen", "127.0.0.1:0",
                    env={"P2PSWARM_WORKER_GRAPH_CACHE_MB": "lots", "P2PSWARM_KERNEL": "ggml"})
     assert_one_line_error(proc, "P2PSWARM_WORKER_GRAPH_CACHE_MB='lots': is not an integer")
+
+
+@pytest.mark.slow
+def test_bad_codec_threshold_stops_a_backbone_at_start(tiny_f32):
+    """Read per request once links are measured: a bad value must stop the node at start, not mid-run."""
+    proc = run_cli("node", "--role", "backbone", "--model", str(tiny_f32), env={"P2PSWARM_WIRE_CODEC_FAST_MBPS": "fast"})
+    assert_one_line_error(proc, "P2PSWARM_WIRE_CODEC_FAST_MBPS='fast': is not a number")

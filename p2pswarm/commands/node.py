@@ -533,6 +533,7 @@ def run(args) -> int:
         else:
             require_backbone_model(args.model)
         args.expert_cache_size = expert_cache_size(args)  # a bad value: one line now
+        settings.WIRE_CODEC_FAST_MBPS.get()  # read per request later: a bad value is one line now, not mid-run
         args.backbone_token = None
         if not args.cache_refill > 0:
             raise UserError("--cache-refill must be > 0 seconds")
