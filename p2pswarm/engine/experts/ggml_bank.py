@@ -338,6 +338,15 @@ class ExpertsInFront:
         if (not groups or set(extras) - {"shared"} or len(set(experts)) != len(experts)
                 or not all(bank.holds(layer, e) for e in experts)):
             return None
+        if T == 1 and all(len(r) == 1 for _, r in groups):  # a one-sequence decode step: one pair per group
+            row = ids[0].tolist()
+            # every slot's expert has its group and chose it once (what the loop below checks for any T)
+            if len(set(row)) != k or set(row) != set(experts):
+                return None
+            group_of = {e: j for j, e in enumerate(experts)}
+            return cls(bank, layer, h, cur, extras.get("shared"), np.zeros(k, np.int64),
+                       bank.local_ids(experts, [1] * k), np.array([group_of[e] for e in row], np.int32),
+                       np.ascontiguousarray(weights, dtype=np.float32).reshape(1, -1), k)
         idxs = [np.asarray(r, dtype=np.int64).reshape(-1) for _, r in groups]
         pair = np.full((k, T), -1, np.int64)  # (slot, row) -> its position among the P pairs
         at = 0
