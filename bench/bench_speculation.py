@@ -22,7 +22,8 @@ than 0.95x (it stops drafting).
 
     python bench/bench_speculation.py [--rtt 50] [--tokens 32] [--rounds 2] [--layers 2] [--draft-max 4]
         [--concurrent 64] [--preset tiny|geometry-122b] [--mtp-agreement A]
-        [--mtp-arch glm4moe|qwen35moe|deepseek2] [--mtp-experts local|workers] [--scratch DIR] [--out docs/benchmarks.md]
+        [--mtp-arch glm4moe|qwen35moe|deepseek2] [--mtp-experts local|workers] [--scratch DIR] [--model PATH]
+        [--out docs/benchmarks.md]
 
 ``--mtp-agreement A``: instead, a model (``--mtp-arch``: glm4moe, the default, qwen35moe or
 deepseek2; ``--preset`` applies to qwen35moe) whose MTP block agrees with its trunk at knob A
@@ -41,7 +42,9 @@ draft length chosen each step from the measured costs: ``speculation.choose_leng
 per step" shows the lengths it chose.
 
 Every row records the seconds per step, of which drafting (the MTP block, serial before the
-step's layers), and the 1-minute load average at each of its runs (the machine is shared); the
+step's layers), the CPU seconds per step of every process of the run (this one, the workers, the
+WAN proxy: :func:`tree_cpu`, which the load moves much less than wall time), and the 1-minute load
+average at each of its runs (the machine is shared); the
 end says how many layers of verification steps ran as one chunk and how many in rounds
 (``Backbone.verify_calls``).
 """
