@@ -22,7 +22,8 @@ than 0.95x (it stops drafting).
 
     python bench/bench_speculation.py [--rtt 50] [--tokens 32] [--rounds 2] [--layers 2] [--draft-max 4]
         [--concurrent 64] [--preset tiny|geometry-122b] [--mtp-agreement A]
-        [--mtp-arch glm4moe|qwen35moe|deepseek2] [--mtp-experts local|workers] [--scratch DIR] [--out docs/benchmarks.md]
+        [--mtp-arch glm4moe|qwen35moe|deepseek2] [--mtp-experts local|workers] [--scratch DIR] [--model PATH]
+        [--out docs/benchmarks.md]
 
 ``--mtp-agreement A``: instead, a model (``--mtp-arch``: glm4moe, the default, qwen35moe or
 deepseek2; ``--preset`` applies to qwen35moe) whose MTP block agrees with its trunk at knob A
@@ -41,7 +42,9 @@ draft length chosen each step from the measured costs: ``speculation.choose_leng
 per step" shows the lengths it chose.
 
 Every row records the seconds per step, of which drafting (the MTP block, serial before the
-step's layers), and the 1-minute load average at each of its runs (the machine is shared); the
+step's layers), the CPU seconds per step of every process of the run (this one, the workers, the
+WAN proxy: :func:`tree_cpu`, which the load moves much less than wall time), and the 1-minute load
+average at each of its runs (the machine is shared); the
 end says how many layers of verification steps ran as one chunk and how many in rounds
 (``Backbone.verify_calls``).
 """
@@ -82,6 +85,7 @@ def knob_drafter(wanted: list[int], rate: float, seed: int = 0):
     return draft
 
 
+CPU_S = [0.0]  # CPU seconds of the last _one, all processes (tree_cpu)
 DRAFT_S = [0.0]  # seconds spent in the MTP block's drafting (serial before each step's layers)
 
 
@@ -102,15 +106,45 @@ def _timed_drafts() -> None:
     MtpBlock.draft = draft  # type: ignore[method-assign]
 
 
+def tree_cpu() -> float:
+    """CPU seconds (user + system) so far of this process and every process below it (the workers,
+    the WAN proxy), from /proc: a step's whole cost on this machine, whatever the load around it."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d)] = int(rest[1])
+        ticks[int(d)] = int(rest[11]) + int(rest[12])
+    mine, total = {os.getpid()}, 0
+    grew = True
+    while grew:
+        grew = False
+        for pid, pp in parent.items():
+            if pp in mine and pid not in mine:
+                mine.add(pid)
+                grew = True
+    total = sum(ticks.get(pid, 0) for pid in mine)
+    return total / tick
+
+
 async def _one(bb, spec, tokens: int) -> tuple[list[int], float, int, object, float]:
     sched = Scheduler(bb, None, micro_batches=1, gather=(0, 0), speculate=spec)
     toks: list[int] = []
     d0 = DRAFT_S[0]
+    c0 = tree_cpu()
     t0 = time.perf_counter()
     async with sched.submit(PROMPT, Params(max_tokens=tokens, stop_at_eos=False)) as req:
         async for item in sched.drive(req):
             toks.append(item.token)
     took = time.perf_counter() - t0
+    CPU_S[0] = tree_cpu() - c0
     # (the prompt's step is not a decode step)
     return toks, took, sched.stats.steps - 1, sched.spec, DRAFT_S[0] - d0
 
@@ -168,7 +202,7 @@ async def _bench(args, model: Path) -> list[str]:
                 for name, spec in modes.items():
                     toks, took, steps, st, drafting = await _one(bb, spec, args.tokens)
                     assert toks == wanted, f"{name}: tokens differ from the run without speculation"
-                    res[name].append((took, steps, st.accepted, st.drafted, os.getloadavg()[0], drafting))
+                    res[name].append((took, steps, st.accepted, st.drafted, os.getloadavg()[0], drafting, CPU_S[0]))
             on = "mtp (= auto)" if args.mtp_agreement is not None else "ngram"
             many: dict[str, list] = {"off": [], on: []}
             for _ in range(args.rounds if args.concurrent else 0):
@@ -187,8 +221,9 @@ async def _bench(args, model: Path) -> list[str]:
             proxy.wait(10)
     off_s = statistics.median(r[0] for r in res["off"])
     rows = ["| mode | acceptance | drafts accepted per step | tokens per step | tokens/s | speed-up vs off | "
-            "goal 0.9 x (1 + accepted per step) | drafted per step | s per step: all / drafting | load (1 min) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "goal 0.9 x (1 + accepted per step) | drafted per step | s per step: all / drafting | "
+            "CPU s per step (all processes) | load (1 min) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, runs in res.items():
         took = statistics.median(r[0] for r in runs)
         steps = sum(r[1] for r in runs)  # all rounds together (the same tokens each round)
@@ -199,6 +234,7 @@ async def _bench(args, model: Path) -> list[str]:
         rows.append(f"| {name} | {acc} | {per_step:.2f} | {len(runs) * (args.tokens - 1) / max(steps, 1):.2f} | "
                     f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} | {drafted / max(steps, 1):.2f} | "
                     f"{sum(r[0] for r in runs) / max(steps, 1):.3f} / {sum(r[5] for r in runs) / max(steps, 1):.3f} | "
+                    f"{sum(r[6] for r in runs) / max(steps, 1):.3f} | "
                     f"{'-'.join(f'{r[4]:.1f}' for r in runs)} |")
     if args.concurrent:
         rate = {m: statistics.median(n / t for t, n, _, _ in runs) for m, runs in many.items()}
@@ -235,11 +271,16 @@ def main() -> None:
     ap.add_argument("--out", help="append the table to this markdown file (docs/benchmarks.md)")
     ap.add_argument("--scratch", default=None, metavar="DIR",
                     help="where the model file is written (and removed after); default the system's temp folder")
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="keep the model file here (made if absent, with these options; reused after: "
+                         "a 7 GB write saved per run)")
     args = ap.parse_args()
     _timed_drafts()
     with tempfile.TemporaryDirectory(prefix="bench-spec-", dir=args.scratch) as d:
-        model = Path(d) / "q35.gguf"
-        if args.mtp_agreement is not None:
+        model = Path(args.model) if args.model else Path(d) / "q35.gguf"
+        if model.exists():
+            pass  # --model made by an earlier run with the same options
+        elif args.mtp_agreement is not None:
             make_model(model, arch=args.mtp_arch, preset=args.preset if args.mtp_arch == "qwen35moe" else "tiny",
                        layers=args.layers, qtype="q8_0", seed=46, mtp_agreement=args.mtp_agreement)
         else:

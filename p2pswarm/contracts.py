@@ -236,9 +236,13 @@ class MtpModel(Protocol):
         """A fresh attention cache for the block (``checkpoint``/``restore``: a draft's entries are dropped)."""
         ...
 
-    def mtp_layer(self, il: int, cache: Any, x: np.ndarray, pos0: int, routed: Routed) -> np.ndarray:
+    def mtp_layer(self, il: int, cache: Any, x: np.ndarray, pos0: int, routed: Routed, *,
+                  last_only: bool = False) -> np.ndarray:
         """The block's layer on the fused rows ``x`` (positions ``pos0..``, appended to ``cache``),
-        its routed experts through ``routed``: the rows before the head norm."""
+        its routed experts through ``routed``: the rows before the head norm. ``last_only``: the
+        attention still runs on every row (the cache takes them all), but only the last row goes on
+        through the MoE (returned as one row): a draft reads the last row's logits only, as
+        llama.cpp's graphs carry on only the rows that reach an output (``inp_out_ids``)."""
         ...
 
 

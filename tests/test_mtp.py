@@ -121,6 +121,18 @@ async def test_draft_logits_match_llama_cpp_mtp_context(f32_model):
     for i in range(len(ours_all)):
         _close(ours_all[i], ref[i], f"MTP logits, row {i}")
     assert np.array_equal(np.argmax(ours_all, axis=1), np.argmax(ref, axis=1))
+    # last_only (what MtpBlock.draft runs): every row through the attention, only the last one on
+    # through the MoE and the head; the cache must then hold every row (the chained draft after
+    # it reads them), and the last row's logits are llama.cpp's
+    st1 = MtpState(bb.model)
+    last, h1 = block.forward(st1, follow, trunk, last_only=True)
+    assert last.shape == (1, bb.model.n_vocab) and h1.shape == (1, bb.model.n_embd)
+    assert st1.fed == len(prompt)
+    _close(last[0], ref[len(prompt) - 1], "MTP logits, the last row alone")
+    d = int(np.argmax(last[0]))
+    assert d == chain[0][0]
+    nxt1, _ = block.forward(st1, [d], h1, last_only=True)
+    _close(nxt1[0], ref[len(prompt)], "MTP logits, chained after a last-row-only catch-up")
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(3, marks=pytest.mark.slow)])

@@ -150,15 +150,19 @@ class MtpBlock:
             raise ModelFormatError(f"{model.layout.path}: the MTP block has no routed-expert tensors "
                                    f"({p}ffn_*_exps.weight)")
 
-    def forward(self, st: MtpState, tokens, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def forward(self, st: MtpState, tokens, hidden: np.ndarray, *,
+                last_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Feed positions ``st.fed ..`` (the tokens that followed them, and the trunk's normed hidden
-        states there, or the block's own for a chained draft): (logits, h') per row."""
+        states there, or the block's own for a chained draft): (logits, h') per row, or of the last
+        row only with ``last_only`` (what :meth:`draft` reads: the earlier rows then go through the
+        block's attention, which their cache entries need, and no further: no MoE, no head norm,
+        no lm head, whose 248k-row vocabulary at the 122B is the block's largest mat-mul)."""
         m, w, p, il = self.model, self.model.w, self.p, self.il
         emb = np.ascontiguousarray(w[self.embed_name][np.asarray(tokens, dtype=np.int64)], dtype=F32)
         e = ops.rms_norm(emb, w[p + "nextn.enorm.weight"], m.eps)
         hn = ops.rms_norm(hidden, w[p + "nextn.hnorm.weight"], m.eps)
         x = ops.matmul(np.ascontiguousarray(np.concatenate([e, hn], axis=1), dtype=F32), w[p + "nextn.eh_proj.weight"])
-        x = m.mtp_layer(il, st.kv, x, st.fed, self._routed)
+        x = m.mtp_layer(il, st.kv, x, st.fed, self._routed, last_only=last_only)
         st.fed += hidden.shape[0]
         h = ops.rms_norm(x, w[self.head_norm], m.eps).astype(F32, copy=False)
         return ops.matmul(np.ascontiguousarray(h), w[self.head_name]).astype(F32, copy=False), h
@@ -187,7 +191,7 @@ class MtpBlock:
             return []
         fed, settled = st.fed, st.kv.checkpoint()
         try:
-            logits, h = self.forward(st, history[st.fed + 1:n + 1], self.trunk_hidden(rows))
+            logits, h = self.forward(st, history[st.fed + 1:n + 1], self.trunk_hidden(rows), last_only=True)
         except (UnitsUnavailable, WorkerError) as exc:  # a draft is optional: none this step, the block as it was
             st.kv.restore(settled)
             st.fed = fed
@@ -198,7 +202,7 @@ class MtpBlock:
         out = [int(np.argmax(logits[-1]))]
         try:
             while len(out) < k:
-                logits, h = self.forward(st, out[-1:], h[-1:])
+                logits, h = self.forward(st, out[-1:], h[-1:], last_only=True)
                 out.append(int(np.argmax(logits[-1])))
         except (UnitsUnavailable, WorkerError) as exc:  # the chain ends here; what it has stands
             log.info("MTP chained draft cut short: %s", exc)

@@ -330,7 +330,9 @@ class DeepSeek2(TokenEnds, LayerByPieces):
     def mtp_cache(self) -> mla.LatentCache:
         return mla.LatentCache(self.kv_lora_rank + self.n_rot)
 
-    def mtp_layer(self, il: int, cache: mla.LatentCache, x: np.ndarray, pos0: int, routed: Routed) -> np.ndarray:
-        """MLA on the block's latent cache with numpy's ops (a draft needs no bit-exactness), then the MoE."""
+    def mtp_layer(self, il: int, cache: mla.LatentCache, x: np.ndarray, pos0: int, routed: Routed, *,
+                  last_only: bool = False) -> np.ndarray:
+        """MLA on the block's latent cache with numpy's ops (a draft needs no bit-exactness), then the
+        MoE (of the last row only with ``last_only``: contracts.MtpModel.mtp_layer)."""
         h = self.mla_rows(il, np.ascontiguousarray(x, dtype=F32), [(cache, pos0, x.shape[0])])
-        return self.moe_rows(il, h, routed)
+        return self.moe_rows(il, h[-1:] if last_only else h, routed)

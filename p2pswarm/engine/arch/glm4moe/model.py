@@ -224,5 +224,7 @@ class Glm4MoE(TokenEnds, LayerByPieces):
     def mtp_cache(self) -> KVCache:
         return KVCache(self.n_head_kv, self.head_dim)
 
-    def mtp_layer(self, il: int, cache: KVCache, x: np.ndarray, pos0: int, routed: Routed) -> np.ndarray:
-        return self.moe_rows(il, self._attention(il, x, [(cache, pos0, x.shape[0])]), routed)
+    def mtp_layer(self, il: int, cache: KVCache, x: np.ndarray, pos0: int, routed: Routed, *,
+                  last_only: bool = False) -> np.ndarray:
+        h = self._attention(il, x, [(cache, pos0, x.shape[0])])
+        return self.moe_rows(il, h[-1:] if last_only else h, routed)

@@ -496,14 +496,17 @@ class Qwen35MoE(TokenEnds, LayerByGraph):
     def mtp_cache(self) -> KVCache:
         return KVCache(self.n_head_kv, self.head_dim)
 
-    def mtp_layer(self, il: int, cache: KVCache, x: np.ndarray, pos0: int, routed: Routed) -> np.ndarray:
+    def mtp_layer(self, il: int, cache: KVCache, x: np.ndarray, pos0: int, routed: Routed, *,
+                  last_only: bool = False) -> np.ndarray:
         """Gated full attention on the block's cache, post_attention_norm, softmax-routed experts +
         the sigmoid-gated shared expert, with numpy's ops (a draft needs no bit-exactness, only
         llama.cpp's math; the trunk's per-layer tables, the shared expert's included, stop at the
-        trunk)."""
+        trunk). ``last_only``: the MoE of the last row only (contracts.MtpModel.mtp_layer)."""
         w, p = self.w, f"blk.{il}."
         a = ops.rms_norm(x, w[p + "attn_norm.weight"], self.eps)
         x = x + self._full_attention_rows(il, a, [(cache, pos0, x.shape[0])])
+        if last_only:
+            x = x[-1:]
         cur = np.ascontiguousarray(ops.rms_norm(x, w[p + "post_attention_norm.weight"], self.eps), dtype=F32)
         ids, wts = self.route(il, cur)
         moe = routed(cur, ids, wts)
