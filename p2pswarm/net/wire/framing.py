@@ -87,6 +87,21 @@ class FrameReader:
             raise FrameError(f"frame of {n} bytes exceeds the maximum of {self.max_frame}")
         if self.admit is not None:
             self.admit(n)
+        if self._whole and len(self._buf) == HEADER.size and n:
+            # A frame over ONE_WRITE_MAX (a reply of more than ~85 pairs at the 122B's width) is
+            # two records, header then payload: the payload's record is the payload, no copy.
+            # (Cancelled while waiting: the header stays buffered, the read resumes as before.)
+            chunk = await self.stream.receive_some()
+            if not chunk:
+                raise FrameError("connection closed mid-frame")
+            if self.rate is not None:
+                self.rate.read(len(chunk))
+            if len(chunk) == n:
+                del self._buf[:]
+                if self.rate is not None:
+                    self.rate.message_done()
+                return chunk
+            self._buf += chunk
         if not await self._fill(HEADER.size + n):
             raise FrameError("connection closed mid-frame")
         with memoryview(self._buf) as buf:  # one copy (a bytearray slice, then bytes(): two)
