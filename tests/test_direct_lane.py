@@ -162,6 +162,43 @@ async def test_a_sealed_read_cancelled_midway_loses_nothing():
     assert await rx.receive_some() == payload
 
 
+async def test_frames_read_a_record_at_a_time_whatever_the_records_hold():
+    """FrameReader on a direct lane takes a whole record at a time (its fast path: a record that
+    is one frame) and falls back to its buffer for the rest: a frame over a MiB (header and payload
+    in two records), two frames in one record, a frame cut across records, an empty one. Every
+    payload comes back as bytes, equal, in order, on a socket (the reused receive buffer) and on a
+    memory stream; a record sealed in one buffer with its header opens as before."""
+    key = os.urandom(32)
+    sizes = [0, 5, 70_000, (1 << 20) + 3, 200_000]
+    payloads = [os.urandom(n) for n in sizes]
+    pair = trio.socket.socketpair()
+    streams = [trio.testing.memory_stream_pair(), (trio.SocketStream(pair[0]), trio.SocketStream(pair[1]))]
+    for a, b in streams:
+        tx = SealedStream(a, key, initiator=True, max_record=DEFAULT_MAX_FRAME)
+        reader = FrameReader(SealedStream(b, key, initiator=False, max_record=DEFAULT_MAX_FRAME), DEFAULT_MAX_FRAME)
+
+        async def send() -> None:
+            for p in payloads:
+                await send_frame(tx, p)
+            two = struct.pack("!Q", 3) + b"abc" + struct.pack("!Q", 4) + b"defg"
+            await tx.send_all(two)  # two frames, one record
+            cut = struct.pack("!Q", 10) + b"0123456789"
+            await tx.send_all(cut[:6])  # a frame in three records
+            await tx.send_all(memoryview(cut)[6:12])
+            await tx.send_all(bytearray(cut[12:]))
+            await tx.send_all(b"")  # an empty record between frames
+
+            await send_frame(tx, b"last")
+
+        got = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            for _ in range(len(payloads) + 4):
+                got.append(await reader.read_frame())
+        assert got == payloads + [b"abc", b"defg", b"0123456789", b"last"]
+        assert all(type(g) is bytes for g in got)
+
+
 
 @pytest.mark.slow
 def test_worker_processes_with_direct_lanes_serve_a_swarm_run_bit_for_bit(tiny_f32, tmp_path):

@@ -93,3 +93,29 @@ def test_rows_with_a_non_string_dtype_are_a_frame_error(dtype):
 
     with pytest.raises(FrameError):
         rows_from_wire({"dtype": dtype, "shape": [1, 4], "data": b"\0" * 16})
+
+
+@pytest.mark.parametrize("n_rows", [1, 9, 40])
+def test_a_layers_rows_quantised_once_are_each_owners_bytes(bank, n_rows):
+    """LayerInputs (the dispatcher's: a layer's rows quantised once for all its owners): the rows
+    an owner packs from them are the bytes it made from its own rows, for every form and row
+    count; another layer's or another array's rows get nothing from it."""
+    from p2pswarm.backbone.owners.local_owners import LayerInputs, pack_rows
+
+    b, form = bank
+    rng = np.random.default_rng(100 + n_rows)
+    cur = (rng.standard_normal((n_rows, b.n_embd)) * rng.uniform(0.01, 30, (n_rows, 1))).astype(np.float32)
+    memo = LayerInputs(0, cur)
+    whole = memo.quantised(b, 0, cur)
+    assert whole is not None and whole[1] == form
+    assert memo.quantised(b, 0, cur) is whole  # made once
+    for owner in range(3):  # three owners' groups, overlapping rows
+        groups = [(e, np.sort(rng.choice(n_rows, size=max(1, n_rows // 2), replace=False)).astype(np.int32))
+                  for e in range(owner, b.expert_end, 3)]
+        own_rows, own_groups = pack_rows(cur, groups)
+        own, own_form = b.quantise_input(0, own_rows)
+        shared, shared_groups = pack_rows(whole[0], groups)
+        assert own_form == form and shared.dtype == own.dtype and shared.tobytes() == own.tobytes()
+        assert all(e == f and np.array_equal(i, j) for (e, i), (f, j) in zip(own_groups, shared_groups))
+    assert memo.quantised(b, 1, cur) is None
+    assert memo.quantised(b, 0, cur.copy()) is None

@@ -44,7 +44,8 @@ from p2pswarm.backbone.dispatch.routing import HOT_PROBE_S, Routing
 from p2pswarm.backbone.dispatch.stats import DemandCounter, DispatchStats
 from p2pswarm.backbone.dispatch.verify import Bans, LayerChecks, Verification
 from p2pswarm.backbone.owners.expert_cache import ExpertCache
-from p2pswarm.backbone.owners.local_owners import InProcessOwner, LocalOwner, UnheldOwner, pack_rows, peer_of
+from p2pswarm.backbone.owners.local_owners import (LAYER_INPUTS, InProcessOwner, LayerInputs, LocalOwner, UnheldOwner,
+                                                   pack_rows, peer_of)
 
 # the owners and counters split into their own modules, importable from here as before
 __all__ = ["Bans", "DemandCounter", "DispatchStats", "Dispatcher", "InProcessOwner", "LocalOwner", "UnheldOwner",
@@ -185,6 +186,9 @@ class Dispatcher(Routing, Verification):
             for i, out in zip(which, outs):
                 results[i] = out
 
+        # two or more remote owners: the rows' input form made once for all (LayerInputs); the
+        # tasks started below see it, other layers' tasks (another micro-batch's) do not
+        shared = LAYER_INPUTS.set(LayerInputs(layer, cur)) if sum(o.remote for o in plan) > 1 else None
         try:
             async with trio.open_nursery() as nursery:
                 if checks is not None and checks.picks:
@@ -193,6 +197,9 @@ class Dispatcher(Routing, Verification):
                     nursery.start_soon(one, owner, which)
         except BaseExceptionGroup as group:
             raise first_error(group) from None
+        finally:
+            if shared is not None:
+                LAYER_INPUTS.reset(shared)
         return results  # type: ignore[return-value]  # (every slot filled: each group has an owner)
 
     async def _owner_outputs(self, owner: Owner, layer: int, cur: np.ndarray, owner_groups: Groups,

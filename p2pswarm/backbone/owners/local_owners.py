@@ -4,6 +4,7 @@ replica or expert cache), :class:`UnheldOwner` (a unit nobody live holds: fetche
 :mod:`p2pswarm.backbone.dispatch.dispatcher`, which re-exports them."""
 from __future__ import annotations
 
+from contextvars import ContextVar
 from functools import partial
 from typing import Protocol
 
@@ -37,6 +38,39 @@ def pack_rows(cur: np.ndarray, groups: Groups) -> tuple[np.ndarray, Groups]:
         out.append((e, at[pos:pos + n]))
         pos += n
     return np.ascontiguousarray(cur[wanted]), out
+
+
+class LayerInputs:
+    """One layer's rows ``cur`` in the input form owners take them in, made once for all owners.
+
+    Each remote owner's request carries the rows its groups need, quantised by the backbone's
+    replica into what the worker's ggml would make of them (:meth:`SocketOwner.compute`). With
+    4 owners a row goes to ~3.6 of them (top-8 of 256 experts), and each quantised it again: 1.1%
+    of a 0.3-core backbone's samples, and float32 rows copied per owner before that. Quantising
+    is row by row (a block never spans rows), so the rows of ``quantise(cur)`` are the same bytes
+    as ``quantise(cur[rows])``. :class:`~p2pswarm.backbone.dispatch.dispatcher.Dispatcher` sets
+    one per layer it sends to two or more owners (:data:`LAYER_INPUTS`, seen by the tasks it starts)."""
+
+    __slots__ = ("layer", "cur", "_made")
+
+    def __init__(self, layer: int, cur: np.ndarray):
+        self.layer = layer
+        self.cur = cur
+        self._made: dict[int, tuple[np.ndarray, str | None]] = {}
+
+    def quantised(self, quantiser, layer: int, cur: np.ndarray) -> tuple[np.ndarray, str | None] | None:
+        """``quantiser.quantise_input(layer, cur)``, made on the first ask; None for another
+        layer's or another array's rows (not this memo's)."""
+        if layer != self.layer or cur is not self.cur:
+            return None
+        got = self._made.get(id(quantiser))
+        if got is None:
+            got = self._made[id(quantiser)] = quantiser.quantise_input(layer, cur)
+        return got
+
+
+#: the layer whose owners' requests are being made in this task (None: none; each owner quantises its own rows)
+LAYER_INPUTS: ContextVar[LayerInputs | None] = ContextVar("p2pswarm_layer_inputs", default=None)
 
 
 def peer_of(owner: "Owner") -> str:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from p2pswarm.backbone.owners.local_owners import pack_rows
+from p2pswarm.backbone.owners.local_owners import LAYER_INPUTS, pack_rows
 from p2pswarm.contracts import Groups, Owner
 from p2pswarm.backbone.owners.loop_watch import loop_watch
 from p2pswarm.engine import kernels
@@ -338,11 +338,21 @@ class SocketOwner(Owner):
         :attr:`families` (e.g. ``kernels.portable_family()``: a ggml backbone recomputing a sample
         with its own portable replica gets the same bits from any honest worker, of any ISA);
         None: the connection's family. A worker that cannot raises WorkerError (an error reply)."""
-        rows, local_groups = pack_rows(cur, groups)
         form = None
         q = self.input_quantiser
         if q is not None and family is None and self.family is None and q.input_form(layer) in self.input_forms:
-            rows, form = q.quantise_input(layer, rows)  # what the worker's ggml would make of them
+            # what the worker's ggml would make of them: the layer's rows quantised once for all
+            # its owners where the dispatcher shares them (LayerInputs), else this owner's rows
+            layer_inputs = LAYER_INPUTS.get()
+            whole = layer_inputs.quantised(q, layer, cur) if layer_inputs is not None else None
+            if whole is not None:
+                rows, local_groups = pack_rows(whole[0], groups)
+                form = whole[1]
+            else:
+                rows, local_groups = pack_rows(cur, groups)
+                rows, form = q.quantise_input(layer, rows)
+        else:
+            rows, local_groups = pack_rows(cur, groups)
         rid = next(self._ids)
         req = proto.ComputeRequest(rid, layer, rows, local_groups, family, form, self.wire_precision,
                                    proto.wants_packed(form, self.input_forms), self.reply_coding())

@@ -34,6 +34,9 @@ class FrameReader:
         self._buf = bytearray()
         # a libp2p StreamAdapter can wait for a whole frame; a trio socket stream cannot
         self._at_least = getattr(stream, "supports_at_least", False)
+        # a direct lane hands out whole decrypted records, and a frame of up to ONE_WRITE_MAX is
+        # one record (send_frame: one write): read a record at a time (read_frame's fast path)
+        self._whole = getattr(stream, "whole_records", False)
 
     async def _fill(self, n: int) -> bool:
         """Make at least n bytes buffered; False on EOF before any byte of a new frame."""
@@ -42,6 +45,8 @@ class FrameReader:
             ask = max(65536, min(need, 1 << 20))
             if self._at_least:  # one wake-up for the rest of the frame (up to a MiB), not one per chunk
                 chunk = await self.stream.receive_some(ask, at_least=min(need, ask))
+            elif self._whole:  # a record's plaintext at once: no copy of its tail kept back
+                chunk = await self.stream.receive_some()
             else:
                 chunk = await self.stream.receive_some(ask)
             if not chunk:
@@ -57,6 +62,24 @@ class FrameReader:
         """The next frame's payload, or None at a clean end of stream."""
         if self.rate is not None:
             self.rate.begin(bool(self._buf))
+        if self._whole and not self._buf:
+            # One record that is one whole frame (the usual case on a direct lane): its payload is
+            # one copy of it. Through the buffer it was three (append, slice, bytes) plus a copy of
+            # the record's tail after a 64 KiB header read, each of ~0.8 MB a reply, fresh pages.
+            chunk = await self.stream.receive_some()
+            if not chunk:
+                return None
+            if self.rate is not None:
+                self.rate.read(len(chunk))
+            if len(chunk) >= HEADER.size:
+                (n,) = HEADER.unpack_from(chunk, 0)
+                if n <= self.max_frame and len(chunk) == HEADER.size + n:
+                    if self.admit is not None:
+                        self.admit(n)
+                    if self.rate is not None:
+                        self.rate.message_done()
+                    return chunk[HEADER.size:]
+            self._buf += chunk  # (part of a frame, or more than one: the buffered way)
         if not await self._fill(HEADER.size):
             return None
         (n,) = HEADER.unpack_from(self._buf, 0)
@@ -64,9 +87,25 @@ class FrameReader:
             raise FrameError(f"frame of {n} bytes exceeds the maximum of {self.max_frame}")
         if self.admit is not None:
             self.admit(n)
+        if self._whole and len(self._buf) == HEADER.size and n:
+            # A frame over ONE_WRITE_MAX (a reply of more than ~85 pairs at the 122B's width) is
+            # two records, header then payload: the payload's record is the payload, no copy.
+            # (Cancelled while waiting: the header stays buffered, the read resumes as before.)
+            chunk = await self.stream.receive_some()
+            if not chunk:
+                raise FrameError("connection closed mid-frame")
+            if self.rate is not None:
+                self.rate.read(len(chunk))
+            if len(chunk) == n:
+                del self._buf[:]
+                if self.rate is not None:
+                    self.rate.message_done()
+                return chunk
+            self._buf += chunk
         if not await self._fill(HEADER.size + n):
             raise FrameError("connection closed mid-frame")
-        payload = bytes(self._buf[HEADER.size : HEADER.size + n])
+        with memoryview(self._buf) as buf:  # one copy (a bytearray slice, then bytes(): two)
+            payload = bytes(buf[HEADER.size : HEADER.size + n])
         del self._buf[: HEADER.size + n]
         if self.rate is not None:
             self.rate.message_done()
