@@ -181,6 +181,30 @@ def test_acceptance_decays_to_what_the_drafts_get_and_a_sequence_that_drafts_not
     assert probe_interval(dear, 1) == 40 and probe_interval(spec.costs, 1) == PROBE_EVERY
 
 
+def test_short_requests_still_probe_so_a_draft_cost_measured_too_high_comes_down():
+    """A draft cost once measured far too high (a cold page cache under the block's experts) made
+    the probe interval longer than any request, and a new sequence starts idle: nobody probed again,
+    drafting stopped for good. The scheduler's clock probes when nobody drafted for the interval."""
+    spec = Speculation("ngram", draft_max=4, drafter=lambda toks, k: [5] * k, costs=_costs(lambda r: 0.2 + 0.001 * r, None))
+    spec.costs.observe_draft(9.0, 1)  # the first call: one-time costs
+    spec.costs.observe_draft(0.6, 1)  # the second, still cold (3 steps): replaces the first
+    first = probe_interval(spec.costs, 1)
+    assert first > 50  # longer than every request below
+    probes, sid = 0, 0
+    for _ in range(40):  # 40 requests of 6 steps each, one after another
+        sid += 1
+        seq = SimpleNamespace(sid=sid, prompt=[1, 2], replay=SimpleNamespace(forced=0, tokens=[]), n_out=0,
+                              params=SimpleNamespace(max_tokens=7), state=None, adaptive=None)
+        for _ in range(6):
+            drafts = plan_drafts(spec, [seq], draft_lengths(spec, [seq]))
+            if drafts:
+                probes += 1
+                seq.adaptive.observe(len(drafts[sid]), 1)
+            seq.n_out += 1
+    assert probes >= 3, probes  # main before the fix: 0 (each sequence idle for 6 steps < the interval)
+    assert spec.costs.draft_s < 0.3 and probe_interval(spec.costs, 1) < first  # measured again: it came down
+
+
 # -- the runner: verified positions == one-token decode steps; rollback leaves no trace -------------
 def _layer_arrays(st):
     out = {}

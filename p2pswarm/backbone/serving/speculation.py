@@ -35,7 +35,8 @@ sequences draft long; where a draft token costs a round trip of its own (the MTP
 a worker) against a cheap step, or in a compute-bound batch of many (every row costs the step its
 arithmetic), they draft little or nothing. A sequence that drafts nothing for :data:`PROBE_EVERY`
 steps (more where a draft token costs more than a step: probes take at most :data:`PROBE_SHARE` of
-the time) drafts one token, so acceptance and costs are measured again. Before a draft token's cost
+the time) drafts one token, so acceptance and costs are measured again; so does one sequence when
+no sequence drafted for that many steps of the scheduler (short requests would never probe). Before a draft token's cost
 is measured, a sequence drafts one token (a draft may be a round trip). A step of more than
 :data:`MAX_SPECULATING` decoding sequences drafts nothing at all (no drafting thread hop either).
 """
@@ -131,6 +132,7 @@ class Speculation:
     mtp: "MtpBlock | None" = None  # mode mtp: the model's block, set by :meth:`attach`
     costs: "Costs" = field(default_factory=lambda: Costs())  # measured step and draft times
     pool: "Adaptive" = field(default_factory=lambda: Adaptive())  # all sequences' recent acceptance
+    idle: int = 0  # steps, over all sequences, since any sequence drafted (the scheduler's probe clock)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -302,6 +304,15 @@ def draft_lengths(spec: Speculation | None, decoding: list) -> dict[int, int]:
             k, a.idle = 1, 0  # the probe: acceptance and the draft's cost, measured again
         if k > 0:
             out[s.sid] = k
+    # The probe on the scheduler's clock as well: requests shorter than the interval never probe on
+    # their own (a new sequence starts idle), so a draft cost measured once too high (a cold page
+    # cache under the block's experts: seconds) would stop drafting for good; one sequence probes
+    # when nobody drafted for the interval, so the estimate is measured again and decays.
+    spec.idle = 0 if out else spec.idle + 1
+    if not out and spec.idle >= probe_every:
+        s, cap = max(zip(ready, caps), key=lambda sc: (sc[1] > 0, sc[0].adaptive.idle), default=(None, 0))
+        if s is not None and cap > 0:
+            out[s.sid], s.adaptive.idle, spec.idle = 1, 0, 0
     return out
 
 
