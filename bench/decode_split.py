@@ -116,15 +116,9 @@ def child_ours(a) -> dict:
 
 
 def child_llama(a) -> dict:
-    import llama_cpp as L
+    from common import llama_model
 
-    L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    mp.n_gpu_layers, mp.use_extra_bufts = 0, False
-    model = L.llama_model_load_from_file(str(a.model).encode(), mp)
-    if not model:
-        raise SystemExit("llama.cpp could not load the model")
-    V = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    L, model, V = llama_model(a.model)
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_seq_max = max(512, a.steps + 64), 1
     cp.n_batch = cp.n_ubatch = 64

@@ -154,16 +154,10 @@ def child_ours(a) -> dict:
 
 
 def child_llama(a) -> dict:
-    import llama_cpp as L
+    from common import llama_model
 
+    L, model, V = llama_model(a.model)
     nodes = Nodes(ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libggml-base.so")))
-    L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    mp.n_gpu_layers, mp.use_extra_bufts = 0, False
-    model = L.llama_model_load_from_file(str(a.model).encode(), mp)
-    if not model:
-        raise SystemExit("llama.cpp could not load the model")
-    V = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     state = {"on": False, "t": 0.0}
 
     @L.ggml_backend_sched_eval_callback
