@@ -55,7 +55,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import REPO, header, publish, warm_page_cache
+from common import REPO, header, llama_model, publish, warm_page_cache
 
 DEFAULT_VOCAB = Path("/work/shared/vocab/ggml-vocab-qwen35.gguf")
 PROMPT = 8
@@ -155,16 +155,8 @@ def child_ours(a) -> dict:
 
 
 def child_llama(a, extra_bufts: bool) -> dict:
-    import llama_cpp as L
-
-    L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    mp.n_gpu_layers = 0
-    mp.use_extra_bufts = extra_bufts
-    model = L.llama_model_load_from_file(str(a.model).encode(), mp)
-    if not model:
-        raise SystemExit("llama.cpp could not load the model")
-    VOCAB[0] = min(VOCAB[0], L.llama_vocab_n_tokens(L.llama_model_get_vocab(model)))
+    L, model, n_vocab = llama_model(a.model, extra_bufts)
+    VOCAB[0] = min(VOCAB[0], n_vocab)
     n_ctx = max(512, a.prefill + PROMPT + a.decode + 64)
 
     def context(n_seq: int):

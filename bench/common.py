@@ -61,6 +61,21 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def llama_model(path, extra_bufts: bool = False):
+    """llama.cpp (llama-cpp-python's low-level API) with the GGUF ``path`` loaded for the CPU:
+    ``(the llama_cpp module, the model, its vocabulary size)``. ``extra_bufts`` False uses the
+    weights in place (the kernels our engine calls; see bench_vs_llama.py)."""
+    import llama_cpp as L
+
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers, mp.use_extra_bufts = 0, extra_bufts
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        raise SystemExit("llama.cpp could not load the model")
+    return L, model, L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+
+
 def warm_page_cache(path) -> None:
     """Read ``path`` through once so the page cache holds it: a benchmark then times its work, not
     the first read from disk."""

@@ -1,7 +1,7 @@
 """Where a prefill's time goes, ggml node by ggml node, in our engine and in llama.cpp on the same file.
 
     python bench/prefill_ops.py --model M.gguf [--prefill 16] [--reps 3] [--rounds 2] [--last-row]
-                                [--ours-tree SRC] [--top 25]
+                                [--decode N] [--ours-tree SRC] [--top 25]
 
 Each side runs in its own process on ONE thread (so a node's time is its own work, not a thread
 team's wait), the sides alternating (llama.cpp, ours, [ours from ``--ours-tree``]) for ``--rounds``
@@ -13,6 +13,9 @@ computes node by node). A node is named by its op, its weight's shape and ggml t
 row: the table shows ms per prefill per side (the median over rounds), the node counts per prefill
 and each side's total. Ours also shows its engine calls (attention, post_moe, routed experts, ...)
 by wall time. ``--last-row``: logits of the last row only on both sides (llama.cpp's ``inp_out_ids``).
+``--decode N``: time decode steps instead: each rep prefills ``--prefill`` tokens untimed, then
+decodes ``N`` tokens one at a time (ours ``Backbone.forward``, llama.cpp one-token ``llama_decode``);
+the table is then ms per decode step.
 """
 from __future__ import annotations
 
@@ -100,10 +103,14 @@ def child_ours(a) -> dict:
             base.ggml_graph_clear.argtypes = [ctypes.c_void_p]
             base.ggml_graph_add_node.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             nodes = Nodes(base)
+            on = [not a.decode]
+            plain = ggml_runner.GgmlRunner.compute
             gctx = lib.init(_InitParams(int(lib.graph_overhead_custom(16, False)) + 4096, None, True))
             one = lib.new_graph_custom(gctx, 16, False)
 
             def compute(self, graph, macs):  # node by node, one thread
+                if not on[0]:
+                    return plain(self, graph, macs)
                 self.lib.backend_cpu_set_n_threads(self._backend, 1)
                 for i in range(base.ggml_graph_n_nodes(graph)):
                     node = base.ggml_graph_node(graph, i)
@@ -121,26 +128,36 @@ def child_ours(a) -> dict:
                 if hasattr(m, name):
                     timed(m, name, label)
             timed(b.dispatcher, "run_groups_local", "routed experts")
-            t0 = time.perf_counter()
+            if a.decode:  # warm the decode graphs once, untimed
+                st = b.new_state()
+                await b.forward(tokens(a.prefill, 4, V), st)
+                await b.forward(tokens(1, 5, V), st)
+                calls.clear()
+            wall = 0.0
             for r in range(a.reps):
-                await b.forward_batch([(tokens(a.prefill, 10 + r, V), b.new_state())], last_only=a.last_row)
-            wall = time.perf_counter() - t0
+                if not a.decode:
+                    t0 = time.perf_counter()
+                    await b.forward_batch([(tokens(a.prefill, 10 + r, V), b.new_state())], last_only=a.last_row)
+                    wall += time.perf_counter() - t0
+                    continue
+                st = b.new_state()
+                await b.forward(tokens(a.prefill, 10 + r, V), st)
+                on[0] = True
+                t0 = time.perf_counter()
+                for tok in tokens(a.decode, 20 + r, V):
+                    await b.forward([tok], st)
+                wall += time.perf_counter() - t0
+                on[0] = False
         return {"wall": wall, "nodes": dict(nodes.s), "counts": dict(nodes.n), "calls": dict(calls)}
 
     return trio.run(run)
 
 
 def child_llama(a) -> dict:
-    import llama_cpp as L
+    from common import llama_model
 
+    L, model, V = llama_model(a.model)
     nodes = Nodes(ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libggml-base.so")))
-    L.llama_backend_init()
-    mp = L.llama_model_default_params()
-    mp.n_gpu_layers, mp.use_extra_bufts = 0, False
-    model = L.llama_model_load_from_file(str(a.model).encode(), mp)
-    if not model:
-        raise SystemExit("llama.cpp could not load the model")
-    V = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     state = {"on": False, "t": 0.0}
 
     @L.ggml_backend_sched_eval_callback
@@ -173,14 +190,38 @@ def child_llama(a) -> dict:
         if L.llama_decode(ctx, batch) != 0:
             raise SystemExit("llama_decode failed")
         L.llama_synchronize(ctx)
-        L.llama_memory_clear(mem, True)
+        if not a.decode:
+            L.llama_memory_clear(mem, True)
+
+    def step(tok, pos):
+        batch.n_tokens = 1
+        batch.token[0], batch.pos[0], batch.n_seq_id[0] = tok, pos, 1
+        batch.seq_id[0][0], batch.logits[0] = 0, 1
+        state["t"] = time.perf_counter()
+        if L.llama_decode(ctx, batch) != 0:
+            raise SystemExit("llama_decode failed")
+        L.llama_synchronize(ctx)
 
     prefill(tokens(a.prefill, 3, V))
-    state["on"] = True
-    t0 = time.perf_counter()
+    if a.decode:
+        step(tokens(1, 5, V)[0], a.prefill)
+        L.llama_memory_clear(mem, True)
+    wall = 0.0
     for r in range(a.reps):
+        if not a.decode:
+            state["on"] = True
+            t0 = time.perf_counter()
+            prefill(tokens(a.prefill, 10 + r, V))
+            wall += time.perf_counter() - t0
+            continue
         prefill(tokens(a.prefill, 10 + r, V))
-    wall = time.perf_counter() - t0
+        state["on"] = True
+        t0 = time.perf_counter()
+        for i, tok in enumerate(tokens(a.decode, 20 + r, V)):
+            step(tok, a.prefill + i)
+        wall += time.perf_counter() - t0
+        state["on"] = False
+        L.llama_memory_clear(mem, True)
     return {"wall": wall, "nodes": dict(nodes.s), "counts": dict(nodes.n), "calls": {}}
 
 
@@ -191,6 +232,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="timed prefills per process")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--last-row", action="store_true", help="the last row's logits only, both sides")
+    ap.add_argument("--decode", type=int, default=0, help="time N one-token decode steps after each prefill")
     ap.add_argument("--ours-tree", type=Path, help="also run our engine from this source tree (before/after)")
     ap.add_argument("--top", type=int, default=25, help="rows of the node table")
     ap.add_argument("--child", choices=("ours", "llama"), help=argparse.SUPPRESS)
@@ -207,6 +249,7 @@ def main() -> None:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "llama" if s == "llama" else "ours",
                    "--model", str(a.model), "--prefill", str(a.prefill), "--reps", str(a.reps)]
             cmd += ["--last-row"] if a.last_row else []
+            cmd += ["--decode", str(a.decode)] if a.decode else []
             env = dict(os.environ, PYTHONPATH=str(tree), BENCH_OURS_TREE=str(tree), P2PSWARM_THREADS="1")
             load.append(os.getloadavg()[0])
             p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -215,18 +258,22 @@ def main() -> None:
             runs[s].append(json.loads(p.stdout.strip().splitlines()[-1]))
     names = {"llama": "llama.cpp", "ours": "p2pswarm", "ours-tree": f"p2pswarm ({a.ours_tree})"}
 
-    def per(s, field, key):  # ms per prefill, median over rounds
-        return statistics.median(r[field].get(key, 0.0) for r in runs[s]) * 1000 / a.reps
+    per_rep = a.reps * (a.decode or 1)  # ms per prefill, or per decode step
 
-    print(f"## Prefill by ggml node: `{a.model.name}`, {a.prefill} tokens"
-          f"{', last row only' if a.last_row else ''}, 1 thread\n")
+    def per(s, field, key):  # ms per prefill (decode step), median over rounds
+        return statistics.median(r[field].get(key, 0.0) for r in runs[s]) * 1000 / per_rep
+
+    what = f"decode step after {a.prefill} tokens" if a.decode else f"prefill of {a.prefill} tokens"
+    print(f"## {'Decode' if a.decode else 'Prefill'} by ggml node: `{a.model.name}`, ms per {what}"
+          f"{', last row only' if a.last_row and not a.decode else ''}, 1 thread\n")
     print(f"`python bench/prefill_ops.py --model {a.model} --prefill {a.prefill} --reps {a.reps} --rounds {a.rounds}"
-          + (" --last-row" if a.last_row else "") + (f" --ours-tree {a.ours_tree}" if a.ours_tree else "")
+          + (" --last-row" if a.last_row else "") + (f" --decode {a.decode}" if a.decode else "")
+          + (f" --ours-tree {a.ours_tree}" if a.ours_tree else "")
           + f"` — {time.strftime('%Y-%m-%d')}, load average {min(load):.1f}-{max(load):.1f}\n")
-    print("| side | wall ms per prefill | ggml nodes ms |\n|---|---|---|")
+    print(f"| side | wall ms per {'step' if a.decode else 'prefill'} | ggml nodes ms |\n|---|---|---|")
     for s in sides:
-        wall = statistics.median(r["wall"] for r in runs[s]) * 1000 / a.reps
-        node_ms = statistics.median(sum(r["nodes"].values()) for r in runs[s]) * 1000 / a.reps
+        wall = statistics.median(r["wall"] for r in runs[s]) * 1000 / per_rep
+        node_ms = statistics.median(sum(r["nodes"].values()) for r in runs[s]) * 1000 / per_rep
         print(f"| {names[s]} | {wall:.0f} | {node_ms:.0f} |")
     keys = collections.Counter()
     for s in sides:
@@ -237,7 +284,7 @@ def main() -> None:
     for k, _ in keys.most_common(a.top):
         cells = []
         for s in sides:
-            n = statistics.median(r["counts"].get(k, 0) for r in runs[s]) / a.reps
+            n = statistics.median(r["counts"].get(k, 0) for r in runs[s]) / per_rep
             cells.append(f"{per(s, 'nodes', k):.1f} ({n:g})" if n else "-")
         print(f"| `{k}` | " + " | ".join(cells) + " |")
     ours = [s for s in sides if s != "llama"]
