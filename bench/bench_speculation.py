@@ -43,7 +43,8 @@ per step" shows the lengths it chose.
 
 Every row records the seconds per step, of which drafting (the MTP block, serial before the
 step's layers), the CPU seconds per step of every process of the run (this one, the workers, the
-WAN proxy: :func:`tree_cpu`, which the load moves much less than wall time), and the 1-minute load
+WAN proxy: :func:`tree_cpu`, which the load moves much less than wall time) and of this one alone
+(the backbone: which side an extra verified row costs on), and the 1-minute load
 average at each of its runs (the machine is shared); the
 end says how many layers of verification steps ran as one chunk and how many in rounds
 (``Backbone.verify_calls``).
@@ -85,7 +86,7 @@ def knob_drafter(wanted: list[int], rate: float, seed: int = 0):
     return draft
 
 
-CPU_S = [0.0]  # CPU seconds of the last _one, all processes (tree_cpu)
+CPU_S = [0.0, 0.0]  # CPU seconds of the last _one: all processes (tree_cpu), this one (the backbone)
 DRAFT_S = [0.0]  # seconds spent in the MTP block's drafting (serial before each step's layers)
 
 
@@ -138,13 +139,13 @@ async def _one(bb, spec, tokens: int) -> tuple[list[int], float, int, object, fl
     sched = Scheduler(bb, None, micro_batches=1, gather=(0, 0), speculate=spec)
     toks: list[int] = []
     d0 = DRAFT_S[0]
-    c0 = tree_cpu()
+    c0, b0 = tree_cpu(), time.process_time()
     t0 = time.perf_counter()
     async with sched.submit(PROMPT, Params(max_tokens=tokens, stop_at_eos=False)) as req:
         async for item in sched.drive(req):
             toks.append(item.token)
     took = time.perf_counter() - t0
-    CPU_S[0] = tree_cpu() - c0
+    CPU_S[0], CPU_S[1] = tree_cpu() - c0, time.process_time() - b0
     # (the prompt's step is not a decode step)
     return toks, took, sched.stats.steps - 1, sched.spec, DRAFT_S[0] - d0
 
@@ -202,7 +203,7 @@ async def _bench(args, model: Path) -> list[str]:
                 for name, spec in modes.items():
                     toks, took, steps, st, drafting = await _one(bb, spec, args.tokens)
                     assert toks == wanted, f"{name}: tokens differ from the run without speculation"
-                    res[name].append((took, steps, st.accepted, st.drafted, os.getloadavg()[0], drafting, CPU_S[0]))
+                    res[name].append((took, steps, st.accepted, st.drafted, os.getloadavg()[0], drafting, CPU_S[0], CPU_S[1]))
             on = "mtp (= auto)" if args.mtp_agreement is not None else "ngram"
             many: dict[str, list] = {"off": [], on: []}
             for _ in range(args.rounds if args.concurrent else 0):
@@ -222,7 +223,7 @@ async def _bench(args, model: Path) -> list[str]:
     off_s = statistics.median(r[0] for r in res["off"])
     rows = ["| mode | acceptance | drafts accepted per step | tokens per step | tokens/s | speed-up vs off | "
             "goal 0.9 x (1 + accepted per step) | drafted per step | s per step: all / drafting | "
-            "CPU s per step (all processes) | load (1 min) |",
+            "CPU s per step: all processes / the backbone | load (1 min) |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, runs in res.items():
         took = statistics.median(r[0] for r in runs)
@@ -234,7 +235,7 @@ async def _bench(args, model: Path) -> list[str]:
         rows.append(f"| {name} | {acc} | {per_step:.2f} | {len(runs) * (args.tokens - 1) / max(steps, 1):.2f} | "
                     f"{args.tokens / took:.1f} | {off_s / took:.2f}x | {goal} | {drafted / max(steps, 1):.2f} | "
                     f"{sum(r[0] for r in runs) / max(steps, 1):.3f} / {sum(r[5] for r in runs) / max(steps, 1):.3f} | "
-                    f"{sum(r[6] for r in runs) / max(steps, 1):.3f} | "
+                    f"{sum(r[6] for r in runs) / max(steps, 1):.3f} / {sum(r[7] for r in runs) / max(steps, 1):.3f} | "
                     f"{'-'.join(f'{r[4]:.1f}' for r in runs)} |")
     if args.concurrent:
         rate = {m: statistics.median(n / t for t, n, _, _ in runs) for m, runs in many.items()}

@@ -60,6 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("model")
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--rows", default="2,5", help="verification widths R = k+1 to measure")
+    ap.add_argument("--ab-split", action="store_true",
+                    help="only the verification widths, with the Q8_0 lone-tail split (dense.SPLIT_LONE_TAIL) "
+                         "off and on alternately, rep by rep, in this one process")
     a = ap.parse_args(argv)
     warm_page_cache(a.model)
     layout = ModelLayout.open(a.model)
@@ -90,6 +93,8 @@ def main(argv=None) -> int:
         step([(104729 * i + 5) % V], state, False)
         step([(104729 * i + 7) % V for _ in range(5)], state, True)
     T.take()
+    if a.ab_split:
+        return ab_split(a, model, step, state, T)
     # (R, verify): R decode positions verified as one chunk (stepped), or R rows as a prefill chunk
     widths = [(1, False)] + [(int(r), True) for r in a.rows.split(",")] + [(int(a.rows.split(",")[-1]), False)]
     per: dict[tuple, dict] = {}
@@ -159,6 +164,37 @@ def main(argv=None) -> int:
         med = {kk: statistics.median(v) for kk, v in res.items()}
         print(f"MtpBlock.draft, catch-up {c + 1} row(s), K={k}: " + ", ".join(f"{kk.strip()} {v:.1f}" for kk, v in med.items())
               + " ms CPU")
+    return 0
+
+
+def ab_split(a, model, step, state, T) -> int:
+    """``--ab-split``: each verification width of ``--rows`` (and the lm head alone at those rows),
+    with :data:`p2pswarm.engine.ggml.dense.SPLIT_LONE_TAIL` off and on in turn, rep by rep, so the
+    shared machine's load falls on both alike; CPU ms per step by stage, median of ``--reps``."""
+    from p2pswarm.engine.ggml import dense
+
+    V = model.n_vocab
+    hrows = np.random.default_rng(0).standard_normal((8, model.n_embd)).astype(np.float32)
+    print(f"CPU ms per step (one ggml thread, median of {a.reps}), Q8_0 lone-tail split off / on, alternating")
+    print("| rows | stage | split off | split on | on / off |")
+    print("| --- | --- | --- | --- | --- |")
+    for R in (int(r) for r in a.rows.split(",")):
+        got: dict = {False: collections.defaultdict(list), True: collections.defaultdict(list)}
+        for i in range(a.reps + 1):
+            for on in ((False, True) if i % 2 else (True, False)):  # each goes first in every other round
+                dense.SPLIT_LONE_TAIL = on
+                # tokens of their own: the same rows twice would find the second run's experts warm
+                step([(7919 * i + 3 + j + 101 * on) % V for j in range(R)], state, True)
+                T("lm head alone", model.output, hrows[:R])
+                for k, v in T.take().items():
+                    if i:  # the first round builds each graph once
+                        got[on][k].append(v)
+        dense.SPLIT_LONE_TAIL = True
+        names = list(got[False])
+        for n in names + ["total (without the head alone)"]:
+            off, on_ = ((sum(statistics.median(v) for k, v in got[f].items() if k != "lm head alone")
+                         if n.startswith("total") else statistics.median(got[f][n])) for f in (False, True))
+            print(f"| {R} verified | {n} | {off:.1f} | {on_:.1f} | {on_ / off:.3f}x |")
     return 0
 
 

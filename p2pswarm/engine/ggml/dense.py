@@ -7,12 +7,62 @@ were arrays (:meth:`p2pswarm.engine.backend.DenseBackend.take` installs them at 
 """
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from p2pswarm import settings
 from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32, QUANTISED_TYPES, WEIGHT_TYPES, GgmlLib, load_libggml
 from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 from p2pswarm.engine.ggml.mapped_parts import map_layout
+
+
+#: libggml's type id of Q8_0 (``enum ggml_type``)
+GGML_TYPE_Q8_0 = 8
+#: split a Q8_0 mat-mul of ``n >= 5`` rows with ``n % 4 == 1`` into ``n - 1`` rows and one row
+#: (:func:`mul_mat_rows`); False: one ``mul_mat`` whatever ``n`` (the old graphs, for A/B and tests)
+SPLIT_LONE_TAIL = True
+#: what one split adds to a graph: tensors (two row views, two mul_mats, the concat) ...
+SPLIT_TENSORS = 5
+
+
+def split_rows(w, n: int) -> int:
+    """Rows of the first part where :func:`mul_mat_rows` splits ``x @ W.T`` of ``n`` rows, else 0.
+
+    Why: llamafile's Q8_0 kernel (``tinyBLAS_Q0_AVX``, what libggml runs for 2+ rows) tiles the
+    rows by 4 and computes a remainder of ONE row with a 4x1 tile, a second pass over the whole
+    weight that costs more than libggml's one-row ``vec_dot`` (a 5-row verification chunk of K=4
+    drafts: 4x4 tiles + a 4x1 pass). So ``4q + 1`` rows go as ``4q`` (tiles) + 1 (``vec_dot``,
+    the kernel of a decode step). Measured on the 2-core AVX-512 VM, one thread, 5 rows
+    (``bench/verify_stages.py --ab-split`` for whole layers): the 122B's DeltaNet ``attn_qkv``
+    (12288 x 3072) 9.2 -> 7.8 ms, ``attn_gate`` 5.5 -> 4.6 ms; ``ssm_out`` (3072 x 8192) and the
+    shared expert unchanged; a 151,936-row head 123 -> 116 ms (9 rows 174 -> 156).
+    Bits: each row's value is the same either way, because libggml's Q8_0
+    mat-mul is row-invariant (the same per-row sums in the same order at any row count; measured
+    per layer at start by :func:`p2pswarm.backbone.serving.runner.probe_dense_invariance`, and
+    pinned by ``tests/test_tile_split.py``). ``w``: a ggml tensor (its ``type`` is the struct's first
+    field); only Q8_0 is split: other types take other kernels whose row counts may change bits."""
+    if not SPLIT_LONE_TAIL or n < 5 or n % 4 != 1:
+        return 0
+    return n - 1 if ctypes.c_int32.from_address(w).value == GGML_TYPE_Q8_0 else 0
+
+
+def mul_mat_rows(lib, ctx, w, x, in_n: int, n: int):
+    """``ggml_mul_mat(w, x)`` for a contiguous ``x`` of ``n`` rows of ``in_n`` floats, split as
+    :func:`split_rows` says (two ``mul_mat`` on row views, joined by ``ggml_concat``: the result
+    is the same contiguous [out, n] tensor). A graph that calls it budgets :func:`split_cost` more."""
+    s = split_rows(w, n)
+    if not s:
+        return lib.mul_mat(ctx, w, x)
+    head = lib.view_2d(ctx, x, in_n, s, 4 * in_n, 0)
+    tail = lib.view_2d(ctx, x, in_n, n - s, 4 * in_n, 4 * in_n * s)
+    return lib.concat(ctx, lib.mul_mat(ctx, w, head), lib.mul_mat(ctx, w, tail), 1)
+
+
+def split_cost(out_n: int, n: int) -> tuple[int, int]:
+    """(floats, tensors) one :func:`mul_mat_rows` of ``n`` rows into ``out_n`` may add to a graph:
+    the two parts' results besides the joined one (a graph context that runs out aborts)."""
+    return (out_n * n, SPLIT_TENSORS) if SPLIT_LONE_TAIL and n >= 5 and n % 4 == 1 else (0, 0)
 
 
 class QuantisedMatrix:
@@ -97,13 +147,14 @@ class QuantisedMatrix:
         def build(g):
             xt = lib.new_tensor_2d(g.ctx, GGML_TYPE_F32, in_n, n)
             y = xt if norm is None else lib.mul(g.ctx, lib.rms_norm(g.ctx, xt, eps), norm)
-            out = lib.mul_mat(g.ctx, self.tensor, y)
+            out = mul_mat_rows(lib, g.ctx, self.tensor, y, in_n, n)
             lib.build_forward_expand(g.graph, out)
             return f32_view(lib, xt, (n, in_n)), f32_view(lib, out, (n, out_n))
 
+        more_floats, more_tensors = split_cost(out_n, n)
         # kept per row count (GgmlRunner.graph): a decode step multiplies the same n each step
-        result = r.run_one(("matmul", self.tensor, norm, eps, n), 4 * n * (3 * in_n + out_n) + 256, 5, build, x2,
-                           n * in_n * out_n)
+        result = r.run_one(("matmul", self.tensor, norm, eps, n, more_tensors), 4 * n * (3 * in_n + out_n) + 4 * more_floats + 256,
+                           5 + more_tensors, build, x2, n * in_n * out_n)
         return result[:rows].reshape(*lead, out_n)
 
     def _after(self, front, norm, eps: float) -> np.ndarray:
@@ -122,13 +173,15 @@ class QuantisedMatrix:
             for _ in range(n - rows):
                 xt = lib.concat(ctx, xt, last, 1)
             y = xt if norm is None else lib.mul(ctx, lib.rms_norm(ctx, xt, eps), norm)
-            out = lib.mul_mat(ctx, self.tensor, y)
+            out = mul_mat_rows(lib, ctx, self.tensor, y, in_n, n)
             lib.build_forward_expand(g.graph, out)
             return fills, f32_view(lib, out, (n, out_n))
 
+        split_floats, split_tensors = split_cost(out_n, n)
         with r.lock:
-            g = r.graph(("matmul", self.tensor, norm, eps, n, front.key), 4 * n * (4 * in_n + out_n) + more_bytes + 256,
-                        8 + n + more_tensors, build, recurs=True)
+            g = r.graph(("matmul", self.tensor, norm, eps, n, front.key, split_tensors),
+                        4 * n * (4 * in_n + out_n) + 4 * split_floats + more_bytes + 256,
+                        8 + n + more_tensors + split_tensors, build, recurs=True)
             try:
                 fills, y = g.t
                 front.fill(fills)

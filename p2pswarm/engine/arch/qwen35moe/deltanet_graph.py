@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from p2pswarm.engine.ggml.attention import moe_input_floats, moe_inputs
-from p2pswarm.engine.ggml.dense import QuantisedMatrix
+from p2pswarm.engine.ggml.dense import QuantisedMatrix, mul_mat_rows, split_cost
 from p2pswarm.engine.experts.ggml_bank import rows_node
 from p2pswarm.engine.ggml.lib import GGML_TYPE_F32
 from p2pswarm.engine.ggml.runner import f32_view
@@ -179,11 +179,16 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         len(sts) * ((K - 1 + n) * C + n * C + 2 * n * Hk * d + (n * Hv * dv + Hv * dv * d if n > 1 else 0))
         for _, n, sts in runs)
     macs = T * E * (C + 2 * Hv * dv + 2 * Hv) + 4 * T * Hv * dv * d
+    split_tensors = 0
+    for out_n in (C, Hv * dv, E):  # the qkv, gate and output projections (mul_mat_rows)
+        more_floats, more_tensors = split_cost(out_n, T)
+        floats, split_tensors = floats + more_floats, split_tensors + more_tensors
+    n_tensors += split_tensors
     # kept for the next step when it is a decode step (one row per sequence: the same shape every
     # step); the key names each sequence's state memory, which the graph's tensors are placed on
     key = (("deltanet", il, T, tuple((st.conv.ctypes.data, st.conv.nbytes, st.buf.ctypes.data, st.buf.nbytes,
                                       st.head) for st, _ in segs), front.key if front is not None else None)
-           if all(n == 1 for _, n in segs) else None)
+           + (split_tensors,) if all(n == 1 for _, n in segs) else None)  # a kept graph split or not
     if front is not None:
         more_bytes, more_tensors, more_macs = front.cost()
         floats, n_tensors, macs = floats + more_bytes // 4, n_tensors + more_tensors, macs + more_macs
@@ -204,8 +209,8 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
 
         hin, h_rows, fills = rows_node(lib, ctx, T, E, front)
         x = lib.mul_inplace(ctx, lib.rms_norm(ctx, hin, eps), t["attn_norm"])
-        m = lib.mul_mat(ctx, t["attn_qkv"], x)  # [C, T]
-        z = lib.mul_mat(ctx, t["attn_gate"], x)  # [Hv dv, T]
+        m = mul_mat_rows(lib, ctx, t["attn_qkv"], x, E, T)  # [C, T]
+        z = mul_mat_rows(lib, ctx, t["attn_gate"], x, E, T)  # [Hv dv, T]
         beta = lib.sigmoid_inplace(ctx, lib.mul_mat(ctx, t["ssm_beta"], x))  # [Hv, T]
         alpha = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_alpha"], x), t["ssm_dt"])
         gt = lib.mul_inplace(ctx, lib.softplus_inplace(ctx, alpha), t["ssm_a"])  # [Hv, T]; ssm_a = -exp(A_log)
@@ -267,7 +272,7 @@ def deltanet_pre_moe(model, il: int, lw: DeltaNetLayerWeights, h: np.ndarray,
         # silu(z) * (rms_norm(o) * w) as one swiglu node (ggml's silu, and a product either way round)
         y = lib.swiglu_split(ctx, lib.reshape_3d(ctx, z, dv, Hv, T),
                              lib.mul_inplace(ctx, lib.rms_norm(ctx, o, eps), t["ssm_norm"]))
-        out = lib.add_inplace(ctx, lib.mul_mat(ctx, t["ssm_out"], lib.reshape_2d(ctx, y, Hv * dv, T)), hin)
+        out = lib.add_inplace(ctx, mul_mat_rows(lib, ctx, t["ssm_out"], lib.reshape_2d(ctx, y, Hv * dv, T), Hv * dv, T), hin)
         expand(out)
         cur = lib.mul(ctx, lib.rms_norm(ctx, out, eps), t["post_attention_norm"])
         expand(cur)

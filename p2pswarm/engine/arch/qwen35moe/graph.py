@@ -11,6 +11,7 @@ import numpy as np
 from p2pswarm.engine.ggml.attention import (cache_attention, decode_key, ffn_input_nodes, layer_tensors,
                                             moe_input_floats, reserve_spans, run_layer)
 from p2pswarm.engine.experts.ggml_bank import rows_node
+from p2pswarm.engine.ggml.dense import mul_mat_rows, split_cost
 from p2pswarm.engine.ggml.lib import GGML_TYPE_I32
 from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 
@@ -46,10 +47,16 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
             + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
     n_tensors = 40 + 28 * n_seq
     macs = T * E * (3 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
+    split_tensors = 0
+    for out_n in (2 * q_w, kv_w, kv_w, E):  # the q | gate, k, v and output projections (mul_mat_rows)
+        more_floats, more_tensors = split_cost(out_n, T)
+        acts, split_tensors = acts + more_floats, split_tensors + more_tensors
+    n_tensors += split_tensors
     if front is not None:
         more_bytes, more_tensors, more_macs = front.cost()
         acts, n_tensors, macs = acts + more_bytes // 4, n_tensors + more_tensors, macs + more_macs
-    key = decode_key(("attention", il, T, with_ffn_input, front.key if front is not None else None), segs, spans)
+    key = decode_key(("attention", il, T, with_ffn_input, front.key if front is not None else None, split_tensors),
+                     segs, spans)  # split_tensors: a kept graph split or not (mul_mat_rows)
 
     def build(g):
         ctx = g.ctx
@@ -57,9 +64,9 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
         ht, h_in, fills = rows_node(lib, ctx, T, E, front)
         pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, 4 * T)
         x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), lt.t["attn_norm.weight"])
-        qg = lib.mul_mat(ctx, lt.t["attn_q.weight"], x)  # [2 hd, H, T] head by head: q | gate
-        kc = lib.mul_mat(ctx, lt.t["attn_k.weight"], x)
-        vc = lib.mul_mat(ctx, lt.t["attn_v.weight"], x)
+        qg = mul_mat_rows(lib, ctx, lt.t["attn_q.weight"], x, E, T)  # [2 hd, H, T] head by head: q | gate
+        kc = mul_mat_rows(lib, ctx, lt.t["attn_k.weight"], x, E, T)
+        vc = mul_mat_rows(lib, ctx, lt.t["attn_v.weight"], x, E, T)
         q = lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, 0)
         gate = lib.cont_2d(ctx, lib.view_3d(ctx, qg, hd, H, T, f * 2 * hd, f * 2 * q_w, f * hd), q_w, T)
         q = lib.mul(ctx, lib.rms_norm(ctx, q, model.eps), lt.t["attn_q_norm.weight"])
@@ -72,7 +79,7 @@ def gated_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *,
         k = lib.rope_multi(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
         att, per_seq = cache_attention(g, q, k, v, segs, spans, H, Hkv, hd, 1.0 / math.sqrt(hd))
         gated = lib.mul(ctx, att, lib.sigmoid(ctx, gate))
-        res = lib.add(ctx, lib.mul_mat(ctx, lt.t["attn_output.weight"], gated), ht)
+        res = lib.add(ctx, mul_mat_rows(lib, ctx, lt.t["attn_output.weight"], gated, q_w, T), ht)
         lib.build_forward_expand(g.graph, res)
         cur, extras = ffn_input_nodes(model, il, runner, g, res, lt, T) if with_ffn_input else (None, {})
         return h_in, _i32_view(lib, pos, 4 * T), per_seq, f32_view(lib, res, (T, E)), cur, extras, fills
