@@ -1,0 +1,21 @@
+"""bench/device_swarm.py's ``--warm``: untimed rounds at every measured N before the timed ones,
+so the first timed round is not the swarm's cold start (docs/benchmarks.md, i46c)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import device_swarm  # noqa: E402
+
+
+def test_warm_up_measures_every_n_warm_times_in_the_timed_order(monkeypatch):
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(device_swarm, "measure", lambda sw, n, tokens: calls.append((n, tokens)) or {"n": n})
+    got = device_swarm.warm_up(object(), [16, 64], argparse.Namespace(warm=2, tokens=4))
+    assert calls == [(16, 4), (64, 4), (16, 4), (64, 4)]
+    assert [r["n"] for r in got] == [16, 64, 16, 64]
+    calls.clear()
+    assert device_swarm.warm_up(object(), [16, 64], argparse.Namespace(warm=0, tokens=4)) == []
+    assert calls == []
