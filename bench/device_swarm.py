@@ -125,7 +125,15 @@ def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
             "remote_groups": d1["remote_groups"] - d0["remote_groups"], "owner_rows": rows,
             "cpu": {k: (cpu1[k] - cpu0[k]) for k in cpu1},
             "steps": h1["steps"] - h0["steps"], "requests": h1["expert_requests"] - h0["expert_requests"],
-            "micro_batches": h1["micro_batches"], "coded_replies": coded(s1) - coded(s0), "received": received}
+            "micro_batches": h1["micro_batches"], "coded_replies": coded(s1) - coded(s0), "received": received,
+            "refreshes": refreshes(s1) - refreshes(s0)}
+
+
+def refreshes(swarm: dict) -> int:
+    """The backbone's coverage-map refreshes so far (``/v1/swarm`` ``resolver``; 0 without one).
+    Why count them in a measurement: a refresh's DHT look-ups are ~0.2 s of a 0.3-core backbone's
+    CPU every ``--refresh`` (30) s, which in a 2-second N=16 round is ~3 ms a token."""
+    return int((swarm.get("resolver") or {}).get("refreshes", 0))
 
 
 def coded(swarm: dict) -> int:
@@ -144,7 +152,8 @@ def per_token(r: dict) -> str:
             + (f"workers CPU {1000 * sum(workers) / tok:.2f} ms/token (busiest {1000 * max(workers) / tok:.2f}), "
                if workers else "") + replies +
             f"{r['steps'] / tok:.3f} steps/token, {r['requests'] / tok:.2f} expert requests/token, "
-            f"micro-batches {r['micro_batches']}")
+            f"micro-batches {r['micro_batches']}"
+            + (f", {r['refreshes']} coverage refresh(es) in the window" if r.get("refreshes") else ""))
 
 
 def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas: list[float],
