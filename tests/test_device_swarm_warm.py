@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import device_swarm  # noqa: E402
+import device_swarm
 
 
 def test_warm_up_measures_every_n_warm_times_in_the_timed_order(monkeypatch):
