@@ -36,7 +36,7 @@ controller) the script says so in one line and exits 2.
 
     python bench/device_swarm.py [--preset geometry-122b --layers 2] [--backbone-cpu 0.3]
         [--worker-cpu 0.12] [--workers 1 --workers 2 ...] [--replicas 1 --replicas 2]
-        [--concurrency 16 --concurrency 64] [--tokens 4] [--rounds 1] [--rtt 0 | --worker-rtt-ms 0,25,50]
+        [--concurrency 16 --concurrency 64] [--tokens 4] [--rounds 1] [--warm 1] [--rtt 0 | --worker-rtt-ms 0,25,50]
         [--worker-up-mbps 0 | --worker-up-mbps 20,0,100] [--unequal 0.1,0.2,0.4] [--plot docs/device_scaling.png] [--out docs/benchmarks.md]
 """
 from __future__ import annotations
