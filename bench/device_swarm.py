@@ -13,7 +13,8 @@ load generator stay outside the groups: they stand for the network and the clien
 
 Per configuration (the backbone alone: every expert local; then 1, 2, 4, 8 workers each holding an
 equal share of the experts; ``--replicas 2``: each share held by two of them) it runs N = 16 and
-64 concurrent greedy ``/v1/completions`` (alternating, best of ``--rounds``) and reports aggregate
+64 concurrent greedy ``/v1/completions`` (alternating, best of ``--rounds``, after ``--warm`` untimed
+rounds at each N: the swarm's cold start is not measured) and reports aggregate
 generated tokens/s, the ratio to the backbone alone, and the bounds:
 
 * Amdahl: the share f of the backbone-alone step spent on routed experts (``/v1/swarm``
@@ -35,7 +36,7 @@ controller) the script says so in one line and exits 2.
 
     python bench/device_swarm.py [--preset geometry-122b --layers 2] [--backbone-cpu 0.3]
         [--worker-cpu 0.12] [--workers 1 --workers 2 ...] [--replicas 1 --replicas 2]
-        [--concurrency 16 --concurrency 64] [--tokens 4] [--rounds 1] [--rtt 0 | --worker-rtt-ms 0,25,50]
+        [--concurrency 16 --concurrency 64] [--tokens 4] [--rounds 1] [--warm 1] [--rtt 0 | --worker-rtt-ms 0,25,50]
         [--worker-up-mbps 0 | --worker-up-mbps 20,0,100] [--unequal 0.1,0.2,0.4] [--plot docs/device_scaling.png] [--out docs/benchmarks.md]
 """
 from __future__ import annotations
@@ -124,7 +125,15 @@ def measure(sw: WanSwarm, n: int, tokens: int) -> dict:
             "remote_groups": d1["remote_groups"] - d0["remote_groups"], "owner_rows": rows,
             "cpu": {k: (cpu1[k] - cpu0[k]) for k in cpu1},
             "steps": h1["steps"] - h0["steps"], "requests": h1["expert_requests"] - h0["expert_requests"],
-            "micro_batches": h1["micro_batches"], "coded_replies": coded(s1) - coded(s0), "received": received}
+            "micro_batches": h1["micro_batches"], "coded_replies": coded(s1) - coded(s0), "received": received,
+            "refreshes": refreshes(s1) - refreshes(s0)}
+
+
+def refreshes(swarm: dict) -> int:
+    """The backbone's coverage-map refreshes so far (``/v1/swarm`` ``resolver``; 0 without one).
+    Why count them in a measurement: a refresh's DHT look-ups are ~0.2 s of a 0.3-core backbone's
+    CPU every ``--refresh`` (30) s, which in a 2-second N=16 round is ~3 ms a token."""
+    return int((swarm.get("resolver") or {}).get("refreshes", 0))
 
 
 def coded(swarm: dict) -> int:
@@ -143,7 +152,8 @@ def per_token(r: dict) -> str:
             + (f"workers CPU {1000 * sum(workers) / tok:.2f} ms/token (busiest {1000 * max(workers) / tok:.2f}), "
                if workers else "") + replies +
             f"{r['steps'] / tok:.3f} steps/token, {r['requests'] / tok:.2f} expert requests/token, "
-            f"micro-batches {r['micro_batches']}")
+            f"micro-batches {r['micro_batches']}"
+            + (f", {r['refreshes']} coverage refresh(es) in the window" if r.get("refreshes") else ""))
 
 
 def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas: list[float],
@@ -172,6 +182,7 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
             if ranges:
                 sw.wait_covered(timeout_s=300)
             measure(sw, 2, 2)  # warm-up: connections, caches, every owner measured once
+            warm_up(sw, conc, args)
             # owner name -> worker index (its peer id, from the identity file WanSwarm gave it)
             index = {load_or_create_identity(d / f"w{i}.key").peer_id_str: i for i in range(len(ranges))}
             sw.owner_index = {w["name"]: index.get(w["peer"], -1) for w in sw.swarm()["workers"]}
@@ -199,6 +210,18 @@ def run_config(model: Path, work: Path, groups: CpuGroups, *, label: str, quotas
         for g in made:  # the swarm's processes are stopped by now
             groups.remove(g)
         shutil.rmtree(d, ignore_errors=True)
+
+
+def warm_up(sw: WanSwarm, conc: list[int], args) -> list[dict]:
+    """``--warm`` untimed rounds at every measured N, before the timed ones.
+
+    Why: the one small warm-up (2 requests of 2 tokens) touches a few experts and gives no link a
+    rate. The first timed round then carried the swarm's cold start: every node faulting in the
+    expert pages it had not read yet (the workers' CPU per token was twice a later round's), and
+    each link's first replies zstd-coded until its rate is measured (p2pswarm.net.wire.link_rate).
+    With ``--rounds 1`` that round was the first N's only one, so N=16 (measured first) showed
+    the start-up and N=64 the steady state (docs/benchmarks.md, 2026-12-07, i46c)."""
+    return [measure(sw, n, args.tokens) for _ in range(args.warm) for n in conc]
 
 
 def start_py_spy(args, sw: WanSwarm, label: str):
@@ -252,6 +275,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, action="append", default=None, help="default 16 and 64")
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--warm", type=int, default=1,
+                    help="untimed rounds at every N before the timed ones (default 1; 0: only the small "
+                         "warm-up, so the first timed round carries the cold start)")
     ap.add_argument("--rtt", type=float, default=0.0, help="each worker's link RTT in ms (WAN proxy; 0: loopback)")
     ap.add_argument("--worker-rtt-ms", default=None, metavar="MS,MS,...",
                     help="worker i's link RTT is the i-th of these (cycled; e.g. 0,25,50: one WAN proxy per link, "
@@ -391,7 +417,7 @@ def report(args, shape, L, results, conc, unequal, load) -> None:
         f"{'WAN proxies (' + format(args.rtt, 'g') + ' ms RTT) and ' if args.rtt else ''}"
         f"{'WAN proxies (worker RTTs ' + args.worker_rtt_ms + ' ms) and ' if args.worker_rtt_ms else ''}the load generator outside "
         f"the groups. N concurrent greedy requests of {args.tokens} tokens, best of {args.rounds} "
-        f"(N alternating); the backbone alone ran first and last (its best is the baseline: "
+        f"(N alternating) after {args.warm} untimed round(s) at each N; the backbone alone ran first and last (its best is the baseline: "
         + ", ".join(f"N={n}: {results['alone'][n]['tps']:.2f} then {results['alone2'][n]['tps']:.2f}" for n in conc)
         + " tokens/s). Amdahl bound = alone / (1 - f), f = the alone step's share on routed experts ("
         + ", ".join(f"N={n}: {bounds[n]['f']:.2f}" for n in conc)
