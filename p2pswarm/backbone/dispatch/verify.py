@@ -50,7 +50,7 @@ log = logging.getLogger("p2pswarm.backbone")
 
 #: ggml threads a spot check's recomputation may use: one. It runs beside the request it checks (its
 #: wall time hides behind the round trip) on the backbone's own CPU, and one row of one expert on two
-#: threads cost 1.6-2.3x the CPU of one thread for no wall time back (cpu_share.GRAPH_THREAD_CAP)
+#: threads cost 1.6-2.5x the CPU of one thread for no wall time back (cpu_share.GRAPH_THREAD_CAP)
 CHECK_THREADS = 1
 
 
