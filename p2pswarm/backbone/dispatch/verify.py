@@ -33,6 +33,7 @@ import numpy as np
 import trio
 
 from p2pswarm.contracts import Groups, Owner
+from p2pswarm.engine.ggml.cpu_share import GRAPH_THREAD_CAP
 from p2pswarm.errors import first_error
 from p2pswarm.market.verify import mark_unverified
 
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
     from p2pswarm.market.verify import Check, Verifier
 
 log = logging.getLogger("p2pswarm.backbone")
+
+#: ggml threads a spot check's recomputation may use: one. It runs beside the request it checks (its
+#: wall time hides behind the round trip) on the backbone's own CPU, and one row of one expert on two
+#: threads cost 1.6-2.5x the CPU of one thread for no wall time back (cpu_share.GRAPH_THREAD_CAP)
+CHECK_THREADS = 1
 
 
 class Bans:
@@ -142,6 +148,7 @@ class Verification:
         the requests (a step waits for max(slowest round trip, the check), not their sum)."""
         rows = [(groups[plan[owner][i]][0], groups[plan[owner][i]][1][at])
                 for owner, picked in checks.picks.items() for i, at in picked]
+        GRAPH_THREAD_CAP.set(CHECK_THREADS)  # (this task's context only: a nursery task of the step)
         refs = await self.local.compute(layer, cur, rows)
         k = 0
         for owner, picked in checks.picks.items():
@@ -163,6 +170,7 @@ class Verification:
             got["outs"] = await owner.compute(layer, cur, groups)
 
         async def local() -> None:
+            GRAPH_THREAD_CAP.set(CHECK_THREADS)  # (this task's context only)
             pins: list[tuple[int, int]] = []
             try:
                 if for_check:

@@ -20,6 +20,7 @@ import os
 import resource
 import threading
 import time
+from contextvars import ContextVar
 
 from p2pswarm import settings
 
@@ -93,6 +94,15 @@ class CpuShare:
             self._last = (now, busy, own)
             return self._free
 
+
+#: the most threads a graph computed in this context may use (None: no cap beyond the free CPUs).
+#: The verifier's spot checks set 1 (``p2pswarm.backbone.dispatch.verify.CHECK_THREADS``): a check
+#: runs beside the request it checks, so its wall time is hidden behind the round trip, while its CPU
+#: is taken from the backbone's own. A check is a row or a few of one expert, which streams the
+#: expert's weights once; split over 2 threads it gave no wall time back on this machine and cost
+#: 1.6-2.5x the CPU (docs/benchmarks.md, "A spot check's CPU"). Set in a task, it holds for that
+#: task and the threads it hands work to (trio copies the context), never for its parent.
+GRAPH_THREAD_CAP: ContextVar[int | None] = ContextVar("p2pswarm_graph_thread_cap", default=None)
 
 _share: CpuShare | None = None
 

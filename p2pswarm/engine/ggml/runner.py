@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from p2pswarm.engine.ggml.cpu_share import free_cpus
+from p2pswarm.engine.ggml.cpu_share import GRAPH_THREAD_CAP, free_cpus
 from p2pswarm.engine.ggml.lib import (MIN_MACS_PER_THREAD, TENSOR_ALIGNMENT, WEIGHT_TYPES, GgmlLib, GgmlUnavailable,
                                          _InitParams, check_threads)
 from p2pswarm.errors import ModelFormatError
@@ -218,6 +218,9 @@ class GgmlRunner:
 
     def compute(self, graph, macs: int) -> None:
         n = max(1, min(self.threads, macs // MIN_MACS_PER_THREAD))
+        cap = GRAPH_THREAD_CAP.get()  # (the verifier's spot checks: one thread, cpu_share.GRAPH_THREAD_CAP)
+        if cap is not None:
+            n = max(1, min(n, cap))
         if n > 1:  # no more threads than the CPUs other processes leave free (p2pswarm.engine.ggml.cpu_share)
             free = free_cpus()
             n = n if free is None else min(n, free)
