@@ -52,6 +52,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_omp_wait: {a.model}: no such file")
     # what run_side reads: one sequence, a short prefill, no batch
     a.prefill, a.seqs, a.batch_steps, a.cold_prefill, a.ours_tree, a.timeout = 16, 1, 1, False, None, 600
+    a.last_row = False  # (bench_vs_llama --last-row: only the prefill, not timed here)
     policies = ["passive"] + a.spins
     rows = []
     for busy in a.busy:
