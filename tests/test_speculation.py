@@ -341,7 +341,10 @@ async def test_greedy_and_seeded_spec_on_equals_off(model, workers):
         before = bb.dispatcher.stats.snapshot()
         off, _ = await _run(bb, prompts, [f() for f in samplers], None, n)
         wanted = [toks for toks, _ in off]
-        oracle = Speculation("ngram", 4, drafter=_oracle(prompts, wanted))
+        # the oracle drafts its cap of 3 every step (FreeDrafts), not timings' choice: from position
+        # 4 (mod 5) a draft is accepted whole, from 3 rejected whole, from 1 in part, so a run's
+        # acceptance is about 0.5 on any machine (adaptive lengths made it 0.49-0.6 with the load)
+        oracle = Speculation("ngram", 3, drafter=_oracle(prompts, wanted), costs=FreeDrafts())
         runs = [await _run(bb, prompts, [f() for f in samplers], spec, n)
                 for spec in (Speculation("ngram", 4), oracle)]
         stats = bb.dispatcher.stats.since(before)
@@ -353,7 +356,7 @@ async def test_greedy_and_seeded_spec_on_equals_off(model, workers):
                 assert np.array_equal(r0[p], r1[p]), p
         assert spec.drafted > 0 and spec.verifications > 0, spec
     oracle_stats = runs[1][1]
-    assert 0.5 * oracle_stats.drafted < oracle_stats.accepted < oracle_stats.drafted, oracle_stats
+    assert 0.3 * oracle_stats.drafted < oracle_stats.accepted < 0.8 * oracle_stats.drafted, oracle_stats
     if workers:
         assert stats.fallbacks == 0 and stats.local_groups == 0 and stats.requests > 0
 
