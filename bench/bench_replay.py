@@ -7,7 +7,7 @@ measures what that bookkeeping costs while no one is banned: S concurrent reques
 scheduler, two in-process workers (real ExpertWorker objects on real shards, no round trip: the
 bookkeeping is then the largest share of a step it can be), verification at ``--verify-rate``.
 ``Backbone.replay_on_ban`` on (A) and off (B), alternating A B A B, median seconds per step; and,
-precisely, the seconds spent inside the bookkeeping itself (timed around ``Dispatcher._mark`` and
+precisely, the seconds spent inside the bookkeeping itself (timed around ``mark_unverified`` and
 the per-step fold) as a share of the steps' time. Then one run with a liar banned mid-run: how
 long the replay took the requests.
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import trio
 from common import header, publish, tiny_in_process_parts
 
+import p2pswarm.backbone.dispatch.verify as dispatch_verify
 import p2pswarm.backbone.serving.runner as runner
 from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, InProcessOwner
 from p2pswarm.backbone.serving.runner import Backbone
@@ -48,7 +49,8 @@ def _timed(fn):
     return wrapped
 
 
-Dispatcher._mark = staticmethod(_timed(Dispatcher._mark))
+# the per-owner row marking (p2pswarm.market.verify.mark_unverified, as the dispatcher's verify concern calls it)
+dispatch_verify.mark_unverified = _timed(dispatch_verify.mark_unverified)
 runner._fold_taint = _timed(runner._fold_taint)
 
 

@@ -9,11 +9,12 @@ than the importer: a name its owner did not promise to keep. "Private attribute 
 private member, e.g. py-libp2p internals the host's workarounds touch). Duplicated blocks come from the `duplicates`
 command, not from here.
 
-Usage: python bench/codebase_metrics.py [ROOT]   (default: the current directory)
+Usage: python bench/codebase_metrics.py [ROOT]   (default: this checkout, the folder above bench/)
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import sys
@@ -78,4 +79,10 @@ def measure(root: Path) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()), indent=1))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("root", nargs="?", default=str(Path(__file__).resolve().parent.parent),
+                    help="a checkout holding p2pswarm/ and relay/ (default: this one)")
+    root = Path(ap.parse_args().root).resolve()
+    if not (root / "p2pswarm").is_dir():
+        sys.exit(f"codebase_metrics: {root} holds no p2pswarm/ package")
+    print(json.dumps(measure(root), indent=1))

@@ -121,10 +121,22 @@ def phases(test_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "record":
-        record(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")
-    elif sys.argv[1] == "phases":
-        phases(sys.argv[2])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="sample every 5 s until killed")
+    r.add_argument("out")
+    r.add_argument("match", nargs="?", default="")
+    p = sub.add_parser("report", help="per role, median and max CPU %% over the steady window")
+    p.add_argument("log")
+    p.add_argument("--after-ready", type=int, default=30, help="the workers alive that start the window")
+    ph = sub.add_parser("phases", help="start-up phases of a test's processes")
+    ph.add_argument("test_dir")
+    a = ap.parse_args()
+    if a.cmd == "record":
+        record(a.out, a.match)
+    elif a.cmd == "phases":
+        phases(a.test_dir)
     else:
-        n = int(sys.argv[sys.argv.index("--after-ready") + 1]) if "--after-ready" in sys.argv else 30
-        report(sys.argv[2], n)
+        report(a.log, a.after_ready)

@@ -145,6 +145,10 @@ def _patch_proxy() -> None:
 
 def main() -> None:
     global _out
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
+        # usage, not a traceback: the first argument is the module to run, the rest are its own
+        print(__doc__.strip().split("\n\n")[0] + "\n\n" + __doc__.strip().split("\n\n")[1].strip())
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     module = sys.argv[1]
     sys.argv = [module, *sys.argv[2:]]
     tdir = os.environ.get("TRACE_DIR", "/tmp")
