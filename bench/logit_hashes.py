@@ -5,7 +5,7 @@
 For tiny models of every architecture (qwen35moe Q8_0 and Q4_K_M, gpt-oss Q8_0, deepseek2 Q4_K_M
 and Q8_0, glm4moe Q8_0, qwen3moe F32 and Q4_K_M; made once under ``--dir``) on the numpy and ggml
 kernels, one line each: the sha256 (16 hex digits) of a prefill's all-position logits
-(``generate.sequence_logits``), and of three steps of three sequences of mixed lengths
+(``generate.sequence_logits``), of the same tokens fed one decode step at a time, and of three steps of three sequences of mixed lengths
 (``Backbone.forward_batch``) with and without the batch-invariant mode, a speculative verification
 step among them (its positions kept in part after), and the same kind of steps with ``last_only``
 (the scheduler's: each item's last row). A refactoring of the engine that claims no
@@ -43,6 +43,8 @@ async def hashes(path: Path, kernel: str) -> list[tuple[str, str]]:
         V = bb.model.n_vocab
         toks = [(37 * i + 5) % V for i in range(9)]
         out.append(("prefill", digest([await sequence_logits(bb, toks)])))
+        # one sequence fed token by token: the one-sequence decode step (gpt-oss's ggml one-graph step)
+        out.append(("decode", digest([await sequence_logits(bb, toks, decode=True)])))
         for inv in (True, False):
             a, b, c = bb.new_state(), bb.new_state(), bb.new_state()
             r = await bb.forward_batch([(toks[:5], a), (toks[2:5], b), (toks[:1], c)], batch_invariant=inv)

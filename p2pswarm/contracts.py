@@ -196,6 +196,15 @@ class DenseModel(Protocol):
         (``front``, as :meth:`layer_in_after`'s) where its ``layer_out`` is ``h + moe``; None where not."""
         ...
 
+    def decode_graph(self, token: int, state: Any, bank: Any, plan: Callable) -> np.ndarray | None:
+        """A one-sequence decode step (``token`` fed after what ``state`` has seen; the caller
+        advances ``state.n_past``) as ONE graph, every layer's routed experts on the backbone's ggml
+        ``bank``: its logits (1, n_vocab), the bits of the per-layer calls; None where the model
+        does not (the backbone makes the calls). ``plan(il, ids, weights)``: the backbone's
+        grouping of layer ``il``'s routing into :func:`~p2pswarm.engine.experts.ggml_bank.slot_pairs`
+        (or None), called from inside the graph."""
+        ...
+
 
 
 #: ``routed(cur, ids, weights)``: the routed experts' output for the rows ``cur``, combined in the

@@ -93,3 +93,18 @@ def invariant_groups(ids: np.ndarray, spans: list[slice], limit: int) -> Groups:
     groups.sort(key=lambda g: (g[0], int(g[1][0])))
     return groups
 
+
+def one_row_spans(sp: slice) -> list[slice]:
+    """``sp`` cut into one-row spans."""
+    return [slice(i, i + 1) for i in range(sp.start, sp.stop)]
+
+
+def renumbered(ospans: list[list[slice]]) -> list[list[slice]]:
+    """Each item's out spans as positions in the concatenation of all items' out rows, in order."""
+    at, out = 0, list[list[slice]]()
+    for item in ospans:
+        out.append([])
+        for sp in item:
+            out[-1].append(slice(at, at + sp.stop - sp.start))
+            at += sp.stop - sp.start
+    return out

@@ -20,6 +20,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from p2pswarm.backbone.serving.items import Rewind
 
 log = logging.getLogger("p2pswarm.backbone")
@@ -115,3 +117,22 @@ class TokenReplay:
         del self.tokens[index:]
         self.forced = index
         return False, back
+
+
+def fold_taint(taint: dict[str, np.ndarray], bounds: np.ndarray, states: list[Any],
+               pos0: list[int]) -> None:
+    """Record in each sequence's state the first position whose computation used a remote peer's
+    unverified outputs (``SequenceState.taint``): from row masks over the step's rows (any
+    layer) to positions of each sequence (its span of rows starts at ``bounds[i]``, position
+    ``pos0[i]``). Positions before it never depended on those outputs (the model is causal)."""
+    for peer, mask in taint.items():
+        rows = np.flatnonzero(mask)
+        if not len(rows):
+            continue
+        seq = np.searchsorted(bounds, rows, side="right") - 1
+        first_seq, first_at = np.unique(seq, return_index=True)  # rows ascend: the first is the least
+        for i, r in zip(first_seq.tolist(), rows[first_at].tolist()):
+            st = states[i]
+            pos = pos0[i] + r - int(bounds[i])
+            if pos < st.taint.get(peer, pos + 1):
+                st.taint[peer] = pos

@@ -39,51 +39,18 @@ import trio
 
 from p2pswarm.backbone.serving.combine import combine, combine_outputs, combine_rows, expert_groups  # noqa: F401 - combine: re-exported
 from p2pswarm.backbone.serving import grouping
+from p2pswarm.backbone.serving.grouping import one_row_spans as _rows, renumbered as _renumbered
 from p2pswarm.backbone.dispatch.dispatcher import Dispatcher, Groups
 from p2pswarm.backbone.serving.mtp import HiddenRows
 from p2pswarm.backbone.serving.replay import ReplayStats
+from p2pswarm.backbone.serving.replay import fold_taint as _fold_taint
 from p2pswarm.backbone.owners.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
 from p2pswarm.contracts import DenseModel, LayerIn
-from p2pswarm.engine.experts.ggml_bank import ExpertsInFront, GgmlExpertBank
+from p2pswarm.engine.experts.ggml_bank import ExpertsInFront, GgmlExpertBank, slot_pairs
 from p2pswarm.engine.state import SequenceState
 
 F32 = np.float32
 log = logging.getLogger("p2pswarm.backbone")
-
-
-def _rows(sp: slice) -> list[slice]:
-    """``sp`` cut into one-row spans."""
-    return [slice(i, i + 1) for i in range(sp.start, sp.stop)]
-
-
-def _renumbered(ospans: list[list[slice]]) -> list[list[slice]]:
-    """Each item's out spans as positions in the concatenation of all items' out rows, in order."""
-    at, out = 0, list[list[slice]]()
-    for item in ospans:
-        out.append([])
-        for sp in item:
-            out[-1].append(slice(at, at + sp.stop - sp.start))
-            at += sp.stop - sp.start
-    return out
-
-
-def _fold_taint(taint: dict[str, np.ndarray], bounds: np.ndarray, states: list[SequenceState],
-                pos0: list[int]) -> None:
-    """Record in each sequence's state the first position whose computation used a remote peer's
-    unverified outputs (``SequenceState.taint``): from row masks over the step's rows (any
-    layer) to positions of each sequence (its span of rows starts at ``bounds[i]``, position
-    ``pos0[i]``). Positions before it never depended on those outputs (the model is causal)."""
-    for peer, mask in taint.items():
-        rows = np.flatnonzero(mask)
-        if not len(rows):
-            continue
-        seq = np.searchsorted(bounds, rows, side="right") - 1
-        first_seq, first_at = np.unique(seq, return_index=True)  # rows ascend: the first is the least
-        for i, r in zip(first_seq.tolist(), rows[first_at].tolist()):
-            st = states[i]
-            pos = pos0[i] + r - int(bounds[i])
-            if pos < st.taint.get(peer, pos + 1):
-                st.taint[peer] = pos
 
 
 @dataclass
@@ -214,6 +181,8 @@ class Backbone:
         self.verify_calls = {"chunk": 0, "rounds": 0}
         #: layer boundaries computed as one graph, the experts in front of the next layer (_through)
         self.fused_layers = 0
+        #: decode steps computed as ONE graph, every layer and the head (_one_graph)
+        self.one_graph_steps = 0
         self._row_invariant: tuple[bool, bool, int] | None = None  # (experts, lm head, small rows), probed once
         self._dense_invariant: dict[tuple, DenseInvariance] = {}  # per layer signature, probed on first use
         self._dense_running = 0  # dense pieces in progress, all micro-batches (LayerTiming.busy_s)
@@ -379,8 +348,13 @@ class Backbone:
             # one sequence (nothing split per sequence): a layer's experts may run in front of the next
             # layer's graph, one graph where the bank's and the layer's ran with numpy between them
             fuse = len(items) == 1 and not any(verify) and isinstance(disp.local.bank, GgmlExpertBank)
+            # one decode token whose logits go nowhere else: the whole step may be one graph (_one_graph)
+            one = fuse and len(toks[0]) == 1 and last is None and not self.keep_hidden
 
             def whole():
+                got = self._one_graph(int(toks[0][0]), states[0]) if one else None
+                if got is not None:
+                    return got
                 res = first()
                 for il in range(L):
                     lin, groups = res
@@ -434,6 +408,33 @@ class Backbone:
                 state.layer_state(il).restore(snaps[keep - 1])
             state.n_past -= n - keep
         state.checkpoints, state.verified = {}, 0
+
+    def _one_graph(self, token: int, state: SequenceState) -> list[np.ndarray] | None:
+        """A one-sequence decode step as ONE graph of the model's (``decode_graph``: embedding,
+        every layer with its experts on the local ggml bank, the lm head), the router's choice
+        grouped here as :meth:`_groups` groups it (from inside the graph) and counted as
+        :meth:`_through` counts it; None where the model does not run it. The same bits as the
+        layer-by-layer path (:meth:`_through`, :meth:`_through_output`)."""
+        bank = self.dispatcher.local.bank
+        if not isinstance(bank, GgmlExpertBank):
+            return None
+        planned: list[tuple[int, Groups]] = []
+
+        def plan(il: int, ids: np.ndarray, weights: np.ndarray):
+            groups = expert_groups(ids)
+            planned.append((il, groups))
+            return slot_pairs(bank, il, ids, weights, groups)
+
+        t0 = time.perf_counter()
+        logits = self.model.decode_graph(token, state, bank, plan)
+        if logits is None:
+            return None
+        per_layer = (time.perf_counter() - t0) / max(1, len(planned))
+        for il, groups in planned:
+            self.dispatcher.ran_locally(il, groups, per_layer)
+        self.fused_layers += len(planned)
+        self.one_graph_steps += 1
+        return [logits]
 
     def _through(self, il, lin: LayerIn, groups, state, pos0, spans, only) -> tuple[LayerIn, Groups] | None:
         """Layer ``il``'s experts and layer_out and layer ``il + 1``'s layer_in as ONE graph of the

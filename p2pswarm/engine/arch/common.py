@@ -127,6 +127,10 @@ class LayerByPieces:
         """Nor the lm head's (see :class:`LayerByGraph`)."""
         return None
 
+    def decode_graph(self, token: int, state: Any, bank: Any, plan: Callable) -> np.ndarray | None:
+        """Nor a whole decode step as one graph (gpt-oss: :meth:`~p2pswarm.engine.arch.gptoss.model.GptOss.decode_graph`)."""
+        return None
+
     def moe_rows(self, il: int, h: np.ndarray, routed: Routed) -> np.ndarray:
         """The layer from ``h`` (after its attention) on, its routed experts through ``routed``:
         what an MTP block's layer does after its attention (glm4moe, deepseek2)."""

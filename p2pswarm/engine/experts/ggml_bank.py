@@ -333,34 +333,13 @@ class ExpertsInFront:
     @classmethod
     def of(cls, bank: GgmlExpertBank, layer: int, h: np.ndarray, cur: np.ndarray, ids: np.ndarray,
            weights: np.ndarray, groups: list[tuple[int, np.ndarray]], extras: dict) -> "ExpertsInFront | None":
-        T, k = ids.shape
-        experts = [e for e, _ in groups]
-        if (not groups or set(extras) - {"shared"} or len(set(experts)) != len(experts)
-                or not all(bank.holds(layer, e) for e in experts)):
+        if set(extras) - {"shared"}:
             return None
-        if T == 1 and all(len(r) == 1 for _, r in groups):  # a one-sequence decode step: one pair per group
-            row = ids[0].tolist()
-            # every slot's expert has its group and chose it once (what the loop below checks for any T)
-            if len(set(row)) != k or set(row) != set(experts):
-                return None
-            group_of = {e: j for j, e in enumerate(experts)}
-            return cls(bank, layer, h, cur, extras.get("shared"), np.zeros(k, np.int64),
-                       bank.local_ids(experts, [1] * k), np.array([group_of[e] for e in row], np.int32),
-                       np.ascontiguousarray(weights, dtype=np.float32).reshape(1, -1), k)
-        idxs = [np.asarray(r, dtype=np.int64).reshape(-1) for _, r in groups]
-        pair = np.full((k, T), -1, np.int64)  # (slot, row) -> its position among the P pairs
-        at = 0
-        for e, r in zip(experts, idxs):
-            match = ids[r] == e
-            if not (match.sum(axis=1) == 1).all():
-                return None
-            pair[match.argmax(axis=1), r] = np.arange(at, at + len(r))
-            at += len(r)
-        if (pair < 0).any():  # a (row, slot) no group computes
+        got = slot_pairs(bank, layer, ids, weights, groups)
+        if got is None:
             return None
-        return cls(bank, layer, h, cur, extras.get("shared"), np.concatenate(idxs),
-                   bank.local_ids(experts, [len(r) for r in idxs]), pair.reshape(-1).astype(np.int32),
-                   np.ascontiguousarray(weights.T, dtype=np.float32).reshape(1, -1), k)
+        rows, local, sel, w = got
+        return cls(bank, layer, h, cur, extras.get("shared"), rows, local, sel, w, ids.shape[1])
 
     def cost(self) -> tuple[int, int, int]:
         """(bytes, tensors, multiply-adds) the nodes add to a graph of these rows."""
@@ -373,24 +352,19 @@ class ExpertsInFront:
         """``h + combine(experts(cur))`` (``+ shared`` inside) as nodes: ``(that node, its inputs to fill)``."""
         T, E = self.h.shape
         P, k = self.P, self.k
-        assert lib.mul and lib.add and lib.view_2d and lib.reshape_2d  # in every libggml we build
         h_in = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
         x = lib.new_tensor_3d(ctx, GGML_TYPE_F32, E, 1, P)
         ids = lib.new_tensor_2d(ctx, GGML_TYPE_I32, 1, P)
         sel = lib.new_tensor_1d(ctx, GGML_TYPE_I32, k * T)
         w = lib.new_tensor_2d(ctx, GGML_TYPE_F32, 1, k * T)
-        out = expert_nodes(lib, ctx, self.bank.layer_parts(self.layer), x, ids)  # (E, 1, P)
-        y = lib.mul(ctx, lib.get_rows(ctx, lib.reshape_2d(ctx, out, E, P), sel), w)  # (E, k*T): slot-major
-        acc = lib.view_2d(ctx, y, E, T, 4 * E, 0)
-        for j in range(1, k):
-            acc = lib.add(ctx, acc, lib.view_2d(ctx, y, E, T, 4 * E, 4 * E * T * j))
         views = [f32_view(lib, h_in, (T, E)), f32_view(lib, x, (P, E)), _i32_view(lib, ids, P),
                  _i32_view(lib, sel, k * T), f32_view(lib, w, (1, k * T))]
+        shared = None
         if self.shared is not None:
             shared = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
-            acc = lib.add(ctx, acc, shared)
             views.append(f32_view(lib, shared, (T, E)))
-        return lib.add(ctx, h_in, acc), views
+        return combine_nodes(lib, ctx, self.bank.layer_parts(self.layer), h_in, x, ids, sel, w, E, T, k, P,
+                             shared), views
 
     def fill(self, views) -> None:
         h_in, x, ids, sel, w = views[:5]
@@ -401,6 +375,59 @@ class ExpertsInFront:
         w[...] = self.weights
         if self.shared is not None:
             views[5][...] = self.shared
+
+
+def slot_pairs(bank: GgmlExpertBank, layer: int, ids: np.ndarray, weights: np.ndarray,
+               groups: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """What :class:`ExpertsInFront`'s nodes take from a layer's routing: ``(rows, local, sel,
+    weights)``, the row of each of the P (group, row) pairs in group order, each pair's local
+    expert id, each (slot, row)'s position among the pairs (slot-major) and the weights as one
+    (1, k * T) row in that order; None where the nodes would not give :meth:`GgmlExpertBank.forward_groups`'
+    bits (an expert in two groups, one not held here, a row that did not choose its group's expert once)."""
+    T, k = ids.shape
+    experts = [e for e, _ in groups]
+    if not groups or len(set(experts)) != len(experts) or not all(bank.holds(layer, e) for e in experts):
+        return None
+    if T == 1 and all(len(r) == 1 for _, r in groups):  # a one-sequence decode step: one pair per group
+        row = ids[0].tolist()
+        # every slot's expert has its group and chose it once (what the loop below checks for any T)
+        if len(set(row)) != k or set(row) != set(experts):
+            return None
+        group_of = {e: j for j, e in enumerate(experts)}
+        return (np.zeros(k, np.int64), bank.local_ids(experts, [1] * k),
+                np.array([group_of[e] for e in row], np.int32),
+                np.ascontiguousarray(weights, dtype=np.float32).reshape(1, -1))
+    idxs = [np.asarray(r, dtype=np.int64).reshape(-1) for _, r in groups]
+    pair = np.full((k, T), -1, np.int64)  # (slot, row) -> its position among the P pairs
+    at = 0
+    for e, r in zip(experts, idxs):
+        match = ids[r] == e
+        if not (match.sum(axis=1) == 1).all():
+            return None
+        pair[match.argmax(axis=1), r] = np.arange(at, at + len(r))
+        at += len(r)
+    if (pair < 0).any():  # a (row, slot) no group computes
+        return None
+    return (np.concatenate(idxs), bank.local_ids(experts, [len(r) for r in idxs]),
+            pair.reshape(-1).astype(np.int32), np.ascontiguousarray(weights.T, dtype=np.float32).reshape(1, -1))
+
+
+def combine_nodes(lib: GgmlLib, ctx, parts: tuple, h, x, ids, sel, w, E: int, T: int, k: int, P: int, shared=None):
+    """``h + combine(experts(x))`` as nodes (``+ shared`` inside the sum): :func:`expert_nodes` on
+    ``x`` (E, 1, P) with ``ids`` (1, P), each (slot, row)'s output picked by ``sel`` (k * T,
+    slot-major; ``ggml_get_rows``: a copy), times its weight ``w`` (1, k * T), the slots summed in
+    top-k order ``((y0 + y1) + y2) + ...`` as numpy's combine sums them, element by element in float32.
+    Where the inputs come from is the caller's: filled by :class:`ExpertsInFront`, or computed in
+    the same graph (a decode step as one graph, the router's choice by a Python node)."""
+    assert lib.mul and lib.add and lib.view_2d and lib.reshape_2d  # in every libggml we build
+    out = expert_nodes(lib, ctx, parts, x, ids)  # (E, 1, P)
+    y = lib.mul(ctx, lib.get_rows(ctx, lib.reshape_2d(ctx, out, E, P), sel), w)  # (E, k*T): slot-major
+    acc = lib.view_2d(ctx, y, E, T, 4 * E, 0)
+    for j in range(1, k):
+        acc = lib.add(ctx, acc, lib.view_2d(ctx, y, E, T, 4 * E, 4 * E * T * j))
+    if shared is not None:
+        acc = lib.add(ctx, acc, shared)
+    return lib.add(ctx, h, acc)
 
 
 def rows_node(lib: GgmlLib, ctx, T: int, E: int, front: ExpertsInFront | None):

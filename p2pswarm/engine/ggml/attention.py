@@ -186,16 +186,19 @@ def decode_key(head: tuple, segs, spans):
     return (*head, tuple((kv.k.ctypes.data, kv.vt.ctypes.data, kv.k.shape[0], b) for (kv, _, _), b in zip(segs, spans)))
 
 
-def ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTensors, T: int):
+def ffn_input_nodes(model, il: int, runner: GgmlRunner, g, res, lt: _LayerTensors, T: int, nodes: dict | None = None):
     """post_attention_norm(res) and what it feeds besides the routed experts, added to the layer's
-    graph: ``(numpy view of the norm, {"logits" | "shared": numpy view})``."""
+    graph: ``(numpy view of the norm, {"logits" | "shared": numpy view})``; with ``nodes``, the
+    nodes too (``"cur"``, and ``"logits"`` where :func:`moe_inputs` added them)."""
     lib = runner.lib
     mul, rms_norm = lib.mul, lib.rms_norm
     if mul is None or rms_norm is None:  # (callers ask available() first)
         raise GgmlUnavailable("this libggml lacks ggml_mul or ggml_rms_norm")
     cur = mul(g.ctx, rms_norm(g.ctx, res, model.eps), lt.t["post_attention_norm.weight"])
     lib.build_forward_expand(g.graph, cur)
-    extras = moe_inputs(model, il, runner, g.ctx, g.graph, cur, T)
+    if nodes is not None:
+        nodes["cur"] = cur
+    extras = moe_inputs(model, il, runner, g.ctx, g.graph, cur, T, nodes)
     return f32_view(lib, cur, (T, model.n_embd)), extras
 
 
@@ -345,7 +348,7 @@ def rms_norm_rows(model, runner: GgmlRunner, name: str, h: np.ndarray) -> np.nda
     return runner.run_one(("rms_norm", name, T), 4 * 4 * T * E, 8, build, h, 0)
 
 
-def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
+def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int, nodes: dict | None = None) -> dict:
     """Nodes for what the layer's ``cur`` (post_attention_norm) feeds besides the routed experts:
     the router's logits and the shared expert (gated), added to the layer's graph, so a decode
     step runs one graph per layer instead of three. Returns ``{"logits" | "shared": numpy view}``
@@ -367,6 +370,8 @@ def moe_inputs(model, il: int, runner, ctx, graph, cur, T: int) -> dict:
         logits = lib.mul_mat(ctx, router.tensor, x)
         lib.build_forward_expand(graph, logits)
         out["logits"] = f32_view(lib, logits, (T, router.shape[0]))
+        if nodes is not None:
+            nodes["logits"] = logits
     if _has_shared(model, il):
         mats = [w[p + n + ".weight"] for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")]
         gate_inp = model.backend.ggml.f32_vector(p + "ffn_gate_inp_shexp.weight")

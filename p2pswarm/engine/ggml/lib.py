@@ -173,7 +173,13 @@ _OPTIONAL_SIG = {
                                      ctypes.c_int] + [ctypes.c_float] * 6),
     # a, positions, freq factors (NULL), n_dims, mode, n_ctx_orig, then the six floats above (deepseek2's YaRN)
     "ggml_rope_ext": ("base", _P, [_P, _P, _P, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_float] * 6),
+    # ctx, type, ne0..ne3, args (ggml_tensor **), n_args, fun (a CUSTOM_OP), n_tasks, userdata: a node
+    # whose value a Python function computes (the router's top-k inside a decode step's one graph)
+    "ggml_custom_4d": ("base", _P, [_P, ctypes.c_int] + [ctypes.c_int64] * 4 + [_P, ctypes.c_int, _P, ctypes.c_int, _P]),
 }
+
+#: ``ggml_custom_op_t``: ``void (*)(struct ggml_tensor * dst, int ith, int nth, void * userdata)``
+CUSTOM_OP = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
 
 
 #: libgomp spin iterations before a waiting ggml thread sleeps (``GOMP_SPINCOUNT``), p2pswarm's default
@@ -288,6 +294,7 @@ class GgmlLib:
     permute: Callable[..., int | None] | None
     rope_multi: Callable[..., int | None] | None
     rope_ext: Callable[..., int | None] | None
+    custom_4d: Callable[..., int | None] | None
 
 
     def __init__(self, lib_dir: Path, origin: str = "?"):

@@ -20,8 +20,8 @@ from typing import Any, cast
 import numpy as np
 
 from p2pswarm.engine.ggml.cpu_share import GRAPH_THREAD_CAP, free_cpus
-from p2pswarm.engine.ggml.lib import (MIN_MACS_PER_THREAD, TENSOR_ALIGNMENT, WEIGHT_TYPES, GgmlLib, GgmlUnavailable,
-                                         _InitParams, check_threads)
+from p2pswarm.engine.ggml.lib import (CUSTOM_OP, MIN_MACS_PER_THREAD, TENSOR_ALIGNMENT, WEIGHT_TYPES, GgmlLib,
+                                         GgmlUnavailable, _InitParams, check_threads)
 from p2pswarm.errors import ModelFormatError
 
 class GgmlRunner:
@@ -75,6 +75,8 @@ class GgmlRunner:
         self._graph_bytes = 0
         self._calls = 0
         self.graph_stats = {"reused": 0, "built": 0, "kept": 0, "dropped": 0}
+        #: graphs computed (:meth:`compute` calls): what a decode step costs in graph starts
+        self.computes = 0
 
     def context(self, nbytes: int, n_tensors: int):
         """A fresh (reset) compute context with room for ``nbytes`` of data in ``n_tensors``."""
@@ -225,6 +227,7 @@ class GgmlRunner:
             free = free_cpus()
             n = n if free is None else min(n, free)
         self.lib.backend_cpu_set_n_threads(self._backend, n)
+        self.computes += 1
         status = self.lib.backend_graph_compute(self._backend, graph)
         if status != 0:
             raise RuntimeError(f"ggml graph compute failed (status {status})")
@@ -297,6 +300,39 @@ class Graph:
         self.kept = kept
         self.nbytes = nbytes
         self.used = 0
+
+    def python_node(self, ggml_type: int, shape: tuple[int, ...], args: list, fn, errors: list):
+        """A node of ``shape`` (ne0 first) whose value ``fn()`` writes (through numpy views made at
+        build time) when the compute reaches it, after its ``args`` (nodes it reads or must follow):
+        ``ggml_custom_4d``. Every thread of the compute calls a node's function (this ggml splits
+        the work by ``ith`` inside each op; ``n_tasks`` only sizes the plan), so only ``ith`` 0, the
+        thread that called compute (OpenMP's master, a Python thread that released the GIL in the
+        ctypes call), runs ``fn``; the others go on to the node's barrier and wait there.
+        Why: Python's own arithmetic (the router's top-k and softmax, numpy's bits) inside a graph,
+        so a decode step is one graph, not one per layer with Python between them. An exception
+        cannot cross ggml's C frames: it is appended to ``errors`` (the caller raises it after the
+        compute) and ``fn``'s outputs must then hold values the later nodes can read safely. The
+        callback is kept with the graph (freed, ggml would call freed code)."""
+        lib = self.lib
+        if lib.custom_4d is None:
+            raise GgmlUnavailable("this libggml lacks ggml_custom_4d")
+
+        def call(dst, ith, nth, userdata) -> None:
+            if ith:
+                return
+            try:
+                fn()
+            except BaseException as exc:  # (KeyboardInterrupt too: nothing may unwind through C)
+                errors.append(exc)
+
+        cb = CUSTOM_OP(call)
+        srcs = (ctypes.c_void_p * max(1, len(args)))(*args)
+        self.keep.append(cb)
+        ne = (tuple(shape) + (1, 1, 1, 1))[:4]
+        node = lib.custom_4d(self.ctx, ggml_type, *ne, srcs, len(args), ctypes.cast(cb, ctypes.c_void_p), 1, None)
+        if not node:
+            raise MemoryError("ggml_custom_4d failed")
+        return node
 
     def wrap(self, arr: np.ndarray):
         """A CPU buffer on ``arr``'s memory (aligned C-contiguous float32), freed with the graph."""

@@ -1,19 +1,22 @@
 """gpt-oss's attention layer as ONE ggml graph (the ggml kernel), built from the shared pieces of
 :mod:`p2pswarm.engine.ggml.attention` (the cache attention, the layer runner, the experts' input):
-see that module for the memory and batch-invariance rules both layer graphs keep."""
+see that module for the memory and batch-invariance rules both layer graphs keep. And a
+one-sequence decode step with every expert on the backbone as ONE graph (:func:`decode_step`)."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from p2pswarm.engine.ggml.attention import (PROJ, cache_attention, decode_key, ffn_input_nodes, layer_tensors,
-                                            moe_input_floats, reserve_spans, run_layer)
-from p2pswarm.engine.experts.ggml_bank import rows_node
-from p2pswarm.engine.ggml.lib import GGML_TYPE_I32
+from p2pswarm.engine.ggml.attention import (PROJ, cache_attention, decode_key, ffn_input_nodes, fill_cache_inputs,
+                                            layer_tensors, moe_input_floats, reserve_spans, run_layer)
+from p2pswarm.engine.experts.ggml_bank import combine_nodes, expert_bytes, rows_node
+from p2pswarm.engine.ggml.dense import QuantisedMatrix, mul_mat_rows
+from p2pswarm.engine.ggml.lib import GGML_TYPE_F32, GGML_TYPE_I32
 from p2pswarm.engine.ggml.runner import GgmlRunner, _i32_view, f32_view
 
 GGML_ROPE_TYPE_NEOX = 2  # ggml.h: NEOX pairing (gpt-oss)
+F32 = np.float32
 #: gpt-oss's attention layer (after ``blk.N.``): projections, then the F32 vectors (q/k/v biases optional)
 _SINK_VECTORS = ("attn_norm.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
                  "attn_sinks.weight", "post_attention_norm.weight")
@@ -38,48 +41,191 @@ def sink_attention(model, runner: GgmlRunner, il: int, h: np.ndarray, segs, *, w
     ``front`` (an :class:`~p2pswarm.engine.experts.ggml_bank.ExpertsInFront` of layer ``il - 1``):
     the layer's input rows are not given but computed first in the same graph, the previous
     layer's routed experts, their combine and its residual (``h`` is then ``front.h``)."""
-    lib = runner.lib
-    lt = layer_tensors(model, il, PROJ, _SINK_VECTORS)
     T, E = h.shape
-    H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
-    q_w, kv_w = H * hd, Hkv * hd
     spans = reserve_spans(segs)
-    n_seq = len(segs)
-    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5) + moe_input_floats(model, il, T)
-            + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
-    n_tensors = 64 + 28 * n_seq
-    macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
+    nbytes, n_tensors, macs = _layer_cost(model, il, T, segs, spans)
     if front is not None:
         more_bytes, more_tensors, more_macs = front.cost()
-        acts, n_tensors, macs = acts + more_bytes // 4, n_tensors + more_tensors, macs + more_macs
+        nbytes, n_tensors, macs = nbytes + more_bytes + 64 * more_tensors, n_tensors + more_tensors, macs + more_macs
     key = decode_key(("sink-attention", il, T, front.key if front is not None else None), segs, spans)
-    rope_args = (model.n_rot, GGML_ROPE_TYPE_NEOX, int(model.n_ctx_orig), rope_base, model.freq_scale,
-                 model.ext_factor, model.attn_factor, model.beta_fast, model.beta_slow)
 
     def build(g):
-        ctx, t = g.ctx, lt.t
-        ht, h_in, fills = rows_node(lib, ctx, T, E, front)
-        pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
-        x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), t["attn_norm.weight"])
-        qkv = []
-        for n, heads in (("attn_q", H), ("attn_k", Hkv), ("attn_v", Hkv)):
-            y = lib.mul_mat(ctx, t[n + ".weight"], x)
-            if n + ".bias" in t:
-                y = lib.add(ctx, y, t[n + ".bias"])
-            qkv.append(lib.reshape_3d(ctx, y, hd, heads, T))
-        q, k, v = qkv
-        q = lib.rope_ext(ctx, q, pos, None, *rope_args)  # [hd, H, T]
-        k = lib.rope_ext(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
-        att, per_seq = cache_attention(g, q, k, v, segs, spans, H, Hkv, hd, 1.0 / math.sqrt(model.n_rot),
-                                       sinks=t["attn_sinks.weight"])
-        out = lib.add(ctx, lib.mul_mat(ctx, t["attn_output.weight"], att), t["attn_output.bias"])
-        res = lib.add(ctx, out, ht)
-        lib.build_forward_expand(g.graph, res)
-        cur, extras = ffn_input_nodes(model, il, runner, g, res, lt, T)
-        return h_in, _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras, fills
+        ht, h_in, fills = rows_node(runner.lib, g.ctx, T, E, front)
+        pos, per_seq, res, cur, extras, _ = _layer_nodes(model, runner, g, il, ht, segs, spans, rope_base)
+        return h_in, pos, per_seq, res, cur, extras, fills
 
     def positions(pos_in, p):
         pos_in[...] = p
 
-    return run_layer(runner, key, 4 * acts + 64 * n_tensors, n_tensors, build, h, segs, spans, positions, macs,
-                      window, front)
+    return run_layer(runner, key, nbytes, n_tensors, build, h, segs, spans, positions, macs, window, front)
+
+
+def _layer_cost(model, il: int, T: int, segs, spans) -> tuple[int, int, int]:
+    """(bytes, tensors, multiply-adds) of one layer's nodes (:func:`_layer_nodes`), generously."""
+    E, H, Hkv, hd = model.n_embd, model.n_head, model.n_head_kv, model.head_dim
+    q_w, kv_w = H * hd, Hkv * hd
+    acts = (T * (8 * E + 9 * q_w + 5 * kv_w + 5) + moe_input_floats(model, il, T)
+            + sum(b * n * (1 + 2 * H) + 2 * n * q_w + n * kv_w + n for b, (_, _, n) in zip(spans, segs)))
+    n_tensors = 64 + 28 * len(segs)
+    macs = T * E * (2 * q_w + 2 * kv_w) + sum(2 * b * n * q_w for b, (_, _, n) in zip(spans, segs))
+    return 4 * acts + 64 * n_tensors, n_tensors, macs
+
+
+def _layer_nodes(model, runner: GgmlRunner, g, il: int, ht, segs, spans, rope_base: float):
+    """One layer's nodes on the rows ``ht`` (E, T): ``(positions view, per-sequence cache inputs,
+    view of h after the attention, view of post_attention_norm(h), {"logits": view} where the
+    router is ggml's, {"res" | "cur" | "logits": their nodes})``."""
+    lib = runner.lib
+    lt = layer_tensors(model, il, PROJ, _SINK_VECTORS)
+    T, E = sum(n for _, _, n in segs), model.n_embd
+    H, Hkv, hd = model.n_head, model.n_head_kv, model.head_dim
+    rope_args = (model.n_rot, GGML_ROPE_TYPE_NEOX, int(model.n_ctx_orig), rope_base, model.freq_scale,
+                 model.ext_factor, model.attn_factor, model.beta_fast, model.beta_slow)
+    ctx, t = g.ctx, lt.t
+    assert lib.mul and lib.add and lib.rms_norm and lib.reshape_3d and lib.rope_ext  # (available() was asked)
+    pos = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
+    x = lib.mul(ctx, lib.rms_norm(ctx, ht, model.eps), t["attn_norm.weight"])
+    qkv = []
+    for n, heads in (("attn_q", H), ("attn_k", Hkv), ("attn_v", Hkv)):
+        y = lib.mul_mat(ctx, t[n + ".weight"], x)
+        if n + ".bias" in t:
+            y = lib.add(ctx, y, t[n + ".bias"])
+        qkv.append(lib.reshape_3d(ctx, y, hd, heads, T))
+    q, k, v = qkv
+    q = lib.rope_ext(ctx, q, pos, None, *rope_args)  # [hd, H, T]
+    k = lib.rope_ext(ctx, k, pos, None, *rope_args)  # [hd, Hkv, T]
+    att, per_seq = cache_attention(g, q, k, v, segs, spans, H, Hkv, hd, 1.0 / math.sqrt(model.n_rot),
+                                   sinks=t["attn_sinks.weight"])
+    out = lib.add(ctx, lib.mul_mat(ctx, t["attn_output.weight"], att), t["attn_output.bias"])
+    res = lib.add(ctx, out, ht)
+    lib.build_forward_expand(g.graph, res)
+    nodes = {"res": res}
+    cur, extras = ffn_input_nodes(model, il, runner, g, res, lt, T, nodes)
+    return _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras, nodes
+
+
+def decode_step(model, runner: GgmlRunner, bank, token: int, state, plan) -> np.ndarray | None:
+    """A one-sequence decode step, every layer's experts on ``bank`` (the backbone holds them), as
+    ONE graph: the token's embedding row (``get_rows``), per layer its attention graph's nodes
+    (:func:`_layer_nodes`), the router's choice and the layer's experts, combine and residual
+    (:func:`~p2pswarm.engine.experts.ggml_bank.combine_nodes`), then the final norm and the lm head.
+    Returns the logits (1, n_vocab), or None where it cannot run (the caller then runs the layers:
+    a head or an embedding not on ggml's graph, experts not all on ``bank``, no ``ggml_custom_4d``).
+
+    The router runs where it ran: numpy's top-k and softmax (:meth:`GptOss.route_logits`, the same
+    bits), called from the graph by a Python node (:meth:`~p2pswarm.engine.ggml.runner.Graph.python_node`)
+    on the router logits' node; ``plan(il, ids, weights)`` (the backbone's grouping, which also
+    records the layer's groups for its statistics) turns them into
+    :func:`~p2pswarm.engine.experts.ggml_bank.slot_pairs`, which a second Python node hands on
+    (the weights, F32) after the first (the expert ids, pairs' slots and rows, I32). Every other
+    node is the node the per-layer graphs compute, on the same shapes: the same bits. Why: a step
+    was four graphs with Python, the event loop's thread hop and an OpenMP team start between
+    them (~1.5 ms of a 15 ms step, docs/benchmarks.md); the Python nodes take the GIL from ggml's
+    first thread while the event loop waits in ``trio.to_thread``."""
+    lib = runner.lib
+    L, E, k = model.n_layer, model.n_embd, model.n_expert_used
+    W = model.w[model.output_name]
+    embd = model.w["token_embd.weight"]
+    norm = model.backend.ggml.f32_vector("output_norm.weight")
+    routers = [model.w[f"blk.{il}.ffn_gate_inp.weight"] for il in range(L)]
+    if (not lib.has("custom_4d", "view_1d", "concat") or bank.lib is not lib or norm is None
+            or not all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in (W, *routers))
+            or not all(bank.holds(il, e) for il in range(L) for e in (0, model.n_expert - 1))
+            or any(model.shared_expert) or not 0 <= token < model.n_vocab):
+        return None
+    embd_node = isinstance(embd, QuantisedMatrix) and embd.runner is runner
+    pos0 = state.n_past
+    segs = [[(state.kv[il], pos0, 1)] for il in range(L)]
+    spans = [reserve_spans(s) for s in segs]
+    T, P = 1, k
+    nbytes, n_tensors, macs = 4 * (E + 64), 8, 0
+    for il in range(L):
+        b, n, m = _layer_cost(model, il, T, segs[il], spans[il])
+        _, _, _, ff, biases = bank.layer_parts(il)
+        front_bytes = expert_bytes(P, E, ff, biases is not None) + 4 * (3 * k * T * E + 4 * T * E + 2 * k * T)
+        nbytes += b + front_bytes + 64 * (32 + k) + 4 * (2 * P + 2 * k * T) + 1024
+        n_tensors += n + 32 + k
+        macs += m + P * 3 * ff * E
+    out_n, in_n = W.shape
+    n_head = max(T, W.min_rows)
+    nbytes += 4 * n_head * (4 * in_n + out_n) + 256
+    n_tensors += 8 + n_head
+    macs += n_head * in_n * out_n
+    key = ("decode-step", id(bank), embd_node,
+           tuple(decode_key(("layer", il), segs[il], spans[il]) for il in range(L)))
+
+    def build(g):
+        ctx = g.ctx
+        # this step's plan, the Python nodes' outputs and errors: filled per compute of the kept graph
+        step: dict = {"plan": None, "errors": [], "outs": []}
+        if embd_node:
+            tok = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
+            h = lib.get_rows(ctx, embd.tensor, tok)
+            h_in = _i32_view(lib, tok, T)
+        else:
+            h = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
+            h_in = f32_view(lib, h, (T, E))
+        positions = []
+        for il in range(L):
+            rope_base = model.rope_base_swa if model.swa[il] else model.rope_base
+            pos, per_seq, _, _, extras, nodes = _layer_nodes(model, runner, g, il, h, segs[il], spans[il], rope_base)
+
+            def route(il=il, logits=extras["logits"]):
+                """The router's top-k and softmax on the graph's logits, and the pairs they give."""
+                out, picked, _ = step["outs"][il]
+                try:
+                    ids, w = model.route_logits(il, logits)
+                    got = step["plan"](il, ids, w)
+                    if got is None:
+                        raise RuntimeError(f"layer {il}: the router's choice gives no pairs on the bank")
+                    rows, local, sel, picked[...] = got
+                    out[:P], out[P:P + k * T], out[P + k * T:] = local, sel, rows
+                except BaseException:
+                    out[...], picked[...] = 0, 0  # indices the later nodes can read: the error is raised after
+                    raise
+
+            def weigh(il=il):
+                _, picked, out = step["outs"][il]
+                out[...] = picked
+
+            pairs = g.python_node(GGML_TYPE_I32, (2 * P + k * T,), [nodes["logits"]], route, step["errors"])
+            weights = g.python_node(GGML_TYPE_F32, (1, k * T), [nodes["logits"], pairs], weigh, step["errors"])
+            step["outs"].append((_i32_view(lib, pairs, 2 * P + k * T), np.zeros((1, k * T), F32),
+                                 f32_view(lib, weights, (1, k * T))))
+            ids = lib.view_2d(ctx, pairs, 1, P, 4, 0)
+            sel = lib.view_1d(ctx, pairs, k * T, 4 * P)
+            rows = lib.view_1d(ctx, pairs, P, 4 * (P + k * T))
+            x = lib.reshape_3d(ctx, lib.get_rows(ctx, nodes["cur"], rows), E, 1, P)
+            h = combine_nodes(lib, ctx, bank.layer_parts(il), nodes["res"], x, ids, sel, weights, E, T, k, P)
+            positions.append((pos, per_seq))
+        xt = h
+        last = lib.view_2d(ctx, h, in_n, 1, 4 * in_n, 4 * in_n * (T - 1))
+        for _ in range(n_head - T):  # a lone row padded with copies of itself, as QuantisedMatrix's head
+            xt = lib.concat(ctx, xt, last, 1)
+        out = mul_mat_rows(lib, ctx, W.tensor, lib.mul(ctx, lib.rms_norm(ctx, xt, float(model.eps)), norm),
+                           in_n, n_head)
+        lib.build_forward_expand(g.graph, out)
+        return h_in, positions, f32_view(lib, out, (n_head, out_n)), step
+
+    with runner.lock:
+        g = runner.graph(key, nbytes, n_tensors, build, meta_tensors=L * 5 + 2, recurs=True)
+        h_in, positions, logits, step = g.t
+        try:
+            step["plan"] = plan
+            if embd_node:
+                h_in[0] = token
+            else:
+                h_in[...] = model.embed(np.array([token]))
+            for il, (pos, per_seq) in enumerate(positions):
+                pos[0] = pos0
+                fill_cache_inputs(segs[il], spans[il], per_seq, model.n_swa if model.swa[il] else None)
+            runner.compute(g.graph, macs)
+            if step["errors"]:
+                raise step["errors"][0]
+            for kv in (state.kv[il] for il in range(L)):
+                kv.n += 1
+            return logits[:T].copy()
+        finally:
+            step["plan"] = None
+            step["errors"].clear()
+            runner.release(g)

@@ -30,7 +30,7 @@ import numpy as np
 from p2pswarm.engine.ggml import attention as ggml_attention
 from p2pswarm.engine import ops
 from p2pswarm.engine.arch.common import DenseWeights, LayerByGraph, TokenEnds, check_tensors, model_error, number_reader
-from p2pswarm.engine.arch.gptoss.graph import sink_attention
+from p2pswarm.engine.arch.gptoss.graph import decode_step, sink_attention
 from p2pswarm.engine.backend import NUMPY, DenseBackend
 from p2pswarm.engine.state import KVCache, SequenceState
 from p2pswarm.errors import ModelFormatError
@@ -58,6 +58,8 @@ class GptOss(TokenEnds, LayerByGraph):
     layer_graph_calls = 0
     #: the previous layer's experts and residual may run in front of a layer's graph (post_moe is h + moe)
     experts_in_front = True
+    #: False: a one-sequence decode step runs graph by graph (:meth:`decode_graph`; tests compare the two)
+    decode_as_one_graph = True
 
     def __init__(self, layout: ModelLayout, backend: DenseBackend = NUMPY):
         self.backend = backend  # numpy's dense path, or ggml's graphs: chosen at load (engine.backend)
@@ -240,6 +242,21 @@ class GptOss(TokenEnds, LayerByGraph):
                     kv.trim()
         self.layer_graph_calls += 1
         return h, cur, extras
+
+    def decode_graph(self, token: int, state: SequenceState, bank, plan) -> np.ndarray | None:
+        """One decode step of one sequence as ONE ggml graph, every expert on ``bank``
+        (:func:`~p2pswarm.engine.arch.gptoss.graph.decode_step`): its logits (1, n_vocab), the bits
+        of the per-layer calls; None where it does not run. A sliding layer's cache is trimmed
+        after it, as :meth:`graph_layer` trims it."""
+        runner = self._graph_runner() if self.decode_as_one_graph and self.experts_in_front else None
+        logits = decode_step(self, runner, bank, token, state, plan) if runner is not None else None
+        if logits is not None:
+            for il in range(self.n_layer):
+                kv = state.kv[il]
+                if self.swa[il] and isinstance(kv, WindowKVCache):
+                    kv.trim()
+            self.layer_graph_calls += self.n_layer
+        return logits
 
     def _rope_tables(self, pos: np.ndarray, base: float) -> tuple[np.ndarray, np.ndarray]:
         """:func:`yarn_neox_tables` for these positions, made once for q and k and for every layer of
