@@ -46,7 +46,7 @@ from p2pswarm.backbone.serving.replay import ReplayStats
 from p2pswarm.backbone.serving.replay import fold_taint as _fold_taint
 from p2pswarm.backbone.owners.row_probe import PROBE_ROWS, invariant, probe_rows  # noqa: F401 - PROBE_ROWS: re-exported
 from p2pswarm.contracts import DenseModel, LayerIn
-from p2pswarm.engine.experts.ggml_bank import ExpertsInFront, GgmlExpertBank, slot_pairs
+from p2pswarm.engine.experts.ggml_bank import ExpertsInFront, GgmlExpertBank
 from p2pswarm.engine.state import SequenceState
 
 F32 = np.float32
@@ -419,14 +419,8 @@ class Backbone:
         if not isinstance(bank, GgmlExpertBank):
             return None
         planned: list[tuple[int, Groups]] = []
-
-        def plan(il: int, ids: np.ndarray, weights: np.ndarray):
-            groups = expert_groups(ids)
-            planned.append((il, groups))
-            return slot_pairs(bank, il, ids, weights, groups)
-
         t0 = time.perf_counter()
-        logits = self.model.decode_graph(token, state, bank, plan)
+        logits = self.model.decode_graph(token, state, bank, lambda il, ids: planned.append((il, expert_groups(ids))))
         if logits is None:
             return None
         per_layer = (time.perf_counter() - t0) / max(1, len(planned))

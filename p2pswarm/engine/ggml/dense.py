@@ -334,6 +334,8 @@ class GgmlDense:
         self.deltanet_layers: dict[int, object] = {}
         #: the one-graph attention layers' ggml tensors by layer (p2pswarm.engine.ggml.attention.layer_tensors)
         self.attention_layers: dict[int, object] = {}
+        #: a decode step as one graph: with which expert bank it runs, and its sizes (gptoss.graph.decode_step)
+        self.decode_steps: dict = {}
 
     def eligible(self, t) -> bool:
         """Quantised 2-D tensors that are not routed experts (those are the expert bank's)."""

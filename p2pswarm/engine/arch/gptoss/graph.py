@@ -104,60 +104,62 @@ def _layer_nodes(model, runner: GgmlRunner, g, il: int, ht, segs, spans, rope_ba
     return _i32_view(lib, pos, T), per_seq, f32_view(lib, res, (T, E)), cur, extras, nodes
 
 
-def decode_step(model, runner: GgmlRunner, bank, token: int, state, plan) -> np.ndarray | None:
+def decode_step(model, runner: GgmlRunner, bank, token: int, state, counted) -> np.ndarray | None:
     """A one-sequence decode step, every layer's experts on ``bank`` (the backbone holds them), as
     ONE graph: the token's embedding row (``get_rows``), per layer its attention graph's nodes
     (:func:`_layer_nodes`), the router's choice and the layer's experts, combine and residual
     (:func:`~p2pswarm.engine.experts.ggml_bank.combine_nodes`), then the final norm and the lm head.
     Returns the logits (1, n_vocab), or None where it cannot run (the caller then runs the layers:
-    a head or an embedding not on ggml's graph, experts not all on ``bank``, no ``ggml_custom_4d``).
+    a head or a router not on ggml's graph, experts not all on ``bank``, no ``ggml_custom_4d``).
 
     The router runs where it ran: numpy's top-k and softmax (:meth:`GptOss.route_logits`, the same
     bits), called from the graph by a Python node (:meth:`~p2pswarm.engine.ggml.runner.Graph.python_node`)
     on the router logits' node; ``plan(il, ids, weights)`` (the backbone's grouping, which also
     records the layer's groups for its statistics) turns them into
-    :func:`~p2pswarm.engine.experts.ggml_bank.slot_pairs`, which a second Python node hands on
-    (the weights, F32) after the first (the expert ids, pairs' slots and rows, I32). Every other
-    node is the node the per-layer graphs compute, on the same shapes: the same bits. Why: a step
+    :func:`~p2pswarm.engine.experts.ggml_bank.slot_pairs`: the node's value holds the pairs' expert
+    ids, slots and rows (I32), and it writes the weights (F32) into an input tensor that only
+    nodes after it read. Every other node is the node the per-layer graphs compute, on the same
+    shapes: the same bits. Why: a step
     was four graphs with Python, the event loop's thread hop and an OpenMP team start between
     them (~1.5 ms of a 15 ms step, docs/benchmarks.md); the Python nodes take the GIL from ggml's
     first thread while the event loop waits in ``trio.to_thread``."""
     lib = runner.lib
     L, E, k = model.n_layer, model.n_embd, model.n_expert_used
+    memo = model.backend.ggml.decode_steps  # whether it runs with this bank, and the sizes by the caches' spans
+    if memo.get("bank", (None,))[0] is not bank:
+        memo.clear()
+        memo["bank"] = (bank, _runs_here(model, runner, bank))
+    if not memo["bank"][1] or not 0 <= token < model.n_vocab:
+        return None
     W = model.w[model.output_name]
     embd = model.w["token_embd.weight"]
     norm = model.backend.ggml.f32_vector("output_norm.weight")
-    routers = [model.w[f"blk.{il}.ffn_gate_inp.weight"] for il in range(L)]
-    if (not lib.has("custom_4d", "view_1d", "concat") or bank.lib is not lib or norm is None
-            or not all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in (W, *routers))
-            or not all(bank.holds(il, e) for il in range(L) for e in (0, model.n_expert - 1))
-            or any(model.shared_expert) or not 0 <= token < model.n_vocab):
-        return None
     embd_node = isinstance(embd, QuantisedMatrix) and embd.runner is runner
     pos0 = state.n_past
     segs = [[(state.kv[il], pos0, 1)] for il in range(L)]
     spans = [reserve_spans(s) for s in segs]
     T, P = 1, k
-    nbytes, n_tensors, macs = 4 * (E + 64), 8, 0
-    for il in range(L):
-        b, n, m = _layer_cost(model, il, T, segs[il], spans[il])
-        _, _, _, ff, biases = bank.layer_parts(il)
-        front_bytes = expert_bytes(P, E, ff, biases is not None) + 4 * (3 * k * T * E + 4 * T * E + 2 * k * T)
-        nbytes += b + front_bytes + 64 * (32 + k) + 4 * (2 * P + 2 * k * T) + 1024
-        n_tensors += n + 32 + k
-        macs += m + P * 3 * ff * E
     out_n, in_n = W.shape
     n_head = max(T, W.min_rows)
-    nbytes += 4 * n_head * (4 * in_n + out_n) + 256
-    n_tensors += 8 + n_head
-    macs += n_head * in_n * out_n
     key = ("decode-step", id(bank), embd_node,
            tuple(decode_key(("layer", il), segs[il], spans[il]) for il in range(L)))
+    cost = memo.get(("cost", *(b for b, in spans)))
+    if cost is None:
+        nbytes, n_tensors, macs = 4 * (E + 64) + 4 * n_head * (4 * in_n + out_n) + 256, 16 + n_head, n_head * in_n * out_n
+        for il in range(L):
+            b, n, m = _layer_cost(model, il, T, segs[il], spans[il])
+            _, _, _, ff, biases = bank.layer_parts(il)
+            front_bytes = expert_bytes(P, E, ff, biases is not None) + 4 * (3 * k * T * E + 4 * T * E + 2 * k * T)
+            nbytes += b + front_bytes + 64 * (32 + k) + 4 * (2 * P + 2 * k * T) + 1024
+            n_tensors += n + 32 + k
+            macs += m + P * 3 * ff * E
+        cost = memo[("cost", *(b for b, in spans))] = (nbytes, n_tensors, macs)
+    nbytes, n_tensors, macs = cost
 
     def build(g):
         ctx = g.ctx
-        # this step's plan, the Python nodes' outputs and errors: filled per compute of the kept graph
-        step: dict = {"plan": None, "errors": [], "outs": []}
+        # this step's Python nodes' outputs (ids by layer) and errors: filled per compute of the kept graph
+        step: dict = {"errors": [], "outs": [], "ids": [None] * L}
         if embd_node:
             tok = lib.new_tensor_1d(ctx, GGML_TYPE_I32, T)
             h = lib.get_rows(ctx, embd.tensor, tok)
@@ -165,36 +167,35 @@ def decode_step(model, runner: GgmlRunner, bank, token: int, state, plan) -> np.
         else:
             h = lib.new_tensor_2d(ctx, GGML_TYPE_F32, E, T)
             h_in = f32_view(lib, h, (T, E))
+        # the pairs are the row's k slots in top-k order (P = k): each row 0, each slot its own
+        rows = lib.new_tensor_1d(ctx, GGML_TYPE_I32, P)
+        sel = lib.new_tensor_1d(ctx, GGML_TYPE_I32, k * T)
+        _i32_view(lib, rows, P)[...] = 0
+        _i32_view(lib, sel, k * T)[...] = np.arange(k * T)
         positions = []
         for il in range(L):
             rope_base = model.rope_base_swa if model.swa[il] else model.rope_base
-            pos, per_seq, _, _, extras, nodes = _layer_nodes(model, runner, g, il, h, segs[il], spans[il], rope_base)
+            pos, per_seq, _, _, _, nodes = _layer_nodes(model, runner, g, il, h, segs[il], spans[il], rope_base)
+            # the router's bias by ggml_add: numpy's float32 add, element by element
+            biased = lib.add(ctx, nodes["logits"], model.backend.ggml.f32_vector(f"blk.{il}.ffn_gate_inp.bias"))
 
-            def route(il=il, logits=extras["logits"]):
-                """The router's top-k and softmax on the graph's logits, and the pairs they give."""
-                out, picked, _ = step["outs"][il]
+            def route(il=il, logits=f32_view(lib, biased, (T, model.n_expert))):
+                """The router's top-k and softmax (numpy's) on the graph's biased logits."""
+                local, weights = step["outs"][il]
                 try:
-                    ids, w = model.route_logits(il, logits)
-                    got = step["plan"](il, ids, w)
-                    if got is None:
-                        raise RuntimeError(f"layer {il}: the router's choice gives no pairs on the bank")
-                    rows, local, sel, picked[...] = got
-                    out[:P], out[P:P + k * T], out[P + k * T:] = local, sel, rows
+                    ids, w = model.route_biased(logits)
+                    local[...] = ids.reshape(-1) - bank.expert_begin
+                    weights[...] = w.reshape(1, -1)
+                    step["ids"][il] = ids
                 except BaseException:
-                    out[...], picked[...] = 0, 0  # indices the later nodes can read: the error is raised after
+                    local[...], weights[...] = 0, 0  # ids the later nodes can read: the error is raised after
                     raise
 
-            def weigh(il=il):
-                _, picked, out = step["outs"][il]
-                out[...] = picked
-
-            pairs = g.python_node(GGML_TYPE_I32, (2 * P + k * T,), [nodes["logits"]], route, step["errors"])
-            weights = g.python_node(GGML_TYPE_F32, (1, k * T), [nodes["logits"], pairs], weigh, step["errors"])
-            step["outs"].append((_i32_view(lib, pairs, 2 * P + k * T), np.zeros((1, k * T), F32),
-                                 f32_view(lib, weights, (1, k * T))))
-            ids = lib.view_2d(ctx, pairs, 1, P, 4, 0)
-            sel = lib.view_1d(ctx, pairs, k * T, 4 * P)
-            rows = lib.view_1d(ctx, pairs, P, 4 * (P + k * T))
+            # the slots' local expert ids (I32) a Python node computes; the weights (F32) it writes
+            # into an input tensor that only nodes after it read (they read its ids)
+            ids = g.python_node(GGML_TYPE_I32, (1, P), [biased], route, step["errors"])
+            weights = lib.new_tensor_2d(ctx, GGML_TYPE_F32, 1, k * T)
+            step["outs"].append((_i32_view(lib, ids, P), f32_view(lib, weights, (1, k * T))))
             x = lib.reshape_3d(ctx, lib.get_rows(ctx, nodes["cur"], rows), E, 1, P)
             h = combine_nodes(lib, ctx, bank.layer_parts(il), nodes["res"], x, ids, sel, weights, E, T, k, P)
             positions.append((pos, per_seq))
@@ -211,7 +212,6 @@ def decode_step(model, runner: GgmlRunner, bank, token: int, state, plan) -> np.
         g = runner.graph(key, nbytes, n_tensors, build, meta_tensors=L * 5 + 2, recurs=True)
         h_in, positions, logits, step = g.t
         try:
-            step["plan"] = plan
             if embd_node:
                 h_in[0] = token
             else:
@@ -224,8 +224,23 @@ def decode_step(model, runner: GgmlRunner, bank, token: int, state, plan) -> np.
                 raise step["errors"][0]
             for kv in (state.kv[il] for il in range(L)):
                 kv.n += 1
+            for il, ids in enumerate(step["ids"]):
+                counted(il, ids)
             return logits[:T].copy()
         finally:
-            step["plan"] = None
             step["errors"].clear()
             runner.release(g)
+
+
+def _runs_here(model, runner: GgmlRunner, bank) -> bool:
+    """Whether :func:`decode_step` can build ``model``'s step on ``runner`` with ``bank``'s experts:
+    the lm head and every router ggml's (on this runner), every expert of every layer on ``bank``
+    (same libggml), no shared expert, and the ops it needs."""
+    L = model.n_layer
+    mats = [model.w[model.output_name], *(model.w[f"blk.{il}.ffn_gate_inp.weight"] for il in range(L))]
+    return (runner.lib.has("custom_4d", "view_1d", "concat") and bank.lib is runner.lib
+            and all(model.backend.ggml.f32_vector(n) is not None
+                    for n in ("output_norm.weight", *(f"blk.{il}.ffn_gate_inp.bias" for il in range(L))))
+            and all(isinstance(m, QuantisedMatrix) and m.runner is runner for m in mats)
+            and all(bank.holds(il, e) for il in range(L) for e in (0, model.n_expert - 1))
+            and not any(model.shared_expert))

@@ -243,13 +243,13 @@ class GptOss(TokenEnds, LayerByGraph):
         self.layer_graph_calls += 1
         return h, cur, extras
 
-    def decode_graph(self, token: int, state: SequenceState, bank, plan) -> np.ndarray | None:
+    def decode_graph(self, token: int, state: SequenceState, bank, counted) -> np.ndarray | None:
         """One decode step of one sequence as ONE ggml graph, every expert on ``bank``
         (:func:`~p2pswarm.engine.arch.gptoss.graph.decode_step`): its logits (1, n_vocab), the bits
         of the per-layer calls; None where it does not run. A sliding layer's cache is trimmed
         after it, as :meth:`graph_layer` trims it."""
         runner = self._graph_runner() if self.decode_as_one_graph and self.experts_in_front else None
-        logits = decode_step(self, runner, bank, token, state, plan) if runner is not None else None
+        logits = decode_step(self, runner, bank, token, state, counted) if runner is not None else None
         if logits is not None:
             for il in range(self.n_layer):
                 kv = state.kv[il]
@@ -288,7 +288,10 @@ class GptOss(TokenEnds, LayerByGraph):
         return self.route_logits(il, ops.matmul(cur, self.w[f"blk.{il}.ffn_gate_inp.weight"]))
 
     def route_logits(self, il: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        logits = logits + self._vec(f"blk.{il}.ffn_gate_inp.bias")
+        return self.route_biased(logits + self._vec(f"blk.{il}.ffn_gate_inp.bias"))
+
+    def route_biased(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The router from its biased logits on (:meth:`decode_graph` adds the bias in its graph)."""
         return route_softmax_weight(logits.astype(F32, copy=False), self.n_expert_used, self.w_scale)
 
     def post_moe(self, il: int, h: np.ndarray, cur: np.ndarray, moe: np.ndarray) -> np.ndarray:
