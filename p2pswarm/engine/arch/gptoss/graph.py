@@ -112,17 +112,22 @@ def decode_step(model, runner: GgmlRunner, bank, token: int, state, counted) -> 
     Returns the logits (1, n_vocab), or None where it cannot run (the caller then runs the layers:
     a head or a router not on ggml's graph, experts not all on ``bank``, no ``ggml_custom_4d``).
 
-    The router runs where it ran: numpy's top-k and softmax (:meth:`GptOss.route_logits`, the same
-    bits), called from the graph by a Python node (:meth:`~p2pswarm.engine.ggml.runner.Graph.python_node`)
-    on the router logits' node; ``plan(il, ids, weights)`` (the backbone's grouping, which also
-    records the layer's groups for its statistics) turns them into
-    :func:`~p2pswarm.engine.experts.ggml_bank.slot_pairs`: the node's value holds the pairs' expert
-    ids, slots and rows (I32), and it writes the weights (F32) into an input tensor that only
-    nodes after it read. Every other node is the node the per-layer graphs compute, on the same
-    shapes: the same bits. Why: a step
-    was four graphs with Python, the event loop's thread hop and an OpenMP team start between
-    them (~1.5 ms of a 15 ms step, docs/benchmarks.md); the Python nodes take the GIL from ggml's
-    first thread while the event loop waits in ``trio.to_thread``."""
+    The router's top-k and softmax stay numpy's (:meth:`GptOss.route_biased`, the same function
+    on the same values: the same bits), called from the graph by a Python node
+    (:meth:`~p2pswarm.engine.ggml.runner.Graph.python_node`) on the router's logits plus its bias
+    (``ggml_add``: numpy's float32 add): the node's value is the slots' local expert ids (I32), and
+    it writes their weights (F32) into an input tensor only later nodes read. The k pairs of the
+    experts' ``mul_mat_id`` are the slots in top-k order (the per-layer path sorts them by expert:
+    each expert once, so each pair's output is the same dot products either way, see
+    :meth:`~p2pswarm.engine.experts.ggml_bank.GgmlExpertBank.forward_groups`), so the combine takes
+    slot j from pair j. Every other node is the node the per-layer graphs compute, on the same
+    shapes: the same bits. ``counted(il, ids)`` gets each layer's choice after the compute (the
+    dispatcher's statistics). Why: a step was four graphs with Python, the event loop's thread hop
+    and an OpenMP team start between them (~1.5 ms of a 15 ms step at one thread,
+    docs/benchmarks.md). The Python node takes the GIL in ggml's first thread (the event loop
+    waits in ``trio.to_thread``); it runs cache-cold, ~0.13-0.2 ms a layer against ~0.02 warm.
+    A prefill, several sequences, or a model whose experts are not all here keep the per-layer
+    graphs."""
     lib = runner.lib
     L, E, k = model.n_layer, model.n_embd, model.n_expert_used
     memo = model.backend.ggml.decode_steps  # whether it runs with this bank, and the sizes by the caches' spans
