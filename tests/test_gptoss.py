@@ -311,7 +311,7 @@ async def test_experts_in_front_of_the_next_layer_give_the_per_call_bits(models_
 async def test_decode_step_as_one_graph_gives_the_layer_by_layer_bits(models_dir):
     """On the local path a one-sequence decode step is ONE graph (embedding, every layer with its
     experts, the router's top-k by a Python node inside it, the head): ``GgmlRunner.computes`` goes
-    up by 1 a step, ``Backbone.one_graph_steps`` counts them. Interleaved with batched steps of
+    up by 1 a step, ``Backbone.one_graph_steps`` counts them, and the graph is kept. Interleaved with batched steps of
     three sequences (prefill, then decode, which run layer by layer), every step's logits and the
     groups the dispatcher counts are those of the layer-by-layer path (``decode_as_one_graph`` off)."""
     path = oss_model(models_dir, "mxfp4-q8_0", seed=44, expert_qtype="mxfp4", qtype="q8_0")  # the head on ggml too
@@ -332,14 +332,15 @@ async def test_decode_step_as_one_graph_gives_the_layer_by_layer_bits(models_dir
             for step in range(5):
                 out += await bb.forward_batch([([TOKENS[(20 + step + i) % len(TOKENS)]], st) for i, st in enumerate(states)])
                 for i, st in enumerate(states):
-                    before = runner.computes
+                    before, built = runner.computes, runner.graph_stats["built"]
                     out.append(await bb.forward([TOKENS[(3 * step + i) % len(TOKENS)]], st))
-                    graphs.append(runner.computes - before)
+                    graphs.append((runner.computes - before, runner.graph_stats["built"] - built))
             stats = bb.dispatcher.stats
             got[one] = (out, graphs, bb.one_graph_steps, (counted, stats.layers, stats.local_groups))
     (o1, g1, n1, d1), (o0, g0, n0, d0) = got[True], got[False]
     assert n1 == 15 and n0 == 0
-    assert g1 == [1] * 15 and min(g0) > 1
+    # one graph a step, built once per sequence (its caches' memory is in its key) and kept
+    assert [n for n, _ in g1] == [1] * 15 and sum(b for _, b in g1) == 3 and min(n for n, _ in g0) > 1
     assert len(o1) == len(o0) and all(np.array_equal(a, b) for a, b in zip(o1, o0))
     assert d1 == d0
 

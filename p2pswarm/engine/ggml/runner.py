@@ -106,7 +106,7 @@ class GgmlRunner:
         return max(16, 2 * n_tensors)
 
     def graph(self, key, nbytes: int, n_tensors: int, build, *, meta_tensors: int = 0,
-              recurs: bool = False) -> "Graph":
+              recurs: bool = False, entry_bytes: int | None = None) -> "Graph":
         """A built graph for ``key``: the kept one if this key was built before, else ``build(g)``'s.
 
         Why: a decode step has the same shapes every step (the same sequences, one row each), so
@@ -127,7 +127,9 @@ class GgmlRunner:
         calls makes room, a graph still in use never does; what is not kept is built per call in
         the scratch context. ``recurs``: the caller knows the key recurs (a decode step's layer
         graph, keyed by live caches, runs again next step unless its sequences end), so it is kept
-        on its first build; a new sequence then pays one build per layer, not two. A kept graph
+        on its first build; a new sequence then pays one build per layer, not two. ``entry_bytes``:
+        the largest graph of this call kept (default ``GRAPH_ENTRY_BYTES``; a whole decode step's
+        graph of a deep model is larger, and recurs every step). A kept graph
         computes the same bits as a fresh one: same ops, same
         shapes, same thread count. Call :meth:`release` after reading the outputs. Hold
         ``self.lock``."""
@@ -144,7 +146,8 @@ class GgmlRunner:
         keep = False
         if key is not None and self.graph_cache_bytes:
             if recurs or key in self._seen:  # its second build (or said to recur): the shape recurs
-                keep = need + meta_bytes <= self.GRAPH_ENTRY_BYTES and self._make_room(need + meta_bytes)
+                cap = self.GRAPH_ENTRY_BYTES if entry_bytes is None else entry_bytes
+                keep = need + meta_bytes <= cap and self._make_room(need + meta_bytes)
             else:
                 self._seen[key] = None
                 if len(self._seen) > self.SEEN_KEYS:

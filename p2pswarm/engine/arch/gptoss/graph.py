@@ -214,7 +214,9 @@ def decode_step(model, runner: GgmlRunner, bank, token: int, state, counted) -> 
         return h_in, positions, f32_view(lib, out, (n_head, out_n)), step
 
     with runner.lock:
-        g = runner.graph(key, nbytes, n_tensors, build, meta_tensors=L * 5 + 2, recurs=True)
+        # kept however deep the model (its layers' graphs would be kept one by one): up to half the cache
+        g = runner.graph(key, nbytes, n_tensors, build, meta_tensors=L * 5 + 2, recurs=True,
+                         entry_bytes=max(runner.GRAPH_ENTRY_BYTES, runner.graph_cache_bytes // 2))
         h_in, positions, logits, step = g.t
         try:
             if embd_node:
