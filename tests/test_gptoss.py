@@ -339,8 +339,9 @@ async def test_decode_step_as_one_graph_gives_the_layer_by_layer_bits(models_dir
             got[one] = (out, graphs, bb.one_graph_steps, (counted, stats.layers, stats.local_groups))
     (o1, g1, n1, d1), (o0, g0, n0, d0) = got[True], got[False]
     assert n1 == 15 and n0 == 0
-    # one graph a step, built once per sequence (its caches' memory is in its key) and kept
-    assert [n for n, _ in g1] == [1] * 15 and sum(b for _, b in g1) == 3 and min(n for n, _ in g0) > 1
+    # one graph a step, kept: built again only where a sequence's caches moved (in its key: a
+    # sliding layer's trim gives a long prompt's buffer back), not every step
+    assert [n for n, _ in g1] == [1] * 15 and sum(b for _, b in g1) <= 6 and min(n for n, _ in g0) > 1
     assert len(o1) == len(o0) and all(np.array_equal(a, b) for a, b in zip(o1, o0))
     assert d1 == d0
 
