@@ -150,7 +150,8 @@ def decode_step(model, runner: GgmlRunner, bank, token: int, state, counted) -> 
            tuple(decode_key(("layer", il), segs[il], spans[il]) for il in range(L)))
     cost = memo.get(("cost", *(b for b, in spans)))
     if cost is None:
-        nbytes, n_tensors, macs = 4 * (E + 64) + 4 * n_head * (4 * in_n + out_n) + 256, 16 + n_head, n_head * in_n * out_n
+        nbytes = 4 * (E + 64) + 4 * n_head * (4 * in_n + out_n) + 256
+        n_tensors, macs = 16 + n_head, n_head * in_n * out_n
         for il in range(L):
             b, n, m = _layer_cost(model, il, T, segs[il], spans[il])
             _, _, _, ff, biases = bank.layer_parts(il)
