@@ -411,10 +411,10 @@ class Backbone:
 
     def _one_graph(self, token: int, state: SequenceState) -> list[np.ndarray] | None:
         """A one-sequence decode step as ONE graph of the model's (``decode_graph``: embedding,
-        every layer with its experts on the local ggml bank, the lm head), the router's choice
-        grouped here as :meth:`_groups` groups it (from inside the graph) and counted as
-        :meth:`_through` counts it; None where the model does not run it. The same bits as the
-        layer-by-layer path (:meth:`_through`, :meth:`_through_output`)."""
+        every layer with its experts on the local ggml bank, the lm head), each layer's choice
+        grouped after it as :meth:`_groups` groups a lone sequence's and counted as :meth:`_through`
+        counts it; None where the model does not run it. The same bits as the layer-by-layer path
+        (:meth:`_through`, :meth:`_through_output`)."""
         bank = self.dispatcher.local.bank
         if not isinstance(bank, GgmlExpertBank):
             return None
