@@ -22,12 +22,11 @@ from p2pswarm.net.signed.identity import Identity
 from p2pswarm.net.wire import direct
 from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.wire.direct import AES_GCM, CHACHA, DirectLane, SealedStream
-from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
 from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.worker import server as server_mod
 from p2pswarm.worker.expert_worker import ExpertWorker
 
-from helpers.owners import entry, libp2p_owner, served
+from helpers.owners import hello_offer, libp2p_owner, random_request, served
 
 BOTH = [AES_GCM, CHACHA]
 
@@ -35,12 +34,6 @@ BOTH = [AES_GCM, CHACHA]
 @pytest.fixture
 def worker(shards):
     return ExpertWorker(shards[1])
-
-
-def _request(worker, rng, rows=9):
-    cur = rng.standard_normal((rows, worker.info.n_embd)).astype(np.float32)
-    experts = rng.choice(np.arange(worker.info.expert_begin, worker.info.expert_end), 4, replace=False)
-    return cur, [(int(e), np.sort(rng.choice(rows, rng.integers(1, rows), replace=False))) for e in experts]
 
 
 def _sides(monkeypatch, backbone: list[str], worker: list[str]) -> None:
@@ -62,7 +55,7 @@ async def _serve_and_compute(worker, rng, lane=None, **owner_kw):
         await nursery.start(lane.serve)
         owner = libp2p_owner(bnet, wnet, worker, **owner_kw)
         for layer in range(worker.info.layer_begin, worker.info.layer_end):
-            cur, groups = _request(worker, rng)
+            cur, groups = random_request(worker, rng)
             got = await owner.compute(layer, cur, groups)
             want = worker.compute(layer, *pack_rows(cur, groups))
             assert all(np.array_equal(g, w) for g, w in zip(got, want))
@@ -94,14 +87,8 @@ async def test_an_older_backbone_gets_chacha_from_a_worker_with_aes(worker, monk
     async with trio.open_nursery() as nursery, served(worker, direct=lane) as wnet, \
             open_host(Identity.generate()) as bnet:
         await nursery.start(lane.serve)
-        stream = await bnet.open_stream(wnet.full_addrs()[0], PROTOCOL_EXPERT)
-        hello = {"op": "hello", "protocol": proto.PROTOCOL_VERSION, "model": worker.info.model_fingerprint,
-                 "kernel": worker.info.kernel, "shard": entry(worker).shard, "direct": True}
-        await send_frame(stream, proto.pack(hello))
-        reply = proto.unpack(await FrameReader(stream).read_frame())
-        await stream.aclose()
-        assert reply["ok"] and reply["direct"]["aead"] == CHACHA
-        offer = reply["direct"]
+        offer, hello = await hello_offer(bnet, wnet, worker)
+        assert offer["aead"] == CHACHA
         sealed = await direct.open_direct("127.0.0.1", offer["port"], offer["ticket"], offer["key"],
                                           max_frame=DEFAULT_MAX_FRAME)  # the old call: no aead argument
         await send_frame(sealed, proto.pack(dict(hello, direct=False)))
