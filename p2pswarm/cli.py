@@ -18,7 +18,6 @@ import threading
 
 from p2pswarm import settings
 from p2pswarm.errors import PeerError, SwarmError, UserError, first_error
-from p2pswarm.malloc_keep import keep_freed_memory
 
 # Order is the order `p2pswarm --help` lists them in.
 COMMANDS = [
@@ -137,7 +136,6 @@ def _main(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("p2pswarm").setLevel(level)
     try:
-        keep_freed_memory()  # (a bad P2PSWARM_MALLOC_KEEP_MB: one line, below)
         return int(args.func(args) or 0)
     except SwarmError as exc:
         return _one_line(args.command, exc)

@@ -156,10 +156,6 @@ DIRECT_AEAD = Var("P2PSWARM_DIRECT_AEAD", _aead, None,
                   "the one AEAD this node seals a direct lane with: chacha20-poly1305 or aes-256-gcm (default: "
                   "AES-256-GCM first where the CPU has AES instructions, else ChaCha20-Poly1305; the backbone's "
                   "hello lists them and the worker picks)")
-MALLOC_KEEP_MB = Var("P2PSWARM_MALLOC_KEEP_MB", _non_negative_int, 64,
-                     "free heap memory a node keeps instead of giving it back to the kernel, in MiB per malloc "
-                     "arena (glibc only: its trim threshold, and its mmap threshold up to 32 MiB; freed arrays "
-                     "given back are fresh pages to fault in at the next request); 0: glibc's own thresholds")
 LOG_LEVEL = Var("P2PSWARM_LOG_LEVEL", _level, "INFO", "log level of p2pswarm's loggers when -v is not given")
 LIBP2P_LOG = Var("P2PSWARM_LIBP2P_LOG", _level, "CRITICAL", "log level of py-libp2p's loggers")
 PROGRESS_AFTER = Var("P2PSWARM_PROGRESS_AFTER", _non_negative_float, None,
