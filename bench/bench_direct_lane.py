@@ -9,6 +9,10 @@ back, as a busy backbone's allocations do between replies. A/B: run it once per 
 ``PYTHONPATH=TREE`` from a directory outside both.
 
     python bench/bench_direct_lane.py [--bytes 786000] [--frames 60] [--rounds 3]
+                                      [--aead chacha20-poly1305|aes-256-gcm]
+
+``--aead`` picks the lane's AEAD (default: what this machine's direct lanes negotiate first, or
+ChaCha20-Poly1305 on a tree without the choice); the output line names it.
 """
 from __future__ import annotations
 
@@ -19,18 +23,20 @@ import time
 
 import trio
 
+from p2pswarm.net.wire import direct
 from p2pswarm.net.wire.direct import SealedStream
 from p2pswarm.net.wire.framing import FrameReader, send_frame
 
 MAX = 128 << 20
 
 
-async def run(size: int, frames: int, rounds: int) -> list[float]:
+async def run(size: int, frames: int, rounds: int, aead: str | None) -> list[float]:
     libc = ctypes.CDLL("libc.so.6")
     a, b = trio.socket.socketpair()
     key = os.urandom(32)
-    tx = SealedStream(trio.SocketStream(a), key, initiator=True, max_record=MAX)
-    reader = FrameReader(SealedStream(trio.SocketStream(b), key, initiator=False, max_record=MAX), MAX)
+    kw = {} if aead is None else {"aead": aead}
+    tx = SealedStream(trio.SocketStream(a), key, initiator=True, max_record=MAX, **kw)
+    reader = FrameReader(SealedStream(trio.SocketStream(b), key, initiator=False, max_record=MAX, **kw), MAX)
     payload = os.urandom(size)
     out = []
     for _ in range(rounds):
@@ -52,9 +58,16 @@ def main() -> None:
     ap.add_argument("--bytes", type=int, default=786_000, help="payload bytes a frame (default 786000: a 64-pair reply)")
     ap.add_argument("--frames", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--aead", choices=["chacha20-poly1305", "aes-256-gcm"], default=None,
+                    help="the sealing (default: the first this machine negotiates)")
     args = ap.parse_args()
-    ms = trio.run(run, args.bytes, args.frames, args.rounds)
-    print(f"{args.bytes} B a frame: CPU {min(ms):.3f} ms a frame, send and receive (rounds: {', '.join(f'{m:.3f}' for m in ms)})")
+    local = getattr(direct, "local_aeads", None)  # (a tree from before the choice: ChaCha20-Poly1305 only)
+    if args.aead is None and local is not None:
+        args.aead = local()[0]
+    if local is None and args.aead not in (None, "chacha20-poly1305"):
+        ap.error("this tree's direct lane seals with chacha20-poly1305 only")
+    ms = trio.run(run, args.bytes, args.frames, args.rounds, args.aead)
+    print(f"{args.aead or 'chacha20-poly1305'}, {args.bytes} B a frame: CPU {min(ms):.3f} ms a frame, send and receive (rounds: {', '.join(f'{m:.3f}' for m in ms)})")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,20 @@ WIRE_CODEC_FAST_MBPS = Var("P2PSWARM_WIRE_CODEC_FAST_MBPS", _non_negative_float,
                            "a backbone asks a worker for coded outputs only while the link it reads the "
                            "worker's replies from is not measured at or above this many Mbit/s (coding "
                            "saves ~17% of the bytes for ~3 ms of CPU per MiB; p2pswarm.net.wire.link_rate)")
+DIRECT_AEADS = ("chacha20-poly1305", "aes-256-gcm")  # the direct lane's AEADs (p2pswarm.net.wire.direct)
+
+
+def _aead(text: str) -> str:
+    a = text.strip().lower()
+    if a not in DIRECT_AEADS:
+        raise ValueError(f"not one of {', '.join(DIRECT_AEADS)}")
+    return a
+
+
+DIRECT_AEAD = Var("P2PSWARM_DIRECT_AEAD", _aead, None,
+                  "the one AEAD this node seals a direct lane with: chacha20-poly1305 or aes-256-gcm (default: "
+                  "AES-256-GCM first where the CPU has AES instructions, else ChaCha20-Poly1305; the backbone's "
+                  "hello lists them and the worker picks)")
 LOG_LEVEL = Var("P2PSWARM_LOG_LEVEL", _level, "INFO", "log level of p2pswarm's loggers when -v is not given")
 LIBP2P_LOG = Var("P2PSWARM_LIBP2P_LOG", _level, "CRITICAL", "log level of py-libp2p's loggers")
 PROGRESS_AFTER = Var("P2PSWARM_PROGRESS_AFTER", _non_negative_float, None,

@@ -17,38 +17,17 @@ from p2pswarm.errors import FrameError
 from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.wire.direct import DirectLane, SealedStream, open_direct
 from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
-from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
 from p2pswarm.net.libp2p.host import open_host
 from p2pswarm.net.signed.identity import Identity
 from p2pswarm.worker.expert_worker import ExpertWorker
 
-from helpers.owners import libp2p_owner, served
+from helpers.owners import hello_offer, libp2p_owner, random_request, served
 from helpers.procs import free_port
 
 
 @pytest.fixture
 def worker(shards):
     return ExpertWorker(shards[1])
-
-
-def _request(worker, rng, rows=9):
-    cur = rng.standard_normal((rows, worker.info.n_embd)).astype(np.float32)
-    experts = rng.choice(np.arange(worker.info.expert_begin, worker.info.expert_end), 4, replace=False)
-    return cur, [(int(e), np.sort(rng.choice(rows, rng.integers(1, rows), replace=False))) for e in experts]
-
-
-async def _hello_offer(bnet, wnet, worker) -> tuple[dict, dict]:
-    """What a backbone's hello asking for the lane gets back on the libp2p stream."""
-    from helpers.owners import entry
-
-    stream = await bnet.open_stream(wnet.full_addrs()[0], PROTOCOL_EXPERT)
-    hello = {"op": "hello", "protocol": proto.PROTOCOL_VERSION, "model": worker.info.model_fingerprint,
-             "kernel": worker.info.kernel, "shard": entry(worker).shard, "direct": True}
-    await send_frame(stream, proto.pack(hello))
-    reply = proto.unpack(await FrameReader(stream).read_frame())
-    await stream.aclose()
-    assert reply["ok"], reply
-    return reply["direct"], hello
 
 
 async def test_requests_take_the_direct_lane_and_stay_bit_identical(worker):
@@ -59,7 +38,7 @@ async def test_requests_take_the_direct_lane_and_stay_bit_identical(worker):
         await nursery.start(lane.serve)
         owner = libp2p_owner(bnet, wnet, worker)
         for layer in range(worker.info.layer_begin, worker.info.layer_end):
-            cur, groups = _request(worker, rng)
+            cur, groups = random_request(worker, rng)
             got = await owner.compute(layer, cur, groups)
             want = worker.compute(layer, *pack_rows(cur, groups))
             assert all(np.array_equal(g, w) for g, w in zip(got, want))
@@ -94,7 +73,7 @@ async def test_forged_reused_and_tampered_tickets_and_records_are_refused(worker
         assert await drain(raw) == b""
         assert lane.refused == 1 and lane.redeemed == 0
         # a real ticket works once ...
-        offer, hello = await _hello_offer(bnet, wnet, worker)
+        offer, hello = await hello_offer(bnet, wnet, worker)
         sealed = await open_direct("127.0.0.1", offer["port"], offer["ticket"], offer["key"], max_frame=DEFAULT_MAX_FRAME)
         await send_frame(sealed, proto.pack(dict(hello, direct=False)))
         assert proto.unpack(await FrameReader(sealed).read_frame())["ok"]
@@ -110,7 +89,7 @@ async def test_forged_reused_and_tampered_tickets_and_records_are_refused(worker
         msg = proto.unpack(err[8:])
         assert msg["op"] == "error" and "failed authentication" in msg["error"], msg
         # a wrong key on our side: neither end can open the other's records
-        offer2, _ = await _hello_offer(bnet, wnet, worker)
+        offer2, _ = await hello_offer(bnet, wnet, worker)
         wrong = await open_direct("127.0.0.1", offer2["port"], offer2["ticket"], os.urandom(32),
                                   max_frame=DEFAULT_MAX_FRAME)
         await send_frame(wrong, proto.pack(dict(hello, direct=False)))
@@ -132,7 +111,7 @@ async def test_an_unreachable_lane_leaves_the_requests_on_libp2p(worker, caplog)
             open_host(Identity.generate()) as bnet:
         await nursery.start(lane.serve)
         owner = libp2p_owner(bnet, wnet, worker)
-        cur, groups = _request(worker, rng)
+        cur, groups = random_request(worker, rng)
         got = await owner.compute(worker.info.layer_begin, cur, groups)
         want = worker.compute(worker.info.layer_begin, *pack_rows(cur, groups))
         assert all(np.array_equal(g, w) for g, w in zip(got, want))

@@ -495,6 +495,8 @@ def run(args) -> int:
     args.backbone_download = False
     args.node_token = None
     args.http_socket = args.health_socket = None
+    from p2pswarm.net.wire.direct import local_aeads
+    local_aeads()  # a bad P2PSWARM_DIRECT_AEAD: one line now, not at the first direct lane
     if args.role == "worker":
         args.peer_budget = peer_budget(args)
         args.health_socket = bind_http(args.health, "--health") if args.health else None

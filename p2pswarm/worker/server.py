@@ -23,6 +23,7 @@ from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.wire import codec as wire_codec
 from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire.counting import CountingStream, WireBytes
+from p2pswarm.net.wire.direct import choose_aead
 from p2pswarm.worker.expert_worker import ExpertWorker, worker_shard_hash
 from p2pswarm.worker.peer_limits import PeerBudget, PeerLimits
 
@@ -159,7 +160,12 @@ async def handle_connection(stream, worker: ExpertWorker | None, max_frame: int 
                     if stats is not None:
                         stats.refused += 1
                 if not reason and direct is not None and msg.get("direct") is True:
-                    hello["direct"] = direct.offer(peer, again)
+                    aead, why = choose_aead(msg.get("direct_aeads"))
+                    if aead is not None:
+                        hello["direct"] = direct.offer(peer, again, aead)
+                    else:  # the backbone keeps this stream, and can say why it has no direct lane
+                        hello["direct_error"] = why
+                        log.warning("no direct lane for %s: %s", peer, why)
                 await send_frame(stream, proto.pack(hello), max_frame)
                 if reason:
                     return

@@ -39,3 +39,27 @@ def libp2p_owner(backbone_net, worker_net, worker, *, model=None, kernel=None, s
     return Libp2pOwner(backbone_net, owner_info(worker_net, worker, shard),
                        model_fingerprint=model or worker.info.model_fingerprint,
                        kernel=kernel or worker.info.kernel, **kw)
+
+
+def random_request(worker: ExpertWorker, rng, rows: int = 9):
+    """Rows for ``worker`` and 4 of its experts, each on a random subset of them: ``(cur, groups)``."""
+    import numpy as np
+
+    cur = rng.standard_normal((rows, worker.info.n_embd)).astype(np.float32)
+    experts = rng.choice(np.arange(worker.info.expert_begin, worker.info.expert_end), 4, replace=False)
+    return cur, [(int(e), np.sort(rng.choice(rows, rng.integers(1, rows), replace=False))) for e in experts]
+
+
+async def hello_offer(bnet, wnet, worker: ExpertWorker) -> tuple[dict, dict]:
+    """What a backbone's hello asking for the direct lane (``direct: true``, no ``direct_aeads``:
+    as a backbone from before the AEAD choice) gets back on the libp2p stream: (offer, hello)."""
+    from p2pswarm.net.wire.framing import FrameReader, send_frame
+
+    stream = await bnet.open_stream(wnet.full_addrs()[0], proto.PROTOCOL_EXPERT)
+    hello = {"op": "hello", "protocol": proto.PROTOCOL_VERSION, "model": worker.info.model_fingerprint,
+             "kernel": worker.info.kernel, "shard": entry(worker).shard, "direct": True}
+    await send_frame(stream, proto.pack(hello))
+    reply = proto.unpack(await FrameReader(stream).read_frame())
+    await stream.aclose()
+    assert reply["ok"], reply
+    return reply["direct"], hello

@@ -31,10 +31,10 @@ import trio
 from p2pswarm.backbone.owners.socket_owner import SocketOwner, close_now, reply_families, reply_input_forms
 from p2pswarm.contracts import OwnerStatus
 from p2pswarm.engine import kernels
-from p2pswarm.errors import FrameError, SwarmError, WorkerError
+from p2pswarm.errors import FrameError, SwarmError, WorkerError, clip
 from p2pswarm.net.wire import expert_protocol as proto
 from p2pswarm.net.libp2p.addrs import is_circuit_addr
-from p2pswarm.net.wire.direct import open_direct
+from p2pswarm.net.wire.direct import CHACHA, local_aeads, open_direct
 from p2pswarm.net.wire.framing import DEFAULT_MAX_FRAME, FrameReader, send_frame
 from p2pswarm.net.wire.expert_protocol import PROTOCOL_EXPERT
 from p2pswarm.net.libp2p.host import NetHost
@@ -125,6 +125,7 @@ class Libp2pOwner(SocketOwner):
         hello = dict(self.hello(), shard=self.shard)
         if self.direct and self.direct_failed is None:
             hello["direct"] = True
+            hello["direct_aeads"] = local_aeads()  # best first (direct.py: AES-256-GCM where the CPU has AES)
         try:
             await send_frame(stream, proto.pack(hello), self.max_frame)
             payload = await reader.read_frame()
@@ -145,9 +146,13 @@ class Libp2pOwner(SocketOwner):
             await close_now(stream)
             raise
         offer = reply.get("direct")
+        if self.direct and self.direct_failed is None and offer is None and isinstance(reply.get("direct_error"), str):
+            self.direct_failed = clip(reply["direct_error"], 200)
+            log.info("no direct lane to worker %s (%s): its requests stay on libp2p", self.name, self.direct_failed)
         if self.direct and self.direct_failed is None and offer is not None:
             try:
-                sealed = await self._open_direct(offer, dict(hello, direct=False))
+                again = {k: v for k, v in hello.items() if k != "direct_aeads"}
+                sealed = await self._open_direct(offer, dict(again, direct=False), hello["direct_aeads"])
             except BaseException:  # cancelled (the request's deadline): no direct lane from this worker
                 self.direct_failed = "cut short"
                 await close_now(stream)
@@ -163,21 +168,27 @@ class Libp2pOwner(SocketOwner):
         self.lane = "libp2p"
         self.relayed = self.net.via_relay(self.info.peer_info().peer_id)
 
-    async def _open_direct(self, offer, hello: dict):
+    async def _open_direct(self, offer, hello: dict, aeads: list[str]):
         """The worker's direct lane (p2pswarm/net/wire/direct.py) from its hello's offer, handshaken, or
-        None (logged once: unreachable, refused, malformed): the libp2p stream stays then."""
+        None (logged once: unreachable, refused, malformed, an AEAD not in ``aeads``, the ones our
+        hello listed): the libp2p stream stays then."""
         try:
             if not (isinstance(offer, dict) and isinstance(offer.get("ticket"), bytes)
                     and isinstance(offer.get("key"), bytes) and len(offer["key"]) == 32
                     and isinstance(offer.get("port"), int) and 0 < offer["port"] < 65536
                     and isinstance(offer.get("host", ""), str)):
                 raise WorkerError("a malformed direct-lane offer")
+            aead = offer.get("aead", CHACHA)  # an older worker names none: ChaCha20-Poly1305
+            if aead not in aeads:
+                raise WorkerError(f"the worker chose AEAD {clip(str(aead), 40)!r}, which we did not offer "
+                                  f"({', '.join(aeads)})")
             host = offer.get("host") or self._dialled_host()
             if host is None:
                 raise WorkerError("no IP address of it to dial (relayed)")
             wait = min(DIRECT_TIMEOUT_S, self.connect_timeout_s)
             sealed = CountingStream(await open_direct(host, offer["port"], offer["ticket"], offer["key"],
-                                                      max_frame=self.max_frame, timeout_s=wait), self.wire)
+                                                      max_frame=self.max_frame, timeout_s=wait, aead=aead),
+                                    self.wire)
             try:
                 with trio.fail_after(wait):
                     await send_frame(sealed, proto.pack(hello), self.max_frame)
@@ -189,7 +200,7 @@ class Libp2pOwner(SocketOwner):
                 await close_now(sealed)
                 raise
             sealed.peer_name = self.peer  # (logs name the worker's peer id, as on its libp2p stream)
-            log.info("direct lane to worker %s at %s:%d", self.name, host, offer["port"])
+            log.info("direct lane to worker %s at %s:%d (%s)", self.name, host, offer["port"], aead)
             return sealed
         except (WorkerError, FrameError, OSError, trio.TooSlowError, trio.BrokenResourceError,
                 trio.ClosedResourceError) as exc:
