@@ -28,3 +28,18 @@ def test_a_measurement_counts_the_coverage_refreshes_in_its_window():
     r = {"tokens": 64, "cpu": {"backbone": 0.64}, "steps": 4, "requests": 64, "micro_batches": 2, "refreshes": 1}
     assert "1 coverage refresh(es) in the window" in device_swarm.per_token(r)
     assert "refresh" not in device_swarm.per_token(dict(r, refreshes=0))
+
+
+def test_f_is_pooled_over_every_timed_round_of_both_alone_runs():
+    """One round's f moved 0.69-0.77 between runs of the same tree under a quota (i46f): the
+    Amdahl bound uses the sums over all of them, not the best round of the first run."""
+    rounds1 = [{"expert_s": 7.0, "busy_s": 10.0, "tokens": 64}, {"expert_s": 7.7, "busy_s": 10.0, "tokens": 64}]
+    rounds2 = [{"expert_s": 7.3, "busy_s": 10.0, "tokens": 64}]
+    alone = dict(rounds1[0], pooled=device_swarm.pooled(rounds1))
+    alone2 = dict(rounds2[0], pooled=device_swarm.pooled(rounds2))
+    assert alone["pooled"] == {"expert_s": 14.7, "busy_s": 20.0, "tokens": 128}
+    f, per_tok = device_swarm.amdahl_share(alone, alone2)
+    assert abs(f - 22.0 / 30.0) < 1e-12 and abs(per_tok - 22.0 / 192) < 1e-12
+    assert abs(device_swarm.amdahl_share(alone)[0] - 0.735) < 1e-12
+    # an entry without rounds pooled (older JSON) counts its own round
+    assert device_swarm.amdahl_share(rounds2[0])[0] == 0.73
