@@ -40,8 +40,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import platform
 import socket
 import struct
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -74,8 +76,6 @@ def cpu_has_aes(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU has AES instructions (x86 ``aes`` in ``flags``, ARMv8 ``aes`` in
     ``Features`` of /proc/cpuinfo; Apple silicon always). Unknown: False, so ChaCha20-Poly1305
     (fast in software) is kept."""
-    import platform
-    import sys
     if sys.platform == "darwin" and platform.machine() == "arm64":
         return True
     try:
@@ -84,8 +84,8 @@ def cpu_has_aes(cpuinfo: str = "/proc/cpuinfo") -> bool:
                 key, _, value = line.partition(":")
                 if key.strip().lower() in ("flags", "features"):
                     return "aes" in value.split()
-    except OSError:
-        pass
+    except OSError:  # no /proc (or unreadable): unknown
+        return False
     return False
 
 
